@@ -1,0 +1,81 @@
+"""Raw key access to the Zarr store under a cache root (commit records, listing, deletes, sizes).
+
+Zarr's own API covers arrays and groups; commit records are plain JSON objects written next to them with the
+store's atomic put (LocalStore: temp file then rename; object stores: a single PUT), so a reader sees either
+no record or the whole record. Works for local paths and fsspec URLs alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import zarr
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
+
+__all__ = ["CacheStore"]
+
+
+class CacheStore:
+    """Thin synchronous wrapper over the zarr store of one cache root.
+
+    Args:
+        path_or_url: local folder or fsspec URL of the cache root.
+        mode: zarr open mode (``"r"``, ``"r+"``, ``"w"``, ``"w-"``, ``"a"``).
+    """
+
+    def __init__(self, path_or_url: str | os.PathLike[str], mode: str, *, attributes: dict[str, Any] | None = None) -> None:
+        self.url = os.fspath(path_or_url)
+        if mode in ("w", "w-"):
+            self.group = zarr.create_group(store=self.url, overwrite=mode == "w", attributes=attributes or {}, zarr_format=3)
+        else:
+            self.group = zarr.open_group(store=self.url, mode=mode, zarr_format=3)
+        self.store = self.group.store
+        self.prefix = self.group.store_path.path
+
+    def key(self, relative: str) -> str:
+        return f"{self.prefix}/{relative}" if self.prefix else relative
+
+    def get_bytes(self, relative: str) -> bytes | None:
+        buffer = sync(self.store.get(self.key(relative), prototype=default_buffer_prototype()))
+        return None if buffer is None else buffer.to_bytes()
+
+    def get_json(self, relative: str) -> Any | None:
+        raw = self.get_bytes(relative)
+        return None if raw is None else json.loads(raw)
+
+    def put_json(self, relative: str, value: Any, *, exclusive: bool = False) -> None:
+        """Write JSON atomically; with ``exclusive`` an existing object is left untouched."""
+        buffer = default_buffer_prototype().buffer.from_bytes(json.dumps(value, indent=1, sort_keys=True).encode())
+        if exclusive:
+            sync(self.store.set_if_not_exists(self.key(relative), buffer))
+        else:
+            sync(self.store.set(self.key(relative), buffer))
+
+    def exists(self, relative: str) -> bool:
+        return bool(sync(self.store.exists(self.key(relative))))
+
+    def list_prefix(self, relative: str) -> list[str]:
+        """Keys under ``relative`` (a folder-like prefix), relative to ``relative``."""
+        full = self.key(relative).rstrip("/") + "/"
+
+        async def collect() -> list[str]:
+            return [key async for key in self.store.list_prefix(full)]
+
+        return [key[len(full):] if key.startswith(full) else key for key in sync(collect())]
+
+    def delete_dir(self, relative: str) -> None:
+        sync(self.store.delete_dir(self.key(relative).rstrip("/")))
+
+    def size_prefix(self, relative: str = "") -> int:
+        """Bytes stored under ``relative`` (the whole cache for ``""``)."""
+        full = self.key(relative).rstrip("/")
+
+        async def total() -> int:
+            keys = [key async for key in self.store.list_prefix(full + "/" if full else "")]
+            sizes = [await self.store.getsize(key) for key in keys]
+            return int(sum(sizes))
+
+        return sync(total())

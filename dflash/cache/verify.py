@@ -1,0 +1,140 @@
+"""Full check of a cache: every chunk decoded (crc32c), digests, offsets, completeness, duplicates.
+
+``verify_cache`` reads every chunk of every committed shard once (block by block, bounded memory), recomputes
+the sha256 digest each commit record holds, checks offsets and row ranges, and across shards that no corpus row
+appears twice and none of the planned rows is missing. Corruption raises :class:`CacheCorruptError` naming the
+shard and array; an unfinished cache (planned shards not committed) is reported, not raised, unless
+``require_complete``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from dflash.cache.reader import CacheReader
+from dflash.cache.writer import shard_arrays
+from dflash.errors import CacheCorruptError, CacheError
+
+__all__ = ["verify_cache", "verify_shard"]
+
+
+def verify_shard(reader: CacheReader, shard: int) -> dict[str, Any]:
+    """Check one committed shard; returns ``{"shard", "num_samples", "num_tokens", "rows": int64[S], ...}``.
+
+    Raises:
+        CacheCorruptError: a missing chunk, a checksum or digest mismatch, bad offsets, rows outside the shard's
+            range or duplicated inside it; the message names the shard (and array).
+    """
+    meta = reader.metadata
+    record = reader.commit_record(shard)
+    names = list(shard_arrays(meta))
+    if sorted(record.get("arrays", {})) != sorted(names):
+        raise CacheCorruptError(f"shard {shard} of {reader.url}: commit record lists arrays {sorted(record.get('arrays', {}))}, expected {sorted(names)}")
+    reader._check_chunks(shard, names)  # every chunk the layout promises exists
+    digest = hashlib.sha256()
+    for name in names:
+        layout = record["arrays"][name]
+        array = reader._array(shard, name)
+        if list(array.shape) != layout["shape"]:
+            raise CacheCorruptError(f"shard {shard} of {reader.url}: array {name!r} has shape {list(array.shape)}, commit record says {layout['shape']}")
+        digest.update(name.encode())
+        step = layout["chunks"][0]
+        for lo in range(0, layout["shape"][0], step):
+            block = reader._read(shard, name, slice(lo, lo + step))
+            digest.update(np.ascontiguousarray(block).view(np.uint8).reshape(-1).data)
+    if f"sha256:{digest.hexdigest()}" != record["digest"]:
+        raise CacheCorruptError(
+            f"shard {shard} of {reader.url}: data digest sha256:{digest.hexdigest()[:16]}... differs from the commit "
+            f"record's {record['digest'][:23]}...; a chunk was altered or swapped: re-extract the shard"
+        )
+    reader._index.pop(shard, None)
+    offsets, rows = reader._shard_index(shard)
+    start, stop = record["row_range"]
+    if [start, stop] != meta.shard_rows[shard]:
+        raise CacheCorruptError(f"shard {shard} of {reader.url}: commit record row range {[start, stop]} differs from the plan {meta.shard_rows[shard]}")
+    accounted = np.concatenate(
+        [rows, np.array([int(e["corpus_row"]) for e in record.get("quarantined", []) + record.get("skipped", [])], dtype=np.int64)]
+    )
+    if accounted.size and (accounted.min() < start or accounted.max() >= stop):
+        bad = accounted[(accounted < start) | (accounted >= stop)][:5].tolist()
+        raise CacheCorruptError(f"shard {shard} of {reader.url}: corpus rows {bad} are outside the shard's range [{start}, {stop})")
+    unique, counts = np.unique(accounted, return_counts=True)
+    if np.any(counts > 1):
+        raise CacheCorruptError(f"shard {shard} of {reader.url}: corpus rows {unique[counts > 1][:5].tolist()} appear more than once")
+    missing = np.setdiff1d(np.arange(start, stop, dtype=np.int64), unique)
+    return {
+        "shard": shard,
+        "num_samples": int(record["num_samples"]),
+        "num_tokens": int(record["num_tokens"]),
+        "num_quarantined": int(record.get("num_quarantined", 0)),
+        "missing_rows": missing.tolist(),
+        "rows": accounted,
+    }
+
+
+def verify_cache(
+    path_or_url: str | os.PathLike[str],
+    *,
+    require_complete: bool = False,
+    on_shard: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Verify a whole cache.
+
+    Args:
+        path_or_url: the cache root.
+        require_complete: raise :class:`CacheError` when planned shards are not committed.
+        on_shard: called with each shard id after it was checked (progress bars).
+
+    Returns:
+        ``{"ok", "complete", "committed_shards", "planned_shards", "uncommitted_shards", "stray_shards",
+        "num_samples", "num_tokens", "num_quarantined", "missing_rows"}`` (``stray_shards``: data without a commit
+        record, ignored by readers and redone by the next extract run).
+
+    Raises:
+        CacheCorruptError: a committed shard is corrupt, or two committed shards hold the same corpus row.
+    """
+    reader = CacheReader(path_or_url)
+    meta = reader.metadata
+    owner: dict[int, int] = {}
+    totals = {"num_samples": 0, "num_tokens": 0, "num_quarantined": 0}
+    missing_rows: dict[int, list[int]] = {}
+    for shard in reader.shards:
+        if shard >= meta.num_shards:
+            raise CacheCorruptError(f"shard {shard} of {reader.url} is committed but the plan has only {meta.num_shards} shards")
+        result = verify_shard(reader, shard)
+        for row in result["rows"].tolist():
+            if row in owner:
+                raise CacheCorruptError(f"corpus row {row} is in shard {owner[row]} and in shard {shard} of {reader.url}: duplicate sample")
+            owner[row] = shard
+        for name in totals:
+            totals[name] += result[name]
+        if result["missing_rows"]:
+            missing_rows[shard] = result["missing_rows"]
+        if on_shard is not None:
+            on_shard(shard)
+    if missing_rows:
+        shard, rows = next(iter(missing_rows.items()))
+        raise CacheCorruptError(f"shard {shard} of {reader.url} is committed but lacks corpus rows {rows[:5]} of its range: re-extract it")
+    uncommitted = sorted(set(range(meta.num_shards)) - set(reader.shards))
+    present = {key.split("/")[0] for key in reader._store.list_prefix("shards")}
+    stray = sorted(int(name) for name in present if name.isdigit() and int(name) not in set(reader.shards))
+    complete = not uncommitted
+    if require_complete and not complete:
+        raise CacheError(
+            f"{reader.url} is incomplete: {len(uncommitted)} of {meta.num_shards} planned shards are not committed "
+            f"(first: {uncommitted[:5]}); rerun `dflash-stages extract` with the same arguments to finish it"
+        )
+    return {
+        "ok": True,
+        "complete": complete,
+        "committed_shards": len(reader.shards),
+        "planned_shards": meta.num_shards,
+        "uncommitted_shards": uncommitted,
+        "stray_shards": stray,
+        **totals,
+    }

@@ -1,0 +1,346 @@
+"""Writing the hidden-state cache: create a cache, write a shard (arrays first, commit record last), finalize.
+
+Exactly-once rules (issue 4, item 4): a shard is written by exactly one task; its arrays go to
+``shards/NNNNNN/`` and its commit record to ``commits/shard-NNNNNN.json`` last, with the store's atomic put.
+Only shards with a commit record count. Writing an uncommitted shard first deletes whatever a killed earlier
+attempt left there; writing an already committed shard is a no-op that returns the existing record, so a rerun
+or a retried Dask task never double counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash.cache.format import (
+    FORMAT_VERSION,
+    CacheMetadata,
+    HiddenSample,
+    commit_key,
+    quantize_fp8,
+    shard_group_key,
+    zarr_compressors,
+)
+from dflash.cache.store import CacheStore
+from dflash.errors import CacheError
+
+__all__ = ["HiddenStateCache", "shard_arrays", "array_chunk_keys"]
+
+log = logging.getLogger(__name__)
+_ATTRIBUTE = "dflash_cache"
+_COUNTS_ATTRIBUTE = "dflash_cache_counts"
+
+
+def _digest_update(digest: Any, name: str, values: np.ndarray) -> None:
+    digest.update(name.encode())
+    digest.update(np.ascontiguousarray(values).view(np.uint8).reshape(-1).data)
+
+
+def shard_arrays(metadata: CacheMetadata) -> dict[str, tuple[str, int]]:
+    """Arrays of a shard: name -> (numpy dtype, trailing width or 0 for 1-D), in digest order."""
+    arrays: dict[str, tuple[str, int]] = {
+        "offsets": ("int64", 0),
+        "corpus_rows": ("int64", 0),
+        "input_ids": ("int32", 0),
+        "loss_mask": ("uint8", 0),
+    }
+    if metadata.storage_dtype == "bfloat16":
+        arrays["hidden"] = ("uint16", metadata.row_width)
+    else:
+        arrays["hidden"] = ("uint8", metadata.row_width)
+        arrays["hidden_scale"] = ("float32", metadata.num_taps)
+    return arrays
+
+
+def array_chunk_keys(shape: list[int], chunks: list[int]) -> set[str]:
+    """Zarr v3 default chunk keys (``c/i/j``) of an array fully written with ``write_empty_chunks``."""
+    grid = [max(0, -(-size // chunk)) for size, chunk in zip(shape, chunks, strict=True)]
+    keys = [""]
+    for count in grid:
+        keys = [f"{prefix}/{index}" for prefix in keys for index in range(count)]
+    return {"c" + key for key in keys}
+
+
+class HiddenStateCache:
+    """Writer side of a cache. Create with :meth:`create`, reopen with :meth:`open`.
+
+    Thread/process safety: different shards may be written concurrently from any number of processes or
+    machines; one shard must have exactly one writer at a time (the extract stage's Dask tasks guarantee it).
+    """
+
+    def __init__(self, store: CacheStore, metadata: CacheMetadata) -> None:
+        self._store = store
+        self.metadata = metadata
+        self.url = store.url
+
+    # ----------------------------------------------------------------------------------------------- lifecycle
+    @classmethod
+    def create(cls, path: str | os.PathLike[str], metadata: CacheMetadata, overwrite: bool = False) -> HiddenStateCache:
+        """Create a new cache at ``path`` (folder or fsspec URL) holding ``metadata`` as root attributes.
+
+        An existing cache with the same target, taps, storage dtype, codec, corpus fingerprint and shard plan is
+        reopened as is (so a rerun resumes); anything else at ``path`` is an error unless ``overwrite``.
+
+        Raises:
+            CacheError: ``path`` holds something else; the message names the differing field and the fix.
+        """
+        path = os.fspath(path)
+        if not overwrite:
+            try:
+                existing = cls.open(path)
+            except (CacheError, FileNotFoundError):
+                existing = None
+            if existing is not None:
+                _check_resumable(path, existing.metadata, metadata)
+                return existing
+            if _has_content(path):
+                raise CacheError(f"{path} exists and is not a dflash cache; choose another --output or pass overwrite")
+        store = CacheStore(path, "w", attributes={_ATTRIBUTE: metadata.to_dict()})
+        return cls(store, metadata)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> HiddenStateCache:
+        """Open an existing cache for writing more shards.
+
+        Raises:
+            CacheError: no cache at ``path`` (or not this format).
+        """
+        store = _open_store(path, "r+")
+        return cls(store, _read_metadata(store))
+
+    # ----------------------------------------------------------------------------------------------- shards
+    def committed_shards(self) -> set[int]:
+        """Ids of shards whose commit record exists (the only ones that count)."""
+        return committed_shard_ids(self._store)
+
+    def commit_record(self, shard_id: int) -> dict[str, Any] | None:
+        return self._store.get_json(commit_key(shard_id))
+
+    def write_shard(
+        self,
+        shard_id: int,
+        samples: list[HiddenSample],
+        quarantined: list[dict[str, Any]] | None = None,
+        *,
+        skipped: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """Write one shard: clear leftovers, write every array, then the commit record (atomically, last).
+
+        Args:
+            shard_id: index into ``metadata.shard_rows``.
+            samples: the shard's samples in any order (stored in the given order); ``hidden`` is
+                ``Tensor[L, n*H]`` bf16 (or float32, converted), on any device.
+            quarantined: samples left out for non-finite hidden states, one
+                :func:`dflash.cache.format.quarantine_record` dict each (``corpus_row``, ``sample_id``, ``layers``).
+            skipped: rows of the shard's range deliberately not extracted (e.g. dropped by a length policy), each
+                ``{"corpus_row": int, "reason": str}``; they keep ``verify``'s completeness check exact.
+
+        Returns:
+            The commit record (small JSON-able dict: counts, digest, per-array layout, quarantine list). For an
+            already committed shard, its existing record with ``"already_committed": True``; nothing is written.
+
+        Raises:
+            CacheError: bad shard id, a sample outside the shard's row range, a duplicate row, a shape or width
+                mismatch; the message names the shard and the sample.
+        """
+        meta = self.metadata
+        if not 0 <= shard_id < meta.num_shards:
+            raise CacheError(f"shard {shard_id} is outside the plan of {meta.num_shards} shards of {self.url}")
+        existing = self.commit_record(shard_id)
+        if existing is not None:
+            log.info("shard %d of %s is already committed; skipping", shard_id, self.url)
+            return {**existing, "already_committed": True}
+        quarantined = [dict(entry) for entry in quarantined or []]
+        skipped = [dict(entry) for entry in skipped or []]
+        start, stop = meta.shard_rows[shard_id]
+        _check_rows(shard_id, start, stop, samples, quarantined, skipped)
+
+        lengths = np.array([len(sample) for sample in samples], dtype=np.int64)
+        offsets = np.zeros(len(samples) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        num_tokens = int(offsets[-1])
+        data: dict[str, np.ndarray] = {
+            "offsets": offsets,
+            "corpus_rows": np.array([sample.corpus_row for sample in samples], dtype=np.int64),
+            "input_ids": _concat(samples, "input_ids", torch.int32, num_tokens, shard_id),
+            "loss_mask": _concat(samples, "loss_mask", torch.uint8, num_tokens, shard_id),
+        }
+        hidden = _concat_hidden(samples, meta.row_width, num_tokens, shard_id)
+        if meta.storage_dtype == "bfloat16":
+            data["hidden"] = hidden.view(torch.uint16).numpy()
+        else:
+            data["hidden"], data["hidden_scale"] = quantize_fp8(hidden, meta.num_taps)
+
+        group_key = shard_group_key(shard_id)
+        self._store.delete_dir(group_key)  # leftovers of a killed attempt never mix with this one
+        group = self._store.group.create_group(group_key, overwrite=True)
+        compressors = zarr_compressors(meta.codec)
+        digest = hashlib.sha256()
+        arrays: dict[str, Any] = {}
+        for name, (dtype, width) in shard_arrays(meta).items():
+            values = data[name]
+            assert values.dtype == np.dtype(dtype), (name, values.dtype, dtype)
+            chunk_rows = meta.chunk_tokens if name not in ("offsets", "corpus_rows") else 1 << 16
+            shape = list(values.shape)
+            chunks = [max(1, min(chunk_rows, shape[0]))] + ([width] if width else [])
+            array = group.create_array(
+                name,
+                shape=shape,
+                dtype=dtype,
+                chunks=chunks,
+                compressors=compressors,
+                fill_value=0,
+                config={"write_empty_chunks": True},
+            )
+            if values.size:
+                array[...] = values
+            _digest_update(digest, name, values)
+            arrays[name] = {"shape": shape, "chunks": chunks, "num_chunks": len(array_chunk_keys(shape, chunks))}
+        for name in arrays:
+            arrays[name]["stored_bytes"] = self._store.size_prefix(f"{group_key}/{name}")
+
+        record = {
+            "format_version": FORMAT_VERSION,
+            "shard": shard_id,
+            "row_range": [start, stop],
+            "num_samples": len(samples),
+            "num_tokens": num_tokens,
+            "num_quarantined": len(quarantined),
+            "quarantined": quarantined,
+            "num_skipped": len(skipped),
+            "skipped": skipped,
+            "storage_dtype": meta.storage_dtype,
+            "arrays": arrays,
+            "raw_bytes": int(sum(values.nbytes for values in data.values())),
+            "stored_bytes": int(sum(entry["stored_bytes"] for entry in arrays.values())),
+            "digest": f"sha256:{digest.hexdigest()}",
+            "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "writer": f"{socket.gethostname()}:{os.getpid()}",
+        }
+        self._store.put_json(commit_key(shard_id), record, exclusive=True)
+        return record
+
+    def verify(self, **kwargs: Any) -> dict[str, Any]:
+        """Check the whole cache; see :func:`dflash.cache.verify.verify_cache`.
+
+        Raises:
+            CacheCorruptError: naming the shard (and array) that fails.
+        """
+        from dflash.cache.verify import verify_cache
+
+        return verify_cache(self.url, **kwargs)
+
+    def finalize(self) -> dict[str, Any]:
+        """Aggregate the commit records into totals and store them as the root attribute ``dflash_cache_counts``.
+
+        Call once, from one process, after the extract run; readers never depend on it (they read the commit
+        records), it only makes ``cache info`` and plain zarr tools show the totals.
+        """
+        counts = summarize_commits(self._store, self.metadata)
+        self._store.group.update_attributes({_COUNTS_ATTRIBUTE: counts})
+        return counts
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+def _open_store(path: str | os.PathLike[str], mode: str) -> CacheStore:
+    try:
+        return CacheStore(path, mode)
+    except FileNotFoundError as error:
+        raise CacheError(f"no cache at {os.fspath(path)}: {error}; run `dflash-stages extract` first") from error
+    except Exception as error:  # zarr raises several types for "not a group"
+        raise CacheError(f"cannot open the cache at {os.fspath(path)} as a Zarr v3 group: {error}") from error
+
+
+def _read_metadata(store: CacheStore) -> CacheMetadata:
+    attributes = dict(store.group.attrs)
+    if _ATTRIBUTE not in attributes:
+        raise CacheError(f"{store.url} is a Zarr group without the root attribute {_ATTRIBUTE!r}; it is not a dflash cache")
+    return CacheMetadata.from_dict(attributes[_ATTRIBUTE])
+
+
+def _has_content(path: str) -> bool:
+    if "://" in path:
+        return False
+    return os.path.isdir(path) and any(os.scandir(path))
+
+
+def _check_resumable(path: str, existing: CacheMetadata, wanted: CacheMetadata) -> None:
+    for name in ("target", "target_layer_ids", "storage_dtype", "codec", "corpus_fingerprint", "shard_rows", "chunk_tokens"):
+        have, want = getattr(existing, name), getattr(wanted, name)
+        if have != want:
+            raise CacheError(
+                f"cannot resume the cache at {path}: its {name} is {have!r} but this run wants {want!r}; "
+                "use another output path or overwrite it"
+            )
+
+
+def committed_shard_ids(store: CacheStore) -> set[int]:
+    shards = set()
+    for key in store.list_prefix("commits"):
+        name = key.rsplit("/", 1)[-1]
+        if name.startswith("shard-") and name.endswith(".json"):
+            shards.add(int(name[len("shard-"):-len(".json")]))
+    return shards
+
+
+def summarize_commits(store: CacheStore, metadata: CacheMetadata) -> dict[str, Any]:
+    """Totals over committed shards: shards, samples, tokens, quarantined, skipped, raw and stored bytes."""
+    totals = {"committed_shards": 0, "num_samples": 0, "num_tokens": 0, "num_quarantined": 0, "num_skipped": 0, "raw_bytes": 0, "stored_bytes": 0}
+    for shard_id in sorted(committed_shard_ids(store)):
+        record = store.get_json(commit_key(shard_id)) or {}
+        totals["committed_shards"] += 1
+        for name in ("num_samples", "num_tokens", "num_quarantined", "num_skipped", "raw_bytes", "stored_bytes"):
+            totals[name] += int(record.get(name, 0))
+    totals["planned_shards"] = metadata.num_shards
+    return totals
+
+
+def _check_rows(shard_id: int, start: int, stop: int, samples: list[HiddenSample], quarantined: list[dict], skipped: list[dict]) -> None:
+    seen: dict[int, str] = {}
+    entries = [(int(s.corpus_row), "sample") for s in samples]
+    entries += [(int(e["corpus_row"]), "quarantined") for e in quarantined]
+    entries += [(int(e["corpus_row"]), "skipped") for e in skipped]
+    for row, kind in entries:
+        if not start <= row < stop:
+            raise CacheError(f"shard {shard_id}: {kind} corpus row {row} is outside the shard's rows [{start}, {stop})")
+        if row in seen:
+            raise CacheError(f"shard {shard_id}: corpus row {row} given twice (as {seen[row]} and as {kind})")
+        seen[row] = kind
+
+
+def _concat(samples: list[HiddenSample], name: str, dtype: torch.dtype, num_tokens: int, shard_id: int) -> np.ndarray:
+    parts = []
+    for sample in samples:
+        values = getattr(sample, name)
+        if values.dim() != 1:
+            raise CacheError(f"shard {shard_id}, corpus row {sample.corpus_row}: {name} must be 1-D, got shape {tuple(values.shape)}")
+        parts.append(values.detach().to("cpu", dtype))
+    if not parts:
+        return np.zeros(0, dtype=torch.empty(0, dtype=dtype).numpy().dtype)
+    out = torch.cat(parts).numpy()
+    assert out.shape[0] == num_tokens
+    return out
+
+
+def _concat_hidden(samples: list[HiddenSample], width: int, num_tokens: int, shard_id: int) -> torch.Tensor:
+    for sample in samples:
+        shape = tuple(sample.hidden.shape)
+        if shape != (len(sample), width) or shape[0] != sample.loss_mask.shape[0]:
+            raise CacheError(
+                f"shard {shard_id}, corpus row {sample.corpus_row}: hidden has shape {shape}, expected "
+                f"({len(sample)}, {width}) = (tokens, num_taps * hidden_size), with loss_mask of the same length"
+            )
+    if not samples:
+        return torch.zeros(0, width, dtype=torch.bfloat16)
+    hidden = torch.cat([sample.hidden.detach().to("cpu") for sample in samples])
+    if hidden.dtype != torch.bfloat16:
+        hidden = hidden.to(torch.bfloat16)
+    assert hidden.shape[0] == num_tokens
+    return hidden.contiguous()
