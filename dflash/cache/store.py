@@ -72,10 +72,4 @@ class CacheStore:
     def size_prefix(self, relative: str = "") -> int:
         """Bytes stored under ``relative`` (the whole cache for ``""``)."""
         full = self.key(relative).rstrip("/")
-
-        async def total() -> int:
-            keys = [key async for key in self.store.list_prefix(full + "/" if full else "")]
-            sizes = [await self.store.getsize(key) for key in keys]
-            return int(sum(sizes))
-
-        return sync(total())
+        return int(sync(self.store.getsize_prefix(full + "/" if full else "")))
