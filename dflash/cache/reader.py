@@ -181,5 +181,9 @@ class CacheReader:
                 )
         return [samples[index] for index in order.tolist()]
 
+    def size_on_disk(self) -> int:
+        """Bytes the whole cache occupies in its store (every shard, committed or not, and the metadata)."""
+        return self._store.size_prefix("")
+
     def __repr__(self) -> str:
         return f"CacheReader({self.url!r}, shards={len(self.shards)}/{self.metadata.num_shards})"
