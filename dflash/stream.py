@@ -1,0 +1,561 @@
+"""Stream a hidden-state cache into training as packed, bucket-balanced batches, with exact resume.
+
+The loader plans every epoch from sample lengths alone (:mod:`dflash.buckets`; no hidden state is touched), then
+reads only the samples of the coming batches, in plan order, with background prefetch: a
+:class:`concurrent.futures.ThreadPoolExecutor` keeps at most ``prefetch_batches`` batches being read or waiting,
+each packed straight into pinned host memory (on CUDA hosts); with ``device=`` the next batch is also copied to
+the GPU on a side stream while the current one trains. Memory is bounded by the prefetch depth (and, in
+shard-window mode, by an LRU of ``shard_window`` whole shards), whatever the cache size.
+
+Two read modes:
+
+* ``shard_window=None`` (default): one global shuffle per epoch; each batch reads just its samples
+  (``read_shard(shard, indices)``), best on local disk.
+* ``shard_window=K``: shards are shuffled and taken K at a time; batches mix samples within those K shards only,
+  and each shard is read whole once per epoch through an LRU of K shards: sequential reads for object storage.
+
+Resume: :meth:`StreamingLoader.state_dict` holds ``epoch`` and the number of batches this rank has been handed
+in that epoch; :meth:`load_state_dict` continues with exactly the next batch (the plan is a pure function of the
+seed, the epoch, the lengths and the config, which the state records and checks).
+
+Train/validation split: by corpus row, stable (a hash of the row id and ``split_seed``), so it does not change
+with the shuffle seed, the world size, or how the cache was sharded.
+
+Usage::
+
+    reader = CacheReader("cache.zarr")
+    loader = StreamingLoader(reader, StreamConfig(token_budget=16384, seed=0), rank=rank, world_size=world_size)
+    for epoch in range(num_epochs):
+        for batch in loader:          # one epoch from the cursor; the next call starts the next epoch
+            batch = batch.to(device)  # or StreamingLoader(..., device=device) to overlap the copy
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import torch
+
+from dflash.batching import PackedBatch, pack_samples
+from dflash.buckets import (
+    BucketConfig,
+    BucketRow,
+    EpochPlan,
+    PlannedBatch,
+    assign_buckets,
+    bucket_table,
+    plan_epoch,
+    quantile_boundaries,
+)
+from dflash.errors import CheckpointError, ConfigError
+
+__all__ = ["HiddenSource", "StreamConfig", "LoaderStats", "StreamingLoader", "validation_rows"]
+
+_STATE_FORMAT = 1
+
+
+class HiddenSource(Protocol):
+    """What the loader needs from a cache (``dflash.cache.CacheReader`` implements it)."""
+
+    @property
+    def shards(self) -> list[int]: ...
+
+    def shard_lengths(self, shard: int) -> np.ndarray: ...
+
+    def shard_corpus_rows(self, shard: int) -> np.ndarray: ...
+
+    def read_shard(self, shard: int, indices: Any = None) -> list[Any]: ...
+
+
+@dataclass(kw_only=True, slots=True)
+class StreamConfig:
+    """Batching, mixing, split and prefetch settings of :class:`StreamingLoader`."""
+
+    token_budget: int = 16384
+    """Maximum real tokens per batch (per rank and micro-step)."""
+    boundaries: tuple[int, ...] | None = None
+    """Bucket upper edges (inclusive); ``None``: length quantiles of the whole cache (all splits)."""
+    num_buckets: int = 4
+    """Quantile buckets when ``boundaries`` is ``None``."""
+    max_documents_per_batch: int | None = None
+    """Optional cap on documents per batch."""
+    seed: int = 0
+    """Shuffle seed; the plan of epoch e is a pure function of (seed, e)."""
+    shuffle: bool = True
+    """Shuffle samples every epoch (``False`` for validation order)."""
+    split: Literal["train", "validation", "all"] = "train"
+    """Which part of the corpus rows this loader serves."""
+    validation_fraction: float = 0.0
+    """Fraction of corpus rows held out for validation (stable per row)."""
+    split_seed: int = 0
+    """Salt of the row hash that decides the split (independent of ``seed`` so sweeps share one split)."""
+    prefetch_batches: int = 4
+    """Batches read ahead in the background (the memory bound, with the batch the consumer holds)."""
+    num_read_workers: int = 2
+    """Threads reading and packing batches (Zarr decompression releases the GIL)."""
+    shard_window: int | None = None
+    """``None``: global shuffle, per-sample reads. K: mix within K shards at a time, whole-shard reads, LRU of K."""
+    pin_memory: bool | None = None
+    """Pack into pinned host memory; ``None``: when CUDA is available."""
+    pad_to_budget: bool = False
+    """Pad every batch to exactly ``token_budget`` tokens (fixed shapes for torch.compile / CUDA graphs)."""
+    pad_to_multiple: int = 1
+    """Pad each batch's length up to a multiple of this (ignored with ``pad_to_budget``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.boundaries, list):
+            self.boundaries = tuple(self.boundaries)
+        # Reuse the bucket validation so both configs word their errors alike.
+        BucketConfig(
+            token_budget=self.token_budget,
+            boundaries=self.boundaries,
+            num_buckets=self.num_buckets,
+            max_documents_per_batch=self.max_documents_per_batch,
+        )
+        if self.split not in ("train", "validation", "all"):
+            raise ConfigError(f"split must be 'train', 'validation' or 'all'; got {self.split!r}")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ConfigError(f"validation_fraction must be in [0, 1); got {self.validation_fraction!r}")
+        if self.split == "validation" and self.validation_fraction == 0.0:
+            raise ConfigError("split='validation' needs validation_fraction > 0 (e.g. 0.01)")
+        if self.prefetch_batches < 1:
+            raise ConfigError(f"prefetch_batches must be >= 1; got {self.prefetch_batches!r}")
+        if self.num_read_workers < 1:
+            raise ConfigError(f"num_read_workers must be >= 1; got {self.num_read_workers!r}")
+        if self.shard_window is not None and self.shard_window < 1:
+            raise ConfigError(f"shard_window must be >= 1 shards or None; got {self.shard_window!r}")
+        if self.pad_to_multiple < 1:
+            raise ConfigError(f"pad_to_multiple must be >= 1; got {self.pad_to_multiple!r}")
+
+    def plan_fields(self) -> dict[str, Any]:
+        """The fields the batch sequence depends on (checked on resume)."""
+        keys = (
+            "token_budget", "boundaries", "num_buckets", "max_documents_per_batch", "seed", "shuffle", "split",
+            "validation_fraction", "split_seed", "shard_window", "pad_to_budget", "pad_to_multiple",
+        )  # fmt: skip
+        values = asdict(self)
+        return {key: list(values[key]) if isinstance(values[key], tuple) else values[key] for key in keys}
+
+
+def validation_rows(corpus_rows: np.ndarray, fraction: float, split_seed: int = 0) -> np.ndarray:
+    """``[N]`` bool: which corpus rows belong to the validation split (splitmix64 hash of row and seed).
+
+    Stable: the same row is in the same split for any cache sharding, shuffle seed or world size.
+    """
+    x = np.asarray(corpus_rows, dtype=np.uint64) + np.uint64((split_seed * 0x9E3779B97F4A7C15) % 2**64)
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) / float(2**53) < fraction
+
+
+@dataclass(slots=True)
+class LoaderStats:
+    """Counters of one loader (cumulative since creation unless noted)."""
+
+    batches: int = 0
+    tokens: int = 0
+    read_seconds: float = 0.0
+    """Seconds spent by worker threads reading and packing (summed over threads)."""
+    wait_seconds: float = 0.0
+    """Seconds the consumer waited for a batch (data wait)."""
+    last_wait_seconds: float = 0.0
+    batches_in_flight: int = 0
+    """Batches read or being read and not yet released by the consumer (now)."""
+    tokens_in_flight: int = 0
+    max_batches_in_flight: int = 0
+    max_tokens_in_flight: int = 0
+    bucket_batches: list[int] = field(default_factory=list)
+
+
+class StreamingLoader:
+    """Packed batches for one rank, streamed from a cache in plan order (see module docstring).
+
+    Args:
+        source: a :class:`HiddenSource` (``dflash.cache.CacheReader``).
+        config: :class:`StreamConfig`.
+        rank, world_size: this process's data-parallel rank; ranks read disjoint batches.
+        device: when set (e.g. ``"cuda:0"``), batches are yielded on it, copied one ahead on a side stream.
+
+    Raises:
+        ConfigError: bad rank/world size, an empty split, or a sample longer than ``token_budget``.
+    """
+
+    def __init__(
+        self,
+        source: HiddenSource,
+        config: StreamConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(
+                f"rank must be in [0, world_size) with world_size >= 1; got rank={rank}, world_size={world_size}"
+            )
+        self.source = source
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device) if device is not None else None
+        self.pin_memory = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
+        self.stats = LoaderStats()
+        self._lock = threading.Lock()
+        self._build_table()
+        self.epoch = 0
+        self._step = 0
+        self._plan: EpochPlan | None = None
+        self._read_whole_shard = functools.lru_cache(maxsize=config.shard_window or 1)(
+            self._read_whole_shard_uncached
+        )
+
+    # ---- sample table and plan -------------------------------------------------------------------------------
+
+    def _build_table(self) -> None:
+        shards, positions, lengths, rows = [], [], [], []
+        for shard in sorted(int(s) for s in self.source.shards):
+            shard_lengths = np.asarray(self.source.shard_lengths(shard), dtype=np.int64)
+            shard_rows = np.asarray(self.source.shard_corpus_rows(shard), dtype=np.int64)
+            if shard_rows.shape != shard_lengths.shape:
+                raise ConfigError(
+                    f"shard {shard}: {shard_lengths.size} lengths but {shard_rows.size} corpus rows; "
+                    "the cache is inconsistent: run `dflash-stages cache verify`"
+                )
+            shards.append(np.full(shard_lengths.size, shard, dtype=np.int64))
+            positions.append(np.arange(shard_lengths.size, dtype=np.int64))
+            lengths.append(shard_lengths)
+            rows.append(shard_rows)
+        empty = np.zeros(0, dtype=np.int64)
+        all_lengths = np.concatenate(lengths) if lengths else empty
+        cfg = self.config
+        self.boundaries = (
+            cfg.boundaries
+            if cfg.boundaries is not None
+            else quantile_boundaries(all_lengths, cfg.num_buckets)
+        )
+        self.num_buckets = len(self.boundaries) + 1
+        all_rows = np.concatenate(rows) if rows else empty
+        if cfg.split == "all" or cfg.validation_fraction == 0.0:
+            keep = np.ones(all_rows.size, dtype=bool)
+        else:
+            is_validation = validation_rows(all_rows, cfg.validation_fraction, cfg.split_seed)
+            keep = is_validation if cfg.split == "validation" else ~is_validation
+        self.sample_shard = (np.concatenate(shards) if shards else empty)[keep]
+        self.sample_position = (np.concatenate(positions) if positions else empty)[keep]
+        self.sample_length = all_lengths[keep]
+        self.sample_row = all_rows[keep]
+        self.sample_bucket = assign_buckets(self.sample_length, self.boundaries)
+        if self.sample_length.size == 0:
+            raise ConfigError(
+                f"the {cfg.split} split of the cache is empty ({all_rows.size} samples in "
+                f"{len(shards)} committed shards, validation_fraction={cfg.validation_fraction}); extract more "
+                "shards or change validation_fraction"
+            )
+        self.stats.bucket_batches = [0] * self.num_buckets
+        digest = hashlib.sha256()
+        for array in (self.sample_shard, self.sample_position, self.sample_length, self.sample_row):
+            digest.update(np.ascontiguousarray(array).tobytes())
+        self.table_fingerprint = "sha256:" + digest.hexdigest()
+
+    def _groups(self, epoch: int) -> list[np.ndarray] | None:
+        window = self.config.shard_window
+        if window is None:
+            return None
+        shard_ids = np.unique(self.sample_shard)
+        if self.config.shuffle:
+            rng = np.random.default_rng(np.random.SeedSequence([self.config.seed, epoch, 1]))
+            shard_ids = rng.permutation(shard_ids)
+        groups = []
+        for start in range(0, shard_ids.size, window):
+            groups.append(np.flatnonzero(np.isin(self.sample_shard, shard_ids[start : start + window])))
+        return groups
+
+    def plan(self, epoch: int | None = None) -> EpochPlan:
+        """The :class:`EpochPlan` of ``epoch`` (default: the current one); computed from lengths only."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._plan is not None and self._plan.epoch == epoch:
+            return self._plan
+        plan = plan_epoch(
+            self.sample_length,
+            self.sample_bucket,
+            num_buckets=self.num_buckets,
+            token_budget=self.config.token_budget,
+            seed=self.config.seed,
+            epoch=epoch,
+            world_size=self.world_size,
+            shuffle=self.config.shuffle,
+            max_documents_per_batch=self.config.max_documents_per_batch,
+            groups=self._groups(epoch),
+        )
+        if epoch == self.epoch:
+            self._plan = plan
+        return plan
+
+    def __len__(self) -> int:
+        """Steps (batches for this rank) in the current epoch."""
+        return self.plan().num_steps
+
+    @property
+    def step_in_epoch(self) -> int:
+        """Batches of the current epoch already handed to the consumer by this rank."""
+        return self._step
+
+    def bucket_table(self) -> list[BucketRow]:
+        """Per-bucket samples, tokens, corpus share, planned batches and fill (current epoch's plan)."""
+        return bucket_table(self.sample_length, self.sample_bucket, self.plan(), self.config.token_budget)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.sample_length.size)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sample_length.sum())
+
+    # ---- reading ---------------------------------------------------------------------------------------------
+
+    def _read_whole_shard_uncached(self, shard: int) -> list[Any]:
+        return self.source.read_shard(shard)
+
+    def _read_samples(self, planned: PlannedBatch) -> list[Any]:
+        shards = self.sample_shard[planned.samples]
+        positions = self.sample_position[planned.samples]
+        samples: list[Any] = [None] * planned.samples.size
+        for shard in dict.fromkeys(shards.tolist()):
+            slots = np.flatnonzero(shards == shard)
+            wanted = positions[slots]
+            if self.config.shard_window is not None:
+                whole = self._read_whole_shard(shard)
+                got = [whole[i] for i in wanted.tolist()]
+            else:
+                order = np.argsort(wanted, kind="stable")
+                read = self.source.read_shard(shard, wanted[order].tolist())
+                got = [None] * wanted.size
+                for slot_in_order, sample in zip(order.tolist(), read, strict=True):
+                    got[slot_in_order] = sample
+            for slot, sample in zip(slots.tolist(), got, strict=True):
+                samples[slot] = sample
+        for slot, sample in enumerate(samples):
+            expected_row = int(self.sample_row[planned.samples[slot]])
+            if int(sample.corpus_row) != expected_row:
+                raise ConfigError(
+                    f"shard {int(shards[slot])} sample {int(positions[slot])}: expected corpus row {expected_row}, "
+                    f"read {int(sample.corpus_row)}; the cache changed while reading: run `dflash-stages cache verify`"
+                )
+        return samples
+
+    def _pad_length(self, num_tokens: int) -> int | None:
+        cfg = self.config
+        if cfg.pad_to_budget:
+            return cfg.token_budget
+        if cfg.pad_to_multiple > 1:
+            return -(-num_tokens // cfg.pad_to_multiple) * cfg.pad_to_multiple
+        return None
+
+    def _load(self, planned: PlannedBatch) -> PackedBatch:
+        start = time.perf_counter()
+        samples = self._read_samples(planned)
+        batch = pack_samples(
+            samples,
+            pad_to=self._pad_length(planned.num_tokens),
+            bucket_id=planned.bucket,
+            pin_memory=self.pin_memory,
+        )
+        with self._lock:
+            self.stats.read_seconds += time.perf_counter() - start
+        return batch
+
+    def _enter_flight(self, planned: PlannedBatch) -> None:
+        with self._lock:
+            stats = self.stats
+            stats.batches_in_flight += 1
+            stats.tokens_in_flight += planned.num_tokens
+            stats.max_batches_in_flight = max(stats.max_batches_in_flight, stats.batches_in_flight)
+            stats.max_tokens_in_flight = max(stats.max_tokens_in_flight, stats.tokens_in_flight)
+
+    def _leave_flight(self, planned: PlannedBatch) -> None:
+        with self._lock:
+            self.stats.batches_in_flight -= 1
+            self.stats.tokens_in_flight -= planned.num_tokens
+
+    @property
+    def max_batches_in_flight(self) -> int:
+        """The memory bound in batches: the prefetch depth plus the batch the consumer holds."""
+        return self.config.prefetch_batches + 1
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        """Yield this rank's batches from the cursor to the end of the epoch, then move to the next epoch."""
+        plan = self.plan()
+        if self._step >= plan.num_steps:
+            self._advance_epoch()
+            plan = self.plan()
+        pool = ThreadPoolExecutor(self.config.num_read_workers, thread_name_prefix="dflash-stream")
+        pending: deque[tuple[PlannedBatch, Future[PackedBatch]]] = deque()
+        next_step = self._step
+        held: PlannedBatch | None = None
+        stager = (
+            _DeviceStager(self.device) if self.device is not None and self.device.type == "cuda" else None
+        )
+        try:
+
+            def submit_until_full() -> None:
+                nonlocal next_step
+                while len(pending) < self.config.prefetch_batches and next_step < plan.num_steps:
+                    planned = plan.batch(next_step, self.rank)
+                    self._enter_flight(planned)
+                    pending.append((planned, pool.submit(self._load, planned)))
+                    next_step += 1
+
+            submit_until_full()
+            if stager is not None and pending:
+                stager.stage(pending[0][1].result())
+            while pending:
+                planned, future = pending.popleft()
+                start = time.perf_counter()
+                batch = future.result() if stager is None else stager.take()
+                if held is not None:
+                    self._leave_flight(held)
+                held = planned
+                submit_until_full()
+                if stager is not None and pending:
+                    stager.stage(pending[0][1].result())
+                elif self.device is not None and stager is None:
+                    batch = batch.to(self.device, non_blocking=True)
+                waited = time.perf_counter() - start
+                stats = self.stats
+                stats.wait_seconds += waited
+                stats.last_wait_seconds = waited
+                stats.batches += 1
+                stats.tokens += planned.num_tokens
+                stats.bucket_batches[planned.bucket] += 1
+                self._step += 1
+                yield batch
+            self._advance_epoch()
+        finally:
+            if held is not None:
+                self._leave_flight(held)
+            for planned, future in pending:
+                future.cancel()
+                self._leave_flight(planned)
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _advance_epoch(self) -> None:
+        self.epoch += 1
+        self._step = 0
+        self._plan = None
+
+    # ---- state -----------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Data cursor for checkpoints: epoch, batches handed out this epoch, and what the plan depends on.
+
+        JSON-serializable. Take it after the step that consumed the last yielded batch.
+        """
+        return {
+            "format": _STATE_FORMAT,
+            "epoch": self.epoch,
+            "step_in_epoch": self._step,
+            "global_batches_in_epoch": self._step * self.world_size,
+            "world_size": self.world_size,
+            "plan_config": self.config.plan_fields(),
+            "boundaries": list(self.boundaries),
+            "table_fingerprint": self.table_fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly after the last batch recorded in ``state``.
+
+        Raises:
+            CheckpointError: the state was taken with a different plan config, cache content or split, or at a
+                position that this world size cannot continue from (the message names the field and the fix).
+        """
+        if state.get("format") != _STATE_FORMAT:
+            raise CheckpointError(
+                f"data cursor format {state.get('format')!r} is not {_STATE_FORMAT}; cannot resume"
+            )
+        saved, current = state["plan_config"], self.config.plan_fields()
+        for key in sorted(set(saved) | set(current)):
+            if saved.get(key) != current.get(key):
+                raise CheckpointError(
+                    f"data config field {key!r} changed since the checkpoint ({saved.get(key)!r} -> "
+                    f"{current.get(key)!r}): the batch order would differ and resume would not be exact; "
+                    f"resume with {key}={saved.get(key)!r} or start a new run"
+                )
+        if list(state["boundaries"]) != list(self.boundaries):
+            raise CheckpointError(
+                f"bucket boundaries changed since the checkpoint ({state['boundaries']} -> {list(self.boundaries)}); "
+                "pass the saved boundaries explicitly to resume exactly"
+            )
+        if state["table_fingerprint"] != self.table_fingerprint:
+            raise CheckpointError(
+                "the cache's committed samples differ from the checkpoint's (sample table fingerprint "
+                f"{state['table_fingerprint']} -> {self.table_fingerprint}): shards were added or rewritten; "
+                "resume against the same cache or start a new run"
+            )
+        global_batches = int(state["global_batches_in_epoch"])
+        if global_batches % self.world_size:
+            raise CheckpointError(
+                f"the checkpoint stopped after {global_batches} global batches of epoch {state['epoch']} (world size "
+                f"{state['world_size']}), not a multiple of world_size={self.world_size}; resume with a world size "
+                f"that divides {global_batches}"
+            )
+        # A changed world size is fine: the global batch sequence does not depend on it.
+        self.epoch = int(state["epoch"])
+        self._plan = None
+        self._step = global_batches // self.world_size
+        if self._step >= self.plan().num_steps:
+            self._advance_epoch()
+
+    def close(self) -> None:
+        """Drop cached shards (the reader threads end with each epoch's iterator)."""
+        self._read_whole_shard.cache_clear()
+
+    def describe(self) -> dict[str, Any]:
+        """Resolved loader settings for ``run.json``."""
+        return {
+            "config": self.config.plan_fields()
+            | {
+                "prefetch_batches": self.config.prefetch_batches,
+                "num_read_workers": self.config.num_read_workers,
+            },
+            "boundaries": list(self.boundaries),
+            "num_samples": self.num_samples,
+            "num_tokens": self.num_tokens,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "table_fingerprint": self.table_fingerprint,
+        }
+
+
+class _DeviceStager:
+    """Copies the next batch to the GPU on a side stream while the current one is used (one batch ahead)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._staged: PackedBatch | None = None
+
+    def stage(self, batch: PackedBatch) -> None:
+        with torch.cuda.stream(self.stream):
+            self._staged = batch.to(self.device, non_blocking=True)
+
+    def take(self) -> PackedBatch:
+        assert self._staged is not None
+        batch, self._staged = self._staged, None
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self.stream)
+        for name in PackedBatch._TENSOR_FIELDS:
+            getattr(batch, name).record_stream(current)
+        return batch

@@ -1,0 +1,320 @@
+"""The streaming loader on a real cache: hidden states of the real SmolLM2 target on stdlib source snippets.
+
+The cache is written through ``HiddenStateCache`` from ``target.model(..., output_hidden_states=True)`` (taps =
+``hidden_states[l + 1]``), so these tests exercise the real Zarr reader end to end.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.batching import pack_samples
+from dflash.cache import CacheMetadata, CacheReader, HiddenSample, HiddenStateCache
+from dflash.errors import CheckpointError, ConfigError
+from dflash.stream import StreamConfig, StreamingLoader, validation_rows
+from dflash.target import LAYER_ID_CONVENTION, default_target_layer_ids
+
+NUM_SHARDS = 4
+ROWS_PER_SHARD = 9
+BUDGET = 256
+
+
+def _snippets(count: int) -> list[str]:
+    """Source of stdlib functions, in a fixed order (real text of varied length)."""
+    import functools
+    import json as json_module
+
+    texts = []
+    for module in (textwrap, functools, json_module.decoder, inspect):
+        for _, function in sorted(inspect.getmembers(module, inspect.isfunction)):
+            if function.__module__ == module.__name__:
+                texts.append(inspect.getsource(function))
+    return texts[:count]
+
+
+@pytest.fixture(scope="module")
+def cache_path(target, tmp_path_factory):
+    """A 4-shard bf16 cache of 36 stdlib snippets (8..200 tokens) with 2 taps of the real target."""
+    tokenizer = target.tokenizer
+    num_layers = target.model.config.num_hidden_layers
+    layer_ids = default_target_layer_ids(num_layers, 2)
+    hidden_size = target.model.config.hidden_size
+    texts = _snippets(NUM_SHARDS * ROWS_PER_SHARD)
+    assert len(texts) == NUM_SHARDS * ROWS_PER_SHARD
+    samples = []
+    for row, text in enumerate(texts):
+        input_ids = tokenizer(text, return_tensors="pt").input_ids[0, : 8 + (row * 37) % 193]
+        with torch.no_grad():
+            out = target.model(input_ids[None], output_hidden_states=True)
+        hidden = torch.cat([out.hidden_states[layer + 1][0] for layer in layer_ids], dim=-1).to(torch.bfloat16)
+        loss_mask = torch.zeros(input_ids.shape[0], dtype=torch.uint8)
+        loss_mask[input_ids.shape[0] // 4 :] = 1  # the "response" part of each snippet
+        samples.append(HiddenSample(row, input_ids.to(torch.int32), loss_mask, hidden))
+    path = tmp_path_factory.mktemp("stream") / "cache.zarr"
+    metadata = CacheMetadata(
+        target=target.identity.to_dict(),
+        target_spec="default",
+        target_layer_ids=layer_ids,
+        layer_id_convention=LAYER_ID_CONVENTION,
+        hidden_size=hidden_size,
+        num_taps=len(layer_ids),
+        corpus_fingerprint="sha256:stdlib-snippets",
+        num_shards=NUM_SHARDS,
+        shard_rows=[[s * ROWS_PER_SHARD, (s + 1) * ROWS_PER_SHARD] for s in range(NUM_SHARDS)],
+    )
+    cache = HiddenStateCache.create(path, metadata)
+    for shard in range(NUM_SHARDS):
+        cache.write_shard(shard, samples[shard * ROWS_PER_SHARD : (shard + 1) * ROWS_PER_SHARD], [])
+    return path
+
+
+@pytest.fixture()
+def reader(cache_path):
+    return CacheReader(cache_path)
+
+
+def _fingerprint(batch) -> tuple:
+    """Everything a batch holds, as comparable bytes."""
+    return (
+        batch.bucket_id,
+        tuple(batch.corpus_rows),
+        batch.num_real_tokens,
+        *(getattr(batch, name).contiguous().view(torch.uint8).numpy().tobytes() for name in batch._TENSOR_FIELDS),
+    )
+
+
+def _epoch(loader) -> list:
+    return [_fingerprint(batch) for batch in loader]
+
+
+def test_batches_hold_exactly_the_cached_samples(reader):
+    loader = StreamingLoader(reader, StreamConfig(token_budget=BUDGET, num_buckets=3, seed=1))
+    everything = {s.corpus_row: s for shard in reader.shards for s in reader.read_shard(shard)}
+    seen = []
+    for batch in loader:
+        assert batch.num_real_tokens <= BUDGET
+        assert batch.input_ids.dtype == torch.int64 and batch.hidden.dtype == torch.bfloat16
+        for doc, row in enumerate(batch.corpus_rows):
+            a, b = int(batch.cu_seqlens[doc]), int(batch.cu_seqlens[doc + 1])
+            sample = everything[row]
+            assert torch.equal(batch.input_ids[a:b], sample.input_ids.long())
+            assert torch.equal(batch.loss_mask[a:b], sample.loss_mask)
+            assert torch.equal(batch.hidden[a:b].view(torch.int16), sample.hidden.view(torch.int16))
+            assert torch.equal(batch.position_ids[a:b], torch.arange(b - a))
+            assert bool((batch.document_ids[a:b] == doc).all())
+        seen.extend(batch.corpus_rows)
+    assert sorted(seen) == list(range(NUM_SHARDS * ROWS_PER_SHARD))
+    assert loader.epoch == 1 and loader.step_in_epoch == 0
+
+
+def test_same_seed_and_epoch_give_the_same_batches_and_epochs_reshuffle(reader, cache_path):
+    config = StreamConfig(token_budget=BUDGET, seed=7)
+    first = StreamingLoader(reader, config)
+    second = StreamingLoader(CacheReader(cache_path), config)
+    epoch0 = _epoch(first)
+    assert epoch0 == _epoch(second)
+    epoch1 = _epoch(first)
+    assert [fp[1] for fp in epoch1] != [fp[1] for fp in epoch0]
+    other_seed = StreamingLoader(reader, StreamConfig(token_budget=BUDGET, seed=8))
+    assert [fp[1] for fp in _epoch(other_seed)] != [fp[1] for fp in epoch0]
+
+
+@pytest.mark.parametrize("stop_after", [1, 3, "epoch_end"])
+def test_resume_continues_with_exactly_the_next_batch(reader, cache_path, stop_after):
+    config = StreamConfig(token_budget=BUDGET, seed=3, prefetch_batches=2)
+    straight = StreamingLoader(reader, config)
+    reference = _epoch(straight) + _epoch(straight)
+
+    interrupted = StreamingLoader(reader, config)
+    taken = []
+    limit = len(interrupted) if stop_after == "epoch_end" else stop_after
+    for batch in interrupted:  # leaves the loop early, as a trainer stopping to checkpoint does
+        taken.append(_fingerprint(batch))
+        if len(taken) == limit:
+            break
+    state = json.loads(json.dumps(interrupted.state_dict()))
+    interrupted.close()
+
+    resumed = StreamingLoader(CacheReader(cache_path), config)
+    resumed.load_state_dict(state)
+    rest = _epoch(resumed)
+    if stop_after == "epoch_end":
+        assert rest == reference[limit:]  # state at the epoch's end resumes in the next epoch
+    else:
+        rest += _epoch(resumed)
+        assert taken + rest == reference
+
+
+def test_resume_with_a_changed_plan_config_is_refused(reader):
+    loader = StreamingLoader(reader, StreamConfig(token_budget=BUDGET, seed=3))
+    next(iter(loader))
+    state = loader.state_dict()
+    changed = StreamingLoader(reader, StreamConfig(token_budget=BUDGET + 64, seed=3))
+    with pytest.raises(CheckpointError, match="token_budget"):
+        changed.load_state_dict(state)
+    reseeded = StreamingLoader(reader, StreamConfig(token_budget=BUDGET, seed=4))
+    with pytest.raises(CheckpointError, match="seed"):
+        reseeded.load_state_dict(state)
+
+
+def test_ddp_ranks_read_disjoint_batches_covering_the_global_sequence(reader):
+    config = StreamConfig(token_budget=BUDGET, seed=5)
+    single = StreamingLoader(reader, config)
+    global_batches = _epoch(single)
+    ranks = [StreamingLoader(reader, config, rank=r, world_size=3) for r in range(3)]
+    per_rank = [_epoch(loader) for loader in ranks]
+    assert len({len(batches) for batches in per_rank}) == 1  # every step gives every rank a batch
+    num_steps = len(per_rank[0])
+    for step in range(num_steps):
+        for rank in range(3):
+            assert per_rank[rank][step] == global_batches[step * 3 + rank]
+    rows = [row for batches in per_rank for fp in batches for row in fp[1]]
+    assert len(rows) == len(set(rows))  # disjoint
+    dropped = ranks[0].plan(0).dropped_samples
+    assert len(global_batches) - 3 * num_steps == ranks[0].plan(0).num_dropped_batches
+    assert sorted(rows + ranks[0].sample_row[dropped].tolist()) == list(range(NUM_SHARDS * ROWS_PER_SHARD))
+
+
+def test_ddp_resume_with_another_world_size_keeps_the_global_order(reader):
+    config = StreamConfig(token_budget=BUDGET, seed=5)
+    global_batches = _epoch(StreamingLoader(reader, config))
+    two = StreamingLoader(reader, config, rank=1, world_size=2)
+    iterator = iter(two)
+    next(iterator)
+    next(iterator)
+    iterator.close()
+    state = two.state_dict()  # 2 steps x 2 ranks = 4 global batches
+    one = StreamingLoader(reader, config)
+    one.load_state_dict(state)
+    assert _epoch(one) == global_batches[4:]
+    three = StreamingLoader(reader, config, rank=0, world_size=3)
+    with pytest.raises(CheckpointError, match="multiple of world_size=3"):
+        three.load_state_dict(state)
+
+
+class _CountingSource:
+    """Wraps a reader; counts samples being read concurrently and reads per shard."""
+
+    def __init__(self, reader):
+        self.reader = reader
+        self.lock = threading.Lock()
+        self.reading = 0
+        self.max_reading = 0
+        self.whole_shard_reads: dict[int, int] = {}
+
+    shards = property(lambda self: self.reader.shards)
+
+    def shard_lengths(self, shard):
+        return self.reader.shard_lengths(shard)
+
+    def shard_corpus_rows(self, shard):
+        return self.reader.shard_corpus_rows(shard)
+
+    def read_shard(self, shard, indices=None):
+        count = len(self.reader.shard_lengths(shard)) if indices is None else len(indices)
+        with self.lock:
+            self.reading += count
+            self.max_reading = max(self.max_reading, self.reading)
+            if indices is None:
+                self.whole_shard_reads[shard] = self.whole_shard_reads.get(shard, 0) + 1
+        try:
+            return self.reader.read_shard(shard, indices)
+        finally:
+            with self.lock:
+                self.reading -= count
+
+
+def test_memory_stays_within_the_prefetch_bound(reader):
+    source = _CountingSource(reader)
+    config = StreamConfig(token_budget=BUDGET, prefetch_batches=2, num_read_workers=2, boundaries=(40, 120))
+    loader = StreamingLoader(source, config)
+    max_docs = max(len(b.samples) for b in loader.plan().batches)
+    for _ in loader:
+        assert loader.stats.batches_in_flight <= loader.max_batches_in_flight
+    stats = loader.stats
+    assert stats.batches == len(loader.plan(0).batches)
+    assert 1 <= stats.max_batches_in_flight <= config.prefetch_batches + 1
+    assert stats.max_tokens_in_flight <= (config.prefetch_batches + 1) * BUDGET
+    assert source.max_reading <= config.num_read_workers * max_docs
+    assert stats.batches_in_flight == 0 and stats.tokens_in_flight == 0  # everything released at epoch end
+
+
+def test_shard_window_reads_each_shard_once_and_mixes_inside_windows(reader):
+    source = _CountingSource(reader)
+    config = StreamConfig(token_budget=BUDGET, shard_window=2, seed=2, num_read_workers=1)
+    loader = StreamingLoader(source, config)
+    batches = list(loader)
+    assert all(count == 1 for count in source.whole_shard_reads.values())
+    assert sorted(source.whole_shard_reads) == list(range(NUM_SHARDS))
+    assert loader._read_whole_shard.cache_info().currsize <= 2
+    shard_of_row = {row: row // ROWS_PER_SHARD for row in range(NUM_SHARDS * ROWS_PER_SHARD)}
+    windows = [frozenset(shard_of_row[row] for row in b.corpus_rows) for b in batches]
+    assert all(len(w) <= 2 for w in windows)
+    # a window's shards are finished before the next window starts
+    order = [w for i, w in enumerate(windows) if i == 0 or w != windows[i - 1]]
+    assert sum(len(w) for w in order) >= NUM_SHARDS
+
+
+def test_validation_split_is_stable_disjoint_and_by_corpus_row(reader):
+    rows = np.arange(NUM_SHARDS * ROWS_PER_SHARD)
+    train = StreamingLoader(reader, StreamConfig(token_budget=BUDGET, validation_fraction=0.25, seed=1))
+    valid = StreamingLoader(
+        reader, StreamConfig(token_budget=BUDGET, validation_fraction=0.25, seed=9, split="validation", shuffle=False)
+    )
+    train_rows, valid_rows = set(train.sample_row.tolist()), set(valid.sample_row.tolist())
+    assert train_rows.isdisjoint(valid_rows) and train_rows | valid_rows == set(rows.tolist())
+    assert valid_rows == set(rows[validation_rows(rows, 0.25)].tolist())
+    assert 0 < len(valid_rows) < len(rows)
+    # a larger corpus keeps every earlier row in its split (the hash depends on the row alone)
+    assert np.array_equal(validation_rows(np.arange(10_000), 0.25)[: rows.size], validation_rows(rows, 0.25))
+    assert abs(validation_rows(np.arange(10_000), 0.25).mean() - 0.25) < 0.02
+    assert sorted(row for b in valid for row in b.corpus_rows) == sorted(valid_rows)
+
+
+def test_padding_to_the_budget_gives_fixed_shapes(reader):
+    loader = StreamingLoader(reader, StreamConfig(token_budget=BUDGET, pad_to_budget=True))
+    for batch in loader:
+        assert batch.num_tokens == BUDGET
+        pad = slice(batch.num_real_tokens, None)
+        assert bool((batch.loss_mask[pad] == 0).all()) and bool((batch.document_ids[pad] == -1).all())
+        assert int(batch.cu_seqlens[-1]) == batch.num_real_tokens
+
+
+def test_pack_samples_rejects_bad_input(reader):
+    samples = reader.read_shard(0, [0, 1])
+    with pytest.raises(ValueError, match="pad_to"):
+        pack_samples(samples, pad_to=1)
+    with pytest.raises(ValueError, match="at least one"):
+        pack_samples([])
+    batch = pack_samples(samples)
+    assert batch.num_documents == 2 and batch.num_padding_tokens == 0
+
+
+def test_samples_longer_than_the_budget_are_refused_with_the_fix(reader):
+    with pytest.raises(ConfigError, match="raise token_budget"):
+        StreamingLoader(reader, StreamConfig(token_budget=64)).plan()
+
+
+def test_bucket_table_matches_the_cache(reader):
+    loader = StreamingLoader(reader, StreamConfig(token_budget=BUDGET, num_buckets=3))
+    table = loader.bucket_table()
+    assert sum(row.num_samples for row in table) == NUM_SHARDS * ROWS_PER_SHARD
+    assert sum(row.num_tokens for row in table) == sum(int(reader.shard_lengths(s).sum()) for s in reader.shards)
+    assert sum(row.num_batches for row in table) == len(loader)
+    assert abs(sum(row.token_share for row in table) - 1.0) < 1e-9
+
+
+@pytest.mark.gpu
+def test_device_copy_on_a_side_stream(reader):
+    loader = StreamingLoader(reader, StreamConfig(token_budget=BUDGET), device="cuda")
+    host = StreamingLoader(reader, StreamConfig(token_budget=BUDGET, pin_memory=False))
+    for on_device, on_host in zip(loader, host, strict=True):
+        assert on_device.hidden.is_cuda
+        assert _fingerprint(on_device.to("cpu")) == _fingerprint(on_host)
