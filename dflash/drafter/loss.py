@@ -1,0 +1,220 @@
+"""DFlash training loss: weighted cross-entropy over block positions 1..B-1 (arXiv 2602.06036 section 4.2).
+
+Block position k predicts ``x_{a+k}`` (no extra shift) with weight ``w_k = exp(-(k - 1) / gamma)`` times the target
+token's loss mask. The LM head (the target's, frozen) and the cross-entropy run in row chunks inside one custom
+autograd function that also computes the gradient w.r.t. the hidden states chunk by chunk during the forward
+(the approach of Liger-Kernel's fused linear cross-entropy and Apple's cut-cross-entropy): the ``[N, V]`` logits of
+a 150K+ vocabulary never exist at once, and backward does not recompute the LM head.
+
+The loss returned is a SUM; the trainer divides by the weight sum all-reduced over data-parallel ranks, so the
+gradient does not depend on how the global batch is split.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from dflash.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dflash.batching import PackedBatch
+    from dflash.drafter.model import DFlashDrafter
+
+__all__ = [
+    "LossOutput",
+    "default_gamma",
+    "position_weights",
+    "dflash_loss",
+    "chunked_linear_cross_entropy",
+    "expected_acceptance_length",
+]
+
+_PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+#: float32 logits budget of one chunk (elements): 2**28 = 1 GiB.
+DEFAULT_CHUNK_ELEMENTS = 1 << 28
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay gamma: the paper's 7 for B=16, 5 for B=10, 4 for B=8; other sizes interpolate ``1 + 3B/8``
+    (the line through the B=8 and B=16 values)."""
+    if block_size < 2:
+        raise ConfigError(f"block_size must be >= 2, got {block_size}")
+    return _PAPER_GAMMA.get(block_size, 1.0 + 0.375 * block_size)
+
+
+def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """``[B-1]`` float32 weights ``exp(-(k-1)/gamma)`` for k = 1..B-1."""
+    if not (gamma > 0 and math.isfinite(gamma)):
+        raise ConfigError(f"gamma must be a positive finite float, got {gamma!r}")
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+@dataclass(kw_only=True)
+class LossOutput:
+    """Sums over one (micro)batch; combine across ranks by summing every field.
+
+    Attributes:
+        weighted_ce_sum: scalar float32 with grad, ``sum w_k * loss_mask * CE``.
+        weight_sum: scalar float32, ``sum w_k * loss_mask`` (the normalizer; all-reduce it before dividing).
+        correct_per_position: ``[B-1]`` int64, argmax hits at block positions 1..B-1 over supervised targets.
+        count_per_position: ``[B-1]`` int64, supervised targets at each position.
+    """
+
+    weighted_ce_sum: torch.Tensor
+    weight_sum: torch.Tensor
+    correct_per_position: torch.Tensor
+    count_per_position: torch.Tensor
+
+    def loss(self, global_weight_sum: torch.Tensor | float | None = None) -> torch.Tensor:
+        """``weighted_ce_sum / global_weight_sum`` (default: this batch's weight sum); 0 when nothing is supervised."""
+        total = self.weight_sum if global_weight_sum is None else global_weight_sum
+        if isinstance(total, torch.Tensor):
+            total = total.clamp(min=1e-6)
+        else:
+            total = max(float(total), 1e-6)
+        return self.weighted_ce_sum / total
+
+    def accuracy_per_position(self) -> torch.Tensor:
+        """``[B-1]`` float64 accuracy (0 where nothing was counted)."""
+        return self.correct_per_position.double() / self.count_per_position.clamp(min=1).double()
+
+
+def expected_acceptance_length(acc_per_position) -> float:
+    """Expected tokens per draft-verify cycle implied by per-position accuracies:
+    ``tau = 1 + sum_k prod_{i<=k} acc_i`` (k = 1..B-1), in ``[1, B]``."""
+    acc = torch.as_tensor(acc_per_position, dtype=torch.float64).nan_to_num(0.0).clamp(0.0, 1.0)
+    return float(1.0 + torch.cumprod(acc, 0).sum())
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum_i row_weight_i * CE(hidden_i @ weight.T, target_i), gradient computed in the forward, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, row_weights, chunk_rows, compute_dtype):
+        needs_hidden_grad = hidden.requires_grad
+        needs_weight_grad = weight.requires_grad
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.detach().to(compute_dtype)
+            h = hidden.detach().to(compute_dtype)
+            num_rows = h.shape[0]
+            total = torch.zeros((), dtype=torch.float32, device=h.device)
+            correct = torch.empty(num_rows, dtype=torch.bool, device=h.device)
+            grad_hidden = torch.empty_like(hidden) if needs_hidden_grad else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if needs_weight_grad else None
+            for start in range(0, num_rows, chunk_rows):
+                stop = min(start + chunk_rows, num_rows)
+                logits = (h[start:stop] @ w.T).float()  # [C, V]
+                target = targets[start:stop]
+                rows_w = row_weights[start:stop].float()
+                lse = torch.logsumexp(logits, dim=-1)
+                target_logit = logits.gather(1, target[:, None]).squeeze(1)
+                total += ((lse - target_logit) * rows_w).sum()
+                correct[start:stop] = logits.argmax(dim=-1) == target
+                if needs_hidden_grad or needs_weight_grad:
+                    # d CE / d logits = softmax - onehot, scaled by the row weight; reuse the logits buffer.
+                    grad_logits = logits.sub_(lse[:, None]).exp_()
+                    grad_logits[torch.arange(stop - start, device=h.device), target] -= 1.0
+                    grad_logits.mul_(rows_w[:, None])
+                    grad_logits_c = grad_logits.to(compute_dtype)
+                    if needs_hidden_grad:
+                        grad_hidden[start:stop] = (grad_logits_c @ w).to(hidden.dtype)
+                    if needs_weight_grad:
+                        grad_weight += grad_logits_c.T.float() @ h[start:stop].float()
+                del logits
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(correct)
+        return total, correct
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_correct):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    row_weights: torch.Tensor,
+    *,
+    chunk_rows: int | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted CE of ``hidden @ weight.T`` without materializing all logits.
+
+    Args:
+        hidden: ``[N, H]``. weight: ``[V, H]`` (LM head). targets: ``[N]`` int64. row_weights: ``[N]`` float.
+        chunk_rows: rows per chunk (default: ``2**28 // V``, ~1 GiB of float32 logits).
+        compute_dtype: matmul dtype (default: the autocast dtype when autocast is on, else ``hidden.dtype``);
+            log-softmax is always float32.
+
+    Returns:
+        ``(weighted_ce_sum scalar float32 with grad, correct [N] bool = argmax hits)``.
+    """
+    if chunk_rows is None:
+        chunk_rows = max(1, DEFAULT_CHUNK_ELEMENTS // weight.shape[0])
+    if compute_dtype is None:
+        device_type = hidden.device.type
+        compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                         else hidden.dtype)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, row_weights, int(chunk_rows), compute_dtype)
+
+
+def dflash_loss(
+    drafter: DFlashDrafter,
+    batch: PackedBatch,
+    anchors: torch.Tensor,
+    *,
+    gamma: float | None = None,
+    chunk_rows: int | None = None,
+    mask: object = None,
+) -> LossOutput:
+    """Forward + weighted CE for every block of a packed batch.
+
+    Args:
+        drafter: the drafter with the target attached.
+        batch: packed batch on the drafter's device.
+        anchors: ``[A]`` from :func:`sample_anchors` (``-1`` = padding slot, zero weight).
+        gamma: decay (default :func:`default_gamma` of the block size).
+        chunk_rows: LM-head chunk rows (see :func:`chunked_linear_cross_entropy`).
+        mask: optional precomputed attention mask (:meth:`DFlashDrafter.build_mask`).
+
+    Returns:
+        :class:`LossOutput` (sums; divide by the all-reduced ``weight_sum``).
+    """
+    block_size = drafter.config.block_size
+    gamma = default_gamma(block_size) if gamma is None else float(gamma)
+    weights_k = position_weights(block_size, gamma, device=anchors.device)  # [B-1]
+    hidden = drafter.forward_train(batch, anchors, mask=mask)  # [A, B, H]
+    num_anchors = anchors.shape[0]
+    num_tokens = batch.input_ids.shape[0]
+    valid = anchors >= 0
+    offsets = torch.arange(1, block_size, device=anchors.device)
+    target_index = (anchors.clamp(min=0)[:, None] + offsets).clamp(max=num_tokens - 1)  # [A, B-1]
+    targets = batch.input_ids[target_index]
+    supervised = (batch.loss_mask[target_index] > 0) & valid[:, None]  # [A, B-1]
+    row_weights = weights_k[None, :] * supervised.float()
+    ce_sum, correct = chunked_linear_cross_entropy(
+        hidden[:, 1:, :].reshape(num_anchors * (block_size - 1), -1),
+        drafter.lm_head_weight,
+        targets.reshape(-1),
+        row_weights.reshape(-1),
+        chunk_rows=chunk_rows,
+    )
+    correct = correct.view(num_anchors, block_size - 1) & supervised
+    return LossOutput(
+        weighted_ce_sum=ce_sum,
+        weight_sum=row_weights.sum(),
+        correct_per_position=correct.sum(0),
+        count_per_position=supervised.sum(0),
+    )

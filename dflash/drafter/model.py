@@ -1,0 +1,343 @@
+"""The DFlash drafter: Qwen3-style decoder layers conditioned on the target's hidden states by KV injection.
+
+Follows DFlash (arXiv 2602.06036, section 3) and the serving implementations it must match: vLLM
+``qwen3_dflash.py``, SGLang ``models/dflash.py``, z-lab/dflash ``DFlashDraftModel``.
+
+* Fusion: ``c = hidden_norm(fc([h^(l1); ...; h^(ln)]))``, bias-free ``fc: n*H -> H``, shared by every layer.
+* Every layer: queries from the block tokens only; keys/values ``[k_proj(c); k_proj(x)]`` / ``[v_proj(c); v_proj(x)]``
+  (k_norm on both, RoPE on both: context at its absolute positions, block at ``anchor + 0..B-1``). Only the
+  block's hidden states go through ``input_layernorm``, the residual stream and the MLP.
+* Output: the drafter's final ``norm``, then the TARGET's frozen LM head; inputs embedded by the target's frozen
+  embedding. Both are attached with :meth:`DFlashDrafter.attach_target` and never stored in ``state_dict()``.
+
+Legend: T packed tokens, A anchors, B block size, Q = A*B queries, H hidden, n taps, V vocab, D head_dim.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.drafter.config import DFlashConfig
+from dflash.drafter.masks import AttentionLayout, attention_layout, dense_attention_mask, flex_block_mask
+from dflash.errors import ConfigError, MismatchError
+
+if TYPE_CHECKING:
+    from dflash.batching import PackedBatch
+
+__all__ = ["DFlashDrafter", "RMSNorm", "tensor_hash"]
+
+_compiled_flex = None
+
+
+def _flex_attention():
+    """FlexAttention compiled once per process (eager flex_attention is a slow reference implementation)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def tensor_hash(tensor: torch.Tensor) -> str:
+    """``"sha256:..."`` of a tensor's shape, dtype and bytes (used to recognise the target's embedding/LM head)."""
+    data = tensor.detach().to("cpu").contiguous()
+    digest = hashlib.sha256(f"{tuple(data.shape)}|{data.dtype}".encode())
+    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return f"sha256:{digest.hexdigest()}"
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, output in the input dtype (as transformers' Qwen3RMSNorm)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[N, heads, D]``; cos/sin ``[N, D]``."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+class DFlashAttention(nn.Module):
+    """Grouped-query attention with per-head q_norm/k_norm (Qwen3) and context KV injection."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        block_states: torch.Tensor,  # [Q, H], already input_layernorm'ed
+        context: torch.Tensor,  # [T, H] fused context features
+        block_rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [Q, D]
+        context_rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [T, D]
+        mask: object,  # BlockMask, dense bool [Q, T+Q], or None (no mask: serving path)
+    ) -> torch.Tensor:
+        num_queries, num_context = block_states.shape[0], context.shape[0]
+        q = self.q_norm(self.q_proj(block_states).view(num_queries, self.num_heads, self.head_dim))
+        kv_input = torch.cat([context, block_states], dim=0)  # [T+Q, H]: one GEMM for both key sources
+        k = self.k_norm(self.k_proj(kv_input).view(-1, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(kv_input).view(-1, self.num_kv_heads, self.head_dim)
+        q = _apply_rope(q, *block_rope)
+        cos = torch.cat([context_rope[0], block_rope[0]], dim=0)
+        sin = torch.cat([context_rope[1], block_rope[1]], dim=0)
+        k = _apply_rope(k, cos, sin)
+        assert k.shape[0] == num_context + num_queries
+        # [1, heads, len, D]
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        # v comes straight out of a Linear, so it carries the compute dtype (bf16 under autocast); the norms
+        # promote q/k to float32, which would make attention run in float32.
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        gqa = self.num_kv_heads != self.num_heads
+        if mask is None or isinstance(mask, torch.Tensor):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        else:
+            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        out = out.squeeze(0).transpose(0, 1).reshape(num_queries, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class DFlashMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-RMSNorm decoder layer; the context enters only as injected keys/values."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DFlashMLP(config)
+
+    def forward(self, hidden_states, context, block_rope, context_rope, mask):
+        residual = hidden_states
+        hidden_states = self.self_attn(self.input_layernorm(hidden_states), context, block_rope, context_rope, mask)
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash block-diffusion drafter (trainable parameters named exactly as the serving engines load them).
+
+    Raises (at use): ``ConfigError`` when the target's embedding / LM head were not attached.
+    """
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(config.num_taps * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.rotary_emb = _make_rotary(config)
+        # Frozen target tensors: non-persistent buffers (move with .to(), never in state_dict()).
+        self.register_buffer("embed_weight", None, persistent=False)
+        self.register_buffer("_lm_head_weight", None, persistent=False)
+        self._lm_head_tied = False
+        self._compiled_layers: list | None = None
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ setup
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Normal(0, std) for projections, ones for norms (transformers' Qwen3 init)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def attach_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> None:
+        """Share the target's frozen token embedding ``[V, H]`` and LM head ``[V, H]`` (None or the same tensor =
+        tied). They are kept as non-persistent buffers: excluded from ``state_dict()`` and from parameters.
+
+        Raises:
+            MismatchError: shapes differ from ``(vocab_size, hidden_size)``.
+        """
+        expected = (self.config.vocab_size, self.config.hidden_size)
+        for name, weight in (("embedding", embed_weight), ("LM head", lm_head_weight)):
+            if weight is not None and tuple(weight.shape) != expected:
+                raise MismatchError(
+                    f"target {name} has shape {tuple(weight.shape)}, the drafter config expects {expected} "
+                    "(vocab_size, hidden_size); load the target this drafter was configured for"
+                )
+        tied = lm_head_weight is None or lm_head_weight is embed_weight
+        device = self.fc.weight.device
+        self.embed_weight = embed_weight.detach().to(device)
+        self._lm_head_weight = None if tied else lm_head_weight.detach().to(device)
+        self._lm_head_tied = tied
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The target's LM head ``[V, H]`` (the embedding when tied)."""
+        self._require_target()
+        return self.embed_weight if self._lm_head_tied else self._lm_head_weight
+
+    def target_weight_hashes(self) -> dict[str, str]:
+        """``{"embed_tokens": sha256, "lm_head": sha256}`` of the attached target tensors (lm_head = embedding hash
+        when tied), recorded in checkpoints so a different target is caught at load."""
+        self._require_target()
+        embed = tensor_hash(self.embed_weight)
+        return {"embed_tokens": embed, "lm_head": embed if self._lm_head_tied else tensor_hash(self._lm_head_weight)}
+
+    def _require_target(self) -> None:
+        if self.embed_weight is None:
+            raise ConfigError(
+                "the drafter has no target embedding / LM head; call drafter.attach_target(embed_weight, "
+                "lm_head_weight) with the target's tensors first"
+            )
+
+    def compile_layers(self, **compile_kwargs) -> None:
+        """torch.compile each decoder layer (one compiled graph reused by all layers, torchtitan style) for the
+        fixed-shape path. Shapes change only with the length bucket, so recompiles are bounded by the buckets."""
+        compile_kwargs.setdefault("dynamic", False)
+        self._compiled_layers = [torch.compile(layer, **compile_kwargs) for layer in self.layers]
+
+    # ------------------------------------------------------------------ forward
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        probe = torch.empty(0, device=positions.device, dtype=dtype)
+        cos, sin = self.rotary_emb(probe, positions[None].to(torch.int64))
+        return cos[0], sin[0]
+
+    def fuse_context(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, n*H]`` tapped target states -> ``[T, H]`` context features ``hidden_norm(fc(h))``."""
+        if hidden.shape[-1] != self.fc.in_features:
+            raise MismatchError(
+                f"hidden states have width {hidden.shape[-1]}, the drafter expects {self.fc.in_features} "
+                f"({self.config.num_taps} taps x hidden {self.config.hidden_size}); the cache was extracted "
+                "with other target_layer_ids or another target"
+            )
+        return self.hidden_norm(self.fc(hidden.to(self.fc.weight.dtype)))
+
+    def _run_layers(self, block_states, context, block_rope, context_rope, mask) -> torch.Tensor:
+        layers = self._compiled_layers if self._compiled_layers is not None else self.layers
+        for layer in layers:
+            block_states = layer(block_states, context, block_rope, context_rope, mask)
+        return self.norm(block_states)
+
+    def build_mask(self, anchors: torch.Tensor, position_ids: torch.Tensor) -> tuple[AttentionLayout, object]:
+        """Attention layout and mask for one step: a FlexAttention BlockMask on CUDA, a dense ``[Q, T+Q]`` bool
+        mask elsewhere. Built once per step and shared by every layer."""
+        layout = attention_layout(anchors, position_ids, self.config.block_size)
+        mask = flex_block_mask(layout) if anchors.is_cuda else dense_attention_mask(layout)
+        return layout, mask
+
+    def forward_train(self, batch: PackedBatch, anchors: torch.Tensor, *, mask: object = None) -> torch.Tensor:
+        """Training forward of every block of a packed batch at once.
+
+        Args:
+            batch: packed batch (``input_ids [T]``, ``hidden [T, n*H]``, ``position_ids [T]``) on the model's device.
+            anchors: ``[A]`` int64 flat indices into T (from :func:`sample_anchors`); ``-1`` marks a padding slot
+                (fixed-shape path) whose block sees only itself and must get zero loss weight.
+            mask: optional precomputed mask from :meth:`build_mask` (e.g. built ahead of time).
+
+        Returns:
+            ``[A, B, H]`` hidden states after the final norm, before the LM head.
+        """
+        self._require_target()
+        block_size = self.config.block_size
+        if mask is None:
+            _, mask = self.build_mask(anchors, batch.position_ids)
+        safe = anchors.clamp(min=0)
+        block_ids = torch.full((anchors.shape[0], block_size), self.config.mask_token_id,
+                               dtype=torch.int64, device=anchors.device)
+        block_ids[:, 0] = batch.input_ids[safe]
+        offsets = torch.arange(block_size, device=anchors.device)
+        block_positions = (batch.position_ids[safe][:, None] + offsets).reshape(-1)  # [Q]
+        context = self.fuse_context(batch.hidden)
+        block_states = F.embedding(block_ids.reshape(-1), self.embed_weight).to(context.dtype)
+        rope_dtype = torch.get_autocast_dtype(context.device.type) if torch.is_autocast_enabled(
+            context.device.type) else context.dtype
+        block_rope = self._rope(block_positions, rope_dtype)
+        context_rope = self._rope(batch.position_ids, rope_dtype)
+        out = self._run_layers(block_states, context, block_rope, context_rope, mask)
+        return out.view(anchors.shape[0], block_size, -1)
+
+    @torch.no_grad()
+    def draft_block(
+        self,
+        context_hidden: torch.Tensor,
+        context_positions: torch.Tensor,
+        block_input_ids: torch.Tensor,
+        block_start: int,
+    ) -> torch.Tensor:
+        """Serving-style drafting of one block, as vLLM / SGLang run it: the whole context, no attention mask.
+
+        Args:
+            context_hidden: ``[Lc, n*H]`` tapped target states of every accepted token before the block.
+            context_positions: ``[Lc]`` their absolute positions.
+            block_input_ids: ``[B]`` ``[last accepted token, MASK, ..., MASK]``.
+            block_start: absolute position of the block's first token.
+
+        Returns:
+            ``[B, V]`` float32 logits (position k predicts the token at ``block_start + k``).
+        """
+        self._require_target()
+        context = self.fuse_context(context_hidden)
+        positions = block_start + torch.arange(block_input_ids.shape[0], device=block_input_ids.device)
+        block_states = F.embedding(block_input_ids.to(torch.int64), self.embed_weight).to(context.dtype)
+        rope_dtype = torch.get_autocast_dtype(context.device.type) if torch.is_autocast_enabled(
+            context.device.type) else context.dtype
+        out = self._run_layers(block_states, context, self._rope(positions, rope_dtype),
+                               self._rope(context_positions, rope_dtype), None)
+        return F.linear(out, self.lm_head_weight.to(out.dtype)).float()
+
+
+def _make_rotary(config: DFlashConfig) -> nn.Module:
+    """transformers' Qwen3 rotary embedding built from the drafter config (every ``rope_type`` transformers
+    supports, with the same scaling the target and the exported config use)."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    qwen_config = Qwen3Config(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters=config.rope_parameters,
+        vocab_size=config.vocab_size,
+        num_hidden_layers=config.num_hidden_layers,
+    )
+    return Qwen3RotaryEmbedding(qwen_config)
