@@ -1,0 +1,491 @@
+"""Stage ``prepare``: chat, plain-text or tokenized data -> a tokenized corpus (contract 1, ``dflash/corpus.py``).
+
+Run ``dflash-stages prepare [INPUT...] --output DIR``. Inputs (mixed freely):
+
+- ``default`` (also what no input means): the embedded default corpus, the Python standard library's sources
+  (``dflash/default_corpus.py``);
+- chat data: ``*.jsonl``/``*.json`` lines, or Parquet/Arrow tables, with ``messages: [{role, content}]``
+  (ShareGPT ``conversations: [{from, value}]`` too); ``loss_mask`` is 1 exactly on assistant replies
+  (``dflash/chat.py``; ``--assistant-mask``, ``--last-turn-only``);
+- plain text: a ``text`` field/column, any other file, a folder (files matching ``--pattern``) or a glob; one
+  document per file or row, every token supervised;
+- tokenized data: an Arrow/Parquet file or folder (``datasets.save_to_disk`` too) with ``input_ids`` and
+  ``loss_mask``; validated against the target's vocabulary and rewritten.
+
+Rows longer than ``--max-length`` follow ``--length-policy``: ``error``, ``drop``, ``truncate`` or ``split``
+(consecutive ``max_length`` chunks). ``auto`` means ``split`` when every input is plain text or the default
+corpus, ``error`` otherwise (chat and tokenized data: choose explicitly). The output is written to a temporary
+sibling folder and renamed when complete; any error leaves nothing at ``--output``. 0 kept samples is an error.
+A report of kept and dropped rows by reason is printed and stored in ``corpus.json``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from dflash.chat import ASSISTANT_MASK_MODES, check_assistant_mask, normalize_messages, tokenize_chat
+from dflash.corpus import FORMAT_VERSION, CorpusWriter, open_corpus, validate_corpus
+from dflash.default_corpus import (
+    DEFAULT_MAX_LENGTH,
+    TextFile,
+    collect_text_files,
+    default_corpus_description,
+    default_corpus_files,
+)
+from dflash.errors import ConfigError, CorpusError, DFlashError
+
+__all__ = ["PrepareConfig", "PrepareReport", "run_prepare", "register"]
+
+PrepareLengthPolicy = Literal["auto", "error", "drop", "truncate", "split"]
+_POLICIES = ("auto", "error", "drop", "truncate", "split")
+_TABLE_SUFFIXES = (".parquet", ".pq", ".arrow", ".feather", ".ipc")
+_JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+_BATCH_DOCUMENTS = 64
+
+
+@dataclass(kw_only=True, slots=True)
+class PrepareConfig:
+    """Configuration of ``prepare``; validated on construction (errors name the field)."""
+
+    #: Input paths, globs or ``"default"``; empty means ``["default"]``.
+    inputs: list[str] = field(default_factory=list)
+    #: Output corpus folder (must not exist unless ``overwrite``).
+    output: Path
+    #: Target spec (``"default"``, a transformers folder or a .gguf file): its tokenizer, chat template, vocab.
+    target: str = "default"
+    #: Longest sample in tokens.
+    max_length: int = DEFAULT_MAX_LENGTH
+    #: What to do with longer rows (module docstring).
+    length_policy: PrepareLengthPolicy = "auto"
+    #: How assistant replies are found in chat data (``dflash/chat.py``).
+    assistant_mask: Literal["template", "prefix-diff"] = "template"
+    #: Supervise only the last assistant reply of each conversation.
+    last_turn_only: bool = False
+    #: File-name patterns (fnmatch) of the files taken from folder inputs.
+    patterns: tuple[str, ...] = ("*",)
+    #: Stop after this many kept samples (documents are then taken in a seeded random order).
+    max_samples: int | None = None
+    #: Stop once this many tokens are kept (the sample reaching it is kept whole).
+    max_tokens: int | None = None
+    #: Seed of the document order when a limit is set.
+    seed: int = 0
+    #: Drop samples (or chunks) with fewer supervised tokens than this.
+    min_supervised_tokens: int = 1
+    #: Default corpus: also take the stdlib test suites.
+    stdlib_tests: bool = False
+    #: Replace an existing output folder (atomically).
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        self.inputs = list(self.inputs) or ["default"]
+        self.output = Path(self.output)
+        if self.max_length < 1:
+            raise ConfigError(f"max_length must be >= 1, got {self.max_length}")
+        if self.length_policy not in _POLICIES:
+            raise ConfigError(f"length_policy must be one of {_POLICIES}, got {self.length_policy!r}")
+        if self.assistant_mask not in ASSISTANT_MASK_MODES:
+            raise ConfigError(f"assistant_mask must be one of {ASSISTANT_MASK_MODES}, got {self.assistant_mask!r}")
+        for name in ("max_samples", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1 (or unset), got {value}")
+        if self.min_supervised_tokens < 1:
+            raise ConfigError(f"min_supervised_tokens must be >= 1, got {self.min_supervised_tokens}")
+        if not self.patterns:
+            raise ConfigError("patterns must name at least one file pattern, e.g. '*'")
+
+
+@dataclass(slots=True, eq=False)
+class _Document:
+    """One input document, read lazily: ``kind`` text (``payload``: TextFile or str), chat (messages) or tokens
+    (``(corpus, row)``)."""
+
+    kind: Literal["text", "chat", "tokens"]
+    sample_id: str
+    where: str
+    payload: Any
+
+
+@dataclass(kw_only=True, slots=True)
+class PrepareReport:
+    """Counts of what ``prepare`` read, kept and dropped (by reason); stored in ``corpus.json``."""
+
+    documents_by_kind: Counter = field(default_factory=Counter)
+    documents_not_read: int = 0
+    samples_kept: int = 0
+    tokens_kept: int = 0
+    supervised_tokens_kept: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    truncated: int = 0
+    split_documents: int = 0
+    split_chunks: int = 0
+    max_length: int = DEFAULT_MAX_LENGTH
+    length_policy: str = "error"
+    longest_kept: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["documents_by_kind"] = dict(self.documents_by_kind)
+        data["dropped"] = dict(self.dropped)
+        return data
+
+    def table(self) -> Any:
+        """A rich table of the report."""
+        from rich.table import Table
+
+        table = Table(title="prepare report", show_header=True)
+        table.add_column("what")
+        table.add_column("count", justify="right")
+        for kind, count in sorted(self.documents_by_kind.items()):
+            table.add_row(f"documents found ({kind})", f"{count:,}")
+        if self.documents_not_read:
+            table.add_row("documents not read (limit reached)", f"{self.documents_not_read:,}")
+        table.add_row("[bold]samples kept[/]", f"[bold]{self.samples_kept:,}[/]")
+        table.add_row("tokens kept", f"{self.tokens_kept:,}")
+        table.add_row("supervised tokens kept", f"{self.supervised_tokens_kept:,}")
+        table.add_row("longest sample kept", f"{self.longest_kept:,}")
+        if self.split_documents:
+            table.add_row(f"documents split into {self.max_length}-token chunks", f"{self.split_documents:,}")
+            table.add_row("chunks made", f"{self.split_chunks:,}")
+        if self.truncated:
+            table.add_row(f"samples truncated to {self.max_length}", f"{self.truncated:,}")
+        for reason, count in sorted(self.dropped.items()):
+            table.add_row(f"[yellow]dropped: {reason}[/]", f"{count:,}")
+        return table
+
+
+def _is_tabular_folder(path: Path) -> bool:
+    if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        return True
+    entries = [p for p in path.iterdir() if not p.name.startswith(".")]
+    return bool(entries) and all(p.is_file() and (p.suffix in _TABLE_SUFFIXES or p.name == "corpus.json") for p in entries)
+
+
+def _table_documents(path: Path) -> list[_Document]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if path.is_file() and path.suffix in (".parquet", ".pq"):
+        names = pq.read_schema(path).names
+    elif path.is_file():
+        try:
+            names = pa.ipc.open_file(pa.memory_map(str(path))).schema.names
+        except pa.ArrowInvalid:
+            names = pa.ipc.open_stream(pa.memory_map(str(path))).schema.names
+    else:
+        names = ["input_ids"]  # a corpus / save_to_disk folder: open_corpus checks its columns
+    if "input_ids" in names:
+        corpus = open_corpus(path)
+        return [_Document("tokens", corpus.sample_id(i), corpus.describe_row(i), (corpus, i)) for i in range(len(corpus))]
+    column = next((c for c in ("messages", "conversations", "text") if c in names), None)
+    if column is None:
+        raise CorpusError(
+            f"{path}: no 'input_ids', 'messages', 'conversations' or 'text' column (columns: {names}); give "
+            "tokenized rows (input_ids + loss_mask), chat rows (messages: [{role, content}]) or plain text rows"
+        )
+    table = pq.read_table(path, columns=[column]) if path.suffix in (".parquet", ".pq") else _read_arrow_column(path, column)
+    values = table.column(column).to_pylist()
+    documents = []
+    for row, value in enumerate(values):
+        where = f"{path} row {row}"
+        if column == "text":
+            if not isinstance(value, str):
+                raise CorpusError(f"{where}: text is {type(value).__name__}, expected a string")
+            documents.append(_Document("text", f"{path.stem}:{row}", where, value))
+        else:
+            documents.append(_Document("chat", f"{path.stem}:{row}", where, normalize_messages({column: value}, where=where)))
+    return documents
+
+
+def _read_arrow_column(path: Path, column: str) -> Any:
+    import pyarrow as pa
+
+    try:
+        return pa.ipc.open_file(pa.memory_map(str(path))).read_all().select([column])
+    except pa.ArrowInvalid:
+        return pa.ipc.open_stream(pa.memory_map(str(path))).read_all().select([column])
+
+
+def _json_documents(path: Path) -> list[_Document]:
+    documents = []
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path} line {line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise CorpusError(f"{where}: not valid JSON ({error.msg} at column {error.colno}); write one JSON object per line") from error
+            if not isinstance(record, dict):
+                raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            sample_id = str(record.get("id", record.get("sample_id", f"{path.stem}:{line_number}")))
+            if "messages" in record or "conversations" in record:
+                documents.append(_Document("chat", sample_id, where, normalize_messages(record, where=where)))
+            elif isinstance(record.get("text"), str):
+                documents.append(_Document("text", sample_id, where, record["text"]))
+            else:
+                raise CorpusError(
+                    f"{where}: no 'messages', 'conversations' or 'text' field (keys: {sorted(record)}); "
+                    "give chat rows (messages: [{role, content}]) or plain text rows ({\"text\": ...})"
+                )
+    return documents
+
+
+def _file_documents(path: Path) -> list[_Document]:
+    if path.suffix in _TABLE_SUFFIXES:
+        return _table_documents(path)
+    if path.suffix in _JSON_SUFFIXES:
+        return _json_documents(path)
+    return [_Document("text", f"{path.parent.name}:{path.name}", str(path), TextFile(path, path.name))]
+
+
+def _text_file_documents(files: list[TextFile]) -> list[_Document]:
+    return [_Document("text", f.sample_id, str(f.path), f) for f in files]
+
+
+def collect_documents(config: PrepareConfig) -> list[_Document]:
+    """Expand ``config.inputs`` into documents (chat rows are parsed and checked now; files are read later).
+
+    Raises:
+        CorpusError: an input names nothing, or a row is malformed (file and row named).
+    """
+    documents: list[_Document] = []
+    for spec in config.inputs:
+        path = Path(spec).expanduser()
+        if spec == "default":
+            documents += _text_file_documents(default_corpus_files(include_tests=config.stdlib_tests))
+        elif path.is_dir():
+            if _is_tabular_folder(path):
+                documents += _table_documents(path)
+            else:
+                files = collect_text_files(path, patterns=config.patterns)
+                if not files:
+                    raise CorpusError(f"input folder {path} has no file matching {list(config.patterns)}; check --pattern")
+                documents += _text_file_documents(files)
+        elif path.is_file():
+            documents += _file_documents(path)
+        elif glob.has_magic(spec):
+            matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+            if not matches:
+                raise CorpusError(f"input glob {spec!r} matches no file")
+            for match in matches:
+                documents += _file_documents(match)
+        else:
+            raise CorpusError(f"input {spec!r} does not exist; pass files, folders, globs or 'default'")
+    return documents
+
+
+def _resolve_policy(config: PrepareConfig, documents: list[_Document]) -> str:
+    if config.length_policy != "auto":
+        return config.length_policy
+    return "split" if all(d.kind == "text" for d in documents) else "error"
+
+
+def _read_text(document: _Document, report: PrepareReport) -> str | None:
+    if isinstance(document.payload, str):
+        return document.payload
+    try:
+        data = document.payload.path.read_bytes()
+        if b"\0" in data[:8192]:
+            raise UnicodeDecodeError("utf-8", data[:1], 0, 1, "binary")
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        report.dropped["not UTF-8 text"] += 1
+        return None
+
+
+def _encode(batch: list[_Document], tokenizer: Any, config: PrepareConfig, report: PrepareReport):
+    """Yield ``(document, input_ids, loss_mask)`` for each document of ``batch`` that has tokens."""
+    texts = [(d, _read_text(d, report)) for d in batch if d.kind == "text"]
+    texts = [(d, t) for d, t in texts if t is not None]
+    encoded = tokenizer([t for _, t in texts], add_special_tokens=True)["input_ids"] if texts else []
+    by_document = {id(d): np.asarray(ids, np.int32) for (d, _), ids in zip(texts, encoded, strict=True)}
+    for document in batch:
+        if document.kind == "text":
+            if id(document) not in by_document:
+                continue
+            ids = by_document[id(document)]
+            yield document, ids, np.ones(len(ids), np.uint8)
+        elif document.kind == "chat":
+            ids, mask = tokenize_chat(tokenizer, document.payload, mode=config.assistant_mask,
+                                      last_turn_only=config.last_turn_only, where=document.where)
+            if not mask.any():
+                report.dropped["no assistant reply"] += 1
+                continue
+            yield document, ids, mask
+        else:
+            corpus, row = document.payload
+            sample = corpus.row(row)
+            yield document, sample.input_ids, sample.loss_mask
+
+
+def _apply_length_policy(document: _Document, ids: np.ndarray, mask: np.ndarray, policy: str, report: PrepareReport):
+    """Yield ``(sample_id, input_ids, loss_mask)`` after the length policy."""
+    max_length = report.max_length
+    if len(ids) == 0:
+        report.dropped["empty"] += 1
+        return
+    if len(ids) <= max_length:
+        yield document.sample_id, ids, mask
+        return
+    if policy == "error":
+        raise CorpusError(
+            f"{document.where} (sample_id {document.sample_id!r}): {len(ids)} tokens > --max-length {max_length}; "
+            "choose --length-policy split|truncate|drop explicitly, or raise --max-length"
+        )
+    if policy == "drop":
+        report.dropped["longer than max_length"] += 1
+    elif policy == "truncate":
+        report.truncated += 1
+        yield document.sample_id, ids[:max_length], mask[:max_length]
+    else:
+        report.split_documents += 1
+        for chunk, start in enumerate(range(0, len(ids), max_length)):
+            report.split_chunks += 1
+            yield f"{document.sample_id}#{chunk}", ids[start: start + max_length], mask[start: start + max_length]
+
+
+def run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, PrepareReport]:
+    """Build the corpus described by ``config``; returns ``(output folder, report)``.
+
+    Raises:
+        CorpusError: bad input (file and row named), a row too long under policy ``error``, or 0 kept samples;
+            nothing is left at ``config.output``.
+        TargetError: the target cannot be loaded.
+    """
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from dflash.target import load_tokenizer, resolve_target_path, target_identity
+
+    console = console or Console(stderr=True)
+    target_path = resolve_target_path(config.target)
+    identity = target_identity(target_path)
+    tokenizer = load_tokenizer(target_path)
+    documents = collect_documents(config)
+    if any(d.kind == "chat" for d in documents):
+        check_assistant_mask(tokenizer, config.assistant_mask, where=f"target {config.target!r}")
+    tokenized_sources = {id(d.payload[0]): d.payload[0] for d in documents if d.kind == "tokens"}
+    for corpus in tokenized_sources.values():
+        validate_corpus(corpus, vocab_size=identity.vocab_size)
+    policy = _resolve_policy(config, documents)
+    report = PrepareReport(max_length=config.max_length, length_policy=policy)
+    report.documents_by_kind.update(d.kind for d in documents)
+    if config.max_samples is not None or config.max_tokens is not None:
+        order = np.random.default_rng(config.seed).permutation(len(documents))
+        documents = [documents[i] for i in order]
+
+    done = False
+    read = 0
+    with CorpusWriter(config.output, overwrite=config.overwrite) as writer, Progress(console=console, transient=True) as progress:
+        task = progress.add_task("tokenizing", total=len(documents))
+        for start in range(0, len(documents), _BATCH_DOCUMENTS):
+            batch = documents[start: start + _BATCH_DOCUMENTS]
+            for document, ids, mask in _encode(batch, tokenizer, config, report):
+                for sample_id, sample_ids, sample_mask in _apply_length_policy(document, ids, mask, policy, report):
+                    supervised = int(np.count_nonzero(sample_mask))
+                    if supervised < config.min_supervised_tokens:
+                        reason = "no supervised token" if config.min_supervised_tokens == 1 else (
+                            f"fewer than {config.min_supervised_tokens} supervised tokens")
+                        report.dropped[reason] += 1
+                        continue
+                    writer.add(sample_ids, sample_mask, sample_id)
+                    report.samples_kept += 1
+                    report.tokens_kept += len(sample_ids)
+                    report.supervised_tokens_kept += supervised
+                    report.longest_kept = max(report.longest_kept, len(sample_ids))
+                    done = (config.max_samples is not None and report.samples_kept >= config.max_samples) or (
+                        config.max_tokens is not None and report.tokens_kept >= config.max_tokens)
+                    if done:
+                        break
+                if done:
+                    break
+            read = start + (next(i for i, d in enumerate(batch) if d is document) + 1 if done else len(batch))
+            progress.update(task, completed=read)
+            if done:
+                break
+        report.documents_not_read = len(documents) - read
+        if report.samples_kept == 0:
+            console.print(report.table())
+        metadata = {
+            "format_version": FORMAT_VERSION,
+            "created_by": "dflash-stages prepare",
+            "target_spec": config.target,
+            "target": identity.to_dict(),
+            "tokenizer": {"name": identity.name, "class": type(tokenizer).__name__, "path": str(target_path)},
+            "vocab_size": identity.vocab_size,
+            "max_length": config.max_length,
+            "length_policy": policy,
+            "assistant_mask": config.assistant_mask,
+            "last_turn_only": config.last_turn_only,
+            "inputs": config.inputs,
+            "seed": config.seed,
+            "max_samples": config.max_samples,
+            "max_tokens": config.max_tokens,
+            "report": report.to_dict(),
+        }
+        if "default" in config.inputs:
+            metadata["default_corpus"] = default_corpus_description(include_tests=config.stdlib_tests)
+        output = writer.commit(metadata)
+    return output, report
+
+
+def register(app: Any) -> None:
+    """Add ``prepare`` to the typer ``app``."""
+    import typer
+
+    @app.command("prepare")
+    def prepare_command(
+        inputs: list[str] = typer.Argument(
+            None, metavar="[INPUT]...",
+            help="Chat JSONL/Parquet (messages), text files/folders/globs, tokenized Arrow/Parquet/save_to_disk "
+                 "data, or 'default' (the Python stdlib sources). No input: 'default'."),
+        output: Path = typer.Option(..., "--output", "-o", help="Corpus folder to create (written atomically)."),
+        target: str = typer.Option("default", help="Target: 'default' (SmolLM2-135M-Instruct), a transformers folder or a .gguf file."),
+        max_length: int = typer.Option(DEFAULT_MAX_LENGTH, help="Longest sample, in tokens."),
+        length_policy: str = typer.Option(
+            "auto", help="Rows longer than --max-length: error | drop | truncate | split (max_length chunks) | "
+                         "auto (split for plain text and the default corpus, error for chat/tokenized data)."),
+        assistant_mask: str = typer.Option(
+            "template", help="Chat data: 'template' ({% generation %} markers) or 'prefix-diff' (render each "
+                             "conversation prefix; for templates without markers, e.g. SmolLM2's)."),
+        last_turn_only: bool = typer.Option(False, help="Chat data: supervise only the last assistant reply."),
+        pattern: list[str] = typer.Option(["*"], help="File-name pattern for files in folder inputs (repeatable)."),
+        max_samples: int = typer.Option(None, help="Keep at most this many samples (documents in seeded random order)."),
+        max_tokens: int = typer.Option(None, help="Stop once this many tokens are kept (documents in seeded random order)."),
+        seed: int = typer.Option(0, help="Seed of the document order when --max-samples/--max-tokens is set."),
+        min_supervised_tokens: int = typer.Option(1, help="Drop samples with fewer supervised tokens (DFlash: < 2 x block_size is of little use)."),
+        stdlib_tests: bool = typer.Option(False, help="Default corpus: include the stdlib test suites (~3x tokens)."),
+        overwrite: bool = typer.Option(False, help="Replace an existing --output folder."),
+    ) -> None:
+        """Tokenize chat, plain-text or tokenized data into a corpus (input_ids + loss_mask) for extract."""
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        try:
+            config = PrepareConfig(
+                inputs=inputs or [], output=output, target=target, max_length=max_length,
+                length_policy=length_policy, assistant_mask=assistant_mask, last_turn_only=last_turn_only,
+                patterns=tuple(pattern), max_samples=max_samples, max_tokens=max_tokens, seed=seed,
+                min_supervised_tokens=min_supervised_tokens, stdlib_tests=stdlib_tests, overwrite=overwrite,
+            )
+            path, report = run_prepare(config, console=console)
+        except DFlashError as error:
+            console.print(f"[bold red]error:[/] {error}")
+            raise typer.Exit(2) from None
+        console.print(report.table())
+        corpus = open_corpus(path)
+        console.print(f"wrote {path}: {len(corpus):,} samples, {corpus.num_tokens:,} tokens, {corpus.fingerprint}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run `dflash-stages prepare --help`")
