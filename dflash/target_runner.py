@@ -1,0 +1,310 @@
+"""Run a target causal LM only as far as its last tapped layer and collect the tapped hidden states.
+
+Tap convention (DFLASH.md, :data:`dflash.target.LAYER_ID_CONVENTION`): tapped id ``l`` is the OUTPUT of decoder
+layer ``l`` (0-based), i.e. transformers' ``hidden_states[l + 1]``; the same offset vLLM ``qwen3_dflash.py`` and
+SGLang ``models/dflash.py`` add when they read ``target_layer_ids``.
+
+How the truncation works, without relying on transformers internals that move between releases (5.17 on the
+GPU host, 5.24 here): forward hooks on the tapped decoder layers record their outputs, and the hook of the last
+tapped layer raises a private exception that ends the forward. Layers after it, the final norm and the LM head
+never run. The base model (``model.get_decoder()``) is called with ``use_cache=False``, explicit position ids and a
+right-padding attention mask.
+
+Batching: samples are sorted by length (longest first) and grouped greedily into token-budget batches
+(``rows x longest <= token_budget``), right-padded. Under causal attention a real token never sees a padding
+token on its right, and position ids are ``0..L-1`` for every row, so a sample's output equals its solo forward
+up to kernel rounding (bf16 tolerance), whatever batch it lands in.
+
+On CUDA the taps are copied to pinned host buffers on a side stream (non-blocking) while the next batch computes;
+``iter_batches`` keeps one batch in flight. Shapes: b = rows in a batch, P = padded length, L = one sample's
+length, n = number of taps, H = target hidden size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash.errors import ConfigError, TargetError
+from dflash.target import LAYER_ID_CONVENTION, validate_target_layer_ids
+
+__all__ = ["TargetRunner", "RunnerBatch", "plan_batches", "find_decoder_layers"]
+
+
+class _StopForward(Exception):
+    """Raised by the hook of the last tapped layer to end the forward early (never escapes the runner)."""
+
+
+def find_decoder_layers(model: Any) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
+    """The base decoder (embeddings + layers + final norm, no LM head) of a causal LM and its decoder layers.
+
+    Works for the transformers decoder-only families (Llama, Qwen2/3, Mistral, Gemma...): ``get_decoder()`` or
+    ``base_model`` holding a ``layers`` ModuleList of ``config.num_hidden_layers`` entries.
+
+    Raises:
+        TargetError: no such list is found (the model's class is named in the message).
+    """
+    candidates = []
+    if hasattr(model, "get_decoder"):
+        candidates.append(model.get_decoder())
+    candidates += [getattr(model, "base_model", None), getattr(model, "model", None), model]
+    num_layers = _text_config(model).num_hidden_layers
+    for candidate in candidates:
+        layers = getattr(candidate, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers) == num_layers:
+            return candidate, layers
+    raise TargetError(
+        f"cannot find the {num_layers} decoder layers of {type(model).__name__} (looked for a `layers` ModuleList on "
+        "get_decoder(), base_model and model); the target must be a transformers decoder-only causal LM"
+    )
+
+
+def _text_config(model: Any) -> Any:
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def plan_batches(lengths: Sequence[int] | np.ndarray, token_budget: int) -> list[np.ndarray]:
+    """Group samples into right-padded batches of at most ``token_budget`` padded tokens, longest first.
+
+    Args:
+        lengths: per-sample token counts (int, > 0).
+        token_budget: maximum ``rows x padded length`` of a batch; a sample longer than the budget gets a batch
+            of its own.
+
+    Returns:
+        Index arrays (int64) into ``lengths``, one per batch, each sorted by decreasing length (stable), so
+        padding waste stays small.
+
+    Raises:
+        ConfigError: ``token_budget < 1`` or an empty sample.
+    """
+    if token_budget < 1:
+        raise ConfigError(f"token_budget must be >= 1, got {token_budget}")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size and lengths.min() < 1:
+        raise ConfigError(f"sample {int(np.argmin(lengths))} is empty; every sample needs at least one token")
+    order = np.argsort(-lengths, kind="stable")
+    batches: list[np.ndarray] = []
+    start = 0
+    while start < len(order):
+        longest = int(lengths[order[start]])
+        rows = max(1, token_budget // longest)
+        batches.append(order[start : start + rows])
+        start += rows
+    return batches
+
+
+@dataclass(slots=True)
+class RunnerBatch:
+    """One finished batch of :meth:`TargetRunner.iter_batches`.
+
+    Fields:
+        indices: positions of the batch's samples in the input list.
+        hidden: per sample, ``Tensor[L, n*H]`` bfloat16 on CPU (taps concatenated in ``target_layer_ids`` order).
+        nonfinite_layers: per sample, the tapped layer ids whose output holds a NaN or +-inf (empty if none).
+        num_tokens: real (unpadded) tokens in the batch.
+        num_padded_tokens: ``rows x padded length``.
+    """
+
+    indices: list[int]
+    hidden: list[torch.Tensor]
+    nonfinite_layers: list[list[int]]
+    num_tokens: int
+    num_padded_tokens: int
+
+
+@dataclass(slots=True)
+class _InFlight:
+    indices: list[int]
+    lengths: list[int]
+    host: torch.Tensor  # [b, P, n*H] bf16 (pinned on CUDA)
+    nonfinite: torch.Tensor  # [b, n] bool
+    event: Any = None
+    padded: int = 0
+
+
+class TargetRunner:
+    """Tapped hidden states of a target causal LM, stopping after the last tapped layer.
+
+    Args:
+        model: a loaded transformers causal LM (``AutoModelForCausalLM``), eval mode; bf16 on GPU.
+        target_layer_ids: tapped decoder layers (0-based, strictly increasing, never the last layer).
+        device: where the forward runs (default: the model's device). The model is moved there.
+        token_budget: padded tokens per forward batch (``rows x longest``).
+        pad_token_id: id written into padding positions (never seen by real tokens).
+
+    Raises:
+        TargetError: the model has no recognisable decoder layers, or a layer id is out of range.
+        ConfigError: ``token_budget < 1``.
+
+    Source: tap offset as in vLLM ``qwen3_dflash.py`` / SGLang ``models/dflash.py`` (``hidden_states[l + 1]``).
+    """
+
+    layer_id_convention = LAYER_ID_CONVENTION
+
+    def __init__(
+        self,
+        model: Any,
+        target_layer_ids: Sequence[int],
+        device: str | torch.device | None = None,
+        *,
+        token_budget: int = 16384,
+        pad_token_id: int = 0,
+    ) -> None:
+        if token_budget < 1:
+            raise ConfigError(f"token_budget must be >= 1, got {token_budget}")
+        config = _text_config(model)
+        self.model = model
+        self.num_target_layers = int(config.num_hidden_layers)
+        self.hidden_size = int(config.hidden_size)
+        self.target_layer_ids = validate_target_layer_ids(list(target_layer_ids), self.num_target_layers)
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.token_budget = int(token_budget)
+        self.pad_token_id = int(pad_token_id)
+        self._decoder, self._layers = find_decoder_layers(model)
+        model.to(self.device)
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def feature_size(self) -> int:
+        """``n * H``: width of one token's concatenated taps."""
+        return self.num_taps * self.hidden_size
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Tapped hidden states of a right-padded batch, left on the device.
+
+        Args:
+            input_ids: ``Tensor[b, P]`` int64 on ``self.device``.
+            attention_mask: ``Tensor[b, P]`` (1 = real token, right padding) or ``None`` (no padding).
+
+        Returns:
+            ``Tensor[b, P, n*H]`` bfloat16 on the device; padding positions hold unspecified values.
+        """
+        captured: list[torch.Tensor | None] = [None] * self.num_taps
+        last_slot = self.num_taps - 1
+
+        def make_hook(slot: int):
+            def hook(module, args, output):
+                captured[slot] = output[0] if isinstance(output, tuple) else output
+                if slot == last_slot:
+                    raise _StopForward
+
+            return hook
+
+        handles = [
+            self._layers[layer_id].register_forward_hook(make_hook(slot))
+            for slot, layer_id in enumerate(self.target_layer_ids)
+        ]
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        try:
+            with torch.inference_mode():
+                self._decoder(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                )
+        except _StopForward:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        if any(tap is None for tap in captured):
+            raise TargetError(
+                f"the forward of {type(self.model).__name__} did not run every tapped layer {self.target_layer_ids}; "
+                "the model's decoder layers are not called in order"
+            )
+        with torch.inference_mode():
+            return torch.cat([tap.to(torch.bfloat16) for tap in captured], dim=-1)
+
+    def _launch(self, input_ids_list: Sequence[Any], indices: np.ndarray) -> _InFlight:
+        lengths = [len(input_ids_list[i]) for i in indices]
+        padded_length = max(lengths)
+        rows = len(indices)
+        tokens = torch.full((rows, padded_length), self.pad_token_id, dtype=torch.int64)
+        mask = torch.zeros((rows, padded_length), dtype=torch.int64)
+        for row, index in enumerate(indices):
+            tokens[row, : lengths[row]] = torch.as_tensor(np.asarray(input_ids_list[index]), dtype=torch.int64)
+            mask[row, : lengths[row]] = 1
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            tokens, mask = tokens.pin_memory(), mask.pin_memory()
+        tokens = tokens.to(self.device, non_blocking=True)
+        has_padding = min(lengths) != padded_length
+        mask_device = mask.to(self.device, non_blocking=True) if has_padding else None
+        hidden = self.forward(tokens, mask_device)  # [b, P, n*H]
+        with torch.inference_mode():
+            # Non-finite check on the stored (bf16) values, real tokens only: [b, P, n] -> [b, n].
+            finite = torch.isfinite(hidden.view(rows, padded_length, self.num_taps, self.hidden_size)).all(-1)
+            valid = torch.arange(padded_length, device=self.device)[None, :] < torch.as_tensor(
+                lengths, device=self.device
+            )[:, None]
+            nonfinite = (~finite & valid[:, :, None]).any(1)
+        if not on_cuda:
+            return _InFlight(list(map(int, indices)), lengths, hidden, nonfinite, padded=rows * padded_length)
+        host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+        host_flags = torch.empty(nonfinite.shape, dtype=torch.bool, pin_memory=True)
+        assert self._copy_stream is not None
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            host.copy_(hidden, non_blocking=True)
+            host_flags.copy_(nonfinite, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        # The device buffers must outlive the copy issued on the side stream.
+        hidden.record_stream(self._copy_stream)
+        nonfinite.record_stream(self._copy_stream)
+        return _InFlight(list(map(int, indices)), lengths, host, host_flags, event, padded=rows * padded_length)
+
+    def _finish(self, flight: _InFlight) -> RunnerBatch:
+        if flight.event is not None:
+            flight.event.synchronize()
+        flags = flight.nonfinite.tolist()
+        return RunnerBatch(
+            indices=flight.indices,
+            hidden=[flight.host[row, :length] for row, length in enumerate(flight.lengths)],
+            nonfinite_layers=[
+                [layer_id for layer_id, bad in zip(self.target_layer_ids, row_flags, strict=True) if bad]
+                for row_flags in flags
+            ],
+            num_tokens=sum(flight.lengths),
+            num_padded_tokens=flight.padded,
+        )
+
+    def iter_batches(self, input_ids_list: Sequence[Any]) -> Iterator[RunnerBatch]:
+        """Run every sample; yield finished batches (longest first), one batch kept in flight on the device.
+
+        Args:
+            input_ids_list: per sample, a 1-D int sequence (numpy int32/int64 array, list or tensor), length >= 1.
+
+        Yields:
+            :class:`RunnerBatch`; ``hidden[i]`` is ``Tensor[L_i, n*H]`` bf16 on CPU (a view into the batch's
+            host buffer).
+        """
+        plan = plan_batches([len(ids) for ids in input_ids_list], self.token_budget)
+        pending: _InFlight | None = None
+        for indices in plan:
+            flight = self._launch(input_ids_list, indices)
+            if pending is not None:
+                yield self._finish(pending)
+            pending = flight
+        if pending is not None:
+            yield self._finish(pending)
+
+    def run(self, input_ids_list: Sequence[Any]) -> list[torch.Tensor]:
+        """Tapped hidden states of each sample, in input order: ``Tensor[L_i, n*H]`` bfloat16 on CPU.
+
+        Equal (within bf16 tolerance) to ``torch.cat([model(ids[None], output_hidden_states=True)
+        .hidden_states[l + 1][0] for l in target_layer_ids], -1)`` of each sample alone.
+        """
+        outputs: list[torch.Tensor | None] = [None] * len(input_ids_list)
+        for batch in self.iter_batches(input_ids_list):
+            for index, hidden in zip(batch.indices, batch.hidden, strict=True):
+                outputs[index] = hidden
+        return outputs  # type: ignore[return-value]
