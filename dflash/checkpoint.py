@@ -1,0 +1,503 @@
+"""Run folders and checkpoints (ARCHITECTURE.md contract 3): consistent snapshots written in the background.
+
+Layout of a run folder::
+
+    RUN/run.json                      resolved config + environment (written at start, atomically)
+    RUN/metrics.jsonl, RUN/tb/        telemetry (dflash.telemetry)
+    RUN/checkpoints/step_00000100/    one checkpoint (below)
+    RUN/latest                        text: the newest complete checkpoint's folder name (written last)
+    RUN/best, RUN/best.json           the checkpoint with the lowest validation loss, and that loss
+
+A checkpoint folder holds ``model.safetensors`` (drafter parameters under their serving names, fp32, no
+embedding / LM head), ``drafter_config.json`` (``DFlashConfig.to_dict()``), ``target.json`` (target identity,
+``target_spec``, embedding/LM-head hashes), ``optimizer.pt``, ``trainer_state.json`` (step, epoch, data cursor,
+scheduler, counters, resolved config) and ``rng.pt`` (torch/CUDA/numpy/python generator states).
+
+Consistency: :meth:`Checkpointer.save` copies every tensor to host memory synchronously, between two optimizer
+steps, so a checkpoint never mixes weights of two steps; the copy of a CUDA state goes into pinned buffers reused
+from one save to the next (fast: no allocation, DMA transfers). Writing the files happens on a single background
+thread (``concurrent.futures``), into ``checkpoints/.tmp-<name>-<pid>`` renamed to its final name when complete;
+``latest`` is replaced atomically after the rename, so readers never see a partial checkpoint. The training loop
+only stalls for the host copy, and for a previous write that is still running when the next save is due.
+Retention keeps the last ``keep_last`` checkpoints plus the best by validation loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dflash.errors import CheckpointError, MismatchError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+__all__ = [
+    "CHECKPOINT_FORMAT_VERSION",
+    "TrainingSnapshot",
+    "LoadedCheckpoint",
+    "Checkpointer",
+    "atomic_write_text",
+    "capture_rng_state",
+    "restore_rng_state",
+    "collect_environment",
+    "write_run_json",
+    "resolve_checkpoint",
+    "load_checkpoint",
+    "load_drafter",
+]
+
+CHECKPOINT_FORMAT_VERSION = 1
+_CHECKPOINT_PREFIX = "step_"
+_REQUIRED_FILES = ("model.safetensors", "drafter_config.json", "target.json", "trainer_state.json")
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace`` (atomic)."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def _to_host(tree: Any, pinned: dict[str, torch.Tensor] | None = None, prefix: str = "") -> Any:
+    """Deep copy of a nest of dicts/lists/tensors with every tensor copied to host memory.
+
+    CPU tensors are cloned. CUDA tensors are copied into pinned buffers kept in ``pinned`` (keyed by their path
+    in the tree) and reused across calls with the same shapes; the caller synchronizes once afterwards.
+    """
+    if isinstance(tree, torch.Tensor):
+        tensor = tree.detach()
+        if tensor.device.type == "cpu":
+            return tensor.clone()
+        if pinned is None:
+            return tensor.to("cpu", copy=True)
+        buffer = pinned.get(prefix)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            pinned[prefix] = buffer
+        buffer.copy_(tensor, non_blocking=True)
+        return buffer
+    if isinstance(tree, dict):
+        return {key: _to_host(value, pinned, f"{prefix}/{key}") for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        copied = [_to_host(value, pinned, f"{prefix}/{index}") for index, value in enumerate(tree)]
+        return type(tree)(copied) if isinstance(tree, tuple) else copied
+    return tree
+
+
+def capture_rng_state(**generators: torch.Generator) -> dict[str, Any]:
+    """States of the global torch CPU/CUDA, numpy and python generators, plus any named ``generators``."""
+    import numpy as np
+
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+        "generators": {name: generator.get_state() for name, generator in generators.items()},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any], **generators: torch.Generator) -> None:
+    """Inverse of :func:`capture_rng_state` (CUDA states only when CUDA is in use here too)."""
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    for name, generator in generators.items():
+        if name in state.get("generators", {}):
+            generator.set_state(state["generators"][name])
+
+
+def _git_commit() -> str | None:
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() or None
+
+
+def collect_environment() -> dict[str, Any]:
+    """What produced a run: host, Python and library versions, devices, code commit, command line."""
+    import importlib.metadata
+
+    versions = {}
+    for package in ("torch", "transformers", "safetensors", "zarr", "numcodecs", "numpy", "dflash-stages"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    devices = []
+    if torch.cuda.is_available():
+        devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "versions": versions,
+        "cuda": torch.version.cuda,
+        "cuda_devices": devices,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "git_commit": _git_commit(),
+        "argv": list(sys.argv),
+    }
+
+
+def write_run_json(run_dir: str | Path, config: Mapping[str, Any], environment: Mapping[str, Any], **extra: Any) -> Path:
+    """Write ``RUN/run.json`` (resolved config, environment and ``extra`` sections) atomically."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "run.json"
+    payload = {"format_version": CHECKPOINT_FORMAT_VERSION, "config": dict(config), "environment": dict(environment)}
+    payload.update(extra)
+    atomic_write_text(path, json.dumps(payload, indent=2, default=str))
+    return path
+
+
+@dataclass(kw_only=True)
+class TrainingSnapshot:
+    """Everything a checkpoint holds, as host-memory copies taken at one step.
+
+    Attributes:
+        step: optimizer steps completed.
+        model_state: drafter parameters (serving names, no embedding / LM head), host tensors.
+        optimizer_state: ``optimizer.state_dict()`` with host tensors.
+        trainer_state: JSON-serializable: epoch, data cursor, scheduler state, counters, resolved config.
+        rng_state: from :func:`capture_rng_state`.
+        drafter_config: ``DFlashConfig.to_dict()``.
+        target_info: target identity, ``target_spec`` and embedding/LM-head hashes.
+    """
+
+    step: int
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+    trainer_state: dict[str, Any]
+    rng_state: dict[str, Any]
+    drafter_config: dict[str, Any]
+    target_info: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return f"{_CHECKPOINT_PREFIX}{self.step:08d}"
+
+
+class Checkpointer:
+    """Takes consistent snapshots and writes them in the background into ``RUN/checkpoints``.
+
+    Args:
+        run_dir: the run folder.
+        keep_last: how many most recent checkpoints to keep (the best by validation loss is kept in addition).
+        enabled: ``False`` on non-zero data-parallel ranks: nothing is written, snapshots are not even taken.
+    """
+
+    def __init__(self, run_dir: str | Path, *, keep_last: int = 3, enabled: bool = True) -> None:
+        if keep_last < 1:
+            raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+        self.run_dir = Path(run_dir)
+        self.checkpoint_dir = self.run_dir / "checkpoints"
+        self.keep_last = keep_last
+        self.enabled = enabled
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._pending: Future[Path] | None = None
+        self._pinned: dict[str, torch.Tensor] = {}
+        self._best: dict[str, Any] | None = None
+        best_json = self.run_dir / "best.json"
+        if best_json.is_file():
+            self._best = json.loads(best_json.read_text())
+
+    # -- snapshot (synchronous, between steps) -------------------------------------------------------------
+    def snapshot(
+        self,
+        *,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer_state: Mapping[str, Any],
+        rng_state: Mapping[str, Any],
+        drafter_config: Mapping[str, Any],
+        target_info: Mapping[str, Any],
+    ) -> TrainingSnapshot:
+        """Copy the training state to host memory now (waits for a previous write still using the buffers)."""
+        self.wait()
+        model_state = {name: param for name, param in model.state_dict().items()}
+        on_cuda = any(t.is_cuda for t in model_state.values())
+        pinned = self._pinned if on_cuda else None
+        snapshot = TrainingSnapshot(
+            step=int(step),
+            model_state=_to_host(model_state, pinned, "model"),
+            optimizer_state=_to_host(optimizer.state_dict(), pinned, "optimizer"),
+            trainer_state=json.loads(json.dumps(trainer_state)),  # deep copy, and proof it is JSON-serializable
+            rng_state=_to_host(dict(rng_state)),
+            drafter_config=json.loads(json.dumps(drafter_config)),
+            target_info=json.loads(json.dumps(target_info)),
+        )
+        if on_cuda:
+            torch.cuda.synchronize()
+        return snapshot
+
+    def save(self, snapshot: TrainingSnapshot) -> Future[Path] | None:
+        """Write ``snapshot`` in the background; returns the future of its final folder (None when disabled)."""
+        if not self.enabled:
+            return None
+        self.wait()
+        self._pending = self._executor.submit(self._write, snapshot)
+        return self._pending
+
+    def report_validation(self, step: int, val_loss: float) -> None:
+        """Record the validation loss of the checkpoint of ``step`` (after its write); updates ``best``."""
+        if not self.enabled:
+            return
+        self._pending = self._executor.submit(self._update_best, int(step), float(val_loss))
+
+    def wait(self) -> None:
+        """Block until queued writes are done; re-raises a write's error."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        """Finish pending writes and stop the writer thread."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    # -- background side ------------------------------------------------------------------------------------
+    def _write(self, snapshot: TrainingSnapshot) -> Path:
+        from safetensors.torch import save_file
+
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        final = self.checkpoint_dir / snapshot.name
+        staging = self.checkpoint_dir / f".tmp-{snapshot.name}-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        try:
+            save_file(
+                {name: t.contiguous() for name, t in snapshot.model_state.items()},
+                str(staging / "model.safetensors"),
+                metadata={"format": "pt", "step": str(snapshot.step)},
+            )
+            torch.save(snapshot.optimizer_state, staging / "optimizer.pt")
+            torch.save(snapshot.rng_state, staging / "rng.pt")
+            trainer_state = {"format_version": CHECKPOINT_FORMAT_VERSION, "step": snapshot.step, **snapshot.trainer_state}
+            (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+            (staging / "drafter_config.json").write_text(json.dumps(snapshot.drafter_config, indent=2))
+            (staging / "target.json").write_text(json.dumps(snapshot.target_info, indent=2))
+            for path in staging.iterdir():
+                path.chmod(0o644)  # safetensors creates 0600 files; runs are read by other users and tools
+                with open(path, "rb") as handle:
+                    os.fsync(handle.fileno())
+            if final.exists():  # the same step saved again (e.g. after a resume): replace it whole
+                trash = self.checkpoint_dir / f".old-{snapshot.name}-{os.getpid()}"
+                shutil.rmtree(trash, ignore_errors=True)
+                final.rename(trash)
+                shutil.rmtree(trash, ignore_errors=True)
+            staging.rename(final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        atomic_write_text(self.run_dir / "latest", snapshot.name + "\n")
+        self._apply_retention()
+        return final
+
+    def _update_best(self, step: int, val_loss: float) -> None:
+        name = f"{_CHECKPOINT_PREFIX}{step:08d}"
+        if not (self.checkpoint_dir / name).is_dir():
+            return  # validation at a step without checkpoint: logged by the caller, nothing to point at
+        if self._best is not None and not val_loss < self._best["val_loss"]:
+            return
+        self._best = {"checkpoint": name, "step": step, "val_loss": val_loss}
+        atomic_write_text(self.run_dir / "best.json", json.dumps(self._best, indent=2))
+        atomic_write_text(self.run_dir / "best", name + "\n")
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        checkpoints = sorted(p for p in self.checkpoint_dir.glob(f"{_CHECKPOINT_PREFIX}*") if p.is_dir())
+        keep = {p.name for p in checkpoints[-self.keep_last :]}
+        if self._best is not None:
+            keep.add(self._best["checkpoint"])
+        for path in checkpoints:
+            if path.name not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+# -- reading -------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class LoadedCheckpoint:
+    """A checkpoint read back from disk (see :class:`TrainingSnapshot` for the fields)."""
+
+    path: Path
+    step: int
+    model_state: dict[str, torch.Tensor]
+    trainer_state: dict[str, Any]
+    drafter_config: dict[str, Any]
+    target_info: dict[str, Any]
+    optimizer_state: dict[str, Any] | None = None
+    rng_state: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _is_export_folder(path: Path) -> bool:
+    config = path / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return "DFlashDraftModel" in json.loads(config.read_text()).get("architectures", [])
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder from a run folder (follows ``latest``), a checkpoint folder, or ``RUN/best``-style names.
+
+    Raises:
+        CheckpointError: nothing complete at ``path``; names the missing file and the fix.
+    """
+    path = Path(path)
+    if (path / "latest").is_file():
+        name = (path / "latest").read_text().strip()
+        candidate = path / "checkpoints" / name
+        if not candidate.is_dir():
+            raise CheckpointError(
+                f"{path / 'latest'} points at {name}, but {candidate} does not exist; the run folder was edited by "
+                "hand or the checkpoint deleted: point at an existing checkpoint folder under checkpoints/"
+            )
+        path = candidate
+    elif (path / "run.json").is_file() and not (path / "model.safetensors").is_file():
+        raise CheckpointError(f"run folder {path} has no checkpoint yet (no 'latest' file); train it first")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a folder; pass a run folder, a checkpoint folder or an export folder")
+    missing = [name for name in _REQUIRED_FILES if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint: missing {', '.join(missing)}; pass a run folder (RUN), a "
+            "checkpoint folder (RUN/checkpoints/step_XXXXXXXX) or an exported serving folder"
+        )
+    return path
+
+
+def load_checkpoint(path: str | Path, *, with_training_state: bool = True) -> LoadedCheckpoint:
+    """Read a checkpoint (a run folder resolves to its ``latest``); tensors on CPU.
+
+    Args:
+        with_training_state: also read ``optimizer.pt`` and ``rng.pt`` (needed to resume, not to evaluate).
+
+    Raises:
+        CheckpointError: missing or unreadable files, or a newer format version.
+    """
+    from safetensors.torch import load_file
+
+    folder = resolve_checkpoint(path)
+    try:
+        trainer_state = json.loads((folder / "trainer_state.json").read_text())
+        loaded = LoadedCheckpoint(
+            path=folder,
+            step=int(trainer_state["step"]),
+            model_state=load_file(str(folder / "model.safetensors"), device="cpu"),
+            trainer_state=trainer_state,
+            drafter_config=json.loads((folder / "drafter_config.json").read_text()),
+            target_info=json.loads((folder / "target.json").read_text()),
+        )
+        if with_training_state:
+            loaded.optimizer_state = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
+            # RNG states hold numpy arrays and python tuples: our own file, loaded with full unpickling.
+            loaded.rng_state = torch.load(folder / "rng.pt", map_location="cpu", weights_only=False)
+    except (OSError, KeyError, json.JSONDecodeError, RuntimeError) as error:
+        raise CheckpointError(f"cannot read checkpoint {folder}: {error}; the folder is damaged, use another") from error
+    version = trainer_state.get("format_version", 0)
+    if version > CHECKPOINT_FORMAT_VERSION:
+        raise CheckpointError(
+            f"{folder} has checkpoint format {version}, newer than this code's {CHECKPOINT_FORMAT_VERSION}; "
+            "upgrade dflash-stages"
+        )
+    return loaded
+
+
+def _target_weights(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding weight [V, H], LM head weight [V, H]) of a ``LoadedTarget`` or a transformers causal LM."""
+    model = getattr(target, "model", target)
+    return model.get_input_embeddings().weight, model.get_output_embeddings().weight
+
+
+def load_drafter(path: str | Path, *, target: Any = None) -> tuple[Any, Any, dict[str, Any]]:
+    """Load a drafter from a run folder (its ``latest``), a checkpoint folder or an exported serving folder.
+
+    Args:
+        path: see above.
+        target: a ``LoadedTarget`` or transformers causal LM whose embedding and LM head are attached to the
+            drafter (checked against the hashes recorded at training time); ``None`` leaves them unattached.
+
+    Returns:
+        ``(drafter, config, target_info)``: a ``DFlashDrafter`` in eval mode on CPU (fp32 for checkpoints), its
+        ``DFlashConfig``, and the recorded target information (identity, ``target_spec``, hashes).
+
+    Raises:
+        CheckpointError: nothing loadable at ``path``; MismatchError: ``target`` is not the training target.
+    """
+    from dflash.drafter import DFlashConfig, DFlashDrafter
+
+    path = Path(path)
+    if _is_export_folder(path):
+        try:
+            from dflash.export import load_exported
+        except ImportError as error:
+            raise CheckpointError(f"{path} is an export folder, but dflash.export is not available: {error}") from error
+        return load_exported(path, target=target)
+
+    checkpoint = load_checkpoint(path, with_training_state=False)
+    config = DFlashConfig.from_dict(checkpoint.drafter_config)
+    drafter = DFlashDrafter(config)
+    missing, unexpected = drafter.load_state_dict(checkpoint.model_state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{checkpoint.path / 'model.safetensors'} does not match the drafter built from drafter_config.json: "
+            f"missing {sorted(missing)}, unexpected {sorted(unexpected)}; the checkpoint is from another version"
+        )
+    if target is not None:
+        embed_weight, lm_head_weight = _target_weights(target)
+        drafter.attach_target(embed_weight, lm_head_weight)
+        recorded = checkpoint.target_info.get("weight_hashes") or {}
+        actual = drafter.target_weight_hashes()
+        for key, value in recorded.items():
+            if actual.get(key) != value:
+                raise MismatchError(
+                    f"target {key}: the drafter at {checkpoint.path} was trained with {value}, the given target has "
+                    f"{actual.get(key)}; load the target recorded in {checkpoint.path / 'target.json'} "
+                    f"(target_spec={checkpoint.target_info.get('target_spec')!r})"
+                )
+    drafter.eval()
+    return drafter, config, checkpoint.target_info

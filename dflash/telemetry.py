@@ -1,0 +1,283 @@
+"""Training telemetry: metrics JSONL + TensorBoard, windowed throughput, step-time split, rich progress.
+
+- :class:`MetricsWriter` appends one JSON object per record to ``metrics.jsonl`` (flushed, so ``tail -f`` works and
+  a killed run keeps every logged step) and mirrors numeric fields to TensorBoard (``tb/``).
+- :class:`ThroughputWindow` gives rates over the last ``window`` steps (not cumulative since start, which hides
+  slow-downs): real tokens/s (documents' tokens), padded tokens/s (tokens including padding), supervised tokens/s
+  (tokens with loss_mask = 1) and drafted block tokens/s (anchors x block_size, what the drafter actually computes).
+- :class:`StepTimer` splits each step's wall time into ``data_wait``, ``forward``, ``backward``, ``optimizer``
+  (CUDA is synchronized at phase boundaries only when asked, since syncing costs throughput).
+- :class:`BucketCounter` counts batches and tokens per length bucket, cumulatively and over the window, so the
+  realized mixing shares can be compared with the corpus shares.
+- :func:`training_progress` is a rich progress bar with ETA.
+
+Only rank 0 writes; other ranks construct these with ``enabled=False`` and every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter, deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping
+
+    from rich.progress import Progress
+
+__all__ = [
+    "MetricsWriter",
+    "ThroughputWindow",
+    "StepTimer",
+    "BucketCounter",
+    "training_progress",
+    "read_metrics",
+]
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item") and callable(value.item):  # torch / numpy scalars
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them readable rather than invalid
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+class MetricsWriter:
+    """Append-only metrics: ``<run>/metrics.jsonl`` and TensorBoard scalars under ``<run>/tb``.
+
+    Each record is ``{"kind": ..., "step": ..., "time": unix seconds, **fields}``. Numeric fields are written to
+    TensorBoard as ``<kind>/<field>``; list fields (e.g. per-position accuracy) as ``<kind>/<field>/<i>``.
+    """
+
+    def __init__(self, run_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True) -> None:
+        self.enabled = enabled
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+
+    def log(self, kind: str, step: int, fields: Mapping[str, Any]) -> None:
+        """Write one record (no-op when disabled)."""
+        if not self.enabled or self._file is None:
+            return
+        record = {"kind": kind, "step": int(step), "time": time.time(), **_jsonable(dict(fields))}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is None:
+            return
+        for name, value in record.items():
+            if name in ("kind", "step", "time"):
+                continue
+            if isinstance(value, bool):
+                value = int(value)
+            if isinstance(value, int | float):
+                self._tb.add_scalar(f"{kind}/{name}", value, step)
+            elif isinstance(value, list) and all(isinstance(v, int | float) for v in value):
+                for index, item in enumerate(value):
+                    self._tb.add_scalar(f"{kind}/{name}/{index}", item, step)
+            elif isinstance(value, dict) and all(isinstance(v, int | float) for v in value.values()):
+                self._tb.add_scalars(f"{kind}/{name}", value, step)
+
+    def log_text(self, tag: str, text: str, step: int = 0) -> None:
+        """A text blob in TensorBoard (resolved config, bucket table)."""
+        if self._tb is not None:
+            self._tb.add_text(tag, text, step)
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(path: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """Records of a ``metrics.jsonl`` (or of a run folder), optionally only those of one ``kind``."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if kind is None or r.get("kind") == kind]
+
+
+@dataclass(slots=True)
+class _StepCounts:
+    time: float
+    real_tokens: int
+    padded_tokens: int
+    supervised_tokens: int
+    block_tokens: int
+
+
+class ThroughputWindow:
+    """Rates over the last ``window`` steps, in tokens per second of wall time.
+
+    Call :meth:`update` once per optimizer step with that step's totals (summed over micro-batches and, for
+    global figures, over ranks). :meth:`rates` returns ``{real,padded,supervised,block}_tokens_per_s``.
+    """
+
+    def __init__(self, window: int = 20) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self._entries: deque[_StepCounts] = deque(maxlen=window + 1)
+        self._entries.append(_StepCounts(time.perf_counter(), 0, 0, 0, 0))
+
+    def reset_clock(self) -> None:
+        """Restart the window (e.g. after an evaluation pause, which is not training time)."""
+        self._entries.clear()
+        self._entries.append(_StepCounts(time.perf_counter(), 0, 0, 0, 0))
+
+    def update(self, *, real_tokens: int, padded_tokens: int, supervised_tokens: int, block_tokens: int) -> None:
+        self._entries.append(
+            _StepCounts(time.perf_counter(), real_tokens, padded_tokens, supervised_tokens, block_tokens)
+        )
+
+    def rates(self) -> dict[str, float]:
+        entries = list(self._entries)
+        elapsed = entries[-1].time - entries[0].time
+        if len(entries) < 2 or elapsed <= 0:
+            return {}
+        window = entries[1:]  # the first entry only marks the window's start time
+        return {
+            "real_tokens_per_s": sum(e.real_tokens for e in window) / elapsed,
+            "padded_tokens_per_s": sum(e.padded_tokens for e in window) / elapsed,
+            "supervised_tokens_per_s": sum(e.supervised_tokens for e in window) / elapsed,
+            "block_tokens_per_s": sum(e.block_tokens for e in window) / elapsed,
+            "steps_per_s": len(window) / elapsed,
+        }
+
+
+class StepTimer:
+    """Wall time of one step split into phases; ``with timer.phase("forward"): ...``.
+
+    Args:
+        synchronize: a callable run at each phase boundary (``torch.cuda.synchronize`` to attribute GPU time to
+            the right phase); ``None`` measures host time only, which is cheaper.
+    """
+
+    PHASES = ("data_wait", "forward", "backward", "optimizer")
+
+    def __init__(self, synchronize: Any = None) -> None:
+        self._synchronize = synchronize
+        self.seconds: dict[str, float] = dict.fromkeys(self.PHASES, 0.0)
+        self._step_start = time.perf_counter()
+
+    def start_step(self) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self._step_start = time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if name not in self.seconds:
+            raise ValueError(f"unknown phase {name!r}; expected one of {self.PHASES}")
+        if self._synchronize is not None:
+            self._synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._synchronize is not None:
+                self._synchronize()
+            self.seconds[name] += time.perf_counter() - start
+
+    def summary(self) -> dict[str, float]:
+        """``time/<phase>_s``, ``time/step_s`` and the data-wait share of the step."""
+        total = time.perf_counter() - self._step_start
+        out = {f"{name}_s": value for name, value in self.seconds.items()}
+        out["step_s"] = total
+        out["data_wait_fraction"] = self.seconds["data_wait"] / total if total > 0 else 0.0
+        return out
+
+
+class BucketCounter:
+    """Batches and real tokens per length bucket: cumulative and over the last ``window`` batches."""
+
+    def __init__(self, window: int = 200) -> None:
+        self.total_batches: Counter[int] = Counter()
+        self.total_tokens: Counter[int] = Counter()
+        self._recent: deque[tuple[int, int]] = deque(maxlen=window)
+
+    def update(self, bucket_id: int, real_tokens: int) -> None:
+        self.total_batches[bucket_id] += 1
+        self.total_tokens[bucket_id] += real_tokens
+        self._recent.append((bucket_id, real_tokens))
+
+    def window_token_shares(self) -> dict[str, float]:
+        """Share of real tokens per bucket over the window (keys are bucket ids as strings, for JSON)."""
+        tokens: Counter[int] = Counter()
+        for bucket_id, count in self._recent:
+            tokens[bucket_id] += count
+        total = sum(tokens.values())
+        return {str(b): tokens[b] / total for b in sorted(tokens)} if total else {}
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "bucket_batches": {str(b): n for b, n in sorted(self.total_batches.items())},
+            "bucket_token_share_window": self.window_token_shares(),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "total_batches": dict(self.total_batches),
+            "total_tokens": dict(self.total_tokens),
+            "recent": list(self._recent),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.total_batches = Counter({int(k): v for k, v in state["total_batches"].items()})
+        self.total_tokens = Counter({int(k): v for k, v in state["total_tokens"].items()})
+        self._recent.clear()
+        self._recent.extend((int(b), int(n)) for b, n in state["recent"])
+
+
+def training_progress(*, enabled: bool = True) -> Progress:
+    """A rich progress bar for the training loop: steps, rate, elapsed, ETA and a free-text status field.
+
+    Use ``task = progress.add_task("train", total=num_steps, status="")`` and
+    ``progress.update(task, completed=step, status="loss 2.31 ...")``.
+    """
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[status]}"),
+        disable=not enabled,
+        transient=False,
+    )

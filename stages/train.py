@@ -1,0 +1,420 @@
+"""Stage 2, ``train``: stream a hidden-state cache into DFlash drafter training (DDP, exact resume).
+
+Run::
+
+    dflash-stages train --cache CACHE --output RUN                      # one process (GPU 0, or CPU)
+    dflash-stages train --cache CACHE --output RUN --drafter-gpus 5,6,7 # DDP, one process per listed GPU
+    torchrun --nproc-per-node 3 -m stages.train --cache CACHE --output RUN   # same, launched by torchrun
+    dflash-stages train --cache CACHE --output RUN --resume             # continue RUN from its latest checkpoint
+
+With ``--drafter-gpus`` listing several GPUs (or ``--cpu-processes N`` on CPU, gloo backend) the command launches
+its own workers through ``torch.distributed.run``'s elastic launcher (what ``torchrun --standalone`` does); under
+``torchrun`` it joins the process group that torchrun set up (nccl on GPU, gloo on CPU).
+
+Resume: ``--resume`` starts from the saved configuration of RUN; options given on the command line override it.
+An override that changes the training trajectory (learning rate, batch, seed, schedule length...) is refused,
+naming the fields, unless ``--allow-config-change``: exact resume reproduces the straight run bit for bit on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import uuid
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import typer
+
+from dflash.errors import ConfigError
+from dflash.optim import DEFAULT_BETAS, OptimConfig
+
+__all__ = ["TrainConfig", "RUNTIME_FIELDS", "trajectory_changes", "run_training", "register"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Everything the ``train`` stage needs; saved resolved in ``RUN/run.json`` and in every checkpoint."""
+
+    # -- inputs and outputs
+    cache: str
+    """Hidden-state cache (local folder or fsspec URL) written by ``extract``."""
+    output: str
+    """Run folder: run.json, metrics.jsonl, tb/, checkpoints/, latest, best."""
+    target: str | None = None
+    """Target spec (folder, .gguf, or 'default'); default: the ``target_spec`` recorded in the cache."""
+    resume: bool = False
+    """Continue the run in ``output`` from its ``latest`` checkpoint."""
+    allow_config_change: bool = False
+    """Resume even when trajectory fields changed (the result then differs from a straight run)."""
+    # -- drafter and objective
+    num_draft_layers: int = 5
+    """Draft decoder layers (paper: 5)."""
+    block_size: int = 16
+    """Draft block size B (paper: 16)."""
+    mask_token_id: int | None = None
+    """Mask token row of the target embedding; default: chosen from the tokenizer's unused special tokens."""
+    target_layer_ids: list[int] | None = None
+    """Tapped target layers; default: the cache's. Anything else is refused (the cache holds only its taps)."""
+    gamma: float | None = None
+    """Loss decay over block positions; default by block size (7 for 16, 5 for 10, 4 for 8)."""
+    max_anchors_per_document: int = 512
+    """Anchor budget per document per epoch (paper: 512)."""
+    # -- data
+    token_budget: int = 16384
+    """Real tokens per micro-batch per rank."""
+    num_buckets: int = 4
+    """Length buckets from the cache's length quantiles (when ``bucket_boundaries`` is not given)."""
+    bucket_boundaries: list[int] | None = None
+    """Explicit bucket upper edges (inclusive), strictly increasing."""
+    validation_fraction: float = 0.01
+    """Corpus rows held out for validation (stable per row); 0 disables validation and best-checkpoint tracking."""
+    max_validation_batches: int | None = 50
+    """Validation batches per rank per evaluation (None: the whole held-out split)."""
+    prefetch_batches: int = 4
+    """Batches read ahead in the background (bounds memory)."""
+    shard_window: int | None = None
+    """Mix within K shards at a time with whole-shard reads (object storage); None: global shuffle."""
+    # -- optimization (defaults: the paper's recipe; betas from SpecForge, see dflash.optim)
+    epochs: float = 6.0
+    """Passes over the training split (paper: 6); ignored when ``max_steps`` is set."""
+    max_steps: int | None = None
+    """Optimizer steps of the whole schedule (overrides ``epochs``)."""
+    grad_accum_steps: int = 1
+    """Micro-batches per rank per optimizer step."""
+    lr: float = 6e-4
+    """Peak learning rate."""
+    betas: tuple[float, float] = DEFAULT_BETAS
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    warmup_ratio: float = 0.04
+    """Linear warmup share of the schedule."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of ``lr``."""
+    grad_clip: float = 1.0
+    """Gradient clipping max norm (0: off)."""
+    seed: int = 0
+    """Seed of initial weights, data order and anchors."""
+    mixed_precision: Literal["bf16", "none"] = "bf16"
+    """bf16 autocast on GPU (CPU always runs fp32)."""
+    # -- runtime (never changes the trajectory)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the drafter trains; auto: CUDA when available."""
+    drafter_gpus: list[int] | None = None
+    """GPU ids for the drafter; several: DDP, one process per GPU."""
+    cpu_processes: int = 1
+    """Data-parallel processes on CPU (gloo), for tests and debugging."""
+    stop_at_step: int | None = None
+    """Stop after this step with a checkpoint, as a preemption would (the schedule still spans ``max_steps``)."""
+    save_every: int = 500
+    """Checkpoint every N optimizer steps (and at the end)."""
+    keep_last: int = 3
+    """Checkpoints kept besides the best by validation loss."""
+    eval_every: int | None = None
+    """Validate every N steps (default: ``save_every``, so each checkpoint has a validation loss)."""
+    log_every: int = 10
+    """Log metrics every N steps."""
+    throughput_window: int = 20
+    """Steps in the throughput window."""
+    progress: bool = True
+    """Show the rich progress bar (rank 0)."""
+
+    def __post_init__(self) -> None:
+        if not self.cache:
+            raise ConfigError("cache: give the hidden-state cache path (--cache)")
+        if not self.output:
+            raise ConfigError("output: give the run folder (--output)")
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.bucket_boundaries is not None:
+            self.bucket_boundaries = [int(i) for i in self.bucket_boundaries]
+        if self.drafter_gpus is not None:
+            self.drafter_gpus = [int(i) for i in self.drafter_gpus]
+            if not self.drafter_gpus or len(set(self.drafter_gpus)) != len(self.drafter_gpus):
+                raise ConfigError(f"drafter_gpus must list distinct GPU ids, got {self.drafter_gpus}")
+        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
+        positive = ("num_draft_layers", "max_anchors_per_document", "token_budget", "num_buckets", "grad_accum_steps",
+                    "prefetch_batches", "save_every", "keep_last", "log_every", "throughput_window", "cpu_processes")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_steps", "eval_every", "max_validation_batches", "stop_at_step", "shard_window", "mask_token_id"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < (0 if name == "mask_token_id" else 1)):
+                raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ConfigError(f"block_size must be an integer >= 2, got {self.block_size!r}")
+        if self.gamma is not None and not (self.gamma > 0 and math.isfinite(self.gamma)):
+            raise ConfigError(f"gamma must be a positive finite number, got {self.gamma!r}")
+        if self.max_steps is None and not (self.epochs > 0 and math.isfinite(self.epochs)):
+            raise ConfigError(f"epochs must be > 0 (or give max_steps), got {self.epochs!r}")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ConfigError(f"validation_fraction must be in [0, 1), got {self.validation_fraction!r}")
+        if self.mixed_precision not in ("bf16", "none"):
+            raise ConfigError(f"mixed_precision must be 'bf16' or 'none', got {self.mixed_precision!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.drafter_gpus is not None and self.device == "cpu":
+            raise ConfigError("drafter_gpus lists GPUs but device is 'cpu'; drop one of them")
+        if self.drafter_gpus is not None and self.cpu_processes > 1:
+            raise ConfigError("cpu_processes > 1 is for CPU runs; with drafter_gpus the world size is their count")
+        if self.eval_every is None:
+            self.eval_every = self.save_every
+        self.optim_config()  # validates lr, betas, eps, weight_decay, warmup_ratio, min_lr_ratio, grad_clip
+
+    def optim_config(self) -> OptimConfig:
+        return OptimConfig(
+            lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+            warmup_ratio=self.warmup_ratio, min_lr_ratio=self.min_lr_ratio, grad_clip=self.grad_clip,
+        )
+
+    def resolved_gamma(self) -> float:
+        from dflash.drafter import default_gamma
+
+        return float(self.gamma) if self.gamma is not None else default_gamma(self.block_size)
+
+    @property
+    def world_size(self) -> int:
+        """Processes this config asks for (under torchrun the launcher's WORLD_SIZE rules)."""
+        return len(self.drafter_gpus) if self.drafter_gpus else self.cpu_processes
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["betas"] = list(self.betas)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown train config fields {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def field_types(cls) -> dict[str, str]:
+        """Field name -> annotation string (for ``--set name=value`` parsing in sweeps)."""
+        return {f.name: str(f.type) for f in fields(cls)}
+
+
+#: Fields that never change what is computed: a resume may change them freely.
+RUNTIME_FIELDS = frozenset({
+    "cache", "output", "target", "resume", "allow_config_change", "device", "drafter_gpus", "cpu_processes",
+    "stop_at_step", "save_every", "keep_last", "eval_every", "log_every", "throughput_window", "progress",
+    "prefetch_batches", "max_validation_batches",
+})  # fmt: skip
+
+
+def trajectory_changes(saved: dict[str, Any], current: dict[str, Any], *, saved_world_size: int, world_size: int) -> list[str]:
+    """What differs between a checkpoint's config and the resuming one, in ways that change the trajectory.
+
+    The cache path and the target spec may change (the cache's content and the target's identity are checked
+    separately); the global batch is ``world_size * grad_accum_steps`` micro-batches, so a different world size
+    with the same product keeps the batches but not bit-exactness (different float summation order).
+    """
+    changes = []
+    for name in sorted(set(saved) | set(current)):
+        if name in RUNTIME_FIELDS or name == "grad_accum_steps":
+            continue
+        if saved.get(name) != current.get(name):
+            changes.append(f"{name}: {saved.get(name)!r} -> {current.get(name)!r}")
+    saved_batches = saved_world_size * int(saved.get("grad_accum_steps", 1))
+    current_batches = world_size * int(current.get("grad_accum_steps", 1))
+    if saved_batches != current_batches:
+        changes.append(
+            f"global batch (world_size x grad_accum_steps): {saved_world_size} x {saved.get('grad_accum_steps')} -> "
+            f"{world_size} x {current.get('grad_accum_steps')}"
+        )
+    elif saved_world_size != world_size:
+        log.warning(
+            "resuming with world size %d instead of %d: same batches, but sums run in another order, so the result "
+            "matches a straight run within float tolerance, not bit for bit", world_size, saved_world_size,
+        )
+    return changes
+
+
+# ====================================================================== running (one process or a launcher)
+
+
+def _pick_device(config: TrainConfig, local_rank: int):
+    import torch
+
+    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but CUDA is not available here; use --device cpu")
+    gpu = config.drafter_gpus[local_rank] if config.drafter_gpus else local_rank
+    if os.environ.get("DFLASH_GPUS_REMAPPED"):  # the launcher already narrowed CUDA_VISIBLE_DEVICES to the list
+        gpu = local_rank
+    torch.cuda.set_device(gpu)
+    return torch.device("cuda", gpu)
+
+
+def _train_worker(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """One rank: join the process group (if any), train, close. Picklable entry point of the launcher."""
+    import torch
+    import torch.distributed as dist
+
+    from stages.trainer import Trainer
+
+    config = TrainConfig.from_dict(config_dict)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _pick_device(config, local_rank)
+    initialized_here = False
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        initialized_here = True
+    if device.type == "cpu" and world_size > 1:
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    trainer = Trainer(config, rank=rank, world_size=world_size, device=device)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+        if initialized_here:
+            dist.destroy_process_group()
+
+
+def run_training(config: TrainConfig) -> dict[str, Any]:
+    """Run the train stage: in this process, under an existing ``torchrun``, or by launching one process per
+    rank (``torch.distributed.run``'s elastic launcher, spawn start method). Returns rank 0's summary."""
+    config_dict = config.to_dict()
+    if "TORCHELASTIC_RUN_ID" in os.environ or config.world_size == 1:
+        return _train_worker(config_dict)
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    previous = {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "DFLASH_GPUS_REMAPPED")}
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several processes per node
+    if config.drafter_gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in config.drafter_gpus)
+        os.environ["DFLASH_GPUS_REMAPPED"] = "1"
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=config.world_size,
+        run_id=f"dflash-train-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        results = elastic_launch(launch, _train_worker)(config_dict)
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return results[0]
+
+
+# ====================================================================== CLI
+
+
+def _csv_ints(text: str | None) -> list[int] | None:
+    if text is None or text == "":
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from error
+
+
+def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None) -> TrainConfig:
+    """Build the config: saved run config (with --resume) or --config file, then the options given."""
+    base: dict[str, Any] = {}
+    if config_file is not None:
+        base = json.loads(Path(config_file).read_text())
+        base = base.get("config", base)  # accept a run.json too
+    output = overrides.get("output") or base.get("output")
+    run_json = Path(output) / "run.json" if output else None
+    if overrides.get("resume") and run_json is not None and run_json.is_file():
+        base = {**json.loads(run_json.read_text())["config"], **base}
+    merged = {**base, **{k: v for k, v in overrides.items() if v is not None}}
+    merged.setdefault("resume", False)
+    return TrainConfig.from_dict(merged)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("train")
+    def train_command(
+        cache: str = typer.Option(None, "--cache", help="Hidden-state cache (folder or fsspec URL)."),
+        output: str = typer.Option(None, "--output", "-o", help="Run folder."),
+        resume: bool = typer.Option(None, "--resume/--no-resume", help="Continue RUN from its latest checkpoint."),
+        config_file: Path = typer.Option(None, "--config", help="JSON TrainConfig (or a run.json) to start from."),
+        target: str = typer.Option(None, "--target", help="Target spec; default: the cache's."),
+        drafter_gpus: str = typer.Option(None, "--drafter-gpus", help="GPU ids, e.g. 5,6,7 (DDP when several)."),
+        cpu_processes: int = typer.Option(None, "--cpu-processes", help="DDP processes on CPU (gloo)."),
+        device: str = typer.Option(None, "--device", help="auto | cpu | cuda."),
+        num_draft_layers: int = typer.Option(None, "--num-draft-layers", help="Draft decoder layers (5)."),
+        block_size: int = typer.Option(None, "--block-size", help="Block size B (16)."),
+        mask_token_id: int = typer.Option(None, "--mask-token-id", help="Mask token row (default: chosen)."),
+        target_layer_ids: str = typer.Option(None, "--target-layer-ids", help="Tapped ids; must equal the cache's."),
+        gamma: float = typer.Option(None, "--gamma", help="Loss decay (default by block size)."),
+        max_anchors: int = typer.Option(None, "--max-anchors-per-document", help="Anchors per document (512)."),
+        token_budget: int = typer.Option(None, "--token-budget", help="Real tokens per micro-batch per rank."),
+        num_buckets: int = typer.Option(None, "--num-buckets", help="Length buckets from quantiles (4)."),
+        bucket_boundaries: str = typer.Option(None, "--bucket-boundaries", help="Bucket edges, e.g. 256,1024."),
+        validation_fraction: float = typer.Option(None, "--validation-fraction", help="Held-out rows (0.01)."),
+        epochs: float = typer.Option(None, "--epochs", help="Epochs (6)."),
+        max_steps: int = typer.Option(None, "--max-steps", help="Optimizer steps (overrides --epochs)."),
+        stop_at_step: int = typer.Option(None, "--stop-at-step", help="Stop early with a checkpoint."),
+        grad_accum_steps: int = typer.Option(None, "--grad-accum-steps", help="Micro-batches per step."),
+        lr: float = typer.Option(None, "--lr", help="Peak learning rate (6e-4)."),
+        betas: str = typer.Option(None, "--betas", help="AdamW betas, e.g. 0.9,0.999."),
+        weight_decay: float = typer.Option(None, "--weight-decay", help="AdamW weight decay (0)."),
+        warmup_ratio: float = typer.Option(None, "--warmup-ratio", help="Warmup share (0.04)."),
+        grad_clip: float = typer.Option(None, "--grad-clip", help="Clip norm (1.0; 0 = off)."),
+        seed: int = typer.Option(None, "--seed", help="Seed (0)."),
+        mixed_precision: str = typer.Option(None, "--mixed-precision", help="bf16 | none (GPU only)."),
+        save_every: int = typer.Option(None, "--save-every", help="Checkpoint every N steps (500)."),
+        keep_last: int = typer.Option(None, "--keep-last", help="Checkpoints to keep (3) plus the best."),
+        eval_every: int = typer.Option(None, "--eval-every", help="Validate every N steps."),
+        log_every: int = typer.Option(None, "--log-every", help="Log every N steps (10)."),
+        allow_config_change: bool = typer.Option(None, "--allow-config-change", help="Resume despite changes."),
+        progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the progress bar."),
+    ) -> None:
+        """Train a DFlash drafter on a hidden-state cache (stage 2)."""
+        from rich.console import Console
+
+        overrides = {
+            "cache": cache, "output": output, "resume": resume, "target": target,
+            "drafter_gpus": _csv_ints(drafter_gpus), "cpu_processes": cpu_processes, "device": device,
+            "num_draft_layers": num_draft_layers, "block_size": block_size, "mask_token_id": mask_token_id,
+            "target_layer_ids": _csv_ints(target_layer_ids), "gamma": gamma, "max_anchors_per_document": max_anchors,
+            "token_budget": token_budget, "num_buckets": num_buckets, "bucket_boundaries": _csv_ints(bucket_boundaries),
+            "validation_fraction": validation_fraction, "epochs": epochs, "max_steps": max_steps,
+            "stop_at_step": stop_at_step, "grad_accum_steps": grad_accum_steps, "lr": lr,
+            "betas": [float(b) for b in betas.split(",")] if betas else None, "weight_decay": weight_decay,
+            "warmup_ratio": warmup_ratio, "grad_clip": grad_clip, "seed": seed, "mixed_precision": mixed_precision,
+            "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "log_every": log_every,
+            "allow_config_change": allow_config_change, "progress": progress,
+        }  # fmt: skip
+        config = config_from_cli(overrides, config_file)
+        summary = run_training(config)
+        Console().print_json(json.dumps(summary, default=str))
+
+
+def _torchrun_main() -> None:
+    """``torchrun ... -m stages.train --cache C --output RUN``: every rank runs the same command."""
+    app = typer.Typer(add_completion=False)
+    register(app)
+    app()
+
+
+if __name__ == "__main__":
+    _torchrun_main()

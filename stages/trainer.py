@@ -1,0 +1,566 @@
+"""The drafter training loop of the ``train`` stage (one process = one data-parallel rank).
+
+:meth:`Trainer.fit` reads top-down: load (cache, target, drafter, optimizer, loaders, checks, resume) -> step ->
+save -> evaluate -> log. Details live in :meth:`Trainer.train_step` and in the components (``dflash.stream``,
+``dflash.drafter``, ``dflash.optim``, ``dflash.checkpoint``, ``dflash.telemetry``).
+
+Loss normalization (DFLASH.md; the per-rank normalization bug it warns about): every micro-batch's backward runs on
+the UNnormalized ``weighted_ce_sum``; after the last micro-batch, the weight sums of all micro-batches of all
+ranks are all-reduced and the gradients multiplied by ``world_size / global_weight_sum`` (``world_size`` undoes
+DDP's gradient averaging). The update is the gradient of ``sum_ranks sum_micro ce / global weight sum``, the same
+for one process with gradient accumulation over the same global batch as for DDP.
+
+Anchors of a batch are drawn from a generator seeded by ``(seed, epoch, global batch index)``: the same batch gets
+the same anchors whichever rank reads it, with or without a resume; a new epoch re-samples them.
+
+A non-finite loss (on any rank) or gradient norm skips the update: gradients are dropped, the optimizer state is
+untouched, the step is counted in ``skipped_steps`` and logged; the data and the schedule move on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from dflash.checkpoint import (
+    Checkpointer,
+    capture_rng_state,
+    collect_environment,
+    load_checkpoint,
+    restore_rng_state,
+    write_run_json,
+)
+from dflash.compat import check_target_identity, check_training_inputs
+from dflash.drafter import (
+    DFlashConfig,
+    DFlashDrafter,
+    dflash_loss,
+    expected_acceptance_length,
+    sample_anchors,
+)
+from dflash.errors import CheckpointError, ConfigError
+from dflash.optim import build_optimizer, build_scheduler, clip_grad_norm
+from dflash.stream import StreamConfig, StreamingLoader
+from dflash.target import LAYER_ID_CONVENTION, resolve_target_path, target_identity
+from dflash.telemetry import BucketCounter, MetricsWriter, StepTimer, ThroughputWindow, training_progress
+
+if TYPE_CHECKING:
+    from dflash.batching import PackedBatch
+    from stages.train import TrainConfig
+
+__all__ = ["Trainer", "load_target_embeddings"]
+
+log = logging.getLogger(__name__)
+
+
+def load_target_embeddings(target_path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's input embedding ``[V, H]`` and LM head ``[V, H]`` (``None`` when tied), read from its
+    safetensors files alone, so a drafter rank never loads the whole target. Falls back to loading the model.
+    """
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target_path)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    index = target_path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    else:
+        files = sorted(target_path.glob("*.safetensors"))
+        weight_map = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                weight_map.update(dict.fromkeys(handle.keys(), file.name))
+    embed_names = [n for n in weight_map if n.endswith("embed_tokens.weight")]
+    head_names = [n for n in weight_map if n.endswith("lm_head.weight")]
+    if len(embed_names) == 1 and (tied or len(head_names) == 1):
+
+        def read(name: str) -> torch.Tensor:
+            with safe_open(str(target_path / weight_map[name]), framework="pt") as handle:
+                return handle.get_tensor(name)
+
+        embed = read(embed_names[0])
+        return embed, (None if tied or not head_names else read(head_names[0]))
+    from dflash.target import load_target
+
+    model = load_target(target_path).model
+    embed = model.get_input_embeddings().weight.detach()
+    head = model.get_output_embeddings().weight.detach()
+    return embed, (None if head.data_ptr() == embed.data_ptr() else head)
+
+
+class _LossModule(nn.Module):
+    """``forward(batch, anchors) -> (weighted_ce_sum, weight_sum, correct[B-1], count[B-1])`` so DDP wraps it."""
+
+    def __init__(self, drafter: DFlashDrafter, gamma: float) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.gamma = gamma
+
+    def forward(self, batch: PackedBatch, anchors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = dflash_loss(self.drafter, batch, anchors, gamma=self.gamma)
+        ce_sum = out.weighted_ce_sum
+        if not ce_sum.requires_grad:  # keep every parameter in the graph (DDP waits for all of them)
+            ce_sum = ce_sum + sum(p.reshape(-1)[0] * 0.0 for p in self.drafter.parameters())
+        return ce_sum, out.weight_sum, out.correct_per_position, out.count_per_position
+
+
+def _anchor_seed(seed: int, split: str, epoch: int, batch_index: int) -> int:
+    split_code = {"train": 0, "validation": 1}[split]
+    state = np.random.SeedSequence([seed, split_code, epoch, batch_index]).generate_state(2, dtype=np.uint32)
+    return int(state[0]) << 31 | int(state[1]) >> 1
+
+
+class Trainer:
+    """Trains one drafter on one cache. Construct on every rank (process group already initialized).
+
+    Args:
+        config: the resolved :class:`stages.train.TrainConfig`.
+        rank, world_size: this process's data-parallel rank.
+        device: the torch device of this rank.
+    """
+
+    def __init__(self, config: TrainConfig, *, rank: int = 0, world_size: int = 1, device: torch.device) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.is_main = rank == 0
+        self.run_dir = Path(config.output)
+        self.step = 0
+        self.counters: dict[str, Any] = {"skipped_steps": 0, "empty_steps": 0, "tokens_seen": 0, "data_digest": ""}
+        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main)
+        self.checkpointer = Checkpointer(self.run_dir, keep_last=config.keep_last, enabled=self.is_main)
+        self.buckets = BucketCounter(window=max(1, config.throughput_window) * config.grad_accum_steps * world_size)
+        self.throughput = ThroughputWindow(config.throughput_window)
+        self.timer = StepTimer()
+        self._interval = self._zero_interval()
+        self._train_iter = None
+
+    # ================================================================== the loop
+    def fit(self) -> dict[str, Any]:
+        """Train until ``total_steps`` (or ``stop_at_step``); returns a summary (final metrics, run folder)."""
+        self.load()
+        config = self.config
+        last_eval: dict[str, float] = {}
+        with self.progress:
+            task = self.progress.add_task("train", total=self.total_steps, completed=self.step, status="")
+            while self.step < self.total_steps and self.step != config.stop_at_step:
+                step_metrics = self.train_step()
+                if self.step % config.save_every == 0 or self.step in (self.total_steps, config.stop_at_step):
+                    self.save()
+                if self.val_loader is not None and (self.step % config.eval_every == 0 or self.step == self.total_steps):
+                    last_eval = self.evaluate()
+                    self.checkpointer.report_validation(self.step, last_eval["loss"])
+                    self.metrics.log("val", self.step, last_eval)
+                    self.throughput.reset_clock()
+                self.log(step_metrics)
+                self.progress.update(task, completed=self.step, status=self._status(step_metrics, last_eval))
+        self.checkpointer.wait()
+        return self.summary(last_eval)
+
+    # ================================================================== load
+    def load(self) -> None:
+        """Open the cache, target weights, drafter, optimizer and loaders; check they agree; resume if asked."""
+        from dflash.cache import CacheReader
+
+        config = self.config
+        self.reader = CacheReader(config.cache)
+        metadata = self.reader.metadata
+        self.target_spec = config.target or metadata.target_spec
+        target_path = resolve_target_path(self.target_spec)
+        self.identity = target_identity(target_path)
+        embed, lm_head = load_target_embeddings(target_path)
+
+        resume_from = self._resume_checkpoint()
+        if resume_from is not None:
+            drafter_config = DFlashConfig.from_dict(resume_from.drafter_config)
+            check_target_identity(
+                resume_from.target_info.get("identity", {}), self.identity, where=f"checkpoint {resume_from.path}",
+                fix="resume with the target the run was trained with",
+            )
+        else:
+            drafter_config = self._new_drafter_config(target_path, metadata)
+        # Before step 1: cache, drafter config and target must agree (raises MismatchError naming the field).
+        check_training_inputs(
+            metadata, drafter_config, target_identity=self.identity, embedding_rows=int(embed.shape[0]),
+            layer_id_convention=LAYER_ID_CONVENTION, cache_path=str(config.cache),
+        )
+        self.drafter_config = drafter_config
+        torch.manual_seed(config.seed)  # identical initial weights on every rank and in every rerun
+        drafter = DFlashDrafter(drafter_config)
+        drafter.attach_target(embed, lm_head)
+        self.drafter = drafter.to(self.device)
+        self.target_info = {
+            "identity": self.identity.to_dict(),
+            "target_spec": self.target_spec,
+            "target_path": str(target_path),
+            "weight_hashes": drafter.target_weight_hashes(),
+            "weight_dtype": str(embed.dtype).removeprefix("torch."),
+        }
+
+        self.train_loader = StreamingLoader(self.reader, self._stream_config("train"), rank=self.rank, world_size=self.world_size)
+        self.val_loader = None
+        if config.validation_fraction > 0:
+            self.val_loader = StreamingLoader(
+                self.reader, self._stream_config("validation"), rank=self.rank, world_size=self.world_size
+            )
+            self._val_start = self.val_loader.state_dict()
+        micro_per_epoch = len(self.train_loader)
+        if micro_per_epoch < 1:
+            raise ConfigError(
+                f"the cache gives no full step per epoch for world_size={self.world_size} (batches per rank: "
+                f"{micro_per_epoch}); lower token_budget or use fewer ranks"
+            )
+        self.total_steps = config.max_steps or max(1, math.ceil(config.epochs * micro_per_epoch / config.grad_accum_steps))
+        self.optimizer = build_optimizer(self.drafter.parameters(), config.optim_config())
+        self.scheduler = build_scheduler(self.optimizer, config.optim_config(), total_steps=self.total_steps)
+        if resume_from is not None:
+            self._restore(resume_from)
+
+        self.loss_module: nn.Module = _LossModule(self.drafter, config.resolved_gamma())
+        if self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.loss_module = DistributedDataParallel(
+                self.loss_module,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False,  # the frozen target embedding/LM head are buffers: identical everywhere
+            )
+        self.autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if self.device.type == "cuda" and config.mixed_precision == "bf16"
+            else contextlib.nullcontext()
+        )
+        self.timer = StepTimer()
+        self.progress = training_progress(enabled=self.is_main and config.progress)
+        if self.is_main:
+            self._write_run_json()
+
+    def _resume_checkpoint(self):
+        config = self.config
+        if not config.resume:
+            if (self.run_dir / "latest").is_file():
+                raise CheckpointError(
+                    f"{self.run_dir} already holds a run (latest -> {(self.run_dir / 'latest').read_text().strip()}); "
+                    "pass --resume to continue it, or another --output"
+                )
+            return None
+        if not (self.run_dir / "latest").is_file():
+            log.warning("--resume: %s has no checkpoint yet; starting from step 0", self.run_dir)
+            return None
+        checkpoint = load_checkpoint(self.run_dir)
+        saved = checkpoint.trainer_state.get("config", {})
+        from stages.train import trajectory_changes
+
+        changes = trajectory_changes(saved, config.to_dict(), saved_world_size=checkpoint.trainer_state.get("world_size", 1), world_size=self.world_size)
+        if changes:
+            message = (
+                f"resuming {checkpoint.path} with a changed config breaks exact resume (the run will not equal a "
+                "straight run): " + "; ".join(changes)
+            )
+            if not config.allow_config_change:
+                raise CheckpointError(message + ". Restore those values, or pass --allow-config-change to go on anyway")
+            log.warning("%s (--allow-config-change given)", message)
+        return checkpoint
+
+    def _new_drafter_config(self, target_path: Path, metadata) -> DFlashConfig:
+        from transformers import AutoConfig, AutoTokenizer
+
+        config = self.config
+        tokenizer = AutoTokenizer.from_pretrained(target_path) if config.mask_token_id is None else None
+        return DFlashConfig.from_target_config(
+            AutoConfig.from_pretrained(target_path),
+            tokenizer=tokenizer,
+            num_draft_layers=config.num_draft_layers,
+            block_size=config.block_size,
+            mask_token_id=config.mask_token_id,
+            target_layer_ids=config.target_layer_ids if config.target_layer_ids is not None else metadata.target_layer_ids,
+        )
+
+    def _stream_config(self, split: str) -> StreamConfig:
+        config = self.config
+        return StreamConfig(
+            token_budget=config.token_budget,
+            boundaries=tuple(config.bucket_boundaries) if config.bucket_boundaries else None,
+            num_buckets=config.num_buckets,
+            seed=config.seed,
+            shuffle=split == "train",
+            split=split,  # type: ignore[arg-type]
+            validation_fraction=config.validation_fraction,
+            prefetch_batches=config.prefetch_batches,
+            shard_window=config.shard_window,
+            pin_memory=self.device.type == "cuda",
+        )
+
+    def _restore(self, checkpoint) -> None:
+        state = checkpoint.trainer_state
+        self.drafter.load_state_dict(checkpoint.model_state)
+        self.optimizer.load_state_dict(checkpoint.optimizer_state)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.train_loader.load_state_dict(state["data"])
+        self.buckets.load_state_dict(state["buckets"])
+        self.counters.update(state["counters"])
+        self.step = checkpoint.step
+        if checkpoint.rng_state is not None:
+            restore_rng_state(checkpoint.rng_state)
+        if self.is_main:
+            log.info("resumed %s at step %d (epoch %d)", checkpoint.path, self.step, self.train_loader.epoch)
+
+    # ================================================================== step
+    def _next_batch(self, split: str = "train") -> tuple[PackedBatch, torch.Tensor]:
+        """Next batch of this rank with its anchors, both on the device (anchors drawn on the host copy)."""
+        loader = self.train_loader
+        while True:
+            if self._train_iter is None:
+                self._train_iter = iter(loader)
+            try:
+                batch = next(self._train_iter)
+                break
+            except StopIteration:
+                self._train_iter = None
+        batch_index = (loader.step_in_epoch - 1) * self.world_size + self.rank
+        generator = torch.Generator().manual_seed(_anchor_seed(self.config.seed, split, loader.epoch, batch_index))
+        anchors = sample_anchors(batch, self.drafter_config.block_size, self.config.max_anchors_per_document, generator)
+        digest = hashlib.sha256((self.counters["data_digest"] + repr(batch.corpus_rows)).encode()).hexdigest()
+        self.counters["data_digest"] = digest
+        return batch.to(self.device, non_blocking=True), anchors.to(self.device, non_blocking=True)
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over ``grad_accum_steps`` micro-batches per rank; returns this step's metrics."""
+        config = self.config
+        block = self.drafter_config.block_size
+        log_step = (self.step + 1) % config.log_every == 0
+        self.timer = StepTimer(torch.cuda.synchronize if log_step and self.device.type == "cuda" else None)
+        self.timer.start_step()
+        # [ce_sum, weight_sum, real, padded, supervised, block_tokens, correct[B-1], count[B-1], bucket tokens[K]]
+        num_buckets = self.train_loader.num_buckets
+        sums = torch.zeros(6 + 2 * (block - 1) + num_buckets, dtype=torch.float64, device=self.device)
+        for micro in range(config.grad_accum_steps):
+            with self.timer.phase("data_wait"):
+                batch, anchors = self._next_batch()
+            last = micro == config.grad_accum_steps - 1
+            sync = contextlib.nullcontext() if last or self.world_size == 1 else self.loss_module.no_sync()
+            with sync:
+                with self.timer.phase("forward"), self.autocast:
+                    ce_sum, weight_sum, correct, count = self.loss_module(batch, anchors)
+                with self.timer.phase("backward"):
+                    ce_sum.backward()
+            self.buckets.update(batch.bucket_id, batch.num_real_tokens)
+            sums[0] += ce_sum.detach().double()
+            sums[1] += weight_sum.detach().double()
+            sums[2] += batch.num_real_tokens
+            sums[3] += batch.num_tokens
+            sums[4] += batch.loss_mask.sum()
+            sums[5] += anchors.shape[0] * block
+            sums[6 : 6 + block - 1] += correct.double()
+            sums[6 + block - 1 : 6 + 2 * (block - 1)] += count.double()
+            if batch.bucket_id >= 0:
+                sums[6 + 2 * (block - 1) + batch.bucket_id] += batch.num_real_tokens
+        with self.timer.phase("optimizer"):
+            if self.world_size > 1:
+                torch.distributed.all_reduce(sums)
+            weight_total = sums[1]
+            parameters = [p for p in self.drafter.parameters() if p.grad is not None]
+            scale = torch.where(weight_total > 0, self.world_size / weight_total.clamp(min=1e-12), 0.0)
+            torch._foreach_mul_([p.grad for p in parameters], scale.to(torch.float32))
+            grad_norm = clip_grad_norm(parameters, config.grad_clip)
+            values = sums.tolist()
+            grad_norm_value = float(grad_norm)
+            loss_value = values[0] / values[1] if values[1] > 0 else float("nan")
+            finite = math.isfinite(values[0]) and math.isfinite(grad_norm_value)
+            if not finite:
+                self.counters["skipped_steps"] += 1
+                log.warning(
+                    "step %d: non-finite %s; update skipped (%d skipped so far)", self.step + 1,
+                    "loss" if not math.isfinite(values[0]) else "gradient norm", self.counters["skipped_steps"],
+                )
+            elif values[1] <= 0:
+                self.counters["empty_steps"] += 1  # nothing supervised in the whole global batch
+            else:
+                self.optimizer.step()
+            lr = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.counters["tokens_seen"] += int(values[2])
+        self.throughput.update(
+            real_tokens=int(values[2]), padded_tokens=int(values[3]),
+            supervised_tokens=int(values[4]), block_tokens=int(values[5]),
+        )
+        interval = self._interval
+        interval["sums"] += np.asarray(values[: 6 + 2 * (block - 1)]) * (1.0 if finite else 0.0)
+        interval["steps"] += 1
+        interval["grad_norm_max"] = max(interval["grad_norm_max"], grad_norm_value) if finite else interval["grad_norm_max"]
+        return {
+            "loss": loss_value,
+            "grad_norm": grad_norm_value,
+            "lr": lr,
+            "skipped": not finite,
+            "bucket_tokens": values[6 + 2 * (block - 1) :],
+        }
+
+    # ================================================================== save / evaluate
+    def save(self) -> None:
+        """Snapshot the state now (all ranks call this; only rank 0 copies and writes, in the background)."""
+        if not self.is_main:
+            return
+        snapshot = self.checkpointer.snapshot(
+            step=self.step,
+            model=self.drafter,
+            optimizer=self.optimizer,
+            trainer_state={
+                "epoch": self.train_loader.epoch,
+                "data": self.train_loader.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "counters": dict(self.counters),
+                "buckets": self.buckets.state_dict(),
+                "config": self.config.to_dict(),
+                "world_size": self.world_size,
+                "total_steps": self.total_steps,
+            },
+            rng_state=capture_rng_state(),
+            drafter_config=self.drafter_config.to_dict(),
+            target_info=self.target_info,
+        )
+        self.checkpointer.save(snapshot)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss, per-position accuracy and implied acceptance length on the held-out split (fixed anchors)."""
+        assert self.val_loader is not None
+        block = self.drafter_config.block_size
+        loader = self.val_loader
+        loader.load_state_dict(self._val_start)
+        sums = torch.zeros(2 + 2 * (block - 1), dtype=torch.float64, device=self.device)
+        iterator = iter(loader)
+        try:
+            for index, batch in enumerate(iterator):
+                if self.config.max_validation_batches is not None and index >= self.config.max_validation_batches:
+                    break
+                generator = torch.Generator().manual_seed(
+                    _anchor_seed(self.config.seed, "validation", 0, index * self.world_size + self.rank)
+                )
+                anchors = sample_anchors(batch, block, self.config.max_anchors_per_document, generator)
+                batch, anchors = batch.to(self.device), anchors.to(self.device)
+                with self.autocast:
+                    out = dflash_loss(self.drafter, batch, anchors, gamma=self.config.resolved_gamma())
+                sums[0] += out.weighted_ce_sum.double()
+                sums[1] += out.weight_sum.double()
+                sums[2 : 2 + block - 1] += out.correct_per_position.double()
+                sums[2 + block - 1 :] += out.count_per_position.double()
+        finally:
+            iterator.close()
+        if self.world_size > 1:
+            torch.distributed.all_reduce(sums)
+        values = sums.tolist()
+        accuracy = [c / n if n else 0.0 for c, n in zip(values[2 : 1 + block], values[1 + block :], strict=True)]
+        return {
+            "loss": values[0] / values[1] if values[1] > 0 else float("nan"),
+            "accuracy_per_position": accuracy,
+            "expected_acceptance_length": expected_acceptance_length(accuracy),
+            "supervised_targets": sum(values[1 + block :]),
+        }
+
+    # ================================================================== log
+    def _zero_interval(self) -> dict[str, Any]:
+        return {"sums": 0.0, "steps": 0, "grad_norm_max": 0.0}
+
+    def log(self, step_metrics: dict[str, Any]) -> None:
+        """Every ``log_every`` steps: interval loss/accuracy/tau, lr, grad norm, skips, throughput, time split."""
+        if self.step % self.config.log_every and self.step != self.total_steps:
+            return
+        block = self.drafter_config.block_size
+        interval, self._interval = self._interval, self._zero_interval()
+        sums = np.asarray(interval["sums"], dtype=np.float64) * np.ones(6 + 2 * (block - 1))
+        correct, count = sums[6 : 5 + block], sums[5 + block :]
+        accuracy = [float(c / n) if n else 0.0 for c, n in zip(correct, count, strict=True)]
+        record: dict[str, Any] = {
+            "loss": float(sums[0] / sums[1]) if sums[1] > 0 else step_metrics["loss"],
+            "accuracy_per_position": accuracy,
+            "expected_acceptance_length": expected_acceptance_length(accuracy),
+            "lr": step_metrics["lr"],
+            "grad_norm": step_metrics["grad_norm"],
+            "grad_norm_max": interval["grad_norm_max"],
+            "skipped_steps": self.counters["skipped_steps"],
+            "empty_steps": self.counters["empty_steps"],
+            "epoch": self.train_loader.epoch,
+            "tokens_seen": self.counters["tokens_seen"],
+            "data_digest": self.counters["data_digest"][:16],
+            **self.throughput.rates(),
+            **{f"time_{name}": value for name, value in self.timer.summary().items()},
+            **self.buckets.summary(),
+            "data_wait_total_s": self.train_loader.stats.wait_seconds,
+        }
+        self.metrics.log("train", self.step, record)
+
+    def _status(self, step_metrics: dict[str, Any], last_eval: dict[str, float]) -> str:
+        rates = self.throughput.rates()
+        status = f"loss {step_metrics['loss']:.3f}  lr {step_metrics['lr']:.2e}"
+        if rates:
+            status += f"  {rates['real_tokens_per_s']:,.0f} tok/s"
+        if last_eval:
+            status += f"  val {last_eval['loss']:.3f} tau {last_eval['expected_acceptance_length']:.2f}"
+        if self.counters["skipped_steps"]:
+            status += f"  skipped {self.counters['skipped_steps']}"
+        return status
+
+    def _write_run_json(self) -> None:
+        from rich.console import Console
+
+        from dflash.buckets import render_bucket_table
+
+        rows = self.train_loader.bucket_table()
+        Console(stderr=True).print(render_bucket_table(rows, title=f"length buckets (epoch {self.train_loader.epoch})"))
+        resolved = {
+            "target_spec": self.target_spec,
+            "drafter_config": self.drafter_config.to_dict(),
+            "gamma": self.config.resolved_gamma(),
+            "total_steps": self.total_steps,
+            "world_size": self.world_size,
+            "device": str(self.device),
+            "train_loader": self.train_loader.describe(),
+            "validation_loader": self.val_loader.describe() if self.val_loader is not None else None,
+            "bucket_table": [_row_dict(row) for row in rows],
+            "cache_metadata": self.reader.metadata.to_dict(),
+        }
+        write_run_json(self.run_dir, self.config.to_dict(), collect_environment(), resolved=resolved, target=self.target_info)
+        self.metrics.log_text("config", f"```\n{self.config.to_dict()}\n```")
+
+    def summary(self, last_eval: dict[str, float]) -> dict[str, Any]:
+        best = self.checkpointer._best if self.is_main else None
+        return {
+            "run_dir": str(self.run_dir),
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "skipped_steps": self.counters["skipped_steps"],
+            "tokens_seen": self.counters["tokens_seen"],
+            "data_digest": self.counters["data_digest"],
+            "val": last_eval,
+            "best": best,
+        }
+
+    def close(self) -> None:
+        """Finish background writes and close files (called from the stage's ``finally``)."""
+        try:
+            self.checkpointer.close()
+        finally:
+            self.metrics.close()
+            if getattr(self, "train_loader", None) is not None:
+                self.train_loader.close()
+
+
+def _row_dict(row: Any) -> dict[str, Any]:
+    from dataclasses import asdict, is_dataclass
+
+    return asdict(row) if is_dataclass(row) else {"row": repr(row)}
