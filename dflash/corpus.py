@@ -376,10 +376,10 @@ def _fail(corpus: Corpus, rows: np.ndarray, problem: str, fix: str) -> CorpusErr
     return CorpusError(f"{rows.size} bad row(s): {named}{more}; {fix}")
 
 
-def _row_of_flat(offsets_per_chunk: list[tuple[int, np.ndarray]], flat_bad: list[tuple[int, np.ndarray]]) -> np.ndarray:
+def _row_of_flat(offsets_per_chunk: list[tuple[int, np.ndarray]], flat_bad: list[np.ndarray]) -> np.ndarray:
     """Map flat value indices (per chunk) to unique global row indices."""
     rows = []
-    for (start, offsets), (_, bad) in zip(offsets_per_chunk, flat_bad, strict=True):
+    for (start, offsets), bad in zip(offsets_per_chunk, flat_bad, strict=True):
         if bad.size:
             rows.append(start + np.searchsorted(offsets, bad, side="right") - 1)
     return np.unique(np.concatenate(rows)) if rows else np.zeros(0, np.int64)
