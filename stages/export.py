@@ -1,0 +1,79 @@
+"""``dflash-stages export CKPT OUT``: write a trained drafter in the serving format vLLM and SGLang load.
+
+CKPT is a checkpoint folder (``RUN/checkpoints/step_XXXXXXXX``) or a run folder (its ``latest`` checkpoint is used).
+The export is written atomically, then read back with the strict loader (:func:`dflash.export.read_exported`) and
+compared tensor by tensor with the checkpoint; see ``dflash/export.py`` for the format.
+
+    dflash-stages export runs/smol OUT/smol-dflash [--target PATH] [--overwrite]
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import typer
+
+__all__ = ["register", "export_command"]
+
+
+def export_command(
+    checkpoint: Path = typer.Argument(..., help="Checkpoint folder, or a run folder (its `latest` checkpoint is used)."),
+    out: Path = typer.Argument(..., help="Export folder to create (config.json, model.safetensors, dflash_export.json)."),
+    target: str | None = typer.Option(
+        None,
+        "--target",
+        help="Target spec (folder, .gguf or 'default') whose config/tokenizer check RoPE and widths and name the "
+        "mask token; default: the target_spec recorded in the checkpoint's target.json.",
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists (only after the new export is complete)."),
+) -> None:
+    """Export a drafter checkpoint in the serving format (DFLASH.md) and verify it with the strict loader."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from dflash.errors import DFlashError
+    from dflash.export import export_checkpoint
+
+    console = Console()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            destination, provenance = export_checkpoint(checkpoint, out, target=target, overwrite=overwrite)
+        for warning in caught:
+            console.print(f"[yellow]warning:[/] {warning.message}")
+    except DFlashError as error:
+        console.print(f"[red]export failed:[/] {error}")
+        raise typer.Exit(code=1) from None
+
+    config = provenance["drafter_config"]
+    table = Table(title=f"Exported {destination}", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    source = provenance.get("source") or {}
+    target_info = provenance.get("target") or {}
+    table.add_row("source checkpoint", f"{source.get('checkpoint')} (step {source.get('step')})")
+    table.add_row("target", f"{target_info.get('name')} {target_info.get('content_hash', '')}".strip() or "unknown")
+    table.add_row("draft layers", str(config["num_hidden_layers"]))
+    table.add_row("block_size", str(config["block_size"]))
+    table.add_row("target_layer_ids", f"{config['target_layer_ids']} (output of decoder layer l = hidden_states[l + 1])")
+    table.add_row("mask_token_id", str(config["mask_token_id"]))
+    table.add_row("rope", f"theta={config['rope_theta']} scaling={config.get('rope_scaling')}")
+    table.add_row("parameters", f"{provenance['num_parameters']:,} (bfloat16)")
+    for name, record in provenance["files"].items():
+        table.add_row(name, f"{record['bytes']:,} bytes {record['sha256']}")
+    table.add_row("strict reload", "[green]ok[/]: names, shapes, dtype, RoPE keys, layer ids; tensors equal the checkpoint's")
+    console.print(table)
+    block_size = int(config["block_size"])
+    console.print(
+        "Serve it (the target must be the one it was trained on):\n"
+        f"  vLLM:   vllm serve TARGET --speculative-config "
+        f"'{{\"method\": \"dflash\", \"model\": \"{destination}\", \"num_speculative_tokens\": {block_size - 1}}}'\n"
+        f"  SGLang: python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path {destination} --speculative-num-draft-tokens {block_size}"
+    )
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``export`` command to the CLI."""
+    app.command("export")(export_command)

@@ -1,0 +1,356 @@
+"""``dflash-stages inspect PATH``: print everything recorded about a run, a checkpoint or an export.
+
+PATH is a run folder (``run.json``, ``latest``, ``checkpoints/``), a checkpoint folder (``drafter_config.json``,
+``model.safetensors``, ``target.json``...) or a serving-format export (``config.json`` with
+``architectures: ["DFlashDraftModel"]``, ``dflash_export.json``).
+
+    dflash-stages inspect runs/smol                       # resolved config, target, checkpoints, weights
+    dflash-stages inspect runs/smol --diff exports/smol   # differing config keys (exit code 1 if any differ)
+    dflash-stages inspect runs/smol --scan                # every tensor checked for NaN/Inf (exit code 1 if any)
+
+Every artefact is reduced to flat ``section.key -> value`` facts (sections: ``drafter`` = the DFlashConfig fields,
+``target``, ``run``, ``trainer``, ``serving``, ``provenance``, ``weights``); the diff compares the sections both sides
+have, so a checkpoint and its export compare by drafter config and target.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import typer
+
+__all__ = ["register", "inspect_command", "Artefact", "describe", "diff_facts", "scan_tensors", "flatten"]
+
+ArtefactKind = Literal["run", "checkpoint", "export"]
+
+
+def flatten(data: Any, prefix: str) -> dict[str, Any]:
+    """Nested mappings -> ``{"prefix.a.b": value}``; lists and scalars are leaves."""
+    if isinstance(data, Mapping):
+        flat: dict[str, Any] = {}
+        for key, value in data.items():
+            flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    return {prefix: data}
+
+
+@dataclass(slots=True)
+class Artefact:
+    """What ``inspect`` knows about one path: its kind, flat facts, the weight files to scan, loader verdicts."""
+
+    path: Path
+    kind: ArtefactKind
+    facts: dict[str, Any] = field(default_factory=dict)
+    weight_files: list[Path] = field(default_factory=list)
+    checks: dict[str, str] = field(default_factory=dict)  # name -> "ok" or the error message
+    notes: list[str] = field(default_factory=list)
+
+
+def _read_json(path: Path) -> Any:
+    from dflash.errors import CheckpointError
+
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: unreadable JSON ({error})") from None
+
+
+def _weights_summary(path: Path) -> dict[str, Any]:
+    """Tensor count, parameters, dtypes and bytes of a safetensors file (header only, no data read)."""
+    from safetensors import safe_open
+
+    count, parameters, dtypes = 0, 0, set()
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        for name in handle.keys():
+            tensor_slice = handle.get_slice(name)
+            numel = 1
+            for size in tensor_slice.get_shape():
+                numel *= int(size)
+            count += 1
+            parameters += numel
+            dtypes.add(str(tensor_slice.get_dtype()))
+    return {"file": path.name, "tensors": count, "parameters": parameters, "dtypes": sorted(dtypes), "bytes": path.stat().st_size}
+
+
+def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+
+
+def _describe_checkpoint(folder: Path, artefact: Artefact) -> None:
+    from dflash.errors import DFlashError
+    from dflash.export import CHECKPOINT_CONFIG_FILE, CHECKPOINT_TARGET_FILE, WEIGHTS_FILE, check_state_dict
+
+    config = _read_json(folder / CHECKPOINT_CONFIG_FILE)
+    artefact.facts.update(flatten(config, "drafter"))
+    if (folder / CHECKPOINT_TARGET_FILE).is_file():
+        artefact.facts.update(flatten(_read_json(folder / CHECKPOINT_TARGET_FILE), "target"))
+    else:
+        artefact.notes.append(f"{folder / CHECKPOINT_TARGET_FILE} is missing: the target cannot be checked")
+    if (folder / "trainer_state.json").is_file():
+        artefact.facts.update(flatten(_read_json(folder / "trainer_state.json"), "trainer"))
+    weights = folder / WEIGHTS_FILE
+    if weights.is_file():
+        artefact.weight_files.append(weights)
+        artefact.facts.update(flatten(_weights_summary(weights), "weights"))
+        try:
+            check_state_dict(_shapes(weights), config, where=str(weights))
+            artefact.checks["weight names and shapes"] = "ok"
+        except (DFlashError, KeyError) as error:
+            artefact.checks["weight names and shapes"] = str(error)
+    else:
+        artefact.checks["weights"] = f"{weights} is missing"
+    if (folder / "optimizer.pt").is_file():
+        artefact.weight_files.append(folder / "optimizer.pt")
+
+
+def _describe_export(folder: Path, artefact: Artefact) -> None:
+    from dflash.errors import DFlashError
+    from dflash.export import (
+        CONFIG_FILE,
+        PROVENANCE_FILE,
+        WEIGHTS_FILE,
+        drafter_config_dict_from_serving,
+        read_exported,
+    )
+
+    config = _read_json(folder / CONFIG_FILE)
+    artefact.facts.update(flatten(config, "serving"))
+    try:
+        artefact.facts.update(flatten(drafter_config_dict_from_serving(config), "drafter"))
+    except (KeyError, TypeError) as error:
+        artefact.notes.append(f"config.json does not map onto a drafter config: missing {error}")
+    if (folder / PROVENANCE_FILE).is_file():
+        provenance = _read_json(folder / PROVENANCE_FILE)
+        target = provenance.pop("target", None) or {}
+        provenance.pop("drafter_config", None)  # same facts as drafter.* above
+        artefact.facts.update(flatten(target, "target"))
+        artefact.facts.update(flatten(provenance, "provenance"))
+    else:
+        artefact.notes.append(f"no {PROVENANCE_FILE}: target and source are unknown")
+    weights = folder / WEIGHTS_FILE
+    if weights.is_file():
+        artefact.weight_files.append(weights)
+        artefact.facts.update(flatten(_weights_summary(weights), "weights"))
+    try:
+        read_exported(folder, check_finite=False)
+        artefact.checks["strict serving-format loader"] = "ok"
+    except DFlashError as error:
+        artefact.checks["strict serving-format loader"] = str(error)
+
+
+def describe(path: str | Path) -> Artefact:
+    """Facts about a run, checkpoint or export folder.
+
+    Raises:
+        CheckpointError: the path is none of the three, or a recorded pointer/JSON file is broken.
+    """
+    from dflash.checkpoint import resolve_checkpoint
+    from dflash.errors import CheckpointError
+    from dflash.export import CHECKPOINT_CONFIG_FILE, CONFIG_FILE, PROVENANCE_FILE
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a folder; pass a run, checkpoint or export folder")
+    if (folder / CHECKPOINT_CONFIG_FILE).is_file():
+        artefact = Artefact(path=folder, kind="checkpoint")
+        _describe_checkpoint(folder, artefact)
+        return artefact
+    config_path = folder / CONFIG_FILE
+    if (folder / PROVENANCE_FILE).is_file() or (
+        config_path.is_file() and "DFlashDraftModel" in (_read_json(config_path).get("architectures") or [])
+    ):
+        artefact = Artefact(path=folder, kind="export")
+        _describe_export(folder, artefact)
+        return artefact
+    if (folder / "run.json").is_file() or (folder / "latest").is_file() or (folder / "checkpoints").is_dir():
+        artefact = Artefact(path=folder, kind="run")
+        if (folder / "run.json").is_file():
+            artefact.facts.update(flatten(_read_json(folder / "run.json"), "run"))
+        checkpoints = sorted(p.name for p in (folder / "checkpoints").glob("*") if p.is_dir())
+        artefact.facts["run.checkpoints"] = checkpoints
+        for pointer in ("latest", "best"):
+            if (folder / pointer).is_file():
+                artefact.facts[f"run.{pointer}"] = (folder / pointer).read_text().strip()
+        if (folder / "latest").is_file():
+            latest = resolve_checkpoint(folder)
+            artefact.notes.append(f"drafter/target/weights facts are from the latest checkpoint {latest}")
+            _describe_checkpoint(latest, artefact)
+        else:
+            artefact.notes.append("no `latest` pointer: the run has no complete checkpoint yet")
+        return artefact
+    raise CheckpointError(
+        f"{folder} is not a run (run.json/latest), checkpoint ({CHECKPOINT_CONFIG_FILE}) or export "
+        f"({CONFIG_FILE} with architectures DFlashDraftModel) folder"
+    )
+
+
+def diff_facts(left: Artefact, right: Artefact) -> tuple[list[tuple[str, Any, Any]], list[str]]:
+    """Config differences between two artefacts over the sections both have (the ``weights`` summary excluded).
+
+    Returns:
+        ``(rows, skipped_sections)``: rows ``(key, left value, right value)`` (``<absent>`` when one side lacks the
+        key), sorted by key; and the sections only one side has (not compared).
+    """
+    absent = "<absent>"
+
+    def sections(facts: Mapping[str, Any]) -> set[str]:
+        return {key.split(".", 1)[0] for key in facts}
+
+    # A config diff: the weights summary (dtype, bytes) is not config, and export timestamps always differ.
+    common = (sections(left.facts) & sections(right.facts)) - {"weights"}
+    skipped = sorted((sections(left.facts) | sections(right.facts)) - common - {"weights"})
+    keys = sorted(
+        key
+        for key in set(left.facts) | set(right.facts)
+        if key.split(".", 1)[0] in common and key != "provenance.created_at"
+    )
+    rows = [
+        (key, left.facts.get(key, absent), right.facts.get(key, absent))
+        for key in keys
+        if left.facts.get(key, absent) != right.facts.get(key, absent)
+    ]
+    return rows, skipped
+
+
+def _named_tensors(path: Path) -> Iterator[tuple[str, Any]]:
+    """Every tensor in a safetensors file or a ``torch.save`` file (nested dicts/lists walked, named by path)."""
+    import torch
+
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+        return
+    stack: list[tuple[str, Any]] = [("", torch.load(path, map_location="cpu", weights_only=True))]
+    while stack:
+        name, value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            yield name, value
+        elif isinstance(value, Mapping):
+            stack.extend((f"{name}.{key}" if name else str(key), item) for key, item in reversed(list(value.items())))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((f"{name}.{index}" if name else str(index), item) for index, item in reversed(list(enumerate(value))))
+
+
+def scan_tensors(files: list[Path]) -> tuple[int, int, list[dict[str, Any]]]:
+    """Count NaN and Inf values in every floating-point tensor of ``files``, one tensor at a time.
+
+    Returns:
+        ``(tensors_scanned, elements_scanned, bad)`` where ``bad`` lists ``{file, tensor, dtype, shape, nan, inf}``.
+    """
+    import torch
+
+    scanned, elements, bad = 0, 0, []
+    for path in files:
+        for name, tensor in _named_tensors(path):
+            scanned += 1
+            elements += tensor.numel()
+            if not tensor.is_floating_point():
+                continue
+            nan = int(torch.isnan(tensor).sum())
+            inf = int(torch.isinf(tensor).sum())
+            if nan or inf:
+                bad.append({"file": path.name, "tensor": name, "dtype": str(tensor.dtype), "shape": list(tensor.shape), "nan": nan, "inf": inf})
+    return scanned, elements, bad
+
+
+def _format(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _print_artefact(console: Any, artefact: Artefact) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{artefact.kind} {artefact.path}", show_lines=False)
+    table.add_column("key", style="bold", overflow="fold")
+    table.add_column("value", overflow="fold")
+    previous_section = None
+    for key in sorted(artefact.facts, key=lambda k: (k.split(".", 1)[0] != "drafter", k)):
+        section = key.split(".", 1)[0]
+        if previous_section is not None and section != previous_section:
+            table.add_section()
+        previous_section = section
+        table.add_row(key, _format(artefact.facts[key]))
+    console.print(table)
+    for name, verdict in artefact.checks.items():
+        console.print(f"{name}: " + ("[green]ok[/]" if verdict == "ok" else f"[red]FAILED[/] {verdict}"))
+    for note in artefact.notes:
+        console.print(f"[yellow]note:[/] {note}")
+
+
+def inspect_command(
+    path: Path = typer.Argument(..., help="A run folder, a checkpoint folder or a serving-format export folder."),
+    diff: Path | None = typer.Option(
+        None, "--diff", help="Another run/checkpoint/export: print the config keys that differ (exit code 1 if any)."
+    ),
+    scan: bool = typer.Option(
+        False, "--scan", help="Check every tensor (weights and optimizer state) for NaN/Inf and name the bad ones (exit code 1 if any)."
+    ),
+) -> None:
+    """Print the full config and provenance of a run, checkpoint or export; optionally diff or scan it.
+
+    Exit codes: 0 all good; 1 a format check failed, configs differ (--diff) or a tensor holds NaN/Inf (--scan);
+    2 PATH is not a run, checkpoint or export.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from dflash.errors import DFlashError
+
+    console = Console()
+    try:
+        artefact = describe(path)
+        other = describe(diff) if diff is not None else None
+    except DFlashError as error:
+        console.print(f"[red]inspect failed:[/] {error}")
+        raise typer.Exit(code=2) from None
+
+    failed = False
+    if other is None:
+        _print_artefact(console, artefact)
+        failed = any(verdict != "ok" for verdict in artefact.checks.values())
+    else:
+        rows, skipped = diff_facts(artefact, other)
+        table = Table(title=f"diff: {artefact.kind} {artefact.path}  vs  {other.kind} {other.path}")
+        table.add_column("key", style="bold", overflow="fold")
+        table.add_column(str(artefact.path), overflow="fold")
+        table.add_column(str(other.path), overflow="fold")
+        for key, left, right in rows:
+            table.add_row(key, _format(left), _format(right))
+        if rows:
+            console.print(table)
+        else:
+            console.print("[green]no differences[/] in the compared sections")
+        if skipped:
+            console.print(f"[yellow]not compared[/] (only one side has them): {', '.join(skipped)}")
+        failed = bool(rows)
+
+    if scan:
+        scanned, elements, bad = scan_tensors(artefact.weight_files)
+        if bad:
+            table = Table(title=f"tensors with NaN/Inf in {artefact.path}")
+            for column in ("file", "tensor", "dtype", "shape", "nan", "inf"):
+                table.add_column(column, overflow="fold")
+            for row in bad:
+                table.add_row(*(_format(row[column]) for column in ("file", "tensor", "dtype", "shape", "nan", "inf")))
+            console.print(table)
+        files = ", ".join(p.name for p in artefact.weight_files) or "no weight files"
+        verdict = f"[red]{len(bad)} with NaN/Inf[/]" if bad else "[green]all finite[/]"
+        console.print(f"scanned {scanned} tensors ({elements:,} values) in {files}: {verdict}")
+        failed = failed or bool(bad)
+    if failed:
+        raise typer.Exit(code=1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``inspect`` command to the CLI."""
+    app.command("inspect")(inspect_command)
