@@ -1,0 +1,484 @@
+"""Stage ``evaluate``: speculative decoding with the target and a trained drafter; tau, acceptance, speedup.
+
+Run::
+
+    dflash-stages evaluate --drafter RUN [--prompts held-out --corpus CORPUS [--cache CACHE]] [--json OUT]
+    dflash-stages evaluate --drafter EXPORT --prompts prompts.jsonl --temperature 0.7
+
+For every prompt the same loop (:func:`dflash.speculative.speculative_generate`) runs twice: with block size 1
+(plain target decoding, the baseline) and with the drafter's block size. The speedup is the ratio of their
+throughputs (new tokens per second, prefill included) over the same prompts, measured in the same process.
+Greedy runs are checked for losslessness, not assumed: the speculative output must equal the target's own greedy
+output token for token. A divergence is reported with the target's logit gap between the two tokens at that
+point, recomputed by one full forward: a gap within ``near_tie_tolerance`` is a floating-point near-tie (kernels
+for a 1-token and a B-token forward round differently, mostly in bf16), anything larger is a bug and fails the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from dflash.errors import ConfigError, MismatchError
+from dflash.eval_prompts import EvalPrompt, held_out_rows, prompts_from_corpus, prompts_from_file
+from dflash.speculative import (
+    AcceptanceStats,
+    GenerationResult,
+    SpeculativeConfig,
+    TappedTarget,
+    first_divergence,
+)
+from dflash.speculative import speculative_generate as _generate
+
+__all__ = ["EvaluateConfig", "LoadedEvaluation", "load_drafter_any", "attach_checked", "load_for_evaluation", "load_prompts", "evaluate_drafter",
+           "run_evaluate", "print_report", "write_json_atomic", "register"]
+
+log = logging.getLogger(__name__)
+REPORT_FORMAT = "dflash-stages.evaluate/1"
+
+
+@dataclass(kw_only=True, slots=True)
+class EvaluateConfig:
+    """Settings of ``dflash-stages evaluate``.
+
+    Fields:
+        drafter: a run folder (its ``latest`` checkpoint), a checkpoint folder or an exported serving folder.
+        target: target spec; ``None`` = the spec recorded with the drafter (else the embedded default).
+        prompts: ``"held-out"`` (rows of ``corpus`` outside ``cache``'s shards), or a ``.jsonl`` / ``.txt`` file.
+        corpus / cache: for ``held-out`` prompts.
+        num_prompts: prompts evaluated.
+        prompt_tokens: prompt window taken from a plain (all-supervised) corpus row.
+        max_new_tokens: tokens generated per prompt.
+        temperature: 0 = greedy (lossless check on), > 0 = lossless speculative sampling.
+        block_size: drafting block size; ``None`` = the drafter's.
+        ignore_eos: generate ``max_new_tokens`` even after an end-of-sequence token.
+        compare_untrained: also measure a randomly initialized drafter of the same config (the floor tau).
+        seed: prompt selection, sampling and the untrained drafter's init.
+        device: ``"auto"`` (cuda if available), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``.
+        near_tie_tolerance: largest target logit gap that counts as a floating-point near-tie in the lossless
+            check; ``None`` = 1e-3 in float32, 0.125 in 16-bit dtypes.
+        json_path: where to write the JSON report (atomically); ``None`` = nowhere.
+    """
+
+    drafter: Path
+    target: str | None = None
+    prompts: str = "held-out"
+    corpus: Path | None = None
+    cache: Path | None = None
+    num_prompts: int = 16
+    prompt_tokens: int = 128
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    block_size: int | None = None
+    ignore_eos: bool = False
+    compare_untrained: bool = False
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    near_tie_tolerance: float | None = None
+    json_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "prompt_tokens", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.block_size is not None and self.block_size < 2:
+            raise ConfigError(f"block_size must be >= 2 to draft anything, got {self.block_size}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.prompts == "held-out" and self.corpus is None:
+            raise ConfigError("prompts: held-out prompts need --corpus (and --cache to exclude the training rows)")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+
+@dataclass(slots=True)
+class LoadedEvaluation:
+    """Target, drafter and their recorded metadata, loaded once (the pipeline reuses one for several drafters)."""
+
+    target: Any
+    drafter: Any
+    drafter_config: Any
+    target_info: dict[str, Any]
+    target_spec: str
+
+
+def load_drafter_any(path: Path) -> tuple[Any, Any, dict[str, Any]]:
+    """``(drafter, DFlashConfig, target_info)`` from a run folder, a checkpoint folder or an exported serving folder;
+    the drafter is on CPU without its target attached (see :func:`attach_checked`).
+
+    Raises:
+        CheckpointError / ExportError: nothing loadable at ``path``.
+    """
+    from dflash.checkpoint import load_drafter
+
+    config_file = path / "config.json"
+    if config_file.is_file() and "DFlashDraftModel" in json.loads(config_file.read_text()).get("architectures", []):
+        from dflash.drafter import DFlashDrafter
+        from dflash.export import load_exported, read_exported
+
+        config, state_dict = load_exported(path)
+        provenance = read_exported(path, verify_hashes=False, check_finite=False)[1]
+        drafter = DFlashDrafter(config)
+        drafter.load_state_dict(state_dict, strict=True)
+        return drafter.float(), config, dict(provenance.get("target") or {})
+    return load_drafter(path)
+
+
+def attach_checked(drafter: Any, target: Any, target_info: dict[str, Any], where: Path) -> None:
+    """Attach the target's embedding/LM head to ``drafter`` and compare their hashes with the recorded ones.
+
+    Raises:
+        MismatchError: the target differs from the one the drafter was trained with.
+    """
+    model = target.model
+    drafter.attach_target(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    recorded = target_info.get("weight_hashes") or {}
+    actual = drafter.target_weight_hashes()
+    for key, value in recorded.items():
+        if actual.get(key) != value:
+            raise MismatchError(
+                f"target {key}: the drafter at {where} was trained with {value}, the loaded target has "
+                f"{actual.get(key)}; pass --target {target_info.get('target_spec')!r} (the recorded target)"
+            )
+
+
+def load_for_evaluation(config: EvaluateConfig) -> LoadedEvaluation:
+    """Load the drafter (run, checkpoint or export), then its target; attach and check the shared weights."""
+    from dflash.target import load_target
+
+    drafter, drafter_config, target_info = load_drafter_any(Path(config.drafter))
+    target_spec = config.target or target_info.get("target_spec") or "default"
+    device, dtype = config.resolved_device(), config.resolved_dtype()
+    target = load_target(target_spec, dtype=dtype, device=device)
+    nested = target_info.get("identity") or target_info.get("target")
+    recorded_hash = nested.get("content_hash") if isinstance(nested, dict) else target_info.get("content_hash")
+    if recorded_hash and recorded_hash != target.identity.content_hash:
+        raise MismatchError(
+            f"target content_hash: the drafter at {config.drafter} was trained on {recorded_hash}, the target "
+            f"{target_spec!r} is {target.identity.content_hash}; pass the target it was trained with"
+        )
+    drafter.to(device=device, dtype=dtype)
+    attach_checked(drafter, target, target_info, Path(config.drafter))
+    drafter.eval()
+    return LoadedEvaluation(target, drafter, drafter_config, target_info, str(target_spec))
+
+
+def load_prompts(config: EvaluateConfig, tokenizer: Any) -> list[EvalPrompt]:
+    """The prompt set ``config.prompts`` names (see :mod:`dflash.eval_prompts`)."""
+    if config.prompts == "held-out":
+        from dflash.corpus import open_corpus
+
+        corpus = open_corpus(config.corpus)
+        rows = held_out_rows(corpus, config.cache)
+        return prompts_from_corpus(
+            corpus, rows, num_prompts=config.num_prompts, prompt_tokens=config.prompt_tokens,
+            continuation_tokens=config.max_new_tokens, seed=config.seed,
+        )
+    return prompts_from_file(config.prompts, tokenizer, num_prompts=config.num_prompts)
+
+
+def _stop_tokens(tokenizer: Any, ignore_eos: bool) -> tuple[int, ...]:
+    if ignore_eos or tokenizer.eos_token_id is None:
+        return ()
+    eos = tokenizer.eos_token_id
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def _throughput(results: list[GenerationResult]) -> dict[str, float]:
+    tokens = sum(len(r.output_ids) for r in results)
+    seconds = sum(r.seconds for r in results)
+    decode = sum(r.decode_seconds for r in results)
+    return {"new_tokens": tokens, "seconds": seconds, "decode_seconds": decode,
+            "tokens_per_second": tokens / seconds if seconds > 0 else float("nan")}
+
+
+@torch.inference_mode()
+def _logit_gap(model: Any, prompt: list[int], prefix: list[int], token_a: int, token_b: int) -> float:
+    """Target logit of ``token_b`` minus that of ``token_a`` after ``prompt + prefix`` (one full forward)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + prefix], device=device)
+    logits = model(input_ids=ids).logits[0, -1].float()
+    return float(logits[token_b] - logits[token_a])
+
+
+def _lossless_report(model: Any, prompts: list[EvalPrompt], spec: list[GenerationResult],
+                     base: list[GenerationResult], tolerance: float) -> dict[str, Any]:
+    mismatches = []
+    for index, (prompt, s, b) in enumerate(zip(prompts, spec, base, strict=True)):
+        at = first_divergence(s.output_ids, b.output_ids)
+        if at is None:
+            continue
+        entry: dict[str, Any] = {"prompt": index, "source": prompt.source, "index": at}
+        if at < min(len(s.output_ids), len(b.output_ids)):
+            gap = _logit_gap(model, prompt.input_ids, b.output_ids[:at], s.output_ids[at], b.output_ids[at])
+            entry.update(speculative_token=s.output_ids[at], target_token=b.output_ids[at], target_logit_gap=gap,
+                         near_tie=abs(gap) <= tolerance)
+        else:
+            entry.update(near_tie=False, reason="outputs differ in length")
+        mismatches.append(entry)
+    near_ties = sum(1 for m in mismatches if m["near_tie"])
+    return {"checked": True, "prompts": len(prompts), "identical": len(prompts) - len(mismatches),
+            "near_ties": near_ties, "near_tie_tolerance": tolerance,
+            "passed": len(mismatches) == near_ties, "mismatches": mismatches}
+
+
+def evaluate_drafter(
+    target: Any,
+    drafter: Any,
+    prompts: list[EvalPrompt],
+    *,
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids: list[int],
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    stop_token_ids: tuple[int, ...] = (),
+    seed: int = 0,
+    near_tie_tolerance: float | None = None,
+    baseline: list[GenerationResult] | None = None,
+    console: Console | None = None,
+    label: str = "drafter",
+) -> tuple[dict[str, Any], list[GenerationResult]]:
+    """Speculative decoding of every prompt with ``drafter`` and (unless ``baseline`` is given) block size 1.
+
+    Args:
+        target: ``LoadedTarget``.
+        drafter: a ``DFlashDrafter`` on the target's device with the target attached.
+        baseline: block-size-1 results of the same prompts and settings, to reuse (the pipeline evaluates several
+            checkpoints against one baseline). Runs are interleaved per prompt when measured here.
+
+    Returns:
+        ``(summary, baseline_results)``: summary with ``tau``, ``acceptance``, ``speedup``, ``throughput``,
+        ``lossless`` (greedy only), ``per_prompt``.
+    """
+    model = target.model
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    tolerance = near_tie_tolerance if near_tie_tolerance is not None else (1e-3 if dtype == torch.float32 else 0.125)
+    spec_config = SpeculativeConfig(block_size=block_size, max_new_tokens=max_new_tokens, temperature=temperature,
+                                    stop_token_ids=stop_token_ids, mask_token_id=mask_token_id)
+    base_config = SpeculativeConfig(block_size=1, max_new_tokens=max_new_tokens, temperature=temperature,
+                                    stop_token_ids=stop_token_ids)
+    measure_baseline = baseline is None
+    spec_results: list[GenerationResult] = []
+    base_results: list[GenerationResult] = [] if measure_baseline else list(baseline)
+
+    def generator(index: int) -> torch.Generator:
+        return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
+
+    with TappedTarget(model, target_layer_ids) as tapped:
+        warm = SpeculativeConfig(block_size=block_size, max_new_tokens=min(8, max_new_tokens), temperature=temperature,
+                                 mask_token_id=mask_token_id)
+        _generate(tapped, drafter, prompts[0].input_ids, warm, generator=generator(0))  # kernels, allocator
+        _generate(tapped, None, prompts[0].input_ids, SpeculativeConfig(block_size=1, max_new_tokens=4),
+                  generator=generator(0))
+        progress = Progress(TextColumn(f"[bold]evaluate[/] {label}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("tau {task.fields[tau]}"), TimeElapsedColumn(), console=console, transient=True)
+        with progress:
+            task = progress.add_task("prompts", total=len(prompts), tau="-")
+            for index, prompt in enumerate(prompts):
+                if measure_baseline:
+                    base_results.append(_generate(tapped, None, prompt.input_ids, base_config,
+                                                  generator=generator(index)))
+                spec_results.append(_generate(tapped, drafter, prompt.input_ids, spec_config,
+                                              generator=generator(index)))
+                lengths = [t for r in spec_results for t in r.acceptance_lengths]
+                progress.update(task, advance=1, tau=f"{sum(lengths) / max(len(lengths), 1):.2f}")
+
+    stats = AcceptanceStats.from_lengths([t for r in spec_results for t in r.acceptance_lengths], block_size)
+    spec_speed, base_speed = _throughput(spec_results), _throughput(base_results)
+    summary: dict[str, Any] = {
+        "tau": stats.mean_tau,
+        "acceptance": stats.to_dict(),
+        "speedup": spec_speed["tokens_per_second"] / base_speed["tokens_per_second"],
+        "throughput": {"speculative": spec_speed, "baseline_block_size_1": base_speed},
+        "lossless": (_lossless_report(model, prompts, spec_results, base_results, tolerance) if temperature == 0
+                     else {"checked": False, "reason": "sampled mode: lossless in distribution, not token for token"}),
+        "per_prompt": [
+            {"source": p.source, "prompt_tokens": len(p.input_ids), "new_tokens": len(s.output_ids),
+             "cycles": s.num_cycles, "tau": (sum(s.acceptance_lengths) / s.num_cycles) if s.num_cycles else None,
+             "finish_reason": s.finish_reason, "seconds": s.seconds, "baseline_seconds": b.seconds}
+            for p, s, b in zip(prompts, spec_results, base_results, strict=True)
+        ],
+    }
+    return summary, base_results
+
+
+def _untrained_like(drafter_config: Any, target: Any, seed: int) -> Any:
+    from dflash.drafter import DFlashDrafter
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        untrained = DFlashDrafter(drafter_config)
+    model = target.model
+    parameter = next(model.parameters())
+    untrained.to(device=parameter.device, dtype=parameter.dtype)
+    untrained.attach_target(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    return untrained.eval()
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON to ``path`` through a temporary file in the same folder, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as stream:
+            json.dump(data, stream, indent=2, default=str)
+            stream.write("\n")
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def run_evaluate(config: EvaluateConfig, *, console: Console | None = None,
+                 loaded: LoadedEvaluation | None = None) -> dict[str, Any]:
+    """Load, evaluate, report: the whole stage. Returns the JSON report (also written to ``config.json_path``).
+
+    Raises:
+        ConfigError / CheckpointError / MismatchError: bad settings, unloadable drafter, wrong target.
+    """
+    console = console or Console()
+    started = time.perf_counter()
+    loaded = loaded or load_for_evaluation(config)
+    target, drafter, drafter_config = loaded.target, loaded.drafter, loaded.drafter_config
+    prompts = load_prompts(config, target.tokenizer)
+    block_size = config.block_size or int(drafter_config.block_size)
+    common = dict(block_size=block_size, mask_token_id=int(drafter_config.mask_token_id),
+                  target_layer_ids=list(drafter_config.target_layer_ids), max_new_tokens=config.max_new_tokens,
+                  temperature=config.temperature, stop_token_ids=_stop_tokens(target.tokenizer, config.ignore_eos),
+                  seed=config.seed, near_tie_tolerance=config.near_tie_tolerance, console=console)
+    summary, baseline = evaluate_drafter(target, drafter, prompts, label=str(config.drafter), **common)
+    untrained = None
+    if config.compare_untrained:
+        untrained_summary, _ = evaluate_drafter(target, _untrained_like(drafter_config, target, config.seed), prompts,
+                                                baseline=baseline, label="untrained", **common)
+        untrained = {key: untrained_summary[key] for key in ("tau", "acceptance", "speedup", "lossless")}
+    parameter = next(target.model.parameters())
+    report = {
+        "format": REPORT_FORMAT,
+        "drafter": str(config.drafter),
+        "target": {"spec": loaded.target_spec, **target.identity.to_dict()},
+        "device": str(parameter.device),
+        "dtype": str(parameter.dtype).removeprefix("torch."),
+        "prompts": {"source": config.prompts if config.prompts != "held-out" else
+                    f"held-out rows of {config.corpus}" + (f" not in {config.cache}" if config.cache else ""),
+                    "count": len(prompts),
+                    "mean_prompt_tokens": sum(len(p.input_ids) for p in prompts) / len(prompts)},
+        "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+                     "block_size": block_size, "mode": "greedy" if config.temperature == 0 else "sampled"},
+        **summary,
+        "untrained": untrained,
+        "seconds": time.perf_counter() - started,
+    }
+    if config.json_path is not None:
+        write_json_atomic(Path(config.json_path), report)
+    return report
+
+
+def print_report(report: dict[str, Any], console: Console) -> None:
+    """The report as rich tables: summary, tau histogram, per-position acceptance."""
+    acceptance = report["acceptance"]
+    block_size = acceptance["block_size"]
+    summary = Table(title=f"DFlash evaluation ({report['settings']['mode']}, block size {block_size})")
+    summary.add_column("metric")
+    summary.add_column("value", justify="right")
+    summary.add_row("prompts", f"{report['prompts']['count']} ({report['prompts']['source']})")
+    summary.add_row("draft-verify cycles", str(acceptance["num_cycles"]))
+    summary.add_row("mean acceptance length tau", f"[bold]{report['tau']:.3f}[/]")
+    if report.get("untrained"):
+        summary.add_row("tau of an untrained drafter", f"{report['untrained']['tau']:.3f}")
+    speed = report["throughput"]
+    summary.add_row("speculative tokens/s", f"{speed['speculative']['tokens_per_second']:.1f}")
+    summary.add_row("block size 1 tokens/s", f"{speed['baseline_block_size_1']['tokens_per_second']:.1f}")
+    summary.add_row("speedup vs block size 1", f"{report['speedup']:.2f}x")
+    lossless = report["lossless"]
+    if lossless.get("checked"):
+        verdict = "[green]passed[/]" if lossless["passed"] else "[red]FAILED[/]"
+        ties = f", {lossless['near_ties']} diverge at float near-ties" if lossless["near_ties"] else ""
+        summary.add_row("greedy lossless check", f"{verdict}: {lossless['identical']}/{lossless['prompts']} identical{ties}")
+    else:
+        summary.add_row("greedy lossless check", "n/a (sampled)")
+    console.print(summary)
+    positions = Table(title="per-position acceptance")
+    positions.add_column("draft position k", justify="right")
+    positions.add_column("P(accept k | reached k)", justify="right")
+    positions.add_column("P(>= k accepted)", justify="right")
+    for k, (rate, reach) in enumerate(zip(acceptance["acceptance_per_position"], acceptance["reach_per_position"],
+                                          strict=True), start=1):
+        positions.add_row(str(k), "-" if rate is None else f"{rate:.3f}", f"{reach:.3f}")
+    console.print(positions)
+    histogram = Table(title="tau histogram")
+    histogram.add_column("tau", justify="right")
+    histogram.add_column("cycles", justify="right")
+    histogram.add_column("share", justify="right")
+    total = max(acceptance["num_cycles"], 1)
+    for tau, count in acceptance["histogram"].items():
+        histogram.add_row(tau, str(count), f"{count / total:.1%} " + "#" * round(40 * count / total))
+    console.print(histogram)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``dflash-stages evaluate``."""
+
+    @app.command("evaluate")
+    def evaluate_command(
+        drafter: Path = typer.Option(..., "--drafter", help="Run folder (latest checkpoint), checkpoint folder or exported folder."),
+        target: str | None = typer.Option(None, "--target", help="Target spec; default: the one recorded with the drafter."),
+        prompts: str = typer.Option("held-out", "--prompts", help="held-out | FILE.jsonl (messages/prompt/text) | FILE.txt (one per line)."),
+        corpus: Path | None = typer.Option(None, "--corpus", help="Corpus for held-out prompts."),
+        cache: Path | None = typer.Option(None, "--cache", help="Cache the drafter trained on: its rows are excluded from held-out prompts."),
+        num_prompts: int = typer.Option(16, "--num-prompts", help="Prompts to evaluate."),
+        prompt_tokens: int = typer.Option(128, "--prompt-tokens", help="Prompt window taken from a plain corpus row."),
+        max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens generated per prompt."),
+        temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (checked lossless); > 0 = speculative sampling."),
+        block_size: int | None = typer.Option(None, "--block-size", help="Drafting block size; default: the drafter's."),
+        ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating after the end-of-sequence token."),
+        compare_untrained: bool = typer.Option(False, "--compare-untrained", help="Also measure a randomly initialized drafter."),
+        seed: int = typer.Option(0, "--seed", help="Prompt selection, sampling, untrained init."),
+        device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
+        dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16."),
+        json_out: Path | None = typer.Option(None, "--json", help="Write the full report as JSON here."),
+    ) -> None:
+        """Speculative decoding with the target and a drafter: tau, per-position acceptance, speedup, lossless check."""
+        console = Console()
+        config = EvaluateConfig(
+            drafter=drafter, target=target, prompts=prompts, corpus=corpus, cache=cache, num_prompts=num_prompts,
+            prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature, block_size=block_size,
+            ignore_eos=ignore_eos, compare_untrained=compare_untrained, seed=seed, device=device, dtype=dtype,
+            json_path=json_out,
+        )
+        report = run_evaluate(config, console=console)
+        print_report(report, console)
+        if json_out is not None:
+            console.print(f"report written to {json_out}")
+        console.print(f"tau = {report['tau']:.3f}")
+        if report["lossless"].get("checked") and not report["lossless"]["passed"]:
+            console.print("[red]greedy speculative output differs from the target's own greedy output[/]")
+            raise typer.Exit(code=1)
+
