@@ -179,9 +179,14 @@ class CacheMetadata:
             raise ConfigError(f"hidden_size: expected >= 1, got {self.hidden_size}")
         if self.num_shards != len(self.shard_rows):
             raise ConfigError(f"num_shards: expected len(shard_rows) = {len(self.shard_rows)}, got {self.num_shards}")
+        previous_stop = 0
         for shard_id, (start, stop) in enumerate(self.shard_rows):
-            if not 0 <= start <= stop:
-                raise ConfigError(f"shard_rows[{shard_id}]: expected 0 <= start <= stop, got [{start}, {stop})")
+            if not previous_stop <= start <= stop:
+                raise ConfigError(
+                    f"shard_rows[{shard_id}]: expected sorted, non-overlapping [start, stop) ranges with start >= "
+                    f"{previous_stop} (end of the previous shard) and start <= stop, got [{start}, {stop})"
+                )
+            previous_stop = stop
         if self.chunk_tokens < 0:
             raise ConfigError(f"chunk_tokens: expected >= 0 (0 = automatic), got {self.chunk_tokens}")
         if self.chunk_tokens == 0:

@@ -83,13 +83,13 @@ class CacheReader:
                     "the shard is corrupt: re-extract it (delete its commit record, rerun extract)"
                 )
 
-    def _read(self, shard: int, name: str, selection: Any = ...) -> np.ndarray:
+    def _read(self, shard: int, name: str, selection: Any = ..., *, where: str = "") -> np.ndarray:
         array = self._array(shard, name)
         try:
             return np.asarray(array[selection])
         except Exception as error:  # crc32c mismatch, truncated chunk, codec error
             raise CacheCorruptError(
-                f"shard {shard} of {self.url}: array {name!r} fails to decode ({type(error).__name__}: {error}); "
+                f"shard {shard} of {self.url}: array {name!r}{where} fails to decode ({type(error).__name__}: {error}); "
                 "a chunk is corrupt: re-extract the shard (delete its commit record, rerun extract)"
             ) from error
 
@@ -110,6 +110,19 @@ class CacheReader:
                 raise CacheCorruptError(
                     f"shard {shard} of {self.url}: array 'offsets' is inconsistent with its commit record "
                     f"(expected {num_samples + 1} non-decreasing offsets from 0 to {num_tokens}); re-extract the shard"
+                )
+            start, stop = record["row_range"]
+            outside = corpus_rows[(corpus_rows < start) | (corpus_rows >= stop)]
+            if outside.size:
+                raise CacheCorruptError(
+                    f"shard {shard} of {self.url}: array 'corpus_rows' holds rows {outside[:5].tolist()} outside the "
+                    f"shard's range [{start}, {stop}); re-extract the shard"
+                )
+            unique, counts = np.unique(corpus_rows, return_counts=True)
+            if np.any(counts > 1):
+                raise CacheCorruptError(
+                    f"shard {shard} of {self.url}: array 'corpus_rows' holds duplicate rows {unique[counts > 1][:5].tolist()}; "
+                    "re-extract the shard"
                 )
             self._index[shard] = (offsets, corpus_rows)
         return self._index[shard]

@@ -36,6 +36,11 @@ def verify_shard(reader: CacheReader, shard: int) -> dict[str, Any]:
     if sorted(record.get("arrays", {})) != sorted(names):
         raise CacheCorruptError(f"shard {shard} of {reader.url}: commit record lists arrays {sorted(record.get('arrays', {}))}, expected {sorted(names)}")
     reader._check_chunks(shard, names)  # every chunk the layout promises exists
+    start, stop = record["row_range"]
+    if [start, stop] != meta.shard_rows[shard]:
+        raise CacheCorruptError(f"shard {shard} of {reader.url}: commit record row range {[start, stop]} differs from the plan {meta.shard_rows[shard]}")
+    reader._index.pop(shard, None)
+    offsets, rows = reader._shard_index(shard)  # offsets consistency, rows inside the range and unique
     digest = hashlib.sha256()
     for name in names:
         layout = record["arrays"][name]
@@ -44,19 +49,14 @@ def verify_shard(reader: CacheReader, shard: int) -> dict[str, Any]:
             raise CacheCorruptError(f"shard {shard} of {reader.url}: array {name!r} has shape {list(array.shape)}, commit record says {layout['shape']}")
         digest.update(name.encode())
         step = layout["chunks"][0]
-        for lo in range(0, layout["shape"][0], step):
-            block = reader._read(shard, name, slice(lo, lo + step))
+        for lo in range(0, layout["shape"][0], step):  # one chunk row at a time: bounded memory
+            block = reader._read(shard, name, slice(lo, lo + step), where=f" chunk c/{lo // step}/...")
             digest.update(np.ascontiguousarray(block).view(np.uint8).reshape(-1).data)
     if f"sha256:{digest.hexdigest()}" != record["digest"]:
         raise CacheCorruptError(
             f"shard {shard} of {reader.url}: data digest sha256:{digest.hexdigest()[:16]}... differs from the commit "
             f"record's {record['digest'][:23]}...; a chunk was altered or swapped: re-extract the shard"
         )
-    reader._index.pop(shard, None)
-    offsets, rows = reader._shard_index(shard)
-    start, stop = record["row_range"]
-    if [start, stop] != meta.shard_rows[shard]:
-        raise CacheCorruptError(f"shard {shard} of {reader.url}: commit record row range {[start, stop]} differs from the plan {meta.shard_rows[shard]}")
     accounted = np.concatenate(
         [rows, np.array([int(e["corpus_row"]) for e in record.get("quarantined", []) + record.get("skipped", [])], dtype=np.int64)]
     )

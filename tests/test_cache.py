@@ -1,0 +1,273 @@
+"""Tests of the hidden-state cache (dflash/cache/, stages/cache_cmd.py): bit-exact bf16 storage, fp8, commit
+semantics, corruption detection naming the shard, duplicate rows, the ``cache info``/``cache verify`` commands.
+
+Hidden states are real: SmolLM2-135M-Instruct (the ``target`` fixture) run on short stdlib docstrings, tapping the
+DFlash default layers. Special bf16 values (subnormals, infinities, NaN payloads, -0.0) use synthetic bit patterns.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dflash.cache import (
+    CacheMetadata,
+    CacheReader,
+    HiddenSample,
+    HiddenStateCache,
+    find_nonfinite_layers,
+    quarantine_record,
+    verify_cache,
+)
+from dflash.errors import CacheCorruptError, CacheError, ConfigError
+from dflash.target import LAYER_ID_CONVENTION, default_target_layer_ids
+
+NUM_TAPS = 3
+
+
+@pytest.fixture(scope="module")
+def real_samples(target):
+    """Six samples of real SmolLM2 hidden states (bf16, taps concatenated) on stdlib docstrings."""
+    texts = [
+        json.__doc__[:300],
+        textwrap.__doc__,
+        collections.__doc__[:400],
+        functools.__doc__ or "functools",
+        textwrap.dedent.__doc__[:250],
+        json.dumps.__doc__[:350],
+    ]
+    layer_ids = default_target_layer_ids(target.identity.num_hidden_layers, NUM_TAPS)
+    samples = []
+    # One thread: on the shared 2-core CI box, two OpenMP threads spin against other jobs and run ~20x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for row, text in enumerate(texts):
+            input_ids = target.tokenizer(text, return_tensors="pt").input_ids[0]
+            with torch.no_grad():
+                # The base model only: hidden states need no LM head.
+                states = target.model.model(input_ids[None], output_hidden_states=True).hidden_states
+            hidden = torch.cat([states[layer_id + 1][0] for layer_id in layer_ids], dim=-1).to(torch.bfloat16)
+            loss_mask = (torch.arange(len(input_ids)) >= len(input_ids) // 2).to(torch.uint8)
+            samples.append(HiddenSample(row, input_ids.to(torch.int32), loss_mask, hidden))
+    finally:
+        torch.set_num_threads(threads)
+    return layer_ids, samples
+
+
+def _metadata(target, layer_ids, shard_rows, **overrides) -> CacheMetadata:
+    fields = dict(
+        target=target.identity.to_dict(),
+        target_spec="default",
+        target_layer_ids=layer_ids,
+        layer_id_convention=LAYER_ID_CONVENTION,
+        hidden_size=target.identity.hidden_size,
+        num_taps=len(layer_ids),
+        corpus_fingerprint="sha256:" + "ab" * 32,
+        corpus_path="stdlib-docstrings",
+        num_shards=len(shard_rows),
+        shard_rows=shard_rows,
+        chunk_tokens=32,  # several chunks per shard with these short samples
+    )
+    fields.update(overrides)
+    return CacheMetadata(**fields)
+
+
+@pytest.fixture
+def written(tmp_path, target, real_samples):
+    """A complete two-shard bf16 cache of the real samples: rows [0, 3) and [3, 6)."""
+    layer_ids, samples = real_samples
+    cache = HiddenStateCache.create(tmp_path / "cache", _metadata(target, layer_ids, [[0, 3], [3, 6]]))
+    cache.write_shard(0, samples[:3], [])
+    cache.write_shard(1, samples[3:], [])
+    return tmp_path / "cache", samples
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(torch.int16)
+
+
+def test_bf16_special_values_round_trip_bit_exact(tmp_path, target):
+    hidden_size = 16
+    patterns = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x7F81, 0xFF81, 0x7FFF, 0xFFFF, 0x7FA5, 0x0001, 0x8001, 0x007F, 0x807F, 0x0080, 0x7F7F, 0xFF7F]
+    patterns += list(range(0x0001, 0x0080, 3)) + list(range(0x8001, 0x8080, 5))  # positive and negative subnormals
+    generator = np.random.default_rng(0)
+    bits = np.array(patterns * 4, dtype=np.uint16)
+    bits = np.concatenate([bits, generator.integers(0, 1 << 16, size=hidden_size * 40 - len(bits) % hidden_size, dtype=np.uint16)])
+    bits = bits[: len(bits) // hidden_size * hidden_size].reshape(-1, hidden_size)
+    hidden = torch.from_numpy(bits.copy()).view(torch.bfloat16)
+    assert torch.isnan(hidden).any() and torch.isinf(hidden).any() and (hidden == 0).any()
+    sample = HiddenSample(0, torch.arange(len(hidden), dtype=torch.int32), torch.ones(len(hidden), dtype=torch.uint8), hidden)
+    meta = _metadata(target, [4], [[0, 1]], hidden_size=hidden_size, num_taps=1, chunk_tokens=8)
+    HiddenStateCache.create(tmp_path / "c", meta).write_shard(0, [sample], [])
+    (back,) = CacheReader(tmp_path / "c").read_shard(0)
+    assert back.hidden.dtype == torch.bfloat16
+    assert torch.equal(_bits(back.hidden), _bits(hidden))
+    assert verify_cache(tmp_path / "c")["complete"]
+
+
+def test_real_hidden_states_round_trip_and_lengths(written, target, real_samples):
+    path, samples = written
+    reader = CacheReader(path)
+    assert reader.shards == [0, 1]
+    assert reader.metadata.target == target.identity.to_dict()
+    assert reader.metadata.target_layer_ids == real_samples[0]
+    assert reader.shard_lengths(1).tolist() == [len(s) for s in samples[3:]]
+    assert reader.shard_corpus_rows(1).tolist() == [3, 4, 5]
+    for shard in reader.shards:
+        for got, want in zip(reader.read_shard(shard), samples[3 * shard : 3 * shard + 3], strict=True):
+            assert got.corpus_row == want.corpus_row
+            assert got.input_ids.dtype == torch.int32 and torch.equal(got.input_ids, want.input_ids)
+            assert got.loss_mask.dtype == torch.uint8 and torch.equal(got.loss_mask, want.loss_mask)
+            assert torch.equal(_bits(got.hidden), _bits(want.hidden))
+    subset = reader.read_shard(0, [2, 0])
+    assert [s.corpus_row for s in subset] == [2, 0]
+    assert torch.equal(_bits(subset[0].hidden), _bits(samples[2].hidden))
+    report = verify_cache(path)
+    assert report["complete"] and report["num_samples"] == 6
+    assert report["num_tokens"] == sum(len(s) for s in samples)
+
+
+def test_fp8_round_trip_within_tolerance_and_marked(tmp_path, target, real_samples):
+    layer_ids, samples = real_samples
+    meta = _metadata(target, layer_ids, [[0, 6]], storage_dtype="float8_e4m3fn")
+    HiddenStateCache.create(tmp_path / "fp8", meta).write_shard(0, samples, [])
+    reader = CacheReader(tmp_path / "fp8")
+    assert reader.metadata.storage_dtype == "float8_e4m3fn" and reader.metadata.to_dict()["lossy"] is True
+    for got, want in zip(reader.read_shard(0), samples, strict=True):
+        assert got.hidden.dtype == torch.bfloat16
+        want_taps = want.hidden.float().reshape(len(want), NUM_TAPS, -1)
+        error = (got.hidden.float().reshape(len(want), NUM_TAPS, -1) - want_taps).abs()
+        amax = want_taps.abs().amax(dim=-1, keepdim=True)
+        # e4m3 has 3 mantissa bits: |error| <= 2**-4 * |x| for normals, plus the subnormal step of the scale.
+        assert torch.all(error <= want_taps.abs() / 16 + amax / 448 * 2**-6 + 1e-6)
+        assert not torch.equal(got.hidden, want.hidden)  # it is lossy, and says so
+    info = _cli(["cache", "info", str(tmp_path / "fp8"), "--json"])
+    assert json.loads(info.stdout)["metadata"]["storage_dtype"] == "float8_e4m3fn"
+
+
+def test_uncommitted_shard_is_not_counted_and_is_redone_cleanly(tmp_path, target, real_samples):
+    layer_ids, samples = real_samples
+    path = tmp_path / "cache"
+    cache = HiddenStateCache.create(path, _metadata(target, layer_ids, [[0, 3], [3, 6]]))
+    first = cache.write_shard(0, samples[:3], [])
+    # A killed attempt at shard 1: arrays written, commit record never written, plus a stray chunk.
+    cache.write_shard(1, samples[3:], [])
+    os.remove(path / "commits" / "shard-000001.json")
+    stray = path / "shards" / "000001" / "hidden" / "c" / "999" / "0"
+    stray.parent.mkdir(parents=True)
+    stray.write_bytes(b"partial")
+    assert cache.committed_shards() == {0}
+    reader = CacheReader(path)
+    assert reader.shards == [0]
+    with pytest.raises(CacheError, match="shard 1 .* not committed"):
+        reader.read_shard(1)
+    report = verify_cache(path)
+    assert not report["complete"] and report["uncommitted_shards"] == [1] and report["stray_shards"] == [1]
+    assert report["num_samples"] == 3
+    # Rerun: shard 0 is skipped (no double counting), shard 1 is redone from scratch.
+    reopened = HiddenStateCache.create(path, _metadata(target, layer_ids, [[0, 3], [3, 6]]))
+    again = reopened.write_shard(0, samples[:3], [])
+    assert again["already_committed"] and again["digest"] == first["digest"]
+    reopened.write_shard(1, samples[3:], [])
+    assert not stray.exists()
+    report = verify_cache(path, require_complete=True)
+    assert report["complete"] and report["num_samples"] == 6 and report["stray_shards"] == []
+    assert reopened.finalize()["num_samples"] == 6
+
+
+def test_resume_refuses_a_different_plan(tmp_path, target, real_samples):
+    layer_ids, _ = real_samples
+    HiddenStateCache.create(tmp_path / "c", _metadata(target, layer_ids, [[0, 3], [3, 6]]))
+    with pytest.raises(CacheError, match="shard_rows"):
+        HiddenStateCache.create(tmp_path / "c", _metadata(target, layer_ids, [[0, 6]]))
+    with pytest.raises(ConfigError, match="shard_rows\\[1\\]"):
+        _metadata(target, layer_ids, [[0, 4], [3, 6]])
+
+
+@pytest.mark.parametrize("damage", ["delete", "flip"])
+def test_damaged_chunk_fails_verify_and_reader_naming_the_shard(written, damage):
+    path, _ = written
+    chunk = Path(path) / "shards" / "000001" / "hidden" / "c" / "1" / "0"
+    if damage == "delete":
+        chunk.unlink()
+    else:
+        data = bytearray(chunk.read_bytes())
+        data[len(data) // 2] ^= 0x04
+        chunk.write_bytes(bytes(data))
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden'"):
+        verify_cache(path)
+    reader = CacheReader(path)
+    reader.read_shard(0)  # the other shard stays readable
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden'"):
+        reader.read_shard(1)
+    result = _cli(["cache", "verify", str(path)])
+    assert result.exit_code == 1 and "shard 1" in result.output
+
+
+def test_duplicate_rows_detected(tmp_path, written, target, real_samples):
+    path, samples = written
+    other = HiddenStateCache.create(tmp_path / "other", _metadata(target, real_samples[0], [[0, 6]]))
+    with pytest.raises(CacheError, match="shard 0: corpus row 1 given twice"):
+        other.write_shard(0, [samples[1], samples[0], samples[1]], [])
+    with pytest.raises(CacheError, match="shard 0: corpus row 0 given twice"):
+        other.write_shard(0, samples[:3], [quarantine_record(0, "dup", [4])])
+    # A committed shard whose corpus_rows array was altered to hold a row twice.
+    import zarr
+
+    rows = zarr.open_array(str(path / "shards" / "000000" / "corpus_rows"), mode="r+")
+    rows[...] = np.array([0, 1, 1])
+    with pytest.raises(CacheCorruptError, match=r"shard 0 .*'corpus_rows'.*duplicate rows \[1\]"):
+        verify_cache(path)
+    with pytest.raises(CacheCorruptError, match=r"shard 0 .*duplicate"):
+        CacheReader(path).shard_lengths(0)
+
+
+def test_quarantine_recorded_and_summarized(tmp_path, target, real_samples):
+    layer_ids, samples = real_samples
+    poisoned = samples[1].hidden.clone()
+    poisoned[3, len(layer_ids[:1]) * target.identity.hidden_size + 5] = float("nan")  # inside the second tap
+    assert find_nonfinite_layers(poisoned, layer_ids) == [layer_ids[1]]
+    assert find_nonfinite_layers(samples[0].hidden, layer_ids) == []
+    cache = HiddenStateCache.create(tmp_path / "q", _metadata(target, layer_ids, [[0, 3]]))
+    record = cache.write_shard(0, [samples[0], samples[2]], [quarantine_record(1, "json-doc", find_nonfinite_layers(poisoned, layer_ids))])
+    assert record["num_quarantined"] == 1 and record["quarantined"][0]["layers"] == [layer_ids[1]]
+    assert verify_cache(tmp_path / "q")["num_quarantined"] == 1  # quarantined rows count as accounted for
+    result = _cli(["cache", "info", str(tmp_path / "q")])
+    assert result.exit_code == 0
+    assert "json-doc" in result.stdout and "quarantined" in result.stdout
+    info = json.loads(_cli(["cache", "info", str(tmp_path / "q"), "--json"]).stdout)
+    assert info["quarantined_by_layer"] == {str(layer_ids[1]): 1}
+    assert info["compression_ratio"] > 1.0 and info["num_samples"] == 2
+
+
+def test_write_shard_rejects_wrong_width(tmp_path, target, real_samples):
+    layer_ids, samples = real_samples
+    cache = HiddenStateCache.create(tmp_path / "w", _metadata(target, layer_ids[:2], [[0, 3]]))
+    with pytest.raises(CacheError, match=r"shard 0, corpus row 0: hidden has shape"):
+        cache.write_shard(0, samples[:1], [])
+    assert cache.committed_shards() == set()
+
+
+def _cli(arguments: list[str]):
+    import typer
+
+    from stages.cache_cmd import register
+
+    app = typer.Typer()
+    register(app)
+
+    @app.callback()
+    def _root() -> None:  # keeps "cache" a sub-command
+        pass
+
+    return CliRunner().invoke(app, arguments)
