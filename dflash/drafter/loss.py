@@ -102,15 +102,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             w = weight.detach().to(compute_dtype)
             h = hidden.detach().to(compute_dtype)
             num_rows = h.shape[0]
-            total = torch.zeros((), dtype=torch.float32, device=h.device)
+            softmax_dtype = torch.promote_types(compute_dtype, torch.float32)  # at least float32
+            total = torch.zeros((), dtype=softmax_dtype, device=h.device)
             correct = torch.empty(num_rows, dtype=torch.bool, device=h.device)
             grad_hidden = torch.empty_like(hidden) if needs_hidden_grad else None
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if needs_weight_grad else None
+            grad_weight = (torch.zeros(weight.shape, dtype=softmax_dtype, device=h.device) if needs_weight_grad
+                           else None)
             for start in range(0, num_rows, chunk_rows):
                 stop = min(start + chunk_rows, num_rows)
-                logits = (h[start:stop] @ w.T).float()  # [C, V]
+                logits = (h[start:stop] @ w.T).to(softmax_dtype)  # [C, V]
                 target = targets[start:stop]
-                rows_w = row_weights[start:stop].float()
+                rows_w = row_weights[start:stop].to(softmax_dtype)
                 lse = torch.logsumexp(logits, dim=-1)
                 target_logit = logits.gather(1, target[:, None]).squeeze(1)
                 total += ((lse - target_logit) * rows_w).sum()
@@ -124,7 +126,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     if needs_hidden_grad:
                         grad_hidden[start:stop] = (grad_logits_c @ w).to(hidden.dtype)
                     if needs_weight_grad:
-                        grad_weight += grad_logits_c.T.float() @ h[start:stop].float()
+                        grad_weight += grad_logits.T @ h[start:stop].to(softmax_dtype)
                 del logits
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -195,6 +197,10 @@ def dflash_loss(
     block_size = drafter.config.block_size
     gamma = default_gamma(block_size) if gamma is None else float(gamma)
     weights_k = position_weights(block_size, gamma, device=anchors.device)  # [B-1]
+    if anchors.numel() == 0:
+        # No valid anchor in this batch: one padding slot keeps shapes non-empty and the graph connected (loss 0).
+        anchors = anchors.new_full((1,), -1)
+        mask = None
     hidden = drafter.forward_train(batch, anchors, mask=mask)  # [A, B, H]
     num_anchors = anchors.shape[0]
     num_tokens = batch.input_ids.shape[0]

@@ -292,7 +292,7 @@ class DFlashDrafter(nn.Module):
         block_rope = self._rope(block_positions, rope_dtype)
         context_rope = self._rope(batch.position_ids, rope_dtype)
         out = self._run_layers(block_states, context, block_rope, context_rope, mask)
-        return out.view(anchors.shape[0], block_size, -1)
+        return out.view(anchors.shape[0], block_size, self.config.hidden_size)
 
     @torch.no_grad()
     def draft_block(

@@ -1,0 +1,105 @@
+"""Loss: chunked LM head + CE equals the plain computation (value and gradients); weights; masks; metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from drafter_fixtures import packed_batch, random_anchors, tiny_drafter
+
+from dflash.drafter import (
+    chunked_linear_cross_entropy,
+    default_gamma,
+    dflash_loss,
+    expected_acceptance_length,
+    position_weights,
+    sample_anchors,
+)
+
+
+def test_default_gamma_and_position_weights():
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+    weights = position_weights(16, 7.0)
+    assert weights.shape == (15,) and weights[0] == 1.0
+    assert math.isclose(float(weights[14]), math.exp(-14 / 7), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64, 1000])
+def test_chunked_linear_cross_entropy_matches_plain(chunk_rows):
+    torch.manual_seed(0)
+    hidden = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(300, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 300, (50,))
+    row_weights = torch.rand(50, dtype=torch.float64) * (torch.rand(50) > 0.3)
+    total, correct = chunked_linear_cross_entropy(hidden, weight, targets, row_weights, chunk_rows=chunk_rows)
+    (2.5 * total).backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    logits = hidden @ weight.T
+    reference = (F.cross_entropy(logits, targets, reduction="none") * row_weights).sum()
+    (2.5 * reference).backward()
+    torch.testing.assert_close(total.double(), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[0], hidden.grad)
+    torch.testing.assert_close(grads[1], weight.grad)
+    assert torch.equal(correct, logits.argmax(-1) == targets)
+
+
+def _reference_loss(drafter, batch, anchors, gamma):
+    """Straightforward version: full logits, per-block CE at positions 1..B-1 (position k predicts x_{a+k})."""
+    block_size = drafter.config.block_size
+    hidden = drafter.forward_train(batch, anchors)
+    logits = hidden @ drafter.lm_head_weight.T
+    total = weight_sum = 0.0
+    for j, anchor in enumerate(anchors.tolist()):
+        for k in range(1, block_size):
+            w = math.exp(-(k - 1) / gamma) * float(batch.loss_mask[anchor + k])
+            total = total + w * F.cross_entropy(logits[j, k][None], batch.input_ids[anchor + k][None])
+            weight_sum += w
+    return total, weight_sum
+
+
+def test_dflash_loss_matches_reference_with_gradients():
+    drafter = tiny_drafter(1).train()
+    batch = packed_batch([30, 22], width=64, vocab=97, seed=1, supervised_fraction=0.7)
+    anchors = random_anchors(batch, 4, count=9, seed=1)
+    out = dflash_loss(drafter, batch, anchors, gamma=3.0, chunk_rows=5)
+    out.loss().backward()
+    grads = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    total, weight_sum = _reference_loss(drafter, batch, anchors, 3.0)
+    (total / weight_sum).backward()
+    torch.testing.assert_close(out.weighted_ce_sum.double(), total.double(), rtol=1e-5, atol=1e-6)
+    assert math.isclose(float(out.weight_sum), weight_sum, rel_tol=1e-6)
+    for name, parameter in drafter.named_parameters():
+        torch.testing.assert_close(grads[name], parameter.grad, rtol=1e-5, atol=1e-7, msg=name)
+    supervised = torch.stack([batch.loss_mask[anchors + k] for k in range(1, 4)], 1).sum(0)
+    assert torch.equal(out.count_per_position, supervised)
+
+
+def test_all_zero_loss_mask_gives_zero_loss_zero_grads_finite_params():
+    drafter = tiny_drafter(2, dtype=torch.float32).train()
+    batch = packed_batch([40, 30], width=64, vocab=97, seed=2, dtype=torch.float32)
+    anchors = sample_anchors(batch, 4, 8, torch.Generator().manual_seed(0))
+    batch.loss_mask.zero_()  # anchors sampled before: their targets are now all unsupervised
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-3, weight_decay=0.0)
+    for candidate in (anchors, sample_anchors(batch, 4, 8, torch.Generator(), num_anchors=16),
+                      sample_anchors(batch, 4, 8, torch.Generator())):  # real / all padding / empty
+        optimizer.zero_grad()
+        out = dflash_loss(drafter, batch, candidate)
+        loss = out.loss()
+        loss.backward()
+        assert float(loss.detach()) == 0.0 and float(out.weight_sum) == 0.0
+        assert int(out.count_per_position.sum()) == 0
+        for parameter in drafter.parameters():
+            assert parameter.grad is None or not parameter.grad.any()
+        optimizer.step()
+        assert all(torch.isfinite(p).all() for p in drafter.parameters())
+
+
+def test_expected_acceptance_length():
+    assert expected_acceptance_length([1.0] * 15) == 16.0
+    assert expected_acceptance_length([0.0, 1.0, 1.0]) == 1.0
+    assert math.isclose(expected_acceptance_length(torch.tensor([0.5, 0.5])), 1.75)
+    assert expected_acceptance_length([float("nan"), 1.0]) == 1.0
