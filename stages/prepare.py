@@ -21,6 +21,7 @@ A report of kept and dropped rows by reason is printed and stored in ``corpus.js
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import sys
@@ -48,7 +49,9 @@ PrepareLengthPolicy = Literal["auto", "error", "drop", "truncate", "split"]
 _POLICIES = ("auto", "error", "drop", "truncate", "split")
 _TABLE_SUFFIXES = (".parquet", ".pq", ".arrow", ".feather", ".ipc")
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
-_BATCH_DOCUMENTS = 64
+# Documents tokenized per call: enough for the fast tokenizer's batching, small enough that --max-tokens stops
+# soon after its budget.
+_BATCH_DOCUMENTS = 16
 
 
 @dataclass(kw_only=True, slots=True)
@@ -354,6 +357,14 @@ def _apply_length_policy(document: _Document, ids: np.ndarray, mask: np.ndarray,
             yield f"{document.sample_id}#{chunk}", ids[start: start + max_length], mask[start: start + max_length]
 
 
+@functools.lru_cache(maxsize=2)
+def _tokenizer(target_path: Path) -> Any:
+    """The target's tokenizer, loaded once per process (several ``run_prepare`` calls share it; never mutated)."""
+    from dflash.target import load_tokenizer
+
+    return load_tokenizer(target_path)
+
+
 def run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, PrepareReport]:
     """Build the corpus described by ``config``; returns ``(output folder, report)``.
 
@@ -365,12 +376,12 @@ def run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, Pr
     from rich.console import Console
     from rich.progress import Progress
 
-    from dflash.target import load_tokenizer, resolve_target_path, target_identity
+    from dflash.target import resolve_target_path, target_identity
 
     console = console or Console(stderr=True)
     target_path = resolve_target_path(config.target)
     identity = target_identity(target_path)
-    tokenizer = load_tokenizer(target_path)
+    tokenizer = _tokenizer(target_path)
     documents = collect_documents(config)
     if any(d.kind == "chat" for d in documents):
         check_assistant_mask(tokenizer, config.assistant_mask, where=f"target {config.target!r}")
@@ -480,7 +491,10 @@ def register(app: Any) -> None:
             )
             path, report = run_prepare(config, console=console)
         except DFlashError as error:
-            console.print(f"[bold red]error:[/] {error}")
+            from rich.text import Text
+
+            # soft_wrap: paths and rows in the message stay on one line (copy-pasteable); no markup parsing.
+            console.print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
             raise typer.Exit(2) from None
         console.print(report.table())
         corpus = open_corpus(path)

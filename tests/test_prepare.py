@@ -1,0 +1,233 @@
+"""Stage ``prepare`` (stages/prepare.py) end to end on real data with the real SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from dflash.corpus import open_corpus
+from dflash.default_corpus import stdlib_root
+from stages.prepare import PrepareConfig, register, run_prepare
+
+CHATS = [
+    {"id": "fr-gen", "messages": [
+        {"role": "system", "content": "Tu es un assistant précis."},
+        {"role": "user", "content": "Qu'est-ce qu'un générateur ? 🐍"},
+        {"role": "assistant", "content": "Une fonction avec `yield` : elle produit ses valeurs à la demande."},
+        {"role": "user", "content": "Et « merci » en japonais ?"},
+        {"role": "assistant", "content": "ありがとう (arigatō)."},
+    ]},
+    {"id": "de-sort", "messages": [
+        {"role": "system", "content": "Antworte knapp."},
+        {"role": "user", "content": "Wie sortiere ich eine Liste rückwärts?"},
+        {"role": "assistant", "content": "Mit `sorted(xs, reverse=True)` oder `xs.sort(reverse=True)`."},
+    ]},
+    {"id": "no-system", "messages": [
+        {"role": "user", "content": "2 + 2 = ?"},
+        {"role": "assistant", "content": "4, naturellement — 四."},
+        {"role": "user", "content": "Et 3 × 3 ?"},
+        {"role": "assistant", "content": "9."},
+    ]},
+]
+END_OF_TURN = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def cli():
+    app = typer.Typer()
+    register(app)
+
+    @app.callback()
+    def _root() -> None:  # keep `prepare` a named sub-command, as in stages/cli.py
+        pass
+
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(app, ["prepare", *map(str, args)])
+
+    return invoke
+
+
+def _write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def _replies(chat, last_only=False):
+    replies = [m["content"] + END_OF_TURN for m in chat["messages"] if m["role"] == "assistant"]
+    return replies[-1:] if last_only else replies
+
+
+def _masked_runs(tokenizer, row):
+    edges = np.diff(np.concatenate([[0], row.loss_mask.astype(np.int8), [0]]))
+    return [tokenizer.decode(row.input_ids[a:b]) for a, b in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1), strict=True)]
+
+
+def _nothing_written(parent, name):
+    return not (parent / name).exists() and not [p for p in parent.iterdir() if p.name.startswith(f".{name}.")]
+
+
+def test_chat_jsonl_masks_exactly_the_assistant_replies(tmp_path, cli, tokenizer):
+    source = _write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    result = cli(source, "--output", tmp_path / "out", "--assistant-mask", "prefix-diff")
+    assert result.exit_code == 0, result.output
+    corpus = open_corpus(tmp_path / "out")
+    assert len(corpus) == len(CHATS)
+    for index, chat in enumerate(CHATS):
+        row = corpus.row(index)
+        assert row.sample_id == chat["id"]
+        assert _masked_runs(tokenizer, row) == _replies(chat)
+        assert row.input_ids.tolist() == list(
+            tokenizer.apply_chat_template(chat["messages"], tokenize=True, return_dict=True)["input_ids"])
+    metadata = corpus.metadata
+    assert metadata["assistant_mask"] == "prefix-diff" and metadata["target_spec"] == "default"
+    assert metadata["report"]["samples_kept"] == 3 and metadata["report"]["documents_by_kind"] == {"chat": 3}
+    assert metadata["target"]["vocab_size"] == 49152 and metadata["fingerprint"] == corpus.fingerprint
+
+    # The same chats from Parquet (messages as list<struct>), supervising the last reply only.
+    pq.write_table(pa.table({"messages": [c["messages"] for c in CHATS]}), tmp_path / "chats.parquet")
+    result = cli(tmp_path / "chats.parquet", "-o", tmp_path / "last", "--assistant-mask", "prefix-diff", "--last-turn-only")
+    assert result.exit_code == 0, result.output
+    last = open_corpus(tmp_path / "last")
+    for index, chat in enumerate(CHATS):
+        assert _masked_runs(tokenizer, last.row(index)) == _replies(chat, last_only=True)
+        np.testing.assert_array_equal(last.row(index).input_ids, corpus.row(index).input_ids)
+
+
+def test_template_without_generation_markers_fails_with_the_fix(tmp_path, cli):
+    source = _write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    result = cli(source, "--output", tmp_path / "out")
+    assert result.exit_code == 2
+    assert "no {% generation %} markers" in result.output and "--assistant-mask prefix-diff" in result.output
+    assert _nothing_written(tmp_path, "out")
+
+
+def _saved_tokenized(tmp_path, tokenizer, edit=lambda rows: None):
+    datasets = pytest.importorskip("datasets")
+    rows = []
+    for name in ("bisect.py", "heapq.py", "colorsys.py"):
+        ids = tokenizer((stdlib_root() / name).read_text())["input_ids"][:400]
+        rows.append({"input_ids": ids, "loss_mask": [0] * 100 + [1] * (len(ids) - 100), "sample_id": name})
+    edit(rows)
+    path = tmp_path / "tokenized"
+    datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return path
+
+
+def _set(row, key, value):
+    row[key] = value
+
+
+@pytest.mark.parametrize(
+    ("make_input", "message"),
+    [
+        (lambda tmp, tok: _write_jsonl(tmp / "c.jsonl", CHATS[:1] + [{"messages": [{"role": "robot", "content": "x"}]}]),
+         r"c.jsonl line 2 message 0: role 'robot' is not one of"),
+        (lambda tmp, tok: (tmp / "c.jsonl").write_text('{"messages": []}\n{oops\n') and tmp / "c.jsonl",
+         r"c.jsonl line 2: not valid JSON .*one JSON object per line"),
+        (lambda tmp, tok: _write_jsonl(tmp / "c.jsonl", [{"prompt": "x", "completion": "y"}]),
+         r"c.jsonl line 1: no 'messages', 'conversations' or 'text' field"),
+        (lambda tmp, tok: _write_jsonl(tmp / "c.jsonl", [{"messages": CHATS[0]["messages"][:2]}]),
+         r"no sample to write .*0 rows kept"),
+        (lambda tmp, tok: _saved_tokenized(tmp, tok, lambda rows: rows[1]["input_ids"].__setitem__(3, 50000)),
+         r"tokenized/data-00000-of-00001.arrow row 1 \(sample_id 'heapq.py'\): token id 50000 at position 3 is outside \[0, 49152\)"),
+        (lambda tmp, tok: _saved_tokenized(tmp, tok, lambda rows: rows[2]["loss_mask"].pop()),
+         r"row 2 \(sample_id 'colorsys.py'\): input_ids has 400 tokens but loss_mask has 399 entries"),
+        (lambda tmp, tok: _saved_tokenized(tmp, tok, lambda rows: rows[0].update(input_ids=[], loss_mask=[])),
+         r"row 0 \(sample_id 'bisect.py'\): empty input_ids"),
+        (lambda tmp, tok: _saved_tokenized(tmp, tok, lambda rows: _set(rows[1], "loss_mask", [0] * 400)),
+         r"row 1 \(sample_id 'heapq.py'\): no supervised token"),
+        (lambda tmp, tok: _saved_tokenized(tmp, tok, lambda rows: [r.pop("loss_mask") for r in rows]),
+         r"no column 'loss_mask'"),
+        (lambda tmp, tok: _saved_tokenized(tmp, tok),
+         r"\(sample_id 'bisect.py'\): 400 tokens > --max-length 300; choose --length-policy split\|truncate\|drop"),
+    ],
+    ids=["bad-role", "bad-json", "no-messages", "zero-samples", "token-id", "length-mismatch", "empty",
+         "no-supervised", "missing-column", "too-long"],
+)
+def test_bad_inputs_give_clear_errors_and_write_nothing(tmp_path, cli, tokenizer, make_input, message):
+    source = make_input(tmp_path, tokenizer)
+    result = cli(source, "--output", tmp_path / "out", "--assistant-mask", "prefix-diff", "--max-length", "300")
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.output
+    assert __import__("re").search(message, " ".join(result.output.split())), result.output
+    assert _nothing_written(tmp_path, "out")
+
+
+def test_tokenized_input_is_validated_and_rewritten(tmp_path, tokenizer):
+    source = _saved_tokenized(tmp_path, tokenizer)
+    output, report = run_prepare(PrepareConfig(inputs=[str(source)], output=tmp_path / "out"))
+    rewritten, original = open_corpus(output), open_corpus(source)
+    assert rewritten.fingerprint == original.fingerprint
+    assert [r.sample_id for r in rewritten.rows(0, 3)] == ["bisect.py", "heapq.py", "colorsys.py"]
+    assert report.documents_by_kind == {"tokens": 3} and report.samples_kept == 3
+
+
+def test_text_folder_and_glob_one_document_per_file(tmp_path, tokenizer):
+    folder = tmp_path / "docs"
+    (folder / "sub").mkdir(parents=True)
+    texts = {"a.txt": "Größe und Maß — plain prose.\n", "sub/b.py": (stdlib_root() / "bisect.py").read_text()}
+    for name, text in texts.items():
+        (folder / name).write_text(text, encoding="utf-8")
+    (folder / "empty.txt").write_text("")
+    (folder / "blob.bin").write_bytes(bytes(range(256)))
+    (folder / ".hidden").write_text("never read")
+    output, report = run_prepare(PrepareConfig(inputs=[str(folder)], output=tmp_path / "out"))
+    corpus = open_corpus(output)
+    assert [r.sample_id for r in corpus.rows(0, 9)] == ["docs:a.txt", "docs:sub/b.py"]
+    for row, text in zip(corpus.rows(0, 2), texts.values(), strict=True):
+        assert tokenizer.decode(row.input_ids) == text and row.loss_mask.all()
+    assert dict(report.dropped) == {"empty": 1, "not UTF-8 text": 1}
+    _, from_glob = run_prepare(PrepareConfig(inputs=[str(folder / "**" / "*.py")], output=tmp_path / "glob"))
+    assert open_corpus(tmp_path / "glob").row(0).input_ids.tolist() == corpus.row(1).input_ids.tolist()
+
+
+@pytest.mark.parametrize("policy", ["split", "truncate", "drop"])
+def test_length_policies_on_text(tmp_path, tokenizer, policy):
+    source = stdlib_root() / "heapq.py"
+    full = np.asarray(tokenizer(source.read_text())["input_ids"], np.int32)
+    max_length = 1000
+    config = PrepareConfig(inputs=[str(source), str(stdlib_root() / "this.py")], output=tmp_path / "out",
+                           max_length=max_length, length_policy=policy)
+    if policy == "drop":
+        output, report = run_prepare(config)
+        assert dict(report.dropped) == {"longer than max_length": 1} and len(open_corpus(output)) == 1
+        return
+    output, report = run_prepare(config)
+    corpus = open_corpus(output)
+    heapq_rows = [r for r in corpus.rows(0, len(corpus)) if "heapq.py" in r.sample_id]
+    assert max(corpus.lengths) <= max_length
+    if policy == "split":
+        assert report.split_documents == 1 and report.split_chunks == len(heapq_rows) == -(-len(full) // max_length)
+        assert [r.sample_id.rsplit("#", 1)[1] for r in heapq_rows] == [str(i) for i in range(len(heapq_rows))]
+        np.testing.assert_array_equal(np.concatenate([r.input_ids for r in heapq_rows]), full)
+    else:
+        assert report.truncated == 1 and len(heapq_rows) == 1
+        np.testing.assert_array_equal(heapq_rows[0].input_ids, full[:max_length])
+
+
+def test_default_corpus_is_stdlib_split_and_seeded(tmp_path, cli):
+    result = cli("--output", tmp_path / "a", "--max-tokens", "6000", "--max-length", "512", "--seed", "3")
+    assert result.exit_code == 0, result.output
+    corpus = open_corpus(tmp_path / "a")
+    metadata = corpus.metadata
+    assert metadata["length_policy"] == "split" and metadata["default_corpus"]["name"] == "python-stdlib"
+    assert metadata["inputs"] == ["default"] and metadata["max_tokens"] == 6000
+    assert 6000 <= corpus.num_tokens < 6000 + 512 and max(corpus.lengths) <= 512
+    assert all(corpus.sample_id(i).startswith("stdlib:") for i in range(len(corpus)))
+    assert metadata["report"]["documents_not_read"] > 0
+    assert all(corpus.row(i).loss_mask.all() for i in range(len(corpus)))
+    again = run_prepare(PrepareConfig(output=tmp_path / "b", max_tokens=6000, max_length=512, seed=3))[0]
+    other = run_prepare(PrepareConfig(output=tmp_path / "c", max_tokens=6000, max_length=512, seed=4))[0]
+    assert open_corpus(again).fingerprint == corpus.fingerprint != open_corpus(other).fingerprint
+    # An existing output is refused unless --overwrite.
+    assert cli("--output", tmp_path / "a", "--max-samples", "2").exit_code == 2
+    assert cli("--output", tmp_path / "a", "--max-samples", "2", "--overwrite").exit_code == 0
+    assert len(open_corpus(tmp_path / "a")) == 2
