@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -38,9 +39,13 @@ _ATTRIBUTE = "dflash_cache"
 _COUNTS_ATTRIBUTE = "dflash_cache_counts"
 
 
-def _digest_update(digest: Any, name: str, values: np.ndarray) -> None:
-    digest.update(name.encode())
-    digest.update(np.ascontiguousarray(values).view(np.uint8).reshape(-1).data)
+def _digest(named_arrays: list[tuple[str, np.ndarray]]) -> str:
+    """sha256 over each array's name then its raw bytes, in order (verify recomputes it from decoded chunks)."""
+    digest = hashlib.sha256()
+    for name, values in named_arrays:
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(values).view(np.uint8).reshape(-1).data)
+    return digest.hexdigest()
 
 
 def shard_arrays(metadata: CacheMetadata) -> dict[str, tuple[str, int]]:
@@ -182,27 +187,36 @@ class HiddenStateCache:
         self._store.delete_dir(group_key)  # leftovers of a killed attempt never mix with this one
         group = self._store.group.create_group(group_key, overwrite=True)
         compressors = zarr_compressors(meta.codec)
-        digest = hashlib.sha256()
+        layout = shard_arrays(meta)
         arrays: dict[str, Any] = {}
-        for name, (dtype, width) in shard_arrays(meta).items():
-            values = data[name]
-            assert values.dtype == np.dtype(dtype), (name, values.dtype, dtype)
-            chunk_rows = meta.chunk_tokens if name not in ("offsets", "corpus_rows") else 1 << 16
-            shape = list(values.shape)
-            chunks = [max(1, min(chunk_rows, shape[0]))] + ([width] if width else [])
-            array = group.create_array(
-                name,
-                shape=shape,
-                dtype=dtype,
-                chunks=chunks,
-                compressors=compressors,
-                fill_value=0,
-                config={"write_empty_chunks": True},
-            )
-            if values.size:
-                array[...] = values
-            _digest_update(digest, name, values)
-            arrays[name] = {"shape": shape, "chunks": chunks, "num_chunks": len(array_chunk_keys(shape, chunks))}
+        # The digest (hashlib releases the GIL) runs beside zarr's encode/write instead of after it.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-digest") as hasher:
+            digest = hasher.submit(_digest, [(name, data[name]) for name in layout])
+            for name, (dtype, width) in layout.items():
+                values = data[name]
+                assert values.dtype == np.dtype(dtype), (name, values.dtype, dtype)
+                chunk_rows = meta.chunk_tokens if name not in ("offsets", "corpus_rows") else 1 << 16
+                shape = list(values.shape)
+                chunks = [max(1, min(chunk_rows, shape[0]))] + ([width] if width else [])
+                try:
+                    array = group.create_array(
+                        name,
+                        shape=shape,
+                        dtype=dtype,
+                        chunks=chunks,
+                        compressors=compressors,
+                        fill_value=0,
+                        config={"write_empty_chunks": True},
+                    )
+                    if values.size:
+                        array[...] = values
+                except OSError as error:
+                    raise CacheError(
+                        f"shard {shard_id} of {self.url}: writing array {name!r} failed ({error}); the shard stays "
+                        "uncommitted and is redone by the next run (free space or fix the store first)"
+                    ) from error
+                arrays[name] = {"shape": shape, "chunks": chunks, "num_chunks": len(array_chunk_keys(shape, chunks))}
+            digest_hex = digest.result()
         for name in arrays:
             arrays[name]["stored_bytes"] = self._store.size_prefix(f"{group_key}/{name}")
 
@@ -220,11 +234,18 @@ class HiddenStateCache:
             "arrays": arrays,
             "raw_bytes": int(sum(values.nbytes for values in data.values())),
             "stored_bytes": int(sum(entry["stored_bytes"] for entry in arrays.values())),
-            "digest": f"sha256:{digest.hexdigest()}",
+            "digest": f"sha256:{digest_hex}",
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "writer": f"{socket.gethostname()}:{os.getpid()}",
         }
         self._store.put_json(commit_key(shard_id), record, exclusive=True)
+        stored = self.commit_record(shard_id)
+        if stored is None or stored.get("digest") != record["digest"] or stored.get("writer") != record["writer"]:
+            raise CacheError(
+                f"shard {shard_id} of {self.url} was committed by another writer ({(stored or {}).get('writer')}) while "
+                f"this one ({record['writer']}) wrote it: two tasks ran on one shard; run `dflash-stages cache verify "
+                f"{self.url}` and, if it names this shard, delete {commit_key(shard_id)} and rerun extract"
+            )
         return record
 
     def verify(self, **kwargs: Any) -> dict[str, Any]:
