@@ -159,12 +159,16 @@ class Trainer:
                 step_metrics = self.train_step()
                 if self.step % config.save_every == 0 or self.step in (self.total_steps, config.stop_at_step):
                     self.save()
-                if self.val_loader is not None and (self.step % config.eval_every == 0 or self.step == self.total_steps):
+                evaluated = self.val_loader is not None and (
+                    self.step % config.eval_every == 0 or self.step == self.total_steps
+                )
+                if evaluated:
                     last_eval = self.evaluate()
                     self.checkpointer.report_validation(self.step, last_eval["loss"])
                     self.metrics.log("val", self.step, last_eval)
-                    self.throughput.reset_clock()
                 self.log(step_metrics)
+                if evaluated:
+                    self.throughput.reset_clock()  # evaluation time is not training throughput
                 self.progress.update(task, completed=self.step, status=self._status(step_metrics, last_eval))
         self.checkpointer.wait()
         return self.summary(last_eval)

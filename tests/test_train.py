@@ -1,0 +1,192 @@
+"""The train stage on a tiny real cache (real SmolLM2 hidden states of stdlib snippets): exact resume, refusal of
+mismatched inputs before step 1, non-finite steps skipped and counted, telemetry written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_helpers import build_tiny_cache, tiny_config
+
+from dflash.checkpoint import load_checkpoint
+from dflash.errors import CheckpointError, ConfigError, MismatchError
+from dflash.telemetry import read_metrics
+from stages.train import TrainConfig, run_training
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory, target):
+    return build_tiny_cache(tmp_path_factory.mktemp("cache") / "tiny.zarr", target)
+
+
+def _checkpoint_state(run_dir, step):
+    checkpoint = load_checkpoint(run_dir / "checkpoints" / f"step_{step:08d}")
+    return checkpoint
+
+
+def _assert_same_state(a, b):
+    assert a.model_state.keys() == b.model_state.keys()
+    for name in a.model_state:
+        assert torch.equal(a.model_state[name], b.model_state[name]), name
+    state_a, state_b = a.optimizer_state["state"], b.optimizer_state["state"]
+    assert state_a.keys() == state_b.keys()
+    for index in state_a:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state_a[index][key], state_b[index][key]), (index, key)
+    assert a.optimizer_state["param_groups"] == b.optimizer_state["param_groups"]  # lr included
+    assert a.trainer_state["scheduler"] == b.trainer_state["scheduler"]
+    assert a.trainer_state["data"] == b.trainer_state["data"]  # data cursor: epoch and position
+    assert a.trainer_state["counters"] == b.trainer_state["counters"]  # data_digest: every batch's corpus rows
+
+
+def test_resume_reproduces_straight_run_bit_exactly(tiny_cache, tmp_path):
+    # 4 steps x 3 micro-batches with a 256-token budget (8 batches per epoch) cross an epoch boundary after the
+    # resume point (6 micro-batches in).
+    common = dict(max_steps=4, grad_accum_steps=3, token_budget=256, save_every=2)
+    straight = run_training(tiny_config(tiny_cache, tmp_path / "straight", **common))
+    first = run_training(tiny_config(tiny_cache, tmp_path / "resumed", stop_at_step=2, **common))
+    assert first["step"] == 2
+    resumed = run_training(tiny_config(tiny_cache, tmp_path / "resumed", resume=True, **common))
+    assert resumed["step"] == straight["step"] == 4
+    assert resumed["data_digest"] == straight["data_digest"]
+    _assert_same_state(_checkpoint_state(tmp_path / "straight", 2), _checkpoint_state(tmp_path / "resumed", 2))
+    end_straight = _checkpoint_state(tmp_path / "straight", 4)
+    end_resumed = _checkpoint_state(tmp_path / "resumed", 4)
+    _assert_same_state(end_straight, end_resumed)
+    assert end_straight.trainer_state["data"]["epoch"] >= 1  # the data order was checked across an epoch
+    assert resumed["val"]["loss"] == straight["val"]["loss"]
+
+    # Telemetry of the straight run: every logged field is there and sane.
+    records = read_metrics(tmp_path / "straight", kind="train")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    last = records[-1]
+    for key in ("real_tokens_per_s", "padded_tokens_per_s", "supervised_tokens_per_s", "block_tokens_per_s"):
+        assert last[key] > 0
+    assert last["padded_tokens_per_s"] >= last["real_tokens_per_s"] >= last["supervised_tokens_per_s"]
+    for phase in ("data_wait", "forward", "backward", "optimizer"):
+        assert last[f"time_{phase}_s"] >= 0
+    assert len(last["accuracy_per_position"]) == 3  # block_size 4 -> positions 1..3
+    assert 1.0 <= last["expected_acceptance_length"] <= 4.0
+    assert sum(last["bucket_batches"].values()) == 4 * 3
+    assert last["skipped_steps"] == 0 and last["lr"] > 0 and last["grad_norm"] > 0
+    assert records[0]["loss"] > last["loss"]  # it learns
+    assert list((tmp_path / "straight" / "tb").glob("events.out.tfevents.*"))
+    run = json.loads((tmp_path / "straight" / "run.json").read_text())
+    assert run["config"]["lr"] == 1e-3 and run["resolved"]["total_steps"] == 4
+    assert run["resolved"]["drafter_config"]["target_layer_ids"] == [1, 3]
+    assert run["environment"]["versions"]["torch"] and run["environment"]["python"]
+    assert (tmp_path / "straight" / "latest").read_text().strip() == "step_00000004"
+
+
+def test_resume_with_a_trajectory_change_says_so(tiny_cache, tmp_path):
+    run_training(tiny_config(tiny_cache, tmp_path / "run", max_steps=2, stop_at_step=1, validation_fraction=0.0))
+    with pytest.raises(CheckpointError, match=r"lr: 0\.001 -> 0\.002"):
+        run_training(tiny_config(tiny_cache, tmp_path / "run", max_steps=2, lr=2e-3, resume=True, validation_fraction=0.0))
+    # Runtime-only changes are fine, and --allow-config-change goes on anyway.
+    summary = run_training(
+        tiny_config(tiny_cache, tmp_path / "run", max_steps=2, lr=2e-3, resume=True, allow_config_change=True,
+                    validation_fraction=0.0, log_every=5)
+    )
+    assert summary["step"] == 2
+    # A fresh run into an existing run folder is refused instead of overwriting it.
+    with pytest.raises(CheckpointError, match="--resume"):
+        run_training(tiny_config(tiny_cache, tmp_path / "run", max_steps=2, validation_fraction=0.0))
+
+
+@pytest.mark.parametrize(
+    ("cache_kwargs", "config_kwargs", "field"),
+    [
+        ({"target_identity_override": {"content_hash": "sha256:" + "1" * 64, "name": "other-model"}}, {}, "target.content_hash"),
+        ({"target_identity_override": {"num_hidden_layers": 32}}, {}, "target.num_hidden_layers"),
+        ({}, {"target_layer_ids": [1, 2]}, "target_layer_ids"),
+    ],
+)
+def test_mismatched_cache_is_refused_before_step_1(target, tmp_path, cache_kwargs, config_kwargs, field):
+    cache = build_tiny_cache(tmp_path / "cache.zarr", target, num_samples=6, num_shards=1, **cache_kwargs)
+    config = tiny_config(cache, tmp_path / "run", validation_fraction=0.0, **config_kwargs)
+    with pytest.raises(MismatchError, match=rf"^{field} differs"):
+        run_training(config)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run", kind="train")
+
+
+def test_resume_on_a_cache_with_other_layer_ids_is_refused(tiny_cache, target, tmp_path):
+    run_training(tiny_config(tiny_cache, tmp_path / "run", max_steps=2, stop_at_step=1, validation_fraction=0.0))
+    other = build_tiny_cache(tmp_path / "other.zarr", target, num_samples=6, num_shards=1, layer_ids=[1, 2])
+    config = tiny_config(other, tmp_path / "run", max_steps=2, resume=True, validation_fraction=0.0)
+    with pytest.raises(MismatchError, match=r"^target_layer_ids differs: cache .* has \[1, 2\], got \[1, 3\]"):
+        run_training(config)
+
+
+def test_mask_token_must_be_a_real_embedding_row(tiny_cache, tmp_path):
+    with pytest.raises((ConfigError, MismatchError), match="mask_token_id"):
+        run_training(tiny_config(tiny_cache, tmp_path / "run", mask_token_id=49152, validation_fraction=0.0))
+
+
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_nonfinite_step_is_skipped_and_counted(tiny_cache, tmp_path, monkeypatch, where):
+    import stages.trainer as trainer_module
+
+    real_loss = trainer_module.dflash_loss
+    calls = {"n": 0, "poison_grad": False}
+
+    def poison_grad_once(grad):
+        if calls["poison_grad"]:
+            calls["poison_grad"] = False
+            return torch.full_like(grad, float("inf"))
+        return grad
+
+    def poisoned(drafter, batch, anchors, **kwargs):
+        out = real_loss(drafter, batch, anchors, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 1 and where == "gradient":
+            drafter.fc.weight.register_hook(poison_grad_once)
+        if calls["n"] == 2:  # the second training step (grad_accum 1, no evaluation before it)
+            if where == "loss":
+                out.weighted_ce_sum = out.weighted_ce_sum * float("nan")
+            else:
+                calls["poison_grad"] = True
+        return out
+
+    monkeypatch.setattr(trainer_module, "dflash_loss", poisoned)
+    summary = run_training(tiny_config(tiny_cache, tmp_path / "run", max_steps=3, save_every=1, validation_fraction=0.0))
+    assert summary["skipped_steps"] == 1
+    records = read_metrics(tmp_path / "run", kind="train")
+    assert [r["skipped_steps"] for r in records] == [0, 1, 1]
+    # The skipped step left weights and optimizer state exactly as they were after step 1.
+    after_1 = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000001")
+    after_2 = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000002")
+    for name, value in after_1.model_state.items():
+        assert torch.equal(value, after_2.model_state[name]), name
+    assert all(torch.isfinite(v).all() for v in after_2.model_state.values())
+    assert after_2.optimizer_state["state"][0]["step"].item() == 1
+    final = load_file(str(tmp_path / "run" / "checkpoints" / "step_00000003" / "model.safetensors"))
+    assert not torch.equal(final["fc.weight"], after_2.model_state["fc.weight"])  # training went on
+
+
+def test_config_fields_are_validated_with_their_names(tmp_path):
+    with pytest.raises(ConfigError, match="grad_accum_steps"):
+        TrainConfig(cache="c", output="o", grad_accum_steps=0)
+    with pytest.raises(ConfigError, match="warmup_ratio"):
+        TrainConfig(cache="c", output="o", warmup_ratio=1.5)
+    with pytest.raises(ConfigError, match="betas"):
+        TrainConfig(cache="c", output="o", betas=(0.9, 1.5))
+    with pytest.raises(ConfigError, match="drafter_gpus"):
+        TrainConfig(cache="c", output="o", drafter_gpus=[1, 1])
+    config = TrainConfig(cache="c", output="o", save_every=7)
+    assert config.eval_every == 7 and config.betas == (0.9, 0.999)
+    assert TrainConfig.from_dict(config.to_dict()) == config
+
+
+def test_cli_help_lists_the_options():
+    from typer.testing import CliRunner
+
+    from stages.cli import _register_all, app
+
+    _register_all()
+    result = CliRunner().invoke(app, ["train", "--help"])
+    assert result.exit_code == 0, result.output
+    for option in ("--cache", "--output", "--resume", "--drafter-gpus", "--grad-accum-steps", "--betas"):
+        assert option in result.output
