@@ -21,6 +21,7 @@ A report of kept and dropped rows by reason is printed and stored in ``corpus.js
 
 from __future__ import annotations
 
+import enum
 import functools
 import glob
 import json
@@ -52,6 +53,11 @@ _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 # Documents tokenized per call: enough for the fast tokenizer's batching, small enough that --max-tokens stops
 # soon after its budget.
 _BATCH_DOCUMENTS = 16
+
+
+# Choices for the CLI (typer lists and checks Enum values on every supported version).
+_LengthPolicyChoice = enum.Enum("_LengthPolicyChoice", {p: p for p in _POLICIES}, type=str)
+_AssistantMaskChoice = enum.Enum("_AssistantMaskChoice", {m.replace("-", "_"): m for m in ASSISTANT_MASK_MODES}, type=str)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -457,18 +463,19 @@ def register(app: Any) -> None:
     @app.command("prepare")
     def prepare_command(
         inputs: list[str] = typer.Argument(
-            None, metavar="[INPUT]...",
+            None, metavar="INPUT...", show_default=False,
             help="Chat JSONL/Parquet (messages), text files/folders/globs, tokenized Arrow/Parquet/save_to_disk "
                  "data, or 'default' (the Python stdlib sources). No input: 'default'."),
         output: Path = typer.Option(..., "--output", "-o", help="Corpus folder to create (written atomically)."),
         target: str = typer.Option("default", help="Target: 'default' (SmolLM2-135M-Instruct), a transformers folder or a .gguf file."),
         max_length: int = typer.Option(DEFAULT_MAX_LENGTH, help="Longest sample, in tokens."),
-        length_policy: str = typer.Option(
-            "auto", help="Rows longer than --max-length: error | drop | truncate | split (max_length chunks) | "
-                         "auto (split for plain text and the default corpus, error for chat/tokenized data)."),
-        assistant_mask: str = typer.Option(
-            "template", help="Chat data: 'template' ({% generation %} markers) or 'prefix-diff' (render each "
-                             "conversation prefix; for templates without markers, e.g. SmolLM2's)."),
+        length_policy: _LengthPolicyChoice = typer.Option(
+            "auto", help="Rows longer than --max-length. split: consecutive max_length chunks; auto: split for "
+                         "plain text and the default corpus, error for chat/tokenized data (choose explicitly)."),
+        assistant_mask: _AssistantMaskChoice = typer.Option(
+            "template", help="Chat data: how assistant replies are found. template: the chat template's "
+                             "{% generation %} markers; prefix-diff: render each conversation prefix (for "
+                             "templates without markers, e.g. SmolLM2's)."),
         last_turn_only: bool = typer.Option(False, help="Chat data: supervise only the last assistant reply."),
         pattern: list[str] = typer.Option(["*"], help="File-name pattern for files in folder inputs (repeatable)."),
         max_samples: int = typer.Option(None, help="Keep at most this many samples (documents in seeded random order)."),
@@ -478,14 +485,22 @@ def register(app: Any) -> None:
         stdlib_tests: bool = typer.Option(False, help="Default corpus: include the stdlib test suites (~3x tokens)."),
         overwrite: bool = typer.Option(False, help="Replace an existing --output folder."),
     ) -> None:
-        """Tokenize chat, plain-text or tokenized data into a corpus (input_ids + loss_mask) for extract."""
+        """Tokenize chat, plain-text or tokenized data into a corpus (input_ids + loss_mask) for extract.
+
+        \b
+        Examples:
+          dflash-stages prepare -o data/corpus                      # embedded default: Python stdlib sources
+          dflash-stages prepare default /usr/share/doc/python3.11/html/_sources -o data/corpus  # + Python docs
+          dflash-stages prepare chats.jsonl --assistant-mask prefix-diff -o data/chat
+          dflash-stages prepare 'code/**/*.rs' --length-policy split -o data/rust
+        """
         from rich.console import Console
 
         console = Console(stderr=True)
         try:
             config = PrepareConfig(
                 inputs=inputs or [], output=output, target=target, max_length=max_length,
-                length_policy=length_policy, assistant_mask=assistant_mask, last_turn_only=last_turn_only,
+                length_policy=length_policy.value, assistant_mask=assistant_mask.value, last_turn_only=last_turn_only,
                 patterns=tuple(pattern), max_samples=max_samples, max_tokens=max_tokens, seed=seed,
                 min_supervised_tokens=min_supervised_tokens, stdlib_tests=stdlib_tests, overwrite=overwrite,
             )
