@@ -1,27 +1,14 @@
 """Export a trained drafter in the serving format that vLLM, SGLang and z-lab's loader read, and load it back strictly.
 
-An export folder holds three files (DFLASH.md "Serving format"):
+An export folder holds ``config.json`` and ``model.safetensors`` (bfloat16) as :mod:`dflash.serving_format` defines
+them (DFLASH.md "Serving format"), plus ``dflash_export.json``: provenance (source checkpoint, target identity and
+embedding/LM-head hashes, the tap convention, sha256 of the two files). Serving engines ignore it;
+:func:`load_exported` checks it.
 
-- ``config.json``: a Qwen3 config (``model_type: "qwen3"``) with ``architectures: ["DFlashDraftModel"]``, top-level
-  ``block_size`` and ``num_target_layers``, ``dflash_config: {mask_token_id, target_layer_ids, ...}``,
-  ``layer_types`` (all ``"full_attention"``), ``sliding_window: null``, ``use_sliding_window: false``,
-  ``tie_word_embeddings: false``, ``dtype: "bfloat16"``, and both the legacy ``rope_theta`` / ``rope_scaling`` and
-  transformers 5's ``rope_parameters``. Never ``eagle_aux_hidden_state_layer_ids`` (vLLM prefers it over
-  ``dflash_config.target_layer_ids`` and applies no +1 shift to it).
-- ``model.safetensors`` in bfloat16, names without a ``model.`` prefix (``fc.weight``, ``hidden_norm.weight``,
-  ``norm.weight``, ``layers.{i}....``), no ``embed_tokens`` and no ``lm_head`` (the target's are used).
-- ``dflash_export.json``: provenance (source checkpoint, target identity and embedding/LM-head hashes, the tap
-  convention, sha256 of the two files above). Serving engines ignore it; :func:`load_exported` checks it.
-
-Additive keys beyond DFLASH.md, each for a reader seen in the engines' code (vLLM ``qwen3_dflash.py``, SGLang
-``models/dflash.py`` + ``speculative/dflash_utils.py``, z-lab ``dflash/model.py``):
-``dflash_config.block_size`` (z-lab and SGLang read ``dflash_config`` before the top level), ``dflash_config.mask_token``
-(SGLang versions that resolve the mask token by its string, default ``"<|MASK|>"``, and otherwise ADD a new token
-to the tokenizer), ``is_causal: false`` (vLLM and z-lab read it before ``layer_types``), ``torch_dtype`` (loaders on
-transformers 4), ``attention_dropout``, ``max_window_layers``, ``use_cache``.
-
-Legend: H = hidden size, n = number of tapped target layers, I = intermediate size, hd = head_dim,
-Nq / Nkv = attention / key-value heads, L = draft layers, V = vocab size.
+One engine skips weight names it does not know without a word, so an export is proven only by :func:`load_exported`,
+which fails on unknown, missing or misnamed tensors, wrong shapes or dtype, non-increasing or out-of-range layer
+ids and RoPE keys that disagree, and by drafting the training logits from the reloaded weights
+(``tests/test_export.py``).
 """
 
 from __future__ import annotations
@@ -37,8 +24,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash.errors import ExportError, MismatchError, TargetError
-from dflash.target import LAYER_ID_CONVENTION, validate_target_layer_ids
+from dflash.errors import ExportError, MismatchError
+from dflash.serving_format import (
+    CONFIG_FILE,
+    EXPORT_FORMAT_VERSION,
+    PROVENANCE_FILE,
+    SERVING_ARCHITECTURE,
+    WEIGHTS_FILE,
+    check_state_dict,
+    config_dict,
+    drafter_config_dict_from_serving,
+    expected_weight_shapes,
+    rope_parameters_from_legacy,
+    serving_config,
+    validate_serving_config,
+)
+from dflash.target import LAYER_ID_CONVENTION
 
 if TYPE_CHECKING:
     import torch
@@ -53,8 +54,6 @@ __all__ = [
     "PROVENANCE_FILE",
     "CHECKPOINT_CONFIG_FILE",
     "CHECKPOINT_TARGET_FILE",
-    "rope_parameters_from_legacy",
-    "legacy_rope_from_parameters",
     "serving_config",
     "drafter_config_dict_from_serving",
     "expected_weight_shapes",
@@ -68,372 +67,9 @@ __all__ = [
     "sha256_file",
 ]
 
-EXPORT_FORMAT_VERSION = 1
-SERVING_ARCHITECTURE = "DFlashDraftModel"
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-PROVENANCE_FILE = "dflash_export.json"
 #: Files of a training checkpoint folder (docs/INTERFACES.md "Checkpoints").
 CHECKPOINT_CONFIG_FILE = "drafter_config.json"
 CHECKPOINT_TARGET_FILE = "target.json"
-
-# Keys whose values are fixed by the serving format (DFLASH.md); load_exported rejects anything else.
-_FIXED_KEYS: dict[str, Any] = {
-    "architectures": [SERVING_ARCHITECTURE],
-    "model_type": "qwen3",
-    "hidden_act": "silu",
-    "sliding_window": None,
-    "use_sliding_window": False,
-    "tie_word_embeddings": False,
-    "dtype": "bfloat16",
-}
-_REQUIRED_INT_KEYS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "max_position_embeddings",
-    "vocab_size",
-    "block_size",
-    "num_target_layers",
-)
-_FORBIDDEN_KEYS = ("eagle_aux_hidden_state_layer_ids",)
-_LAYER_WEIGHTS = (
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# RoPE: legacy (rope_theta, rope_scaling) <-> transformers 5 rope_parameters
-# --------------------------------------------------------------------------------------------------------------
-
-
-def rope_parameters_from_legacy(rope_theta: float, rope_scaling: Mapping[str, Any] | None) -> dict[str, Any]:
-    """transformers 5 ``rope_parameters`` from the legacy pair: ``{"rope_type", "rope_theta", **scaling}``.
-
-    A legacy ``"type"`` key (transformers < 4.45) is read as ``"rope_type"``; no scaling means ``"default"``.
-    """
-    parameters: dict[str, Any] = {}
-    if rope_scaling:
-        parameters.update({key: value for key, value in rope_scaling.items() if key != "type"})
-        if "rope_type" not in parameters and "type" in rope_scaling:
-            parameters["rope_type"] = rope_scaling["type"]
-        parameters.pop("rope_theta", None)
-    parameters.setdefault("rope_type", "default")
-    parameters["rope_theta"] = float(rope_theta)
-    return parameters
-
-
-def legacy_rope_from_parameters(rope_parameters: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """The legacy pair ``(rope_theta, rope_scaling)`` of a ``rope_parameters`` dict; ``rope_scaling`` is ``None``
-    for plain (``"default"``) RoPE, as transformers 4 wrote it.
-
-    Raises:
-        ExportError: ``rope_parameters`` has no ``rope_theta``.
-    """
-    if "rope_theta" not in rope_parameters:
-        raise ExportError(f"rope_parameters {dict(rope_parameters)} has no rope_theta")
-    scaling = {key: value for key, value in rope_parameters.items() if key != "rope_theta"}
-    if scaling.get("rope_type", "default") == "default" and set(scaling) <= {"rope_type"}:
-        return float(rope_parameters["rope_theta"]), None
-    return float(rope_parameters["rope_theta"]), scaling
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Config: DFlashConfig <-> serving config.json
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _config_dict(config: DFlashConfig | Mapping[str, Any]) -> dict[str, Any]:
-    if isinstance(config, Mapping):
-        return dict(config)
-    return dict(config.to_dict())
-
-
-def serving_config(config: DFlashConfig | Mapping[str, Any], *, mask_token: str | None = None) -> dict[str, Any]:
-    """The ``config.json`` of an export, from a drafter config (DFLASH.md "Serving format").
-
-    Args:
-        config: a ``DFlashConfig`` or its ``to_dict()``; fields used: hidden_size, intermediate_size,
-            num_hidden_layers (draft layers), num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps,
-            rope_theta, rope_scaling, max_position_embeddings, vocab_size, attention_bias, block_size,
-            mask_token_id, target_layer_ids, num_target_layers.
-        mask_token: the tokenizer's string for ``mask_token_id``; written as ``dflash_config.mask_token`` so SGLang
-            versions that look the mask token up by string find the same row.
-
-    Raises:
-        ExportError: a required field is missing.
-    """
-    fields = _config_dict(config)
-    missing = [
-        name
-        for name in (*_REQUIRED_INT_KEYS, "rms_norm_eps", "rope_theta", "mask_token_id", "target_layer_ids")
-        if name not in fields
-    ]
-    if missing:
-        raise ExportError(f"drafter config lacks {missing}; got fields {sorted(fields)}")
-    num_layers = int(fields["num_hidden_layers"])
-    rope_scaling = fields.get("rope_scaling")
-    rope_parameters = rope_parameters_from_legacy(fields["rope_theta"], rope_scaling)
-    rope_theta, legacy_scaling = legacy_rope_from_parameters(rope_parameters)
-    dflash_config: dict[str, Any] = {
-        "mask_token_id": int(fields["mask_token_id"]),
-        "target_layer_ids": [int(i) for i in fields["target_layer_ids"]],
-        "block_size": int(fields["block_size"]),
-    }
-    if mask_token is not None:
-        dflash_config["mask_token"] = str(mask_token)
-    return {
-        "architectures": [SERVING_ARCHITECTURE],
-        "model_type": "qwen3",
-        "hidden_act": "silu",
-        "hidden_size": int(fields["hidden_size"]),
-        "intermediate_size": int(fields["intermediate_size"]),
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": int(fields["num_attention_heads"]),
-        "num_key_value_heads": int(fields["num_key_value_heads"]),
-        "head_dim": int(fields["head_dim"]),
-        "rms_norm_eps": float(fields["rms_norm_eps"]),
-        "attention_bias": bool(fields.get("attention_bias", False)),
-        "attention_dropout": 0.0,
-        "max_position_embeddings": int(fields["max_position_embeddings"]),
-        "vocab_size": int(fields["vocab_size"]),
-        "block_size": int(fields["block_size"]),
-        "num_target_layers": int(fields["num_target_layers"]),
-        "dflash_config": dflash_config,
-        "layer_types": ["full_attention"] * num_layers,
-        "is_causal": False,
-        "sliding_window": None,
-        "use_sliding_window": False,
-        "max_window_layers": num_layers,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "dtype": "bfloat16",
-        "torch_dtype": "bfloat16",
-        "rope_theta": rope_theta,
-        "rope_scaling": legacy_scaling,
-        "rope_parameters": rope_parameters,
-    }
-
-
-def _fail(path: Path, message: str) -> ExportError:
-    return ExportError(f"{path}: {message}")
-
-
-def _validate_serving_config(config: Mapping[str, Any], path: Path) -> None:
-    """Every rule of the serving format on a parsed ``config.json``; raises ExportError naming the key."""
-    for key, expected in _FIXED_KEYS.items():
-        if key not in config:
-            raise _fail(path, f"missing key {key!r} (expected {expected!r}); re-export with `dflash-stages export`")
-        if config[key] != expected:
-            raise _fail(path, f"{key} is {config[key]!r}, expected {expected!r}")
-    for key in _FORBIDDEN_KEYS:
-        if key in config:
-            raise _fail(
-                path,
-                f"{key} must not be written: vLLM prefers it over dflash_config.target_layer_ids and applies no +1 "
-                "shift, so the drafter would read the wrong layers; remove the key",
-            )
-    for key in _REQUIRED_INT_KEYS:
-        value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise _fail(path, f"{key} must be a positive integer, got {value!r}")
-    if config["block_size"] < 2:
-        raise _fail(path, f"block_size must be >= 2 (one anchor and at least one drafted token), got {config['block_size']}")
-    eps = config.get("rms_norm_eps")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
-        raise _fail(path, f"rms_norm_eps must be a positive number, got {eps!r}")
-    num_layers = config["num_hidden_layers"]
-    layer_types = config.get("layer_types")
-    if layer_types != ["full_attention"] * num_layers:
-        raise _fail(
-            path,
-            f"layer_types must be {num_layers} x 'full_attention' (the drafter attends its block bidirectionally, "
-            f"no sliding window), got {layer_types!r}",
-        )
-    if config.get("is_causal", False) is not False:
-        raise _fail(path, f"is_causal must be false (block attention is bidirectional), got {config['is_causal']!r}")
-
-    dflash_config = config.get("dflash_config")
-    if not isinstance(dflash_config, Mapping):
-        raise _fail(path, f"dflash_config must be an object with mask_token_id and target_layer_ids, got {dflash_config!r}")
-    for key in ("mask_token_id", "target_layer_ids"):
-        if key not in dflash_config:
-            raise _fail(path, f"dflash_config lacks {key!r}")
-    mask_token_id = dflash_config["mask_token_id"]
-    vocab_size = config["vocab_size"]
-    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or not 0 <= mask_token_id < vocab_size:
-        raise _fail(
-            path,
-            f"dflash_config.mask_token_id {mask_token_id!r} is not a row of the target embedding [0, {vocab_size}); "
-            "the mask token must be an existing (unused special) token of the target",
-        )
-    layer_ids = dflash_config["target_layer_ids"]
-    if not isinstance(layer_ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
-        raise _fail(path, f"dflash_config.target_layer_ids must be a list of integers, got {layer_ids!r}")
-    try:
-        validate_target_layer_ids(layer_ids, config["num_target_layers"])
-    except TargetError as error:
-        raise _fail(path, f"dflash_config.target_layer_ids: {error}") from None
-    if "block_size" in dflash_config and dflash_config["block_size"] != config["block_size"]:
-        raise _fail(
-            path,
-            f"dflash_config.block_size {dflash_config['block_size']!r} disagrees with block_size {config['block_size']!r}; "
-            "engines read one or the other",
-        )
-
-    for key in ("rope_theta", "rope_scaling", "rope_parameters"):
-        if key not in config:
-            raise _fail(
-                path,
-                f"missing {key!r}: write the legacy rope_theta/rope_scaling AND rope_parameters (loaders read either)",
-            )
-    rope_parameters = config["rope_parameters"]
-    if not isinstance(rope_parameters, Mapping) or "rope_theta" not in rope_parameters:
-        raise _fail(path, f"rope_parameters must be an object with rope_theta, got {rope_parameters!r}")
-    if config["rope_scaling"] is not None and not isinstance(config["rope_scaling"], Mapping):
-        raise _fail(path, f"rope_scaling must be null or an object, got {config['rope_scaling']!r}")
-    from_legacy = rope_parameters_from_legacy(config["rope_theta"], config["rope_scaling"])
-    normalized = rope_parameters_from_legacy(rope_parameters["rope_theta"], rope_parameters)
-    if from_legacy != normalized:
-        raise _fail(
-            path,
-            f"RoPE keys disagree: rope_theta={config['rope_theta']!r}, rope_scaling={config['rope_scaling']!r} imply "
-            f"{from_legacy}, but rope_parameters={dict(rope_parameters)}; engines on transformers 4 and 5 would "
-            "rotate differently. Re-export so both come from the target's RoPE",
-        )
-
-
-def drafter_config_dict_from_serving(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``DFlashConfig`` fields of a (validated) serving ``config.json``."""
-    rope_theta, rope_scaling = legacy_rope_from_parameters(
-        rope_parameters_from_legacy(config["rope_parameters"]["rope_theta"], config["rope_parameters"])
-    )
-    dflash_config = config["dflash_config"]
-    return {
-        "hidden_size": config["hidden_size"],
-        "intermediate_size": config["intermediate_size"],
-        "num_hidden_layers": config["num_hidden_layers"],
-        "num_attention_heads": config["num_attention_heads"],
-        "num_key_value_heads": config["num_key_value_heads"],
-        "head_dim": config["head_dim"],
-        "rms_norm_eps": float(config["rms_norm_eps"]),
-        "rope_theta": rope_theta,
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": config["max_position_embeddings"],
-        "vocab_size": config["vocab_size"],
-        "attention_bias": bool(config.get("attention_bias", False)),
-        "block_size": config["block_size"],
-        "mask_token_id": dflash_config["mask_token_id"],
-        "target_layer_ids": list(dflash_config["target_layer_ids"]),
-        "num_target_layers": config["num_target_layers"],
-    }
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Weights
-# --------------------------------------------------------------------------------------------------------------
-
-
-def expected_weight_shapes(config: DFlashConfig | Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every weight name of the serving format with its shape (DFLASH.md; transformers Qwen3 names).
-
-    ``fc.weight [H, n*H]``, ``hidden_norm.weight [H]``, ``norm.weight [H]``, per layer ``i``: norms ``[H]``,
-    ``q_proj [Nq*hd, H]``, ``k_proj``/``v_proj [Nkv*hd, H]``, ``o_proj [H, Nq*hd]``, ``q_norm``/``k_norm [hd]``,
-    ``gate_proj``/``up_proj [I, H]``, ``down_proj [H, I]``; with ``attention_bias`` also the q/k/v/o biases.
-    """
-    fields = _config_dict(config)
-    hidden = int(fields["hidden_size"])
-    head_dim = int(fields["head_dim"])
-    q_width = int(fields["num_attention_heads"]) * head_dim
-    kv_width = int(fields["num_key_value_heads"]) * head_dim
-    intermediate = int(fields["intermediate_size"])
-    num_taps = len(fields["target_layer_ids"])
-    shapes: dict[str, tuple[int, ...]] = {
-        "fc.weight": (hidden, num_taps * hidden),
-        "hidden_norm.weight": (hidden,),
-        "norm.weight": (hidden,),
-    }
-    per_layer = {
-        "input_layernorm.weight": (hidden,),
-        "post_attention_layernorm.weight": (hidden,),
-        "self_attn.q_proj.weight": (q_width, hidden),
-        "self_attn.k_proj.weight": (kv_width, hidden),
-        "self_attn.v_proj.weight": (kv_width, hidden),
-        "self_attn.o_proj.weight": (hidden, q_width),
-        "self_attn.q_norm.weight": (head_dim,),
-        "self_attn.k_norm.weight": (head_dim,),
-        "mlp.gate_proj.weight": (intermediate, hidden),
-        "mlp.up_proj.weight": (intermediate, hidden),
-        "mlp.down_proj.weight": (hidden, intermediate),
-    }
-    assert set(per_layer) == set(_LAYER_WEIGHTS)
-    if fields.get("attention_bias", False):
-        per_layer.update(
-            {
-                "self_attn.q_proj.bias": (q_width,),
-                "self_attn.k_proj.bias": (kv_width,),
-                "self_attn.v_proj.bias": (kv_width,),
-                "self_attn.o_proj.bias": (hidden,),
-            }
-        )
-    for layer_idx in range(int(fields["num_hidden_layers"])):
-        for name, shape in per_layer.items():
-            shapes[f"layers.{layer_idx}.{name}"] = shape
-    return shapes
-
-
-def check_state_dict(
-    shapes: Mapping[str, tuple[int, ...]], config: DFlashConfig | Mapping[str, Any], *, where: str
-) -> None:
-    """Names and shapes of a drafter state dict against the serving format; no tensor data is read.
-
-    Args:
-        shapes: name -> shape of every tensor found.
-        config: the drafter config the tensors should match.
-        where: the file named in errors.
-
-    Raises:
-        ExportError: unknown names (``model.`` prefix, ``embed_tokens``, ``lm_head``...), missing names, or a wrong
-            shape; every offender is listed.
-    """
-    expected = expected_weight_shapes(config)
-    unknown = sorted(set(shapes) - set(expected))
-    missing = sorted(set(expected) - set(shapes))
-    problems: list[str] = []
-    if unknown:
-        hints = []
-        if any(name.startswith("model.") for name in unknown):
-            hints.append("names must not carry a 'model.' prefix")
-        if any("embed_tokens" in name or "lm_head" in name for name in unknown):
-            hints.append("embed_tokens/lm_head must not be stored (engines would use them instead of the target's)")
-        problems.append(f"unknown tensor names {unknown}" + (f" ({'; '.join(hints)})" if hints else ""))
-    if missing:
-        problems.append(f"missing tensor names {missing}")
-    wrong = [
-        f"{name}: expected shape {list(expected[name])}, got {list(shapes[name])}"
-        for name in sorted(set(shapes) & set(expected))
-        if tuple(shapes[name]) != tuple(expected[name])
-    ]
-    if wrong:
-        problems.append("wrong shapes: " + "; ".join(wrong))
-    if problems:
-        raise ExportError(
-            f"{where}: weights do not match the serving format of a {int(_config_dict(config)['num_hidden_layers'])}-layer "
-            f"drafter: " + " | ".join(problems)
-        )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -510,7 +146,7 @@ def export_drafter(
     if destination.exists() and not overwrite:
         raise ExportError(f"{destination} already exists; pass overwrite=True (CLI: --overwrite) to replace it")
     config_json = serving_config(config, mask_token=mask_token)
-    _validate_serving_config(config_json, destination / CONFIG_FILE)
+    validate_serving_config(config_json, destination / CONFIG_FILE)
     check_state_dict({name: tuple(t.shape) for name, t in state_dict.items()}, config, where="state_dict")
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(state_dict):
@@ -540,7 +176,7 @@ def export_drafter(
             "(transformers hidden_states[id + 1]); engines add the +1 themselves",
             "target": dict(target_info) if target_info is not None else None,
             "source": dict(source) if source is not None else None,
-            "drafter_config": _config_dict(config),
+            "drafter_config": config_dict(config),
             "num_parameters": int(sum(t.numel() for t in tensors.values())),
             "files": {
                 name: {"sha256": sha256_file(staging / name), "bytes": (staging / name).stat().st_size}
@@ -604,7 +240,7 @@ def read_exported(
         raise ExportError(f"{config_path}: not valid JSON ({error})") from None
     if not isinstance(config, dict):
         raise ExportError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
-    _validate_serving_config(config, config_path)
+    validate_serving_config(config, config_path)
 
     try:
         handle = safe_open(str(weights_path), framework="pt", device="cpu")
@@ -734,7 +370,7 @@ def check_against_target(config: DFlashConfig | Mapping[str, Any], target_config
     Raises:
         MismatchError: naming the field, both values and the fix.
     """
-    fields = _config_dict(config)
+    fields = config_dict(config)
     pairs = {
         "hidden_size": (fields["hidden_size"], int(target_config.hidden_size)),
         "vocab_size": (fields["vocab_size"], int(target_config.vocab_size)),
@@ -752,6 +388,41 @@ def check_against_target(config: DFlashConfig | Mapping[str, Any], target_config
             )
 
 
+def _check_target(
+    config: Mapping[str, Any], target_info: Mapping[str, Any], target: str | os.PathLike[str] | None, *, where: str
+) -> str | None:
+    """Check the drafter config against its target (config and identity; no weights loaded) and return the
+    tokenizer's string for ``mask_token_id``. The target is ``target`` or the ``target_spec`` recorded at training;
+    a recorded spec that does not resolve on this machine only warns (an explicit ``target`` must resolve)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash.errors import TargetError
+    from dflash.target import resolve_target_path, target_identity
+
+    spec = target if target is not None else target_info.get("target_spec")
+    skipped = "RoPE/width/identity checks against the target and dflash_config.mask_token are skipped"
+    if spec is None:
+        warnings.warn(f"{where} records no target_spec and no --target was given: {skipped}", stacklevel=3)
+        return None
+    try:
+        target_path = resolve_target_path(spec)
+    except TargetError as error:
+        if target is not None:
+            raise
+        warnings.warn(f"{where}: the recorded target {spec!r} is not available here ({error}); pass --target: {skipped}", stacklevel=3)
+        return None
+    check_against_target(config, AutoConfig.from_pretrained(target_path), where=where)
+    if target_info.get("content_hash"):
+        identity = target_identity(target_path)
+        if identity.content_hash != target_info["content_hash"]:
+            raise MismatchError(
+                f"{where}: trained on target {target_info.get('name')!r} ({target_info['content_hash']}), but "
+                f"{spec!s} is {identity.name!r} ({identity.content_hash}); pass --target with the training target"
+            )
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    return tokenizer.convert_ids_to_tokens(int(config["mask_token_id"]))
+
+
 def export_checkpoint(
     checkpoint: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -764,9 +435,9 @@ def export_checkpoint(
     Args:
         checkpoint: a checkpoint folder or a run folder.
         out_dir: the export folder.
-        target: the target spec; default: ``target_spec`` recorded in the checkpoint's ``target.json``. Its config
-            and tokenizer (no weights) are read to check RoPE/widths and to name the mask token. When no target
-            can be found, these checks are skipped with a warning.
+        target: the target spec; default: ``target_spec`` recorded in the checkpoint's ``target.json``. Its config,
+            identity and tokenizer (no weights) are read to check RoPE/widths/content hash and to name the mask
+            token. When the recorded target cannot be found here, these checks are skipped with a warning.
         overwrite: replace an existing ``out_dir``.
 
     Returns:
@@ -783,30 +454,7 @@ def export_checkpoint(
     loaded = load_checkpoint(checkpoint, with_training_state=False)
     checkpoint_dir, config, state_dict = loaded.path, loaded.drafter_config, loaded.model_state
     target_info, trainer_state = loaded.target_info, loaded.trainer_state
-    spec = target if target is not None else target_info.get("target_spec")
-    mask_token: str | None = None
-    if spec is not None:
-        from transformers import AutoConfig, AutoTokenizer
-
-        from dflash.target import resolve_target_path, target_identity
-
-        target_path = resolve_target_path(spec)
-        check_against_target(config, AutoConfig.from_pretrained(target_path), where=str(checkpoint_dir))
-        if target is not None and target_info.get("content_hash"):
-            identity = target_identity(target_path)
-            if identity.content_hash != target_info["content_hash"]:
-                raise MismatchError(
-                    f"{checkpoint_dir}: trained on target {target_info.get('name')!r} ({target_info['content_hash']}), "
-                    f"but --target {spec!s} is {identity.name!r} ({identity.content_hash}); pass the training target"
-                )
-        tokenizer = AutoTokenizer.from_pretrained(target_path)
-        mask_token = tokenizer.convert_ids_to_tokens(int(config["mask_token_id"]))
-    else:
-        warnings.warn(
-            f"{checkpoint_dir} records no target_spec and no --target was given: RoPE/width checks against the "
-            "target and dflash_config.mask_token are skipped",
-            stacklevel=2,
-        )
+    mask_token = _check_target(config, target_info, target, where=str(checkpoint_dir))
     source = {
         "checkpoint": str(checkpoint_dir.absolute()),
         "step": trainer_state.get("step"),

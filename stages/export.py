@@ -30,6 +30,7 @@ def export_command(
 ) -> None:
     """Export a drafter checkpoint in the serving format (DFLASH.md) and verify it with the strict loader."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from dflash.errors import DFlashError
@@ -41,24 +42,26 @@ def export_command(
             warnings.simplefilter("always")
             destination, provenance = export_checkpoint(checkpoint, out, target=target, overwrite=overwrite)
         for warning in caught:
-            console.print(f"[yellow]warning:[/] {warning.message}")
+            console.print(f"[yellow]warning:[/] {escape(str(warning.message))}")
     except DFlashError as error:
-        console.print(f"[red]export failed:[/] {error}")
+        console.print(f"[red]export failed:[/] {escape(str(error))}")
         raise typer.Exit(code=1) from None
 
     config = provenance["drafter_config"]
     table = Table(title=f"Exported {destination}", show_header=False)
     table.add_column("field", style="bold")
-    table.add_column("value")
+    table.add_column("value", overflow="fold")
     source = provenance.get("source") or {}
     target_info = provenance.get("target") or {}
     table.add_row("source checkpoint", f"{source.get('checkpoint')} (step {source.get('step')})")
     table.add_row("target", f"{target_info.get('name')} {target_info.get('content_hash', '')}".strip() or "unknown")
     table.add_row("draft layers", str(config["num_hidden_layers"]))
     table.add_row("block_size", str(config["block_size"]))
-    table.add_row("target_layer_ids", f"{config['target_layer_ids']} (output of decoder layer l = hidden_states[l + 1])")
+    table.add_row(
+        "target_layer_ids", escape(f"{config['target_layer_ids']} (output of decoder layer l = hidden_states[l + 1])")
+    )
     table.add_row("mask_token_id", str(config["mask_token_id"]))
-    table.add_row("rope", f"theta={config['rope_theta']} scaling={config.get('rope_scaling')}")
+    table.add_row("rope", escape(f"theta={config['rope_theta']} scaling={config.get('rope_scaling')}"))
     table.add_row("parameters", f"{provenance['num_parameters']:,} (bfloat16)")
     for name, record in provenance["files"].items():
         table.add_row(name, f"{record['bytes']:,} bytes {record['sha256']}")
@@ -66,11 +69,12 @@ def export_command(
     console.print(table)
     block_size = int(config["block_size"])
     console.print(
-        "Serve it (the target must be the one it was trained on):\n"
+        escape("Serve it (the target must be the one it was trained on):\n"
         f"  vLLM:   vllm serve TARGET --speculative-config "
         f"'{{\"method\": \"dflash\", \"model\": \"{destination}\", \"num_speculative_tokens\": {block_size - 1}}}'\n"
         f"  SGLang: python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH "
-        f"--speculative-draft-model-path {destination} --speculative-num-draft-tokens {block_size}"
+        f"--speculative-draft-model-path {destination} --speculative-num-draft-tokens {block_size}"),
+        soft_wrap=True,
     )
 
 

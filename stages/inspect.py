@@ -264,7 +264,10 @@ def scan_tensors(files: list[Path]) -> tuple[int, int, list[dict[str, Any]]]:
 
 
 def _format(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
+    """A fact as table text, with rich markup escaped (``hidden_states[l + 1]`` must print as is)."""
+    from rich.markup import escape
+
+    return escape(value if isinstance(value, str) else json.dumps(value))
 
 
 def _print_artefact(console: Any, artefact: Artefact) -> None:
@@ -279,12 +282,12 @@ def _print_artefact(console: Any, artefact: Artefact) -> None:
         if previous_section is not None and section != previous_section:
             table.add_section()
         previous_section = section
-        table.add_row(key, _format(artefact.facts[key]))
+        table.add_row(_format(key), _format(artefact.facts[key]))
     console.print(table)
     for name, verdict in artefact.checks.items():
-        console.print(f"{name}: " + ("[green]ok[/]" if verdict == "ok" else f"[red]FAILED[/] {verdict}"))
+        console.print(f"{name}: " + ("[green]ok[/]" if verdict == "ok" else f"[red]FAILED[/] {_format(verdict)}"))
     for note in artefact.notes:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {_format(note)}")
 
 
 def inspect_command(
@@ -311,7 +314,7 @@ def inspect_command(
         artefact = describe(path)
         other = describe(diff) if diff is not None else None
     except DFlashError as error:
-        console.print(f"[red]inspect failed:[/] {error}")
+        console.print(f"[red]inspect failed:[/] {_format(str(error))}")
         raise typer.Exit(code=2) from None
 
     failed = False
@@ -325,7 +328,7 @@ def inspect_command(
         table.add_column(str(artefact.path), overflow="fold")
         table.add_column(str(other.path), overflow="fold")
         for key, left, right in rows:
-            table.add_row(key, _format(left), _format(right))
+            table.add_row(_format(key), _format(left), _format(right))
         if rows:
             console.print(table)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -173,8 +174,6 @@ def _rewrite(export: Path, *, config: dict | None = None, tensors: dict | None =
 @pytest.fixture
 def broken_export(exported, tmp_path):
     """A fresh copy of the export to break."""
-    import shutil
-
     copy = tmp_path / "copy"
     shutil.copytree(exported, copy)
     return copy
@@ -485,8 +484,6 @@ def test_export_refuses_nan_weights_and_leaves_nothing(trained, tmp_path):
 
 
 def test_export_checkpoint_catches_rope_differing_from_the_target(run_dir, tmp_path):
-    import shutil
-
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
     config_path = run / "checkpoints" / "step_00000001" / "drafter_config.json"
@@ -512,3 +509,27 @@ def test_cli_export(run_dir, tmp_path):
     assert config.block_size == BLOCK_SIZE
     again = runner.invoke(app, ["export", str(run_dir), str(out)], env={"COLUMNS": "200"})
     assert again.exit_code == 1 and "already exists" in again.output
+
+
+def test_export_checkpoint_catches_another_target(run_dir, target_path, tmp_path):
+    """A target folder with the same config and tokenizer but other weights has another identity."""
+    other = tmp_path / "other-target"
+    other.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target_path / name, other / name)
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, str(other / "model.safetensors"))
+    with pytest.raises(MismatchError, match="trained on target .* pass --target with the training target"):
+        export_checkpoint(run_dir, tmp_path / "out", target=other)
+
+
+def test_export_checkpoint_warns_when_the_recorded_target_is_unavailable(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    target_json = run / "checkpoints" / "step_00000001" / "target.json"
+    info = json.loads(target_json.read_text())
+    info["target_spec"] = str(tmp_path / "not-on-this-machine")
+    target_json.write_text(json.dumps(info))
+    with pytest.warns(UserWarning, match="is not available here"):
+        out, _ = export_checkpoint(run, tmp_path / "out")
+    assert "mask_token" not in json.loads((out / CONFIG_FILE).read_text())["dflash_config"]
+    load_exported(out)
