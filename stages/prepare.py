@@ -36,6 +36,7 @@ import numpy as np
 from dflash.chat import ASSISTANT_MASK_MODES, check_assistant_mask, normalize_messages, tokenize_chat
 from dflash.corpus import FORMAT_VERSION, CorpusWriter, open_corpus, validate_corpus
 from dflash.default_corpus import (
+    DEFAULT_LENGTH_POLICY,
     DEFAULT_MAX_LENGTH,
     TextFile,
     collect_text_files,
@@ -296,7 +297,7 @@ def collect_documents(config: PrepareConfig) -> list[_Document]:
 def _resolve_policy(config: PrepareConfig, documents: list[_Document]) -> str:
     if config.length_policy != "auto":
         return config.length_policy
-    return "split" if all(d.kind == "text" for d in documents) else "error"
+    return DEFAULT_LENGTH_POLICY if all(d.kind == "text" for d in documents) else "error"
 
 
 def _read_text(document: _Document, report: PrepareReport) -> str | None:

@@ -98,6 +98,11 @@ def test_three_formats_read_the_same_rows_and_fingerprint(tmp_path, samples):
     for corpus in (arrow_corpus, parquet_corpus, saved_corpus, parts_corpus):
         _assert_same_rows(corpus, samples)
         assert corpus.fingerprint == arrow_corpus.fingerprint
+    # A DatasetDict folder holds several splits: the error says which folder to pass.
+    datasets.DatasetDict({"train": datasets.load_from_disk(str(tmp_path / "saved"))}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(CorpusError, match=r"DatasetDict with splits \['train'\]; pass one split's folder, e.g. .*dict/train"):
+        open_corpus(tmp_path / "dict")
+    _assert_same_rows(open_corpus(tmp_path / "dict" / "train"), samples)
 
 
 def test_fingerprint_is_stable_and_content_sensitive(tmp_path, samples):
