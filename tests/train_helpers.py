@@ -98,7 +98,7 @@ def tiny_config(cache: Path, output: Path, **overrides: Any):
         output=str(output),
         num_draft_layers=1,
         block_size=4,
-        max_anchors_per_document=6,
+        max_anchors_per_document=2,
         token_budget=192,
         num_buckets=2,
         validation_fraction=0.2,

@@ -1,0 +1,59 @@
+"""``dflash-stages sweep``: one train run per combination of ``--set`` values over one tiny real cache, compared."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from train_helpers import build_tiny_cache
+
+from dflash.errors import ConfigError
+from stages.sweep import parse_set_options, plan_sweep
+
+TINY = [
+    "num_draft_layers=1", "block_size=4", "max_anchors_per_document=2", "token_budget=192", "num_buckets=2",
+    "validation_fraction=0.2", "max_validation_batches=1", "max_steps=2", "log_every=1", "device=cpu",
+    "progress=false", "prefetch_batches=2",
+]  # fmt: skip
+
+
+def test_parse_set_options_types_values_by_field():
+    values = parse_set_options(["lr=3e-4,6e-4", "gamma=4,7", "max_steps=10", "betas=0.9:0.95", "mask_token_id=none"])
+    assert values == {"lr": [3e-4, 6e-4], "gamma": [4.0, 7.0], "max_steps": [10], "betas": [[0.9, 0.95]],
+                      "mask_token_id": [None]}
+    runs = plan_sweep("cache", "out", values)
+    assert [r.name for r in runs] == ["lr=0.0003_gamma=4.0", "lr=0.0003_gamma=7.0", "lr=0.0006_gamma=4.0",
+                                      "lr=0.0006_gamma=7.0"]
+    assert all(r.config.max_steps == 10 and r.config.betas == (0.9, 0.95) for r in runs)
+    assert runs[3].config.output.endswith("lr=0.0006_gamma=7.0")
+    with pytest.raises(ConfigError, match="not a train config field; known fields: .*lr"):
+        parse_set_options(["learning_rate=1e-3"])
+    with pytest.raises(ConfigError, match="max_steps"):
+        parse_set_options(["max_steps=ten"])
+    with pytest.raises(ConfigError, match="sweep run lr=-1.0"):
+        plan_sweep("cache", "out", parse_set_options(["lr=-1,1e-3"]))
+
+
+def test_sweep_trains_every_combination_and_compares(target, tmp_path):
+    from typer.testing import CliRunner
+
+    from stages.cli import _register_all, app
+
+    cache = build_tiny_cache(tmp_path / "cache.zarr", target, num_samples=12, num_shards=1)
+    _register_all()
+    args = ["sweep", "--cache", str(cache), "--output", str(tmp_path / "sweep"), "--set", "lr=1e-3,3e-3"]
+    for option in TINY:
+        args += ["--set", option]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert [run["name"] for run in report["runs"]] == ["lr=0.001", "lr=0.003"]
+    for run in report["runs"]:
+        assert run["error"] is None
+        assert run["summary"]["step"] == 2 and run["summary"]["val_loss"] > 0
+        assert (tmp_path / "sweep" / run["name"] / "latest").read_text().strip() == "step_00000002"
+    assert "lr=0.001" in result.output and "val loss" in result.output
+    runs = {run["name"]: run for run in report["runs"]}
+    config = json.loads((tmp_path / "sweep" / "lr=0.003" / "run.json").read_text())["config"]
+    assert config["lr"] == 3e-3 and config["max_steps"] == 2 and config["num_draft_layers"] == 1
+    assert runs["lr=0.001"]["summary"]["train_loss"] != runs["lr=0.003"]["summary"]["train_loss"]
