@@ -120,14 +120,17 @@ def info_command(
 def verify_command(
     cache: str = typer.Argument(..., help="Cache root: a local folder or an fsspec URL."),
     allow_incomplete: bool = typer.Option(False, help="Exit 0 even when planned shards are not committed yet."),
+    uncommit_corrupt: bool = typer.Option(
+        False, help="Withdraw every corrupt shard (delete its commit record and data) so the next extract run redoes it."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Read every chunk of every committed shard (checksums, digests, offsets); check completeness and duplicates.
 
-    Exit status: 0 ok, 1 corrupt (the message names the shard and array), 2 incomplete (uncommitted shards).
+    Exit status: 0 ok, 1 corrupt shards (each named with its array), 2 incomplete (uncommitted shards).
     """
-    from dflash.cache import CacheReader, verify_cache
-    from dflash.errors import CacheCorruptError, CacheError
+    from dflash.cache import CacheReader, HiddenStateCache, verify_cache
+    from dflash.errors import CacheError
 
     console = Console(stderr=as_json)
     try:
@@ -136,22 +139,28 @@ def verify_command(
             TextColumn("verifying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True
         ) as progress:
             task = progress.add_task("shards", total=num_committed)
-            report = verify_cache(cache, on_shard=lambda shard: progress.advance(task))
-    except CacheCorruptError as error:
-        console.print(f"[bold red]CORRUPT:[/] {error}")
-        raise typer.Exit(1) from error
+            report = verify_cache(cache, fail_fast=False, on_shard=lambda shard: progress.advance(task))
     except CacheError as error:
         console.print(f"[bold red]error:[/] {error}")
         raise typer.Exit(1) from error
     if as_json:
         print(json.dumps(report, indent=2))
-    else:
-        console.print(
-            f"[green]ok[/]: {report['committed_shards']} committed shards, {report['num_samples']:,} samples, "
-            f"{report['num_tokens']:,} tokens, {report['num_quarantined']} quarantined; every chunk checksum and shard digest matches"
-        )
-        if report["stray_shards"]:
-            console.print(f"{len(report['stray_shards'])} uncommitted shard folder(s) with leftover data (ignored, redone by extract): {report['stray_shards'][:10]}")
+    for shard, message in sorted(report["corrupt_shards"].items()):
+        console.print(f"[bold red]CORRUPT shard {shard}:[/] {message}")
+    if report["corrupt_shards"] and uncommit_corrupt:
+        writer = HiddenStateCache.open(cache)
+        for shard in sorted(report["corrupt_shards"]):
+            writer.uncommit(shard)
+        console.print(f"withdrew {len(report['corrupt_shards'])} corrupt shard(s); rerun `dflash-stages extract` with the same arguments to redo them")
+    sound = report["committed_shards"] - len(report["corrupt_shards"])
+    console.print(
+        f"{'[green]ok[/]' if report['ok'] else '[red]checked[/]'}: {sound} sound committed shard(s), {report['num_samples']:,} samples, "
+        f"{report['num_tokens']:,} tokens, {report['num_quarantined']} quarantined; chunk checksums and shard digests match"
+    )
+    if report["stray_shards"]:
+        console.print(f"{len(report['stray_shards'])} uncommitted shard folder(s) with leftover data (ignored, redone by extract): {report['stray_shards'][:10]}")
+    if not report["ok"]:
+        raise typer.Exit(1)
     if not report["complete"]:
         console.print(
             f"[yellow]incomplete[/]: {len(report['uncommitted_shards'])} of {report['planned_shards']} planned shards are not committed "

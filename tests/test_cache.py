@@ -196,7 +196,7 @@ def test_resume_refuses_a_different_plan(tmp_path, target, real_samples):
 
 @pytest.mark.parametrize("damage", ["delete", "flip"])
 def test_damaged_chunk_fails_verify_and_reader_naming_the_shard(written, damage):
-    path, _ = written
+    path, samples = written
     chunk = Path(path) / "shards" / "000001" / "hidden" / "c" / "1" / "0"
     if damage == "delete":
         chunk.unlink()
@@ -211,7 +211,12 @@ def test_damaged_chunk_fails_verify_and_reader_naming_the_shard(written, damage)
     with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden'"):
         reader.read_shard(1)
     result = _cli(["cache", "verify", str(path)])
-    assert result.exit_code == 1 and "shard 1" in result.output
+    assert result.exit_code == 1 and "CORRUPT shard 1" in result.output and "CORRUPT shard 0" not in result.output
+    # Withdraw the bad shard; the rerun redoes it and the cache is whole again.
+    assert _cli(["cache", "verify", str(path), "--uncommit-corrupt"]).exit_code == 1
+    assert CacheReader(path).shards == [0]
+    HiddenStateCache.open(path).write_shard(1, samples[3:], [])
+    assert _cli(["cache", "verify", str(path)]).exit_code == 0
 
 
 def test_duplicate_rows_detected(tmp_path, written, target, real_samples):

@@ -66,6 +66,9 @@ class CacheStore:
 
         return [key[len(full):] if key.startswith(full) else key for key in sync(collect())]
 
+    def delete(self, relative: str) -> None:
+        sync(self.store.delete(self.key(relative)))
+
     def delete_dir(self, relative: str) -> None:
         sync(self.store.delete_dir(self.key(relative).rstrip("/")))
 

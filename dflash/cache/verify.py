@@ -81,45 +81,60 @@ def verify_cache(
     path_or_url: str | os.PathLike[str],
     *,
     require_complete: bool = False,
+    fail_fast: bool = True,
     on_shard: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """Verify a whole cache.
+    """Verify a whole cache: every committed shard (:func:`verify_shard`), duplicates across shards, completeness.
 
     Args:
         path_or_url: the cache root.
         require_complete: raise :class:`CacheError` when planned shards are not committed.
+        fail_fast: raise at the first corrupt shard; with ``False`` check every shard and list the corrupt ones in
+            the report (``ok`` is then ``False``).
         on_shard: called with each shard id after it was checked (progress bars).
 
     Returns:
         ``{"ok", "complete", "committed_shards", "planned_shards", "uncommitted_shards", "stray_shards",
-        "num_samples", "num_tokens", "num_quarantined", "missing_rows"}`` (``stray_shards``: data without a commit
-        record, ignored by readers and redone by the next extract run).
+        "corrupt_shards": {shard: message}, "num_samples", "num_tokens", "num_quarantined"}``; counts cover the
+        sound committed shards. ``stray_shards``: data without a commit record, ignored by readers and redone by
+        the next extract run.
 
     Raises:
-        CacheCorruptError: a committed shard is corrupt, or two committed shards hold the same corpus row.
+        CacheCorruptError: (``fail_fast``) a committed shard is corrupt or lacks rows of its range, or two
+            committed shards hold the same corpus row; the message names the shard and, where known, the array.
+        CacheError: ``require_complete`` and planned shards are not committed.
     """
     reader = CacheReader(path_or_url)
     meta = reader.metadata
     owner: dict[int, int] = {}
     totals = {"num_samples": 0, "num_tokens": 0, "num_quarantined": 0}
-    missing_rows: dict[int, list[int]] = {}
+    corrupt: dict[int, str] = {}
     for shard in reader.shards:
-        if shard >= meta.num_shards:
-            raise CacheCorruptError(f"shard {shard} of {reader.url} is committed but the plan has only {meta.num_shards} shards")
-        result = verify_shard(reader, shard)
-        for row in result["rows"].tolist():
-            if row in owner:
-                raise CacheCorruptError(f"corpus row {row} is in shard {owner[row]} and in shard {shard} of {reader.url}: duplicate sample")
-            owner[row] = shard
-        for name in totals:
-            totals[name] += result[name]
-        if result["missing_rows"]:
-            missing_rows[shard] = result["missing_rows"]
+        try:
+            if shard >= meta.num_shards:
+                raise CacheCorruptError(f"shard {shard} of {reader.url} is committed but the plan has only {meta.num_shards} shards")
+            result = verify_shard(reader, shard)
+            if result["missing_rows"]:
+                raise CacheCorruptError(
+                    f"shard {shard} of {reader.url} is committed but lacks corpus rows {result['missing_rows'][:5]} of its "
+                    "range (neither stored, quarantined nor skipped): re-extract it"
+                )
+            rows = result["rows"].tolist()
+            for row in rows:
+                if row in owner:
+                    raise CacheCorruptError(
+                        f"shard {shard} of {reader.url}: corpus row {row} is also in shard {owner[row]}: duplicate sample"
+                    )
+        except CacheCorruptError as error:
+            if fail_fast:
+                raise
+            corrupt[shard] = str(error)
+        else:
+            owner.update((row, shard) for row in rows)
+            for name in totals:
+                totals[name] += result[name]
         if on_shard is not None:
             on_shard(shard)
-    if missing_rows:
-        shard, rows = next(iter(missing_rows.items()))
-        raise CacheCorruptError(f"shard {shard} of {reader.url} is committed but lacks corpus rows {rows[:5]} of its range: re-extract it")
     uncommitted = sorted(set(range(meta.num_shards)) - set(reader.shards))
     present = {key.split("/")[0] for key in reader._store.list_prefix("shards")}
     stray = sorted(int(name) for name in present if name.isdigit() and int(name) not in set(reader.shards))
@@ -130,11 +145,12 @@ def verify_cache(
             f"(first: {uncommitted[:5]}); rerun `dflash-stages extract` with the same arguments to finish it"
         )
     return {
-        "ok": True,
+        "ok": not corrupt,
         "complete": complete,
         "committed_shards": len(reader.shards),
         "planned_shards": meta.num_shards,
         "uncommitted_shards": uncommitted,
         "stray_shards": stray,
+        "corrupt_shards": corrupt,
         **totals,
     }

@@ -248,6 +248,15 @@ class HiddenStateCache:
             )
         return record
 
+    def uncommit(self, shard_id: int) -> bool:
+        """Withdraw a shard: delete its commit record first (it stops counting at once), then its data, so the
+        next extract run redoes it. Returns whether a commit record existed. Use it on a shard ``verify`` names."""
+        existed = self._store.exists(commit_key(shard_id))
+        if existed:
+            self._store.delete(commit_key(shard_id))
+        self._store.delete_dir(shard_group_key(shard_id))
+        return existed
+
     def verify(self, **kwargs: Any) -> dict[str, Any]:
         """Check the whole cache; see :func:`dflash.cache.verify.verify_cache`.
 
