@@ -57,7 +57,10 @@ def attention_layout(anchors: torch.Tensor, position_ids: torch.Tensor, block_si
     hi = torch.where(valid, safe, torch.zeros_like(safe))
     lo = torch.where(valid, start, torch.zeros_like(safe))
     block_lo = num_tokens + torch.arange(num_anchors, device=anchors.device, dtype=torch.int64) * block_size
-    expand = lambda x: x.repeat_interleave(block_size)  # noqa: E731  [A] -> [A*B]
+
+    def expand(x: torch.Tensor) -> torch.Tensor:  # [A] -> [A*B] (expand, not repeat_interleave: no host sync)
+        return x[:, None].expand(num_anchors, block_size).reshape(-1)
+
     return AttentionLayout(
         context_lo=expand(lo),
         context_hi=expand(hi),

@@ -103,9 +103,12 @@ class DFlashAttention(nn.Module):
     ) -> torch.Tensor:
         num_queries, num_context = block_states.shape[0], context.shape[0]
         q = self.q_norm(self.q_proj(block_states).view(num_queries, self.num_heads, self.head_dim))
-        kv_input = torch.cat([context, block_states], dim=0)  # [T+Q, H]: one GEMM for both key sources
-        k = self.k_norm(self.k_proj(kv_input).view(-1, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(kv_input).view(-1, self.num_kv_heads, self.head_dim)
+        # Same k/v projections for the injected context and the block; concatenated after projection (the
+        # projected keys are narrower than the hidden states, so this moves less memory than concatenating inputs).
+        k = torch.cat([self.k_proj(context), self.k_proj(block_states)], dim=0)
+        v = torch.cat([self.v_proj(context), self.v_proj(block_states)], dim=0)
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         q = _apply_rope(q, *block_rope)
         cos = torch.cat([context_rope[0], block_rope[0]], dim=0)
         sin = torch.cat([context_rope[1], block_rope[1]], dim=0)
@@ -120,7 +123,12 @@ class DFlashAttention(nn.Module):
         if mask is None or isinstance(mask, torch.Tensor):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:
-            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+            if torch.compiler.is_compiling():  # inside a compiled layer: trace flex_attention directly
+                from torch.nn.attention.flex_attention import flex_attention
+
+                out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+            else:
+                out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
         out = out.squeeze(0).transpose(0, 1).reshape(num_queries, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
@@ -229,9 +237,18 @@ class DFlashDrafter(nn.Module):
             )
 
     def compile_layers(self, **compile_kwargs) -> None:
-        """torch.compile each decoder layer (one compiled graph reused by all layers, torchtitan style) for the
-        fixed-shape path. Shapes change only with the length bucket, so recompiles are bounded by the buckets."""
+        """torch.compile each decoder layer (torchtitan style) for the fixed-shape path.
+
+        Per distinct shape (length bucket x anchor slots) dynamo builds two graphs: one for the first layer (its
+        input, the frozen embedding, needs no grad) and one shared by all later layers; so compiles are bounded by
+        2 x the number of buckets. ``compile_kwargs`` go to ``torch.compile`` (default ``dynamic=False``)."""
+        import torch._dynamo
+
         compile_kwargs.setdefault("dynamic", False)
+        # One graph per length bucket; the default limit (8) would silently fall back to eager beyond 8 buckets.
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
         self._compiled_layers = [torch.compile(layer, **compile_kwargs) for layer in self.layers]
 
     # ------------------------------------------------------------------ forward
@@ -239,6 +256,18 @@ class DFlashDrafter(nn.Module):
         probe = torch.empty(0, device=positions.device, dtype=dtype)
         cos, sin = self.rotary_emb(probe, positions[None].to(torch.int64))
         return cos[0], sin[0]
+
+    def _compute_dtype(self, device: torch.device) -> torch.dtype:
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.fc.weight.dtype
+
+    def _embed_inputs(self, hidden: torch.Tensor, block_ids: torch.Tensor):
+        """Fused context in the compute dtype (cast once, reused by every layer's k/v projections) and the block's
+        token embeddings in the parameter dtype (the residual stream)."""
+        context = self.fuse_context(hidden).to(self._compute_dtype(hidden.device))
+        block_states = F.embedding(block_ids, self.embed_weight).to(self.fc.weight.dtype)
+        return context, block_states
 
     def fuse_context(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, n*H]`` tapped target states -> ``[T, H]`` context features ``hidden_norm(fc(h))``."""
@@ -285,10 +314,8 @@ class DFlashDrafter(nn.Module):
         block_ids[:, 0] = batch.input_ids[safe]
         offsets = torch.arange(block_size, device=anchors.device)
         block_positions = (batch.position_ids[safe][:, None] + offsets).reshape(-1)  # [Q]
-        context = self.fuse_context(batch.hidden)
-        block_states = F.embedding(block_ids.reshape(-1), self.embed_weight).to(context.dtype)
-        rope_dtype = torch.get_autocast_dtype(context.device.type) if torch.is_autocast_enabled(
-            context.device.type) else context.dtype
+        context, block_states = self._embed_inputs(batch.hidden, block_ids.reshape(-1))
+        rope_dtype = context.dtype
         block_rope = self._rope(block_positions, rope_dtype)
         context_rope = self._rope(batch.position_ids, rope_dtype)
         out = self._run_layers(block_states, context, block_rope, context_rope, mask)
@@ -314,11 +341,9 @@ class DFlashDrafter(nn.Module):
             ``[B, V]`` float32 logits (position k predicts the token at ``block_start + k``).
         """
         self._require_target()
-        context = self.fuse_context(context_hidden)
+        context, block_states = self._embed_inputs(context_hidden, block_input_ids.to(torch.int64))
         positions = block_start + torch.arange(block_input_ids.shape[0], device=block_input_ids.device)
-        block_states = F.embedding(block_input_ids.to(torch.int64), self.embed_weight).to(context.dtype)
-        rope_dtype = torch.get_autocast_dtype(context.device.type) if torch.is_autocast_enabled(
-            context.device.type) else context.dtype
+        rope_dtype = context.dtype
         out = self._run_layers(block_states, context, self._rope(positions, rope_dtype),
                                self._rope(context_positions, rope_dtype), None)
         return F.linear(out, self.lm_head_weight.to(out.dtype)).float()
