@@ -216,7 +216,18 @@ class StreamingLoader:
         self._build_table()
         self.epoch = 0
         self._step = 0
-        self._plan: EpochPlan | None = None
+        self._plans: dict[int, EpochPlan] = {}
+        # Background pipeline, kept across epochs so the next epoch's first batches are read ahead too:
+        # entries (epoch, step, planned batch, future of (batch, copy event)).
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: deque[tuple[int, int, PlannedBatch, Future]] = deque()
+        self._next_submit: tuple[int, int] = (0, 0)
+        self._held: PlannedBatch | None = None
+        self._copy_stream = (
+            torch.cuda.Stream(device=self.device)
+            if self.device is not None and self.device.type == "cuda"
+            else None
+        )
         self._read_whole_shard = functools.lru_cache(maxsize=config.shard_window or 1)(
             self._read_whole_shard_uncached
         )
@@ -285,8 +296,8 @@ class StreamingLoader:
     def plan(self, epoch: int | None = None) -> EpochPlan:
         """The :class:`EpochPlan` of ``epoch`` (default: the current one); computed from lengths only."""
         epoch = self.epoch if epoch is None else epoch
-        if self._plan is not None and self._plan.epoch == epoch:
-            return self._plan
+        if epoch in self._plans:
+            return self._plans[epoch]
         plan = plan_epoch(
             self.sample_length,
             self.sample_bucket,
@@ -299,8 +310,8 @@ class StreamingLoader:
             max_documents_per_batch=self.config.max_documents_per_batch,
             groups=self._groups(epoch),
         )
-        if epoch == self.epoch:
-            self._plan = plan
+        if epoch in (self.epoch, self.epoch + 1):  # the current epoch and the one being read ahead
+            self._plans = {e: p for e, p in self._plans.items() if e >= self.epoch} | {epoch: plan}
         return plan
 
     def __len__(self) -> int:
@@ -364,7 +375,8 @@ class StreamingLoader:
             return -(-num_tokens // cfg.pad_to_multiple) * cfg.pad_to_multiple
         return None
 
-    def _load(self, planned: PlannedBatch) -> PackedBatch:
+    def _load(self, planned: PlannedBatch) -> tuple[PackedBatch, torch.cuda.Event | None]:
+        """Worker thread: read, pack into (pinned) host memory, and start the device copy on the side stream."""
         start = time.perf_counter()
         samples = self._read_samples(planned)
         batch = pack_samples(
@@ -373,9 +385,17 @@ class StreamingLoader:
             bucket_id=planned.bucket,
             pin_memory=self.pin_memory,
         )
+        event = None
+        if self._copy_stream is not None:
+            with torch.cuda.stream(self._copy_stream):
+                batch = batch.to(self.device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+        elif self.device is not None:
+            batch = batch.to(self.device)
         with self._lock:
             self.stats.read_seconds += time.perf_counter() - start
-        return batch
+        return batch, event
 
     def _enter_flight(self, planned: PlannedBatch) -> None:
         with self._lock:
@@ -395,45 +415,62 @@ class StreamingLoader:
         """The memory bound in batches: the prefetch depth plus the batch the consumer holds."""
         return self.config.prefetch_batches + 1
 
+    def _fill(self) -> None:
+        """Submit reads in plan order (crossing into the next epoch) until ``prefetch_batches`` are pending."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.config.num_read_workers, thread_name_prefix="dflash-stream")
+        while len(self._pending) < self.config.prefetch_batches:
+            epoch, step = self._next_submit
+            if step >= self.plan(epoch).num_steps:
+                if epoch > self.epoch or self.plan(epoch + 1).num_steps == 0:
+                    return  # read ahead at most into the next epoch
+                epoch, step = epoch + 1, 0
+            planned = self.plan(epoch).batch(step, self.rank)
+            self._enter_flight(planned)
+            self._pending.append((epoch, step, planned, self._pool.submit(self._load, planned)))
+            self._next_submit = (epoch, step + 1)
+
+    def _drop_pipeline(self) -> None:
+        """Cancel read-ahead (after a jump of the cursor); running reads finish and are discarded."""
+        for _, _, planned, future in self._pending:
+            future.cancel()
+            self._leave_flight(planned)
+        self._pending.clear()
+        self._next_submit = (self.epoch, self._step)
+
+    def _release_held(self) -> None:
+        if self._held is not None:
+            self._leave_flight(self._held)
+            self._held = None
+
     def __iter__(self) -> Iterator[PackedBatch]:
-        """Yield this rank's batches from the cursor to the end of the epoch, then move to the next epoch."""
-        plan = self.plan()
-        if self._step >= plan.num_steps:
+        """Yield this rank's batches from the cursor to the end of the epoch, then move to the next epoch.
+
+        Reads run ahead in background threads, also into the next epoch, so epochs follow each other without a
+        stall. Breaking out of the loop keeps the cursor (and the read-ahead) where it is.
+        """
+        if self._step >= self.plan().num_steps:
             self._advance_epoch()
-            plan = self.plan()
-        pool = ThreadPoolExecutor(self.config.num_read_workers, thread_name_prefix="dflash-stream")
-        pending: deque[tuple[PlannedBatch, Future[PackedBatch]]] = deque()
-        next_step = self._step
-        held: PlannedBatch | None = None
-        stager = (
-            _DeviceStager(self.device) if self.device is not None and self.device.type == "cuda" else None
-        )
+        if self._pending and self._pending[0][:2] != (self.epoch, self._step):
+            self._drop_pipeline()
+        if not self._pending:
+            self._next_submit = (self.epoch, self._step)
         try:
-
-            def submit_until_full() -> None:
-                nonlocal next_step
-                while len(pending) < self.config.prefetch_batches and next_step < plan.num_steps:
-                    planned = plan.batch(next_step, self.rank)
-                    self._enter_flight(planned)
-                    pending.append((planned, pool.submit(self._load, planned)))
-                    next_step += 1
-
-            submit_until_full()
-            if stager is not None and pending:
-                stager.stage(pending[0][1].result())
-            while pending:
-                planned, future = pending.popleft()
+            while self._step < self.plan().num_steps:
+                self._fill()
+                epoch, step, planned, future = self._pending.popleft()
+                assert (epoch, step) == (self.epoch, self._step), "read-ahead out of order"
                 start = time.perf_counter()
-                batch = future.result() if stager is None else stager.take()
-                if held is not None:
-                    self._leave_flight(held)
-                held = planned
-                submit_until_full()
-                if stager is not None and pending:
-                    stager.stage(pending[0][1].result())
-                elif self.device is not None and stager is None:
-                    batch = batch.to(self.device, non_blocking=True)
+                batch, event = future.result()
+                if event is not None:
+                    current = torch.cuda.current_stream(self.device)
+                    current.wait_event(event)
+                    for name in PackedBatch._TENSOR_FIELDS:
+                        getattr(batch, name).record_stream(current)
                 waited = time.perf_counter() - start
+                self._release_held()
+                self._held = planned
+                self._fill()
                 stats = self.stats
                 stats.wait_seconds += waited
                 stats.last_wait_seconds = waited
@@ -444,17 +481,12 @@ class StreamingLoader:
                 yield batch
             self._advance_epoch()
         finally:
-            if held is not None:
-                self._leave_flight(held)
-            for planned, future in pending:
-                future.cancel()
-                self._leave_flight(planned)
-            pool.shutdown(wait=True, cancel_futures=True)
+            self._release_held()
 
     def _advance_epoch(self) -> None:
         self.epoch += 1
         self._step = 0
-        self._plan = None
+        self._plans = {e: p for e, p in self._plans.items() if e >= self.epoch}
 
     # ---- state -----------------------------------------------------------------------------------------------
 
@@ -513,14 +545,30 @@ class StreamingLoader:
             )
         # A changed world size is fine: the global batch sequence does not depend on it.
         self.epoch = int(state["epoch"])
-        self._plan = None
+        self._plans = {}
         self._step = global_batches // self.world_size
         if self._step >= self.plan().num_steps:
             self._advance_epoch()
+        self._drop_pipeline()
 
     def close(self) -> None:
-        """Drop cached shards (the reader threads end with each epoch's iterator)."""
+        """Stop the reader threads, drop read-ahead and cached shards. The loader can be iterated again after."""
+        self._drop_pipeline()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         self._read_whole_shard.cache_clear()
+
+    def __enter__(self) -> StreamingLoader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def describe(self) -> dict[str, Any]:
         """Resolved loader settings for ``run.json``."""
@@ -537,25 +585,3 @@ class StreamingLoader:
             "world_size": self.world_size,
             "table_fingerprint": self.table_fingerprint,
         }
-
-
-class _DeviceStager:
-    """Copies the next batch to the GPU on a side stream while the current one is used (one batch ahead)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device)
-        self._staged: PackedBatch | None = None
-
-    def stage(self, batch: PackedBatch) -> None:
-        with torch.cuda.stream(self.stream):
-            self._staged = batch.to(self.device, non_blocking=True)
-
-    def take(self) -> PackedBatch:
-        assert self._staged is not None
-        batch, self._staged = self._staged, None
-        current = torch.cuda.current_stream(self.device)
-        current.wait_stream(self.stream)
-        for name in PackedBatch._TENSOR_FIELDS:
-            getattr(batch, name).record_stream(current)
-        return batch

@@ -128,7 +128,10 @@ def test_ddp_ranks_are_disjoint_and_cover_the_global_sequence(lengths, world_siz
     for step in range(plan.num_steps):
         for rank in range(world_size):
             assert plan.batch(step, rank) is plan.batches[step * world_size + rank]
-            assert plan.batch(step, rank).samples.tolist() == single.batches[step * world_size + rank].samples.tolist()
+            assert (
+                plan.batch(step, rank).samples.tolist()
+                == single.batches[step * world_size + rank].samples.tolist()
+            )
     taken = np.concatenate([b.samples for batches in per_rank for b in batches] + [plan.dropped_samples])
     assert np.array_equal(np.sort(taken), np.arange(lengths.size))
     with pytest.raises(ConfigError, match="rank"):
