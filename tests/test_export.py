@@ -192,6 +192,23 @@ def test_reloaded_export_drafts_the_training_logits_within_bf16(training_logits,
         assert agreement >= 0.875, f"anchor {anchor}: argmax agrees on {agreement:.0%} of the block"
 
 
+def test_reloaded_export_in_bf16_compute_drafts_the_training_logits(exported, training_logits, context, target):
+    """As the engines run it: bf16 weights, bf16 target states, bf16 activations."""
+    config, state_dict = load_exported(exported)
+    drafter = DFlashDrafter(config)
+    drafter.load_state_dict(state_dict, strict=True)
+    drafter = drafter.to(torch.bfloat16).eval()
+    model = target.model
+    drafter.attach_target(
+        model.get_input_embeddings().weight.to(torch.bfloat16), model.get_output_embeddings().weight.to(torch.bfloat16)
+    )
+    bf16_context = dataclasses.replace(context, hidden=context.hidden.to(torch.bfloat16))
+    for index, anchor in enumerate(ANCHORS):
+        serving = _serving_logits(drafter, bf16_context, anchor)
+        scale = training_logits[index].abs().max()
+        assert (serving - training_logits[index]).abs().max() < 0.02 * scale, f"anchor {anchor}"
+
+
 def test_serving_path_equals_training_forward_in_fp32(trained, training_logits, context):
     """Before any cast: the same fp32 weights give the same logits on both paths."""
     training = training_logits
