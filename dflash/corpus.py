@@ -99,15 +99,22 @@ def _list_value_type(column_type: pa.DataType) -> pa.DataType | None:
     return None
 
 
-def _check_schema(schema: pa.Schema, file: Path) -> None:
+def _check_schema(schema: pa.Schema, file: Path, *, labels_as_mask: bool = False) -> None:
     names = schema.names
+    if labels_as_mask and "loss_mask" not in names and "labels" in names:
+        value_type = _list_value_type(schema.field("labels").type)
+        if value_type is None or not pa.types.is_integer(value_type):
+            raise CorpusError(f"{file}: column 'labels' has type {schema.field('labels').type}, expected a list of integers")
+        names = [*names, "loss_mask"]
+        schema = schema.append(pa.field("loss_mask", pa.list_(pa.uint8())))
     for name, allowed, what in (
         ("input_ids", pa.types.is_integer, "an integer"),
         ("loss_mask", lambda t: pa.types.is_integer(t) or pa.types.is_boolean(t), "an integer or bool"),
     ):
         if name not in names:
             fix = (
-                "add a loss_mask column (1 on tokens to supervise, same length as input_ids)"
+                "add a loss_mask column (1 on tokens to supervise, same length as input_ids; `dflash-stages "
+                "prepare` derives it from a transformers-style 'labels' column, -100 = not supervised)"
                 if name == "loss_mask"
                 else "tokenize the data first"
             )
@@ -138,17 +145,32 @@ def _read_arrow(file: Path) -> pa.Table:
         raise CorpusError(f"{file}: not an Arrow IPC file or stream ({error}); {_FIX_PREPARE}") from error
 
 
-def _read_table(file: Path) -> pa.Table:
+def _mask_from_labels(table: pa.Table, file: Path) -> pa.Table:
+    """``loss_mask = labels != -100`` (transformers' ignore index), same offsets as ``labels``."""
+    import pyarrow.compute as pc
+
+    labels = table.column("labels").combine_chunks()
+    if labels.null_count:
+        raise CorpusError(f"{file}: 'labels' holds null rows; fill them or drop the rows")
+    values = pc.not_equal(labels.values, -100).cast(pa.uint8())
+    list_type = pa.LargeListArray if pa.types.is_large_list(labels.type) else pa.ListArray
+    return table.append_column("loss_mask", list_type.from_arrays(labels.offsets, values))
+
+
+def _read_table(file: Path, *, labels_as_mask: bool = False) -> pa.Table:
     if file.suffix in _PARQUET_SUFFIXES:
         try:
             schema = pq.read_schema(file)
         except (pa.ArrowInvalid, OSError) as error:
             raise CorpusError(f"{file}: not a readable Parquet file ({error}); {_FIX_PREPARE}") from error
-        _check_schema(schema, file)
-        columns = [c for c in ("input_ids", "loss_mask", "sample_id") if c in schema.names]
-        return pq.read_table(file, columns=columns, memory_map=True)
-    table = _read_arrow(file)
-    _check_schema(table.schema, file)
+        _check_schema(schema, file, labels_as_mask=labels_as_mask)
+        columns = [c for c in ("input_ids", "loss_mask", "labels", "sample_id") if c in schema.names]
+        table = pq.read_table(file, columns=columns, memory_map=True)
+    else:
+        table = _read_arrow(file)
+        _check_schema(table.schema, file, labels_as_mask=labels_as_mask)
+    if labels_as_mask and "loss_mask" not in table.schema.names:
+        table = _mask_from_labels(table, file)
     return table
 
 
@@ -303,11 +325,13 @@ class Corpus:
         return [self.row(i) for i in range(start, stop)]
 
 
-def open_corpus(path: str | os.PathLike[str]) -> Corpus:
+def open_corpus(path: str | os.PathLike[str], *, labels_as_mask: bool = False) -> Corpus:
     """Open a corpus: an Arrow IPC or Parquet file, a folder of them, or a ``datasets.save_to_disk`` folder.
 
     The schema of every file is checked (columns, list-of-integer types, no nulls); contents are checked by
-    :func:`validate_corpus`, which needs the target's vocabulary size.
+    :func:`validate_corpus`, which needs the target's vocabulary size. With ``labels_as_mask`` (used by
+    ``prepare``), a file without ``loss_mask`` but with transformers-style ``labels`` gets
+    ``loss_mask = labels != -100``.
 
     Raises:
         CorpusError: missing path or file, unreadable file, missing column or wrong type; names the file and the fix.
@@ -319,7 +343,7 @@ def open_corpus(path: str | os.PathLike[str]) -> Corpus:
     for file in files:
         if not file.is_file():
             raise CorpusError(f"corpus data file {file} is missing; {_FIX_PREPARE}")
-        table = _read_table(file)
+        table = _read_table(file, labels_as_mask=labels_as_mask)
         if not chunks:
             first_schema_metadata = table.schema.metadata or {}
         chunks.extend(_chunks_of(table, file))

@@ -10,7 +10,8 @@ Run ``dflash-stages prepare [INPUT...] --output DIR``. Inputs (mixed freely):
 - plain text: a ``text`` field/column, any other file, a folder (files matching ``--pattern``) or a glob; one
   document per file or row, every token supervised;
 - tokenized data: an Arrow/Parquet file or folder (``datasets.save_to_disk`` too) with ``input_ids`` and
-  ``loss_mask``; validated against the target's vocabulary and rewritten.
+  ``loss_mask`` (or transformers-style ``labels``, -100 = not supervised); validated against the target's
+  vocabulary and rewritten.
 
 Rows longer than ``--max-length`` follow ``--length-policy``: ``error``, ``drop``, ``truncate`` or ``split``
 (consecutive ``max_length`` chunks). ``auto`` means ``split`` when every input is plain text or the default
@@ -193,7 +194,7 @@ def _table_documents(path: Path) -> list[_Document]:
     else:
         names = ["input_ids"]  # a corpus / save_to_disk folder: open_corpus checks its columns
     if "input_ids" in names:
-        corpus = open_corpus(path)
+        corpus = open_corpus(path, labels_as_mask=True)
         return [_Document("tokens", corpus.sample_id(i), corpus.describe_row(i), (corpus, i)) for i in range(len(corpus))]
     column = next((c for c in ("messages", "conversations", "text") if c in names), None)
     if column is None:

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from dflash.corpus import open_corpus
 from dflash.default_corpus import stdlib_root
+from dflash.errors import CorpusError
 from stages.prepare import PrepareConfig, register, run_prepare
 
 CHATS = [
@@ -231,3 +232,21 @@ def test_default_corpus_is_stdlib_split_and_seeded(tmp_path, cli):
     assert cli("--output", tmp_path / "a", "--max-samples", "2").exit_code == 2
     assert cli("--output", tmp_path / "a", "--max-samples", "2", "--overwrite").exit_code == 0
     assert len(open_corpus(tmp_path / "a")) == 2
+
+
+def test_tokenized_labels_become_the_loss_mask(tmp_path, tokenizer):
+    rows = []
+    for name in ("bisect.py", "heapq.py", "colorsys.py"):
+        ids = tokenizer((stdlib_root() / name).read_text())["input_ids"][:300]
+        rows.append((name, ids, [-100] * 50 + ids[50:]))  # transformers-style: -100 = not supervised
+    table = pa.table({"input_ids": [r[1] for r in rows], "labels": [r[2] for r in rows], "sample_id": [r[0] for r in rows]})
+    pq.write_table(table, tmp_path / "sft.parquet", row_group_size=1)  # several chunks per column
+    output, report = run_prepare(PrepareConfig(inputs=[str(tmp_path / "sft.parquet")], output=tmp_path / "out"))
+    corpus = open_corpus(output)
+    for index, (name, ids, labels) in enumerate(rows):
+        row = corpus.row(index)
+        assert row.sample_id == name and row.input_ids.tolist() == ids
+        assert row.loss_mask.tolist() == [int(label != -100) for label in labels]
+    # open_corpus alone keeps to the contract: labels are not a loss_mask.
+    with pytest.raises(CorpusError, match="no column 'loss_mask'.*'labels' column, -100 = not supervised"):
+        open_corpus(tmp_path / "sft.parquet")
