@@ -57,6 +57,8 @@ __all__ = [
     "resolve_checkpoint",
     "load_checkpoint",
     "load_drafter",
+    "target_weight_record",
+    "check_target_weights",
 ]
 
 CHECKPOINT_FORMAT_VERSION = 1
@@ -473,10 +475,10 @@ def load_drafter(path: str | Path, *, target: Any = None) -> tuple[Any, Any, dic
     path = Path(path)
     if _is_export_folder(path):
         try:
-            from dflash.export import load_exported
+            from dflash.export import load_exported_drafter
         except ImportError as error:
             raise CheckpointError(f"{path} is an export folder, but dflash.export is not available: {error}") from error
-        return load_exported(path, target=target)
+        return load_exported_drafter(path, target=target)
 
     checkpoint = load_checkpoint(path, with_training_state=False)
     config = DFlashConfig.from_dict(checkpoint.drafter_config)
@@ -489,15 +491,47 @@ def load_drafter(path: str | Path, *, target: Any = None) -> tuple[Any, Any, dic
         )
     if target is not None:
         embed_weight, lm_head_weight = _target_weights(target)
-        drafter.attach_target(embed_weight, lm_head_weight)
-        recorded = checkpoint.target_info.get("weight_hashes") or {}
-        actual = drafter.target_weight_hashes()
-        for key, value in recorded.items():
-            if actual.get(key) != value:
-                raise MismatchError(
-                    f"target {key}: the drafter at {checkpoint.path} was trained with {value}, the given target has "
-                    f"{actual.get(key)}; load the target recorded in {checkpoint.path / 'target.json'} "
-                    f"(target_spec={checkpoint.target_info.get('target_spec')!r})"
-                )
+        tied = lm_head_weight is None or lm_head_weight.data_ptr() == embed_weight.data_ptr()
+        drafter.attach_target(embed_weight, None if tied else lm_head_weight)
+        check_target_weights(checkpoint.target_info, embed_weight, None if tied else lm_head_weight, where=str(checkpoint.path))
     drafter.eval()
     return drafter, config, checkpoint.target_info
+
+
+def target_weight_record(embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None) -> dict[str, Any]:
+    """What a checkpoint records about the target's shared tensors, to recognise them later.
+
+    ``weight_hashes`` hash the tensors as attached (their dtype); ``weight_hashes_bf16`` hash them rounded to
+    bfloat16, so a target loaded in another dtype (fp32 on CPU, bf16 on GPU) is still recognised.
+    """
+    from dflash.drafter.model import tensor_hash
+
+    head = embed_weight if lm_head_weight is None else lm_head_weight
+    return {
+        "weight_hashes": {"embed_tokens": tensor_hash(embed_weight), "lm_head": tensor_hash(head)},
+        "weight_hashes_bf16": {
+            "embed_tokens": tensor_hash(embed_weight.to(torch.bfloat16)),
+            "lm_head": tensor_hash(head.to(torch.bfloat16)),
+        },
+        "weight_dtype": str(embed_weight.dtype).removeprefix("torch."),
+    }
+
+
+def check_target_weights(
+    target_info: Mapping[str, Any], embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None, *, where: str
+) -> None:
+    """Compare a target's embedding / LM head with those recorded at training time.
+
+    Raises:
+        MismatchError: naming ``embed_tokens`` or ``lm_head`` and the target spec to load instead.
+    """
+    actual = target_weight_record(embed_weight, lm_head_weight)
+    same_dtype = actual["weight_dtype"] == target_info.get("weight_dtype")
+    key = "weight_hashes" if same_dtype or "weight_hashes_bf16" not in target_info else "weight_hashes_bf16"
+    for name, value in (target_info.get(key) or {}).items():
+        if actual[key].get(name) != value:
+            raise MismatchError(
+                f"target {name}: the drafter at {where} was trained with {value}, the given target has "
+                f"{actual[key].get(name)}; load the target recorded in its target.json "
+                f"(target_spec={target_info.get('target_spec')!r})"
+            )

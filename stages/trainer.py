@@ -33,9 +33,11 @@ from torch import nn
 from dflash.checkpoint import (
     Checkpointer,
     capture_rng_state,
+    check_target_weights,
     collect_environment,
     load_checkpoint,
     restore_rng_state,
+    target_weight_record,
     write_run_json,
 )
 from dflash.compat import check_target_identity, check_training_inputs
@@ -193,6 +195,7 @@ class Trainer:
                 resume_from.target_info.get("identity", {}), self.identity, where=f"checkpoint {resume_from.path}",
                 fix="resume with the target the run was trained with",
             )
+            check_target_weights(resume_from.target_info, embed, lm_head, where=str(resume_from.path))
         else:
             drafter_config = self._new_drafter_config(target_path, metadata)
         # Before step 1: cache, drafter config and target must agree (raises MismatchError naming the field).
@@ -209,8 +212,7 @@ class Trainer:
             "identity": self.identity.to_dict(),
             "target_spec": self.target_spec,
             "target_path": str(target_path),
-            "weight_hashes": drafter.target_weight_hashes(),
-            "weight_dtype": str(embed.dtype).removeprefix("torch."),
+            **target_weight_record(embed, lm_head),
         }
 
         self.train_loader = StreamingLoader(self.reader, self._stream_config("train"), rank=self.rank, world_size=self.world_size)

@@ -1,0 +1,220 @@
+"""Checkpoints: a snapshot written in the background while training goes on loads back exactly as taken; writes
+are atomic with ``latest`` last; retention keeps the last K and the best; load_drafter; the optimizer schedule."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+from train_helpers import TINY_LAYER_IDS, build_tiny_cache
+
+from dflash.cache import CacheReader
+from dflash.checkpoint import (
+    Checkpointer,
+    atomic_write_text,
+    capture_rng_state,
+    load_checkpoint,
+    load_drafter,
+    resolve_checkpoint,
+    target_weight_record,
+)
+from dflash.drafter import DFlashConfig, DFlashDrafter, dflash_loss, sample_anchors
+from dflash.errors import CheckpointError, MismatchError
+from dflash.optim import DEFAULT_BETAS, OptimConfig, WarmupCosine, build_optimizer, build_scheduler
+from dflash.stream import StreamConfig, StreamingLoader
+
+
+class _Training:
+    """A real tiny drafter training on real cache batches, stepped by hand."""
+
+    def __init__(self, target, cache):
+        config = DFlashConfig.from_target_config(
+            target.model.config, tokenizer=target.tokenizer, num_draft_layers=1, block_size=4,
+            target_layer_ids=TINY_LAYER_IDS,
+        )
+        torch.manual_seed(0)
+        self.config = config
+        self.drafter = DFlashDrafter(config)
+        embed = target.model.get_input_embeddings().weight
+        self.drafter.attach_target(embed)
+        self.target_info = {"target_spec": "default", **target_weight_record(embed, None)}
+        self.optimizer = build_optimizer(self.drafter.parameters(), OptimConfig(lr=1e-3))
+        self.scheduler = build_scheduler(self.optimizer, OptimConfig(lr=1e-3), total_steps=10)
+        loader = StreamingLoader(CacheReader(cache), StreamConfig(token_budget=128, seed=0, prefetch_batches=1))
+        self.batches = list(loader)[:3]
+        self.step = 0
+
+    def train_step(self):
+        batch = self.batches[self.step % len(self.batches)]
+        anchors = sample_anchors(batch, 4, 2, torch.Generator().manual_seed(self.step))
+        out = dflash_loss(self.drafter, batch, anchors)
+        out.loss().backward()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+        self.step += 1
+
+    def snapshot(self, checkpointer):
+        return checkpointer.snapshot(
+            step=self.step, model=self.drafter, optimizer=self.optimizer,
+            trainer_state={"scheduler": self.scheduler.state_dict(), "epoch": 0},
+            rng_state=capture_rng_state(), drafter_config=self.config.to_dict(), target_info=self.target_info,
+        )
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, target):
+    return build_tiny_cache(tmp_path_factory.mktemp("cache") / "tiny.zarr", target, num_samples=8, num_shards=1)
+
+
+@pytest.fixture
+def training(target, cache):
+    return _Training(target, cache)
+
+
+def test_snapshot_written_while_training_continues_loads_back_exactly(training, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    training.train_step()
+    checkpointer = Checkpointer(tmp_path / "run", keep_last=2)
+    snapshot = training.snapshot(checkpointer)
+    expected_model = {k: v.clone() for k, v in training.drafter.state_dict().items()}
+    expected_optimizer = {i: {k: v.clone() for k, v in s.items()} for i, s in training.optimizer.state_dict()["state"].items()}
+    expected_lr = training.scheduler.get_last_lr()
+
+    # Hold the background writer inside its first file write until training has moved on.
+    writing, release = threading.Event(), threading.Event()
+    real_save_file = safetensors.torch.save_file
+
+    def slow_save_file(*args, **kwargs):
+        writing.set()
+        assert release.wait(timeout=60)
+        return real_save_file(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", slow_save_file)
+    future = checkpointer.save(snapshot)
+    assert writing.wait(timeout=60)
+    training.train_step()  # parameters and optimizer moments change in place while the write is in flight
+    training.train_step()
+    assert not torch.equal(training.drafter.fc.weight.detach(), expected_model["fc.weight"])
+    assert not (tmp_path / "run" / "latest").exists()  # nothing visible before the write completes
+    assert not (tmp_path / "run" / "checkpoints" / "step_00000001").exists()
+    release.set()
+    checkpointer.close()
+    assert future.result().name == "step_00000001"
+
+    loaded = load_checkpoint(tmp_path / "run")
+    assert loaded.step == 1 and loaded.path.name == "step_00000001"
+    assert loaded.model_state.keys() == expected_model.keys()
+    for name, value in expected_model.items():
+        assert torch.equal(loaded.model_state[name], value), name
+    for index, state in expected_optimizer.items():
+        for key, value in state.items():
+            assert torch.equal(loaded.optimizer_state["state"][index][key], value), (index, key)
+    assert loaded.trainer_state["scheduler"]["_last_lr"] == expected_lr
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+
+
+def test_failed_write_keeps_the_previous_checkpoint(training, tmp_path, monkeypatch):
+    checkpointer = Checkpointer(tmp_path / "run")
+    training.train_step()
+    checkpointer.save(training.snapshot(checkpointer))
+    checkpointer.wait()
+    training.train_step()
+
+    def broken_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    checkpointer.save(training.snapshot(checkpointer))
+    with pytest.raises(OSError, match="disk full"):
+        checkpointer.wait()
+    monkeypatch.undo()
+    checkpointer.close()
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step_00000001"
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000001"]
+    assert load_checkpoint(tmp_path / "run").step == 1
+
+
+def test_retention_keeps_last_k_and_the_best(training, tmp_path):
+    checkpointer = Checkpointer(tmp_path / "run", keep_last=2)
+    for step, val_loss in zip(range(1, 6), [5.0, 3.0, 4.0, 3.5, 6.0], strict=True):
+        training.train_step()
+        checkpointer.save(training.snapshot(checkpointer))
+        checkpointer.report_validation(step, val_loss)
+    checkpointer.close()
+    run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002", "step_00000004", "step_00000005"]
+    assert (run / "best").read_text().strip() == "step_00000002"
+    assert json.loads((run / "best.json").read_text())["val_loss"] == 3.0
+    assert (run / "latest").read_text().strip() == "step_00000005"
+    # A new checkpointer on the same run (a resume) remembers the best.
+    assert Checkpointer(run, keep_last=2)._best["step"] == 2
+
+
+def test_load_drafter_from_run_and_checkpoint_checks_the_target(training, target, tmp_path):
+    training.train_step()
+    checkpointer = Checkpointer(tmp_path / "run")
+    checkpointer.save(training.snapshot(checkpointer))
+    checkpointer.close()
+    for path in (tmp_path / "run", tmp_path / "run" / "checkpoints" / "step_00000001"):
+        drafter, config, info = load_drafter(path, target=target)
+        assert config == training.config and info["target_spec"] == "default"
+        for name, value in training.drafter.state_dict().items():
+            assert torch.equal(drafter.state_dict()[name], value), name
+    # The same target loaded in bf16 (as on a GPU) is still recognised.
+    bf16_model = type("M", (), {})()
+    embedding = torch.nn.Embedding.from_pretrained(target.model.get_input_embeddings().weight.to(torch.bfloat16))
+    bf16_model.get_input_embeddings = lambda: embedding
+    bf16_model.get_output_embeddings = lambda: embedding
+    load_drafter(tmp_path / "run", target=bf16_model)
+    # Another target (one embedding row changed) is refused, naming the tensor.
+    other = torch.nn.Embedding.from_pretrained(target.model.get_input_embeddings().weight.clone())
+    with torch.no_grad():
+        other.weight[7] += 1.0
+    other_model = type("M", (), {"get_input_embeddings": lambda self: other, "get_output_embeddings": lambda self: other})()
+    with pytest.raises(MismatchError, match="embed_tokens"):
+        load_drafter(tmp_path / "run", target=other_model)
+    drafter, _, _ = load_drafter(tmp_path / "run")  # no target: weights only
+    assert isinstance(drafter, DFlashDrafter) and drafter.embed_weight is None
+
+
+def test_incomplete_folders_are_refused_by_name(tmp_path):
+    (tmp_path / "run" / "checkpoints" / "step_00000003").mkdir(parents=True)
+    (tmp_path / "run" / "run.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="no checkpoint yet"):
+        resolve_checkpoint(tmp_path / "run")
+    atomic_write_text(tmp_path / "run" / "latest", "step_00000003\n")
+    with pytest.raises(CheckpointError, match="missing model.safetensors, drafter_config.json"):
+        resolve_checkpoint(tmp_path / "run")
+    atomic_write_text(tmp_path / "run" / "latest", "step_00000009\n")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve_checkpoint(tmp_path / "run")
+    assert not list((tmp_path / "run").glob(".latest.tmp-*"))
+
+
+def test_warmup_cosine_schedule_and_defaults():
+    assert DEFAULT_BETAS == (0.9, 0.999) and OptimConfig().lr == 6e-4 and OptimConfig().warmup_ratio == 0.04
+    schedule = WarmupCosine(total_steps=100, warmup_steps=4, min_lr_ratio=0.1)
+    assert [schedule(s) for s in range(4)] == [0.2, 0.4, 0.6, 0.8]
+    assert schedule(4) == 1.0
+    assert schedule(52) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert schedule(100) == pytest.approx(0.1) and schedule(150) == pytest.approx(0.1)
+    parameter = torch.nn.Parameter(torch.zeros(2))
+    optimizer = build_optimizer([parameter], OptimConfig(lr=1.0, warmup_ratio=0.04))
+    scheduler = build_scheduler(optimizer, OptimConfig(lr=1.0, warmup_ratio=0.04), total_steps=100)
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+    for _ in range(10):
+        optimizer.step()
+        scheduler.step()
+    state = json.loads(json.dumps(scheduler.state_dict()))  # checkpoints store it as JSON
+    fresh_optimizer = build_optimizer([parameter], OptimConfig(lr=1.0))
+    fresh = build_scheduler(fresh_optimizer, OptimConfig(lr=1.0, warmup_ratio=0.04), total_steps=100)
+    fresh.load_state_dict(state)
+    assert fresh.get_last_lr() == scheduler.get_last_lr()
+    fresh_optimizer.step()
+    fresh.step()
+    scheduler.step()
+    assert fresh.get_last_lr() == scheduler.get_last_lr()
