@@ -315,28 +315,28 @@ def _read_text(document: _Document, report: PrepareReport) -> str | None:
 
 
 def _encode(batch: list[_Document], tokenizer: Any, config: PrepareConfig, report: PrepareReport):
-    """Yield ``(document, input_ids, loss_mask)`` for each document of ``batch`` that has tokens."""
+    """Yield ``(position in batch, document, input_ids, loss_mask)`` for each document of ``batch`` with tokens."""
     texts = [(d, _read_text(d, report)) for d in batch if d.kind == "text"]
     texts = [(d, t) for d, t in texts if t is not None]
     encoded = tokenizer([t for _, t in texts], add_special_tokens=True)["input_ids"] if texts else []
     by_document = {id(d): np.asarray(ids, np.int32) for (d, _), ids in zip(texts, encoded, strict=True)}
-    for document in batch:
+    for position, document in enumerate(batch):
         if document.kind == "text":
             if id(document) not in by_document:
                 continue
             ids = by_document[id(document)]
-            yield document, ids, np.ones(len(ids), np.uint8)
+            yield position, document, ids, np.ones(len(ids), np.uint8)
         elif document.kind == "chat":
             ids, mask = tokenize_chat(tokenizer, document.payload, mode=config.assistant_mask,
                                       last_turn_only=config.last_turn_only, where=document.where)
             if not mask.any():
                 report.dropped["no assistant reply"] += 1
                 continue
-            yield document, ids, mask
+            yield position, document, ids, mask
         else:
             corpus, row = document.payload
             sample = corpus.row(row)
-            yield document, sample.input_ids, sample.loss_mask
+            yield position, document, sample.input_ids, sample.loss_mask
 
 
 def _apply_length_policy(document: _Document, ids: np.ndarray, mask: np.ndarray, policy: str, report: PrepareReport):
@@ -363,6 +363,20 @@ def _apply_length_policy(document: _Document, ids: np.ndarray, mask: np.ndarray,
         for chunk, start in enumerate(range(0, len(ids), max_length)):
             report.split_chunks += 1
             yield f"{document.sample_id}#{chunk}", ids[start: start + max_length], mask[start: start + max_length]
+
+
+def _samples(documents: list[_Document], tokenizer: Any, config: PrepareConfig, policy: str, report: PrepareReport):
+    """Yield ``(documents consumed, sample_id, input_ids, loss_mask)`` for every sample to keep, in order;
+    drops are counted in ``report``."""
+    for start in range(0, len(documents), _BATCH_DOCUMENTS):
+        batch = documents[start: start + _BATCH_DOCUMENTS]
+        for position, document, ids, mask in _encode(batch, tokenizer, config, report):
+            for sample_id, sample_ids, sample_mask in _apply_length_policy(document, ids, mask, policy, report):
+                if np.count_nonzero(sample_mask) < config.min_supervised_tokens:
+                    minimum = config.min_supervised_tokens
+                    report.dropped["no supervised token" if minimum == 1 else f"fewer than {minimum} supervised tokens"] += 1
+                    continue
+                yield start + position + 1, sample_id, sample_ids, sample_mask
 
 
 @functools.lru_cache(maxsize=2)
@@ -403,35 +417,22 @@ def run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, Pr
         order = np.random.default_rng(config.seed).permutation(len(documents))
         documents = [documents[i] for i in order]
 
-    done = False
     read = 0
     with CorpusWriter(config.output, overwrite=config.overwrite) as writer, Progress(console=console, transient=True) as progress:
         task = progress.add_task("tokenizing", total=len(documents))
-        for start in range(0, len(documents), _BATCH_DOCUMENTS):
-            batch = documents[start: start + _BATCH_DOCUMENTS]
-            for document, ids, mask in _encode(batch, tokenizer, config, report):
-                for sample_id, sample_ids, sample_mask in _apply_length_policy(document, ids, mask, policy, report):
-                    supervised = int(np.count_nonzero(sample_mask))
-                    if supervised < config.min_supervised_tokens:
-                        reason = "no supervised token" if config.min_supervised_tokens == 1 else (
-                            f"fewer than {config.min_supervised_tokens} supervised tokens")
-                        report.dropped[reason] += 1
-                        continue
-                    writer.add(sample_ids, sample_mask, sample_id)
-                    report.samples_kept += 1
-                    report.tokens_kept += len(sample_ids)
-                    report.supervised_tokens_kept += supervised
-                    report.longest_kept = max(report.longest_kept, len(sample_ids))
-                    done = (config.max_samples is not None and report.samples_kept >= config.max_samples) or (
-                        config.max_tokens is not None and report.tokens_kept >= config.max_tokens)
-                    if done:
-                        break
-                if done:
-                    break
-            read = start + (next(i for i, d in enumerate(batch) if d is document) + 1 if done else len(batch))
+        for read, sample_id, input_ids, loss_mask in _samples(documents, tokenizer, config, policy, report):
+            writer.add(input_ids, loss_mask, sample_id)
+            report.samples_kept += 1
+            report.tokens_kept += len(input_ids)
+            report.supervised_tokens_kept += int(np.count_nonzero(loss_mask))
+            report.longest_kept = max(report.longest_kept, len(input_ids))
             progress.update(task, completed=read)
-            if done:
+            if (config.max_samples is not None and report.samples_kept >= config.max_samples) or (
+                config.max_tokens is not None and report.tokens_kept >= config.max_tokens
+            ):
                 break
+        else:
+            read = len(documents)
         report.documents_not_read = len(documents) - read
         if report.samples_kept == 0:
             console.print(report.table())
