@@ -550,3 +550,13 @@ def test_export_checkpoint_warns_when_the_recorded_target_is_unavailable(run_dir
         out, _ = export_checkpoint(run, tmp_path / "out")
     assert "mask_token" not in json.loads((out / CONFIG_FILE).read_text())["dflash_config"]
     load_exported(out)
+
+
+def test_checkpoint_load_drafter_reads_exports_through_the_strict_loader(exported, reloaded, target, context):
+    from dflash.checkpoint import load_drafter
+
+    drafter, config, target_info = load_drafter(exported, target=target)
+    assert config == reloaded.config and target_info["content_hash"] == target.identity.content_hash
+    torch.testing.assert_close(
+        _serving_logits(drafter, context, ANCHORS[1]), _serving_logits(reloaded, context, ANCHORS[1]), rtol=0, atol=0
+    )
