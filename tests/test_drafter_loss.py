@@ -46,6 +46,39 @@ def test_chunked_linear_cross_entropy_matches_plain(chunk_rows):
     assert torch.equal(correct, logits.argmax(-1) == targets)
 
 
+def test_fusable_chunk_equals_inplace_chunk():
+    from dflash.drafter.loss import _ce_chunk_fusable, _ce_chunk_inplace
+
+    torch.manual_seed(3)
+    logits = torch.randn(9, 40, dtype=torch.float64) * 4
+    target = torch.randint(0, 40, (9,))
+    rows_w = torch.rand(9, dtype=torch.float64)
+    fused = _ce_chunk_fusable(logits, target, rows_w)
+    eager = _ce_chunk_inplace(logits.clone(), target, rows_w, True)
+    for a, b in zip(fused, eager, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+def test_fused_chunk_on_cuda_matches_eager_chunk():
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 64, device="cuda", requires_grad=True)
+    weight = torch.randn(5000, 64, device="cuda")
+    targets = torch.randint(0, 5000, (300,), device="cuda")
+    row_weights = torch.rand(300, device="cuda")
+    results = []
+    for fused in (False, True):
+        hidden.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            total, correct = chunked_linear_cross_entropy(hidden, weight, targets, row_weights, chunk_rows=128,
+                                                          fused=fused)
+        total.backward()
+        results.append((total.detach(), correct, hidden.grad.clone()))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-4, atol=1e-3)
+    assert (results[0][1] == results[1][1]).float().mean() > 0.99
+    torch.testing.assert_close(results[0][2], results[1][2], rtol=2e-2, atol=1e-3)
+
+
 def _reference_loss(drafter, batch, anchors, gamma):
     """Straightforward version: full logits, per-block CE at positions 1..B-1 (position k predicts x_{a+k})."""
     block_size = drafter.config.block_size

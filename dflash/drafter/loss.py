@@ -13,6 +13,7 @@ gradient does not depend on how the global batch is split.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -91,18 +92,74 @@ def expected_acceptance_length(acc_per_position) -> float:
     return float(1.0 + torch.cumprod(acc, 0).sum())
 
 
+def _ce_chunk_inplace(logits: torch.Tensor, target: torch.Tensor, rows_w: torch.Tensor, need_grad: bool):
+    """Eager chunk: ``(weighted CE sum, argmax hits [C], d loss / d logits [C, V] in the logits dtype)``.
+
+    Softmax math in at least float32; in-place on one float32 buffer to keep the memory of one chunk."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(x, dim=-1)
+    total = ((lse - x.gather(1, target[:, None]).squeeze(1)) * rows_w).sum()
+    correct = x.argmax(dim=-1) == target
+    if not need_grad:
+        return total, correct, None
+    # d CE / d logits = softmax - onehot, scaled by the row weight; reuse the buffer.
+    grad = x.sub_(lse[:, None]).exp_()
+    grad[torch.arange(x.shape[0], device=x.device), target] -= 1.0
+    grad.mul_(rows_w[:, None])
+    return total, correct, grad.to(logits.dtype)
+
+
+def _ce_chunk_fusable(logits: torch.Tensor, target: torch.Tensor, rows_w: torch.Tensor):
+    """Same as :func:`_ce_chunk_inplace` (with grad), written without in-place ops so inductor fuses it into a few
+    passes over the bf16 logits instead of ~10 float32 passes."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    row_max = x.amax(dim=-1, keepdim=True)
+    lse = (x - row_max).exp().sum(dim=-1, keepdim=True).log() + row_max
+    total = ((lse - x.gather(1, target[:, None])).squeeze(1) * rows_w).sum()
+    correct = x.argmax(dim=-1) == target
+    columns = torch.arange(x.shape[1], device=x.device)
+    onehot = (columns[None, :] == target[:, None]).to(x.dtype)
+    grad = ((x - lse).exp() - onehot) * rows_w[:, None]
+    return total, correct, grad.to(logits.dtype)
+
+
+_compiled_chunk = None
+_compiled_chunk_failed = False
+
+
+def _fused_chunk_fn():
+    global _compiled_chunk
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_ce_chunk_fusable)
+    return _compiled_chunk
+
+
+def _run_chunk(logits, target, rows_w, need_grad: bool, fused: bool):
+    global _compiled_chunk_failed
+    if fused and need_grad and not _compiled_chunk_failed:
+        try:
+            return _fused_chunk_fn()(logits, target, rows_w)
+        except Exception as error:  # noqa: BLE001  compiler missing/broken: same math, eager
+            _compiled_chunk_failed = True
+            warnings.warn(f"fused (torch.compile) cross-entropy chunk failed ({error!r}); using the eager chunk",
+                          RuntimeWarning, stacklevel=3)
+    return _ce_chunk_inplace(logits, target, rows_w, need_grad)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum_i row_weight_i * CE(hidden_i @ weight.T, target_i), gradient computed in the forward, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, row_weights, chunk_rows, compute_dtype):
+    def forward(ctx, hidden, weight, targets, row_weights, chunk_rows, compute_dtype, fused):
         needs_hidden_grad = hidden.requires_grad
         needs_weight_grad = weight.requires_grad
+        need_grad = needs_hidden_grad or needs_weight_grad
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.detach().to(compute_dtype)
             h = hidden.detach().to(compute_dtype)
             num_rows = h.shape[0]
             softmax_dtype = torch.promote_types(compute_dtype, torch.float32)  # at least float32
+            weights = row_weights.to(softmax_dtype)
             total = torch.zeros((), dtype=softmax_dtype, device=h.device)
             correct = torch.empty(num_rows, dtype=torch.bool, device=h.device)
             grad_hidden = torch.empty_like(hidden) if needs_hidden_grad else None
@@ -110,24 +167,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                            else None)
             for start in range(0, num_rows, chunk_rows):
                 stop = min(start + chunk_rows, num_rows)
-                logits = (h[start:stop] @ w.T).to(softmax_dtype)  # [C, V]
-                target = targets[start:stop]
-                rows_w = row_weights[start:stop].to(softmax_dtype)
-                lse = torch.logsumexp(logits, dim=-1)
-                target_logit = logits.gather(1, target[:, None]).squeeze(1)
-                total += ((lse - target_logit) * rows_w).sum()
-                correct[start:stop] = logits.argmax(dim=-1) == target
-                if needs_hidden_grad or needs_weight_grad:
-                    # d CE / d logits = softmax - onehot, scaled by the row weight; reuse the logits buffer.
-                    grad_logits = logits.sub_(lse[:, None]).exp_()
-                    grad_logits[torch.arange(stop - start, device=h.device), target] -= 1.0
-                    grad_logits.mul_(rows_w[:, None])
-                    grad_logits_c = grad_logits.to(compute_dtype)
-                    if needs_hidden_grad:
-                        grad_hidden[start:stop] = (grad_logits_c @ w).to(hidden.dtype)
-                    if needs_weight_grad:
-                        grad_weight += grad_logits.T @ h[start:stop].to(softmax_dtype)
+                logits = h[start:stop] @ w.T  # [C, V] in the compute dtype
+                chunk_total, chunk_correct, grad_logits = _run_chunk(
+                    logits, targets[start:stop], weights[start:stop], need_grad, fused)
                 del logits
+                total += chunk_total
+                correct[start:stop] = chunk_correct
+                if needs_hidden_grad:
+                    grad_hidden[start:stop] = (grad_logits @ w).to(hidden.dtype)
+                if needs_weight_grad:
+                    grad_weight += (grad_logits.T @ h[start:stop]).to(softmax_dtype)
+                del grad_logits
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(correct)
@@ -140,7 +190,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -151,6 +201,7 @@ def chunked_linear_cross_entropy(
     *,
     chunk_rows: int | None = None,
     compute_dtype: torch.dtype | None = None,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted CE of ``hidden @ weight.T`` without materializing all logits.
 
@@ -158,7 +209,9 @@ def chunked_linear_cross_entropy(
         hidden: ``[N, H]``. weight: ``[V, H]`` (LM head). targets: ``[N]`` int64. row_weights: ``[N]`` float.
         chunk_rows: rows per chunk (default: ``2**28 // V``, ~1 GiB of float32 logits).
         compute_dtype: matmul dtype (default: the autocast dtype when autocast is on, else ``hidden.dtype``);
-            log-softmax is always float32.
+            log-softmax is always at least float32.
+        fused: run the per-chunk softmax/CE/gradient as one ``torch.compile``'d function (default: on CUDA);
+            falls back to the eager chunk with a warning if compiling fails.
 
     Returns:
         ``(weighted_ce_sum scalar float32 with grad, correct [N] bool = argmax hits)``.
@@ -169,7 +222,10 @@ def chunked_linear_cross_entropy(
         device_type = hidden.device.type
         compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
                          else hidden.dtype)
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, row_weights, int(chunk_rows), compute_dtype)
+    if fused is None:
+        fused = hidden.is_cuda
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, row_weights, int(chunk_rows), compute_dtype,
+                                            bool(fused))
 
 
 def dflash_loss(
@@ -180,6 +236,7 @@ def dflash_loss(
     gamma: float | None = None,
     chunk_rows: int | None = None,
     mask: object = None,
+    fused: bool | None = None,
 ) -> LossOutput:
     """Forward + weighted CE for every block of a packed batch.
 
@@ -190,6 +247,7 @@ def dflash_loss(
         gamma: decay (default :func:`default_gamma` of the block size).
         chunk_rows: LM-head chunk rows (see :func:`chunked_linear_cross_entropy`).
         mask: optional precomputed attention mask (:meth:`DFlashDrafter.build_mask`).
+        fused: compiled per-chunk CE (see :func:`chunked_linear_cross_entropy`; default on CUDA).
 
     Returns:
         :class:`LossOutput` (sums; divide by the all-reduced ``weight_sum``).
@@ -216,6 +274,7 @@ def dflash_loss(
         targets.reshape(-1),
         row_weights.reshape(-1),
         chunk_rows=chunk_rows,
+        fused=fused,
     )
     correct = correct.view(num_anchors, block_size - 1) & supervised
     return LossOutput(

@@ -1,0 +1,245 @@
+"""Benchmark one DFlash drafter training step (anchors + mask + forward + backward + AdamW) on one GPU.
+
+Default: the 8B-shaped drafter of issue 3 (5 layers, hidden 4096, 32 heads, 8 KV heads, head_dim 128, intermediate
+12288, vocab 151936, taps [1, 9, 17, 25, 33] of a 36-layer target), 512 anchors per sequence x block 16, gamma 7,
+sequence 3072, batch 1 and 4 (sequences packed into one row), bf16 autocast over float32 parameters, eager and
+compiled. Prints step time, sequence tokens/s and MFU (formula printed), then counts dynamo compiles over 12
+distinct batch shapes (padded to length buckets on the compiled fixed-shape path).
+
+GPU:   python benchmarks/drafter_step.py
+CPU:   python benchmarks/drafter_step.py --smoke      (tiny config, seconds; checks the script, not the speed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+import torch._dynamo
+from rich.console import Console
+from rich.table import Table
+
+from dflash.batching import PackedBatch
+from dflash.drafter import DFlashConfig, DFlashDrafter, attention_layout, dflash_loss, sample_anchors
+
+console = Console(width=150)
+
+MFU_FORMULA = (
+    "MFU = F_step / (t_step * peak).  F_step = 3*(2*Q*L*P_layer + 2*T*L*2*H*Hkv) + 3.5*(L*4*Hq*S_vis) "
+    "+ 2*(2*T*n*H*H) + 2*(2*A*(B-1)*H*V);  Q = A*B block tokens, T packed tokens, L draft layers, "
+    "P_layer = H*Hq + 2*H*Hkv + Hq*H + 3*H*I (q,k,v,o,MLP weights), Hq/Hkv = heads*head_dim, S_vis = visible "
+    "(query,key) pairs of the sparse mask, n taps, V vocab. Factors: 3 = fwd+bwd (input and weight grads), "
+    "3.5 = attention fwd + 2.5x bwd, 2 = fc (no input grad: data) and LM head (frozen: no weight grad)."
+)
+
+
+def eight_b_config(block_size: int) -> DFlashConfig:
+    return DFlashConfig(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960, vocab_size=151936,
+        block_size=block_size, mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36,
+    )
+
+
+def smoke_config(block_size: int) -> DFlashConfig:
+    return DFlashConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=1000, block_size=block_size, mask_token_id=999, target_layer_ids=[0, 2],
+        num_target_layers=4, max_position_embeddings=4096,
+    )
+
+
+def make_batch(lengths: list[int], config: DFlashConfig, device: torch.device, *, pad_to: int | None = None,
+               seed: int = 0) -> PackedBatch:
+    """Documents of ``lengths`` (first 10% of each unsupervised, like a prompt), padded to ``pad_to``."""
+    generator = torch.Generator().manual_seed(seed)
+    real = sum(lengths)
+    total = pad_to or real
+    loss_mask = torch.zeros(total, dtype=torch.uint8)
+    start = 0
+    for length in lengths:
+        loss_mask[start + max(1, length // 10): start + length] = 1
+        start += length
+    width = config.num_taps * config.hidden_size
+    batch = PackedBatch(
+        input_ids=torch.randint(0, config.vocab_size, (total,), generator=generator),
+        loss_mask=loss_mask,
+        hidden=(torch.randn(total, width, generator=generator) * 2).to(torch.bfloat16),
+        position_ids=torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(total - real, dtype=torch.int64)]),
+        document_ids=torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)]
+                               + [torch.full((total - real,), -1)]).to(torch.int64),
+        cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
+        num_real_tokens=real,
+        corpus_rows=list(range(len(lengths))),
+    )
+    return batch.to(device, non_blocking=False)
+
+
+def step_flops(config: DFlashConfig, batch: PackedBatch, anchors: torch.Tensor) -> float:
+    """F_step of MFU_FORMULA for the real (non-padding) anchors of this step."""
+    real = anchors[anchors >= 0]
+    layout = attention_layout(real, batch.position_ids, config.block_size)
+    visible = float((layout.context_hi - layout.context_lo).sum()) + layout.num_queries * config.block_size
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    hq = config.num_attention_heads * config.head_dim
+    hkv = config.num_key_value_heads * config.head_dim
+    layers, num_tokens, num_anchors = config.num_hidden_layers, batch.num_real_tokens, real.numel()
+    queries = num_anchors * config.block_size
+    p_layer = hidden * hq + 2 * hidden * hkv + hq * hidden + 3 * hidden * inter
+    linear = 2 * queries * layers * p_layer + 2 * num_tokens * layers * 2 * hidden * hkv
+    attention = layers * 4 * hq * visible
+    fc = 2 * num_tokens * config.num_taps * hidden * hidden
+    lm_head = 2 * num_anchors * (config.block_size - 1) * hidden * vocab
+    return 3 * linear + 3.5 * attention + 2 * fc + 2 * lm_head
+
+
+def build_drafter(config: DFlashConfig, device: torch.device, compiled: bool, backend: str) -> DFlashDrafter:
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config).to(device)
+    embed = (torch.randn(config.vocab_size, config.hidden_size, device=device) * 0.02).to(torch.bfloat16)
+    lm_head = (torch.randn(config.vocab_size, config.hidden_size, device=device) * 0.02).to(torch.bfloat16)
+    drafter.attach_target(embed, lm_head)
+    if compiled:
+        drafter.compile_layers(backend=backend)
+    return drafter.train()
+
+
+class Stepper:
+    """One training step; ``fixed`` selects the fixed-shape anchor path (no host sync)."""
+
+    def __init__(self, drafter: DFlashDrafter, device: torch.device, budget: int, gamma: float) -> None:
+        self.drafter = drafter
+        self.device = device
+        self.budget = budget
+        self.gamma = gamma
+        self.generator = torch.Generator(device=device).manual_seed(0)
+        self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-5, fused=device.type == "cuda")
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def anchors(self, batch: PackedBatch, num_anchors: int | None) -> torch.Tensor:
+        return sample_anchors(batch, self.drafter.config.block_size, self.budget, self.generator,
+                              num_anchors=num_anchors)
+
+    def __call__(self, batch: PackedBatch, num_anchors: int | None) -> torch.Tensor:
+        anchors = self.anchors(batch, num_anchors)
+        with self.autocast:
+            out = dflash_loss(self.drafter, batch, anchors, gamma=self.gamma)
+            loss = out.loss()
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(stepper: Stepper, batch: PackedBatch, num_anchors: int | None, warmup: int, steps: int) -> float:
+    for _ in range(warmup):
+        stepper(batch, num_anchors)
+    synchronize(stepper.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = stepper(batch, num_anchors)
+    synchronize(stepper.device)
+    elapsed = (time.perf_counter() - start) / steps
+    if not math.isfinite(float(loss)):
+        raise RuntimeError(f"non-finite loss {float(loss)}")
+    return elapsed
+
+
+def count_compiles(stepper: Stepper, config: DFlashConfig, args, device: torch.device, fixed: bool) -> tuple[int, int]:
+    """Run one step on each of ``args.shapes`` distinct batch shapes; return (distinct shapes, graphs compiled).
+
+    Real lengths are all different; the fixed-shape path pads them to ``args.buckets`` length buckets."""
+    seq_len = args.seq_len
+    buckets = [seq_len * (i + 1) // args.buckets for i in range(args.buckets)]
+    lengths = [int(seq_len * (0.25 + 0.75 * (i + 1) / args.shapes)) - 3 * i for i in range(args.shapes)]
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    shapes = set()
+    for i, length in enumerate(lengths):
+        pad_to = min(b for b in buckets if b >= length) if fixed else None
+        batch = make_batch([length], config, device, pad_to=pad_to, seed=100 + i)
+        num_anchors = args.anchors if fixed else None
+        anchors_shape = num_anchors if fixed else int(stepper.anchors(batch, None).numel())
+        shapes.add((length, anchors_shape))
+        stepper(batch, num_anchors)
+    synchronize(device)
+    return len(shapes), torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny config on CPU, seconds")
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4], help="sequences packed per step")
+    parser.add_argument("--seq-len", type=int, default=3072)
+    parser.add_argument("--anchors", type=int, default=512, help="anchor budget per sequence (document)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gamma", type=float, default=7.0)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--shapes", type=int, default=12, help="distinct batch shapes for the compile count")
+    parser.add_argument("--buckets", type=int, default=3, help="length buckets of the fixed-shape path")
+    parser.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak (H200 SXM: 989.4)")
+    parser.add_argument("--compile-backend", default="inductor")
+    args = parser.parse_args()
+    if args.smoke:
+        args.seq_len, args.anchors, args.block_size, args.gamma = 96, 8, 4, 4.0
+        args.warmup, args.steps, args.buckets = 1, 2, 2
+        args.compile_backend = "eager"  # dynamo tracing and guards only: the recompile count is what is checked
+        config = smoke_config(args.block_size)
+        device = torch.device("cpu")
+    else:
+        config = eight_b_config(args.block_size)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_float32_matmul_precision("high")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    console.print(f"[bold]drafter step benchmark[/] on {name}, torch {torch.__version__}; config: "
+                  f"{config.num_hidden_layers} layers, H={config.hidden_size}, V={config.vocab_size}, "
+                  f"B={config.block_size}, {args.anchors} anchors/seq, seq {args.seq_len}")
+    console.print(MFU_FORMULA)
+    table = Table("mode", "batch", "anchor path", "step ms", "ms/seq", "seq tok/s", "TFLOP/step", "MFU",
+                  "peak mem GiB")
+    compile_rows = []
+    for mode in args.modes:
+        compiled = mode == "compiled"
+        torch._dynamo.reset()
+        drafter = build_drafter(config, device, compiled, args.compile_backend)
+        stepper = Stepper(drafter, device, args.anchors, args.gamma)
+        fixed = compiled  # eager: dynamic anchors (nonzero); compiled: fixed shape, no host sync
+        for batch_size in args.batch_sizes:
+            batch = make_batch([args.seq_len] * batch_size, config, device)
+            num_anchors = args.anchors * batch_size if fixed else None
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            seconds = time_steps(stepper, batch, num_anchors, args.warmup, args.steps)
+            flops = step_flops(config, batch, stepper.anchors(batch, num_anchors))
+            tokens = batch_size * args.seq_len
+            mfu = flops / seconds / (args.peak_tflops * 1e12)
+            memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+            table.add_row(mode, str(batch_size), "fixed" if fixed else "dynamic", f"{seconds * 1e3:.1f}",
+                          f"{seconds * 1e3 / batch_size:.1f}", f"{tokens / seconds:,.0f}", f"{flops / 1e12:.2f}",
+                          f"{mfu:.1%}", f"{memory:.1f}")
+        shapes, graphs = count_compiles(stepper, config, args, device, fixed)
+        compile_rows.append((mode, shapes, graphs))
+        del drafter, stepper
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    console.print(table)
+    counts = Table("mode", "distinct batch shapes", "length buckets", "dynamo graphs compiled")
+    for mode, shapes, graphs in compile_rows:
+        counts.add_row(mode, str(shapes), str(args.buckets) if mode == "compiled" else "-", str(graphs))
+    console.print(counts)
+    console.print("Graphs counted during the shape sweep only (the full-length bucket was already compiled while "
+                  "timing). compiled: <= 2 per new bucket (first layer + later layers) plus the fused CE chunk "
+                  "(static, then one dynamic graph for last-chunk sizes); eager: the compiled flex_attention kernel "
+                  "and the fused CE chunk, each going dynamic after one recompile.")
+
+
+if __name__ == "__main__":
+    main()
