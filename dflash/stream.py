@@ -210,7 +210,18 @@ class StreamingLoader:
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device(device) if device is not None else None
+        if self.device is not None and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.pin_memory = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
+        if self.pin_memory and not torch.cuda.is_available():
+            raise ConfigError("pin_memory=True needs CUDA (pinned memory only helps host-to-GPU copies); use None")
+        # Reader threads start on CUDA device 0; pin and copy under this rank's device so that no rank creates a
+        # context (and its memory) on GPU 0.
+        self._cuda_index: int | None = None
+        if self.device is not None and self.device.type == "cuda":
+            self._cuda_index = self.device.index
+        elif self.pin_memory:
+            self._cuda_index = torch.cuda.current_device()
         self.stats = LoaderStats()
         self._lock = threading.Lock()
         self._build_table()
@@ -377,6 +388,12 @@ class StreamingLoader:
 
     def _load(self, planned: PlannedBatch) -> tuple[PackedBatch, torch.cuda.Event | None]:
         """Worker thread: read, pack into (pinned) host memory, and start the device copy on the side stream."""
+        if self._cuda_index is None:
+            return self._load_on_device(planned)
+        with torch.cuda.device(self._cuda_index):
+            return self._load_on_device(planned)
+
+    def _load_on_device(self, planned: PlannedBatch) -> tuple[PackedBatch, torch.cuda.Event | None]:
         start = time.perf_counter()
         samples = self._read_samples(planned)
         batch = pack_samples(
