@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -393,7 +394,8 @@ class CorpusReport:
         }
 
 
-def _fail(corpus: Corpus, rows: np.ndarray, problem: str, fix: str) -> CorpusError:
+def _fail(corpus: Corpus, rows: np.ndarray, problem: str | Callable[[int], str], fix: str) -> CorpusError:
+    """An error naming up to ``_MAX_NAMED_ROWS`` of ``rows`` (file, row, sample_id), what is wrong, and ``fix``."""
     named = "; ".join(f"{corpus.describe_row(int(r))}: {problem(int(r)) if callable(problem) else problem}"
                       for r in rows[:_MAX_NAMED_ROWS])
     more = f" (and {rows.size - _MAX_NAMED_ROWS} more rows)" if rows.size > _MAX_NAMED_ROWS else ""
@@ -450,18 +452,22 @@ def validate_corpus(
             "give loss_mask exactly one 0/1 entry per token",
         )
 
-    chunk_offsets = [(int(s), c.ids_offsets) for s, c in zip(corpus._chunk_starts, corpus._chunks, strict=False)]
+    # Offsets of input_ids and loss_mask may differ in absolute value (columns chunked or sliced differently).
+    starts = [int(s) for s in corpus._chunk_starts[:-1]]
+    ids_offsets = [(s, c.ids_offsets) for s, c in zip(starts, corpus._chunks, strict=True)]
+    mask_offsets = [(s, c.mask_offsets) for s, c in zip(starts, corpus._chunks, strict=True)]
     bad_ids, bad_mask, supervised_parts = [], [], []
     for chunk in corpus._chunks:
         lo, hi = chunk.ids_offsets[0], chunk.ids_offsets[-1]
         values = chunk.ids_values[lo:hi]
         bad_ids.append(np.flatnonzero((values < 0) | (values >= vocab_size)) + lo)
+        lo, hi = chunk.mask_offsets[0], chunk.mask_offsets[-1]
         mask = chunk.mask_values[lo:hi]
-        bad_mask.append(np.flatnonzero(mask > 1) + lo)
-        # Cumulative sums give per-row supervised counts without a Python loop (rows are non-empty here).
+        bad_mask.append(np.flatnonzero((mask != 0) & (mask != 1)) + lo)
+        # Cumulative sums give per-row supervised counts without a Python loop.
         cumulative = np.concatenate([[0], np.cumsum(mask != 0, dtype=np.int64)])
-        supervised_parts.append(cumulative[chunk.ids_offsets[1:] - lo] - cumulative[chunk.ids_offsets[:-1] - lo])
-    rows = _row_of_flat(chunk_offsets, bad_ids)
+        supervised_parts.append(cumulative[chunk.mask_offsets[1:] - lo] - cumulative[chunk.mask_offsets[:-1] - lo])
+    rows = _row_of_flat(ids_offsets, bad_ids)
     if rows.size:
         def describe_ids(r: int) -> str:
             ids = corpus.row(r).input_ids
@@ -469,7 +475,7 @@ def validate_corpus(
             return f"token id {int(ids[position])} at position {position} is outside [0, {vocab_size})"
         raise _fail(corpus, rows, describe_ids,
                     f"the corpus was tokenized for another vocabulary; re-run prepare with the target's tokenizer (vocab_size {vocab_size})")
-    rows = _row_of_flat(chunk_offsets, bad_mask)
+    rows = _row_of_flat(mask_offsets, bad_mask)
     if rows.size:
         raise _fail(corpus, rows, "loss_mask holds a value other than 0 or 1", "store loss_mask as 0/1 per token")
     supervised = np.concatenate(supervised_parts)

@@ -250,3 +250,13 @@ def test_tokenized_labels_become_the_loss_mask(tmp_path, tokenizer):
     # open_corpus alone keeps to the contract: labels are not a loss_mask.
     with pytest.raises(CorpusError, match="no column 'loss_mask'.*'labels' column, -100 = not supervised"):
         open_corpus(tmp_path / "sft.parquet")
+
+
+def test_tokenized_labels_rows_are_checked_where_they_are(tmp_path, tokenizer):
+    ids = tokenizer((stdlib_root() / "bisect.py").read_text())["input_ids"][:200]
+    labels = [ids, [-100] * len(ids), ids]  # row 1 supervises nothing
+    table = pa.table({"input_ids": [ids] * 3, "labels": labels})
+    pq.write_table(table, tmp_path / "sft.parquet", row_group_size=1)
+    with pytest.raises(CorpusError, match=r"sft.parquet row 1 .*no supervised token"):
+        run_prepare(PrepareConfig(inputs=[str(tmp_path / "sft.parquet")], output=tmp_path / "out"))
+    assert _nothing_written(tmp_path, "out")
