@@ -61,6 +61,8 @@ from dflash.errors import CheckpointError, ConfigError
 __all__ = ["HiddenSource", "StreamConfig", "LoaderStats", "StreamingLoader", "validation_rows"]
 
 _STATE_FORMAT = 1
+#: Threads reading the shards' offsets and corpus rows when the loader starts.
+_INDEX_THREADS = 16
 
 
 class HiddenSource(Protocol):
@@ -214,7 +216,9 @@ class StreamingLoader:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.pin_memory = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
         if self.pin_memory and not torch.cuda.is_available():
-            raise ConfigError("pin_memory=True needs CUDA (pinned memory only helps host-to-GPU copies); use None")
+            raise ConfigError(
+                "pin_memory=True needs CUDA (pinned memory only helps host-to-GPU copies); use None"
+            )
         # Reader threads start on CUDA device 0; pin and copy under this rank's device so that no rank creates a
         # context (and its memory) on GPU 0.
         self._cuda_index: int | None = None
@@ -247,9 +251,18 @@ class StreamingLoader:
 
     def _build_table(self) -> None:
         shards, positions, lengths, rows = [], [], [], []
-        for shard in sorted(int(s) for s in self.source.shards):
-            shard_lengths = np.asarray(self.source.shard_lengths(shard), dtype=np.int64)
-            shard_rows = np.asarray(self.source.shard_corpus_rows(shard), dtype=np.int64)
+        shard_ids = sorted(int(s) for s in self.source.shards)
+
+        def index(shard: int) -> tuple[np.ndarray, np.ndarray]:
+            return (
+                np.asarray(self.source.shard_lengths(shard), dtype=np.int64),
+                np.asarray(self.source.shard_corpus_rows(shard), dtype=np.int64),
+            )
+
+        # Only the small per-shard index arrays are read; in parallel, since object stores answer slowly.
+        with ThreadPoolExecutor(_INDEX_THREADS, thread_name_prefix="dflash-index") as pool:
+            indexes = list(pool.map(index, shard_ids))
+        for shard, (shard_lengths, shard_rows) in zip(shard_ids, indexes, strict=True):
             if shard_rows.shape != shard_lengths.shape:
                 raise ConfigError(
                     f"shard {shard}: {shard_lengths.size} lengths but {shard_rows.size} corpus rows; "
@@ -478,7 +491,12 @@ class StreamingLoader:
                 epoch, step, planned, future = self._pending.popleft()
                 assert (epoch, step) == (self.epoch, self._step), "read-ahead out of order"
                 start = time.perf_counter()
-                batch, event = future.result()
+                try:
+                    batch, event = future.result()
+                except BaseException:
+                    self._leave_flight(planned)
+                    self._drop_pipeline()
+                    raise
                 if event is not None:
                     current = torch.cuda.current_stream(self.device)
                     current.wait_event(event)

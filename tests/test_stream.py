@@ -17,7 +17,7 @@ import torch
 
 from dflash.batching import pack_samples
 from dflash.cache import CacheMetadata, CacheReader, HiddenSample, HiddenStateCache
-from dflash.errors import CheckpointError, ConfigError
+from dflash.errors import CacheCorruptError, CheckpointError, ConfigError
 from dflash.stream import StreamConfig, StreamingLoader, validation_rows
 from dflash.target import LAYER_ID_CONVENTION
 from dflash.target_runner import TargetRunner
@@ -328,3 +328,25 @@ def test_device_copy_on_a_side_stream(reader):
     for on_device, on_host in zip(loader, host, strict=True):
         assert on_device.hidden.is_cuda
         assert _fingerprint(on_device.to("cpu")) == _fingerprint(on_host)
+
+
+class _CorruptShardSource(_CountingSource):
+    """A reader whose shard 2 fails its checksum, as ``CacheReader`` reports a corrupt chunk."""
+
+    def read_shard(self, shard, indices=None):
+        if shard == 2:
+            raise CacheCorruptError(
+                f"shard {shard}: array 'hidden' fails to decode (crc32c); re-extract the shard"
+            )
+        return super().read_shard(shard, indices)
+
+
+def test_a_corrupt_shard_stops_the_loader_with_the_readers_error(reader):
+    loader = StreamingLoader(
+        _CorruptShardSource(reader), StreamConfig(token_budget=BUDGET, prefetch_batches=2)
+    )
+    with pytest.raises(CacheCorruptError, match="shard 2"):
+        for _ in loader:
+            pass
+    loader.close()
+    assert loader.stats.batches_in_flight == 0 and loader.stats.tokens_in_flight == 0
