@@ -42,7 +42,7 @@ from dflash.speculative import (
 )
 from dflash.speculative import speculative_generate as _generate
 
-__all__ = ["EvaluateConfig", "LoadedEvaluation", "load_drafter_any", "attach_checked", "load_for_evaluation", "load_prompts", "evaluate_drafter",
+__all__ = ["EvaluateConfig", "Evaluator", "load_drafter_any", "attach_checked", "check_target_identity", "load_prompts", "evaluate_drafter",
            "run_evaluate", "print_report", "write_json_atomic", "register"]
 
 log = logging.getLogger(__name__)
@@ -115,17 +115,6 @@ class EvaluateConfig:
         return getattr(torch, self.dtype)
 
 
-@dataclass(slots=True)
-class LoadedEvaluation:
-    """Target, drafter and their recorded metadata, loaded once (the pipeline reuses one for several drafters)."""
-
-    target: Any
-    drafter: Any
-    drafter_config: Any
-    target_info: dict[str, Any]
-    target_spec: str
-
-
 def load_drafter_any(path: Path) -> tuple[Any, Any, dict[str, Any]]:
     """``(drafter, DFlashConfig, target_info)`` from a run folder, a checkpoint folder or an exported serving folder;
     the drafter is on CPU without its target attached (see :func:`attach_checked`).
@@ -166,25 +155,20 @@ def attach_checked(drafter: Any, target: Any, target_info: dict[str, Any], where
             )
 
 
-def load_for_evaluation(config: EvaluateConfig) -> LoadedEvaluation:
-    """Load the drafter (run, checkpoint or export), then its target; attach and check the shared weights."""
-    from dflash.target import load_target
+def check_target_identity(target_info: dict[str, Any], target: Any, where: Path) -> None:
+    """Compare the target's content hash with the one recorded with the drafter (when recorded).
 
-    drafter, drafter_config, target_info = load_drafter_any(Path(config.drafter))
-    target_spec = config.target or target_info.get("target_spec") or "default"
-    device, dtype = config.resolved_device(), config.resolved_dtype()
-    target = load_target(target_spec, dtype=dtype, device=device)
+    Raises:
+        MismatchError: they differ.
+    """
     nested = target_info.get("identity") or target_info.get("target")
     recorded_hash = nested.get("content_hash") if isinstance(nested, dict) else target_info.get("content_hash")
     if recorded_hash and recorded_hash != target.identity.content_hash:
         raise MismatchError(
-            f"target content_hash: the drafter at {config.drafter} was trained on {recorded_hash}, the target "
-            f"{target_spec!r} is {target.identity.content_hash}; pass the target it was trained with"
+            f"target content_hash: the drafter at {where} was trained on {recorded_hash}, the loaded target "
+            f"{target.identity.name!r} is {target.identity.content_hash}; pass --target "
+            f"{target_info.get('target_spec')!r} (the recorded target)"
         )
-    drafter.to(device=device, dtype=dtype)
-    attach_checked(drafter, target, target_info, Path(config.drafter))
-    drafter.eval()
-    return LoadedEvaluation(target, drafter, drafter_config, target_info, str(target_spec))
 
 
 def load_prompts(config: EvaluateConfig, tokenizer: Any) -> list[EvalPrompt]:
@@ -356,49 +340,96 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
         raise
 
 
-def run_evaluate(config: EvaluateConfig, *, console: Console | None = None,
-                 loaded: LoadedEvaluation | None = None) -> dict[str, Any]:
-    """Load, evaluate, report: the whole stage. Returns the JSON report (also written to ``config.json_path``).
+class Evaluator:
+    """The target, the prompt set and the block-size-1 baseline, loaded/measured once; evaluates any number of
+    drafters on them (the pipeline measures every epoch's checkpoint against one baseline).
+
+    Args:
+        config: evaluation settings (``config.drafter`` is not read here).
+        target_spec: the target to load.
+        console: where progress goes.
+    """
+
+    def __init__(self, config: EvaluateConfig, target_spec: str, *, console: Console | None = None) -> None:
+        from dflash.target import load_target
+
+        self.config = config
+        self.console = console or Console()
+        self.target_spec = str(target_spec)
+        self.device, self.dtype = config.resolved_device(), config.resolved_dtype()
+        self.target = load_target(self.target_spec, dtype=self.dtype, device=self.device)
+        self.prompts = load_prompts(config, self.target.tokenizer)
+        self.baseline: list[GenerationResult] | None = None
+
+    def load_drafter(self, path: Path, loaded: tuple[Any, Any, dict[str, Any]] | None = None) -> tuple[Any, Any, dict[str, Any]]:
+        """A drafter from ``path`` (or the already read ``loaded = load_drafter_any(path)``) on the target's device
+        and dtype, target attached and checked."""
+        drafter, drafter_config, target_info = loaded or load_drafter_any(Path(path))
+        check_target_identity(target_info, self.target, Path(path))
+        drafter.to(device=self.device, dtype=self.dtype)
+        attach_checked(drafter, self.target, target_info, Path(path))
+        return drafter.eval(), drafter_config, target_info
+
+    def untrained(self, drafter_config: Any) -> Any:
+        """A randomly initialized drafter of ``drafter_config`` (seeded by ``config.seed``), target attached."""
+        return _untrained_like(drafter_config, self.target, self.config.seed)
+
+    def _summary(self, drafter: Any, drafter_config: Any, label: str) -> dict[str, Any]:
+        config = self.config
+        summary, self.baseline = evaluate_drafter(
+            self.target, drafter, self.prompts, block_size=config.block_size or int(drafter_config.block_size),
+            mask_token_id=int(drafter_config.mask_token_id), target_layer_ids=list(drafter_config.target_layer_ids),
+            max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+            stop_token_ids=_stop_tokens(self.target.tokenizer, config.ignore_eos), seed=config.seed,
+            near_tie_tolerance=config.near_tie_tolerance, baseline=self.baseline, console=self.console, label=label,
+        )
+        return summary
+
+    def evaluate(self, drafter: Any, drafter_config: Any, *, label: str, compare_untrained: bool = False,
+                 json_path: Path | None = None) -> dict[str, Any]:
+        """Evaluate one drafter; returns the JSON report (also written atomically to ``json_path``)."""
+        config = self.config
+        started = time.perf_counter()
+        summary = self._summary(drafter, drafter_config, label)
+        untrained = None
+        if compare_untrained:
+            floor = self._summary(self.untrained(drafter_config), drafter_config, "untrained")
+            untrained = {key: floor[key] for key in ("tau", "acceptance", "speedup", "lossless")}
+        prompts = self.prompts
+        report = {
+            "format": REPORT_FORMAT,
+            "drafter": label,
+            "target": {"spec": self.target_spec, **self.target.identity.to_dict()},
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "prompts": {"source": config.prompts if config.prompts != "held-out" else
+                        f"held-out rows of {config.corpus}" + (f" not in {config.cache}" if config.cache else ""),
+                        "count": len(prompts),
+                        "mean_prompt_tokens": sum(len(p.input_ids) for p in prompts) / len(prompts)},
+            "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+                         "drafter": label, "block_size": config.block_size or int(drafter_config.block_size),
+                         "mode": "greedy" if config.temperature == 0 else "sampled"},
+            **summary,
+            "untrained": untrained,
+            "seconds": time.perf_counter() - started,
+        }
+        if json_path is not None:
+            write_json_atomic(Path(json_path), report)
+        return report
+
+
+def run_evaluate(config: EvaluateConfig, *, console: Console | None = None) -> dict[str, Any]:
+    """The whole stage: load the drafter, its target and the prompts, evaluate, write ``config.json_path``.
 
     Raises:
         ConfigError / CheckpointError / MismatchError: bad settings, unloadable drafter, wrong target.
     """
-    console = console or Console()
-    started = time.perf_counter()
-    loaded = loaded or load_for_evaluation(config)
-    target, drafter, drafter_config = loaded.target, loaded.drafter, loaded.drafter_config
-    prompts = load_prompts(config, target.tokenizer)
-    block_size = config.block_size or int(drafter_config.block_size)
-    common = dict(block_size=block_size, mask_token_id=int(drafter_config.mask_token_id),
-                  target_layer_ids=list(drafter_config.target_layer_ids), max_new_tokens=config.max_new_tokens,
-                  temperature=config.temperature, stop_token_ids=_stop_tokens(target.tokenizer, config.ignore_eos),
-                  seed=config.seed, near_tie_tolerance=config.near_tie_tolerance, console=console)
-    summary, baseline = evaluate_drafter(target, drafter, prompts, label=str(config.drafter), **common)
-    untrained = None
-    if config.compare_untrained:
-        untrained_summary, _ = evaluate_drafter(target, _untrained_like(drafter_config, target, config.seed), prompts,
-                                                baseline=baseline, label="untrained", **common)
-        untrained = {key: untrained_summary[key] for key in ("tau", "acceptance", "speedup", "lossless")}
-    parameter = next(target.model.parameters())
-    report = {
-        "format": REPORT_FORMAT,
-        "drafter": str(config.drafter),
-        "target": {"spec": loaded.target_spec, **target.identity.to_dict()},
-        "device": str(parameter.device),
-        "dtype": str(parameter.dtype).removeprefix("torch."),
-        "prompts": {"source": config.prompts if config.prompts != "held-out" else
-                    f"held-out rows of {config.corpus}" + (f" not in {config.cache}" if config.cache else ""),
-                    "count": len(prompts),
-                    "mean_prompt_tokens": sum(len(p.input_ids) for p in prompts) / len(prompts)},
-        "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
-                     "block_size": block_size, "mode": "greedy" if config.temperature == 0 else "sampled"},
-        **summary,
-        "untrained": untrained,
-        "seconds": time.perf_counter() - started,
-    }
-    if config.json_path is not None:
-        write_json_atomic(Path(config.json_path), report)
-    return report
+    drafter_path = Path(config.drafter)
+    loaded = load_drafter_any(drafter_path)
+    evaluator = Evaluator(config, config.target or loaded[2].get("target_spec") or "default", console=console)
+    drafter, drafter_config, _ = evaluator.load_drafter(drafter_path, loaded)
+    return evaluator.evaluate(drafter, drafter_config, label=str(drafter_path),
+                              compare_untrained=config.compare_untrained, json_path=config.json_path)
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:

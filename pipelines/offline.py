@@ -1,0 +1,408 @@
+"""The offline pipeline: prepare -> split -> extract -> train -> evaluate as ONE command, on a preset config.
+
+Run::
+
+    dflash-stages run                                   # preset cpu-small: the README main job, 2 CPU cores, < 10 min
+    dflash-stages run --preset h200-smollm2 --workdir /data/dflash --docs /usr/share/doc/python3.12/html/_sources
+    dflash-stages run --set train.lr=3e-4 --set evaluate.num_prompts=32   # override any preset field
+
+Stages run in this process through their Python entry points (``run_prepare``, ``run_extract``,
+``run_training``, ``run_evaluate``), never as shell commands. Work folder layout::
+
+    WORKDIR/pipeline.json        resolved config, per-stage status, timings, tau after each epoch
+    WORKDIR/corpus-all/          prepare's corpus (contract 1)
+    WORKDIR/corpus/ heldout/     the split by document: training rows / held-out rows (training never sees them)
+    WORKDIR/cache/               extract's hidden-state cache of corpus/ (contract 2)
+    WORKDIR/run/                 the drafter run (contract 3)
+    WORKDIR/eval/epoch_K.json    evaluation reports (epoch 0 = untrained drafter) and eval/final.json
+
+Resumable: a stage whose output is complete and whose config is unchanged is skipped; extract resumes from its
+committed shards and train from its latest checkpoint. Changing a stage's config in an existing work folder is an
+error naming the stage (use another ``--workdir``), since its outputs would no longer match the settings.
+
+The held-out split is by document (a stdlib file and its length chunks stay together), chosen by a seeded
+permutation of the documents; held-out prompts come only from ``heldout/``. With ``evaluate.per_epoch`` the
+training runs in epoch-long segments (exact resume: same trajectory as one straight run) and tau is measured on
+the held-out prompts after each epoch, starting with the untrained drafter (epoch 0).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from dflash.errors import ConfigError
+
+if TYPE_CHECKING:
+    from stages.evaluate import Evaluator
+
+__all__ = ["PRESETS", "load_preset", "apply_overrides", "PipelineConfig", "run_pipeline", "register"]
+
+PRESETS = ("cpu-small", "h200-smollm2")
+_STAGES = ("prepare", "split", "extract", "train", "evaluate")
+_STATE_FILE = "pipeline.json"
+
+
+def _strip_comments(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _strip_comments(v) for k, v in data.items() if not k.startswith("_")}
+    return data
+
+
+def load_preset(name_or_path: str) -> dict[str, Any]:
+    """A preset's config: a name in :data:`PRESETS` (``pipelines/presets/NAME.json``) or a JSON file path.
+
+    Keys starting with ``_`` (``_why`` comments) are dropped.
+
+    Raises:
+        ConfigError: unknown preset or unreadable JSON.
+    """
+    path = Path(name_or_path)
+    if path.suffix == ".json" and path.is_file():
+        text = path.read_text()
+    elif name_or_path in PRESETS:
+        text = resources.files("pipelines").joinpath("presets", f"{name_or_path}.json").read_text()
+    else:
+        raise ConfigError(f"preset {name_or_path!r} is neither one of {PRESETS} nor a .json file")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"preset {name_or_path}: invalid JSON ({error})") from None
+    unknown = sorted(set(_strip_comments(data)) - set(_STAGES) - {"target"})
+    if unknown:
+        raise ConfigError(f"preset {name_or_path}: unknown sections {unknown}; expected {list(_STAGES)} and 'target'")
+    return _strip_comments(data)
+
+
+def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.field=value`` overrides (value parsed as JSON, else kept as a string).
+
+    Raises:
+        ConfigError: an override without ``=`` or without a ``section.`` prefix, or an unknown section.
+    """
+    result = copy.deepcopy(config)
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise ConfigError(f"--set {override!r}: expected section.field=value, e.g. train.lr=3e-4")
+        if section not in _STAGES:
+            raise ConfigError(f"--set {override!r}: unknown section {section!r}; expected one of {list(_STAGES)}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        result.setdefault(section, {})[name] = value
+    return result
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineConfig:
+    """The resolved pipeline: one dict of stage settings per stage (the stage configs validate the fields).
+
+    Fields:
+        workdir: where every stage writes (layout in the module docstring).
+        target: target spec shared by every stage.
+        prepare / split / extract / train / evaluate: the stage sections of the preset.
+    """
+
+    workdir: Path
+    target: str = "default"
+    prepare: dict[str, Any] = field(default_factory=dict)
+    split: dict[str, Any] = field(default_factory=dict)
+    extract: dict[str, Any] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
+    evaluate: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.workdir = Path(self.workdir).expanduser()
+        held = self.split.get("heldout_documents", 0)
+        if not isinstance(held, int) or held < 1:
+            raise ConfigError(f"split.heldout_documents must be a positive integer, got {held!r}")
+        unknown = sorted(set(self.evaluate) - _EVALUATE_FIELDS)
+        if unknown:
+            raise ConfigError(f"evaluate: unknown fields {unknown}; known: {sorted(_EVALUATE_FIELDS)}")
+
+    @classmethod
+    def from_preset(cls, preset: dict[str, Any], *, workdir: Path) -> PipelineConfig:
+        return cls(workdir=workdir, **preset)
+
+    def section(self, name: str) -> dict[str, Any]:
+        return {"target": self.target, **getattr(self, name)}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"workdir": str(self.workdir), "target": self.target,
+                **{name: getattr(self, name) for name in _STAGES}}
+
+
+_EVALUATE_FIELDS = {"num_prompts", "prompt_tokens", "max_new_tokens", "temperature", "ignore_eos", "seed", "device",
+                    "dtype", "per_epoch", "compare_untrained", "near_tie_tolerance"}
+
+
+def _digest(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class _State:
+    """``WORKDIR/pipeline.json``: per-stage config digests, completion and timings (rewritten atomically)."""
+
+    def __init__(self, workdir: Path, config: PipelineConfig) -> None:
+        self.path = workdir / _STATE_FILE
+        self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.data["config"] = config.to_dict()
+        self.data.setdefault("stages", {})
+
+    def check(self, stage: str, settings: dict[str, Any]) -> bool:
+        """True when ``stage`` completed with these settings; raises when it ran with other ones."""
+        record = self.data["stages"].get(stage)
+        if record is None:
+            return False
+        if record["digest"] != _digest(settings):
+            raise ConfigError(
+                f"{stage}: {self.path.parent} holds outputs of this stage made with other settings "
+                f"({record['settings']} vs now {settings}); use a new --workdir"
+            )
+        return bool(record.get("done"))
+
+    def start(self, stage: str, settings: dict[str, Any]) -> None:
+        self.data["stages"].setdefault(stage, {"digest": _digest(settings), "settings": settings, "done": False})
+        self.save()
+
+    def finish(self, stage: str, seconds: float, **info: Any) -> None:
+        record = self.data["stages"][stage]
+        record.update(done=True, seconds=record.get("seconds", 0.0) + seconds, **info)
+        self.save()
+
+    def save(self) -> None:
+        from stages.evaluate import write_json_atomic
+
+        write_json_atomic(self.path, self.data)
+
+
+def _split_corpus(source: Path, train_out: Path, heldout_out: Path, *, heldout_documents: int, seed: int) -> dict[str, Any]:
+    """Write the training and held-out corpora: whole documents (``sample_id`` before ``#``) go to one side."""
+    import numpy as np
+
+    from dflash.corpus import CorpusWriter, open_corpus
+
+    corpus = open_corpus(source)
+    documents = [corpus.sample_id(i).split("#", 1)[0] for i in range(len(corpus))]
+    unique = sorted(set(documents))
+    if len(unique) <= heldout_documents:
+        raise ConfigError(
+            f"split.heldout_documents={heldout_documents} but the corpus {source} has only {len(unique)} documents; "
+            "lower it or prepare more data"
+        )
+    held = {unique[i] for i in np.random.default_rng(seed).permutation(len(unique))[:heldout_documents]}
+    metadata = {k: v for k, v in corpus.metadata.items() if k not in ("fingerprint", "num_rows", "num_tokens")}
+    counts = {"train_rows": 0, "heldout_rows": 0}
+    with CorpusWriter(train_out, overwrite=True) as train, CorpusWriter(heldout_out, overwrite=True) as heldout:
+        for index, document in enumerate(documents):
+            row = corpus.row(index)
+            side = heldout if document in held else train
+            side.add(row.input_ids, row.loss_mask, row.sample_id)
+            counts["heldout_rows" if document in held else "train_rows"] += 1
+        split_info = {"source": str(source), "source_fingerprint": corpus.fingerprint, "seed": seed,
+                      "heldout_documents": sorted(held)}
+        heldout.commit({**metadata, "split": {**split_info, "side": "heldout"}})
+        train.commit({**metadata, "split": {**split_info, "side": "train"}})
+    return {**counts, "heldout_documents": len(held), "train_documents": len(unique) - len(held)}
+
+
+def _latest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    from dflash.checkpoint import resolve_checkpoint
+
+    if not (run_dir / "latest").is_file():
+        return None
+    folder = resolve_checkpoint(run_dir)
+    return folder, json.loads((folder / "trainer_state.json").read_text())
+
+
+def run_pipeline(config: PipelineConfig, *, console: Console | None = None) -> dict[str, Any]:
+    """Run (or resume) the pipeline; returns the final evaluation report (``tau`` and the rest).
+
+    Raises:
+        ConfigError: a stage's settings changed in an existing work folder; any stage's own errors.
+    """
+    from stages.evaluate import EvaluateConfig, Evaluator, write_json_atomic
+    from stages.extract import ExtractConfig, run_extract
+    from stages.prepare import PrepareConfig, run_prepare
+    from stages.train import TrainConfig, run_training
+
+    console = console or Console()
+    workdir = config.workdir
+    workdir.mkdir(parents=True, exist_ok=True)
+    state = _State(workdir, config)
+    paths = {name: workdir / name for name in ("corpus-all", "corpus", "heldout", "cache", "run", "eval")}
+
+    def stage(name: str, settings: dict[str, Any], work, **skip_info: Any) -> None:
+        if state.check(name, settings):
+            console.rule(f"[dim]{name}: complete, skipped")
+            return
+        console.rule(f"[bold]{name}")
+        state.start(name, settings)
+        started = time.perf_counter()
+        info = work() or {}
+        state.finish(name, time.perf_counter() - started, **info)
+        console.print(f"{name} took {time.perf_counter() - started:.1f} s")
+
+    prepare = config.section("prepare")
+    stage("prepare", prepare, lambda: {"corpus": str(run_prepare(
+        PrepareConfig(output=paths["corpus-all"], overwrite=True, **prepare), console=console)[0])})
+    split = {"seed": 0, **config.split}
+    stage("split", split, lambda: _split_corpus(paths["corpus-all"], paths["corpus"], paths["heldout"], **split))
+    extract = config.section("extract")
+    stage("extract", extract, lambda: _json_safe(run_extract(
+        ExtractConfig(corpus=str(paths["corpus"]), output=str(paths["cache"]), **extract), console=console)))
+
+    train = {"progress": True, **config.section("train")}
+    evaluate = {"seed": 0, **config.evaluate}
+    per_epoch = bool(evaluate.pop("per_epoch", False))
+    compare_untrained = bool(evaluate.pop("compare_untrained", False))
+
+    def train_config(**changes: Any) -> TrainConfig:
+        return TrainConfig(cache=str(paths["cache"]), output=str(paths["run"]), **{**train, **changes})
+
+    evaluator: Evaluator | None = None
+
+    def get_evaluator() -> Evaluator:
+        nonlocal evaluator
+        if evaluator is None:
+            settings = EvaluateConfig(drafter=paths["run"], target=config.target, prompts="held-out",
+                                      corpus=paths["heldout"], **evaluate)
+            evaluator = Evaluator(settings, config.target, console=console)
+        return evaluator
+
+    def evaluate_checkpoint(folder: Path, json_path: Path, label: str, *, untrained: bool = False,
+                            compare_untrained: bool = False) -> dict[str, Any]:
+        ev = get_evaluator()
+        drafter, drafter_config, _ = ev.load_drafter(folder)
+        if untrained:
+            drafter = ev.untrained(drafter_config)
+        return ev.evaluate(drafter, drafter_config, label=label, json_path=json_path, compare_untrained=compare_untrained)
+
+    epoch_taus: list[dict[str, Any]] = list(state.data.get("epochs", []))
+
+    def record_epoch(entry: dict[str, Any], report: dict[str, Any]) -> None:
+        epoch_taus.append(entry)
+        state.data["epochs"] = epoch_taus
+        state.save()
+        console.print(f"[bold]epoch {entry['epoch']}: tau = {entry['tau']:.3f}[/] on {report['prompts']['count']} "
+                      f"held-out prompts (step {entry['step']})")
+
+    done_epochs = {entry["epoch"] for entry in epoch_taus}
+    if per_epoch and not state.check("train", train):
+        console.rule("[bold]train (epoch by epoch, tau on held-out prompts after each epoch)")
+        state.start("train", train)
+        started = time.perf_counter()
+        if _latest_checkpoint(paths["run"]) is None:  # one step tells the schedule length; resumes continue it exactly
+            run_training(train_config(stop_at_step=1))
+        folder, trainer_state = _latest_checkpoint(paths["run"])
+        total_steps = int(trainer_state["total_steps"])
+        epochs = float(train.get("epochs", 6.0))
+        if compare_untrained and 0 not in done_epochs:
+            report = evaluate_checkpoint(folder, paths["eval"] / "epoch_0.json", "untrained drafter (epoch 0)",
+                                         untrained=True)
+            record_epoch({"epoch": 0, "step": 0, "tau": report["tau"], "speedup": report["speedup"]}, report)
+        for epoch in range(1, math.ceil(epochs) + 1):
+            stop = total_steps if epoch >= epochs else min(total_steps, round(epoch * total_steps / epochs))
+            if int(_latest_checkpoint(paths["run"])[1]["step"]) < stop:
+                run_training(train_config(resume=True, stop_at_step=None if stop == total_steps else stop))
+            if epoch in done_epochs:
+                continue
+            folder, trainer_state = _latest_checkpoint(paths["run"])
+            report = evaluate_checkpoint(folder, paths["eval"] / f"epoch_{epoch}.json", f"epoch {epoch} ({folder.name})")
+            record_epoch({"epoch": epoch, "step": int(trainer_state["step"]), "tau": report["tau"],
+                          "speedup": report["speedup"], "checkpoint": str(folder)}, report)
+        state.finish("train", time.perf_counter() - started, total_steps=total_steps)
+    else:
+        def train_work() -> dict[str, Any]:
+            resume = _latest_checkpoint(paths["run"]) is not None
+            return _json_safe(run_training(train_config(resume=resume)))
+
+        stage("train", train, train_work)
+
+    final_path = paths["eval"] / "final.json"
+    final_untrained = compare_untrained and not per_epoch
+    def final_work() -> dict[str, Any]:
+        if per_epoch and epoch_taus and epoch_taus[-1]["step"] == int(_latest_checkpoint(paths["run"])[1]["step"]):
+            # The last epoch's report already measured the final drafter.
+            report = json.loads((paths["eval"] / f"epoch_{epoch_taus[-1]['epoch']}.json").read_text())
+            write_json_atomic(final_path, report)
+        else:
+            report = evaluate_checkpoint(_latest_checkpoint(paths["run"])[0], final_path, "final drafter",
+                                         compare_untrained=final_untrained)
+        return {"tau": report["tau"]}
+
+    stage("evaluate", {**evaluate, "compare_untrained": final_untrained}, final_work)
+    report = json.loads(final_path.read_text())
+    state.data["tau"] = report["tau"]
+    state.save()
+    return {**report, "epochs": epoch_taus, "stage_seconds": {
+        name: record.get("seconds") for name, record in state.data["stages"].items()}}
+
+
+def _json_safe(data: Any) -> Any:
+    return json.loads(json.dumps(data, default=str))
+
+
+def print_summary(report: dict[str, Any], console: Console) -> None:
+    """Stage timings, tau per epoch, and the final evaluation tables."""
+    from stages.evaluate import print_report
+
+    timings = Table(title="pipeline stages")
+    timings.add_column("stage")
+    timings.add_column("seconds", justify="right")
+    for name, seconds in report["stage_seconds"].items():
+        timings.add_row(name, "-" if seconds is None else f"{seconds:.1f}")
+    console.print(timings)
+    if report["epochs"]:
+        epochs = Table(title="tau on held-out prompts after each epoch")
+        epochs.add_column("epoch", justify="right")
+        epochs.add_column("step", justify="right")
+        epochs.add_column("tau", justify="right")
+        for entry in report["epochs"]:
+            epochs.add_row(str(entry["epoch"]), str(entry["step"]), f"{entry['tau']:.3f}")
+        console.print(epochs)
+    print_report(report, console)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``dflash-stages run``."""
+
+    @app.command("run")
+    def run_command(
+        preset: str = typer.Option("cpu-small", "--preset", help=f"One of {', '.join(PRESETS)}, or a preset .json file."),
+        workdir: Path = typer.Option(Path("dflash-work"), "--workdir", help="Work folder of every stage (resumable)."),
+        overrides: list[str] = typer.Option([], "--set", help="Override a preset field: section.field=value (repeatable)."),
+        docs: list[Path] = typer.Option([], "--docs", help="Extra text folders for the corpus, e.g. the Python docs' reST sources."),
+        target: str | None = typer.Option(None, "--target", help="Target spec (default: the preset's, 'default' = SmolLM2)."),
+    ) -> None:
+        """The main job: prepare -> extract -> train -> evaluate on a preset; ends by printing tau."""
+        console = Console()
+        preset_config = apply_overrides(load_preset(preset), overrides)
+        if docs:
+            preset_config.setdefault("prepare", {})
+            preset_config["prepare"]["inputs"] = [*preset_config["prepare"].get("inputs", ["default"]),
+                                                  *(str(d) for d in docs)]
+        if target is not None:
+            preset_config["target"] = target
+        config = PipelineConfig.from_preset(preset_config, workdir=workdir)
+        console.print(f"preset {preset} -> {workdir}")
+        started = time.perf_counter()
+        report = run_pipeline(config, console=console)
+        print_summary(report, console)
+        console.print(f"pipeline finished in {time.perf_counter() - started:.1f} s; results in {workdir}")
+        console.print(f"[bold]tau = {report['tau']:.3f}[/] (mean acceptance length, block size "
+                      f"{report['acceptance']['block_size']}, {report['prompts']['count']} held-out prompts)")
