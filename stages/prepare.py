@@ -516,7 +516,8 @@ def register(app: Any) -> None:
             raise typer.Exit(2) from None
         console.print(report.table())
         corpus = open_corpus(path)
-        console.print(f"wrote {path}: {len(corpus):,} samples, {corpus.num_tokens:,} tokens, {corpus.fingerprint}")
+        console.print(f"wrote {path}: {len(corpus):,} samples, {corpus.num_tokens:,} tokens, {corpus.fingerprint}",
+                      soft_wrap=True, markup=False)
 
 
 if __name__ == "__main__":  # pragma: no cover
