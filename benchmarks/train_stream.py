@@ -172,6 +172,7 @@ def drop_page_cache(path: Path) -> bool:
         for name in files:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
             try:
+                os.fsync(fd)  # dirty pages are not evicted: flush the freshly written cache first
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
@@ -300,10 +301,11 @@ def main() -> None:
 
     # The same batches for both phases: the first `batches_needed` of epoch 0.
     preloaded = []
-    for batch in StreamingLoader(reader, stream_config):
-        preloaded.append(batch.to(device, non_blocking=False))
-        if len(preloaded) == batches_needed:
-            break
+    with StreamingLoader(reader, stream_config) as loader:
+        for batch in loader:
+            preloaded.append(batch.to(device, non_blocking=False))
+            if len(preloaded) == batches_needed:
+                break
     for index in range(args.warmup):
         stepper(preloaded[index], index)
     sync(device)

@@ -101,7 +101,9 @@ class StreamConfig:
     split_seed: int = 0
     """Salt of the row hash that decides the split (independent of ``seed`` so sweeps share one split)."""
     prefetch_batches: int = 4
-    """Batches read ahead in the background (the memory bound, with the batch the consumer holds)."""
+    """Batches read ahead in the background. Memory bound: ``prefetch_batches + 1`` batches of at most
+    ``token_budget * n*H * 2`` bytes of hidden states each (pinned host memory; also GPU memory with ``device=``),
+    e.g. 5 x 16384 x 20480 x 2 B = 3.4 GB for a Qwen3-8B cache with 5 taps."""
     num_read_workers: int = 2
     """Threads reading and packing batches (Zarr decompression releases the GIL)."""
     shard_window: int | None = None
