@@ -53,7 +53,8 @@ def tensor_hash(tensor: torch.Tensor) -> str:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, output in the input dtype (as transformers' Qwen3RMSNorm)."""
+    """RMSNorm computed in float32; the output keeps the input dtype (bf16 activations stay bf16 under autocast
+    even with float32 master weights, as the serving engines run it in bf16)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -64,7 +65,7 @@ class RMSNorm(nn.Module):
         dtype = hidden_states.dtype
         x = hidden_states.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (self.weight * x.to(dtype)).to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -279,8 +280,9 @@ class DFlashDrafter(nn.Module):
             )
         return self.hidden_norm(self.fc(hidden.to(self.fc.weight.dtype)))
 
-    def _run_layers(self, block_states, context, block_rope, context_rope, mask) -> torch.Tensor:
-        layers = self._compiled_layers if self._compiled_layers is not None else self.layers
+    def _run_layers(self, block_states, context, block_rope, context_rope, mask, *,
+                    use_compiled: bool = True) -> torch.Tensor:
+        layers = self._compiled_layers if use_compiled and self._compiled_layers is not None else self.layers
         for layer in layers:
             block_states = layer(block_states, context, block_rope, context_rope, mask)
         return self.norm(block_states)
@@ -345,7 +347,7 @@ class DFlashDrafter(nn.Module):
         positions = block_start + torch.arange(block_input_ids.shape[0], device=block_input_ids.device)
         rope_dtype = context.dtype
         out = self._run_layers(block_states, context, self._rope(positions, rope_dtype),
-                               self._rope(context_positions, rope_dtype), None)
+                               self._rope(context_positions, rope_dtype), None, use_compiled=False)
         return F.linear(out, self.lm_head_weight.to(out.dtype)).float()
 
 
