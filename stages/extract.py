@@ -1,0 +1,479 @@
+"""``dflash-stages extract``: tapped target hidden states of a corpus into a Zarr v3 cache, scheduled with Dask.
+
+Run::
+
+    dflash-stages extract --corpus data/corpus --output data/cache --target-gpus 0,1,2,3   # one worker per GPU
+    dflash-stages extract --corpus data/corpus --output data/cache --workers 2             # CPU processes
+    dflash-stages extract --corpus data/corpus --output data/cache --scheduler-address tcp://host:8786
+
+Order of work: open and validate the corpus against the target's vocabulary (no GPU touched), plan shards
+(contiguous row ranges of about ``--shard-size`` tokens), open or create the cache (a rerun resumes: committed
+shards are skipped), print the size estimate and refuse when it exceeds the free space (``--force-space``
+overrides), start the cluster, load the target once per worker (WorkerPlugin), submit one task per pending shard,
+follow them with a rich progress bar in tokens/s, then collect the last pending writes and trust only the cache's
+commit records: shards still uncommitted are resubmitted once, and any left are reported (rerun to finish).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+from dflash.errors import CacheError, ConfigError
+
+__all__ = ["ExtractConfig", "run_extract", "plan_shards", "estimate_cache_bytes", "register"]
+
+log = logging.getLogger(__name__)
+
+_STORAGE_DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
+_MAX_ROUNDS = 2
+
+
+@dataclass(kw_only=True, slots=True)
+class ExtractConfig:
+    """Everything ``extract`` needs; saved into the cache's ``extra`` provenance.
+
+    Fields:
+        corpus: corpus folder (contract 1).
+        output: cache path or fsspec URL (contract 2); an existing cache of the same plan is resumed.
+        target: ``"default"`` (embedded SmolLM2-135M-Instruct), a transformers folder or a ``.gguf`` file.
+        target_layer_ids: tapped decoder layers; ``None``: DFlash's default rule with ``num_taps`` taps.
+        num_taps: number of taps for the default rule (DFlash default: one per draft layer, 5).
+        target_gpus: physical GPU indices, one worker each (LocalCluster).
+        workers: CPU worker processes (LocalCluster).
+        scheduler_address: an existing Dask scheduler; its workers must reach ``corpus`` and ``output``.
+        shard_size: target tokens per shard (rows are grouped contiguously; a longer row is a shard of its own).
+        token_budget: padded tokens per forward batch (rows x longest).
+        storage_dtype: ``"bf16"`` (bit-exact) or ``"fp8"`` (lossy e4m3 with a per-token, per-tap scale).
+        codec: codec preset name (``dflash.cache.CODEC_PRESETS``); ``None``: the cache's default.
+        max_length, length_policy: rows longer than ``max_length`` raise (``"error"``), are skipped
+            (``"drop"``) or cut (``"truncate"``); skipped rows are recorded in the commit records.
+        force_space: start even when the size estimate exceeds the free space.
+        expected_ratio: compression ratio assumed by the size estimate (1.0 = none, the safe bound).
+        dashboard_address: where a LocalCluster serves its dashboard (``":0"`` picks a free port).
+    """
+
+    corpus: str
+    output: str
+    target: str = "default"
+    target_layer_ids: list[int] | None = None
+    num_taps: int = 5
+    target_gpus: list[int] | None = None
+    workers: int | None = None
+    scheduler_address: str | None = None
+    shard_size: int = 65536
+    token_budget: int = 16384
+    storage_dtype: Literal["bf16", "fp8"] = "bf16"
+    codec: str | None = None
+    max_length: int | None = None
+    length_policy: Literal["error", "drop", "truncate"] = "error"
+    force_space: bool = False
+    expected_ratio: float = 1.0
+    dashboard_address: str = ":8787"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        chosen = [name for name in ("target_gpus", "workers", "scheduler_address") if getattr(self, name) is not None]
+        if len(chosen) > 1:
+            raise ConfigError(f"{chosen[0]}: give only one of --target-gpus, --workers, --scheduler-address, got {chosen}")
+        if self.target_gpus is not None and (not self.target_gpus or len(set(self.target_gpus)) != len(self.target_gpus)):
+            raise ConfigError(f"target_gpus: expected distinct GPU indices, got {self.target_gpus}")
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError(f"workers: expected >= 1, got {self.workers}")
+        for name in ("num_taps", "shard_size", "token_budget"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        if self.storage_dtype not in _STORAGE_DTYPES:
+            raise ConfigError(f"storage_dtype: expected one of {sorted(_STORAGE_DTYPES)}, got {self.storage_dtype!r}")
+        if self.length_policy not in ("error", "drop", "truncate"):
+            raise ConfigError(f"length_policy: expected error|drop|truncate, got {self.length_policy!r}")
+        if self.max_length is not None and self.max_length < 1:
+            raise ConfigError(f"max_length: expected >= 1, got {self.max_length}")
+        if not self.expected_ratio > 0:
+            raise ConfigError(f"expected_ratio: expected > 0, got {self.expected_ratio}")
+
+
+def plan_shards(lengths: np.ndarray, shard_size: int) -> list[list[int]]:
+    """Contiguous ``[start, stop)`` row ranges holding about ``shard_size`` tokens each (at least one row).
+
+    Deterministic in the corpus lengths and ``shard_size``, so a rerun finds the same plan.
+    """
+    cumulative = np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))])
+    ranges, start = [], 0
+    while start < len(lengths):
+        # Last row whose end stays within the budget, at least one row.
+        stop = int(np.searchsorted(cumulative, cumulative[start] + shard_size, side="right")) - 1
+        stop = max(stop, start + 1)
+        ranges.append([start, stop])
+        start = stop
+    return ranges
+
+
+def estimate_cache_bytes(num_tokens: int, row_bytes: int, expected_ratio: float) -> int:
+    """Bytes a cache of ``num_tokens`` tokens needs: ``tokens x (n*H*bytes [+ fp8 scales]) / ratio`` plus 13
+    bytes per token for ``input_ids`` (int32), ``loss_mask`` (uint8) and CSR offsets/rows (upper bound)."""
+    return int(num_tokens * row_bytes / expected_ratio) + 13 * int(num_tokens)
+
+
+def _free_bytes(output: str) -> int | None:
+    """Free bytes at the output's filesystem (nearest existing ancestor); ``None`` for remote URLs."""
+    if "://" in output and not output.startswith("file://"):
+        return None
+    path = Path(output.removeprefix("file://")).expanduser().resolve()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _human(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if num_bytes < 1024 or unit == "TiB":
+            return f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+class _TokensPerSecond(ProgressColumn):
+    """Throughput of a progress task counted in tokens."""
+
+    def render(self, task: Any) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text(f"{speed or 0:,.0f} tok/s", style="progress.data.speed")
+
+
+def _start_cluster(config: ExtractConfig, console: Console) -> tuple[Any, Any, dict[str, Any]]:
+    """Client, cluster (``None`` for an external scheduler) and the plugin/placement settings."""
+    import torch
+    from distributed import Client, LocalCluster
+
+    if not log.isEnabledFor(logging.DEBUG):  # the scheduler and nannies log into this process
+        logging.getLogger("distributed").setLevel(logging.WARNING)
+
+    if config.scheduler_address is not None:
+        client = Client(config.scheduler_address)
+        workers = client.scheduler_info(n_workers=-1)["workers"] if _accepts_n_workers(client) else client.scheduler_info()["workers"]
+        has_gpu_resource = any(info.get("resources", {}).get("GPU") for info in workers.values())
+        return client, None, {"device": "auto", "resources": {"GPU": 1} if has_gpu_resource else None, "die_with_parent": False}
+    gpus = config.target_gpus
+    if gpus is None and config.workers is None and torch.cuda.is_available():
+        gpus = list(range(torch.cuda.device_count()))
+    if gpus is not None:
+        # memory_limit=0: our host memory is pinned output buffers we bound ourselves; the nanny must not kill on it.
+        cluster = LocalCluster(
+            n_workers=len(gpus),
+            threads_per_worker=1,
+            processes=True,
+            resources={"GPU": 1},
+            memory_limit=0,
+            dashboard_address=config.dashboard_address,
+        )
+        placement = {"gpu_by_worker": dict(enumerate(gpus)), "device": "cuda", "resources": {"GPU": 1}}
+    else:
+        num_workers = config.workers or 1
+        cluster = LocalCluster(
+            n_workers=num_workers,
+            threads_per_worker=1,
+            processes=True,
+            memory_limit=0,
+            dashboard_address=config.dashboard_address,
+        )
+        threads = max(1, (os.cpu_count() or 1) // num_workers)
+        placement = {"device": "cpu", "torch_threads": threads, "resources": None}
+    placement["die_with_parent"] = True
+    return Client(cluster), cluster, placement
+
+
+def _accepts_n_workers(client: Any) -> bool:
+    import inspect
+
+    return "n_workers" in inspect.signature(client.scheduler_info).parameters
+
+
+def _prepare_cache(config: ExtractConfig, console: Console) -> tuple[Any, Any, list[list[int]], Any]:
+    """Validate corpus and target (no model weights loaded), build the metadata, open or create the cache."""
+    from dflash.cache import DEFAULT_CODEC, CacheMetadata, HiddenStateCache
+    from dflash.corpus import open_corpus, validate_corpus
+    from dflash.target import (
+        LAYER_ID_CONVENTION,
+        default_target_layer_ids,
+        resolve_target_path,
+        target_identity,
+        validate_target_layer_ids,
+    )
+
+    corpus = open_corpus(config.corpus)
+    identity = target_identity(resolve_target_path(config.target))
+    report = validate_corpus(
+        corpus, vocab_size=identity.vocab_size, max_length=config.max_length, length_policy=config.length_policy
+    )
+    layer_ids = (
+        validate_target_layer_ids(config.target_layer_ids, identity.num_hidden_layers)
+        if config.target_layer_ids is not None
+        else default_target_layer_ids(identity.num_hidden_layers, config.num_taps)
+    )
+    lengths = corpus.lengths
+    if report.truncate_to is not None:
+        lengths = np.minimum(lengths, report.truncate_to)
+    shard_rows = plan_shards(lengths, config.shard_size)
+    metadata = CacheMetadata(
+        target=identity.to_dict(),
+        target_spec=str(config.target),
+        target_layer_ids=layer_ids,
+        layer_id_convention=LAYER_ID_CONVENTION,
+        hidden_size=identity.hidden_size,
+        num_taps=len(layer_ids),
+        storage_dtype=_STORAGE_DTYPES[config.storage_dtype],
+        codec=config.codec or DEFAULT_CODEC,
+        corpus_fingerprint=corpus.fingerprint,
+        corpus_path=str(config.corpus),
+        num_shards=len(shard_rows),
+        shard_rows=shard_rows,
+        extra={"extract_config": {**asdict(config), "extra": None}, "corpus_report": report.to_dict(), **config.extra},
+    )
+    console.print(
+        f"corpus {config.corpus}: {len(corpus):,} rows, {int(lengths.sum()):,} tokens, {len(shard_rows)} shards; "
+        f"target {identity.name} ({identity.num_hidden_layers} layers, H={identity.hidden_size}), "
+        f"taps {layer_ids} (output of decoder layer l = hidden_states[l+1])",
+        markup=False,
+    )
+    committed: set[int] = set()
+    try:
+        existing = HiddenStateCache.open(config.output)
+    except (CacheError, FileNotFoundError):
+        existing = None
+    if existing is not None:
+        committed = existing.committed_shards()
+    pending_tokens = int(sum(lengths[a:b].sum() for k, (a, b) in enumerate(shard_rows) if k not in committed))
+    estimate = estimate_cache_bytes(pending_tokens, metadata.row_bytes, config.expected_ratio)
+    free = _free_bytes(config.output)
+    console.print(
+        f"size estimate: {pending_tokens:,} tokens x {metadata.num_taps} taps x {metadata.hidden_size} x "
+        f"{metadata.row_bytes // metadata.row_width} B / ratio {config.expected_ratio:g} = {_human(estimate)}"
+        + (f"; free at destination: {_human(free)}" if free is not None else "; free space unknown (remote store)")
+    )
+    if free is not None and estimate > free and not config.force_space:
+        raise CacheError(
+            f"the cache needs about {_human(estimate)} but {config.output} has {_human(free)} free; free space, "
+            "choose another --output, use --storage-dtype fp8, or pass --force-space (or --expected-ratio R if "
+            "you know the codec's ratio on this data)"
+        )
+    cache = HiddenStateCache.create(config.output, metadata)  # reopens (and checks) an existing cache of this plan
+    return cache, corpus, shard_rows, report
+
+
+def run_extract(config: ExtractConfig, console: Console | None = None) -> dict[str, Any]:
+    """Run the extract stage (see the module docstring). Returns a summary dict (counts, tokens/s, cache size).
+
+    Raises:
+        CorpusError: the corpus fails its schema/vocab check (before any GPU work).
+        TargetError: the target cannot be found or the layer ids are out of range.
+        CacheError: the output holds another cache or not enough free space; shards still uncommitted at the
+            end (rerun the same command to finish them).
+    """
+    from distributed import as_completed
+
+    from stages.extract_worker import ShardSpec, TargetWorkerPlugin, extract_shard, flush_worker
+
+    console = console or Console()
+    cache, corpus, shard_rows, report = _prepare_cache(config, console)
+    lengths = corpus.lengths if report.truncate_to is None else np.minimum(corpus.lengths, report.truncate_to)
+    kept = np.zeros(len(corpus), dtype=bool)
+    kept[report.kept_rows] = True
+
+    def spec_of(shard_id: int) -> ShardSpec:
+        start, stop = shard_rows[shard_id]
+        return ShardSpec(
+            shard_id=shard_id,
+            row_start=start,
+            row_stop=stop,
+            num_tokens=int(lengths[start:stop][kept[start:stop]].sum()),
+            cache_path=str(config.output),
+            corpus_path=str(config.corpus),
+            max_length=config.max_length,
+            length_policy=config.length_policy,
+        )
+
+    pending = sorted(set(range(len(shard_rows))) - cache.committed_shards())
+    summary: dict[str, Any] = {"planned_shards": len(shard_rows), "skipped_committed": len(shard_rows) - len(pending)}
+    if not pending:
+        console.print(f"all {len(shard_rows)} shards of {config.output} are committed; nothing to do")
+        summary.update(cache.finalize())
+        return summary
+    if summary["skipped_committed"]:
+        console.print(f"resuming: {summary['skipped_committed']} shards already committed, {len(pending)} to do")
+
+    client, cluster, placement = _start_cluster(config, console)
+    quarantined: list[dict] = []
+    failures: dict[int, str] = {}
+    tokens_done = 0
+    try:
+        console.print(f"Dask dashboard: {client.dashboard_link}")
+        plugin = TargetWorkerPlugin(
+            target_spec=str(config.target),
+            target_layer_ids=cache.metadata.target_layer_ids,
+            token_budget=config.token_budget,
+            gpu_by_worker=placement.get("gpu_by_worker"),
+            device=placement["device"],
+            torch_threads=placement.get("torch_threads"),
+            die_with_parent=placement["die_with_parent"],
+        )
+        loading = time.perf_counter()
+        responses = client.register_plugin(plugin)
+        errors = {w: r for w, r in (responses or {}).items() if isinstance(r, dict) and r.get("status") == "error"}
+        if errors:
+            raise RuntimeError(f"loading the target failed on workers {sorted(errors)}: {next(iter(errors.values()))}")
+        console.print(f"target loaded on {len(client.scheduler_info()['workers'])} workers in {time.perf_counter() - loading:.1f} s")
+
+        started = time.perf_counter()
+        columns = [TextColumn("[bold]extract"), BarColumn(), TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"),
+                   _TokensPerSecond(), TextColumn("{task.fields[shards]}"), TimeElapsedColumn(), TimeRemainingColumn()]
+        with Progress(*columns, console=console, transient=False) as progress:
+            todo = pending
+            for attempt in range(_MAX_ROUNDS):
+                specs = [spec_of(k) for k in todo]
+                bar = progress.add_task("extract", total=sum(s.num_tokens for s in specs), shards=f"0/{len(specs)} shards")
+                futures = [
+                    client.submit(extract_shard, spec, key=f"dflash-extract-{spec.shard_id:06d}-r{attempt}", pure=False,
+                                  resources=placement["resources"])
+                    for spec in specs
+                ]
+                done = 0
+                for future in as_completed(futures):
+                    shard_id = int(future.key.split("-")[2])
+                    try:
+                        result = future.result()
+                    except Exception as error:  # the shard stays uncommitted; reported and retried below
+                        failures[shard_id] = f"{type(error).__name__}: {error}"
+                        log.error("shard %d failed: %s", shard_id, failures[shard_id])
+                        continue
+                    done += 1
+                    tokens_done += result["tokens"]
+                    quarantined.extend(result["quarantined"])
+                    _report_write_errors(result["committed"], failures)
+                    progress.update(bar, advance=result["tokens"], shards=f"{done}/{len(specs)} shards")
+                    future.release()
+                for writes in client.run(flush_worker).values():
+                    _report_write_errors(writes, failures)
+                todo = sorted(set(range(len(shard_rows))) - cache.committed_shards())
+                if not todo:
+                    break
+                console.print(f"[yellow]{len(todo)} shards not committed after round {attempt + 1}: {todo[:10]}; retrying")
+        elapsed = time.perf_counter() - started
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+    counts = cache.finalize()
+    summary.update(counts)
+    summary.update({"tokens_computed": tokens_done, "seconds": elapsed, "tokens_per_second": tokens_done / max(elapsed, 1e-9)})
+    _print_summary(console, config, summary, quarantined)
+    missing = sorted(set(range(len(shard_rows))) - cache.committed_shards())
+    if missing:
+        reasons = "; ".join(f"shard {k}: {failures[k]}" for k in missing[:5] if k in failures)
+        raise CacheError(
+            f"{len(missing)} of {len(shard_rows)} shards of {config.output} are not committed (first: {missing[:10]})"
+            + (f" ({reasons})" if reasons else "")
+            + "; rerun the same command to finish them"
+        )
+    return summary
+
+
+def _report_write_errors(writes: list[dict], failures: dict[int, str]) -> None:
+    for write in writes:
+        if "error" in write:
+            failures[int(write["shard"])] = write["error"]
+            log.error("writing shard %s failed: %s", write["shard"], write["error"])
+
+
+def _print_summary(console: Console, config: ExtractConfig, summary: dict[str, Any], quarantined: list[dict]) -> None:
+    table = Table(title=f"extract -> {config.output}", show_header=False)
+    raw, stored = summary.get("raw_bytes", 0), summary.get("stored_bytes", 0)
+    rows = [
+        ("committed shards", f"{summary.get('committed_shards', 0)}/{summary['planned_shards']}"),
+        ("samples", f"{summary.get('num_samples', 0):,}"),
+        ("tokens", f"{summary.get('num_tokens', 0):,}"),
+        ("tokens this run", f"{summary['tokens_computed']:,} in {summary['seconds']:.1f} s = {summary['tokens_per_second']:,.0f} tok/s"),
+        ("quarantined (non-finite)", str(summary.get("num_quarantined", 0))),
+        ("skipped (length policy)", str(summary.get("num_skipped", 0))),
+        ("stored", f"{_human(stored)} ({stored / max(1, summary.get('num_tokens', 0)):,.0f} B/token, ratio {raw / max(1, stored):.3f})"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+    for entry in quarantined[:20]:
+        console.print(f"[yellow]quarantined: sample {entry['sample_id']} (corpus row {entry['corpus_row']}), non-finite at tapped layers {entry['layers']}")
+
+
+def _int_list(value: str | None, name: str) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(part) for part in value.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=name) from None
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``extract`` command to the CLI."""
+
+    @app.command("extract")
+    def extract_command(
+        corpus: str = typer.Option(..., "--corpus", help="Corpus folder (Arrow/Parquet, contract 1)."),
+        output: str = typer.Option(..., "--output", help="Cache path or fsspec URL; an existing cache of the same plan is resumed."),
+        target: str = typer.Option("default", "--target", help="'default' (SmolLM2-135M-Instruct), a transformers folder or a .gguf file."),
+        target_layer_ids: str | None = typer.Option(None, "--target-layer-ids", help="Tapped decoder layers, e.g. 1,9,17,25,33 (output of layer l = hidden_states[l+1])."),
+        num_taps: int = typer.Option(5, "--num-taps", help="Taps for DFlash's default layer rule when --target-layer-ids is not given."),
+        target_gpus: str | None = typer.Option(None, "--target-gpus", help="GPUs, one Dask worker each, e.g. 0,1,2,3 (default: all visible GPUs, else --workers 1)."),
+        workers: int | None = typer.Option(None, "--workers", help="CPU worker processes."),
+        scheduler_address: str | None = typer.Option(None, "--scheduler-address", help="Existing Dask scheduler (workers with resource GPU=1 get one task at a time)."),
+        shard_size: int = typer.Option(65536, "--shard-size", help="Target tokens per shard (one task, one commit)."),
+        token_budget: int = typer.Option(16384, "--token-budget", help="Padded tokens per forward batch (rows x longest)."),
+        storage_dtype: str = typer.Option("bf16", "--storage-dtype", help="bf16 (bit-exact) or fp8 (lossy e4m3, per-token per-tap scale)."),
+        codec: str | None = typer.Option(None, "--codec", help="Codec preset of dflash.cache.CODEC_PRESETS (default: the cache's measured default)."),
+        max_length: int | None = typer.Option(None, "--max-length", help="Longest row accepted (see --length-policy)."),
+        length_policy: str = typer.Option("error", "--length-policy", help="Rows over --max-length: error, drop or truncate."),
+        expected_ratio: float = typer.Option(1.0, "--expected-ratio", help="Compression ratio assumed by the size estimate."),
+        force_space: bool = typer.Option(False, "--force-space", help="Start even if the estimate exceeds the free space."),
+        dashboard_address: str = typer.Option(":8787", "--dashboard-address", help="Dashboard of a local cluster (':0' = any free port)."),
+    ) -> None:
+        """Extract tapped target hidden states of a corpus into a compressed Zarr v3 cache (Dask workers)."""
+        config = ExtractConfig(
+            corpus=corpus,
+            output=output,
+            target=target,
+            target_layer_ids=_int_list(target_layer_ids, "--target-layer-ids"),
+            num_taps=num_taps,
+            target_gpus=_int_list(target_gpus, "--target-gpus"),
+            workers=workers,
+            scheduler_address=scheduler_address,
+            shard_size=shard_size,
+            token_budget=token_budget,
+            storage_dtype=storage_dtype,  # type: ignore[arg-type]
+            codec=codec,
+            max_length=max_length,
+            length_policy=length_policy,  # type: ignore[arg-type]
+            expected_ratio=expected_ratio,
+            force_space=force_space,
+            dashboard_address=dashboard_address,
+        )
+        run_extract(config)

@@ -1,0 +1,287 @@
+"""Worker side of ``dflash-stages extract``: the Dask WorkerPlugin holding one target replica, and the shard task.
+
+A task is pure in Dask's sense: a :class:`ShardSpec` (a corpus row range) in, a small metadata dict out, never
+arrays. The worker plugin loads the target once per worker in ``setup`` (pinning its GPU) and frees it in
+``teardown``. :class:`ShardExtractor` does the work and is usable without Dask (benchmarks, tests).
+
+Overlap of storage with compute: a shard's hidden states are handed to a one-thread
+``concurrent.futures`` writer, which calls ``HiddenStateCache.write_shard`` (arrays first, commit record last)
+while the same worker's next shard runs on the device. A task therefore returns once its shard is computed and
+reports the shards whose writes finished since (``committed``); the driver collects the last pending write with
+:func:`flush_worker` and then trusts only the cache's commit records: a shard whose write was lost (worker
+killed) is simply not committed and is redone. One writer per shard holds because a shard is one task and one
+write.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from distributed import WorkerPlugin, get_worker
+
+from dflash.cache import HiddenSample, HiddenStateCache, quarantine_record
+from dflash.corpus import open_corpus
+from dflash.target import load_target
+from dflash.target_runner import TargetRunner
+
+__all__ = ["ShardSpec", "ShardExtractor", "TargetWorkerPlugin", "extract_shard", "flush_worker", "PLUGIN_NAME"]
+
+log = logging.getLogger(__name__)
+
+PLUGIN_NAME = "dflash-extract-target"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardSpec:
+    """One task: corpus rows ``[row_start, row_stop)`` become cache shard ``shard_id``.
+
+    Fields:
+        shard_id: index into the cache's ``shard_rows``.
+        row_start, row_stop: corpus row range.
+        num_tokens: tokens in that range (for progress).
+        cache_path: the cache (path or fsspec URL).
+        corpus_path: the corpus folder.
+        max_length, length_policy: rows over ``max_length`` are skipped (``"drop"``) or cut (``"truncate"``;
+            skipped when no supervised token is left); ``"error"`` was enforced by the driver already.
+    """
+
+    shard_id: int
+    row_start: int
+    row_stop: int
+    num_tokens: int
+    cache_path: str
+    corpus_path: str
+    max_length: int | None = None
+    length_policy: str = "error"
+
+
+class ShardExtractor:
+    """Computes shards with a :class:`TargetRunner` and writes them through ``HiddenStateCache.write_shard``.
+
+    At most one write is pending (backpressure): before handing shard k to the writer, the write of shard k-1 is
+    awaited. Call :meth:`flush` to wait for the last write; :meth:`close` flushes and stops the writer thread.
+    """
+
+    def __init__(self, runner: TargetRunner) -> None:
+        self.runner = runner
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-writer")
+        self._pending: tuple[int, concurrent.futures.Future] | None = None
+        self._caches: dict[str, Any] = {}
+        self._corpora: dict[str, Any] = {}
+
+    def _cache(self, path: str) -> Any:
+        if path not in self._caches:
+            self._caches[path] = HiddenStateCache.open(path)
+        return self._caches[path]
+
+    def _corpus(self, path: str) -> Any:
+        if path not in self._corpora:
+            self._corpora[path] = open_corpus(path)
+        return self._corpora[path]
+
+    def _collect_pending(self) -> list[dict]:
+        """Wait for the pending write; its commit record (or error) as a list of zero or one dicts."""
+        if self._pending is None:
+            return []
+        shard_id, future = self._pending
+        self._pending = None
+        try:
+            result = future.result()
+        except Exception as error:  # reported to the driver, which redoes uncommitted shards
+            log.exception("writing shard %d failed", shard_id)
+            return [{"shard": shard_id, "error": f"{type(error).__name__}: {error}"}]
+        return [{"shard": shard_id, **(result or {})}]
+
+    def process(self, spec: ShardSpec) -> dict:
+        """Compute shard ``spec.shard_id`` and queue its write.
+
+        Returns:
+            ``{"shard", "rows", "samples", "tokens", "padded_tokens", "quarantined": [{"corpus_row", "sample_id",
+            "layers"}], "compute_seconds", "committed": [commit dicts of writes finished since the last call]}``.
+        """
+        started = time.perf_counter()
+        rows = self._corpus(spec.corpus_path).rows(spec.row_start, spec.row_stop)
+        skipped: list[dict] = []
+        todo: list[tuple[int, Any, Any]] = []  # (index into rows, input_ids, loss_mask) of extracted rows
+        for index, row in enumerate(rows):
+            input_ids, loss_mask = row.input_ids, row.loss_mask
+            if spec.max_length is not None and len(input_ids) > spec.max_length:
+                if spec.length_policy == "drop":
+                    skipped.append({"corpus_row": spec.row_start + index, "reason": f"longer than max_length {spec.max_length}"})
+                    continue
+                if spec.length_policy == "truncate":
+                    input_ids, loss_mask = input_ids[: spec.max_length], loss_mask[: spec.max_length]
+                    if not loss_mask.any():
+                        skipped.append({"corpus_row": spec.row_start + index, "reason": "no supervised token after truncation"})
+                        continue
+            todo.append((index, input_ids, loss_mask))
+        samples: list[HiddenSample | None] = [None] * len(todo)
+        quarantined: list[dict] = []
+        num_padded = 0
+        for batch in self.runner.iter_batches([input_ids for _, input_ids, _ in todo]):
+            num_padded += batch.num_padded_tokens
+            for slot, hidden, bad_layers in zip(batch.indices, batch.hidden, batch.nonfinite_layers, strict=True):
+                index, input_ids, loss_mask = todo[slot]
+                row = rows[index]
+                corpus_row = spec.row_start + index
+                if bad_layers:
+                    quarantined.append(quarantine_record(corpus_row, str(row.sample_id), bad_layers))
+                    log.warning(
+                        "shard %d: sample %s (corpus row %d) has non-finite hidden states at tapped layers %s; "
+                        "quarantined",
+                        spec.shard_id,
+                        row.sample_id,
+                        corpus_row,
+                        bad_layers,
+                    )
+                    continue
+                samples[slot] = HiddenSample(
+                    corpus_row=corpus_row,
+                    input_ids=torch.as_tensor(input_ids, dtype=torch.int32),
+                    loss_mask=torch.as_tensor(loss_mask, dtype=torch.uint8),
+                    hidden=hidden,
+                )
+        kept = [sample for sample in samples if sample is not None]
+        quarantined.sort(key=lambda entry: entry["corpus_row"])
+        compute_seconds = time.perf_counter() - started
+        committed = self._collect_pending()
+        cache = self._cache(spec.cache_path)
+        self._pending = (
+            spec.shard_id, self._writer.submit(cache.write_shard, spec.shard_id, kept, quarantined, skipped=skipped)
+        )
+        return {
+            "shard": spec.shard_id,
+            "rows": [spec.row_start, spec.row_stop],
+            "samples": len(kept),
+            "tokens": sum(len(input_ids) for _, input_ids, _ in todo),
+            "skipped": len(skipped),
+            "padded_tokens": num_padded,
+            "quarantined": quarantined,
+            "compute_seconds": compute_seconds,
+            "committed": committed,
+        }
+
+    def flush(self) -> list[dict]:
+        """Wait for the pending write; returns its commit dict (or ``{"shard", "error"}``) in a list."""
+        return self._collect_pending()
+
+    def close(self) -> list[dict]:
+        try:
+            return self.flush()
+        finally:
+            self._writer.shutdown(wait=True)
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this worker when the process that spawned it dies, so a killed driver
+    never leaves an orphan still writing a shard that the next run will redo."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class TargetWorkerPlugin(WorkerPlugin):
+    """Loads the target once per Dask worker (``setup``), frees it (``teardown``); follows dask/distributed's
+    ``diagnostics/plugin.py`` WorkerPlugin lifecycle.
+
+    Args:
+        target_spec: ``"default"``, a transformers folder or a ``.gguf`` file (see ``dflash.target``).
+        target_layer_ids: tapped decoder layers.
+        token_budget: padded tokens per forward batch.
+        gpu_by_worker: worker name -> physical GPU index (LocalCluster from ``--target-gpus``); the worker pins it
+            with ``torch.cuda.set_device``. ``None``: ``device``.
+        device: ``"cuda"`` (the worker's current GPU), ``"cpu"`` or ``"auto"`` (CUDA when present).
+        torch_threads: intra-op CPU threads per worker (CPU workers), ``None`` leaves torch's default.
+        die_with_parent: SIGKILL the worker when its spawning process dies (locally started clusters only).
+    """
+
+    name = PLUGIN_NAME
+    idempotent = False
+
+    def __init__(
+        self,
+        *,
+        target_spec: str,
+        target_layer_ids: list[int],
+        token_budget: int,
+        gpu_by_worker: dict[Any, int] | None = None,
+        device: str = "auto",
+        torch_threads: int | None = None,
+        die_with_parent: bool = False,
+    ) -> None:
+        self.target_spec = target_spec
+        self.target_layer_ids = list(target_layer_ids)
+        self.token_budget = token_budget
+        self.gpu_by_worker = dict(gpu_by_worker or {})
+        self.device = device
+        self.torch_threads = torch_threads
+        self.die_with_parent = die_with_parent
+        self.extractor: ShardExtractor | None = None
+
+    def _pick_device(self, worker: Any) -> torch.device:
+        gpu = self.gpu_by_worker.get(worker.name, self.gpu_by_worker.get(str(worker.name)))
+        if gpu is not None:
+            torch.cuda.set_device(gpu)
+            return torch.device("cuda", gpu)
+        if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def setup(self, worker: Any) -> None:
+        if self.die_with_parent:
+            _die_with_parent()
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        device = self._pick_device(worker)
+        started = time.perf_counter()
+        loaded = load_target(self.target_spec, device=device)
+        pad_token_id = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+        runner = TargetRunner(
+            loaded.model, self.target_layer_ids, device, token_budget=self.token_budget, pad_token_id=pad_token_id
+        )
+        self.extractor = ShardExtractor(runner)
+        log.info("worker %s: target %s on %s in %.1f s", worker.name, self.target_spec, device, time.perf_counter() - started)
+
+    def teardown(self, worker: Any) -> None:
+        if self.extractor is not None:
+            self.extractor.close()
+            device = self.extractor.runner.device
+            self.extractor = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def extract_shard(spec: ShardSpec) -> dict:
+    """Dask task: compute one shard on this worker's target replica and queue its write (see module docstring).
+
+    Returns the small metadata dict of :meth:`ShardExtractor.process` plus ``"worker"``.
+    """
+    worker = get_worker()
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    if plugin is None or plugin.extractor is None:
+        raise RuntimeError(f"worker {worker.address} has no target loaded (plugin {PLUGIN_NAME} missing)")
+    result = plugin.extractor.process(spec)
+    result["worker"] = str(worker.name)
+    return result
+
+
+def flush_worker(dask_worker: Any) -> list[dict]:
+    """``client.run`` helper: wait for this worker's pending shard write; its commit dicts (or errors)."""
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    if plugin is None or plugin.extractor is None:
+        return []
+    return plugin.extractor.flush()
+

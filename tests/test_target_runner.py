@@ -1,0 +1,118 @@
+"""TargetRunner on the real SmolLM2-135M-Instruct (CPU): taps equal a plain transformers forward, whatever the batch."""
+
+from __future__ import annotations
+
+import json
+import random
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.errors import ConfigError, TargetError
+from dflash.target import default_target_layer_ids
+from dflash.target_runner import TargetRunner, plan_batches
+
+# Short real stdlib text of mixed lengths (5-16 tokens): enough to exercise padding, cheap on 2 CPU cores.
+SNIPPETS = [
+    json.dumps.__doc__[:60],
+    textwrap.dedent.__doc__[:30],
+    random.shuffle.__doc__,
+    "import os\nprint(os.getcwd())",
+    "def double(x):",
+]
+
+
+@pytest.fixture(scope="module")
+def samples(tokenizer):
+    return [np.asarray(tokenizer(text)["input_ids"], dtype=np.int32) for text in SNIPPETS]
+
+
+@pytest.fixture(scope="module")
+def layer_ids(target):
+    return default_target_layer_ids(target.model.config.num_hidden_layers, 5)
+
+
+def _plain_forward(model, input_ids, layer_ids):
+    with torch.inference_mode():
+        outputs = model(torch.as_tensor(input_ids, dtype=torch.int64)[None], output_hidden_states=True)
+    return torch.cat([outputs.hidden_states[layer_id + 1][0] for layer_id in layer_ids], dim=-1).to(torch.bfloat16)
+
+
+def _assert_bf16_close(actual, expected):
+    assert actual.dtype == torch.bfloat16 and actual.shape == expected.shape
+    # Different padding/batching changes float32 summation order, then bf16 rounding: at most ~1 bf16 ulp.
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=1.6e-2, atol=2e-2)
+
+
+def test_runner_equals_plain_transformers_forward(target, samples, layer_ids):
+    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=4096)
+    outputs = runner.run(samples)
+    assert len(outputs) == len(samples)
+    for input_ids, hidden in zip(samples, outputs, strict=True):
+        assert hidden.shape == (len(input_ids), len(layer_ids) * target.model.config.hidden_size)
+        _assert_bf16_close(hidden, _plain_forward(target.model, input_ids, layer_ids))
+
+
+def test_solo_vs_shuffled_mixed_batch_vs_repeat(target, samples, layer_ids):
+    solo_runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=1)  # every sample alone
+    solo = solo_runner.run(samples)
+    order = list(range(len(samples)))
+    random.Random(0).shuffle(order)
+    shuffled = [samples[i] for i in order]
+    batched_runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=4096)  # one padded batch
+    assert len(plan_batches([len(s) for s in shuffled], 4096)) == 1
+    first = batched_runner.run(shuffled)
+    second = batched_runner.run(shuffled)
+    for position, index in enumerate(order):
+        _assert_bf16_close(first[position], solo[index])
+        assert torch.equal(first[position], second[position])  # a repeated call is bit-identical
+
+
+def test_stops_after_last_tapped_layer(target, samples, layer_ids):
+    decoder_layers = target.model.get_decoder().layers
+    called = []
+    handles = [layer.register_forward_hook(lambda m, a, o, i=i: called.append(i)) for i, layer in enumerate(decoder_layers)]
+    norm_calls = []
+    handles.append(target.model.get_decoder().norm.register_forward_hook(lambda m, a, o: norm_calls.append(1)))
+    try:
+        TargetRunner(target.model, [2, 5], "cpu").run(samples[:1])
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert called == list(range(6)) and not norm_calls
+
+
+def test_plan_batches_respects_budget_and_covers_every_sample():
+    lengths = np.array([5, 70, 12, 12, 3, 40, 200, 9])
+    batches = plan_batches(lengths, token_budget=64)
+    flat = np.concatenate(batches)
+    assert sorted(flat.tolist()) == list(range(len(lengths)))
+    for batch in batches:
+        longest = lengths[batch].max()
+        assert len(batch) == 1 or len(batch) * longest <= 64
+        assert list(lengths[batch]) == sorted(lengths[batch], reverse=True)
+
+
+def test_nonfinite_flags_name_the_tapped_layers(target, samples, layer_ids):
+    poisoned_layer = layer_ids[2] - 1  # inf injected before the 3rd tap: taps 3..5 become non-finite
+
+    def poison(module, args, output):
+        output = output.clone()
+        output[0, 1] = float("inf")
+        return output
+
+    handle = target.model.get_decoder().layers[poisoned_layer].register_forward_hook(poison)
+    try:
+        batch = next(TargetRunner(target.model, layer_ids, "cpu", token_budget=1).iter_batches(samples[:1]))
+    finally:
+        handle.remove()
+    assert batch.nonfinite_layers == [layer_ids[2:]]
+
+
+def test_rejects_bad_layer_ids_and_budget(target):
+    with pytest.raises(TargetError, match="outside"):
+        TargetRunner(target.model, [29], "cpu")
+    with pytest.raises(ConfigError, match="token_budget"):
+        TargetRunner(target.model, [1], "cpu", token_budget=0)
