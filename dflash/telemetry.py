@@ -215,15 +215,16 @@ class StepTimer:
 
 
 class BucketCounter:
-    """Batches and real tokens per length bucket: cumulative and over the last ``window`` batches."""
+    """Batches and real tokens per length bucket: cumulative and over the last ``window`` updates."""
 
     def __init__(self, window: int = 200) -> None:
         self.total_batches: Counter[int] = Counter()
         self.total_tokens: Counter[int] = Counter()
         self._recent: deque[tuple[int, int]] = deque(maxlen=window)
 
-    def update(self, bucket_id: int, real_tokens: int) -> None:
-        self.total_batches[bucket_id] += 1
+    def update(self, bucket_id: int, real_tokens: int, batches: int = 1) -> None:
+        """Count ``batches`` batches of bucket ``bucket_id`` holding ``real_tokens`` tokens in all."""
+        self.total_batches[bucket_id] += batches
         self.total_tokens[bucket_id] += real_tokens
         self._recent.append((bucket_id, real_tokens))
 

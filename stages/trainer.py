@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -143,7 +144,6 @@ class Trainer:
         self.counters: dict[str, Any] = {"skipped_steps": 0, "empty_steps": 0, "tokens_seen": 0, "data_digest": ""}
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main)
         self.checkpointer = Checkpointer(self.run_dir, keep_last=config.keep_last, enabled=self.is_main)
-        self.buckets = BucketCounter(window=max(1, config.throughput_window) * config.grad_accum_steps * world_size)
         self.throughput = ThroughputWindow(config.throughput_window)
         self.timer = StepTimer()
         self._interval = self._zero_interval()
@@ -229,6 +229,8 @@ class Trainer:
                 f"{micro_per_epoch}); lower token_budget or use fewer ranks"
             )
         self.total_steps = config.max_steps or max(1, math.ceil(config.epochs * micro_per_epoch / config.grad_accum_steps))
+        # Window of the realized bucket shares: one entry per bucket per step, over the throughput window.
+        self.buckets = BucketCounter(window=config.throughput_window * self.train_loader.num_buckets)
         self.optimizer = build_optimizer(self.drafter.parameters(), config.optim_config())
         self.scheduler = build_scheduler(self.optimizer, config.optim_config(), total_steps=self.total_steps)
         if resume_from is not None:
@@ -238,11 +240,13 @@ class Trainer:
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.loss_module = DistributedDataParallel(
-                self.loss_module,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                broadcast_buffers=False,  # the frozen target embedding/LM head are buffers: identical everywhere
-            )
+            with warnings.catch_warnings():  # torch >= 2.12 renames it; 2.11 (the GPU host) only has this name
+                warnings.simplefilter("ignore", FutureWarning)
+                self.loss_module = DistributedDataParallel(
+                    self.loss_module,
+                    device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                    broadcast_buffers=False,  # the frozen target embedding/LM head are buffers, identical everywhere
+                )
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if self.device.type == "cuda" and config.mixed_precision == "bf16"
@@ -349,9 +353,11 @@ class Trainer:
         log_step = (self.step + 1) % config.log_every == 0
         self.timer = StepTimer(torch.cuda.synchronize if log_step and self.device.type == "cuda" else None)
         self.timer.start_step()
-        # [ce_sum, weight_sum, real, padded, supervised, block_tokens, correct[B-1], count[B-1], bucket tokens[K]]
+        # [ce_sum, weight_sum, real, padded, supervised, block_tokens, correct[B-1], count[B-1],
+        #  bucket tokens[K], bucket batches[K]], summed over micro-batches here and over ranks below
         num_buckets = self.train_loader.num_buckets
-        sums = torch.zeros(6 + 2 * (block - 1) + num_buckets, dtype=torch.float64, device=self.device)
+        bucket_at = 6 + 2 * (block - 1)
+        sums = torch.zeros(bucket_at + 2 * num_buckets, dtype=torch.float64, device=self.device)
         for micro in range(config.grad_accum_steps):
             with self.timer.phase("data_wait"):
                 batch, anchors = self._next_batch()
@@ -362,7 +368,6 @@ class Trainer:
                     ce_sum, weight_sum, correct, count = self.loss_module(batch, anchors)
                 with self.timer.phase("backward"):
                     ce_sum.backward()
-            self.buckets.update(batch.bucket_id, batch.num_real_tokens)
             sums[0] += ce_sum.detach().double()
             sums[1] += weight_sum.detach().double()
             sums[2] += batch.num_real_tokens
@@ -372,7 +377,8 @@ class Trainer:
             sums[6 : 6 + block - 1] += correct.double()
             sums[6 + block - 1 : 6 + 2 * (block - 1)] += count.double()
             if batch.bucket_id >= 0:
-                sums[6 + 2 * (block - 1) + batch.bucket_id] += batch.num_real_tokens
+                sums[bucket_at + batch.bucket_id] += batch.num_real_tokens
+                sums[bucket_at + num_buckets + batch.bucket_id] += 1
         with self.timer.phase("optimizer"):
             if self.world_size > 1:
                 torch.distributed.all_reduce(sums)
@@ -400,6 +406,9 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.counters["tokens_seen"] += int(values[2])
+        for bucket in range(num_buckets):  # global counts (all ranks)
+            if values[bucket_at + num_buckets + bucket]:
+                self.buckets.update(bucket, int(values[bucket_at + bucket]), int(values[bucket_at + num_buckets + bucket]))
         self.throughput.update(
             real_tokens=int(values[2]), padded_tokens=int(values[3]),
             supervised_tokens=int(values[4]), block_tokens=int(values[5]),
@@ -413,7 +422,7 @@ class Trainer:
             "grad_norm": grad_norm_value,
             "lr": lr,
             "skipped": not finite,
-            "bucket_tokens": values[6 + 2 * (block - 1) :],
+            "bucket_tokens": values[bucket_at : bucket_at + num_buckets],
         }
 
     # ================================================================== save / evaluate

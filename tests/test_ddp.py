@@ -1,0 +1,48 @@
+"""Data parallel on CPU: 2 gloo ranks (launched by the train stage itself through torch.distributed's elastic
+launcher) equal one process with gradient accumulation over the same global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from train_helpers import build_tiny_cache, tiny_config
+
+from dflash.checkpoint import load_checkpoint
+from dflash.telemetry import read_metrics
+from stages.train import run_training
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory, target):
+    return build_tiny_cache(tmp_path_factory.mktemp("cache") / "tiny.zarr", target)
+
+
+def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(tiny_cache, tmp_path):
+    common = dict(max_steps=3, save_every=3, validation_fraction=0.2)
+    ddp = run_training(tiny_config(tiny_cache, tmp_path / "ddp", cpu_processes=2, grad_accum_steps=1, **common))
+    single = run_training(tiny_config(tiny_cache, tmp_path / "single", grad_accum_steps=2, **common))
+    assert ddp["step"] == single["step"] == 3
+    assert ddp["tokens_seen"] == single["tokens_seen"]  # global counts: both ranks' batches
+
+    a = load_checkpoint(tmp_path / "ddp" / "checkpoints" / "step_00000003")
+    b = load_checkpoint(tmp_path / "single" / "checkpoints" / "step_00000003")
+    assert a.model_state.keys() == b.model_state.keys()
+    for name, value in a.model_state.items():
+        torch.testing.assert_close(value, b.model_state[name], rtol=1e-5, atol=1e-6, msg=name)
+    for index, state in a.optimizer_state["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[key], b.optimizer_state["state"][index][key], rtol=1e-4, atol=1e-9)
+    assert a.trainer_state["scheduler"]["_last_lr"] == b.trainer_state["scheduler"]["_last_lr"]
+    # Rank 0 of 2 has read half the batches of the single process: epoch position in global batches agrees.
+    assert a.trainer_state["data"]["global_batches_in_epoch"] == b.trainer_state["data"]["global_batches_in_epoch"]
+
+    ddp_records = read_metrics(tmp_path / "ddp", kind="train")
+    single_records = read_metrics(tmp_path / "single", kind="train")
+    assert len(ddp_records) == len(single_records) == 3
+    for x, y in zip(ddp_records, single_records, strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)  # globally normalized loss, same on both
+        assert x["bucket_batches"] == y["bucket_batches"]  # per-bucket counts over all ranks
+        assert x["accuracy_per_position"] == pytest.approx(y["accuracy_per_position"])
+    assert read_metrics(tmp_path / "ddp", kind="val")[-1]["loss"] == pytest.approx(
+        read_metrics(tmp_path / "single", kind="val")[-1]["loss"], rel=1e-5
+    )
