@@ -92,19 +92,38 @@ def main(
     num_taps: int = typer.Option(5, help="Tapped layers (DFlash default rule)."),
     repeats: int = typer.Option(3, help="Timing repeats per codec (best is reported)."),
     smoke: bool = typer.Option(False, help="Tiny sizes: 1K tokens, 1 repeat, to check the script runs."),
+    states: Path | None = typer.Option(
+        None, help="Save the hidden states (and token ids) to this .pt file, or load them from it if it exists (skips the forward)."
+    ),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
 ) -> None:
     """Measure every codec preset on real hidden states; print ratio and speed."""
-    from dflash.cache import CODEC_PRESETS, DEFAULT_CODEC, CacheMetadata, CacheReader, HiddenSample, HiddenStateCache
+    from dflash.cache import (
+        CODEC_PRESETS,
+        DEFAULT_CODEC,
+        CacheMetadata,
+        CacheReader,
+        HiddenSample,
+        HiddenStateCache,
+    )
     from dflash.cache.format import default_chunk_tokens, quantize_fp8
     from dflash.target import LAYER_ID_CONVENTION
 
     if smoke:
         tokens, sample_tokens, repeats = 1024, 256, 1
-    console = Console()
+    console = Console(width=160)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     start = time.perf_counter()
-    loaded, layer_ids, chunks, hidden = hidden_states(target, device, tokens, sample_tokens, num_taps)
+    if states is not None and states.is_file():
+        from dflash.target import load_target
+
+        saved = torch.load(states)
+        loaded = load_target(target, device="cpu")
+        layer_ids, chunks, hidden = saved["layer_ids"], [ids.numpy() for ids in saved["input_ids"]], saved["hidden"]
+    else:
+        loaded, layer_ids, chunks, hidden = hidden_states(target, device, tokens, sample_tokens, num_taps)
+        if states is not None:
+            torch.save({"layer_ids": layer_ids, "input_ids": [torch.from_numpy(ids) for ids in chunks], "hidden": hidden}, states)
     flat = torch.cat(hidden)
     num_tokens, width = flat.shape
     console.print(

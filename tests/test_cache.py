@@ -276,3 +276,15 @@ def _cli(arguments: list[str]):
         pass
 
     return CliRunner().invoke(app, arguments)
+
+
+def test_fsspec_url_round_trip(target, real_samples):
+    layer_ids, samples = real_samples
+    url = f"memory://dflash-test-cache-{os.getpid()}/cache"
+    cache = HiddenStateCache.create(url, _metadata(target, layer_ids, [[0, 6]]))
+    cache.write_shard(0, samples, [])
+    reader = CacheReader(url)
+    assert reader.shards == [0] and reader.size_on_disk() > 0
+    got = reader.read_shard(0, [5])[0]
+    assert got.corpus_row == 5 and torch.equal(_bits(got.hidden), _bits(samples[5].hidden))
+    assert verify_cache(url, require_complete=True)["num_samples"] == 6

@@ -35,11 +35,16 @@ class CacheReader:
         self.metadata: CacheMetadata = _read_metadata(self._store)
         self._records: dict[int, dict[str, Any]] = {}
         self._index: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._arrays: dict[tuple[int, str], Any] = {}
         self.refresh()
 
     def refresh(self) -> None:
-        """Re-list committed shards (for reading a cache while extract is still writing it)."""
+        """Re-list committed shards (for reading a cache while extract is still writing it); drops cached
+        commit records, indexes and array handles, so a withdrawn and redone shard is read afresh."""
         self.shards: list[int] = sorted(committed_shard_ids(self._store))
+        self._records.clear()
+        self._index.clear()
+        self._arrays.clear()
 
     def commit_record(self, shard: int) -> dict[str, Any]:
         """The shard's commit record (counts, quarantined samples, layout, digest).
@@ -58,8 +63,12 @@ class CacheReader:
         return self._records[shard]
 
     def _array(self, shard: int, name: str) -> Any:
+        if (shard, name) in self._arrays:  # a committed shard's array metadata never changes
+            return self._arrays[(shard, name)]
         try:
-            return self._store.group[f"{shard_group_key(shard)}/{name}"]
+            array = self._store.group[f"{shard_group_key(shard)}/{name}"]
+            self._arrays[(shard, name)] = array
+            return array
         except Exception as error:
             raise CacheCorruptError(
                 f"shard {shard} of {self.url} is committed but its array {name!r} is missing or unreadable ({error}); "

@@ -28,10 +28,12 @@ class CacheStore:
 
     def __init__(self, path_or_url: str | os.PathLike[str], mode: str, *, attributes: dict[str, Any] | None = None) -> None:
         self.url = os.fspath(path_or_url)
+        # file:// URLs go through zarr's LocalStore (atomic writes, folders created on demand).
+        location = self.url[len("file://"):] if self.url.startswith("file://") else self.url
         if mode in ("w", "w-"):
-            self.group = zarr.create_group(store=self.url, overwrite=mode == "w", attributes=attributes or {}, zarr_format=3)
+            self.group = zarr.create_group(store=location, overwrite=mode == "w", attributes=attributes or {}, zarr_format=3)
         else:
-            self.group = zarr.open_group(store=self.url, mode=mode, zarr_format=3)
+            self.group = zarr.open_group(store=location, mode=mode, zarr_format=3)
         self.store = self.group.store
         self.prefix = self.group.store_path.path
 

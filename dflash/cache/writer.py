@@ -296,6 +296,7 @@ def _read_metadata(store: CacheStore) -> CacheMetadata:
 
 
 def _has_content(path: str) -> bool:
+    path = path[len("file://"):] if path.startswith("file://") else path
     if "://" in path:
         return False
     return os.path.isdir(path) and any(os.scandir(path))
