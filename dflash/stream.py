@@ -32,11 +32,10 @@ Usage::
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -107,7 +106,8 @@ class StreamConfig:
     num_read_workers: int = 2
     """Threads reading and packing batches (Zarr decompression releases the GIL)."""
     shard_window: int | None = None
-    """``None``: global shuffle, per-sample reads. K: mix within K shards at a time, whole-shard reads, LRU of K."""
+    """``None``: global shuffle, per-sample reads. K: mix within K shards at a time, whole-shard reads, LRU of K
+    shards (a shard may be read twice when read-ahead crosses into the next window; order is unaffected)."""
     pin_memory: bool | None = None
     """Pack into pinned host memory; ``None``: when CUDA is available."""
     pad_to_budget: bool = False
@@ -245,9 +245,7 @@ class StreamingLoader:
             if self.device is not None and self.device.type == "cuda"
             else None
         )
-        self._read_whole_shard = functools.lru_cache(maxsize=config.shard_window or 1)(
-            self._read_whole_shard_uncached
-        )
+        self.shard_cache = _ShardCache(self.source.read_shard, max_shards=config.shard_window or 1)
 
     # ---- sample table and plan -------------------------------------------------------------------------------
 
@@ -363,9 +361,6 @@ class StreamingLoader:
 
     # ---- reading ---------------------------------------------------------------------------------------------
 
-    def _read_whole_shard_uncached(self, shard: int) -> list[Any]:
-        return self.source.read_shard(shard)
-
     def _read_samples(self, planned: PlannedBatch) -> list[Any]:
         shards = self.sample_shard[planned.samples]
         positions = self.sample_position[planned.samples]
@@ -374,7 +369,7 @@ class StreamingLoader:
             slots = np.flatnonzero(shards == shard)
             wanted = positions[slots]
             if self.config.shard_window is not None:
-                whole = self._read_whole_shard(shard)
+                whole = self.shard_cache.get(shard)
                 got = [whole[i] for i in wanted.tolist()]
             else:
                 order = np.argsort(wanted, kind="stable")
@@ -594,7 +589,7 @@ class StreamingLoader:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
-        self._read_whole_shard.cache_clear()
+        self.shard_cache.clear()
 
     def __enter__(self) -> StreamingLoader:
         return self
@@ -622,3 +617,49 @@ class StreamingLoader:
             "world_size": self.world_size,
             "table_fingerprint": self.table_fingerprint,
         }
+
+
+class _ShardCache:
+    """LRU of at most ``max_shards`` whole shards (shard-window mode), shared by the reader threads.
+
+    Entries are futures, so threads asking for a shard being read wait for that one read instead of reading it
+    again: each shard is read once while it stays cached, and at most ``max_shards`` are held.
+    """
+
+    def __init__(self, read_shard: Any, max_shards: int) -> None:
+        self._read_shard = read_shard
+        self.max_shards = max_shards
+        self._entries: OrderedDict[int, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self.reads = 0
+        """Whole-shard reads done (cache misses)."""
+
+    def get(self, shard: int) -> list[Any]:
+        with self._lock:
+            future = self._entries.get(shard)
+            if future is not None:
+                self._entries.move_to_end(shard)
+                owner = False
+            else:
+                future = Future()
+                self._entries[shard] = future
+                while len(self._entries) > self.max_shards:
+                    self._entries.popitem(last=False)
+                self.reads += 1
+                owner = True
+        if owner:
+            try:
+                future.set_result(self._read_shard(shard))
+            except BaseException as error:
+                with self._lock:
+                    if self._entries.get(shard) is future:
+                        del self._entries[shard]
+                future.set_exception(error)
+        return future.result()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()

@@ -10,6 +10,8 @@ import inspect
 import json
 import textwrap
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ import torch
 from dflash.batching import pack_samples
 from dflash.cache import CacheMetadata, CacheReader, HiddenSample, HiddenStateCache
 from dflash.errors import CacheCorruptError, CheckpointError, ConfigError
-from dflash.stream import StreamConfig, StreamingLoader, validation_rows
+from dflash.stream import StreamConfig, StreamingLoader, _ShardCache, validation_rows
 from dflash.target import LAYER_ID_CONVENTION
 from dflash.target_runner import TargetRunner
 
@@ -253,12 +255,11 @@ def test_memory_stays_within_the_prefetch_bound(reader):
 
 def test_shard_window_reads_each_shard_once_and_mixes_inside_windows(reader):
     source = _CountingSource(reader)
-    config = StreamConfig(token_budget=BUDGET, shard_window=2, seed=2, num_read_workers=1)
+    config = StreamConfig(token_budget=BUDGET, shard_window=2, seed=2, num_read_workers=1, prefetch_batches=2)
     loader = StreamingLoader(source, config)
     batches = list(loader)
-    assert all(count == 1 for count in source.whole_shard_reads.values())
-    assert sorted(source.whole_shard_reads) == list(range(NUM_SHARDS))
-    assert loader._read_whole_shard.cache_info().currsize <= 2
+    assert source.whole_shard_reads == {shard: 1 for shard in range(NUM_SHARDS)}  # once per epoch each
+    assert loader.shard_cache.reads == NUM_SHARDS and len(loader.shard_cache) <= 2
     shard_of_row = {row: row // ROWS_PER_SHARD for row in range(NUM_SHARDS * ROWS_PER_SHARD)}
     windows = [frozenset(shard_of_row[row] for row in b.corpus_rows) for b in batches]
     assert all(len(w) <= 2 for w in windows)
@@ -350,3 +351,20 @@ def test_a_corrupt_shard_stops_the_loader_with_the_readers_error(reader):
             pass
     loader.close()
     assert loader.stats.batches_in_flight == 0 and loader.stats.tokens_in_flight == 0
+
+
+def test_shard_cache_threads_share_one_read_and_hold_at_most_k_shards(reader):
+    calls = []
+
+    def slow_read(shard, indices=None):
+        calls.append(shard)
+        time.sleep(0.2)  # long enough that all threads ask while the first read runs
+        return reader.read_shard(shard, indices)
+
+    cache = _ShardCache(slow_read, max_shards=2)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(cache.get, [1, 1, 1, 1]))
+    assert calls == [1] and all(r is results[0] for r in results)
+    for shard in (0, 2, 3):
+        cache.get(shard)
+    assert len(cache) == 2 and cache.reads == 4
