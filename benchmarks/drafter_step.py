@@ -236,7 +236,7 @@ def main() -> None:
         counts.add_row(mode, str(shapes), str(args.buckets) if mode == "compiled" else "-", str(graphs))
     console.print(counts)
     console.print("Graphs counted during the shape sweep only (the full-length bucket was already compiled while "
-                  "timing). compiled: <= 2 per new bucket (first layer + later layers) plus the fused CE chunk "
+                  "timing). compiled: 1 per new bucket (shared by all layers) plus the fused CE chunk "
                   "(static, then one dynamic graph for last-chunk sizes); eager: the compiled flex_attention kernel "
                   "and the fused CE chunk, each going dynamic after one recompile.")
 
