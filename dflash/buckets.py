@@ -170,7 +170,7 @@ def _pack_bucket(
                 fullest = max(range(len(open_batches)), key=lambda slot: open_batches[slot][1])
                 closed.append(open_batches.pop(fullest))
             open_batches.append(([index], length))
-    # Batches close in order of their first sample so the result depends only on the shuffled order.
+    # Closed batches in closing order, then the still-open ones in opening order: a function of `order` alone.
     return closed + open_batches
 
 

@@ -298,6 +298,15 @@ class StreamingLoader:
                 f"{len(shards)} committed shards, validation_fraction={cfg.validation_fraction}); extract more "
                 "shards or change validation_fraction"
             )
+        too_long = np.flatnonzero(self.sample_length > cfg.token_budget)
+        if too_long.size:
+            first = too_long[0]
+            raise ConfigError(
+                f"token_budget={cfg.token_budget} is below the length of {too_long.size} cached sample(s) (first: "
+                f"corpus row {self.sample_row[first]} in shard {self.sample_shard[first]}, "
+                f"{self.sample_length[first]} tokens); raise token_budget to at least {self.sample_length.max()} "
+                "or cap the corpus length at prepare time"
+            )
         self.stats.bucket_batches = [0] * self.num_buckets
         digest = hashlib.sha256()
         for array in (self.sample_shard, self.sample_position, self.sample_length, self.sample_row):

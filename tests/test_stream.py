@@ -294,6 +294,8 @@ def test_padding_to_the_budget_gives_fixed_shapes(reader):
         pad = slice(batch.num_real_tokens, None)
         assert bool((batch.loss_mask[pad] == 0).all()) and bool((batch.document_ids[pad] == -1).all())
         assert int(batch.cu_seqlens[-1]) == batch.num_real_tokens
+    for batch in StreamingLoader(reader, StreamConfig(token_budget=BUDGET, pad_to_multiple=64)):
+        assert batch.num_tokens % 64 == 0 and 0 <= batch.num_padding_tokens < 64
 
 
 def test_pack_samples_rejects_bad_input(reader):
@@ -307,8 +309,8 @@ def test_pack_samples_rejects_bad_input(reader):
 
 
 def test_samples_longer_than_the_budget_are_refused_with_the_fix(reader):
-    with pytest.raises(ConfigError, match="raise token_budget"):
-        StreamingLoader(reader, StreamConfig(token_budget=64)).plan()
+    with pytest.raises(ConfigError, match=r"corpus row \d+ in shard \d+.*raise token_budget"):
+        StreamingLoader(reader, StreamConfig(token_budget=64))
 
 
 def test_bucket_table_matches_the_cache(reader):
