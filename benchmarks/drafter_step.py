@@ -209,6 +209,7 @@ def main() -> None:
     for mode in args.modes:
         compiled = mode == "compiled"
         torch._dynamo.reset()
+        graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         drafter = build_drafter(config, device, compiled, args.compile_backend)
         stepper = Stepper(drafter, device, args.anchors, args.gamma)
         fixed = compiled  # eager: dynamic anchors (nonzero); compiled: fixed shape, no host sync
@@ -226,14 +227,16 @@ def main() -> None:
                           f"{seconds * 1e3 / batch_size:.1f}", f"{tokens / seconds:,.0f}", f"{flops / 1e12:.2f}",
                           f"{mfu:.1%}", f"{memory:.1f}")
         shapes, graphs = count_compiles(stepper, config, args, device, fixed)
-        compile_rows.append((mode, shapes, graphs))
+        total_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_at_start
+        compile_rows.append((mode, shapes, graphs, total_graphs))
         del drafter, stepper
         if device.type == "cuda":
             torch.cuda.empty_cache()
     console.print(table)
-    counts = Table("mode", "distinct batch shapes", "length buckets", "dynamo graphs compiled")
-    for mode, shapes, graphs in compile_rows:
-        counts.add_row(mode, str(shapes), str(args.buckets) if mode == "compiled" else "-", str(graphs))
+    counts = Table("mode", "distinct batch shapes", "length buckets", "graphs compiled in sweep",
+                   "graphs compiled in total")
+    for mode, shapes, graphs, total in compile_rows:
+        counts.add_row(mode, str(shapes), str(args.buckets) if mode == "compiled" else "-", str(graphs), str(total))
     console.print(counts)
     console.print("Graphs counted during the shape sweep only (the full-length bucket was already compiled while "
                   "timing). compiled: 1 per new bucket (shared by all layers) plus the fused CE chunk "
