@@ -4,6 +4,7 @@ mismatched inputs before step 1, non-finite steps skipped and counted, telemetry
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -80,8 +81,16 @@ def test_resume_reproduces_straight_run_bit_exactly(tiny_cache, tmp_path):
     assert (tmp_path / "straight" / "latest").read_text().strip() == "step_00000004"
 
 
-def test_resume_with_a_trajectory_change_says_so(tiny_cache, tmp_path):
-    run_training(tiny_config(tiny_cache, tmp_path / "run", max_steps=2, stop_at_step=1, validation_fraction=0.0))
+@pytest.fixture(scope="module")
+def preempted_run(tiny_cache, tmp_path_factory):
+    """A run of a 2-step schedule stopped after step 1 (as a preemption would), shared read-only."""
+    run_dir = tmp_path_factory.mktemp("preempted") / "run"
+    run_training(tiny_config(tiny_cache, run_dir, max_steps=2, stop_at_step=1, validation_fraction=0.0))
+    return run_dir
+
+
+def test_resume_with_a_trajectory_change_says_so(tiny_cache, preempted_run, tmp_path):
+    shutil.copytree(preempted_run, tmp_path / "run")
     with pytest.raises(CheckpointError, match=r"lr: 0\.001 -> 0\.002"):
         run_training(tiny_config(tiny_cache, tmp_path / "run", max_steps=2, lr=2e-3, resume=True, validation_fraction=0.0))
     # Runtime-only changes are fine, and --allow-config-change goes on anyway.
@@ -112,8 +121,8 @@ def test_mismatched_cache_is_refused_before_step_1(target, tmp_path, cache_kwarg
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run", kind="train")
 
 
-def test_resume_on_a_cache_with_other_layer_ids_is_refused(tiny_cache, target, tmp_path):
-    run_training(tiny_config(tiny_cache, tmp_path / "run", max_steps=2, stop_at_step=1, validation_fraction=0.0))
+def test_resume_on_a_cache_with_other_layer_ids_is_refused(preempted_run, target, tmp_path):
+    shutil.copytree(preempted_run, tmp_path / "run")
     other = build_tiny_cache(tmp_path / "other.zarr", target, num_samples=6, num_shards=1, layer_ids=[1, 2])
     config = tiny_config(other, tmp_path / "run", max_steps=2, resume=True, validation_fraction=0.0)
     with pytest.raises(MismatchError, match=r"^target_layer_ids differs: cache .* has \[1, 2\], got \[1, 3\]"):
