@@ -343,6 +343,12 @@ class StreamingLoader:
             max_documents_per_batch=self.config.max_documents_per_batch,
             groups=self._groups(epoch),
         )
+        if plan.num_steps == 0:
+            raise ConfigError(
+                f"the {self.config.split} split packs into {len(plan.batches) + plan.num_dropped_batches} batch(es) "
+                f"of token_budget={self.config.token_budget}, fewer than world_size={self.world_size}: every rank "
+                "needs a batch per step; lower token_budget or use fewer ranks"
+            )
         if epoch in (self.epoch, self.epoch + 1):  # the current epoch and the one being read ahead
             self._plans = {e: p for e, p in self._plans.items() if e >= self.epoch} | {epoch: plan}
         return plan

@@ -201,6 +201,8 @@ def test_ddp_resume_with_another_world_size_keeps_the_global_order(reader):
     three = StreamingLoader(reader, config, rank=0, world_size=3)
     with pytest.raises(CheckpointError, match="multiple of world_size=3"):
         three.load_state_dict(state)
+    with pytest.raises(ConfigError, match="fewer than world_size=64"):
+        StreamingLoader(reader, config, world_size=64).plan()
 
 
 class _CountingSource:
