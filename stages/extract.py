@@ -40,7 +40,7 @@ from rich.text import Text
 
 from dflash.errors import CacheError, ConfigError
 
-__all__ = ["ExtractConfig", "run_extract", "plan_shards", "estimate_cache_bytes", "register"]
+__all__ = ["ExtractConfig", "run_extract", "prepare_cache", "plan_shards", "estimate_cache_bytes", "register"]
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def _accepts_n_workers(client: Any) -> bool:
     return "n_workers" in inspect.signature(client.scheduler_info).parameters
 
 
-def _prepare_cache(config: ExtractConfig, console: Console) -> tuple[Any, Any, list[list[int]], Any]:
+def prepare_cache(config: ExtractConfig, console: Console) -> tuple[Any, Any, list[list[int]], Any]:
     """Validate corpus and target (no model weights loaded), build the metadata, open or create the cache."""
     from dflash.cache import DEFAULT_CODEC, CacheMetadata, HiddenStateCache
     from dflash.corpus import open_corpus, validate_corpus
@@ -294,7 +294,7 @@ def run_extract(config: ExtractConfig, console: Console | None = None) -> dict[s
     from stages.extract_worker import ShardSpec, TargetWorkerPlugin, extract_shard, flush_worker
 
     console = console or Console()
-    cache, corpus, shard_rows, report = _prepare_cache(config, console)
+    cache, corpus, shard_rows, report = prepare_cache(config, console)
     lengths = corpus.lengths if report.truncate_to is None else np.minimum(corpus.lengths, report.truncate_to)
     kept = np.zeros(len(corpus), dtype=bool)
     kept[report.kept_rows] = True

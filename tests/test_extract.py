@@ -1,0 +1,203 @@
+"""The extract stage on the real SmolLM2-135M-Instruct (CPU) and a tiny corpus of stdlib docstrings.
+
+Dask runs use real LocalCluster worker processes; the SIGKILL test kills the whole ``dflash-stages extract``
+process mid-run and checks that the rerun leaves an exactly-once cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from rich.console import Console
+
+from dflash.cache import CacheReader, HiddenStateCache, verify_cache
+from dflash.corpus import CorpusWriter, open_corpus
+from dflash.errors import CacheError, CorpusError
+from dflash.target import default_target_layer_ids
+from dflash.target_runner import TargetRunner
+from stages import extract as extract_stage
+from stages.extract import ExtractConfig, plan_shards, prepare_cache, run_extract
+from stages.extract_worker import ShardExtractor, ShardSpec
+
+TEXTS = [
+    json.dumps.__doc__[:50],
+    textwrap.dedent.__doc__[:40],
+    random.shuffle.__doc__,
+    os.path.join.__doc__[:45],
+    "import os\nprint(os.getcwd())",
+    str.split.__doc__[:40],
+    "def double(x):",
+    list.append.__doc__,
+]
+
+
+def _write_corpus(path: Path, tokenizer, texts=TEXTS) -> Path:
+    with CorpusWriter(path) as writer:
+        for index, text in enumerate(texts):
+            input_ids = np.asarray(tokenizer(text)["input_ids"], dtype=np.int32)
+            loss_mask = np.zeros(len(input_ids), dtype=np.uint8)
+            loss_mask[len(input_ids) // 2 :] = 1
+            writer.add(input_ids, loss_mask, f"doc-{index}")
+        writer.commit({"target_spec": "default"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory, tokenizer):
+    return _write_corpus(tmp_path_factory.mktemp("extract") / "corpus", tokenizer)
+
+
+@pytest.fixture(scope="module")
+def layer_ids(target):
+    return default_target_layer_ids(target.model.config.num_hidden_layers, 5)
+
+
+@pytest.fixture(scope="module")
+def reference(target, corpus_dir, layer_ids):
+    """Each corpus row's taps from a forward of that row alone, in this process."""
+    corpus = open_corpus(corpus_dir)
+    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=1)
+    return runner.run([corpus.row(i).input_ids for i in range(len(corpus))])
+
+
+def _quiet() -> Console:
+    return Console(file=open(os.devnull, "w"), width=120)  # noqa: SIM115 (closed with the process)
+
+
+def _assert_cache_matches(output: Path, corpus_dir: Path, reference, *, missing_rows=()) -> None:
+    report = verify_cache(output, require_complete=True)
+    corpus = open_corpus(corpus_dir)
+    assert report["num_samples"] == len(corpus) - len(missing_rows)
+    reader = CacheReader(output)
+    seen = []
+    for shard in reader.shards:
+        for sample in reader.read_shard(shard):
+            row = corpus.row(sample.corpus_row)
+            assert np.array_equal(sample.input_ids.numpy(), row.input_ids)
+            assert np.array_equal(sample.loss_mask.numpy(), row.loss_mask)
+            torch.testing.assert_close(sample.hidden.float(), reference[sample.corpus_row].float(), rtol=1.6e-2, atol=2e-2)
+            seen.append(sample.corpus_row)
+    assert sorted(seen) == sorted(set(range(len(corpus))) - set(missing_rows))  # no duplicate, no missing row
+
+
+def test_plan_shards_is_contiguous_and_bounded():
+    lengths = np.array([5, 9, 3, 30, 2, 2, 7])
+    shards = plan_shards(lengths, 10)
+    assert shards[0][0] == 0 and shards[-1][1] == len(lengths)
+    assert all(a[1] == b[0] for a, b in zip(shards, shards[1:], strict=False))
+    for start, stop in shards:
+        assert stop - start == 1 or lengths[start:stop].sum() <= 10
+
+
+def test_two_dask_workers_write_the_same_cache_as_one_process(tmp_path, corpus_dir, reference):
+    output = tmp_path / "cache"
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=2, shard_size=20, dashboard_address=":0")
+    summary = run_extract(config, _quiet())
+    assert summary["committed_shards"] == summary["planned_shards"] >= 4
+    _assert_cache_matches(output, corpus_dir, reference)
+    # A rerun finds every shard committed and does nothing.
+    assert run_extract(config, _quiet())["skipped_committed"] == summary["planned_shards"]
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_rerun_is_exactly_once(tmp_path, corpus_dir, reference):
+    output = tmp_path / "cache"
+    command = [
+        sys.executable, "-m", "stages.cli", "extract", "--corpus", str(corpus_dir), "--output", str(output),
+        "--workers", "1", "--shard-size", "1", "--dashboard-address", ":0",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    commits = output / "commits"
+    deadline = time.monotonic() + 240
+    while not (commits.is_dir() and any(commits.glob("shard-*.json"))):
+        assert process.poll() is None, "extract exited before committing a shard"
+        assert time.monotonic() < deadline, "no shard committed in time"
+        time.sleep(0.05)
+    children = psutil.Process(process.pid).children(recursive=True)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    # Worker processes die with the driver (no orphan keeps writing a shard the rerun redoes).
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"orphan worker processes {[p.pid for p in alive]}"
+    committed_at_kill = HiddenStateCache.open(output).committed_shards()
+    planned = CacheReader(output).metadata.num_shards
+    assert 1 <= len(committed_at_kill) < planned, "the kill did not land mid-run"
+
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=1, dashboard_address=":0")
+    summary = run_extract(config, _quiet())
+    assert summary["skipped_committed"] == len(committed_at_kill)
+    assert summary["committed_shards"] == planned
+    _assert_cache_matches(output, corpus_dir, reference)
+
+
+def test_nonfinite_sample_is_quarantined_and_the_rest_written(tmp_path, target, corpus_dir, layer_ids, reference):
+    output = tmp_path / "cache"
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=10_000)
+    cache, corpus, shard_rows, _ = prepare_cache(config, _quiet())
+    poisoned_row = 3
+    marker = int(corpus.row(poisoned_row).input_ids[0])
+    assert all(int(corpus.row(i).input_ids[0]) != marker for i in range(len(corpus)) if i != poisoned_row)
+    decoder = target.model.get_decoder()
+    current_ids = {}
+
+    def remember_ids(module, args, kwargs):
+        current_ids["ids"] = kwargs["input_ids"]
+
+    def poison(module, args, output):  # an overflow inside layer 10 for the poisoned row only
+        rows = current_ids["ids"][:, 0] == marker
+        output = output.clone()
+        output[rows, 1] = float("nan")
+        return output
+
+    handles = [
+        decoder.register_forward_pre_hook(remember_ids, with_kwargs=True),
+        decoder.layers[10].register_forward_hook(poison),
+    ]
+    extractor = ShardExtractor(TargetRunner(target.model, layer_ids, "cpu", token_budget=64))
+    try:
+        for shard_id, (start, stop) in enumerate(shard_rows):
+            spec = ShardSpec(shard_id=shard_id, row_start=start, row_stop=stop, num_tokens=0,
+                             cache_path=str(output), corpus_path=str(corpus_dir))  # fmt: skip
+            result = extractor.process(spec)
+        writes = extractor.close()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert [entry["corpus_row"] for entry in result["quarantined"]] == [poisoned_row]
+    assert result["quarantined"][0]["sample_id"] == f"doc-{poisoned_row}"
+    assert result["quarantined"][0]["layers"] == [i for i in layer_ids if i > 10]
+    assert writes[0]["num_quarantined"] == 1 and "error" not in writes[0]
+    assert [entry["corpus_row"] for entry in CacheReader(output).quarantined()] == [poisoned_row]
+    _assert_cache_matches(output, corpus_dir, reference, missing_rows=[poisoned_row])
+
+
+def test_refuses_when_the_estimate_exceeds_free_space(tmp_path, corpus_dir, monkeypatch):
+    monkeypatch.setattr(extract_stage, "_free_bytes", lambda output: 1000)
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), workers=1)
+    with pytest.raises(CacheError, match="--force-space"):
+        run_extract(config, _quiet())
+    assert not (tmp_path / "cache").exists()
+
+
+def test_corpus_outside_the_vocab_fails_before_any_worker_starts(tmp_path, tokenizer):
+    corpus_dir = tmp_path / "corpus"
+    with CorpusWriter(corpus_dir) as writer:
+        writer.add(np.array([1, 2, 3], np.int32), np.array([0, 1, 1], np.uint8), "ok")
+        writer.add(np.array([1, 60_000, 3], np.int32), np.array([0, 1, 1], np.uint8), "bad")
+        writer.commit({})
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), workers=1)
+    with pytest.raises(CorpusError, match="60000"):
+        run_extract(config, _quiet())
+    assert not (tmp_path / "cache").exists()
