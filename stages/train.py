@@ -343,7 +343,10 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None) 
     output = overrides.get("output") or base.get("output")
     run_json = Path(output) / "run.json" if output else None
     if overrides.get("resume") and run_json is not None and run_json.is_file():
-        base = {**json.loads(run_json.read_text())["config"], **base}
+        saved = json.loads(run_json.read_text())["config"]
+        for one_off in ("stop_at_step", "allow_config_change"):  # they applied to the earlier invocation only
+            saved.pop(one_off, None)
+        base = {**saved, **base}
     merged = {**base, **{k: v for k, v in overrides.items() if v is not None}}
     merged.setdefault("resume", False)
     return TrainConfig.from_dict(merged)

@@ -218,10 +218,13 @@ class Trainer:
         self.train_loader = StreamingLoader(self.reader, self._stream_config("train"), rank=self.rank, world_size=self.world_size)
         self.val_loader = None
         if config.validation_fraction > 0:
-            self.val_loader = StreamingLoader(
-                self.reader, self._stream_config("validation"), rank=self.rank, world_size=self.world_size
-            )
-            self._val_start = self.val_loader.state_dict()
+            try:
+                self.val_loader = StreamingLoader(
+                    self.reader, self._stream_config("validation"), rank=self.rank, world_size=self.world_size
+                )
+                self._val_start = self.val_loader.state_dict()
+            except ConfigError as error:  # e.g. a tiny cache where 1% of the rows is no row at all
+                log.warning("validation disabled (no best checkpoint, no validation loss): %s", error)
         micro_per_epoch = len(self.train_loader)
         if micro_per_epoch < 1:
             raise ConfigError(
