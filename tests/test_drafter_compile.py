@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 from drafter_fixtures import packed_batch, tiny_drafter
@@ -37,3 +38,37 @@ def test_compiled_fixed_shape_path_equals_eager_and_recompiles_per_bucket_only()
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     # One graph per bucket, shared by every layer, whatever the documents inside.
     assert len(compiles) == len(buckets), compiles
+
+
+@pytest.mark.gpu
+def test_fixed_shape_anchors_and_block_mask_do_not_sync_the_host():
+    from dflash.drafter import attention_layout, flex_block_mask
+
+    batch = packed_batch([700, 300, 200], width=64, vocab=97, padding=24, dtype=torch.float32).to("cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        anchors = sample_anchors(batch, 16, 64, generator, num_anchors=192)
+        flex_block_mask(attention_layout(anchors, batch.position_ids, 16))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_compiled_layers_with_block_mask_equal_eager_on_cuda():
+    drafter = tiny_drafter(0, dtype=torch.float32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=32, intermediate_size=256, block_size=16).cuda().train()
+    batch = packed_batch([700, 300], width=256, vocab=97, padding=24, dtype=torch.float32).to("cuda")
+    anchors = sample_anchors(batch, 16, 64, torch.Generator(device="cuda").manual_seed(0), num_anchors=128)
+    results = []
+    for compiled in (False, True):
+        if compiled:
+            drafter.compile_layers()
+        drafter.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = dflash_loss(drafter, batch, anchors)
+        out.loss().backward()
+        results.append((out.loss().detach(), drafter.fc.weight.grad.clone()))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=5e-2, atol=5e-3)

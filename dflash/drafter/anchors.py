@@ -89,8 +89,9 @@ def sample_anchors(
     per_document.index_add_(0, documents, valid.to(torch.int64))
     group_start = torch.cumsum(per_document, 0) - per_document
     sorted_rank = torch.arange(num_tokens, device=device) - group_start[documents[order]]
-    selected = torch.zeros(num_tokens, dtype=torch.bool, device=device)
-    selected[order] = valid[order] & (sorted_rank < max_anchors_per_document)
+    # scatter rather than index assignment: no host synchronization on CUDA.
+    selected = torch.zeros(num_tokens, dtype=torch.bool, device=device).scatter(
+        0, order, valid[order] & (sorted_rank < max_anchors_per_document))
 
     if num_anchors is None:
         return torch.nonzero(selected).squeeze(1)

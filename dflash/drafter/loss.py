@@ -104,7 +104,7 @@ def _ce_chunk_inplace(logits: torch.Tensor, target: torch.Tensor, rows_w: torch.
         return total, correct, None
     # d CE / d logits = softmax - onehot, scaled by the row weight; reuse the buffer.
     grad = x.sub_(lse[:, None]).exp_()
-    grad[torch.arange(x.shape[0], device=x.device), target] -= 1.0
+    grad.scatter_add_(1, target[:, None], torch.full_like(lse[:, None], -1.0))
     grad.mul_(rows_w[:, None])
     return total, correct, grad.to(logits.dtype)
 
