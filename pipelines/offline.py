@@ -179,9 +179,9 @@ class _State:
         self.data["stages"].setdefault(stage, {"digest": _digest(settings), "settings": settings, "done": False})
         self.save()
 
-    def finish(self, stage: str, seconds: float, **info: Any) -> None:
+    def finish(self, stage: str, seconds: float, result: dict[str, Any] | None = None) -> None:
         record = self.data["stages"][stage]
-        record.update(done=True, seconds=record.get("seconds", 0.0) + seconds, **info)
+        record.update(done=True, seconds=record.get("seconds", 0.0) + seconds, result=result)
         self.save()
 
     def save(self) -> None:
@@ -253,8 +253,7 @@ def run_pipeline(config: PipelineConfig, *, console: Console | None = None) -> d
         console.rule(f"[bold]{name}")
         state.start(name, settings)
         started = time.perf_counter()
-        info = work() or {}
-        state.finish(name, time.perf_counter() - started, **info)
+        state.finish(name, time.perf_counter() - started, work())
         console.print(f"{name} took {time.perf_counter() - started:.1f} s")
 
     prepare = config.section("prepare")
@@ -325,7 +324,7 @@ def run_pipeline(config: PipelineConfig, *, console: Console | None = None) -> d
             report = evaluate_checkpoint(folder, paths["eval"] / f"epoch_{epoch}.json", f"epoch {epoch} ({folder.name})")
             record_epoch({"epoch": epoch, "step": int(trainer_state["step"]), "tau": report["tau"],
                           "speedup": report["speedup"], "checkpoint": str(folder)}, report)
-        state.finish("train", time.perf_counter() - started, total_steps=total_steps)
+        state.finish("train", time.perf_counter() - started, {"total_steps": total_steps})
     else:
         def train_work() -> dict[str, Any]:
             resume = _latest_checkpoint(paths["run"]) is not None

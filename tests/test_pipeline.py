@@ -1,0 +1,108 @@
+"""``dflash-stages run``: the offline pipeline end to end on real stdlib text and the real SmolLM2 target.
+
+Uses a preset smaller than ``cpu-small`` (a few thousand tokens, a few training steps) so the test stays short;
+``cpu-small`` itself is what README's main job runs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash.errors import ConfigError, MismatchError
+from pipelines.offline import PRESETS, PipelineConfig, apply_overrides, load_preset
+
+TINY = {
+    "_why": "test-sized: seconds per stage",
+    "target": "default",
+    "prepare": {"max_length": 256},  # inputs: a folder of small stdlib modules (set in the fixture)
+    "split": {"heldout_documents": 1, "seed": 0},
+    "extract": {"workers": 1, "num_taps": 1, "token_budget": 2048, "shard_size": 2048, "dashboard_address": ":0"},
+    "train": {"num_draft_layers": 1, "block_size": 4, "epochs": 1, "token_budget": 512,
+              "max_anchors_per_document": 8, "validation_fraction": 0.0, "save_every": 100, "keep_last": 1,
+              "device": "cpu", "progress": False},
+    "evaluate": {"num_prompts": 2, "prompt_tokens": 32, "max_new_tokens": 8, "ignore_eos": True, "device": "cpu"},
+}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    from stages.cli import _register_all, app
+
+    _register_all()
+    folder = tmp_path_factory.mktemp("pipeline")
+    sources = folder / "stdlib-sample"
+    sources.mkdir()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("colorsys.py", "bisect.py", "keyword.py", "genericpath.py"):  # ~3K tokens of real Python
+        shutil.copy(stdlib / name, sources / name)
+    preset = folder / "tiny.json"
+    preset.write_text(json.dumps({**TINY, "prepare": {**TINY["prepare"], "inputs": [str(sources)]}}))
+    workdir = folder / "work"
+    result = CliRunner().invoke(app, ["run", "--preset", str(preset), "--workdir", str(workdir)])
+    return app, preset, workdir, result
+
+
+def test_pipeline_runs_every_stage_and_prints_tau(finished_run):
+    _, _, workdir, result = finished_run
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    tau_lines = [line for line in result.output.splitlines() if line.startswith("tau = ")]
+    assert len(tau_lines) == 1
+    state = json.loads((workdir / "pipeline.json").read_text())
+    assert all(state["stages"][name]["done"] for name in ("prepare", "split", "extract", "train", "evaluate"))
+    report = json.loads((workdir / "eval" / "final.json").read_text())
+    assert 1.0 <= report["tau"] <= 4.0
+    assert float(tau_lines[0].split()[2]) == pytest.approx(report["tau"], abs=5e-4)
+    assert report["lossless"]["checked"] and report["lossless"]["passed"]
+    assert report["prompts"]["count"] == 2
+
+
+def test_heldout_documents_never_reach_the_cache(finished_run):
+    from dflash.corpus import open_corpus
+    from dflash.eval_prompts import held_out_rows
+
+    _, _, workdir, _ = finished_run
+    train, heldout = open_corpus(workdir / "corpus"), open_corpus(workdir / "heldout")
+    train_docs = {train.sample_id(i).split("#")[0] for i in range(len(train))}
+    heldout_docs = {heldout.sample_id(i).split("#")[0] for i in range(len(heldout))}
+    assert heldout_docs and not heldout_docs & train_docs
+    assert len(train) + len(heldout) == len(open_corpus(workdir / "corpus-all"))
+    with pytest.raises(ConfigError, match="no row is held out"):
+        held_out_rows(train, workdir / "cache")  # the cache covers the whole training split
+    with pytest.raises(MismatchError, match="corpus_fingerprint"):
+        held_out_rows(heldout, workdir / "cache")
+
+
+def test_rerun_skips_complete_stages_and_refuses_changed_settings(finished_run):
+    app, preset, workdir, _ = finished_run
+    before = (workdir / "eval" / "final.json").stat().st_mtime_ns
+    again = CliRunner().invoke(app, ["run", "--preset", str(preset), "--workdir", str(workdir)])
+    assert again.exit_code == 0, again.output
+    assert again.output.count("complete, skipped") == 5
+    assert (workdir / "eval" / "final.json").stat().st_mtime_ns == before
+    changed = CliRunner().invoke(
+        app, ["run", "--preset", str(preset), "--workdir", str(workdir), "--set", "train.lr=0.01"]
+    )
+    assert changed.exit_code != 0
+    assert isinstance(changed.exception, ConfigError) and "train" in str(changed.exception)
+
+
+def test_presets_load_and_overrides_apply():
+    for name in PRESETS:
+        preset = load_preset(name)
+        assert not any(key.startswith("_") for section in preset.values() if isinstance(section, dict) for key in section)
+        PipelineConfig.from_preset(preset, workdir="unused")
+    preset = apply_overrides(load_preset("cpu-small"), ["train.lr=3e-4", "evaluate.device=cuda", "train.target_layer_ids=[3]"])
+    assert preset["train"]["lr"] == 3e-4 and preset["evaluate"]["device"] == "cuda"
+    assert preset["train"]["target_layer_ids"] == [3]
+    with pytest.raises(ConfigError, match="section.field=value"):
+        apply_overrides(preset, ["lr=3"])
+    with pytest.raises(ConfigError, match="unknown section"):
+        apply_overrides(preset, ["optimizer.lr=3"])
+    with pytest.raises(ConfigError, match="neither"):
+        load_preset("no-such-preset")
