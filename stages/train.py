@@ -409,7 +409,8 @@ def register(app: typer.Typer) -> None:
         }  # fmt: skip
         config = config_from_cli(overrides, config_file)
         summary = run_training(config)
-        Console().print_json(json.dumps(summary, default=str))
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank runs this command
+            Console().print_json(json.dumps(summary, default=str))
 
 
 def _torchrun_main() -> None:
