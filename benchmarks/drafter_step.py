@@ -35,6 +35,12 @@ MFU_FORMULA = (
 )
 
 
+#: Public reference trainer's DFlash step at these settings on one H200, torch 2.11 (issue 3): sequence tokens/s.
+REFERENCE_TOKENS_PER_SECOND = {"eager": 16_700.0, "compiled": 20_300.0}
+#: Targets: 1.25x the reference in both modes.
+TARGET_SPEEDUP = 1.25
+
+
 def eight_b_config(block_size: int) -> DFlashConfig:
     return DFlashConfig(
         hidden_size=4096, intermediate_size=12288, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
@@ -203,8 +209,8 @@ def main() -> None:
                   f"{config.num_hidden_layers} layers, H={config.hidden_size}, V={config.vocab_size}, "
                   f"B={config.block_size}, {args.anchors} anchors/seq, seq {args.seq_len}")
     console.print(MFU_FORMULA)
-    table = Table("mode", "batch", "anchor path", "step ms", "ms/seq", "seq tok/s", "TFLOP/step", "MFU",
-                  "peak mem GiB")
+    table = Table("mode", "batch", "anchor path", "step ms", "ms/seq", "seq tok/s", "x reference", "TFLOP/step",
+                  "MFU", "peak mem GiB")
     compile_rows = []
     for mode in args.modes:
         compiled = mode == "compiled"
@@ -224,7 +230,9 @@ def main() -> None:
             mfu = flops / seconds / (args.peak_tflops * 1e12)
             memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
             table.add_row(mode, str(batch_size), "fixed" if fixed else "dynamic", f"{seconds * 1e3:.1f}",
-                          f"{seconds * 1e3 / batch_size:.1f}", f"{tokens / seconds:,.0f}", f"{flops / 1e12:.2f}",
+                          f"{seconds * 1e3 / batch_size:.1f}", f"{tokens / seconds:,.0f}",
+                          "-" if args.smoke else f"{tokens / seconds / REFERENCE_TOKENS_PER_SECOND[mode]:.2f}",
+                          f"{flops / 1e12:.2f}",
                           f"{mfu:.1%}", f"{memory:.1f}")
         shapes, graphs = count_compiles(stepper, config, args, device, fixed)
         total_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_at_start
@@ -233,6 +241,9 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     console.print(table)
+    if not args.smoke:
+        console.print(f"x reference: seq tok/s over the public reference trainer's ({REFERENCE_TOKENS_PER_SECOND}, "
+                      f"one H200, torch 2.11); target >= {TARGET_SPEEDUP}x in each mode.")
     counts = Table("mode", "distinct batch shapes", "length buckets", "graphs compiled in sweep",
                    "graphs compiled in total")
     for mode, shapes, graphs, total in compile_rows:
