@@ -136,3 +136,23 @@ def test_expected_acceptance_length():
     assert expected_acceptance_length([0.0, 1.0, 1.0]) == 1.0
     assert math.isclose(expected_acceptance_length(torch.tensor([0.5, 0.5])), 1.75)
     assert expected_acceptance_length([float("nan"), 1.0]) == 1.0
+
+
+def test_bf16_autocast_matches_float32():
+    """The mixed-precision recipe (float32 parameters, bf16 autocast) runs the same math as float32."""
+    drafter = tiny_drafter(5, dtype=torch.float32).train()
+    drafter.reset_parameters(std=0.05)
+    batch = packed_batch([40, 30], width=64, vocab=97, seed=5, dtype=torch.float32)
+    batch.hidden = batch.hidden.to(torch.bfloat16)  # as stored in the cache
+    anchors = random_anchors(batch, 4, count=12, seed=5)
+    reference = dflash_loss(drafter, batch, anchors)
+    reference.loss().backward()
+    reference_grad = drafter.fc.weight.grad.clone()
+    drafter.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = dflash_loss(drafter, batch, anchors)
+    mixed.loss().backward()
+    assert mixed.weighted_ce_sum.dtype == torch.float32
+    torch.testing.assert_close(mixed.loss().detach(), reference.loss().detach(), rtol=2e-2, atol=2e-2)
+    cosine = F.cosine_similarity(drafter.fc.weight.grad.flatten(), reference_grad.flatten(), dim=0)
+    assert cosine > 0.99

@@ -78,6 +78,12 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
+def _to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
 class DFlashAttention(nn.Module):
     """Grouped-query attention with per-head q_norm/k_norm (Qwen3) and context KV injection."""
 
@@ -117,8 +123,7 @@ class DFlashAttention(nn.Module):
         assert k.shape[0] == num_context + num_queries
         # [1, heads, len, D]
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        # v comes straight out of a Linear, so it carries the compute dtype (bf16 under autocast); the norms
-        # promote q/k to float32, which would make attention run in float32.
+        # v comes straight out of a Linear, so it carries the compute dtype (bf16 under autocast); q/k must match.
         q, k = q.to(v.dtype), k.to(v.dtype)
         gqa = self.num_kv_heads != self.num_heads
         if mask is None or isinstance(mask, torch.Tensor):
@@ -158,10 +163,12 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = DFlashMLP(config)
 
     def forward(self, hidden_states, context, block_rope, context_rope, mask):
+        # The residual stream stays in the parameter dtype; normed inputs are cast once to the compute dtype
+        # (instead of once per consuming Linear by autocast).
         residual = hidden_states
-        hidden_states = self.self_attn(self.input_layernorm(hidden_states), context, block_rope, context_rope, mask)
-        hidden_states = residual + hidden_states
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        normed = _to_compute_dtype(self.input_layernorm(hidden_states))
+        hidden_states = residual + self.self_attn(normed, context, block_rope, context_rope, mask)
+        return hidden_states + self.mlp(_to_compute_dtype(self.post_attention_layernorm(hidden_states)))
 
 
 class DFlashDrafter(nn.Module):
