@@ -337,10 +337,7 @@ def run_extract(config: ExtractConfig, console: Console | None = None) -> dict[s
             die_with_parent=placement["die_with_parent"],
         )
         loading = time.perf_counter()
-        responses = client.register_plugin(plugin)
-        errors = {w: r for w, r in (responses or {}).items() if isinstance(r, dict) and r.get("status") == "error"}
-        if errors:
-            raise RuntimeError(f"loading the target failed on workers {sorted(errors)}: {next(iter(errors.values()))}")
+        client.register_plugin(plugin)  # runs setup on every worker; re-raises a worker's loading error here
         console.print(f"target loaded on {len(client.scheduler_info()['workers'])} workers in {time.perf_counter() - loading:.1f} s")
 
         started = time.perf_counter()
