@@ -32,6 +32,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,6 +236,8 @@ class Checkpointer:
         self._pending: Future[Path] | None = None
         self._pinned: dict[str, torch.Tensor] = {}
         self._best: dict[str, Any] | None = None
+        #: Seconds the last completed background write took (None before the first).
+        self.last_write_seconds: float | None = None
         best_json = self.run_dir / "best.json"
         if best_json.is_file():
             self._best = json.loads(best_json.read_text())
@@ -300,6 +303,7 @@ class Checkpointer:
     def _write(self, snapshot: TrainingSnapshot) -> Path:
         from safetensors.torch import save_file
 
+        started = time.perf_counter()
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         final = self.checkpoint_dir / snapshot.name
         staging = self.checkpoint_dir / f".tmp-{snapshot.name}-{os.getpid()}"
@@ -332,6 +336,7 @@ class Checkpointer:
             raise
         atomic_write_text(self.run_dir / "latest", snapshot.name + "\n")
         self._apply_retention()
+        self.last_write_seconds = time.perf_counter() - started
         return final
 
     def _update_best(self, step: int, val_loss: float) -> None:

@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -433,6 +434,7 @@ class Trainer:
         """Snapshot the state now (all ranks call this; only rank 0 copies and writes, in the background)."""
         if not self.is_main:
             return
+        started = time.perf_counter()
         snapshot = self.checkpointer.snapshot(
             step=self.step,
             model=self.drafter,
@@ -452,6 +454,12 @@ class Trainer:
             target_info=self.target_info,
         )
         self.checkpointer.save(snapshot)
+        # What the loop paid for this checkpoint (host copy, plus any unfinished previous write); the write itself
+        # runs in the background and its duration is reported with the next checkpoint.
+        self.metrics.log(
+            "checkpoint", self.step,
+            {"stall_s": time.perf_counter() - started, "previous_write_s": self.checkpointer.last_write_seconds},
+        )
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -79,6 +79,9 @@ def test_resume_reproduces_straight_run_bit_exactly(tiny_cache, tmp_path):
     assert run["resolved"]["drafter_config"]["target_layer_ids"] == [1, 3]
     assert run["environment"]["versions"]["torch"] and run["environment"]["python"]
     assert (tmp_path / "straight" / "latest").read_text().strip() == "step_00000004"
+    saves = read_metrics(tmp_path / "straight", kind="checkpoint")
+    assert [r["step"] for r in saves] == [2, 4] and all(r["stall_s"] >= 0 for r in saves)
+    assert saves[1]["previous_write_s"] > 0  # the first write finished in the background before the second save
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +202,24 @@ def test_cli_help_lists_the_options():
     assert result.exit_code == 0, result.output
     for option in ("--cache", "--output", "--resume", "--drafter-gpus", "--grad-accum-steps", "--betas"):
         assert option in result.output
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_training_step_and_checkpoint(tiny_cache, tmp_path):
+    summary = run_training(tiny_config(tiny_cache, tmp_path / "run", device="cuda", max_steps=3, save_every=3))
+    assert summary["skipped_steps"] == 0 and summary["val"]["loss"] > 0
+    checkpoint = load_checkpoint(tmp_path / "run")
+    assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in checkpoint.model_state.values())
+    record = read_metrics(tmp_path / "run", kind="train")[-1]
+    assert record["time_forward_s"] > 0 and record["real_tokens_per_s"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_ddp_two_gpus_matches_one_gpu_with_accumulation(tiny_cache, tmp_path):
+    common = dict(device="cuda", max_steps=3, save_every=3, mixed_precision="none")
+    run_training(tiny_config(tiny_cache, tmp_path / "ddp", drafter_gpus=[0, 1], **common))
+    run_training(tiny_config(tiny_cache, tmp_path / "one", drafter_gpus=[0], grad_accum_steps=2, **common))
+    a, b = load_checkpoint(tmp_path / "ddp"), load_checkpoint(tmp_path / "one")
+    for name, value in a.model_state.items():
+        torch.testing.assert_close(value, b.model_state[name], rtol=1e-4, atol=1e-5, msg=name)
