@@ -38,7 +38,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from dflash.errors import CacheError, ConfigError
+from dflash.errors import CacheError, ConfigError, DFlashError
 
 __all__ = ["ExtractConfig", "run_extract", "prepare_cache", "plan_shards", "estimate_cache_bytes", "register"]
 
@@ -438,7 +438,7 @@ def register(app: typer.Typer) -> None:
         corpus: str = typer.Option(..., "--corpus", help="Corpus folder (Arrow/Parquet, contract 1)."),
         output: str = typer.Option(..., "--output", help="Cache path or fsspec URL; an existing cache of the same plan is resumed."),
         target: str = typer.Option("default", "--target", help="'default' (SmolLM2-135M-Instruct), a transformers folder or a .gguf file."),
-        target_layer_ids: str | None = typer.Option(None, "--target-layer-ids", help="Tapped decoder layers, e.g. 1,9,17,25,33 (output of layer l = hidden_states[l+1])."),
+        target_layer_ids: str | None = typer.Option(None, "--target-layer-ids", help="Tapped decoder layers, e.g. 1,9,17,25,33 (output of decoder layer l = hidden_states\\[l+1])."),
         num_taps: int = typer.Option(5, "--num-taps", help="Taps for DFlash's default layer rule when --target-layer-ids is not given."),
         target_gpus: str | None = typer.Option(None, "--target-gpus", help="GPUs, one Dask worker each, e.g. 0,1,2,3 (default: all visible GPUs, else --workers 1)."),
         workers: int | None = typer.Option(None, "--workers", help="CPU worker processes."),
@@ -446,31 +446,41 @@ def register(app: typer.Typer) -> None:
         shard_size: int = typer.Option(65536, "--shard-size", help="Target tokens per shard (one task, one commit)."),
         token_budget: int = typer.Option(16384, "--token-budget", help="Padded tokens per forward batch (rows x longest)."),
         storage_dtype: str = typer.Option("bf16", "--storage-dtype", help="bf16 (bit-exact) or fp8 (lossy e4m3, per-token per-tap scale)."),
-        codec: str | None = typer.Option(None, "--codec", help="Codec preset of dflash.cache.CODEC_PRESETS (default: the cache's measured default)."),
+        codec: str | None = typer.Option(None, "--codec", help="Codec preset of dflash.cache.CODEC_PRESETS, e.g. none, zstd-1, blosc-zstd1-shuffle (an unknown name lists them; default: the cache's measured default, see docs/cache-format.md)."),
         max_length: int | None = typer.Option(None, "--max-length", help="Longest row accepted (see --length-policy)."),
         length_policy: str = typer.Option("error", "--length-policy", help="Rows over --max-length: error, drop or truncate."),
         expected_ratio: float = typer.Option(1.0, "--expected-ratio", help="Compression ratio assumed by the size estimate."),
         force_space: bool = typer.Option(False, "--force-space", help="Start even if the estimate exceeds the free space."),
         dashboard_address: str = typer.Option(":8787", "--dashboard-address", help="Dashboard of a local cluster (':0' = any free port)."),
     ) -> None:
-        """Extract tapped target hidden states of a corpus into a compressed Zarr v3 cache (Dask workers)."""
-        config = ExtractConfig(
-            corpus=corpus,
-            output=output,
-            target=target,
-            target_layer_ids=_int_list(target_layer_ids, "--target-layer-ids"),
-            num_taps=num_taps,
-            target_gpus=_int_list(target_gpus, "--target-gpus"),
-            workers=workers,
-            scheduler_address=scheduler_address,
-            shard_size=shard_size,
-            token_budget=token_budget,
-            storage_dtype=storage_dtype,  # type: ignore[arg-type]
-            codec=codec,
-            max_length=max_length,
-            length_policy=length_policy,  # type: ignore[arg-type]
-            expected_ratio=expected_ratio,
-            force_space=force_space,
-            dashboard_address=dashboard_address,
-        )
-        run_extract(config)
+        """Extract tapped target hidden states of a corpus into a compressed Zarr v3 cache (Dask workers).
+
+        Rerun the same command to resume: committed shards are skipped, the rest redone (exactly once).
+        Exit status: 0 done, 2 bad input or shards left uncommitted (the message says which and why).
+        """
+        console = Console()
+        try:
+            config = ExtractConfig(
+                corpus=corpus,
+                output=output,
+                target=target,
+                target_layer_ids=_int_list(target_layer_ids, "--target-layer-ids"),
+                num_taps=num_taps,
+                target_gpus=_int_list(target_gpus, "--target-gpus"),
+                workers=workers,
+                scheduler_address=scheduler_address,
+                shard_size=shard_size,
+                token_budget=token_budget,
+                storage_dtype=storage_dtype,  # type: ignore[arg-type]
+                codec=codec,
+                max_length=max_length,
+                length_policy=length_policy,  # type: ignore[arg-type]
+                expected_ratio=expected_ratio,
+                force_space=force_space,
+                dashboard_address=dashboard_address,
+            )
+            run_extract(config, console)
+        except DFlashError as error:
+            # soft_wrap: paths and shard ids stay on one line; no markup parsing of the message.
+            console.print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
+            raise typer.Exit(2) from None
