@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from dflash.cache import (
@@ -288,3 +290,37 @@ def test_fsspec_url_round_trip(target, real_samples):
     got = reader.read_shard(0, [5])[0]
     assert got.corpus_row == 5 and torch.equal(_bits(got.hidden), _bits(samples[5].hidden))
     assert verify_cache(url, require_complete=True)["num_samples"] == 6
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(min_value=0, max_value=40), min_size=0, max_size=7),
+    picks=st.lists(st.integers(min_value=0, max_value=6), max_size=6),
+    seed=st.integers(min_value=0, max_value=2**16),
+)
+def test_csr_round_trip_any_lengths_and_subsets(tmp_path_factory, target, lengths, picks, seed):
+    """Ragged shards of any sample lengths (zero and chunk-straddling included, or no samples at all) read back
+    bit-exactly, whole or as any subset in any order; lengths come from offsets alone."""
+    width = 8
+    generator = np.random.default_rng(seed)
+    samples = [
+        HiddenSample(
+            row,
+            torch.from_numpy(generator.integers(0, 49152, size=length, dtype=np.int32)),
+            torch.from_numpy(generator.integers(0, 2, size=length, dtype=np.uint8)),
+            torch.from_numpy(generator.integers(0, 1 << 16, size=(length, width), dtype=np.uint16)).view(torch.bfloat16),
+        )
+        for row, length in enumerate(lengths)
+    ]
+    path = tmp_path_factory.mktemp("csr") / "cache"
+    meta = _metadata(target, [3, 9], [[0, len(lengths)]], hidden_size=width // 2, num_taps=2, chunk_tokens=16)
+    HiddenStateCache.create(path, meta).write_shard(0, samples, [])
+    reader = CacheReader(path)
+    assert reader.shard_lengths(0).tolist() == lengths
+    indices = [i for i in picks if i < len(lengths)]
+    for got, index in zip(reader.read_shard(0, indices), indices, strict=True):
+        want = samples[index]
+        assert got.corpus_row == index and torch.equal(got.input_ids, want.input_ids)
+        assert torch.equal(got.loss_mask, want.loss_mask) and torch.equal(_bits(got.hidden), _bits(want.hidden))
+    assert len(reader.read_shard(0)) == len(lengths)
+    assert verify_cache(path, require_complete=True)["num_tokens"] == sum(lengths)

@@ -53,7 +53,10 @@ class CacheReader:
             CacheError: the shard is not committed.
         """
         if shard not in self._records:
-            record = self._store.get_json(commit_key(shard))
+            try:
+                record = self._store.get_json(commit_key(shard))
+            except CacheCorruptError as error:
+                raise CacheCorruptError(f"shard {shard}: its commit record is unreadable: {error}") from error
             if record is None:
                 raise CacheError(
                     f"shard {shard} of {self.url} is not committed (committed: {len(self.shards)} of "

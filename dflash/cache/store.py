@@ -15,6 +15,8 @@ import zarr
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
+from dflash.errors import CacheCorruptError
+
 __all__ = ["CacheStore"]
 
 
@@ -45,8 +47,17 @@ class CacheStore:
         return None if buffer is None else buffer.to_bytes()
 
     def get_json(self, relative: str) -> Any | None:
+        """The JSON object at ``relative`` or ``None``; raises :class:`CacheCorruptError` naming the key if unparsable."""
         raw = self.get_bytes(relative)
-        return None if raw is None else json.loads(raw)
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError as error:
+            raise CacheCorruptError(
+                f"{self.url}: {relative} is not valid JSON ({error}); if it is a commit record, delete it so the "
+                "shard is redone by the next extract run"
+            ) from error
 
     def put_json(self, relative: str, value: Any, *, exclusive: bool = False) -> None:
         """Write JSON atomically; with ``exclusive`` an existing object is left untouched."""
