@@ -242,6 +242,11 @@ class Checkpointer:
         if best_json.is_file():
             self._best = json.loads(best_json.read_text())
 
+    @property
+    def best(self) -> dict[str, Any] | None:
+        """``{"checkpoint", "step", "val_loss"}`` of the best checkpoint so far (None without validation)."""
+        return None if self._best is None else dict(self._best)
+
     # -- snapshot (synchronous, between steps) -------------------------------------------------------------
     def snapshot(
         self,

@@ -143,8 +143,8 @@ class Trainer:
         self.run_dir = Path(config.output)
         self.step = 0
         self.counters: dict[str, Any] = {"skipped_steps": 0, "empty_steps": 0, "tokens_seen": 0, "data_digest": ""}
-        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main)
-        self.checkpointer = Checkpointer(self.run_dir, keep_last=config.keep_last, enabled=self.is_main)
+        self.metrics: MetricsWriter | None = None  # opened by load(), once the inputs are known to agree
+        self.checkpointer: Checkpointer | None = None
         self.throughput = ThroughputWindow(config.throughput_window)
         self.timer = StepTimer()
         self._interval = self._zero_interval()
@@ -205,6 +205,8 @@ class Trainer:
             layer_id_convention=LAYER_ID_CONVENTION, cache_path=str(config.cache),
         )
         self.drafter_config = drafter_config
+        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main)
+        self.checkpointer = Checkpointer(self.run_dir, keep_last=config.keep_last, enabled=self.is_main)
         torch.manual_seed(config.seed)  # identical initial weights on every rank and in every rerun
         drafter = DFlashDrafter(drafter_config)
         drafter.attach_target(embed, lm_head)
@@ -418,15 +420,17 @@ class Trainer:
             supervised_tokens=int(values[4]), block_tokens=int(values[5]),
         )
         interval = self._interval
-        interval["sums"] += np.asarray(values[: 6 + 2 * (block - 1)]) * (1.0 if finite else 0.0)
         interval["steps"] += 1
-        interval["grad_norm_max"] = max(interval["grad_norm_max"], grad_norm_value) if finite else interval["grad_norm_max"]
+        if finite:  # a skipped step contributes nothing to the interval's loss and accuracy
+            interval["sums"] = interval["sums"] + np.asarray(values[:bucket_at])
+            interval["grad_norm_max"] = max(interval["grad_norm_max"], grad_norm_value)
         return {
             "loss": loss_value,
             "grad_norm": grad_norm_value,
             "lr": lr,
             "skipped": not finite,
             "bucket_tokens": values[bucket_at : bucket_at + num_buckets],
+            "time": self.timer.summary(),
         }
 
     # ================================================================== save / evaluate
@@ -508,7 +512,7 @@ class Trainer:
             return
         block = self.drafter_config.block_size
         interval, self._interval = self._interval, self._zero_interval()
-        sums = np.asarray(interval["sums"], dtype=np.float64) * np.ones(6 + 2 * (block - 1))
+        sums = np.broadcast_to(np.asarray(interval["sums"], dtype=np.float64), (6 + 2 * (block - 1),))
         correct, count = sums[6 : 5 + block], sums[5 + block :]
         accuracy = [float(c / n) if n else 0.0 for c, n in zip(correct, count, strict=True)]
         record: dict[str, Any] = {
@@ -524,7 +528,7 @@ class Trainer:
             "tokens_seen": self.counters["tokens_seen"],
             "data_digest": self.counters["data_digest"][:16],
             **self.throughput.rates(),
-            **{f"time_{name}": value for name, value in self.timer.summary().items()},
+            **{f"time_{name}": value for name, value in step_metrics["time"].items()},
             **self.buckets.summary(),
             "data_wait_total_s": self.train_loader.stats.wait_seconds,
         }
@@ -564,7 +568,7 @@ class Trainer:
         self.metrics.log_text("config", f"```\n{self.config.to_dict()}\n```")
 
     def summary(self, last_eval: dict[str, float]) -> dict[str, Any]:
-        best = self.checkpointer._best if self.is_main else None
+        best = self.checkpointer.best if self.checkpointer is not None else None
         return {
             "run_dir": str(self.run_dir),
             "step": self.step,
@@ -579,9 +583,11 @@ class Trainer:
     def close(self) -> None:
         """Finish background writes and close files (called from the stage's ``finally``)."""
         try:
-            self.checkpointer.close()
+            if self.checkpointer is not None:
+                self.checkpointer.close()
         finally:
-            self.metrics.close()
+            if self.metrics is not None:
+                self.metrics.close()
             if getattr(self, "train_loader", None) is not None:
                 self.train_loader.close()
 

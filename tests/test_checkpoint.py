@@ -151,7 +151,7 @@ def test_retention_keeps_last_k_and_the_best(training, tmp_path):
     assert json.loads((run / "best.json").read_text())["val_loss"] == 3.0
     assert (run / "latest").read_text().strip() == "step_00000005"
     # A new checkpointer on the same run (a resume) remembers the best.
-    assert Checkpointer(run, keep_last=2)._best["step"] == 2
+    assert Checkpointer(run, keep_last=2).best["step"] == 2
 
 
 def test_load_drafter_from_run_and_checkpoint_checks_the_target(training, target, tmp_path):
