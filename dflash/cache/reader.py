@@ -178,13 +178,15 @@ class CacheReader:
             else:
                 runs.append((index, index + 1))
         names = ["input_ids", "loss_mask", "hidden"] + (["hidden_scale"] if self.metadata.lossy else [])
-        chunk_tokens = self.metadata.chunk_tokens
-        touched: set[int] = set()
-        for first, last in runs:
-            lo, hi = int(offsets[first]), int(offsets[last])
-            if hi > lo:
-                touched.update(range(lo // chunk_tokens, (hi - 1) // chunk_tokens + 1))
-        self._check_chunks(shard, names, {name: touched for name in names})
+        layout = self.commit_record(shard)["arrays"]
+        touched: dict[str, set[int]] = {name: set() for name in names}
+        for name in names:
+            chunk_rows = layout[name]["chunks"][0]
+            for first, last in runs:
+                lo, hi = int(offsets[first]), int(offsets[last])
+                if hi > lo:
+                    touched[name].update(range(lo // chunk_rows, (hi - 1) // chunk_rows + 1))
+        self._check_chunks(shard, names, touched)
 
         samples: dict[int, HiddenSample] = {}
         for first, last in runs:
