@@ -25,6 +25,7 @@ import queue
 import re
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,7 +225,9 @@ def register(app: typer.Typer) -> None:
     @app.command("sweep")
     def sweep_command(
         cache: str = typer.Option(..., "--cache", help="Hidden-state cache shared by every run."),
-        output: Path = typer.Option(..., "--output", "-o", help="Sweep folder; one run folder per combination."),
+        output: Path = typer.Option(
+            None, "--output", "-o", help="Sweep folder, one run folder per combination (default: ./sweep-<time>)."
+        ),
         set_options: list[str] = typer.Option(
             [], "--set", help="FIELD=V1,V2,... (a TrainConfig field; one value fixes it). Repeatable."
         ),
@@ -235,6 +238,8 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
 
         values = parse_set_options(set_options)
+        if output is None:
+            output = Path(time.strftime("sweep-%Y%m%d-%H%M%S"))
         runs = plan_sweep(cache, output, values, resume=resume)
         gpu_ids = [int(g) for g in gpus.split(",")] if gpus else None
         Console(stderr=True).print(f"sweep: {len(runs)} runs into {output}" + (f" on GPUs {gpu_ids}" if gpu_ids else ""))

@@ -198,6 +198,12 @@ class TrainConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown train config fields {unknown}; known: {sorted(known)}")
+        for required in ("cache", "output"):
+            if data.get(required) is None:
+                raise ConfigError(
+                    f"{required}: missing; pass --{required} (or --resume with --output of an existing run, which "
+                    "reuses its saved configuration)"
+                )
         return cls(**data)
 
     @classmethod
