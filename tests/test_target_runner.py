@@ -47,18 +47,20 @@ def _assert_bf16_close(actual, expected):
     torch.testing.assert_close(actual.float(), expected.float(), rtol=1.6e-2, atol=2e-2)
 
 
-def test_runner_equals_plain_transformers_forward(target, samples, layer_ids):
-    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=4096)
-    outputs = runner.run(samples)
-    assert len(outputs) == len(samples)
-    for input_ids, hidden in zip(samples, outputs, strict=True):
+@pytest.fixture(scope="module")
+def solo(target, samples, layer_ids):
+    """Each sample run alone (token_budget=1 puts every sample in its own batch)."""
+    return TargetRunner(target.model, layer_ids, "cpu", token_budget=1).run(samples)
+
+
+def test_runner_equals_plain_transformers_forward(target, samples, layer_ids, solo):
+    assert len(solo) == len(samples)
+    for input_ids, hidden in zip(samples, solo, strict=True):
         assert hidden.shape == (len(input_ids), len(layer_ids) * target.model.config.hidden_size)
         _assert_bf16_close(hidden, _plain_forward(target.model, input_ids, layer_ids))
 
 
-def test_solo_vs_shuffled_mixed_batch_vs_repeat(target, samples, layer_ids):
-    solo_runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=1)  # every sample alone
-    solo = solo_runner.run(samples)
+def test_solo_vs_shuffled_mixed_batch_vs_repeat(target, samples, layer_ids, solo):
     order = list(range(len(samples)))
     random.Random(0).shuffle(order)
     shuffled = [samples[i] for i in order]
