@@ -76,6 +76,8 @@ class TrainConfig:
     """Corpus rows held out for validation (stable per row); 0 disables validation and best-checkpoint tracking."""
     max_validation_batches: int | None = 50
     """Validation batches per rank per evaluation (None: the whole held-out split)."""
+    max_documents_per_batch: int | None = None
+    """Cap on documents packed into one micro-batch (None: only the token budget limits it)."""
     prefetch_batches: int = 4
     """Batches read ahead in the background (bounds memory)."""
     shard_window: int | None = None
@@ -105,6 +107,12 @@ class TrainConfig:
     """Seed of initial weights, data order and anchors."""
     mixed_precision: Literal["bf16", "none"] = "bf16"
     """bf16 autocast on GPU (CPU always runs fp32)."""
+    compile: bool = False
+    """torch.compile the draft layers on the fixed-shape path: every micro-batch padded to ``token_budget`` and
+    ``anchor_slots`` anchor slots, so one graph serves every step (eager, dynamic shapes, is the default)."""
+    anchor_slots: int | None = None
+    """Anchors per micro-batch on the fixed-shape path; default ``max_anchors_per_document x
+    max_documents_per_batch`` capped at ``token_budget``. More valid anchors: a uniform random subset is kept."""
     # -- runtime (never changes the trajectory)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the drafter trains; auto: CUDA when available."""
@@ -147,7 +155,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_steps", "eval_every", "max_validation_batches", "stop_at_step", "shard_window", "mask_token_id"):
+        for name in ("max_steps", "eval_every", "max_validation_batches", "stop_at_step", "shard_window", "mask_token_id",
+                     "max_documents_per_batch", "anchor_slots"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < (0 if name == "mask_token_id" else 1)):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
@@ -167,6 +176,11 @@ class TrainConfig:
             raise ConfigError("drafter_gpus lists GPUs but device is 'cpu'; drop one of them")
         if self.drafter_gpus is not None and self.cpu_processes > 1:
             raise ConfigError("cpu_processes > 1 is for CPU runs; with drafter_gpus the world size is their count")
+        if self.compile and self.anchor_slots is None and self.max_documents_per_batch is None:
+            raise ConfigError(
+                "anchor_slots: --compile needs a fixed anchor count; give anchor_slots, or max_documents_per_batch "
+                "(anchor_slots then defaults to max_anchors_per_document x max_documents_per_batch)"
+            )
         if self.eval_every is None:
             self.eval_every = self.save_every
         self.optim_config()  # validates lr, betas, eps, weight_decay, warmup_ratio, min_lr_ratio, grad_clip
@@ -176,6 +190,15 @@ class TrainConfig:
             lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
             warmup_ratio=self.warmup_ratio, min_lr_ratio=self.min_lr_ratio, grad_clip=self.grad_clip,
         )
+
+    def resolved_anchor_slots(self) -> int | None:
+        """Fixed anchors per micro-batch with ``compile``; None on the dynamic (eager) path."""
+        if not self.compile:
+            return None
+        if self.anchor_slots is not None:
+            return self.anchor_slots
+        assert self.max_documents_per_batch is not None
+        return min(self.token_budget, self.max_anchors_per_document * self.max_documents_per_batch)
 
     def resolved_gamma(self) -> float:
         from dflash.drafter import default_gamma
@@ -390,6 +413,9 @@ def register(app: typer.Typer) -> None:
         grad_clip: float = typer.Option(None, "--grad-clip", help="Clip norm (1.0; 0 = off)."),
         seed: int = typer.Option(None, "--seed", help="Seed (0)."),
         mixed_precision: str = typer.Option(None, "--mixed-precision", help="bf16 | none (GPU only)."),
+        compile_layers: bool = typer.Option(None, "--compile/--no-compile", help="Fixed shapes + torch.compile."),
+        anchor_slots: int = typer.Option(None, "--anchor-slots", help="Anchors per micro-batch with --compile."),
+        max_documents: int = typer.Option(None, "--max-documents-per-batch", help="Documents per micro-batch cap."),
         save_every: int = typer.Option(None, "--save-every", help="Checkpoint every N steps (500)."),
         keep_last: int = typer.Option(None, "--keep-last", help="Checkpoints to keep (3) plus the best."),
         eval_every: int = typer.Option(None, "--eval-every", help="Validate every N steps."),
@@ -410,6 +436,7 @@ def register(app: typer.Typer) -> None:
             "stop_at_step": stop_at_step, "grad_accum_steps": grad_accum_steps, "lr": lr,
             "betas": [float(b) for b in betas.split(",")] if betas else None, "weight_decay": weight_decay,
             "warmup_ratio": warmup_ratio, "grad_clip": grad_clip, "seed": seed, "mixed_precision": mixed_precision,
+            "compile": compile_layers, "anchor_slots": anchor_slots, "max_documents_per_batch": max_documents,
             "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "log_every": log_every,
             "allow_config_change": allow_config_change, "progress": progress,
         }  # fmt: skip

@@ -156,6 +156,7 @@ class Trainer:
         self.load()
         config = self.config
         last_eval: dict[str, float] = {}
+        self.throughput.reset_clock()  # setup time is not training throughput
         with self.progress:
             task = self.progress.add_task("train", total=self.total_steps, completed=self.step, status="")
             while self.step < self.total_steps and self.step != config.stop_at_step:
@@ -211,6 +212,9 @@ class Trainer:
         drafter = DFlashDrafter(drafter_config)
         drafter.attach_target(embed, lm_head)
         self.drafter = drafter.to(self.device)
+        self.anchor_slots = config.resolved_anchor_slots()
+        if config.compile:
+            self.drafter.compile_layers()
         self.target_info = {
             "identity": self.identity.to_dict(),
             "target_spec": self.target_spec,
@@ -316,6 +320,8 @@ class Trainer:
             validation_fraction=config.validation_fraction,
             prefetch_batches=config.prefetch_batches,
             shard_window=config.shard_window,
+            max_documents_per_batch=config.max_documents_per_batch,
+            pad_to_budget=config.compile,  # fixed shapes: one compiled graph for every step
             pin_memory=self.device.type == "cuda",
         )
 
@@ -347,7 +353,10 @@ class Trainer:
                 self._train_iter = None
         batch_index = (loader.step_in_epoch - 1) * self.world_size + self.rank
         generator = torch.Generator().manual_seed(_anchor_seed(self.config.seed, split, loader.epoch, batch_index))
-        anchors = sample_anchors(batch, self.drafter_config.block_size, self.config.max_anchors_per_document, generator)
+        anchors = sample_anchors(
+            batch, self.drafter_config.block_size, self.config.max_anchors_per_document, generator,
+            num_anchors=self.anchor_slots,
+        )
         digest = hashlib.sha256((self.counters["data_digest"] + repr(batch.corpus_rows)).encode()).hexdigest()
         self.counters["data_digest"] = digest
         return batch.to(self.device, non_blocking=True), anchors.to(self.device, non_blocking=True)
@@ -379,7 +388,7 @@ class Trainer:
             sums[2] += batch.num_real_tokens
             sums[3] += batch.num_tokens
             sums[4] += batch.loss_mask.sum()
-            sums[5] += anchors.shape[0] * block
+            sums[5] += (anchors >= 0).sum() * block  # drafted block tokens (padding anchor slots excluded)
             sums[6 : 6 + block - 1] += correct.double()
             sums[6 + block - 1 : 6 + 2 * (block - 1)] += count.double()
             if batch.bucket_id >= 0:
@@ -481,7 +490,9 @@ class Trainer:
                 generator = torch.Generator().manual_seed(
                     _anchor_seed(self.config.seed, "validation", 0, index * self.world_size + self.rank)
                 )
-                anchors = sample_anchors(batch, block, self.config.max_anchors_per_document, generator)
+                anchors = sample_anchors(
+                    batch, block, self.config.max_anchors_per_document, generator, num_anchors=self.anchor_slots
+                )
                 batch, anchors = batch.to(self.device), anchors.to(self.device)
                 with self.autocast:
                     out = dflash_loss(self.drafter, batch, anchors, gamma=self.config.resolved_gamma())

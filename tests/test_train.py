@@ -226,3 +226,13 @@ def test_gpu_ddp_two_gpus_matches_one_gpu_with_accumulation(tiny_cache, tmp_path
     a, b = load_checkpoint(tmp_path / "ddp"), load_checkpoint(tmp_path / "one")
     for name, value in a.model_state.items():
         torch.testing.assert_close(value, b.model_state[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_fixed_shape_path(tiny_cache, tmp_path):
+    summary = run_training(
+        tiny_config(tiny_cache, tmp_path / "run", device="cuda", compile=True, max_documents_per_batch=4, max_steps=3)
+    )
+    assert summary["skipped_steps"] == 0 and summary["val"]["loss"] > 0
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["resolved"]["train_loader"]["config"]["pad_to_budget"] is True
