@@ -124,16 +124,6 @@ def load_drafter_any(path: Path) -> tuple[Any, Any, dict[str, Any]]:
     """
     from dflash.checkpoint import load_drafter
 
-    config_file = path / "config.json"
-    if config_file.is_file() and "DFlashDraftModel" in json.loads(config_file.read_text()).get("architectures", []):
-        from dflash.drafter import DFlashDrafter
-        from dflash.export import load_exported, read_exported
-
-        config, state_dict = load_exported(path)
-        provenance = read_exported(path, verify_hashes=False, check_finite=False)[1]
-        drafter = DFlashDrafter(config)
-        drafter.load_state_dict(state_dict, strict=True)
-        return drafter.float(), config, dict(provenance.get("target") or {})
     return load_drafter(path)
 
 

@@ -1,0 +1,150 @@
+"""``dflash-stages evaluate`` on the real SmolLM2 target: CLI report fields, prompt sets, the lossless check.
+
+The drafter is a randomly initialized ``DFlashDrafter`` written in the serving format by ``dflash.export`` (an
+export folder is one of the three drafter paths evaluate accepts); its tau is near 1, the mechanics are what is
+checked here. Trained drafters are evaluated in tests/test_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dflash.errors import ConfigError
+from dflash.eval_prompts import prompts_from_corpus, prompts_from_file
+from dflash.speculative import GenerationResult
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def export_folder(tmp_path_factory, target, tokenizer):
+    from dflash.drafter import DFlashConfig, DFlashDrafter
+    from dflash.export import export_drafter
+
+    config = DFlashConfig.from_target_config(target.model.config, tokenizer=tokenizer, num_draft_layers=1,
+                                             block_size=BLOCK, target_layer_ids=[15])
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config)
+    drafter.attach_target(target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight)
+    target_info = {"identity": target.identity.to_dict(), "target_spec": str(target.path),
+                   "weight_hashes": drafter.target_weight_hashes()}
+    return export_drafter(drafter.state_dict(), config, tmp_path_factory.mktemp("export") / "drafter",
+                          target_info=target_info)
+
+
+def test_evaluate_cli_writes_report_with_every_field(export_folder, tmp_path):
+    from stages.cli import _register_all, app
+
+    _register_all()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "List three prime numbers."},
+                                 {"role": "assistant", "content": "dropped: the reply is what gets generated"}]})
+        + "\n" + json.dumps({"prompt": "Write a haiku about Python."}) + "\n"
+    )
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, [
+        "evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--max-new-tokens", "10",
+        "--ignore-eos", "--compare-untrained", "--device", "cpu", "--json", str(out),
+    ])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert "tau = " in result.output and "per-position acceptance" in result.output
+    report = json.loads(out.read_text())
+    for key in ("tau", "acceptance", "speedup", "throughput", "lossless", "per_prompt", "untrained", "target",
+                "settings", "prompts"):
+        assert key in report, key
+    acceptance = report["acceptance"]
+    assert acceptance["block_size"] == BLOCK
+    assert 1.0 <= report["tau"] <= BLOCK
+    assert sum(acceptance["histogram"].values()) == acceptance["num_cycles"] > 0
+    assert len(acceptance["acceptance_per_position"]) == len(acceptance["reach_per_position"]) == BLOCK - 1
+    weighted = sum(int(tau) * count for tau, count in acceptance["histogram"].items())
+    assert report["tau"] == pytest.approx(weighted / acceptance["num_cycles"])
+    assert report["lossless"]["checked"] and report["lossless"]["passed"]
+    assert report["lossless"]["identical"] == report["prompts"]["count"] == 2
+    assert report["speedup"] > 0
+    assert all(p["new_tokens"] == 10 for p in report["per_prompt"])
+    assert 1.0 <= report["untrained"]["tau"] <= BLOCK
+    assert report["target"]["content_hash"].startswith("sha256:")
+
+
+def test_lossless_check_catches_a_real_divergence(target, tokenizer):
+    from dflash.eval_prompts import EvalPrompt
+    from stages.evaluate import _lossless_report
+
+    prompt = EvalPrompt(tokenizer.encode("def add(a, b):\n    return"), "inline")
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt.input_ids])).logits[0, -1]
+    best, worst = int(logits.argmax()), int(logits.argmin())
+
+    def result(tokens):
+        return GenerationResult(prompt_ids=prompt.input_ids, output_ids=tokens, acceptance_lengths=[1],
+                                block_size=1, prefill_seconds=0.0, decode_seconds=0.0, finish_reason="length")
+
+    same = _lossless_report(target.model, [prompt], [result([best])], [result([best])], 1e-3)
+    assert same["passed"] and same["identical"] == 1
+    wrong = _lossless_report(target.model, [prompt], [result([worst])], [result([best])], 1e-3)
+    assert not wrong["passed"]
+    (mismatch,) = wrong["mismatches"]
+    assert mismatch["index"] == 0 and mismatch["target_token"] == best and not mismatch["near_tie"]
+    assert mismatch["target_logit_gap"] == pytest.approx(float(logits[best] - logits[worst]), rel=1e-4)
+
+
+class _RowsCorpus:
+    """Two real rows: a chat row (prompt = the tokens before the reply) and a plain code row."""
+
+    def __init__(self, tokenizer):
+        from dflash.corpus import CorpusRow
+
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+        reply = tokenizer.encode("Hello! How can I help?")
+        code = tokenizer.encode(open(__file__).read())[:400]
+        self.path = "in-memory"
+        self._rows = [
+            CorpusRow(np.array(chat + reply, np.int32), np.array([0] * len(chat) + [1] * len(reply), np.uint8), "chat"),
+            CorpusRow(np.array(code, np.int32), np.ones(len(code), np.uint8), "code"),
+        ]
+        self.chat_prompt = chat
+
+    def __len__(self):
+        return len(self._rows)
+
+    def row(self, index):
+        return self._rows[index]
+
+    def describe_row(self, index):
+        return f"row {index}"
+
+
+def test_corpus_prompts_cut_chat_rows_before_the_reply_and_window_plain_rows(tokenizer):
+    corpus = _RowsCorpus(tokenizer)
+    prompts = prompts_from_corpus(corpus, np.arange(2), num_prompts=2, prompt_tokens=64, continuation_tokens=32)
+    by_source = {p.source: p.input_ids for p in prompts}
+    assert by_source["row 0"] == corpus.chat_prompt
+    code = corpus.row(1).input_ids.tolist()
+    window = by_source["row 1"]
+    assert len(window) == 64
+    start = next(i for i in range(len(code)) if code[i : i + 64] == window)
+    assert start + 64 + 32 <= len(code)  # room left for the continuation
+
+
+def test_file_prompts_txt_and_errors(tokenizer, tmp_path):
+    text = tmp_path / "prompts.txt"
+    text.write_text("first prompt\n\nsecond prompt\n")
+    prompts = prompts_from_file(text, tokenizer, num_prompts=5)
+    assert [p.source.rsplit(" ", 1)[-1] for p in prompts] == ["1", "3"]
+    raw = prompts_from_file(text, tokenizer, num_prompts=1, chat_template=False)
+    assert raw[0].input_ids == tokenizer.encode("first prompt")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"question": "no field"}) + "\n")
+    with pytest.raises(ConfigError, match="line 2"):
+        prompts_from_file(bad, tokenizer, num_prompts=5)
+    (tmp_path / "prompts.csv").write_text("a,b\n")
+    with pytest.raises(ConfigError, match=r"must end in \.jsonl"):
+        prompts_from_file(tmp_path / "prompts.csv", tokenizer, num_prompts=1)
