@@ -235,17 +235,15 @@ class TargetRunner:
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             tokens, mask = tokens.pin_memory(), mask.pin_memory()
+        # Non-blocking host->device copies only: nothing here waits for the previous batch to finish.
         tokens = tokens.to(self.device, non_blocking=True)
+        mask = mask.to(self.device, non_blocking=True)
         has_padding = min(lengths) != padded_length
-        mask_device = mask.to(self.device, non_blocking=True) if has_padding else None
-        hidden = self.forward(tokens, mask_device)  # [b, P, n*H]
+        hidden = self.forward(tokens, mask if has_padding else None)  # [b, P, n*H]
         with torch.inference_mode():
             # Non-finite check on the stored (bf16) values, real tokens only: [b, P, n] -> [b, n].
             finite = torch.isfinite(hidden.view(rows, padded_length, self.num_taps, self.hidden_size)).all(-1)
-            valid = torch.arange(padded_length, device=self.device)[None, :] < torch.as_tensor(
-                lengths, device=self.device
-            )[:, None]
-            nonfinite = (~finite & valid[:, :, None]).any(1)
+            nonfinite = (~finite & mask.bool()[:, :, None]).any(1)
         if not on_cuda:
             return _InFlight(list(map(int, indices)), lengths, hidden, nonfinite, padded=rows * padded_length)
         host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
