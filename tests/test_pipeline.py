@@ -23,10 +23,11 @@ TINY = {
     "prepare": {"max_length": 256},  # inputs: a folder of small stdlib modules (set in the fixture)
     "split": {"heldout_documents": 1, "seed": 0},
     "extract": {"workers": 1, "num_taps": 1, "token_budget": 2048, "shard_size": 2048, "dashboard_address": ":0"},
-    "train": {"num_draft_layers": 1, "block_size": 4, "epochs": 1, "token_budget": 512,
+    "train": {"num_draft_layers": 1, "block_size": 4, "epochs": 2, "token_budget": 512,
               "max_anchors_per_document": 8, "validation_fraction": 0.0, "save_every": 100, "keep_last": 1,
               "device": "cpu", "progress": False},
-    "evaluate": {"num_prompts": 2, "prompt_tokens": 32, "max_new_tokens": 8, "ignore_eos": True, "device": "cpu"},
+    "evaluate": {"num_prompts": 2, "prompt_tokens": 32, "max_new_tokens": 8, "ignore_eos": True, "device": "cpu",
+                 "per_epoch": True, "compare_untrained": True},
 }
 
 
@@ -60,6 +61,14 @@ def test_pipeline_runs_every_stage_and_prints_tau(finished_run):
     assert float(tau_lines[0].split()[2]) == pytest.approx(report["tau"], abs=5e-4)
     assert report["lossless"]["checked"] and report["lossless"]["passed"]
     assert report["prompts"]["count"] == 2
+    # Epoch by epoch: the untrained floor (epoch 0), then each epoch's checkpoint; the last one is the final drafter.
+    assert [entry["epoch"] for entry in state["epochs"]] == [0, 1, 2]
+    total_steps = state["stages"]["train"]["result"]["total_steps"]
+    assert state["epochs"][-1]["step"] == total_steps and 0 < state["epochs"][1]["step"] < total_steps
+    assert report["tau"] == state["epochs"][-1]["tau"]
+    for entry in state["epochs"]:
+        epoch_report = json.loads((workdir / "eval" / f"epoch_{entry['epoch']}.json").read_text())
+        assert epoch_report["tau"] == entry["tau"] and epoch_report["lossless"]["passed"]
 
 
 def test_heldout_documents_never_reach_the_cache(finished_run):
