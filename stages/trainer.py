@@ -364,83 +364,113 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over ``grad_accum_steps`` micro-batches per rank; returns this step's metrics."""
         config = self.config
-        block = self.drafter_config.block_size
         log_step = (self.step + 1) % config.log_every == 0
         self.timer = StepTimer(torch.cuda.synchronize if log_step and self.device.type == "cuda" else None)
         self.timer.start_step()
-        # [ce_sum, weight_sum, real, padded, supervised, block_tokens, correct[B-1], count[B-1],
-        #  bucket tokens[K], bucket batches[K]], summed over micro-batches here and over ranks below
-        num_buckets = self.train_loader.num_buckets
-        bucket_at = 6 + 2 * (block - 1)
-        sums = torch.zeros(bucket_at + 2 * num_buckets, dtype=torch.float64, device=self.device)
+        sums = self._new_step_sums()
         for micro in range(config.grad_accum_steps):
             with self.timer.phase("data_wait"):
                 batch, anchors = self._next_batch()
             last = micro == config.grad_accum_steps - 1
-            sync = contextlib.nullcontext() if last or self.world_size == 1 else self.loss_module.no_sync()
-            with sync:
+            with contextlib.nullcontext() if last or self.world_size == 1 else self.loss_module.no_sync():
                 with self.timer.phase("forward"), self.autocast:
-                    ce_sum, weight_sum, correct, count = self.loss_module(batch, anchors)
+                    outputs = self.loss_module(batch, anchors)
                 with self.timer.phase("backward"):
-                    ce_sum.backward()
-            sums[0] += ce_sum.detach().double()
-            sums[1] += weight_sum.detach().double()
-            sums[2] += batch.num_real_tokens
-            sums[3] += batch.num_tokens
-            sums[4] += batch.loss_mask.sum()
-            sums[5] += (anchors >= 0).sum() * block  # drafted block tokens (padding anchor slots excluded)
-            sums[6 : 6 + block - 1] += correct.double()
-            sums[6 + block - 1 : 6 + 2 * (block - 1)] += count.double()
-            if batch.bucket_id >= 0:
-                sums[bucket_at + batch.bucket_id] += batch.num_real_tokens
-                sums[bucket_at + num_buckets + batch.bucket_id] += 1
+                    outputs[0].backward()  # the UNnormalized weighted CE sum; see the module docstring
+            self._accumulate(sums, batch, anchors, outputs)
         with self.timer.phase("optimizer"):
-            if self.world_size > 1:
-                torch.distributed.all_reduce(sums)
-            weight_total = sums[1]
-            parameters = [p for p in self.drafter.parameters() if p.grad is not None]
-            scale = torch.where(weight_total > 0, self.world_size / weight_total.clamp(min=1e-12), 0.0)
-            torch._foreach_mul_([p.grad for p in parameters], scale.to(torch.float32))
-            grad_norm = clip_grad_norm(parameters, config.grad_clip)
-            values = sums.tolist()
-            grad_norm_value = float(grad_norm)
-            loss_value = values[0] / values[1] if values[1] > 0 else float("nan")
-            finite = math.isfinite(values[0]) and math.isfinite(grad_norm_value)
-            if not finite:
-                self.counters["skipped_steps"] += 1
-                log.warning(
-                    "step %d: non-finite %s; update skipped (%d skipped so far)", self.step + 1,
-                    "loss" if not math.isfinite(values[0]) else "gradient norm", self.counters["skipped_steps"],
-                )
-            elif values[1] <= 0:
-                self.counters["empty_steps"] += 1  # nothing supervised in the whole global batch
-            else:
-                self.optimizer.step()
-            lr = self.scheduler.get_last_lr()[0]
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            values, grad_norm, finite, lr = self._apply_update(sums)
         self.step += 1
-        self.counters["tokens_seen"] += int(values[2])
-        for bucket in range(num_buckets):  # global counts (all ranks)
-            if values[bucket_at + num_buckets + bucket]:
-                self.buckets.update(bucket, int(values[bucket_at + bucket]), int(values[bucket_at + num_buckets + bucket]))
+        self._count(values, grad_norm, finite)
+        return {
+            "loss": values["ce_sum"] / values["weight_sum"] if values["weight_sum"] > 0 else float("nan"),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "skipped": not finite,
+            "time": self.timer.summary(),
+        }
+
+    # Layout of the per-step sums (one float64 vector, so ranks all-reduce it in one call).
+    _SCALARS = ("ce_sum", "weight_sum", "real_tokens", "padded_tokens", "supervised_tokens", "block_tokens")
+
+    def _new_step_sums(self) -> torch.Tensor:
+        """``[6 scalars, correct[B-1], count[B-1], bucket tokens[K], bucket batches[K]]`` zeros, on the device."""
+        size = len(self._SCALARS) + 2 * (self.drafter_config.block_size - 1) + 2 * self.train_loader.num_buckets
+        return torch.zeros(size, dtype=torch.float64, device=self.device)
+
+    def _accumulate(self, sums: torch.Tensor, batch: PackedBatch, anchors: torch.Tensor, outputs) -> None:
+        """Add one micro-batch's loss sums and token counts to ``sums`` (device ops only, no host sync)."""
+        ce_sum, weight_sum, correct, count = outputs
+        positions = self.drafter_config.block_size - 1
+        sums[0] += ce_sum.detach().double()
+        sums[1] += weight_sum.detach().double()
+        sums[2] += batch.num_real_tokens
+        sums[3] += batch.num_tokens
+        sums[4] += batch.loss_mask.sum()
+        sums[5] += (anchors >= 0).sum() * (positions + 1)  # drafted block tokens (padding anchor slots excluded)
+        sums[6 : 6 + positions] += correct.double()
+        sums[6 + positions : 6 + 2 * positions] += count.double()
+        if batch.bucket_id >= 0:
+            bucket_at = 6 + 2 * positions
+            sums[bucket_at + batch.bucket_id] += batch.num_real_tokens
+            sums[bucket_at + self.train_loader.num_buckets + batch.bucket_id] += 1
+
+    def _apply_update(self, sums: torch.Tensor) -> tuple[dict[str, Any], float, bool, float]:
+        """All-reduce the sums, normalize gradients globally, clip, and step unless something is non-finite.
+
+        Returns ``(values, grad_norm, finite, lr)``; ``values`` has the named scalars plus ``correct``, ``count``,
+        ``bucket_tokens`` and ``bucket_batches`` lists, all global (summed over ranks).
+        """
+        if self.world_size > 1:
+            torch.distributed.all_reduce(sums)
+        weight_total = sums[1]
+        parameters = [p for p in self.drafter.parameters() if p.grad is not None]
+        # grad = (1/W) sum_ranks d ce_r (DDP averages) -> x W / global weight sum = d (sum_ranks ce_r / weight sum)
+        scale = torch.where(weight_total > 0, self.world_size / weight_total.clamp(min=1e-12), 0.0)
+        torch._foreach_mul_([p.grad for p in parameters], scale.to(torch.float32))
+        grad_norm = float(clip_grad_norm(parameters, self.config.grad_clip))
+        flat = sums.tolist()  # the step's one host sync
+        positions, num_buckets = self.drafter_config.block_size - 1, self.train_loader.num_buckets
+        values: dict[str, Any] = dict(zip(self._SCALARS, flat, strict=False))
+        cursor = len(self._SCALARS)
+        for name, width in (("correct", positions), ("count", positions), ("bucket_tokens", num_buckets),
+                            ("bucket_batches", num_buckets)):
+            values[name] = flat[cursor : cursor + width]
+            cursor += width
+        finite = math.isfinite(values["ce_sum"]) and math.isfinite(grad_norm)
+        if not finite:
+            self.counters["skipped_steps"] += 1
+            log.warning(
+                "step %d: non-finite %s; update skipped (%d skipped so far)", self.step + 1,
+                "loss" if not math.isfinite(values["ce_sum"]) else "gradient norm", self.counters["skipped_steps"],
+            )
+        elif values["weight_sum"] <= 0:
+            self.counters["empty_steps"] += 1  # nothing supervised in the whole global batch
+        else:
+            self.optimizer.step()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()  # the schedule follows the data position, skipped or not
+        self.optimizer.zero_grad(set_to_none=True)
+        return values, grad_norm, finite, lr
+
+    def _count(self, values: dict[str, Any], grad_norm: float, finite: bool) -> None:
+        """Update counters, throughput window, bucket counts and the logging interval with a step's global sums."""
+        self.counters["tokens_seen"] += int(values["real_tokens"])
+        for bucket, (tokens, batches) in enumerate(zip(values["bucket_tokens"], values["bucket_batches"], strict=True)):
+            if batches:
+                self.buckets.update(bucket, int(tokens), int(batches))
         self.throughput.update(
-            real_tokens=int(values[2]), padded_tokens=int(values[3]),
-            supervised_tokens=int(values[4]), block_tokens=int(values[5]),
+            real_tokens=int(values["real_tokens"]), padded_tokens=int(values["padded_tokens"]),
+            supervised_tokens=int(values["supervised_tokens"]), block_tokens=int(values["block_tokens"]),
         )
         interval = self._interval
         interval["steps"] += 1
         if finite:  # a skipped step contributes nothing to the interval's loss and accuracy
-            interval["sums"] = interval["sums"] + np.asarray(values[:bucket_at])
-            interval["grad_norm_max"] = max(interval["grad_norm_max"], grad_norm_value)
-        return {
-            "loss": loss_value,
-            "grad_norm": grad_norm_value,
-            "lr": lr,
-            "skipped": not finite,
-            "bucket_tokens": values[bucket_at : bucket_at + num_buckets],
-            "time": self.timer.summary(),
-        }
+            interval["ce_sum"] += values["ce_sum"]
+            interval["weight_sum"] += values["weight_sum"]
+            interval["correct"] = np.add(interval["correct"], values["correct"])
+            interval["count"] = np.add(interval["count"], values["count"])
+            interval["grad_norm_max"] = max(interval["grad_norm_max"], grad_norm)
 
     # ================================================================== save / evaluate
     def save(self) -> None:
@@ -515,19 +545,20 @@ class Trainer:
 
     # ================================================================== log
     def _zero_interval(self) -> dict[str, Any]:
-        return {"sums": 0.0, "steps": 0, "grad_norm_max": 0.0}
+        return {"steps": 0, "ce_sum": 0.0, "weight_sum": 0.0, "correct": 0.0, "count": 0.0, "grad_norm_max": 0.0}
 
     def log(self, step_metrics: dict[str, Any]) -> None:
         """Every ``log_every`` steps: interval loss/accuracy/tau, lr, grad norm, skips, throughput, time split."""
         if self.step % self.config.log_every and self.step != self.total_steps:
             return
-        block = self.drafter_config.block_size
         interval, self._interval = self._interval, self._zero_interval()
-        sums = np.broadcast_to(np.asarray(interval["sums"], dtype=np.float64), (6 + 2 * (block - 1),))
-        correct, count = sums[6 : 5 + block], sums[5 + block :]
+        positions = self.drafter_config.block_size - 1
+        correct = np.broadcast_to(np.asarray(interval["correct"], dtype=np.float64), (positions,))
+        count = np.broadcast_to(np.asarray(interval["count"], dtype=np.float64), (positions,))
         accuracy = [float(c / n) if n else 0.0 for c, n in zip(correct, count, strict=True)]
+        loss = interval["ce_sum"] / interval["weight_sum"] if interval["weight_sum"] > 0 else step_metrics["loss"]
         record: dict[str, Any] = {
-            "loss": float(sums[0] / sums[1]) if sums[1] > 0 else step_metrics["loss"],
+            "loss": loss,
             "accuracy_per_position": accuracy,
             "expected_acceptance_length": expected_acceptance_length(accuracy),
             "lr": step_metrics["lr"],
