@@ -250,12 +250,19 @@ def trajectory_changes(saved: dict[str, Any], current: dict[str, Any], *, saved_
     separately); the global batch is ``world_size * grad_accum_steps`` micro-batches, so a different world size
     with the same product keeps the batches but not bit-exactness (different float summation order).
     """
+    from dataclasses import MISSING
+
+    # A field missing from an older checkpoint had its default then (fields are only ever added with defaults).
+    defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
     changes = []
     for name in sorted(set(saved) | set(current)):
         if name in RUNTIME_FIELDS or name == "grad_accum_steps":
             continue
-        if saved.get(name) != current.get(name):
-            changes.append(f"{name}: {saved.get(name)!r} -> {current.get(name)!r}")
+        before, after = saved.get(name, defaults.get(name)), current.get(name, defaults.get(name))
+        if isinstance(before, tuple | list) and isinstance(after, tuple | list):
+            before, after = list(before), list(after)
+        if before != after:
+            changes.append(f"{name}: {before!r} -> {after!r}")
     saved_batches = saved_world_size * int(saved.get("grad_accum_steps", 1))
     current_batches = world_size * int(current.get("grad_accum_steps", 1))
     if saved_batches != current_batches:
