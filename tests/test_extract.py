@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -201,3 +202,38 @@ def test_corpus_outside_the_vocab_fails_before_any_worker_starts(tmp_path, token
     with pytest.raises(CorpusError, match="60000"):
         run_extract(config, _quiet())
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.slow
+def test_worker_sigkill_mid_run_is_redone_exactly_once(tmp_path, corpus_dir, reference):
+    output = tmp_path / "cache"
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=2, shard_size=1, dashboard_address=":0")
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["summary"] = run_extract(config, _quiet())
+        except BaseException as error:  # surfaced by the assertion below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    commits = output / "commits"
+    deadline = time.monotonic() + 240
+    while not (commits.is_dir() and any(commits.glob("shard-*.json"))):
+        assert thread.is_alive(), outcome
+        assert time.monotonic() < deadline, "no shard committed in time"
+        time.sleep(0.05)
+    workers = [
+        child for child in psutil.Process().children(recursive=True)
+        if child.pid not in before and "spawn_main" in " ".join(child.cmdline())
+    ]  # fmt: skip
+    assert workers, "no Dask worker process found"
+    workers[0].kill()  # the task it ran and its pending write are lost; the driver must redo them
+    committed_at_kill = len(list(commits.glob("shard-*.json")))
+    thread.join(timeout=300)
+    assert not thread.is_alive() and "error" not in outcome, outcome
+    assert committed_at_kill < outcome["summary"]["planned_shards"], "the kill did not land mid-run"
+    assert outcome["summary"]["committed_shards"] == outcome["summary"]["planned_shards"]
+    _assert_cache_matches(output, corpus_dir, reference)
