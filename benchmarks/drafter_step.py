@@ -6,15 +6,23 @@ sequence 3072, batch 1 and 4 (sequences packed into one row), bf16 autocast over
 compiled. Prints step time, sequence tokens/s and MFU (formula printed), then counts dynamo compiles over 12
 distinct batch shapes (padded to length buckets on the compiled fixed-shape path).
 
-GPU:   python benchmarks/drafter_step.py
+GPU:   python benchmarks/drafter_step.py [--profile OUT_DIR]
 CPU:   python benchmarks/drafter_step.py --smoke      (tiny config, seconds; checks the script, not the speed)
+
+``--profile OUT_DIR``: after timing each mode/batch, torch.profiler over 3 steps; writes
+``OUT_DIR/profile_<mode>_b<batch>.txt`` (top 30 CUDA kernels by self time with counts and % of the timed step, time
+by kernel category and by step phase). On CPU (``--smoke``) the table lists CPU operators instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
 import time
+from collections import defaultdict
+from pathlib import Path
 
 import torch
 import torch._dynamo
@@ -129,13 +137,17 @@ class Stepper:
                               num_anchors=num_anchors)
 
     def __call__(self, batch: PackedBatch, num_anchors: int | None) -> torch.Tensor:
-        anchors = self.anchors(batch, num_anchors)
-        with self.autocast:
+        # record_function ranges name the step phases in --profile output (negligible cost otherwise).
+        with torch.profiler.record_function("phase:anchors"):
+            anchors = self.anchors(batch, num_anchors)
+        with torch.profiler.record_function("phase:forward+loss"), self.autocast:
             out = dflash_loss(self.drafter, batch, anchors, gamma=self.gamma)
             loss = out.loss()
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with torch.profiler.record_function("phase:backward"):
+            loss.backward()
+        with torch.profiler.record_function("phase:optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
 
@@ -156,6 +168,132 @@ def time_steps(stepper: Stepper, batch: PackedBatch, num_anchors: int | None, wa
     if not math.isfinite(float(loss)):
         raise RuntimeError(f"non-finite loss {float(loss)}")
     return elapsed
+
+
+PROFILE_STEPS = 3
+PROFILE_TOP = 30
+#: Kernel categories, first match wins (searched in the lower-cased kernel / operator name).
+CATEGORIES = [
+    ("memcpy/memset", r"memcpy|memset|copy_device|dtoh|htod|dtod|aten::copy_|aten::to\b|_to_copy"),
+    ("optimizer", r"adam|multi_tensor|foreach|fused_adam|optimizer"),
+    ("flash/flex attention", r"flex_attention|flash|fmha|attention|sdpa|_efficient_attention"),
+    ("GEMM", r"gemm|nvjet|cutlass|xmma|cublas|matmul|aten::mm\b|aten::addmm|aten::bmm|aten::linear|splitk|"
+             r"sm90_|sm80_|ampere_|hopper|triton_tem_fused.*mm"),
+    ("flash/flex attention", r"triton_tem_fused"),  # other inductor templates here: flex attention
+    ("CE/softmax", r"softmax|logsumexp|cross_entropy|nll_loss|_ce_chunk|argmax|amax"),
+    ("elementwise/norm/rope", r"elementwise|vectorized|unrolled|reduce|triton_poi|triton_per|triton_red|rsqrt|"
+                              r"norm|mul|add|pow|mean|silu|cat|neg|exp|where|index|gather|scatter|embedding|fill|zero|sqrt|lerp|sub|div|"
+                              r"cos|sin|clamp|sum|sort|topk|rand|arange|ge\b|lt\b|bitwise"),
+]
+_PHASE_PREFIX = "phase:"
+_CE_RANGE = "dflash:lm_head_ce"
+
+
+def _category(name: str, in_ce: bool) -> str:
+    lowered = name.lower()
+    for category, pattern in CATEGORIES:
+        if re.search(pattern, lowered):
+            # Non-GEMM kernels launched inside the chunked LM head + CE (compiled chunk: triton_*) are CE work.
+            if in_ce and category in ("elementwise/norm/rope", "memcpy/memset"):
+                return "CE/softmax"
+            return category
+    return "CE/softmax" if in_ce else "other"
+
+
+def _short(name: str, width: int = 110) -> str:
+    name = " ".join(name.split())
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def profile_steps(stepper: Stepper, batch: PackedBatch, num_anchors: int | None, step_seconds: float,
+                  path: Path, title: str) -> None:
+    """Profile PROFILE_STEPS steps and write the compact kernel table to ``path`` (atomic)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    on_cuda = stepper.device.type == "cuda"
+    if on_cuda:
+        activities.append(ProfilerActivity.CUDA)
+    stepper(batch, num_anchors)  # one unprofiled step: any lazy setup stays out of the window
+    synchronize(stepper.device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILE_STEPS):
+            stepper(batch, num_anchors)
+        synchronize(stepper.device)
+    profiled_wall = (time.perf_counter() - start) / PROFILE_STEPS
+    events = list(prof.events())
+    if on_cuda:
+        # Device-side events: kernels, memcpy/memset; user annotations (record_function ranges projected on the GPU
+        # timeline) give the phase / CE windows.
+        device = [e for e in events if e.device_type == DeviceType.CUDA]
+        kernels = [e for e in device if not e.is_user_annotation]
+        windows = [(e.name, e.time_range.start, e.time_range.end) for e in device if e.is_user_annotation]
+        unit = "CUDA kernels (self device time)"
+    else:
+        # CPU fallback (--smoke): CPU operators by self CPU time.
+        kernels = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async
+                   and not e.name.startswith((_PHASE_PREFIX, _CE_RANGE)) and e.self_cpu_time_total > 0]
+        windows = [(e.name, e.time_range.start, e.time_range.end) for e in events
+                   if e.name.startswith((_PHASE_PREFIX, _CE_RANGE))]
+        unit = "CPU operators (self CPU time; no CUDA here)"
+    phase_windows = sorted((s, e, n[len(_PHASE_PREFIX):]) for n, s, e in windows if n.startswith(_PHASE_PREFIX))
+    ce_windows = sorted((s, e) for n, s, e in windows if n == _CE_RANGE)
+
+    def inside(t: float, spans) -> str | None:
+        for span in spans:
+            if span[0] <= t < span[1]:
+                return span[2] if len(span) > 2 else "yes"
+        return None
+
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_category: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_phase: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in kernels:
+        us = event.time_range.elapsed_us() if on_cuda else event.self_cpu_time_total
+        t = event.time_range.start
+        for table, key in ((by_name, event.name),
+                           (by_category, _category(event.name, inside(t, ce_windows) is not None)),
+                           (by_phase, inside(t, phase_windows) or "backward/unannotated")):
+            table[key][0] += 1
+            table[key][1] += us
+    busy_us = sum(v[1] for v in by_name.values())
+    step_us = step_seconds * 1e6
+
+    def pct(us_total: float) -> str:
+        return f"{us_total / PROFILE_STEPS / step_us:6.1%}"
+
+    lines = [
+        f"drafter_step profile: {title}",
+        f"torch {torch.__version__}; {PROFILE_STEPS} profiled steps; timed step {step_seconds * 1e3:.2f} ms; "
+        f"profiled wall {profiled_wall * 1e3:.2f} ms/step; summed {unit}: {busy_us / PROFILE_STEPS / 1e3:.2f} ms/step "
+        f"({pct(busy_us).strip()} of the timed step)",
+        "% = time per step / timed step time. Counts are per step.",
+        "",
+        f"== top {PROFILE_TOP} by self time ==",
+        f"{'ms/step':>9} {'% step':>7} {'count':>7} {'avg us':>9}  name",
+    ]
+    for name, (count, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:PROFILE_TOP]:
+        lines.append(f"{us / PROFILE_STEPS / 1e3:9.3f} {pct(us)} {count / PROFILE_STEPS:7.1f} {us / count:9.1f}  "
+                     f"{_short(name)}")
+    rest = sorted(by_name.items(), key=lambda kv: -kv[1][1])[PROFILE_TOP:]
+    if rest:
+        us = sum(v[1] for _, v in rest)
+        lines.append(f"{us / PROFILE_STEPS / 1e3:9.3f} {pct(us)} {sum(v[0] for _, v in rest) / PROFILE_STEPS:7.1f} "
+                     f"{'':>9}  ({len(rest)} other names)")
+    for heading, table in (("by category (name patterns; non-GEMM kernels inside the LM head + CE range count "
+                            "as CE/softmax)", by_category),
+                           ("by step phase (record_function ranges on the device timeline; backward runs on the "
+                            "autograd thread and may be unannotated)", by_phase)):
+        lines += ["", f"== {heading} ==", f"{'ms/step':>9} {'% step':>7} {'count':>7}  group"]
+        for key, (count, us) in sorted(table.items(), key=lambda kv: -kv[1][1]):
+            lines.append(f"{us / PROFILE_STEPS / 1e3:9.3f} {pct(us)} {count / PROFILE_STEPS:7.1f}  {key}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+    console.print(f"profile written: {path}")
 
 
 def count_compiles(stepper: Stepper, config: DFlashConfig, args, device: torch.device, fixed: bool) -> tuple[int, int]:
@@ -193,6 +331,8 @@ def main() -> None:
     parser.add_argument("--buckets", type=int, default=3, help="length buckets of the fixed-shape path")
     parser.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak (H200 SXM: 989.4)")
     parser.add_argument("--compile-backend", default="inductor")
+    parser.add_argument("--profile", type=Path, default=None, metavar="OUT_DIR",
+                        help="after timing, profile 3 steps per mode/batch; write OUT_DIR/profile_<mode>_b<batch>.txt")
     args = parser.parse_args()
     if args.smoke:
         args.seq_len, args.anchors, args.block_size, args.gamma = 96, 8, 4, 4.0
@@ -234,6 +374,10 @@ def main() -> None:
                           "-" if args.smoke else f"{tokens / seconds / REFERENCE_TOKENS_PER_SECOND[mode]:.2f}",
                           f"{flops / 1e12:.2f}",
                           f"{mfu:.1%}", f"{memory:.1f}")
+            if args.profile is not None:
+                profile_steps(stepper, batch, num_anchors, seconds, args.profile / f"profile_{mode}_b{batch_size}.txt",
+                              f"{mode}, batch {batch_size}, {'fixed' if fixed else 'dynamic'} anchors, "
+                              f"{seconds * 1e3:.1f} ms/step, {tokens / seconds:,.0f} seq tok/s, MFU {mfu:.1%}")
         shapes, graphs = count_compiles(stepper, config, args, device, fixed) if args.shapes else (0, 0)
         total_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_at_start
         compile_rows.append((mode, shapes, graphs, total_graphs))
