@@ -6,7 +6,9 @@ In ONE run, on the same model and the same token-budget batches (length-sorted, 
 2. truncated runner forward: ``TargetRunner.forward`` (stops after the last tapped layer), outputs left on device;
 3. runner with host copies: ``TargetRunner.iter_batches`` (taps copied to pinned host buffers, non-blocking);
 4. end-to-end extract: the Dask task's code path (``ShardExtractor``: corpus rows -> runner -> overlapped
-   ``HiddenStateCache.write_shard`` with compression and checksums -> commit), timed until the last commit.
+   ``HiddenStateCache.write_shard`` with compression and checksums -> commit), timed until the last commit;
+5. with ``--via-dask`` (targets loadable by path: ``default`` or a folder): the whole ``extract`` stage through a
+   one-GPU LocalCluster (its own worker process loads the target; timed from first task to last commit).
 
 Then prints tokens/s of each, extract / truncated-forward (target >= 0.95), extract / full-forward (target >= 1),
 bytes per token on disk, and the compression ratio. Token counts are real (unpadded) tokens.
@@ -187,6 +189,21 @@ def time_extract(runner: TargetRunner, identity: TargetIdentity, spec: str, corp
     return elapsed, counts
 
 
+def time_dask_extract(args: argparse.Namespace, device: torch.device, workdir: Path) -> dict:
+    """The ``extract`` stage itself (LocalCluster, one worker on GPU 0 or CPU); its summary dict."""
+    from stages.extract import ExtractConfig, run_extract
+
+    if args.target == "qwen3-8b-random":
+        raise SystemExit("--via-dask needs a target a worker can load by path (default or a folder)")
+    config = ExtractConfig(
+        corpus=str(workdir / "corpus"), output=str(workdir / "cache-dask"), target=args.target,
+        num_taps=args.num_taps, shard_size=args.shard_size, token_budget=args.token_budget,
+        storage_dtype={"bfloat16": "bf16", "float8_e4m3fn": "fp8"}[args.storage_dtype], codec=args.codec,
+        dashboard_address=":0", **({"target_gpus": [0]} if device.type == "cuda" else {"workers": 1}),
+    )  # fmt: skip
+    return run_extract(config, Console(stderr=True))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="default", help="qwen3-8b-random, default (SmolLM2) or a local path")
@@ -203,6 +220,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, to check the script runs")
+    parser.add_argument("--via-dask", action="store_true", help="also time the full extract stage on a 1-worker LocalCluster")
     args = parser.parse_args()
     if args.smoke:
         args.tokens, args.min_len, args.max_len, args.token_budget, args.shard_size = 400, 16, 48, 128, 96
@@ -231,6 +249,7 @@ def main() -> None:
         copies_s = time_runner_with_copies(runner, rows, device)
         extract_s, counts = time_extract(runner, identity, args.target, workdir / "corpus", workdir / "cache",
                                          args.shard_size, args.storage_dtype, args.codec)  # fmt: skip
+        dask_summary = time_dask_extract(args, device, workdir) if args.via_dask else None
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -262,6 +281,9 @@ def main() -> None:
         "compression_ratio": counts["raw_bytes"] / max(1, counts["stored_bytes"]),
         "quarantined": counts["num_quarantined"],
     }
+    if dask_summary is not None:
+        figures["dask_extract_tokens_per_s"] = dask_summary["tokens_per_second"]
+        figures["dask_extract_over_truncated_forward"] = dask_summary["tokens_per_second"] * truncated_s / num_tokens
     table = Table(title=f"extract benchmark: {identity.name} on {figures['device']}", show_header=False)
     for name, value in figures.items():
         table.add_row(name, f"{value:,.4g}" if isinstance(value, float) else str(value))
