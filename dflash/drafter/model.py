@@ -284,7 +284,9 @@ class DFlashDrafter(nn.Module):
                 f"({self.config.num_taps} taps x hidden {self.config.hidden_size}); the cache was extracted "
                 "with other target_layer_ids or another target"
             )
-        return self.hidden_norm(self.fc(hidden.to(self.fc.weight.dtype)))
+        # Cast straight to the compute dtype: under bf16 autocast a float32 copy of the [T, n*H] input (the widest
+        # activation of the step) would be written and read again only to be cast back to bf16 by the Linear.
+        return self.hidden_norm(self.fc(hidden.to(self._compute_dtype(hidden.device))))
 
     def _run_layers(self, block_states, context, block_rope, context_rope, mask, *,
                     use_compiled: bool = True) -> torch.Tensor:
