@@ -508,23 +508,26 @@ def load_drafter(path: str | Path, *, target: Any = None) -> tuple[Any, Any, dic
     return drafter, config, checkpoint.target_info
 
 
-def target_weight_record(embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None) -> dict[str, Any]:
+def target_weight_record(
+    embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None, *, kinds: tuple[str, ...] = ("as_is", "bf16")
+) -> dict[str, Any]:
     """What a checkpoint records about the target's shared tensors, to recognise them later.
 
     ``weight_hashes`` hash the tensors as attached (their dtype); ``weight_hashes_bf16`` hash them rounded to
-    bfloat16, so a target loaded in another dtype (fp32 on CPU, bf16 on GPU) is still recognised.
+    bfloat16, so a target loaded in another dtype (fp32 on CPU, bf16 on GPU) is still recognised. A tied LM head
+    (``None`` or the embedding itself) is hashed once.
     """
     from dflash.drafter.model import tensor_hash
 
-    head = embed_weight if lm_head_weight is None else lm_head_weight
-    return {
-        "weight_hashes": {"embed_tokens": tensor_hash(embed_weight), "lm_head": tensor_hash(head)},
-        "weight_hashes_bf16": {
-            "embed_tokens": tensor_hash(embed_weight.to(torch.bfloat16)),
-            "lm_head": tensor_hash(head.to(torch.bfloat16)),
-        },
-        "weight_dtype": str(embed_weight.dtype).removeprefix("torch."),
-    }
+    tied = lm_head_weight is None or lm_head_weight is embed_weight
+    record: dict[str, Any] = {"weight_dtype": str(embed_weight.dtype).removeprefix("torch.")}
+    for kind in kinds:
+        convert = (lambda t: t) if kind == "as_is" else (lambda t: t.to(torch.bfloat16))
+        embed_hash = tensor_hash(convert(embed_weight))
+        head_hash = embed_hash if tied else tensor_hash(convert(lm_head_weight))
+        key = "weight_hashes" if kind == "as_is" else "weight_hashes_bf16"
+        record[key] = {"embed_tokens": embed_hash, "lm_head": head_hash}
+    return record
 
 
 def check_target_weights(
@@ -535,9 +538,9 @@ def check_target_weights(
     Raises:
         MismatchError: naming ``embed_tokens`` or ``lm_head`` and the target spec to load instead.
     """
-    actual = target_weight_record(embed_weight, lm_head_weight)
-    same_dtype = actual["weight_dtype"] == target_info.get("weight_dtype")
+    same_dtype = str(embed_weight.dtype).removeprefix("torch.") == target_info.get("weight_dtype")
     key = "weight_hashes" if same_dtype or "weight_hashes_bf16" not in target_info else "weight_hashes_bf16"
+    actual = target_weight_record(embed_weight, lm_head_weight, kinds=("as_is" if key == "weight_hashes" else "bf16",))
     for name, value in (target_info.get(key) or {}).items():
         if actual[key].get(name) != value:
             raise MismatchError(

@@ -140,8 +140,9 @@ def test_failed_write_keeps_the_previous_checkpoint(training, tmp_path, monkeypa
 
 def test_retention_keeps_last_k_and_the_best(training, tmp_path):
     checkpointer = Checkpointer(tmp_path / "run", keep_last=2)
+    training.train_step()
     for step, val_loss in zip(range(1, 6), [5.0, 3.0, 4.0, 3.5, 6.0], strict=True):
-        training.train_step()
+        training.step = step  # retention only looks at step numbers and validation losses
         checkpointer.save(training.snapshot(checkpointer))
         checkpointer.report_validation(step, val_loss)
     checkpointer.close()
