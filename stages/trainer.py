@@ -264,6 +264,17 @@ class Trainer:
         )
         self.timer = StepTimer()
         self.progress = training_progress(enabled=self.is_main and config.progress)
+        self.environment = collect_environment() | {"world_size": self.world_size, "device": str(self.device)}
+        self.resolved = {
+            "target_spec": self.target_spec,
+            "drafter_config": self.drafter_config.to_dict(),
+            "gamma": config.resolved_gamma(),
+            "anchor_slots": self.anchor_slots,
+            "total_steps": self.total_steps,
+            "world_size": self.world_size,
+            "device": str(self.device),
+            "bucket_boundaries": list(self.train_loader.boundaries),
+        }
         if self.is_main:
             self._write_run_json()
 
@@ -491,6 +502,8 @@ class Trainer:
                 "config": self.config.to_dict(),
                 "world_size": self.world_size,
                 "total_steps": self.total_steps,
+                "resolved": self.resolved,  # the checkpoint describes itself even when copied away from RUN
+                "environment": self.environment,
             },
             rng_state=capture_rng_state(),
             drafter_config=self.drafter_config.to_dict(),
@@ -595,18 +608,13 @@ class Trainer:
         rows = self.train_loader.bucket_table()
         Console(stderr=True).print(render_bucket_table(rows, title=f"length buckets (epoch {self.train_loader.epoch})"))
         resolved = {
-            "target_spec": self.target_spec,
-            "drafter_config": self.drafter_config.to_dict(),
-            "gamma": self.config.resolved_gamma(),
-            "total_steps": self.total_steps,
-            "world_size": self.world_size,
-            "device": str(self.device),
+            **self.resolved,
             "train_loader": self.train_loader.describe(),
             "validation_loader": self.val_loader.describe() if self.val_loader is not None else None,
             "bucket_table": [_row_dict(row) for row in rows],
             "cache_metadata": self.reader.metadata.to_dict(),
         }
-        write_run_json(self.run_dir, self.config.to_dict(), collect_environment(), resolved=resolved, target=self.target_info)
+        write_run_json(self.run_dir, self.config.to_dict(), self.environment, resolved=resolved, target=self.target_info)
         self.metrics.log_text("config", f"```\n{self.config.to_dict()}\n```")
 
     def summary(self, last_eval: dict[str, float]) -> dict[str, Any]:

@@ -57,6 +57,10 @@ def test_resume_reproduces_straight_run_bit_exactly(tiny_cache, tmp_path):
     end_resumed = _checkpoint_state(tmp_path / "resumed", 4)
     _assert_same_state(end_straight, end_resumed)
     assert end_straight.trainer_state["data"]["epoch"] >= 1  # the data order was checked across an epoch
+    # Each checkpoint carries the resolved config and the environment, not only the run folder.
+    assert end_straight.trainer_state["resolved"]["total_steps"] == 4
+    assert end_straight.trainer_state["resolved"]["drafter_config"]["block_size"] == 4
+    assert end_straight.trainer_state["environment"]["versions"]["torch"]
     assert resumed["val"]["loss"] == straight["val"]["loss"]
 
     # Telemetry of the straight run: every logged field is there and sane.
