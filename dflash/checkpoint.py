@@ -241,6 +241,11 @@ class Checkpointer:
         best_json = self.run_dir / "best.json"
         if best_json.is_file():
             self._best = json.loads(best_json.read_text())
+        if enabled:  # leftovers of a writer killed mid-write never count; the one writer of this run clears them
+            for leftover in [*self.checkpoint_dir.glob(".tmp-*"), *self.checkpoint_dir.glob(".old-*")]:
+                shutil.rmtree(leftover, ignore_errors=True)
+            for leftover in self.run_dir.glob(".*.tmp-*"):
+                leftover.unlink(missing_ok=True)
 
     @property
     def best(self) -> dict[str, Any] | None:

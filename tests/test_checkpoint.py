@@ -136,6 +136,10 @@ def test_failed_write_keeps_the_previous_checkpoint(training, tmp_path, monkeypa
     assert (tmp_path / "run" / "latest").read_text().strip() == "step_00000001"
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000001"]
     assert load_checkpoint(tmp_path / "run").step == 1
+    # A writer killed mid-write leaves a temporary folder: it never counts, and the next run clears it.
+    (tmp_path / "run" / "checkpoints" / ".tmp-step_00000002-999").mkdir()
+    Checkpointer(tmp_path / "run").close()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000001"]
 
 
 def test_retention_keeps_last_k_and_the_best(training, tmp_path):
