@@ -149,6 +149,8 @@ class Trainer:
         self.timer = StepTimer()
         self._interval = self._zero_interval()
         self._train_iter = None
+        self._stop_requested = False  # set by SIGTERM
+        self._stopped = False  # the ranks agreed to stop after the current step
 
     # ================================================================== the loop
     def fit(self) -> dict[str, Any]:
@@ -157,11 +159,12 @@ class Trainer:
         config = self.config
         last_eval: dict[str, float] = {}
         self.throughput.reset_clock()  # setup time is not training throughput
-        with self.progress:
+        with self.progress, self._stop_on_sigterm():
             task = self.progress.add_task("train", total=self.total_steps, completed=self.step, status="")
-            while self.step < self.total_steps and self.step != config.stop_at_step:
+            while self.step < self.total_steps and self.step != config.stop_at_step and not self._stopped:
                 step_metrics = self.train_step()
-                if self.step % config.save_every == 0 or self.step in (self.total_steps, config.stop_at_step):
+                stopping = step_metrics["stop"]  # SIGTERM on any rank: every rank stops after this same step
+                if self.step % config.save_every == 0 or self.step in (self.total_steps, config.stop_at_step) or stopping:
                     self.save()
                 evaluated = self.val_loader is not None and (
                     self.step % config.eval_every == 0 or self.step == self.total_steps
@@ -174,8 +177,31 @@ class Trainer:
                 if evaluated:
                     self.throughput.reset_clock()  # evaluation time is not training throughput
                 self.progress.update(task, completed=self.step, status=self._status(step_metrics, last_eval))
+                if stopping:
+                    log.warning("stopped at step %d on SIGTERM, with a checkpoint; --resume continues it", self.step)
         self.checkpointer.wait()
         return self.summary(last_eval)
+
+    @contextlib.contextmanager
+    def _stop_on_sigterm(self):
+        """While training, SIGTERM (a preemption; torchrun forwards it to every rank) asks for a clean stop: the
+        ranks agree on it through the step's all-reduce, finish that step, checkpoint it and return."""
+        import signal
+        import threading
+
+        self._stop_requested = False
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def request_stop(signum, frame):
+            self._stop_requested = True
+
+        previous = signal.signal(signal.SIGTERM, request_stop)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
     # ================================================================== load
     def load(self) -> None:
@@ -398,6 +424,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "lr": lr,
             "skipped": not finite,
+            "stop": self._stopped,
             "time": self.timer.summary(),
         }
 
@@ -405,8 +432,9 @@ class Trainer:
     _SCALARS = ("ce_sum", "weight_sum", "real_tokens", "padded_tokens", "supervised_tokens", "block_tokens")
 
     def _new_step_sums(self) -> torch.Tensor:
-        """``[6 scalars, correct[B-1], count[B-1], bucket tokens[K], bucket batches[K]]`` zeros, on the device."""
-        size = len(self._SCALARS) + 2 * (self.drafter_config.block_size - 1) + 2 * self.train_loader.num_buckets
+        """``[6 scalars, correct[B-1], count[B-1], bucket tokens[K], bucket batches[K], stop]`` zeros on the device."""
+        # the last slot is the stop vote (SIGTERM seen by any rank)
+        size = len(self._SCALARS) + 2 * (self.drafter_config.block_size - 1) + 2 * self.train_loader.num_buckets + 1
         return torch.zeros(size, dtype=torch.float64, device=self.device)
 
     def _accumulate(self, sums: torch.Tensor, batch: PackedBatch, anchors: torch.Tensor, outputs) -> None:
@@ -432,6 +460,7 @@ class Trainer:
         Returns ``(values, grad_norm, finite, lr)``; ``values`` has the named scalars plus ``correct``, ``count``,
         ``bucket_tokens`` and ``bucket_batches`` lists, all global (summed over ranks).
         """
+        sums[-1] = float(self._stop_requested)
         if self.world_size > 1:
             torch.distributed.all_reduce(sums)
         weight_total = sums[1]
@@ -448,6 +477,7 @@ class Trainer:
                             ("bucket_batches", num_buckets)):
             values[name] = flat[cursor : cursor + width]
             cursor += width
+        self._stopped = flat[-1] > 0
         finite = math.isfinite(values["ce_sum"]) and math.isfinite(grad_norm)
         if not finite:
             self.counters["skipped_steps"] += 1
@@ -624,6 +654,7 @@ class Trainer:
             "step": self.step,
             "total_steps": self.total_steps,
             "skipped_steps": self.counters["skipped_steps"],
+            "stopped_by_signal": self._stopped,
             "tokens_seen": self.counters["tokens_seen"],
             "data_digest": self.counters["data_digest"],
             "val": last_eval,

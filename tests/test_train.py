@@ -185,6 +185,34 @@ def test_nonfinite_step_is_skipped_and_counted(tiny_cache, tmp_path, monkeypatch
     assert not torch.equal(final["fc.weight"], after_2.model_state["fc.weight"])  # training went on
 
 
+def test_sigterm_stops_after_the_step_with_a_checkpoint(tiny_cache, tmp_path, monkeypatch):
+    import os
+    import signal
+
+    import stages.trainer as trainer_module
+
+    real_loss = trainer_module.dflash_loss
+    calls = {"n": 0}
+
+    def preempted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice in the middle of step 2
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "dflash_loss", preempted)
+    handler_before = signal.getsignal(signal.SIGTERM)
+    config = tiny_config(tiny_cache, tmp_path / "run", max_steps=4, save_every=10, validation_fraction=0.0)
+    summary = run_training(config)
+    assert summary["stopped_by_signal"] and summary["step"] == 2
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step_00000002"
+    assert signal.getsignal(signal.SIGTERM) == handler_before  # the previous handler is back
+    monkeypatch.setattr(trainer_module, "dflash_loss", real_loss)
+    resumed = run_training(tiny_config(tiny_cache, tmp_path / "run", max_steps=4, save_every=10,
+                                       validation_fraction=0.0, resume=True))
+    assert resumed["step"] == 4 and not resumed["stopped_by_signal"]
+
+
 def test_config_fields_are_validated_with_their_names(tmp_path):
     with pytest.raises(ConfigError, match="grad_accum_steps"):
         TrainConfig(cache="c", output="o", grad_accum_steps=0)
