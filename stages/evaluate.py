@@ -128,21 +128,18 @@ def load_drafter_any(path: Path) -> tuple[Any, Any, dict[str, Any]]:
 
 
 def attach_checked(drafter: Any, target: Any, target_info: dict[str, Any], where: Path) -> None:
-    """Attach the target's embedding/LM head to ``drafter`` and compare their hashes with the recorded ones.
+    """Attach the target's embedding/LM head to ``drafter`` after comparing them with the hashes recorded at
+    training time (``dflash.checkpoint.check_target_weights``: bf16-rounded hashes when the dtypes differ).
 
     Raises:
         MismatchError: the target differs from the one the drafter was trained with.
     """
+    from dflash.checkpoint import check_target_weights
+
     model = target.model
-    drafter.attach_target(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-    recorded = target_info.get("weight_hashes") or {}
-    actual = drafter.target_weight_hashes()
-    for key, value in recorded.items():
-        if actual.get(key) != value:
-            raise MismatchError(
-                f"target {key}: the drafter at {where} was trained with {value}, the loaded target has "
-                f"{actual.get(key)}; pass --target {target_info.get('target_spec')!r} (the recorded target)"
-            )
+    embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    check_target_weights(target_info, embed, lm_head, where=str(where))
+    drafter.attach_target(embed, lm_head)
 
 
 def check_target_identity(target_info: dict[str, Any], target: Any, where: Path) -> None:
