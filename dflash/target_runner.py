@@ -7,16 +7,20 @@ SGLang ``models/dflash.py`` add when they read ``target_layer_ids``.
 How the truncation works, without relying on transformers internals that move between releases (5.17 on the
 GPU host, 5.24 here): forward hooks on the tapped decoder layers record their outputs, and the hook of the last
 tapped layer raises a private exception that ends the forward. Layers after it, the final norm and the LM head
-never run. The base model (``model.get_decoder()``) is called with ``use_cache=False``, explicit position ids and a
-right-padding attention mask.
+never run. The base model (``model.get_decoder()``) is called with ``use_cache=False``, explicit position ids and NO
+attention mask: with right padding and causal attention a real token never attends to the padding on its right,
+so its output is exact without a mask, and SDPA keeps its ``is_causal`` flash kernel (an explicit mask forces the
+slower memory-efficient/math kernels).
 
 Batching: samples are sorted by length (longest first) and grouped greedily into token-budget batches
 (``rows x longest <= token_budget``), right-padded. Under causal attention a real token never sees a padding
 token on its right, and position ids are ``0..L-1`` for every row, so a sample's output equals its solo forward
 up to kernel rounding (bf16 tolerance), whatever batch it lands in.
 
-On CUDA the taps are copied to pinned host buffers on a side stream (non-blocking) while the next batch computes;
-``iter_batches`` keeps one batch in flight. Shapes: b = rows in a batch, P = padded length, L = one sample's
+On CUDA the taps are copied on a side stream (non-blocking, ordered by an event) into pinned host buffers that
+are allocated once and reused: a consumer hands a batch's buffer back with :meth:`RunnerBatch.release` once it no
+longer needs ``hidden`` (a batch never released is simply garbage-collected and a new buffer is allocated).
+``iter_batches`` queues the next batch's forward before it waits for the previous batch's copy. Shapes: b = rows in a batch, P = padded length, L = one sample's
 length, n = number of taps, H = target hidden size.
 """
 
@@ -116,6 +120,16 @@ class RunnerBatch:
     nonfinite_layers: list[list[int]]
     num_tokens: int
     num_padded_tokens: int
+    _release: Any = None
+
+    def release(self) -> None:
+        """Give the batch's pinned host buffer back to the runner for reuse; ``hidden`` must not be read after.
+
+        Idempotent; a no-op on CPU runs."""
+        release, self._release = self._release, None
+        if release is not None:
+            self.hidden = []
+            release()
 
 
 @dataclass(slots=True)
@@ -126,6 +140,7 @@ class _InFlight:
     nonfinite: torch.Tensor  # [b, n] bool
     event: Any = None
     padded: int = 0
+    buffer: torch.Tensor | None = None  # the pooled pinned buffer ``host`` is a view of
 
 
 class TargetRunner:
@@ -169,6 +184,23 @@ class TargetRunner:
         self._decoder, self._layers = find_decoder_layers(model)
         model.to(self.device)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Released pinned host buffers (flat bf16), reused by later batches; list append/pop are atomic under the
+        # GIL, so a writer thread may release while the compute thread acquires.
+        self._free_buffers: list[torch.Tensor] = []
+
+    def _acquire_host_buffer(self, numel: int) -> torch.Tensor:
+        """A pinned flat bf16 buffer of at least ``numel`` elements: a released one if big enough, else a new one
+        of at least ``token_budget x feature_size`` (so one size serves every budget-sized batch)."""
+        for position in range(len(self._free_buffers) - 1, -1, -1):
+            try:
+                buffer = self._free_buffers[position]
+            except IndexError:
+                continue
+            if buffer.numel() >= numel:
+                del self._free_buffers[position]
+                return buffer
+        size = max(numel, self.token_budget * self.feature_size)
+        return torch.empty(size, dtype=torch.bfloat16, pin_memory=True)
 
     @property
     def num_taps(self) -> int:
@@ -184,11 +216,13 @@ class TargetRunner:
 
         Args:
             input_ids: ``Tensor[b, P]`` int64 on ``self.device``.
-            attention_mask: ``Tensor[b, P]`` (1 = real token, right padding) or ``None`` (no padding).
+            attention_mask: accepted for callers that have one (``Tensor[b, P]``, 1 = real token) and ignored: the
+                batch must be RIGHT-padded, so causal attention alone keeps real tokens exact (module docstring).
 
         Returns:
             ``Tensor[b, P, n*H]`` bfloat16 on the device; padding positions hold unspecified values.
         """
+        del attention_mask  # right padding + causal attention: no mask needed, SDPA takes its is_causal kernel
         captured: list[torch.Tensor | None] = [None] * self.num_taps
         last_slot = self.num_taps - 1
 
@@ -207,9 +241,7 @@ class TargetRunner:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         try:
             with torch.inference_mode():
-                self._decoder(
-                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-                )
+                self._decoder(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False)
         except _StopForward:
             pass
         finally:
@@ -228,25 +260,24 @@ class TargetRunner:
         padded_length = max(lengths)
         rows = len(indices)
         tokens = torch.full((rows, padded_length), self.pad_token_id, dtype=torch.int64)
-        mask = torch.zeros((rows, padded_length), dtype=torch.int64)
         for row, index in enumerate(indices):
             tokens[row, : lengths[row]] = torch.as_tensor(np.asarray(input_ids_list[index]), dtype=torch.int64)
-            mask[row, : lengths[row]] = 1
         on_cuda = self.device.type == "cuda"
         if on_cuda:
-            tokens, mask = tokens.pin_memory(), mask.pin_memory()
+            tokens = tokens.pin_memory()
         # Non-blocking host->device copies only: nothing here waits for the previous batch to finish.
         tokens = tokens.to(self.device, non_blocking=True)
-        mask = mask.to(self.device, non_blocking=True)
-        has_padding = min(lengths) != padded_length
-        hidden = self.forward(tokens, mask if has_padding else None)  # [b, P, n*H]
+        real = torch.arange(padded_length)[None, :] < torch.as_tensor(lengths)[:, None]  # [b, P] bool
+        real = real.to(self.device, non_blocking=True)
+        hidden = self.forward(tokens)  # [b, P, n*H]
         with torch.inference_mode():
             # Non-finite check on the stored (bf16) values, real tokens only: [b, P, n] -> [b, n].
             finite = torch.isfinite(hidden.view(rows, padded_length, self.num_taps, self.hidden_size)).all(-1)
-            nonfinite = (~finite & mask.bool()[:, :, None]).any(1)
+            nonfinite = (~finite & real[:, :, None]).any(1)
         if not on_cuda:
             return _InFlight(list(map(int, indices)), lengths, hidden, nonfinite, padded=rows * padded_length)
-        host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+        buffer = self._acquire_host_buffer(hidden.numel())
+        host = buffer[: hidden.numel()].view(hidden.shape)
         host_flags = torch.empty(nonfinite.shape, dtype=torch.bool, pin_memory=True)
         assert self._copy_stream is not None
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -258,7 +289,9 @@ class TargetRunner:
         # The device buffers must outlive the copy issued on the side stream.
         hidden.record_stream(self._copy_stream)
         nonfinite.record_stream(self._copy_stream)
-        return _InFlight(list(map(int, indices)), lengths, host, host_flags, event, padded=rows * padded_length)
+        return _InFlight(
+            list(map(int, indices)), lengths, host, host_flags, event, padded=rows * padded_length, buffer=buffer
+        )
 
     def _finish(self, flight: _InFlight) -> RunnerBatch:
         if flight.event is not None:
@@ -273,6 +306,7 @@ class TargetRunner:
             ],
             num_tokens=sum(flight.lengths),
             num_padded_tokens=flight.padded,
+            _release=None if flight.buffer is None else (lambda buffer=flight.buffer: self._free_buffers.append(buffer)),
         )
 
     def iter_batches(self, input_ids_list: Sequence[Any]) -> Iterator[RunnerBatch]:
@@ -283,7 +317,8 @@ class TargetRunner:
 
         Yields:
             :class:`RunnerBatch`; ``hidden[i]`` is ``Tensor[L_i, n*H]`` bf16 on CPU (a view into the batch's
-            host buffer).
+            pinned host buffer, valid until :meth:`RunnerBatch.release`). Batch k+1's forward is already queued on
+            the device when batch k is yielded.
         """
         plan = plan_batches([len(ids) for ids in input_ids_list], self.token_budget)
         pending: _InFlight | None = None
