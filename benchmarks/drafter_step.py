@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash.batching import PackedBatch
-from dflash.drafter import DFlashConfig, DFlashDrafter, attention_layout, dflash_loss, sample_anchors
+from dflash.drafter import DFlashConfig, DFlashDrafter, attention_layout, dflash_loss, fused, sample_anchors
 
 console = Console(width=150)
 
@@ -331,6 +331,9 @@ def main() -> None:
     parser.add_argument("--buckets", type=int, default=3, help="length buckets of the fixed-shape path")
     parser.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak (H200 SXM: 989.4)")
     parser.add_argument("--compile-backend", default="inductor")
+    parser.add_argument("--no-fused-elementwise", action="store_true",
+                        help="eager mode: plain PyTorch norm/RoPE/SwiGLU ops instead of the compiled fused kernels "
+                             "(dflash.drafter.fused), to measure what they save")
     parser.add_argument("--profile", type=Path, default=None, metavar="OUT_DIR",
                         help="after timing, profile 3 steps per mode/batch; write OUT_DIR/profile_<mode>_b<batch>.txt")
     args = parser.parse_args()
@@ -344,6 +347,8 @@ def main() -> None:
         config = eight_b_config(args.block_size)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_float32_matmul_precision("high")
+    if args.no_fused_elementwise:
+        fused.set_fused_elementwise(False)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     console.print(f"[bold]drafter step benchmark[/] on {name}, torch {torch.__version__}; config: "
                   f"{config.num_hidden_layers} layers, H={config.hidden_size}, V={config.vocab_size}, "
@@ -396,7 +401,9 @@ def main() -> None:
     console.print("Graphs counted during the shape sweep only (the full-length bucket was already compiled while "
                   "timing). compiled: 1 per new bucket (shared by all layers) plus the fused CE chunk "
                   "(static, then one dynamic graph for last-chunk sizes); eager: the compiled flex_attention kernel "
-                  "and the fused CE chunk, each going dynamic after one recompile.")
+                  "and the fused CE chunk, each going dynamic after one recompile. Both modes: the fused elementwise "
+                  "kernels (norm, add+norm, q/k norm+RoPE, SwiGLU) have dynamic rows from the start (one graph per "
+                  "dtype variant, none in the sweep).")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.drafter import fused
 from dflash.drafter.config import DFlashConfig
 from dflash.drafter.masks import AttentionLayout, attention_layout, dense_attention_mask, flex_block_mask
 from dflash.errors import ConfigError, MismatchError
@@ -61,27 +62,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        dtype = hidden_states.dtype
-        x = hidden_states.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x.to(dtype)).to(dtype)
+    def forward(self, hidden_states: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``out_dtype``: cast the result (e.g. to the compute dtype) inside the same fused kernel."""
+        return fused.rms_norm(hidden_states, self.weight, self.eps, out_dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[N, heads, D]``; cos/sin ``[N, D]``."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
-
-
-def _to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+def _compute_dtype_of(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
-        return x.to(torch.get_autocast_dtype(x.device.type))
-    return x
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 class DFlashAttention(nn.Module):
@@ -105,26 +94,24 @@ class DFlashAttention(nn.Module):
         block_states: torch.Tensor,  # [Q, H], already input_layernorm'ed
         context: torch.Tensor,  # [T, H] fused context features
         block_rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [Q, D]
-        context_rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [T, D]
+        key_rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [T+Q, D]: context positions then block positions
         mask: object,  # BlockMask, dense bool [Q, T+Q], or None (no mask: serving path)
     ) -> torch.Tensor:
         num_queries, num_context = block_states.shape[0], context.shape[0]
-        q = self.q_norm(self.q_proj(block_states).view(num_queries, self.num_heads, self.head_dim))
         # Same k/v projections for the injected context and the block; concatenated after projection (the
         # projected keys are narrower than the hidden states, so this moves less memory than concatenating inputs).
         k = torch.cat([self.k_proj(context), self.k_proj(block_states)], dim=0)
         v = torch.cat([self.v_proj(context), self.v_proj(block_states)], dim=0)
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q = _apply_rope(q, *block_rope)
-        cos = torch.cat([context_rope[0], block_rope[0]], dim=0)
-        sin = torch.cat([context_rope[1], block_rope[1]], dim=0)
-        k = _apply_rope(k, cos, sin)
         assert k.shape[0] == num_context + num_queries
+        # v comes straight out of a Linear, so it carries the compute dtype (bf16 under autocast); q/k must match.
+        # q_norm/k_norm + RoPE in one fused kernel each (eager CUDA; plain ops elsewhere).
+        q = fused.norm_rope(self.q_proj(block_states).view(num_queries, self.num_heads, self.head_dim),
+                            self.q_norm.weight, self.q_norm.eps, *block_rope, v.dtype)
+        k = fused.norm_rope(k.view(-1, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps,
+                            *key_rope, v.dtype)
         # [1, heads, len, D]
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        # v comes straight out of a Linear, so it carries the compute dtype (bf16 under autocast); q/k must match.
-        q, k = q.to(v.dtype), k.to(v.dtype)
         gqa = self.num_kv_heads != self.num_heads
         if mask is None or isinstance(mask, torch.Tensor):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
@@ -149,7 +136,7 @@ class DFlashMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -162,13 +149,15 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
-    def forward(self, hidden_states, context, block_rope, context_rope, mask):
+    def forward(self, hidden_states, context, block_rope, key_rope, mask):
         # The residual stream stays in the parameter dtype; normed inputs are cast once to the compute dtype
-        # (instead of once per consuming Linear by autocast).
-        residual = hidden_states
-        normed = _to_compute_dtype(self.input_layernorm(hidden_states))
-        hidden_states = residual + self.self_attn(normed, context, block_rope, context_rope, mask)
-        return hidden_states + self.mlp(_to_compute_dtype(self.post_attention_layernorm(hidden_states)))
+        # (instead of once per consuming Linear by autocast), inside the norm's fused kernel.
+        compute_dtype = _compute_dtype_of(hidden_states)
+        normed = self.input_layernorm(hidden_states, compute_dtype)
+        attention = self.self_attn(normed, context, block_rope, key_rope, mask)
+        norm = self.post_attention_layernorm
+        hidden_states, normed = fused.add_rms_norm(hidden_states, attention, norm.weight, norm.eps, compute_dtype)
+        return hidden_states + self.mlp(normed)
 
 
 class DFlashDrafter(nn.Module):
@@ -296,8 +285,10 @@ class DFlashDrafter(nn.Module):
             # second graph for the first layer at every shape (compile time doubles; the extra input-grad GEMMs of
             # layer 0 cost ~0.5% of a step).
             block_states = block_states.detach().requires_grad_(True)
+        # Key RoPE (context positions, then block positions) concatenated once per step, shared by every layer.
+        key_rope = (torch.cat([context_rope[0], block_rope[0]], dim=0), torch.cat([context_rope[1], block_rope[1]], dim=0))
         for layer in layers:
-            block_states = layer(block_states, context, block_rope, context_rope, mask)
+            block_states = layer(block_states, context, block_rope, key_rope, mask)
         return self.norm(block_states)
 
     def build_mask(self, anchors: torch.Tensor, position_ids: torch.Tensor) -> tuple[AttentionLayout, object]:
