@@ -319,7 +319,7 @@ def load_exported_drafter(
         path: the export folder.
         target: a ``LoadedTarget`` or transformers causal LM; its embedding and LM head are attached, its identity
             (for a ``LoadedTarget``) is checked against the export's provenance, and the embedding/LM-head hashes
-            recorded at training time must match.
+            recorded at training time must match (bf16-rounded when ``target`` is loaded in another dtype).
 
     Returns:
         ``(drafter, config, target_info)``: the drafter in eval mode on CPU with float32 parameters (the bf16
@@ -338,16 +338,14 @@ def load_exported_drafter(
     provenance_path = Path(path) / PROVENANCE_FILE
     target_info = (json.loads(provenance_path.read_text()).get("target") or {}) if provenance_path.is_file() else {}
     if target is not None:
+        from dflash.checkpoint import check_target_weights
+
         model = getattr(target, "model", target)
-        drafter.attach_target(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-        recorded = target_info.get("weight_hashes") or {}
-        actual = drafter.target_weight_hashes()
-        for key, value in recorded.items():
-            if actual.get(key) != value:
-                raise MismatchError(
-                    f"{path}: the target's {key} hash {actual.get(key)} differs from {value} recorded at training; "
-                    "attach the target the drafter was trained with"
-                )
+        embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        # Compares the bf16-rounded hashes when the target is loaded in another dtype than at training (fp32 on
+        # CPU vs bf16 on GPU); the as-is hashes otherwise.
+        check_target_weights(target_info, embed, head, where=str(path))
+        drafter.attach_target(embed, head)
     return drafter, config, target_info
 
 

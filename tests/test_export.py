@@ -81,7 +81,7 @@ def context(target, drafter_config):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, target, drafter_config, context):
     """A run folder written by the trainer's Checkpointer after one AdamW step on the real batch."""
-    from dflash.checkpoint import Checkpointer, capture_rng_state
+    from dflash.checkpoint import Checkpointer, capture_rng_state, target_weight_record
     from dflash.drafter import dflash_loss
 
     torch.manual_seed(0)
@@ -100,7 +100,11 @@ def run_dir(tmp_path_factory, target, drafter_config, context):
             trainer_state={"epoch": 0},
             rng_state=capture_rng_state(),
             drafter_config=drafter_config.to_dict(),
-            target_info={**target.identity.to_dict(), "target_spec": "default", "weight_hashes": drafter.target_weight_hashes()},
+            # What the trainer records: hashes as attached (fp32 here) and bf16-rounded (dflash.checkpoint).
+            target_info={
+                **target.identity.to_dict(), "target_spec": "default",
+                **target_weight_record(target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight),
+            },
         )
         checkpointer.save(snapshot)
     finally:
@@ -266,8 +270,32 @@ def test_load_exported_drafter_checks_the_target_hashes(exported, target, traine
         def get_output_embeddings(self):
             return self.embedding
 
-    with pytest.raises(MismatchError, match="embed_tokens hash"):
+    with pytest.raises(MismatchError, match="embed_tokens"):
         load_exported_drafter(exported, target=OtherTarget(target.model))
+
+
+class _TargetInDtype:
+    """The target's embedding / LM head as another process would load them (e.g. bf16 on a GPU host)."""
+
+    def __init__(self, model, dtype: torch.dtype, scale: float = 1.0) -> None:
+        weight = model.get_input_embeddings().weight.detach()
+        self.embedding = torch.nn.Embedding.from_pretrained((weight * scale).to(dtype))
+
+    def get_input_embeddings(self):
+        return self.embedding
+
+    def get_output_embeddings(self):
+        return self.embedding  # tied, as SmolLM2's
+
+
+def test_export_trained_with_an_fp32_target_loads_with_the_target_in_bf16(exported, target, trained):
+    assert target.model.get_input_embeddings().weight.dtype == torch.float32  # trained/exported with fp32
+    drafter, config, target_info = load_exported_drafter(exported, target=_TargetInDtype(target.model, torch.bfloat16))
+    assert target_info["weight_dtype"] == "float32" and config == trained.config
+    assert drafter.embed_weight.dtype == torch.bfloat16
+    # Another target loaded in bf16 is still refused.
+    with pytest.raises(MismatchError, match="embed_tokens"):
+        load_exported_drafter(exported, target=_TargetInDtype(target.model, torch.bfloat16, scale=1.01))
 
 
 # ------------------------------------------------------------------- config facts of DFLASH.md, one per key
