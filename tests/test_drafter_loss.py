@@ -26,8 +26,15 @@ def test_default_gamma_and_position_weights():
     assert math.isclose(float(weights[14]), math.exp(-14 / 7), rel_tol=1e-6)
 
 
-@pytest.mark.parametrize("chunk_rows", [1, 7, 64, 1000])
-def test_chunked_linear_cross_entropy_matches_plain(chunk_rows):
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64, 1000, None])
+def test_chunked_linear_cross_entropy_matches_plain(chunk_rows, monkeypatch):
+    import dflash.drafter.loss as loss_module
+
+    sizes = []
+    run_chunk = loss_module._run_chunk
+    monkeypatch.setattr(loss_module, "_run_chunk", lambda logits, *a: sizes.append(len(logits)) or run_chunk(logits, *a))
+    if chunk_rows is None:  # default sizing: budget of 16 rows of 300 logits -> 4 balanced chunks of 50 rows
+        monkeypatch.setattr(loss_module, "DEFAULT_CHUNK_ELEMENTS", 16 * 300)
     torch.manual_seed(0)
     hidden = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(300, 16, dtype=torch.float64, requires_grad=True)
@@ -44,6 +51,8 @@ def test_chunked_linear_cross_entropy_matches_plain(chunk_rows):
     torch.testing.assert_close(grads[0], hidden.grad)
     torch.testing.assert_close(grads[1], weight.grad)
     assert torch.equal(correct, logits.argmax(-1) == targets)
+    assert sizes == ([13, 13, 13, 11] if chunk_rows is None else
+                     [min(chunk_rows, 50 - start) for start in range(0, 50, chunk_rows)])
 
 
 def test_fusable_chunk_equals_inplace_chunk():

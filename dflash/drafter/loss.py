@@ -35,8 +35,12 @@ __all__ = [
 ]
 
 _PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-#: float32 logits budget of one chunk (elements): 2**28 = 1 GiB.
+#: Logits budget of one chunk (elements) off CUDA: 2**28 = 1 GiB of float32.
 DEFAULT_CHUNK_ELEMENTS = 1 << 28
+#: On CUDA: just under 2**31 elements (int32 indexing in the fused kernel), 4 GiB of bf16 logits plus as much for their
+#: gradient. Few, large, equal chunks: the grad-hidden GEMM ``[C, V] @ [V, H]`` has only C/128 x H/128 output tiles,
+#: so small chunks leave the GPU's last wave mostly idle (C=1766 rows: 448 tiles = 3.4 waves of 132 SMs).
+DEFAULT_CUDA_CHUNK_ELEMENTS = (1 << 31) - (1 << 20)
 
 
 def default_gamma(block_size: int) -> float:
@@ -207,7 +211,8 @@ def chunked_linear_cross_entropy(
 
     Args:
         hidden: ``[N, H]``. weight: ``[V, H]`` (LM head). targets: ``[N]`` int64. row_weights: ``[N]`` float.
-        chunk_rows: rows per chunk (default: ``2**28 // V``, ~1 GiB of float32 logits).
+        chunk_rows: rows per chunk (default: at most ``2**28 // V`` rows, ~1 GiB of float32 logits; on CUDA at most
+            ``~2**31 // V``, 4 GiB of bf16 logits), split into equal chunks (no small tail chunk).
         compute_dtype: matmul dtype (default: the autocast dtype when autocast is on, else ``hidden.dtype``);
             log-softmax is always at least float32.
         fused: run the per-chunk softmax/CE/gradient as one ``torch.compile``'d function (default: on CUDA);
@@ -217,7 +222,10 @@ def chunked_linear_cross_entropy(
         ``(weighted_ce_sum scalar float32 with grad, correct [N] bool = argmax hits)``.
     """
     if chunk_rows is None:
-        chunk_rows = max(1, DEFAULT_CHUNK_ELEMENTS // weight.shape[0])
+        budget = DEFAULT_CUDA_CHUNK_ELEMENTS if hidden.is_cuda else DEFAULT_CHUNK_ELEMENTS
+        max_rows = max(1, budget // weight.shape[0])
+        num_chunks = max(1, -(-hidden.shape[0] // max_rows))
+        chunk_rows = max(1, -(-hidden.shape[0] // num_chunks))  # balanced: equal chunks, no small tail
     if compute_dtype is None:
         device_type = hidden.device.type
         compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
