@@ -213,6 +213,32 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tiny_cache, tmp_path, mo
     assert resumed["step"] == 4 and not resumed["stopped_by_signal"]
 
 
+def test_loaders_copy_to_the_gpu_on_their_side_stream_when_training_on_cuda(tiny_cache, tmp_path):
+    from stages.trainer import Trainer
+
+    config = tiny_config(tiny_cache, tmp_path / "run")
+    # Construction touches no device: the placement the loaders get is checked without a GPU.
+    on_gpu = Trainer(config, rank=1, world_size=2, device=torch.device("cuda", 1))._loader_placement()
+    assert on_gpu == {"rank": 1, "world_size": 2, "device": torch.device("cuda", 1)}
+    on_cpu = Trainer(config, device=torch.device("cpu"))._loader_placement()
+    assert on_cpu == {"rank": 0, "world_size": 1, "device": None}  # CPU: batches stay where they are read
+
+
+@pytest.mark.gpu
+def test_gpu_loader_streams_batches_onto_the_device(tiny_cache, tmp_path):
+    from stages.trainer import Trainer
+
+    trainer = Trainer(tiny_config(tiny_cache, tmp_path / "run", device="cuda"), device=torch.device("cuda", 0))
+    try:
+        trainer.load()
+        assert trainer.train_loader.device == torch.device("cuda", 0)
+        assert trainer.train_loader._copy_stream is not None  # the overlapped side-stream copy
+        batch, anchors = trainer._next_batch()
+        assert batch.hidden.is_cuda and batch.hidden.device == anchors.device
+    finally:
+        trainer.close()
+
+
 def test_config_fields_are_validated_with_their_names(tmp_path):
     with pytest.raises(ConfigError, match="grad_accum_steps"):
         TrainConfig(cache="c", output="o", grad_accum_steps=0)
