@@ -72,3 +72,27 @@ def test_fused_functions_match_reference_math(fused_on_cpu):
     torch.testing.assert_close(h, residual + delta)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, fused.rms_norm(h, weight, 1e-6).to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_inductor_fused_elementwise_equals_plain_ops_on_cuda():
+    torch._dynamo.reset()
+    drafter = tiny_drafter(0, dtype=torch.float32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=32, intermediate_size=256, block_size=16).cuda().train()
+    results = []
+    try:
+        for enabled in (True, False):
+            fused.set_fused_elementwise(enabled)
+            for step, lengths in enumerate([[700, 300], [513]]):
+                batch = packed_batch(lengths, width=256, vocab=97, seed=step, dtype=torch.float32).to("cuda")
+                anchors = random_anchors(batch.to("cpu"), 16, count=60, seed=step).cuda()
+                drafter.zero_grad()
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    out = dflash_loss(drafter, batch, anchors)
+                out.loss().backward()
+                results.append((out.loss().detach(), drafter.fc.weight.grad.clone()))
+    finally:
+        fused.set_fused_elementwise(True)
+    for (got_loss, got_grad), (want_loss, want_grad) in zip(results[:2], results[2:], strict=True):
+        torch.testing.assert_close(got_loss, want_loss, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got_grad, want_grad, rtol=5e-2, atol=5e-3)
