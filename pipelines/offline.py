@@ -147,7 +147,7 @@ class PipelineConfig:
 
 
 _EVALUATE_FIELDS = {"num_prompts", "prompt_tokens", "max_new_tokens", "temperature", "ignore_eos", "seed", "device",
-                    "dtype", "per_epoch", "compare_untrained", "near_tie_tolerance"}
+                    "dtype", "cpu_threads", "per_epoch", "compare_untrained", "near_tie_tolerance"}
 
 
 def _digest(data: Any) -> str:
@@ -206,13 +206,15 @@ def _split_corpus(source: Path, train_out: Path, heldout_out: Path, *, heldout_d
         )
     held = {unique[i] for i in np.random.default_rng(seed).permutation(len(unique))[:heldout_documents]}
     metadata = {k: v for k, v in corpus.metadata.items() if k not in ("fingerprint", "num_rows", "num_tokens")}
-    counts = {"train_rows": 0, "heldout_rows": 0}
+    counts = {"train_rows": 0, "heldout_rows": 0, "train_tokens": 0, "heldout_tokens": 0}
     with CorpusWriter(train_out, overwrite=True) as train, CorpusWriter(heldout_out, overwrite=True) as heldout:
         for index, document in enumerate(documents):
             row = corpus.row(index)
             side = heldout if document in held else train
             side.add(row.input_ids, row.loss_mask, row.sample_id)
-            counts["heldout_rows" if document in held else "train_rows"] += 1
+            side_name = "heldout" if document in held else "train"
+            counts[f"{side_name}_rows"] += 1
+            counts[f"{side_name}_tokens"] += len(row.input_ids)
         split_info = {"source": str(source), "source_fingerprint": corpus.fingerprint, "seed": seed,
                       "heldout_documents": sorted(held)}
         heldout.commit({**metadata, "split": {**split_info, "side": "heldout"}})
@@ -253,14 +255,27 @@ def run_pipeline(config: PipelineConfig, *, console: Console | None = None) -> d
         console.rule(f"[bold]{name}")
         state.start(name, settings)
         started = time.perf_counter()
-        state.finish(name, time.perf_counter() - started, work())
+        result = work()
+        state.finish(name, time.perf_counter() - started, result)
         console.print(f"{name} took {time.perf_counter() - started:.1f} s")
 
     prepare = config.section("prepare")
-    stage("prepare", prepare, lambda: {"corpus": str(run_prepare(
-        PrepareConfig(output=paths["corpus-all"], overwrite=True, **prepare), console=console)[0])})
+
+    def prepare_work() -> dict[str, Any]:
+        output, report = run_prepare(PrepareConfig(output=paths["corpus-all"], overwrite=True, **prepare), console=console)
+        console.print(report.table())
+        return {"corpus": str(output), "samples": report.samples_kept, "tokens": report.tokens_kept}
+
+    stage("prepare", prepare, prepare_work)
     split = {"seed": 0, **config.split}
-    stage("split", split, lambda: _split_corpus(paths["corpus-all"], paths["corpus"], paths["heldout"], **split))
+    def split_work() -> dict[str, Any]:
+        counts = _split_corpus(paths["corpus-all"], paths["corpus"], paths["heldout"], **split)
+        console.print(f"held out {counts['heldout_documents']} documents ({counts['heldout_rows']} rows, "
+                      f"{counts['heldout_tokens']:,} tokens) for evaluation; training split: {counts['train_documents']} "
+                      f"documents ({counts['train_rows']} rows, {counts['train_tokens']:,} tokens)")
+        return counts
+
+    stage("split", split, split_work)
     extract = config.section("extract")
     stage("extract", extract, lambda: _json_safe(run_extract(
         ExtractConfig(corpus=str(paths["corpus"]), output=str(paths["cache"]), **extract), console=console)))

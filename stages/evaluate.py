@@ -68,6 +68,8 @@ class EvaluateConfig:
         seed: prompt selection, sampling and the untrained drafter's init.
         device: ``"auto"`` (cuda if available), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
         dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``.
+        cpu_threads: torch intra-op threads while evaluating on CPU; ``None`` = torch's default. Decoding one
+            token at a time gains little from threads and loses much when the cores are shared.
         near_tie_tolerance: largest target logit gap that counts as a floating-point near-tie in the lossless
             check; ``None`` = 1e-3 in float32, 0.125 in 16-bit dtypes.
         json_path: where to write the JSON report (atomically); ``None`` = nowhere.
@@ -88,6 +90,7 @@ class EvaluateConfig:
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
+    cpu_threads: int | None = None
     near_tie_tolerance: float | None = None
     json_path: Path | None = None
 
@@ -97,6 +100,8 @@ class EvaluateConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.temperature >= 0:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be >= 1 (or unset), got {self.cpu_threads}")
         if self.block_size is not None and self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2 to draft anything, got {self.block_size}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -377,11 +382,17 @@ class Evaluator:
         """Evaluate one drafter; returns the JSON report (also written atomically to ``json_path``)."""
         config = self.config
         started = time.perf_counter()
-        summary = self._summary(drafter, drafter_config, label)
-        untrained = None
-        if compare_untrained:
-            floor = self._summary(self.untrained(drafter_config), drafter_config, "untrained")
-            untrained = {key: floor[key] for key in ("tau", "acceptance", "speedup", "lossless")}
+        threads = torch.get_num_threads()
+        if config.cpu_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)
+        try:
+            summary = self._summary(drafter, drafter_config, label)
+            untrained = None
+            if compare_untrained:
+                floor = self._summary(self.untrained(drafter_config), drafter_config, "untrained")
+                untrained = {key: floor[key] for key in ("tau", "acceptance", "speedup", "lossless")}
+        finally:
+            torch.set_num_threads(threads)
         prompts = self.prompts
         report = {
             "format": REPORT_FORMAT,
@@ -481,6 +492,7 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="Prompt selection, sampling, untrained init."),
         device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
         dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16."),
+        cpu_threads: int | None = typer.Option(None, "--cpu-threads", help="Torch threads while decoding on CPU (default: torch's)."),
         json_out: Path | None = typer.Option(None, "--json", help="Write the full report as JSON here."),
     ) -> None:
         """Speculative decoding with the target and a drafter: tau, per-position acceptance, speedup, lossless check."""
@@ -489,7 +501,7 @@ def register(app: typer.Typer) -> None:
             drafter=drafter, target=target, prompts=prompts, corpus=corpus, cache=cache, num_prompts=num_prompts,
             prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature, block_size=block_size,
             ignore_eos=ignore_eos, compare_untrained=compare_untrained, seed=seed, device=device, dtype=dtype,
-            json_path=json_out,
+            cpu_threads=cpu_threads, json_path=json_out,
         )
         report = run_evaluate(config, console=console)
         print_report(report, console)
