@@ -208,7 +208,6 @@ def _short(name: str, width: int = 110) -> str:
 def profile_steps(stepper: Stepper, batch: PackedBatch, num_anchors: int | None, step_seconds: float,
                   path: Path, title: str) -> None:
     """Profile PROFILE_STEPS steps and write the compact kernel table to ``path`` (atomic)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -223,13 +222,24 @@ def profile_steps(stepper: Stepper, batch: PackedBatch, num_anchors: int | None,
             stepper(batch, num_anchors)
         synchronize(stepper.device)
     profiled_wall = (time.perf_counter() - start) / PROFILE_STEPS
-    events = list(prof.events())
+    write_profile_table(list(prof.events()), on_cuda, step_seconds, profiled_wall, path, title)
+    console.print(f"profile written: {path}")
+
+
+def write_profile_table(events: list, on_cuda: bool, step_seconds: float, profiled_wall: float, path: Path,
+                        title: str) -> None:
+    """The compact text table of ``profile_steps`` from profiler ``FunctionEvent``s (atomic write)."""
+    from torch.autograd import DeviceType
+
     if on_cuda:
         # Device-side events: kernels, memcpy/memset; user annotations (record_function ranges projected on the GPU
         # timeline) give the phase / CE windows.
         device = [e for e in events if e.device_type == DeviceType.CUDA]
-        kernels = [e for e in device if not e.is_user_annotation]
-        windows = [(e.name, e.time_range.start, e.time_range.end) for e in device if e.is_user_annotation]
+        annotation = [bool(getattr(e, "is_user_annotation", False)) or e.name.startswith((_PHASE_PREFIX, _CE_RANGE))
+                      for e in device]
+        kernels = [e for e, note in zip(device, annotation, strict=True) if not note]
+        windows = [(e.name, e.time_range.start, e.time_range.end)
+                   for e, note in zip(device, annotation, strict=True) if note]
         unit = "CUDA kernels (self device time)"
     else:
         # CPU fallback (--smoke): CPU operators by self CPU time.
@@ -293,7 +303,6 @@ def profile_steps(stepper: Stepper, batch: PackedBatch, num_anchors: int | None,
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
-    console.print(f"profile written: {path}")
 
 
 def count_compiles(stepper: Stepper, config: DFlashConfig, args, device: torch.device, fixed: bool) -> tuple[int, int]:
