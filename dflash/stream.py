@@ -74,6 +74,9 @@ class HiddenSource(Protocol):
 
     def shard_corpus_rows(self, shard: int) -> np.ndarray: ...
 
+    # Needed only with ``StreamConfig.min_supervised_tokens > 0``:
+    # def shard_supervised_counts(self, shard: int) -> np.ndarray: ...
+
     def read_shard(self, shard: int, indices: Any = None) -> list[Any]: ...
 
 
@@ -89,6 +92,10 @@ class StreamConfig:
     """Quantile buckets when ``boundaries`` is ``None``."""
     max_documents_per_batch: int | None = None
     """Optional cap on documents per batch."""
+    min_supervised_tokens: int = 0
+    """Samples with fewer supervised tokens (``loss_mask == 1``) are excluded before planning, counted in
+    :attr:`StreamingLoader.num_excluded_short` (DFLASH.md: fewer than ``2 * block_size`` are not useful). Read
+    from the cache's loss masks (1 byte per token, no hidden state). 0: keep every sample."""
     seed: int = 0
     """Shuffle seed; the plan of epoch e is a pure function of (seed, e)."""
     shuffle: bool = True
@@ -139,12 +146,15 @@ class StreamConfig:
             raise ConfigError(f"shard_window must be >= 1 shards or None; got {self.shard_window!r}")
         if self.pad_to_multiple < 1:
             raise ConfigError(f"pad_to_multiple must be >= 1; got {self.pad_to_multiple!r}")
+        if not isinstance(self.min_supervised_tokens, int) or self.min_supervised_tokens < 0:
+            raise ConfigError(f"min_supervised_tokens must be an integer >= 0; got {self.min_supervised_tokens!r}")
 
     def plan_fields(self) -> dict[str, Any]:
         """The fields the batch sequence depends on (checked on resume)."""
         keys = (
             "token_budget", "boundaries", "num_buckets", "max_documents_per_batch", "seed", "shuffle", "split",
             "validation_fraction", "split_seed", "shard_window", "pad_to_budget", "pad_to_multiple",
+            "min_supervised_tokens",
         )  # fmt: skip
         values = asdict(self)
         return {key: list(values[key]) if isinstance(values[key], tuple) else values[key] for key in keys}
@@ -191,6 +201,10 @@ class StreamingLoader:
         config: :class:`StreamConfig`.
         rank, world_size: this process's data-parallel rank; ranks read disjoint batches.
         device: when set (e.g. ``"cuda:0"``), batches are yielded on it, copied one ahead on a side stream.
+
+    Attributes:
+        num_excluded_short, num_excluded_short_tokens: samples of this split (and their tokens) left out for
+            fewer than ``config.min_supervised_tokens`` supervised tokens.
 
     Raises:
         ConfigError: bad rank/world size, an empty split, or a sample longer than ``token_budget``.
@@ -250,28 +264,40 @@ class StreamingLoader:
     # ---- sample table and plan -------------------------------------------------------------------------------
 
     def _build_table(self) -> None:
-        shards, positions, lengths, rows = [], [], [], []
+        shards, positions, lengths, rows, supervised = [], [], [], [], []
         shard_ids = sorted(int(s) for s in self.source.shards)
+        min_supervised = self.config.min_supervised_tokens
+        if min_supervised and not hasattr(self.source, "shard_supervised_counts"):
+            raise ConfigError(
+                f"min_supervised_tokens={min_supervised} needs a source with shard_supervised_counts() "
+                f"({type(self.source).__name__} has none); use dflash.cache.CacheReader or min_supervised_tokens=0"
+            )
 
-        def index(shard: int) -> tuple[np.ndarray, np.ndarray]:
+        def index(shard: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
             return (
                 np.asarray(self.source.shard_lengths(shard), dtype=np.int64),
                 np.asarray(self.source.shard_corpus_rows(shard), dtype=np.int64),
+                np.asarray(self.source.shard_supervised_counts(shard), dtype=np.int64) if min_supervised else None,
             )
 
-        # Only the small per-shard index arrays are read; in parallel, since object stores answer slowly.
+        # Only the small per-shard index arrays (and, with min_supervised_tokens, the 1-byte loss masks) are read;
+        # in parallel, since object stores answer slowly.
         with ThreadPoolExecutor(_INDEX_THREADS, thread_name_prefix="dflash-index") as pool:
             indexes = list(pool.map(index, shard_ids))
-        for shard, (shard_lengths, shard_rows) in zip(shard_ids, indexes, strict=True):
-            if shard_rows.shape != shard_lengths.shape:
+        for shard, (shard_lengths, shard_rows, shard_supervised) in zip(shard_ids, indexes, strict=True):
+            if shard_rows.shape != shard_lengths.shape or (
+                shard_supervised is not None and shard_supervised.shape != shard_lengths.shape
+            ):
                 raise ConfigError(
-                    f"shard {shard}: {shard_lengths.size} lengths but {shard_rows.size} corpus rows; "
+                    f"shard {shard}: {shard_lengths.size} lengths but {shard_rows.size} corpus rows"
+                    f"{'' if shard_supervised is None else f' and {shard_supervised.size} supervised counts'}; "
                     "the cache is inconsistent: run `dflash-stages cache verify`"
                 )
             shards.append(np.full(shard_lengths.size, shard, dtype=np.int64))
             positions.append(np.arange(shard_lengths.size, dtype=np.int64))
             lengths.append(shard_lengths)
             rows.append(shard_rows)
+            supervised.append(shard_supervised if shard_supervised is not None else shard_lengths)
         empty = np.zeros(0, dtype=np.int64)
         all_lengths = np.concatenate(lengths) if lengths else empty
         cfg = self.config
@@ -287,6 +313,12 @@ class StreamingLoader:
         else:
             is_validation = validation_rows(all_rows, cfg.validation_fraction, cfg.split_seed)
             keep = is_validation if cfg.split == "validation" else ~is_validation
+        # Samples of this split with too few supervised tokens to give useful anchors (DFLASH.md): excluded, counted.
+        all_supervised = np.concatenate(supervised) if supervised else empty
+        short = keep & (all_supervised < cfg.min_supervised_tokens)
+        self.num_excluded_short = int(short.sum())
+        self.num_excluded_short_tokens = int(all_lengths[short].sum())
+        keep &= ~short
         self.sample_shard = (np.concatenate(shards) if shards else empty)[keep]
         self.sample_position = (np.concatenate(positions) if positions else empty)[keep]
         self.sample_length = all_lengths[keep]
@@ -295,8 +327,9 @@ class StreamingLoader:
         if self.sample_length.size == 0:
             raise ConfigError(
                 f"the {cfg.split} split of the cache is empty ({all_rows.size} samples in "
-                f"{len(shards)} committed shards, validation_fraction={cfg.validation_fraction}); extract more "
-                "shards or change validation_fraction"
+                f"{len(shards)} committed shards, validation_fraction={cfg.validation_fraction}, "
+                f"{self.num_excluded_short} excluded for fewer than min_supervised_tokens={cfg.min_supervised_tokens} "
+                "supervised tokens); extract more shards, change validation_fraction or lower min_supervised_tokens"
             )
         too_long = np.flatnonzero(self.sample_length > cfg.token_budget)
         if too_long.size:
@@ -564,7 +597,8 @@ class StreamingLoader:
             raise CheckpointError(
                 f"data cursor format {state.get('format')!r} is not {_STATE_FORMAT}; cannot resume"
             )
-        saved, current = state["plan_config"], self.config.plan_fields()
+        # A cursor from before min_supervised_tokens existed was taken with every sample kept.
+        saved, current = {"min_supervised_tokens": 0, **state["plan_config"]}, self.config.plan_fields()
         for key in sorted(set(saved) | set(current)):
             if saved.get(key) != current.get(key):
                 raise CheckpointError(
@@ -628,6 +662,8 @@ class StreamingLoader:
             "boundaries": list(self.boundaries),
             "num_samples": self.num_samples,
             "num_tokens": self.num_tokens,
+            "excluded_short_samples": self.num_excluded_short,
+            "excluded_short_tokens": self.num_excluded_short_tokens,
             "rank": self.rank,
             "world_size": self.world_size,
             "table_fingerprint": self.table_fingerprint,

@@ -78,6 +78,9 @@ class TrainConfig:
     """Validation batches per rank per evaluation (None: the whole held-out split)."""
     max_documents_per_batch: int | None = None
     """Cap on documents packed into one micro-batch (None: only the token budget limits it)."""
+    min_supervised_tokens: int | None = None
+    """Samples with fewer supervised (loss_mask = 1) tokens are excluded, counted and reported (run.json, metrics,
+    log); default ``2 * block_size`` (DFLASH.md: shorter samples give no useful anchors); 0 keeps every sample."""
     prefetch_batches: int = 4
     """Batches read ahead in the background (bounds memory)."""
     shard_window: int | None = None
@@ -176,6 +179,11 @@ class TrainConfig:
             raise ConfigError("drafter_gpus lists GPUs but device is 'cpu'; drop one of them")
         if self.drafter_gpus is not None and self.cpu_processes > 1:
             raise ConfigError("cpu_processes > 1 is for CPU runs; with drafter_gpus the world size is their count")
+        if self.min_supervised_tokens is not None and (
+            not isinstance(self.min_supervised_tokens, int) or isinstance(self.min_supervised_tokens, bool)
+            or self.min_supervised_tokens < 0
+        ):
+            raise ConfigError(f"min_supervised_tokens must be an integer >= 0 or None, got {self.min_supervised_tokens!r}")
         if self.compile and self.anchor_slots is None and self.max_documents_per_batch is None:
             raise ConfigError(
                 "anchor_slots: --compile needs a fixed anchor count; give anchor_slots, or max_documents_per_batch "
@@ -199,6 +207,10 @@ class TrainConfig:
             return self.anchor_slots
         assert self.max_documents_per_batch is not None
         return min(self.token_budget, self.max_anchors_per_document * self.max_documents_per_batch)
+
+    def resolved_min_supervised_tokens(self) -> int:
+        """Samples with fewer supervised tokens are excluded: ``min_supervised_tokens``, default ``2 * block_size``."""
+        return self.min_supervised_tokens if self.min_supervised_tokens is not None else 2 * self.block_size
 
     def resolved_gamma(self) -> float:
         from dflash.drafter import default_gamma
@@ -423,6 +435,10 @@ def register(app: typer.Typer) -> None:
         compile_layers: bool = typer.Option(None, "--compile/--no-compile", help="Fixed shapes + torch.compile."),
         anchor_slots: int = typer.Option(None, "--anchor-slots", help="Anchors per micro-batch with --compile."),
         max_documents: int = typer.Option(None, "--max-documents-per-batch", help="Documents per micro-batch cap."),
+        min_supervised_tokens: int = typer.Option(
+            None, "--min-supervised-tokens",
+            help="Exclude (and count) samples with fewer supervised tokens (default 2 x block size; 0 keeps all).",
+        ),
         save_every: int = typer.Option(None, "--save-every", help="Checkpoint every N steps (500)."),
         keep_last: int = typer.Option(None, "--keep-last", help="Checkpoints to keep (3) plus the best."),
         eval_every: int = typer.Option(None, "--eval-every", help="Validate every N steps."),
@@ -444,6 +460,7 @@ def register(app: typer.Typer) -> None:
             "betas": [float(b) for b in betas.split(",")] if betas else None, "weight_decay": weight_decay,
             "warmup_ratio": warmup_ratio, "grad_clip": grad_clip, "seed": seed, "mixed_precision": mixed_precision,
             "compile": compile_layers, "anchor_slots": anchor_slots, "max_documents_per_batch": max_documents,
+            "min_supervised_tokens": min_supervised_tokens,
             "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "log_every": log_every,
             "allow_config_change": allow_config_change, "progress": progress,
         }  # fmt: skip

@@ -151,6 +151,7 @@ class Trainer:
         self._train_iter = None
         self._stop_requested = False  # set by SIGTERM
         self._stopped = False  # the ranks agreed to stop after the current step
+        self.excluded: dict[str, Any] = {}  # samples excluded for too few supervised tokens (set by load())
 
     # ================================================================== the loop
     def fit(self) -> dict[str, Any]:
@@ -256,6 +257,7 @@ class Trainer:
                 self._val_start = self.val_loader.state_dict()
             except ConfigError as error:  # e.g. a tiny cache where 1% of the rows is no row at all
                 log.warning("validation disabled (no best checkpoint, no validation loss): %s", error)
+        self.excluded = self._excluded_samples()
         micro_per_epoch = len(self.train_loader)
         if micro_per_epoch < 1:
             raise ConfigError(
@@ -298,9 +300,32 @@ class Trainer:
             "world_size": self.world_size,
             "device": str(self.device),
             "bucket_boundaries": list(self.train_loader.boundaries),
+            "excluded_samples": self.excluded,
         }
         if self.is_main:
             self._write_run_json()
+            self.metrics.log("data", self.step, self.excluded)
+
+    def _excluded_samples(self) -> dict[str, Any]:
+        """Samples left out for too few supervised tokens (DFLASH.md), per split; logged once at start."""
+        minimum = self.config.resolved_min_supervised_tokens()
+        loaders = {"train": self.train_loader, "validation": self.val_loader}
+        record: dict[str, Any] = {"min_supervised_tokens": minimum}
+        for split, loader in loaders.items():
+            if loader is not None:
+                record[f"excluded_short_samples_{split}"] = loader.num_excluded_short
+                record[f"excluded_short_tokens_{split}"] = loader.num_excluded_short_tokens
+        total = sum(loader.num_excluded_short for loader in loaders.values() if loader is not None)
+        kept = sum(loader.num_samples for loader in loaders.values() if loader is not None)
+        record["excluded_short_samples"] = total
+        if self.is_main:
+            log.log(
+                logging.WARNING if total else logging.INFO,
+                "excluded %d of %d samples with fewer than %d supervised tokens (min_supervised_tokens; "
+                "train %d, validation %s)", total, total + kept, minimum, self.train_loader.num_excluded_short,
+                self.val_loader.num_excluded_short if self.val_loader is not None else "-",
+            )
+        return record
 
     def _resume_checkpoint(self):
         config = self.config
@@ -364,6 +389,7 @@ class Trainer:
             prefetch_batches=config.prefetch_batches,
             shard_window=config.shard_window,
             max_documents_per_batch=config.max_documents_per_batch,
+            min_supervised_tokens=config.resolved_min_supervised_tokens(),
             pad_to_budget=config.compile,  # fixed shapes: one compiled graph for every step
             pin_memory=self.device.type == "cuda",
         )
@@ -644,7 +670,13 @@ class Trainer:
         from dflash.buckets import render_bucket_table
 
         rows = self.train_loader.bucket_table()
-        Console(stderr=True).print(render_bucket_table(rows, title=f"length buckets (epoch {self.train_loader.epoch})"))
+        console = Console(stderr=True)
+        console.print(render_bucket_table(rows, title=f"length buckets (epoch {self.train_loader.epoch})"))
+        console.print(
+            f"excluded samples (fewer than {self.excluded['min_supervised_tokens']} supervised tokens): "
+            f"{self.excluded['excluded_short_samples']} (train {self.train_loader.num_excluded_short}, "
+            f"{self.train_loader.num_excluded_short_tokens} tokens)"
+        )
         resolved = {
             **self.resolved,
             "train_loader": self.train_loader.describe(),
@@ -662,6 +694,7 @@ class Trainer:
             "step": self.step,
             "total_steps": self.total_steps,
             "skipped_steps": self.counters["skipped_steps"],
+            "excluded_short_samples": self.excluded.get("excluded_short_samples", 0),
             "stopped_by_signal": self._stopped,
             "tokens_seen": self.counters["tokens_seen"],
             "data_digest": self.counters["data_digest"],

@@ -372,3 +372,37 @@ def test_shard_cache_threads_share_one_read_and_hold_at_most_k_shards(reader):
     for shard in (0, 2, 3):
         cache.get(shard)
     assert len(cache) == 2 and cache.reads == 4
+
+
+def test_samples_with_too_few_supervised_tokens_are_excluded_and_counted(reader):
+    # Supervised counts from the loss masks alone equal those of the full samples (hidden states included).
+    everything = {s.corpus_row: s for shard in reader.shards for s in reader.read_shard(shard)}
+    counts = {}
+    for shard in reader.shards:
+        rows = reader.shard_corpus_rows(shard).tolist()
+        counts.update(zip(rows, reader.shard_supervised_counts(shard).tolist(), strict=True))
+    assert counts == {row: int(sample.loss_mask.sum()) for row, sample in everything.items()}
+
+    minimum = 32  # 2 * B for B = 16 (DFLASH.md)
+    short = {row for row, count in counts.items() if count < minimum}
+    assert 0 < len(short) < len(counts)  # the fixture has both kinds
+    loader = StreamingLoader(reader, StreamConfig(token_budget=BUDGET, seed=3, min_supervised_tokens=minimum))
+    seen = [row for batch in loader for row in batch.corpus_rows]
+    assert sorted(seen) == sorted(set(counts) - short)  # every other sample exactly once, none of the short ones
+    assert loader.num_excluded_short == len(short)
+    assert loader.num_excluded_short_tokens == sum(len(everything[row].input_ids) for row in short)
+    described = loader.describe()
+    assert described["excluded_short_samples"] == len(short)
+    assert described["config"]["min_supervised_tokens"] == minimum
+    # The split and the exclusion compose: each split counts only its own short samples.
+    split = dict(token_budget=BUDGET, validation_fraction=0.3, min_supervised_tokens=minimum)
+    train = StreamingLoader(reader, StreamConfig(split="train", **split))
+    validation = StreamingLoader(reader, StreamConfig(split="validation", shuffle=False, **split))
+    assert train.num_excluded_short + validation.num_excluded_short == len(short)
+    assert train.num_samples + validation.num_samples == len(counts) - len(short)
+    # A cursor taken without the exclusion cannot continue a loader with it (the batch order differs).
+    unfiltered = StreamingLoader(reader, StreamConfig(token_budget=BUDGET, seed=3))
+    with pytest.raises(CheckpointError, match="min_supervised_tokens"):
+        loader.load_state_dict(unfiltered.state_dict())
+    with pytest.raises(ConfigError, match="min_supervised_tokens"):
+        StreamConfig(min_supervised_tokens=-1)

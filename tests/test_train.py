@@ -213,6 +213,35 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tiny_cache, tmp_path, mo
     assert resumed["step"] == 4 and not resumed["stopped_by_signal"]
 
 
+def test_samples_with_too_few_supervised_tokens_are_excluded_counted_and_reported(tiny_cache, tmp_path, caplog):
+    import logging
+
+    from dflash.cache import CacheReader
+
+    reader = CacheReader(tiny_cache)
+    counts = sorted(int(c) for shard in reader.shards for c in reader.shard_supervised_counts(shard))
+    minimum = counts[len(counts) // 3]  # a real threshold on this cache: about a third of the samples fall below
+    expected = sum(c < minimum for c in counts)
+    assert expected > 0
+    assert tiny_config(tiny_cache, tmp_path / "x").resolved_min_supervised_tokens() == 2 * 4  # default 2 * B
+    with caplog.at_level(logging.INFO, logger="stages.trainer"):
+        summary = run_training(
+            tiny_config(tiny_cache, tmp_path / "run", max_steps=1, min_supervised_tokens=minimum, validation_fraction=0.2)
+        )
+    assert summary["excluded_short_samples"] == expected
+    assert any(f"excluded {expected} of {len(counts)} samples" in r.getMessage() for r in caplog.records)
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    excluded = run["resolved"]["excluded_samples"]
+    assert excluded["min_supervised_tokens"] == minimum and excluded["excluded_short_samples"] == expected
+    assert excluded["excluded_short_samples_train"] + excluded["excluded_short_samples_validation"] == expected
+    assert run["resolved"]["train_loader"]["excluded_short_samples"] == excluded["excluded_short_samples_train"]
+    assert run["resolved"]["train_loader"]["num_samples"] + run["resolved"]["validation_loader"]["num_samples"] == (
+        len(counts) - expected
+    )
+    (data,) = read_metrics(tmp_path / "run", kind="data")
+    assert data["excluded_short_samples"] == expected and data["min_supervised_tokens"] == minimum
+
+
 def test_loaders_copy_to_the_gpu_on_their_side_stream_when_training_on_cuda(tiny_cache, tmp_path):
     from stages.trainer import Trainer
 
@@ -259,9 +288,10 @@ def test_cli_help_lists_the_options():
     from stages.cli import _register_all, app
 
     _register_all()
-    result = CliRunner().invoke(app, ["train", "--help"])
+    result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"})  # no truncated names
     assert result.exit_code == 0, result.output
-    for option in ("--cache", "--output", "--resume", "--drafter-gpus", "--grad-accum-steps", "--betas"):
+    for option in ("--cache", "--output", "--resume", "--drafter-gpus", "--grad-accum-steps", "--betas",
+                   "--min-supervised-tokens"):
         assert option in result.output
 
 

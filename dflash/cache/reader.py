@@ -143,6 +143,22 @@ class CacheReader:
         """Token count of each sample of ``shard``: ``int64 [S]`` (reads only ``offsets``)."""
         return np.diff(self._shard_index(shard)[0])
 
+    def shard_supervised_counts(self, shard: int) -> np.ndarray:
+        """Supervised tokens (``loss_mask == 1``) of each sample of ``shard``: ``int64 [S]``.
+
+        Reads only ``offsets`` and ``loss_mask`` (1 byte per token), never the hidden states, so planning can drop
+        samples with too few supervised tokens cheaply.
+
+        Raises:
+            CacheError: ``shard`` is not committed.
+            CacheCorruptError: a ``loss_mask`` chunk is missing or fails its checksum.
+        """
+        offsets, _ = self._shard_index(shard)
+        self._check_chunks(shard, ["loss_mask"])
+        loss_mask = self._read(shard, "loss_mask", slice(0, int(offsets[-1])))
+        running = np.concatenate([[0], np.cumsum(loss_mask != 0, dtype=np.int64)])
+        return running[offsets[1:]] - running[offsets[:-1]]
+
     def shard_corpus_rows(self, shard: int) -> np.ndarray:
         """Corpus row of each sample of ``shard``: ``int64 [S]``."""
         return self._shard_index(shard)[1].copy()
