@@ -70,6 +70,8 @@ class ExtractConfig:
         force_space: start even when the size estimate exceeds the free space.
         expected_ratio: compression ratio assumed by the size estimate (1.0 = none, the safe bound).
         dashboard_address: where a LocalCluster serves its dashboard (``":0"`` picks a free port).
+        write_threads: chunk-compression threads per worker; ``None``: ``min(8, CPUs per worker)``.
+        writes_in_flight: shard writes per worker running beside its compute (each holds a shard in host memory).
     """
 
     corpus: str
@@ -89,6 +91,8 @@ class ExtractConfig:
     force_space: bool = False
     expected_ratio: float = 1.0
     dashboard_address: str = ":8787"
+    write_threads: int | None = None
+    writes_in_flight: int = 2
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -108,6 +112,10 @@ class ExtractConfig:
             raise ConfigError(f"length_policy: expected error|drop|truncate, got {self.length_policy!r}")
         if self.max_length is not None and self.max_length < 1:
             raise ConfigError(f"max_length: expected >= 1, got {self.max_length}")
+        if self.write_threads is not None and self.write_threads < 1:
+            raise ConfigError(f"write_threads: expected >= 1, got {self.write_threads}")
+        if self.writes_in_flight < 1:
+            raise ConfigError(f"writes_in_flight: expected >= 1, got {self.writes_in_flight}")
         if not self.expected_ratio > 0:
             raise ConfigError(f"expected_ratio: expected > 0, got {self.expected_ratio}")
 
@@ -186,7 +194,7 @@ def _start_cluster(config: ExtractConfig, console: Console) -> tuple[Any, Any, d
             memory_limit=0,
             dashboard_address=config.dashboard_address,
         )
-        placement = {"gpu_by_worker": dict(enumerate(gpus)), "device": "cuda", "resources": {"GPU": 1}}
+        placement = {"gpu_by_worker": dict(enumerate(gpus)), "device": "cuda", "resources": {"GPU": 1}, "num_workers": len(gpus)}
     else:
         num_workers = config.workers or 1
         cluster = LocalCluster(
@@ -197,9 +205,20 @@ def _start_cluster(config: ExtractConfig, console: Console) -> tuple[Any, Any, d
             dashboard_address=config.dashboard_address,
         )
         threads = max(1, (os.cpu_count() or 1) // num_workers)
-        placement = {"device": "cpu", "torch_threads": threads, "resources": None}
+        placement = {"device": "cpu", "torch_threads": threads, "resources": None, "num_workers": num_workers}
     placement["die_with_parent"] = True
     return Client(cluster), cluster, placement
+
+
+def _default_write_threads(placement: dict[str, Any]) -> int | None:
+    """``min(8, CPU cores per worker)`` for a LocalCluster (cores split evenly between its workers); ``None`` for
+    an external scheduler (each worker then uses its own CPU count)."""
+    workers = placement.get("num_workers")
+    if not workers:
+        return None
+    from stages.extract_worker import default_write_threads
+
+    return default_write_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def _accepts_n_workers(client: Any) -> bool:
@@ -335,6 +354,8 @@ def run_extract(config: ExtractConfig, console: Console | None = None) -> dict[s
             device=placement["device"],
             torch_threads=placement.get("torch_threads"),
             die_with_parent=placement["die_with_parent"],
+            write_threads=config.write_threads or _default_write_threads(placement),
+            writes_in_flight=config.writes_in_flight,
         )
         loading = time.perf_counter()
         client.register_plugin(plugin)  # runs setup on every worker; re-raises a worker's loading error here
@@ -452,6 +473,8 @@ def register(app: typer.Typer) -> None:
         expected_ratio: float = typer.Option(1.0, "--expected-ratio", help="Compression ratio assumed by the size estimate."),
         force_space: bool = typer.Option(False, "--force-space", help="Start even if the estimate exceeds the free space."),
         dashboard_address: str = typer.Option(":8787", "--dashboard-address", help="Dashboard of a local cluster (':0' = any free port)."),
+        write_threads: int | None = typer.Option(None, "--write-threads", help="Chunk-compression threads per worker (default: min(8, CPU cores per worker))."),
+        writes_in_flight: int = typer.Option(2, "--writes-in-flight", help="Shard writes per worker overlapping its compute (each holds one shard in host memory)."),
     ) -> None:
         """Extract tapped target hidden states of a corpus into a compressed Zarr v3 cache (Dask workers).
 
@@ -478,6 +501,8 @@ def register(app: typer.Typer) -> None:
                 expected_ratio=expected_ratio,
                 force_space=force_space,
                 dashboard_address=dashboard_address,
+                write_threads=write_threads,
+                writes_in_flight=writes_in_flight,
             )
             run_extract(config, console)
         except DFlashError as error:

@@ -4,17 +4,21 @@ A task is pure in Dask's sense: a :class:`ShardSpec` (a corpus row range) in, a 
 arrays. The worker plugin loads the target once per worker in ``setup`` (pinning its GPU) and frees it in
 ``teardown``. :class:`ShardExtractor` does the work and is usable without Dask (benchmarks, tests).
 
-Overlap of storage with compute: a shard's hidden states are handed to a one-thread
-``concurrent.futures`` writer, which calls ``HiddenStateCache.write_shard`` (arrays first, commit record last)
-while the same worker's next shard runs on the device. A task therefore returns once its shard is computed and
-reports the shards whose writes finished since (``committed``); the driver collects the last pending write with
-:func:`flush_worker` and then trusts only the cache's commit records: a shard whose write was lost (worker
-killed) is simply not committed and is redone. One writer per shard holds because a shard is one task and one
-write.
+Overlap of storage with compute: a shard's hidden states are handed to a ``concurrent.futures`` writer pool
+(``writes_in_flight`` threads, default 2), which calls ``HiddenStateCache.write_shard`` (arrays first, commit
+record last) while the same worker's next shards run on the device. Each write's chunks are compressed in
+parallel by zarr's thread pool (``write_threads`` threads: ``zarr.config`` ``threading.max_workers`` and
+``async.concurrency``; numcodecs' Blosc releases the GIL and, called off the main thread, compresses each chunk
+single-threaded, so parallelism comes from chunks). Two writes in flight also run two sha256 digests at once (one
+digest is a serial stream over the shard). A task returns once its shard is computed and reports the shards whose
+writes finished since (``committed``); the driver collects the pending writes with :func:`flush_worker` and then
+trusts only the cache's commit records: a shard whose write was lost (worker killed) is simply not committed and
+is redone. One writer per shard holds because a shard is one task and one write.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import ctypes
 import logging
@@ -25,14 +29,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import zarr
 from distributed import WorkerPlugin, get_worker
 
 from dflash.cache import HiddenSample, HiddenStateCache, quarantine_record
 from dflash.corpus import open_corpus
+from dflash.errors import ConfigError
 from dflash.target import load_target
 from dflash.target_runner import TargetRunner
 
-__all__ = ["ShardSpec", "ShardExtractor", "TargetWorkerPlugin", "extract_shard", "flush_worker", "PLUGIN_NAME"]
+__all__ = [
+    "ShardSpec",
+    "ShardExtractor",
+    "TargetWorkerPlugin",
+    "extract_shard",
+    "flush_worker",
+    "configure_write_threads",
+    "default_write_threads",
+    "PLUGIN_NAME",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +78,55 @@ class ShardSpec:
     length_policy: str = "error"
 
 
+def default_write_threads(cpus_per_worker: int | None = None) -> int:
+    """``min(8, cpus_per_worker)``; ``cpus_per_worker`` defaults to the CPUs this process may use."""
+    if cpus_per_worker is None:
+        cpus_per_worker = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, int(cpus_per_worker)))
+
+
+def configure_write_threads(write_threads: int) -> None:
+    """Let zarr compress up to ``write_threads`` chunks at once in this process.
+
+    Sets ``zarr.config`` ``threading.max_workers`` (zarr's pool, which runs the Blosc/Zstd encodes) and
+    ``async.concurrency`` (chunks in flight per array write). The pool size applies when zarr creates its pool,
+    i.e. before this process's first zarr read or write that follows the call; call it at worker start.
+
+    Raises:
+        ConfigError: ``write_threads < 1``.
+    """
+    if write_threads < 1:
+        raise ConfigError(f"write_threads: expected >= 1, got {write_threads}")
+    zarr.config.set({"threading.max_workers": int(write_threads), "async.concurrency": max(int(write_threads), 4)})
+
+
 class ShardExtractor:
     """Computes shards with a :class:`TargetRunner` and writes them through ``HiddenStateCache.write_shard``.
 
-    At most one write is pending (backpressure): before handing shard k to the writer, the write of shard k-1 is
-    awaited. Call :meth:`flush` to wait for the last write; :meth:`close` flushes and stops the writer thread.
+    Args:
+        runner: the target runner.
+        writes_in_flight: shard writes allowed to run at once beside compute (backpressure: handing over shard k
+            first waits for the oldest write while ``writes_in_flight`` are pending). Host memory held: about
+            ``writes_in_flight + 1`` shards of hidden states (pinned buffers, reused).
+        write_threads: if given, :func:`configure_write_threads` is applied (process-wide zarr setting).
+
+    Call :meth:`flush` to wait for the pending writes; :meth:`close` flushes and stops the writer threads.
+
+    Raises:
+        ConfigError: ``writes_in_flight < 1`` or ``write_threads < 1``.
     """
 
-    def __init__(self, runner: TargetRunner) -> None:
+    def __init__(self, runner: TargetRunner, *, writes_in_flight: int = 2, write_threads: int | None = None) -> None:
+        if writes_in_flight < 1:
+            raise ConfigError(f"writes_in_flight: expected >= 1, got {writes_in_flight}")
+        if write_threads is not None:
+            configure_write_threads(write_threads)
         self.runner = runner
-        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-writer")
-        self._pending: tuple[int, concurrent.futures.Future] | None = None
+        self.writes_in_flight = int(writes_in_flight)
+        self._writer = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.writes_in_flight, thread_name_prefix="dflash-writer"
+        )
+        self._pending: collections.deque[tuple[int, concurrent.futures.Future]] = collections.deque()
         self._caches: dict[str, Any] = {}
         self._corpora: dict[str, Any] = {}
 
@@ -87,18 +140,24 @@ class ShardExtractor:
             self._corpora[path] = open_corpus(path)
         return self._corpora[path]
 
-    def _collect_pending(self) -> list[dict]:
-        """Wait for the pending write; its commit record (or error) as a list of zero or one dicts."""
-        if self._pending is None:
-            return []
-        shard_id, future = self._pending
-        self._pending = None
+    @staticmethod
+    def _result(shard_id: int, future: concurrent.futures.Future) -> dict:
         try:
             result = future.result()
         except Exception as error:  # reported to the driver, which redoes uncommitted shards
             log.exception("writing shard %d failed", shard_id)
-            return [{"shard": shard_id, "error": f"{type(error).__name__}: {error}"}]
-        return [{"shard": shard_id, **(result or {})}]
+            return {"shard": shard_id, "error": f"{type(error).__name__}: {error}"}
+        return {"shard": shard_id, **(result or {})}
+
+    def _collect_pending(self, keep: int = 0, *, finished: bool = True) -> list[dict]:
+        """Commit records (or errors) of pending writes, oldest first: waits until at most ``keep`` are pending,
+        and with ``finished`` also collects any later write that is already done (without waiting)."""
+        out: list[dict] = []
+        while len(self._pending) > keep:
+            out.append(self._result(*self._pending.popleft()))
+        while finished and self._pending and self._pending[0][1].done():
+            out.append(self._result(*self._pending.popleft()))
+        return out
 
     def process(self, spec: ShardSpec) -> dict:
         """Compute shard ``spec.shard_id`` and queue its write.
@@ -126,7 +185,9 @@ class ShardExtractor:
         samples: list[HiddenSample | None] = [None] * len(todo)
         quarantined: list[dict] = []
         num_padded = 0
+        batches = []  # their pinned host buffers go back to the runner once the shard is written
         for batch in self.runner.iter_batches([input_ids for _, input_ids, _ in todo]):
+            batches.append(batch)
             num_padded += batch.num_padded_tokens
             for slot, hidden, bad_layers in zip(batch.indices, batch.hidden, batch.nonfinite_layers, strict=True):
                 index, input_ids, loss_mask = todo[slot]
@@ -152,15 +213,22 @@ class ShardExtractor:
         kept = [sample for sample in samples if sample is not None]
         quarantined.sort(key=lambda entry: entry["corpus_row"])
         compute_seconds = time.perf_counter() - started
-        committed = self._collect_pending()
+        committed = self._collect_pending(keep=self.writes_in_flight - 1)
         cache = self._cache(spec.cache_path)
-        self._pending = (
-            spec.shard_id, self._writer.submit(cache.write_shard, spec.shard_id, kept, quarantined, skipped=skipped)
-        )
+        future = self._writer.submit(cache.write_shard, spec.shard_id, kept, quarantined, skipped=skipped)
+        num_kept = len(kept)
+        del kept, samples  # the write owns the hidden states now
+
+        def release(_: concurrent.futures.Future, batches: list = batches) -> None:
+            for batch in batches:
+                batch.release()
+
+        future.add_done_callback(release)
+        self._pending.append((spec.shard_id, future))
         return {
             "shard": spec.shard_id,
             "rows": [spec.row_start, spec.row_stop],
-            "samples": len(kept),
+            "samples": num_kept,
             "tokens": sum(len(input_ids) for _, input_ids, _ in todo),
             "skipped": len(skipped),
             "padded_tokens": num_padded,
@@ -170,7 +238,7 @@ class ShardExtractor:
         }
 
     def flush(self) -> list[dict]:
-        """Wait for the pending write; returns its commit dict (or ``{"shard", "error"}``) in a list."""
+        """Wait for every pending write; their commit dicts (or ``{"shard", "error"}``), oldest first."""
         return self._collect_pending()
 
     def close(self) -> list[dict]:
@@ -206,6 +274,9 @@ class TargetWorkerPlugin(WorkerPlugin):
         device: ``"cuda"`` (the worker's current GPU), ``"cpu"`` or ``"auto"`` (CUDA when present).
         torch_threads: intra-op CPU threads per worker (CPU workers), ``None`` leaves torch's default.
         die_with_parent: SIGKILL the worker when its spawning process dies (locally started clusters only).
+        write_threads: zarr compression threads of the worker (:func:`configure_write_threads`); ``None``:
+            :func:`default_write_threads` of the worker's CPUs (``min(8, cpus)``, ``cpus = torch_threads`` if given).
+        writes_in_flight: shard writes per worker running beside compute (bounded backpressure).
     """
 
     name = PLUGIN_NAME
@@ -221,6 +292,8 @@ class TargetWorkerPlugin(WorkerPlugin):
         device: str = "auto",
         torch_threads: int | None = None,
         die_with_parent: bool = False,
+        write_threads: int | None = None,
+        writes_in_flight: int = 2,
     ) -> None:
         self.target_spec = target_spec
         self.target_layer_ids = list(target_layer_ids)
@@ -229,6 +302,8 @@ class TargetWorkerPlugin(WorkerPlugin):
         self.device = device
         self.torch_threads = torch_threads
         self.die_with_parent = die_with_parent
+        self.write_threads = write_threads
+        self.writes_in_flight = writes_in_flight
         self.extractor: ShardExtractor | None = None
 
     def _pick_device(self, worker: Any) -> torch.device:
@@ -252,7 +327,8 @@ class TargetWorkerPlugin(WorkerPlugin):
         runner = TargetRunner(
             loaded.model, self.target_layer_ids, device, token_budget=self.token_budget, pad_token_id=pad_token_id
         )
-        self.extractor = ShardExtractor(runner)
+        write_threads = self.write_threads or default_write_threads(self.torch_threads)
+        self.extractor = ShardExtractor(runner, writes_in_flight=self.writes_in_flight, write_threads=write_threads)
         log.info("worker %s: target %s on %s in %.1f s", worker.name, self.target_spec, device, time.perf_counter() - started)
 
     def teardown(self, worker: Any) -> None:
