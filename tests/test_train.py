@@ -268,6 +268,40 @@ def test_gpu_loader_streams_batches_onto_the_device(tiny_cache, tmp_path):
         trainer.close()
 
 
+@pytest.mark.parametrize("compile_layers", [False, True])
+def test_compile_flag_wires_compiled_layers_and_fixed_shape_anchors(tiny_cache, tmp_path, monkeypatch, compile_layers):
+    """--compile: drafter.compile_layers(), every micro-batch padded to token_budget, sample_anchors(num_anchors=
+    anchor_slots) in training and validation; eager (dynamic shapes) by default. compile_layers is recorded, not
+    run: torch.compile itself is exercised on the GPU (test_gpu_compiled_fixed_shape_path)."""
+    import stages.trainer as trainer_module
+    from dflash.drafter import DFlashDrafter
+
+    calls = {"compile": 0, "shapes": []}
+    monkeypatch.setattr(DFlashDrafter, "compile_layers", lambda self, **kw: calls.__setitem__("compile", calls["compile"] + 1))
+    real_sample = trainer_module.sample_anchors
+
+    def recording(batch, block_size, max_anchors, generator, *, num_anchors=None):
+        anchors = real_sample(batch, block_size, max_anchors, generator, num_anchors=num_anchors)
+        calls["shapes"].append((batch.num_tokens, num_anchors, tuple(anchors.shape)))
+        return anchors
+
+    monkeypatch.setattr(trainer_module, "sample_anchors", recording)
+    config = tiny_config(tiny_cache, tmp_path / "run", max_steps=2, save_every=2, compile=compile_layers,
+                         max_documents_per_batch=3)
+    assert TrainConfig(cache="c", output="o").compile is False  # eager is the default
+    run_training(config)
+    assert calls["shapes"], "no anchors sampled"
+    if compile_layers:
+        slots = config.resolved_anchor_slots()
+        assert slots == 2 * 3  # max_anchors_per_document x max_documents_per_batch
+        assert calls["compile"] == 1
+        assert all(tokens == config.token_budget and n == slots and shape == (slots,) for tokens, n, shape in calls["shapes"])
+    else:
+        assert calls["compile"] == 0
+        assert all(n is None for _, n, _ in calls["shapes"])
+        assert any(tokens != config.token_budget for tokens, _, _ in calls["shapes"])  # dynamic shapes
+
+
 def test_config_fields_are_validated_with_their_names(tmp_path):
     with pytest.raises(ConfigError, match="grad_accum_steps"):
         TrainConfig(cache="c", output="o", grad_accum_steps=0)
