@@ -2,28 +2,44 @@
 
 In ONE run, on the same model and the same token-budget batches (length-sorted, right-padded):
 
-1. full plain forward: the transformers base model (every decoder layer + final norm, no LM head), no I/O;
+1. full plain forward: the transformers base model (every decoder layer + final norm, no LM head), no I/O, called
+   like the runner: explicit position ids and NO attention mask (right padding + causal attention: real-token
+   outputs equal the masked forward's, and SDPA keeps its ``is_causal`` flash kernel). On fixed-length batches
+   (``--reference``: 8 x 2048, no padding) this is exactly the issue's reference plain forward. ``--masked-baseline``
+   adds the same forward WITH the padding mask (what ``model(**tokenizer(..., padding=True))`` costs);
 2. truncated runner forward: ``TargetRunner.forward`` (stops after the last tapped layer), outputs left on device;
-3. runner with host copies: ``TargetRunner.iter_batches`` (taps copied to pinned host buffers, non-blocking);
+3. runner with host copies: ``TargetRunner.iter_batches`` (taps copied on a side stream into reused pinned host
+   buffers, each batch released after use as the extract worker does);
 4. end-to-end extract: the Dask task's code path (``ShardExtractor``: corpus rows -> runner -> overlapped
-   ``HiddenStateCache.write_shard`` with compression and checksums -> commit), timed until the last commit;
+   ``HiddenStateCache.write_shard`` (``--writes-in-flight`` at once, ``--write-threads`` compression threads) with
+   compression and checksums -> commit), timed from the first shard until every write is committed and the cache
+   finalized: everything a user pays except loading the target;
 5. with ``--via-dask`` (targets loadable by path: ``default`` or a folder): the whole ``extract`` stage through a
    one-GPU LocalCluster (its own worker process loads the target; timed from first task to last commit).
 
 Then prints tokens/s of each, extract / truncated-forward (target >= 0.95), extract / full-forward (target >= 1),
 bytes per token on disk, and the compression ratio. Token counts are real (unpadded) tokens.
 
+``--write-only`` measures the write path alone on the CPU (no model): ``--write-shards`` shards of ``--shard-size``
+tokens x ``--num-taps`` x ``--hidden-size`` bf16 (normal values with a per-token log-normal scale, so the exponent
+bytes are realistic), written like extract writes them; it prints raw MB/s, tokens/s and CPU seconds per GB.
+
 Run (GPU)::
 
-    python benchmarks/extract.py --target qwen3-8b-random     # random-weight Qwen3-8B shape, no hub needed
-    python benchmarks/extract.py --target default             # SmolLM2-135M-Instruct
+    python benchmarks/extract.py --target qwen3-8b-random --tokens 262144              # random lengths 256-2048
+    python benchmarks/extract.py --target qwen3-8b-random --tokens 262144 --reference  # 8 x 2048, the issue's setup
+    python benchmarks/extract.py --write-only --write-shards 8                         # write path, CPU only
+    python benchmarks/extract.py --target default                                      # SmolLM2-135M-Instruct
     python benchmarks/extract.py --smoke                      # tiny, on CPU (a check that it runs)
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import os
+import resource
 import shutil
 import tempfile
 import time
@@ -35,7 +51,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from dflash.cache import DEFAULT_CODEC, CacheMetadata, CacheReader, HiddenStateCache
+from dflash.cache import DEFAULT_CODEC, CacheMetadata, CacheReader, HiddenSample, HiddenStateCache
+from dflash.cache.format import codec_config
 from dflash.corpus import CorpusWriter, open_corpus
 from dflash.target import (
     LAYER_ID_CONVENTION,
@@ -45,7 +62,7 @@ from dflash.target import (
 )
 from dflash.target_runner import TargetRunner, plan_batches
 from stages.extract import plan_shards
-from stages.extract_worker import ShardExtractor, ShardSpec
+from stages.extract_worker import ShardExtractor, ShardSpec, configure_write_threads, default_write_threads
 
 # Qwen3-8B's shape (config numbers written here so no model hub is needed); weights are random.
 QWEN3_8B = {
@@ -114,6 +131,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _padded_batches(rows: list[np.ndarray], plan: list[np.ndarray], device: torch.device) -> list[tuple]:
+    """Per batch: (right-padded ids [b, P] int64, padding mask [b, P] int64 or None when no row is padded)."""
     batches = []
     for indices in plan:
         lengths = [len(rows[i]) for i in indices]
@@ -128,40 +146,49 @@ def _padded_batches(rows: list[np.ndarray], plan: list[np.ndarray], device: torc
     return batches
 
 
-def time_full_forward(runner: TargetRunner, batches: list[tuple], device: torch.device) -> float:
+def time_full_forward(runner: TargetRunner, batches: list[tuple], device: torch.device, masked: bool = False) -> float:
+    """Every decoder layer (the base model, no LM head), explicit position ids; the padding mask only if
+    ``masked`` (without it real tokens are exact under right padding, see the module docstring)."""
     decoder = runner._decoder  # the same base model the runner truncates
+
+    def run(selected: list[tuple]) -> None:
+        for ids, mask in selected:
+            positions = torch.arange(ids.shape[1], device=device).expand(ids.shape[0], -1)
+            decoder(input_ids=ids, attention_mask=mask if masked else None, position_ids=positions, use_cache=False)
+
     with torch.inference_mode():
-        ids, mask = batches[0]
-        decoder(input_ids=ids, attention_mask=mask, use_cache=False)  # warm-up
+        run(batches[:1])  # warm-up
         _sync(device)
         started = time.perf_counter()
-        for ids, mask in batches:
-            positions = torch.arange(ids.shape[1], device=device).expand(ids.shape[0], -1)
-            decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        run(batches)
         _sync(device)
     return time.perf_counter() - started
 
 
 def time_truncated_forward(runner: TargetRunner, batches: list[tuple], device: torch.device) -> float:
-    runner.forward(*batches[0])  # warm-up
+    runner.forward(batches[0][0])  # warm-up
     _sync(device)
     started = time.perf_counter()
-    for ids, mask in batches:
-        runner.forward(ids, mask)
+    for ids, _ in batches:
+        runner.forward(ids)
     _sync(device)
     return time.perf_counter() - started
 
 
-def time_runner_with_copies(runner: TargetRunner, rows: list[np.ndarray], device: torch.device) -> float:
+def time_runner_with_copies(runner: TargetRunner, rows: list[np.ndarray], plan: list[np.ndarray],
+                            device: torch.device) -> float:  # fmt: skip
+    for batch in runner.iter_batches([rows[i] for i in plan[0]]):  # warm-up: allocates the pinned buffers once
+        batch.release()
     _sync(device)
     started = time.perf_counter()
-    for _ in runner.iter_batches(rows):
-        pass
+    for batch in runner.iter_batches(rows):
+        batch.release()
     return time.perf_counter() - started
 
 
 def time_extract(runner: TargetRunner, identity: TargetIdentity, spec: str, corpus_dir: Path, cache_dir: Path,
-                 shard_size: int, storage_dtype: str, codec: str) -> tuple[float, dict]:  # fmt: skip
+                 shard_size: int, storage_dtype: str, codec: str, writes_in_flight: int,
+                 write_threads: int) -> tuple[float, dict]:  # fmt: skip
     corpus = open_corpus(corpus_dir)
     shard_rows = plan_shards(corpus.lengths, shard_size)
     metadata = CacheMetadata(
@@ -171,7 +198,7 @@ def time_extract(runner: TargetRunner, identity: TargetIdentity, spec: str, corp
         corpus_path=str(corpus_dir), num_shards=len(shard_rows), shard_rows=shard_rows,
     )  # fmt: skip
     cache = HiddenStateCache.create(cache_dir, metadata, overwrite=True)
-    extractor = ShardExtractor(runner)
+    extractor = ShardExtractor(runner, writes_in_flight=writes_in_flight, write_threads=write_threads)
     _sync(runner.device)
     started = time.perf_counter()
     writes: list[dict] = []
@@ -180,13 +207,69 @@ def time_extract(runner: TargetRunner, identity: TargetIdentity, spec: str, corp
                                              cache_path=str(cache_dir), corpus_path=str(corpus_dir)))  # fmt: skip
         writes += result["committed"]
     writes += extractor.close()
-    elapsed = time.perf_counter() - started
+    counts = cache.finalize()
+    elapsed = time.perf_counter() - started  # every shard committed and the cache finalized
     errors = [w for w in writes if "error" in w]
     assert not errors, errors
-    counts = cache.finalize()
     counts["size_on_disk"] = CacheReader(cache_dir).size_on_disk()
     counts["num_shards"] = len(shard_rows)
     return elapsed, counts
+
+
+def time_writes(args: argparse.Namespace, workdir: Path) -> dict:
+    """The write path alone (CPU): ``args.write_shards`` shards of ``args.shard_size`` tokens, ``args.num_taps`` x
+    ``args.hidden_size`` bf16 per token, through ``HiddenStateCache.write_shard`` with ``args.writes_in_flight``
+    writes at once and ``args.write_threads`` compression threads. Returns the figures."""
+    configure_write_threads(args.write_threads)
+    width = args.num_taps * args.hidden_size
+    tokens, per_sample = args.shard_size, 1024
+    generator = torch.Generator().manual_seed(args.seed)
+    # Hidden-state-like values: normal, with a log-normal per-token scale (a realistic spread of exponents).
+    hidden = (torch.randn(tokens, width, generator=generator) * torch.randn(tokens, 1, generator=generator).mul(0.5).exp())
+    hidden = hidden.to(torch.bfloat16)
+    rows_per_shard = -(-tokens // per_sample)
+    metadata = CacheMetadata(
+        target={"name": "write-only"}, target_spec="write-only", target_layer_ids=list(range(args.num_taps)),
+        layer_id_convention=LAYER_ID_CONVENTION, hidden_size=args.hidden_size, num_taps=args.num_taps,
+        storage_dtype=args.storage_dtype, codec=codec_config(args.codec), corpus_fingerprint="write-only",
+        num_shards=args.write_shards,
+        shard_rows=[[k * rows_per_shard, (k + 1) * rows_per_shard] for k in range(args.write_shards)],
+    )  # fmt: skip
+    cache = HiddenStateCache.create(workdir / "cache-write-only", metadata, overwrite=True)
+
+    def samples(shard: int) -> list[HiddenSample]:
+        out = []
+        for row, start in enumerate(range(0, tokens, per_sample)):
+            stop = min(tokens, start + per_sample)
+            out.append(HiddenSample(corpus_row=shard * rows_per_shard + row, hidden=hidden[start:stop],
+                                    input_ids=torch.zeros(stop - start, dtype=torch.int32),
+                                    loss_mask=torch.ones(stop - start, dtype=torch.uint8)))  # fmt: skip
+        return out
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(args.writes_in_flight) as pool:
+        records = list(pool.map(lambda shard: cache.write_shard(shard, samples(shard)), range(args.write_shards)))
+    elapsed = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
+    raw = sum(record["raw_bytes"] for record in records)
+    hidden_bytes = args.write_shards * hidden.numel() * 2
+    return {
+        "mode": "write-only",
+        "write_shards": args.write_shards,
+        "shard_tokens": tokens,
+        "row_bytes": width * 2,
+        "codec": args.codec,
+        "writes_in_flight": args.writes_in_flight,
+        "write_threads": args.write_threads,
+        "cpu_count": os.cpu_count(),
+        "hidden_MB_per_s": hidden_bytes / elapsed / 1e6,
+        "tokens_per_s": args.write_shards * tokens / elapsed,
+        "cpu_seconds_per_GB": cpu / (raw / 1e9),
+        "cpu_over_wall": cpu / elapsed,
+        "compression_ratio": raw / max(1, sum(record["stored_bytes"] for record in records)),
+    }
 
 
 def time_dask_extract(args: argparse.Namespace, device: torch.device, workdir: Path) -> dict:
@@ -199,7 +282,7 @@ def time_dask_extract(args: argparse.Namespace, device: torch.device, workdir: P
         corpus=str(workdir / "corpus"), output=str(workdir / "cache-dask"), target=args.target,
         num_taps=args.num_taps, shard_size=args.shard_size, token_budget=args.token_budget,
         storage_dtype={"bfloat16": "bf16", "float8_e4m3fn": "fp8"}[args.storage_dtype], codec=args.codec,
-        dashboard_address=":0", **({"target_gpus": [0]} if device.type == "cuda" else {"workers": 1}),
+        dashboard_address=":0", write_threads=args.write_threads, writes_in_flight=args.writes_in_flight, **({"target_gpus": [0]} if device.type == "cuda" else {"workers": 1}),
     )  # fmt: skip
     return run_extract(config, Console(stderr=True))
 
@@ -221,10 +304,32 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, to check the script runs")
     parser.add_argument("--via-dask", action="store_true", help="also time the full extract stage on a 1-worker LocalCluster")
+    parser.add_argument("--reference", action="store_true",
+                        help="the issue's reference setup: fixed length 2048, token budget 16384 (batch 8 x 2048)")
+    parser.add_argument("--masked-baseline", action="store_true",
+                        help="also time the full forward WITH the padding attention mask")
+    parser.add_argument("--writes-in-flight", type=int, default=2, help="shard writes overlapping compute")
+    parser.add_argument("--write-threads", type=int, default=None, help="compression threads (default min(8, cores))")
+    parser.add_argument("--write-only", action="store_true", help="time the write path alone on the CPU (no model)")
+    parser.add_argument("--write-shards", type=int, default=6, help="shards written by --write-only")
+    parser.add_argument("--hidden-size", type=int, default=4096, help="H for --write-only (Qwen3-8B: 4096)")
     args = parser.parse_args()
+    if args.reference:
+        args.min_len, args.max_len, args.token_budget = 2048, 2048, 16384
     if args.smoke:
         args.tokens, args.min_len, args.max_len, args.token_budget, args.shard_size = 400, 16, 48, 128, 96
+        args.hidden_size, args.write_shards = 64, 3
+    args.write_threads = args.write_threads or default_write_threads()
     console = Console()
+    if args.write_only:
+        workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-bench-write-"))
+        try:
+            figures = time_writes(args, workdir)
+        finally:
+            if not args.keep:
+                shutil.rmtree(workdir, ignore_errors=True)
+        _report(console, figures, "write path benchmark (CPU)", args.json)
+        return
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-bench-extract-"))
@@ -244,11 +349,13 @@ def main() -> None:
         batches = _padded_batches(rows, plan, device)
 
         full_s = time_full_forward(runner, batches, device)
+        masked_s = time_full_forward(runner, batches, device, masked=True) if args.masked_baseline else None
         truncated_s = time_truncated_forward(runner, batches, device)
         del batches
-        copies_s = time_runner_with_copies(runner, rows, device)
+        copies_s = time_runner_with_copies(runner, rows, plan, device)
         extract_s, counts = time_extract(runner, identity, args.target, workdir / "corpus", workdir / "cache",
-                                         args.shard_size, args.storage_dtype, args.codec)  # fmt: skip
+                                         args.shard_size, args.storage_dtype, args.codec, args.writes_in_flight,
+                                         args.write_threads)  # fmt: skip
         dask_summary = time_dask_extract(args, device, workdir) if args.via_dask else None
     finally:
         if not args.keep:
@@ -269,6 +376,9 @@ def main() -> None:
         "num_shards": counts["num_shards"],
         "storage_dtype": args.storage_dtype,
         "codec": args.codec,
+        "lengths": [args.min_len, args.max_len],
+        "writes_in_flight": args.writes_in_flight,
+        "write_threads": args.write_threads,
         "full_forward_tokens_per_s": num_tokens / full_s,
         "truncated_forward_tokens_per_s": num_tokens / truncated_s,
         "runner_with_host_copies_tokens_per_s": num_tokens / copies_s,
@@ -281,16 +391,22 @@ def main() -> None:
         "compression_ratio": counts["raw_bytes"] / max(1, counts["stored_bytes"]),
         "quarantined": counts["num_quarantined"],
     }
+    if masked_s is not None:
+        figures["full_forward_masked_tokens_per_s"] = num_tokens / masked_s
     if dask_summary is not None:
         figures["dask_extract_tokens_per_s"] = dask_summary["tokens_per_second"]
         figures["dask_extract_over_truncated_forward"] = dask_summary["tokens_per_second"] * truncated_s / num_tokens
-    table = Table(title=f"extract benchmark: {identity.name} on {figures['device']}", show_header=False)
+    _report(console, figures, f"extract benchmark: {identity.name} on {figures['device']}", args.json)
+
+
+def _report(console: Console, figures: dict, title: str, json_path: str | None) -> None:
+    table = Table(title=title, show_header=False)
     for name, value in figures.items():
         table.add_row(name, f"{value:,.4g}" if isinstance(value, float) else str(value))
     console.print(table)
     print(json.dumps(figures))
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":
