@@ -1,6 +1,7 @@
 """Extract throughput on one device: bare forwards vs end-to-end extract, bytes per token, compression ratio.
 
-In ONE run, on the same model and the same token-budget batches (length-sorted, right-padded):
+In ONE run, on the same model and the same token-budget batches (each shard batched on its own, length-sorted,
+right-padded: exactly the batches the extract tasks run):
 
 1. full plain forward: the transformers base model (every decoder layer + final norm, no LM head), no I/O, called
    like the runner: explicit position ids and NO attention mask (right padding + causal attention: real-token
@@ -8,8 +9,8 @@ In ONE run, on the same model and the same token-budget batches (length-sorted, 
    (``--reference``: 8 x 2048, no padding) this is exactly the issue's reference plain forward. ``--masked-baseline``
    adds the same forward WITH the padding mask (what ``model(**tokenizer(..., padding=True))`` costs);
 2. truncated runner forward: ``TargetRunner.forward`` (stops after the last tapped layer), outputs left on device;
-3. runner with host copies: ``TargetRunner.iter_batches`` (taps copied on a side stream into reused pinned host
-   buffers, each batch released after use as the extract worker does);
+3. runner with host copies: ``TargetRunner.iter_batches`` shard by shard (taps copied on a side stream into reused
+   pinned host buffers, each batch released after use): the extract task without the writes;
 4. end-to-end extract: the Dask task's code path (``ShardExtractor``: corpus rows -> runner -> overlapped
    ``HiddenStateCache.write_shard`` (``--writes-in-flight`` at once, ``--write-threads`` compression threads) with
    compression and checksums -> commit), timed from the first shard until every write is committed and the cache
@@ -176,13 +177,15 @@ def time_truncated_forward(runner: TargetRunner, batches: list[tuple], device: t
 
 
 def time_runner_with_copies(runner: TargetRunner, rows: list[np.ndarray], plan: list[np.ndarray],
-                            device: torch.device) -> float:  # fmt: skip
+                            shard_rows: list[list[int]], device: torch.device) -> float:  # fmt: skip
+    """``iter_batches`` shard by shard, as the extract task calls it (same batches), without the writes."""
     for batch in runner.iter_batches([rows[i] for i in plan[0]]):  # warm-up: allocates the pinned buffers once
         batch.release()
     _sync(device)
     started = time.perf_counter()
-    for batch in runner.iter_batches(rows):
-        batch.release()
+    for start, stop in shard_rows:
+        for batch in runner.iter_batches(rows[start:stop]):
+            batch.release()
     return time.perf_counter() - started
 
 
@@ -344,7 +347,9 @@ def main() -> None:
         corpus = open_corpus(workdir / "corpus")
         rows = [corpus.row(i).input_ids for i in range(len(corpus))]
         num_tokens = int(corpus.lengths.sum())
-        plan = plan_batches(corpus.lengths, args.token_budget)
+        # The batches extract runs: each shard (one task) is batched on its own, so the baselines use the same ones.
+        shard_rows = plan_shards(corpus.lengths, args.shard_size)
+        plan = [start + batch for start, stop in shard_rows for batch in plan_batches(corpus.lengths[start:stop], args.token_budget)]
         padded = sum(len(b) * int(corpus.lengths[b].max()) for b in plan)
         batches = _padded_batches(rows, plan, device)
 
@@ -352,7 +357,7 @@ def main() -> None:
         masked_s = time_full_forward(runner, batches, device, masked=True) if args.masked_baseline else None
         truncated_s = time_truncated_forward(runner, batches, device)
         del batches
-        copies_s = time_runner_with_copies(runner, rows, plan, device)
+        copies_s = time_runner_with_copies(runner, rows, plan, shard_rows, device)
         extract_s, counts = time_extract(runner, identity, args.target, workdir / "corpus", workdir / "cache",
                                          args.shard_size, args.storage_dtype, args.codec, args.writes_in_flight,
                                          args.write_threads)  # fmt: skip
