@@ -262,12 +262,11 @@ class TargetRunner:
         tokens = torch.full((rows, padded_length), self.pad_token_id, dtype=torch.int64)
         for row, index in enumerate(indices):
             tokens[row, : lengths[row]] = torch.as_tensor(np.asarray(input_ids_list[index]), dtype=torch.int64)
+        real = torch.arange(padded_length)[None, :] < torch.as_tensor(lengths)[:, None]  # [b, P] bool, real tokens
         on_cuda = self.device.type == "cuda"
-        if on_cuda:
-            tokens = tokens.pin_memory()
-        # Non-blocking host->device copies only: nothing here waits for the previous batch to finish.
+        if on_cuda:  # pinned sources: the non-blocking copies below never stall on the previous batch
+            tokens, real = tokens.pin_memory(), real.pin_memory()
         tokens = tokens.to(self.device, non_blocking=True)
-        real = torch.arange(padded_length)[None, :] < torch.as_tensor(lengths)[:, None]  # [b, P] bool
         real = real.to(self.device, non_blocking=True)
         hidden = self.forward(tokens)  # [b, P, n*H]
         with torch.inference_mode():
