@@ -10,6 +10,10 @@ Follows DFlash (arXiv 2602.06036, section 3) and the serving implementations it 
 * Output: the drafter's final ``norm``, then the TARGET's frozen LM head; inputs embedded by the target's frozen
   embedding. Both are attached with :meth:`DFlashDrafter.attach_target` and never stored in ``state_dict()``.
 
+Speed: the elementwise parts of a layer (norms, q/k norm + RoPE, SwiGLU) come from :mod:`dflash.drafter.fused`
+(compiled fused kernels in eager mode on CUDA, the same math as plain ops elsewhere); key RoPE is concatenated once
+per step and the BlockMask built once per step, both shared by every layer.
+
 Legend: T packed tokens, A anchors, B block size, Q = A*B queries, H hidden, n taps, V vocab, D head_dim.
 """
 
