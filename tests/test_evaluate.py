@@ -21,6 +21,15 @@ from dflash.speculative import GenerationResult
 BLOCK = 4
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Token-by-token decoding gains nothing from a second thread and stalls when the two cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def export_folder(tmp_path_factory, target, tokenizer):
     from dflash.drafter import DFlashConfig, DFlashDrafter
@@ -50,7 +59,7 @@ def test_evaluate_cli_writes_report_with_every_field(export_folder, tmp_path):
     out = tmp_path / "report.json"
     result = CliRunner().invoke(app, [
         "evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--max-new-tokens", "10",
-        "--ignore-eos", "--compare-untrained", "--device", "cpu", "--json", str(out),
+        "--ignore-eos", "--compare-untrained", "--device", "cpu", "--cpu-threads", "1", "--json", str(out),
     ])
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert "tau = " in result.output and "per-position acceptance" in result.output
