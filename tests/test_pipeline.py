@@ -27,6 +27,7 @@ TINY = {
               "max_anchors_per_document": 8, "validation_fraction": 0.0, "save_every": 100, "keep_last": 1,
               "device": "cpu", "progress": False},
     "evaluate": {"num_prompts": 2, "prompt_tokens": 32, "max_new_tokens": 8, "ignore_eos": True, "device": "cpu",
+                 "cpu_threads": 1,
                  "per_epoch": True, "compare_untrained": True},
 }
 
