@@ -9,8 +9,8 @@ Overlap of storage with compute: a shard's hidden states are handed to a ``concu
 record last) while the same worker's next shards run on the device. Each write's chunks are compressed in
 parallel by zarr's thread pool (``write_threads`` threads: ``zarr.config`` ``threading.max_workers`` and
 ``async.concurrency``; numcodecs' Blosc releases the GIL and, called off the main thread, compresses each chunk
-single-threaded, so parallelism comes from chunks). Two writes in flight also run two sha256 digests at once (one
-digest is a serial stream over the shard). A task returns once its shard is computed and reports the shards whose
+single-threaded, so parallelism comes from chunks). Each write also hashes its 64 MiB digest segments on all
+cores beside the encode (``digest_version`` 2, docs/cache-format.md). A task returns once its shard is computed and reports the shards whose
 writes finished since (``committed``); the driver collects the pending writes with :func:`flush_worker` and then
 trusts only the cache's commit records: a shard whose write was lost (worker killed) is simply not committed and
 is redone. One writer per shard holds because a shard is one task and one write.

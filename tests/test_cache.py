@@ -221,6 +221,78 @@ def test_damaged_chunk_fails_verify_and_reader_naming_the_shard(written, damage)
     assert _cli(["cache", "verify", str(path)]).exit_code == 0
 
 
+def test_flipped_byte_mid_array_caught_by_segmented_digest(tmp_path, target, real_samples, monkeypatch):
+    """A bit flipped in the middle of a multi-segment array, re-encoded with a valid chunk checksum (so only the
+    digest can see it), fails verify naming the shard, the array and the segment; the other shard stays sound."""
+    import zarr
+
+    from dflash.cache import writer
+
+    layer_ids, samples = real_samples
+    monkeypatch.setattr(writer, "DIGEST_SEGMENT_BYTES", 4096)  # the real shards then span dozens of segments
+    path = tmp_path / "seg"
+    cache = HiddenStateCache.create(path, _metadata(target, layer_ids, [[0, 3], [3, 6]]))
+    cache.write_shard(0, samples[:3], [])
+    record = cache.write_shard(1, samples[3:], [])
+    leaves = record["arrays"]["hidden"]["sha256_segments"]
+    assert record["digest_version"] == 2 and record["digest_segment_bytes"] == 4096 and len(leaves) > 8
+    assert record["digest"].startswith("sha256-tree:")
+    monkeypatch.setattr(writer, "DIGEST_SEGMENT_BYTES", 64 << 20)  # verify follows the record, not the constant
+    assert verify_cache(path, require_complete=True)["ok"]
+    hidden = zarr.open_array(str(path / "shards" / "000001" / "hidden"), mode="r+")
+    rows, width = hidden.shape
+    flat_index = (rows * width) // 2
+    row, col = divmod(flat_index, width)
+    value = hidden[row, col]
+    hidden[row, col] = np.uint16(value ^ 0x0100)
+    segment = flat_index * 2 // 4096
+    with pytest.raises(CacheCorruptError, match=rf"shard 1 .*array 'hidden' segment {segment} "):
+        verify_cache(path)
+    report = verify_cache(path, fail_fast=False)
+    assert sorted(report["corrupt_shards"]) == [1] and report["num_samples"] == 3
+    # The recorded leaves themselves cannot be edited to match: the root digest over them then differs.
+    commit = path / "commits" / "shard-000001.json"
+    stored = json.loads(commit.read_text())
+    hidden[row, col] = value
+    stored["arrays"]["hidden"]["sha256_segments"][0] = "00" * 32
+    commit.write_text(json.dumps(stored))
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden' segment 0 "):
+        verify_cache(path)
+
+
+def test_verify_reads_version1_single_stream_digest(written):
+    """Caches written before the segmented digest (records without ``digest_version``, ``sha256:`` of one stream
+    over names and bytes) still verify; a changed byte is still caught; an unknown version is refused by name."""
+    import hashlib
+
+    import zarr
+
+    from dflash.cache.writer import shard_arrays
+
+    path, _ = written
+    reader = CacheReader(path)
+    commit = Path(path) / "commits" / "shard-000000.json"
+    record = json.loads(commit.read_text())
+    stream = hashlib.sha256()
+    for name in shard_arrays(reader.metadata):  # the old writer's order
+        stream.update(name.encode())
+        stream.update(np.ascontiguousarray(reader._array(0, name)[...]).view(np.uint8).reshape(-1).data)
+    for entry in record["arrays"].values():
+        del entry["sha256_segments"]
+    del record["digest_version"], record["digest_segment_bytes"]
+    record["digest"] = f"sha256:{stream.hexdigest()}"
+    commit.write_text(json.dumps(record))
+    assert verify_cache(path, require_complete=True)["ok"]
+    hidden = zarr.open_array(str(Path(path) / "shards" / "000000" / "hidden"), mode="r+")
+    hidden[1, 7] = np.uint16(hidden[1, 7] ^ 0x0001)
+    with pytest.raises(CacheCorruptError, match=r"shard 0 .*digest_version 1"):
+        verify_cache(path)
+    record["digest_version"] = 3
+    commit.write_text(json.dumps(record))
+    with pytest.raises(CacheCorruptError, match=r"shard 0 .*digest_version 3 is not known"):
+        verify_cache(path)
+
+
 def test_duplicate_rows_detected(tmp_path, written, target, real_samples):
     path, samples = written
     other = HiddenStateCache.create(tmp_path / "other", _metadata(target, real_samples[0], [[0, 6]]))

@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -32,20 +32,67 @@ from dflash.cache.format import (
 from dflash.cache.store import CacheStore
 from dflash.errors import CacheError
 
-__all__ = ["HiddenStateCache", "shard_arrays", "array_chunk_keys"]
+__all__ = [
+    "DIGEST_SEGMENT_BYTES",
+    "DIGEST_VERSION",
+    "HiddenStateCache",
+    "array_chunk_keys",
+    "digest_root",
+    "segment_digests",
+    "segment_views",
+    "shard_arrays",
+]
 
 log = logging.getLogger(__name__)
 _ATTRIBUTE = "dflash_cache"
 _COUNTS_ATTRIBUTE = "dflash_cache_counts"
 
 
-def _digest(named_arrays: list[tuple[str, np.ndarray]]) -> str:
-    """sha256 over each array's name then its raw bytes, in order (verify recomputes it from decoded chunks)."""
-    digest = hashlib.sha256()
-    for name, values in named_arrays:
-        digest.update(name.encode())
-        digest.update(np.ascontiguousarray(values).view(np.uint8).reshape(-1).data)
-    return digest.hexdigest()
+DIGEST_SEGMENT_BYTES = 64 << 20
+"""Segment size of the segmented sha256 digest (commit record ``digest_version`` 2)."""
+DIGEST_VERSION = 2
+"""Commit-record digest scheme. 1 (records without ``digest_version``): ``sha256:`` of one serial stream over each
+array's name then raw bytes. 2: ``sha256-tree:`` root over per-array lists of 64 MiB segment digests, the leaves
+kept in the record (``arrays[name]["sha256_segments"]``) so that segments hash in parallel and verify names the
+array and byte range that differs."""
+
+
+def segment_views(values: np.ndarray, segment_bytes: int | None = None) -> list[memoryview]:
+    """The raw bytes of ``values`` (C order) as consecutive ``segment_bytes`` slices, no copy for contiguous input;
+    an empty array has no segments. ``segment_bytes`` defaults to :data:`DIGEST_SEGMENT_BYTES`."""
+    segment_bytes = segment_bytes or DIGEST_SEGMENT_BYTES
+    flat = memoryview(np.ascontiguousarray(values).view(np.uint8).reshape(-1))
+    return [flat[lo : lo + segment_bytes] for lo in range(0, len(flat), segment_bytes)]
+
+
+def _sha256_hex(segment: memoryview) -> str:
+    return hashlib.sha256(segment).hexdigest()  # hashlib releases the GIL for buffers over 2 KiB
+
+
+def digest_root(segments: dict[str, list[str]], nbytes: dict[str, int]) -> str:
+    """Root of the version-2 digest: sha256 over, per array in layout order, ``name NUL uint64-LE(nbytes)`` then
+    its segment digests (32 raw bytes each). Returns ``"sha256-tree:<hex>"``."""
+    root = hashlib.sha256()
+    for name, leaves in segments.items():
+        root.update(name.encode() + b"\0" + int(nbytes[name]).to_bytes(8, "little"))
+        for leaf in leaves:
+            root.update(bytes.fromhex(leaf))
+    return f"sha256-tree:{root.hexdigest()}"
+
+
+def segment_digests(
+    named_arrays: list[tuple[str, np.ndarray]], pool: ThreadPoolExecutor, segment_bytes: int | None = None
+) -> dict[str, list[Future[str]]]:
+    """Submit the sha256 of every ``segment_bytes`` segment of every array to ``pool`` (all segments of all arrays
+    hash concurrently); returns name -> futures of hex digests, in order. The arrays must stay unchanged until
+    the futures are done (the segments are views, not copies)."""
+    return {name: [pool.submit(_sha256_hex, view) for view in segment_views(values, segment_bytes)] for name, values in named_arrays}
+
+
+def _digest_threads() -> int:
+    """Hashing threads: the cores this process may use (sched_getaffinity where the OS has it)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores)
 
 
 def shard_arrays(metadata: CacheMetadata) -> dict[str, tuple[str, int]]:
@@ -189,9 +236,10 @@ class HiddenStateCache:
         compressors = zarr_compressors(meta.codec)
         layout = shard_arrays(meta)
         arrays: dict[str, Any] = {}
-        # The digest (hashlib releases the GIL) runs beside zarr's encode/write instead of after it.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-digest") as hasher:
-            digest = hasher.submit(_digest, [(name, data[name]) for name in layout])
+        # The segment digests (hashlib releases the GIL) run on all cores beside zarr's encode/write.
+        with ThreadPoolExecutor(max_workers=_digest_threads(), thread_name_prefix="cache-digest") as hasher:
+            segment_bytes = DIGEST_SEGMENT_BYTES
+            pending = segment_digests([(name, data[name]) for name in layout], hasher, segment_bytes)
             for name, (dtype, width) in layout.items():
                 values = data[name]
                 assert values.dtype == np.dtype(dtype), (name, values.dtype, dtype)
@@ -216,7 +264,8 @@ class HiddenStateCache:
                         "uncommitted and is redone by the next run (free space or fix the store first)"
                     ) from error
                 arrays[name] = {"shape": shape, "chunks": chunks, "num_chunks": len(array_chunk_keys(shape, chunks))}
-            digest_hex = digest.result()
+            for name, futures in pending.items():
+                arrays[name]["sha256_segments"] = [future.result() for future in futures]
         for name in arrays:
             arrays[name]["stored_bytes"] = self._store.size_prefix(f"{group_key}/{name}")
 
@@ -234,7 +283,11 @@ class HiddenStateCache:
             "arrays": arrays,
             "raw_bytes": int(sum(values.nbytes for values in data.values())),
             "stored_bytes": int(sum(entry["stored_bytes"] for entry in arrays.values())),
-            "digest": f"sha256:{digest_hex}",
+            "digest_version": DIGEST_VERSION,
+            "digest_segment_bytes": segment_bytes,
+            "digest": digest_root(
+                {name: arrays[name]["sha256_segments"] for name in layout}, {name: int(data[name].nbytes) for name in layout}
+            ),
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "writer": f"{socket.gethostname()}:{os.getpid()}",
         }
