@@ -517,6 +517,13 @@ def validate_corpus(
     )
 
 
+def _is_replaceable_corpus(path: Path) -> bool:
+    """An existing output that ``--overwrite`` may replace: a corpus written by us, or an empty folder."""
+    if path.is_dir():
+        return (path / METADATA_FILE).is_file() or not any(path.iterdir())
+    return False
+
+
 class CorpusWriter:
     """Write a corpus folder atomically: rows go to a temporary sibling folder, renamed onto ``path`` by
     :meth:`commit`; an exception (or leaving the ``with`` block without commit) removes it, so a killed or
@@ -536,6 +543,12 @@ class CorpusWriter:
         self.path = Path(path).expanduser()
         if self.path.exists() and not overwrite:
             raise CorpusError(f"output {self.path} already exists; pass another --output or --overwrite")
+        if overwrite and self.path.exists() and not _is_replaceable_corpus(self.path):
+            # --overwrite replaces an earlier corpus, never a folder of other files (a typo in --output).
+            raise CorpusError(
+                f"output {self.path} exists and is not a dflash corpus (no {METADATA_FILE}); --overwrite only replaces "
+                "a corpus or an empty folder: pass another --output"
+            )
         self.overwrite = overwrite
         self.batch_rows = batch_rows
         self.path.parent.mkdir(parents=True, exist_ok=True)

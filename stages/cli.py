@@ -55,10 +55,23 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point.
+
+    Errors raised for a user's input (``dflash.errors.DFlashError``: bad path, field, row...) print one
+    ``error:`` line naming what to fix and exit with status 2, whichever command raised them; anything else is a
+    bug and keeps its traceback.
+    """
+    from dflash.errors import DFlashError
 
     _register_all()
-    app()
+    try:
+        app()
+    except DFlashError as error:
+        from rich.console import Console
+        from rich.text import Text
+
+        Console(stderr=True).print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

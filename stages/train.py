@@ -390,6 +390,12 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None) 
         base = base.get("config", base)  # accept a run.json too
     output = overrides.get("output") or base.get("output")
     run_json = Path(output) / "run.json" if output else None
+    if overrides.get("resume") and run_json is not None and not run_json.is_file() and not overrides.get("cache") \
+            and not base.get("cache"):
+        raise ConfigError(
+            f"--resume: {output} holds no run (no run.json); point --output at an existing run, or start a new run "
+            "with --cache"
+        )
     if overrides.get("resume") and run_json is not None and run_json.is_file():
         saved = json.loads(run_json.read_text())["config"]
         for one_off in ("stop_at_step", "allow_config_change"):  # they applied to the earlier invocation only

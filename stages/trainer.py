@@ -185,8 +185,9 @@ class Trainer:
 
     @contextlib.contextmanager
     def _stop_on_sigterm(self):
-        """While training, SIGTERM (a preemption; torchrun forwards it to every rank) asks for a clean stop: the
-        ranks agree on it through the step's all-reduce, finish that step, checkpoint it and return."""
+        """While training, SIGTERM (a preemption; torchrun forwards it to every rank) or a first Ctrl-C (SIGINT) asks
+        for a clean stop: the ranks agree on it through the step's all-reduce, finish that step, checkpoint it and
+        return. A second Ctrl-C aborts at once."""
         import signal
         import threading
 
@@ -197,12 +198,16 @@ class Trainer:
 
         def request_stop(signum, frame):
             self._stop_requested = True
+            if signum == signal.SIGINT:  # a second Ctrl-C aborts at once, without the checkpoint
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                log.warning("Ctrl-C: stopping after this step with a checkpoint (press Ctrl-C again to abort)")
 
-        previous = signal.signal(signal.SIGTERM, request_stop)
+        previous = {signum: signal.signal(signum, request_stop) for signum in (signal.SIGTERM, signal.SIGINT)}
         try:
             yield
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
     # ================================================================== load
     def load(self) -> None:
@@ -330,6 +335,11 @@ class Trainer:
     def _resume_checkpoint(self):
         config = self.config
         if not config.resume:
+            if self.run_dir.is_dir() and not (self.run_dir / "run.json").is_file() and any(self.run_dir.iterdir()):
+                raise CheckpointError(
+                    f"--output {self.run_dir} exists and holds files that are not a dflash run (no run.json); "
+                    "pass a new or empty folder so nothing of yours is mixed with the run"
+                )
             if (self.run_dir / "latest").is_file():
                 raise CheckpointError(
                     f"{self.run_dir} already holds a run (latest -> {(self.run_dir / 'latest').read_text().strip()}); "

@@ -141,6 +141,15 @@ def test_mask_token_must_be_a_real_embedding_row(tiny_cache, tmp_path):
         run_training(tiny_config(tiny_cache, tmp_path / "run", mask_token_id=49152, validation_fraction=0.0))
 
 
+def test_output_folder_of_other_files_is_refused_and_left_untouched(tiny_cache, tmp_path):
+    output = tmp_path / "userdata"
+    output.mkdir()
+    (output / "important.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="not a dflash run"):
+        run_training(tiny_config(tiny_cache, output, validation_fraction=0.0))
+    assert sorted(p.name for p in output.iterdir()) == ["important.txt"]
+
+
 @pytest.mark.parametrize("where", ["loss", "gradient"])
 def test_nonfinite_step_is_skipped_and_counted(tiny_cache, tmp_path, monkeypatch, where):
     import stages.trainer as trainer_module

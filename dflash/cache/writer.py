@@ -153,7 +153,7 @@ class HiddenStateCache:
                 _check_resumable(path, existing.metadata, metadata)
                 return existing
             if _has_content(path):
-                raise CacheError(f"{path} exists and is not a dflash cache; choose another --output or pass overwrite")
+                raise CacheError(f"{path} exists and is not a dflash cache; choose another --output (extract never deletes a folder it did not write)")
         store = CacheStore(path, "w", attributes={_ATTRIBUTE: metadata.to_dict()})
         return cls(store, metadata)
 
@@ -361,7 +361,7 @@ def _check_resumable(path: str, existing: CacheMetadata, wanted: CacheMetadata) 
         if have != want:
             raise CacheError(
                 f"cannot resume the cache at {path}: its {name} is {have!r} but this run wants {want!r}; "
-                "use another output path or overwrite it"
+                "use another --output, or delete that cache yourself if it is no longer needed"
             )
 
 

@@ -1,0 +1,39 @@
+"""The console script turns errors on a user's input into one ``error:`` line and exit status 2 (no traceback),
+and ``prepare --overwrite`` never deletes a folder that is not a corpus."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from dflash.corpus import CorpusWriter
+from dflash.errors import CorpusError
+
+
+def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "from stages.cli import main; main()", *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("train", "--cache", "no-such-cache", "--output", "run"), "no cache at no-such-cache"),
+    (("train", "--output", "no-such-run", "--resume"), "--resume: no-such-run holds no run"),
+])
+def test_user_errors_exit_2_with_one_error_line(tmp_path, args, expected):
+    result = _cli(*args, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr and "╭" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_corpus(tmp_path):
+    folder = tmp_path / "userdata"
+    folder.mkdir()
+    (folder / "important.txt").write_text("keep me")
+    with pytest.raises(CorpusError, match="not a dflash corpus"):
+        CorpusWriter(folder, overwrite=True)
+    assert (folder / "important.txt").read_text() == "keep me"
+    CorpusWriter(tmp_path / "empty", overwrite=True).abort()  # an absent or empty folder is fine
