@@ -423,7 +423,7 @@ def register(app: typer.Typer) -> None:
         target_layer_ids: str = typer.Option(None, "--target-layer-ids", help="Tapped ids; must equal the cache's."),
         gamma: float = typer.Option(None, "--gamma", help="Loss decay (default by block size)."),
         max_anchors: int = typer.Option(None, "--max-anchors-per-document", help="Anchors per document (512)."),
-        token_budget: int = typer.Option(None, "--token-budget", help="Real tokens per micro-batch per rank."),
+        token_budget: int = typer.Option(None, "--token-budget", help="Real tokens per micro-batch per rank (16384)."),
         num_buckets: int = typer.Option(None, "--num-buckets", help="Length buckets from quantiles (4)."),
         bucket_boundaries: str = typer.Option(None, "--bucket-boundaries", help="Bucket edges, e.g. 256,1024."),
         validation_fraction: float = typer.Option(None, "--validation-fraction", help="Held-out rows (0.01)."),
