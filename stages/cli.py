@@ -61,8 +61,16 @@ def main() -> None:
     ``error:`` line naming what to fix and exit with status 2, whichever command raised them; anything else is a
     bug and keeps its traceback.
     """
+    import signal
+
     from dflash.errors import DFlashError
 
+    def _exit_on_sigterm(signum, frame):
+        # Unwind like Ctrl-C does, so `finally` blocks remove temporary folders (the default SIGTERM action kills
+        # the process without running them). Training installs its own handler for a clean, checkpointed stop.
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     _register_all()
     try:
         app()

@@ -37,3 +37,20 @@ def test_overwrite_refuses_a_folder_that_is_not_a_corpus(tmp_path):
         CorpusWriter(folder, overwrite=True)
     assert (folder / "important.txt").read_text() == "keep me"
     CorpusWriter(tmp_path / "empty", overwrite=True).abort()  # an absent or empty folder is fine
+
+
+def test_sigterm_during_prepare_leaves_no_temporary_folder(tmp_path):
+    import signal
+    import time
+
+    process = subprocess.Popen(
+        [sys.executable, "-c", "from stages.cli import main; main()", "prepare", "--output", "corpus"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".corpus.tmp-*")):  # wait until the writer's staging folder exists
+        assert process.poll() is None and time.monotonic() < deadline, "prepare ended before writing anything"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []  # neither a half corpus nor its staging folder
