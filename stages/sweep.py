@@ -222,6 +222,7 @@ def comparison_table(runs: list[SweepRun]):
 
 
 def register(app: typer.Typer) -> None:
+    """Add the ``sweep`` command to the ``dflash-stages`` app."""
     @app.command("sweep")
     def sweep_command(
         cache: str = typer.Option(..., "--cache", help="Hidden-state cache shared by every run."),

@@ -407,6 +407,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None) 
 
 
 def register(app: typer.Typer) -> None:
+    """Add the ``train`` command to the ``dflash-stages`` app."""
     @app.command("train")
     def train_command(
         cache: str = typer.Option(None, "--cache", help="Hidden-state cache (folder or fsspec URL)."),

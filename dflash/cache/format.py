@@ -124,10 +124,13 @@ def default_chunk_tokens(row_bytes: int, target_chunk_bytes: int = 8 << 20) -> i
 
 
 def shard_group_key(shard_id: int) -> str:
+    """Zarr group path of shard ``shard_id`` inside the cache (``shards/000042``)."""
     return f"shards/{shard_id:06d}"
 
 
 def commit_key(shard_id: int) -> str:
+    """Store key of shard ``shard_id``'s commit record, written last and atomically; the shard counts only once
+    it exists (ARCHITECTURE.md contract 2)."""
     return f"commits/shard-{shard_id:06d}.json"
 
 

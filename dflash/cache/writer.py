@@ -366,6 +366,7 @@ def _check_resumable(path: str, existing: CacheMetadata, wanted: CacheMetadata) 
 
 
 def committed_shard_ids(store: CacheStore) -> set[int]:
+    """Ids of the shards whose commit record exists (listing ``commits/``; no array is read)."""
     shards = set()
     for key in store.list_prefix("commits"):
         name = key.rsplit("/", 1)[-1]
