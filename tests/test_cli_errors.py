@@ -54,3 +54,15 @@ def test_sigterm_during_prepare_leaves_no_temporary_folder(tmp_path):
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == 128 + signal.SIGTERM
     assert list(tmp_path.iterdir()) == []  # neither a half corpus nor its staging folder
+
+
+def test_empty_or_malformed_jsonl_is_named_with_its_position(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    result = _cli("prepare", "empty.jsonl", "-o", "out", "--assistant-mask", "prefix-diff", cwd=tmp_path)
+    assert result.returncode == 2 and "empty.jsonl: no JSON rows (the file is empty)" in result.stderr
+    bad = '{"messages": [{"role": "user", "content": "hi"}'  # the closing brace is missing: error at its end
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n' + bad + "\n")
+    result = _cli("prepare", "bad.jsonl", "-o", "out", "--assistant-mask", "prefix-diff", cwd=tmp_path)
+    assert result.returncode == 2 and "bad.jsonl line 2: not valid JSON" in result.stderr
+    assert f"at column {len(bad)})" in result.stderr
+    assert not (tmp_path / "out").exists()
