@@ -12,6 +12,7 @@ gradient does not depend on how the global batch is split.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -127,15 +128,13 @@ def _ce_chunk_fusable(logits: torch.Tensor, target: torch.Tensor, rows_w: torch.
     return total, correct, grad.to(logits.dtype)
 
 
-_compiled_chunk = None
 _compiled_chunk_failed = False
 
 
+@functools.cache
 def _fused_chunk_fn():
-    global _compiled_chunk
-    if _compiled_chunk is None:
-        _compiled_chunk = torch.compile(_ce_chunk_fusable)
-    return _compiled_chunk
+    """The per-chunk softmax/CE/gradient as one ``torch.compile``'d function, compiled once per process."""
+    return torch.compile(_ce_chunk_fusable)
 
 
 def _run_chunk(logits, target, rows_w, need_grad: bool, fused: bool):

@@ -19,6 +19,7 @@ Legend: T packed tokens, A anchors, B block size, Q = A*B queries, H hidden, n t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import TYPE_CHECKING
 
@@ -36,17 +37,12 @@ if TYPE_CHECKING:
 
 __all__ = ["DFlashDrafter", "RMSNorm", "tensor_hash"]
 
-_compiled_flex = None
-
-
+@functools.cache
 def _flex_attention():
     """FlexAttention compiled once per process (eager flex_attention is a slow reference implementation)."""
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex
+    return torch.compile(flex_attention)
 
 
 def tensor_hash(tensor: torch.Tensor) -> str:
