@@ -229,13 +229,15 @@ def test_flipped_byte_mid_array_caught_by_segmented_digest(tmp_path, target, rea
     from dflash.cache import writer
 
     layer_ids, samples = real_samples
-    monkeypatch.setattr(writer, "DIGEST_SEGMENT_BYTES", 4096)  # the real shards then span dozens of segments
+    monkeypatch.setattr(writer, "DIGEST_SEGMENT_BYTES", 4096)  # not used by the writer: segments are hidden chunks
     path = tmp_path / "seg"
-    cache = HiddenStateCache.create(path, _metadata(target, layer_ids, [[0, 3], [3, 6]]))
+    cache = HiddenStateCache.create(path, _metadata(target, layer_ids, [[0, 3], [3, 6]], chunk_tokens=16))
     cache.write_shard(0, samples[:3], [])
     record = cache.write_shard(1, samples[3:], [])
     leaves = record["arrays"]["hidden"]["sha256_segments"]
-    assert record["digest_version"] == 2 and record["digest_segment_bytes"] == 4096 and len(leaves) > 8
+    segment_bytes = 16 * len(layer_ids) * target.identity.hidden_size * 2  # one 16-token chunk of bf16 rows
+    assert record["digest_version"] == 2 and record["digest_segment_bytes"] == segment_bytes and len(leaves) > 8
+    assert len(leaves) == record["arrays"]["hidden"]["num_chunks"]
     assert record["digest"].startswith("sha256-tree:")
     monkeypatch.setattr(writer, "DIGEST_SEGMENT_BYTES", 64 << 20)  # verify follows the record, not the constant
     assert verify_cache(path, require_complete=True)["ok"]
@@ -245,7 +247,7 @@ def test_flipped_byte_mid_array_caught_by_segmented_digest(tmp_path, target, rea
     row, col = divmod(flat_index, width)
     value = hidden[row, col]
     hidden[row, col] = np.uint16(value ^ 0x0100)
-    segment = flat_index * 2 // 4096
+    segment = flat_index * 2 // segment_bytes
     with pytest.raises(CacheCorruptError, match=rf"shard 1 .*array 'hidden' segment {segment} "):
         verify_cache(path)
     report = verify_cache(path, fail_fast=False)

@@ -5,6 +5,14 @@ Exactly-once rules (issue 4, item 4): a shard is written by exactly one task; it
 Only shards with a commit record count. Writing an uncommitted shard first deletes whatever a killed earlier
 attempt left there; writing an already committed shard is a no-op that returns the existing record, so a rerun
 or a retried Dask task never double counts.
+
+Write path of ``hidden`` (the bulk of a shard: ~670 MB for 16K tokens of an 8B target with 5 taps): the samples
+are never concatenated into one shard-sized array. Each ``chunk_tokens`` chunk is one job on a thread pool: it
+gathers its rows from the samples (a ~10 MB copy), hashes them (the chunk is one sha256 digest segment) and
+stores them with zarr (``array[lo:hi] = rows``: zarr's codec chain encodes and checksums it in its own pool).
+So gathering, hashing and compression all run chunk-parallel on every write thread, and no stage is serial over
+the whole shard (measured: ~1.7x less CPU per GB than one ``torch.cat`` + one ``array[...] = values``; figures in
+docs/cache-format.md).
 """
 
 from __future__ import annotations
@@ -49,10 +57,12 @@ _COUNTS_ATTRIBUTE = "dflash_cache_counts"
 
 
 DIGEST_SEGMENT_BYTES = 64 << 20
-"""Segment size of the segmented sha256 digest (commit record ``digest_version`` 2)."""
+"""Default segment size of :func:`segment_views`, and the one ``verify`` assumes for a version-2 record without
+``digest_segment_bytes``. ``write_shard`` records its own: the byte size of one ``hidden`` chunk, so that every chunk
+job hashes exactly its own rows."""
 DIGEST_VERSION = 2
 """Commit-record digest scheme. 1 (records without ``digest_version``): ``sha256:`` of one serial stream over each
-array's name then raw bytes. 2: ``sha256-tree:`` root over per-array lists of 64 MiB segment digests, the leaves
+array's name then raw bytes. 2: ``sha256-tree:`` root over per-array lists of segment digests (segments of ``digest_segment_bytes``), the leaves
 kept in the record (``arrays[name]["sha256_segments"]``) so that segments hash in parallel and verify names the
 array and byte range that differs."""
 
@@ -89,8 +99,14 @@ def segment_digests(
     return {name: [pool.submit(_sha256_hex, view) for view in segment_views(values, segment_bytes)] for name, values in named_arrays}
 
 
-def _digest_threads() -> int:
-    """Hashing threads: the cores this process may use (sched_getaffinity where the OS has it)."""
+def _write_threads() -> int:
+    """Threads of a shard write: zarr's ``threading.max_workers`` when set (``configure_write_threads``), else the
+    cores this process may use (sched_getaffinity where the OS has it)."""
+    import zarr
+
+    configured = zarr.config.get("threading.max_workers", None)
+    if configured:
+        return max(1, int(configured))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores)
 
@@ -224,48 +240,66 @@ class HiddenStateCache:
             "input_ids": _concat(samples, "input_ids", torch.int32, num_tokens, shard_id),
             "loss_mask": _concat(samples, "loss_mask", torch.uint8, num_tokens, shard_id),
         }
-        hidden = _concat_hidden(samples, meta.row_width, num_tokens, shard_id)
-        if meta.storage_dtype == "bfloat16":
-            data["hidden"] = hidden.view(torch.uint16).numpy()
-        else:
-            data["hidden"], data["hidden_scale"] = quantize_fp8(hidden, meta.num_taps)
+        parts = _hidden_parts(samples, meta.row_width, shard_id)  # per-sample bf16 [L, n*H] on the CPU, no copy
+        fp8 = meta.storage_dtype != "bfloat16"
+        layout = shard_arrays(meta)
+        hidden_dtype = np.dtype(layout["hidden"][0])
+        if fp8:
+            data["hidden_scale"] = np.zeros((num_tokens, meta.num_taps), dtype=np.float32)  # filled chunk by chunk
+        # Digest segments = hidden chunks, so each chunk job hashes exactly its own rows.
+        segment_bytes = max(1, meta.chunk_tokens * meta.row_width * hidden_dtype.itemsize)
+        raw_bytes = int(sum(values.nbytes for values in data.values())) + num_tokens * meta.row_width * hidden_dtype.itemsize
 
         group_key = shard_group_key(shard_id)
         self._store.delete_dir(group_key)  # leftovers of a killed attempt never mix with this one
         group = self._store.group.create_group(group_key, overwrite=True)
         compressors = zarr_compressors(meta.codec)
-        layout = shard_arrays(meta)
         arrays: dict[str, Any] = {}
-        # The segment digests (hashlib releases the GIL) run on all cores beside zarr's encode/write.
-        with ThreadPoolExecutor(max_workers=_digest_threads(), thread_name_prefix="cache-digest") as hasher:
-            segment_bytes = DIGEST_SEGMENT_BYTES
-            pending = segment_digests([(name, data[name]) for name in layout], hasher, segment_bytes)
-            for name, (dtype, width) in layout.items():
-                values = data[name]
-                assert values.dtype == np.dtype(dtype), (name, values.dtype, dtype)
-                chunk_rows = meta.chunk_tokens if name not in ("offsets", "corpus_rows") else 1 << 16
-                shape = list(values.shape)
-                chunks = [max(1, min(chunk_rows, shape[0]))] + ([width] if width else [])
-                try:
-                    array = group.create_array(
-                        name,
-                        shape=shape,
-                        dtype=dtype,
-                        chunks=chunks,
-                        compressors=compressors,
-                        fill_value=0,
-                        config={"write_empty_chunks": True},
-                    )
-                    if values.size:
-                        array[...] = values
-                except OSError as error:
-                    raise CacheError(
-                        f"shard {shard_id} of {self.url}: writing array {name!r} failed ({error}); the shard stays "
-                        "uncommitted and is redone by the next run (free space or fix the store first)"
-                    ) from error
-                arrays[name] = {"shape": shape, "chunks": chunks, "num_chunks": len(array_chunk_keys(shape, chunks))}
-            for name, futures in pending.items():
-                arrays[name]["sha256_segments"] = [future.result() for future in futures]
+        segments: dict[str, list[str]] = {}
+
+        def create(name: str, shape: list[int]) -> Any:
+            dtype, width = layout[name]
+            chunk_rows = meta.chunk_tokens if name not in ("offsets", "corpus_rows") else 1 << 16
+            chunks = [max(1, min(chunk_rows, shape[0]))] + ([width] if width else [])
+            array = group.create_array(name, shape=shape, dtype=dtype, chunks=chunks, compressors=compressors,
+                                       fill_value=0, config={"write_empty_chunks": True})
+            arrays[name] = {"shape": shape, "chunks": chunks, "num_chunks": len(array_chunk_keys(shape, chunks))}
+            return array
+
+        try:
+            with ThreadPoolExecutor(max_workers=_write_threads(), thread_name_prefix="cache-write") as pool:
+                hidden = create("hidden", [num_tokens, meta.row_width])
+                chunk_starts = range(0, num_tokens, meta.chunk_tokens)
+                jobs = [pool.submit(_write_hidden_chunk, hidden, parts, offsets, start,
+                                    min(num_tokens, start + meta.chunk_tokens), fp8, meta.num_taps,
+                                    data.get("hidden_scale")) for start in chunk_starts]  # fmt: skip
+                small = [name for name in layout if name != "hidden"]
+                pending = segment_digests([(name, data[name]) for name in small if name != "hidden_scale"], pool,
+                                          segment_bytes)  # fmt: skip
+                for name in small:
+                    if name == "hidden_scale":
+                        continue  # written once every chunk job has filled in its scales
+                    array = create(name, list(data[name].shape))
+                    if data[name].size:
+                        array[...] = data[name]
+                segments["hidden"] = [job.result() for job in jobs]
+                if fp8:
+                    pending.update(segment_digests([("hidden_scale", data["hidden_scale"])], pool, segment_bytes))
+                    array = create("hidden_scale", list(data["hidden_scale"].shape))
+                    if num_tokens:
+                        array[...] = data["hidden_scale"]
+                for name, futures in pending.items():
+                    segments[name] = [future.result() for future in futures]
+        except OSError as error:
+            raise CacheError(
+                f"shard {shard_id} of {self.url}: writing its arrays failed ({error}); the shard stays uncommitted and "
+                "is redone by the next run (free space or fix the store first)"
+            ) from error
+        arrays = {name: arrays[name] for name in layout}  # record in layout (digest) order
+        nbytes = {name: int(data[name].nbytes) for name in layout if name != "hidden"}
+        nbytes["hidden"] = num_tokens * meta.row_width * hidden_dtype.itemsize
+        for name in layout:
+            arrays[name]["sha256_segments"] = segments[name]
         for name in arrays:
             arrays[name]["stored_bytes"] = self._store.size_prefix(f"{group_key}/{name}")
 
@@ -281,13 +315,11 @@ class HiddenStateCache:
             "skipped": skipped,
             "storage_dtype": meta.storage_dtype,
             "arrays": arrays,
-            "raw_bytes": int(sum(values.nbytes for values in data.values())),
+            "raw_bytes": raw_bytes,
             "stored_bytes": int(sum(entry["stored_bytes"] for entry in arrays.values())),
             "digest_version": DIGEST_VERSION,
             "digest_segment_bytes": segment_bytes,
-            "digest": digest_root(
-                {name: arrays[name]["sha256_segments"] for name in layout}, {name: int(data[name].nbytes) for name in layout}
-            ),
+            "digest": digest_root({name: segments[name] for name in layout}, {name: nbytes[name] for name in layout}),
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "writer": f"{socket.gethostname()}:{os.getpid()}",
         }
@@ -414,7 +446,10 @@ def _concat(samples: list[HiddenSample], name: str, dtype: torch.dtype, num_toke
     return out
 
 
-def _concat_hidden(samples: list[HiddenSample], width: int, num_tokens: int, shard_id: int) -> torch.Tensor:
+def _hidden_parts(samples: list[HiddenSample], width: int, shard_id: int) -> list[np.ndarray]:
+    """Each sample's ``hidden`` as a ``uint16 [L, width]`` view of bf16 bits on the CPU (no copy for CPU bf16
+    input, e.g. the runner's pinned buffers; other devices/dtypes are converted). Raises CacheError on a bad shape."""
+    parts = []
     for sample in samples:
         shape = tuple(sample.hidden.shape)
         if shape != (len(sample), width) or shape[0] != sample.loss_mask.shape[0]:
@@ -422,10 +457,43 @@ def _concat_hidden(samples: list[HiddenSample], width: int, num_tokens: int, sha
                 f"shard {shard_id}, corpus row {sample.corpus_row}: hidden has shape {shape}, expected "
                 f"({len(sample)}, {width}) = (tokens, num_taps * hidden_size), with loss_mask of the same length"
             )
-    if not samples:
-        return torch.zeros(0, width, dtype=torch.bfloat16)
-    hidden = torch.cat([sample.hidden.detach().to("cpu") for sample in samples])
-    if hidden.dtype != torch.bfloat16:
-        hidden = hidden.to(torch.bfloat16)
-    assert hidden.shape[0] == num_tokens
-    return hidden.contiguous()
+        hidden = sample.hidden.detach()
+        if hidden.device.type != "cpu" or hidden.dtype != torch.bfloat16:
+            hidden = hidden.to("cpu", torch.bfloat16)
+        parts.append(hidden.contiguous().view(torch.uint16).numpy())
+    return parts
+
+
+def _write_hidden_chunk(
+    array: Any,
+    parts: list[np.ndarray],
+    offsets: np.ndarray,
+    lo: int,
+    hi: int,
+    fp8: bool,
+    num_taps: int,
+    scale_out: np.ndarray | None,
+) -> str:
+    """One chunk job of :meth:`HiddenStateCache.write_shard`: gather tokens ``[lo, hi)`` of the shard from the
+    samples (``parts``, CSR ``offsets``), quantize them for fp8 storage, store them as ``array[lo:hi]`` and return
+    the sha256 of their stored bytes (one digest segment). numpy copies, hashlib and zarr's codecs release the GIL,
+    so jobs run truly in parallel."""
+    rows = np.empty((hi - lo, array.shape[1]), dtype=np.uint16)
+    sample = int(np.searchsorted(offsets, lo, side="right")) - 1
+    position = lo
+    while position < hi:
+        start, stop = int(offsets[sample]), int(offsets[sample + 1])
+        take = min(hi, stop) - position
+        if take > 0:
+            rows[position - lo : position - lo + take] = parts[sample][position - start : position - start + take]
+            position += take
+        sample += 1
+    if fp8:
+        stored, scale = quantize_fp8(torch.from_numpy(rows).view(torch.bfloat16), num_taps)
+        assert scale_out is not None
+        scale_out[lo:hi] = scale
+    else:
+        stored = rows
+    digest = hashlib.sha256(stored).hexdigest()
+    array[lo:hi] = stored
+    return digest
