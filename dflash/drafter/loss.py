@@ -8,18 +8,28 @@ a 150K+ vocabulary never exist at once, and backward does not recompute the LM h
 
 The loss returned is a SUM; the trainer divides by the weight sum all-reduced over data-parallel ranks, so the
 gradient does not depend on how the global batch is split.
+
+Per-chunk softmax/CE/gradient kernel (``fused=True``, the default on CUDA): the Triton kernels of
+:mod:`dflash.drafter.ce_triton` (two passes over the bf16 logits, gradient written over the logits) when Triton is
+importable and the logits are bf16/fp16/fp32 on CUDA, else the ``torch.compile``'d :func:`_ce_chunk_fusable`; each
+falls back to the next (Triton -> compiled -> eager) with a warning if it fails to build. The environment variable
+``DFLASH_CE_KERNEL`` forces one, for benchmarking: ``triton`` (an error if Triton cannot run), ``inductor`` (the
+compiled chunk), ``eager`` (:func:`_ce_chunk_inplace`), or ``auto`` (unset: the choice above). ``fused=False`` always
+runs the eager chunk. Read at every chunk, so it can be changed between steps.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from dflash.drafter.ce_triton import ce_chunk_triton, triton_available
 from dflash.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -129,6 +139,11 @@ def _ce_chunk_fusable(logits: torch.Tensor, target: torch.Tensor, rows_w: torch.
 
 
 _compiled_chunk_failed = False
+_triton_chunk_failed = False
+#: Environment variable forcing the per-chunk CE implementation (see the module docstring).
+CE_KERNEL_ENV = "DFLASH_CE_KERNEL"
+_CE_KERNELS = ("auto", "triton", "inductor", "eager")
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @functools.cache
@@ -137,9 +152,45 @@ def _fused_chunk_fn():
     return torch.compile(_ce_chunk_fusable)
 
 
+def _requested_chunk_kernel() -> str:
+    """``DFLASH_CE_KERNEL`` (default ``auto``); ConfigError naming the variable for any other value."""
+    choice = os.environ.get(CE_KERNEL_ENV, "").strip().lower() or "auto"
+    if choice not in _CE_KERNELS:
+        raise ConfigError(f"{CE_KERNEL_ENV}={os.environ[CE_KERNEL_ENV]!r} is not one of {', '.join(_CE_KERNELS)}; "
+                          f"unset it to pick automatically")
+    return choice
+
+
+def _chunk_kernel(logits: torch.Tensor, fused: bool) -> str:
+    """Which chunk implementation runs: ``triton``, ``inductor`` or ``eager`` (see the module docstring)."""
+    if not fused:
+        return "eager"
+    choice = _requested_chunk_kernel()
+    triton_ok = logits.is_cuda and triton_available() and logits.dtype in _TRITON_DTYPES
+    if choice == "triton" and not triton_ok:
+        raise ConfigError(f"{CE_KERNEL_ENV}=triton needs Triton and bf16/fp16/fp32 CUDA logits, got "
+                          f"triton_available()={triton_available()}, logits {logits.dtype} on {logits.device}; "
+                          f"unset {CE_KERNEL_ENV} to fall back to the compiled chunk")
+    if choice == "auto":
+        return "triton" if triton_ok and not _triton_chunk_failed else "inductor"
+    return choice
+
+
 def _run_chunk(logits, target, rows_w, need_grad: bool, fused: bool):
-    global _compiled_chunk_failed
-    if fused and need_grad and not _compiled_chunk_failed:
+    global _compiled_chunk_failed, _triton_chunk_failed
+    kernel = _chunk_kernel(logits, fused)
+    if kernel == "triton":
+        try:
+            # In place: the caller drops the chunk's logits right after this call, so the gradient reuses them.
+            return ce_chunk_triton(logits, target.long(), rows_w.float(), need_grad=need_grad, inplace=True)
+        except Exception as error:  # noqa: BLE001  Triton too old/broken: same math, compiled
+            if _requested_chunk_kernel() == "triton":
+                raise
+            _triton_chunk_failed = True
+            kernel = "inductor"
+            warnings.warn(f"Triton cross-entropy chunk failed ({error!r}); using the torch.compile'd chunk",
+                          RuntimeWarning, stacklevel=3)
+    if kernel == "inductor" and need_grad and not _compiled_chunk_failed:
         try:
             return _fused_chunk_fn()(logits, target, rows_w)
         except Exception as error:  # noqa: BLE001  compiler missing/broken: same math, eager
