@@ -35,7 +35,37 @@ from dflash.errors import ConfigError, MismatchError
 if TYPE_CHECKING:
     from dflash.batching import PackedBatch
 
-__all__ = ["DFlashDrafter", "RMSNorm", "tensor_hash"]
+__all__ = ["DFlashDrafter", "RMSNorm", "tensor_hash", "DEFAULT_FLEX_KERNEL_OPTIONS", "set_flex_kernel_options",
+           "flex_kernel_options"]
+
+#: FlexAttention ``kernel_options`` per CUDA compute capability, measured on the DFlash training mask with
+#: ``benchmarks/flex_attention.py`` (figures in docs/benchmarks.md). Other GPUs use inductor's defaults.
+DEFAULT_FLEX_KERNEL_OPTIONS: dict[tuple[int, int], dict] = {}
+_flex_override: dict | None = None
+
+
+def set_flex_kernel_options(options: dict | None) -> None:
+    """Override the FlexAttention ``kernel_options`` of every drafter attention call in this process (``None``:
+    back to :data:`DEFAULT_FLEX_KERNEL_OPTIONS`; ``{}``: inductor's defaults). For tuning and benchmarks; a
+    compiled layer recompiles once after a change."""
+    global _flex_override
+    _flex_override = None if options is None else dict(options)
+
+
+@functools.cache
+def _default_options_for(device_index: int) -> tuple:
+    capability = torch.cuda.get_device_capability(device_index)
+    return tuple(sorted(DEFAULT_FLEX_KERNEL_OPTIONS.get(capability, {}).items()))
+
+
+def flex_kernel_options(device: torch.device) -> dict | None:
+    """The ``kernel_options`` FlexAttention gets on ``device`` (``None`` = inductor's defaults)."""
+    if _flex_override is not None:
+        return dict(_flex_override) or None
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return dict(_default_options_for(index)) or None
 
 @functools.cache
 def _flex_attention():
@@ -88,6 +118,7 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.kernel_options: dict | None = None  # FlexAttention kernel_options (see flex_kernel_options)
 
     def forward(
         self,
@@ -116,12 +147,13 @@ class DFlashAttention(nn.Module):
         if mask is None or isinstance(mask, torch.Tensor):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:
+            options = self.kernel_options  # set by DFlashDrafter.forward_train, outside any compiled region
             if torch.compiler.is_compiling():  # inside a compiled layer: trace flex_attention directly
                 from torch.nn.attention.flex_attention import flex_attention
 
-                out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+                out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=options)
             else:
-                out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+                out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=options)
         out = out.squeeze(0).transpose(0, 1).reshape(num_queries, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
@@ -324,6 +356,11 @@ class DFlashDrafter(nn.Module):
         rope_dtype = context.dtype
         block_rope = self._rope(block_positions, rope_dtype)
         context_rope = self._rope(batch.position_ids, rope_dtype)
+        if not isinstance(mask, torch.Tensor):
+            options = flex_kernel_options(anchors.device)
+            for layer in self.layers:
+                if layer.self_attn.kernel_options != options:
+                    layer.self_attn.kernel_options = options
         out = self._run_layers(block_states, context, block_rope, context_rope, mask)
         return out.view(anchors.shape[0], block_size, self.config.hidden_size)
 
