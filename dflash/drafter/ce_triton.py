@@ -4,9 +4,10 @@ Same function as :func:`dflash.drafter.loss._ce_chunk_fusable` (the ``torch.comp
 number of passes over the ``[C, V]`` logits (the online-softmax scheme of Milakov & Gimelshein 2018, as in
 Liger-Kernel's cross-entropy and Apple's cut-cross-entropy):
 
-1. ``_ce_stats_kernel``, one program per row: one read of the row in ``BLOCK_V`` tiles; float32 running max and
-   rescaled sum of exponentials (-> ``lse``), per-lane running argmax (first index of the max, like
-   ``torch.argmax``), the target's logit. Writes ``lse [C]``, ``w * (lse - x[target]) [C]`` and the hit flag.
+1. ``_ce_stats_kernel``, one program per row: one read of the row in ``BLOCK_V`` tiles; float32 running max (one
+   block reduction per tile) and per-lane sums of exponentials rescaled to it (-> ``lse``), per-lane running argmax
+   (first index of the max, like ``torch.argmax``), the target's logit. Writes ``lse [C]``,
+   ``w * (lse - x[target]) [C]`` and the hit flag.
 2. ``_ce_grad_kernel``, one program per ``(row, BLOCK_V tile)``: reads the tile again and writes
    ``grad = (exp(x - lse) - [v == target]) * w`` in the logits dtype, optionally over the logits themselves
    (``inplace=True``: the chunk then needs no second ``[C, V]`` buffer).
@@ -75,7 +76,8 @@ if triton is not None:
         row_ptr = logits_ptr + row * stride_row
         cols = tl.arange(0, BLOCK_V)
         run_max = float("-inf")
-        run_sum = 0.0
+        # Per-lane partial sums, rescaled by the scalar running max: one block reduction (the max) per tile.
+        run_sum = tl.zeros([BLOCK_V], dtype=tl.float32)
         best_val = tl.full([BLOCK_V], float("-inf"), tl.float32)
         best_idx = tl.zeros([BLOCK_V], dtype=tl.int32)
         for start in range(0, V, BLOCK_V):
@@ -84,13 +86,13 @@ if triton is not None:
             new_max = tl.maximum(run_max, tl.max(x, axis=0))
             # All -inf so far: shift by 0 instead of -inf so exp() gives 0, not exp(-inf - -inf) = NaN.
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+            run_sum = run_sum * tl.exp(run_max - shift) + tl.exp(x - shift)
             run_max = new_max
             # Per-lane argmax; strict '>' keeps the earliest index of each lane (NaN never wins).
             better = x > best_val
             best_val = tl.where(better, x, best_val)
             best_idx = tl.where(better, offs, best_idx)
-        lse = run_max + tl.log(run_sum)
+        lse = run_max + tl.log(tl.sum(run_sum, axis=0))
         top = tl.max(best_val, axis=0)
         argmax = tl.min(tl.where(best_val == top, best_idx, V), axis=0)  # ties -> smallest index, like torch
         target = tl.load(target_ptr + row)
