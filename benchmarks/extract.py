@@ -53,7 +53,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash.cache import DEFAULT_CODEC, CacheMetadata, CacheReader, HiddenSample, HiddenStateCache
-from dflash.cache.format import codec_config
+from dflash.cache.format import codec_config, zarr_compressors
 from dflash.corpus import CorpusWriter, open_corpus
 from dflash.target import (
     LAYER_ID_CONVENTION,
@@ -260,6 +260,7 @@ def time_writes(args: argparse.Namespace, workdir: Path) -> dict:
     hidden_bytes = args.write_shards * hidden.numel() * 2
     return {
         "mode": "write-only",
+        "direct_chunks": os.environ.get("DFLASH_CACHE_DIRECT_CHUNKS", "1") != "0",
         "write_shards": args.write_shards,
         "shard_tokens": tokens,
         "row_bytes": width * 2,
@@ -272,7 +273,41 @@ def time_writes(args: argparse.Namespace, workdir: Path) -> dict:
         "cpu_seconds_per_GB": cpu / (raw / 1e9),
         "cpu_over_wall": cpu / elapsed,
         "compression_ratio": raw / max(1, sum(record["stored_bytes"] for record in records)),
+        **{f"one_core_seconds_per_GB_{name}": value for name, value in component_costs(hidden, args.codec).items()},
     }
+
+
+def component_costs(hidden: torch.Tensor, codec: str) -> dict[str, float]:
+    """Single-thread CPU seconds per GB of bf16 hidden states for each step of a chunk write (the codec alone,
+    sha256, crc32c, one memcpy), on ~80 MB of ``hidden``: what the write path costs per core on this host."""
+    import hashlib
+
+    import google_crc32c
+    import zarr
+
+    from dflash.cache.chunks import chunk_encoder
+
+    values = hidden.view(torch.uint16).numpy()[: max(1, (80 << 20) // max(1, hidden.shape[1] * 2))]
+    chunk = values[: min(len(values), 256)]
+    group = zarr.create_group(store={}, zarr_format=3)
+    array = group.create_array("h", shape=chunk.shape, dtype="uint16", chunks=chunk.shape, compressors=zarr_compressors(codec_config(codec)))
+    encode = chunk_encoder(array)
+    steps = {
+        "encode": (lambda c: encode(c)) if encode is not None else None,
+        "sha256": lambda c: hashlib.sha256(c).digest(),
+        "crc32c": lambda c: google_crc32c.value(c),
+        "memcpy": lambda c: c.copy(),
+    }
+    out = {}
+    for name, step in steps.items():
+        if step is None:
+            continue
+        started = time.thread_time()
+        for start in range(0, len(values) - len(chunk) + 1, len(chunk)):
+            step(values[start : start + len(chunk)])
+        used = len(values) // len(chunk) * chunk.nbytes
+        out[name] = (time.thread_time() - started) / (used / 1e9)
+    return out
 
 
 def time_dask_extract(args: argparse.Namespace, device: torch.device, workdir: Path) -> dict:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash.cache.chunks import chunk_encoder, store_chunk
 from dflash.cache.format import (
     FORMAT_VERSION,
     CacheMetadata,
@@ -269,9 +270,10 @@ class HiddenStateCache:
         try:
             with ThreadPoolExecutor(max_workers=_write_threads(), thread_name_prefix="cache-write") as pool:
                 hidden = create("hidden", [num_tokens, meta.row_width])
-                chunk_starts = range(0, num_tokens, meta.chunk_tokens)
-                jobs = [pool.submit(_write_hidden_chunk, hidden, parts, offsets, start,
-                                    min(num_tokens, start + meta.chunk_tokens), fp8, meta.num_taps,
+                encode = chunk_encoder(hidden) if num_tokens and _direct_chunks() else None
+                chunk_starts = range(0, num_tokens, hidden.chunks[0])
+                jobs = [pool.submit(_write_hidden_chunk, hidden, encode, parts, offsets, start,
+                                    min(num_tokens, start + hidden.chunks[0]), fp8, meta.num_taps,
                                     data.get("hidden_scale")) for start in chunk_starts]  # fmt: skip
                 small = [name for name in layout if name != "hidden"]
                 pending = segment_digests([(name, data[name]) for name in small if name != "hidden_scale"], pool,
@@ -446,6 +448,13 @@ def _concat(samples: list[HiddenSample], name: str, dtype: torch.dtype, num_toke
     return out
 
 
+def _direct_chunks() -> bool:
+    """Whether hidden chunks are encoded and stored off zarr's event loop (:mod:`dflash.cache.chunks`); set the
+    environment variable ``DFLASH_CACHE_DIRECT_CHUNKS=0`` to route them through ``array[lo:hi] = rows`` instead
+    (same bytes on disk; for comparison and debugging)."""
+    return os.environ.get("DFLASH_CACHE_DIRECT_CHUNKS", "1") != "0"
+
+
 def _hidden_parts(samples: list[HiddenSample], width: int, shard_id: int) -> list[np.ndarray]:
     """Each sample's ``hidden`` as a ``uint16 [L, width]`` view of bf16 bits on the CPU (no copy for CPU bf16
     input, e.g. the runner's pinned buffers; other devices/dtypes are converted). Raises CacheError on a bad shape."""
@@ -466,6 +475,7 @@ def _hidden_parts(samples: list[HiddenSample], width: int, shard_id: int) -> lis
 
 def _write_hidden_chunk(
     array: Any,
+    encode: Any,
     parts: list[np.ndarray],
     offsets: np.ndarray,
     lo: int,
@@ -475,10 +485,16 @@ def _write_hidden_chunk(
     scale_out: np.ndarray | None,
 ) -> str:
     """One chunk job of :meth:`HiddenStateCache.write_shard`: gather tokens ``[lo, hi)`` of the shard from the
-    samples (``parts``, CSR ``offsets``), quantize them for fp8 storage, store them as ``array[lo:hi]`` and return
-    the sha256 of their stored bytes (one digest segment). numpy copies, hashlib and zarr's codecs release the GIL,
-    so jobs run truly in parallel."""
-    rows = np.empty((hi - lo, array.shape[1]), dtype=np.uint16)
+    samples (``parts``, CSR ``offsets``), quantize them for fp8 storage, store them as chunk ``lo // chunk_tokens``
+    of ``array`` and return the sha256 of their stored bytes (one digest segment).
+
+    With ``encode`` (:func:`dflash.cache.chunks.chunk_encoder`) the chunk is encoded and stored in this thread
+    (byte-identical to zarr's own encoding; a partial last chunk is zero-padded to the chunk shape as zarr pads
+    edge chunks with the fill value); without, ``array[lo:hi] = rows`` goes through zarr's pipeline. numpy
+    copies, hashlib and the codecs release the GIL, so jobs run truly in parallel."""
+    chunk_rows = array.chunks[0]
+    rows = np.empty((chunk_rows if encode is not None else hi - lo, array.shape[1]), dtype=np.uint16)
+    rows[hi - lo :] = 0  # zarr's fill value in the padded tail of a partial last chunk
     sample = int(np.searchsorted(offsets, lo, side="right")) - 1
     position = lo
     while position < hi:
@@ -491,9 +507,12 @@ def _write_hidden_chunk(
     if fp8:
         stored, scale = quantize_fp8(torch.from_numpy(rows).view(torch.bfloat16), num_taps)
         assert scale_out is not None
-        scale_out[lo:hi] = scale
+        scale_out[lo:hi] = scale[: hi - lo]
     else:
         stored = rows
-    digest = hashlib.sha256(stored).hexdigest()
-    array[lo:hi] = stored
+    digest = hashlib.sha256(stored[: hi - lo]).hexdigest()
+    if encode is None:
+        array[lo:hi] = stored
+    else:
+        store_chunk(array, (lo // chunk_rows, 0), encode(stored))
     return digest
