@@ -5,9 +5,9 @@ number of passes over the ``[C, V]`` logits (the online-softmax scheme of Milako
 Liger-Kernel's cross-entropy and Apple's cut-cross-entropy):
 
 1. ``_ce_stats_kernel``, one program per row: one read of the row in ``BLOCK_V`` tiles; float32 running max (one
-   block reduction per tile) and per-lane sums of exponentials rescaled to it (-> ``lse``), per-lane running argmax
-   (first index of the max, like ``torch.argmax``), the target's logit. Writes ``lse [C]``,
-   ``w * (lse - x[target]) [C]`` and the hit flag.
+   block reduction per tile) and per-lane sums of exponentials rescaled to it (-> ``lse``), the argmax (first index
+   of the max, like ``torch.argmax``; searched only in tiles that raise the running max), the target's logit.
+   Writes ``lse [C]``, ``w * (lse - x[target]) [C]`` and the hit flag.
 2. ``_ce_grad_kernel``, one program per ``(row, BLOCK_V tile)``: reads the tile again and writes
    ``grad = (exp(x - lse) - [v == target]) * w`` in the logits dtype, optionally over the logits themselves
    (``inplace=True``: the chunk then needs no second ``[C, V]`` buffer).
@@ -78,23 +78,25 @@ if triton is not None:
         run_max = float("-inf")
         # Per-lane partial sums, rescaled by the scalar running max: one block reduction (the max) per tile.
         run_sum = tl.zeros([BLOCK_V], dtype=tl.float32)
-        best_val = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        best_idx = tl.zeros([BLOCK_V], dtype=tl.int32)
+        argmax = 0
+        tile = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf"))
         for start in range(0, V, BLOCK_V):
             offs = start + cols
-            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(run_max, tl.max(x, axis=0))
+            # Issue the next tile's loads before reducing this one (no pipelining of plain loads in Triton):
+            # its latency overlaps this tile's math; past the row end the loads are masked off and move no bytes.
+            next_offs = offs + BLOCK_V
+            next_tile = tl.load(row_ptr + next_offs, mask=next_offs < V, other=float("-inf"))
+            x = tile.to(tl.float32)
+            tile = next_tile
+            tile_max = tl.max(x, axis=0)
+            if tile_max > run_max:  # strict: a tie in a later tile keeps the earlier index (torch.argmax)
+                argmax = tl.min(tl.where(x == tile_max, offs, V), axis=0)  # first index of the max in the tile
+            new_max = tl.maximum(run_max, tile_max)
             # All -inf so far: shift by 0 instead of -inf so exp() gives 0, not exp(-inf - -inf) = NaN.
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
             run_sum = run_sum * tl.exp(run_max - shift) + tl.exp(x - shift)
             run_max = new_max
-            # Per-lane argmax; strict '>' keeps the earliest index of each lane (NaN never wins).
-            better = x > best_val
-            best_val = tl.where(better, x, best_val)
-            best_idx = tl.where(better, offs, best_idx)
         lse = run_max + tl.log(tl.sum(run_sum, axis=0))
-        top = tl.max(best_val, axis=0)
-        argmax = tl.min(tl.where(best_val == top, best_idx, V), axis=0)  # ties -> smallest index, like torch
         target = tl.load(target_ptr + row)
         weight = tl.load(weight_ptr + row)
         valid = (target >= 0) & (target < V)
