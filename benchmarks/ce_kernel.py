@@ -135,6 +135,8 @@ def run_shape(num_rows: int, vocab: int, dtype: torch.dtype, device: str, args) 
     moved = 3 * num_rows * vocab * source.element_size()
     results = []
     for name, fn in implementations(device, args.smoke).items():
+        if args.impls and name not in args.impls:
+            continue
         compile_start = time.perf_counter()
         fn(source.clone(), target, rows_w)  # compile / autotune outside the timing
         _sync(device)
@@ -173,8 +175,9 @@ def print_table(results: list[dict]) -> None:
                       str(row["correct_mismatches"]))
     console.print(table)
     console.print(BANDWIDTH_FORMULA)
-    console.print("sweep rows: GB/s of that pass alone (stats: C*V*itemsize read; grad: read + write; grad ms = "
-                  "stats+grad call minus the best stats time)")
+    if any(row["impl"].startswith("sweep-") for row in results):
+        console.print("sweep rows: GB/s of that pass alone (stats: C*V*itemsize read; grad: read + write; grad ms = "
+                      "stats+grad call minus the best stats time)")
 
 
 def write_json(path: Path, payload: dict) -> None:
@@ -192,6 +195,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 49152], help="V values")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--impls", nargs="+", default=None,
+                        choices=["eager", "inductor", "triton", "triton-inplace"], help="subset to time (default all)")
     parser.add_argument("--sweep", action="store_true", help="also time each Triton pass per config")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
     args = parser.parse_args()

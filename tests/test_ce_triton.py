@@ -132,7 +132,8 @@ def test_no_grad_strided_rows_and_empty_chunk(device):
     wide = torch.zeros(40, 7100, dtype=torch.bfloat16, device=device)
     wide[:, :7000] = logits
     strided = wide[:, :7000]  # row stride 7100: padded rows (an LM head padded to a multiple of 128, say)
-    _assert_matches(ce_chunk_triton(strided, target, rows_w), want, torch.bfloat16)
+    strided_target = torch.stack([target, target + 1], dim=1)[:, 0]  # stride 2
+    _assert_matches(ce_chunk_triton(strided, strided_target, rows_w), want, torch.bfloat16)
     _assert_matches(ce_chunk_triton(strided, target, rows_w, inplace=True), want, torch.bfloat16)
     assert (wide[:, 7000:] == 0).all()  # the padding columns are never written
     empty_total, empty_correct, empty_grad = ce_chunk_triton(logits[:0], target[:0], rows_w[:0])

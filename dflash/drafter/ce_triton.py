@@ -186,6 +186,7 @@ def ce_chunk_triton(
         if inplace:
             raise ConfigError(f"inplace needs logits with unit stride along V, got strides {logits.stride()}")
         logits = logits.contiguous()
+    target, rows_w = target.contiguous(), rows_w.contiguous()  # the kernels index them by row
     num_rows, vocab = logits.shape
     device = logits.device
     row_loss = torch.empty(num_rows, dtype=torch.float32, device=device)
