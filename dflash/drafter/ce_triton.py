@@ -20,14 +20,16 @@ Special values (documented contract, checked by tests/test_ce_triton.py):
       not finite (its logits are then not read in pass 2). Weights may be any nonnegative float.
     * A row holding NaN or +inf gets a NaN loss (so the total is NaN, as with torch, where +inf gives inf or NaN),
       a NaN gradient (if its weight is nonzero) and ``correct = False`` (torch's argmax would name the first NaN).
-    * ``-inf`` logits are fine (they get probability 0); a row that is entirely ``-inf`` has ``lse = -inf``.
+    * ``-inf`` logits are fine (they get probability 0); a row that is entirely ``-inf`` has ``lse = -inf`` and a
+      NaN loss, argmax 0 (as torch).
     * A target outside ``[0, V)`` is not read: its row loss is NaN (torch's gather would raise; here raising would
       need a host sync).
 
-Only basic ``triton.language`` calls (load/store/max/min/sum/exp/log/where/arange/program_id/constexpr) are used so
-the kernels build with the Triton bundled with torch 2.11 and older ones. The module imports without Triton
-(CPU CI): :func:`triton_available` says whether the kernels exist. ``TRITON_INTERPRET=1`` (set before importing
-Triton) runs them on CPU tensors through Triton's interpreter, slowly; used only to check the math.
+Only basic ``triton.language`` calls (load/store/max/min/sum/exp/log/where/full/zeros/arange/program_id/constexpr,
+a ``for`` over ``range`` and an ``if`` on a scalar) are used so the kernels build with the Triton bundled with torch
+2.11 and older ones. The module imports without Triton (CPU CI): :func:`triton_available` says whether the kernels
+exist. ``TRITON_INTERPRET=1`` (set before importing Triton) runs them on CPU tensors through Triton's interpreter,
+slowly; used only to check the math (the interpreter truncates float32 -> bfloat16 where GPUs round to nearest).
 """
 
 from __future__ import annotations
