@@ -2,7 +2,9 @@
 
 ``info`` prints the root metadata, counts over committed shards, quarantined samples, size on disk and the
 compression ratio. ``verify`` decodes every chunk (crc32c), recomputes each shard's digest and checks offsets,
-completeness against the shard plan and duplicates; it exits 1 naming the bad shard, 2 when shards are missing.
+completeness against the shard plan and duplicates. Exit status (the CLI's one scheme, ``stages.cli.ExitCode``):
+0 sound; 1 corrupt shards (each named) or planned shards not committed yet (unless ``--allow-incomplete``);
+2 no readable cache at the path (an ``error:`` line says what is wrong).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from stages.cli import ExitCode
 
 __all__ = ["register", "cache_app", "cache_info"]
 
@@ -107,9 +111,9 @@ def info_command(
     console = Console()
     try:
         info = cache_info(cache)
-    except CacheError as error:
-        console.print(f"[bold red]error:[/] {error}")
-        raise typer.Exit(1) from error
+    except CacheError as error:  # no cache there, or unreadable metadata: the user's path or cache to fix
+        _print_error(error)
+        raise typer.Exit(ExitCode.USAGE) from None
     if as_json:
         print(json.dumps(info, indent=2))
     else:
@@ -127,10 +131,11 @@ def verify_command(
 ) -> None:
     """Read every chunk of every committed shard (checksums, digests, offsets); check completeness and duplicates.
 
-    Exit status: 0 ok, 1 corrupt shards (each named with its array), 2 incomplete (uncommitted shards).
+    Exit status: 0 sound; 1 corrupt shards (each named with its array) or uncommitted planned shards (unless
+    --allow-incomplete); 2 no readable cache at CACHE.
     """
     from dflash.cache import CacheReader, HiddenStateCache, verify_cache
-    from dflash.errors import CacheError
+    from dflash.errors import CacheCorruptError, CacheError
 
     console = Console(stderr=as_json)
     try:
@@ -140,9 +145,12 @@ def verify_command(
         ) as progress:
             task = progress.add_task("shards", total=num_committed)
             report = verify_cache(cache, fail_fast=False, on_shard=lambda shard: progress.advance(task))
-    except CacheError as error:
-        console.print(f"[bold red]error:[/] {error}")
-        raise typer.Exit(1) from error
+    except CacheCorruptError as error:  # the check's verdict: the cache is damaged
+        _print_error(error, label="CORRUPT: ")
+        raise typer.Exit(ExitCode.CHECK_FAILED) from None
+    except CacheError as error:  # nothing to check: a wrong path, or not a cache
+        _print_error(error)
+        raise typer.Exit(ExitCode.USAGE) from None
     if as_json:
         print(json.dumps(report, indent=2))
     for shard, message in sorted(report["corrupt_shards"].items()):
@@ -160,14 +168,21 @@ def verify_command(
     if report["stray_shards"]:
         console.print(f"{len(report['stray_shards'])} uncommitted shard folder(s) with leftover data (ignored, redone by extract): {report['stray_shards'][:10]}")
     if not report["ok"]:
-        raise typer.Exit(1)
+        raise typer.Exit(ExitCode.CHECK_FAILED)
     if not report["complete"]:
         console.print(
             f"[yellow]incomplete[/]: {len(report['uncommitted_shards'])} of {report['planned_shards']} planned shards are not committed "
             f"(first: {report['uncommitted_shards'][:10]}); rerun `dflash-stages extract` with the same arguments"
         )
         if not allow_incomplete:
-            raise typer.Exit(2)
+            raise typer.Exit(ExitCode.CHECK_FAILED)
+
+
+def _print_error(error: Exception, label: str = "error: ") -> None:
+    from rich.text import Text
+
+    # stderr, no markup parsing, one line (paths and shard ids stay copy-pasteable), like the CLI's central handler.
+    Console(stderr=True).print(Text(label, style="bold red") + Text(str(error)), soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

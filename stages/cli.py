@@ -2,21 +2,56 @@
 
 Each stage module exposes ``register(app: typer.Typer)``, which adds its command(s). This file only wires them;
 run ``dflash-stages --help`` for the list.
+
+Exit status, the same for every command (:class:`ExitCode`, printed at the end of ``dflash-stages --help``):
+
+* 0 -- success.
+* 1 -- the thing a command checks is bad: ``cache verify`` found corrupt or uncommitted shards, ``inspect`` found a
+  failed check, a difference (``--diff``) or NaN/Inf (``--scan``), ``evaluate``'s lossless check failed, a
+  ``sweep`` run failed.
+* 2 -- bad input, usage or configuration the user must fix (an ``error:`` line names it; no traceback).
+* 3 -- an unexpected error, i.e. a bug (the traceback is printed).
+* 130 -- interrupted by Ctrl-C or SIGTERM, after cleanup (``train`` saves a checkpoint first; ``--resume`` continues).
 """
 
 from __future__ import annotations
 
+import enum
 import importlib
 import importlib.util
 import logging
+import sys
 
 import typer
 
-__all__ = ["app", "main"]
+__all__ = ["app", "main", "ExitCode", "EXIT_STATUS_HELP"]
+
+
+class ExitCode(enum.IntEnum):
+    """Exit status of every ``dflash-stages`` command (module docstring)."""
+
+    OK = 0
+    CHECK_FAILED = 1
+    USAGE = 2
+    INTERNAL = 3
+    INTERRUPTED = 130
+
+
+#: Help epilog (rich markup, one line per code); README.md "Exit status" says the same.
+EXIT_STATUS_HELP = "\n".join([
+    "[bold]Exit status[/] (every command):",
+    "  [bold]0[/]    success",
+    "  [bold]1[/]    the checked thing is bad: cache verify found corrupt or uncommitted shards; inspect a failed check,",
+    "       a difference or NaN/Inf; evaluate's lossless check failed; a sweep run failed",
+    "  [bold]2[/]    bad input, usage or configuration to fix (one error: line names it)",
+    "  [bold]3[/]    unexpected error, i.e. a bug (traceback printed)",
+    "  [bold]130[/]  interrupted by Ctrl-C or SIGTERM, after cleanup (train saves a checkpoint first; --resume continues)",
+])
 
 app = typer.Typer(
     name="dflash-stages",
     help="Train DFlash speculative-decoding drafters: prepare -> extract -> train -> evaluate -> export.",
+    epilog=EXIT_STATUS_HELP,
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
     add_completion=False,
@@ -58,19 +93,25 @@ def main() -> None:
     """Console-script entry point.
 
     Errors raised for a user's input (``dflash.errors.DFlashError``: bad path, field, row...) print one
-    ``error:`` line naming what to fix and exit with status 2, whichever command raised them; anything else is a
-    bug and keeps its traceback.
+    ``error:`` line naming what to fix and exit with status 2, whichever command raised them; any other exception is
+    a bug: its traceback is printed and the status is 3. Ctrl-C and SIGTERM unwind (``finally`` blocks clean up)
+    and exit 130. See :class:`ExitCode`.
     """
     import signal
 
     from dflash.errors import DFlashError
 
-    def _exit_on_sigterm(signum, frame):
-        # Unwind like Ctrl-C does, so `finally` blocks remove temporary folders (the default SIGTERM action kills
-        # the process without running them). Training installs its own handler for a clean, checkpointed stop.
-        raise SystemExit(128 + signum)
+    def _interrupt(signum, frame):
+        # SIGTERM unwinds like Ctrl-C does, so `finally` blocks remove temporary folders (the default SIGTERM action
+        # kills the process without running them); typer turns the KeyboardInterrupt into exit status 130.
+        # Training installs its own handlers for a clean, checkpointed stop (and then exits 130 itself).
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # Keep a signal ignored if it was on entry (e.g. a job started in the background with SIGINT ignored).
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupt)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt)
     _register_all()
     try:
         app()
@@ -79,7 +120,12 @@ def main() -> None:
         from rich.text import Text
 
         Console(stderr=True).print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
-        raise SystemExit(2) from None
+        raise SystemExit(ExitCode.USAGE) from None
+    except KeyboardInterrupt:  # raised outside typer's own handling (e.g. while it finished up)
+        raise SystemExit(ExitCode.INTERRUPTED) from None
+    except Exception as error:  # a bug: keep the (pretty) traceback, but never mistake it for a check's verdict
+        sys.excepthook(type(error), error, error.__traceback__)
+        raise SystemExit(ExitCode.INTERNAL) from None
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ The export is written atomically, then read back with the strict loader (:func:`
 compared tensor by tensor with the checkpoint; see ``dflash/export.py`` for the format.
 
     dflash-stages export runs/smol OUT/smol-dflash [--target PATH] [--overwrite]
+
+Exit status: 0 exported and verified; 2 the checkpoint, OUT or target is not usable (one ``export failed:`` line
+says why and what to pass); 130 interrupted (OUT is left as it was).
 """
 
 from __future__ import annotations
@@ -43,9 +46,13 @@ def export_command(
             destination, provenance = export_checkpoint(checkpoint, out, target=target, overwrite=overwrite)
         for warning in caught:
             console.print(f"[yellow]warning:[/] {escape(str(warning.message))}")
-    except DFlashError as error:
-        console.print(f"[red]export failed:[/] {escape(str(error))}")
-        raise typer.Exit(code=1) from None
+    except DFlashError as error:  # a wrong path, OUT exists, mismatched target...: the user's to fix (exit 2)
+        from rich.text import Text
+
+        from stages.cli import ExitCode
+
+        Console(stderr=True).print(Text("export failed: ", style="bold red") + Text(str(error)), soft_wrap=True)
+        raise typer.Exit(ExitCode.USAGE) from None
 
     config = provenance["drafter_config"]
     table = Table(title=f"Exported {destination}", show_header=False)

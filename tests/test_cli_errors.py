@@ -1,5 +1,7 @@
-"""The console script turns errors on a user's input into one ``error:`` line and exit status 2 (no traceback),
-and ``prepare --overwrite`` never deletes a folder that is not a corpus."""
+"""The console script's one exit-status scheme (``stages.cli.ExitCode``): 0 success, 1 the checked thing is bad,
+2 a user's input to fix (one ``error:`` line, no traceback), 3 a bug (traceback), 130 interrupted after cleanup
+(train: with a checkpoint); ``--help`` piped is laid out wide; tests never write into the real dflash home;
+``prepare --overwrite`` never deletes a folder that is not a corpus."""
 
 from __future__ import annotations
 
@@ -12,9 +14,28 @@ from dflash.corpus import CorpusWriter
 from dflash.errors import CorpusError
 
 
-def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
+def _cli(*args: str, cwd, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", "from stages.cli import main; main()", *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=120)
+                          cwd=cwd, capture_output=True, text=True, timeout=120, env=env)
+
+
+def _main_in_process(monkeypatch, *args: str) -> int:
+    """Run the real entry point ``stages.cli.main`` here (no interpreter start-up); returns its exit status."""
+    import signal
+
+    from stages.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["dflash-stages", *args])
+    monkeypatch.setenv("COLUMNS", "200")  # main() would set it for a piped stdout; keep this process's env clean
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        main()
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    return 0
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -52,7 +73,7 @@ def test_sigterm_during_prepare_leaves_no_temporary_folder(tmp_path):
         assert process.poll() is None and time.monotonic() < deadline, "prepare ended before writing anything"
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    assert process.wait(timeout=60) == 130  # interrupted (same as Ctrl-C), after the cleanup below
     assert list(tmp_path.iterdir()) == []  # neither a half corpus nor its staging folder
 
 
@@ -67,6 +88,43 @@ def test_empty_or_malformed_jsonl_is_named_with_its_position(tmp_path):
     assert f"at column {len(bad)})" in result.stderr
     assert not (tmp_path / "out").exists()
 
+
+def test_input_errors_of_export_and_cache_exit_2(tmp_path):
+    """Export and cache commands used to exit 1 here; a wrong path is the user's to fix: 2, one line, no traceback."""
+    for args, expected in ((("export", "no-such-run", "out"), "no-such-run is not a folder"),
+                           (("cache", "verify", "no-such-cache"), "no cache at no-such-cache")):
+        result = _cli(*args, cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1
+        assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cache_verify_exits_0_when_sound_and_1_when_corrupt(tmp_path, target, monkeypatch, capsys):
+    from train_helpers import build_tiny_cache
+
+    cache = build_tiny_cache(tmp_path / "tiny.zarr", target, num_samples=6)
+    assert _main_in_process(monkeypatch, "cache", "verify", str(cache)) == 0
+    chunk = max((p for p in (cache / "shards" / "000001" / "hidden").rglob("*") if p.is_file() and p.name != "zarr.json"),
+                key=lambda p: p.stat().st_size)  # the largest chunk of shard 1's hidden states
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    chunk.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert _main_in_process(monkeypatch, "cache", "verify", str(cache)) == 1
+    assert "CORRUPT shard 1" in capsys.readouterr().out
+
+
+def test_a_bug_exits_3_with_its_traceback(monkeypatch, capsys):
+    import stages.cache_cmd
+
+    def broken(path):
+        raise RuntimeError("an internal invariant broke")
+
+    monkeypatch.setattr(stages.cache_cmd, "cache_info", broken)
+    assert _main_in_process(monkeypatch, "cache", "info", "anything") == 3
+    err = capsys.readouterr().err
+    assert "RuntimeError" in err and "an internal invariant broke" in err and "Traceback" in err
 
 
 def test_session_uses_a_temporary_dflash_home(dflash_home, target_path, tmp_path):
