@@ -11,6 +11,9 @@ With ``--drafter-gpus`` listing several GPUs (or ``--cpu-processes N`` on CPU, g
 its own workers through ``torch.distributed.run``'s elastic launcher (what ``torchrun --standalone`` does); under
 ``torchrun`` it joins the process group that torchrun set up (nccl on GPU, gloo on CPU).
 
+Exit status: 0 when the schedule (or ``--stop-at-step``) is done; 130 after SIGTERM or a first Ctrl-C, which stop
+after the current step with a checkpoint (the run is resumable; a second Ctrl-C aborts at once); 2 for bad options.
+
 Resume: ``--resume`` starts from the saved configuration of RUN; options given on the command line override it.
 An override that changes the training trajectory (learning rate, batch, seed, schedule length...) is refused,
 naming the fields, unless ``--allow-config-change``: exact resume reproduces the straight run bit for bit on CPU.
@@ -32,7 +35,7 @@ import typer
 from dflash.errors import ConfigError
 from dflash.optim import DEFAULT_BETAS, OptimConfig
 
-__all__ = ["TrainConfig", "RUNTIME_FIELDS", "trajectory_changes", "run_training", "register"]
+__all__ = ["TrainConfig", "RUNTIME_FIELDS", "trajectory_changes", "run_training", "exit_if_interrupted", "register"]
 
 log = logging.getLogger(__name__)
 
@@ -406,6 +409,31 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None) 
     return TrainConfig.from_dict(merged)
 
 
+def exit_if_interrupted(summary: dict[str, Any], config: TrainConfig) -> None:
+    """End a run that stopped on SIGTERM or a first Ctrl-C with exit status 130 (``stages.cli.ExitCode``), after
+    the trainer saved its checkpoint: to a scheduler an interrupted run is not a finished one. Prints the exact
+    command that continues it (on rank 0).
+
+    Raises:
+        typer.Exit: code 130 when ``summary["stopped_by_signal"]``; returns otherwise.
+    """
+    from stages.cli import ExitCode
+
+    if not summary.get("stopped_by_signal"):
+        return
+    if int(os.environ.get("RANK", "0")) == 0:
+        from rich.console import Console
+        from rich.text import Text
+
+        Console(stderr=True).print(
+            Text("interrupted", style="bold yellow")
+            + Text(f" at step {summary.get('step')} of {summary.get('total_steps')}; the checkpoint is saved. "
+                   f"Continue with: dflash-stages train --output {config.output} --resume"),
+            soft_wrap=True,
+        )
+    raise typer.Exit(ExitCode.INTERRUPTED)
+
+
 def register(app: typer.Typer) -> None:
     """Add the ``train`` command to the ``dflash-stages`` app."""
     @app.command("train")
@@ -453,7 +481,11 @@ def register(app: typer.Typer) -> None:
         allow_config_change: bool = typer.Option(None, "--allow-config-change", help="Resume despite changes."),
         progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the progress bar."),
     ) -> None:
-        """Train a DFlash drafter on a hidden-state cache (stage 2)."""
+        """Train a DFlash drafter on a hidden-state cache (stage 2).
+
+        SIGTERM or a first Ctrl-C stops after the current step with a checkpoint and exits 130 (resume with
+        --output RUN --resume); a second Ctrl-C aborts at once.
+        """
         from rich.console import Console
 
         overrides = {
@@ -475,6 +507,7 @@ def register(app: typer.Typer) -> None:
         summary = run_training(config)
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank runs this command
             Console().print_json(json.dumps(summary, default=str))
+        exit_if_interrupted(summary, config)
 
 
 def _torchrun_main() -> None:

@@ -127,6 +127,35 @@ def test_a_bug_exits_3_with_its_traceback(monkeypatch, capsys):
     assert "RuntimeError" in err and "an internal invariant broke" in err and "Traceback" in err
 
 
+def test_train_stopped_by_sigterm_exits_130_with_a_resumable_checkpoint(tmp_path, target, monkeypatch, capsys):
+    """The real CLI and trainer: SIGTERM in step 2 -> checkpoint of step 2, resume hint, exit 130 (not 0)."""
+    import json
+    import os
+    import signal
+
+    from train_helpers import build_tiny_cache, tiny_config
+
+    import stages.trainer as trainer_module
+
+    cache = build_tiny_cache(tmp_path / "tiny.zarr", target, num_samples=12)
+    real_loss = trainer_module.dflash_loss
+    calls = {"n": 0}
+
+    def preempted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's preemption notice in the middle of step 2
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "dflash_loss", preempted)
+    config = tiny_config(cache, tmp_path / "run", max_steps=4, save_every=10, validation_fraction=0.0)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    assert _main_in_process(monkeypatch, "train", "--config", str(tmp_path / "config.json")) == 130
+    err = capsys.readouterr().err
+    assert "interrupted at step 2 of 4" in err and f"--output {tmp_path / 'run'} --resume" in err
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step_00000002"
+
+
 def test_session_uses_a_temporary_dflash_home(dflash_home, target_path, tmp_path):
     """Identity memos and conversions go to the session's temporary home; the real one only lends its target."""
     import json
