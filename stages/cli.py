@@ -20,11 +20,12 @@ import enum
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 
 import typer
 
-__all__ = ["app", "main", "ExitCode", "EXIT_STATUS_HELP"]
+__all__ = ["app", "main", "ExitCode", "EXIT_STATUS_HELP", "NON_TTY_COLUMNS"]
 
 
 class ExitCode(enum.IntEnum):
@@ -47,6 +48,10 @@ EXIT_STATUS_HELP = "\n".join([
     "  [bold]3[/]    unexpected error, i.e. a bug (traceback printed)",
     "  [bold]130[/]  interrupted by Ctrl-C or SIGTERM, after cleanup (train saves a checkpoint first; --resume continues)",
 ])
+
+#: Columns rich lays output out for when stdout is not a terminal and ``$COLUMNS`` is unset (rich's default is 80,
+#: which wraps every option description of ``--help | less`` into a narrow column).
+NON_TTY_COLUMNS = 120
 
 app = typer.Typer(
     name="dflash-stages",
@@ -89,6 +94,13 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug
     )
 
 
+def _set_output_width() -> None:
+    """Lay rich output (``--help``, tables) out for ``NON_TTY_COLUMNS`` when stdout is piped and ``$COLUMNS`` is
+    unset. A terminal keeps its own width; ``COLUMNS=N`` (or typer's ``TERMINAL_WIDTH``) always wins."""
+    if "COLUMNS" not in os.environ and not os.environ.get("TERMINAL_WIDTH") and not sys.stdout.isatty():
+        os.environ["COLUMNS"] = str(NON_TTY_COLUMNS)
+
+
 def main() -> None:
     """Console-script entry point.
 
@@ -112,6 +124,7 @@ def main() -> None:
         signal.signal(signal.SIGTERM, _interrupt)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupt)
+    _set_output_width()
     _register_all()
     try:
         app()

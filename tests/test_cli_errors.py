@@ -156,6 +156,36 @@ def test_train_stopped_by_sigterm_exits_130_with_a_resumable_checkpoint(tmp_path
     assert (tmp_path / "run" / "latest").read_text().strip() == "step_00000002"
 
 
+def test_piped_help_is_wide_lists_exit_status_and_cuts_no_description(tmp_path):
+    import os
+    import re
+
+    import typer
+    from rich.text import Text
+
+    from stages.cli import NON_TTY_COLUMNS, _register_all, app
+
+    env = {key: value for key, value in os.environ.items() if key not in ("COLUMNS", "TERMINAL_WIDTH")}
+    result = _cli("extract", "--help", cwd=tmp_path, env=env)  # stdout is a pipe, as in `| cat`
+    assert result.returncode == 0, result.stderr
+    assert max(len(line) for line in result.stdout.splitlines()) == NON_TTY_COLUMNS
+    # Every option's description appears whole (words wrapped across lines are rejoined; nothing cut or elided).
+    flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.stdout).split())
+    _register_all()
+    extract = typer.main.get_command(app).commands["extract"]
+    for param in extract.params:
+        if getattr(param, "help", None):
+            assert " ".join(Text.from_markup(param.help).plain.split()) in flat, param.name  # help is rich markup
+    assert "…" not in result.stdout
+
+    result = _cli("--help", cwd=tmp_path, env={**env, "COLUMNS": "100"})  # an explicit width wins
+    assert result.returncode == 0 and max(len(line) for line in result.stdout.splitlines()) == 100
+    lines = [line.strip() for line in result.stdout.splitlines()]
+    status = lines[lines.index("Exit status (every command):") + 1:]
+    for code in ("0", "1", "2", "3", "130"):
+        assert any(line.startswith(code + " ") for line in status), code
+
+
 def test_session_uses_a_temporary_dflash_home(dflash_home, target_path, tmp_path):
     """Identity memos and conversions go to the session's temporary home; the real one only lends its target."""
     import json
