@@ -25,7 +25,7 @@ import sys
 
 import typer
 
-__all__ = ["app", "main", "ExitCode", "EXIT_STATUS_HELP", "NON_TTY_COLUMNS"]
+__all__ = ["app", "main", "ExitCode", "EXIT_STATUS_HELP", "NON_TTY_COLUMNS", "dask_setup"]
 
 
 class ExitCode(enum.IntEnum):
@@ -101,6 +101,49 @@ def _set_output_width() -> None:
         os.environ["COLUMNS"] = str(NON_TTY_COLUMNS)
 
 
+def _quiet_dask_shutdown() -> None:
+    """After an interrupt, this process's Dask scheduler, nannies and comms (``extract``'s local cluster) may log
+    expected errors while they are torn down (closed comms, workers killed); they are not the user's problem."""
+    for name in ("distributed", "tornado", "asyncio"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+class _DropCancelledTasks(logging.Filter):
+    """Drops the worker's "Async instruction ... ended with CancelledError" warning: the task was cancelled on
+    purpose (the client shut the cluster down after Ctrl-C or SIGTERM)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "ended with CancelledError" not in record.getMessage()
+
+
+def dask_setup(worker) -> None:
+    """Dask worker preload (``distributed.worker.preload`` names this module; :func:`main` adds it, so it applies to
+    the local cluster ``extract`` starts in this process, not to workers of an external scheduler).
+
+    A worker process ignores Ctrl-C: the terminal sends SIGINT to the whole process group, and the main process
+    already handles it (cancels the tasks, closes the cluster, exits 130); left alone, each worker would print a
+    ``KeyboardInterrupt`` traceback from its event loop and a warning for every cancelled task.
+    """
+    import signal
+
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the process's main thread (an in-process worker): nothing to quiet
+        return
+    logging.getLogger("distributed.worker.state_machine").addFilter(_DropCancelledTasks())
+
+
+def _preload_quiet_dask_workers() -> None:
+    """Add this module to ``distributed.worker.preload`` (keeping the user's preloads) for :func:`dask_setup`."""
+    if importlib.util.find_spec("dask") is None:
+        return
+    import dask.config
+
+    preload = list(dask.config.get("distributed.worker.preload", default=None) or [])
+    if __name__ not in preload and __name__ != "__main__":
+        dask.config.set({"distributed.worker.preload": [*preload, __name__]})
+
+
 def main() -> None:
     """Console-script entry point.
 
@@ -117,6 +160,7 @@ def main() -> None:
         # SIGTERM unwinds like Ctrl-C does, so `finally` blocks remove temporary folders (the default SIGTERM action
         # kills the process without running them); typer turns the KeyboardInterrupt into exit status 130.
         # Training installs its own handlers for a clean, checkpointed stop (and then exits 130 itself).
+        _quiet_dask_shutdown()
         raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
     # Keep a signal ignored if it was on entry (e.g. a job started in the background with SIGINT ignored).
@@ -125,6 +169,7 @@ def main() -> None:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupt)
     _set_output_width()
+    _preload_quiet_dask_workers()
     _register_all()
     try:
         app()

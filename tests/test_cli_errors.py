@@ -209,3 +209,34 @@ def test_session_uses_a_temporary_dflash_home(dflash_home, target_path, tmp_path
     assert any(json.loads(p.read_text())["name"] == "other-target" for p in memos)
     real_now = {p for p in Path(dflash_home.real_home).rglob("*") if p.is_file()}
     assert real_now <= dflash_home.real_files  # nothing new in the real home
+
+
+def test_local_dask_workers_leave_ctrl_c_to_the_main_process():
+    """The CLI preloads ``stages.cli`` into the workers of a local cluster: they ignore SIGINT (the main process
+    cancels and closes them, so an interrupted extract prints no worker KeyboardInterrupt tracebacks) and drop the
+    "ended with CancelledError" warnings of the tasks that shutdown cancels."""
+    import logging
+    import signal
+
+    import dask.config
+    from distributed import Client, LocalCluster
+
+    from stages.cli import _preload_quiet_dask_workers
+
+    def worker_state():
+        logger = logging.getLogger("distributed.worker.state_machine")
+        record = logger.makeRecord(logger.name, logging.WARNING, __file__, 0, "Async instruction for %s ended with "
+                                   "CancelledError", ("task",), None)
+        other = logger.makeRecord(logger.name, logging.WARNING, __file__, 0, "another warning", (), None)
+        return signal.getsignal(signal.SIGINT) == signal.SIG_IGN, logger.filter(record), logger.filter(other)
+
+    with dask.config.set({"distributed.worker.preload": ["dask_preload_of_the_user"]}):
+        _preload_quiet_dask_workers()
+        assert dask.config.get("distributed.worker.preload") == ["dask_preload_of_the_user", "stages.cli"]
+    with dask.config.set({"distributed.worker.preload": []}):
+        _preload_quiet_dask_workers()
+        with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+                Client(cluster) as client:
+            (ignores_sigint, keeps_cancelled, keeps_other), = client.run(worker_state).values()
+    assert ignores_sigint and not keeps_cancelled and keeps_other
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process still gets Ctrl-C
