@@ -271,6 +271,7 @@ def time_writes(args: argparse.Namespace, workdir: Path) -> dict:
         "hidden_MB_per_s": hidden_bytes / elapsed / 1e6,
         "tokens_per_s": args.write_shards * tokens / elapsed,
         "cpu_seconds_per_GB": cpu / (raw / 1e9),
+        "sys_seconds_per_GB": (after.ru_stime - usage.ru_stime) / (raw / 1e9),
         "cpu_over_wall": cpu / elapsed,
         "compression_ratio": raw / max(1, sum(record["stored_bytes"] for record in records)),
         **{f"one_core_seconds_per_GB_{name}": value for name, value in component_costs(hidden, args.codec).items()},

@@ -86,6 +86,8 @@ def time_candidate(fn, q, k, v, mask, options: dict, warmup: int, iters: int, de
     grad = torch.randn_like(q)
     for _ in range(warmup):
         call().backward(grad)
+        with torch.no_grad():  # the no-grad forward is its own compiled graph: warm it up too
+            call()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     started = time.perf_counter()
