@@ -53,6 +53,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash.cache import DEFAULT_CODEC, CacheMetadata, CacheReader, HiddenSample, HiddenStateCache
+from dflash.cache.chunks import keep_chunk_buffers_mapped
 from dflash.cache.format import codec_config, zarr_compressors
 from dflash.corpus import CorpusWriter, open_corpus
 from dflash.target import (
@@ -224,6 +225,7 @@ def time_writes(args: argparse.Namespace, workdir: Path) -> dict:
     ``args.hidden_size`` bf16 per token, through ``HiddenStateCache.write_shard`` with ``args.writes_in_flight``
     writes at once and ``args.write_threads`` compression threads. Returns the figures."""
     configure_write_threads(args.write_threads)
+    keep_chunk_buffers_mapped()  # as ShardExtractor does in extract workers
     width = args.num_taps * args.hidden_size
     tokens, per_sample = args.shard_size, 1024
     generator = torch.Generator().manual_seed(args.seed)

@@ -33,6 +33,7 @@ import zarr
 from distributed import WorkerPlugin, get_worker
 
 from dflash.cache import HiddenSample, HiddenStateCache, quarantine_record
+from dflash.cache.chunks import keep_chunk_buffers_mapped
 from dflash.corpus import open_corpus
 from dflash.errors import ConfigError
 from dflash.target import load_target
@@ -121,6 +122,7 @@ class ShardExtractor:
             raise ConfigError(f"writes_in_flight: expected >= 1, got {writes_in_flight}")
         if write_threads is not None:
             configure_write_threads(write_threads)
+        keep_chunk_buffers_mapped()  # reuse chunk-sized buffers instead of page-faulting new ones per chunk
         self.runner = runner
         self.writes_in_flight = int(writes_in_flight)
         self._writer = concurrent.futures.ThreadPoolExecutor(

@@ -221,77 +221,103 @@ def test_damaged_chunk_fails_verify_and_reader_naming_the_shard(written, damage)
     assert _cli(["cache", "verify", str(path)]).exit_code == 0
 
 
-def test_flipped_byte_mid_array_caught_by_segmented_digest(tmp_path, target, real_samples, monkeypatch):
-    """A bit flipped in the middle of a multi-segment array, re-encoded with a valid chunk checksum (so only the
-    digest can see it), fails verify naming the shard, the array and the segment; the other shard stays sound."""
+def test_altered_or_swapped_chunk_caught_by_chunk_digest(tmp_path, target, real_samples):
+    """Version-3 digest: a bit flipped mid-array and re-encoded with a valid chunk checksum, or a valid chunk copied
+    over another, fails verify naming the shard, the array and the chunk; editing the recorded leaf to match breaks
+    the root instead; the other shard stays sound."""
+    import shutil
+
     import zarr
 
-    from dflash.cache import writer
-
     layer_ids, samples = real_samples
-    monkeypatch.setattr(writer, "DIGEST_SEGMENT_BYTES", 4096)  # not used by the writer: segments are hidden chunks
     path = tmp_path / "seg"
     cache = HiddenStateCache.create(path, _metadata(target, layer_ids, [[0, 3], [3, 6]], chunk_tokens=16))
     cache.write_shard(0, samples[:3], [])
     record = cache.write_shard(1, samples[3:], [])
-    leaves = record["arrays"]["hidden"]["sha256_segments"]
-    segment_bytes = 16 * len(layer_ids) * target.identity.hidden_size * 2  # one 16-token chunk of bf16 rows
-    assert record["digest_version"] == 2 and record["digest_segment_bytes"] == segment_bytes and len(leaves) > 8
-    assert len(leaves) == record["arrays"]["hidden"]["num_chunks"]
-    assert record["digest"].startswith("sha256-tree:")
-    monkeypatch.setattr(writer, "DIGEST_SEGMENT_BYTES", 64 << 20)  # verify follows the record, not the constant
+    leaves = record["arrays"]["hidden"]["crc32c_chunks"]
+    assert record["digest_version"] == 3 and record["digest"].startswith("sha256-tree:")
+    assert len(leaves) == record["arrays"]["hidden"]["num_chunks"] > 8 and all(len(leaf) == 8 for leaf in leaves)
     assert verify_cache(path, require_complete=True)["ok"]
-    hidden = zarr.open_array(str(path / "shards" / "000001" / "hidden"), mode="r+")
+    shard_dir = path / "shards" / "000001" / "hidden"
+    hidden = zarr.open_array(str(shard_dir), mode="r+")
     rows, width = hidden.shape
-    flat_index = (rows * width) // 2
-    row, col = divmod(flat_index, width)
+    row, col = rows // 2, width // 2
     value = hidden[row, col]
-    hidden[row, col] = np.uint16(value ^ 0x0100)
-    segment = flat_index * 2 // segment_bytes
-    with pytest.raises(CacheCorruptError, match=rf"shard 1 .*array 'hidden' segment {segment} "):
+    hidden[row, col] = np.uint16(value ^ 0x0100)  # zarr re-encodes the chunk with a valid crc32c
+    chunk = row // 16
+    with pytest.raises(CacheCorruptError, match=rf"shard 1 .*array 'hidden' chunk {chunk} .*commit record says"):
         verify_cache(path)
     report = verify_cache(path, fail_fast=False)
     assert sorted(report["corrupt_shards"]) == [1] and report["num_samples"] == 3
-    # The recorded leaves themselves cannot be edited to match: the root digest over them then differs.
+    hidden[row, col] = value
+    assert verify_cache(path)["ok"]
+    # A valid chunk copied over another one (same shape, valid checksum) is a leaf mismatch too.
+    original = (shard_dir / "c" / "2" / "0").read_bytes()
+    shutil.copyfile(shard_dir / "c" / "1" / "0", shard_dir / "c" / "2" / "0")
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*array 'hidden' chunk 2 "):
+        verify_cache(path)
+    (shard_dir / "c" / "2" / "0").write_bytes(original)
+    # A flipped stored byte (no valid checksum) is named as a checksum failure.
+    (shard_dir / "c" / "3" / "0").write_bytes(bytes([original[0] ^ 1]) + (shard_dir / "c" / "3" / "0").read_bytes()[1:])
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*chunk 3 .*crc32c"):
+        verify_cache(path)
+    # Editing the recorded leaf to match a changed chunk breaks the root digest over the leaves.
+    cache.uncommit(1)
+    record = cache.write_shard(1, samples[3:], [])
     commit = path / "commits" / "shard-000001.json"
     stored = json.loads(commit.read_text())
-    hidden[row, col] = value
-    stored["arrays"]["hidden"]["sha256_segments"][0] = "00" * 32
+    stored["arrays"]["hidden"]["crc32c_chunks"][0] = "00000000"
     commit.write_text(json.dumps(stored))
-    with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden' segment 0 "):
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden' chunk 0 "):
         verify_cache(path)
 
 
-def test_verify_reads_version1_single_stream_digest(written):
-    """Caches written before the segmented digest (records without ``digest_version``, ``sha256:`` of one stream
-    over names and bytes) still verify; a changed byte is still caught; an unknown version is refused by name."""
+def test_verify_reads_older_digest_versions(written):
+    """Caches written with the version-2 (sha256 segments of every array) or version-1 (one sha256 stream) digest
+    still verify; a changed byte is still caught; an unknown version is refused by name."""
     import hashlib
 
     import zarr
 
-    from dflash.cache.writer import shard_arrays
+    from dflash.cache.writer import digest_root, shard_arrays
 
     path, _ = written
     reader = CacheReader(path)
     commit = Path(path) / "commits" / "shard-000000.json"
     record = json.loads(commit.read_text())
+    raw = {name: np.ascontiguousarray(reader._array(0, name)[...]).view(np.uint8).reshape(-1)
+           for name in shard_arrays(reader.metadata)}  # fmt: skip
+    # version 2: 4 KiB sha256 segments of every array
+    v2 = json.loads(json.dumps(record))
+    for name, data in raw.items():
+        v2["arrays"][name].pop("crc32c_chunks", None)
+        v2["arrays"][name]["sha256_segments"] = [hashlib.sha256(data[i : i + 4096]).hexdigest() for i in range(0, len(data), 4096)]
+    v2["digest_version"], v2["digest_segment_bytes"] = 2, 4096
+    v2["digest"] = digest_root({n: v2["arrays"][n]["sha256_segments"] for n in raw}, {n: len(d) for n, d in raw.items()})
+    commit.write_text(json.dumps(v2))
+    assert verify_cache(path, require_complete=True)["ok"]
+    # version 1: one stream over names and bytes, in the old writer's order
     stream = hashlib.sha256()
-    for name in shard_arrays(reader.metadata):  # the old writer's order
+    for name, data in raw.items():
         stream.update(name.encode())
-        stream.update(np.ascontiguousarray(reader._array(0, name)[...]).view(np.uint8).reshape(-1).data)
-    for entry in record["arrays"].values():
+        stream.update(data.data)
+    v1 = json.loads(json.dumps(v2))
+    for entry in v1["arrays"].values():
         del entry["sha256_segments"]
-    del record["digest_version"], record["digest_segment_bytes"]
-    record["digest"] = f"sha256:{stream.hexdigest()}"
-    commit.write_text(json.dumps(record))
+    del v1["digest_version"], v1["digest_segment_bytes"]
+    v1["digest"] = f"sha256:{stream.hexdigest()}"
+    commit.write_text(json.dumps(v1))
     assert verify_cache(path, require_complete=True)["ok"]
     hidden = zarr.open_array(str(Path(path) / "shards" / "000000" / "hidden"), mode="r+")
     hidden[1, 7] = np.uint16(hidden[1, 7] ^ 0x0001)
     with pytest.raises(CacheCorruptError, match=r"shard 0 .*digest_version 1"):
         verify_cache(path)
-    record["digest_version"] = 3
-    commit.write_text(json.dumps(record))
-    with pytest.raises(CacheCorruptError, match=r"shard 0 .*digest_version 3 is not known"):
+    commit.write_text(json.dumps(v2))
+    with pytest.raises(CacheCorruptError, match=r"shard 0 .*'hidden' segment 0 "):
+        verify_cache(path)
+    v2["digest_version"] = 4
+    commit.write_text(json.dumps(v2))
+    with pytest.raises(CacheCorruptError, match=r"shard 0 .*digest_version 4 is not known"):
         verify_cache(path)
 
 

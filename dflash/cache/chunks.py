@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["chunk_encoder", "store_chunk"]
+__all__ = ["chunk_encoder", "store_chunk", "stored_chunk_crc32c", "stored_chunk", "keep_chunk_buffers_mapped"]
 
 _SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 
@@ -79,3 +79,47 @@ def store_chunk(array: Any, coords: tuple[int, ...], data: bytes) -> None:
     key = array.metadata.encode_chunk_key(coords)
     path = f"{array.store_path.path}/{key}" if array.store_path.path else key
     sync(array.store_path.store.set(path, default_buffer_prototype().buffer.from_bytes(data)))
+
+
+def stored_chunk(array: Any, coords: tuple[int, ...]) -> bytes | None:
+    """The stored (encoded) bytes of chunk ``coords`` of ``array``, or ``None`` if the chunk is missing."""
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.sync import sync
+
+    key = array.metadata.encode_chunk_key(coords)
+    path = f"{array.store_path.path}/{key}" if array.store_path.path else key
+    buffer = sync(array.store_path.store.get(path, prototype=default_buffer_prototype()))
+    return None if buffer is None else buffer.to_bytes()
+
+
+def stored_chunk_crc32c(array: Any, coords: tuple[int, ...]) -> str | None:
+    """The crc32c trailer of a stored chunk (codec chains ending in ``crc32c``) as 8 hex digits, ``None`` if the
+    chunk is missing."""
+    data = stored_chunk(array, coords)
+    return None if data is None or len(data) < 4 else data[-4:][::-1].hex()
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
+
+
+def keep_chunk_buffers_mapped(max_chunk_bytes: int = 32 << 20) -> bool:
+    """glibc only: serve allocations up to ``max_chunk_bytes`` (chunk buffers, codec outputs) from the heap and keep
+    freed heap memory instead of returning it to the OS, so a writer process reuses its ~10 MB chunk buffers
+    instead of page-faulting fresh ones for every chunk (measured: ~0.5 fewer kernel CPU-seconds per GB written on
+    the 2-core CI box, where it raised write-only throughput 10-20%). Costs at most a few hundred MB of resident
+    memory per process (chunk-sized buffers of the write threads). Call once per writer process; returns whether
+    it took effect (False off glibc). Same effect as ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    threshold = min(int(max_chunk_bytes), 32 << 20)  # glibc caps the mmap threshold at 32 MiB on 64-bit
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))

@@ -50,6 +50,35 @@ class _Segments:
         return self.digests
 
 
+def _verify_chunk_crcs(reader: CacheReader, shard: int, array: Any, layout: dict, step: int) -> tuple[list[str], int]:
+    """Version-3 ``hidden`` leaves: each stored chunk's crc32c trailer must match its body (zarr's check, done here
+    on the stored bytes) and the commit record's leaf; every chunk is also decoded. Returns (leaves, raw bytes)."""
+    import google_crc32c
+
+    from dflash.cache.chunks import stored_chunk
+
+    expected = layout.get("crc32c_chunks") or []
+    leaves: list[str] = []
+    for index, lo in enumerate(range(0, layout["shape"][0], step)):
+        where = f"array 'hidden' chunk {index} (tokens {lo}..{min(lo + step, layout['shape'][0])})"
+        data = stored_chunk(array, (index, 0))
+        if data is None or len(data) < 4:
+            raise CacheCorruptError(f"shard {shard} of {reader.url}: {where} is missing; re-extract the shard")
+        leaf = data[-4:][::-1].hex()
+        if google_crc32c.value(data[:-4]) != int(leaf, 16):
+            raise CacheCorruptError(f"shard {shard} of {reader.url}: {where} fails its crc32c checksum; re-extract the shard")
+        if index >= len(expected) or expected[index] != leaf:
+            raise CacheCorruptError(
+                f"shard {shard} of {reader.url}: {where} has crc32c {leaf}, the commit record says "
+                f"{expected[index] if index < len(expected) else 'nothing'}; a chunk was altered or swapped: re-extract the shard"
+            )
+        reader._read(shard, "hidden", slice(lo, lo + step), where=f" chunk c/{index}/...")  # decodes
+        leaves.append(leaf)
+    if len(leaves) != len(expected):
+        raise CacheCorruptError(f"shard {shard} of {reader.url}: array 'hidden' has {len(leaves)} chunks, the commit record lists {len(expected)}")
+    return leaves, int(np.prod(layout["shape"])) * np.dtype(array.dtype).itemsize
+
+
 def verify_shard(reader: CacheReader, shard: int) -> dict[str, Any]:
     """Check one committed shard; returns ``{"shard", "num_samples", "num_tokens", "rows": int64[S], ...}``.
 
@@ -69,10 +98,10 @@ def verify_shard(reader: CacheReader, shard: int) -> dict[str, Any]:
     reader._index.pop(shard, None)
     offsets, rows = reader._shard_index(shard)  # offsets consistency, rows inside the range and unique
     version = int(record.get("digest_version", 1))
-    if version not in (1, DIGEST_VERSION):
+    if version not in (1, 2, DIGEST_VERSION):
         raise CacheCorruptError(
             f"shard {shard} of {reader.url}: commit record digest_version {version} is not known to this code (reads 1 "
-            f"and {DIGEST_VERSION}); verify it with the dflash version that wrote it, or re-extract the shard"
+            f"to {DIGEST_VERSION}); verify it with the dflash version that wrote it, or re-extract the shard"
         )
     stream = hashlib.sha256()  # version 1: one serial stream over names and bytes
     segment_bytes = int(record.get("digest_segment_bytes", DIGEST_SEGMENT_BYTES))
@@ -88,6 +117,9 @@ def verify_shard(reader: CacheReader, shard: int) -> dict[str, Any]:
         stream.update(name.encode())
         segments = _Segments(segment_bytes)
         step = layout["chunks"][0]
+        if version >= 3 and name == "hidden":
+            leaves[name], nbytes[name] = _verify_chunk_crcs(reader, shard, array, layout, step)
+            continue
         for lo in range(0, layout["shape"][0], step):  # one chunk row at a time: bounded memory
             block = reader._read(shard, name, slice(lo, lo + step), where=f" chunk c/{lo // step}/...")
             raw = memoryview(np.ascontiguousarray(block).view(np.uint8).reshape(-1))
