@@ -350,7 +350,7 @@ def main() -> None:
     parser.add_argument("--masked-baseline", action="store_true",
                         help="also time the full forward WITH the padding attention mask")
     parser.add_argument("--writes-in-flight", type=int, default=2, help="shard writes overlapping compute")
-    parser.add_argument("--write-threads", type=int, default=None, help="compression threads (default min(8, cores))")
+    parser.add_argument("--write-threads", type=int, default=None, help="chunk-write threads (default: cores - 1, at most 32)")
     parser.add_argument("--write-only", action="store_true", help="time the write path alone on the CPU (no model)")
     parser.add_argument("--write-shards", type=int, default=6, help="shards written by --write-only")
     parser.add_argument("--hidden-size", type=int, default=4096, help="H for --write-only (Qwen3-8B: 4096)")

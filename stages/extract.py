@@ -70,7 +70,7 @@ class ExtractConfig:
         force_space: start even when the size estimate exceeds the free space.
         expected_ratio: compression ratio assumed by the size estimate (1.0 = none, the safe bound).
         dashboard_address: where a LocalCluster serves its dashboard (``":0"`` picks a free port).
-        write_threads: chunk-compression threads per worker; ``None``: ``min(8, CPUs per worker)``.
+        write_threads: chunk-compression threads per worker; ``None``: CPUs per worker - 1 (at most 32).
         writes_in_flight: shard writes per worker running beside its compute (each holds a shard in host memory).
     """
 
@@ -211,7 +211,7 @@ def _start_cluster(config: ExtractConfig, console: Console) -> tuple[Any, Any, d
 
 
 def _default_write_threads(placement: dict[str, Any]) -> int | None:
-    """``min(8, CPU cores per worker)`` for a LocalCluster (cores split evenly between its workers); ``None`` for
+    """CPU cores per worker - 1 (at most 32) for a LocalCluster (cores split evenly between its workers); ``None`` for
     an external scheduler (each worker then uses its own CPU count)."""
     workers = placement.get("num_workers")
     if not workers:
@@ -473,7 +473,7 @@ def register(app: typer.Typer) -> None:
         expected_ratio: float = typer.Option(1.0, "--expected-ratio", help="Compression ratio assumed by the size estimate."),
         force_space: bool = typer.Option(False, "--force-space", help="Start even if the estimate exceeds the free space."),
         dashboard_address: str = typer.Option(":8787", "--dashboard-address", help="Dashboard of a local cluster (':0' = any free port)."),
-        write_threads: int | None = typer.Option(None, "--write-threads", help="Chunk-compression threads per worker (default: min(8, CPU cores per worker))."),
+        write_threads: int | None = typer.Option(None, "--write-threads", help="Chunk-write threads per worker: gather, compress, checksum, store (default: CPU cores per worker - 1, at most 32)."),
         writes_in_flight: int = typer.Option(2, "--writes-in-flight", help="Shard writes per worker overlapping its compute (each holds one shard in host memory)."),
     ) -> None:
         """Extract tapped target hidden states of a corpus into a compressed Zarr v3 cache (Dask workers).

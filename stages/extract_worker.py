@@ -80,10 +80,13 @@ class ShardSpec:
 
 
 def default_write_threads(cpus_per_worker: int | None = None) -> int:
-    """``min(8, cpus_per_worker)``; ``cpus_per_worker`` defaults to the CPUs this process may use."""
+    """``cpus_per_worker - 1`` (at least 1, at most 32): every core but one for the thread feeding the GPU (chunk
+    threads also run at a lower priority than it, see ``dflash.cache.writer``). ``cpus_per_worker`` defaults to the
+    CPUs this process may use. An 8B target with 5 taps produces ~1.4 GB/s of bf16 per H200; the write path costs
+    ~4-5 CPU-seconds per GB there (docs/benchmarks.md), so it needs ~7 cores."""
     if cpus_per_worker is None:
         cpus_per_worker = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(8, int(cpus_per_worker)))
+    return max(1, min(32, int(cpus_per_worker) - 1))
 
 
 def configure_write_threads(write_threads: int) -> None:
