@@ -60,7 +60,9 @@ def _assert_matches(got, want, dtype):
     assert torch.equal(correct, want_correct)
     assert grad.dtype == dtype
     # bf16/fp16: at most about one unit in the last place apart (different rounding of the same float32 value).
-    tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-7)
+    # atol 1e-6: grads near 1e-6 (exp of very negative logits) differ by the fast exp of the GPU kernel (H200, Triton 3.6:
+    # at most 2.1e-7 apart on these cases), far below anything that moves training.
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-6)
     torch.testing.assert_close(grad.float(), want_grad.float(), **tol)
 
 

@@ -17,13 +17,14 @@ docs/cache-format.md).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import socket
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -268,37 +269,44 @@ class HiddenStateCache:
             arrays[name] = {"shape": shape, "chunks": chunks, "num_chunks": len(array_chunk_keys(shape, chunks))}
             return array
 
+        # One process-wide FIFO pool: concurrent shard writes queue their chunks oldest shard first.
+        pool = _chunk_pool(_write_threads())
+        submitted: list[Future] = []
         try:
-            with ThreadPoolExecutor(max_workers=_write_threads(), thread_name_prefix="cache-write",
-                                    initializer=_yield_to_compute) as pool:
-                hidden = create("hidden", [num_tokens, meta.row_width])
-                encode = chunk_encoder(hidden) if num_tokens and _direct_chunks() else None
-                chunk_starts = range(0, num_tokens, hidden.chunks[0])
-                jobs = [pool.submit(_write_hidden_chunk, hidden, encode, parts, offsets, start,
-                                    min(num_tokens, start + hidden.chunks[0]), fp8, meta.num_taps,
-                                    data.get("hidden_scale")) for start in chunk_starts]  # fmt: skip
-                small = [name for name in layout if name != "hidden"]
-                pending = segment_digests([(name, data[name]) for name in small if name != "hidden_scale"], pool,
-                                          segment_bytes)  # fmt: skip
-                for name in small:
-                    if name == "hidden_scale":
-                        continue  # written once every chunk job has filled in its scales
-                    array = create(name, list(data[name].shape))
-                    if data[name].size:
-                        array[...] = data[name]
-                segments["hidden"] = [job.result() for job in jobs]
-                if fp8:
-                    pending.update(segment_digests([("hidden_scale", data["hidden_scale"])], pool, segment_bytes))
-                    array = create("hidden_scale", list(data["hidden_scale"].shape))
-                    if num_tokens:
-                        array[...] = data["hidden_scale"]
-                for name, futures in pending.items():
-                    segments[name] = [future.result() for future in futures]
+            hidden = create("hidden", [num_tokens, meta.row_width])
+            encode = chunk_encoder(hidden) if num_tokens and _direct_chunks() else None
+            chunk_starts = range(0, num_tokens, hidden.chunks[0])
+            jobs = [pool.submit(_write_hidden_chunk, hidden, encode, parts, offsets, start,
+                                min(num_tokens, start + hidden.chunks[0]), fp8, meta.num_taps,
+                                data.get("hidden_scale")) for start in chunk_starts]  # fmt: skip
+            submitted += jobs
+            small = [name for name in layout if name != "hidden"]
+            pending = segment_digests([(name, data[name]) for name in small if name != "hidden_scale"], pool,
+                                      segment_bytes)  # fmt: skip
+            submitted += [future for futures in pending.values() for future in futures]
+            for name in small:
+                if name == "hidden_scale":
+                    continue  # written once every chunk job has filled in its scales
+                array = create(name, list(data[name].shape))
+                if data[name].size:
+                    array[...] = data[name]
+            segments["hidden"] = [job.result() for job in jobs]
+            if fp8:
+                pending.update(segment_digests([("hidden_scale", data["hidden_scale"])], pool, segment_bytes))
+                array = create("hidden_scale", list(data["hidden_scale"].shape))
+                if num_tokens:
+                    array[...] = data["hidden_scale"]
+            for name, futures in pending.items():
+                segments[name] = [future.result() for future in futures]
         except OSError as error:
+            wait(submitted)  # no job of this attempt may still read the samples or write into the shard
             raise CacheError(
                 f"shard {shard_id} of {self.url}: writing its arrays failed ({error}); the shard stays uncommitted and "
                 "is redone by the next run (free space or fix the store first)"
             ) from error
+        except BaseException:
+            wait(submitted)
+            raise
         arrays = {name: arrays[name] for name in layout}  # record in layout (digest) order
         nbytes = {name: int(data[name].nbytes) for name in layout if name != "hidden"}
         nbytes["hidden"] = num_tokens * meta.row_width * hidden_dtype.itemsize
@@ -448,6 +456,15 @@ def _concat(samples: list[HiddenSample], name: str, dtype: torch.dtype, num_toke
     out = torch.cat(parts).numpy()
     assert out.shape[0] == num_tokens
     return out
+
+
+@functools.cache
+def _chunk_pool(threads: int) -> ThreadPoolExecutor:
+    """The process-wide pool of chunk-write threads (one per thread count, created on first use, kept for the
+    process's life). Shared by every concurrent ``write_shard``: jobs run in submission order, so the oldest
+    shard's chunks finish first and its pinned buffers are released soonest, and the cores are never
+    oversubscribed by one pool per write."""
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cache-write", initializer=_yield_to_compute)
 
 
 def _yield_to_compute() -> None:
