@@ -321,7 +321,7 @@ def run_pipeline(config: PipelineConfig, *, console: Console | None = None) -> d
         state.start("train", train)
         started = time.perf_counter()
         if _latest_checkpoint(paths["run"]) is None:  # one step tells the schedule length; resumes continue it exactly
-            run_training(train_config(stop_at_step=1))
+            _stop_if_interrupted(run_training(train_config(stop_at_step=1)))
         folder, trainer_state = _latest_checkpoint(paths["run"])
         total_steps = int(trainer_state["total_steps"])
         epochs = float(train.get("epochs", 6.0))
@@ -332,7 +332,7 @@ def run_pipeline(config: PipelineConfig, *, console: Console | None = None) -> d
         for epoch in range(1, math.ceil(epochs) + 1):
             stop = total_steps if epoch >= epochs else min(total_steps, round(epoch * total_steps / epochs))
             if int(_latest_checkpoint(paths["run"])[1]["step"]) < stop:
-                run_training(train_config(resume=True, stop_at_step=None if stop == total_steps else stop))
+                _stop_if_interrupted(run_training(train_config(resume=True, stop_at_step=None if stop == total_steps else stop)))
             if epoch in done_epochs:
                 continue
             folder, trainer_state = _latest_checkpoint(paths["run"])
@@ -343,7 +343,7 @@ def run_pipeline(config: PipelineConfig, *, console: Console | None = None) -> d
     else:
         def train_work() -> dict[str, Any]:
             resume = _latest_checkpoint(paths["run"]) is not None
-            return _json_safe(run_training(train_config(resume=resume)))
+            return _json_safe(_stop_if_interrupted(run_training(train_config(resume=resume))))
 
         stage("train", train, train_work)
 
@@ -365,6 +365,19 @@ def run_pipeline(config: PipelineConfig, *, console: Console | None = None) -> d
     state.save()
     return {**report, "epochs": epoch_taus, "stage_seconds": {
         name: record.get("seconds") for name, record in state.data["stages"].items()}}
+
+
+def _stop_if_interrupted(summary: dict[str, Any]) -> dict[str, Any]:
+    """End the pipeline with exit status 130 when training stopped on SIGTERM or a first Ctrl-C (its checkpoint is
+    saved): no evaluation of a half-trained drafter, and to a scheduler the run is not finished. Rerunning the same
+    ``dflash-stages run`` command continues from the checkpoint (finished stages are skipped)."""
+    if summary.get("stopped_by_signal"):
+        from stages.cli import ExitCode
+
+        Console(stderr=True).print(f"[bold yellow]interrupted[/] during training at step {summary.get('step')}; the "
+                                   "checkpoint is saved. Rerun the same command to continue.")
+        raise typer.Exit(ExitCode.INTERRUPTED)
+    return summary
 
 
 def _json_safe(data: Any) -> Any:

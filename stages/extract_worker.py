@@ -6,11 +6,10 @@ arrays. The worker plugin loads the target once per worker in ``setup`` (pinning
 
 Overlap of storage with compute: a shard's hidden states are handed to a ``concurrent.futures`` writer pool
 (``writes_in_flight`` threads, default 2), which calls ``HiddenStateCache.write_shard`` (arrays first, commit
-record last) while the same worker's next shards run on the device. Each write's chunks are compressed in
-parallel by zarr's thread pool (``write_threads`` threads: ``zarr.config`` ``threading.max_workers`` and
-``async.concurrency``; numcodecs' Blosc releases the GIL and, called off the main thread, compresses each chunk
-single-threaded, so parallelism comes from chunks). Each write also hashes its 64 MiB digest segments on all
-cores beside the encode (``digest_version`` 2, docs/cache-format.md). A task returns once its shard is computed and reports the shards whose
+record last) while the same worker's next shards run on the device. Each write's ``hidden`` chunks are gathered,
+encoded, checksummed and stored in parallel by the cache's process-wide pool of ``write_threads`` chunk threads
+(``zarr.config`` ``threading.max_workers``; niced below this thread, which feeds the GPU; numcodecs and hashlib
+release the GIL; docs/cache-format.md "Write path"). A task returns once its shard is computed and reports the shards whose
 writes finished since (``committed``); the driver collects the pending writes with :func:`flush_worker` and then
 trusts only the cache's commit records: a shard whose write was lost (worker killed) is simply not committed and
 is redone. One writer per shard holds because a shard is one task and one write.
@@ -280,7 +279,7 @@ class TargetWorkerPlugin(WorkerPlugin):
         torch_threads: intra-op CPU threads per worker (CPU workers), ``None`` leaves torch's default.
         die_with_parent: SIGKILL the worker when its spawning process dies (locally started clusters only).
         write_threads: zarr compression threads of the worker (:func:`configure_write_threads`); ``None``:
-            :func:`default_write_threads` of the worker's CPUs (``min(8, cpus)``, ``cpus = torch_threads`` if given).
+            :func:`default_write_threads` of the worker's CPUs (``cpus - 1``, ``cpus = torch_threads`` if given).
         writes_in_flight: shard writes per worker running beside compute (bounded backpressure).
     """
 

@@ -97,6 +97,7 @@ class SweepRun:
     config: TrainConfig
     summary: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    interrupted: bool = False
 
 
 def _run_name(swept: dict[str, Any]) -> str:
@@ -180,10 +181,15 @@ def run_sweep(runs: list[SweepRun], *, gpus: list[int] | None = None) -> list[Sw
         for index, run in enumerate(runs):
             log.info("sweep run %d/%d: %s", index + 1, len(runs), run.name)
             try:
-                run_training(run.config)
+                result = run_training(run.config)
             except Exception as error:  # one failed combination must not stop the sweep
                 log.exception("sweep run %s failed", run.name)
                 run.error = f"{type(error).__name__}: {error}"
+                continue
+            if result.get("stopped_by_signal"):  # SIGTERM / first Ctrl-C: checkpoint saved; start no further run
+                run.error = f"interrupted at step {result.get('step')} (checkpoint saved; rerun the sweep with --resume)"
+                run.interrupted = True
+                break
     for run in runs:
         run.summary = summarize_run(run.config.output)
     return runs
@@ -249,5 +255,9 @@ def register(app: typer.Typer) -> None:
         Path(output).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(output) / "sweep.json", json.dumps({"runs": rows}, indent=2, default=str))
         Console().print(comparison_table(runs))
+        if any(r.interrupted for r in runs):
+            from stages.cli import ExitCode
+
+            raise typer.Exit(code=ExitCode.INTERRUPTED)  # a stopped sweep is not a finished one
         if any(r.error for r in runs):
             raise typer.Exit(code=1)

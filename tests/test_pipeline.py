@@ -116,3 +116,18 @@ def test_presets_load_and_overrides_apply():
         apply_overrides(preset, ["optimizer.lr=3"])
     with pytest.raises(ConfigError, match="neither"):
         load_preset("no-such-preset")
+
+
+def test_interrupted_training_ends_the_pipeline_with_130():
+    """Training stopped by a signal ends ``dflash-stages run`` with exit status 130 (no evaluation of a
+    half-trained drafter); a finished training passes through."""
+    import typer
+
+    from pipelines.offline import _stop_if_interrupted
+    from stages.cli import ExitCode
+
+    finished = {"stopped_by_signal": False, "step": 10}
+    assert _stop_if_interrupted(finished) is finished
+    with pytest.raises(typer.Exit) as stopped:
+        _stop_if_interrupted({"stopped_by_signal": True, "step": 3})
+    assert stopped.value.exit_code == ExitCode.INTERRUPTED == 130

@@ -57,3 +57,23 @@ def test_sweep_trains_every_combination_and_compares(target, tmp_path):
     config = json.loads((tmp_path / "sweep" / "lr=0.003" / "run.json").read_text())["config"]
     assert config["lr"] == 3e-3 and config["max_steps"] == 2 and config["num_draft_layers"] == 1
     assert runs["lr=0.001"]["summary"]["train_loss"] != runs["lr=0.003"]["summary"]["train_loss"]
+
+
+def test_interrupted_run_stops_the_sweep_and_is_marked(monkeypatch, tmp_path):
+    """A run stopped by SIGTERM / Ctrl-C (checkpoint saved, ``stopped_by_signal``) starts no further run and is
+    marked interrupted, so the sweep command exits 130 instead of reporting a finished comparison."""
+    import stages.sweep as sweep
+
+    runs = plan_sweep("cache", str(tmp_path), parse_set_options(["lr=1e-4,2e-4,3e-4"]))
+    started = []
+
+    def fake_training(config):
+        started.append(config.output)
+        return {"stopped_by_signal": len(started) == 2, "step": 5}
+
+    monkeypatch.setattr(sweep, "run_training", fake_training)
+    monkeypatch.setattr(sweep, "summarize_run", lambda output: {})
+    sweep.run_sweep(runs)
+    assert len(started) == 2  # the third combination never started
+    assert [r.interrupted for r in runs] == [False, True, False]
+    assert runs[0].error is None and "interrupted at step 5" in runs[1].error and runs[2].error is None
