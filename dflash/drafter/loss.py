@@ -265,8 +265,9 @@ def chunked_linear_cross_entropy(
             ``~2**31 // V``, 4 GiB of bf16 logits), split into equal chunks (no small tail chunk).
         compute_dtype: matmul dtype (default: the autocast dtype when autocast is on, else ``hidden.dtype``);
             log-softmax is always at least float32.
-        fused: run the per-chunk softmax/CE/gradient as one ``torch.compile``'d function (default: on CUDA);
-            falls back to the eager chunk with a warning if compiling fails.
+        fused: run the per-chunk softmax/CE/gradient as a fused GPU kernel (default: on CUDA): the Triton kernels of
+            :mod:`dflash.drafter.ce_triton`, else the ``torch.compile``'d chunk, else eager, with a warning at each
+            fallback (module docstring; ``DFLASH_CE_KERNEL`` forces one).
 
     Returns:
         ``(weighted_ce_sum scalar float32 with grad, correct [N] bool = argmax hits)``.
