@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from stages.cli import ExitCode
 
@@ -153,17 +154,23 @@ def verify_command(
         raise typer.Exit(ExitCode.USAGE) from None
     if as_json:
         print(json.dumps(report, indent=2))
-    for shard, message in sorted(report["corrupt_shards"].items()):
-        console.print(f"[bold red]CORRUPT shard {shard}:[/] {message}")
+    for _shard, message in sorted(report["corrupt_shards"].items()):
+        console.print(Text("CORRUPT: ", style="bold red") + Text(str(message)), soft_wrap=True)
     if report["corrupt_shards"] and uncommit_corrupt:
         writer = HiddenStateCache.open(cache)
         for shard in sorted(report["corrupt_shards"]):
             writer.uncommit(shard)
         console.print(f"withdrew {len(report['corrupt_shards'])} corrupt shard(s); rerun `dflash-stages extract` with the same arguments to redo them")
     sound = report["committed_shards"] - len(report["corrupt_shards"])
+    if report["corrupt_shards"] and not uncommit_corrupt:
+        console.print(
+            f"to repair: `dflash-stages cache verify {cache} --uncommit-corrupt` withdraws the corrupt shard(s), then rerun "
+            "`dflash-stages extract` with the same arguments to redo them", soft_wrap=True)
     console.print(
-        f"{'[green]ok[/]' if report['ok'] else '[red]checked[/]'}: {sound} sound committed shard(s), {report['num_samples']:,} samples, "
-        f"{report['num_tokens']:,} tokens, {report['num_quarantined']} quarantined; chunk checksums and shard digests match"
+        f"{'[green]ok[/]' if report['ok'] else '[red]checked[/]'}: {sound} sound committed shard(s) (chunk checksums and shard "
+        f"digests match), {report['num_samples']:,} samples, {report['num_tokens']:,} tokens, {report['num_quarantined']} quarantined"
+        + (f"; {len(report['corrupt_shards'])} corrupt" if report["corrupt_shards"] else ""),
+        soft_wrap=True,
     )
     if report["stray_shards"]:
         console.print(f"{len(report['stray_shards'])} uncommitted shard folder(s) with leftover data (ignored, redone by extract): {report['stray_shards'][:10]}")

@@ -6,7 +6,7 @@ compared tensor by tensor with the checkpoint; see ``dflash/export.py`` for the 
 
     dflash-stages export runs/smol OUT/smol-dflash [--target PATH] [--overwrite]
 
-Exit status: 0 exported and verified; 2 the checkpoint, OUT or target is not usable (one ``export failed:`` line
+Exit status: 0 exported and verified; 2 the checkpoint, OUT or target is not usable (one ``error:`` line
 says why and what to pass); 130 interrupted (OUT is left as it was).
 """
 
@@ -51,7 +51,7 @@ def export_command(
 
         from stages.cli import ExitCode
 
-        Console(stderr=True).print(Text("export failed: ", style="bold red") + Text(str(error)), soft_wrap=True)
+        Console(stderr=True).print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
         raise typer.Exit(ExitCode.USAGE) from None
 
     config = provenance["drafter_config"]

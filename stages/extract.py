@@ -479,7 +479,8 @@ def register(app: typer.Typer) -> None:
         """Extract tapped target hidden states of a corpus into a compressed Zarr v3 cache (Dask workers).
 
         Rerun the same command to resume: committed shards are skipped, the rest redone (exactly once).
-        Exit status: 0 done, 2 bad input or shards left uncommitted (the message says which and why).
+        Exit status: 0 done, 2 bad input or shards left uncommitted (the message says which and why), 130 interrupted
+        (committed shards stay; rerun to resume).
         """
         console = Console()
         try:
@@ -507,5 +508,5 @@ def register(app: typer.Typer) -> None:
             run_extract(config, console)
         except DFlashError as error:
             # soft_wrap: paths and shard ids stay on one line; no markup parsing of the message.
-            console.print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
+            Console(stderr=True).print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
             raise typer.Exit(2) from None

@@ -314,7 +314,9 @@ def inspect_command(
         artefact = describe(path)
         other = describe(diff) if diff is not None else None
     except DFlashError as error:
-        console.print(f"[red]inspect failed:[/] {_format(str(error))}")
+        from rich.text import Text
+
+        Console(stderr=True).print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
         raise typer.Exit(code=2) from None
 
     failed = False

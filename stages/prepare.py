@@ -235,7 +235,7 @@ def _json_documents(path: Path) -> list[_Document]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise CorpusError(f"{where}: not valid JSON ({error.msg} at column {min(error.pos, len(line.rstrip()) - 1) + 1}); write one JSON object per line") from error
+                raise CorpusError(f"{where}: not valid JSON ({error.msg.removesuffix(' at')} at column {min(error.pos, len(line.rstrip()) - 1) + 1}); write one JSON object per line") from error
             if not isinstance(record, dict):
                 raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
             sample_id = str(record.get("id", record.get("sample_id", f"{path.stem}:{line_number}")))

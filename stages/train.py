@@ -481,7 +481,7 @@ def register(app: typer.Typer) -> None:
         allow_config_change: bool = typer.Option(None, "--allow-config-change", help="Resume despite changes."),
         progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the progress bar."),
     ) -> None:
-        """Train a DFlash drafter on a hidden-state cache (stage 2).
+        """Train a DFlash drafter on a hidden-state cache (the stage after extract).
 
         SIGTERM or a first Ctrl-C stops after the current step with a checkpoint and exits 130 (resume with
         --output RUN --resume); a second Ctrl-C aborts at once.

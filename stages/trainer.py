@@ -141,13 +141,6 @@ class Trainer:
         self.device = device
         self.is_main = rank == 0
         self.run_dir = Path(config.output)
-        if device.type == "cpu" and self.is_main and config.token_budget * config.max_anchors_per_document > 2**20:
-            # GPU-sized defaults (16384-token batches, 512 anchors per document) take minutes per step on a CPU.
-            log.warning(
-                "training on CPU with token budget %d and %d anchors per document: expect minutes per step; "
-                "for CPU runs use e.g. --token-budget 1024 --max-anchors-per-document 32 (the cpu-small preset)",
-                config.token_budget, config.max_anchors_per_document,
-            )
         self.step = 0
         self.counters: dict[str, Any] = {"skipped_steps": 0, "empty_steps": 0, "tokens_seen": 0, "data_digest": ""}
         self.metrics: MetricsWriter | None = None  # opened by load(), once the inputs are known to agree
@@ -165,6 +158,14 @@ class Trainer:
         """Train until ``total_steps`` (or ``stop_at_step``); returns a summary (final metrics, run folder)."""
         self.load()
         config = self.config
+        if self.device.type == "cpu" and self.is_main and config.token_budget * config.max_anchors_per_document > 2**20:
+            # GPU-sized defaults (16384-token batches, 512 anchors per document) take minutes per step on a CPU.
+            # Said after load(): a wrong --cache fails first with its own error, not after this warning.
+            log.warning(
+                "training on CPU with token budget %d and %d anchors per document: expect minutes per step; "
+                "for CPU runs use e.g. --token-budget 1024 --max-anchors-per-document 32 (the cpu-small preset)",
+                config.token_budget, config.max_anchors_per_document,
+            )
         last_eval: dict[str, float] = {}
         self.throughput.reset_clock()  # setup time is not training throughput
         with self.progress, self._stop_on_sigterm():

@@ -213,7 +213,7 @@ def test_damaged_chunk_fails_verify_and_reader_naming_the_shard(written, damage)
     with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden'"):
         reader.read_shard(1)
     result = _cli(["cache", "verify", str(path)])
-    assert result.exit_code == 1 and "CORRUPT shard 1" in result.output and "CORRUPT shard 0" not in result.output
+    assert result.exit_code == 1 and "CORRUPT: shard 1 of" in result.output and "shard 0 of" not in result.output
     # Withdraw the bad shard; the rerun redoes it and the cache is whole again.
     assert _cli(["cache", "verify", str(path), "--uncommit-corrupt"]).exit_code == 1
     assert CacheReader(path).shards == [0]

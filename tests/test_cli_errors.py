@@ -112,7 +112,12 @@ def test_cache_verify_exits_0_when_sound_and_1_when_corrupt(tmp_path, target, mo
     chunk.write_bytes(bytes(data))
     capsys.readouterr()
     assert _main_in_process(monkeypatch, "cache", "verify", str(cache)) == 1
-    assert "CORRUPT shard 1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "CORRUPT: shard 1 of" in out and "array 'hidden' chunk" in out
+    assert "--uncommit-corrupt" in out  # the repair is spelled out: withdraw, then rerun extract
+    assert _main_in_process(monkeypatch, "cache", "verify", str(cache), "--uncommit-corrupt") == 1
+    assert "withdrew 1 corrupt shard(s)" in capsys.readouterr().out
+    assert _main_in_process(monkeypatch, "cache", "verify", str(cache), "--allow-incomplete") == 0
 
 
 def test_a_bug_exits_3_with_its_traceback(monkeypatch, capsys):

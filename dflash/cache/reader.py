@@ -102,7 +102,7 @@ class CacheReader:
         except Exception as error:  # crc32c mismatch, truncated chunk, codec error
             raise CacheCorruptError(
                 f"shard {shard} of {self.url}: array {name!r}{where} fails to decode ({type(error).__name__}: {error}); "
-                "a chunk is corrupt: re-extract the shard (delete its commit record, rerun extract)"
+                "a chunk is corrupt: withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract (delete its commit record, rerun extract)"
             ) from error
 
     def _shard_index(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
@@ -121,20 +121,20 @@ class CacheReader:
             ):
                 raise CacheCorruptError(
                     f"shard {shard} of {self.url}: array 'offsets' is inconsistent with its commit record "
-                    f"(expected {num_samples + 1} non-decreasing offsets from 0 to {num_tokens}); re-extract the shard"
+                    f"(expected {num_samples + 1} non-decreasing offsets from 0 to {num_tokens}); withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract"
                 )
             start, stop = record["row_range"]
             outside = corpus_rows[(corpus_rows < start) | (corpus_rows >= stop)]
             if outside.size:
                 raise CacheCorruptError(
                     f"shard {shard} of {self.url}: array 'corpus_rows' holds rows {outside[:5].tolist()} outside the "
-                    f"shard's range [{start}, {stop}); re-extract the shard"
+                    f"shard's range [{start}, {stop}); withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract"
                 )
             unique, counts = np.unique(corpus_rows, return_counts=True)
             if np.any(counts > 1):
                 raise CacheCorruptError(
                     f"shard {shard} of {self.url}: array 'corpus_rows' holds duplicate rows {unique[counts > 1][:5].tolist()}; "
-                    "re-extract the shard"
+                    "withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract"
                 )
             self._index[shard] = (offsets, corpus_rows)
         return self._index[shard]

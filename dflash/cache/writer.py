@@ -376,11 +376,28 @@ class HiddenStateCache:
 
 
 # --------------------------------------------------------------------------------------------------- helpers
+def _what_is_there(path: str) -> str:
+    """A hint naming what a local ``path`` holds instead of a cache (a corpus, a run, nothing)."""
+    local = path[len("file://"):] if path.startswith("file://") else path
+    if "://" in local or not os.path.exists(local):
+        return "nothing is there"
+    if not os.path.isdir(local):
+        return "it is a file, not a cache folder"
+    names = set(os.listdir(local))
+    if "corpus.json" in names or any(name.endswith(".arrow") for name in names):
+        return "it looks like a tokenized corpus (prepare's output); pass it to `extract --corpus` and give train the cache extract writes"
+    if "checkpoints" in names or "run.json" in names:
+        return "it looks like a training run, not a cache"
+    return "the folder holds no cache (no Zarr group with dflash metadata)"
+
+
 def _open_store(path: str | os.PathLike[str], mode: str) -> CacheStore:
     try:
         return CacheStore(path, mode)
     except FileNotFoundError as error:
-        raise CacheError(f"no cache at {os.fspath(path)}: {error}; run `dflash-stages extract` first") from error
+        raise CacheError(
+            f"no cache at {os.fspath(path)}: {_what_is_there(os.fspath(path))}; run `dflash-stages extract` first"
+        ) from error
     except Exception as error:  # zarr raises several types for "not a group"
         raise CacheError(f"cannot open the cache at {os.fspath(path)} as a Zarr v3 group: {error}") from error
 
