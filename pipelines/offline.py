@@ -31,8 +31,11 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -231,12 +234,36 @@ def _latest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     return folder, json.loads((folder / "trainer_state.json").read_text())
 
 
+class _DropTrainerExclusionLog(logging.Filter):
+    """Drops the trainer's "excluded N of M samples ..." log record: the trainer also prints the same counts to the
+    console right after (with the length-bucket table), so the pipeline's output states the fact once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("excluded ")
+
+
+@contextmanager
+def _excluded_samples_reported_once() -> Iterator[None]:
+    trainer_log = logging.getLogger("stages.trainer")
+    drop = _DropTrainerExclusionLog()
+    trainer_log.addFilter(drop)
+    try:
+        yield
+    finally:
+        trainer_log.removeFilter(drop)
+
+
 def run_pipeline(config: PipelineConfig, *, console: Console | None = None) -> dict[str, Any]:
     """Run (or resume) the pipeline; returns the final evaluation report (``tau`` and the rest).
 
     Raises:
         ConfigError: a stage's settings changed in an existing work folder; any stage's own errors.
     """
+    with _excluded_samples_reported_once():
+        return _run_stages(config, console=console)
+
+
+def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> dict[str, Any]:
     from stages.evaluate import EvaluateConfig, Evaluator, write_json_atomic
     from stages.extract import ExtractConfig, run_extract
     from stages.prepare import PrepareConfig, run_prepare

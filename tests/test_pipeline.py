@@ -131,3 +131,19 @@ def test_interrupted_training_ends_the_pipeline_with_130():
     with pytest.raises(typer.Exit) as stopped:
         _stop_if_interrupted({"stopped_by_signal": True, "step": 3})
     assert stopped.value.exit_code == ExitCode.INTERRUPTED == 130
+
+
+def test_excluded_samples_are_reported_once_during_the_pipeline(caplog):
+    """The trainer logs "excluded N of M samples" and prints the same counts right after; the pipeline keeps one."""
+    import logging
+
+    from pipelines.offline import _excluded_samples_reported_once
+
+    trainer_log = logging.getLogger("stages.trainer")
+    caplog.set_level(logging.INFO)
+    with _excluded_samples_reported_once():
+        trainer_log.info("excluded %d of %d samples with fewer than %d supervised tokens", 0, 29, 4)
+        trainer_log.info("resumed from step %d", 3)
+    trainer_log.info("excluded %d of %d samples with fewer than %d supervised tokens", 0, 29, 4)
+    messages = [record.getMessage() for record in caplog.records if record.name == "stages.trainer"]
+    assert messages == ["resumed from step 3", "excluded 0 of 29 samples with fewer than 4 supervised tokens"]
