@@ -266,24 +266,29 @@ def evaluate_drafter(
     def generator(index: int) -> torch.Generator:
         return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
 
-    with TappedTarget(model, target_layer_ids) as tapped:
+    console = console or Console()
+    # Transient bar over the prompts, shown from the warm-up on; on a non-terminal console (piped output, logs) it
+    # is off, since rich would leave a blank line there per bar instead of drawing it.
+    progress = Progress(TextColumn(f"[bold]evaluate[/] {label}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("prompts, tau {task.fields[tau]}"), TextColumn("[dim]{task.description}"),
+                        TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
+    with TappedTarget(model, target_layer_ids) as tapped, progress:
+        task = progress.add_task("warm-up", total=len(prompts), tau="-")
         warm = SpeculativeConfig(block_size=block_size, max_new_tokens=min(8, max_new_tokens), temperature=temperature,
                                  mask_token_id=mask_token_id)
         _generate(tapped, drafter, prompts[0].input_ids, warm, generator=generator(0))  # kernels, allocator
         _generate(tapped, None, prompts[0].input_ids, SpeculativeConfig(block_size=1, max_new_tokens=4),
                   generator=generator(0))
-        progress = Progress(TextColumn(f"[bold]evaluate[/] {label}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("tau {task.fields[tau]}"), TimeElapsedColumn(), console=console, transient=True)
-        with progress:
-            task = progress.add_task("prompts", total=len(prompts), tau="-")
-            for index, prompt in enumerate(prompts):
-                if measure_baseline:
-                    base_results.append(_generate(tapped, None, prompt.input_ids, base_config,
-                                                  generator=generator(index)))
-                spec_results.append(_generate(tapped, drafter, prompt.input_ids, spec_config,
+        for index, prompt in enumerate(prompts):
+            if measure_baseline:
+                progress.update(task, description="block size 1 baseline")
+                base_results.append(_generate(tapped, None, prompt.input_ids, base_config,
                                               generator=generator(index)))
-                lengths = [t for r in spec_results for t in r.acceptance_lengths]
-                progress.update(task, advance=1, tau=f"{sum(lengths) / max(len(lengths), 1):.2f}")
+            progress.update(task, description=f"block size {block_size}")
+            spec_results.append(_generate(tapped, drafter, prompt.input_ids, spec_config,
+                                          generator=generator(index)))
+            lengths = [t for r in spec_results for t in r.acceptance_lengths]
+            progress.update(task, advance=1, tau=f"{sum(lengths) / max(len(lengths), 1):.2f}")
 
     stats = AcceptanceStats.from_lengths([t for r in spec_results for t in r.acceptance_lengths], block_size)
     spec_speed, base_speed = _throughput(spec_results), _throughput(base_results)

@@ -63,6 +63,8 @@ def test_evaluate_cli_writes_report_with_every_field(export_folder, tmp_path):
     ])
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert "tau = " in result.output and "per-position acceptance" in result.output
+    # Output that is not a terminal gets no progress bar, and no blank line where one would have been drawn.
+    assert "" not in result.output.splitlines()
     report = json.loads(out.read_text())
     for key in ("tau", "acceptance", "speedup", "throughput", "lossless", "per_prompt", "untrained", "target",
                 "settings", "prompts"):
@@ -157,3 +159,27 @@ def test_file_prompts_txt_and_errors(tokenizer, tmp_path):
     (tmp_path / "prompts.csv").write_text("a,b\n")
     with pytest.raises(ConfigError, match=r"must end in \.jsonl"):
         prompts_from_file(tmp_path / "prompts.csv", tokenizer, num_prompts=1)
+
+
+def test_progress_bar_over_prompts_on_a_terminal(export_folder, target, tokenizer):
+    """On a terminal, evaluate draws a transient bar counting prompts (with the running tau) from the warm-up on."""
+    import io
+
+    from rich.console import Console
+
+    from dflash.eval_prompts import EvalPrompt
+    from stages.evaluate import evaluate_drafter, load_drafter_any
+
+    drafter, config, _ = load_drafter_any(export_folder)
+    drafter.attach_target(target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight)
+    prompts = [EvalPrompt(input_ids=tokenizer(text)["input_ids"], source=f"doc {i}")
+               for i, text in enumerate([json.dumps.__doc__[:80], np.argsort.__doc__[:80]])]
+    stream = io.StringIO()
+    console = Console(file=stream, force_terminal=True, color_system=None, width=120)
+    summary, _ = evaluate_drafter(target, drafter.eval(), prompts, block_size=BLOCK,
+                                  mask_token_id=int(config.mask_token_id),
+                                  target_layer_ids=list(config.target_layer_ids), max_new_tokens=4,
+                                  console=console, label="my-drafter")
+    drawn = stream.getvalue()
+    assert "evaluate my-drafter" in drawn and "warm-up" in drawn
+    assert "2/2 prompts" in drawn and f"tau {summary['tau']:.2f}" in drawn
