@@ -123,13 +123,15 @@ def _convert_gguf(gguf_path: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        with _quiet_transformers_progress():  # transformers' GGUF dequantization bar (plain tqdm) stays: ~15 s, once
+            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         # The dequantized weights are plain float32 tensors; drop the GGUF marker so reloading reads them as is.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.hf_quantizer = None
         model.config.name_or_path = gguf_path.stem
-        model.save_pretrained(staging)
+        with _quiet_transformers_progress():
+            model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         identity = _identity_from_config(model.config, name=gguf_path.stem, content_hash=f"sha256:{file_hash}")
         (staging / _IDENTITY_FILE).write_text(json.dumps(asdict(identity), indent=2))
