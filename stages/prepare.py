@@ -131,6 +131,8 @@ class PrepareReport:
 
     documents_by_kind: Counter = field(default_factory=Counter)
     documents_not_read: int = 0
+    #: The limit that stopped reading (``"max_tokens"`` or ``"max_samples"``), ``None`` if every document was read.
+    limit_reached: str | None = None
     samples_kept: int = 0
     tokens_kept: int = 0
     supervised_tokens_kept: int = 0
@@ -158,7 +160,11 @@ class PrepareReport:
         for kind, count in sorted(self.documents_by_kind.items()):
             table.add_row(f"documents found ({kind})", f"{count:,}")
         if self.documents_not_read:
-            table.add_row("documents not read (limit reached)", f"{self.documents_not_read:,}")
+            found = sum(self.documents_by_kind.values())
+            limit = {"max_tokens": "token limit (--max-tokens)", "max_samples": "sample limit (--max-samples)"}.get(
+                self.limit_reached or "", "--max-tokens / --max-samples limit")
+            table.add_row("documents read", f"{found - self.documents_not_read:,}")
+            table.add_row(f"documents skipped: {limit} reached", f"{self.documents_not_read:,}")
         table.add_row("[bold]samples kept[/]", f"[bold]{self.samples_kept:,}[/]")
         table.add_row("tokens kept", f"{self.tokens_kept:,}")
         table.add_row("supervised tokens kept", f"{self.supervised_tokens_kept:,}")
@@ -429,9 +435,11 @@ def run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, Pr
             report.supervised_tokens_kept += int(np.count_nonzero(loss_mask))
             report.longest_kept = max(report.longest_kept, len(input_ids))
             progress.update(task, completed=read)
-            if (config.max_samples is not None and report.samples_kept >= config.max_samples) or (
-                config.max_tokens is not None and report.tokens_kept >= config.max_tokens
-            ):
+            if config.max_samples is not None and report.samples_kept >= config.max_samples:
+                report.limit_reached = "max_samples"
+                break
+            if config.max_tokens is not None and report.tokens_kept >= config.max_tokens:
+                report.limit_reached = "max_tokens"
                 break
         else:
             read = len(documents)

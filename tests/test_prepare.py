@@ -223,14 +223,19 @@ def test_default_corpus_is_stdlib_split_and_seeded(tmp_path, cli):
     assert metadata["inputs"] == ["default"] and metadata["max_tokens"] == 6000
     assert 6000 <= corpus.num_tokens < 6000 + 512 and max(corpus.lengths) <= 512
     assert all(corpus.sample_id(i).startswith("stdlib:") for i in range(len(corpus)))
-    assert metadata["report"]["documents_not_read"] > 0
+    assert metadata["report"]["documents_not_read"] > 0 and metadata["report"]["limit_reached"] == "max_tokens"
+    found, skipped = sum(metadata["report"]["documents_by_kind"].values()), metadata["report"]["documents_not_read"]
+    lines = [" ".join(line.strip("│ ").split()) for line in result.output.splitlines()]
+    assert f"documents read │ {found - skipped:,}" in lines
+    assert f"documents skipped: token limit (--max-tokens) reached │ {skipped:,}" in lines
     assert all(corpus.row(i).loss_mask.all() for i in range(len(corpus)))
     again = run_prepare(PrepareConfig(output=tmp_path / "b", max_tokens=6000, max_length=512, seed=3))[0]
     other = run_prepare(PrepareConfig(output=tmp_path / "c", max_tokens=6000, max_length=512, seed=4))[0]
     assert open_corpus(again).fingerprint == corpus.fingerprint != open_corpus(other).fingerprint
     # An existing output is refused unless --overwrite.
     assert cli("--output", tmp_path / "a", "--max-samples", "2").exit_code == 2
-    assert cli("--output", tmp_path / "a", "--max-samples", "2", "--overwrite").exit_code == 0
+    result = cli("--output", tmp_path / "a", "--max-samples", "2", "--overwrite")
+    assert result.exit_code == 0 and "documents skipped: sample limit (--max-samples) reached" in result.output
     assert len(open_corpus(tmp_path / "a")) == 2
 
 
