@@ -19,7 +19,9 @@ right-padded: exactly the batches the extract tasks run):
    one-GPU LocalCluster (its own worker process loads the target; timed from first task to last commit).
 
 Then prints tokens/s of each, extract / truncated-forward (target >= 0.95), extract / full-forward (target >= 1),
-bytes per token on disk, and the compression ratio. Token counts are real (unpadded) tokens.
+bytes per token on disk, the compression ratio, and where the extract loop's time went: computing (target + copies),
+blocked on shard writes (the device idles), the tail (last writes, finalize), and the mean wall time of a shard
+write and of its hidden chunks. Token counts are real (unpadded) tokens.
 
 ``--write-only`` measures the write path alone on the CPU (no model): ``--write-shards`` shards of ``--shard-size``
 tokens x ``--num-taps`` x ``--hidden-size`` bf16 (normal values with a per-token log-normal scale, so the exponent
@@ -206,10 +208,13 @@ def time_extract(runner: TargetRunner, identity: TargetIdentity, spec: str, corp
     _sync(runner.device)
     started = time.perf_counter()
     writes: list[dict] = []
+    compute = wait = 0.0
     for shard_id, (start, stop) in enumerate(shard_rows):
         result = extractor.process(ShardSpec(shard_id=shard_id, row_start=start, row_stop=stop, num_tokens=0,
                                              cache_path=str(cache_dir), corpus_path=str(corpus_dir)))  # fmt: skip
         writes += result["committed"]
+        compute += result["compute_seconds"]
+        wait += result["write_wait_seconds"]
     writes += extractor.close()
     counts = cache.finalize()
     elapsed = time.perf_counter() - started  # every shard committed and the cache finalized
@@ -217,6 +222,11 @@ def time_extract(runner: TargetRunner, identity: TargetIdentity, spec: str, corp
     assert not errors, errors
     counts["size_on_disk"] = CacheReader(cache_dir).size_on_disk()
     counts["num_shards"] = len(shard_rows)
+    # Telemetry: where the extract loop's wall time went (the device idles while the loop waits for writes).
+    counts["loop_compute_seconds"], counts["loop_write_wait_seconds"] = compute, wait
+    counts["loop_tail_seconds"] = elapsed - compute - wait  # the last writes, finalize
+    counts["mean_write_seconds"] = float(np.mean([w["write_seconds"] for w in writes])) if writes else 0.0
+    counts["mean_hidden_seconds"] = float(np.mean([w["hidden_seconds"] for w in writes])) if writes else 0.0
     return elapsed, counts
 
 
@@ -433,6 +443,12 @@ def main() -> None:
         "disk_bytes_per_token": counts["size_on_disk"] / num_tokens,
         "compression_ratio": counts["raw_bytes"] / max(1, counts["stored_bytes"]),
         "quarantined": counts["num_quarantined"],
+        "extract_compute_seconds": counts["loop_compute_seconds"],
+        "extract_blocked_on_writes_seconds": counts["loop_write_wait_seconds"],
+        "extract_tail_seconds": counts["loop_tail_seconds"],
+        "extract_seconds": extract_s,
+        "mean_shard_write_seconds": counts["mean_write_seconds"],
+        "mean_shard_hidden_chunks_seconds": counts["mean_hidden_seconds"],
     }
     if masked_s is not None:
         figures["full_forward_masked_tokens_per_s"] = num_tokens / masked_s

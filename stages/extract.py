@@ -344,6 +344,7 @@ def run_extract(config: ExtractConfig, console: Console | None = None) -> dict[s
     quarantined: list[dict] = []
     failures: dict[int, str] = {}
     tokens_done = 0
+    compute_seconds = write_wait_seconds = 0.0  # summed over tasks (telemetry: where the workers spent their time)
     try:
         console.print(f"Dask dashboard: {client.dashboard_link}")
         plugin = TargetWorkerPlugin(
@@ -385,6 +386,8 @@ def run_extract(config: ExtractConfig, console: Console | None = None) -> dict[s
                         continue
                     done += 1
                     tokens_done += result["tokens"]
+                    compute_seconds += float(result.get("compute_seconds", 0.0))
+                    write_wait_seconds += float(result.get("write_wait_seconds", 0.0))
                     quarantined.extend(result["quarantined"])
                     _report_write_errors(result["committed"], failures)
                     progress.update(bar, advance=result["tokens"], shards=f"{done}/{len(specs)} shards")
@@ -403,7 +406,8 @@ def run_extract(config: ExtractConfig, console: Console | None = None) -> dict[s
 
     counts = cache.finalize()
     summary.update(counts)
-    summary.update({"tokens_computed": tokens_done, "seconds": elapsed, "tokens_per_second": tokens_done / max(elapsed, 1e-9)})
+    summary.update({"tokens_computed": tokens_done, "seconds": elapsed, "tokens_per_second": tokens_done / max(elapsed, 1e-9),
+                    "compute_seconds": compute_seconds, "write_wait_seconds": write_wait_seconds})
     _print_summary(console, config, summary, quarantined)
     missing = sorted(set(range(len(shard_rows))) - cache.committed_shards())
     if missing:
@@ -435,6 +439,11 @@ def _print_summary(console: Console, config: ExtractConfig, summary: dict[str, A
         ("skipped (length policy)", str(summary.get("num_skipped", 0))),
         ("stored", f"{_human(stored)} ({stored / max(1, summary.get('num_tokens', 0)):,.0f} B/token, ratio {raw / max(1, stored):.3f})"),
     ]
+    busy = summary.get("compute_seconds", 0.0) + summary.get("write_wait_seconds", 0.0)
+    if busy > 0:
+        share = summary.get("write_wait_seconds", 0.0) / busy
+        rows.append(("workers blocked on writes", f"{summary.get('write_wait_seconds', 0.0):.1f} s = {share:.0%} of task time"
+                     + (" (the write path is the bottleneck: more --write-threads, a lighter --codec, or fp8)" if share > 0.1 else "")))
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)

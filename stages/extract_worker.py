@@ -168,7 +168,10 @@ class ShardExtractor:
 
         Returns:
             ``{"shard", "rows", "samples", "tokens", "padded_tokens", "quarantined": [{"corpus_row", "sample_id",
-            "layers"}], "compute_seconds", "committed": [commit dicts of writes finished since the last call]}``.
+            "layers"}], "compute_seconds", "write_wait_seconds", "committed": [commit dicts of writes finished since
+            the last call]}``. ``compute_seconds``: reading the rows and running the target (device work and the
+            copies to host); ``write_wait_seconds``: then blocked until at most ``writes_in_flight - 1`` earlier
+            writes were pending (the device is idle meanwhile: a large share means the write path is the bottleneck).
         """
         started = time.perf_counter()
         rows = self._corpus(spec.corpus_path).rows(spec.row_start, spec.row_stop)
@@ -217,7 +220,9 @@ class ShardExtractor:
         kept = [sample for sample in samples if sample is not None]
         quarantined.sort(key=lambda entry: entry["corpus_row"])
         compute_seconds = time.perf_counter() - started
-        committed = self._collect_pending(keep=self.writes_in_flight - 1)
+        waiting = time.perf_counter()
+        committed = self._collect_pending(keep=self.writes_in_flight - 1)  # backpressure: the device idles here
+        write_wait_seconds = time.perf_counter() - waiting
         cache = self._cache(spec.cache_path)
         future = self._writer.submit(cache.write_shard, spec.shard_id, kept, quarantined, skipped=skipped)
         num_kept = len(kept)
@@ -238,6 +243,7 @@ class ShardExtractor:
             "padded_tokens": num_padded,
             "quarantined": quarantined,
             "compute_seconds": compute_seconds,
+            "write_wait_seconds": write_wait_seconds,
             "committed": committed,
         }
 

@@ -107,6 +107,9 @@ def test_two_dask_workers_write_the_same_cache_as_one_process(tmp_path, corpus_d
     config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=2, shard_size=20, dashboard_address=":0")
     summary = run_extract(config, _quiet())
     assert summary["committed_shards"] == summary["planned_shards"] >= 4
+    # Telemetry: the workers' compute and write-wait time add up to at most their share of the wall time.
+    assert 0 < summary["compute_seconds"] and 0 <= summary["write_wait_seconds"]
+    assert summary["compute_seconds"] + summary["write_wait_seconds"] <= 2 * summary["seconds"] + 1e-6
     _assert_cache_matches(output, corpus_dir, reference)
     # A rerun finds every shard committed and does nothing.
     assert run_extract(config, _quiet())["skipped_committed"] == summary["planned_shards"]
@@ -180,6 +183,8 @@ def test_nonfinite_sample_is_quarantined_and_the_rest_written(tmp_path, target, 
     assert result["quarantined"][0]["sample_id"] == f"doc-{poisoned_row}"
     assert result["quarantined"][0]["layers"] == [i for i in layer_ids if i > 10]
     assert writes[0]["num_quarantined"] == 1 and "error" not in writes[0]
+    assert 0 <= result["write_wait_seconds"] and 0 < result["compute_seconds"]
+    assert 0 < writes[0]["hidden_seconds"] <= writes[0]["write_seconds"]  # write telemetry in the commit record
     assert [entry["corpus_row"] for entry in CacheReader(output).quarantined()] == [poisoned_row]
     _assert_cache_matches(output, corpus_dir, reference, missing_rows=[poisoned_row])
 

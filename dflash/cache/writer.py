@@ -223,6 +223,7 @@ class HiddenStateCache:
                 mismatch; the message names the shard and the sample.
         """
         meta = self.metadata
+        write_started = time.perf_counter()
         if not 0 <= shard_id < meta.num_shards:
             raise CacheError(f"shard {shard_id} is outside the plan of {meta.num_shards} shards of {self.url}")
         existing = self.commit_record(shard_id)
@@ -291,6 +292,7 @@ class HiddenStateCache:
                 if data[name].size:
                     array[...] = data[name]
             segments["hidden"] = [job.result() for job in jobs]
+            hidden_done = time.perf_counter()
             if fp8:
                 pending.update(segment_digests([("hidden_scale", data["hidden_scale"])], pool, segment_bytes))
                 array = create("hidden_scale", list(data["hidden_scale"].shape))
@@ -333,6 +335,10 @@ class HiddenStateCache:
             "digest_segment_bytes": segment_bytes,
             "digest": digest_root({name: segments[name] for name in layout}, {name: nbytes[name] for name in layout}),
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            # Telemetry (informative, not part of the digest): wall seconds of this write, and from its start until
+            # the last hidden chunk was stored (chunk jobs queue behind other shards' in the shared pool).
+            "write_seconds": round(time.perf_counter() - write_started, 4),
+            "hidden_seconds": round(hidden_done - write_started, 4),
             "writer": f"{socket.gethostname()}:{os.getpid()}",
         }
         self._store.put_json(commit_key(shard_id), record, exclusive=True)
