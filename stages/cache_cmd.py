@@ -54,7 +54,8 @@ def cache_info(path: str) -> dict[str, Any]:
         **totals,
         "size_on_disk": size_on_disk,
         "compression_ratio": totals["raw_bytes"] / totals["stored_bytes"] if totals["stored_bytes"] else None,
-        "bytes_per_token": size_on_disk / totals["num_tokens"] if totals["num_tokens"] else None,
+        # Stored (compressed) shard bytes per token: the figure extract's report prints, computed the same way.
+        "bytes_per_token": totals["stored_bytes"] / totals["num_tokens"] if totals["num_tokens"] else None,
         "quarantined_by_layer": dict(sorted(Counter(layer for entry in quarantined for layer in entry.get("layers", [])).items())),
         "quarantined": quarantined,
     }
@@ -84,7 +85,7 @@ def _print_info(info: dict[str, Any], console: Console, max_quarantined: int) ->
         ("size on disk", _human_bytes(info["size_on_disk"])),
         ("raw (uncompressed) size", _human_bytes(info["raw_bytes"])),
         ("compression ratio", f"{info['compression_ratio']:.3f}x" if info["compression_ratio"] else "-"),
-        ("bytes per token on disk", f"{info['bytes_per_token']:,.0f}" if info["bytes_per_token"] else "-"),
+        ("stored bytes per token", f"{info['bytes_per_token']:,.0f}" if info["bytes_per_token"] else "-"),
     ]
     for name, value in rows:
         table.add_row(name, value)

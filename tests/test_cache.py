@@ -153,8 +153,14 @@ def test_fp8_round_trip_within_tolerance_and_marked(tmp_path, target, real_sampl
         # e4m3 has 3 mantissa bits: |error| <= 2**-4 * |x| for normals, plus the subnormal step of the scale.
         assert torch.all(error <= want_taps.abs() / 16 + amax / 448 * 2**-6 + 1e-6)
         assert not torch.equal(got.hidden, want.hidden)  # it is lossy, and says so
-    info = _cli(["cache", "info", str(tmp_path / "fp8"), "--json"])
-    assert json.loads(info.stdout)["metadata"]["storage_dtype"] == "float8_e4m3fn"
+    info = json.loads(_cli(["cache", "info", str(tmp_path / "fp8"), "--json"]).stdout)
+    assert info["metadata"]["storage_dtype"] == "float8_e4m3fn"
+    # Bytes per token as extract's report computes it (stored shard bytes / tokens, rounded to a whole byte).
+    assert info["bytes_per_token"] == info["stored_bytes"] / info["num_tokens"]
+    shown = f"{info['stored_bytes'] / info['num_tokens']:,.0f}"
+    table = _cli(["cache", "info", str(tmp_path / "fp8")]).stdout
+    assert [" ".join(line.strip("│ ").split()) for line in table.splitlines() if "bytes per token" in line] == [
+        f"stored bytes per token │ {shown}"]
 
 
 def test_uncommitted_shard_is_not_counted_and_is_redone_cleanly(tmp_path, target, real_samples):
