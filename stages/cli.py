@@ -53,6 +53,33 @@ EXIT_STATUS_HELP = "\n".join([
 #: which wraps every option description of ``--help | less`` into a narrow column).
 NON_TTY_COLUMNS = 120
 
+def _flags_without_type_placeholder() -> None:
+    """Render flags as flags in ``--help``: ``--verbose -v  Log debug messages.``, not ``--verbose -v <bool> ...``.
+
+    Newer typer releases (seen with 0.29) print the option's type in the rich help panel for every option,
+    flags included (``<bool>`` for ``--help`` and every boolean flag), though a flag takes no value; typer's own
+    plain help record already leaves it out for flags. This wraps ``TyperOption.display_type_rich`` to do the
+    same in the rich panel: no type for a flag or a count option without an explicit metavar. Typer releases
+    without that method (older ones derive the column from click's metavar, which skips flags) are left as is.
+    """
+    from typer import core
+
+    option = getattr(core, "TyperOption", None)
+    original = getattr(option, "display_type_rich", None)
+    if original is None or getattr(original, "_dflash_flags_plain", False):
+        return
+
+    def display_type_rich(self, ctx):
+        if self.metavar is None and (getattr(self, "is_flag", False) or getattr(self, "count", False)):
+            return None
+        return original(self, ctx)
+
+    display_type_rich._dflash_flags_plain = True
+    option.display_type_rich = display_type_rich
+
+
+_flags_without_type_placeholder()
+
 app = typer.Typer(
     name="dflash-stages",
     help="Train DFlash speculative-decoding drafters: prepare -> extract -> train -> evaluate -> export.",

@@ -245,3 +245,24 @@ def test_local_dask_workers_leave_ctrl_c_to_the_main_process():
             (ignores_sigint, keeps_cancelled, keeps_other), = client.run(worker_state).values()
     assert ignores_sigint and not keeps_cancelled and keeps_other
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process still gets Ctrl-C
+
+
+def test_help_renders_flags_without_a_type_placeholder():
+    """Flags take no value, so ``--help`` shows no ``<bool>`` after them; options that take one keep their type."""
+    from typer.testing import CliRunner
+
+    from stages.cli import _register_all, app
+
+    _register_all()
+    runner = CliRunner()
+    for args in (["--help"], ["extract", "--help"], ["prepare", "--help"]):
+        result = runner.invoke(app, args, env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output
+        assert "<bool>" not in result.output, args
+        help_line = next(line for line in result.output.splitlines() if "--help" in line)
+        assert " ".join(help_line.strip("│ ").split()) == "--help Show this message and exit."
+    verbose = next(line for line in runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).output.splitlines()
+                   if "--verbose" in line)
+    assert " ".join(verbose.strip("│ ").split()) == "--verbose -v Log debug messages."
+    extract = runner.invoke(app, ["extract", "--help"], env={"COLUMNS": "200"}).output
+    assert any("--workers" in line and "<int>" in line for line in extract.splitlines())
