@@ -270,11 +270,25 @@ def _format(value: Any) -> str:
     return escape(value if isinstance(value, str) else json.dumps(value))
 
 
+#: Narrowest a value column gets before long keys are shortened (with an ellipsis) on a narrow terminal.
+_VALUE_MIN_WIDTH = 10
+
+
+def _add_key_column(table: Any, console: Any, keys: list[str], value_columns: int) -> None:
+    """The key column: each key on one line, never split mid-word (a folded ``..._samples`` / ``_train`` read like
+    two keys). It is as wide as the longest key; the value columns fold into the rest. Only a terminal too narrow
+    to leave ``_VALUE_MIN_WIDTH`` columns per value shortens keys, with an ellipsis."""
+    borders_and_padding = (value_columns + 2) + 2 * (value_columns + 1)
+    room = console.width - borders_and_padding - value_columns * _VALUE_MIN_WIDTH
+    longest = max((len(key) for key in keys), default=3)
+    table.add_column("key", style="bold", no_wrap=True, overflow="ellipsis", width=max(8, min(longest, room)))
+
+
 def _print_artefact(console: Any, artefact: Artefact) -> None:
     from rich.table import Table
 
     table = Table(title=f"{artefact.kind} {artefact.path}", show_lines=False)
-    table.add_column("key", style="bold", overflow="fold")
+    _add_key_column(table, console, list(artefact.facts), value_columns=1)
     table.add_column("value", overflow="fold")
     previous_section = None
     for key in sorted(artefact.facts, key=lambda k: (k.split(".", 1)[0] != "drafter", k)):
@@ -326,7 +340,7 @@ def inspect_command(
     else:
         rows, skipped = diff_facts(artefact, other)
         table = Table(title=f"diff: {artefact.kind} {artefact.path}  vs  {other.kind} {other.path}")
-        table.add_column("key", style="bold", overflow="fold")
+        _add_key_column(table, console, [key for key, _, _ in rows], value_columns=2)
         table.add_column(str(artefact.path), overflow="fold")
         table.add_column(str(other.path), overflow="fold")
         for key, left, right in rows:

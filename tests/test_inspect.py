@@ -176,3 +176,31 @@ def test_a_folder_that_is_no_artefact_is_refused(tmp_path, cli):
     result = cli(tmp_path)
     assert result.exit_code == 2
     assert "is not a run" in result.output
+
+
+def _key_cells(output: str) -> list[str]:
+    """The first cell of every table body line (empty on lines where only a value folds on)."""
+    return [line.split("│")[1].strip() for line in output.splitlines() if line.startswith("│")]
+
+
+def test_long_keys_stay_whole_on_one_line(run_b8, run_b16):
+    """Keys are never split over two rows (``..._samples`` then ``_train`` read like a second key); values fold.
+
+    Rich used to share a narrow width evenly between the key and value columns, folding any key longer than half
+    of it; 60 columns does that to this checkpoint's longest keys (a trainer's run has keys of 60+ characters)."""
+    columns = "60"
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    inspect_stage.register(app)
+    runner = CliRunner()
+    checkpoint = run_b8 / "checkpoints" / "step_00000002"
+    facts = describe(checkpoint).facts
+    result = runner.invoke(app, ["inspect", str(checkpoint)], env={"COLUMNS": columns})
+    assert result.exit_code == 0, result.output
+    assert max(len(line) for line in result.output.splitlines()) <= int(columns)
+    cells = [cell for cell in _key_cells(result.output) if cell and cell != "key"]
+    assert sorted(cells) == sorted(facts)  # each key once, whole, on its own row
+    assert max(len(key) for key in facts) > (int(columns) - 7) // 2  # long enough to have been folded before
+    result = runner.invoke(app, ["inspect", str(run_b8), "--diff", str(run_b16)], env={"COLUMNS": columns})
+    differing = [key for key, _, _ in diff_facts(describe(run_b8), describe(run_b16))[0]]
+    assert sorted(cell for cell in _key_cells(result.output) if cell and cell != "key") == sorted(differing)
