@@ -194,7 +194,7 @@ def time_runner_with_copies(runner: TargetRunner, rows: list[np.ndarray], plan: 
 
 def time_extract(runner: TargetRunner, identity: TargetIdentity, spec: str, corpus_dir: Path, cache_dir: Path,
                  shard_size: int, storage_dtype: str, codec: str, writes_in_flight: int,
-                 write_threads: int) -> tuple[float, dict]:  # fmt: skip
+                 write_threads: int, write_processes: int = 0) -> tuple[float, dict]:  # fmt: skip
     corpus = open_corpus(corpus_dir)
     shard_rows = plan_shards(corpus.lengths, shard_size)
     metadata = CacheMetadata(
@@ -204,7 +204,8 @@ def time_extract(runner: TargetRunner, identity: TargetIdentity, spec: str, corp
         corpus_path=str(corpus_dir), num_shards=len(shard_rows), shard_rows=shard_rows,
     )  # fmt: skip
     cache = HiddenStateCache.create(cache_dir, metadata, overwrite=True)
-    extractor = ShardExtractor(runner, writes_in_flight=writes_in_flight, write_threads=write_threads)
+    extractor = ShardExtractor(runner, writes_in_flight=writes_in_flight, write_threads=write_threads,
+                               write_processes=write_processes)
     _sync(runner.device)
     started = time.perf_counter()
     writes: list[dict] = []
@@ -361,6 +362,8 @@ def main() -> None:
                         help="also time the full forward WITH the padding attention mask")
     parser.add_argument("--writes-in-flight", type=int, default=2, help="shard writes overlapping compute")
     parser.add_argument("--write-threads", type=int, default=None, help="chunk-write threads (default: cores - 1, at most 32)")
+    parser.add_argument("--write-processes", type=int, default=0,
+                        help="shard writes in N processes reading shared host memory (0: threads, the default)")
     parser.add_argument("--write-only", action="store_true", help="time the write path alone on the CPU (no model)")
     parser.add_argument("--write-shards", type=int, default=6, help="shards written by --write-only")
     parser.add_argument("--hidden-size", type=int, default=4096, help="H for --write-only (Qwen3-8B: 4096)")
@@ -408,7 +411,7 @@ def main() -> None:
         copies_s = time_runner_with_copies(runner, rows, plan, shard_rows, device)
         extract_s, counts = time_extract(runner, identity, args.target, workdir / "corpus", workdir / "cache",
                                          args.shard_size, args.storage_dtype, args.codec, args.writes_in_flight,
-                                         args.write_threads)  # fmt: skip
+                                         args.write_threads, args.write_processes)  # fmt: skip
         dask_summary = time_dask_extract(args, device, workdir) if args.via_dask else None
     finally:
         if not args.keep:
@@ -432,6 +435,7 @@ def main() -> None:
         "lengths": [args.min_len, args.max_len],
         "writes_in_flight": args.writes_in_flight,
         "write_threads": args.write_threads,
+        "write_processes": args.write_processes,
         "full_forward_tokens_per_s": num_tokens / full_s,
         "truncated_forward_tokens_per_s": num_tokens / truncated_s,
         "runner_with_host_copies_tokens_per_s": num_tokens / copies_s,

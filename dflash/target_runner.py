@@ -152,6 +152,9 @@ class TargetRunner:
         device: where the forward runs (default: the model's device). The model is moved there.
         token_budget: padded tokens per forward batch (``rows x longest``).
         pad_token_id: id written into padding positions (never seen by real tokens).
+        shared_host_buffers: allocate the reusable host buffers in POSIX shared memory (pinned on CUDA), so that
+            write processes read the hidden states without a copy (:mod:`dflash.cache.process_writer`); call
+            :meth:`close` to free them.
 
     Raises:
         TargetError: the model has no recognisable decoder layers, or a layer id is out of range.
@@ -170,6 +173,7 @@ class TargetRunner:
         *,
         token_budget: int = 16384,
         pad_token_id: int = 0,
+        shared_host_buffers: bool = False,
     ) -> None:
         if token_budget < 1:
             raise ConfigError(f"token_budget must be >= 1, got {token_budget}")
@@ -187,6 +191,10 @@ class TargetRunner:
         # Released pinned host buffers (flat bf16), reused by later batches; list append/pop are atomic under the
         # GIL, so a writer thread may release while the compute thread acquires.
         self._free_buffers: list[torch.Tensor] = []
+        # With shared_host_buffers the host buffers are POSIX shared memory (pinned on CUDA), also on CPU, so that
+        # write processes can read the hidden states without a copy (dflash.cache.process_writer).
+        self.shared_host_buffers = bool(shared_host_buffers)
+        self._shared: list[Any] = []
 
     def _acquire_host_buffer(self, numel: int) -> torch.Tensor:
         """A pinned flat bf16 buffer of at least ``numel`` elements: a released one if big enough, else a new one
@@ -200,7 +208,26 @@ class TargetRunner:
                 del self._free_buffers[position]
                 return buffer
         size = max(numel, self.token_budget * self.feature_size)
+        if self.shared_host_buffers:
+            from dflash.cache.process_writer import SharedHostBuffer
+
+            shared = SharedHostBuffer(size, pin=self.device.type == "cuda")
+            self._shared.append(shared)
+            return shared.tensor
         return torch.empty(size, dtype=torch.bfloat16, pin_memory=True)
+
+    def use_shared_host_buffers(self) -> None:
+        """From now on allocate host buffers in shared memory (see ``shared_host_buffers``); released private
+        buffers are dropped so that every later batch lands in shared memory."""
+        self.shared_host_buffers = True
+        self._free_buffers.clear()
+
+    def close(self) -> None:
+        """Free the shared host buffers (no batch of this runner may be in use any more). Idempotent."""
+        self._free_buffers.clear()
+        for shared in self._shared:
+            shared.close()
+        self._shared.clear()
 
     @property
     def num_taps(self) -> int:
@@ -273,9 +300,13 @@ class TargetRunner:
             # Non-finite check on the stored (bf16) values, real tokens only: [b, P, n] -> [b, n].
             finite = torch.isfinite(hidden.view(rows, padded_length, self.num_taps, self.hidden_size)).all(-1)
             nonfinite = (~finite & real[:, :, None]).any(1)
-        if not on_cuda:
+        if not on_cuda and not self.shared_host_buffers:
             return _InFlight(list(map(int, indices)), lengths, hidden, nonfinite, padded=rows * padded_length)
         buffer = self._acquire_host_buffer(hidden.numel())
+        if not on_cuda:  # CPU with shared host buffers: a plain copy into the shared memory
+            host = buffer[: hidden.numel()].view(hidden.shape)
+            host.copy_(hidden)
+            return _InFlight(list(map(int, indices)), lengths, host, nonfinite, padded=rows * padded_length, buffer=buffer)
         host = buffer[: hidden.numel()].view(hidden.shape)
         host_flags = torch.empty(nonfinite.shape, dtype=torch.bool, pin_memory=True)
         assert self._copy_stream is not None

@@ -111,7 +111,12 @@ class ShardExtractor:
         writes_in_flight: shard writes allowed to run at once beside compute (backpressure: handing over shard k
             first waits for the oldest write while ``writes_in_flight`` are pending). Host memory held: about
             ``writes_in_flight + 1`` shards of hidden states (pinned buffers, reused).
-        write_threads: if given, :func:`configure_write_threads` is applied (process-wide zarr setting).
+        write_threads: if given, :func:`configure_write_threads` is applied (process-wide zarr setting); with
+            ``write_processes`` the threads are split evenly between the write processes.
+        write_processes: 0 (default): shard writes run in this process's writer threads. N > 0: they run in N
+            spawned write processes reading the hidden states from the runner's shared host buffers
+            (:mod:`dflash.cache.process_writer`; the runner is switched to shared buffers). Opt-in, not yet
+            measured on a GPU host.
 
     Call :meth:`flush` to wait for the pending writes; :meth:`close` flushes and stops the writer threads.
 
@@ -119,10 +124,20 @@ class ShardExtractor:
         ConfigError: ``writes_in_flight < 1`` or ``write_threads < 1``.
     """
 
-    def __init__(self, runner: TargetRunner, *, writes_in_flight: int = 2, write_threads: int | None = None) -> None:
+    def __init__(self, runner: TargetRunner, *, writes_in_flight: int = 2, write_threads: int | None = None,
+                 write_processes: int = 0) -> None:  # fmt: skip
         if writes_in_flight < 1:
             raise ConfigError(f"writes_in_flight: expected >= 1, got {writes_in_flight}")
-        if write_threads is not None:
+        if write_processes < 0:
+            raise ConfigError(f"write_processes: expected >= 0, got {write_processes}")
+        self._processes = None
+        if write_processes:
+            from dflash.cache.process_writer import ProcessShardWriter
+
+            runner.use_shared_host_buffers()
+            self._processes = ProcessShardWriter(write_processes, write_threads=write_threads)
+            self._processes.warm_up()  # spawn them now (imports included), not during the first shard write
+        elif write_threads is not None:
             configure_write_threads(write_threads)
         keep_chunk_buffers_mapped()  # reuse chunk-sized buffers instead of page-faulting new ones per chunk
         self.runner = runner
@@ -223,8 +238,11 @@ class ShardExtractor:
         waiting = time.perf_counter()
         committed = self._collect_pending(keep=self.writes_in_flight - 1)  # backpressure: the device idles here
         write_wait_seconds = time.perf_counter() - waiting
-        cache = self._cache(spec.cache_path)
-        future = self._writer.submit(cache.write_shard, spec.shard_id, kept, quarantined, skipped=skipped)
+        if self._processes is not None:
+            future = self._processes.submit(spec.cache_path, spec.shard_id, kept, quarantined, skipped=skipped)
+        else:
+            cache = self._cache(spec.cache_path)
+            future = self._writer.submit(cache.write_shard, spec.shard_id, kept, quarantined, skipped=skipped)
         num_kept = len(kept)
         del kept, samples  # the write owns the hidden states now
 
@@ -256,6 +274,9 @@ class ShardExtractor:
             return self.flush()
         finally:
             self._writer.shutdown(wait=True)
+            if self._processes is not None:
+                self._processes.shutdown(wait=True)
+                self.runner.close()  # the shared host buffers
 
 
 def _die_with_parent() -> None:
@@ -287,6 +308,7 @@ class TargetWorkerPlugin(WorkerPlugin):
         write_threads: zarr compression threads of the worker (:func:`configure_write_threads`); ``None``:
             :func:`default_write_threads` of the worker's CPUs (``cpus - 1``, ``cpus = torch_threads`` if given).
         writes_in_flight: shard writes per worker running beside compute (bounded backpressure).
+        write_processes: write processes per worker (0: threads; see :class:`ShardExtractor`).
     """
 
     name = PLUGIN_NAME
@@ -304,6 +326,7 @@ class TargetWorkerPlugin(WorkerPlugin):
         die_with_parent: bool = False,
         write_threads: int | None = None,
         writes_in_flight: int = 2,
+        write_processes: int = 0,
     ) -> None:
         self.target_spec = target_spec
         self.target_layer_ids = list(target_layer_ids)
@@ -314,6 +337,7 @@ class TargetWorkerPlugin(WorkerPlugin):
         self.die_with_parent = die_with_parent
         self.write_threads = write_threads
         self.writes_in_flight = writes_in_flight
+        self.write_processes = write_processes
         self.extractor: ShardExtractor | None = None
 
     def _pick_device(self, worker: Any) -> torch.device:
@@ -338,7 +362,8 @@ class TargetWorkerPlugin(WorkerPlugin):
             loaded.model, self.target_layer_ids, device, token_budget=self.token_budget, pad_token_id=pad_token_id
         )
         write_threads = self.write_threads or default_write_threads(self.torch_threads)
-        self.extractor = ShardExtractor(runner, writes_in_flight=self.writes_in_flight, write_threads=write_threads)
+        self.extractor = ShardExtractor(runner, writes_in_flight=self.writes_in_flight, write_threads=write_threads,
+                                        write_processes=self.write_processes)
         log.info("worker %s: target %s on %s in %.1f s", worker.name, self.target_spec, device, time.perf_counter() - started)
 
     def teardown(self, worker: Any) -> None:

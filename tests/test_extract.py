@@ -25,7 +25,7 @@ from rich.console import Console
 
 from dflash.cache import CacheReader, HiddenStateCache, verify_cache
 from dflash.corpus import CorpusWriter, open_corpus
-from dflash.errors import CacheError, CorpusError
+from dflash.errors import CacheError, ConfigError, CorpusError
 from dflash.target import default_target_layer_ids
 from dflash.target_runner import TargetRunner
 from stages import extract as extract_stage
@@ -242,3 +242,60 @@ def test_worker_sigkill_mid_run_is_redone_exactly_once(tmp_path, corpus_dir, ref
     assert committed_at_kill < outcome["summary"]["planned_shards"], "the kill did not land mid-run"
     assert outcome["summary"]["committed_shards"] == outcome["summary"]["planned_shards"]
     _assert_cache_matches(output, corpus_dir, reference)
+
+
+def test_write_processes_write_the_same_cache_from_shared_buffers(tmp_path, target, corpus_dir, layer_ids, reference):
+    """``write_processes=1``: the runner's host buffers are shared memory and the shard writes run in a spawned
+    process that maps them (no copy); the cache equals the per-row reference like the in-process writer's, and the
+    shared buffers are freed at close."""
+    from dflash.cache.process_writer import shared_location
+
+    output = tmp_path / "cache"
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=40)
+    _, _, shard_rows, _ = prepare_cache(config, _quiet())
+    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=64)
+    extractor = ShardExtractor(runner, write_processes=1, write_threads=1)
+    writes = []
+    for shard_id, (start, stop) in enumerate(shard_rows):
+        spec = ShardSpec(shard_id=shard_id, row_start=start, row_stop=stop, num_tokens=0,
+                         cache_path=str(output), corpus_path=str(corpus_dir))  # fmt: skip
+        writes += extractor.process(spec)["committed"]
+    assert runner.shared_host_buffers and runner._shared
+    buffer = runner._shared[0].tensor
+    assert shared_location(buffer[10:20]) == (runner._shared[0].name, 20)
+    writes += extractor.close()
+    assert not runner._shared  # closed with the extractor
+    assert len(writes) == len(shard_rows) and not [w for w in writes if "error" in w]
+    _assert_cache_matches(output, corpus_dir, reference)
+
+
+def test_process_writer_refuses_hidden_states_outside_shared_memory(tmp_path):
+    from dflash.cache import HiddenSample
+    from dflash.cache.process_writer import ProcessShardWriter, SharedHostBuffer
+
+    writer = ProcessShardWriter(1, write_threads=1)
+    shared = SharedHostBuffer(64, pin=False)
+    try:
+        inside = HiddenSample(corpus_row=0, input_ids=torch.zeros(4, dtype=torch.int32),
+                              loss_mask=torch.ones(4, dtype=torch.uint8), hidden=shared.tensor[:32].view(4, 8))  # fmt: skip
+        outside = HiddenSample(corpus_row=1, input_ids=torch.zeros(4, dtype=torch.int32),
+                               loss_mask=torch.ones(4, dtype=torch.uint8), hidden=torch.zeros(4, 8, dtype=torch.bfloat16))  # fmt: skip
+        with pytest.raises(ValueError, match="shard 3, corpus row 1: hidden states are not in a SharedHostBuffer"):
+            writer.submit(str(tmp_path / "none"), 3, [inside, outside])
+    finally:
+        writer.shutdown()
+        del inside
+        shared.close()
+
+
+def test_extract_stage_with_write_processes_through_dask(tmp_path, corpus_dir, reference):
+    """The whole stage with ``write_processes=1``: the (non-daemonic) Dask worker spawns a write process; the cache
+    is complete, verified and equal to the per-row reference; the report has the write telemetry."""
+    output = tmp_path / "cache"
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=40, dashboard_address=":0",
+                           write_processes=1, write_threads=1)  # fmt: skip
+    summary = run_extract(config, _quiet())
+    assert summary["committed_shards"] == summary["planned_shards"] >= 2
+    _assert_cache_matches(output, corpus_dir, reference)
+    with pytest.raises(ConfigError, match="write_processes: expected >= 0"):
+        ExtractConfig(corpus=str(corpus_dir), output=str(output), write_processes=-1)

@@ -1,0 +1,198 @@
+"""Shard writes in separate processes, reading the hidden states from shared (and CUDA-pinned) host memory.
+
+Why: in one process, the chunk-write threads (compression, checksums, stores) share the interpreter and the CPU
+scheduler with the thread that feeds the GPU. On the H200 host the write path alone writes ~1.5 GB/s, yet beside
+the GPU thread the extract loop keeps up with only ~80% of the 1.36 GB/s an 8B target produces
+(docs/benchmarks.md). With ``write_processes > 0`` each shard write (``HiddenStateCache.write_shard``, unchanged)
+runs in a worker process of a ``concurrent.futures.ProcessPoolExecutor`` instead: its own interpreter, its own
+chunk-write threads, niced below the GPU process.
+
+No copy: the target runner allocates its reusable host buffers as :class:`SharedHostBuffer` (POSIX shared memory,
+registered with ``cudaHostRegister`` on CUDA so the device-to-host copies stay pinned and asynchronous). A sample's
+hidden states are then a view into one of them; :meth:`ProcessShardWriter.submit` sends only ``(buffer name, byte
+offset, rows, width)`` per sample, and the write process maps the same memory. The buffer must not be reused until
+the write's future is done (the extract worker releases batches in the future's done-callback, as before).
+
+Status: opt-in (``extract --write-processes N``); tested on CPU for bit-exact equality with the in-process write;
+its throughput on the GPU host is not measured yet (issue 4 note).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import threading
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash.errors import ConfigError
+
+__all__ = ["SharedHostBuffer", "ProcessShardWriter", "shared_location"]
+
+_REGISTRY: dict[int, SharedHostBuffer] = {}  # base address -> live buffer (this process)
+_REGISTRY_LOCK = threading.Lock()
+
+
+class SharedHostBuffer:
+    """``numel`` bf16 elements of POSIX shared memory as a flat tensor (``.tensor``), pinned for CUDA copies when
+    ``pin`` and CUDA is available (``cudaHostRegister``; ``.pinned`` says whether it took). Close with
+    :meth:`close` (unregisters, unmaps and unlinks); views of ``.tensor`` must be gone by then."""
+
+    def __init__(self, numel: int, *, pin: bool) -> None:
+        nbytes = max(2, int(numel) * 2)
+        self.shm = shared_memory.SharedMemory(create=True, size=nbytes)
+        self.name = self.shm.name
+        self.nbytes = nbytes
+        self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.bfloat16, count=nbytes // 2)
+        self.base = self.tensor.data_ptr()
+        self.pinned = False
+        if pin and torch.cuda.is_available():
+            code = torch.cuda.cudart().cudaHostRegister(self.base, nbytes, 0)
+            self.pinned = int(getattr(code, "value", code)) == 0
+        with _REGISTRY_LOCK:
+            _REGISTRY[self.base] = self
+
+    def close(self) -> None:
+        with _REGISTRY_LOCK:
+            _REGISTRY.pop(self.base, None)
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.base)
+            self.pinned = False
+        self.tensor = None  # type: ignore[assignment]
+        try:
+            self.shm.close()
+            self.shm.unlink()
+        except (BufferError, FileNotFoundError):  # a view still alive / already unlinked: the OS frees it at exit
+            pass
+
+
+def shared_location(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """``(shared memory name, byte offset)`` of a CPU tensor lying inside a live :class:`SharedHostBuffer` of
+    this process, else ``None``. The tensor must be C-contiguous."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    address = tensor.data_ptr()
+    with _REGISTRY_LOCK:
+        for base, buffer in _REGISTRY.items():
+            if base <= address and address + tensor.numel() * tensor.element_size() <= base + buffer.nbytes:
+                return buffer.name, address - base
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _SampleSpec:
+    corpus_row: int
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    shm_name: str
+    offset: int  # bytes
+    rows: int
+    width: int
+
+
+# ------------------------------------------------------------------------------------------ write process side
+_ATTACHED: dict[str, shared_memory.SharedMemory] = {}
+_CACHES: dict[str, Any] = {}
+
+
+def _init_write_process(write_threads: int, nice: int) -> None:
+    import zarr
+
+    from dflash.cache.chunks import keep_chunk_buffers_mapped
+
+    # As stages.extract_worker.configure_write_threads: the chunk pool and zarr's pool get ``write_threads``.
+    zarr.config.set({"threading.max_workers": int(write_threads), "async.concurrency": max(int(write_threads), 4)})
+    keep_chunk_buffers_mapped()
+    if nice and hasattr(os, "nice"):
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    shm = _ATTACHED.get(name)
+    if shm is None:
+        shm = shared_memory.SharedMemory(name=name)
+        try:  # the creating process owns the segment; this one must not unlink it at exit (Python < 3.13)
+            from multiprocessing import resource_tracker
+
+            resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+        except Exception:  # noqa: BLE001
+            pass
+        _ATTACHED[name] = shm
+    return shm
+
+
+def _write_in_process(cache_path: str, shard_id: int, specs: list[_SampleSpec], quarantined: list[dict],
+                      skipped: list[dict]) -> dict:  # fmt: skip
+    from dflash.cache import HiddenSample, HiddenStateCache
+
+    samples = []
+    for spec in specs:
+        shm = _attach(spec.shm_name)
+        hidden = torch.frombuffer(shm.buf, dtype=torch.bfloat16, count=spec.rows * spec.width, offset=spec.offset)
+        samples.append(HiddenSample(corpus_row=spec.corpus_row, input_ids=torch.from_numpy(spec.input_ids),
+                                    loss_mask=torch.from_numpy(spec.loss_mask), hidden=hidden.view(spec.rows, spec.width)))  # fmt: skip
+    if cache_path not in _CACHES:
+        _CACHES[cache_path] = HiddenStateCache.open(cache_path)
+    try:
+        return _CACHES[cache_path].write_shard(shard_id, samples, quarantined, skipped=skipped)
+    finally:
+        del samples, hidden  # no view of the shared memory outlives the task
+
+
+# ------------------------------------------------------------------------------------------ submitting side
+class ProcessShardWriter:
+    """Runs ``HiddenStateCache.write_shard`` in ``processes`` worker processes (spawned, so safe beside CUDA).
+
+    Args:
+        processes: worker processes (>= 1).
+        write_threads: chunk-write threads of all processes together, split evenly (default: this machine's cores
+            minus one).
+        nice: niceness added to the write processes (below the process that feeds the GPU).
+
+    :meth:`submit` returns a ``concurrent.futures.Future`` of the commit record, like the in-process writer.
+    Raises ConfigError for ``processes < 1``; ``submit`` raises ValueError for a sample whose hidden states are
+    not inside a live :class:`SharedHostBuffer` (nothing is copied behind the caller's back).
+    """
+
+    def __init__(self, processes: int, *, write_threads: int | None = None, nice: int = 5) -> None:
+        if processes < 1:
+            raise ConfigError(f"write_processes: expected >= 1, got {processes}")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, (write_threads or max(1, cores - 1)) // processes)
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=processes, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_write_process, initargs=(threads, nice),
+        )  # fmt: skip
+
+    def submit(self, cache_path: str, shard_id: int, samples: list, quarantined: list[dict] | None = None, *,
+               skipped: list[dict] | None = None) -> concurrent.futures.Future:  # fmt: skip
+        specs = []
+        for sample in samples:
+            hidden = sample.hidden
+            location = shared_location(hidden) if hidden.dtype == torch.bfloat16 and hidden.dim() == 2 else None
+            if location is None:
+                raise ValueError(
+                    f"shard {shard_id}, corpus row {sample.corpus_row}: hidden states are not in a SharedHostBuffer "
+                    "(the runner must allocate shared host buffers for write processes)"
+                )
+            specs.append(_SampleSpec(int(sample.corpus_row), sample.input_ids.numpy().astype(np.int32, copy=False),
+                                     sample.loss_mask.numpy().astype(np.uint8, copy=False), location[0], location[1],
+                                     int(hidden.shape[0]), int(hidden.shape[1])))  # fmt: skip
+        return self._pool.submit(_write_in_process, cache_path, shard_id, specs, list(quarantined or []),
+                                 list(skipped or []))  # fmt: skip
+
+    def warm_up(self) -> None:
+        """Start every write process now (imports included) instead of at the first submit."""
+        futures = [self._pool.submit(os.getpid) for _ in range(self._pool._max_workers)]  # noqa: SLF001
+        concurrent.futures.wait(futures)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait)
