@@ -77,15 +77,20 @@ class OptimConfig:
 def build_optimizer(parameters: Iterable[torch.nn.Parameter], config: OptimConfig) -> torch.optim.AdamW:
     """``torch.optim.AdamW`` over the trainable parameters (fp32 master weights; autocast handles bf16).
 
-    ``foreach`` is left to torch; ``fused`` is not used so CPU and GPU runs follow the same update rule.
+    On CUDA the fused implementation (the same AdamW update in fewer, larger kernels; ``benchmarks/drafter_step.py``
+    measures its step with it: 8.7 ms per step for the 1B-parameter 8B-target drafter on an H200, the trainer's
+    foreach path was not timed); elsewhere torch's default (``foreach``). Resuming a checkpoint restores the
+    implementation it was saved with (``load_state_dict`` restores the param groups' flags).
     """
     import torch
 
     params = [p for p in parameters if p.requires_grad]
     if not params:
         raise ConfigError("the drafter has no trainable parameter; nothing to optimize")
+    fused = all(p.is_cuda and p.is_floating_point() for p in params)
     return torch.optim.AdamW(
-        params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+        params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
+        fused=True if fused else None,
     )
 
 
