@@ -52,8 +52,11 @@ class SharedHostBuffer:
         self.base = self.tensor.data_ptr()
         self.pinned = False
         if pin and torch.cuda.is_available():
-            code = torch.cuda.cudart().cudaHostRegister(self.base, nbytes, 0)
-            self.pinned = int(getattr(code, "value", code)) == 0
+            try:  # unpinned memory still works: the device-to-host copies then synchronize
+                code = torch.cuda.cudart().cudaHostRegister(self.base, nbytes, 0)
+                self.pinned = int(getattr(code, "value", code)) == 0
+            except (AttributeError, RuntimeError, TypeError):
+                self.pinned = False
         with _REGISTRY_LOCK:
             _REGISTRY[self.base] = self
 
@@ -61,7 +64,10 @@ class SharedHostBuffer:
         with _REGISTRY_LOCK:
             _REGISTRY.pop(self.base, None)
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.base)
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.base)
+            except (AttributeError, RuntimeError, TypeError):
+                pass
             self.pinned = False
         self.tensor = None  # type: ignore[assignment]
         try:
