@@ -239,7 +239,7 @@ def _json_documents(path: Path) -> list[_Document]:
                 continue
             where = f"{path} line {line_number}"
             try:
-                record = json.loads(line)
+                record = json.loads(line.rstrip("\r\n"))  # the line break is not part of the record
             except json.JSONDecodeError as error:
                 raise CorpusError(f"{where}: not valid JSON ({error.msg.removesuffix(' at')} at column {min(error.pos, len(line.rstrip()) - 1) + 1}); write one JSON object per line") from error
             if not isinstance(record, dict):

@@ -133,6 +133,9 @@ def _set(row, key, value):
          r"c.jsonl line 2 message 0: role 'robot' is not one of"),
         (lambda tmp, tok: (tmp / "c.jsonl").write_text('{"messages": []}\n{oops\n') and tmp / "c.jsonl",
          r"c.jsonl line 2: not valid JSON .*one JSON object per line"),
+        # A line cut off mid-string, not the last line: the line break is not blamed as a control character.
+        (lambda tmp, tok: (tmp / "c.jsonl").write_text('{"messages": []}\n{"text": "cut of\n{"text": "x"}\n') and tmp / "c.jsonl",
+         r"c.jsonl line 2: not valid JSON \(Unterminated string starting at column 10\)"),
         (lambda tmp, tok: _write_jsonl(tmp / "c.jsonl", [{"prompt": "x", "completion": "y"}]),
          r"c.jsonl line 1: no 'messages', 'conversations' or 'text' field"),
         (lambda tmp, tok: _write_jsonl(tmp / "c.jsonl", [{"messages": CHATS[0]["messages"][:2]}]),
@@ -150,7 +153,7 @@ def _set(row, key, value):
         (lambda tmp, tok: _saved_tokenized(tmp, tok),
          r"\(sample_id 'bisect.py'\): 400 tokens > --max-length 300; choose --length-policy split\|truncate\|drop"),
     ],
-    ids=["bad-role", "bad-json", "no-messages", "zero-samples", "token-id", "length-mismatch", "empty",
+    ids=["bad-role", "bad-json", "cut-json-line", "no-messages", "zero-samples", "token-id", "length-mismatch", "empty",
          "no-supervised", "missing-column", "too-long"],
 )
 def test_bad_inputs_give_clear_errors_and_write_nothing(tmp_path, cli, tokenizer, make_input, message):

@@ -124,13 +124,10 @@ def _init_write_process(write_threads: int, nice: int) -> None:
 def _attach(name: str) -> shared_memory.SharedMemory:
     shm = _ATTACHED.get(name)
     if shm is None:
+        # Attaching registers the name with the resource tracker again (Python < 3.13); the spawned write process
+        # shares its creator's tracker, where the name is a set entry, so the creator's unlink (which unregisters
+        # it) stays the only cleanup. Unregistering here would make that later unregister fail in the tracker.
         shm = shared_memory.SharedMemory(name=name)
-        try:  # the creating process owns the segment; this one must not unlink it at exit (Python < 3.13)
-            from multiprocessing import resource_tracker
-
-            resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-        except Exception:  # noqa: BLE001
-            pass
         _ATTACHED[name] = shm
     return shm
 
