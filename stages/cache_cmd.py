@@ -124,10 +124,10 @@ def info_command(
 
 @cache_app.command("verify")
 def verify_command(
-    cache: str = typer.Argument(..., help="Cache root: a local folder or an fsspec URL."),
-    allow_incomplete: bool = typer.Option(False, help="Exit 0 even when planned shards are not committed yet."),
+    cache: str = typer.Argument(..., metavar="CACHE", help="Cache root: a local folder or an fsspec URL."),
+    allow_incomplete: bool = typer.Option(False, "--allow-incomplete", help="Exit 0 even when planned shards are not committed yet."),
     uncommit_corrupt: bool = typer.Option(
-        False, help="Withdraw every corrupt shard (delete its commit record and data) so the next extract run redoes it."
+        False, "--uncommit-corrupt", help="Withdraw every corrupt shard (delete its commit record and data) so the next extract run redoes it."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
@@ -143,7 +143,8 @@ def verify_command(
     try:
         num_committed = len(CacheReader(cache).shards)
         with Progress(
-            TextColumn("verifying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True
+            TextColumn("verifying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True,
+            disable=not console.is_terminal,  # piped output: no bar, and no blank line where it was
         ) as progress:
             task = progress.add_task("shards", total=num_committed)
             report = verify_cache(cache, fail_fast=False, on_shard=lambda shard: progress.advance(task))

@@ -489,14 +489,14 @@ def register(app: Any) -> None:
             "template", help="Chat data: how assistant replies are found. template: the chat template's "
                              "{% generation %} markers; prefix-diff: render each conversation prefix (for "
                              "templates without markers, e.g. SmolLM2's)."),
-        last_turn_only: bool = typer.Option(False, help="Chat data: supervise only the last assistant reply."),
+        last_turn_only: bool = typer.Option(False, "--last-turn-only", help="Chat data: supervise only the last assistant reply."),
         pattern: list[str] = typer.Option(["*"], help="File-name pattern for files in folder inputs (repeatable)."),
         max_samples: int = typer.Option(None, help="Keep at most this many samples (documents in seeded random order)."),
         max_tokens: int = typer.Option(None, help="Stop once this many tokens are kept (documents in seeded random order)."),
         seed: int = typer.Option(0, help="Seed of the document order when --max-samples/--max-tokens is set."),
         min_supervised_tokens: int = typer.Option(1, help="Drop samples with fewer supervised tokens (DFlash: < 2 x block_size is of little use)."),
-        stdlib_tests: bool = typer.Option(False, help="Default corpus: include the stdlib test suites (~3x tokens)."),
-        overwrite: bool = typer.Option(False, help="Replace an existing --output folder."),
+        stdlib_tests: bool = typer.Option(False, "--stdlib-tests", help="Default corpus: include the stdlib test suites (~3x tokens)."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --output folder."),
     ) -> None:
         """Tokenize chat, plain-text or tokenized data into a corpus (input_ids + loss_mask) for extract.
 
