@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["chunk_encoder", "store_chunk", "stored_chunk_crc32c", "stored_chunk", "keep_chunk_buffers_mapped"]
+__all__ = ["chunk_encoder", "store_chunk", "stored_chunk_crc32c", "stored_chunk", "crc32c_trailer",
+           "keep_chunk_buffers_mapped"]
 
 _SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 
@@ -71,14 +72,23 @@ def chunk_encoder(array: Any) -> Callable[[np.ndarray], bytes] | None:
     return encode
 
 
+def _chunk_path(array: Any, coords: tuple[int, ...]) -> str:
+    """Store key of chunk ``coords`` of ``array``: its path in the store plus zarr's own chunk key encoding."""
+    key = array.metadata.encode_chunk_key(coords)
+    return f"{array.store_path.path}/{key}" if array.store_path.path else key
+
+
+def crc32c_trailer(data: bytes) -> str:
+    """The crc32c a ``crc32c``-codec chunk ends with (4 bytes, little endian), as 8 hex digits."""
+    return data[-4:][::-1].hex()
+
+
 def store_chunk(array: Any, coords: tuple[int, ...], data: bytes) -> None:
     """Store finished chunk bytes under ``array``'s own chunk key for ``coords`` (its store, its key encoding)."""
     from zarr.core.buffer import default_buffer_prototype
     from zarr.core.sync import sync
 
-    key = array.metadata.encode_chunk_key(coords)
-    path = f"{array.store_path.path}/{key}" if array.store_path.path else key
-    sync(array.store_path.store.set(path, default_buffer_prototype().buffer.from_bytes(data)))
+    sync(array.store_path.store.set(_chunk_path(array, coords), default_buffer_prototype().buffer.from_bytes(data)))
 
 
 def stored_chunk(array: Any, coords: tuple[int, ...]) -> bytes | None:
@@ -86,9 +96,7 @@ def stored_chunk(array: Any, coords: tuple[int, ...]) -> bytes | None:
     from zarr.core.buffer import default_buffer_prototype
     from zarr.core.sync import sync
 
-    key = array.metadata.encode_chunk_key(coords)
-    path = f"{array.store_path.path}/{key}" if array.store_path.path else key
-    buffer = sync(array.store_path.store.get(path, prototype=default_buffer_prototype()))
+    buffer = sync(array.store_path.store.get(_chunk_path(array, coords), prototype=default_buffer_prototype()))
     return None if buffer is None else buffer.to_bytes()
 
 
@@ -96,7 +104,7 @@ def stored_chunk_crc32c(array: Any, coords: tuple[int, ...]) -> str | None:
     """The crc32c trailer of a stored chunk (codec chains ending in ``crc32c``) as 8 hex digits, ``None`` if the
     chunk is missing."""
     data = stored_chunk(array, coords)
-    return None if data is None or len(data) < 4 else data[-4:][::-1].hex()
+    return None if data is None or len(data) < 4 else crc32c_trailer(data)
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)

@@ -55,7 +55,7 @@ def _verify_chunk_crcs(reader: CacheReader, shard: int, array: Any, layout: dict
     on the stored bytes) and the commit record's leaf; every chunk is also decoded. Returns (leaves, raw bytes)."""
     import google_crc32c
 
-    from dflash.cache.chunks import stored_chunk
+    from dflash.cache.chunks import crc32c_trailer, stored_chunk
 
     expected = layout.get("crc32c_chunks") or []
     leaves: list[str] = []
@@ -64,7 +64,7 @@ def _verify_chunk_crcs(reader: CacheReader, shard: int, array: Any, layout: dict
         data = stored_chunk(array, (index, 0))
         if data is None or len(data) < 4:
             raise CacheCorruptError(f"shard {shard} of {reader.url}: {where} is missing; withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract")
-        leaf = data[-4:][::-1].hex()
+        leaf = crc32c_trailer(data)
         if google_crc32c.value(data[:-4]) != int(leaf, 16):
             raise CacheCorruptError(f"shard {shard} of {reader.url}: {where} fails its crc32c checksum; withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract")
         if index >= len(expected) or expected[index] != leaf:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.cache.chunks import chunk_encoder, store_chunk, stored_chunk_crc32c
+from dflash.cache.chunks import chunk_encoder, crc32c_trailer, store_chunk, stored_chunk_crc32c
 from dflash.cache.format import (
     FORMAT_VERSION,
     CacheMetadata,
@@ -552,7 +552,7 @@ def _write_hidden_chunk(
         # The whole chunk lies inside one sample: encode straight from its (pinned) rows, no gather copy.
         encoded = encode(parts[sample][lo - start : hi - start])
         store_chunk(array, (lo // chunk_rows, 0), encoded)
-        return encoded[-4:][::-1].hex()
+        return crc32c_trailer(encoded)
     rows = np.empty((chunk_rows if encode is not None else hi - lo, array.shape[1]), dtype=np.uint16)
     rows[hi - lo :] = 0  # zarr's fill value in the padded tail of a partial last chunk
     position = lo
@@ -574,4 +574,4 @@ def _write_hidden_chunk(
         return stored_chunk_crc32c(array, (lo // chunk_rows, 0))
     encoded = encode(stored)
     store_chunk(array, (lo // chunk_rows, 0), encoded)
-    return encoded[-4:][::-1].hex()  # the little-endian crc32c trailer zarr's codec appended
+    return crc32c_trailer(encoded)
