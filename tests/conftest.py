@@ -75,3 +75,15 @@ def target(target_path):
 @pytest.fixture(scope="session")
 def tokenizer(target):
     return target.tokenizer
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a test module (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``):
+    token-by-token decoding gains nothing from a second thread and stalls when the two cores are shared."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -21,13 +21,8 @@ from dflash.speculative import GenerationResult
 BLOCK = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Token-by-token decoding gains nothing from a second thread and stalls when the two cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Token-by-token decoding gains nothing from a second thread (conftest's one_torch_thread).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
