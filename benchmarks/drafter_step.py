@@ -349,7 +349,7 @@ def main() -> None:
                              "(dflash.drafter.fused), to measure what they save")
     parser.add_argument("--flex-options", default=None, metavar="JSON",
                         help="FlexAttention kernel_options for every attention call, e.g. '{\"ROWS_GUARANTEED_SAFE\": true}' "
-                             "('{}': inductor's defaults; default: dflash.drafter.model.DEFAULT_FLEX_KERNEL_OPTIONS)")
+                             "(default or '{}': inductor's defaults)")
     parser.add_argument("--profile", type=Path, default=None, metavar="OUT_DIR",
                         help="after timing, profile 3 steps per mode/batch; write OUT_DIR/profile_<mode>_b<batch>.txt")
     args = parser.parse_args()

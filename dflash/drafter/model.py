@@ -35,37 +35,24 @@ from dflash.errors import ConfigError, MismatchError
 if TYPE_CHECKING:
     from dflash.batching import PackedBatch
 
-__all__ = ["DFlashDrafter", "RMSNorm", "tensor_hash", "DEFAULT_FLEX_KERNEL_OPTIONS", "set_flex_kernel_options",
-           "flex_kernel_options"]
+__all__ = ["DFlashDrafter", "RMSNorm", "tensor_hash", "set_flex_kernel_options", "flex_kernel_options"]
 
-#: FlexAttention ``kernel_options`` per CUDA compute capability, measured on the DFlash training mask with
-#: ``benchmarks/flex_attention.py`` (figures in docs/benchmarks.md). Other GPUs use inductor's defaults.
-DEFAULT_FLEX_KERNEL_OPTIONS: dict[tuple[int, int], dict] = {}
+#: FlexAttention ``kernel_options`` for every drafter attention call (``None``: inductor's defaults, which
+#: ``benchmarks/flex_attention.py`` found best on the DFlash mask on an H200; docs/benchmarks.md).
 _flex_override: dict | None = None
 
 
 def set_flex_kernel_options(options: dict | None) -> None:
-    """Override the FlexAttention ``kernel_options`` of every drafter attention call in this process (``None``:
-    back to :data:`DEFAULT_FLEX_KERNEL_OPTIONS`; ``{}``: inductor's defaults). For tuning and benchmarks; a
-    compiled layer recompiles once after a change."""
+    """Set the FlexAttention ``kernel_options`` of every drafter attention call in this process (``None`` or
+    ``{}``: inductor's defaults). For tuning and benchmarks; a compiled layer recompiles once after a change."""
     global _flex_override
-    _flex_override = None if options is None else dict(options)
+    _flex_override = dict(options) if options else None
 
 
-@functools.cache
-def _default_options_for(device_index: int) -> tuple:
-    capability = torch.cuda.get_device_capability(device_index)
-    return tuple(sorted(DEFAULT_FLEX_KERNEL_OPTIONS.get(capability, {}).items()))
+def flex_kernel_options() -> dict | None:
+    """The ``kernel_options`` FlexAttention gets (``None`` = inductor's defaults)."""
+    return dict(_flex_override) if _flex_override else None
 
-
-def flex_kernel_options(device: torch.device) -> dict | None:
-    """The ``kernel_options`` FlexAttention gets on ``device`` (``None`` = inductor's defaults)."""
-    if _flex_override is not None:
-        return dict(_flex_override) or None
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return dict(_default_options_for(index)) or None
 
 @functools.cache
 def _flex_attention():
@@ -357,7 +344,7 @@ class DFlashDrafter(nn.Module):
         block_rope = self._rope(block_positions, rope_dtype)
         context_rope = self._rope(batch.position_ids, rope_dtype)
         if not isinstance(mask, torch.Tensor):
-            options = flex_kernel_options(anchors.device)
+            options = flex_kernel_options()
             for layer in self.layers:
                 if layer.self_attn.kernel_options != options:
                     layer.self_attn.kernel_options = options
