@@ -20,8 +20,10 @@ right-padded: exactly the batches the extract tasks run):
 
 Then prints tokens/s of each, extract / truncated-forward (target >= 0.95), extract / full-forward (target >= 1),
 bytes per token on disk, the compression ratio, and where the extract loop's time went: computing (target + copies),
-blocked on shard writes (the device idles), the tail (last writes, finalize), and the mean wall time of a shard
-write and of its hidden chunks. Token counts are real (unpadded) tokens.
+blocked on shard writes (the device idles), the tail (last writes, finalize), the steady-state rate (tokens over
+computing + blocked time: the rate without the run's start and drain), and the mean wall time of a shard write and
+of its hidden chunks. Stopping the write threads or processes afterwards (once per worker, not per token) is
+timed apart (``extract_close_seconds``). Token counts are real (unpadded) tokens.
 
 ``--write-only`` measures the write path alone on the CPU (no model): ``--write-shards`` shards of ``--shard-size``
 tokens x ``--num-taps`` x ``--hidden-size`` bf16 (normal values with a per-token log-normal scale, so the exponent
@@ -66,7 +68,13 @@ from dflash.target import (
 )
 from dflash.target_runner import TargetRunner, plan_batches
 from stages.extract import plan_shards
-from stages.extract_worker import ShardExtractor, ShardSpec, configure_write_threads, default_write_threads
+from stages.extract_worker import (
+    ShardExtractor,
+    ShardSpec,
+    configure_write_threads,
+    default_write_processes,
+    default_write_threads,
+)
 
 # Qwen3-8B's shape (config numbers written here so no model hub is needed); weights are random.
 QWEN3_8B = {
@@ -213,7 +221,7 @@ def time_runner_with_copies(runner: TargetRunner, rows: list[np.ndarray], plan: 
 
 def time_extract(runner: TargetRunner, identity: TargetIdentity, spec: str, corpus_dir: Path, cache_dir: Path,
                  shard_size: int, storage_dtype: str, codec: str, writes_in_flight: int,
-                 write_threads: int, write_processes: int = 0) -> tuple[float, dict]:  # fmt: skip
+                 write_threads: int, write_processes: int | None = None) -> tuple[float, dict]:  # fmt: skip
     corpus = open_corpus(corpus_dir)
     shard_rows = plan_shards(corpus.lengths, shard_size)
     metadata = CacheMetadata(
@@ -235,9 +243,12 @@ def time_extract(runner: TargetRunner, identity: TargetIdentity, spec: str, corp
         writes += result["committed"]
         compute += result["compute_seconds"]
         wait += result["write_wait_seconds"]
-    writes += extractor.close()
+    writes += extractor.flush()
     counts = cache.finalize()
     elapsed = time.perf_counter() - started  # every shard committed and the cache finalized
+    closing = time.perf_counter()
+    extractor.close()  # stops the write threads/processes: a once-per-worker cost, not per token (reported apart)
+    counts["close_seconds"] = time.perf_counter() - closing
     errors = [w for w in writes if "error" in w]
     assert not errors, errors
     counts["size_on_disk"] = CacheReader(cache_dir).size_on_disk()
@@ -381,8 +392,9 @@ def main() -> None:
                         help="also time the full forward WITH the padding attention mask")
     parser.add_argument("--writes-in-flight", type=int, default=2, help="shard writes overlapping compute")
     parser.add_argument("--write-threads", type=int, default=None, help="chunk-write threads (default: cores - 1, at most 32)")
-    parser.add_argument("--write-processes", type=int, default=0,
-                        help="shard writes in N processes reading shared host memory (0: threads, the default)")
+    parser.add_argument("--write-processes", type=int, default=None,
+                        help="shard writes in N processes reading shared host memory; 0: threads (default: as extract, "
+                             "2 on a GPU, 0 on CPU)")
     parser.add_argument("--write-only", action="store_true", help="time the write path alone on the CPU (no model)")
     parser.add_argument("--write-shards", type=int, default=6, help="shards written by --write-only")
     parser.add_argument("--hidden-size", type=int, default=4096, help="H for --write-only (Qwen3-8B: 4096)")
@@ -456,7 +468,7 @@ def main() -> None:
         "lengths": [args.min_len, args.max_len],
         "writes_in_flight": args.writes_in_flight,
         "write_threads": args.write_threads,
-        "write_processes": args.write_processes,
+        "write_processes": default_write_processes(device) if args.write_processes is None else args.write_processes,
         "full_forward_tokens_per_s": num_tokens / full_s,
         "truncated_forward_tokens_per_s": num_tokens / truncated_s,
         "runner_with_host_copies_tokens_per_s": num_tokens / copies_s,
@@ -472,6 +484,8 @@ def main() -> None:
         "extract_blocked_on_writes_seconds": counts["loop_write_wait_seconds"],
         "extract_tail_seconds": counts["loop_tail_seconds"],
         "extract_seconds": extract_s,
+        "extract_steady_tokens_per_s": num_tokens / (counts["loop_compute_seconds"] + counts["loop_write_wait_seconds"]),
+        "extract_close_seconds": counts["close_seconds"],
         "mean_shard_write_seconds": counts["mean_write_seconds"],
         "mean_shard_hidden_chunks_seconds": counts["mean_hidden_seconds"],
     }

@@ -72,10 +72,12 @@ class ExtractConfig:
         dashboard_address: where a LocalCluster serves its dashboard (``":0"`` picks a free port).
         write_threads: chunk-compression threads per worker; ``None``: CPUs per worker - 1 (at most 32).
         writes_in_flight: shard writes per worker running beside its compute (each holds a shard in host memory).
-        write_processes: 0 (default): each worker writes its shards in its own threads. N > 0: in N write processes
-            per worker reading the hidden states from shared host memory (``dflash.cache.process_writer``; opt-in,
-            not yet measured on a GPU host). LocalCluster workers are then started non-daemonic; an external
-            cluster (``--scheduler-address``) needs ``distributed.worker.daemon: false`` in its config.
+        write_processes: 0: each worker writes its shards in its own threads. N > 0: in N write processes per
+            worker reading the hidden states from shared host memory (``dflash.cache.process_writer``). ``None``
+            (default): 2 on GPU workers, 0 on CPU workers (``stages.extract_worker.default_write_processes``).
+            LocalCluster workers are then started non-daemonic; an external cluster (``--scheduler-address``) needs
+            ``distributed.worker.daemon: false`` in its config (else its workers fall back to threads, or fail
+            for an explicit N > 0).
     """
 
     corpus: str
@@ -97,7 +99,7 @@ class ExtractConfig:
     dashboard_address: str = ":8787"
     write_threads: int | None = None
     writes_in_flight: int = 2
-    write_processes: int = 0
+    write_processes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -121,7 +123,7 @@ class ExtractConfig:
             raise ConfigError(f"write_threads: expected >= 1, got {self.write_threads}")
         if self.writes_in_flight < 1:
             raise ConfigError(f"writes_in_flight: expected >= 1, got {self.writes_in_flight}")
-        if self.write_processes < 0:
+        if self.write_processes is not None and self.write_processes < 0:
             raise ConfigError(f"write_processes: expected >= 0, got {self.write_processes}")
         if not self.expected_ratio > 0:
             raise ConfigError(f"expected_ratio: expected > 0, got {self.expected_ratio}")
@@ -188,7 +190,7 @@ def _start_cluster(config: ExtractConfig, console: Console) -> tuple[Any, Any, d
         workers = client.scheduler_info(n_workers=-1)["workers"] if _accepts_n_workers(client) else client.scheduler_info()["workers"]
         has_gpu_resource = any(info.get("resources", {}).get("GPU") for info in workers.values())
         return client, None, {"device": "auto", "resources": {"GPU": 1} if has_gpu_resource else None, "die_with_parent": False}
-    if config.write_processes:  # workers start write processes: daemonic processes may not have children
+    if config.write_processes != 0:  # workers start write processes: daemonic processes may not have children
         import dask
 
         dask.config.set({"distributed.worker.daemon": False})
@@ -496,7 +498,7 @@ def register(app: typer.Typer) -> None:
         dashboard_address: str = typer.Option(":8787", "--dashboard-address", help="Dashboard of a local cluster (':0' = any free port)."),
         write_threads: int | None = typer.Option(None, "--write-threads", help="Chunk-write threads per worker: gather, compress, checksum, store (default: CPU cores per worker - 1, at most 32)."),
         writes_in_flight: int = typer.Option(2, "--writes-in-flight", help="Shard writes per worker overlapping its compute (each holds one shard in host memory)."),
-        write_processes: int = typer.Option(0, "--write-processes", help="Write shards in N processes per worker that read the hidden states from shared memory (0: threads in the worker; opt-in, not yet measured on a GPU host)."),
+        write_processes: int | None = typer.Option(None, "--write-processes", help="Write shards in N processes per worker that read the hidden states from shared memory; 0: in threads of the worker (default: 2 on GPU workers, 0 on CPU workers)."),
     ) -> None:
         """Extract tapped target hidden states of a corpus into a compressed Zarr v3 cache (Dask workers).
 

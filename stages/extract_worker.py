@@ -21,6 +21,7 @@ import collections
 import concurrent.futures
 import ctypes
 import logging
+import multiprocessing
 import os
 import signal
 import time
@@ -103,6 +104,25 @@ def configure_write_threads(write_threads: int) -> None:
     zarr.config.set({"threading.max_workers": int(write_threads), "async.concurrency": max(int(write_threads), 4)})
 
 
+def default_write_processes(device: torch.device | str) -> int:
+    """Write processes per extract worker when none are asked for: 2 for a CUDA runner, 0 (threads) on CPU, and 0
+    in a daemonic process (which may not start children; e.g. workers of an external Dask cluster left at
+    ``distributed.worker.daemon: true``).
+
+    Why 2 on a GPU: with the writes in threads of the worker process, the thread feeding the GPU competes with them
+    for the interpreter, and on one H200 (8B-shaped target, 16 cores) the loop's compute took 15% longer than
+    the same batches without writes; with 2 write processes it took 0.6% longer (docs/benchmarks.md, issue 4).
+    A CPU runner uses the cores itself, so the writes stay in its threads.
+    """
+    if torch.device(device).type != "cuda":
+        return 0
+    if multiprocessing.current_process().daemon:
+        log.warning("extract worker is a daemonic process (cannot start write processes): writing shards in threads; "
+                    "set distributed.worker.daemon: false on the workers to write in processes")
+        return 0
+    return 2
+
+
 class ShardExtractor:
     """Computes shards with a :class:`TargetRunner` and writes them through ``HiddenStateCache.write_shard``.
 
@@ -113,10 +133,10 @@ class ShardExtractor:
             ``writes_in_flight + 1`` shards of hidden states (pinned buffers, reused).
         write_threads: if given, :func:`configure_write_threads` is applied (process-wide zarr setting); with
             ``write_processes`` the threads are split evenly between the write processes.
-        write_processes: 0 (default): shard writes run in this process's writer threads. N > 0: they run in N
-            spawned write processes reading the hidden states from the runner's shared host buffers
-            (:mod:`dflash.cache.process_writer`; the runner is switched to shared buffers). Opt-in, not yet
-            measured on a GPU host.
+        write_processes: 0: shard writes run in this process's writer threads. N > 0: they run in N spawned write
+            processes reading the hidden states from the runner's shared host buffers
+            (:mod:`dflash.cache.process_writer`; the runner is switched to shared buffers). ``None`` (default):
+            :func:`default_write_processes` (2 for a CUDA runner, 0 on CPU).
 
     Call :meth:`flush` to wait for the pending writes; :meth:`close` flushes and stops the writer threads.
 
@@ -125,9 +145,11 @@ class ShardExtractor:
     """
 
     def __init__(self, runner: TargetRunner, *, writes_in_flight: int = 2, write_threads: int | None = None,
-                 write_processes: int = 0) -> None:  # fmt: skip
+                 write_processes: int | None = None) -> None:  # fmt: skip
         if writes_in_flight < 1:
             raise ConfigError(f"writes_in_flight: expected >= 1, got {writes_in_flight}")
+        if write_processes is None:
+            write_processes = default_write_processes(runner.device)
         if write_processes < 0:
             raise ConfigError(f"write_processes: expected >= 0, got {write_processes}")
         self._processes = None
@@ -308,7 +330,8 @@ class TargetWorkerPlugin(WorkerPlugin):
         write_threads: zarr compression threads of the worker (:func:`configure_write_threads`); ``None``:
             :func:`default_write_threads` of the worker's CPUs (``cpus - 1``, ``cpus = torch_threads`` if given).
         writes_in_flight: shard writes per worker running beside compute (bounded backpressure).
-        write_processes: write processes per worker (0: threads; see :class:`ShardExtractor`).
+        write_processes: write processes per worker (0: threads; ``None``: :func:`default_write_processes`; see
+            :class:`ShardExtractor`).
     """
 
     name = PLUGIN_NAME
@@ -326,7 +349,7 @@ class TargetWorkerPlugin(WorkerPlugin):
         die_with_parent: bool = False,
         write_threads: int | None = None,
         writes_in_flight: int = 2,
-        write_processes: int = 0,
+        write_processes: int | None = None,
     ) -> None:
         self.target_spec = target_spec
         self.target_layer_ids = list(target_layer_ids)

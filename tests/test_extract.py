@@ -30,7 +30,7 @@ from dflash.target import default_target_layer_ids
 from dflash.target_runner import TargetRunner
 from stages import extract as extract_stage
 from stages.extract import ExtractConfig, plan_shards, prepare_cache, run_extract
-from stages.extract_worker import ShardExtractor, ShardSpec
+from stages.extract_worker import ShardExtractor, ShardSpec, default_write_processes
 
 TEXTS = [
     json.dumps.__doc__[:50],
@@ -299,3 +299,22 @@ def test_extract_stage_with_write_processes_through_dask(tmp_path, corpus_dir, r
     _assert_cache_matches(output, corpus_dir, reference)
     with pytest.raises(ConfigError, match="write_processes: expected >= 0"):
         ExtractConfig(corpus=str(corpus_dir), output=str(output), write_processes=-1)
+
+
+def _write_processes_in_daemon(queue) -> None:
+    queue.put(default_write_processes("cuda"))
+
+
+def test_default_write_processes_by_device_and_daemon_status():
+    """Default: 2 write processes for a CUDA runner, threads (0) on CPU and in a daemonic process, which may not
+    start children (it would fail at the first shard otherwise)."""
+    import multiprocessing
+
+    assert default_write_processes("cpu") == 0
+    assert default_write_processes(torch.device("cuda", 1)) == 2
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_write_processes_in_daemon, args=(queue,), daemon=True)
+    child.start()
+    assert queue.get(timeout=60) == 0
+    child.join(timeout=60)

@@ -1,11 +1,13 @@
 """Shard writes in separate processes, reading the hidden states from shared (and CUDA-pinned) host memory.
 
 Why: in one process, the chunk-write threads (compression, checksums, stores) share the interpreter and the CPU
-scheduler with the thread that feeds the GPU. On the H200 host the write path alone writes ~1.5 GB/s, yet beside
-the GPU thread the extract loop keeps up with only ~80% of the 1.36 GB/s an 8B target produces
-(docs/benchmarks.md). With ``write_processes > 0`` each shard write (``HiddenStateCache.write_shard``, unchanged)
-runs in a worker process of a ``concurrent.futures.ProcessPoolExecutor`` instead: its own interpreter, its own
-chunk-write threads, niced below the GPU process.
+scheduler with the thread that feeds the GPU. On one H200 (8B-shaped target, 16 cores) that slowed the extract
+loop's compute by 15% against the same batches without writes; with 2 write processes by 0.6%, and end-to-end
+extract reached 0.95 of the bare truncated forward (docs/benchmarks.md). With ``write_processes > 0`` (the default
+on GPU workers: ``stages.extract_worker.default_write_processes``) each shard write
+(``HiddenStateCache.write_shard``, unchanged) runs in a worker process of a
+``concurrent.futures.ProcessPoolExecutor`` instead: its own interpreter, its own chunk-write threads, niced below
+the GPU process.
 
 No copy: the target runner allocates its reusable host buffers as :class:`SharedHostBuffer` (POSIX shared memory,
 registered with ``cudaHostRegister`` on CUDA so the device-to-host copies stay pinned and asynchronous). A sample's
@@ -13,8 +15,7 @@ hidden states are then a view into one of them; :meth:`ProcessShardWriter.submit
 offset, rows, width)`` per sample, and the write process maps the same memory. The buffer must not be reused until
 the write's future is done (the extract worker releases batches in the future's done-callback, as before).
 
-Status: opt-in (``extract --write-processes N``); tested on CPU for bit-exact equality with the in-process write;
-its throughput on the GPU host is not measured yet (issue 4 note).
+Tested on CPU for bit-exact equality with the in-process write (directly and through Dask).
 """
 
 from __future__ import annotations
