@@ -32,7 +32,7 @@ from rich.table import Table
 
 from dflash.batching import PackedBatch
 from dflash.drafter import DFlashConfig, DFlashDrafter, attention_layout, dflash_loss, fused, sample_anchors
-from dflash.drafter.model import set_flex_kernel_options
+from dflash.drafter.model import _SHORTCUTS, set_flex_kernel_options, set_train_shortcuts
 
 console = Console(width=150)
 
@@ -41,7 +41,9 @@ MFU_FORMULA = (
     "+ 2*(2*T*n*H*H) + 2*(2*A*(B-1)*H*V);  Q = A*B block tokens, T packed tokens, L draft layers, "
     "P_layer = H*Hq + 2*H*Hkv + Hq*H + 3*H*I (q,k,v,o,MLP weights), Hq/Hkv = heads*head_dim, S_vis = visible "
     "(query,key) pairs of the sparse mask, n taps, V vocab. Factors: 3 = fwd+bwd (input and weight grads), "
-    "3.5 = attention fwd + 2.5x bwd, 2 = fc (no input grad: data) and LM head (frozen: no weight grad)."
+    "3.5 = attention fwd + 2.5x bwd, 2 = fc (no input grad: data) and LM head (frozen: no weight grad). "
+    "F_step is the plain step's work; the training shortcuts (dflash.drafter.model.set_train_shortcuts) skip part "
+    "of it, and MFU stays on F_step so that settings compare by time."
 )
 
 
@@ -130,6 +132,7 @@ class Stepper:
         self.device = device
         self.budget = budget
         self.gamma = gamma
+        self.ce_chunk_rows: int | None = None  # None: the loss's default
         self.generator = torch.Generator(device=device).manual_seed(0)
         self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-5, fused=device.type == "cuda")
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -143,7 +146,7 @@ class Stepper:
         with torch.profiler.record_function("phase:anchors"):
             anchors = self.anchors(batch, num_anchors)
         with torch.profiler.record_function("phase:forward+loss"), self.autocast:
-            out = dflash_loss(self.drafter, batch, anchors, gamma=self.gamma)
+            out = dflash_loss(self.drafter, batch, anchors, gamma=self.gamma, chunk_rows=self.ce_chunk_rows)
             loss = out.loss()
         with torch.profiler.record_function("phase:backward"):
             loss.backward()
@@ -350,6 +353,12 @@ def main() -> None:
     parser.add_argument("--flex-options", default=None, metavar="JSON",
                         help="FlexAttention kernel_options for every attention call, e.g. '{\"ROWS_GUARANTEED_SAFE\": true}' "
                              "(default or '{}': inductor's defaults)")
+    parser.add_argument("--ce-chunk-rows", type=int, default=None, help="LM-head + CE chunk rows (default: the loss's)")
+    parser.add_argument("--inductor", default=None, metavar="JSON",
+                        help="torch._inductor.config overrides, e.g. '{\"coordinate_descent_tuning\": true}'")
+    parser.add_argument("--shortcuts", nargs="+", default=["all"], metavar="SET",
+                        help="training shortcuts, each SET one table block: all (default), none, or names joined by "
+                             f"'+' ({', '.join(_SHORTCUTS)}); e.g. --shortcuts none all for an A/B in one run")
     parser.add_argument("--profile", type=Path, default=None, metavar="OUT_DIR",
                         help="after timing, profile 3 steps per mode/batch; write OUT_DIR/profile_<mode>_b<batch>.txt")
     args = parser.parse_args()
@@ -365,6 +374,11 @@ def main() -> None:
     torch.set_float32_matmul_precision("high")
     if args.no_fused_elementwise:
         fused.set_fused_elementwise(False)
+    if args.inductor is not None:
+        import torch._inductor.config as inductor_config
+
+        for key, value in json.loads(args.inductor).items():
+            setattr(inductor_config, key, value)
     if args.flex_options is not None:
         set_flex_kernel_options(json.loads(args.flex_options))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -372,15 +386,19 @@ def main() -> None:
                   f"{config.num_hidden_layers} layers, H={config.hidden_size}, V={config.vocab_size}, "
                   f"B={config.block_size}, {args.anchors} anchors/seq, seq {args.seq_len}")
     console.print(MFU_FORMULA)
-    table = Table("mode", "batch", "anchor path", "step ms", "ms/seq", "seq tok/s", "x reference", "TFLOP/step",
-                  "MFU", "peak mem GiB")
+    table = Table("mode", "shortcuts", "batch", "anchor path", "step ms", "ms/seq", "seq tok/s", "x reference",
+                  "TFLOP/step", "MFU", "peak mem GiB")
     compile_rows = []
-    for mode in args.modes:
+    runs = [(mode, shortcuts) for shortcuts in args.shortcuts for mode in args.modes]
+    for mode, shortcuts in runs:
+        names = list(_SHORTCUTS) if shortcuts == "all" else [] if shortcuts == "none" else shortcuts.split("+")
+        set_train_shortcuts(**{name: name in names for name in _SHORTCUTS} | {n: True for n in names})
         compiled = mode == "compiled"
         torch._dynamo.reset()
         graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         drafter = build_drafter(config, device, compiled, args.compile_backend)
         stepper = Stepper(drafter, device, args.anchors, args.gamma)
+        stepper.ce_chunk_rows = args.ce_chunk_rows
         fixed = compiled  # eager: dynamic anchors (nonzero); compiled: fixed shape, no host sync
         for batch_size in args.batch_sizes:
             batch = make_batch([args.seq_len] * batch_size, config, device)
@@ -392,18 +410,20 @@ def main() -> None:
             tokens = batch_size * args.seq_len
             mfu = flops / seconds / (args.peak_tflops * 1e12)
             memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-            table.add_row(mode, str(batch_size), "fixed" if fixed else "dynamic", f"{seconds * 1e3:.1f}",
+            table.add_row(mode, shortcuts, str(batch_size), "fixed" if fixed else "dynamic", f"{seconds * 1e3:.1f}",
                           f"{seconds * 1e3 / batch_size:.1f}", f"{tokens / seconds:,.0f}",
                           "-" if args.smoke else f"{tokens / seconds / REFERENCE_TOKENS_PER_SECOND[mode]:.2f}",
                           f"{flops / 1e12:.2f}",
                           f"{mfu:.1%}", f"{memory:.1f}")
             if args.profile is not None:
-                profile_steps(stepper, batch, num_anchors, seconds, args.profile / f"profile_{mode}_b{batch_size}.txt",
+                suffix = "" if shortcuts == "all" else f"_{shortcuts.replace('+', '-')}"
+                profile_steps(stepper, batch, num_anchors, seconds,
+                              args.profile / f"profile_{mode}_b{batch_size}{suffix}.txt",
                               f"{mode}, batch {batch_size}, {'fixed' if fixed else 'dynamic'} anchors, "
                               f"{seconds * 1e3:.1f} ms/step, {tokens / seconds:,.0f} seq tok/s, MFU {mfu:.1%}")
         shapes, graphs = count_compiles(stepper, config, args, device, fixed) if args.shapes else (0, 0)
         total_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_at_start
-        compile_rows.append((mode, shapes, graphs, total_graphs))
+        compile_rows.append((mode, shortcuts, shapes, graphs, total_graphs))
         del drafter, stepper
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -411,13 +431,15 @@ def main() -> None:
     if not args.smoke:
         console.print(f"x reference: seq tok/s over the public reference trainer's ({REFERENCE_TOKENS_PER_SECOND}, "
                       f"one H200, torch 2.11); target >= {TARGET_SPEEDUP}x in each mode.")
-    counts = Table("mode", "distinct batch shapes", "length buckets", "graphs compiled in sweep",
+    counts = Table("mode", "shortcuts", "distinct batch shapes", "length buckets", "graphs compiled in sweep",
                    "graphs compiled in total")
-    for mode, shapes, graphs, total in compile_rows:
-        counts.add_row(mode, str(shapes), str(args.buckets) if mode == "compiled" else "-", str(graphs), str(total))
+    for mode, shortcuts, shapes, graphs, total in compile_rows:
+        counts.add_row(mode, shortcuts, str(shapes), str(args.buckets) if mode == "compiled" else "-", str(graphs),
+                       str(total))
     console.print(counts)
     console.print("Graphs counted during the shape sweep only (the full-length bucket was already compiled while "
-                  "timing). compiled: 1 per new bucket (shared by all layers) plus the fused CE chunk "
+                  "timing). compiled: per new bucket 3 layer graphs with the shortcuts (first layer, middle layers, last layer; "
+                  "1 without) plus the fused CE chunk "
                   "(static, then one dynamic graph for last-chunk sizes); eager: the compiled flex_attention kernel "
                   "and the fused CE chunk, each going dynamic after one recompile. Both modes: the fused elementwise "
                   "kernels (norm, add+norm, q/k norm+RoPE, SwiGLU) have dynamic rows from the start (one graph per "

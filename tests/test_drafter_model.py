@@ -174,3 +174,40 @@ def test_real_smollm2_target_draft_block_matches_training(target, tokenizer):
         block[0] = ids[anchor]
         logits = drafter.draft_block(hidden[:anchor], torch.arange(anchor), block, anchor)
         torch.testing.assert_close(logits, training[j], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_training_shortcuts_are_exact_rewrites(seed):
+    """shared_first_layer (layer 0 on the A + 1 distinct rows) and skip_anchor_rows (last layer drops block
+    position 0) give the plain forward's outputs at positions 1..B-1 and the same loss and gradients; position 0
+    of the full forward is unchanged by the shared first layer. Packed documents, adjacent anchors, padding slots."""
+    from dflash.drafter import dflash_loss
+    from dflash.drafter.model import set_train_shortcuts
+
+    lengths = [[23, 17, 9], [40], [12, 30]][seed]
+    batch = packed_batch(lengths, width=64, vocab=97, seed=seed, padding=5)
+    anchors = torch.cat([random_anchors(batch, 4, 9, seed=seed), torch.full((3,), -1)])
+    drafter = tiny_drafter(seed, num_hidden_layers=3).train()
+    results = {}
+    for name, switches in {"plain": dict(shared_first_layer=False, skip_anchor_rows=False),
+                           "shortcuts": dict(shared_first_layer=True, skip_anchor_rows=True)}.items():
+        previous = set_train_shortcuts(**switches)
+        try:
+            drafter.zero_grad()
+            full = drafter.forward_train(batch, anchors)
+            predictions = drafter.forward_train(batch, anchors, predictions_only=True)
+            out = dflash_loss(drafter, batch, anchors)
+            out.loss().backward()
+        finally:
+            set_train_shortcuts(**previous)
+        assert predictions.shape == (anchors.shape[0], 3, 32)
+        torch.testing.assert_close(predictions, full[:, 1:], rtol=1e-10, atol=1e-10)
+        results[name] = (full.detach(), out.weighted_ce_sum.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()})
+    torch.testing.assert_close(results["plain"][0], results["shortcuts"][0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(results["plain"][1], results["shortcuts"][1], rtol=1e-10, atol=1e-10)
+    assert results["plain"][1] > 0
+    for name, grad in results["plain"][2].items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(results["shortcuts"][2][name], grad, rtol=1e-9, atol=1e-12, msg=name)
+    with pytest.raises(ConfigError, match="unknown training shortcut"):
+        set_train_shortcuts(dedupe=True)

@@ -320,7 +320,7 @@ def dflash_loss(
         # No valid anchor in this batch: one padding slot keeps shapes non-empty and the graph connected (loss 0).
         anchors = anchors.new_full((1,), -1)
         mask = None
-    hidden = drafter.forward_train(batch, anchors, mask=mask)  # [A, B, H]
+    hidden = drafter.forward_train(batch, anchors, mask=mask, predictions_only=True)  # [A, B-1, H]
     num_anchors = anchors.shape[0]
     num_tokens = batch.input_ids.shape[0]
     valid = anchors >= 0
@@ -330,7 +330,7 @@ def dflash_loss(
     supervised = (batch.loss_mask[target_index] > 0) & valid[:, None]  # [A, B-1]
     row_weights = weights_k[None, :] * supervised.float()
     ce_sum, correct = chunked_linear_cross_entropy(
-        hidden[:, 1:, :].reshape(num_anchors * (block_size - 1), -1),
+        hidden.reshape(num_anchors * (block_size - 1), -1),
         drafter.lm_head_weight,
         targets.reshape(-1),
         row_weights.reshape(-1),

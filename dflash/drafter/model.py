@@ -35,7 +35,14 @@ from dflash.errors import ConfigError, MismatchError
 if TYPE_CHECKING:
     from dflash.batching import PackedBatch
 
-__all__ = ["DFlashDrafter", "RMSNorm", "tensor_hash", "set_flex_kernel_options", "flex_kernel_options"]
+__all__ = [
+    "DFlashDrafter",
+    "RMSNorm",
+    "tensor_hash",
+    "set_flex_kernel_options",
+    "flex_kernel_options",
+    "set_train_shortcuts",
+]
 
 #: FlexAttention ``kernel_options`` for every drafter attention call (``None``: inductor's defaults, which
 #: ``benchmarks/flex_attention.py`` found best on the DFlash mask on an H200; docs/benchmarks.md).
@@ -52,6 +59,50 @@ def set_flex_kernel_options(options: dict | None) -> None:
 def flex_kernel_options() -> dict | None:
     """The ``kernel_options`` FlexAttention gets (``None`` = inductor's defaults)."""
     return dict(_flex_override) if _flex_override else None
+
+
+#: Exact rewrites of the training forward (same math, less work); see :func:`set_train_shortcuts`.
+_SHORTCUTS = {"shared_first_layer": True, "skip_anchor_rows": True}
+
+
+def set_train_shortcuts(**switches: bool) -> dict[str, bool]:
+    """Turn the training forward's exact rewrites on or off (all on by default); returns the previous settings.
+
+    * ``shared_first_layer``: the first layer's inputs are the block's token embeddings, which are the same MASK
+      embedding at block positions 1..B-1 of every block: its q/k/v projections run on the ``A + 1`` distinct
+      rows (A anchors, one MASK row) and are broadcast, and no input gradient is formed (the frozen embedding
+      needs none): layer 0's q/k/v GEMMs (forward and weight gradient) shrink from A*B to A + 1 rows and its
+      input-gradient GEMMs for them disappear. The first layer gets its own compiled graph.
+    * ``skip_anchor_rows``: in the last layer, block position 0 (the anchor) feeds the other positions only
+      through its keys/values; its attention output, o_proj, MLP and final norm are skipped
+      (``forward_train(..., predictions_only=True)``, as the loss calls it). The last layer gets its own graph.
+
+    Measured on one H200 (``benchmarks/drafter_step.py --shortcuts none all``, compiled, batch 4): 511.5 -> 497.8 ms
+    per step. (One GEMM over concatenated q/k/v and gate/up weights inside compiled layers was tried too: 5 ms
+    slower per step, so it is not offered.)
+
+    Raises:
+        ConfigError: an unknown switch name.
+    """
+    unknown = sorted(set(switches) - set(_SHORTCUTS))
+    if unknown:
+        raise ConfigError(f"unknown training shortcut(s) {unknown}; known: {sorted(_SHORTCUTS)}")
+    previous = dict(_SHORTCUTS)
+    _SHORTCUTS.update({name: bool(value) for name, value in switches.items()})
+    return previous
+
+
+def _broadcast_blocks(rows: torch.Tensor, num_anchors: int, block_size: int) -> torch.Tensor:
+    """``[A + 1, C]`` (A anchor rows, then the MASK row) -> ``[A*B, C]`` block rows: row 0 of block j is anchor row
+    j, rows 1..B-1 are the MASK row. Its backward sums the MASK row's gradient (a reduction, no atomics)."""
+    anchor_rows = rows[:num_anchors, None, :]
+    mask_rows = rows[num_anchors:, None, :].expand(num_anchors, block_size - 1, rows.shape[-1])
+    return torch.cat([anchor_rows, mask_rows], dim=1).reshape(num_anchors * block_size, rows.shape[-1])
+
+
+def _drop_anchor_rows(rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[A*B, C]`` -> ``[A*(B-1), C]``: block positions 1..B-1."""
+    return rows.view(-1, block_size, rows.shape[-1])[:, 1:].reshape(-1, rows.shape[-1])
 
 
 @functools.cache
@@ -98,6 +149,7 @@ class DFlashAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.block_size = config.block_size
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
@@ -109,22 +161,27 @@ class DFlashAttention(nn.Module):
 
     def forward(
         self,
-        block_states: torch.Tensor,  # [Q, H], already input_layernorm'ed
+        block_states: torch.Tensor,  # [Q, H] (or [A+1, H] with num_anchors), already input_layernorm'ed
         context: torch.Tensor,  # [T, H] fused context features
         block_rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [Q, D]
         key_rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [T+Q, D]: context positions then block positions
         mask: object,  # BlockMask, dense bool [Q, T+Q], or None (no mask: serving path)
+        num_anchors: int = 0,  # > 0: block_states are the A anchor rows then the MASK row (_broadcast_blocks)
+        drop_anchor_rows: bool = False,  # return block positions 1..B-1 only ([A*(B-1), H])
     ) -> torch.Tensor:
-        num_queries, num_context = block_states.shape[0], context.shape[0]
+        num_queries, num_context = block_rope[0].shape[0], context.shape[0]
+        q, k_block, v_block = self.q_proj(block_states), self.k_proj(block_states), self.v_proj(block_states)
+        if num_anchors:
+            q, k_block, v_block = (_broadcast_blocks(t, num_anchors, self.block_size) for t in (q, k_block, v_block))
         # Same k/v projections for the injected context and the block; concatenated after projection (the
         # projected keys are narrower than the hidden states, so this moves less memory than concatenating inputs).
-        k = torch.cat([self.k_proj(context), self.k_proj(block_states)], dim=0)
-        v = torch.cat([self.v_proj(context), self.v_proj(block_states)], dim=0)
+        k = torch.cat([self.k_proj(context), k_block], dim=0)
+        v = torch.cat([self.v_proj(context), v_block], dim=0)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         assert k.shape[0] == num_context + num_queries
         # v comes straight out of a Linear, so it carries the compute dtype (bf16 under autocast); q/k must match.
         # q_norm/k_norm + RoPE in one fused kernel each (eager CUDA; plain ops elsewhere).
-        q = fused.norm_rope(self.q_proj(block_states).view(num_queries, self.num_heads, self.head_dim),
+        q = fused.norm_rope(q.reshape(num_queries, self.num_heads, self.head_dim),
                             self.q_norm.weight, self.q_norm.eps, *block_rope, v.dtype)
         k = fused.norm_rope(k.view(-1, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps,
                             *key_rope, v.dtype)
@@ -142,6 +199,8 @@ class DFlashAttention(nn.Module):
             else:
                 out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=options)
         out = out.squeeze(0).transpose(0, 1).reshape(num_queries, self.num_heads * self.head_dim)
+        if drop_anchor_rows:
+            out = _drop_anchor_rows(out, self.block_size)
         return self.o_proj(out)
 
 
@@ -168,12 +227,21 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
-    def forward(self, hidden_states, context, block_rope, key_rope, mask):
+    def forward(self, hidden_states, context, block_rope, key_rope, mask, num_anchors: int = 0,
+                drop_anchor_rows: bool = False):
+        """``hidden_states`` ``[Q, H]``, or with ``num_anchors`` the ``[A + 1, H]`` distinct rows (anchors, then the
+        MASK row) of a first layer; ``drop_anchor_rows``: return block positions 1..B-1 only. Returns ``[Q, H]``
+        (``[A*(B-1), H]`` with ``drop_anchor_rows``)."""
         # The residual stream stays in the parameter dtype; normed inputs are cast once to the compute dtype
         # (instead of once per consuming Linear by autocast), inside the norm's fused kernel.
         compute_dtype = _compute_dtype_of(hidden_states)
         normed = self.input_layernorm(hidden_states, compute_dtype)
-        attention = self.self_attn(normed, context, block_rope, key_rope, mask)
+        attention = self.self_attn(normed, context, block_rope, key_rope, mask, num_anchors, drop_anchor_rows)
+        block_size = self.self_attn.block_size
+        if num_anchors:
+            hidden_states = _broadcast_blocks(hidden_states, num_anchors, block_size)
+        if drop_anchor_rows:
+            hidden_states = _drop_anchor_rows(hidden_states, block_size)
         norm = self.post_attention_layernorm
         hidden_states, normed = fused.add_rms_norm(hidden_states, attention, norm.weight, norm.eps, compute_dtype)
         return hidden_states + self.mlp(normed)
@@ -296,18 +364,29 @@ class DFlashDrafter(nn.Module):
         # activation of the step) would be written and read again only to be cast back to bf16 by the Linear.
         return self.hidden_norm(self.fc(hidden.to(self._compute_dtype(hidden.device))))
 
-    def _run_layers(self, block_states, context, block_rope, context_rope, mask, *,
-                    use_compiled: bool = True) -> torch.Tensor:
+    def _run_layers(self, block_states, context, block_rope, context_rope, mask, *, use_compiled: bool = True,
+                    num_anchors: int = 0, drop_anchor_rows: bool = False) -> torch.Tensor:
+        """``block_states`` ``[Q, H]`` (or the first layer's ``[A + 1, H]`` distinct rows with ``num_anchors``) through
+        every layer and the final norm; ``drop_anchor_rows``: the last layer returns block positions 1..B-1."""
         layers = self._compiled_layers if use_compiled and self._compiled_layers is not None else self.layers
-        if layers is self._compiled_layers and torch.is_grad_enabled() and not block_states.requires_grad:
+        if num_anchors:  # the first layer has its own graph: no input gradient (the frozen embedding needs none)
+            pass
+        elif layers is self._compiled_layers and torch.is_grad_enabled() and not block_states.requires_grad:
             # The frozen embedding output needs no grad, later layers' inputs do: without this, dynamo builds a
             # second graph for the first layer at every shape (compile time doubles; the extra input-grad GEMMs of
             # layer 0 cost ~0.5% of a step).
             block_states = block_states.detach().requires_grad_(True)
         # Key RoPE (context positions, then block positions) concatenated once per step, shared by every layer.
         key_rope = (torch.cat([context_rope[0], block_rope[0]], dim=0), torch.cat([context_rope[1], block_rope[1]], dim=0))
-        for layer in layers:
-            block_states = layer(block_states, context, block_rope, key_rope, mask)
+        last = len(layers) - 1
+        for index, layer in enumerate(layers):
+            if index == 0 and num_anchors:
+                block_states = layer(block_states, context, block_rope, key_rope, mask, num_anchors,
+                                     drop_anchor_rows and index == last)
+            elif index == last and drop_anchor_rows:
+                block_states = layer(block_states, context, block_rope, key_rope, mask, 0, True)
+            else:
+                block_states = layer(block_states, context, block_rope, key_rope, mask)
         return self.norm(block_states)
 
     def build_mask(self, anchors: torch.Tensor, position_ids: torch.Tensor) -> tuple[AttentionLayout, object]:
@@ -317,7 +396,8 @@ class DFlashDrafter(nn.Module):
         mask = flex_block_mask(layout) if anchors.is_cuda else dense_attention_mask(layout)
         return layout, mask
 
-    def forward_train(self, batch: PackedBatch, anchors: torch.Tensor, *, mask: object = None) -> torch.Tensor:
+    def forward_train(self, batch: PackedBatch, anchors: torch.Tensor, *, mask: object = None,
+                      predictions_only: bool = False) -> torch.Tensor:
         """Training forward of every block of a packed batch at once.
 
         Args:
@@ -325,21 +405,30 @@ class DFlashDrafter(nn.Module):
             anchors: ``[A]`` int64 flat indices into T (from :func:`sample_anchors`); ``-1`` marks a padding slot
                 (fixed-shape path) whose block sees only itself and must get zero loss weight.
             mask: optional precomputed mask from :meth:`build_mask` (e.g. built ahead of time).
+            predictions_only: return block positions 1..B-1 only (the ones the loss scores). With the
+                ``skip_anchor_rows`` shortcut (:func:`set_train_shortcuts`) the last layer then skips position 0's
+                attention output, o_proj and MLP; the result equals ``forward_train(...)[:, 1:]``.
 
         Returns:
-            ``[A, B, H]`` hidden states after the final norm, before the LM head.
+            ``[A, B, H]`` (``[A, B-1, H]`` with ``predictions_only``) hidden states after the final norm, before the
+            LM head.
         """
         self._require_target()
         block_size = self.config.block_size
+        num_anchors = anchors.shape[0]
         if mask is None:
             _, mask = self.build_mask(anchors, batch.position_ids)
         safe = anchors.clamp(min=0)
-        block_ids = torch.full((anchors.shape[0], block_size), self.config.mask_token_id,
-                               dtype=torch.int64, device=anchors.device)
-        block_ids[:, 0] = batch.input_ids[safe]
         offsets = torch.arange(block_size, device=anchors.device)
         block_positions = (batch.position_ids[safe][:, None] + offsets).reshape(-1)  # [Q]
-        context, block_states = self._embed_inputs(batch.hidden, block_ids.reshape(-1))
+        mask_id = torch.full((1,), self.config.mask_token_id, dtype=torch.int64, device=anchors.device)
+        shared_first_layer = _SHORTCUTS["shared_first_layer"] and block_size > 1
+        if shared_first_layer:  # the A + 1 distinct input rows: anchor tokens, then MASK (see set_train_shortcuts)
+            block_ids = torch.cat([batch.input_ids[safe].to(torch.int64), mask_id])
+        else:
+            block_ids = torch.cat([batch.input_ids[safe].to(torch.int64)[:, None],
+                                   mask_id.expand(num_anchors, block_size - 1)], dim=1).reshape(-1)
+        context, block_states = self._embed_inputs(batch.hidden, block_ids)
         rope_dtype = context.dtype
         block_rope = self._rope(block_positions, rope_dtype)
         context_rope = self._rope(batch.position_ids, rope_dtype)
@@ -348,8 +437,13 @@ class DFlashDrafter(nn.Module):
             for layer in self.layers:
                 if layer.self_attn.kernel_options != options:
                     layer.self_attn.kernel_options = options
-        out = self._run_layers(block_states, context, block_rope, context_rope, mask)
-        return out.view(anchors.shape[0], block_size, self.config.hidden_size)
+        skip = predictions_only and _SHORTCUTS["skip_anchor_rows"]
+        out = self._run_layers(block_states, context, block_rope, context_rope, mask,
+                               num_anchors=num_anchors if shared_first_layer else 0, drop_anchor_rows=skip)
+        if skip:
+            return out.view(num_anchors, block_size - 1, self.config.hidden_size)
+        out = out.view(num_anchors, block_size, self.config.hidden_size)
+        return out[:, 1:] if predictions_only else out
 
     @torch.no_grad()
     def draft_block(
