@@ -103,7 +103,7 @@ def _print_info(info: dict[str, Any], console: Console, max_quarantined: int) ->
 
 @cache_app.command("info")
 def info_command(
-    cache: str = typer.Argument(..., help="Cache root: a local folder or an fsspec URL."),
+    cache: str = typer.Argument(..., metavar="CACHE", help="Cache root: a local folder or an fsspec URL."),
     as_json: bool = typer.Option(False, "--json", help="Print the information as JSON instead of tables."),
     max_quarantined: int = typer.Option(20, help="Quarantined samples to list in the table."),
 ) -> None:

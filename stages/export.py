@@ -21,8 +21,8 @@ __all__ = ["register", "export_command"]
 
 
 def export_command(
-    checkpoint: Path = typer.Argument(..., help="Checkpoint folder, or a run folder (its `latest` checkpoint is used)."),
-    out: Path = typer.Argument(..., help="Export folder to create (config.json, model.safetensors, dflash_export.json)."),
+    checkpoint: Path = typer.Argument(..., metavar="CKPT", help="Checkpoint folder, or a run folder (its `latest` checkpoint is used)."),
+    out: Path = typer.Argument(..., metavar="OUT", help="Export folder to create (config.json, model.safetensors, dflash_export.json)."),
     target: str | None = typer.Option(
         None,
         "--target",

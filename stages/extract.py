@@ -173,7 +173,11 @@ class _TokensPerSecond(ProgressColumn):
     """Throughput of a progress task counted in tokens."""
 
     def render(self, task: Any) -> Text:
+        # rich estimates speed from the last updates; with one or two shard updates (small or resumed runs) it has
+        # none, so fall back to the task's average over its elapsed time.
         speed = task.finished_speed or task.speed
+        if not speed and task.completed and task.elapsed:
+            speed = task.completed / task.elapsed
         return Text(f"{speed or 0:,.0f} tok/s", style="progress.data.speed")
 
 

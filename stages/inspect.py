@@ -305,7 +305,7 @@ def _print_artefact(console: Any, artefact: Artefact) -> None:
 
 
 def inspect_command(
-    path: Path = typer.Argument(..., help="A run folder, a checkpoint folder or a serving-format export folder."),
+    path: Path = typer.Argument(..., metavar="PATH", help="A run folder, a checkpoint folder or a serving-format export folder."),
     diff: Path | None = typer.Option(
         None, "--diff", help="Another run/checkpoint/export: print the config keys that differ (exit code 1 if any)."
     ),

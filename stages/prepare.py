@@ -426,7 +426,7 @@ def run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, Pr
         documents = [documents[i] for i in order]
 
     read = 0
-    with CorpusWriter(config.output, overwrite=config.overwrite) as writer, Progress(console=console, transient=True) as progress:
+    with CorpusWriter(config.output, overwrite=config.overwrite) as writer, Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("tokenizing", total=len(documents))
         for read, sample_id, input_ids, loss_mask in _samples(documents, tokenizer, config, policy, report):
             writer.add(input_ids, loss_mask, sample_id)
