@@ -318,3 +318,44 @@ def test_default_write_processes_by_device_and_daemon_status():
     child.start()
     assert queue.get(timeout=60) == 0
     child.join(timeout=60)
+
+
+def _busy_write_process_owner(queue) -> None:
+    """Extract-worker stand-in: a ProcessShardWriter whose write process is busy (a 60 s task), then waits."""
+    from dflash.cache.process_writer import ProcessShardWriter
+
+    writer = ProcessShardWriter(1, write_threads=1)
+    writer.warm_up()
+    writer._pool.submit(time.sleep, 60)  # noqa: SLF001  a shard write that would outlive its worker
+    queue.put(list(writer._pool._processes))  # noqa: SLF001
+    time.sleep(120)
+
+
+def test_write_process_ends_when_its_worker_is_killed():
+    """SIGKILL of the process owning the write processes (an extract worker) ends a write process at once even
+    mid-write, so it cannot go on writing a shard that the rerun on another worker is rewriting (exactly once)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    owner = context.Process(target=_busy_write_process_owner, args=(queue,))
+    owner.start()
+    try:
+        (write_pid,) = queue.get(timeout=120)
+        assert psutil.pid_exists(write_pid)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.join(timeout=30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if psutil.Process(write_pid).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.1)
+        else:
+            psutil.Process(write_pid).kill()
+            pytest.fail(f"write process {write_pid} still running 20 s after its worker was killed")
+    finally:
+        if owner.is_alive():
+            owner.kill()

@@ -24,6 +24,7 @@ import concurrent.futures
 import multiprocessing
 import os
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -107,10 +108,30 @@ _ATTACHED: dict[str, shared_memory.SharedMemory] = {}
 _CACHES: dict[str, Any] = {}
 
 
-def _init_write_process(write_threads: int, nice: int) -> None:
+def _exit_when_orphaned(parent_pid: int, poll_seconds: float = 0.05) -> None:
+    """End this write process within ``poll_seconds`` of its parent's death (a daemon thread polls the parent pid).
+
+    Exactly once depends on it: a write process whose extract worker was killed must not go on writing its shard
+    while the rerun of that shard (on another worker) clears and rewrites the same shard folder. Killed mid-write,
+    the shard stays uncommitted and the rerun redoes it. (An idle write process would also end, at EOF on its
+    task queue; a busy one would finish its shard first.)
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_seconds)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="dflash-orphan-watch", daemon=True).start()
+
+
+def _init_write_process(write_threads: int, nice: int, parent_pid: int | None = None) -> None:
     import zarr
 
     from dflash.cache.chunks import keep_chunk_buffers_mapped
+
+    if parent_pid is not None:
+        _exit_when_orphaned(parent_pid)
 
     # As stages.extract_worker.configure_write_threads: the chunk pool and zarr's pool get ``write_threads``.
     zarr.config.set({"threading.max_workers": int(write_threads), "async.concurrency": max(int(write_threads), 4)})
@@ -173,7 +194,7 @@ class ProcessShardWriter:
         threads = max(1, (write_threads or max(1, cores - 1)) // processes)
         self._pool = concurrent.futures.ProcessPoolExecutor(
             max_workers=processes, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_write_process, initargs=(threads, nice),
+            initializer=_init_write_process, initargs=(threads, nice, os.getpid()),
         )  # fmt: skip
 
     def submit(self, cache_path: str, shard_id: int, samples: list, quarantined: list[dict] | None = None, *,
