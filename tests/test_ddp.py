@@ -27,11 +27,17 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(tiny_cache,
     a = load_checkpoint(tmp_path / "ddp" / "checkpoints" / "step_00000003")
     b = load_checkpoint(tmp_path / "single" / "checkpoints" / "step_00000003")
     assert a.model_state.keys() == b.model_state.keys()
+    # Float32 summation order differs (all-reduce vs accumulation, and CPU GEMM blocking differs with the thread
+    # count): the moments (running gradient statistics) agree to ~1e-5 of each tensor's largest element. Weights
+    # agree to within 2% of one step's largest Adam update (lr 1e-3): Adam divides each gradient by its own RMS,
+    # so an element whose gradient is ~0 moves on that noise alone.
     for name, value in a.model_state.items():
-        torch.testing.assert_close(value, b.model_state[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(value, b.model_state[name], rtol=1e-5, atol=2e-5, msg=name)
     for index, state in a.optimizer_state["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(state[key], b.optimizer_state["state"][index][key], rtol=1e-4, atol=1e-9)
+            expected = b.optimizer_state["state"][index][key]
+            torch.testing.assert_close(state[key], expected, rtol=1e-4, atol=3e-5 * float(expected.abs().max()),
+                                       msg=f"{key} of parameter {index}")
     assert a.trainer_state["scheduler"]["_last_lr"] == b.trainer_state["scheduler"]["_last_lr"]
     # Rank 0 of 2 has read half the batches of the single process: epoch position in global batches agrees.
     assert a.trainer_state["data"]["global_batches_in_epoch"] == b.trainer_state["data"]["global_batches_in_epoch"]
