@@ -26,6 +26,7 @@ length, n = number of taps, H = target hidden size.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,8 @@ from dflash.errors import ConfigError, TargetError
 from dflash.target import LAYER_ID_CONVENTION, validate_target_layer_ids
 
 __all__ = ["TargetRunner", "RunnerBatch", "plan_batches", "find_decoder_layers"]
+
+log = logging.getLogger(__name__)
 
 
 class _StopForward(Exception):
@@ -209,12 +212,17 @@ class TargetRunner:
                 return buffer
         size = max(numel, self.token_budget * self.feature_size)
         if self.shared_host_buffers:
-            from dflash.cache.process_writer import SharedHostBuffer
+            from dflash.cache.process_writer import SharedHostBuffer, SharedMemoryFull
 
-            shared = SharedHostBuffer(size, pin=self.device.type == "cuda")
-            self._shared.append(shared)
-            return shared.tensor
-        return torch.empty(size, dtype=torch.bfloat16, pin_memory=True)
+            try:
+                shared = SharedHostBuffer(size, pin=self.device.type == "cuda")
+            except SharedMemoryFull as error:  # private buffers from now on; their shards are written in threads
+                log.warning("%s: using private host buffers from now on", error)
+                self.shared_host_buffers = False
+            else:
+                self._shared.append(shared)
+                return shared.tensor
+        return torch.empty(size, dtype=torch.bfloat16, pin_memory=self.device.type == "cuda")
 
     def use_shared_host_buffers(self) -> None:
         """From now on allocate host buffers in shared memory (see ``shared_host_buffers``); released private

@@ -502,7 +502,7 @@ def register(app: typer.Typer) -> None:
         dashboard_address: str = typer.Option(":8787", "--dashboard-address", help="Dashboard of a local cluster (':0' = any free port)."),
         write_threads: int | None = typer.Option(None, "--write-threads", help="Chunk-write threads per worker: gather, compress, checksum, store (default: CPU cores per worker - 1, at most 32)."),
         writes_in_flight: int = typer.Option(2, "--writes-in-flight", help="Shard writes per worker overlapping its compute (each holds one shard in host memory)."),
-        write_processes: int | None = typer.Option(None, "--write-processes", help="Write shards in N processes per worker that read the hidden states from shared memory; 0: in threads of the worker (default: 2 on GPU workers, 0 on CPU workers)."),
+        write_processes: int | None = typer.Option(None, "--write-processes", help="Write shards in N processes per worker that read the hidden states from shared memory (/dev/shm; if it is too small, threads are used with a warning); 0: in threads of the worker (default: 2 on GPU workers, 0 on CPU workers)."),
     ) -> None:
         """Extract tapped target hidden states of a corpus into a compressed Zarr v3 cache (Dask workers).
 

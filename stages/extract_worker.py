@@ -260,9 +260,14 @@ class ShardExtractor:
         waiting = time.perf_counter()
         committed = self._collect_pending(keep=self.writes_in_flight - 1)  # backpressure: the device idles here
         write_wait_seconds = time.perf_counter() - waiting
+        future = None
         if self._processes is not None:
-            future = self._processes.submit(spec.cache_path, spec.shard_id, kept, quarantined, skipped=skipped)
-        else:
+            try:
+                future = self._processes.submit(spec.cache_path, spec.shard_id, kept, quarantined, skipped=skipped)
+            except ValueError:  # hidden states in private buffers (shared memory was full): write in a thread
+                log.warning("shard %d: hidden states are not in shared memory; writing it in a thread of this "
+                            "worker", spec.shard_id)
+        if future is None:
             cache = self._cache(spec.cache_path)
             future = self._writer.submit(cache.write_shard, spec.shard_id, kept, quarantined, skipped=skipped)
         num_kept = len(kept)

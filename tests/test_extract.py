@@ -359,3 +359,37 @@ def test_write_process_ends_when_its_worker_is_killed():
     finally:
         if owner.is_alive():
             owner.kill()
+
+
+def test_full_shared_memory_falls_back_to_private_buffers_and_thread_writes(tmp_path, target, corpus_dir, layer_ids,
+                                                                             reference, monkeypatch):
+    """A /dev/shm too small for a host buffer (a container's default is 64 MB): the buffer's pages cannot be
+    reserved, SharedHostBuffer raises SharedMemoryFull naming the fix and leaves no segment behind; an extractor
+    with write processes then uses private buffers and writes those shards in threads: same, complete cache."""
+    import errno
+
+    from dflash.cache.process_writer import SharedHostBuffer, SharedMemoryFull
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    before = set(os.listdir("/dev/shm"))
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(SharedMemoryFull, match="--shm-size.*--write-processes 0"):
+        SharedHostBuffer(1 << 20, pin=False)
+    assert set(os.listdir("/dev/shm")) == before
+
+    output = tmp_path / "cache"
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=40)
+    _, _, shard_rows, _ = prepare_cache(config, _quiet())
+    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=64)
+    extractor = ShardExtractor(runner, write_processes=1, write_threads=1)
+    writes = []
+    for shard_id, (start, stop) in enumerate(shard_rows):
+        spec = ShardSpec(shard_id=shard_id, row_start=start, row_stop=stop, num_tokens=0,
+                         cache_path=str(output), corpus_path=str(corpus_dir))  # fmt: skip
+        writes += extractor.process(spec)["committed"]
+    writes += extractor.close()
+    assert not runner.shared_host_buffers and not runner._shared
+    assert len(writes) == len(shard_rows) and not [w for w in writes if "error" in w]
+    _assert_cache_matches(output, corpus_dir, reference)

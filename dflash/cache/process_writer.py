@@ -34,20 +34,51 @@ import torch
 
 from dflash.errors import ConfigError
 
-__all__ = ["SharedHostBuffer", "ProcessShardWriter", "shared_location"]
+__all__ = ["SharedHostBuffer", "SharedMemoryFull", "ProcessShardWriter", "shared_location"]
 
 _REGISTRY: dict[int, SharedHostBuffer] = {}  # base address -> live buffer (this process)
 _REGISTRY_LOCK = threading.Lock()
 
 
+class SharedMemoryFull(ConfigError):
+    """Not enough POSIX shared memory (``/dev/shm``) for a host buffer."""
+
+
+def _shm_free() -> str:
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:
+        return "/dev/shm not found"
+    return f"/dev/shm has {stats.f_bavail * stats.f_frsize / 2**20:,.0f} MiB free of {stats.f_blocks * stats.f_frsize / 2**20:,.0f} MiB"
+
+
 class SharedHostBuffer:
     """``numel`` bf16 elements of POSIX shared memory as a flat tensor (``.tensor``), pinned for CUDA copies when
     ``pin`` and CUDA is available (``cudaHostRegister``; ``.pinned`` says whether it took). Close with
-    :meth:`close` (unregisters, unmaps and unlinks); views of ``.tensor`` must be gone by then."""
+    :meth:`close` (unregisters, unmaps and unlinks); views of ``.tensor`` must be gone by then.
+
+    Raises:
+        SharedMemoryFull: the pages cannot be reserved (``posix_fallocate`` on the shared-memory file failed,
+            e.g. a container's small ``/dev/shm``); nothing is left behind.
+    """
 
     def __init__(self, numel: int, *, pin: bool) -> None:
         nbytes = max(2, int(numel) * 2)
         self.shm = shared_memory.SharedMemory(create=True, size=nbytes)
+        # Reserve the pages now: a shared-memory file is sparse, and writing past a full /dev/shm (a container's
+        # default is 64 MB) kills the process with SIGBUS instead of raising.
+        fd = getattr(self.shm, "_fd", -1)
+        if fd >= 0 and hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as error:
+                self.shm.close()
+                self.shm.unlink()
+                raise SharedMemoryFull(
+                    f"cannot reserve {nbytes / 2**20:,.0f} MiB of shared memory for a host buffer ({error.strerror}; "
+                    f"{_shm_free()}); give the machine or container more shared memory (docker run --shm-size=...) "
+                    "or write shards in threads (extract --write-processes 0)"
+                ) from None
         self.name = self.shm.name
         self.nbytes = nbytes
         self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.bfloat16, count=nbytes // 2)
