@@ -153,13 +153,12 @@ class ShardExtractor:
         if write_processes < 0:
             raise ConfigError(f"write_processes: expected >= 0, got {write_processes}")
         self._processes = None
+        self._write_processes, self._write_threads = int(write_processes), write_threads
+        self._fallback_warned = False
         if write_processes:
-            from dflash.cache.process_writer import ProcessShardWriter
-
             runner.use_shared_host_buffers()
-            self._processes = ProcessShardWriter(write_processes, write_threads=write_threads)
-            self._processes.warm_up()  # spawn them now (imports included), not during the first shard write
-        elif write_threads is not None:
+            self._processes = self._start_write_processes()
+        if write_threads is not None:  # also in process mode: shards fall back to threads when shared memory is full
             configure_write_threads(write_threads)
         keep_chunk_buffers_mapped()  # reuse chunk-sized buffers instead of page-faulting new ones per chunk
         self.runner = runner
@@ -170,6 +169,32 @@ class ShardExtractor:
         self._pending: collections.deque[tuple[int, concurrent.futures.Future]] = collections.deque()
         self._caches: dict[str, Any] = {}
         self._corpora: dict[str, Any] = {}
+
+    def _start_write_processes(self) -> Any:
+        from dflash.cache.process_writer import ProcessShardWriter
+
+        writer = ProcessShardWriter(self._write_processes, write_threads=self._write_threads)
+        writer.warm_up()  # spawn them now (imports included), not during the first shard write
+        return writer
+
+    def _submit_to_processes(self, spec: ShardSpec, kept: list, quarantined: list[dict],
+                             skipped: list[dict]) -> concurrent.futures.Future | None:  # fmt: skip
+        """The shard's write in a write process, or ``None`` when it must be written in a thread: its hidden states
+        are in private buffers (shared memory was full), or the process pool broke (a write process died; the pool
+        is restarted for later shards)."""
+        try:
+            return self._processes.submit(spec.cache_path, spec.shard_id, kept, quarantined, skipped=skipped)
+        except ValueError:  # hidden states in private buffers (the runner could not get shared memory)
+            if not self._fallback_warned:
+                self._fallback_warned = True
+                log.warning("shard %d: hidden states are not in shared memory; writing such shards in threads of "
+                            "this worker", spec.shard_id)
+        except concurrent.futures.BrokenExecutor as error:  # a write process died (OOM killer, crash)
+            log.warning("shard %d: the write processes broke (%s); writing this shard in a thread and restarting "
+                        "them", spec.shard_id, error)
+            self._processes.shutdown(wait=False)
+            self._processes = self._start_write_processes()
+        return None
 
     def _cache(self, path: str) -> Any:
         if path not in self._caches:
@@ -262,11 +287,7 @@ class ShardExtractor:
         write_wait_seconds = time.perf_counter() - waiting
         future = None
         if self._processes is not None:
-            try:
-                future = self._processes.submit(spec.cache_path, spec.shard_id, kept, quarantined, skipped=skipped)
-            except ValueError:  # hidden states in private buffers (shared memory was full): write in a thread
-                log.warning("shard %d: hidden states are not in shared memory; writing it in a thread of this "
-                            "worker", spec.shard_id)
+            future = self._submit_to_processes(spec, kept, quarantined, skipped)
         if future is None:
             cache = self._cache(spec.cache_path)
             future = self._writer.submit(cache.write_shard, spec.shard_id, kept, quarantined, skipped=skipped)

@@ -11,8 +11,7 @@ from dflash.drafter import dflash_loss, sample_anchors
 
 
 def test_compiled_fixed_shape_path_equals_eager_and_recompiles_per_bucket_only():
-    """Compiled layers (with the fused q/k/v and gate/up GEMMs that only run inside compiled regions) give eager's
-    loss and gradients; graphs are bounded by the buckets."""
+    """Compiled layers give eager's loss and gradients; graphs are bounded by the buckets."""
     torch._dynamo.reset()
     compiles = []
 

@@ -176,33 +176,50 @@ def test_real_smollm2_target_draft_block_matches_training(target, tokenizer):
         torch.testing.assert_close(logits, training[j], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_training_shortcuts_are_exact_rewrites(seed):
-    """shared_first_layer (layer 0 on the A + 1 distinct rows) and skip_anchor_rows (last layer drops block
-    position 0) give the plain forward's outputs at positions 1..B-1 and the same loss and gradients; position 0
-    of the full forward is unchanged by the shared first layer. Packed documents, adjacent anchors, padding slots."""
+@pytest.mark.parametrize("seed,num_layers", [(0, 3), (1, 3), (2, 1)])
+def test_training_shortcuts_are_exact_rewrites(seed, num_layers):
+    """shared_first_layer (layer 0's q/k/v on the A + 1 distinct rows) and skip_anchor_rows (the last layer drops
+    block position 0 before o_proj) give the plain forward's outputs at positions 1..B-1 and the same loss and
+    gradients; position 0 of the full forward is unchanged by the shared first layer. Packed documents, adjacent
+    anchors, padding slots, the MASK id also as a real token, one layer (first = last); and the shortcuts really
+    run (row counts seen by layer 0's q_proj and the last layer's o_proj)."""
     from dflash.drafter import dflash_loss
     from dflash.drafter.model import set_train_shortcuts
 
     lengths = [[23, 17, 9], [40], [12, 30]][seed]
     batch = packed_batch(lengths, width=64, vocab=97, seed=seed, padding=5)
     anchors = torch.cat([random_anchors(batch, 4, 9, seed=seed), torch.full((3,), -1)])
-    drafter = tiny_drafter(seed, num_hidden_layers=3).train()
+    batch.input_ids[anchors[:3]] = 96  # mask_token_id as a real anchor token
+    batch.input_ids[anchors[3:5] + 1] = 96  # and as a target
+    num_anchors = anchors.shape[0]
+    drafter = tiny_drafter(seed, num_hidden_layers=num_layers).train()
+    rows = {}
+    hooks = [drafter.layers[0].self_attn.q_proj.register_forward_hook(
+                 lambda m, args, out: rows.setdefault("q_proj0", []).append(args[0].shape[0])),
+             drafter.layers[-1].self_attn.o_proj.register_forward_hook(
+                 lambda m, args, out: rows.setdefault("o_proj_last", []).append(args[0].shape[0]))]
     results = {}
-    for name, switches in {"plain": dict(shared_first_layer=False, skip_anchor_rows=False),
-                           "shortcuts": dict(shared_first_layer=True, skip_anchor_rows=True)}.items():
-        previous = set_train_shortcuts(**switches)
+    for name, on in {"plain": False, "shortcuts": True}.items():
+        previous = set_train_shortcuts(shared_first_layer=on, skip_anchor_rows=on)
+        rows.clear()
         try:
             drafter.zero_grad()
             full = drafter.forward_train(batch, anchors)
             predictions = drafter.forward_train(batch, anchors, predictions_only=True)
+            empty = drafter.forward_train(batch, anchors[:0])
             out = dflash_loss(drafter, batch, anchors)
             out.loss().backward()
         finally:
             set_train_shortcuts(**previous)
-        assert predictions.shape == (anchors.shape[0], 3, 32)
+        queries = num_anchors * 4
+        assert rows["q_proj0"][:2] == ([num_anchors + 1] * 2 if on else [queries] * 2)
+        assert rows["o_proj_last"][:2] == ([queries, num_anchors * 3] if on else [queries] * 2)
+        assert empty.shape == (0, 4, 32)
+        assert predictions.shape == (num_anchors, 3, 32)
         torch.testing.assert_close(predictions, full[:, 1:], rtol=1e-10, atol=1e-10)
         results[name] = (full.detach(), out.weighted_ce_sum.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()})
+    for hook in hooks:
+        hook.remove()
     torch.testing.assert_close(results["plain"][0], results["shortcuts"][0], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(results["plain"][1], results["shortcuts"][1], rtol=1e-10, atol=1e-10)
     assert results["plain"][1] > 0

@@ -321,19 +321,22 @@ def test_default_write_processes_by_device_and_daemon_status():
 
 
 def _busy_write_process_owner(queue) -> None:
-    """Extract-worker stand-in: a ProcessShardWriter whose write process is busy (a 60 s task), then waits."""
-    from dflash.cache.process_writer import ProcessShardWriter
+    """Extract-worker stand-in: a shared host buffer and a ProcessShardWriter whose write process is busy (a 60 s
+    task), then waits."""
+    from dflash.cache.process_writer import ProcessShardWriter, SharedHostBuffer
 
+    buffer = SharedHostBuffer(1024, pin=False)
     writer = ProcessShardWriter(1, write_threads=1)
     writer.warm_up()
     writer._pool.submit(time.sleep, 60)  # noqa: SLF001  a shard write that would outlive its worker
-    queue.put(list(writer._pool._processes))  # noqa: SLF001
+    queue.put((list(writer._pool._processes), buffer.name))  # noqa: SLF001
     time.sleep(120)
 
 
 def test_write_process_ends_when_its_worker_is_killed():
     """SIGKILL of the process owning the write processes (an extract worker) ends a write process at once even
-    mid-write, so it cannot go on writing a shard that the rerun on another worker is rewriting (exactly once)."""
+    mid-write, so it cannot go on writing a shard that the rerun on another worker is rewriting (exactly once);
+    on its way out it removes the dead worker's shared host buffers from /dev/shm."""
     import multiprocessing
 
     context = multiprocessing.get_context("fork")
@@ -341,8 +344,8 @@ def test_write_process_ends_when_its_worker_is_killed():
     owner = context.Process(target=_busy_write_process_owner, args=(queue,))
     owner.start()
     try:
-        (write_pid,) = queue.get(timeout=120)
-        assert psutil.pid_exists(write_pid)
+        (write_pid,), segment = queue.get(timeout=120)
+        assert psutil.pid_exists(write_pid) and os.path.exists(f"/dev/shm/{segment}")
         os.kill(owner.pid, signal.SIGKILL)
         owner.join(timeout=30)
         deadline = time.monotonic() + 20
@@ -356,6 +359,7 @@ def test_write_process_ends_when_its_worker_is_killed():
         else:
             psutil.Process(write_pid).kill()
             pytest.fail(f"write process {write_pid} still running 20 s after its worker was killed")
+        assert not os.path.exists(f"/dev/shm/{segment}")
     finally:
         if owner.is_alive():
             owner.kill()
@@ -393,3 +397,51 @@ def test_full_shared_memory_falls_back_to_private_buffers_and_thread_writes(tmp_
     assert not runner.shared_host_buffers and not runner._shared
     assert len(writes) == len(shard_rows) and not [w for w in writes if "error" in w]
     _assert_cache_matches(output, corpus_dir, reference)
+
+
+def test_dead_write_process_does_not_fail_later_shards(tmp_path, target, corpus_dir, layer_ids, reference):
+    """A write process dies (OOM killer): the broken pool's next shard is written in a thread, the pool is
+    restarted for the shards after it, and the finished cache is complete and equal to the per-row reference."""
+    output = tmp_path / "cache"
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=40)
+    _, _, shard_rows, _ = prepare_cache(config, _quiet())
+    assert len(shard_rows) >= 3
+    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=64)
+    extractor = ShardExtractor(runner, write_processes=1, write_threads=1)
+    writes = []
+    for shard_id, (start, stop) in enumerate(shard_rows):
+        if shard_id == 1:
+            writes += extractor.flush()
+            pool = extractor._processes._pool  # noqa: SLF001
+            (pid,) = list(pool._processes)  # noqa: SLF001
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while not pool._broken and time.monotonic() < deadline:  # noqa: SLF001
+                time.sleep(0.05)
+            assert pool._broken  # noqa: SLF001
+        spec = ShardSpec(shard_id=shard_id, row_start=start, row_stop=stop, num_tokens=0,
+                         cache_path=str(output), corpus_path=str(corpus_dir))  # fmt: skip
+        writes += extractor.process(spec)["committed"]
+    restarted = extractor._processes._pool  # noqa: SLF001
+    writes += extractor.close()
+    assert restarted is not pool
+    assert sorted(w["shard"] for w in writes) == list(range(len(shard_rows))) and not [w for w in writes if "error" in w]
+    _assert_cache_matches(output, corpus_dir, reference)
+
+
+def test_orphaned_segments_of_dead_workers_are_removed():
+    """Segments named after a process that no longer exists are unlinked (a new write pool sweeps them at start);
+    those of live processes (this one) stay."""
+    from dflash.cache.process_writer import SEGMENT_PREFIX, SharedHostBuffer, remove_orphaned_segments
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = f"/dev/shm/{SEGMENT_PREFIX}{dead.pid}_test"
+    Path(orphan).write_bytes(b"x" * 64)
+    mine = SharedHostBuffer(64, pin=False)
+    try:
+        assert remove_orphaned_segments() >= 1
+        assert not os.path.exists(orphan) and os.path.exists(f"/dev/shm/{mine.name}")
+    finally:
+        mine.close()
+        Path(orphan).unlink(missing_ok=True)

@@ -21,8 +21,10 @@ Tested on CPU for bit-exact equality with the in-process write (directly and thr
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import multiprocessing
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -34,10 +36,71 @@ import torch
 
 from dflash.errors import ConfigError
 
-__all__ = ["SharedHostBuffer", "SharedMemoryFull", "ProcessShardWriter", "shared_location"]
+__all__ = [
+    "SharedHostBuffer",
+    "SharedMemoryFull",
+    "ProcessShardWriter",
+    "shared_location",
+    "remove_segments_of",
+    "remove_orphaned_segments",
+]
+
+log = logging.getLogger(__name__)
 
 _REGISTRY: dict[int, SharedHostBuffer] = {}  # base address -> live buffer (this process)
 _REGISTRY_LOCK = threading.Lock()
+
+
+#: Segment names: ``dflash_<creator pid>_<random>`` (under /dev/shm on Linux), so that the segments of a killed
+#: worker can be found and removed (:func:`remove_segments_of`, :func:`remove_orphaned_segments`).
+SEGMENT_PREFIX = "dflash_"
+_SHM_DIR = "/dev/shm"
+
+
+def _segment_owner(name: str) -> int | None:
+    if not name.startswith(SEGMENT_PREFIX):
+        return None
+    pid = name[len(SEGMENT_PREFIX):].split("_", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def remove_segments_of(pid: int) -> int:
+    """Unlink every shared host buffer created by process ``pid`` (Linux ``/dev/shm``); returns how many.
+
+    Called by a write process whose worker died: a SIGKILLed worker never runs :meth:`SharedHostBuffer.close`, and
+    its segments (GiBs) would otherwise stay until the process that started the worker exits."""
+    removed = 0
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        if _segment_owner(name) == pid:
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name))
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
+def remove_orphaned_segments() -> int:
+    """Unlink the shared host buffers of processes that no longer exist (killed workers); returns how many."""
+    try:
+        owners = {_segment_owner(name) for name in os.listdir(_SHM_DIR)}
+    except OSError:
+        return 0
+    return sum(remove_segments_of(pid) for pid in owners if pid is not None and not _pid_alive(pid))
 
 
 class SharedMemoryFull(ConfigError):
@@ -64,7 +127,8 @@ class SharedHostBuffer:
 
     def __init__(self, numel: int, *, pin: bool) -> None:
         nbytes = max(2, int(numel) * 2)
-        self.shm = shared_memory.SharedMemory(create=True, size=nbytes)
+        name = f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+        self.shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
         # Reserve the pages now: a shared-memory file is sparse, and writing past a full /dev/shm (a container's
         # default is 64 MB) kills the process with SIGBUS instead of raising.
         fd = getattr(self.shm, "_fd", -1)
@@ -145,12 +209,14 @@ def _exit_when_orphaned(parent_pid: int, poll_seconds: float = 0.05) -> None:
     Exactly once depends on it: a write process whose extract worker was killed must not go on writing its shard
     while the rerun of that shard (on another worker) clears and rewrites the same shard folder. Killed mid-write,
     the shard stays uncommitted and the rerun redoes it. (An idle write process would also end, at EOF on its
-    task queue; a busy one would finish its shard first.)
+    task queue; a busy one would finish its shard first.) On the way out it unlinks the dead worker's shared host
+    buffers (:func:`remove_segments_of`).
     """
 
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(poll_seconds)
+        remove_segments_of(parent_pid)  # the dead worker's host buffers: nobody else would free them
         os._exit(1)
 
     threading.Thread(target=watch, name="dflash-orphan-watch", daemon=True).start()
@@ -221,6 +287,9 @@ class ProcessShardWriter:
     def __init__(self, processes: int, *, write_threads: int | None = None, nice: int = 5) -> None:
         if processes < 1:
             raise ConfigError(f"write_processes: expected >= 1, got {processes}")
+        removed = remove_orphaned_segments()  # host buffers of workers killed earlier on this machine
+        if removed:
+            log.warning("removed %d shared-memory host buffers left by killed extract workers", removed)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = max(1, (write_threads or max(1, cores - 1)) // processes)
         self._pool = concurrent.futures.ProcessPoolExecutor(

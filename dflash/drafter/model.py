@@ -323,15 +323,19 @@ class DFlashDrafter(nn.Module):
     def compile_layers(self, **compile_kwargs) -> None:
         """torch.compile each decoder layer (torchtitan style) for the fixed-shape path.
 
-        One graph per distinct shape (length bucket x anchor slots), shared by every layer, so compiles are bounded
-        by the number of buckets. ``compile_kwargs`` go to ``torch.compile`` (default ``dynamic=False``)."""
+        Graphs per distinct shape (length bucket x anchor slots): one shared by the middle layers and, with the
+        training shortcuts (:func:`set_train_shortcuts`), one for the first and one for the last layer; validation
+        (no grad) doubles that. Compiles are thus bounded by a small multiple of the number of buckets.
+        ``compile_kwargs`` go to ``torch.compile`` (default ``dynamic=False``)."""
         import torch._dynamo
 
         compile_kwargs.setdefault("dynamic", False)
-        # One graph per length bucket; the default limit (8) would silently fall back to eager beyond 8 buckets.
+        # All layers share one code object, hence one recompile limit: up to 6 graphs per bucket (3 layer variants,
+        # with and without grad); the default limit (8) would silently fall back to eager after one bucket, and 256
+        # leaves room for ~40 buckets.
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
         self._compiled_layers = [torch.compile(layer, **compile_kwargs) for layer in self.layers]
 
     # ------------------------------------------------------------------ forward
@@ -422,7 +426,7 @@ class DFlashDrafter(nn.Module):
         offsets = torch.arange(block_size, device=anchors.device)
         block_positions = (batch.position_ids[safe][:, None] + offsets).reshape(-1)  # [Q]
         mask_id = torch.full((1,), self.config.mask_token_id, dtype=torch.int64, device=anchors.device)
-        shared_first_layer = _SHORTCUTS["shared_first_layer"] and block_size > 1
+        shared_first_layer = _SHORTCUTS["shared_first_layer"] and num_anchors > 0  # A is a Python int: no sync
         if shared_first_layer:  # the A + 1 distinct input rows: anchor tokens, then MASK (see set_train_shortcuts)
             block_ids = torch.cat([batch.input_ids[safe].to(torch.int64), mask_id])
         else:
