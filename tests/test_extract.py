@@ -244,6 +244,14 @@ def test_worker_sigkill_mid_run_is_redone_exactly_once(tmp_path, corpus_dir, ref
     _assert_cache_matches(output, corpus_dir, reference)
 
 
+def _shard_specs(output: Path, corpus_dir: Path) -> list[ShardSpec]:
+    """The prepared cache's shard tasks (40-token shards of the test corpus), as the extract driver plans them."""
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=40)
+    _, _, shard_rows, _ = prepare_cache(config, _quiet())
+    return [ShardSpec(shard_id=shard_id, row_start=start, row_stop=stop, num_tokens=0, cache_path=str(output),
+                      corpus_path=str(corpus_dir)) for shard_id, (start, stop) in enumerate(shard_rows)]  # fmt: skip
+
+
 def test_write_processes_write_the_same_cache_from_shared_buffers(tmp_path, target, corpus_dir, layer_ids, reference):
     """``write_processes=1``: the runner's host buffers are shared memory and the shard writes run in a spawned
     process that maps them (no copy); the cache equals the per-row reference like the in-process writer's, and the
@@ -251,21 +259,16 @@ def test_write_processes_write_the_same_cache_from_shared_buffers(tmp_path, targ
     from dflash.cache.process_writer import shared_location
 
     output = tmp_path / "cache"
-    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=40)
-    _, _, shard_rows, _ = prepare_cache(config, _quiet())
+    specs = _shard_specs(output, corpus_dir)
     runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=64)
     extractor = ShardExtractor(runner, write_processes=1, write_threads=1)
-    writes = []
-    for shard_id, (start, stop) in enumerate(shard_rows):
-        spec = ShardSpec(shard_id=shard_id, row_start=start, row_stop=stop, num_tokens=0,
-                         cache_path=str(output), corpus_path=str(corpus_dir))  # fmt: skip
-        writes += extractor.process(spec)["committed"]
+    writes = [record for spec in specs for record in extractor.process(spec)["committed"]]
     assert runner.shared_host_buffers and runner._shared
     buffer = runner._shared[0].tensor
     assert shared_location(buffer[10:20]) == (runner._shared[0].name, 20)
     writes += extractor.close()
     assert not runner._shared  # closed with the extractor
-    assert len(writes) == len(shard_rows) and not [w for w in writes if "error" in w]
+    assert len(writes) == len(specs) and not [w for w in writes if "error" in w]
     _assert_cache_matches(output, corpus_dir, reference)
 
 
@@ -384,18 +387,13 @@ def test_full_shared_memory_falls_back_to_private_buffers_and_thread_writes(tmp_
     assert set(os.listdir("/dev/shm")) == before
 
     output = tmp_path / "cache"
-    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=40)
-    _, _, shard_rows, _ = prepare_cache(config, _quiet())
+    specs = _shard_specs(output, corpus_dir)
     runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=64)
     extractor = ShardExtractor(runner, write_processes=1, write_threads=1)
-    writes = []
-    for shard_id, (start, stop) in enumerate(shard_rows):
-        spec = ShardSpec(shard_id=shard_id, row_start=start, row_stop=stop, num_tokens=0,
-                         cache_path=str(output), corpus_path=str(corpus_dir))  # fmt: skip
-        writes += extractor.process(spec)["committed"]
+    writes = [record for spec in specs for record in extractor.process(spec)["committed"]]
     writes += extractor.close()
     assert not runner.shared_host_buffers and not runner._shared
-    assert len(writes) == len(shard_rows) and not [w for w in writes if "error" in w]
+    assert len(writes) == len(specs) and not [w for w in writes if "error" in w]
     _assert_cache_matches(output, corpus_dir, reference)
 
 
@@ -403,14 +401,13 @@ def test_dead_write_process_does_not_fail_later_shards(tmp_path, target, corpus_
     """A write process dies (OOM killer): the broken pool's next shard is written in a thread, the pool is
     restarted for the shards after it, and the finished cache is complete and equal to the per-row reference."""
     output = tmp_path / "cache"
-    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=40)
-    _, _, shard_rows, _ = prepare_cache(config, _quiet())
-    assert len(shard_rows) >= 3
+    specs = _shard_specs(output, corpus_dir)
+    assert len(specs) >= 3
     runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=64)
     extractor = ShardExtractor(runner, write_processes=1, write_threads=1)
     writes = []
-    for shard_id, (start, stop) in enumerate(shard_rows):
-        if shard_id == 1:
+    for spec in specs:
+        if spec.shard_id == 1:
             writes += extractor.flush()
             pool = extractor._processes._pool  # noqa: SLF001
             (pid,) = list(pool._processes)  # noqa: SLF001
@@ -419,13 +416,11 @@ def test_dead_write_process_does_not_fail_later_shards(tmp_path, target, corpus_
             while not pool._broken and time.monotonic() < deadline:  # noqa: SLF001
                 time.sleep(0.05)
             assert pool._broken  # noqa: SLF001
-        spec = ShardSpec(shard_id=shard_id, row_start=start, row_stop=stop, num_tokens=0,
-                         cache_path=str(output), corpus_path=str(corpus_dir))  # fmt: skip
         writes += extractor.process(spec)["committed"]
     restarted = extractor._processes._pool  # noqa: SLF001
     writes += extractor.close()
     assert restarted is not pool
-    assert sorted(w["shard"] for w in writes) == list(range(len(shard_rows))) and not [w for w in writes if "error" in w]
+    assert sorted(w["shard"] for w in writes) == list(range(len(specs))) and not [w for w in writes if "error" in w]
     _assert_cache_matches(output, corpus_dir, reference)
 
 
