@@ -373,9 +373,8 @@ class DFlashDrafter(nn.Module):
         """``block_states`` ``[Q, H]`` (or the first layer's ``[A + 1, H]`` distinct rows with ``num_anchors``) through
         every layer and the final norm; ``drop_anchor_rows``: the last layer returns block positions 1..B-1."""
         layers = self._compiled_layers if use_compiled and self._compiled_layers is not None else self.layers
-        if num_anchors:  # the first layer has its own graph: no input gradient (the frozen embedding needs none)
-            pass
-        elif layers is self._compiled_layers and torch.is_grad_enabled() and not block_states.requires_grad:
+        # With num_anchors the first layer has its own graph and forms no input gradient (the embedding is frozen).
+        if not num_anchors and layers is self._compiled_layers and torch.is_grad_enabled() and not block_states.requires_grad:
             # The frozen embedding output needs no grad, later layers' inputs do: without this, dynamo builds a
             # second graph for the first layer at every shape (compile time doubles; the extra input-grad GEMMs of
             # layer 0 cost ~0.5% of a step).
@@ -384,13 +383,8 @@ class DFlashDrafter(nn.Module):
         key_rope = (torch.cat([context_rope[0], block_rope[0]], dim=0), torch.cat([context_rope[1], block_rope[1]], dim=0))
         last = len(layers) - 1
         for index, layer in enumerate(layers):
-            if index == 0 and num_anchors:
-                block_states = layer(block_states, context, block_rope, key_rope, mask, num_anchors,
-                                     drop_anchor_rows and index == last)
-            elif index == last and drop_anchor_rows:
-                block_states = layer(block_states, context, block_rope, key_rope, mask, 0, True)
-            else:
-                block_states = layer(block_states, context, block_rope, key_rope, mask)
+            block_states = layer(block_states, context, block_rope, key_rope, mask, num_anchors if index == 0 else 0,
+                                 drop_anchor_rows and index == last)
         return self.norm(block_states)
 
     def build_mask(self, anchors: torch.Tensor, position_ids: torch.Tensor) -> tuple[AttentionLayout, object]:
