@@ -32,7 +32,7 @@ from rich.table import Table
 
 from dflash.batching import PackedBatch
 from dflash.drafter import DFlashConfig, DFlashDrafter, attention_layout, dflash_loss, fused, sample_anchors
-from dflash.drafter.model import _SHORTCUTS, set_flex_kernel_options, set_train_shortcuts
+from dflash.drafter.model import set_flex_kernel_options, set_train_shortcuts
 
 console = Console(width=150)
 
@@ -46,6 +46,9 @@ MFU_FORMULA = (
     "of it, and MFU stays on F_step so that settings compare by time."
 )
 
+
+#: Switches of dflash.drafter.model.set_train_shortcuts (it returns the current settings).
+SHORTCUT_NAMES = list(set_train_shortcuts())
 
 #: Public reference trainer's DFlash step at these settings on one H200, torch 2.11 (issue 3): sequence tokens/s.
 REFERENCE_TOKENS_PER_SECOND = {"eager": 16_700.0, "compiled": 20_300.0}
@@ -358,7 +361,7 @@ def main() -> None:
                         help="torch._inductor.config overrides, e.g. '{\"coordinate_descent_tuning\": true}'")
     parser.add_argument("--shortcuts", nargs="+", default=["all"], metavar="SET",
                         help="training shortcuts, each SET one table block: all (default), none, or names joined by "
-                             f"'+' ({', '.join(_SHORTCUTS)}); e.g. --shortcuts none all for an A/B in one run")
+                             f"'+' ({', '.join(SHORTCUT_NAMES)}); e.g. --shortcuts none all for an A/B in one run")
     parser.add_argument("--profile", type=Path, default=None, metavar="OUT_DIR",
                         help="after timing, profile 3 steps per mode/batch; write OUT_DIR/profile_<mode>_b<batch>.txt")
     args = parser.parse_args()
@@ -391,8 +394,8 @@ def main() -> None:
     compile_rows = []
     runs = [(mode, shortcuts) for shortcuts in args.shortcuts for mode in args.modes]
     for mode, shortcuts in runs:
-        names = list(_SHORTCUTS) if shortcuts == "all" else [] if shortcuts == "none" else shortcuts.split("+")
-        set_train_shortcuts(**{name: name in names for name in _SHORTCUTS} | {n: True for n in names})
+        names = SHORTCUT_NAMES if shortcuts == "all" else [] if shortcuts == "none" else shortcuts.split("+")
+        set_train_shortcuts(**{**dict.fromkeys(SHORTCUT_NAMES, False), **dict.fromkeys(names, True)})
         compiled = mode == "compiled"
         torch._dynamo.reset()
         graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
