@@ -32,6 +32,7 @@ from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 
 from dflash.errors import ConfigError
@@ -64,16 +65,6 @@ def _segment_owner(name: str) -> int | None:
     return int(pid) if pid.isdigit() else None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, another user's
-        return True
-    return True
-
-
 def remove_segments_of(pid: int) -> int:
     """Unlink every shared host buffer created by process ``pid`` (Linux ``/dev/shm``); returns how many.
 
@@ -100,7 +91,7 @@ def remove_orphaned_segments() -> int:
         owners = {_segment_owner(name) for name in os.listdir(_SHM_DIR)}
     except OSError:
         return 0
-    return sum(remove_segments_of(pid) for pid in owners if pid is not None and not _pid_alive(pid))
+    return sum(remove_segments_of(pid) for pid in owners if pid is not None and not psutil.pid_exists(pid))
 
 
 class SharedMemoryFull(ConfigError):
