@@ -362,6 +362,9 @@ def main() -> None:
     parser.add_argument("--shortcuts", nargs="+", default=["all"], metavar="SET",
                         help="training shortcuts, each SET one table block: all (default), none, or names joined by "
                              f"'+' ({', '.join(SHORTCUT_NAMES)}); e.g. --shortcuts none all for an A/B in one run")
+    parser.add_argument("--residual-dtype", nargs="+", default=["compute"], choices=["compute", "float32"],
+                        help="residual stream of the block tokens, each one table block: compute (bf16, the default) "
+                             "or float32 (the parameter dtype); e.g. --residual-dtype float32 compute for an A/B")
     parser.add_argument("--profile", type=Path, default=None, metavar="OUT_DIR",
                         help="after timing, profile 3 steps per mode/batch; write OUT_DIR/profile_<mode>_b<batch>.txt")
     args = parser.parse_args()
@@ -392,14 +395,16 @@ def main() -> None:
     table = Table("mode", "shortcuts", "batch", "anchor path", "step ms", "ms/seq", "seq tok/s", "x reference",
                   "TFLOP/step", "MFU", "peak mem GiB")
     compile_rows = []
-    runs = [(mode, shortcuts) for shortcuts in args.shortcuts for mode in args.modes]
-    for mode, shortcuts in runs:
+    runs = [(mode, shortcuts, residual) for residual in args.residual_dtype for shortcuts in args.shortcuts
+            for mode in args.modes]
+    for mode, shortcuts, residual in runs:
         names = SHORTCUT_NAMES if shortcuts == "all" else [] if shortcuts == "none" else shortcuts.split("+")
         set_train_shortcuts(**{**dict.fromkeys(SHORTCUT_NAMES, False), **dict.fromkeys(names, True)})
         compiled = mode == "compiled"
         torch._dynamo.reset()
         graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         drafter = build_drafter(config, device, compiled, args.compile_backend)
+        drafter.residual_in_compute_dtype = residual == "compute"
         stepper = Stepper(drafter, device, args.anchors, args.gamma)
         stepper.ce_chunk_rows = args.ce_chunk_rows
         fixed = compiled  # eager: dynamic anchors (nonzero); compiled: fixed shape, no host sync
@@ -413,13 +418,15 @@ def main() -> None:
             tokens = batch_size * args.seq_len
             mfu = flops / seconds / (args.peak_tflops * 1e12)
             memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-            table.add_row(mode, shortcuts, str(batch_size), "fixed" if fixed else "dynamic", f"{seconds * 1e3:.1f}",
+            label = shortcuts if residual == "compute" else f"{shortcuts}, {residual} residual"
+            table.add_row(mode, label, str(batch_size), "fixed" if fixed else "dynamic", f"{seconds * 1e3:.1f}",
                           f"{seconds * 1e3 / batch_size:.1f}", f"{tokens / seconds:,.0f}",
                           "-" if args.smoke else f"{tokens / seconds / REFERENCE_TOKENS_PER_SECOND[mode]:.2f}",
                           f"{flops / 1e12:.2f}",
                           f"{mfu:.1%}", f"{memory:.1f}")
             if args.profile is not None:
-                suffix = "" if shortcuts == "all" else f"_{shortcuts.replace('+', '-')}"
+                suffix = ("" if shortcuts == "all" else f"_{shortcuts.replace('+', '-')}") + (
+                    "" if residual == "compute" else f"_{residual}_residual")
                 profile_steps(stepper, batch, num_anchors, seconds,
                               args.profile / f"profile_{mode}_b{batch_size}{suffix}.txt",
                               f"{mode}, batch {batch_size}, {'fixed' if fixed else 'dynamic'} anchors, "

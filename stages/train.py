@@ -113,6 +113,9 @@ class TrainConfig:
     """Seed of initial weights, data order and anchors."""
     mixed_precision: Literal["bf16", "none"] = "bf16"
     """bf16 autocast on GPU (CPU always runs fp32)."""
+    residual_dtype: Literal["compute", "float32"] = "compute"
+    """Residual stream of the block tokens: ``compute`` = the autocast dtype (bf16, as serving runs the drafter and
+    Megatron-LM trains), ``float32`` = the parameter dtype. Only matters with mixed precision."""
     compile: bool = False
     """torch.compile the draft layers on the fixed-shape path: every micro-batch padded to ``token_budget`` and
     ``anchor_slots`` anchor slots, so one graph serves every step (eager, dynamic shapes, is the default)."""
@@ -176,6 +179,8 @@ class TrainConfig:
             raise ConfigError(f"validation_fraction must be in [0, 1), got {self.validation_fraction!r}")
         if self.mixed_precision not in ("bf16", "none"):
             raise ConfigError(f"mixed_precision must be 'bf16' or 'none', got {self.mixed_precision!r}")
+        if self.residual_dtype not in ("compute", "float32"):
+            raise ConfigError(f"residual_dtype must be 'compute' or 'float32', got {self.residual_dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.drafter_gpus is not None and self.device == "cpu":
@@ -467,6 +472,8 @@ def register(app: typer.Typer) -> None:
         grad_clip: float = typer.Option(None, "--grad-clip", help="Clip norm (1.0; 0 = off)."),
         seed: int = typer.Option(None, "--seed", help="Seed (0)."),
         mixed_precision: str = typer.Option(None, "--mixed-precision", help="bf16 | none (GPU only)."),
+        residual_dtype: str = typer.Option(
+            None, "--residual-dtype", help="Residual stream dtype: compute (bf16 under autocast) | float32."),
         compile_layers: bool = typer.Option(None, "--compile/--no-compile", help="Fixed shapes + torch.compile."),
         anchor_slots: int = typer.Option(None, "--anchor-slots", help="Anchors per micro-batch with --compile."),
         max_documents: int = typer.Option(None, "--max-documents-per-batch", help="Documents per micro-batch cap."),
@@ -498,7 +505,7 @@ def register(app: typer.Typer) -> None:
             "stop_at_step": stop_at_step, "grad_accum_steps": grad_accum_steps, "lr": lr,
             "betas": [float(b) for b in betas.split(",")] if betas else None, "weight_decay": weight_decay,
             "warmup_ratio": warmup_ratio, "grad_clip": grad_clip, "seed": seed, "mixed_precision": mixed_precision,
-            "compile": compile_layers, "anchor_slots": anchor_slots, "max_documents_per_batch": max_documents,
+            "residual_dtype": residual_dtype, "compile": compile_layers, "anchor_slots": anchor_slots, "max_documents_per_batch": max_documents,
             "min_supervised_tokens": min_supervised_tokens,
             "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "log_every": log_every,
             "allow_config_change": allow_config_change, "progress": progress,

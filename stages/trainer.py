@@ -251,6 +251,7 @@ class Trainer:
         torch.manual_seed(config.seed)  # identical initial weights on every rank and in every rerun
         drafter = DFlashDrafter(drafter_config)
         drafter.attach_target(embed, lm_head)
+        drafter.residual_in_compute_dtype = config.residual_dtype == "compute"
         self.drafter = drafter.to(self.device)
         self.anchor_slots = config.resolved_anchor_slots()
         if config.compile:

@@ -228,3 +228,29 @@ def test_training_shortcuts_are_exact_rewrites(seed, num_layers):
         torch.testing.assert_close(results["shortcuts"][2][name], grad, rtol=1e-9, atol=1e-12, msg=name)
     with pytest.raises(ConfigError, match="unknown training shortcut"):
         set_train_shortcuts(dedupe=True)
+
+
+def test_residual_stream_dtype_under_autocast():
+    """Under bf16 autocast the block tokens' residual stream is bf16 by default (as serving runs it) and float32
+    with ``residual_in_compute_dtype = False``; both give the float64 reference outputs within bf16 rounding, and
+    without autocast the switch changes nothing."""
+    drafter = tiny_drafter(4, dtype=torch.float32)
+    batch = packed_batch([30, 21], width=64, vocab=97, seed=4, dtype=torch.float32)
+    anchors = random_anchors(batch, drafter.config.block_size, count=8, seed=4)
+    seen = []
+    hook = drafter.layers[0].register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    with torch.no_grad():
+        reference = drafter.forward_train(batch, anchors)
+        outputs = {}
+        for flag in (True, False):
+            drafter.residual_in_compute_dtype = flag
+            torch.testing.assert_close(drafter.forward_train(batch, anchors), reference, rtol=0, atol=0)
+            seen.clear()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                outputs[flag] = drafter.forward_train(batch, anchors).float()
+            assert seen == [torch.bfloat16 if flag else torch.float32]
+    hook.remove()
+    scale = reference.abs().max()
+    for flag, out in outputs.items():
+        assert (out - reference).abs().max() < 0.05 * scale, flag
+    assert not torch.equal(outputs[True], outputs[False])  # the switch really changes the arithmetic

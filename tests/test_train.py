@@ -320,6 +320,8 @@ def test_config_fields_are_validated_with_their_names(tmp_path):
         TrainConfig(cache="c", output="o", betas=(0.9, 1.5))
     with pytest.raises(ConfigError, match="drafter_gpus"):
         TrainConfig(cache="c", output="o", drafter_gpus=[1, 1])
+    with pytest.raises(ConfigError, match="residual_dtype"):
+        TrainConfig(cache="c", output="o", residual_dtype="bfloat16")
     config = TrainConfig(cache="c", output="o", save_every=7)
     assert config.eval_every == 7 and config.betas == (0.9, 0.999)
     assert TrainConfig.from_dict(config.to_dict()) == config
