@@ -7,7 +7,8 @@ sequence; the drafter's own ``flex_block_mask``) and times ``flex_attention`` co
 ``BLOCK_M1``.. ``num_warps``/``num_stages``, ``USE_TMA``, ``ROWS_GUARANTEED_SAFE``), optionally also with inductor's
 max-autotune search. Prints one line per candidate as soon as it is measured (so a time-limited run keeps what it
 measured), then a table; ``--json OUT`` writes the figures. A winner is applied with
-``dflash.drafter.model.set_flex_kernel_options`` (inductor's defaults won on an H200; docs/benchmarks.md).
+``dflash.drafter.model.set_flex_kernel_options`` (on an H200 the drafter keeps inductor's defaults: the fastest
+forward alone, 128x128 tiles, did not speed up the training step; docs/benchmarks.md).
 
 Attention FLOPs per call: ``4 * heads * head_dim * visible_pairs`` forward (QK^T and PV), 2.5x that backward.
 
