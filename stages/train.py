@@ -263,6 +263,11 @@ RUNTIME_FIELDS = frozenset({
 })  # fmt: skip
 
 
+#: Fields added after runs already existed whose absence in a saved config means something other than today's
+#: default (runs saved before ``residual_dtype`` existed kept the residual stream in float32).
+ABSENT_IN_OLD_RUNS = {"residual_dtype": "float32"}
+
+
 def trajectory_changes(saved: dict[str, Any], current: dict[str, Any], *, saved_world_size: int, world_size: int) -> list[str]:
     """What differs between a checkpoint's config and the resuming one, in ways that change the trajectory.
 
@@ -272,8 +277,10 @@ def trajectory_changes(saved: dict[str, Any], current: dict[str, Any], *, saved_
     """
     from dataclasses import MISSING
 
-    # A field missing from an older checkpoint had its default then (fields are only ever added with defaults).
+    # A field missing from an older checkpoint had its default then (fields are only ever added with defaults),
+    # except where ABSENT_IN_OLD_RUNS says otherwise.
     defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
+    saved = {**ABSENT_IN_OLD_RUNS, **saved}
     changes = []
     for name in sorted(set(saved) | set(current)):
         if name in RUNTIME_FIELDS or name == "grad_accum_steps":
@@ -408,7 +415,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None) 
         saved = json.loads(run_json.read_text())["config"]
         for one_off in ("stop_at_step", "allow_config_change"):  # they applied to the earlier invocation only
             saved.pop(one_off, None)
-        base = {**saved, **base}
+        base = {**ABSENT_IN_OLD_RUNS, **saved, **base}
     merged = {**base, **{k: v for k, v in overrides.items() if v is not None}}
     merged.setdefault("resume", False)
     return TrainConfig.from_dict(merged)

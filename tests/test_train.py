@@ -369,3 +369,22 @@ def test_gpu_compiled_fixed_shape_path(tiny_cache, tmp_path):
     assert summary["skipped_steps"] == 0 and summary["val"]["loss"] > 0
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["resolved"]["train_loader"]["config"]["pad_to_budget"] is True
+
+
+def test_runs_saved_before_residual_dtype_resume_with_a_float32_residual(tmp_path):
+    """A run.json written before ``residual_dtype`` existed resumes with the float32 residual it trained with, and a
+    request for another one is reported as a trajectory change."""
+    from stages.train import config_from_cli, trajectory_changes
+
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = TrainConfig(cache="c", output=str(run)).to_dict()
+    del saved["residual_dtype"]
+    (run / "run.json").write_text(json.dumps({"config": saved}))
+    resumed = config_from_cli({"output": str(run), "resume": True})
+    assert resumed.residual_dtype == "float32"
+    assert trajectory_changes(saved, resumed.to_dict(), saved_world_size=1, world_size=1) == []
+    explicit = config_from_cli({"output": str(run), "resume": True, "residual_dtype": "compute"})
+    assert trajectory_changes(saved, explicit.to_dict(), saved_world_size=1, world_size=1) == [
+        "residual_dtype: 'float32' -> 'compute'"]
+    assert TrainConfig(cache="c", output="o").residual_dtype == "compute"  # new runs
