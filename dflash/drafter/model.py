@@ -232,8 +232,8 @@ class DFlashDecoderLayer(nn.Module):
         """``hidden_states`` ``[Q, H]``, or with ``num_anchors`` the ``[A + 1, H]`` distinct rows (anchors, then the
         MASK row) of a first layer; ``drop_anchor_rows``: return block positions 1..B-1 only. Returns ``[Q, H]``
         (``[A*(B-1), H]`` with ``drop_anchor_rows``)."""
-        # The residual stream stays in the parameter dtype; normed inputs are cast once to the compute dtype
-        # (instead of once per consuming Linear by autocast), inside the norm's fused kernel.
+        # The residual stream keeps its dtype (DFlashDrafter.residual_in_compute_dtype); normed inputs are cast once
+        # to the compute dtype (instead of once per consuming Linear by autocast), inside the norm's fused kernel.
         compute_dtype = _compute_dtype_of(hidden_states)
         normed = self.input_layernorm(hidden_states, compute_dtype)
         attention = self.self_attn(normed, context, block_rope, key_rope, mask, num_anchors, drop_anchor_rows)
@@ -357,7 +357,7 @@ class DFlashDrafter(nn.Module):
 
     def _embed_inputs(self, hidden: torch.Tensor, block_ids: torch.Tensor):
         """Fused context in the compute dtype (cast once, reused by every layer's k/v projections) and the block's
-        token embeddings in the parameter dtype (the residual stream)."""
+        token embeddings in the residual stream's dtype (see ``residual_in_compute_dtype``)."""
         context = self.fuse_context(hidden).to(self._compute_dtype(hidden.device))
         block_states = F.embedding(block_ids, self.embed_weight).to(
             self._compute_dtype(hidden.device) if self.residual_in_compute_dtype else self.fc.weight.dtype)
