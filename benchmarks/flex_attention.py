@@ -34,29 +34,27 @@ from drafter_step import eight_b_config, make_batch, smoke_config  # noqa: E402
 from dflash.drafter.anchors import sample_anchors  # noqa: E402
 from dflash.drafter.masks import attention_layout, dense_attention_mask, flex_block_mask  # noqa: E402
 
+def _forward(block_m: int, block_n: int, warps: int, stages: int) -> tuple[str, dict]:
+    return f"fwd_{block_m}x{block_n}_w{warps}_s{stages}", {
+        "fwd_BLOCK_M": block_m, "fwd_BLOCK_N": block_n, "fwd_num_warps": warps, "fwd_num_stages": stages}
+
+
+def _backward(block_m: int, block_n: int, warps: int, stages: int) -> tuple[str, dict]:
+    """dK/dV tiles ``block_m x block_n``, dQ tiles transposed (inductor's own backward configs pair them so)."""
+    return f"bwd_{block_m}x{block_n}_w{warps}_s{stages}", {
+        "bwd_BLOCK_M1": block_m, "bwd_BLOCK_N1": block_n, "bwd_BLOCK_M2": block_n, "bwd_BLOCK_N2": block_m,
+        "bwd_num_warps": warps, "bwd_num_stages": stages}
+
+
 #: Candidate kernel options (name -> options). "default" = inductor's own choice for the GPU.
 CANDIDATES: dict[str, dict] = {
     "default": {},
     "rows_safe": {"ROWS_GUARANTEED_SAFE": True},
     "tma": {"USE_TMA": True},
     "tma_rows_safe": {"USE_TMA": True, "ROWS_GUARANTEED_SAFE": True},
-    "fwd_128x128_w8_s2": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 2},
-    "bwd_64x64_w4_s3": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
-                        "bwd_num_warps": 4, "bwd_num_stages": 3},
-    "bwd_32x128_w4_s3": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
-                         "bwd_num_warps": 4, "bwd_num_stages": 3},
-    "bwd_64x128_w8_s2": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
-                         "bwd_num_warps": 8, "bwd_num_stages": 2},
-    "bwd_64x128_w4_s3": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
-                         "bwd_num_warps": 4, "bwd_num_stages": 3},
-    "bwd_64x128_w8_s4": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
-                         "bwd_num_warps": 8, "bwd_num_stages": 4},
-    "bwd_128x128_w8_s2": {"bwd_BLOCK_M1": 128, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 128,
-                          "bwd_num_warps": 8, "bwd_num_stages": 2},
-    "bwd_64x64_w8_s3": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
-                        "bwd_num_warps": 8, "bwd_num_stages": 3},
-    "fwd_128x64_w8_s4": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 8, "fwd_num_stages": 4},
-    "fwd_128x128_w8_s3": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 3},
+    **dict(_forward(*tiles) for tiles in [(128, 128, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3)]),
+    **dict(_backward(*tiles) for tiles in [(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 4, 3),
+                                            (64, 128, 8, 4), (128, 128, 8, 2), (64, 64, 8, 3)]),
 }
 
 
