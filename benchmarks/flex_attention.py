@@ -16,6 +16,7 @@ Attention FLOPs per call: ``4 * heads * head_dim * visible_pairs`` forward (QK^T
     python benchmarks/flex_attention.py --batch 1 --only default,rows_safe
     python benchmarks/flex_attention.py --autotune        # also inductor max-autotune (slow compile)
     python benchmarks/flex_attention.py --smoke           # tiny, CPU: checks that it runs
+    python benchmarks/flex_attention.py --tiles           # the mask's tile counts at full size (CPU, seconds)
 """
 
 from __future__ import annotations
@@ -58,18 +59,30 @@ CANDIDATES: dict[str, dict] = {
 }
 
 
-def build_problem(batch_size: int, smoke: bool, device: torch.device):
-    """q ``[1, Hq, Q, D]``, k/v ``[1, Hkv, T+Q, D]`` bf16 (requires grad), the mask and the visible pair count."""
+def build_layout(batch_size: int, smoke: bool, device: torch.device):
+    """The drafter config, the step's ``AttentionLayout`` and its visible (query, key) pair count."""
     config = smoke_config(16) if smoke else eight_b_config(16)
     seq, budget = (96, 8) if smoke else (3072, 512)
     batch = make_batch([seq] * batch_size, config, device)
     generator = torch.Generator(device=device).manual_seed(0)
     anchors = sample_anchors(batch, config.block_size, budget, generator, num_anchors=budget * batch_size)
     layout = attention_layout(anchors, batch.position_ids, config.block_size)
-    mask = flex_block_mask(layout) if device.type == "cuda" else dense_attention_mask(layout)
     real = anchors >= 0
     visible = float(((layout.context_hi - layout.context_lo).view(-1, config.block_size)[real].sum())
                     + int(real.sum()) * config.block_size * config.block_size)
+    return config, layout, visible
+
+
+def tile_counts(layout) -> tuple[int, int]:
+    """(partial, full) 128x128 tiles of the step's ``BlockMask`` (what FlexAttention computes; any device)."""
+    mask = flex_block_mask(layout)
+    return int(mask.kv_num_blocks.sum()), int(mask.full_kv_num_blocks.sum())
+
+
+def build_problem(batch_size: int, smoke: bool, device: torch.device):
+    """q ``[1, Hq, Q, D]``, k/v ``[1, Hkv, T+Q, D]`` bf16 (requires grad), the mask and the visible pair count."""
+    config, layout, visible = build_layout(batch_size, smoke, device)
+    mask = flex_block_mask(layout) if device.type == "cuda" else dense_attention_mask(layout)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator(device=device).manual_seed(1)
 
@@ -122,7 +135,17 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (SDPA with the dense mask)")
+    parser.add_argument("--tiles", action="store_true",
+                        help="only count the full-size mask's tiles (partial, full, share of computed pairs visible) "
+                             "and exit; runs on CPU")
     args = parser.parse_args()
+    if args.tiles:
+        for batch_size in args.batch:
+            _, layout, visible = build_layout(batch_size, False, torch.device("cpu"))
+            partial, full = tile_counts(layout)
+            print(f"batch {batch_size}: {partial + full} tiles of 128x128 per layer ({partial} partial, {full} full); "
+                  f"visible pairs {visible:.4g} = {visible / ((partial + full) * 128 * 128):.1%} of the computed ones")
+        return
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     candidates = dict(CANDIDATES)
     if args.options:
