@@ -17,22 +17,32 @@ from dflash.drafter.loss import (
     position_weights,
 )
 from dflash.drafter.masks import AttentionLayout, attention_layout, dense_attention_mask, flex_block_mask
-from dflash.drafter.model import DFlashDrafter
+from dflash.drafter.model import (
+    DFlashDrafter,
+    attention_backend,
+    attention_implementation,
+    flash_attention_available,
+    set_attention_backend,
+)
 
 __all__ = [
     "AttentionLayout",
     "DFlashConfig",
     "DFlashDrafter",
     "LossOutput",
+    "attention_backend",
+    "attention_implementation",
     "attention_layout",
     "chunked_linear_cross_entropy",
     "default_gamma",
     "dense_attention_mask",
     "dflash_loss",
     "expected_acceptance_length",
+    "flash_attention_available",
     "flex_block_mask",
     "position_weights",
     "sample_anchors",
     "select_mask_token_id",
+    "set_attention_backend",
     "valid_anchor_mask",
 ]
