@@ -46,8 +46,11 @@ from dflash.compat import check_target_identity, check_training_inputs
 from dflash.drafter import (
     DFlashConfig,
     DFlashDrafter,
+    attention_backend,
+    attention_implementation,
     dflash_loss,
     expected_acceptance_length,
+    flash_attention_available,
     sample_anchors,
 )
 from dflash.errors import CheckpointError, ConfigError
@@ -305,8 +308,15 @@ class Trainer:
         self.timer = StepTimer()
         self.progress = training_progress(enabled=self.is_main and config.progress)
         self.environment = collect_environment() | {"world_size": self.world_size, "device": str(self.device)}
+        compute_dtype = torch.bfloat16 if isinstance(self.autocast, torch.autocast) else torch.float32
+        attention = attention_implementation(self.device, compute_dtype, self.drafter_config.head_dim)
+        if (attention == "flex-triton" and attention_backend() == "auto" and not flash_attention_available()
+                and torch.cuda.get_device_capability(self.device)[0] >= 9):
+            log.info("flash-attn-4 is not installed: FlexAttention runs on inductor's Triton kernels; "
+                     "pip install 'dflash-stages[fa4]' runs it on flash-attn-4's (docs/benchmarks.md)")
         self.resolved = {
             "target_spec": self.target_spec,
+            "attention": attention,
             "drafter_config": self.drafter_config.to_dict(),
             "gamma": config.resolved_gamma(),
             "anchor_slots": self.anchor_slots,
