@@ -32,7 +32,12 @@ from rich.table import Table
 
 from dflash.batching import PackedBatch
 from dflash.drafter import DFlashConfig, DFlashDrafter, attention_layout, dflash_loss, fused, sample_anchors
-from dflash.drafter.model import set_flex_kernel_options, set_train_shortcuts
+from dflash.drafter.model import (
+    attention_implementation,
+    set_attention_backend,
+    set_flex_kernel_options,
+    set_train_shortcuts,
+)
 
 console = Console(width=150)
 
@@ -365,6 +370,10 @@ def main() -> None:
     parser.add_argument("--residual-dtype", nargs="+", default=["compute"], choices=["compute", "float32"],
                         help="residual stream of the block tokens, each one table block: compute (bf16, the default) "
                              "or float32 (the parameter dtype); e.g. --residual-dtype float32 compute for an A/B")
+    parser.add_argument("--attention-backend", nargs="+", default=["auto"], choices=["auto", "flash", "triton"],
+                        help="FlexAttention kernels (dflash.drafter.model.set_attention_backend), each one table "
+                             "block: auto (default: flash-attn-4's where installed, else Triton), flash, triton; "
+                             "e.g. --attention-backend triton flash for an A/B")
     parser.add_argument("--profile", type=Path, default=None, metavar="OUT_DIR",
                         help="after timing, profile 3 steps per mode/batch; write OUT_DIR/profile_<mode>_b<batch>.txt")
     args = parser.parse_args()
@@ -392,12 +401,15 @@ def main() -> None:
                   f"{config.num_hidden_layers} layers, H={config.hidden_size}, V={config.vocab_size}, "
                   f"B={config.block_size}, {args.anchors} anchors/seq, seq {args.seq_len}")
     console.print(MFU_FORMULA)
-    table = Table("mode", "shortcuts", "batch", "anchor path", "step ms", "ms/seq", "seq tok/s", "x reference",
+    table = Table("mode", "shortcuts, attention", "batch", "anchor path", "step ms", "ms/seq", "seq tok/s", "x reference",
                   "TFLOP/step", "MFU", "peak mem GiB")
     compile_rows = []
-    runs = [(mode, shortcuts, residual) for residual in args.residual_dtype for shortcuts in args.shortcuts
-            for mode in args.modes]
-    for mode, shortcuts, residual in runs:
+    runs = [(mode, shortcuts, residual, backend) for backend in args.attention_backend
+            for residual in args.residual_dtype for shortcuts in args.shortcuts for mode in args.modes]
+    for mode, shortcuts, residual, backend in runs:
+        set_attention_backend(backend)
+        attention = attention_implementation(device, torch.bfloat16 if device.type == "cuda" else torch.float32,
+                                             config.head_dim)
         names = SHORTCUT_NAMES if shortcuts == "all" else [] if shortcuts == "none" else shortcuts.split("+")
         set_train_shortcuts(**{**dict.fromkeys(SHORTCUT_NAMES, False), **dict.fromkeys(names, True)})
         compiled = mode == "compiled"
@@ -418,7 +430,7 @@ def main() -> None:
             tokens = batch_size * args.seq_len
             mfu = flops / seconds / (args.peak_tflops * 1e12)
             memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-            label = shortcuts if residual == "compute" else f"{shortcuts}, {residual} residual"
+            label = (shortcuts if residual == "compute" else f"{shortcuts}, {residual} residual") + f", {attention}"
             table.add_row(mode, label, str(batch_size), "fixed" if fixed else "dynamic", f"{seconds * 1e3:.1f}",
                           f"{seconds * 1e3 / batch_size:.1f}", f"{tokens / seconds:,.0f}",
                           "-" if args.smoke else f"{tokens / seconds / REFERENCE_TOKENS_PER_SECOND[mode]:.2f}",
@@ -426,14 +438,15 @@ def main() -> None:
                           f"{mfu:.1%}", f"{memory:.1f}")
             if args.profile is not None:
                 suffix = ("" if shortcuts == "all" else f"_{shortcuts.replace('+', '-')}") + (
-                    "" if residual == "compute" else f"_{residual}_residual")
+                    "" if residual == "compute" else f"_{residual}_residual") + (
+                    "" if len(args.attention_backend) == 1 else f"_{attention}")
                 profile_steps(stepper, batch, num_anchors, seconds,
                               args.profile / f"profile_{mode}_b{batch_size}{suffix}.txt",
-                              f"{mode}, batch {batch_size}, {'fixed' if fixed else 'dynamic'} anchors, "
+                              f"{mode}, batch {batch_size}, {'fixed' if fixed else 'dynamic'} anchors, {attention}, "
                               f"{seconds * 1e3:.1f} ms/step, {tokens / seconds:,.0f} seq tok/s, MFU {mfu:.1%}")
         shapes, graphs = count_compiles(stepper, config, args, device, fixed) if args.shapes else (0, 0)
         total_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_at_start
-        compile_rows.append((mode, shortcuts, shapes, graphs, total_graphs))
+        compile_rows.append((mode, f"{shortcuts}, {attention}", shapes, graphs, total_graphs))
         del drafter, stepper
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -441,7 +454,7 @@ def main() -> None:
     if not args.smoke:
         console.print(f"x reference: seq tok/s over the public reference trainer's ({REFERENCE_TOKENS_PER_SECOND}, "
                       f"one H200, torch 2.11); target >= {TARGET_SPEEDUP}x in each mode.")
-    counts = Table("mode", "shortcuts", "distinct batch shapes", "length buckets", "graphs compiled in sweep",
+    counts = Table("mode", "shortcuts, attention", "distinct batch shapes", "length buckets", "graphs compiled in sweep",
                    "graphs compiled in total")
     for mode, shortcuts, shapes, graphs, total in compile_rows:
         counts.add_row(mode, shortcuts, str(shapes), str(args.buckets) if mode == "compiled" else "-", str(graphs),

@@ -7,8 +7,10 @@ sequence; the drafter's own ``flex_block_mask``) and times ``flex_attention`` co
 ``BLOCK_M1``.. ``num_warps``/``num_stages``, ``USE_TMA``, ``ROWS_GUARANTEED_SAFE``), optionally also with inductor's
 max-autotune search. Prints one line per candidate as soon as it is measured (so a time-limited run keeps what it
 measured), then a table; ``--json OUT`` writes the figures. A winner is applied with
-``dflash.drafter.model.set_flex_kernel_options`` (on an H200 the drafter keeps inductor's defaults: the fastest
-forward alone, 128x128 tiles, did not speed up the training step; docs/benchmarks.md).
+``dflash.drafter.model.set_flex_kernel_options`` (on an H200 the drafter keeps inductor's default Triton tiles: the
+fastest forward alone, 128x128 tiles, did not speed up the training step; docs/benchmarks.md). Where flash-attn-4
+is installed the ``flash`` candidate (``BACKEND="FLASH"``, its CuTe DSL kernels: what the drafter then uses) is
+timed too, and its output and gradients are compared with the Triton default's.
 
 Attention FLOPs per call: ``4 * heads * head_dim * visible_pairs`` forward (QK^T and PV), 2.5x that backward.
 
@@ -34,6 +36,8 @@ from drafter_step import eight_b_config, make_batch, smoke_config  # noqa: E402
 
 from dflash.drafter.anchors import sample_anchors  # noqa: E402
 from dflash.drafter.masks import attention_layout, dense_attention_mask, flex_block_mask  # noqa: E402
+from dflash.drafter.model import flash_attention_available  # noqa: E402
+
 
 def _forward(block_m: int, block_n: int, warps: int, stages: int) -> tuple[str, dict]:
     return f"fwd_{block_m}x{block_n}_w{warps}_s{stages}", {
@@ -125,6 +129,21 @@ def time_candidate(fn, q, k, v, mask, options: dict, warmup: int, iters: int, de
     return forward * 1e3, both * 1e3
 
 
+def relative_differences(fn, q, k, v, mask, options: dict) -> dict[str, float]:
+    """``|a - b| / |a|`` (L2) of the output and of dq/dk/dv between ``options`` and the Triton default."""
+    grad = torch.randn_like(q)
+    results = []
+    for opts in (None, options):
+        for tensor in (q, k, v):
+            tensor.grad = None
+        out = fn(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=opts)
+        out.backward(grad)
+        results.append([out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()])
+    for tensor in (q, k, v):
+        tensor.grad = None
+    return {name: float((a - b).norm() / a.norm()) for name, a, b in zip(("out", "dq", "dk", "dv"), *results, strict=True)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[4])
@@ -148,6 +167,8 @@ def main() -> None:
         return
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     candidates = dict(CANDIDATES)
+    if flash_attention_available():
+        candidates["flash"] = {"BACKEND": "FLASH"}
     if args.options:
         candidates["custom"] = json.loads(args.options)
     if args.only:
@@ -181,10 +202,15 @@ def main() -> None:
                    "fwd_bwd_ms": both, "fwd_tflops": flops_fwd / forward / 1e9,
                    "bwd_tflops": 2.5 * flops_fwd / max(backward, 1e-9) / 1e9,
                    "compile_and_time_s": time.perf_counter() - started}
+            if options.get("BACKEND") == "FLASH":
+                row["rel_l2_vs_triton"] = relative_differences(fn, q, k, v, mask, options)
             rows.append(row)
             print(f"  {name:22s} fwd {forward:8.3f} ms ({row['fwd_tflops']:6.1f} TFLOP/s)  bwd {backward:8.3f} ms "
                   f"({row['bwd_tflops']:6.1f} TFLOP/s)  fwd+bwd {both:8.3f} ms  [{row['compile_and_time_s']:.0f} s]",
                   flush=True)
+            if "rel_l2_vs_triton" in row:
+                print("  " + " ".join(f"{key} {value:.2e}" for key, value in row["rel_l2_vs_triton"].items())
+                      + "  (relative L2 difference from the Triton default)", flush=True)
         del q, k, v, mask
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(device) if device.type == "cuda"

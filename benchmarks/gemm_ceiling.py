@@ -74,7 +74,7 @@ def main() -> None:
             compiled(a, b)
             torch.cuda.synchronize()
             tuning = time.perf_counter() - started
-            s = seconds_per_call(lambda: compiled(a, b))
+            s = seconds_per_call(lambda compiled=compiled, a=a, b=b: compiled(a, b))
             print(f"triton    {name:30s} {s * 1e3:8.3f} ms {2 * m * k * n / s / 1e12:7.1f} TFLOP/s "
                   f"(autotune {tuning:.0f} s)", flush=True)
             torch._dynamo.reset()
