@@ -83,21 +83,32 @@ def test_unknown_names_are_refused(restore_backend, monkeypatch):
 
 @pytest.mark.gpu
 def test_flash_path_trains_like_the_triton_path(restore_backend):
+    """Against a float32 reference (Triton kernels, no autocast), the bf16 flash path's output and every parameter
+    gradient are as close as the bf16 Triton path's (within 2x its error): the FlashAttention test convention. A
+    direct flash-vs-Triton comparison is not a fair test here: gradients such as fc's are sums that cancel to tiny
+    values, so the bf16 rounding of either path alone moves them by their own size."""
     if not model.flash_attention_available() or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs flash-attn-4 (pip install 'dflash-stages[fa4]') and a Hopper or newer GPU")
     drafter = tiny_drafter(0, dtype=torch.float32, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=64, intermediate_size=512, block_size=16).cuda()
     batch = packed_batch([700, 300, 213], width=512, vocab=97, dtype=torch.float32, padding=11).to("cuda")
     anchors = random_anchors(batch.to("cpu"), 16, count=100).cuda()
-    results = {}
-    for backend in ("triton", "flash"):
+
+    def run(backend: str, bf16: bool):
         model.set_attention_backend(backend)
         drafter.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
             out = drafter.forward_train(batch, anchors)
         out.float().square().mean().backward()
-        results[backend] = (out.detach().float(), {n: p.grad.detach().clone() for n, p in drafter.named_parameters()})
-    (out_t, grads_t), (out_f, grads_f) = results["triton"], results["flash"]
-    assert (out_t - out_f).norm() / out_t.norm() < 1e-2
-    for name, grad in grads_t.items():
-        assert (grad - grads_f[name]).norm() / grad.norm() < 3e-2, name
+        return out.detach().float(), {n: p.grad.detach().clone() for n, p in drafter.named_parameters()}
+
+    reference = run("triton", bf16=False)  # float32: auto and triton agree, flash has no fp32 kernels
+    triton, flash = run("triton", bf16=True), run("flash", bf16=True)
+
+    def error(result, name=None):
+        got, want = (result[0], reference[0]) if name is None else (result[1][name], reference[1][name])
+        return float((got - want).norm() / want.norm())
+
+    assert error(flash) <= 2 * error(triton) + 1e-3
+    for name in reference[1]:
+        assert error(flash, name) <= 2 * error(triton, name) + 1e-3, (name, error(flash, name), error(triton, name))
