@@ -7,6 +7,12 @@ Follows DFlash (arXiv 2602.06036) and the serving implementations (vLLM ``qwen3_
 from __future__ import annotations
 
 from dflash.drafter.anchors import sample_anchors, valid_anchor_mask
+from dflash.drafter.attention_kernels import (
+    attention_backend,
+    attention_implementation,
+    flash_attention_available,
+    set_attention_backend,
+)
 from dflash.drafter.config import DFlashConfig, select_mask_token_id
 from dflash.drafter.loss import (
     LossOutput,
@@ -17,13 +23,7 @@ from dflash.drafter.loss import (
     position_weights,
 )
 from dflash.drafter.masks import AttentionLayout, attention_layout, dense_attention_mask, flex_block_mask
-from dflash.drafter.model import (
-    DFlashDrafter,
-    attention_backend,
-    attention_implementation,
-    flash_attention_available,
-    set_attention_backend,
-)
+from dflash.drafter.model import DFlashDrafter
 
 __all__ = [
     "AttentionLayout",

@@ -12,9 +12,8 @@ Follows DFlash (arXiv 2602.06036, section 3) and the serving implementations it 
 
 Speed: the elementwise parts of a layer (norms, q/k norm + RoPE, SwiGLU) come from :mod:`dflash.drafter.fused`
 (compiled fused kernels in eager mode on CUDA, the same math as plain ops elsewhere); key RoPE is concatenated once
-per step and the BlockMask built once per step, both shared by every layer. FlexAttention runs on flash-attn-4's
-CuTe DSL kernels (``BACKEND="FLASH"``) where they are installed and apply, else on inductor's Triton kernels
-(:func:`attention_kernel_options`).
+per step and the BlockMask built once per step, both shared by every layer. Which kernels run FlexAttention
+(flash-attn-4's or inductor's Triton ones) is :mod:`dflash.drafter.attention_kernels`'s choice.
 
 Legend: T packed tokens, A anchors, B block size, Q = A*B queries, H hidden, n taps, V vocab, D head_dim.
 """
@@ -23,8 +22,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.drafter import fused
+from dflash.drafter.attention_kernels import (  # re-exported: documented as dflash.drafter.model.*
+    attention_kernel_options,
+    flex_kernel_options,
+    set_flex_kernel_options,
+)
 from dflash.drafter.config import DFlashConfig
 from dflash.drafter.masks import AttentionLayout, attention_layout, dense_attention_mask, flex_block_mask
 from dflash.errors import ConfigError, MismatchError
@@ -45,122 +47,9 @@ __all__ = [
     "tensor_hash",
     "set_flex_kernel_options",
     "flex_kernel_options",
-    "ATTENTION_BACKENDS",
-    "set_attention_backend",
-    "attention_backend",
-    "flash_attention_available",
     "attention_kernel_options",
     "set_train_shortcuts",
 ]
-
-#: Explicit FlexAttention ``kernel_options`` for every drafter attention call (``None``: chosen by
-#: :func:`attention_kernel_options`; on an H200 inductor's default Triton tiles were the fastest Triton choice,
-#: ``benchmarks/flex_attention.py``, docs/benchmarks.md).
-_flex_override: dict | None = None
-
-
-def set_flex_kernel_options(options: dict | None) -> None:
-    """Set the FlexAttention ``kernel_options`` of every drafter attention call in this process (``None`` or
-    ``{}``: back to :func:`attention_kernel_options`' choice). For tuning and benchmarks; they replace the backend
-    choice (add ``"BACKEND": "FLASH"`` to tune the flash path); a compiled layer recompiles once after a change."""
-    global _flex_override
-    _flex_override = dict(options) if options else None
-
-
-def flex_kernel_options() -> dict | None:
-    """The ``kernel_options`` set with :func:`set_flex_kernel_options` (``None``: none set)."""
-    return dict(_flex_override) if _flex_override else None
-
-
-#: Implementations of the drafter's FlexAttention: ``flash`` = flash-attn-4's CuTe DSL kernels (torch's
-#: ``kernel_options={"BACKEND": "FLASH"}``), ``triton`` = inductor's Triton kernels, ``auto`` = flash where
-#: :func:`attention_kernel_options` finds it usable, else triton.
-ATTENTION_BACKENDS = ("auto", "flash", "triton")
-#: Default from the environment (``DFLASH_ATTENTION_BACKEND``), so that every process of a run (DDP ranks,
-#: benchmarks) picks the same one; :func:`set_attention_backend` changes it in this process.
-_attention_backend = {"name": os.environ.get("DFLASH_ATTENTION_BACKEND", "auto").strip().lower() or "auto"}
-#: Head dims the flash path is chosen for by ``auto`` (the ones flash-attn-4 builds for Hopper and Blackwell and
-#: the drafter configs use; ``flash`` forces it for others).
-_FLASH_HEAD_DIMS = (64, 128)
-
-
-def set_attention_backend(name: str) -> str:
-    """Choose the FlexAttention implementation (one of :data:`ATTENTION_BACKENDS`); returns the previous choice.
-
-    Raises:
-        ConfigError: an unknown name.
-    """
-    name = str(name).strip().lower()
-    if name not in ATTENTION_BACKENDS:
-        raise ConfigError(f"unknown attention backend {name!r}; choose one of {list(ATTENTION_BACKENDS)} "
-                          "(argument or DFLASH_ATTENTION_BACKEND)")
-    previous = _attention_backend["name"]
-    _attention_backend["name"] = name
-    return previous
-
-
-def attention_backend() -> str:
-    """The chosen FlexAttention implementation (``auto``, ``flash`` or ``triton``; see :func:`set_attention_backend`)."""
-    return _attention_backend["name"]
-
-
-@functools.cache
-def flash_attention_available() -> bool:
-    """True when torch's FlexAttention has the FLASH backend and flash-attn-4's CuTe DSL (``flash_attn.cute``,
-    ``pip install 'dflash-stages[fa4]'``) is importable: the check torch itself makes before using it."""
-    try:
-        return (importlib.util.find_spec("torch._inductor.kernel.flex.flex_flash_attention") is not None
-                and importlib.util.find_spec("flash_attn.cute") is not None)
-    except (ImportError, ValueError):  # a parent package missing or half-installed
-        return False
-
-
-def attention_kernel_options(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict | None:
-    """FlexAttention ``kernel_options`` for the drafter's attention on ``device`` with q/k/v in ``dtype``.
-
-    Options set with :func:`set_flex_kernel_options` win (tuning). Otherwise, per :func:`attention_backend`:
-    ``auto`` gives ``{"BACKEND": "FLASH"}`` on a CUDA GPU of compute capability 9.0 or newer (Hopper, Blackwell)
-    with bf16/fp16 inputs, head_dim 64 or 128 and flash-attn-4 installed, else ``None`` (inductor's Triton kernels,
-    which run everywhere, fp32 included); ``flash`` gives it unconditionally; ``triton`` gives ``None``.
-    On one H200 (torch 2.11, flash-attn-4 4.0.0b36), at the 8B shape of ``benchmarks/drafter_step.py`` (batch 4,
-    one layer: ``benchmarks/flex_attention.py``) the flash kernels take 2.08 ms forward and 7.42 ms backward against
-    Triton's 3.05 and 7.88, with outputs and gradients equal within bf16 rounding (relative L2 difference <= 0.3%);
-    the compiled batch-4 step goes from 485.3 to 476.8 ms (another H200, one process: 490.6 to 482.9 ms).
-
-    Raises:
-        ConfigError: ``flash`` chosen but flash-attn-4 is not importable; an unknown ``DFLASH_ATTENTION_BACKEND``.
-    """
-    if _flex_override:
-        return dict(_flex_override)
-    name = _attention_backend["name"]
-    if name not in ATTENTION_BACKENDS:  # a bad DFLASH_ATTENTION_BACKEND value
-        set_attention_backend(name)  # raises ConfigError naming the choices
-    if name == "auto":
-        usable = (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_dim in _FLASH_HEAD_DIMS
-                  and torch.cuda.get_device_capability(device)[0] >= 9 and flash_attention_available())
-        name = "flash" if usable else "triton"
-    if name == "flash":
-        if not flash_attention_available():
-            raise ConfigError(
-                "attention backend 'flash' needs flash-attn-4's CuTe DSL (import flash_attn.cute failed): install it "
-                "with pip install 'dflash-stages[fa4]', or choose DFLASH_ATTENTION_BACKEND=triton"
-            )
-        return {"BACKEND": "FLASH"}
-    return None
-
-
-def attention_implementation(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """What runs the drafter's training attention: ``"flex-flash"`` (flash-attn-4 kernels), ``"flex-triton"`` or,
-    off CUDA, ``"dense-sdpa"`` (the dense-mask path). For run records and logs.
-
-    Raises:
-        ConfigError: as :func:`attention_kernel_options`.
-    """
-    if device.type != "cuda":
-        return "dense-sdpa"
-    options = attention_kernel_options(device, dtype, head_dim) or {}
-    return "flex-flash" if options.get("BACKEND") == "FLASH" else "flex-triton"
-
 
 #: Exact rewrites of the training forward (same math, less work); see :func:`set_train_shortcuts`.
 _SHORTCUTS = {"shared_first_layer": True, "skip_anchor_rows": True}
