@@ -484,8 +484,8 @@ def register(app: typer.Typer) -> None:
         compile_layers: bool = typer.Option(None, "--compile/--no-compile", help="Fixed shapes + torch.compile."),
         attention_backend: str = typer.Option(
             None, "--attention-backend",
-            help="FlexAttention kernels: auto (flash-attn-4's where installed and usable, else Triton) | flash | "
-                 "triton. Same as DFLASH_ATTENTION_BACKEND; not part of the run's config.",
+            help="Attention kernels (GPU only): auto (flash-attn-4's where installed and usable, else Triton) | "
+                 "flash | triton. Same as DFLASH_ATTENTION_BACKEND; not part of the run's config.",
         ),
         anchor_slots: int = typer.Option(None, "--anchor-slots", help="Anchors per micro-batch with --compile."),
         max_documents: int = typer.Option(None, "--max-documents-per-batch", help="Documents per micro-batch cap."),
@@ -507,11 +507,11 @@ def register(app: typer.Typer) -> None:
         """
         from rich.console import Console
 
-        if attention_backend is not None:
-            from dflash.drafter import set_attention_backend
+        from dflash.drafter import attention_backend as current_attention_backend
+        from dflash.drafter import set_attention_backend
 
-            set_attention_backend(attention_backend)  # ConfigError for an unknown name
-            os.environ["DFLASH_ATTENTION_BACKEND"] = attention_backend.strip().lower()  # DDP workers inherit it
+        # Checked before anything runs (also a bad DFLASH_ATTENTION_BACKEND); sets the variable DDP workers read.
+        set_attention_backend(attention_backend if attention_backend is not None else current_attention_backend())
         overrides = {
             "cache": cache, "output": output, "resume": resume, "target": target,
             "drafter_gpus": _csv_ints(drafter_gpus), "cpu_processes": cpu_processes, "device": device,

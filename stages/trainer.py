@@ -53,6 +53,7 @@ from dflash.drafter import (
     flash_attention_available,
     sample_anchors,
 )
+from dflash.drafter.attention_kernels import flash_attention_applies
 from dflash.errors import CheckpointError, ConfigError
 from dflash.optim import build_optimizer, build_scheduler, clip_grad_norm
 from dflash.stream import StreamConfig, StreamingLoader
@@ -309,11 +310,16 @@ class Trainer:
         self.progress = training_progress(enabled=self.is_main and config.progress)
         self.environment = collect_environment() | {"world_size": self.world_size, "device": str(self.device)}
         compute_dtype = torch.bfloat16 if isinstance(self.autocast, torch.autocast) else torch.float32
-        attention = attention_implementation(self.device, compute_dtype, self.drafter_config.head_dim)
-        if (attention == "flex-triton" and attention_backend() == "auto" and not flash_attention_available()
-                and torch.cuda.get_device_capability(self.device)[0] >= 9):
-            log.info("flash-attn-4 is not installed: FlexAttention runs on inductor's Triton kernels; "
-                     "pip install 'dflash-stages[fa4]' runs it on flash-attn-4's (docs/benchmarks.md)")
+        head_dim = self.drafter_config.head_dim
+        attention = attention_implementation(self.device, compute_dtype, head_dim)
+        if self.is_main and attention_backend() == "auto" and attention == "flex-triton" and flash_attention_applies(
+                self.device, compute_dtype, head_dim) and not flash_attention_available():
+            log.info("flash-attn-4 is not installed: attention runs on inductor's Triton kernels; "
+                     "pip install 'dflash-stages[fa4]' runs it on flash-attn-4's, 1.6-1.8%% faster per step on an H200 "
+                     "(docs/benchmarks.md)")
+        if self.is_main and attention_backend() == "flash" and attention == "dense-sdpa":
+            log.warning("--attention-backend flash ignored on %s: off CUDA the drafter uses its dense-mask path",
+                        self.device)
         self.resolved = {
             "target_spec": self.target_spec,
             "attention": attention,
