@@ -81,6 +81,7 @@ def test_resume_reproduces_straight_run_bit_exactly(tiny_cache, tmp_path):
     run = json.loads((tmp_path / "straight" / "run.json").read_text())
     assert run["config"]["lr"] == 1e-3 and run["resolved"]["total_steps"] == 4
     assert run["resolved"]["drafter_config"]["target_layer_ids"] == [1, 3]
+    assert run["resolved"]["attention"] == "dense-sdpa"  # CPU: the dense-mask path (a GPU run records flex-*)
     assert run["environment"]["versions"]["torch"] and run["environment"]["python"]
     assert (tmp_path / "straight" / "latest").read_text().strip() == "step_00000004"
     saves = read_metrics(tmp_path / "straight", kind="checkpoint")
