@@ -32,12 +32,13 @@ from rich.table import Table
 
 from dflash.batching import PackedBatch
 from dflash.drafter import DFlashConfig, DFlashDrafter, attention_layout, dflash_loss, fused, sample_anchors
-from dflash.drafter.model import (
+from dflash.drafter.attention_kernels import (
+    attention_backend,
     attention_implementation,
     set_attention_backend,
     set_flex_kernel_options,
-    set_train_shortcuts,
 )
+from dflash.drafter.model import set_train_shortcuts
 
 console = Console(width=150)
 
@@ -370,13 +371,14 @@ def main() -> None:
     parser.add_argument("--residual-dtype", nargs="+", default=["compute"], choices=["compute", "float32"],
                         help="residual stream of the block tokens, each one table block: compute (bf16, the default) "
                              "or float32 (the parameter dtype); e.g. --residual-dtype float32 compute for an A/B")
-    parser.add_argument("--attention-backend", nargs="+", default=["auto"], choices=["auto", "flash", "triton"],
-                        help="FlexAttention kernels (dflash.drafter.model.set_attention_backend), each one table "
-                             "block: auto (default: flash-attn-4's where installed, else Triton), flash, triton; "
-                             "e.g. --attention-backend triton flash for an A/B")
+    parser.add_argument("--attention-backend", nargs="+", default=None, choices=["auto", "flash", "triton"],
+                        help="attention kernels (dflash.drafter.attention_kernels), each one table block: auto "
+                             "(flash-attn-4's where installed and usable, else Triton), flash, triton; default: "
+                             "DFLASH_ATTENTION_BACKEND or auto; e.g. --attention-backend triton flash for an A/B")
     parser.add_argument("--profile", type=Path, default=None, metavar="OUT_DIR",
                         help="after timing, profile 3 steps per mode/batch; write OUT_DIR/profile_<mode>_b<batch>.txt")
     args = parser.parse_args()
+    args.attention_backend = args.attention_backend or [attention_backend()]
     if args.smoke:
         args.seq_len, args.anchors, args.block_size, args.gamma = 96, 8, 4, 4.0
         args.warmup, args.steps, args.buckets = 1, 2, 2
@@ -439,7 +441,7 @@ def main() -> None:
             if args.profile is not None:
                 suffix = ("" if shortcuts == "all" else f"_{shortcuts.replace('+', '-')}") + (
                     "" if residual == "compute" else f"_{residual}_residual") + (
-                    "" if len(args.attention_backend) == 1 else f"_{attention}")
+                    "" if len(args.attention_backend) == 1 else f"_{backend}")
                 profile_steps(stepper, batch, num_anchors, seconds,
                               args.profile / f"profile_{mode}_b{batch_size}{suffix}.txt",
                               f"{mode}, batch {batch_size}, {'fixed' if fixed else 'dynamic'} anchors, {attention}, "

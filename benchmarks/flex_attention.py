@@ -7,7 +7,7 @@ sequence; the drafter's own ``flex_block_mask``) and times ``flex_attention`` co
 ``BLOCK_M1``.. ``num_warps``/``num_stages``, ``USE_TMA``, ``ROWS_GUARANTEED_SAFE``), optionally also with inductor's
 max-autotune search. Prints one line per candidate as soon as it is measured (so a time-limited run keeps what it
 measured), then a table; ``--json OUT`` writes the figures. A winner is applied with
-``dflash.drafter.model.set_flex_kernel_options`` (on an H200 the drafter keeps inductor's default Triton tiles: the
+``dflash.drafter.attention_kernels.set_flex_kernel_options`` (on an H200 the drafter keeps inductor's default Triton tiles: the
 fastest forward alone, 128x128 tiles, did not speed up the training step; docs/benchmarks.md). Where flash-attn-4
 is installed the ``flash`` candidate (``BACKEND="FLASH"``, its CuTe DSL kernels: what the drafter then uses) is
 timed too, and its output and gradients are compared with the Triton default's.
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from drafter_step import eight_b_config, make_batch, smoke_config  # noqa: E402
 
 from dflash.drafter.anchors import sample_anchors  # noqa: E402
+from dflash.drafter.attention_kernels import flash_attention_available  # noqa: E402
 from dflash.drafter.masks import attention_layout, dense_attention_mask, flex_block_mask  # noqa: E402
-from dflash.drafter.model import flash_attention_available  # noqa: E402
 
 
 def _forward(block_m: int, block_n: int, warps: int, stages: int) -> tuple[str, dict]:
