@@ -475,3 +475,17 @@ def test_direct_chunk_encoding_is_byte_identical_to_zarr(tmp_path, real_samples,
             assert (root / "direct" / relative).read_bytes() == (root / "by_zarr" / relative).read_bytes(), (name, relative)
         np.testing.assert_array_equal(zarr.open_array(str(root / "direct"), mode="r")[...], values)
     assert handled == len(CODEC_PRESETS) - 1
+
+
+def test_write_process_task_commits_a_shard_with_no_kept_sample(tmp_path, target, real_samples):
+    """A shard whose every row was quarantined reaches a write process with no sample (so no shared-memory view):
+    it commits an empty shard, as the in-process writer does."""
+    from dflash.cache.process_writer import _write_in_process
+
+    layer_ids, _ = real_samples
+    path = tmp_path / "cache"
+    HiddenStateCache.create(path, _metadata(target, layer_ids, [[0, 2]]))
+    quarantined = [{"corpus_row": row, "sample_id": f"row-{row}", "layers": [layer_ids[0]]} for row in (0, 1)]
+    record = _write_in_process(str(path), 0, [], quarantined, [])
+    assert record["num_samples"] == 0 and record["num_quarantined"] == 2
+    assert HiddenStateCache.open(path).committed_shards() == {0}

@@ -246,18 +246,19 @@ def _write_in_process(cache_path: str, shard_id: int, specs: list[_SampleSpec], 
                       skipped: list[dict]) -> dict:  # fmt: skip
     from dflash.cache import HiddenSample, HiddenStateCache
 
-    samples = []
-    for spec in specs:
-        shm = _attach(spec.shm_name)
-        hidden = torch.frombuffer(shm.buf, dtype=torch.bfloat16, count=spec.rows * spec.width, offset=spec.offset)
-        samples.append(HiddenSample(corpus_row=spec.corpus_row, input_ids=torch.from_numpy(spec.input_ids),
-                                    loss_mask=torch.from_numpy(spec.loss_mask), hidden=hidden.view(spec.rows, spec.width)))  # fmt: skip
+    def view(spec: _SampleSpec) -> HiddenSample:
+        hidden = torch.frombuffer(_attach(spec.shm_name).buf, dtype=torch.bfloat16, count=spec.rows * spec.width,
+                                  offset=spec.offset)
+        return HiddenSample(corpus_row=spec.corpus_row, input_ids=torch.from_numpy(spec.input_ids),
+                            loss_mask=torch.from_numpy(spec.loss_mask), hidden=hidden.view(spec.rows, spec.width))
+
+    samples = [view(spec) for spec in specs]  # may be empty: every row of the shard quarantined or skipped
     if cache_path not in _CACHES:
         _CACHES[cache_path] = HiddenStateCache.open(cache_path)
     try:
         return _CACHES[cache_path].write_shard(shard_id, samples, quarantined, skipped=skipped)
     finally:
-        del samples, hidden  # no view of the shared memory outlives the task
+        samples.clear()  # no view of the shared memory outlives the task
 
 
 # ------------------------------------------------------------------------------------------ submitting side
