@@ -32,6 +32,7 @@ import torch
 from dflash.errors import CacheError, ConfigError
 
 __all__ = [
+    "CORRUPT_SHARD_REPAIR",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "STORAGE_DTYPES",
@@ -50,6 +51,9 @@ __all__ = [
     "find_nonfinite_layers",
     "quarantine_record",
 ]
+
+#: What a CacheCorruptError tells the user to do about a corrupt shard (one wording for the reader and verify).
+CORRUPT_SHARD_REPAIR = "withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract"
 
 FORMAT_NAME = "dflash-hidden-state-cache"
 FORMAT_VERSION = 1

@@ -13,7 +13,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.cache.format import CacheMetadata, HiddenSample, commit_key, dequantize_fp8, shard_group_key
+from dflash.cache.format import (
+    CORRUPT_SHARD_REPAIR,
+    CacheMetadata,
+    HiddenSample,
+    commit_key,
+    dequantize_fp8,
+    shard_group_key,
+)
 from dflash.cache.store import CacheStore
 from dflash.cache.writer import _open_store, _read_metadata, array_chunk_keys, committed_shard_ids
 from dflash.errors import CacheCorruptError, CacheError
@@ -102,7 +109,7 @@ class CacheReader:
         except Exception as error:  # crc32c mismatch, truncated chunk, codec error
             raise CacheCorruptError(
                 f"shard {shard} of {self.url}: array {name!r}{where} fails to decode ({type(error).__name__}: {error}); "
-                "a chunk is corrupt: withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract (delete its commit record, rerun extract)"
+                f"a chunk is corrupt: {CORRUPT_SHARD_REPAIR}"
             ) from error
 
     def _shard_index(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
@@ -121,20 +128,20 @@ class CacheReader:
             ):
                 raise CacheCorruptError(
                     f"shard {shard} of {self.url}: array 'offsets' is inconsistent with its commit record "
-                    f"(expected {num_samples + 1} non-decreasing offsets from 0 to {num_tokens}); withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract"
+                    f"(expected {num_samples + 1} non-decreasing offsets from 0 to {num_tokens}); {CORRUPT_SHARD_REPAIR}"
                 )
             start, stop = record["row_range"]
             outside = corpus_rows[(corpus_rows < start) | (corpus_rows >= stop)]
             if outside.size:
                 raise CacheCorruptError(
                     f"shard {shard} of {self.url}: array 'corpus_rows' holds rows {outside[:5].tolist()} outside the "
-                    f"shard's range [{start}, {stop}); withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract"
+                    f"shard's range [{start}, {stop}); {CORRUPT_SHARD_REPAIR}"
                 )
             unique, counts = np.unique(corpus_rows, return_counts=True)
             if np.any(counts > 1):
                 raise CacheCorruptError(
                     f"shard {shard} of {self.url}: array 'corpus_rows' holds duplicate rows {unique[counts > 1][:5].tolist()}; "
-                    "withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract"
+                    f"{CORRUPT_SHARD_REPAIR}"
                 )
             self._index[shard] = (offsets, corpus_rows)
         return self._index[shard]

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash.cache.format import CORRUPT_SHARD_REPAIR
 from dflash.cache.reader import CacheReader
 from dflash.cache.writer import DIGEST_SEGMENT_BYTES, DIGEST_VERSION, digest_root, shard_arrays
 from dflash.errors import CacheCorruptError, CacheError
@@ -63,14 +64,14 @@ def _verify_chunk_crcs(reader: CacheReader, shard: int, array: Any, layout: dict
         where = f"array 'hidden' chunk {index} (tokens {lo}..{min(lo + step, layout['shape'][0])})"
         data = stored_chunk(array, (index, 0))
         if data is None or len(data) < 4:
-            raise CacheCorruptError(f"shard {shard} of {reader.url}: {where} is missing; withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract")
+            raise CacheCorruptError(f"shard {shard} of {reader.url}: {where} is missing; {CORRUPT_SHARD_REPAIR}")
         leaf = crc32c_trailer(data)
         if google_crc32c.value(data[:-4]) != int(leaf, 16):
-            raise CacheCorruptError(f"shard {shard} of {reader.url}: {where} fails its crc32c checksum; withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract")
+            raise CacheCorruptError(f"shard {shard} of {reader.url}: {where} fails its crc32c checksum; {CORRUPT_SHARD_REPAIR}")
         if index >= len(expected) or expected[index] != leaf:
             raise CacheCorruptError(
                 f"shard {shard} of {reader.url}: {where} has crc32c {leaf}, the commit record says "
-                f"{expected[index] if index < len(expected) else 'nothing'}; a chunk was altered or swapped: withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract"
+                f"{expected[index] if index < len(expected) else 'nothing'}; a chunk was altered or swapped: {CORRUPT_SHARD_REPAIR}"
             )
         reader._read(shard, "hidden", slice(lo, lo + step), where=f" chunk c/{index}/...")  # decodes
         leaves.append(leaf)
@@ -101,7 +102,7 @@ def verify_shard(reader: CacheReader, shard: int) -> dict[str, Any]:
     if version not in (1, 2, DIGEST_VERSION):
         raise CacheCorruptError(
             f"shard {shard} of {reader.url}: commit record digest_version {version} is not known to this code (reads 1 "
-            f"to {DIGEST_VERSION}); verify it with the dflash version that wrote it, or withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract"
+            f"to {DIGEST_VERSION}); verify it with the dflash version that wrote it, or {CORRUPT_SHARD_REPAIR}"
         )
     stream = hashlib.sha256()  # version 1: one serial stream over names and bytes
     segment_bytes = int(record.get("digest_segment_bytes", DIGEST_SEGMENT_BYTES))
@@ -139,14 +140,14 @@ def verify_shard(reader: CacheReader, shard: int) -> dict[str, Any]:
                 )
                 raise CacheCorruptError(
                     f"shard {shard} of {reader.url}: array {name!r} {where} has a sha256 that differs from the commit "
-                    "record's; a chunk was altered or swapped: withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract"
+                    f"record's; a chunk was altered or swapped: {CORRUPT_SHARD_REPAIR}"
                 )
     found = f"sha256:{stream.hexdigest()}" if version == 1 else digest_root(leaves, nbytes)
     if found != record["digest"]:
         raise CacheCorruptError(
             f"shard {shard} of {reader.url}: data digest {found[:28]}... differs from the commit record's "
             f"{str(record['digest'])[:28]}... (digest_version {version}); a chunk was altered or swapped or the record "
-            "was edited: withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract"
+            f"was edited: {CORRUPT_SHARD_REPAIR}"
         )
     accounted = np.concatenate(
         [rows, np.array([int(e["corpus_row"]) for e in record.get("quarantined", []) + record.get("skipped", [])], dtype=np.int64)]
