@@ -25,7 +25,7 @@ import sys
 
 import typer
 
-__all__ = ["app", "main", "ExitCode", "EXIT_STATUS_HELP", "NON_TTY_COLUMNS", "dask_setup"]
+__all__ = ["app", "main", "ExitCode", "EXIT_STATUS_HELP", "NON_TTY_COLUMNS", "dask_setup", "print_error"]
 
 
 class ExitCode(enum.IntEnum):
@@ -36,6 +36,15 @@ class ExitCode(enum.IntEnum):
     USAGE = 2
     INTERNAL = 3
     INTERRUPTED = 130
+
+
+def print_error(error: BaseException, console: object = None) -> None:
+    """The one ``error:`` line of exit status 2: the message as plain text (no markup parsing), on one line where it
+    fits (soft wrap keeps paths copy-pasteable); to stderr unless a rich ``console`` is given."""
+    from rich.console import Console
+    from rich.text import Text
+
+    (console or Console(stderr=True)).print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
 
 
 #: Help epilog (rich markup, one line per code); README.md "Exit status" says the same.
@@ -201,10 +210,7 @@ def main() -> None:
     try:
         app()
     except DFlashError as error:
-        from rich.console import Console
-        from rich.text import Text
-
-        Console(stderr=True).print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
+        print_error(error)
         raise SystemExit(ExitCode.USAGE) from None
     except KeyboardInterrupt:  # raised outside typer's own handling (e.g. while it finished up)
         raise SystemExit(ExitCode.INTERRUPTED) from None

@@ -47,11 +47,9 @@ def export_command(
         for warning in caught:
             console.print(f"[yellow]warning:[/] {escape(str(warning.message))}")
     except DFlashError as error:  # a wrong path, OUT exists, mismatched target...: the user's to fix (exit 2)
-        from rich.text import Text
+        from stages.cli import ExitCode, print_error
 
-        from stages.cli import ExitCode
-
-        Console(stderr=True).print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
+        print_error(error)
         raise typer.Exit(ExitCode.USAGE) from None
 
     config = provenance["drafter_config"]

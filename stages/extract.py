@@ -536,6 +536,7 @@ def register(app: typer.Typer) -> None:
             )
             run_extract(config, console)
         except DFlashError as error:
-            # soft_wrap: paths and shard ids stay on one line; no markup parsing of the message.
-            Console(stderr=True).print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
-            raise typer.Exit(2) from None
+            from stages.cli import ExitCode, print_error
+
+            print_error(error)
+            raise typer.Exit(ExitCode.USAGE) from None

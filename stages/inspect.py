@@ -328,10 +328,10 @@ def inspect_command(
         artefact = describe(path)
         other = describe(diff) if diff is not None else None
     except DFlashError as error:
-        from rich.text import Text
+        from stages.cli import ExitCode, print_error
 
-        Console(stderr=True).print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
-        raise typer.Exit(code=2) from None
+        print_error(error)
+        raise typer.Exit(code=ExitCode.USAGE) from None
 
     failed = False
     if other is None:

@@ -519,11 +519,10 @@ def register(app: Any) -> None:
             )
             path, report = run_prepare(config, console=console)
         except DFlashError as error:
-            from rich.text import Text
+            from stages.cli import ExitCode, print_error
 
-            # soft_wrap: paths and rows in the message stay on one line (copy-pasteable); no markup parsing.
-            console.print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
-            raise typer.Exit(2) from None
+            print_error(error, console)
+            raise typer.Exit(ExitCode.USAGE) from None
         console.print(report.table())
         corpus = open_corpus(path)
         console.print(f"wrote {path}: {len(corpus):,} samples, {corpus.num_tokens:,} tokens, {corpus.fingerprint}",
