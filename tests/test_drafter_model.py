@@ -232,7 +232,7 @@ def test_training_shortcuts_are_exact_rewrites(seed, num_layers):
 
 def test_residual_stream_dtype_under_autocast():
     """Under bf16 autocast the block tokens' residual stream is bf16 by default (as serving runs it) and float32
-    with ``residual_in_compute_dtype = False``; both give the float64 reference outputs within bf16 rounding, and
+    with ``residual_in_compute_dtype = False``; both give the float32 reference outputs within bf16 rounding, and
     without autocast the switch changes nothing."""
     drafter = tiny_drafter(4, dtype=torch.float32)
     batch = packed_batch([30, 21], width=64, vocab=97, seed=4, dtype=torch.float32)
