@@ -18,6 +18,7 @@ __all__ = [
     "TargetError",
     "MismatchError",
     "ExportError",
+    "GenerationError",
 ]
 
 
@@ -58,3 +59,8 @@ class MismatchError(DFlashError, ValueError):
 
 class ExportError(DFlashError, ValueError):
     """An export in the serving format cannot be written or fails to load back."""
+
+
+class GenerationError(DFlashError, RuntimeError):
+    """Generating responses failed for a reason the user must fix (an endpoint down, a model that is not the
+    target). The message names the endpoint or model and the fix."""
