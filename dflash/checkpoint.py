@@ -10,8 +10,12 @@ Layout of a run folder::
 
 A checkpoint folder holds ``model.safetensors`` (drafter parameters under their serving names, fp32, no
 embedding / LM head), ``drafter_config.json`` (``DFlashConfig.to_dict()``), ``target.json`` (target identity,
-``target_spec``, embedding/LM-head hashes), ``optimizer.pt``, ``trainer_state.json`` (step, epoch, data cursor,
-scheduler, counters, resolved config) and ``rng.pt`` (torch/CUDA/numpy/python generator states).
+``target_spec``, embedding/LM-head hashes), ``optimizer.safetensors`` (the optimizer's state), ``trainer_state.json``
+(step, epoch, data cursor, scheduler, counters, resolved config) and ``rng.safetensors`` (torch/CUDA/numpy/python
+generator states). Nothing is pickled: the two state files are safetensors with their structure as JSON metadata
+(:mod:`dflash.state_files`), so loading a checkpoint, anyone's, cannot execute code. Checkpoints of older versions
+hold ``optimizer.pt`` / ``rng.pt`` instead; they are read with ``torch.load(weights_only=True)`` and refused with
+a one-line error if they need more than tensors and plain values.
 
 Consistency: :meth:`Checkpointer.save` copies every tensor to host memory synchronously, between two optimizer
 steps, so a checkpoint never mixes weights of two steps; the copy of a CUDA state goes into pinned buffers reused
@@ -41,12 +45,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash.errors import CheckpointError, MismatchError
+from dflash.state_files import load_legacy_torch_file, load_state_tree, save_state_tree
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
+    "OPTIMIZER_FILE",
+    "RNG_FILE",
     "TrainingSnapshot",
     "LoadedCheckpoint",
     "Checkpointer",
@@ -62,7 +69,13 @@ __all__ = [
     "check_target_weights",
 ]
 
-CHECKPOINT_FORMAT_VERSION = 1
+#: 2: optimizer and RNG state in safetensors (``optimizer.safetensors``, ``rng.safetensors``); 1: as torch pickles.
+CHECKPOINT_FORMAT_VERSION = 2
+OPTIMIZER_FILE = "optimizer.safetensors"
+RNG_FILE = "rng.safetensors"
+#: What format-1 checkpoints hold instead (read without unpickling code, see dflash.state_files).
+LEGACY_OPTIMIZER_FILE = "optimizer.pt"
+LEGACY_RNG_FILE = "rng.pt"
 _CHECKPOINT_PREFIX = "step_"
 _REQUIRED_FILES = ("model.safetensors", "drafter_config.json", "target.json", "trainer_state.json")
 
@@ -325,8 +338,8 @@ class Checkpointer:
                 str(staging / "model.safetensors"),
                 metadata={"format": "pt", "step": str(snapshot.step)},
             )
-            torch.save(snapshot.optimizer_state, staging / "optimizer.pt")
-            torch.save(snapshot.rng_state, staging / "rng.pt")
+            save_state_tree(snapshot.optimizer_state, staging / OPTIMIZER_FILE, metadata={"step": str(snapshot.step)})
+            save_state_tree(snapshot.rng_state, staging / RNG_FILE, metadata={"step": str(snapshot.step)})
             trainer_state = {"format_version": CHECKPOINT_FORMAT_VERSION, "step": snapshot.step, **snapshot.trainer_state}
             (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
             (staging / "drafter_config.json").write_text(json.dumps(snapshot.drafter_config, indent=2))
@@ -431,10 +444,13 @@ def load_checkpoint(path: str | Path, *, with_training_state: bool = True) -> Lo
     """Read a checkpoint (a run folder resolves to its ``latest``); tensors on CPU.
 
     Args:
-        with_training_state: also read ``optimizer.pt`` and ``rng.pt`` (needed to resume, not to evaluate).
+        with_training_state: also read the optimizer and RNG states (needed to resume, not to evaluate): the
+            safetensors files of format 2, or a format-1 checkpoint's ``optimizer.pt`` / ``rng.pt`` with
+            ``torch.load(weights_only=True)`` (never a full unpickle).
 
     Raises:
-        CheckpointError: missing or unreadable files, or a newer format version.
+        CheckpointError: missing, truncated or unreadable files (named), a state file that would need code to load,
+            or a newer format version.
     """
     from safetensors.torch import load_file
 
@@ -450,9 +466,10 @@ def load_checkpoint(path: str | Path, *, with_training_state: bool = True) -> Lo
             target_info=json.loads((folder / "target.json").read_text()),
         )
         if with_training_state:
-            loaded.optimizer_state = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
-            # RNG states hold numpy arrays and python tuples: our own file, loaded with full unpickling.
-            loaded.rng_state = torch.load(folder / "rng.pt", map_location="cpu", weights_only=False)
+            loaded.optimizer_state = _load_training_state(folder, OPTIMIZER_FILE, LEGACY_OPTIMIZER_FILE)
+            loaded.rng_state = _load_training_state(folder, RNG_FILE, LEGACY_RNG_FILE)
+    except CheckpointError:
+        raise
     except (OSError, KeyError, json.JSONDecodeError, RuntimeError) as error:
         raise CheckpointError(f"cannot read checkpoint {folder}: {error}; the folder is damaged, use another") from error
     version = trainer_state.get("format_version", 0)
@@ -462,6 +479,18 @@ def load_checkpoint(path: str | Path, *, with_training_state: bool = True) -> Lo
             "upgrade dflash-stages"
         )
     return loaded
+
+
+def _load_training_state(folder: Path, name: str, legacy_name: str) -> Any:
+    """One state file of ``folder``: the safetensors one, else a format-1 checkpoint's torch file (weights only)."""
+    if (folder / name).is_file():
+        return load_state_tree(folder / name)
+    if (folder / legacy_name).is_file():
+        return load_legacy_torch_file(folder / legacy_name, allow_numpy_arrays=legacy_name == LEGACY_RNG_FILE)
+    raise CheckpointError(
+        f"{folder} has no {name} (nor a {legacy_name} of older versions): the checkpoint cannot be resumed; "
+        "resume from another checkpoint, or evaluate/export it (they need only the weights)"
+    )
 
 
 def _target_weights(target: Any) -> tuple[torch.Tensor, torch.Tensor]:

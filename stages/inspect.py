@@ -106,8 +106,9 @@ def _describe_checkpoint(folder: Path, artefact: Artefact) -> None:
             artefact.checks["weight names and shapes"] = str(error)
     else:
         artefact.checks["weights"] = f"{weights} is missing"
-    if (folder / "optimizer.pt").is_file():
-        artefact.weight_files.append(folder / "optimizer.pt")
+    for state_file in ("optimizer.safetensors", "optimizer.pt"):  # format 2, or a format-1 checkpoint's file
+        if (folder / state_file).is_file():
+            artefact.weight_files.append(folder / state_file)
 
 
 def _describe_export(folder: Path, artefact: Artefact) -> None:
@@ -230,7 +231,9 @@ def _named_tensors(path: Path) -> Iterator[tuple[str, Any]]:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
         return
-    stack: list[tuple[str, Any]] = [("", torch.load(path, map_location="cpu", weights_only=True))]
+    from dflash.state_files import load_legacy_torch_file
+
+    stack: list[tuple[str, Any]] = [("", load_legacy_torch_file(path))]  # a format-1 optimizer.pt: never unpickled
     while stack:
         name, value = stack.pop()
         if isinstance(value, torch.Tensor):

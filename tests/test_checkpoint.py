@@ -127,7 +127,9 @@ def test_failed_write_keeps_the_previous_checkpoint(training, tmp_path, monkeypa
     def broken_save(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(torch, "save", broken_save)
+    import dflash.checkpoint
+
+    monkeypatch.setattr(dflash.checkpoint, "save_state_tree", broken_save)
     checkpointer.save(training.snapshot(checkpointer))
     with pytest.raises(OSError, match="disk full"):
         checkpointer.wait()

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from dflash.drafter import DFlashConfig, DFlashDrafter
 from dflash.export import WEIGHTS_FILE, export_checkpoint
+from dflash.state_files import load_state_tree, save_state_tree
 from stages import inspect as inspect_stage
 from stages.inspect import describe, diff_facts, scan_tensors
 
@@ -157,9 +158,9 @@ def test_scan_names_tensors_holding_nan_or_inf(run_b8, tmp_path, cli):
     tensors = load_file(str(checkpoint / WEIGHTS_FILE))
     tensors["layers.0.mlp.up_proj.weight"][1, :3] = float("nan")
     save_file(tensors, str(checkpoint / WEIGHTS_FILE))
-    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    optimizer = load_state_tree(checkpoint / "optimizer.safetensors")
     optimizer["state"][0]["exp_avg"].view(-1)[0] = float("inf")
-    torch.save(optimizer, checkpoint / "optimizer.pt")
+    save_state_tree(optimizer, checkpoint / "optimizer.safetensors")
 
     _, _, bad = scan_tensors(describe(checkpoint).weight_files)
     assert {(row["tensor"], row["nan"], row["inf"]) for row in bad} == {
