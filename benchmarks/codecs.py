@@ -117,7 +117,7 @@ def main(
     if states is not None and states.is_file():
         from dflash.target import load_target
 
-        saved = torch.load(states)
+        saved = torch.load(states, weights_only=True)  # tensors and lists only: never unpickle code
         loaded = load_target(target, device="cpu")
         layer_ids, chunks, hidden = saved["layer_ids"], [ids.numpy() for ids in saved["input_ids"]], saved["hidden"]
     else:
