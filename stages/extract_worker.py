@@ -19,25 +19,23 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import ctypes
 import logging
 import multiprocessing
 import os
-import signal
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import zarr
-from distributed import WorkerPlugin, get_worker
+from distributed import get_worker
 
 from dflash.cache import HiddenSample, HiddenStateCache, quarantine_record
 from dflash.cache.chunks import keep_chunk_buffers_mapped
 from dflash.corpus import open_corpus
 from dflash.errors import ConfigError
-from dflash.target import load_target
 from dflash.target_runner import TargetRunner
+from stages.replica import TargetReplicaPlugin
 
 __all__ = [
     "ShardSpec",
@@ -327,22 +325,9 @@ class ShardExtractor:
                 self.runner.close()  # the shared host buffers
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL this worker when the process that spawned it dies, so a killed driver
-    never leaves an orphan still writing a shard that the next run will redo."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-class TargetWorkerPlugin(WorkerPlugin):
-    """Loads the target once per Dask worker (``setup``), frees it (``teardown``); follows dask/distributed's
-    ``diagnostics/plugin.py`` WorkerPlugin lifecycle.
+class TargetWorkerPlugin(TargetReplicaPlugin):
+    """Extract's target replica: the shared lifecycle of :class:`stages.replica.TargetReplicaPlugin` (target loaded
+    once per worker in ``setup``, freed in ``teardown``) with a :class:`ShardExtractor` on top.
 
     Args:
         target_spec: ``"default"``, a transformers folder or a ``.gguf`` file (see ``dflash.target``).
@@ -377,35 +362,16 @@ class TargetWorkerPlugin(WorkerPlugin):
         writes_in_flight: int = 2,
         write_processes: int | None = None,
     ) -> None:
-        self.target_spec = target_spec
+        super().__init__(target_spec=target_spec, gpu_by_worker=gpu_by_worker, device=device,
+                         torch_threads=torch_threads, die_with_parent=die_with_parent)
         self.target_layer_ids = list(target_layer_ids)
         self.token_budget = token_budget
-        self.gpu_by_worker = dict(gpu_by_worker or {})
-        self.device = device
-        self.torch_threads = torch_threads
-        self.die_with_parent = die_with_parent
         self.write_threads = write_threads
         self.writes_in_flight = writes_in_flight
         self.write_processes = write_processes
         self.extractor: ShardExtractor | None = None
 
-    def _pick_device(self, worker: Any) -> torch.device:
-        gpu = self.gpu_by_worker.get(worker.name, self.gpu_by_worker.get(str(worker.name)))
-        if gpu is not None:
-            torch.cuda.set_device(gpu)
-            return torch.device("cuda", gpu)
-        if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()):
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def setup(self, worker: Any) -> None:
-        if self.die_with_parent:
-            _die_with_parent()
-        if self.torch_threads:
-            torch.set_num_threads(self.torch_threads)
-        device = self._pick_device(worker)
-        started = time.perf_counter()
-        loaded = load_target(self.target_spec, device=device)
+    def build(self, loaded: Any, device: torch.device) -> None:
         pad_token_id = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
         runner = TargetRunner(
             loaded.model, self.target_layer_ids, device, token_budget=self.token_budget, pad_token_id=pad_token_id
@@ -413,15 +379,14 @@ class TargetWorkerPlugin(WorkerPlugin):
         write_threads = self.write_threads or default_write_threads(self.torch_threads)
         self.extractor = ShardExtractor(runner, writes_in_flight=self.writes_in_flight, write_threads=write_threads,
                                         write_processes=self.write_processes)
-        log.info("worker %s: target %s on %s in %.1f s", worker.name, self.target_spec, device, time.perf_counter() - started)
 
-    def teardown(self, worker: Any) -> None:
-        if self.extractor is not None:
-            self.extractor.close()
-            device = self.extractor.runner.device
-            self.extractor = None
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    def release(self) -> torch.device | None:
+        if self.extractor is None:
+            return None
+        self.extractor.close()
+        device = self.extractor.runner.device
+        self.extractor = None
+        return device
 
 
 def extract_shard(spec: ShardSpec) -> dict:

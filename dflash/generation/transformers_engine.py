@@ -1,0 +1,173 @@
+"""Engine ``transformers``: batched generation with the target's own transformers model, on one device.
+
+Requests are sorted by prompt length and cut into batches of at most ``batch_size`` rows whose padded prompt tokens
+stay within ``token_budget`` (length grouping keeps left padding small). Each batch runs ``model.generate`` with left
+padding; on CUDA with ``cache="static"`` (the default there) transformers' static KV cache, whose fixed shapes let it
+compile the decoding step once (CUDA graphs) instead of re-running Python per layer per token. Every batch is padded
+to ``batch_size`` rows and its prompt to a multiple of ``prompt_bucket`` tokens, so a handful of compiled shapes
+serve a whole run.
+
+Greedy (temperature 0) output depends only on the prompt, up to floating-point ties between batch compositions.
+Sampling is seeded per batch (``seed`` + the first request id of the batch), so a rerun of the same shard (same
+requests, same batch size) samples the same tokens; it is not independent of how requests were batched.
+
+Source followed: transformers' ``GenerationMixin.generate`` and its static cache (``cache_implementation``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+
+from dflash.errors import ConfigError
+from dflash.generation.engine import GenerationRequest, GenerationResult, SamplingSettings
+
+__all__ = ["TransformersEngine", "CacheKind"]
+
+log = logging.getLogger(__name__)
+
+CacheKind = Literal["auto", "static", "dynamic"]
+
+
+class TransformersEngine:
+    """:class:`dflash.generation.engine.GenerationEngine` over a loaded transformers causal LM.
+
+    Args:
+        model: the target (``LoadedTarget.model``), in eval mode on its device.
+        tokenizer: its tokenizer (pad and stop tokens).
+        batch_size: most rows per ``generate`` call.
+        token_budget: most padded prompt tokens per call (batch rows x prompt length).
+        cache: ``"static"`` (fixed-shape KV cache, compiled decoding; CUDA), ``"dynamic"`` (transformers' default),
+            ``"auto"``: static on CUDA, dynamic elsewhere.
+        prompt_bucket: prompts are left-padded to a multiple of this many tokens (fewer compiled shapes).
+        stop_token_ids: tokens that end a reply (default: the tokenizer's EOS and, for chat models, the end of turn).
+        description: extra facts for :meth:`describe` (the target identity).
+    """
+
+    name = "transformers"
+
+    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 256, token_budget: int = 262_144,
+                 cache: CacheKind = "auto", prompt_bucket: int = 64, stop_token_ids: Sequence[int] | None = None,
+                 description: dict[str, Any] | None = None) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        if token_budget < 1:
+            raise ConfigError(f"token_budget must be >= 1, got {token_budget}")
+        if cache not in ("auto", "static", "dynamic"):
+            raise ConfigError(f"cache must be auto, static or dynamic, got {cache!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.token_budget = token_budget
+        self.device = next(model.parameters()).device
+        self.cache = ("static" if self.device.type == "cuda" else "dynamic") if cache == "auto" else cache
+        self.prompt_bucket = max(1, prompt_bucket)
+        self.stop_token_ids = sorted(set(stop_token_ids if stop_token_ids is not None else default_stop_ids(tokenizer)))
+        if not self.stop_token_ids:
+            raise ConfigError("the target's tokenizer has no EOS token; pass stop_token_ids")
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.stop_token_ids[0])
+        self.description = dict(description or {})
+        #: Seconds and generated tokens of the last :meth:`generate` call (for the stage's report and benchmarks).
+        self.last_stats: dict[str, float] = {}
+
+    def describe(self) -> dict[str, Any]:
+        import transformers
+
+        return {"engine": self.name, "transformers": transformers.__version__, "torch": torch.__version__,
+                "device": str(self.device), "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+                "kv_cache": self.cache, "batch_size": self.batch_size, "stop_token_ids": self.stop_token_ids,
+                **self.description}
+
+    def _batches(self, requests: Sequence[GenerationRequest]) -> list[list[int]]:
+        order = sorted(range(len(requests)), key=lambda i: (len(requests[i].prompt_ids), requests[i].request_id))
+        batches: list[list[int]] = []
+        current: list[int] = []
+        for index in order:
+            width = self._bucketed(len(requests[index].prompt_ids))
+            if current and (len(current) >= self.batch_size or (len(current) + 1) * width > self.token_budget):
+                batches.append(current)
+                current = []
+            current.append(index)
+        if current:
+            batches.append(current)
+        return batches
+
+    def _bucketed(self, length: int) -> int:
+        return -(-length // self.prompt_bucket) * self.prompt_bucket
+
+    @torch.inference_mode()
+    def generate(self, requests: Sequence[GenerationRequest], settings: SamplingSettings) -> list[GenerationResult]:
+        results: list[GenerationResult | None] = [None] * len(requests)
+        started, generated = time.perf_counter(), 0
+        for batch in self._batches(requests):
+            rows = [requests[i] for i in batch]
+            outputs = self._generate_batch(rows, settings)
+            for index, result in zip(batch, outputs, strict=True):
+                results[index] = result
+                generated += len(result.token_ids)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_stats = {"seconds": time.perf_counter() - started, "generated_tokens": float(generated)}
+        assert all(result is not None for result in results)
+        return results  # type: ignore[return-value]
+
+    def _generate_batch(self, rows: list[GenerationRequest], settings: SamplingSettings) -> list[GenerationResult]:
+        width = self._bucketed(max(len(r.prompt_ids) for r in rows))
+        num_rows = self.batch_size if self.cache == "static" else len(rows)  # fixed shapes for the compiled step
+        input_ids = torch.full((num_rows, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((num_rows, width), dtype=torch.long)
+        for i, request in enumerate(rows):
+            ids = torch.as_tensor(list(request.prompt_ids), dtype=torch.long)
+            input_ids[i, width - len(ids):] = ids
+            attention_mask[i, width - len(ids):] = 1
+        attention_mask[len(rows):, -1] = 1  # filler rows: one visible pad token, output discarded
+        max_new = max(r.max_new_tokens for r in rows)
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": max_new, "eos_token_id": self.stop_token_ids, "pad_token_id": self.pad_token_id,
+            "use_cache": True,
+        }
+        if settings.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=0)
+            torch.manual_seed(settings.seed + min(r.request_id for r in rows))
+        if self.cache == "static":
+            kwargs["cache_implementation"] = "static"
+        output = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                                     **kwargs)
+        new_tokens = output[: len(rows), width:].cpu().tolist()
+        stops = set(self.stop_token_ids)
+        results = []
+        for request, tokens in zip(rows, new_tokens, strict=True):
+            tokens = tokens[: request.max_new_tokens]
+            end = next((k for k, token in enumerate(tokens) if token in stops), None)
+            if end is not None:
+                results.append(GenerationResult(request_id=request.request_id, token_ids=tokens[: end + 1],
+                                                finish_reason="stop"))
+            else:
+                results.append(GenerationResult(request_id=request.request_id, token_ids=tokens, finish_reason="length"))
+        return results
+
+    def close(self) -> None:
+        self.model = None  # the worker plugin owns the target and frees the device
+
+
+def default_stop_ids(tokenizer: Any) -> list[int]:
+    """The tokens that end a reply: the tokenizer's EOS id(s), plus ``<|im_end|>``/``<|eot_id|>``/``<end_of_turn>``
+    where the vocabulary has them (chat models end turns with these)."""
+    ids: set[int] = set()
+    eos = tokenizer.eos_token_id
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, list):
+        ids.update(int(t) for t in eos)
+    vocab = tokenizer.get_vocab()
+    for name in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
+        if name in vocab and name in (tokenizer.all_special_tokens or []):
+            ids.add(int(vocab[name]))
+    return sorted(ids)
