@@ -175,10 +175,15 @@ def _read_table(file: Path, *, labels_as_mask: bool = False) -> pa.Table:
     return table
 
 
-def _data_files(path: Path) -> list[Path]:
+def _data_files(path: Path, *, allow_unfinished: bool = False) -> list[Path]:
     """The data files of a corpus path, in row order."""
     if path.is_file():
         return [path]
+    if not allow_unfinished and (path / "generate.json").is_file() and not (path / METADATA_FILE).is_file():
+        raise CorpusError(
+            f"{path} is an unfinished generate output ({len(list(path.glob('part-*.arrow')))} parts committed, no "
+            f"{METADATA_FILE} yet); rerun the same `dflash-stages generate` command to finish it"
+        )
     if not path.is_dir():
         raise CorpusError(f"corpus {path} does not exist; pass a corpus folder or an .arrow/.parquet file")
     if (path / "dataset_dict.json").is_file():
@@ -326,8 +331,11 @@ class Corpus:
         return [self.row(i) for i in range(start, stop)]
 
 
-def open_corpus(path: str | os.PathLike[str], *, labels_as_mask: bool = False) -> Corpus:
+def open_corpus(path: str | os.PathLike[str], *, labels_as_mask: bool = False, allow_unfinished: bool = False) -> Corpus:
     """Open a corpus: an Arrow IPC or Parquet file, a folder of them, or a ``datasets.save_to_disk`` folder.
+
+    An unfinished ``generate`` output (parts committed, no ``corpus.json`` yet) is refused unless
+    ``allow_unfinished`` (the generate stage itself, fingerprinting its finished parts).
 
     The schema of every file is checked (columns, list-of-integer types, no nulls); contents are checked by
     :func:`validate_corpus`, which needs the target's vocabulary size. With ``labels_as_mask`` (used by
@@ -338,7 +346,7 @@ def open_corpus(path: str | os.PathLike[str], *, labels_as_mask: bool = False) -
         CorpusError: missing path or file, unreadable file, missing column or wrong type; names the file and the fix.
     """
     path = Path(path).expanduser()
-    files = _data_files(path)
+    files = _data_files(path, allow_unfinished=allow_unfinished)
     chunks: list[_Chunk] = []
     first_schema_metadata: dict[bytes, bytes] = {}
     for file in files:

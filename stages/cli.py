@@ -102,6 +102,7 @@ app = typer.Typer(
 _COMMAND_MODULES = [
     "pipelines.offline",  # run: the whole offline pipeline on a preset
     "stages.prepare",
+    "stages.generate",
     "stages.extract",
     "stages.cache_cmd",
     "stages.train",

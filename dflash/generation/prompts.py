@@ -241,12 +241,11 @@ class ConversationBuilder:
     appends the generated reply; ``input_ids`` / ``loss_mask`` hold the row so far.
     """
 
-    def __init__(self, record: PromptRecord, tokenizer: Any, template_kwargs: dict[str, Any], *,
-                 eos_text: str | None) -> None:
+    def __init__(self, record: PromptRecord, tokenizer: Any, template_kwargs: dict[str, Any]) -> None:
         self.record = record
         self.tokenizer = tokenizer
         self.template_kwargs = template_kwargs
-        self.eos_text = eos_text
+        self.eos_text: str | None = None  # text of the stop token that ended the last reply
         self.input_ids: list[int] = []
         self.loss_mask: list[int] = []
         self.num_turns_done = 0
@@ -314,6 +313,7 @@ class ConversationBuilder:
         self.input_ids = list(prompt_ids) + [int(t) for t in reply_ids]
         self.loss_mask.extend([1] * len(reply_ids))
         self._last_finished = finished
+        self.eos_text = self.tokenizer.decode([int(reply_ids[-1])]) if finished and len(reply_ids) else None
         self.num_turns_done += 1
 
     def stop(self) -> None:

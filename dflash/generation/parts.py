@@ -1,0 +1,200 @@
+"""The output of ``generate``: a contract-1 corpus folder written in parts, each committed exactly once.
+
+Layout of ``OUTPUT/``::
+
+    generate.json            the plan: settings, engine, target identity, prompt source digest, part ranges (first)
+    parts/part-000042.json   one part's record: prompt range, rows, tokens, drops, finish reasons, seconds
+    part-000042.arrow        one part's rows (Arrow IPC, the corpus schema), renamed into place last
+    corpus.json              the corpus metadata (``dflash.corpus/1`` + ``generation``), written when all parts are
+
+A part counts only once its ``.arrow`` file exists: it is written to a hidden temporary name, synced, its record
+written, then renamed (atomic on POSIX), so a killed run leaves at most a temporary file, which the rerun removes
+and redoes. One task writes one part, so there are never two writers on one part. Until ``corpus.json`` exists the
+folder is refused as a corpus (``dflash.corpus.open_corpus``: "unfinished generate output").
+
+A part's rows keep the prompt order; prompts dropped (too long for ``max_length``) and turns cut short are counted
+in its record, never silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from dflash.generation.engine import GenerationEngine, GenerationRequest, SamplingSettings
+from dflash.generation.prompts import ConversationBuilder, DropCounts, PromptRecord
+
+__all__ = ["PLAN_FILE", "PartSpec", "part_path", "part_record_path", "committed_parts", "generate_part",
+           "clear_uncommitted"]
+
+PLAN_FILE = "generate.json"
+_PARTS_DIR = "parts"
+
+
+@dataclass(kw_only=True, slots=True)
+class PartSpec:
+    """One part: its id, the prompts it answers (``first_prompt`` is their index in the whole prompt list)."""
+
+    part_id: int
+    first_prompt: int
+    records: list[dict[str, Any]]
+    output: str
+    settings: dict[str, Any]
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_length: int = 2048
+
+
+def part_path(output: str | Path, part_id: int) -> Path:
+    return Path(output) / f"part-{part_id:06d}.arrow"
+
+
+def part_record_path(output: str | Path, part_id: int) -> Path:
+    return Path(output) / _PARTS_DIR / f"part-{part_id:06d}.json"
+
+
+def committed_parts(output: str | Path) -> dict[int, dict[str, Any]]:
+    """Records of the committed parts (``.arrow`` in place and its record readable), by part id."""
+    output = Path(output)
+    found: dict[int, dict[str, Any]] = {}
+    for path in output.glob("part-*.arrow"):
+        try:
+            part_id = int(path.stem.removeprefix("part-"))
+            found[part_id] = json.loads(part_record_path(output, part_id).read_text())
+        except (ValueError, OSError, json.JSONDecodeError):
+            continue  # not ours, or a record lost with the disk: redone
+    return found
+
+
+def clear_uncommitted(output: str | Path) -> int:
+    """Remove temporaries of killed writers (``.part-*.tmp-*``); returns how many."""
+    leftovers = list(Path(output).glob(".part-*.tmp-*"))
+    for path in leftovers:
+        path.unlink(missing_ok=True)
+    return len(leftovers)
+
+
+def _write_part(output: Path, part_id: int, rows: list[tuple[list[int], list[int], str]], record: dict[str, Any]) -> None:
+    from dflash.corpus import SCHEMA
+
+    final = part_path(output, part_id)
+    temporary = output / f".part-{part_id:06d}.tmp-{os.getpid()}"
+    try:
+        lengths = [len(ids) for ids, _, _ in rows]
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        flat_ids = np.concatenate([np.asarray(ids, np.int32) for ids, _, _ in rows]) if rows else np.zeros(0, np.int32)
+        flat_mask = np.concatenate([np.asarray(m, np.uint8) for _, m, _ in rows]) if rows else np.zeros(0, np.uint8)
+        batch = pa.record_batch(
+            [pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_ids, pa.int32())),
+             pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_mask, pa.uint8())),
+             pa.array([name for _, _, name in rows], pa.string())],
+            schema=SCHEMA,
+        )
+        with pa.OSFile(str(temporary), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
+            writer.write_batch(batch)
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())
+        record_path = part_record_path(output, part_id)
+        record_path.parent.mkdir(exist_ok=True)
+        record_temporary = record_path.with_name(f".{record_path.name}.tmp-{os.getpid()}")
+        record_temporary.write_text(json.dumps(record, indent=1))
+        os.replace(record_temporary, record_path)
+        os.replace(temporary, final)  # the commit
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec) -> dict[str, Any]:
+    """Answer every prompt of ``spec`` turn by turn with ``engine`` and commit the part (module docstring).
+
+    Turn ``t`` of every conversation of the part goes to the engine in one call (the engine batches by length);
+    a turn whose prompt leaves no room under ``max_length`` ends its conversation (``turns_cut``), a first turn
+    drops the prompt (``too_long``). Returns the part's record (small: counts, not tokens).
+    """
+    started = time.perf_counter()
+    settings = SamplingSettings(**spec.settings)
+    records = [PromptRecord.from_dict(r) for r in spec.records]
+    builders = [ConversationBuilder(record, tokenizer, spec.template_kwargs) for record in records]
+    drops = DropCounts()
+    finish = Counter()
+    token_sources = Counter()
+    engine_seconds = 0.0
+    turn = 0
+    while True:
+        requests: list[GenerationRequest] = []
+        prompts: dict[int, list[int]] = {}
+        for index, builder in enumerate(builders):
+            prompt = builder.prompt_ids()
+            if prompt is None:
+                continue
+            room = spec.max_length - len(prompt)
+            if room < 1:
+                drops.add("too_long" if builder.num_turns_done == 0 else "turns_cut", builder.record.prompt_id)
+                builder.stop()
+                continue
+            prompts[index] = prompt
+            requests.append(GenerationRequest(request_id=spec.first_prompt + index, prompt_ids=prompt,
+                                              max_new_tokens=min(settings.max_new_tokens, room)))
+        if not requests:
+            break
+        engine_started = time.perf_counter()
+        results = engine.generate(requests, settings)
+        engine_seconds += time.perf_counter() - engine_started
+        for request, result in zip(requests, results, strict=True):
+            index = request.request_id - spec.first_prompt
+            builders[index].add_reply(prompts[index], result.token_ids, finished=result.finish_reason == "stop")
+            finish[result.finish_reason] += 1
+            token_sources[result.token_source] += 1
+        turn += 1
+    rows = [(b.input_ids, b.loss_mask, b.record.prompt_id) for b in builders if b.num_turns_done and any(b.loss_mask)]
+    record = {
+        "part_id": spec.part_id,
+        "first_prompt": spec.first_prompt,
+        "num_prompts": len(records),
+        "num_rows": len(rows),
+        "num_tokens": int(sum(len(ids) for ids, _, _ in rows)),
+        "generated_tokens": int(sum(sum(mask) for _, mask, _ in rows)),
+        "turns": turn,
+        "finish_reasons": dict(finish),
+        "token_sources": dict(token_sources),
+        "dropped": drops.to_dict(),
+        "engine_seconds": round(engine_seconds, 3),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    _write_part(Path(spec.output), spec.part_id, rows, record)
+    return record
+
+
+def plan_parts(num_prompts: int, part_size: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` prompt ranges of ``part_size`` prompts (the last one shorter)."""
+    return [(start, min(num_prompts, start + part_size)) for start in range(0, num_prompts, part_size)]
+
+
+def summarize_parts(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Totals over part records (for the corpus metadata and the report)."""
+    drops = DropCounts()
+    finish: Counter = Counter()
+    sources: Counter = Counter()
+    for part in parts:
+        drops.merge(part["dropped"])
+        finish.update(part["finish_reasons"])
+        sources.update(part["token_sources"])
+    return {
+        "num_prompts": sum(p["num_prompts"] for p in parts),
+        "num_rows": sum(p["num_rows"] for p in parts),
+        "num_tokens": sum(p["num_tokens"] for p in parts),
+        "generated_tokens": sum(p["generated_tokens"] for p in parts),
+        "finish_reasons": dict(finish),
+        "token_sources": dict(sources),
+        "dropped": drops.to_dict(),
+        "engine_seconds": round(sum(p["engine_seconds"] for p in parts), 3),
+    }

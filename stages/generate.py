@@ -1,0 +1,492 @@
+"""``dflash-stages generate``: prompts -> the target's own responses -> a contract-1 corpus (``loss_mask`` = 1 on
+generated tokens only), resumable and exactly once.
+
+Run::
+
+    dflash-stages generate --output data/gen                                  # embedded default prompts (stdlib)
+    dflash-stages generate chats.jsonl --turns all --output data/gen --target-gpus 0,1,2,3
+    dflash-stages generate prompts.jsonl --output data/gen --workers 2       # CPU worker processes
+    dflash-stages generate prompts.txt --engine openai --endpoint http://127.0.0.1:8000/v1 --output data/gen
+
+Order of work: load the tokenizer and the target's identity (no weights), read the prompts (bad lines counted with
+their reasons), check the chat template has a generation prompt, plan parts (``--part-size`` prompts each), open or
+create the output (a rerun of the same command resumes: committed parts are skipped; other settings are refused),
+then answer each pending part as one task: with ``--engine transformers`` (default) one target replica per GPU,
+scheduled by Dask exactly as ``extract`` is (same worker lifecycle, ``--target-gpus``, ``--workers``,
+``--scheduler-address``); with ``--engine openai`` the user's servers, from this process. When every part is
+committed, ``corpus.json`` records the generation settings (engine, target identity, temperature, top-p, max tokens,
+seed, template kwargs) and the counts; the folder is then a corpus ``extract`` reads.
+
+With the default prompt set, the held-out prompts (documents training never sees) are written to
+``OUTPUT/heldout_prompts.jsonl`` for ``evaluate --prompts``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from dflash.errors import ConfigError, DFlashError
+from dflash.generation.default_prompts import DefaultPromptConfig
+from dflash.generation.prompts import TurnMode
+
+__all__ = ["GenerateConfig", "run_generate", "register", "HELDOUT_PROMPTS_FILE"]
+
+log = logging.getLogger(__name__)
+
+HELDOUT_PROMPTS_FILE = "heldout_prompts.jsonl"
+_PLUGIN_NAME = "dflash-generate-target"
+EngineName = Literal["transformers", "openai"]
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateConfig:
+    """Everything ``generate`` needs; saved in ``generate.json`` and the corpus metadata.
+
+    Fields:
+        prompts: ``"default"`` (the embedded stdlib prompt set, training split), or a chat / prompts file
+            (.jsonl, .json, .parquet, .txt; see dflash.generation.prompts).
+        output: the corpus folder to write (resumed when it holds the same plan).
+        target: ``"default"`` (SmolLM2-135M-Instruct), a transformers folder or a ``.gguf`` file.
+        engine: ``"transformers"`` (the target on this node's GPUs/CPUs) or ``"openai"`` (``endpoints``).
+        turns: chat inputs: ``"all"`` regenerates every assistant turn in order, ``"last"`` only the last.
+        chat_template: ``prompt`` fields go through the chat template (False: raw text completions).
+        template_kwargs: extra chat template variables (e.g. ``{"enable_thinking": false}``), also recorded.
+        temperature, top_p, max_new_tokens, seed: sampling (temperature 0 = greedy, the default).
+        max_length: most tokens of a whole row (prompt + replies); longer prompts are dropped and counted.
+        max_prompts: use only the first N prompts (None: all).
+        part_size: prompts per part (one task, one committed file).
+        batch_size, token_budget, kv_cache: transformers engine batching (rows per call, padded prompt tokens per
+            call, ``auto``/``static``/``dynamic`` KV cache).
+        target_gpus, workers, scheduler_address, dashboard_address: placement, as in ``extract``.
+        default_prompts: settings of the embedded default prompt set.
+        endpoints, served_model, api_key_env, concurrency: ``openai`` engine settings.
+        overwrite: replace an output of other settings (only a generate output or an empty folder).
+    """
+
+    prompts: str = "default"
+    output: str
+    target: str = "default"
+    engine: EngineName = "transformers"
+    turns: TurnMode = "all"
+    chat_template: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 512
+    seed: int = 0
+    max_length: int = 2048
+    max_prompts: int | None = None
+    part_size: int = 1024
+    batch_size: int = 256
+    token_budget: int = 262_144
+    kv_cache: Literal["auto", "static", "dynamic"] = "auto"
+    target_gpus: list[int] | None = None
+    workers: int | None = None
+    scheduler_address: str | None = None
+    dashboard_address: str = "127.0.0.1:0"
+    default_prompts: DefaultPromptConfig = field(default_factory=DefaultPromptConfig)
+    endpoints: list[str] = field(default_factory=list)
+    served_model: str | None = None
+    api_key_env: str | None = None
+    concurrency: int = 8
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.default_prompts, dict):
+            self.default_prompts = DefaultPromptConfig(**self.default_prompts)
+        if self.engine not in ("transformers", "openai"):
+            raise ConfigError(f"engine must be transformers or openai, got {self.engine!r}")
+        if self.turns not in ("all", "last"):
+            raise ConfigError(f"turns must be all or last, got {self.turns!r}")
+        if self.max_length < 2:
+            raise ConfigError(f"max_length must be >= 2, got {self.max_length}")
+        if self.part_size < 1:
+            raise ConfigError(f"part_size must be >= 1, got {self.part_size}")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ConfigError(f"max_prompts must be >= 1, got {self.max_prompts}")
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError(f"workers must be >= 1, got {self.workers}")
+        if self.engine == "openai" and not self.endpoints:
+            raise ConfigError("engine openai needs at least one --endpoint URL (e.g. http://127.0.0.1:8000/v1)")
+        if not isinstance(self.template_kwargs, dict):
+            raise ConfigError(f"template_kwargs must be a JSON object, got {self.template_kwargs!r}")
+        self.sampling()  # validates temperature, top_p, max_new_tokens
+
+    def sampling(self) -> Any:
+        from dflash.generation.engine import SamplingSettings
+
+        return SamplingSettings(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
+                                seed=self.seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {name: getattr(self, name) for name in self.__slots__}
+        data["default_prompts"] = self.default_prompts.to_dict()
+        return data
+
+    def plan_settings(self) -> dict[str, Any]:
+        """What decides the output's content: a resume must match these (placement and batching excluded)."""
+        data = self.to_dict()
+        for key in ("output", "target_gpus", "workers", "scheduler_address", "dashboard_address", "overwrite",
+                    "batch_size", "token_budget", "kv_cache", "concurrency", "endpoints", "api_key_env"):
+            data.pop(key)
+        return data
+
+
+# ---------------------------------------------------------------------------------------------------- prompts
+def _load_prompts(config: GenerateConfig) -> tuple[list[Any], Any, dict[str, Any]]:
+    from dflash.generation.default_prompts import (
+        default_prompt_sets,
+        describe_default_prompts,
+        write_prompts_jsonl,
+    )
+    from dflash.generation.prompts import DropCounts, read_prompt_file
+
+    if config.prompts == "default":
+        sets = default_prompt_sets(config.default_prompts)
+        records = sets["train"]
+        Path(config.output).mkdir(parents=True, exist_ok=True)
+        write_prompts_jsonl(sets["heldout"], Path(config.output) / HELDOUT_PROMPTS_FILE)
+        source = {**describe_default_prompts(config.default_prompts), "heldout_prompts": len(sets["heldout"]),
+                  "heldout_file": HELDOUT_PROMPTS_FILE}
+        drops = DropCounts()
+    else:
+        records, drops = read_prompt_file(config.prompts, chat_template=config.chat_template, turns=config.turns)
+        source = {"path": str(Path(config.prompts).resolve()), "sha256": _sha256(Path(config.prompts))}
+    if config.max_prompts is not None:
+        records = records[: config.max_prompts]
+    return records, drops, source
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+def _records_digest(records: list[Any]) -> str:
+    digest = hashlib.sha256()
+    for record in records:
+        digest.update(json.dumps(record.to_dict(), sort_keys=True).encode())
+    return "sha256:" + digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------- output
+def _open_output(config: GenerateConfig, plan: dict[str, Any]) -> None:
+    """Create the output folder with its plan, or check an existing one holds the same plan."""
+    from dflash.checkpoint import atomic_write_text
+    from dflash.generation.parts import PLAN_FILE, clear_uncommitted
+
+    output = Path(config.output)
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"--output {output} is a file; pass a folder")
+    plan_file = output / PLAN_FILE
+    if plan_file.is_file():
+        existing = json.loads(plan_file.read_text())
+        if existing.get("plan_digest") != plan["plan_digest"]:
+            if not config.overwrite:
+                changed = sorted(k for k in set(existing["settings"]) | set(plan["settings"])
+                                 if existing["settings"].get(k) != plan["settings"].get(k))
+                raise ConfigError(
+                    f"{output} holds a generate run with other settings or prompts (differs in: "
+                    f"{', '.join(changed) or 'the prompts'}); rerun with the same settings to resume, or pass "
+                    "--overwrite to start over, or another --output"
+                )
+            _clear_output(output)
+    elif output.is_dir() and any(p.name != "heldout_prompts.jsonl" for p in output.iterdir()):
+        raise ConfigError(f"--output {output} exists and is not a generate output; pass a new or empty folder")
+    output.mkdir(parents=True, exist_ok=True)
+    removed = clear_uncommitted(output)
+    if removed:
+        log.info("removed %d unfinished part file(s) of a killed run", removed)
+    if not plan_file.is_file():
+        atomic_write_text(plan_file, json.dumps(plan, indent=2))
+
+
+def _clear_output(output: Path) -> None:
+    import shutil
+
+    from dflash.corpus import METADATA_FILE
+    from dflash.generation.parts import PLAN_FILE
+
+    for path in [*output.glob("part-*.arrow"), *output.glob(".part-*"), output / PLAN_FILE, output / METADATA_FILE]:
+        path.unlink(missing_ok=True)
+    shutil.rmtree(output / "parts", ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------- workers
+def _plugin_class() -> type:
+    import torch
+
+    from stages.replica import TargetReplicaPlugin
+
+    class GenerateWorkerPlugin(TargetReplicaPlugin):
+        """Generate's target replica: the shared lifecycle with a :class:`TransformersEngine` on top."""
+
+        name = _PLUGIN_NAME
+
+        def __init__(self, *, engine_kwargs: dict[str, Any], **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.engine_kwargs = engine_kwargs
+            self.engine = None
+            self.tokenizer = None
+
+        def build(self, loaded: Any, device: torch.device) -> None:
+            from dflash.generation.transformers_engine import TransformersEngine
+
+            self.tokenizer = loaded.tokenizer
+            self.engine = TransformersEngine(loaded.model, loaded.tokenizer, **self.engine_kwargs,
+                                             description={"target": loaded.identity.to_dict()})
+
+        def release(self) -> torch.device | None:
+            if self.engine is None:
+                return None
+            device = self.engine.device
+            self.engine.close()
+            self.engine = None
+            return device
+
+    return GenerateWorkerPlugin
+
+
+def generate_part_task(spec: Any) -> dict[str, Any]:
+    """Dask task: answer one part on this worker's target replica and commit it; returns the part's record."""
+    from distributed import get_worker
+
+    from dflash.generation.parts import generate_part
+
+    worker = get_worker()
+    plugin = worker.plugins.get(_PLUGIN_NAME)
+    if plugin is None or plugin.engine is None:
+        raise RuntimeError(f"worker {worker.address} has no target loaded (plugin {_PLUGIN_NAME} missing)")
+    record = generate_part(plugin.engine, plugin.tokenizer, spec)
+    record["worker"] = str(worker.name)
+    return record
+
+
+def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: Any, task: Any) -> list[dict[str, Any]]:
+    from types import SimpleNamespace
+
+    from distributed import as_completed
+
+    from stages.extract import _start_cluster
+
+    # The cluster of extract, started the same way (one worker per target GPU, or CPU processes).
+    placement_settings = SimpleNamespace(scheduler_address=config.scheduler_address, write_processes=0,
+                                         target_gpus=config.target_gpus, workers=config.workers,
+                                         dashboard_address=config.dashboard_address)
+    client, cluster, placement = _start_cluster(placement_settings, Console(stderr=True, quiet=True))
+    records = []
+    try:
+        plugin = _plugin_class()(
+            target_spec=config.target, gpu_by_worker=placement.get("gpu_by_worker"),
+            device=placement.get("device", "auto"), torch_threads=placement.get("torch_threads"),
+            die_with_parent=placement.get("die_with_parent", False),
+            engine_kwargs={"batch_size": config.batch_size, "token_budget": config.token_budget,
+                           "cache": config.kv_cache},
+        )
+        client.register_plugin(plugin)
+        resources = placement.get("resources")
+        futures = [client.submit(generate_part_task, spec, key=f"generate-part-{spec.part_id}", pure=False,
+                                 resources=resources) for spec in specs]
+        for future in as_completed(futures):
+            record = future.result()
+            records.append(record)
+            progress.update(task, advance=record["num_prompts"])
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+    return records
+
+
+def _run_in_process(config: GenerateConfig, specs: list[Any], tokenizer: Any, progress: Any, task: Any) -> list[dict[str, Any]]:
+    from dflash.generation.parts import generate_part
+
+    engine = _openai_engine(config, tokenizer)
+    records = []
+    try:
+        for spec in specs:
+            record = generate_part(engine, tokenizer, spec)
+            records.append(record)
+            progress.update(task, advance=record["num_prompts"])
+    finally:
+        engine.close()
+    return records
+
+
+def _openai_engine(config: GenerateConfig, tokenizer: Any) -> Any:
+    try:
+        from dflash.generation.openai_engine import OpenAIEngine, OpenAIEngineConfig
+    except ImportError as error:  # pragma: no cover - the module ships with the package
+        raise ConfigError(f"engine openai is not available: {error}") from error
+    engine_config = OpenAIEngineConfig(endpoints=list(config.endpoints), model=config.served_model,
+                                       api_key_env=config.api_key_env, concurrency=config.concurrency)
+    return OpenAIEngine(engine_config, tokenizer=tokenizer)
+
+
+# ---------------------------------------------------------------------------------------------------- stage
+def run_generate(config: GenerateConfig, console: Console | None = None) -> dict[str, Any]:
+    """Run the stage (module docstring); returns the summary also written into ``corpus.json``.
+
+    Raises:
+        ConfigError: bad prompts, settings, template or output (one line naming it); TargetError: no target.
+    """
+    from dflash.corpus import METADATA_FILE, open_corpus
+    from dflash.generation.parts import PartSpec, committed_parts, plan_parts, summarize_parts
+    from dflash.generation.prompts import check_generation_prompt
+    from dflash.target import load_tokenizer, resolve_target_path, target_identity
+
+    console = console or Console(stderr=True)
+    started = time.perf_counter()
+    identity = target_identity(resolve_target_path(config.target)).to_dict()
+    tokenizer = load_tokenizer(config.target)
+    records, read_drops, source = _load_prompts(config)
+    if any(record.messages is not None for record in records):
+        check_generation_prompt(tokenizer, config.template_kwargs, where=f"target {config.target}")
+    ranges = plan_parts(len(records), config.part_size)
+    settings = config.plan_settings()
+    plan_digest = hashlib.sha256(json.dumps([settings, _records_digest(records), identity], sort_keys=True,
+                                            default=str).encode()).hexdigest()
+    plan = {"format": "dflash.generate/1", "plan_digest": plan_digest, "settings": settings, "target": identity,
+            "prompt_source": source, "num_prompts": len(records), "parts": ranges,
+            "read_dropped": read_drops.to_dict()}
+    _open_output(config, plan)
+    output = Path(config.output)
+    done = committed_parts(output)
+    sampling = config.sampling().to_dict()
+    specs = [PartSpec(part_id=part_id, first_prompt=start, records=[r.to_dict() for r in records[start:stop]],
+                      output=str(output), settings=sampling, template_kwargs=dict(config.template_kwargs),
+                      max_length=config.max_length)
+             for part_id, (start, stop) in enumerate(ranges) if part_id not in done]
+    console.print(f"generate: {len(records):,} prompts in {len(ranges)} parts ({len(done)} committed before), "
+                  f"engine {config.engine}, target {identity.get('name')}; left out while reading: "
+                  f"{read_drops.describe()}")
+    with Progress(TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False,
+                  disable=not console.is_terminal) as progress:
+        task = progress.add_task("generate", total=len(records),
+                                 completed=sum(r["num_prompts"] for r in done.values()))
+        if specs:
+            if config.engine == "openai":
+                _run_in_process(config, specs, tokenizer, progress, task)
+            else:
+                _run_on_dask(config, specs, progress, task)
+    done = committed_parts(output)
+    missing = [part_id for part_id in range(len(ranges)) if part_id not in done]
+    if missing:
+        raise DFlashError(f"{len(missing)} of {len(ranges)} parts are not committed (e.g. part {missing[0]}); "
+                          "rerun the same command to finish them")
+    totals = summarize_parts([done[i] for i in range(len(ranges))])
+    engine_description = {"engine": config.engine}
+    if config.engine == "openai":
+        engine_description.update(endpoints=list(config.endpoints), served_model=config.served_model)
+    generation = {
+        "engine": engine_description,
+        "target": identity,
+        "target_spec": config.target,
+        **config.sampling().to_dict(),
+        "template_kwargs": dict(config.template_kwargs),
+        "chat_template": config.chat_template,
+        "turns": config.turns,
+        "max_length": config.max_length,
+        "prompt_source": source,
+        "read_dropped": read_drops.to_dict(),
+        **totals,
+    }
+    from dflash.checkpoint import atomic_write_text
+    from dflash.corpus import FORMAT_VERSION
+
+    corpus = open_corpus(output, allow_unfinished=True)
+    metadata = {"format_version": FORMAT_VERSION, "source": "generate", "target_spec": config.target,
+                "target": identity, "generation": generation, "num_rows": len(corpus),
+                "num_tokens": corpus.num_tokens, "fingerprint": corpus.fingerprint}
+    atomic_write_text(output / METADATA_FILE, json.dumps(metadata, indent=2, default=str) + "\n")
+    summary = {**totals, "output": str(output), "seconds": round(time.perf_counter() - started, 1),
+               "parts": len(ranges), "rows": len(corpus)}
+    console.print(
+        f"generate: {totals['num_rows']:,} rows, {totals['generated_tokens']:,} generated tokens "
+        f"({totals['num_tokens']:,} in all), finish {totals['finish_reasons']}, left out "
+        f"{sum(totals['dropped']['counts'].values())} ({', '.join(f'{k} {v}' for k, v in totals['dropped']['counts'].items()) or 'none'}) "
+        f"-> {output}"
+    )
+    return summary
+
+
+def _int_list(value: str | None, name: str) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"{name} must be comma-separated integers, got {value!r}") from None
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``generate`` command to ``app``."""
+
+    @app.command("generate")
+    def generate_command(
+        prompts: str = typer.Argument("default", help="`default` (stdlib prompt set), or a chat/prompts file: .jsonl/.json/.parquet (messages, prompt or text per row) or .txt (a prompt per line)."),
+        output: Path = typer.Option(..., "--output", "-o", help="Corpus folder to write (a rerun resumes)."),
+        target: str = typer.Option("default", help="Target: `default`, a transformers folder or a .gguf file."),
+        engine: str = typer.Option("transformers", help="transformers (the target on this node) or openai (--endpoint servers)."),
+        turns: str = typer.Option("all", help="Chat inputs: all = regenerate every assistant turn in order; last = only the last."),
+        chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Send `prompt` fields through the chat template (else raw completion)."),
+        template_kwargs: str = typer.Option("{}", help='Extra chat-template variables as JSON, e.g. \'{"enable_thinking": false}\'.'),
+        temperature: float = typer.Option(0.0, help="0 = greedy (default)."),
+        top_p: float = typer.Option(1.0, help="Nucleus mass when sampling."),
+        max_new_tokens: int = typer.Option(512, help="Most tokens per reply."),
+        seed: int = typer.Option(0, help="Sampling seed."),
+        max_length: int = typer.Option(2048, help="Most tokens per row (prompt + replies); longer prompts are dropped and counted."),
+        max_prompts: int | None = typer.Option(None, help="Only the first N prompts."),
+        part_size: int = typer.Option(1024, help="Prompts per committed part."),
+        batch_size: int = typer.Option(256, help="transformers engine: rows per generate() call."),
+        token_budget: int = typer.Option(262_144, help="transformers engine: padded prompt tokens per call."),
+        kv_cache: str = typer.Option("auto", help="transformers engine: auto (static on CUDA), static or dynamic."),
+        target_gpus: str | None = typer.Option(None, help="GPUs for target replicas, e.g. 0,1,2 (one Dask worker each)."),
+        workers: int | None = typer.Option(None, help="CPU worker processes (no GPU)."),
+        scheduler_address: str | None = typer.Option(None, help="An existing Dask scheduler (tcp://host:8786)."),
+        dashboard_address: str = typer.Option("127.0.0.1:0", help="Dask dashboard of a local cluster (localhost by default)."),
+        endpoint: list[str] = typer.Option([], "--endpoint", help="openai engine: base URL of a server, e.g. http://127.0.0.1:8000/v1 (repeatable)."),
+        served_model: str | None = typer.Option(None, help="openai engine: model name on the servers (default: the only one served)."),
+        api_key_env: str | None = typer.Option(None, help="openai engine: environment variable holding the API key."),
+        concurrency: int = typer.Option(8, help="openai engine: requests in flight per endpoint."),
+        heldout_permille: int = typer.Option(50, help="Default prompt set: share of stdlib files held out, in 1/1000."),
+        overwrite: bool = typer.Option(False, help="Replace an output generated with other settings."),
+    ) -> None:
+        """Generate the target's own responses to prompts as a training corpus (the DFlash paper's recipe)."""
+        try:
+            kwargs = json.loads(template_kwargs)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--template-kwargs is not valid JSON ({error.msg}): {template_kwargs!r}") from None
+        config = GenerateConfig(
+            prompts=prompts, output=str(output), target=target, engine=engine, turns=turns,  # type: ignore[arg-type]
+            chat_template=chat_template, template_kwargs=kwargs, temperature=temperature, top_p=top_p,
+            max_new_tokens=max_new_tokens, seed=seed, max_length=max_length, max_prompts=max_prompts,
+            part_size=part_size, batch_size=batch_size, token_budget=token_budget, kv_cache=kv_cache,  # type: ignore[arg-type]
+            target_gpus=_int_list(target_gpus, "--target-gpus"), workers=workers,
+            scheduler_address=scheduler_address, dashboard_address=dashboard_address, endpoints=list(endpoint),
+            served_model=served_model, api_key_env=api_key_env, concurrency=concurrency,
+            default_prompts=DefaultPromptConfig(heldout_permille=heldout_permille), overwrite=overwrite,
+        )
+        run_generate(config)
+
