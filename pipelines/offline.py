@@ -10,6 +10,8 @@ Stages run in this process through their Python entry points (``run_prepare``, `
 ``run_training``, ``run_evaluate``), never as shell commands. Work folder layout::
 
     WORKDIR/pipeline.json        resolved config, per-stage status, timings, tau after each epoch
+    WORKDIR/corpus/              with a generate section: the target's own responses (contract 1), and
+                                 corpus/heldout_prompts.jsonl, the held-out prompts evaluation uses
     WORKDIR/corpus-all/          prepare's corpus (contract 1)
     WORKDIR/corpus/ heldout/     the split by document: training rows / held-out rows (training never sees them)
     WORKDIR/cache/               extract's hidden-state cache of corpus/ (contract 2)
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
 __all__ = ["PRESETS", "load_preset", "apply_overrides", "PipelineConfig", "run_pipeline", "register"]
 
 PRESETS = ("cpu-small", "h200-smollm2")
-_STAGES = ("prepare", "split", "extract", "train", "evaluate")
+_STAGES = ("generate", "prepare", "split", "extract", "train", "evaluate")
 _STATE_FILE = "pipeline.json"
 
 
@@ -117,11 +119,15 @@ class PipelineConfig:
     Fields:
         workdir: where every stage writes (layout in the module docstring).
         target: target spec shared by every stage.
-        prepare / split / extract / train / evaluate: the stage sections of the preset.
+        generate / prepare / split / extract / train / evaluate: the stage sections of the preset. With a
+            ``generate`` section the training corpus is the target's own responses to the prompt set
+            (``stages.generate``; the default prompt set holds out whole stdlib files, and evaluation uses its
+            held-out prompts): ``prepare`` and ``split`` are then not run.
     """
 
     workdir: Path
     target: str = "default"
+    generate: dict[str, Any] = field(default_factory=dict)
     prepare: dict[str, Any] = field(default_factory=dict)
     split: dict[str, Any] = field(default_factory=dict)
     extract: dict[str, Any] = field(default_factory=dict)
@@ -131,7 +137,7 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir).expanduser()
         held = self.split.get("heldout_documents", 0)
-        if not isinstance(held, int) or held < 1:
+        if not self.generate and (not isinstance(held, int) or held < 1):
             raise ConfigError(f"split.heldout_documents must be a positive integer, got {held!r}")
         unknown = sorted(set(self.evaluate) - _EVALUATE_FIELDS)
         if unknown:
@@ -274,6 +280,7 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
     workdir.mkdir(parents=True, exist_ok=True)
     state = _State(workdir, config)
     paths = {name: workdir / name for name in ("corpus-all", "corpus", "heldout", "cache", "run", "eval")}
+    heldout_prompts: Path | None = None
 
     def stage(name: str, settings: dict[str, Any], work, **skip_info: Any) -> None:
         if state.check(name, settings):
@@ -286,23 +293,34 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
         state.finish(name, time.perf_counter() - started, result)
         console.print(f"{name} took {time.perf_counter() - started:.1f} s")
 
-    prepare = config.section("prepare")
+    if config.generate:
+        from stages.generate import HELDOUT_PROMPTS_FILE, GenerateConfig, run_generate
 
-    def prepare_work() -> dict[str, Any]:
-        output, report = run_prepare(PrepareConfig(output=paths["corpus-all"], overwrite=True, **prepare), console=console)
-        console.print(report.table())
-        return {"corpus": str(output), "samples": report.samples_kept, "tokens": report.tokens_kept}
+        generate = config.section("generate")
+        stage("generate", generate, lambda: _json_safe(run_generate(
+            GenerateConfig(output=str(paths["corpus"]), **generate), console=console)))
+        heldout_prompts = paths["corpus"] / HELDOUT_PROMPTS_FILE
+    else:
+        prepare = config.section("prepare")
 
-    stage("prepare", prepare, prepare_work)
-    split = {"seed": 0, **config.split}
-    def split_work() -> dict[str, Any]:
-        counts = _split_corpus(paths["corpus-all"], paths["corpus"], paths["heldout"], **split)
-        console.print(f"held out {counts['heldout_documents']} documents ({counts['heldout_rows']} rows, "
-                      f"{counts['heldout_tokens']:,} tokens) for evaluation; training split: {counts['train_documents']} "
-                      f"documents ({counts['train_rows']} rows, {counts['train_tokens']:,} tokens)")
-        return counts
+        def prepare_work() -> dict[str, Any]:
+            output, report = run_prepare(PrepareConfig(output=paths["corpus-all"], overwrite=True, **prepare),
+                                         console=console)
+            console.print(report.table())
+            return {"corpus": str(output), "samples": report.samples_kept, "tokens": report.tokens_kept}
 
-    stage("split", split, split_work)
+        stage("prepare", prepare, prepare_work)
+        split = {"seed": 0, **config.split}
+
+        def split_work() -> dict[str, Any]:
+            counts = _split_corpus(paths["corpus-all"], paths["corpus"], paths["heldout"], **split)
+            console.print(f"held out {counts['heldout_documents']} documents ({counts['heldout_rows']} rows, "
+                          f"{counts['heldout_tokens']:,} tokens) for evaluation; training split: "
+                          f"{counts['train_documents']} documents ({counts['train_rows']} rows, "
+                          f"{counts['train_tokens']:,} tokens)")
+            return counts
+
+        stage("split", split, split_work)
     extract = config.section("extract")
     stage("extract", extract, lambda: _json_safe(run_extract(
         ExtractConfig(corpus=str(paths["corpus"]), output=str(paths["cache"]), **extract), console=console)))
@@ -320,8 +338,12 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
     def get_evaluator() -> Evaluator:
         nonlocal evaluator
         if evaluator is None:
-            settings = EvaluateConfig(drafter=paths["run"], target=config.target, prompts="held-out",
-                                      corpus=paths["heldout"], **evaluate)
+            if heldout_prompts is not None:  # the generate prompt set's held-out prompts (unseen documents)
+                settings = EvaluateConfig(drafter=paths["run"], target=config.target, prompts=str(heldout_prompts),
+                                          **evaluate)
+            else:
+                settings = EvaluateConfig(drafter=paths["run"], target=config.target, prompts="held-out",
+                                          corpus=paths["heldout"], **evaluate)
             evaluator = Evaluator(settings, config.target, console=console)
         return evaluator
 

@@ -1,0 +1,106 @@
+"""Generated tokens/s of ``generate``'s transformers engine on one device (issue 13: >= 50K for SmolLM2 on an H200).
+
+Run::
+
+    python benchmarks/generate.py                                   # SmolLM2 (the embedded default), default prompts
+    python benchmarks/generate.py --target qwen3-8b-random --batch-size 128
+    python benchmarks/generate.py --kv-cache static dynamic         # A/B in one process
+    python benchmarks/generate.py --smoke                           # tiny, on CPU (a check that it runs)
+
+Prompts: the first ``--prompts`` training prompts of the embedded default prompt set (code completions and
+instructions about stdlib functions, through the chat template), so lengths are what the preset generates from;
+for the random-weight Qwen3-8B shape, seeded random prompts of 64-512 tokens (its replies are noise, its speed is
+real; they run to ``--max-new-tokens``). Each setting
+runs the same requests twice; the second (warm: compiled graphs and allocator ready) pass is the figure. Printed:
+generated tokens/s (reply tokens, stop token included; the padding rows of a batch excluded), rows per second, and
+the share of replies that stopped before ``--max-new-tokens``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from extract import build_target  # noqa: E402  (the benchmarks' shared random-target builder)
+
+from dflash.generation.default_prompts import DefaultPromptConfig, default_prompt_sets  # noqa: E402
+from dflash.generation.engine import GenerationRequest, SamplingSettings  # noqa: E402
+from dflash.generation.prompts import ConversationBuilder  # noqa: E402
+from dflash.generation.transformers_engine import TransformersEngine  # noqa: E402
+from dflash.target import load_tokenizer  # noqa: E402
+
+
+def requests_of(num_prompts: int, max_new_tokens: int, tokenizer) -> list[GenerationRequest]:
+    records = default_prompt_sets(DefaultPromptConfig(max_prompts=num_prompts))["train"]
+    requests = []
+    for index, record in enumerate(records):
+        prompt = ConversationBuilder(record, tokenizer, {}).prompt_ids()
+        requests.append(GenerationRequest(request_id=index, prompt_ids=prompt, max_new_tokens=max_new_tokens))
+    return requests
+
+
+class _PadOnly:
+    """What the engine reads of a tokenizer, for random-weight targets without one."""
+
+    pad_token_id = 0
+    eos_token_id = 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="default", help="default (SmolLM2), qwen3-8b-random or a local path")
+    parser.add_argument("--prompts", type=int, default=2048)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[512])
+    parser.add_argument("--kv-cache", nargs="+", default=["static"], choices=["static", "dynamic"])
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    if args.smoke:
+        args.prompts, args.max_new_tokens, args.batch_size, args.kv_cache = 8, 8, [4], ["dynamic"]
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    model, identity = build_target(args.target, device, args.smoke, 0)
+    if args.target == "qwen3-8b-random":  # no tokenizer needed: seeded random prompts of 64-512 tokens
+        generator = torch.Generator().manual_seed(0)
+        lengths = torch.randint(64, 513, (args.prompts,), generator=generator).tolist()
+        requests = [GenerationRequest(request_id=i, prompt_ids=torch.randint(1, 1000, (n,), generator=generator).tolist(),
+                                      max_new_tokens=args.max_new_tokens) for i, n in enumerate(lengths)]
+        tokenizer, stop = _PadOnly(), [0]  # a random model almost never emits token 0: replies run to the limit
+    else:
+        tokenizer = load_tokenizer(args.target)
+        requests = requests_of(args.prompts, args.max_new_tokens, tokenizer)
+        stop = None
+    settings = SamplingSettings(max_new_tokens=args.max_new_tokens)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device {name}, target {identity.name}, {len(requests)} prompts (mean {sum(len(r.prompt_ids) for r in requests) / len(requests):.0f} tokens), "
+          f"max_new_tokens {args.max_new_tokens}, torch {torch.__version__}")
+    figures = []
+    for kv_cache in args.kv_cache:
+        for batch_size in args.batch_size:
+            engine = TransformersEngine(model, tokenizer, batch_size=batch_size, token_budget=batch_size * 4096,
+                                        cache=kv_cache, stop_token_ids=stop)
+            for attempt in ("cold", "warm"):
+                started = time.perf_counter()
+                results = engine.generate(requests, settings)
+                seconds = time.perf_counter() - started
+                tokens = sum(len(r.token_ids) for r in results)
+                stopped = sum(r.finish_reason == "stop" for r in results) / len(results)
+                row = {"kv_cache": kv_cache, "batch_size": batch_size, "pass": attempt, "seconds": round(seconds, 2),
+                       "generated_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
+                       "rows_per_s": round(len(results) / seconds, 2), "stopped_early": round(stopped, 3),
+                       "device": name, "target": identity.name}
+                figures.append(row)
+                print(f"  kv {kv_cache:7s} batch {batch_size:4d} {attempt}: {tokens:,} tokens in {seconds:.1f} s = "
+                      f"{tokens / seconds:,.0f} generated tok/s ({stopped:.0%} stopped early)", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
