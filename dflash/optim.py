@@ -11,9 +11,9 @@ The schedule is a :class:`torch.optim.lr_scheduler.LambdaLR` over a picklable mu
 
 Extending a run (``train --resume`` with more steps or epochs, :func:`extend_schedule`): the steps already taken
 keep their schedule, and the added steps ``[s0, T_new)`` get a new warmup-cosine segment, the common "re-warm"
-practice of continued training (SGDR, Loshchilov & Hutter 2017; Ibrahim et al. 2024, arXiv 2403.08763): the lr
-warms linearly from the lr in effect at ``s0`` to the peak ``lr`` over ``round(warmup_ratio * (T_new - s0))``
-steps, then decays by cosine to ``lr * min_lr_ratio`` at ``T_new``. A finished run ends at the floor (0 by
+practice of continued training (SGDR, Loshchilov & Hutter 2017; Gupta et al. 2023, arXiv 2308.04014; Ibrahim et
+al. 2024, arXiv 2403.08763): the lr warms linearly from the lr in effect at ``s0`` to the peak ``lr`` over
+``round(warmup_ratio * (T_new - s0))`` steps, then decays by cosine to ``lr * min_lr_ratio`` at ``T_new``. A finished run ends at the floor (0 by
 default), from where a warmup-free cosine would stay at 0. The segment is part of the multiplier's state, so a
 checkpoint of the extended run resumes bit for bit.
 """
