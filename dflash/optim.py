@@ -8,10 +8,19 @@ and ``weight_decay=0.0`` (SpecForge copies that from EAGLE-3's ``traineagle3/ds_
 
 The schedule is a :class:`torch.optim.lr_scheduler.LambdaLR` over a picklable multiplier, so its
 ``state_dict()`` round-trips exactly and a resumed run gets the same learning rate as a straight one.
+
+Extending a run (``train --resume`` with more steps or epochs, :func:`extend_schedule`): the steps already taken
+keep their schedule, and the added steps ``[s0, T_new)`` get a new warmup-cosine segment, the common "re-warm"
+practice of continued training (SGDR, Loshchilov & Hutter 2017; Gupta et al. 2023, arXiv 2308.04014; Ibrahim et
+al. 2024, arXiv 2403.08763): the lr warms linearly from the lr in effect at ``s0`` to the peak ``lr`` over
+``round(warmup_ratio * (T_new - s0))`` steps, then decays by cosine to ``lr * min_lr_ratio`` at ``T_new``. A finished run ends at the floor (0 by
+default), from where a warmup-free cosine would stay at 0. The segment is part of the multiplier's state, so a
+checkpoint of the extended run resumes bit for bit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -30,6 +39,8 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "clip_grad_norm",
+    "extend_schedule",
+    "schedule_segments",
 ]
 
 #: AdamW betas used when none are given: torch's defaults, as SpecForge's DFlash trainer uses them.
@@ -99,19 +110,40 @@ class WarmupCosine:
     """LR multiplier at optimizer step ``s`` (0-based): linear warmup over ``warmup_steps`` (from 1/(w+1) to 1),
     then cosine from 1 down to ``min_lr_ratio`` at ``total_steps``; constant afterwards.
 
+    ``extensions`` (added by :func:`extend_schedule` when a resumed run gets more steps) are later segments, each a
+    dict ``{"start_step", "total_steps", "warmup_steps", "start_ratio"}``: from ``start_step`` on, the multiplier
+    warms linearly from ``start_ratio`` to 1 over ``warmup_steps`` steps, then follows the cosine down to
+    ``min_lr_ratio`` at that segment's ``total_steps``. The last segment that has started applies.
+
     A frozen dataclass (not a closure, and without ``__slots__``): ``LambdaLR.state_dict()`` saves a callable
-    object's ``__dict__``, so the schedule's settings travel with the checkpoint and show in ``repr``.
+    object's ``__dict__``, so the schedule's settings, extensions included, travel with the checkpoint (as JSON:
+    a list of dicts after a round trip) and show in ``repr``.
     """
 
     total_steps: int
     warmup_steps: int
     min_lr_ratio: float
+    extensions: tuple[dict[str, float], ...] = ()
+
+    @property
+    def end_step(self) -> int:
+        """The step at which the whole schedule (its last extension included) reaches ``min_lr_ratio``."""
+        return int(self.extensions[-1]["total_steps"]) if self.extensions else self.total_steps
 
     def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / (self.warmup_steps + 1)
-        decay_steps = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        segment = next((e for e in reversed(self.extensions) if step >= e["start_step"]), None)
+        if segment is None:  # the original schedule, computed exactly as before extensions existed
+            if step < self.warmup_steps:
+                return (step + 1) / (self.warmup_steps + 1)
+            decay_steps = max(1, self.total_steps - self.warmup_steps)
+            progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+            return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        start, warmup, start_ratio = int(segment["start_step"]), int(segment["warmup_steps"]), segment["start_ratio"]
+        offset = step - start
+        if offset < warmup:
+            return start_ratio + (1.0 - start_ratio) * (offset + 1) / (warmup + 1)
+        decay_steps = max(1, int(segment["total_steps"]) - start - warmup)
+        progress = min(1.0, (offset - warmup) / decay_steps)
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
@@ -130,6 +162,56 @@ def build_scheduler(
     warmup_steps = round(config.warmup_ratio * total_steps)
     multiplier = WarmupCosine(total_steps=total_steps, warmup_steps=warmup_steps, min_lr_ratio=config.min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+
+
+def extend_schedule(
+    scheduler: torch.optim.lr_scheduler.LambdaLR, config: OptimConfig, *, total_steps: int
+) -> WarmupCosine | None:
+    """Give a resumed schedule more steps: a re-warm segment over ``[s0, total_steps)`` (module docstring).
+
+    ``s0`` is the scheduler's position (``last_epoch``, the optimizer steps taken). Nothing changes when
+    ``total_steps`` does not exceed the schedule's end (an unchanged config resumes exactly as before). The
+    optimizer's current lr is set to the new schedule's value at ``s0``, as ``LambdaLR.step()`` would have.
+
+    Returns:
+        The extended multiplier, or ``None`` when the schedule was long enough already.
+    """
+    multiplier = scheduler.lr_lambdas[0]
+    assert isinstance(multiplier, WarmupCosine), f"not a WarmupCosine schedule: {multiplier!r}"
+    if total_steps <= multiplier.end_step:
+        return None
+    start = int(scheduler.last_epoch)
+    segment = {
+        "start_step": start,
+        "total_steps": int(total_steps),
+        "warmup_steps": round(config.warmup_ratio * (total_steps - start)),
+        "start_ratio": float(multiplier(start)),
+    }
+    extended = dataclasses.replace(multiplier, extensions=(*multiplier.extensions, segment))
+    scheduler.lr_lambdas = [extended for _ in scheduler.optimizer.param_groups]
+    lrs = [base_lr * extended(start) for base_lr in scheduler.base_lrs]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports for the next step
+    return extended
+
+
+def schedule_segments(scheduler: torch.optim.lr_scheduler.LambdaLR) -> list[dict[str, float]]:
+    """The schedule as segments ``{start_step, total_steps, warmup_steps, start_lr, peak_lr, end_lr}`` (first: the
+    original warmup-cosine, then one per extension) for logs and the checkpoint's trainer state. ``start_lr`` is
+    the lr the linear warmup rises from (0 for the original schedule, the lr in effect at ``start_step`` for an
+    extension); the first step of the segment already runs one warmup increment above it."""
+    multiplier = scheduler.lr_lambdas[0]
+    assert isinstance(multiplier, WarmupCosine), f"not a WarmupCosine schedule: {multiplier!r}"
+    peak = float(scheduler.base_lrs[0])
+    floor = peak * multiplier.min_lr_ratio
+    segments = [{"start_step": 0, "total_steps": multiplier.total_steps, "warmup_steps": multiplier.warmup_steps,
+                 "start_lr": 0.0, "peak_lr": peak, "end_lr": floor}]
+    for extension in multiplier.extensions:
+        segments.append({"start_step": int(extension["start_step"]), "total_steps": int(extension["total_steps"]),
+                         "warmup_steps": int(extension["warmup_steps"]),
+                         "start_lr": peak * float(extension["start_ratio"]), "peak_lr": peak, "end_lr": floor})
+    return segments
 
 
 def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -19,7 +19,8 @@ One draft-verify cycle, as the serving engines run it (DFLASH.md "How it is used
 Acceptance length ``tau`` = tokens committed per cycle, bonus included, in ``[1, B]``; it is recorded from the
 verification itself, before the output is cut at ``max_new_tokens`` or a stop token (the z-lab reference counts
 the same way). Block size 1 is plain target decoding through the same loop (no drafter call, no taps kept): the
-baseline the speedup is measured against.
+baseline the speedup is measured against. :func:`target_generate` is the other reference: the target's own
+transformers ``generate()`` with its KV cache, plain decoding as users run it.
 
 Shapes: P = prompt tokens, B = block size, V = vocab size, n = tapped layers, H = target hidden size.
 """
@@ -44,6 +45,7 @@ __all__ = [
     "AcceptanceStats",
     "TappedTarget",
     "speculative_generate",
+    "target_generate",
     "verify_greedy",
     "verify_sampled",
     "first_divergence",
@@ -452,6 +454,61 @@ def speculative_generate(
         prefill_seconds=prefill_seconds,
         decode_seconds=decode_seconds,
         finish_reason=finish_reason,
+    )
+
+
+@torch.inference_mode()
+def target_generate(
+    model: torch.nn.Module, prompt_ids: Sequence[int] | torch.Tensor, config: SpeculativeConfig, *, seed: int = 0
+) -> GenerationResult:
+    """The target's own decoding of one prompt: ``model.generate(input_ids, max_new_tokens=..., do_sample=False,
+    use_cache=True)`` (transformers' default dynamic KV cache), as users run it; the reference a speculative
+    loop's speed and greedy output are compared with.
+
+    The settings are those of ``config`` (``block_size`` and ``mask_token_id`` are not used): the same
+    ``max_new_tokens`` and stop tokens as :func:`speculative_generate` (an empty ``stop_token_ids`` ignores the end
+    of sequence, as ``eos_token_id=[]`` does in ``generate()``). Sampled mode (``temperature > 0``) samples the
+    full softmax at that temperature (``top_k=0``, ``top_p=1.0``: no truncation, like the speculative loop) from
+    torch's generator seeded with ``seed`` (restored afterwards).
+
+    Returns:
+        :class:`GenerationResult` without cycles (``acceptance_lengths`` empty, ``block_size`` 1); the wall time of
+        the whole call, prefill included (``generate()`` does not time the two apart), is in ``decode_seconds``,
+        ``prefill_seconds`` is 0. Device synchronized around the call on CUDA.
+
+    Raises:
+        ConfigError: empty prompt.
+    """
+    device = next(model.parameters()).device
+    prompt = torch.as_tensor(list(prompt_ids) if not torch.is_tensor(prompt_ids) else prompt_ids, dtype=torch.int64)
+    prompt = prompt.reshape(1, -1).to(device)
+    if prompt.numel() == 0:
+        raise ConfigError("prompt_ids is empty; a prompt needs at least one token")
+    stop = list(config.stop_token_ids)
+    pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    sampling: dict[str, Any] = (
+        {"do_sample": True, "temperature": config.temperature, "top_k": 0, "top_p": 1.0}
+        if config.mode == "sampled" else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+    )
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        _synchronize(device)
+        started = time.perf_counter()
+        sequences = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=config.max_new_tokens, use_cache=True,
+            eos_token_id=stop, pad_token_id=pad if pad is not None else (stop[0] if stop else 0), **sampling,
+        )
+        _synchronize(device)
+        seconds = time.perf_counter() - started
+    output = sequences[0, prompt.shape[1] :].tolist()
+    return GenerationResult(
+        prompt_ids=prompt[0].tolist(),
+        output_ids=output,
+        acceptance_lengths=[],
+        block_size=1,
+        prefill_seconds=0.0,
+        decode_seconds=seconds,
+        finish_reason="stop" if output and output[-1] in config.stop_token_ids else "length",
     )
 
 

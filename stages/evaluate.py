@@ -6,10 +6,16 @@ Run::
     dflash-stages evaluate --drafter EXPORT --prompts prompts.jsonl --temperature 0.7
 
 For every prompt the same loop (:func:`dflash.speculative.speculative_generate`) runs twice: with block size 1
-(plain target decoding, the baseline) and with the drafter's block size. The speedup is the ratio of their
-throughputs (new tokens per second, prefill included) over the same prompts, measured in the same process.
+(plain target decoding, the baseline) and with the drafter's block size; and the target's own transformers
+``generate()`` (greedy or sampled as the loop, KV cache on, the same stop tokens and ``max_new_tokens``:
+:func:`dflash.speculative.target_generate`) runs once, plain decoding as users run it. Two speedups: the ratio of
+the speculative loop's throughput (new tokens per second, prefill included) to that of block size 1
+(``speedup``) and to that of ``generate()`` (``speedup_vs_generate``), over the same prompts, measured in the
+same process, on the same model (same device and dtype), the three runs of a prompt one after the other,
+warm-up calls of each excluded, the device synchronized around every timing on CUDA.
 Greedy runs are checked for losslessness, not assumed: the speculative output must equal the target's own greedy
-output token for token. A divergence is reported with the target's logit gap between the two tokens at that
+output token for token, both that of the block-size-1 loop (``lossless``) and that of ``generate()``
+(``lossless_vs_generate``). A divergence is reported with the target's logit gap between the two tokens at that
 point, recomputed by one full forward: a gap within ``near_tie_tolerance`` is a floating-point near-tie (kernels
 for a 1-token and a B-token forward round differently, mostly in bf16), anything larger is a bug and fails the run.
 """
@@ -39,10 +45,11 @@ from dflash.speculative import (
     SpeculativeConfig,
     TappedTarget,
     first_divergence,
+    target_generate,
 )
 from dflash.speculative import speculative_generate as _generate
 
-__all__ = ["EvaluateConfig", "Evaluator", "load_drafter_any", "attach_checked", "check_target_identity", "load_prompts", "evaluate_drafter",
+__all__ = ["EvaluateConfig", "Baselines", "Evaluator", "load_drafter_any", "attach_checked", "check_target_identity", "load_prompts", "evaluate_drafter",
            "run_evaluate", "print_report", "write_json_atomic", "register"]
 
 log = logging.getLogger(__name__)
@@ -184,10 +191,25 @@ def _stop_tokens(tokenizer: Any, ignore_eos: bool) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def _throughput(results: list[GenerationResult]) -> dict[str, float]:
+@dataclass(kw_only=True, slots=True)
+class Baselines:
+    """The two references of a prompt set, measured once and reused for every drafter evaluated on it.
+
+    Fields:
+        block_size_1: the speculative loop at block size 1 (plain decoding through the same code), per prompt.
+        target_generate: the target's own ``generate()`` (:func:`dflash.speculative.target_generate`), per prompt.
+    """
+
+    block_size_1: list[GenerationResult]
+    target_generate: list[GenerationResult]
+
+
+def _throughput(results: list[GenerationResult], *, split: bool = True) -> dict[str, Any]:
+    """New tokens, seconds (prefill included) and tokens/s over ``results``; ``decode_seconds`` only when the
+    runs timed their decode apart (``split``; ``generate()`` does not)."""
     tokens = sum(len(r.output_ids) for r in results)
     seconds = sum(r.seconds for r in results)
-    decode = sum(r.decode_seconds for r in results)
+    decode = sum(r.decode_seconds for r in results) if split else None
     return {"new_tokens": tokens, "seconds": seconds, "decode_seconds": decode,
             "tokens_per_second": tokens / seconds if seconds > 0 else float("nan")}
 
@@ -222,6 +244,18 @@ def _lossless_report(model: Any, prompts: list[EvalPrompt], spec: list[Generatio
             "passed": len(mismatches) == near_ties, "mismatches": mismatches}
 
 
+def _lossless_vs_generate(model: Any, prompts: list[EvalPrompt], spec: list[GenerationResult],
+                          base: list[GenerationResult], generated: list[GenerationResult],
+                          tolerance: float) -> dict[str, Any]:
+    """The lossless report of the speculative outputs against ``generate()``'s, plus how many block-size-1 loop
+    outputs equal ``generate()``'s (``block_size_1_identical``: tells a drafting bug from a loop that decodes
+    otherwise than transformers)."""
+    report = _lossless_report(model, prompts, spec, generated, tolerance)
+    report["block_size_1_identical"] = sum(
+        first_divergence(b.output_ids, g.output_ids) is None for b, g in zip(base, generated, strict=True))
+    return report
+
+
 def evaluate_drafter(
     target: Any,
     drafter: Any,
@@ -235,21 +269,23 @@ def evaluate_drafter(
     stop_token_ids: tuple[int, ...] = (),
     seed: int = 0,
     near_tie_tolerance: float | None = None,
-    baseline: list[GenerationResult] | None = None,
+    baseline: Baselines | None = None,
     console: Console | None = None,
     label: str = "drafter",
-) -> tuple[dict[str, Any], list[GenerationResult]]:
-    """Speculative decoding of every prompt with ``drafter`` and (unless ``baseline`` is given) block size 1.
+) -> tuple[dict[str, Any], Baselines]:
+    """Speculative decoding of every prompt with ``drafter`` and (unless ``baseline`` is given) the two references:
+    block size 1 in the same loop, and the target's own ``generate()``.
 
     Args:
         target: ``LoadedTarget``.
         drafter: a ``DFlashDrafter`` on the target's device with the target attached.
-        baseline: block-size-1 results of the same prompts and settings, to reuse (the pipeline evaluates several
-            checkpoints against one baseline). Runs are interleaved per prompt when measured here.
+        baseline: both references' results on the same prompts and settings, to reuse (the pipeline evaluates
+            several checkpoints against one baseline). Runs are interleaved per prompt when measured here.
 
     Returns:
-        ``(summary, baseline_results)``: summary with ``tau``, ``acceptance``, ``speedup``, ``throughput``,
-        ``lossless`` (greedy only), ``per_prompt``.
+        ``(summary, baselines)``: summary with ``tau``, ``acceptance``, ``speedup`` (vs block size 1),
+        ``speedup_vs_generate``, ``throughput`` (``speculative``, ``baseline_block_size_1``, ``target_generate``),
+        ``lossless`` and ``lossless_vs_generate`` (greedy only), ``per_prompt``.
     """
     model = target.model
     device = next(model.parameters()).device
@@ -261,7 +297,8 @@ def evaluate_drafter(
                                     stop_token_ids=stop_token_ids)
     measure_baseline = baseline is None
     spec_results: list[GenerationResult] = []
-    base_results: list[GenerationResult] = [] if measure_baseline else list(baseline)
+    base_results: list[GenerationResult] = [] if measure_baseline else list(baseline.block_size_1)
+    generate_results: list[GenerationResult] = [] if measure_baseline else list(baseline.target_generate)
 
     def generator(index: int) -> torch.Generator:
         return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
@@ -279,11 +316,16 @@ def evaluate_drafter(
         _generate(tapped, drafter, prompts[0].input_ids, warm, generator=generator(0))  # kernels, allocator
         _generate(tapped, None, prompts[0].input_ids, SpeculativeConfig(block_size=1, max_new_tokens=4),
                   generator=generator(0))
+        if measure_baseline:
+            _plain_generate(tapped, prompts[0].input_ids, SpeculativeConfig(block_size=1, max_new_tokens=4), seed)
         for index, prompt in enumerate(prompts):
             if measure_baseline:
                 progress.update(task, description="block size 1 baseline")
                 base_results.append(_generate(tapped, None, prompt.input_ids, base_config,
                                               generator=generator(index)))
+                progress.update(task, description="target generate()")
+                generate_results.append(_plain_generate(tapped, prompt.input_ids, base_config,
+                                                        seed * 1_000_003 + index))
             progress.update(task, description=f"block size {block_size}")
             spec_results.append(_generate(tapped, drafter, prompt.input_ids, spec_config,
                                           generator=generator(index)))
@@ -292,21 +334,47 @@ def evaluate_drafter(
 
     stats = AcceptanceStats.from_lengths([t for r in spec_results for t in r.acceptance_lengths], block_size)
     spec_speed, base_speed = _throughput(spec_results), _throughput(base_results)
+    generate_speed = _throughput(generate_results, split=False)
+    sampled = {"checked": False, "reason": "sampled mode: lossless in distribution, not token for token"}
     summary: dict[str, Any] = {
         "tau": stats.mean_tau,
         "acceptance": stats.to_dict(),
         "speedup": spec_speed["tokens_per_second"] / base_speed["tokens_per_second"],
-        "throughput": {"speculative": spec_speed, "baseline_block_size_1": base_speed},
+        "speedup_vs_generate": spec_speed["tokens_per_second"] / generate_speed["tokens_per_second"],
+        "throughput": {"speculative": spec_speed, "baseline_block_size_1": base_speed,
+                       "target_generate": {**generate_speed, "call": _generate_call(max_new_tokens, temperature,
+                                                                                    stop_token_ids)}},
         "lossless": (_lossless_report(model, prompts, spec_results, base_results, tolerance) if temperature == 0
-                     else {"checked": False, "reason": "sampled mode: lossless in distribution, not token for token"}),
+                     else sampled),
+        "lossless_vs_generate": (
+            _lossless_vs_generate(model, prompts, spec_results, base_results, generate_results, tolerance)
+            if temperature == 0 else sampled),
         "per_prompt": [
             {"source": p.source, "prompt_tokens": len(p.input_ids), "new_tokens": len(s.output_ids),
              "cycles": s.num_cycles, "tau": (sum(s.acceptance_lengths) / s.num_cycles) if s.num_cycles else None,
-             "finish_reason": s.finish_reason, "seconds": s.seconds, "baseline_seconds": b.seconds}
-            for p, s, b in zip(prompts, spec_results, base_results, strict=True)
+             "finish_reason": s.finish_reason, "seconds": s.seconds, "baseline_seconds": b.seconds,
+             "generate_new_tokens": len(g.output_ids), "generate_seconds": g.seconds}
+            for p, s, b, g in zip(prompts, spec_results, base_results, generate_results, strict=True)
         ],
     }
-    return summary, base_results
+    return summary, Baselines(block_size_1=base_results, target_generate=generate_results)
+
+
+def _plain_generate(tapped: TappedTarget, prompt_ids: list[int], config: SpeculativeConfig, seed: int) -> GenerationResult:
+    """:func:`dflash.speculative.target_generate` on the tapped target with its taps off (the hooks stay, as they
+    do for the block-size-1 loop, and keep nothing)."""
+    tapped.capture = False
+    try:
+        return target_generate(tapped.model, prompt_ids, config, seed=seed)
+    finally:
+        tapped.capture = True
+
+
+def _generate_call(max_new_tokens: int, temperature: float, stop_token_ids: tuple[int, ...]) -> str:
+    """The ``generate()`` call measured, as the report shows it."""
+    sampling = "do_sample=False" if temperature == 0 else f"do_sample=True, temperature={temperature}, top_k=0, top_p=1.0"
+    return (f"model.generate(input_ids, max_new_tokens={max_new_tokens}, {sampling}, use_cache=True, "
+            f"eos_token_id={list(stop_token_ids)})")
 
 
 def _untrained_like(drafter_config: Any, target: Any, seed: int) -> Any:
@@ -356,7 +424,7 @@ class Evaluator:
         self.device, self.dtype = config.resolved_device(), config.resolved_dtype()
         self.target = load_target(self.target_spec, dtype=self.dtype, device=self.device)
         self.prompts = load_prompts(config, self.target.tokenizer)
-        self.baseline: list[GenerationResult] | None = None
+        self.baseline: Baselines | None = None
 
     def load_drafter(self, path: Path, loaded: tuple[Any, Any, dict[str, Any]] | None = None) -> tuple[Any, Any, dict[str, Any]]:
         """A drafter from ``path`` (or the already read ``loaded = load_drafter_any(path)``) on the target's device
@@ -395,7 +463,8 @@ class Evaluator:
             untrained = None
             if compare_untrained:
                 floor = self._summary(self.untrained(drafter_config), drafter_config, "untrained")
-                untrained = {key: floor[key] for key in ("tau", "acceptance", "speedup", "lossless")}
+                untrained = {key: floor[key] for key in ("tau", "acceptance", "speedup", "speedup_vs_generate",
+                                                         "lossless", "lossless_vs_generate")}
         finally:
             torch.set_num_threads(threads)
         prompts = self.prompts
@@ -451,13 +520,20 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     summary.add_row("speculative tokens/s", f"{speed['speculative']['tokens_per_second']:.1f}")
     summary.add_row("block size 1 tokens/s", f"{speed['baseline_block_size_1']['tokens_per_second']:.1f}")
     summary.add_row("speedup vs block size 1", f"{report['speedup']:.2f}x")
-    lossless = report["lossless"]
-    if lossless.get("checked"):
-        verdict = "[green]passed[/]" if lossless["passed"] else "[red]FAILED[/]"
-        ties = f", {lossless['near_ties']} diverge at float near-ties" if lossless["near_ties"] else ""
-        summary.add_row("greedy lossless check", f"{verdict}: {lossless['identical']}/{lossless['prompts']} identical{ties}")
-    else:
-        summary.add_row("greedy lossless check", "n/a (sampled)")
+    generate = speed.get("target_generate")
+    if generate is not None:  # reports written before the generate() reference existed lack it
+        summary.add_row("target generate() tokens/s", f"{generate['tokens_per_second']:.1f}")
+        summary.add_row("speedup vs generate()", f"{report['speedup_vs_generate']:.2f}x")
+    for name, key in (("greedy lossless check", "lossless"), ("lossless vs generate()", "lossless_vs_generate")):
+        lossless = report.get(key)
+        if lossless is None:
+            continue
+        if lossless.get("checked"):
+            verdict = "[green]passed[/]" if lossless["passed"] else "[red]FAILED[/]"
+            ties = f", {lossless['near_ties']} diverge at float near-ties" if lossless["near_ties"] else ""
+            summary.add_row(name, f"{verdict}: {lossless['identical']}/{lossless['prompts']} identical{ties}")
+        else:
+            summary.add_row(name, "n/a (sampled)")
     console.print(summary)
     positions = Table(title="per-position acceptance")
     positions.add_column("draft position k", justify="right")
@@ -500,7 +576,10 @@ def register(app: typer.Typer) -> None:
         cpu_threads: int | None = typer.Option(None, "--cpu-threads", help="Torch threads while decoding on CPU (default: torch's)."),
         json_out: Path | None = typer.Option(None, "--json", help="Write the full report as JSON here."),
     ) -> None:
-        """Speculative decoding with the target and a drafter: tau, per-position acceptance, speedup, lossless check."""
+        """Speculative decoding with the target and a drafter: tau, per-position acceptance, the speedup against
+        block size 1 in the same loop and against the target's own generate() (KV cache, same prompts, stop tokens
+        and new tokens), and the greedy lossless check against both. Exit code 1 when a greedy output differs
+        beyond a float near-tie."""
         console = Console()
         config = EvaluateConfig(
             drafter=drafter, target=target, prompts=prompts, corpus=corpus, cache=cache, num_prompts=num_prompts,
@@ -513,7 +592,12 @@ def register(app: typer.Typer) -> None:
         if json_out is not None:
             console.print(f"report written to {json_out}")
         console.print(f"tau = {report['tau']:.3f}")
-        if report["lossless"].get("checked") and not report["lossless"]["passed"]:
+        failed = [key for key in ("lossless", "lossless_vs_generate")
+                  if report[key].get("checked") and not report[key]["passed"]]
+        if "lossless" in failed:
             console.print("[red]greedy speculative output differs from the target's own greedy output[/]")
+        if "lossless_vs_generate" in failed:
+            console.print("[red]greedy speculative output differs from the target's generate() output[/]")
+        if failed:
             raise typer.Exit(code=1)
 

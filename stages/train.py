@@ -17,6 +17,8 @@ after the current step with a checkpoint (the run is resumable; a second Ctrl-C 
 Resume: ``--resume`` starts from the saved configuration of RUN; options given on the command line override it.
 An override that changes the training trajectory (learning rate, batch, seed, schedule length...) is refused,
 naming the fields, unless ``--allow-config-change``: exact resume reproduces the straight run bit for bit on CPU.
+More steps or epochs on resume extend the lr schedule: the added steps re-warm to the peak lr and decay again
+(``dflash.optim.extend_schedule``; docs/training.md, Resume), never train on at the finished schedule's floor.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ from dflash.drafter import (
 )
 from dflash.drafter.attention_kernels import flash_attention_applies
 from dflash.errors import CheckpointError, ConfigError
-from dflash.optim import build_optimizer, build_scheduler, clip_grad_norm
+from dflash.optim import build_optimizer, build_scheduler, clip_grad_norm, extend_schedule, schedule_segments
 from dflash.stream import StreamConfig, StreamingLoader
 from dflash.target import LAYER_ID_CONVENTION, resolve_target_path, target_identity
 from dflash.telemetry import BucketCounter, MetricsWriter, StepTimer, ThroughputWindow, training_progress
@@ -442,6 +442,32 @@ class Trainer:
             restore_rng_state(checkpoint.rng_state)
         if self.is_main:
             log.info("resumed %s at step %d (epoch %d)", checkpoint.path, self.step, self.train_loader.epoch)
+        self._continue_schedule()
+
+    def _continue_schedule(self) -> None:
+        """After a resume with more steps (or epochs) than the saved schedule spans: the added steps re-warm and
+        decay again (``dflash.optim.extend_schedule``) instead of training on at the schedule's floor (lr 0 by
+        default). The saved schedule, extensions included, is what the checkpoint restored; an unchanged config
+        leaves it as it is."""
+        planned = self.scheduler.lr_lambdas[0].end_step
+        saved_peak = float(self.scheduler.base_lrs[0])
+        if self.config.lr != saved_peak and self.is_main:
+            log.warning("lr %.3g ignored on resume: the restored schedule keeps the run's peak lr %.3g",
+                        self.config.lr, saved_peak)
+        if extend_schedule(self.scheduler, self.config.optim_config(), total_steps=self.total_steps) is not None:
+            segment = schedule_segments(self.scheduler)[-1]
+            if self.is_main:
+                log.info(
+                    "lr schedule extended at step %d: total steps %d -> %d; the added steps re-warm linearly from "
+                    "lr %.3g to %.3g over %d steps, then cosine-decay to %.3g at step %d", self.step, planned,
+                    self.total_steps, segment["start_lr"], segment["peak_lr"], segment["warmup_steps"],
+                    segment["end_lr"], self.total_steps,
+                )
+        elif self.total_steps < planned and self.step < self.total_steps and self.is_main:
+            log.warning(
+                "the run now ends at step %d, before its lr schedule (planned for %d steps) has decayed; the "
+                "schedule is kept as it was", self.total_steps, planned,
+            )
 
     # ================================================================== step
     def _next_batch(self, split: str = "train") -> tuple[PackedBatch, torch.Tensor]:
@@ -596,6 +622,7 @@ class Trainer:
                 "epoch": self.train_loader.epoch,
                 "data": self.train_loader.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
+                "schedule": schedule_segments(self.scheduler),  # readable; the scheduler state is what resumes
                 "counters": dict(self.counters),
                 "buckets": self.buckets.state_dict(),
                 "config": self.config.to_dict(),

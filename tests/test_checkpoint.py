@@ -22,7 +22,15 @@ from dflash.checkpoint import (
 )
 from dflash.drafter import DFlashConfig, DFlashDrafter, dflash_loss, sample_anchors
 from dflash.errors import CheckpointError, MismatchError
-from dflash.optim import DEFAULT_BETAS, OptimConfig, WarmupCosine, build_optimizer, build_scheduler
+from dflash.optim import (
+    DEFAULT_BETAS,
+    OptimConfig,
+    WarmupCosine,
+    build_optimizer,
+    build_scheduler,
+    extend_schedule,
+    schedule_segments,
+)
 from dflash.stream import StreamConfig, StreamingLoader
 
 
@@ -225,3 +233,35 @@ def test_warmup_cosine_schedule_and_defaults():
     fresh.step()
     scheduler.step()
     assert fresh.get_last_lr() == scheduler.get_last_lr()
+
+
+def test_extended_schedule_rewarms_from_the_current_lr_and_round_trips_as_json():
+    """A schedule resumed mid-run (step 6 of 10) with 20 steps: the finished part is unchanged, the added 14 steps
+    warm from the lr in effect at step 6 to the peak over round(0.25 * 14) = 4 steps, then cosine to the floor."""
+    import math
+
+    config = OptimConfig(lr=1.0, warmup_ratio=0.25, min_lr_ratio=0.1)
+    parameter = torch.nn.Parameter(torch.zeros(2))
+    optimizer = build_optimizer([parameter], config)
+    scheduler = build_scheduler(optimizer, config, total_steps=10)
+    original = scheduler.lr_lambdas[0]
+    for _ in range(6):
+        optimizer.step()
+        scheduler.step()
+    assert extend_schedule(scheduler, config, total_steps=10) is None  # unchanged length: nothing changes
+    assert extend_schedule(scheduler, config, total_steps=8) is None  # shorter: the schedule is kept
+    at_resume = original(6)
+    extended = extend_schedule(scheduler, config, total_steps=20)
+    assert [extended(s) for s in range(6)] == [original(s) for s in range(6)]
+    expected = [at_resume + (1 - at_resume) * k / 5 for k in (1, 2, 3, 4)]
+    expected += [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 10)) for k in range(11)]
+    assert [extended(s) for s in range(6, 21)] == pytest.approx(expected)
+    assert extended(25) == pytest.approx(0.1)
+    assert scheduler.get_last_lr() == [extended(6)] == [optimizer.param_groups[0]["lr"]]
+    assert schedule_segments(scheduler)[-1] == {"start_step": 6, "total_steps": 20, "warmup_steps": 4,
+                                                "start_lr": at_resume, "peak_lr": 1.0, "end_lr": 0.1}
+    state = json.loads(json.dumps(scheduler.state_dict()))  # as a checkpoint stores it
+    fresh = build_scheduler(build_optimizer([parameter], config), config, total_steps=20)
+    fresh.load_state_dict(state)
+    assert extend_schedule(fresh, config, total_steps=20) is None  # resuming the extended run changes nothing
+    assert [fresh.lr_lambdas[0](s) for s in range(25)] == [extended(s) for s in range(25)]

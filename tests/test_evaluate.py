@@ -76,12 +76,24 @@ def test_evaluate_cli_writes_report_with_every_field(export_folder, tmp_path):
     assert report["speedup"] > 0
     assert all(p["new_tokens"] == 10 for p in report["per_prompt"])
     assert 1.0 <= report["untrained"]["tau"] <= BLOCK
+    # The second reference: the target's own generate() on the same prompts, the same number of new tokens.
+    generate = report["throughput"]["target_generate"]
+    assert generate["new_tokens"] == report["throughput"]["speculative"]["new_tokens"] == 20
+    assert generate["tokens_per_second"] > 0 and "use_cache=True" in generate["call"]
+    assert report["speedup_vs_generate"] == pytest.approx(
+        report["throughput"]["speculative"]["tokens_per_second"] / generate["tokens_per_second"])
+    against_generate = report["lossless_vs_generate"]
+    assert against_generate["checked"] and against_generate["passed"]
+    assert against_generate["identical"] == against_generate["block_size_1_identical"] == 2
+    assert all(p["generate_new_tokens"] == 10 and p["generate_seconds"] > 0 for p in report["per_prompt"])
+    assert report["untrained"]["speedup_vs_generate"] > 0 and report["untrained"]["lossless_vs_generate"]["passed"]
+    assert "speedup vs generate()" in result.output and "lossless vs generate()" in result.output
     assert report["target"]["content_hash"].startswith("sha256:")
 
 
 def test_lossless_check_catches_a_real_divergence(target, tokenizer):
     from dflash.eval_prompts import EvalPrompt
-    from stages.evaluate import _lossless_report
+    from stages.evaluate import _lossless_report, _lossless_vs_generate
 
     prompt = EvalPrompt(tokenizer.encode("def add(a, b):\n    return"), "inline")
     with torch.no_grad():
@@ -99,6 +111,10 @@ def test_lossless_check_catches_a_real_divergence(target, tokenizer):
     (mismatch,) = wrong["mismatches"]
     assert mismatch["index"] == 0 and mismatch["target_token"] == best and not mismatch["near_tie"]
     assert mismatch["target_logit_gap"] == pytest.approx(float(logits[best] - logits[worst]), rel=1e-4)
+    # Against generate(): the same report, plus whether the block-size-1 loop agreed with generate().
+    against = _lossless_vs_generate(target.model, [prompt], [result([worst])], [result([best])], [result([best])], 1e-3)
+    assert not against["passed"] and against["block_size_1_identical"] == 1
+    assert against["mismatches"][0]["target_token"] == best
 
 
 class _RowsCorpus:

@@ -17,6 +17,7 @@ from dflash.speculative import (
     TappedTarget,
     first_divergence,
     speculative_generate,
+    target_generate,
     verify_greedy,
     verify_sampled,
 )
@@ -93,6 +94,26 @@ def test_block_size_one_is_the_targets_own_greedy_decoding(tapped, greedy_refere
     result = speculative_generate(tapped, None, prompt, SpeculativeConfig(block_size=1, max_new_tokens=24))
     assert result.output_ids == reference
     assert result.acceptance_lengths == [1] * 23  # the first token comes from the prefill, not a cycle
+
+
+def test_target_generate_is_transformers_generate_with_the_loops_stop_tokens(target, tokenizer, tapped):
+    """The evaluation's second reference: ``generate()`` stops where the loop stops (same stop tokens, same greedy
+    tokens), and an empty stop list ignores the end of sequence as ``--ignore-eos`` does in the loop."""
+    prompt = _prompt(tokenizer, "Answer with one word: is the sky blue?")
+    stopping = SpeculativeConfig(block_size=1, max_new_tokens=16, stop_token_ids=(tokenizer.eos_token_id,))
+    generated = target_generate(target.model, prompt, stopping)
+    loop = speculative_generate(tapped, None, prompt, stopping)
+    assert generated.output_ids == loop.output_ids
+    assert generated.finish_reason == loop.finish_reason == "stop" and len(generated.output_ids) < 12
+    assert generated.output_ids[-1] == tokenizer.eos_token_id
+    assert generated.acceptance_lengths == [] and generated.prompt_ids == prompt and generated.seconds > 0
+    ignoring = SpeculativeConfig(block_size=1, max_new_tokens=12)
+    longer = target_generate(target.model, prompt, ignoring)  # the loop's --ignore-eos twin: tests/test_evaluate.py
+    assert len(longer.output_ids) == 12 and longer.finish_reason == "length"
+    assert longer.output_ids[: len(generated.output_ids)] == generated.output_ids  # went on past the EOS
+    sampled = SpeculativeConfig(block_size=1, max_new_tokens=4, temperature=0.8)
+    assert target_generate(target.model, prompt, sampled, seed=3).output_ids == target_generate(
+        target.model, prompt, sampled, seed=3).output_ids
 
 
 def test_oracle_drafter_reaches_tau_equal_block_size(target, tapped, greedy_reference):

@@ -89,6 +89,57 @@ def test_resume_reproduces_straight_run_bit_exactly(tiny_cache, tmp_path):
     assert saves[1]["previous_write_s"] > 0  # the first write finished in the background before the second save
 
 
+def _expected_extension_lr(step, *, peak, start, total, warmup_ratio, start_ratio=0.0):
+    """docs/training.md (Resume): the added steps [start, total) re-warm linearly from the lr in effect at
+    ``start`` to the peak over round(warmup_ratio * added) steps, then cosine-decay to the floor (0 here)."""
+    import math
+
+    warmup, offset = round(warmup_ratio * (total - start)), step - start
+    if offset < warmup:
+        return peak * (start_ratio + (1 - start_ratio) * (offset + 1) / (warmup + 1))
+    return peak * 0.5 * (1 + math.cos(math.pi * (offset - warmup) / (total - start - warmup)))
+
+
+def test_resume_with_more_steps_rewarms_and_resumes_bit_exactly_inside_the_extension(tiny_cache, tmp_path, caplog):
+    import logging
+
+    common = dict(validation_fraction=0.0, save_every=2)
+    finished = tmp_path / "finished"
+    run_training(tiny_config(tiny_cache, finished, max_steps=4, **common))
+    assert load_checkpoint(finished).optimizer_state["param_groups"][0]["lr"] == 0.0  # the schedule ended at lr 0
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    shutil.copytree(finished, straight)
+    shutil.copytree(finished, interrupted)
+
+    extend = dict(max_steps=8, resume=True, allow_config_change=True, **common)
+    with caplog.at_level(logging.INFO, logger="stages.trainer"):
+        extended = run_training(tiny_config(tiny_cache, straight, **extend))
+    assert extended["step"] == extended["total_steps"] == 8
+    (line,) = [r.getMessage() for r in caplog.records if "lr schedule extended" in r.getMessage()]
+    assert "at step 4: total steps 4 -> 8" in line and "over 1 steps" in line
+    records = {r["step"]: r for r in read_metrics(straight, kind="train")}
+    assert sorted(records) == list(range(1, 9))
+    for step in range(5, 9):  # metrics log the lr of step n, i.e. the multiplier at 0-based step n - 1
+        expected = _expected_extension_lr(step - 1, peak=1e-3, start=4, total=8, warmup_ratio=0.2)
+        assert records[step]["lr"] == pytest.approx(expected, rel=1e-12) and records[step]["lr"] > 0, step
+    assert records[6]["lr"] == pytest.approx(1e-3)  # back at the peak after the 1-step re-warm
+    end = load_checkpoint(straight)
+    (base, extension) = end.trainer_state["schedule"]
+    assert base["total_steps"] == 4 and extension == {
+        "start_step": 4, "total_steps": 8, "warmup_steps": 1, "start_lr": 0.0, "peak_lr": 1e-3, "end_lr": 0.0}
+
+    # Killed inside the extension, then resumed with the now saved config (no --allow-config-change needed): the
+    # same weights, optimizer state, schedule, data order and losses as the uninterrupted extension.
+    stopped = run_training(tiny_config(tiny_cache, interrupted, stop_at_step=6, **extend))
+    assert stopped["step"] == 6
+    resumed = run_training(tiny_config(tiny_cache, interrupted, max_steps=8, resume=True, **common))
+    assert resumed["step"] == 8 and resumed["data_digest"] == extended["data_digest"]
+    _assert_same_state(end, load_checkpoint(interrupted))
+    again = {r["step"]: r for r in read_metrics(interrupted, kind="train")}
+    assert [again[s]["loss"] for s in range(5, 9)] == [records[s]["loss"] for s in range(5, 9)]
+    assert [again[s]["lr"] for s in range(5, 9)] == [records[s]["lr"] for s in range(5, 9)]
+
+
 @pytest.fixture(scope="module")
 def preempted_run(tiny_cache, tmp_path_factory):
     """A run of a 2-step schedule stopped after step 1 (as a preemption would), shared read-only."""
