@@ -21,12 +21,13 @@ finish reason is ``"stop"`` and the ids do not end with a stop token, the engine
 (vLLM ``stop_reason`` / SGLang ``matched_stop`` when an int) or else the tokenizer's ``eos_token_id``, and records
 ``info["appended_stop_token"] = True``. No ``stop`` strings are sent, so "stop" means a stop token.
 
-Sampling. Greedy is ``temperature: 0``; ``top_p``, ``max_tokens`` and ``seed`` (``settings.seed + request_id``) are
-sent with every request, and so are neutral values for the sampling extras that servers default differently
-(``top_k: -1``, ``min_p: 0``, ``repetition_penalty: 1`` / ``repeat_penalty: 1``: llama-cpp-python defaults to a
-repeat penalty of 1.1, vLLM to the model's generation_config), so that the server samples the model's own
-distribution. A quantized server (a Q4 GGUF, an FP8 vLLM) produces data for its quantized model, not the
-full-precision target: its greedy continuations may legitimately differ.
+Sampling. Greedy is ``temperature: 0``; ``top_p``, ``max_tokens`` and ``seed`` (``settings.seed + request_id``)
+are sent with every request, and so are neutral values for the sampling extras that servers default differently
+(``min_p: 0``, ``repetition_penalty: 1`` / ``repeat_penalty: 1``, and when sampling ``top_k`` "off"):
+llama-cpp-python defaults to top-k 40, min-p 0.05 and a repeat penalty of 1.1, vLLM to the model's
+generation_config; the server then samples (or takes the argmax of) the model's own distribution. A quantized server
+(a Q4 GGUF, an FP8 vLLM) produces data for its quantized model, not the full-precision target: its greedy
+continuations may legitimately differ.
 
 Sources followed: the OpenAI completions API (``POST /v1/completions``: ``model``, ``prompt``, ``max_tokens``,
 ``temperature``, ``top_p``, ``seed``; ``choices[i].text`` / ``finish_reason``; ``GET /v1/models``); vLLM's
@@ -274,7 +275,7 @@ class OpenAIEngine:
             prompt = request.prompt_text
         else:
             prompt = self.tokenizer.decode(list(request.prompt_ids), skip_special_tokens=False)
-        return {
+        body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
             "max_tokens": int(request.max_new_tokens),
@@ -285,13 +286,17 @@ class OpenAIEngine:
             "stream": False,
             "return_token_ids": True,
             # Neutral values for the extras servers default differently (see the module docstring).
-            "top_k": -1,
             "min_p": 0.0,
             "repetition_penalty": 1.0,
             "repeat_penalty": 1.0,
             # vLLM adds BOS to a text prompt by default; the templated prompt already has what the template wants.
             "add_special_tokens": False,
         }
+        if not settings.greedy:
+            # "No top-k" is spelled -1 by vLLM and SGLang (SGLang refuses 0) and 0 by llama.cpp and llama-cpp-python
+            # (which refuses -1); greedy decoding does not depend on it, so it is only sent when sampling.
+            body["top_k"] = -1 if server.owned_by in ("vllm", "sglang") else 0
+        return body
 
     def _complete(self, server: _Server, request: GenerationRequest, settings: SamplingSettings) -> GenerationResult:
         body = self._request_body(server, request, settings)
@@ -433,16 +438,24 @@ class OpenAIEngine:
         server.returns_token_ids = isinstance(_first_choice(payload, server.endpoint, what).get("token_ids"), list)
 
     def _server_version(self, endpoint: str) -> str | None:
-        """The server's own version where one cheap GET tells it (vLLM/SGLang ``/version``, llama.cpp ``/props``)."""
+        """The server's version where one cheap GET tells it: vLLM's ``/version``, llama.cpp's ``/props``
+        ``build_info``, or a FastAPI server's ``/openapi.json`` ``info`` (llama-cpp-python). None if none answers."""
         root = endpoint[: -len("/v1")] if endpoint.endswith("/v1") else endpoint
-        for path, key in (("/version", "version"), ("/props", "build_info")):
+        for path in ("/version", "/props", "/openapi.json"):
             try:
                 response = self._client.get(root + path, timeout=min(5.0, self.config.request_timeout_s))
-                value = response.json().get(key) if response.status_code == 200 else None
-            except (httpx.HTTPError, ValueError, AttributeError):
-                value = None
-            if isinstance(value, str) and value:
-                return f"{path.lstrip('/')}: {value}"
+                payload = response.json() if response.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                payload = None
+            if not isinstance(payload, dict):
+                continue
+            if path == "/version" and isinstance(payload.get("version"), str):
+                return f"version {payload['version']}"
+            if path == "/props" and isinstance(payload.get("build_info"), str):
+                return f"llama.cpp {payload['build_info']}"
+            info = payload.get("info")
+            if path == "/openapi.json" and isinstance(info, dict) and isinstance(info.get("version"), str):
+                return f"{info.get('title', 'openapi')} {info['version']}"
         return None
 
 
