@@ -47,7 +47,7 @@ class FakeServer:
 
     def __init__(self, tokenizer: Any, *, models: tuple[str, ...] = ("smol",), vllm: bool = True,
                  reply_ids: list[int] | None = None, finish_reason: str = "stop", extra_choice: dict | None = None,
-                 hold_until_inflight: int = 0) -> None:
+                 hold_until_inflight: int = 0, added_prompt_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.models = models
         self.vllm = vllm
@@ -55,6 +55,7 @@ class FakeServer:
         self.finish_reason = finish_reason
         self.extra_choice = extra_choice or {}
         self.hold_until_inflight = hold_until_inflight
+        self.added_prompt_tokens = added_prompt_tokens  # e.g. a BOS the server adds to a text prompt
         self.completions: list[dict] = []  # bodies of every POST /completions (probe included)
         self.authorization: list[str | None] = []
         self.failures: deque[tuple[int, dict[str, str]]] = deque()
@@ -91,8 +92,12 @@ class FakeServer:
             choice["token_ids"] = ids
             choice["prompt_token_ids"] = prompt if isinstance(prompt, list) else None
         choice.update(self.extra_choice)
+        prompt_tokens = len(prompt) if isinstance(prompt, list) else len(
+            self.tokenizer.encode(prompt, add_special_tokens=False))
+        prompt_tokens += self.added_prompt_tokens
         return 200, {"id": "cmpl-1", "object": "text_completion", "model": body["model"], "choices": [choice],
-                     "usage": {"prompt_tokens": 1, "completion_tokens": len(ids), "total_tokens": 1 + len(ids)}}
+                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
+                               "total_tokens": prompt_tokens + len(ids)}}
 
     def _handler(self):
         server = self
@@ -272,6 +277,14 @@ def test_text_only_server_gets_text_prompts_and_responses_are_retokenized(make_s
     for result in results:
         assert result.token_source == "retokenized" and result.info["prompt_as"] == "text"
         assert result.token_ids == smol_tokenizer.encode(" Hello there, friend.", add_special_tokens=False) + [eos]
+
+
+def test_a_server_tokenizing_the_prompt_differently_is_warned_about(make_server, smol_tokenizer):
+    server = make_server(vllm=False, added_prompt_tokens=1)
+    with OpenAIEngine(OpenAIEngineConfig(endpoints=[server.url], **FAST_RETRIES), smol_tokenizer) as engine:
+        with pytest.warns(UserWarning, match="differently tokenized prompt"):
+            results = engine.generate(_requests(smol_tokenizer, 2, max_new_tokens=16), SamplingSettings())
+    assert results[0].info["prompt_tokens"] == len(_requests(smol_tokenizer, 1)[0].prompt_ids) + 1
 
 
 def test_use_token_ids_false_sends_text_even_to_a_vllm_server(make_server, smol_tokenizer):

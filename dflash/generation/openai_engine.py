@@ -45,6 +45,7 @@ import queue
 import random
 import re
 import threading
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
@@ -195,6 +196,9 @@ class OpenAIEngine:
             limits=httpx.Limits(max_connections=slots, max_keepalive_connections=slots),
         )
         self._random = random.Random()
+        # Fast tokenizers are not safe to call from several threads at once ("Already borrowed").
+        self._tokenizer_lock = threading.Lock()
+        self._warned_prompt_mismatch = False
         self._abort = threading.Event()
         try:
             self._servers = [self._probe_models(endpoint) for endpoint in config.endpoints]
@@ -274,7 +278,8 @@ class OpenAIEngine:
         elif request.prompt_text is not None:
             prompt = request.prompt_text
         else:
-            prompt = self.tokenizer.decode(list(request.prompt_ids), skip_special_tokens=False)
+            with self._tokenizer_lock:
+                prompt = self.tokenizer.decode(list(request.prompt_ids), skip_special_tokens=False)
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
@@ -318,7 +323,8 @@ class OpenAIEngine:
             if not isinstance(text, str):
                 raise GenerationError(f"endpoint {server.endpoint}: {what} returned neither token_ids nor text; fix: "
                                       "point endpoints at an OpenAI-compatible /v1 completions server")
-            token_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            with self._tokenizer_lock:
+                token_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
             token_source = "retokenized"
         appended = False
         if finish == "stop":
@@ -330,9 +336,17 @@ class OpenAIEngine:
         info: dict[str, Any] = {"endpoint": server.endpoint,
                                 "prompt_as": "token_ids" if isinstance(body["prompt"], list) else "text",
                                 "appended_stop_token": appended}
-        usage = payload.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            info["completion_tokens"] = usage["completion_tokens"]
+        usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else {}
+        for key in ("prompt_tokens", "completion_tokens"):
+            if isinstance(usage.get(key), int):
+                info[key] = usage[key]
+        if info.get("prompt_tokens", len(request.prompt_ids)) != len(request.prompt_ids) \
+                and not self._warned_prompt_mismatch:
+            self._warned_prompt_mismatch = True
+            warnings.warn(f"endpoint {server.endpoint} counted {info['prompt_tokens']} prompt tokens for request "
+                          f"{request.request_id}, the target tokenizer {len(request.prompt_ids)}: the server continued "
+                          "a differently tokenized prompt (a BOS it added, or special tokens in the text); responses "
+                          "may differ from the target's own (shown once)", stacklevel=2)
         return GenerationResult(request_id=request.request_id, token_ids=token_ids, finish_reason=finish,
                                 token_source=token_source, info=info)
 
