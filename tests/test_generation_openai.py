@@ -41,16 +41,17 @@ def smol_tokenizer(target_path):
 
 
 class FakeServer:
-    """A loopback OpenAI-compatible server. ``vllm=True``: takes token-id prompts and returns ``token_ids`` (as vLLM
-    with ``return_token_ids``); ``vllm=False``: rejects token-id prompts with 422 and returns text only (as
-    llama-cpp-python). Each response is ``reply_ids`` (ids, or their decoded text) with ``finish_reason``."""
+    """A loopback OpenAI-compatible server answering as ``kind``: ``"vllm"`` takes token-id prompts and returns
+    ``token_ids`` (with ``return_token_ids``); ``"llamacpp"`` takes token-id prompts, returns no ``token_ids`` but
+    each token's ``id`` under ``logprobs.content`` when asked for logprobs; ``"text"`` rejects token-id prompts with
+    422 and returns text only (as llama-cpp-python). Each response is ``reply_ids`` with ``finish_reason``."""
 
-    def __init__(self, tokenizer: Any, *, models: tuple[str, ...] = ("smol",), vllm: bool = True,
+    def __init__(self, tokenizer: Any, *, models: tuple[str, ...] = ("smol",), kind: str = "vllm",
                  reply_ids: list[int] | None = None, finish_reason: str = "stop", extra_choice: dict | None = None,
                  hold_until_inflight: int = 0, added_prompt_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.models = models
-        self.vllm = vllm
+        self.kind = kind
         self.reply_ids = reply_ids if reply_ids is not None else tokenizer.encode(" Hello there", add_special_tokens=False)
         self.finish_reason = finish_reason
         self.extra_choice = extra_choice or {}
@@ -82,15 +83,18 @@ class FakeServer:
 
     def _completion(self, body: dict) -> tuple[int, dict]:
         prompt = body["prompt"]
-        if isinstance(prompt, list) and not self.vllm:
+        if isinstance(prompt, list) and self.kind == "text":
             return 422, {"detail": [{"msg": "Input should be a valid string", "loc": ["body", "prompt"]}]}
         ids = self.reply_ids[: body["max_tokens"]]
         finish = self.finish_reason if len(self.reply_ids) <= body["max_tokens"] else "length"
         choice: dict[str, Any] = {"index": 0, "text": self.tokenizer.decode(ids, skip_special_tokens=True),
                                   "finish_reason": finish, "logprobs": None}
-        if self.vllm and body.get("return_token_ids"):
+        if self.kind == "vllm" and body.get("return_token_ids"):
             choice["token_ids"] = ids
             choice["prompt_token_ids"] = prompt if isinstance(prompt, list) else None
+        if self.kind == "llamacpp" and body.get("logprobs"):
+            choice["logprobs"] = {"content": [{"id": token, "token": self.tokenizer.decode([token]), "logprob": -0.1,
+                                               "bytes": [], "top_logprobs": []} for token in ids]}
         choice.update(self.extra_choice)
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(
             self.tokenizer.encode(prompt, add_special_tokens=False))
@@ -236,7 +240,8 @@ def test_vllm_shaped_server_token_ids_in_and_out(make_server, smol_tokenizer):
     assert "top_k" not in body  # greedy: not needed, and its "off" value differs between servers
     assert described["engine"] == "openai" and described["model"] == "smol"
     assert described["servers"] == [{"endpoint": server.url, "owned_by": "fake", "version": "version 0.0-fake",
-                                     "accepts_prompt_ids": True, "returns_token_ids": True}]
+                                     "accepts_prompt_ids": True, "returns_token_ids": True,
+                                     "token_ids_from": "token_ids"}]
     assert described["token_ids_from_engine"] is True
     json.dumps(described)
 
@@ -263,7 +268,7 @@ def test_stop_token_named_by_the_server_is_the_one_appended(make_server, smol_to
 def test_text_only_server_gets_text_prompts_and_responses_are_retokenized(make_server, smol_tokenizer):
     eos = smol_tokenizer.eos_token_id
     reply = smol_tokenizer.encode(" Hello there, friend.", add_special_tokens=False)
-    server = make_server(vllm=False, reply_ids=reply)
+    server = make_server(kind="text", reply_ids=reply)
     requests = _requests(smol_tokenizer, 2, max_new_tokens=32)
     requests[1] = GenerationRequest(request_id=1, prompt_ids=requests[1].prompt_ids, max_new_tokens=32)  # no text
     with OpenAIEngine(OpenAIEngineConfig(endpoints=[server.url], **FAST_RETRIES), smol_tokenizer) as engine:
@@ -271,6 +276,7 @@ def test_text_only_server_gets_text_prompts_and_responses_are_retokenized(make_s
         described = engine.describe()
     assert described["servers"][0]["accepts_prompt_ids"] is False
     assert described["servers"][0]["returns_token_ids"] is False and described["token_ids_from_engine"] is False
+    assert all("logprobs" not in body for body in server.completions if body["max_tokens"] > 1)
     prompts = [body["prompt"] for body in server.completions if body["max_tokens"] > 1]
     assert sorted(prompts) == sorted([requests[0].prompt_text,
                                       smol_tokenizer.decode(list(requests[1].prompt_ids), skip_special_tokens=False)])
@@ -279,8 +285,20 @@ def test_text_only_server_gets_text_prompts_and_responses_are_retokenized(make_s
         assert result.token_ids == smol_tokenizer.encode(" Hello there, friend.", add_special_tokens=False) + [eos]
 
 
+def test_llama_cpp_shaped_server_ids_from_logprobs(make_server, smol_tokenizer):
+    eos = smol_tokenizer.eos_token_id
+    reply = smol_tokenizer.encode(" Hi there!", add_special_tokens=False)
+    server = make_server(kind="llamacpp", reply_ids=reply)
+    with OpenAIEngine(OpenAIEngineConfig(endpoints=[server.url], **FAST_RETRIES), smol_tokenizer) as engine:
+        result = engine.generate(_requests(smol_tokenizer, 1, max_new_tokens=16), SamplingSettings())[0]
+        described = engine.describe()
+    assert described["servers"][0]["token_ids_from"] == "logprobs"
+    assert all(body["logprobs"] == 1 and isinstance(body["prompt"], list) for body in server.completions)
+    assert result.token_source == "engine" and result.token_ids == reply + [eos]
+
+
 def test_a_server_tokenizing_the_prompt_differently_is_warned_about(make_server, smol_tokenizer):
-    server = make_server(vllm=False, added_prompt_tokens=1)
+    server = make_server(kind="text", added_prompt_tokens=1)
     with OpenAIEngine(OpenAIEngineConfig(endpoints=[server.url], **FAST_RETRIES), smol_tokenizer) as engine:
         with pytest.warns(UserWarning, match="differently tokenized prompt"):
             results = engine.generate(_requests(smol_tokenizer, 2, max_new_tokens=16), SamplingSettings())

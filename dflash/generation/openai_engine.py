@@ -9,11 +9,13 @@ still failing after its retries stops the run with one :class:`dflash.errors.Gen
 
 Token ids. The prompt is sent as token ids (``prompt: [int, ...]``, which vLLM, SGLang and llama.cpp accept) where
 the server accepts them, else as text. The response ids are taken from the server where it returns them: vLLM
-(>= 0.10.2) and SGLang return ``choices[i].token_ids`` when the request sets ``return_token_ids: true``. Servers that
-return text only (llama.cpp's and llama-cpp-python's ``/v1/completions``) get the text re-tokenized with the target
-tokenizer, recorded per result as ``token_source="retokenized"`` (it may differ from what the model generated at
-token boundaries). Both capabilities are probed once per endpoint when the engine starts (a one-token request) and
-recorded by :meth:`OpenAIEngine.describe`.
+(>= 0.10.2) and SGLang return ``choices[i].token_ids`` when the request sets ``return_token_ids: true``; llama.cpp's
+``llama-server`` returns no ids field on ``/v1/completions`` (its native ``/completion`` has ``tokens``) but with
+``logprobs: 1`` gives each generated token's ``id`` in ``choices[i].logprobs.content``, which the engine then reads.
+Servers that return text only (llama-cpp-python) get the text re-tokenized with the target tokenizer, recorded per
+result as ``token_source="retokenized"`` (it may differ from what the model generated at token boundaries). Both
+capabilities are probed once per endpoint when the engine starts (a one-token request) and recorded by
+:meth:`OpenAIEngine.describe`.
 
 Stop tokens. The corpus must supervise the stop: a response that ended on the end-of-sequence token ends with that
 token in ``token_ids`` (see ``GenerationResult``). Servers drop it from the text, and some from the ids, so when the
@@ -147,12 +149,15 @@ class _Server:
     owned_by: str | None = None
     version: str | None = None
     accepts_prompt_ids: bool = False
-    returns_token_ids: bool = False
+    #: where the server puts the generated ids: ``"token_ids"`` (vLLM, SGLang: ``choices[i].token_ids``),
+    #: ``"logprobs"`` (llama.cpp: ``choices[i].logprobs.content[j].id``, asked with ``logprobs: 1``) or None (text).
+    token_ids_from: str | None = None
     models: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"endpoint": self.endpoint, "owned_by": self.owned_by, "version": self.version,
-                "accepts_prompt_ids": self.accepts_prompt_ids, "returns_token_ids": self.returns_token_ids}
+                "accepts_prompt_ids": self.accepts_prompt_ids, "returns_token_ids": self.token_ids_from is not None,
+                "token_ids_from": self.token_ids_from}
 
 
 class _Aborted(Exception):
@@ -219,7 +224,7 @@ class OpenAIEngine:
             "endpoints": list(self.config.endpoints),
             "model": self.model,
             "servers": [server.to_dict() for server in self._servers],
-            "token_ids_from_engine": all(server.returns_token_ids for server in self._servers),
+            "token_ids_from_engine": all(server.token_ids_from is not None for server in self._servers),
             "config": self.config.to_dict(),
         }
 
@@ -271,8 +276,8 @@ class OpenAIEngine:
 
     # ---------------------------------------------------------------- one request
 
-    def _request_body(self, server: _Server, request: GenerationRequest,
-                      settings: SamplingSettings) -> dict[str, Any]:
+    def _request_body(self, server: _Server, request: GenerationRequest, settings: SamplingSettings, *,
+                      probe: bool = False) -> dict[str, Any]:
         if server.accepts_prompt_ids and self.config.use_token_ids:
             prompt: list[int] | str = [int(token) for token in request.prompt_ids]
         elif request.prompt_text is not None:
@@ -297,6 +302,8 @@ class OpenAIEngine:
             # vLLM adds BOS to a text prompt by default; the templated prompt already has what the template wants.
             "add_special_tokens": False,
         }
+        if probe or server.token_ids_from == "logprobs":
+            body["logprobs"] = 1
         if not settings.greedy:
             # "No top-k" is spelled -1 by vLLM and SGLang (SGLang refuses 0) and 0 by llama.cpp and llama-cpp-python
             # (which refuses -1); greedy decoding does not depend on it, so it is only sent when sampling.
@@ -314,9 +321,9 @@ class OpenAIEngine:
                                   "(expected 'stop' or 'length'); fix: check the server log (an aborted request or a "
                                   "content filter), then rerun")
         finish: FinishReason = raw_finish
-        engine_ids = choice.get("token_ids")
-        if isinstance(engine_ids, list) and all(isinstance(token, int) for token in engine_ids):
-            token_ids = list(engine_ids)
+        engine_ids = _engine_ids(choice)
+        if engine_ids is not None:
+            token_ids = engine_ids
             token_source = "engine"
         else:
             text = choice.get("text")
@@ -431,25 +438,25 @@ class OpenAIEngine:
         return names.pop()
 
     def _probe_token_ids(self, server: _Server) -> None:
-        """A one-token greedy request: does the server take a token-id prompt, and does it return token ids?"""
-        probe_ids = list(self.tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
+        """A one-token greedy request: does the server take a token-id prompt, and where does it return ids?"""
+        with self._tokenizer_lock:
+            probe_ids = list(self.tokenizer.encode("Hello", add_special_tokens=False))[:1] or [0]
+            probe_text = self.tokenizer.decode(probe_ids, skip_special_tokens=False)
         settings = SamplingSettings(temperature=0.0, max_new_tokens=1)
         what = "probing token-id support (POST /completions, 1 token)"
+        request = GenerationRequest(request_id=0, prompt_ids=probe_ids, max_new_tokens=1, prompt_text=probe_text)
+        payload: dict[str, Any] = {"_status": None}
         if self.config.use_token_ids:
             server.accepts_prompt_ids = True
-            body = self._request_body(server, GenerationRequest(request_id=0, prompt_ids=probe_ids,
-                                                                max_new_tokens=1), settings)
+            body = self._request_body(server, request, settings, probe=True)
             payload = self._call(server.endpoint, "POST", "/completions", what, body=body, accept=_REJECTED_STATUS)
-            if "_status" not in payload:
-                server.returns_token_ids = isinstance(_first_choice(payload, server.endpoint, what).get("token_ids"),
-                                                      list)
-                return
-            server.accepts_prompt_ids = False
-        body = self._request_body(server, GenerationRequest(
-            request_id=0, prompt_ids=probe_ids, max_new_tokens=1,
-            prompt_text=self.tokenizer.decode(probe_ids, skip_special_tokens=False)), settings)
-        payload = self._call(server.endpoint, "POST", "/completions", what, body=body)
-        server.returns_token_ids = isinstance(_first_choice(payload, server.endpoint, what).get("token_ids"), list)
+            server.accepts_prompt_ids = "_status" not in payload
+        if "_status" in payload:
+            body = self._request_body(server, request, settings, probe=True)
+            payload = self._call(server.endpoint, "POST", "/completions", what, body=body)
+        choice = _first_choice(payload, server.endpoint, what)
+        server.token_ids_from = "token_ids" if isinstance(choice.get("token_ids"), list) else \
+            "logprobs" if _engine_ids(choice) is not None else None
 
     def _server_version(self, endpoint: str) -> str | None:
         """The server's version where one cheap GET tells it: vLLM's ``/version``, llama.cpp's ``/props``
@@ -471,6 +478,20 @@ class OpenAIEngine:
             if path == "/openapi.json" and isinstance(info, dict) and isinstance(info.get("version"), str):
                 return f"{info.get('title', 'openapi')} {info['version']}"
         return None
+
+
+def _engine_ids(choice: dict[str, Any]) -> list[int] | None:
+    """The generated ids in a choice: vLLM/SGLang ``token_ids``, else llama.cpp's ``logprobs.content[j].id``."""
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list):
+        logprobs = choice.get("logprobs")
+        content = logprobs.get("content") if isinstance(logprobs, dict) else None
+        ids = [entry.get("id") for entry in content if isinstance(entry, dict)] if isinstance(content, list) else None
+        if ids is not None and len(ids) != len(content):
+            return None
+    if ids is None or not all(isinstance(token, int) and not isinstance(token, bool) for token in ids):
+        return None
+    return [int(token) for token in ids]
 
 
 def _first_choice(payload: dict[str, Any], endpoint: str, what: str) -> dict[str, Any]:
