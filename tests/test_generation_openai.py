@@ -350,6 +350,17 @@ def test_4xx_is_not_retried(make_server, smol_tokenizer):
     assert len(server.completions) - before == 1
 
 
+def test_a_failure_stops_the_requests_not_yet_sent(make_server, smol_tokenizer):
+    server = make_server()
+    with OpenAIEngine(OpenAIEngineConfig(endpoints=[server.url], concurrency=1, **FAST_RETRIES),
+                      smol_tokenizer) as engine:
+        before = len(server.completions)
+        server.fail_next(400)
+        with pytest.raises(GenerationError, match="HTTP 400"):
+            engine.generate(_requests(smol_tokenizer, 40, max_new_tokens=16), SamplingSettings())
+    assert len(server.completions) - before < 40  # cancelled, not sent (at most a few raced the cancellation)
+
+
 def test_unexpected_finish_reason_is_an_error(make_server, smol_tokenizer):
     server = make_server(finish_reason="abort")
     with OpenAIEngine(OpenAIEngineConfig(endpoints=[server.url], **FAST_RETRIES), smol_tokenizer) as engine:

@@ -253,16 +253,22 @@ class OpenAIEngine:
                 slots.put(server)
 
         num_workers = min(len(requests), self.config.concurrency * len(self._servers))
-        with ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="dflash-openai") as pool:
+        pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="dflash-openai")
+        try:
             futures = [pool.submit(run, request) for request in requests]
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = [f for f in futures if f in done and not f.cancelled() and f.exception() is not None
+            failed = [f for f in futures if f in done and f.exception() is not None
                       and not isinstance(f.exception(), _Aborted)]
             if failed:
-                self._abort.set()
-                pool.shutdown(wait=True, cancel_futures=True)
                 raise failed[0].exception()  # type: ignore[misc]
-        return [future.result() for future in futures]
+            return [future.result() for future in futures]
+        except BaseException:
+            # The first failure (or Ctrl-C) stops the rest: queued requests are cancelled, and requests in flight
+            # give up at their next retry instead of retrying on.
+            self._abort.set()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def close(self) -> None:
         self._abort.set()
