@@ -463,7 +463,10 @@ def llama_server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("llama-server") / "server.log"
     command = [python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", LLAMA_ALIAS,
                "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", "2",
-               "--api_key", key]
+               # One token per decode call: a native build on a CPU with AMX tiles segfaults in batched Q4_1
+               # matmuls where the sandbox does not grant AMX state (seen here with llama-cpp-python 0.3.36);
+               # the results are the same, prompt processing is only slower.
+               "--n_ubatch", "1", "--api_key", key]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/v1"
@@ -562,8 +565,7 @@ def test_real_server_ids_are_what_the_server_generated(llama_greedy, llama_serve
         server_pieces = choice["logprobs"]["tokens"]
         same_segmentation += [smol_tokenizer.decode([token]) for token in ids] == server_pieces
         assert choice["finish_reason"] == result.finish_reason
-        assert len(server_pieces) == (len(ids) + result.info["appended_stop_token"] if result.finish_reason == "stop"
-                                      else len(ids))
+        assert len(server_pieces) == len(ids)  # llama-cpp-python lists no piece for the EOS it stopped on
     print(f"\nre-tokenized ids with the server's own segmentation: {same_segmentation}/{len(first)}")
     assert same_segmentation == len(first)
 

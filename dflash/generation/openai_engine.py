@@ -64,8 +64,9 @@ __all__ = ["OpenAIEngineConfig", "OpenAIEngine"]
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: Status codes retried with backoff: rate limiting and server-side failures (a restarting or overloaded server).
 _RETRY_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
-#: Status codes that mean "this server does not take token-id prompts" in the capability probe.
-_REJECTED_STATUS = frozenset({400, 404, 415, 422})
+#: Status codes that mean "this server does not take token-id prompts" in the capability probe: any error, since
+#: llama-cpp-python answers its validation error with HTTP 500 (a real failure shows again in the text probe).
+_REJECTED_STATUS = frozenset(range(400, 600))
 _BODY_SNIPPET_CHARS = 200
 
 
@@ -455,7 +456,8 @@ class OpenAIEngine:
         if self.config.use_token_ids:
             server.accepts_prompt_ids = True
             body = self._request_body(server, request, settings, probe=True)
-            payload = self._call(server.endpoint, "POST", "/completions", what, body=body, accept=_REJECTED_STATUS)
+            payload = self._call(server.endpoint, "POST", "/completions", what, body=body, retry=False,
+                                 accept=_REJECTED_STATUS)
             server.accepts_prompt_ids = "_status" not in payload
         if "_status" in payload:
             body = self._request_body(server, request, settings, probe=True)
