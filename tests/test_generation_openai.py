@@ -142,7 +142,7 @@ class FakeServer:
                     server._condition.notify_all()
                     if server.hold_until_inflight and body["max_tokens"] > 1:
                         # Hold until the wanted number of requests overlap (bounded: a lone request goes on).
-                        server._condition.wait_for(lambda: server.inflight >= server.hold_until_inflight, timeout=2)
+                        server._condition.wait_for(lambda: server.inflight >= server.hold_until_inflight, timeout=1)
                     if server.failures:
                         status, headers = server.failures.popleft()
                         server.inflight -= 1
