@@ -208,6 +208,12 @@ def test_config_rejects_bad_values_naming_the_field(kwargs, field):
         OpenAIEngineConfig(**kwargs)
 
 
+def test_config_never_echoes_what_may_be_a_key():
+    with pytest.raises(ConfigError) as raised:
+        OpenAIEngineConfig(endpoints=["http://127.0.0.1:8000/v1"], api_key_env="sk-live-abc123")
+    assert "sk-live" not in str(raised.value)
+
+
 def test_config_normalizes_endpoints():
     config = OpenAIEngineConfig(endpoints=["http://127.0.0.1:8000/v1/", " http://127.0.0.1:8001/v1"])
     assert config.endpoints == ["http://127.0.0.1:8000/v1", "http://127.0.0.1:8001/v1"]

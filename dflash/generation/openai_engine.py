@@ -83,7 +83,8 @@ class OpenAIEngineConfig:
             no key. Only the variable's name is stored and recorded, never the key.
         concurrency: most requests in flight on each endpoint (the server batches them), >= 1.
         request_timeout_s: seconds one HTTP request may take (a long generation included), > 0.
-        max_retries: retries of a request after a connection error, timeout, HTTP 5xx or 429 (0 = try once), >= 0.
+        max_retries: retries of a request after a connection error, timeout, HTTP 5xx, 408 or 429 (0 = try once),
+            >= 0.
         backoff_base_s: delay before the first retry; doubles on each retry, with jitter (x0.5 to x1), > 0.
         backoff_max_s: cap on one retry's delay (and on a server's ``Retry-After``), >= ``backoff_base_s``.
         use_token_ids: send prompts as token ids where the server accepts them (no server-side re-tokenization of
@@ -124,8 +125,10 @@ class OpenAIEngineConfig:
         if self.model is not None and not self.model.strip():
             raise ConfigError("model must be a served model name or None (ask the server), got an empty string")
         if self.api_key_env is not None and not _ENV_NAME.fullmatch(self.api_key_env):
-            raise ConfigError(f"api_key_env must be the NAME of an environment variable (e.g. VLLM_API_KEY), got "
-                              f"{self.api_key_env!r}; never put the key itself in the config")
+            # The value is not echoed: a user who put the key itself here would see it in logs.
+            raise ConfigError("api_key_env must be the NAME of an environment variable (e.g. VLLM_API_KEY), got a "
+                              f"{len(self.api_key_env)}-character value that is not one (not shown, it may be the "
+                              "key); export the key in a variable and give its name")
         if self.concurrency < 1:
             raise ConfigError(f"concurrency must be >= 1 (requests in flight per endpoint), got {self.concurrency}")
         if not self.request_timeout_s > 0:
