@@ -18,6 +18,7 @@ __all__ = [
     "TargetError",
     "MismatchError",
     "ExportError",
+    "LockError",
 ]
 
 
@@ -58,3 +59,12 @@ class MismatchError(DFlashError, ValueError):
 
 class ExportError(DFlashError, ValueError):
     """An export in the serving format cannot be written or fails to load back."""
+
+
+class LockError(DFlashError, RuntimeError):
+    """An output (cache, run folder, corpus, export, sweep) is being written by another process.
+
+    The message names the output, the holder (pid, host, since when, command), the lock file and the fix
+    (``dflash.locks``). A ``RuntimeError``, not an ``OSError``: the stages' ``except OSError`` handlers for I/O
+    failures must not swallow it.
+    """
