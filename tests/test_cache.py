@@ -212,8 +212,9 @@ def test_damaged_chunk_fails_verify_and_reader_naming_the_shard(written, damage)
         data = bytearray(chunk.read_bytes())
         data[len(data) // 2] ^= 0x04
         chunk.write_bytes(bytes(data))
-    with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden'"):
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden'.*c/1/0\b") as caught:
         verify_cache(path)
+    assert "c/1/..." not in str(caught.value)  # the chunk key whole
     reader = CacheReader(path)
     reader.read_shard(0)  # the other shard stays readable
     with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden'"):
@@ -225,6 +226,28 @@ def test_damaged_chunk_fails_verify_and_reader_naming_the_shard(written, damage)
     assert CacheReader(path).shards == [0]
     HiddenStateCache.open(path).write_shard(1, samples[3:], [])
     assert _cli(["cache", "verify", str(path)]).exit_code == 0
+
+
+def test_verify_names_whole_chunk_keys_of_one_dimensional_arrays(written):
+    path, _ = written
+    chunk = Path(path) / "shards" / "000000" / "input_ids" / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(CacheCorruptError, match=r"shard 0 .*array 'input_ids' chunk c/0 fails to decode"):
+        verify_cache(path)
+
+
+def test_temporaries_of_a_killed_write_are_reported_by_verify(written):
+    path, _ = written
+    (Path(path) / "zarr.0123abcd.partial").write_text("{")  # a kill between zarr's temporary file and its rename
+    (Path(path) / "commits" / "shard-000001.4567ef.partial").write_text("{")
+    report = verify_cache(path)
+    assert report["ok"] and report["partial_files"] == ["commits/shard-000001.4567ef.partial", "zarr.0123abcd.partial"]
+    result = _cli(["cache", "verify", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "2 temporary file(s) of an interrupted write (ignored, removed by the next extract run): " \
+        "commits/shard-000001.4567ef.partial, zarr.0123abcd.partial" in " ".join(result.output.split())
 
 
 def test_altered_or_swapped_chunk_caught_by_chunk_digest(tmp_path, target, real_samples):
