@@ -6,12 +6,15 @@ Run::
     dflash-stages extract --corpus data/corpus --output data/cache --workers 2             # CPU processes
     dflash-stages extract --corpus data/corpus --output data/cache --scheduler-address tcp://host:8786
 
-Order of work: open and validate the corpus against the target's vocabulary (no GPU touched), plan shards
+Order of work: lock the output (``dflash.locks``: one extract per cache; the driver holds the lock until it returns
+and the workers write under it), open and validate the corpus against the target's vocabulary (no GPU touched), plan shards
 (contiguous row ranges of about ``--shard-size`` tokens), open or create the cache (a rerun resumes: committed
 shards are skipped), print the size estimate and refuse when it exceeds the free space (``--force-space``
 overrides), start the cluster, load the target once per worker (WorkerPlugin), submit one task per pending shard,
 follow them with a rich progress bar in tokens/s, then collect the last pending writes and trust only the cache's
 commit records: shards still uncommitted are resubmitted once, and any left are reported (rerun to finish).
+A local cluster listens on 127.0.0.1 only (its dashboard included); ``--tls-*`` connect to a TLS scheduler
+(docs/cache-format.md, "Running extract on a shared machine or cluster").
 """
 
 from __future__ import annotations
@@ -557,7 +560,7 @@ def register(app: typer.Typer) -> None:
         length_policy: str = typer.Option("error", "--length-policy", help="Rows over --max-length: error, drop or truncate."),
         expected_ratio: float = typer.Option(1.0, "--expected-ratio", help="Compression ratio assumed by the size estimate."),
         force_space: bool = typer.Option(False, "--force-space", help="Start even if the estimate exceeds the free space."),
-        dashboard_address: str = typer.Option("127.0.0.1:8787", "--dashboard-address", help="Dashboard of a local cluster, HOST:PORT (this machine only by default; 0.0.0.0:8787 serves all interfaces, unauthenticated; port 0 = any free port)."),
+        dashboard_address: str = typer.Option("127.0.0.1:8787", "--dashboard-address", help="Dashboard of a local cluster, HOST:PORT; the default and a bare :PORT bind 127.0.0.1 (this machine only), 0.0.0.0:PORT serves every interface, unauthenticated; port 0 = any free port."),
         tls_ca_file: str | None = typer.Option(None, "--tls-ca-file", help="With --scheduler-address tls://...: CA certificate of the cluster (with --tls-cert, --tls-key; docs/cache-format.md)."),
         tls_cert: str | None = typer.Option(None, "--tls-cert", help="Client certificate for a TLS scheduler."),
         tls_key: str | None = typer.Option(None, "--tls-key", help="Client private key for a TLS scheduler."),
@@ -569,8 +572,8 @@ def register(app: typer.Typer) -> None:
         """Extract tapped target hidden states of a corpus into a compressed Zarr v3 cache (Dask workers).
 
         Rerun the same command to resume: committed shards are skipped, the rest redone (exactly once).
-        Exit status: 0 done, 2 bad input or shards left uncommitted (the message says which and why), 130 interrupted
-        (committed shards stay; rerun to resume).
+        Exit status: 0 done, 2 bad input, shards left uncommitted (the message says which and why) or the cache
+        locked by another run (named), 130 interrupted (committed shards stay; rerun to resume).
         """
         console = Console()
         try:
