@@ -203,15 +203,21 @@ class OutputLock:
             outer._depth += 1
             self._outer = outer
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         record = self._record()
-        for _ in range(_ATTEMPTS):
-            if self._publish(record):
-                break
-            if self._take_over_stale(record):
-                break
-        else:
-            raise LockError(f"{self.output}: its lock {self.path} kept changing while taking it; retry the command")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            for _ in range(_ATTEMPTS):
+                if self._publish(record):
+                    break
+                if self._take_over_stale(record):
+                    break
+            else:
+                raise LockError(f"{self.output}: its lock {self.path} kept changing while taking it; retry the command")
+        except OSError as error:  # read-only or full filesystem, no permission: the output cannot be written either
+            raise LockError(
+                f"cannot create the lock file {self.path} of {self.output}: {error.strerror or error}; choose an "
+                "output in a folder you can write"
+            ) from None
         self._depth = 1
         _HELD[str(self.path)] = self
         return self

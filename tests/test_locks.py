@@ -119,3 +119,10 @@ def test_object_store_urls_are_not_locked_and_say_so(caplog):
         with output_lock("s3://bucket/cache") as lock:
             assert not lock.held
     assert "no lock is possible" in caplog.text
+
+
+
+def test_a_lock_file_that_cannot_be_created_is_a_lock_error_naming_it(tmp_path):
+    (tmp_path / "notes.txt").write_text("a file, not a folder")
+    with pytest.raises(LockError, match=r"cannot create the lock file .*notes.txt/out.lock of .*; choose an output"):
+        output_lock(tmp_path / "notes.txt" / "out").acquire()
