@@ -274,7 +274,7 @@ def test_altered_or_swapped_chunk_caught_by_chunk_digest(tmp_path, target, real_
     value = hidden[row, col]
     hidden[row, col] = np.uint16(value ^ 0x0100)  # zarr re-encodes the chunk with a valid crc32c
     chunk = row // 16
-    with pytest.raises(CacheCorruptError, match=rf"shard 1 .*array 'hidden' chunk {chunk} .*commit record says"):
+    with pytest.raises(CacheCorruptError, match=rf"shard 1 .*array 'hidden' chunk c/{chunk}/0 .*commit record says"):
         verify_cache(path)
     report = verify_cache(path, fail_fast=False)
     assert sorted(report["corrupt_shards"]) == [1] and report["num_samples"] == 3
@@ -283,12 +283,12 @@ def test_altered_or_swapped_chunk_caught_by_chunk_digest(tmp_path, target, real_
     # A valid chunk copied over another one (same shape, valid checksum) is a leaf mismatch too.
     original = (shard_dir / "c" / "2" / "0").read_bytes()
     shutil.copyfile(shard_dir / "c" / "1" / "0", shard_dir / "c" / "2" / "0")
-    with pytest.raises(CacheCorruptError, match=r"shard 1 .*array 'hidden' chunk 2 "):
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*array 'hidden' chunk c/2/0 "):
         verify_cache(path)
     (shard_dir / "c" / "2" / "0").write_bytes(original)
     # A flipped stored byte (no valid checksum) is named as a checksum failure.
     (shard_dir / "c" / "3" / "0").write_bytes(bytes([original[0] ^ 1]) + (shard_dir / "c" / "3" / "0").read_bytes()[1:])
-    with pytest.raises(CacheCorruptError, match=r"shard 1 .*chunk 3 .*crc32c"):
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*chunk c/3/0 .*crc32c"):
         verify_cache(path)
     # Editing the recorded leaf to match a changed chunk breaks the root digest over the leaves.
     cache.uncommit(1)
@@ -297,7 +297,7 @@ def test_altered_or_swapped_chunk_caught_by_chunk_digest(tmp_path, target, real_
     stored = json.loads(commit.read_text())
     stored["arrays"]["hidden"]["crc32c_chunks"][0] = "00000000"
     commit.write_text(json.dumps(stored))
-    with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden' chunk 0 "):
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden' chunk c/0/0 "):
         verify_cache(path)
 
 
