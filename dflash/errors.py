@@ -19,6 +19,7 @@ __all__ = [
     "MismatchError",
     "ExportError",
     "GenerationError",
+    "LockError",
 ]
 
 
@@ -64,3 +65,12 @@ class ExportError(DFlashError, ValueError):
 class GenerationError(DFlashError, RuntimeError):
     """Generating responses failed for a reason the user must fix (an endpoint down, a model that is not the
     target). The message names the endpoint or model and the fix."""
+
+
+class LockError(DFlashError, RuntimeError):
+    """An output (cache, run folder, corpus, export, sweep) is being written by another process.
+
+    The message names the output, the holder (pid, host, since when, command), the lock file and the fix
+    (``dflash.locks``). A ``RuntimeError``, not an ``OSError``: the stages' ``except OSError`` handlers for I/O
+    failures must not swallow it.
+    """

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections import Counter, deque
 from contextlib import contextmanager
@@ -37,6 +38,7 @@ __all__ = [
     "BucketCounter",
     "training_progress",
     "read_metrics",
+    "drop_records_after",
 ]
 
 
@@ -59,7 +61,15 @@ class MetricsWriter:
     TensorBoard as ``<kind>/<field>``; list fields (e.g. per-position accuracy) as ``<kind>/<field>/<i>``.
     """
 
-    def __init__(self, run_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True) -> None:
+    def __init__(
+        self, run_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True, start_step: int | None = None
+    ) -> None:
+        """Open (append to) the run's metrics.
+
+        ``start_step``: the step this process starts from (the resumed checkpoint's, 0 for a fresh start). Records
+        a crashed or killed earlier attempt wrote beyond it are dropped first (and TensorBoard purges its events
+        from ``start_step + 1`` on), so every step is recorded once; ``None`` keeps the file as is.
+        """
         self.enabled = enabled
         self._file = None
         self._tb = None
@@ -68,11 +78,14 @@ class MetricsWriter:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
+        if start_step is not None:
+            drop_records_after(self.path, start_step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+            purge = None if start_step is None else start_step + 1
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge)
 
     def log(self, kind: str, step: int, fields: Mapping[str, Any]) -> None:
         """Write one record (no-op when disabled)."""
@@ -114,6 +127,35 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def drop_records_after(path: str | Path, step: int) -> int:
+    """Rewrite ``metrics.jsonl`` without the records of an attempt that did not reach a checkpoint: those with a
+    step above ``step``, and the start record (``kind`` ``data``) at ``step`` itself, which the new attempt writes
+    again. Atomic (temporary file, then rename); a torn last line (a kill mid-write) goes too. Returns how many
+    records were dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            dropped += 1
+            continue
+        record_step = int(record.get("step", 0))
+        if record_step > step or (record_step == step and record.get("kind") == "data"):
+            dropped += 1
+            continue
+        kept.append(line)
+    if dropped:
+        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(temporary, path)
+    return dropped
 
 
 def read_metrics(path: str | Path, kind: str | None = None) -> list[dict[str, Any]]:

@@ -264,8 +264,12 @@ def run_pipeline(config: PipelineConfig, *, console: Console | None = None) -> d
 
     Raises:
         ConfigError: a stage's settings changed in an existing work folder; any stage's own errors.
+        LockError: another pipeline runs in the same work folder (``dflash.locks``; each stage also locks its own
+            output inside it).
     """
-    with _excluded_samples_reported_once():
+    from dflash.locks import output_lock
+
+    with output_lock(config.workdir, what="pipeline work folder"), _excluded_samples_reported_once():
         return _run_stages(config, console=console)
 
 

@@ -137,7 +137,7 @@ def verify_command(
     --allow-incomplete); 2 no readable cache at CACHE.
     """
     from dflash.cache import CacheReader, HiddenStateCache, verify_cache
-    from dflash.errors import CacheCorruptError, CacheError
+    from dflash.errors import CacheCorruptError, CacheError, DFlashError
 
     console = Console(stderr=as_json)
     try:
@@ -159,9 +159,16 @@ def verify_command(
     for _shard, message in sorted(report["corrupt_shards"].items()):
         console.print(Text("CORRUPT: ", style="bold red") + Text(str(message)), soft_wrap=True)
     if report["corrupt_shards"] and uncommit_corrupt:
-        writer = HiddenStateCache.open(cache)
-        for shard in sorted(report["corrupt_shards"]):
-            writer.uncommit(shard)
+        from dflash.locks import output_lock
+
+        try:
+            with output_lock(cache, what="cache"):  # a writer: not while an extract run writes this cache
+                writer = HiddenStateCache.open(cache)
+                for shard in sorted(report["corrupt_shards"]):
+                    writer.uncommit(shard)
+        except DFlashError as error:
+            _print_error(error)
+            raise typer.Exit(ExitCode.USAGE) from None
         console.print(f"withdrew {len(report['corrupt_shards'])} corrupt shard(s); rerun `dflash-stages extract` with the same arguments to redo them")
     sound = report["committed_shards"] - len(report["corrupt_shards"])
     if report["corrupt_shards"] and not uncommit_corrupt:
@@ -176,6 +183,10 @@ def verify_command(
     )
     if report["stray_shards"]:
         console.print(f"{len(report['stray_shards'])} uncommitted shard folder(s) with leftover data (ignored, redone by extract): {report['stray_shards'][:10]}")
+    if report["partial_files"]:
+        console.print(
+            f"{len(report['partial_files'])} temporary file(s) of an interrupted write (ignored, removed by the next extract "
+            f"run): {', '.join(report['partial_files'][:10])}", soft_wrap=True, markup=False)
     if not report["ok"]:
         raise typer.Exit(ExitCode.CHECK_FAILED)
     if not report["complete"]:

@@ -7,7 +7,8 @@ compared tensor by tensor with the checkpoint; see ``dflash/export.py`` for the 
     dflash-stages export runs/smol OUT/smol-dflash [--target PATH] [--overwrite]
 
 Exit status: 0 exported and verified; 2 the checkpoint, OUT or target is not usable (one ``error:`` line
-says why and what to pass); 130 interrupted (OUT is left as it was).
+says why and what to pass, or another export writes OUT); 130 interrupted (OUT is left as it was).
+OUT is locked while it is written (``dflash.locks``): a second export into it is refused at once.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def export_command(
         "mask token; default: the target_spec recorded in the checkpoint's target.json.",
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists (only after the new export is complete)."),
+    break_lock: bool = typer.Option(False, "--break-lock", help="Take over OUT's lock left by a run on another host known dead."),
 ) -> None:
     """Export a drafter checkpoint in the serving format (DFLASH.md) and verify it with the strict loader."""
     from rich.console import Console
@@ -38,10 +40,11 @@ def export_command(
 
     from dflash.errors import DFlashError
     from dflash.export import export_checkpoint
+    from dflash.locks import output_lock
 
     console = Console()
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, output_lock(out, what="export", break_lock=break_lock):
             warnings.simplefilter("always")
             destination, provenance = export_checkpoint(checkpoint, out, target=target, overwrite=overwrite)
         for warning in caught:

@@ -6,12 +6,15 @@ Run::
     dflash-stages extract --corpus data/corpus --output data/cache --workers 2             # CPU processes
     dflash-stages extract --corpus data/corpus --output data/cache --scheduler-address tcp://host:8786
 
-Order of work: open and validate the corpus against the target's vocabulary (no GPU touched), plan shards
+Order of work: lock the output (``dflash.locks``: one extract per cache; the driver holds the lock until it returns
+and the workers write under it), open and validate the corpus against the target's vocabulary (no GPU touched), plan shards
 (contiguous row ranges of about ``--shard-size`` tokens), open or create the cache (a rerun resumes: committed
 shards are skipped), print the size estimate and refuse when it exceeds the free space (``--force-space``
 overrides), start the cluster, load the target once per worker (WorkerPlugin), submit one task per pending shard,
 follow them with a rich progress bar in tokens/s, then collect the last pending writes and trust only the cache's
 commit records: shards still uncommitted are resubmitted once, and any left are reported (rerun to finish).
+A local cluster listens on 127.0.0.1 only (its dashboard included); ``--tls-*`` connect to a TLS scheduler
+(docs/cache-format.md, "Running extract on a shared machine or cluster").
 """
 
 from __future__ import annotations
@@ -69,7 +72,15 @@ class ExtractConfig:
             (``"drop"``) or cut (``"truncate"``); skipped rows are recorded in the commit records.
         force_space: start even when the size estimate exceeds the free space.
         expected_ratio: compression ratio assumed by the size estimate (1.0 = none, the safe bound).
-        dashboard_address: where a LocalCluster serves its dashboard (``":0"`` picks a free port).
+        dashboard_address: where a LocalCluster serves its dashboard: ``host:port`` (default ``127.0.0.1:8787``,
+            this machine only; a bare ``:port`` also means 127.0.0.1; port 0 picks a free one). Other hosts reach
+            it only through an explicit address such as ``0.0.0.0:8787`` (all interfaces; no authentication).
+        tls_ca_file, tls_cert, tls_key: TLS for ``scheduler_address`` (``tls://...``): the CA that signed the
+            scheduler's certificate and this client's certificate and key (``distributed.security.Security``,
+            ``require_encryption=True``); all three together. Without them distributed's own config
+            (``distributed.comm.tls.*``) applies.
+        break_lock: take over the output's lock although its owner record names another host (that run must be
+            known dead; ``dflash.locks``).
         write_threads: chunk-compression threads per worker; ``None``: CPUs per worker - 1 (at most 32).
         writes_in_flight: shard writes per worker running beside its compute (each holds a shard in host memory).
         write_processes: 0: each worker writes its shards in its own threads. N > 0: in N write processes per
@@ -96,7 +107,11 @@ class ExtractConfig:
     length_policy: Literal["error", "drop", "truncate"] = "error"
     force_space: bool = False
     expected_ratio: float = 1.0
-    dashboard_address: str = ":8787"
+    dashboard_address: str = "127.0.0.1:8787"
+    tls_ca_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    break_lock: bool = False
     write_threads: int | None = None
     writes_in_flight: int = 2
     write_processes: int | None = None
@@ -127,6 +142,16 @@ class ExtractConfig:
             raise ConfigError(f"write_processes: expected >= 0, got {self.write_processes}")
         if not self.expected_ratio > 0:
             raise ConfigError(f"expected_ratio: expected > 0, got {self.expected_ratio}")
+        tls = {name: getattr(self, name) for name in ("tls_ca_file", "tls_cert", "tls_key")}
+        given = [name for name, value in tls.items() if value is not None]
+        if given and len(given) != 3:
+            missing = sorted(set(tls) - set(given))
+            raise ConfigError(f"{missing[0]}: TLS needs --tls-ca-file, --tls-cert and --tls-key together, got only {given}")
+        if given and self.scheduler_address is None:
+            raise ConfigError(f"{given[0]}: TLS options apply to --scheduler-address only (a local cluster listens on 127.0.0.1)")
+        for name in given:
+            if not Path(tls[name]).is_file():
+                raise ConfigError(f"{name}: {tls[name]} is not a file")
 
 
 def plan_shards(lengths: np.ndarray, shard_size: int) -> list[list[int]]:
@@ -190,7 +215,7 @@ def _start_cluster(config: ExtractConfig, console: Console) -> tuple[Any, Any, d
         logging.getLogger("distributed").setLevel(logging.WARNING)
 
     if config.scheduler_address is not None:
-        client = Client(config.scheduler_address)
+        client = Client(config.scheduler_address, security=_security(config))
         workers = client.scheduler_info(n_workers=-1)["workers"] if _accepts_n_workers(client) else client.scheduler_info()["workers"]
         has_gpu_resource = any(info.get("resources", {}).get("GPU") for info in workers.values())
         return client, None, {"device": "auto", "resources": {"GPU": 1} if has_gpu_resource else None, "die_with_parent": False}
@@ -204,27 +229,50 @@ def _start_cluster(config: ExtractConfig, console: Console) -> tuple[Any, Any, d
     if gpus is not None:
         # memory_limit=0: our host memory is pinned output buffers we bound ourselves; the nanny must not kill on it.
         cluster = LocalCluster(
+            host="127.0.0.1",
             n_workers=len(gpus),
             threads_per_worker=1,
             processes=True,
             resources={"GPU": 1},
             memory_limit=0,
-            dashboard_address=config.dashboard_address,
+            dashboard_address=_dashboard_address(config.dashboard_address),
         )
         placement = {"gpu_by_worker": dict(enumerate(gpus)), "device": "cuda", "resources": {"GPU": 1}, "num_workers": len(gpus)}
     else:
         num_workers = config.workers or 1
         cluster = LocalCluster(
+            host="127.0.0.1",
             n_workers=num_workers,
             threads_per_worker=1,
             processes=True,
             memory_limit=0,
-            dashboard_address=config.dashboard_address,
+            dashboard_address=_dashboard_address(config.dashboard_address),
         )
         threads = max(1, (os.cpu_count() or 1) // num_workers)
         placement = {"device": "cpu", "torch_threads": threads, "resources": None, "num_workers": num_workers}
     placement["die_with_parent"] = True
     return Client(cluster), cluster, placement
+
+
+def _dashboard_address(address: str) -> str:
+    """``:port`` -> ``127.0.0.1:port``: distributed binds a bare port on all interfaces; we bind this machine only
+    unless the user names a host."""
+    return f"127.0.0.1{address}" if address.startswith(":") else address
+
+
+def _security(config: ExtractConfig) -> Any:
+    """``distributed.security.Security`` from ``--tls-*`` (encryption required), else ``None``: distributed's
+    config (``distributed.comm.tls.*``, ``DASK_DISTRIBUTED__COMM__TLS__...``) then decides."""
+    if config.tls_ca_file is None:
+        return None
+    from distributed.security import Security
+
+    return Security(
+        tls_ca_file=config.tls_ca_file,
+        tls_client_cert=config.tls_cert,
+        tls_client_key=config.tls_key,
+        require_encryption=True,
+    )
 
 
 def _default_write_threads(placement: dict[str, Any]) -> int | None:
@@ -324,13 +372,26 @@ def run_extract(config: ExtractConfig, console: Console | None = None) -> dict[s
         TargetError: the target cannot be found or the layer ids are out of range.
         CacheError: the output holds another cache or not enough free space; shards still uncommitted at the
             end (rerun the same command to finish them).
+        LockError: another extract writes the same output (``dflash.locks``; this run holds the lock from before
+            the cache is opened until it returns, its Dask workers write under it).
     """
+    from dflash.locks import output_lock
+
+    with output_lock(config.output, what="cache", break_lock=config.break_lock):
+        return _run_extract_locked(config, console)
+
+
+def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[str, Any]:
     from distributed import as_completed
 
+    from dflash.cache.store import remove_partial_files
     from stages.extract_worker import ShardSpec, TargetWorkerPlugin, extract_shard, flush_worker
 
     console = console or Console()
     cache, corpus, shard_rows, report = prepare_cache(config, console)
+    # Temporaries of a writer killed between write and rename (e.g. during finalize): ours to clear, we hold the lock.
+    for leftover in remove_partial_files(config.output):
+        log.warning("removed %s/%s, a temporary file left by an interrupted write", config.output, leftover)
     lengths = corpus.lengths if report.truncate_to is None else np.minimum(corpus.lengths, report.truncate_to)
     kept = np.zeros(len(corpus), dtype=bool)
     kept[report.kept_rows] = True
@@ -499,7 +560,11 @@ def register(app: typer.Typer) -> None:
         length_policy: str = typer.Option("error", "--length-policy", help="Rows over --max-length: error, drop or truncate."),
         expected_ratio: float = typer.Option(1.0, "--expected-ratio", help="Compression ratio assumed by the size estimate."),
         force_space: bool = typer.Option(False, "--force-space", help="Start even if the estimate exceeds the free space."),
-        dashboard_address: str = typer.Option(":8787", "--dashboard-address", help="Dashboard of a local cluster (':0' = any free port)."),
+        dashboard_address: str = typer.Option("127.0.0.1:8787", "--dashboard-address", help="Dashboard of a local cluster, HOST:PORT; the default and a bare :PORT bind 127.0.0.1 (this machine only), 0.0.0.0:PORT serves every interface, unauthenticated; port 0 = any free port."),
+        tls_ca_file: str | None = typer.Option(None, "--tls-ca-file", help="With --scheduler-address tls://...: CA certificate of the cluster (with --tls-cert, --tls-key; docs/cache-format.md)."),
+        tls_cert: str | None = typer.Option(None, "--tls-cert", help="Client certificate for a TLS scheduler."),
+        tls_key: str | None = typer.Option(None, "--tls-key", help="Client private key for a TLS scheduler."),
+        break_lock: bool = typer.Option(False, "--break-lock", help="Take over the cache's lock left by a run on another host that is known dead (docs/cache-format.md)."),
         write_threads: int | None = typer.Option(None, "--write-threads", help="Chunk-write threads per worker: gather, compress, checksum, store (default: CPU cores per worker - 1, at most 32)."),
         writes_in_flight: int = typer.Option(2, "--writes-in-flight", help="Shard writes per worker overlapping its compute (each holds one shard in host memory)."),
         write_processes: int | None = typer.Option(None, "--write-processes", help="Write shards in N processes per worker that read the hidden states from shared memory (/dev/shm; if it is too small, threads are used with a warning); 0: in threads of the worker (default: 2 on GPU workers, 0 on CPU workers)."),
@@ -507,8 +572,8 @@ def register(app: typer.Typer) -> None:
         """Extract tapped target hidden states of a corpus into a compressed Zarr v3 cache (Dask workers).
 
         Rerun the same command to resume: committed shards are skipped, the rest redone (exactly once).
-        Exit status: 0 done, 2 bad input or shards left uncommitted (the message says which and why), 130 interrupted
-        (committed shards stay; rerun to resume).
+        Exit status: 0 done, 2 bad input, shards left uncommitted (the message says which and why) or the cache
+        locked by another run (named), 130 interrupted (committed shards stay; rerun to resume).
         """
         console = Console()
         try:
@@ -530,6 +595,10 @@ def register(app: typer.Typer) -> None:
                 expected_ratio=expected_ratio,
                 force_space=force_space,
                 dashboard_address=dashboard_address,
+                tls_ca_file=tls_ca_file,
+                tls_cert=tls_cert,
+                tls_key=tls_key,
+                break_lock=break_lock,
                 write_threads=write_threads,
                 writes_in_flight=writes_in_flight,
                 write_processes=write_processes,

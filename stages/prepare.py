@@ -11,7 +11,12 @@ Run ``dflash-stages prepare [INPUT...] --output DIR``. Inputs (mixed freely):
   document per file or row, every token supervised;
 - tokenized data: an Arrow/Parquet file or folder (``datasets.save_to_disk`` too) with ``input_ids`` and
   ``loss_mask`` (or transformers-style ``labels``, -100 = not supervised); validated against the target's
-  vocabulary and rewritten.
+  vocabulary and rewritten (a corpus written by ``prepare`` is such data: it is re-validated and rewritten).
+
+Refused with the name of what was found (exit 2): other outputs of this project (a hidden-state cache or a path
+inside one, a run folder, an export, a sweep folder: their JSON files are not text to train on) and a file named
+as an input that is binary (NUL bytes or not UTF-8); binary files found in a folder or glob are dropped and
+counted. The output is locked while it is written (``dflash.locks``; a second ``prepare`` into it is refused).
 
 Rows longer than ``--max-length`` follow ``--length-policy``: ``error``, ``drop``, ``truncate`` or ``split``
 (consecutive ``max_length`` chunks). ``auto`` means ``split`` when every input is plain text or the default
@@ -94,6 +99,8 @@ class PrepareConfig:
     stdlib_tests: bool = False
     #: Replace an existing output folder (atomically).
     overwrite: bool = False
+    #: Take over the output's lock left by a run on another host known dead (``dflash.locks``).
+    break_lock: bool = False
 
     def __post_init__(self) -> None:
         self.inputs = list(self.inputs) or ["default"]
@@ -232,6 +239,16 @@ def _read_arrow_column(path: Path, column: str) -> Any:
 
 
 def _json_documents(path: Path) -> list[_Document]:
+    try:
+        return _parse_json_documents(path)
+    except UnicodeDecodeError as error:
+        raise CorpusError(
+            f"input {path}: not UTF-8 text (it holds the byte {error.object[error.start:error.start + 1]!r}); "
+            "a JSON/JSONL input must be UTF-8: convert it (iconv -t UTF-8) or pass the right file"
+        ) from None
+
+
+def _parse_json_documents(path: Path) -> list[_Document]:
     documents = []
     with open(path, encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
@@ -259,12 +276,75 @@ def _json_documents(path: Path) -> list[_Document]:
     return documents
 
 
-def _file_documents(path: Path) -> list[_Document]:
+def _file_documents(path: Path, *, named: bool = False) -> list[_Document]:
+    """Documents of one file; ``named``: the user gave this very file (a binary one is then an error, not a file
+    dropped from a folder)."""
     if path.suffix in _TABLE_SUFFIXES:
         return _table_documents(path)
     if path.suffix in _JSON_SUFFIXES:
         return _json_documents(path)
+    if named:
+        _refuse_binary(path)
     return [_Document("text", f"{path.parent.name}:{path.name}", str(path), TextFile(path, path.name))]
+
+
+#: Marker files of this project's outputs -> what the folder holding them is and what to do instead.
+_ARTIFACT_MARKERS = {
+    "zarr.json": "a Zarr store (extract's hidden-state cache): pass it to `train --cache`, not to prepare",
+    "run.json": "a training run folder (train's output): pass it to `evaluate --drafter` or `export`",
+    "trainer_state.json": "a training checkpoint (train's output): pass it to `evaluate --drafter` or `export`",
+    "dflash_export.json": "a drafter export (export's output): serve it with vLLM/SGLang, or check it with `inspect`",
+    "sweep.json": "a sweep folder (sweep's output): its runs go to `evaluate --drafter` or `export`",
+}
+
+
+def _project_artifact(path: Path) -> tuple[Path, str] | None:
+    """``(folder, what it is)`` when ``path`` is, or lies inside, an output of this project other than a corpus."""
+    path = path.resolve()
+    folders = [path, *path.parents] if path.is_dir() else list(path.parents)
+    for depth, folder in enumerate(folders):
+        # A Zarr store has zarr.json at every level; other outputs are at most 3 levels deep (a run's checkpoint
+        # files), so an unrelated run.json higher up (a home folder) is not mistaken for one.
+        for marker, what in _ARTIFACT_MARKERS.items():
+            if (marker == "zarr.json" or depth < 3) and (folder / marker).is_file():
+                while marker == "zarr.json" and (folder.parent / marker).is_file():  # name the store's root
+                    folder = folder.parent
+                return folder, what
+        if depth < 3 and (folder / "checkpoints").is_dir() and (folder / "latest").exists():
+            return folder, _ARTIFACT_MARKERS["run.json"]
+    return None
+
+
+def _refuse_artifact(spec: str, path: Path, *, below: bool = False) -> None:
+    """Raise naming what ``path`` is (or, ``below``: what the input folder ``spec`` holds at ``path``)."""
+    found = _project_artifact(path)
+    if found is not None:
+        folder, what = found
+        if below:
+            where = f"holds {what.split(':')[0]} at {folder}; pass a folder of text files only"
+        else:
+            where = f"is {what}" + ("" if folder == path.resolve() else f" (it lies inside {folder})")
+        raise CorpusError(
+            f"input {spec!r} {where}; prepare reads chat data, text or tokenized data (a prepared corpus folder "
+            "included)"
+        )
+
+
+def _refuse_binary(path: Path) -> None:
+    with open(path, "rb") as handle:
+        head = handle.read(8192)
+    reason = "holds NUL bytes" if b"\0" in head else None
+    if reason is None:
+        try:
+            head.decode("utf-8")
+        except UnicodeDecodeError as error:
+            if error.start < len(head) - 3:  # not merely a multi-byte character cut at the 8 KiB boundary
+                reason = f"is not UTF-8 (byte {error.start} is {head[error.start:error.start + 1]!r})"
+    if reason is not None:
+        raise CorpusError(
+            f"input {path} {reason}: binary data, not text; give text, chat JSONL or tokenized Arrow/Parquet "
+            "data (binary files inside a folder input are skipped and counted)"
+        )
 
 
 def _text_file_documents(files: list[TextFile]) -> list[_Document]:
@@ -283,20 +363,26 @@ def collect_documents(config: PrepareConfig) -> list[_Document]:
         if spec == "default":
             documents += _text_file_documents(default_corpus_files(include_tests=config.stdlib_tests))
         elif path.is_dir():
+            _refuse_artifact(spec, path)
             if _is_tabular_folder(path):
                 documents += _table_documents(path)
             else:
                 files = collect_text_files(path, patterns=config.patterns)
                 if not files:
                     raise CorpusError(f"input folder {path} has no file matching {list(config.patterns)}; check --pattern")
+                for file in files:  # an output of this project somewhere below the folder
+                    if file.path.name in _ARTIFACT_MARKERS:
+                        _refuse_artifact(spec, file.path, below=True)
                 documents += _text_file_documents(files)
         elif path.is_file():
-            documents += _file_documents(path)
+            _refuse_artifact(spec, path)
+            documents += _file_documents(path, named=True)
         elif glob.has_magic(spec):
             matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
             if not matches:
                 raise CorpusError(f"input glob {spec!r} matches no file")
             for match in matches:
+                _refuse_artifact(str(match), match)
                 documents += _file_documents(match)
         else:
             raise CorpusError(f"input {spec!r} does not exist; pass files, folders, globs or 'default'")
@@ -402,7 +488,15 @@ def run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, Pr
         CorpusError: bad input (file and row named), a row too long under policy ``error``, or 0 kept samples;
             nothing is left at ``config.output``.
         TargetError: the target cannot be loaded.
+        LockError: another process writes ``config.output``.
     """
+    from dflash.locks import output_lock
+
+    with output_lock(config.output, what="corpus", break_lock=config.break_lock):
+        return _run_prepare(config, console=console)
+
+
+def _run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, PrepareReport]:
     from rich.console import Console
     from rich.progress import Progress
 
@@ -497,6 +591,7 @@ def register(app: Any) -> None:
         min_supervised_tokens: int = typer.Option(1, help="Drop samples with fewer supervised tokens (DFlash: < 2 x block_size is of little use)."),
         stdlib_tests: bool = typer.Option(False, "--stdlib-tests", help="Default corpus: include the stdlib test suites (~3x tokens)."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --output folder."),
+        break_lock: bool = typer.Option(False, "--break-lock", help="Take over --output's lock left by a run on another host known dead."),
     ) -> None:
         """Tokenize chat, plain-text or tokenized data into a corpus (input_ids + loss_mask) for extract.
 
@@ -516,6 +611,7 @@ def register(app: Any) -> None:
                 length_policy=length_policy.value, assistant_mask=assistant_mask.value, last_turn_only=last_turn_only,
                 patterns=tuple(pattern), max_samples=max_samples, max_tokens=max_tokens, seed=seed,
                 min_supervised_tokens=min_supervised_tokens, stdlib_tests=stdlib_tests, overwrite=overwrite,
+                break_lock=break_lock,
             )
             path, report = run_prepare(config, console=console)
         except DFlashError as error:

@@ -14,10 +14,14 @@ process (its log in ``RUN/train.log``). List-valued fields take ``:`` between it
 At the end a table compares final train loss, validation loss and implied acceptance length, best validation
 loss, steps, skipped steps and throughput; it is also written to ``SWEEP/sweep.json``. A failed run is reported
 in the table (and the exit code is 1) without stopping the others. ``--resume`` continues unfinished runs.
+
+The sweep folder is locked for the whole sweep (``dflash.locks``: a second sweep into it is refused at once) and
+each run's folder by its own ``train`` (in this process or its subprocess).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -240,14 +244,25 @@ def register(app: typer.Typer) -> None:
         ),
         gpus: str = typer.Option(None, "--gpus", help="GPU ids; one run per GPU at a time (default: sequential)."),
         resume: bool = typer.Option(False, "--resume", help="Continue unfinished runs of an earlier sweep."),
+        break_lock: bool = typer.Option(
+            False, "--break-lock", help="Take over locks of the sweep and its runs left on another host known dead."),
     ) -> None:
         """Train one drafter per combination of --set values over one cache and compare them."""
-        from rich.console import Console
+        from dflash.locks import output_lock
 
         values = parse_set_options(set_options)
         if output is None:
             output = Path(time.strftime("sweep-%Y%m%d-%H%M%S"))
         runs = plan_sweep(cache, output, values, resume=resume)
+        if break_lock:
+            for run in runs:
+                run.config = dataclasses.replace(run.config, break_lock=True)
+        with output_lock(output, what="sweep", break_lock=break_lock):
+            _sweep(runs, output, gpus)
+
+    def _sweep(runs: list[SweepRun], output: Path, gpus: str | None) -> None:
+        from rich.console import Console
+
         gpu_ids = [int(g) for g in gpus.split(",")] if gpus else None
         Console(stderr=True).print(f"sweep: {len(runs)} runs into {output}" + (f" on GPUs {gpu_ids}" if gpu_ids else ""))
         run_sweep(runs, gpus=gpu_ids)

@@ -57,6 +57,9 @@ class TrainConfig:
     """Continue the run in ``output`` from its ``latest`` checkpoint."""
     allow_config_change: bool = False
     """Resume even when trajectory fields changed (the result then differs from a straight run)."""
+    break_lock: bool = False
+    """Take over the run folder's lock although its owner record names another host (that run must be known
+    dead; ``dflash.locks``). A same-host stale lock (a killed run) is taken over without it."""
     # -- drafter and objective
     num_draft_layers: int = 5
     """Draft decoder layers (paper: 5)."""
@@ -259,7 +262,7 @@ class TrainConfig:
 
 #: Fields that never change what is computed: a resume may change them freely.
 RUNTIME_FIELDS = frozenset({
-    "cache", "output", "target", "resume", "allow_config_change", "device", "drafter_gpus", "cpu_processes",
+    "cache", "output", "target", "resume", "allow_config_change", "break_lock", "device", "drafter_gpus", "cpu_processes",
     "stop_at_step", "save_every", "keep_last", "eval_every", "log_every", "throughput_window", "progress",
     "prefetch_batches", "max_validation_batches",
 })  # fmt: skip
@@ -354,7 +357,23 @@ def _train_worker(config_dict: dict[str, Any]) -> dict[str, Any]:
 
 def run_training(config: TrainConfig) -> dict[str, Any]:
     """Run the train stage: in this process, under an existing ``torchrun``, or by launching one process per
-    rank (``torch.distributed.run``'s elastic launcher, spawn start method). Returns rank 0's summary."""
+    rank (``torch.distributed.run``'s elastic launcher, spawn start method). Returns rank 0's summary.
+
+    The run folder's lock (``dflash.locks``) is held for the whole run by this process (the launcher, or rank 0
+    under ``torchrun``), taken before anything is read or written.
+
+    Raises:
+        LockError: another process trains into ``config.output``; the message names it.
+    """
+    from dflash.locks import output_lock
+
+    if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("RANK", "0")) != 0:
+        return _run_training(config)  # under torchrun: rank 0 holds the lock for the run
+    with output_lock(config.output, what="run", break_lock=config.break_lock):
+        return _run_training(config)
+
+
+def _run_training(config: TrainConfig) -> dict[str, Any]:
     config_dict = config.to_dict()
     if "TORCHELASTIC_RUN_ID" in os.environ or config.world_size == 1:
         return _train_worker(config_dict)
@@ -415,7 +434,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None) 
         )
     if overrides.get("resume") and run_json is not None and run_json.is_file():
         saved = json.loads(run_json.read_text())["config"]
-        for one_off in ("stop_at_step", "allow_config_change"):  # they applied to the earlier invocation only
+        for one_off in ("stop_at_step", "allow_config_change", "break_lock"):  # they applied to the earlier invocation only
             saved.pop(one_off, None)
         base = {**ABSENT_IN_OLD_RUNS, **saved, **base}
     merged = {**base, **{k: v for k, v in overrides.items() if v is not None}}
@@ -500,6 +519,8 @@ def register(app: typer.Typer) -> None:
         eval_every: int = typer.Option(None, "--eval-every", help="Validate every N steps."),
         log_every: int = typer.Option(None, "--log-every", help="Log every N steps (10)."),
         allow_config_change: bool = typer.Option(None, "--allow-config-change", help="Resume despite changes."),
+        break_lock: bool = typer.Option(
+            None, "--break-lock", help="Take over RUN's lock left by a run on another host known dead (docs/training.md)."),
         progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the progress bar."),
     ) -> None:
         """Train a DFlash drafter on a hidden-state cache (the stage after extract).
@@ -528,7 +549,7 @@ def register(app: typer.Typer) -> None:
             "max_documents_per_batch": max_documents,
             "min_supervised_tokens": min_supervised_tokens,
             "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "log_every": log_every,
-            "allow_config_change": allow_config_change, "progress": progress,
+            "allow_config_change": allow_config_change, "break_lock": break_lock, "progress": progress,
         }  # fmt: skip
         config = config_from_cli(overrides, config_file)
         summary = run_training(config)

@@ -250,7 +250,6 @@ class Trainer:
             layer_id_convention=LAYER_ID_CONVENTION, cache_path=str(config.cache),
         )
         self.drafter_config = drafter_config
-        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main)
         self.checkpointer = Checkpointer(self.run_dir, keep_last=config.keep_last, enabled=self.is_main)
         torch.manual_seed(config.seed)  # identical initial weights on every rank and in every rerun
         drafter = DFlashDrafter(drafter_config)
@@ -332,6 +331,9 @@ class Trainer:
             "bucket_boundaries": list(self.train_loader.boundaries),
             "excluded_samples": self.excluded,
         }
+        # Opened last, so a run refused above writes no metrics or TensorBoard file; from the step resumed (0 when
+        # new), dropping what a killed attempt logged past it.
+        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, start_step=self.step)
         if self.is_main:
             self._write_run_json()
             self.metrics.log("data", self.step, self.excluded)

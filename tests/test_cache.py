@@ -212,8 +212,9 @@ def test_damaged_chunk_fails_verify_and_reader_naming_the_shard(written, damage)
         data = bytearray(chunk.read_bytes())
         data[len(data) // 2] ^= 0x04
         chunk.write_bytes(bytes(data))
-    with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden'"):
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden'.*c/1/0\b") as caught:
         verify_cache(path)
+    assert "c/1/..." not in str(caught.value)  # the chunk key whole
     reader = CacheReader(path)
     reader.read_shard(0)  # the other shard stays readable
     with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden'"):
@@ -225,6 +226,28 @@ def test_damaged_chunk_fails_verify_and_reader_naming_the_shard(written, damage)
     assert CacheReader(path).shards == [0]
     HiddenStateCache.open(path).write_shard(1, samples[3:], [])
     assert _cli(["cache", "verify", str(path)]).exit_code == 0
+
+
+def test_verify_names_whole_chunk_keys_of_one_dimensional_arrays(written):
+    path, _ = written
+    chunk = Path(path) / "shards" / "000000" / "input_ids" / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(CacheCorruptError, match=r"shard 0 .*array 'input_ids' chunk c/0 fails to decode"):
+        verify_cache(path)
+
+
+def test_temporaries_of_a_killed_write_are_reported_by_verify(written):
+    path, _ = written
+    (Path(path) / "zarr.0123abcd.partial").write_text("{")  # a kill between zarr's temporary file and its rename
+    (Path(path) / "commits" / "shard-000001.4567ef.partial").write_text("{")
+    report = verify_cache(path)
+    assert report["ok"] and report["partial_files"] == ["commits/shard-000001.4567ef.partial", "zarr.0123abcd.partial"]
+    result = _cli(["cache", "verify", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "2 temporary file(s) of an interrupted write (ignored, removed by the next extract run): " \
+        "commits/shard-000001.4567ef.partial, zarr.0123abcd.partial" in " ".join(result.output.split())
 
 
 def test_altered_or_swapped_chunk_caught_by_chunk_digest(tmp_path, target, real_samples):
@@ -251,7 +274,7 @@ def test_altered_or_swapped_chunk_caught_by_chunk_digest(tmp_path, target, real_
     value = hidden[row, col]
     hidden[row, col] = np.uint16(value ^ 0x0100)  # zarr re-encodes the chunk with a valid crc32c
     chunk = row // 16
-    with pytest.raises(CacheCorruptError, match=rf"shard 1 .*array 'hidden' chunk {chunk} .*commit record says"):
+    with pytest.raises(CacheCorruptError, match=rf"shard 1 .*array 'hidden' chunk c/{chunk}/0 .*commit record says"):
         verify_cache(path)
     report = verify_cache(path, fail_fast=False)
     assert sorted(report["corrupt_shards"]) == [1] and report["num_samples"] == 3
@@ -260,12 +283,12 @@ def test_altered_or_swapped_chunk_caught_by_chunk_digest(tmp_path, target, real_
     # A valid chunk copied over another one (same shape, valid checksum) is a leaf mismatch too.
     original = (shard_dir / "c" / "2" / "0").read_bytes()
     shutil.copyfile(shard_dir / "c" / "1" / "0", shard_dir / "c" / "2" / "0")
-    with pytest.raises(CacheCorruptError, match=r"shard 1 .*array 'hidden' chunk 2 "):
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*array 'hidden' chunk c/2/0 "):
         verify_cache(path)
     (shard_dir / "c" / "2" / "0").write_bytes(original)
     # A flipped stored byte (no valid checksum) is named as a checksum failure.
     (shard_dir / "c" / "3" / "0").write_bytes(bytes([original[0] ^ 1]) + (shard_dir / "c" / "3" / "0").read_bytes()[1:])
-    with pytest.raises(CacheCorruptError, match=r"shard 1 .*chunk 3 .*crc32c"):
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*chunk c/3/0 .*crc32c"):
         verify_cache(path)
     # Editing the recorded leaf to match a changed chunk breaks the root digest over the leaves.
     cache.uncommit(1)
@@ -274,7 +297,7 @@ def test_altered_or_swapped_chunk_caught_by_chunk_digest(tmp_path, target, real_
     stored = json.loads(commit.read_text())
     stored["arrays"]["hidden"]["crc32c_chunks"][0] = "00000000"
     commit.write_text(json.dumps(stored))
-    with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden' chunk 0 "):
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*'hidden' chunk c/0/0 "):
         verify_cache(path)
 
 

@@ -160,6 +160,7 @@ def test_train_stopped_by_sigterm_exits_130_with_a_resumable_checkpoint(tmp_path
     err = capsys.readouterr().err
     assert "interrupted at step 2 of 4" in err and f"--output {tmp_path / 'run'} --resume" in err
     assert (tmp_path / "run" / "latest").read_text().strip() == "step_00000002"
+    assert not (tmp_path / "run.lock").exists()  # the run folder's lock went with the interrupted run
 
 
 def test_piped_help_is_wide_lists_exit_status_and_cuts_no_description(tmp_path):

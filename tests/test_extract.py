@@ -111,8 +111,13 @@ def test_two_dask_workers_write_the_same_cache_as_one_process(tmp_path, corpus_d
     assert 0 < summary["compute_seconds"] and 0 <= summary["write_wait_seconds"]
     assert summary["compute_seconds"] + summary["write_wait_seconds"] <= 2 * summary["seconds"] + 1e-6
     _assert_cache_matches(output, corpus_dir, reference)
-    # A rerun finds every shard committed and does nothing.
+    # A rerun finds every shard committed and does nothing but remove what a write killed before its rename left
+    # (a zarr temporary: here of finalize's root metadata), which verify reported.
+    (output / "zarr.0123abcd.partial").write_text("{")
+    assert verify_cache(output)["partial_files"] == ["zarr.0123abcd.partial"]
     assert run_extract(config, _quiet())["skipped_committed"] == summary["planned_shards"]
+    assert not list(output.rglob("*.partial")) and verify_cache(output)["partial_files"] == []
+    assert not (tmp_path / "cache.lock").exists()  # the lock is gone with the run
 
 
 @pytest.mark.slow
@@ -440,3 +445,40 @@ def test_orphaned_segments_of_dead_workers_are_removed():
     finally:
         mine.close()
         Path(orphan).unlink(missing_ok=True)
+
+
+def test_local_cluster_listens_on_localhost_only_and_prints_its_dashboard(tmp_path):
+    # The default, and a bare ":0" (what distributed would bind on every interface).
+    for address in (ExtractConfig.__dataclass_fields__["dashboard_address"].default, ":0"):
+        config = ExtractConfig(corpus=str(tmp_path), output=str(tmp_path / "cache"), workers=1, write_processes=0,
+                               dashboard_address=address)
+        client, cluster, _ = extract_stage._start_cluster(config, _quiet())
+        try:
+            listening = [c.laddr for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+            dashboard_port = cluster.scheduler.http_server.port
+            assert dashboard_port in {laddr.port for laddr in listening}
+            assert {laddr.ip for laddr in listening} <= {"127.0.0.1"}, listening
+            assert client.dashboard_link.startswith(f"http://127.0.0.1:{dashboard_port}/")
+        finally:
+            client.close()
+            cluster.close()
+
+
+def test_tls_options_build_a_security_for_the_scheduler_and_are_checked(tmp_path):
+    files = {name: tmp_path / f"{name}.pem" for name in ("ca", "cert", "key")}
+    for path in files.values():
+        path.write_text("-----BEGIN CERTIFICATE-----\n")
+    config = ExtractConfig(corpus="c", output="o", scheduler_address="tls://scheduler:8786", tls_ca_file=str(files["ca"]),
+                           tls_cert=str(files["cert"]), tls_key=str(files["key"]))
+    security = extract_stage._security(config)
+    assert security.require_encryption and security.tls_ca_file == str(files["ca"])
+    assert security.tls_client_cert == str(files["cert"]) and security.tls_client_key == str(files["key"])
+    assert extract_stage._security(ExtractConfig(corpus="c", output="o", scheduler_address="tcp://h:8786")) is None
+    with pytest.raises(ConfigError, match=r"^tls_cert: TLS needs --tls-ca-file, --tls-cert and --tls-key together"):
+        ExtractConfig(corpus="c", output="o", scheduler_address="tls://h:8786", tls_ca_file=str(files["ca"]))
+    with pytest.raises(ConfigError, match=r"^tls_ca_file: TLS options apply to --scheduler-address only"):
+        ExtractConfig(corpus="c", output="o", workers=1, tls_ca_file=str(files["ca"]), tls_cert=str(files["cert"]),
+                      tls_key=str(files["key"]))
+    with pytest.raises(ConfigError, match=r"^tls_key: .*missing.pem is not a file"):
+        ExtractConfig(corpus="c", output="o", scheduler_address="tls://h:8786", tls_ca_file=str(files["ca"]),
+                      tls_cert=str(files["cert"]), tls_key=str(tmp_path / "missing.pem"))

@@ -268,3 +268,70 @@ def test_tokenized_labels_rows_are_checked_where_they_are(tmp_path, tokenizer):
     with pytest.raises(CorpusError, match=r"sft.parquet row 1 .*no supervised token"):
         run_prepare(PrepareConfig(inputs=[str(tmp_path / "sft.parquet")], output=tmp_path / "out"))
     assert _nothing_written(tmp_path, "out")
+
+
+def _zarr_cache(tmp):
+    import zarr
+
+    root = zarr.create_group(store=str(tmp / "cache"), zarr_format=3, attributes={"dflash_cache": {}})
+    root.create_group("shards/000000")
+    (tmp / "cache" / "commits").mkdir()
+    (tmp / "cache" / "commits" / "shard-000000.json").write_text('{"shard": 0}')
+    return tmp / "cache"
+
+
+def _run_folder(tmp):
+    step = tmp / "run" / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    (tmp / "run" / "run.json").write_text('{"config": {}}')
+    (tmp / "run" / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    (step / "trainer_state.json").write_text("{}")
+    (tmp / "run" / "latest").write_text("step_00000002")
+    return tmp / "run"
+
+
+@pytest.mark.parametrize(
+    "make_input, message",
+    [
+        (_zarr_cache, r"is a Zarr store \(extract's hidden-state cache\): pass it to `train --cache`"),
+        (lambda tmp: _zarr_cache(tmp) / "commits" / "shard-000000.json", r"is a Zarr store .*\(it lies inside .*cache\)"),
+        (lambda tmp: _zarr_cache(tmp) / "shards", r"is a Zarr store .*\(it lies inside .*cache\)"),
+        (_run_folder, r"is a training run folder \(train's output\)"),
+        (lambda tmp: _run_folder(tmp) / "checkpoints" / "step_00000002", r"is a training checkpoint"),
+        (lambda tmp: _run_folder(tmp).parent, r"holds a training checkpoint \(train's output\) at .*run/checkpoints/step_00000002; pass a folder of text"),
+        (lambda tmp: (tmp / "export").mkdir() or (tmp / "export" / "dflash_export.json").write_text("{}") and tmp / "export",
+         r"is a drafter export \(export's output\)"),
+        (lambda tmp: (tmp / "blob.bin").write_bytes(b"text\0\x01\x02" * 10) and tmp / "blob.bin",
+         r"blob.bin holds NUL bytes: binary data, not text"),
+        (lambda tmp: (tmp / "latin1.txt").write_bytes("café crème\n".encode("latin-1")) and tmp / "latin1.txt",
+         r"latin1.txt is not UTF-8 \(byte 3 is b'\\xe9'\)"),
+        (lambda tmp: (tmp / "c.jsonl").write_bytes('{"text": "café"}\n'.encode("latin-1")) and tmp / "c.jsonl",
+         r"c.jsonl: not UTF-8 text \(it holds the byte b'\\xe9'\); a JSON/JSONL input must be UTF-8"),
+    ],
+    ids=["cache", "cache-commit-record", "cache-subfolder", "run", "checkpoint", "folder-holding-a-run", "export",
+         "nul-bytes", "not-utf8", "not-utf8-jsonl"],
+)
+def test_outputs_of_this_project_and_binary_files_are_refused(tmp_path, cli, make_input, message):
+    source = make_input(tmp_path)
+    result = cli(source, "--output", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: input"), result.output
+    assert __import__("re").search(message, " ".join(result.output.split())), result.output
+    assert _nothing_written(tmp_path, "out")
+
+
+def test_binary_files_inside_a_folder_are_dropped_and_counted(tmp_path):
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.txt").write_text("def f(x):\n    return x + 1\n")
+    (folder / "b.bin").write_bytes(b"\0\1\2" * 100)
+    _, report = run_prepare(PrepareConfig(inputs=[str(folder)], output=tmp_path / "out"))
+    assert report.samples_kept == 1 and report.dropped["not UTF-8 text"] == 1
+
+
+def test_a_prepared_corpus_is_accepted_as_tokenized_data(tmp_path):
+    (tmp_path / "a.txt").write_text("def f(x):\n    return x + 1\n")
+    first, _ = run_prepare(PrepareConfig(inputs=[str(tmp_path / "a.txt")], output=tmp_path / "c1"))
+    second, report = run_prepare(PrepareConfig(inputs=[str(first)], output=tmp_path / "c2"))
+    assert report.documents_by_kind == {"tokens": 1}
+    assert open_corpus(second).fingerprint == open_corpus(first).fingerprint

@@ -440,3 +440,35 @@ def test_runs_saved_before_residual_dtype_resume_with_a_float32_residual(tmp_pat
     assert trajectory_changes(saved, explicit.to_dict(), saved_world_size=1, world_size=1) == [
         "residual_dtype: 'float32' -> 'compute'"]
     assert TrainConfig(cache="c", output="o").residual_dtype == "compute"  # new runs
+
+
+def _files(folder):
+    return {p.relative_to(folder): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+
+
+def test_resume_refused_by_the_data_state_writes_nothing(preempted_run, target, tmp_path):
+    # Same taps, other content: the checks on identity pass, restoring the data cursor refuses (after the drafter,
+    # optimizer and loaders exist): no metrics record and no TensorBoard events file may appear.
+    shutil.copytree(preempted_run, tmp_path / "run")
+    before = _files(tmp_path / "run")
+    other = build_tiny_cache(tmp_path / "other.zarr", target, num_samples=12, num_shards=1)
+    with pytest.raises(CheckpointError):
+        run_training(tiny_config(other, tmp_path / "run", max_steps=2, resume=True, validation_fraction=0.0))
+    assert _files(tmp_path / "run") == before
+
+
+def test_an_attempt_killed_after_its_checkpoint_leaves_each_step_once_in_the_metrics(tiny_cache, preempted_run, tmp_path):
+    # The preempted run checkpointed step 1; an attempt that logged steps 2 and 3 and died before checkpointing
+    # them (simulated by appending its records) must not leave them beside the rerun's own steps 2 and 3.
+    shutil.copytree(preempted_run, tmp_path / "run")
+    with open(tmp_path / "run" / "metrics.jsonl", "a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"kind": "data", "step": 1}) + "\n")
+        for step in (2, 3):
+            handle.write(json.dumps({"kind": "train", "step": step, "loss": 99.0}) + "\n")
+        handle.write('{"kind": "train", "st')  # torn by the kill
+    run_training(tiny_config(tiny_cache, tmp_path / "run", max_steps=3, resume=True, validation_fraction=0.0,
+                             allow_config_change=True))
+    records = read_metrics(tmp_path / "run")
+    train_steps = [r["step"] for r in records if r["kind"] == "train"]
+    assert train_steps == [1, 2, 3] and all(r["loss"] != 99.0 for r in records if r["kind"] == "train")
+    assert [r["step"] for r in records if r["kind"] == "data"] == [0, 1]

@@ -17,7 +17,7 @@ from zarr.core.sync import sync
 
 from dflash.errors import CacheCorruptError
 
-__all__ = ["CacheStore"]
+__all__ = ["CacheStore", "partial_files", "remove_partial_files"]
 
 
 class CacheStore:
@@ -89,3 +89,37 @@ class CacheStore:
         """Bytes stored under ``relative`` (the whole cache for ``""``)."""
         full = self.key(relative).rstrip("/")
         return int(sync(self.store.getsize_prefix(full + "/" if full else "")))
+
+
+def _local_root(url: str) -> str | None:
+    if "://" in url and not url.startswith("file://"):
+        return None
+    return url[len("file://"):] if url.startswith("file://") else url
+
+
+def partial_files(url: str | os.PathLike[str]) -> list[str]:
+    """Temporary files zarr's LocalStore left in a cache (``zarr.<hex>.partial``, ``c/0/0.<hex>.partial``...): a
+    write killed between its temporary file and the rename (e.g. during ``finalize``). Paths relative to the cache
+    root, sorted; always empty for object stores (a PUT leaves no temporary)."""
+    root = _local_root(os.fspath(url))
+    if root is None:
+        return []
+    return sorted(
+        os.path.relpath(os.path.join(folder, name), root)
+        for folder, _, names in os.walk(root)
+        for name in names
+        if name.endswith(".partial")
+    )
+
+
+def remove_partial_files(url: str | os.PathLike[str]) -> list[str]:
+    """Delete :func:`partial_files`; returns what was removed. Only the cache's one writer may do this (extract,
+    under its output lock: a live writer's temporary would otherwise vanish before its rename)."""
+    root = _local_root(os.fspath(url))
+    removed = partial_files(url)
+    for relative in removed:
+        try:
+            os.unlink(os.path.join(root, relative))  # type: ignore[arg-type]
+        except FileNotFoundError:
+            pass
+    return removed

@@ -18,6 +18,7 @@ import numpy as np
 
 from dflash.cache.format import CORRUPT_SHARD_REPAIR
 from dflash.cache.reader import CacheReader
+from dflash.cache.store import partial_files
 from dflash.cache.writer import DIGEST_SEGMENT_BYTES, DIGEST_VERSION, digest_root, shard_arrays
 from dflash.errors import CacheCorruptError, CacheError
 
@@ -51,6 +52,11 @@ class _Segments:
         return self.digests
 
 
+def _chunk_key(array: Any, index: int) -> str:
+    """The whole zarr key of the ``index``-th chunk along tokens: ``c/3`` (1-D arrays), ``c/3/0`` (``hidden``)."""
+    return "c/" + "/".join([str(index)] + ["0"] * (len(array.shape) - 1))
+
+
 def _verify_chunk_crcs(reader: CacheReader, shard: int, array: Any, layout: dict, step: int) -> tuple[list[str], int]:
     """Version-3 ``hidden`` leaves: each stored chunk's crc32c trailer must match its body (zarr's check, done here
     on the stored bytes) and the commit record's leaf; every chunk is also decoded. Returns (leaves, raw bytes)."""
@@ -61,7 +67,7 @@ def _verify_chunk_crcs(reader: CacheReader, shard: int, array: Any, layout: dict
     expected = layout.get("crc32c_chunks") or []
     leaves: list[str] = []
     for index, lo in enumerate(range(0, layout["shape"][0], step)):
-        where = f"array 'hidden' chunk {index} (tokens {lo}..{min(lo + step, layout['shape'][0])})"
+        where = f"array 'hidden' chunk {_chunk_key(array, index)} (tokens {lo}..{min(lo + step, layout['shape'][0])})"
         data = stored_chunk(array, (index, 0))
         if data is None or len(data) < 4:
             raise CacheCorruptError(f"shard {shard} of {reader.url}: {where} is missing; {CORRUPT_SHARD_REPAIR}")
@@ -73,7 +79,7 @@ def _verify_chunk_crcs(reader: CacheReader, shard: int, array: Any, layout: dict
                 f"shard {shard} of {reader.url}: {where} has crc32c {leaf}, the commit record says "
                 f"{expected[index] if index < len(expected) else 'nothing'}; a chunk was altered or swapped: {CORRUPT_SHARD_REPAIR}"
             )
-        reader._read(shard, "hidden", slice(lo, lo + step), where=f" chunk c/{index}/...")  # decodes
+        reader._read(shard, "hidden", slice(lo, lo + step), where=f" chunk {_chunk_key(array, index)}")  # decodes
         leaves.append(leaf)
     if len(leaves) != len(expected):
         raise CacheCorruptError(f"shard {shard} of {reader.url}: array 'hidden' has {len(leaves)} chunks, the commit record lists {len(expected)}")
@@ -122,7 +128,7 @@ def verify_shard(reader: CacheReader, shard: int) -> dict[str, Any]:
             leaves[name], nbytes[name] = _verify_chunk_crcs(reader, shard, array, layout, step)
             continue
         for lo in range(0, layout["shape"][0], step):  # one chunk row at a time: bounded memory
-            block = reader._read(shard, name, slice(lo, lo + step), where=f" chunk c/{lo // step}/...")
+            block = reader._read(shard, name, slice(lo, lo + step), where=f" chunk {_chunk_key(array, lo // step)}")
             raw = memoryview(np.ascontiguousarray(block).view(np.uint8).reshape(-1))
             if version == 1:
                 stream.update(raw)
@@ -186,10 +192,11 @@ def verify_cache(
         on_shard: called with each shard id after it was checked (progress bars).
 
     Returns:
-        ``{"ok", "complete", "committed_shards", "planned_shards", "uncommitted_shards", "stray_shards",
+        ``{"ok", "complete", "committed_shards", "planned_shards", "uncommitted_shards", "stray_shards", "partial_files",
         "corrupt_shards": {shard: message}, "num_samples", "num_tokens", "num_quarantined"}``; counts cover the
         sound committed shards. ``stray_shards``: data without a commit record, ignored by readers and redone by
-        the next extract run.
+        the next extract run. ``partial_files``: zarr temporaries (``*.partial``) of a killed write, ignored by
+        readers and removed by the next extract run.
 
     Raises:
         CacheCorruptError: (``fail_fast``) a committed shard is corrupt or lacks rows of its range, or two
@@ -230,6 +237,7 @@ def verify_cache(
     uncommitted = sorted(set(range(meta.num_shards)) - set(reader.shards))
     present = {key.split("/")[0] for key in reader._store.list_prefix("shards")}
     stray = sorted(int(name) for name in present if name.isdigit() and int(name) not in set(reader.shards))
+    partial = partial_files(path_or_url)  # temporaries of a killed write (e.g. during finalize); extract removes them
     complete = not uncommitted
     if require_complete and not complete:
         raise CacheError(
@@ -243,6 +251,7 @@ def verify_cache(
         "planned_shards": meta.num_shards,
         "uncommitted_shards": uncommitted,
         "stray_shards": stray,
+        "partial_files": partial,
         "corrupt_shards": corrupt,
         **totals,
     }
