@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["chunk_encoder", "store_chunk", "stored_chunk_crc32c", "stored_chunk", "crc32c_trailer",
+__all__ = ["chunk_encoder", "chunk_decoder", "store_chunk", "stored_chunk_crc32c", "stored_chunk", "crc32c_trailer",
            "keep_chunk_buffers_mapped"]
 
 _SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
@@ -70,6 +70,44 @@ def chunk_encoder(array: Any) -> Callable[[np.ndarray], bytes] | None:
         return data
 
     return encode
+
+
+def chunk_decoder(array: Any) -> Callable[[bytes], np.ndarray] | None:
+    """The inverse of :func:`chunk_encoder`: a function ``stored bytes -> full chunk`` (``array.chunks`` shape,
+    ``array`` dtype) for chains ``bytes`` [-> ``blosc`` | ``zstd``] -> ``crc32c``, or ``None`` for any other chain
+    (the caller then lets zarr decode). The caller checks the crc32c (the reader compares it with the commit record
+    first); the function only strips it. Raises ``ValueError`` for a chunk that does not decode to the chunk's size."""
+    import numcodecs
+
+    codecs = [codec.to_dict() for codec in array.metadata.codecs]
+    if not codecs or codecs[0].get("name") != "bytes" or codecs[-1].get("name") != "crc32c":
+        return None
+    endian = (codecs[0].get("configuration") or {}).get("endian", "little")
+    if endian != "little" and np.dtype(array.dtype).itemsize > 1:
+        return None
+    steps: list[Callable[[Any], Any]] = []
+    for codec in codecs[1:-1]:
+        name = codec.get("name")
+        if name == "blosc":
+            steps.append(numcodecs.Blosc().decode)  # blosc frames carry their own settings
+        elif name == "zstd":
+            steps.append(numcodecs.Zstd().decode)
+        else:
+            return None
+    chunk_shape = tuple(array.chunks)
+    dtype = np.dtype(array.dtype).newbyteorder("<")
+    expected = int(np.prod(chunk_shape)) * dtype.itemsize
+
+    def decode(data: bytes) -> np.ndarray:
+        body: Any = memoryview(data)[:-4]
+        for step in reversed(steps):
+            body = step(body)
+        raw = np.frombuffer(body, dtype=np.uint8)
+        if raw.size != expected:
+            raise ValueError(f"chunk decodes to {raw.size} bytes, expected {expected} ({chunk_shape} {dtype})")
+        return raw.view(dtype).reshape(chunk_shape)
+
+    return decode
 
 
 def _chunk_path(array: Any, coords: tuple[int, ...]) -> str:
