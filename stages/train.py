@@ -55,6 +55,9 @@ class TrainConfig:
     """Continue the run in ``output`` from its ``latest`` checkpoint."""
     allow_config_change: bool = False
     """Resume even when trajectory fields changed (the result then differs from a straight run)."""
+    allow_incomplete: bool = False
+    """Train on a cache whose planned shards are not all committed (the run then logs how many samples of how many
+    planned rows it trains on); without it such a cache is refused before step 1."""
     # -- drafter and objective
     num_draft_layers: int = 5
     """Draft decoder layers (paper: 5)."""
@@ -257,7 +260,7 @@ class TrainConfig:
 
 #: Fields that never change what is computed: a resume may change them freely.
 RUNTIME_FIELDS = frozenset({
-    "cache", "output", "target", "resume", "allow_config_change", "device", "drafter_gpus", "cpu_processes",
+    "cache", "output", "target", "resume", "allow_config_change", "allow_incomplete", "device", "drafter_gpus", "cpu_processes",
     "stop_at_step", "save_every", "keep_last", "eval_every", "log_every", "throughput_window", "progress",
     "prefetch_batches", "max_validation_batches",
 })  # fmt: skip
@@ -352,7 +355,17 @@ def _train_worker(config_dict: dict[str, Any]) -> dict[str, Any]:
 
 def run_training(config: TrainConfig) -> dict[str, Any]:
     """Run the train stage: in this process, under an existing ``torchrun``, or by launching one process per
-    rank (``torch.distributed.run``'s elastic launcher, spawn start method). Returns rank 0's summary."""
+    rank (``torch.distributed.run``'s elastic launcher, spawn start method). Returns rank 0's summary.
+
+    Raises:
+        ConfigError: ``output`` exists and is not a folder.
+    """
+    output = Path(config.output)
+    if output.exists() and not output.is_dir():
+        raise ConfigError(
+            f"output: {output} exists and is not a folder (a run folder is expected); pass --output a new or existing "
+            "run folder"
+        )
     config_dict = config.to_dict()
     if "TORCHELASTIC_RUN_ID" in os.environ or config.world_size == 1:
         return _train_worker(config_dict)
@@ -498,6 +511,11 @@ def register(app: typer.Typer) -> None:
         eval_every: int = typer.Option(None, "--eval-every", help="Validate every N steps."),
         log_every: int = typer.Option(None, "--log-every", help="Log every N steps (10)."),
         allow_config_change: bool = typer.Option(None, "--allow-config-change", help="Resume despite changes."),
+        allow_incomplete: bool = typer.Option(
+            None, "--allow-incomplete",
+            help="Train on the committed shards of an unfinished cache (refused otherwise; the run says how many "
+                 "samples of how many it trains on).",
+        ),
         progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the progress bar."),
     ) -> None:
         """Train a DFlash drafter on a hidden-state cache (the stage after extract).
@@ -526,7 +544,7 @@ def register(app: typer.Typer) -> None:
             "max_documents_per_batch": max_documents,
             "min_supervised_tokens": min_supervised_tokens,
             "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "log_every": log_every,
-            "allow_config_change": allow_config_change, "progress": progress,
+            "allow_config_change": allow_config_change, "allow_incomplete": allow_incomplete, "progress": progress,
         }  # fmt: skip
         config = config_from_cli(overrides, config_file)
         summary = run_training(config)
