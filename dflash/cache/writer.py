@@ -42,6 +42,7 @@ from dflash.cache.format import (
 )
 from dflash.cache.store import CacheStore
 from dflash.errors import CacheError
+from dflash.faults import fault_point
 
 __all__ = [
     "DIGEST_SEGMENT_BYTES",
@@ -341,6 +342,7 @@ class HiddenStateCache:
             "hidden_seconds": round(hidden_done - write_started, 4),
             "writer": f"{socket.gethostname()}:{os.getpid()}",
         }
+        fault_point("cache.before-commit", f"{self.url}/{commit_key(shard_id)}")
         self._store.put_json(commit_key(shard_id), record, exclusive=True)
         stored = self.commit_record(shard_id)
         if stored is None or stored.get("digest") != record["digest"] or stored.get("writer") != record["writer"]:
@@ -349,6 +351,7 @@ class HiddenStateCache:
                 f"this one ({record['writer']}) wrote it: two tasks ran on one shard; run `dflash-stages cache verify "
                 f"{self.url}` and, if it names this shard, delete {commit_key(shard_id)} and rerun extract"
             )
+        fault_point("cache.after-commit")
         return record
 
     def uncommit(self, shard_id: int) -> bool:
@@ -546,6 +549,7 @@ def _write_hidden_chunk(
     edge chunks with the fill value); without, ``array[lo:hi] = rows`` goes through zarr's pipeline. numpy
     copies, hashlib and the codecs release the GIL, so jobs run truly in parallel."""
     chunk_rows = array.chunks[0]
+    fault_point("cache.chunk-write", f"{array.store_path}/c/{lo // chunk_rows}/0")
     sample = int(np.searchsorted(offsets, lo, side="right")) - 1
     start = int(offsets[sample])
     if hi - lo == chunk_rows and int(offsets[sample + 1]) >= hi and not fp8 and encode is not None:
