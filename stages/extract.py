@@ -415,8 +415,11 @@ def run_extract(config: ExtractConfig, console: Console | None = None) -> dict[s
                     write_wait_seconds += float(result.get("write_wait_seconds", 0.0))
                     quarantined.extend(result["quarantined"])
                     _report_write_errors(result["committed"], failures)
-                    progress.update(bar, advance=result["tokens"], shards=f"{done}/{len(specs)} shards")
+                    progress.update(bar, advance=result["tokens"], shards=f"{done}/{len(specs)} shards computed")
                     future.release()
+                    if any(_disk_full(failure) for failure in failures.values()):
+                        client.cancel([f for f in futures if not f.done()])  # the rest would fail the same way
+                        break
                 for writes in client.run(flush_worker).values():
                     _report_write_errors(writes, failures)
                 todo = sorted(set(range(len(shard_rows))) - cache.committed_shards())
@@ -463,8 +466,11 @@ def _disk_full(failure: str) -> bool:
 def _report_write_errors(writes: list[dict], failures: dict[int, str]) -> None:
     for write in writes:
         if "error" in write:
+            # A full disk fails every later write the same way: said once (the final error gives the counts).
+            repeated = _disk_full(write["error"]) and any(_disk_full(failure) for failure in failures.values())
             failures[int(write["shard"])] = write["error"]
-            log.error("writing shard %s failed: %s", write["shard"], write["error"])
+            if not repeated:
+                log.error("writing shard %s failed: %s", write["shard"], write["error"])
 
 
 def _print_summary(console: Console, config: ExtractConfig, summary: dict[str, Any], quarantined: list[dict]) -> None:

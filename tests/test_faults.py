@@ -159,6 +159,34 @@ def test_full_disk_mid_shard_leaves_it_uncommitted_and_the_rerun_bit_identical(c
     _assert_bit_identical_caches(cache, output)
 
 
+def test_full_disk_under_extract_stops_cleanly_keeping_the_committed_shards(tmp_path, tokenizer):
+    """The real stage (Dask worker, --force-space): one error line with the counts and the space the rest needs,
+    exit 2, no traceback, no retry round; the committed shard is sound."""
+    import numpy as np
+
+    from dflash.corpus import CorpusWriter
+
+    corpus = tmp_path / "corpus"
+    with CorpusWriter(corpus) as writer:
+        for index, text in enumerate(["def add(a, b):", "import os", "x = [1, 2, 3]"]):
+            input_ids = np.asarray(tokenizer(text)["input_ids"], dtype=np.int32)
+            writer.add(input_ids, np.ones(len(input_ids), dtype=np.uint8), f"doc-{index}")
+        writer.commit({"target_spec": "default"})
+    output = tmp_path / "cache"
+    command = [sys.executable, "-m", "stages.cli", "extract", "--corpus", str(corpus), "--output", str(output),
+               "--workers", "1", "--shard-size", "1", "--dashboard-address", ":0", "--force-space"]  # fmt: skip
+    full = subprocess.run(command, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, faults.ENV: "cache.chunk-write@2=enospc", "COLUMNS": "400"})  # fmt: skip
+    assert full.returncode == 2, full.stderr
+    line = _one_error_line(full.stderr)
+    assert line.startswith(f"error: no space left at {output}: 1 of 3 shards are committed and kept; the other 2 "
+                           "(first: [1, 2]) need about ")
+    assert "free space (or use --storage-dtype fp8) and rerun the same command" in line
+    assert "retrying" not in full.stdout
+    assert verify_cache(output)["committed_shards"] == 1  # sound; the rerun redoes the rest (tested on the writer
+    # above, where it is cheap: the same write_shard redoes uncommitted shards bit for bit)
+
+
 # ---------------------------------------------------------------------------------------------- tampered caches
 
 
