@@ -285,7 +285,6 @@ def test_integrity_check_before_training_catches_swapped_missing_and_edited_with
     too. A bit flip inside a chunk keeps its trailer: the check passes and the reader's decode catches it."""
     import shutil
 
-    from dflash.cache import chunks as chunk_module
     from dflash.cache.integrity import check_cache
 
     path, _ = written
@@ -293,14 +292,20 @@ def test_integrity_check_before_training_catches_swapped_missing_and_edited_with
     mine, theirs = path / "shards" / "000001" / "hidden" / "c" / "1" / "0", path / "shards" / "000000" / "hidden" / "c" / "1" / "0"
     original = mine.read_bytes()
 
-    def no_decoding(*args, **kwargs):
-        raise AssertionError("the check before step 1 decoded a hidden chunk")
+    decoded_rows = CacheReader._decoded_rows
+
+    def no_hidden_decoding(self, shard, name, *args, **kwargs):
+        assert name != "hidden", "the check before step 1 decoded a hidden chunk"
+        return decoded_rows(self, shard, name, *args, **kwargs)
+
+    def no_zarr(*args, **kwargs):
+        raise AssertionError("the check before step 1 decoded a chunk through zarr")
 
     shutil.copyfile(theirs, mine)
     with monkeypatch.context() as patch:
-        patch.setattr(chunk_module, "chunk_decoder", no_decoding)
-        patch.setattr(CacheReader, "_read_hidden", no_decoding)
-        with pytest.raises(CacheCorruptError, match=r"shard 1 .*array 'hidden' chunk 1 \(c/1/0, tokens 32\.\.64\) ends with crc32c "
+        patch.setattr(CacheReader, "_decoded_rows", no_hidden_decoding)
+        patch.setattr(CacheReader, "_read", no_zarr)
+        with pytest.raises(CacheCorruptError, match=r"shard 1 .*array 'hidden' chunk 1 \(c/1/0, rows 32\.\.64\) ends with crc32c "
                                                     r"\w{8}, the commit record says \w{8}; the chunk was swapped"):
             check_cache(CacheReader(path))
     with pytest.raises(CacheCorruptError, match=r"shard 1 .*chunk 1 .*has crc32c \w{8}, the commit record says"):

@@ -210,7 +210,7 @@ def test_swapped_or_truncated_chunk_is_refused_before_step_1(cache, tmp_path, mo
     code, stderr = _cli(monkeypatch, capsys, *_train_args(tampered, tmp_path / "run"))
     line = _one_error_line(stderr)
     assert code == 2
-    assert f"shard 1 of {tampered}: array 'hidden' chunk 2 (c/2/0, tokens 64..96) ends with crc32c" in line
+    assert f"shard 1 of {tampered}: array 'hidden' chunk 2 (c/2/0, rows 64..96) ends with crc32c" in line
     assert "the chunk was swapped, replaced or truncated: withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`)" in line
     assert not (tmp_path / "run").exists()
 

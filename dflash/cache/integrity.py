@@ -26,11 +26,11 @@ only when decoded (``dflash-stages cache verify`` checks them fully); the report
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -98,48 +98,6 @@ def check_record_digest(reader: CacheReader, shard: int) -> None:
         )
 
 
-def _local_root(reader: CacheReader) -> str | None:
-    """The folder of a LocalStore cache root (``None`` for other stores): trailers are then read with plain
-    ``pread`` calls instead of one event-loop round trip per chunk."""
-    from zarr.storage import LocalStore
-
-    store = reader._store.store
-    if not isinstance(store, LocalStore):
-        return None
-    return os.path.join(str(store.root), reader._store.prefix) if reader._store.prefix else str(store.root)
-
-
-def _trailers_local(folder: str, keys: list[str]) -> list[bytes | None]:
-    found: list[bytes | None] = []
-    for key in keys:
-        try:
-            fd = os.open(os.path.join(folder, key), os.O_RDONLY)
-        except FileNotFoundError:
-            found.append(None)
-            continue
-        try:
-            size = os.fstat(fd).st_size
-            found.append(os.pread(fd, 4, size - 4) if size >= 4 else b"")
-        finally:
-            os.close(fd)
-    return found
-
-
-def _trailers_store(reader: CacheReader, keys: list[str]) -> list[bytes | None]:
-    """The last 4 bytes of each key through the zarr store (object stores: concurrent ranged GETs)."""
-    from zarr.abc.store import SuffixByteRequest
-    from zarr.core.buffer import default_buffer_prototype
-    from zarr.core.sync import sync
-
-    store, prototype = reader._store.store, default_buffer_prototype()
-
-    async def fetch() -> list[Any]:
-        return await asyncio.gather(*(store.get(reader._store.key(key), prototype=prototype,
-                                                byte_range=SuffixByteRequest(4)) for key in keys))  # fmt: skip
-
-    return [None if buffer is None else buffer.to_bytes() for buffer in sync(fetch())]
-
-
 def check_hidden_trailers(reader: CacheReader, shard: int) -> int:
     """Every ``hidden`` chunk of ``shard`` is stored and its crc32c trailer equals the commit record's leaf
     (digest_version 3; returns 0 without reading for older records). Returns the chunks checked.
@@ -161,12 +119,11 @@ def check_hidden_trailers(reader: CacheReader, shard: int) -> int:
             f"shape {layout['shape']} in chunks of {step} tokens needs {count}; {CORRUPT_SHARD_REPAIR}"
         )
     keys = [f"{shard_group_key(shard)}/hidden/c/{index}/0" for index in range(count)]
-    folder = _local_root(reader)
-    trailers = _trailers_local(folder, keys) if folder is not None else _trailers_store(reader, keys)
+    trailers = reader._store.get_many(keys, suffix=4)  # local: one pread each; object stores: ranged GETs
     for index, (trailer, leaf) in enumerate(zip(trailers, expected, strict=True)):
         if trailer is not None and len(trailer) == 4 and trailer[::-1].hex() == leaf:
             continue
-        where = f"array 'hidden' chunk {index} (c/{index}/0, tokens {index * step}..{min(rows, (index + 1) * step)})"
+        where = f"array 'hidden' chunk {index} (c/{index}/0, rows {index * step}..{min(rows, (index + 1) * step)})"
         if trailer is None:
             raise CacheCorruptError(f"shard {shard} of {reader.url}: {where} is missing; {CORRUPT_SHARD_REPAIR}")
         found = trailer[::-1].hex() if len(trailer) == 4 else f"nothing ({len(trailer)} bytes stored)"
@@ -238,8 +195,12 @@ def check_cache(
             f"{CORRUPT_SHARD_REPAIR}"
         )
     totals = {"num_samples": 0, "num_tokens": 0, "hidden_chunks": 0, "unchecked_hidden_shards": 0}
-    for shard in reader.shards:
-        result = check_shard(reader, shard)
+    # Shards in parallel threads: file reads, decompression and hashing release the GIL. map() yields in shard
+    # order and raises the first failing shard's error.
+    threads = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    with ThreadPoolExecutor(threads, thread_name_prefix="check-cache") as pool:
+        results = list(zip(reader.shards, pool.map(lambda shard: check_shard(reader, shard), reader.shards), strict=True))
+    for shard, result in results:
         totals["num_samples"] += result["num_samples"]
         totals["num_tokens"] += result["num_tokens"]
         totals["hidden_chunks"] += result["hidden_chunks"]

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.cache.chunks import chunk_decoder, crc32c_trailer, stored_chunk
+from dflash.cache.chunks import crc32c_trailer, decoder_for
 from dflash.cache.format import (
     CORRUPT_SHARD_REPAIR,
     CacheMetadata,
@@ -30,7 +30,13 @@ from dflash.cache.format import (
 )
 from dflash.cache.integrity import check_array_segments
 from dflash.cache.store import CacheStore
-from dflash.cache.writer import _open_store, _read_metadata, array_chunk_keys, committed_shard_ids
+from dflash.cache.writer import (
+    _open_store,
+    _read_metadata,
+    array_chunk_keys,
+    committed_shard_ids,
+    shard_arrays,
+)
 from dflash.errors import CacheCorruptError, CacheError
 
 __all__ = ["CacheReader", "VERIFIED_SHARDS_KEPT"]
@@ -57,7 +63,7 @@ class CacheReader:
         self._arrays: dict[tuple[int, str], Any] = {}
         self._verified: OrderedDict[tuple[int, str], np.ndarray] = OrderedDict()
         self._supervised: dict[int, np.ndarray] = {}
-        self._decoders: dict[int, Any] = {}
+        self._decoders: dict[tuple[str, tuple[int, ...]], Any] = {}
         self._lock = threading.Lock()  # the loader's prefetch threads share one reader
         self.refresh()
 
@@ -144,8 +150,7 @@ class CacheReader:
             if cached is not None:
                 self._verified.move_to_end((shard, name))
                 return cached
-        self._check_chunks(shard, [name])
-        values = self._read(shard, name)
+        values = self._decoded_rows(shard, name)
         check_array_segments(self.url, shard, name, values, self.commit_record(shard))
         if keep:
             with self._lock:
@@ -155,24 +160,34 @@ class CacheReader:
                     self._verified.popitem(last=False)
         return values
 
-    def _read_hidden(self, shard: int, lo: int, hi: int) -> np.ndarray:
-        """``hidden`` rows ``[lo, hi)`` of ``shard`` (``uint16 | uint8 [hi - lo, n*H]``), each chunk checked before it
-        is decoded: stored, its crc32c trailer equal to the commit record's leaf (digest_version 3), its body equal
-        to that crc32c. Codec chains :func:`chunk_decoder` does not know (gzip) are decoded by zarr after the checks."""
+    def _decoded_rows(self, shard: int, name: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Rows ``[lo, hi)`` (default: all) of array ``name`` of ``shard``, read chunk by chunk from the store and
+        checked before decoding: each chunk stored, its crc32c trailer equal to the commit record's leaf (``hidden``,
+        digest_version 3) and its body equal to that crc32c (zarr's own check). Small arrays are fetched in one
+        batch (many tiny chunks), ``hidden`` one chunk at a time (bounded memory). Codecs :func:`decoder_for` does
+        not know (gzip) are decoded by zarr after the checks."""
         import google_crc32c
 
-        array = self._array(shard, "hidden")
         record = self.commit_record(shard)
-        layout = record["arrays"]["hidden"]
-        step, rows = int(layout["chunks"][0]), int(layout["shape"][0])
-        leaves = layout.get("crc32c_chunks") if int(record.get("digest_version", 1)) >= 3 else None
-        if shard not in self._decoders:
-            self._decoders[shard] = chunk_decoder(array)
-        decode = self._decoders[shard]
-        out = np.empty((hi - lo, *array.shape[1:]), dtype=array.dtype)
-        for index in range(lo // step, (hi - 1) // step + 1 if hi > lo else lo // step):
-            where = f"array 'hidden' chunk {index} (c/{index}/0, tokens {index * step}..{min(rows, (index + 1) * step)})"
-            data = stored_chunk(array, (index, 0))
+        layout = record["arrays"][name]
+        shape, chunks = [int(n) for n in layout["shape"]], [int(n) for n in layout["chunks"]]
+        rows, step = shape[0], chunks[0]
+        hi = rows if hi is None else hi
+        dtype = np.dtype(shard_arrays(self.metadata)[name][0])
+        out = np.empty((hi - lo, *shape[1:]), dtype=dtype)
+        if hi <= lo:
+            return out
+        leaves = layout.get("crc32c_chunks") if name == "hidden" and int(record.get("digest_version", 1)) >= 3 else None
+        if (name, tuple(chunks)) not in self._decoders:
+            self._decoders[(name, tuple(chunks))] = decoder_for(self.metadata.codec, dtype, tuple(chunks))
+        decode = self._decoders[(name, tuple(chunks))]
+        indices = list(range(lo // step, (hi - 1) // step + 1))
+        tail = "/0" * (len(shape) - 1)
+        keys = [f"{shard_group_key(shard)}/{name}/c/{index}{tail}" for index in indices]
+        batch = self._store.get_many(keys) if name != "hidden" else None
+        for position, index in enumerate(indices):
+            data = batch[position] if batch is not None else self._store.get_many([keys[position]])[0]
+            where = f"array {name!r} chunk {index} (c/{index}{tail}, rows {index * step}..{min(rows, (index + 1) * step)})"
             if data is None or len(data) < 4:
                 raise CacheCorruptError(f"shard {shard} of {self.url}: {where} is missing; {CORRUPT_SHARD_REPAIR}")
             leaf = crc32c_trailer(data)
@@ -189,7 +204,7 @@ class CacheReader:
                 )
             first, last = max(lo, index * step), min(hi, (index + 1) * step)
             if decode is None:
-                out[first - lo : last - lo] = self._read(shard, "hidden", slice(first, last), where=f" chunk c/{index}/0")
+                out[first - lo : last - lo] = self._read(shard, name, slice(first, last), where=f" chunk c/{index}{tail}")
                 continue
             try:
                 chunk = decode(data)
@@ -204,8 +219,7 @@ class CacheReader:
     def _shard_index(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
         if shard not in self._index:
             record = self.commit_record(shard)
-            self._check_chunks(shard, ["offsets", "corpus_rows"])
-            stored_offsets, stored_rows = self._read(shard, "offsets"), self._read(shard, "corpus_rows")
+            stored_offsets, stored_rows = self._decoded_rows(shard, "offsets"), self._decoded_rows(shard, "corpus_rows")
             offsets, corpus_rows = stored_offsets.astype(np.int64), stored_rows.astype(np.int64)
             num_samples, num_tokens = record["num_samples"], record["num_tokens"]
             if (
@@ -294,21 +308,12 @@ class CacheReader:
             else:
                 runs.append((index, index + 1))
         names = ["input_ids", "loss_mask", "hidden"] + (["hidden_scale"] if self.metadata.lossy else [])
-        layout = self.commit_record(shard)["arrays"]
-        touched: dict[str, set[int]] = {name: set() for name in names}
-        for name in names:
-            chunk_rows = layout[name]["chunks"][0]
-            for first, last in runs:
-                lo, hi = int(offsets[first]), int(offsets[last])
-                if hi > lo:
-                    touched[name].update(range(lo // chunk_rows, (hi - 1) // chunk_rows + 1))
-        self._check_chunks(shard, names, touched)
 
         samples: dict[int, HiddenSample] = {}
         for first, last in runs:
             lo, hi = int(offsets[first]), int(offsets[last])
             span = {name: self.verified_array(shard, name)[lo:hi] for name in names if name != "hidden"}
-            span["hidden"] = self._read_hidden(shard, lo, hi)
+            span["hidden"] = self._decoded_rows(shard, "hidden", lo, hi)
             if self.metadata.lossy:
                 hidden = dequantize_fp8(span["hidden"], span["hidden_scale"], self.metadata.num_taps)
             else:
