@@ -47,6 +47,7 @@ from dflash.faults import fault_point
 __all__ = [
     "DIGEST_SEGMENT_BYTES",
     "DIGEST_VERSION",
+    "SMALL_ARRAY_CHUNK_ROWS",
     "HiddenStateCache",
     "array_chunk_keys",
     "digest_root",
@@ -60,6 +61,8 @@ _ATTRIBUTE = "dflash_cache"
 _COUNTS_ATTRIBUTE = "dflash_cache_counts"
 
 
+SMALL_ARRAY_CHUNK_ROWS = 1 << 16
+"""Rows a chunk of the small per-shard arrays (offsets, corpus_rows, input_ids, loss_mask, hidden_scale) holds."""
 DIGEST_SEGMENT_BYTES = 64 << 20
 """Segment size of the sha256 digest segments (:func:`segment_views`) of the small per-shard arrays."""
 DIGEST_VERSION = 3
@@ -264,7 +267,10 @@ class HiddenStateCache:
 
         def create(name: str, shape: list[int]) -> Any:
             dtype, width = layout[name]
-            chunk_rows = meta.chunk_tokens if name not in ("offsets", "corpus_rows") else 1 << 16
+            # hidden: chunk_tokens rows (~8 MiB). The small arrays (1 to 8 bytes a row): 65,536-row chunks, so a
+            # shard's input_ids or loss_mask is one or two chunks to read and check, not hundreds of 1 KiB ones
+            # (per-chunk overhead dominated the trainer's planning and its integrity check before step 1).
+            chunk_rows = meta.chunk_tokens if name == "hidden" else SMALL_ARRAY_CHUNK_ROWS
             chunks = [max(1, min(chunk_rows, shape[0]))] + ([width] if width else [])
             array = group.create_array(name, shape=shape, dtype=dtype, chunks=chunks, compressors=compressors,
                                        fill_value=0, config={"write_empty_chunks": True})
