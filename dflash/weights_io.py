@@ -20,7 +20,10 @@ from dflash.errors import CheckpointError, DFlashError
 
 __all__ = ["open_safetensors", "load_safetensors", "damaged_weights_error"]
 
-DEFAULT_FIX = "the file is truncated or not a safetensors file: restore it, or use another checkpoint or export"
+DEFAULT_FIX = (
+    "the file is truncated or overwritten: restore it, or use another checkpoint (RUN/checkpoints/step_XXXXXXXX) or "
+    "export"
+)
 
 
 def damaged_weights_error(
