@@ -144,7 +144,7 @@ class CacheReader:
         Raises:
             CacheCorruptError: a chunk is missing, fails its crc32c or the array differs from the record.
         """
-        assert name != "hidden", "hidden is read chunk by chunk (_read_hidden)"
+        assert name != "hidden", "hidden is read chunk by chunk (_decoded_rows)"
         with self._lock:
             cached = self._verified.get((shard, name))
             if cached is not None:
