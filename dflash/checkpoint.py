@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash.errors import CheckpointError, MismatchError
+from dflash.faults import fault_point
 from dflash.state_files import load_legacy_torch_file, load_state_tree, save_state_tree
 
 if TYPE_CHECKING:
@@ -307,7 +308,9 @@ class Checkpointer:
         """Record the validation loss of the checkpoint of ``step`` (after its write); updates ``best``."""
         if not self.enabled:
             return
-        self._pending = self._executor.submit(self._update_best, int(step), float(val_loss))
+        # Chained to the write before it, so that wait() still re-raises that write's error (a full disk at the
+        # last checkpoint would otherwise pass unnoticed behind this update).
+        self._pending = self._executor.submit(self._update_best, int(step), float(val_loss), self._pending)
 
     def wait(self) -> None:
         """Block until queued writes are done; re-raises a write's error."""
@@ -338,6 +341,7 @@ class Checkpointer:
                 str(staging / "model.safetensors"),
                 metadata={"format": "pt", "step": str(snapshot.step)},
             )
+            fault_point("checkpoint.write", staging / OPTIMIZER_FILE)
             save_state_tree(snapshot.optimizer_state, staging / OPTIMIZER_FILE, metadata={"step": str(snapshot.step)})
             save_state_tree(snapshot.rng_state, staging / RNG_FILE, metadata={"step": str(snapshot.step)})
             trainer_state = {"format_version": CHECKPOINT_FORMAT_VERSION, "step": snapshot.step, **snapshot.trainer_state}
@@ -362,7 +366,9 @@ class Checkpointer:
         self.last_write_seconds = time.perf_counter() - started
         return final
 
-    def _update_best(self, step: int, val_loss: float) -> None:
+    def _update_best(self, step: int, val_loss: float, previous: Future | None = None) -> None:
+        if previous is not None:
+            previous.result()  # done (one writer thread); re-raises its error
         name = f"{_CHECKPOINT_PREFIX}{step:08d}"
         if not (self.checkpoint_dir / name).is_dir():
             return  # validation at a step without checkpoint: logged by the caller, nothing to point at
@@ -452,7 +458,7 @@ def load_checkpoint(path: str | Path, *, with_training_state: bool = True) -> Lo
         CheckpointError: missing, truncated or unreadable files (named), a state file that would need code to load,
             or a newer format version.
     """
-    from safetensors.torch import load_file
+    from dflash.weights_io import load_safetensors
 
     folder = resolve_checkpoint(path)
     try:
@@ -460,7 +466,7 @@ def load_checkpoint(path: str | Path, *, with_training_state: bool = True) -> Lo
         loaded = LoadedCheckpoint(
             path=folder,
             step=int(trainer_state["step"]),
-            model_state=load_file(str(folder / "model.safetensors"), device="cpu"),
+            model_state=load_safetensors(folder / "model.safetensors"),
             trainer_state=trainer_state,
             drafter_config=json.loads((folder / "drafter_config.json").read_text()),
             target_info=json.loads((folder / "target.json").read_text()),

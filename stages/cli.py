@@ -9,7 +9,9 @@ Exit status, the same for every command (:class:`ExitCode`, printed at the end o
 * 1 -- the thing a command checks is bad: ``cache verify`` found corrupt or uncommitted shards, ``inspect`` found a
   failed check, a difference (``--diff``) or NaN/Inf (``--scan``), ``evaluate``'s lossless check failed, a
   ``sweep`` run failed.
-* 2 -- bad input, usage or configuration the user must fix (an ``error:`` line names it; no traceback).
+* 2 -- bad input, usage or configuration the user must fix (an ``error:`` line names it; no traceback); also what
+  the machine refuses (a full disk or quota, permission denied, a read-only filesystem, an I/O error, interrupted
+  I/O: :func:`os_error_message` names the path and the fix) and truncated or foreign files.
 * 3 -- an unexpected error, i.e. a bug (the traceback is printed).
 * 130 -- interrupted by Ctrl-C or SIGTERM, after cleanup (``train`` saves a checkpoint first; ``--resume`` continues).
 """
@@ -17,6 +19,7 @@ Exit status, the same for every command (:class:`ExitCode`, printed at the end o
 from __future__ import annotations
 
 import enum
+import errno
 import importlib
 import importlib.util
 import logging
@@ -25,7 +28,8 @@ import sys
 
 import typer
 
-__all__ = ["app", "main", "ExitCode", "EXIT_STATUS_HELP", "NON_TTY_COLUMNS", "dask_setup", "print_error"]
+__all__ = ["app", "main", "ExitCode", "EXIT_STATUS_HELP", "NON_TTY_COLUMNS", "USER_ERRNOS", "dask_setup", "print_error",
+           "os_error_message"]
 
 
 class ExitCode(enum.IntEnum):
@@ -38,7 +42,7 @@ class ExitCode(enum.IntEnum):
     INTERRUPTED = 130
 
 
-def print_error(error: BaseException, console: object = None) -> None:
+def print_error(error: BaseException | str, console: object = None) -> None:
     """The one ``error:`` line of exit status 2: the message as plain text (no markup parsing), on one line where it
     fits (soft wrap keeps paths copy-pasteable); to stderr unless a rich ``console`` is given."""
     from rich.console import Console
@@ -47,13 +51,39 @@ def print_error(error: BaseException, console: object = None) -> None:
     (console or Console(stderr=True)).print(Text("error: ", style="bold red") + Text(str(error)), soft_wrap=True)
 
 
+#: errno values of an ``OSError`` that are the machine's answer to what the user asked (exit 2, one line), with the
+#: fix; any other ``OSError`` is treated as a bug (exit 3).
+USER_ERRNOS: dict[int, str] = {
+    errno.ENOSPC: "free space there (or write elsewhere) and rerun the same command; committed work is kept",
+    errno.EDQUOT: "raise the quota or free space there and rerun the same command; committed work is kept",
+    errno.EACCES: "give this user access to it, or choose another path",
+    errno.EPERM: "give this user access to it, or choose another path",
+    errno.EROFS: "the filesystem is mounted read-only: choose a writable path",
+    errno.EIO: "the storage reported an I/O error: check the device or mount, then rerun the same command",
+    errno.EINTR: "the I/O was interrupted: rerun the same command",
+    errno.ENOTDIR: "a folder was expected there but a file is in the way: move it or choose another path",
+    errno.EISDIR: "a file was expected there but it is a folder: choose another path",
+    errno.EEXIST: "something is already there: move it or choose another path",
+    errno.ENOENT: "check the path",
+}
+
+
+def os_error_message(error: OSError) -> str:
+    """One line for an ``OSError`` of :data:`USER_ERRNOS`: what the OS said, the path(s) and the fix."""
+    paths = [os.fspath(p) for p in (error.filename, error.filename2) if p is not None]
+    where = " -> ".join(paths) if paths else "a path the OS did not name (see the command's output for the folder)"
+    name = errno.errorcode.get(error.errno or 0, str(error.errno))
+    return f"{error.strerror or error} ({name}) at {where}; {USER_ERRNOS.get(error.errno or 0, 'check the path')}"
+
+
 #: Help epilog (rich markup, one line per code); README.md "Exit status" says the same.
 EXIT_STATUS_HELP = "\n".join([
     "[bold]Exit status[/] (every command):",
     "  [bold]0[/]    success",
     "  [bold]1[/]    the checked thing is bad: cache verify found corrupt or uncommitted shards; inspect a failed check,",
     "       a difference or NaN/Inf; evaluate's lossless check failed; a sweep run failed",
-    "  [bold]2[/]    bad input, usage or configuration to fix (one error: line names it)",
+    "  [bold]2[/]    bad input, usage or configuration to fix, a full disk, permission denied, a truncated file",
+    "       (one error: line names the path and the fix)",
     "  [bold]3[/]    unexpected error, i.e. a bug (traceback printed)",
     "  [bold]130[/]  interrupted by Ctrl-C or SIGTERM, after cleanup (train saves a checkpoint first; --resume continues)",
 ])
@@ -184,9 +214,10 @@ def _preload_quiet_dask_workers() -> None:
 def main() -> None:
     """Console-script entry point.
 
-    Errors raised for a user's input (``dflash.errors.DFlashError``: bad path, field, row...) print one
-    ``error:`` line naming what to fix and exit with status 2, whichever command raised them; any other exception is
-    a bug: its traceback is printed and the status is 3. Ctrl-C and SIGTERM unwind (``finally`` blocks clean up)
+    Errors raised for a user's input (``dflash.errors.DFlashError``: bad path, field, row...) and ``OSError``s of
+    :data:`USER_ERRNOS` (full disk, permission denied...) print one ``error:`` line naming what to fix and exit with
+    status 2, whichever command raised them; any other exception is a bug: its traceback is printed and the status
+    is 3. Ctrl-C and SIGTERM unwind (``finally`` blocks clean up)
     and exit 130. See :class:`ExitCode`.
     """
     import signal
@@ -215,6 +246,12 @@ def main() -> None:
         raise SystemExit(ExitCode.USAGE) from None
     except KeyboardInterrupt:  # raised outside typer's own handling (e.g. while it finished up)
         raise SystemExit(ExitCode.INTERRUPTED) from None
+    except OSError as error:
+        if error.errno not in USER_ERRNOS:
+            sys.excepthook(type(error), error, error.__traceback__)
+            raise SystemExit(ExitCode.INTERNAL) from None
+        print_error(os_error_message(error))
+        raise SystemExit(ExitCode.USAGE) from None
     except Exception as error:  # a bug: keep the (pretty) traceback, but never mistake it for a check's verdict
         sys.excepthook(type(error), error, error.__traceback__)
         raise SystemExit(ExitCode.INTERNAL) from None

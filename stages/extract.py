@@ -19,6 +19,7 @@ A local cluster listens on 127.0.0.1 only (its dashboard included); ``--tls-*`` 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -304,6 +305,12 @@ def prepare_cache(config: ExtractConfig, console: Console) -> tuple[Any, Any, li
         validate_target_layer_ids,
     )
 
+    output = config.output[len("file://"):] if config.output.startswith("file://") else config.output
+    if "://" not in output and os.path.exists(output) and not os.path.isdir(output):
+        raise CacheError(
+            f"output: {config.output} exists and is not a folder (a cache is a folder); pass --output a new folder or "
+            "the cache to finish"
+        )
     corpus = open_corpus(config.corpus)
     identity = target_identity(resolve_target_path(config.target))
     report = validate_corpus(
@@ -469,13 +476,16 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
                     write_wait_seconds += float(result.get("write_wait_seconds", 0.0))
                     quarantined.extend(result["quarantined"])
                     _report_write_errors(result["committed"], failures)
-                    progress.update(bar, advance=result["tokens"], shards=f"{done}/{len(specs)} shards")
+                    progress.update(bar, advance=result["tokens"], shards=f"{done}/{len(specs)} shards computed")
                     future.release()
+                    if any(_disk_full(failure) for failure in failures.values()):
+                        client.cancel([f for f in futures if not f.done()])  # the rest would fail the same way
+                        break
                 for writes in client.run(flush_worker).values():
                     _report_write_errors(writes, failures)
                 todo = sorted(set(range(len(shard_rows))) - cache.committed_shards())
-                if not todo:
-                    break
+                if not todo or any(_disk_full(failures.get(k, "")) for k in todo):
+                    break  # done, or the disk is full: another round would only fail again
                 console.print(f"[yellow]{len(todo)} shards not committed after round {attempt + 1}: {todo[:10]}; retrying")
         elapsed = time.perf_counter() - started
     finally:
@@ -489,6 +499,16 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
                     "compute_seconds": compute_seconds, "write_wait_seconds": write_wait_seconds})
     _print_summary(console, config, summary, quarantined)
     missing = sorted(set(range(len(shard_rows))) - cache.committed_shards())
+    if missing and any(_disk_full(failures.get(k, "")) for k in missing):
+        rest = estimate_cache_bytes(int(sum(spec_of(k).num_tokens for k in missing)), cache.metadata.row_bytes,
+                                    config.expected_ratio)  # fmt: skip
+        free = _free_bytes(config.output)
+        raise CacheError(
+            f"no space left at {config.output}: {len(shard_rows) - len(missing)} of {len(shard_rows)} shards are "
+            f"committed and kept; the other {len(missing)} (first: {missing[:10]}) need about {_human(rest)} more"
+            + (f" ({_human(free)} free now)" if free is not None else "")
+            + "; free space (or use --storage-dtype fp8) and rerun the same command to finish them"
+        )
     if missing:
         reasons = "; ".join(f"shard {k}: {failures[k]}" for k in missing[:5] if k in failures)
         raise CacheError(
@@ -499,11 +519,19 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
     return summary
 
 
+def _disk_full(failure: str) -> bool:
+    """Whether a shard's failure text (errors cross process boundaries as text) is a full disk or quota."""
+    return any(f"[Errno {code}]" in failure for code in (errno.ENOSPC, errno.EDQUOT)) or "No space left" in failure
+
+
 def _report_write_errors(writes: list[dict], failures: dict[int, str]) -> None:
     for write in writes:
         if "error" in write:
+            # A full disk fails every later write the same way: said once (the final error gives the counts).
+            repeated = _disk_full(write["error"]) and any(_disk_full(failure) for failure in failures.values())
             failures[int(write["shard"])] = write["error"]
-            log.error("writing shard %s failed: %s", write["shard"], write["error"])
+            if not repeated:
+                log.error("writing shard %s failed: %s", write["shard"], write["error"])
 
 
 def _print_summary(console: Console, config: ExtractConfig, summary: dict[str, Any], quarantined: list[dict]) -> None:

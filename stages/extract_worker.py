@@ -33,7 +33,7 @@ from distributed import get_worker
 from dflash.cache import HiddenSample, HiddenStateCache, quarantine_record
 from dflash.cache.chunks import keep_chunk_buffers_mapped
 from dflash.corpus import open_corpus
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, DFlashError
 from dflash.target_runner import TargetRunner
 from stages.replica import TargetReplicaPlugin
 
@@ -209,7 +209,8 @@ class ShardExtractor:
         try:
             result = future.result()
         except Exception as error:  # reported to the driver, which redoes uncommitted shards
-            log.exception("writing shard %d failed", shard_id)
+            if not isinstance(error, DFlashError):  # a user's error (full disk...) is the driver's one line
+                log.exception("writing shard %d failed", shard_id)
             return {"shard": shard_id, "error": f"{type(error).__name__}: {error}"}
         return {"shard": shard_id, **(result or {})}
 

@@ -61,10 +61,10 @@ def _read_json(path: Path) -> Any:
 
 def _weights_summary(path: Path) -> dict[str, Any]:
     """Tensor count, parameters, dtypes and bytes of a safetensors file (header only, no data read)."""
-    from safetensors import safe_open
+    from dflash.weights_io import open_safetensors
 
     count, parameters, dtypes = 0, 0, set()
-    with safe_open(str(path), framework="pt", device="cpu") as handle:
+    with open_safetensors(path) as handle:
         for name in handle.keys():
             tensor_slice = handle.get_slice(name)
             numel = 1
@@ -77,9 +77,9 @@ def _weights_summary(path: Path) -> dict[str, Any]:
 
 
 def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    from safetensors import safe_open
+    from dflash.weights_io import open_safetensors
 
-    with safe_open(str(path), framework="pt", device="cpu") as handle:
+    with open_safetensors(path) as handle:
         return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
 
 
@@ -225,9 +225,9 @@ def _named_tensors(path: Path) -> Iterator[tuple[str, Any]]:
     import torch
 
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
+        from dflash.weights_io import open_safetensors
 
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
+        with open_safetensors(path) as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
         return

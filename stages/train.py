@@ -60,6 +60,9 @@ class TrainConfig:
     break_lock: bool = False
     """Take over the run folder's lock although its owner record names another host (that run must be known
     dead; ``dflash.locks``). A same-host stale lock (a killed run) is taken over without it."""
+    allow_incomplete: bool = False
+    """Train on a cache whose planned shards are not all committed (the run then logs how many samples of how many
+    planned rows it trains on); without it such a cache is refused before step 1."""
     # -- drafter and objective
     num_draft_layers: int = 5
     """Draft decoder layers (paper: 5)."""
@@ -262,7 +265,7 @@ class TrainConfig:
 
 #: Fields that never change what is computed: a resume may change them freely.
 RUNTIME_FIELDS = frozenset({
-    "cache", "output", "target", "resume", "allow_config_change", "break_lock", "device", "drafter_gpus", "cpu_processes",
+    "cache", "output", "target", "resume", "allow_config_change", "break_lock", "allow_incomplete", "device", "drafter_gpus", "cpu_processes",
     "stop_at_step", "save_every", "keep_last", "eval_every", "log_every", "throughput_window", "progress",
     "prefetch_batches", "max_validation_batches",
 })  # fmt: skip
@@ -363,10 +366,17 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     under ``torchrun``), taken before anything is read or written.
 
     Raises:
+        ConfigError: ``output`` exists and is not a folder.
         LockError: another process trains into ``config.output``; the message names it.
     """
     from dflash.locks import output_lock
 
+    output = Path(config.output)
+    if output.exists() and not output.is_dir():
+        raise ConfigError(
+            f"output: {output} exists and is not a folder (a run folder is expected); pass --output a new or existing "
+            "run folder"
+        )
     if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("RANK", "0")) != 0:
         return _run_training(config)  # under torchrun: rank 0 holds the lock for the run
     with output_lock(config.output, what="run", break_lock=config.break_lock):
@@ -521,6 +531,11 @@ def register(app: typer.Typer) -> None:
         allow_config_change: bool = typer.Option(None, "--allow-config-change", help="Resume despite changes."),
         break_lock: bool = typer.Option(
             None, "--break-lock", help="Take over RUN's lock left by a run on another host known dead (docs/training.md)."),
+        allow_incomplete: bool = typer.Option(
+            None, "--allow-incomplete",
+            help="Train on the committed shards of an unfinished cache (refused otherwise; the run says how many "
+                 "samples of how many it trains on).",
+        ),
         progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the progress bar."),
     ) -> None:
         """Train a DFlash drafter on a hidden-state cache (the stage after extract).
@@ -549,7 +564,7 @@ def register(app: typer.Typer) -> None:
             "max_documents_per_batch": max_documents,
             "min_supervised_tokens": min_supervised_tokens,
             "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "log_every": log_every,
-            "allow_config_change": allow_config_change, "break_lock": break_lock, "progress": progress,
+            "allow_config_change": allow_config_change, "break_lock": break_lock, "allow_incomplete": allow_incomplete, "progress": progress,
         }  # fmt: skip
         config = config_from_cli(overrides, config_file)
         summary = run_training(config)

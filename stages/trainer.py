@@ -75,8 +75,12 @@ def load_target_embeddings(target_path: Path) -> tuple[torch.Tensor, torch.Tenso
     """
     import json
 
-    from safetensors import safe_open
     from transformers import AutoConfig
+
+    from dflash.errors import TargetError
+    from dflash.weights_io import open_safetensors
+
+    fix = "the target's weights are truncated or damaged: restore or re-download the target"
 
     config = AutoConfig.from_pretrained(target_path)
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -87,14 +91,14 @@ def load_target_embeddings(target_path: Path) -> tuple[torch.Tensor, torch.Tenso
         files = sorted(target_path.glob("*.safetensors"))
         weight_map = {}
         for file in files:
-            with safe_open(str(file), framework="pt") as handle:
+            with open_safetensors(file, error_type=TargetError, fix=fix) as handle:
                 weight_map.update(dict.fromkeys(handle.keys(), file.name))
     embed_names = [n for n in weight_map if n.endswith("embed_tokens.weight")]
     head_names = [n for n in weight_map if n.endswith("lm_head.weight")]
     if len(embed_names) == 1 and (tied or len(head_names) == 1):
 
         def read(name: str) -> torch.Tensor:
-            with safe_open(str(target_path / weight_map[name]), framework="pt") as handle:
+            with open_safetensors(target_path / weight_map[name], error_type=TargetError, fix=fix) as handle:
                 return handle.get_tensor(name)
 
         embed = read(embed_names[0])
@@ -225,10 +229,20 @@ class Trainer:
     def load(self) -> None:
         """Open the cache, target weights, drafter, optimizer and loaders; check they agree; resume if asked."""
         from dflash.cache import CacheReader
+        from dflash.cache.integrity import check_cache
 
         config = self.config
         self.reader = CacheReader(config.cache)
         metadata = self.reader.metadata
+        # Before anything is written: every commit record against its stored chunks, and completeness.
+        self.integrity = check_cache(self.reader, allow_incomplete=config.allow_incomplete)
+        if self.is_main and self.integrity["uncommitted_shards"]:
+            log.warning(
+                "--allow-incomplete: training on %d samples of %d planned corpus rows (%d of %d shards committed; "
+                "not committed: %s); finish the cache with `dflash-stages extract` to train on all of them",
+                self.integrity["num_samples"], self.integrity["planned_rows"], self.integrity["committed_shards"],
+                self.integrity["planned_shards"], self.integrity["uncommitted_shards"][:10],
+            )
         self.target_spec = config.target or metadata.target_spec
         target_path = resolve_target_path(self.target_spec)
         self.identity = target_identity(target_path)
@@ -330,6 +344,7 @@ class Trainer:
             "device": str(self.device),
             "bucket_boundaries": list(self.train_loader.boundaries),
             "excluded_samples": self.excluded,
+            "cache_integrity": {key: value for key, value in self.integrity.items() if key != "seconds"},
         }
         # Opened last, so a run refused above writes no metrics or TensorBoard file; from the step resumed (0 when
         # new), dropping what a killed attempt logged past it.

@@ -301,6 +301,84 @@ def test_altered_or_swapped_chunk_caught_by_chunk_digest(tmp_path, target, real_
         verify_cache(path)
 
 
+def test_integrity_check_before_training_catches_swapped_missing_and_edited_without_decoding(written, monkeypatch):
+    """``check_cache`` (the trainer's check before step 1): a hidden chunk swapped in from the other shard (a valid
+    chunk with its own valid crc32c), a deleted chunk, a truncated chunk and an edited commit record are refused
+    naming the shard and the chunk, and no hidden chunk is decoded; the reader refuses the swapped chunk at read time
+    too. A bit flip inside a chunk keeps its trailer: the check passes and the reader's decode catches it."""
+    import shutil
+
+    from dflash.cache.integrity import check_cache
+
+    path, _ = written
+    assert check_cache(CacheReader(path))["num_samples"] == 6
+    mine, theirs = path / "shards" / "000001" / "hidden" / "c" / "1" / "0", path / "shards" / "000000" / "hidden" / "c" / "1" / "0"
+    original = mine.read_bytes()
+
+    decoded_rows = CacheReader._decoded_rows
+
+    def no_hidden_decoding(self, shard, name, *args, **kwargs):
+        assert name != "hidden", "the check before step 1 decoded a hidden chunk"
+        return decoded_rows(self, shard, name, *args, **kwargs)
+
+    def no_zarr(*args, **kwargs):
+        raise AssertionError("the check before step 1 decoded a chunk through zarr")
+
+    shutil.copyfile(theirs, mine)
+    with monkeypatch.context() as patch:
+        patch.setattr(CacheReader, "_decoded_rows", no_hidden_decoding)
+        patch.setattr(CacheReader, "_read", no_zarr)
+        with pytest.raises(CacheCorruptError, match=r"shard 1 .*array 'hidden' chunk 1 \(c/1/0, rows 32\.\.64\) ends with crc32c "
+                                                    r"\w{8}, the commit record says \w{8}; the chunk was swapped"):
+            check_cache(CacheReader(path))
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*chunk 1 .*has crc32c \w{8}, the commit record says"):
+        CacheReader(path).read_shard(1)  # the reader alone refuses it too (no check_cache first)
+    mine.write_bytes(original[: len(original) // 2])
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*chunk 1 .*swapped, replaced or truncated"):
+        check_cache(CacheReader(path))
+    mine.unlink()
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*chunk 1 .*is missing"):
+        check_cache(CacheReader(path))
+    flipped = bytearray(original)
+    flipped[len(flipped) // 2] ^= 0x10
+    mine.write_bytes(bytes(flipped))
+    check_cache(CacheReader(path))  # the trailer is intact: only decoding the chunk can tell
+    with pytest.raises(CacheCorruptError, match=r"shard 1 .*chunk 1 .*fails its crc32c checksum"):
+        CacheReader(path).read_shard(1)
+    mine.write_bytes(original)
+    commit = path / "commits" / "shard-000000.json"
+    record = json.loads(commit.read_text())
+    record["arrays"]["input_ids"]["sha256_segments"][0] = "0" * 64
+    commit.write_text(json.dumps(record))
+    with pytest.raises(CacheCorruptError, match=r"shard 0 .*does not match its own leaves.*the record was edited"):
+        check_cache(CacheReader(path))
+
+
+def test_integrity_check_refuses_an_incomplete_cache_unless_allowed(written):
+    from dflash.cache.integrity import check_cache
+
+    path, _ = written
+    (path / "commits" / "shard-000001.json").unlink()
+    with pytest.raises(CacheError, match=r"is incomplete: 1 of 2 planned shards have no commit record \(first: \[1\]; "
+                                         r"3 of 6 corpus rows\), so training would see 3 samples instead of about 6; "
+                                         r"rerun `dflash-stages extract`.*--allow-incomplete"):
+        check_cache(CacheReader(path))
+    report = check_cache(CacheReader(path), allow_incomplete=True)
+    assert report["num_samples"] == 3 and report["uncommitted_shards"] == [1] and report["planned_rows"] == 6
+
+
+def test_reader_refuses_a_small_array_that_differs_from_its_record(written):
+    """input_ids rewritten with valid zarr checksums (another sample's tokens) differ from the record's sha256."""
+    import zarr
+
+    path, _ = written
+    ids = zarr.open_array(str(path / "shards" / "000000" / "input_ids"), mode="r+")
+    ids[0] = ids[0] + 1
+    with pytest.raises(CacheCorruptError, match=r"shard 0 .*array 'input_ids' segment 0 has a sha256 that differs"):
+        CacheReader(path).read_shard(0)
+    CacheReader(path).read_shard(1)
+
+
 def test_verify_reads_older_digest_versions(written):
     """Caches written with the version-2 (sha256 segments of every array) or version-1 (one sha256 stream) digest
     still verify; a changed byte is still caught; an unknown version is refused by name."""

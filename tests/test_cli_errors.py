@@ -268,3 +268,29 @@ def test_help_renders_flags_without_a_type_placeholder():
     assert " ".join(verbose.strip("│ ").split()) == "--verbose -v Log debug messages."
     extract = runner.invoke(app, ["extract", "--help"], env={"COLUMNS": "200"}).output
     assert any("--workers" in line and "<int>" in line for line in extract.splitlines())
+
+
+@pytest.mark.parametrize("code, exit_status, expected", [
+    ("EACCES", 2, "error: Permission denied (EACCES) at /data/cache/zarr.json; give this user access to it"),
+    ("EROFS", 2, "error: Read-only file system (EROFS) at /data/cache/zarr.json; the filesystem is mounted read-only"),
+    ("ENOSPC", 2, "error: No space left on device (ENOSPC) at /data/cache/zarr.json; free space there"),
+    ("ECONNRESET", 3, "Traceback"),  # not the machine's answer to the user: a bug until shown otherwise
+])  # fmt: skip
+def test_os_errors_the_user_must_fix_are_one_line_exit_2(monkeypatch, capsys, code, exit_status, expected):
+    """The one mapping in stages.cli.main: OSErrors of USER_ERRNOS name the path and the fix; others stay bugs."""
+    import errno
+    import os
+
+    import dflash.cache.reader
+
+    number = getattr(errno, code)
+
+    def refuse(path, mode):
+        raise OSError(number, os.strerror(number), "/data/cache/zarr.json")
+
+    monkeypatch.setattr(dflash.cache.reader, "_open_store", refuse)
+    assert _main_in_process(monkeypatch, "cache", "info", "/data/cache") == exit_status
+    stderr = capsys.readouterr().err
+    assert expected in stderr
+    if exit_status == 2:
+        assert stderr.count("error:") == 1 and "Traceback" not in stderr

@@ -45,8 +45,10 @@ def build_tiny_cache(
     layer_ids: list[int] | None = None,
     target_identity_override: dict[str, Any] | None = None,
     max_tokens: int = 96,
+    chunk_tokens: int = 0,
 ) -> Path:
-    """Write a real cache of ``num_samples`` stdlib snippets at ``path`` (see module docstring)."""
+    """Write a real cache of ``num_samples`` stdlib snippets at ``path`` (see module docstring); ``chunk_tokens``
+    (0: the format's default, one chunk per shard here) makes shards of several same-shaped chunks."""
     from dflash.cache import CacheMetadata, HiddenSample, HiddenStateCache
     from dflash.target import LAYER_ID_CONVENTION
     from dflash.target_runner import TargetRunner
@@ -82,6 +84,7 @@ def build_tiny_cache(
         corpus_path="stdlib-snippets",
         num_shards=num_shards,
         shard_rows=shard_rows,
+        chunk_tokens=chunk_tokens,
     )
     cache = HiddenStateCache.create(path, metadata)
     for shard, (start, stop) in enumerate(shard_rows):

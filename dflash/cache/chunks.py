@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["chunk_encoder", "store_chunk", "stored_chunk_crc32c", "stored_chunk", "crc32c_trailer",
+__all__ = ["chunk_encoder", "chunk_decoder", "decoder_for", "store_chunk", "stored_chunk_crc32c", "stored_chunk", "crc32c_trailer",
            "keep_chunk_buffers_mapped"]
 
 _SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
@@ -70,6 +70,54 @@ def chunk_encoder(array: Any) -> Callable[[np.ndarray], bytes] | None:
         return data
 
     return encode
+
+
+def chunk_decoder(array: Any) -> Callable[[bytes], np.ndarray] | None:
+    """The inverse of :func:`chunk_encoder` for ``array`` (a zarr v3 ``Array``): see :func:`decoder_for`."""
+    codecs = [codec.to_dict() for codec in array.metadata.codecs]
+    if not codecs or codecs[0].get("name") != "bytes" or codecs[-1].get("name") != "crc32c":
+        return None
+    endian = (codecs[0].get("configuration") or {}).get("endian", "little")
+    if endian != "little" and np.dtype(array.dtype).itemsize > 1:
+        return None
+    return _decoder([codec.get("name") for codec in codecs[1:-1]], np.dtype(array.dtype), tuple(array.chunks))
+
+
+def decoder_for(codec: dict[str, Any], dtype: Any, chunk_shape: tuple[int, ...]) -> Callable[[bytes], np.ndarray] | None:
+    """A function ``stored bytes -> full chunk`` (``chunk_shape``, ``dtype``) for arrays written with the cache
+    codec dict ``codec`` (``dflash.cache.format.codec_config``: ``bytes`` -> [blosc | zstd] -> ``crc32c``), or
+    ``None`` for codecs it does not know (gzip: the caller lets zarr decode). It only strips the crc32c: the caller
+    checks it first (the reader compares it with the commit record). Raises ``ValueError`` for a chunk that does
+    not decode to the chunk's size."""
+    name = codec.get("name")
+    return _decoder([] if name == "none" else [name], np.dtype(dtype), tuple(chunk_shape))
+
+
+def _decoder(names: list[Any], dtype: np.dtype, chunk_shape: tuple[int, ...]) -> Callable[[bytes], np.ndarray] | None:
+    from numcodecs import blosc, zstd
+
+    # The module functions, not the codec objects: their argument checks cost more than decoding a small chunk.
+    steps: list[Callable[[Any], Any]] = []
+    for name in names:
+        if name == "blosc":
+            steps.append(blosc.decompress)  # blosc frames carry their own settings
+        elif name == "zstd":
+            steps.append(zstd.decompress)
+        else:
+            return None
+    dtype = dtype.newbyteorder("<")
+    expected = int(np.prod(chunk_shape)) * dtype.itemsize
+
+    def decode(data: bytes) -> np.ndarray:
+        body: Any = memoryview(data)[:-4]
+        for step in reversed(steps):
+            body = step(body)
+        raw = np.frombuffer(body, dtype=np.uint8)
+        if raw.size != expected:
+            raise ValueError(f"chunk decodes to {raw.size} bytes, expected {expected} ({chunk_shape} {dtype})")
+        return raw.view(dtype).reshape(chunk_shape)
+
+    return decode
 
 
 def _chunk_path(array: Any, coords: tuple[int, ...]) -> str:

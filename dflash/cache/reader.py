@@ -1,18 +1,25 @@
 """Reading the hidden-state cache: committed shards only, lengths without hidden states, bf16 tensors out.
 
-Every read checks what the format promises: the chunks it needs exist (zarr would silently return the fill
-value for a missing chunk) and their crc32c checksums match; a failure raises :class:`CacheCorruptError` naming
-the shard and the array. fp8 caches are dequantized to bf16 on read.
+Every read checks what the format promises against the shard's commit record: the chunks it needs exist (zarr
+would silently return the fill value for a missing chunk); each ``hidden`` chunk's stored crc32c equals the
+record's leaf for that chunk (digest_version 3) and its body matches that crc32c before it is decoded, so a chunk
+swapped in from another shard (valid checksum of its own, wrong data) fails too; the small arrays (offsets,
+corpus_rows, input_ids, loss_mask, hidden_scale) are read whole per shard and compared with the record's sha256
+segments. A failure raises :class:`CacheCorruptError` naming the shard, the array and the chunk. fp8 caches are
+dequantized to bf16 on read. ``dflash.cache.integrity.check_cache`` runs the cheap whole-cache check before step 1.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import torch
 
+from dflash.cache.chunks import crc32c_trailer, decoder_for
 from dflash.cache.format import (
     CORRUPT_SHARD_REPAIR,
     CacheMetadata,
@@ -21,11 +28,22 @@ from dflash.cache.format import (
     dequantize_fp8,
     shard_group_key,
 )
+from dflash.cache.integrity import check_array_segments
 from dflash.cache.store import CacheStore
-from dflash.cache.writer import _open_store, _read_metadata, array_chunk_keys, committed_shard_ids
+from dflash.cache.writer import (
+    _open_store,
+    _read_metadata,
+    array_chunk_keys,
+    committed_shard_ids,
+    shard_arrays,
+)
 from dflash.errors import CacheCorruptError, CacheError
 
-__all__ = ["CacheReader"]
+__all__ = ["CacheReader", "VERIFIED_SHARDS_KEPT"]
+
+#: Shards whose verified per-token small arrays (input_ids, loss_mask, hidden_scale: 5 to 25 bytes per token) the
+#: reader keeps, so reading a few samples of a shard at a time does not re-read and re-hash them.
+VERIFIED_SHARDS_KEPT = 16
 
 
 class CacheReader:
@@ -43,6 +61,10 @@ class CacheReader:
         self._records: dict[int, dict[str, Any]] = {}
         self._index: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._arrays: dict[tuple[int, str], Any] = {}
+        self._verified: OrderedDict[tuple[int, str], np.ndarray] = OrderedDict()
+        self._supervised: dict[int, np.ndarray] = {}
+        self._decoders: dict[tuple[str, tuple[int, ...]], Any] = {}
+        self._lock = threading.Lock()  # the loader's prefetch threads share one reader
         self.refresh()
 
     def refresh(self) -> None:
@@ -52,6 +74,9 @@ class CacheReader:
         self._records.clear()
         self._index.clear()
         self._arrays.clear()
+        self._verified.clear()
+        self._supervised.clear()
+        self._decoders.clear()
 
     def commit_record(self, shard: int) -> dict[str, Any]:
         """The shard's commit record (counts, quarantined samples, layout, digest).
@@ -112,12 +137,90 @@ class CacheReader:
                 f"a chunk is corrupt: {CORRUPT_SHARD_REPAIR}"
             ) from error
 
+    def verified_array(self, shard: int, name: str, *, keep: bool = True) -> np.ndarray:
+        """The whole small array ``name`` of ``shard`` (not ``hidden``), its chunks present and its bytes equal to
+        the commit record's sha256 segments; kept for :data:`VERIFIED_SHARDS_KEPT` shards when ``keep``.
+
+        Raises:
+            CacheCorruptError: a chunk is missing, fails its crc32c or the array differs from the record.
+        """
+        assert name != "hidden", "hidden is read chunk by chunk (_decoded_rows)"
+        with self._lock:
+            cached = self._verified.get((shard, name))
+            if cached is not None:
+                self._verified.move_to_end((shard, name))
+                return cached
+        values = self._decoded_rows(shard, name)
+        check_array_segments(self.url, shard, name, values, self.commit_record(shard))
+        if keep:
+            with self._lock:
+                self._verified[(shard, name)] = values
+                per_shard = 3 if self.metadata.lossy else 2  # input_ids, loss_mask[, hidden_scale]
+                while len(self._verified) > VERIFIED_SHARDS_KEPT * per_shard:
+                    self._verified.popitem(last=False)
+        return values
+
+    def _decoded_rows(self, shard: int, name: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Rows ``[lo, hi)`` (default: all) of array ``name`` of ``shard``, read chunk by chunk from the store and
+        checked before decoding: each chunk stored, its crc32c trailer equal to the commit record's leaf (``hidden``,
+        digest_version 3) and its body equal to that crc32c (zarr's own check). Small arrays are fetched in one
+        batch (many tiny chunks), ``hidden`` one chunk at a time (bounded memory). Codecs :func:`decoder_for` does
+        not know (gzip) are decoded by zarr after the checks."""
+        import google_crc32c
+
+        record = self.commit_record(shard)
+        layout = record["arrays"][name]
+        shape, chunks = [int(n) for n in layout["shape"]], [int(n) for n in layout["chunks"]]
+        rows, step = shape[0], chunks[0]
+        hi = rows if hi is None else hi
+        dtype = np.dtype(shard_arrays(self.metadata)[name][0])
+        out = np.empty((hi - lo, *shape[1:]), dtype=dtype)
+        if hi <= lo:
+            return out
+        leaves = layout.get("crc32c_chunks") if name == "hidden" and int(record.get("digest_version", 1)) >= 3 else None
+        if (name, tuple(chunks)) not in self._decoders:
+            self._decoders[(name, tuple(chunks))] = decoder_for(self.metadata.codec, dtype, tuple(chunks))
+        decode = self._decoders[(name, tuple(chunks))]
+        indices = list(range(lo // step, (hi - 1) // step + 1))
+        tail = "/0" * (len(shape) - 1)
+        keys = [f"{shard_group_key(shard)}/{name}/c/{index}{tail}" for index in indices]
+        batch = self._store.get_many(keys) if name != "hidden" else None
+        for position, index in enumerate(indices):
+            data = batch[position] if batch is not None else self._store.get_many([keys[position]])[0]
+            where = f"array {name!r} chunk {index} (c/{index}{tail}, rows {index * step}..{min(rows, (index + 1) * step)})"
+            if data is None or len(data) < 4:
+                raise CacheCorruptError(f"shard {shard} of {self.url}: {where} is missing; {CORRUPT_SHARD_REPAIR}")
+            leaf = crc32c_trailer(data)
+            if leaves is not None and (index >= len(leaves) or leaves[index] != leaf):
+                recorded = leaves[index] if index < len(leaves) else "no chunk"
+                raise CacheCorruptError(
+                    f"shard {shard} of {self.url}: {where} has crc32c {leaf}, the commit record says {recorded}; the "
+                    f"chunk was swapped, replaced or truncated: {CORRUPT_SHARD_REPAIR}"
+                )
+            if google_crc32c.value(data[:-4]) != int(leaf, 16):
+                raise CacheCorruptError(
+                    f"shard {shard} of {self.url}: {where} fails its crc32c checksum (the chunk is corrupt); "
+                    f"{CORRUPT_SHARD_REPAIR}"
+                )
+            first, last = max(lo, index * step), min(hi, (index + 1) * step)
+            if decode is None:
+                out[first - lo : last - lo] = self._read(shard, name, slice(first, last), where=f" chunk c/{index}{tail}")
+                continue
+            try:
+                chunk = decode(data)
+            except Exception as error:  # a codec frame that does not decode although its checksum matched
+                raise CacheCorruptError(
+                    f"shard {shard} of {self.url}: {where} fails to decode ({type(error).__name__}: {error}); "
+                    f"{CORRUPT_SHARD_REPAIR}"
+                ) from error
+            out[first - lo : last - lo] = chunk[first - index * step : last - index * step]
+        return out
+
     def _shard_index(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
         if shard not in self._index:
             record = self.commit_record(shard)
-            self._check_chunks(shard, ["offsets", "corpus_rows"])
-            offsets = self._read(shard, "offsets").astype(np.int64)
-            corpus_rows = self._read(shard, "corpus_rows").astype(np.int64)
+            stored_offsets, stored_rows = self._decoded_rows(shard, "offsets"), self._decoded_rows(shard, "corpus_rows")
+            offsets, corpus_rows = stored_offsets.astype(np.int64), stored_rows.astype(np.int64)
             num_samples, num_tokens = record["num_samples"], record["num_tokens"]
             if (
                 offsets.shape != (num_samples + 1,)
@@ -143,6 +246,9 @@ class CacheReader:
                     f"shard {shard} of {self.url}: array 'corpus_rows' holds duplicate rows {unique[counts > 1][:5].tolist()}; "
                     f"{CORRUPT_SHARD_REPAIR}"
                 )
+            # After the checks above, which say what is wrong in words; this one catches any other change.
+            check_array_segments(self.url, shard, "offsets", stored_offsets, record)
+            check_array_segments(self.url, shard, "corpus_rows", stored_rows, record)
             self._index[shard] = (offsets, corpus_rows)
         return self._index[shard]
 
@@ -160,11 +266,12 @@ class CacheReader:
             CacheError: ``shard`` is not committed.
             CacheCorruptError: a ``loss_mask`` chunk is missing or fails its checksum.
         """
-        offsets, _ = self._shard_index(shard)
-        self._check_chunks(shard, ["loss_mask"])
-        loss_mask = self._read(shard, "loss_mask", slice(0, int(offsets[-1])))
-        running = np.concatenate([[0], np.cumsum(loss_mask != 0, dtype=np.int64)])
-        return running[offsets[1:]] - running[offsets[:-1]]
+        if shard not in self._supervised:
+            offsets, _ = self._shard_index(shard)
+            loss_mask = self.verified_array(shard, "loss_mask")
+            running = np.concatenate([[0], np.cumsum(loss_mask != 0, dtype=np.int64)])
+            self._supervised[shard] = running[offsets[1:]] - running[offsets[:-1]]
+        return self._supervised[shard].copy()
 
     def shard_corpus_rows(self, shard: int) -> np.ndarray:
         """Corpus row of each sample of ``shard``: ``int64 [S]``."""
@@ -201,20 +308,12 @@ class CacheReader:
             else:
                 runs.append((index, index + 1))
         names = ["input_ids", "loss_mask", "hidden"] + (["hidden_scale"] if self.metadata.lossy else [])
-        layout = self.commit_record(shard)["arrays"]
-        touched: dict[str, set[int]] = {name: set() for name in names}
-        for name in names:
-            chunk_rows = layout[name]["chunks"][0]
-            for first, last in runs:
-                lo, hi = int(offsets[first]), int(offsets[last])
-                if hi > lo:
-                    touched[name].update(range(lo // chunk_rows, (hi - 1) // chunk_rows + 1))
-        self._check_chunks(shard, names, touched)
 
         samples: dict[int, HiddenSample] = {}
         for first, last in runs:
             lo, hi = int(offsets[first]), int(offsets[last])
-            span = {name: self._read(shard, name, slice(lo, hi)) for name in names}
+            span = {name: self.verified_array(shard, name)[lo:hi] for name in names if name != "hidden"}
+            span["hidden"] = self._decoded_rows(shard, "hidden", lo, hi)
             if self.metadata.lossy:
                 hidden = dequantize_fp8(span["hidden"], span["hidden_scale"], self.metadata.num_taps)
             else:

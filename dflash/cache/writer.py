@@ -42,10 +42,12 @@ from dflash.cache.format import (
 )
 from dflash.cache.store import CacheStore
 from dflash.errors import CacheError
+from dflash.faults import fault_point
 
 __all__ = [
     "DIGEST_SEGMENT_BYTES",
     "DIGEST_VERSION",
+    "SMALL_ARRAY_CHUNK_ROWS",
     "HiddenStateCache",
     "array_chunk_keys",
     "digest_root",
@@ -59,6 +61,8 @@ _ATTRIBUTE = "dflash_cache"
 _COUNTS_ATTRIBUTE = "dflash_cache_counts"
 
 
+SMALL_ARRAY_CHUNK_ROWS = 1 << 16
+"""Rows a chunk of the small per-shard arrays (offsets, corpus_rows, input_ids, loss_mask, hidden_scale) holds."""
 DIGEST_SEGMENT_BYTES = 64 << 20
 """Segment size of the sha256 digest segments (:func:`segment_views`) of the small per-shard arrays."""
 DIGEST_VERSION = 3
@@ -263,7 +267,10 @@ class HiddenStateCache:
 
         def create(name: str, shape: list[int]) -> Any:
             dtype, width = layout[name]
-            chunk_rows = meta.chunk_tokens if name not in ("offsets", "corpus_rows") else 1 << 16
+            # hidden: chunk_tokens rows (~8 MiB). The small arrays (1 to 8 bytes a row): 65,536-row chunks, so a
+            # shard's input_ids or loss_mask is one or two chunks to read and check, not hundreds of 1 KiB ones
+            # (per-chunk overhead dominated the trainer's planning and its integrity check before step 1).
+            chunk_rows = meta.chunk_tokens if name == "hidden" else SMALL_ARRAY_CHUNK_ROWS
             chunks = [max(1, min(chunk_rows, shape[0]))] + ([width] if width else [])
             array = group.create_array(name, shape=shape, dtype=dtype, chunks=chunks, compressors=compressors,
                                        fill_value=0, config={"write_empty_chunks": True})
@@ -341,6 +348,7 @@ class HiddenStateCache:
             "hidden_seconds": round(hidden_done - write_started, 4),
             "writer": f"{socket.gethostname()}:{os.getpid()}",
         }
+        fault_point("cache.before-commit", f"{self.url}/{commit_key(shard_id)}")
         self._store.put_json(commit_key(shard_id), record, exclusive=True)
         stored = self.commit_record(shard_id)
         if stored is None or stored.get("digest") != record["digest"] or stored.get("writer") != record["writer"]:
@@ -349,6 +357,7 @@ class HiddenStateCache:
                 f"this one ({record['writer']}) wrote it: two tasks ran on one shard; run `dflash-stages cache verify "
                 f"{self.url}` and, if it names this shard, delete {commit_key(shard_id)} and rerun extract"
             )
+        fault_point("cache.after-commit")
         return record
 
     def uncommit(self, shard_id: int) -> bool:
@@ -546,6 +555,7 @@ def _write_hidden_chunk(
     edge chunks with the fill value); without, ``array[lo:hi] = rows`` goes through zarr's pipeline. numpy
     copies, hashlib and the codecs release the GIL, so jobs run truly in parallel."""
     chunk_rows = array.chunks[0]
+    fault_point("cache.chunk-write", f"{array.store_path}/c/{lo // chunk_rows}/0")
     sample = int(np.searchsorted(offsets, lo, side="right")) - 1
     start = int(offsets[sample])
     if hi - lo == chunk_rows and int(offsets[sample + 1]) >= hi and not fp8 and encode is not None:
