@@ -43,6 +43,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dflash.errors import CacheError, ConfigError, DFlashError
+from stages.cluster import start_cluster, validate_placement
 
 __all__ = ["ExtractConfig", "run_extract", "prepare_cache", "plan_shards", "estimate_cache_bytes", "register"]
 
@@ -119,13 +120,7 @@ class ExtractConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        chosen = [name for name in ("target_gpus", "workers", "scheduler_address") if getattr(self, name) is not None]
-        if len(chosen) > 1:
-            raise ConfigError(f"{chosen[0]}: give only one of --target-gpus, --workers, --scheduler-address, got {chosen}")
-        if self.target_gpus is not None and (not self.target_gpus or len(set(self.target_gpus)) != len(self.target_gpus)):
-            raise ConfigError(f"target_gpus: expected distinct GPU indices, got {self.target_gpus}")
-        if self.workers is not None and self.workers < 1:
-            raise ConfigError(f"workers: expected >= 1, got {self.workers}")
+        validate_placement(self)
         for name in ("num_taps", "shard_size", "token_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: expected >= 1, got {getattr(self, name)}")
@@ -143,16 +138,6 @@ class ExtractConfig:
             raise ConfigError(f"write_processes: expected >= 0, got {self.write_processes}")
         if not self.expected_ratio > 0:
             raise ConfigError(f"expected_ratio: expected > 0, got {self.expected_ratio}")
-        tls = {name: getattr(self, name) for name in ("tls_ca_file", "tls_cert", "tls_key")}
-        given = [name for name, value in tls.items() if value is not None]
-        if given and len(given) != 3:
-            missing = sorted(set(tls) - set(given))
-            raise ConfigError(f"{missing[0]}: TLS needs --tls-ca-file, --tls-cert and --tls-key together, got only {given}")
-        if given and self.scheduler_address is None:
-            raise ConfigError(f"{given[0]}: TLS options apply to --scheduler-address only (a local cluster listens on 127.0.0.1)")
-        for name in given:
-            if not Path(tls[name]).is_file():
-                raise ConfigError(f"{name}: {tls[name]} is not a file")
 
 
 def plan_shards(lengths: np.ndarray, shard_size: int) -> list[list[int]]:
@@ -207,75 +192,6 @@ class _TokensPerSecond(ProgressColumn):
         return Text(f"{speed or 0:,.0f} tok/s", style="progress.data.speed")
 
 
-def _start_cluster(config: ExtractConfig, console: Console) -> tuple[Any, Any, dict[str, Any]]:
-    """Client, cluster (``None`` for an external scheduler) and the plugin/placement settings."""
-    import torch
-    from distributed import Client, LocalCluster
-
-    if not log.isEnabledFor(logging.DEBUG):  # the scheduler and nannies log into this process
-        logging.getLogger("distributed").setLevel(logging.WARNING)
-
-    if config.scheduler_address is not None:
-        client = Client(config.scheduler_address, security=_security(config))
-        workers = client.scheduler_info(n_workers=-1)["workers"] if _accepts_n_workers(client) else client.scheduler_info()["workers"]
-        has_gpu_resource = any(info.get("resources", {}).get("GPU") for info in workers.values())
-        return client, None, {"device": "auto", "resources": {"GPU": 1} if has_gpu_resource else None, "die_with_parent": False}
-    if config.write_processes != 0:  # workers start write processes: daemonic processes may not have children
-        import dask
-
-        dask.config.set({"distributed.worker.daemon": False})
-    gpus = config.target_gpus
-    if gpus is None and config.workers is None and torch.cuda.is_available():
-        gpus = list(range(torch.cuda.device_count()))
-    if gpus is not None:
-        # memory_limit=0: our host memory is pinned output buffers we bound ourselves; the nanny must not kill on it.
-        cluster = LocalCluster(
-            host="127.0.0.1",
-            n_workers=len(gpus),
-            threads_per_worker=1,
-            processes=True,
-            resources={"GPU": 1},
-            memory_limit=0,
-            dashboard_address=_dashboard_address(config.dashboard_address),
-        )
-        placement = {"gpu_by_worker": dict(enumerate(gpus)), "device": "cuda", "resources": {"GPU": 1}, "num_workers": len(gpus)}
-    else:
-        num_workers = config.workers or 1
-        cluster = LocalCluster(
-            host="127.0.0.1",
-            n_workers=num_workers,
-            threads_per_worker=1,
-            processes=True,
-            memory_limit=0,
-            dashboard_address=_dashboard_address(config.dashboard_address),
-        )
-        threads = max(1, (os.cpu_count() or 1) // num_workers)
-        placement = {"device": "cpu", "torch_threads": threads, "resources": None, "num_workers": num_workers}
-    placement["die_with_parent"] = True
-    return Client(cluster), cluster, placement
-
-
-def _dashboard_address(address: str) -> str:
-    """``:port`` -> ``127.0.0.1:port``: distributed binds a bare port on all interfaces; we bind this machine only
-    unless the user names a host."""
-    return f"127.0.0.1{address}" if address.startswith(":") else address
-
-
-def _security(config: ExtractConfig) -> Any:
-    """``distributed.security.Security`` from ``--tls-*`` (encryption required), else ``None``: distributed's
-    config (``distributed.comm.tls.*``, ``DASK_DISTRIBUTED__COMM__TLS__...``) then decides."""
-    if config.tls_ca_file is None:
-        return None
-    from distributed.security import Security
-
-    return Security(
-        tls_ca_file=config.tls_ca_file,
-        tls_client_cert=config.tls_cert,
-        tls_client_key=config.tls_key,
-        require_encryption=True,
-    )
-
-
 def _default_write_threads(placement: dict[str, Any]) -> int | None:
     """CPU cores per worker - 1 (at most 32) for a LocalCluster (cores split evenly between its workers); ``None`` for
     an external scheduler (each worker then uses its own CPU count)."""
@@ -285,12 +201,6 @@ def _default_write_threads(placement: dict[str, Any]) -> int | None:
     from stages.extract_worker import default_write_threads
 
     return default_write_threads(max(1, (os.cpu_count() or 1) // workers))
-
-
-def _accepts_n_workers(client: Any) -> bool:
-    import inspect
-
-    return "n_workers" in inspect.signature(client.scheduler_info).parameters
 
 
 def prepare_cache(config: ExtractConfig, console: Console) -> tuple[Any, Any, list[list[int]], Any]:
@@ -425,7 +335,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
     if summary["skipped_committed"]:
         console.print(f"resuming: {summary['skipped_committed']} shards already committed, {len(pending)} to do")
 
-    client, cluster, placement = _start_cluster(config, console)
+    client, cluster, placement = start_cluster(config, daemonic_workers=config.write_processes == 0)
     quarantined: list[dict] = []
     failures: dict[int, str] = {}
     tokens_done = 0

@@ -74,10 +74,12 @@ class GenerateConfig:
         part_size: prompts per part (one task, one committed file).
         batch_size, token_budget, kv_cache: transformers engine batching (rows per call, padded prompt tokens per
             call, ``auto``/``static``/``dynamic`` KV cache).
-        target_gpus, workers, scheduler_address, dashboard_address: placement, as in ``extract``.
+        target_gpus, workers, scheduler_address, dashboard_address, tls_ca_file, tls_cert, tls_key: placement, as
+            in ``extract`` (stages.cluster).
         default_prompts: settings of the embedded default prompt set.
         endpoints, served_model, api_key_env, concurrency: ``openai`` engine settings.
         overwrite: replace an output of other settings (only a generate output or an empty folder).
+        break_lock: take over the output's lock left by a run on another host known dead (dflash.locks).
     """
 
     prompts: str = "default"
@@ -101,12 +103,16 @@ class GenerateConfig:
     workers: int | None = None
     scheduler_address: str | None = None
     dashboard_address: str = "127.0.0.1:0"
+    tls_ca_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
     default_prompts: DefaultPromptConfig = field(default_factory=DefaultPromptConfig)
     endpoints: list[str] = field(default_factory=list)
     served_model: str | None = None
     api_key_env: str | None = None
     concurrency: int = 8
     overwrite: bool = False
+    break_lock: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.default_prompts, dict):
@@ -121,8 +127,9 @@ class GenerateConfig:
             raise ConfigError(f"part_size must be >= 1, got {self.part_size}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ConfigError(f"max_prompts must be >= 1, got {self.max_prompts}")
-        if self.workers is not None and self.workers < 1:
-            raise ConfigError(f"workers must be >= 1, got {self.workers}")
+        from stages.cluster import validate_placement
+
+        validate_placement(self)
         if self.engine == "openai" and not self.endpoints:
             raise ConfigError("engine openai needs at least one --endpoint URL (e.g. http://127.0.0.1:8000/v1)")
         if not isinstance(self.template_kwargs, dict):
@@ -143,35 +150,31 @@ class GenerateConfig:
     def plan_settings(self) -> dict[str, Any]:
         """What decides the output's content: a resume must match these (placement and batching excluded)."""
         data = self.to_dict()
-        for key in ("output", "target_gpus", "workers", "scheduler_address", "dashboard_address", "overwrite",
+        for key in ("output", "target_gpus", "workers", "scheduler_address", "dashboard_address", "tls_ca_file",
+                    "tls_cert", "tls_key", "break_lock", "overwrite",
                     "batch_size", "token_budget", "kv_cache", "concurrency", "endpoints", "api_key_env"):
             data.pop(key)
         return data
 
 
 # ---------------------------------------------------------------------------------------------------- prompts
-def _load_prompts(config: GenerateConfig) -> tuple[list[Any], Any, dict[str, Any]]:
-    from dflash.generation.default_prompts import (
-        default_prompt_sets,
-        describe_default_prompts,
-        write_prompts_jsonl,
-    )
+def _load_prompts(config: GenerateConfig) -> tuple[list[Any], Any, dict[str, Any], list[Any] | None]:
+    from dflash.generation.default_prompts import default_prompt_sets, describe_default_prompts
     from dflash.generation.prompts import DropCounts, read_prompt_file
 
     if config.prompts == "default":
         sets = default_prompt_sets(config.default_prompts)
-        records = sets["train"]
-        Path(config.output).mkdir(parents=True, exist_ok=True)
-        write_prompts_jsonl(sets["heldout"], Path(config.output) / HELDOUT_PROMPTS_FILE)
+        records, heldout = sets["train"], sets["heldout"]
         source = {**describe_default_prompts(config.default_prompts), "heldout_prompts": len(sets["heldout"]),
                   "heldout_file": HELDOUT_PROMPTS_FILE}
         drops = DropCounts()
     else:
         records, drops = read_prompt_file(config.prompts, chat_template=config.chat_template, turns=config.turns)
         source = {"path": str(Path(config.prompts).resolve()), "sha256": _sha256(Path(config.prompts))}
+        heldout = None
     if config.max_prompts is not None:
         records = records[: config.max_prompts]
-    return records, drops, source
+    return records, drops, source, heldout
 
 
 def _sha256(path: Path) -> str:
@@ -271,9 +274,12 @@ def generate_part_task(spec: Any) -> dict[str, Any]:
     """Dask task: answer one part on this worker's target replica and commit it; returns the part's record."""
     from distributed import get_worker
 
-    from dflash.generation.parts import generate_part
+    from dflash.generation.parts import committed_parts, generate_part
 
     worker = get_worker()
+    done = committed_parts(spec.output).get(spec.part_id)
+    if done is not None:  # a task rerun after its worker died past the commit: the part stays as committed
+        return {**done, "worker": str(worker.name)}
     plugin = worker.plugins.get(_PLUGIN_NAME)
     if plugin is None or plugin.engine is None:
         raise RuntimeError(f"worker {worker.address} has no target loaded (plugin {_PLUGIN_NAME} missing)")
@@ -283,17 +289,11 @@ def generate_part_task(spec: Any) -> dict[str, Any]:
 
 
 def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: Any, task: Any) -> list[dict[str, Any]]:
-    from types import SimpleNamespace
-
     from distributed import as_completed
 
-    from stages.extract import _start_cluster
+    from stages.cluster import start_cluster
 
-    # The cluster of extract, started the same way (one worker per target GPU, or CPU processes).
-    placement_settings = SimpleNamespace(scheduler_address=config.scheduler_address, write_processes=0,
-                                         target_gpus=config.target_gpus, workers=config.workers,
-                                         dashboard_address=config.dashboard_address)
-    client, cluster, placement = _start_cluster(placement_settings, Console(stderr=True, quiet=True))
+    client, cluster, placement = start_cluster(config)  # extract's cluster: one worker per target GPU, or CPU processes
     records = []
     try:
         plugin = _plugin_class()(
@@ -347,9 +347,23 @@ def _openai_engine(config: GenerateConfig, tokenizer: Any) -> Any:
 def run_generate(config: GenerateConfig, console: Console | None = None) -> dict[str, Any]:
     """Run the stage (module docstring); returns the summary also written into ``corpus.json``.
 
+    The output's lock (``dflash.locks``) is held for the whole run: a second ``generate`` into the same folder is
+    refused at once, naming the holder.
+
     Raises:
-        ConfigError: bad prompts, settings, template or output (one line naming it); TargetError: no target.
+        ConfigError: bad prompts, settings, template or output (one line naming it); TargetError: no target;
+        LockError: another process writes into ``config.output``.
     """
+    from dflash.locks import output_lock
+
+    output = Path(config.output)
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"--output {output} is a file; pass a folder")
+    with output_lock(output, what="corpus", break_lock=config.break_lock):
+        return _run_generate(config, console)
+
+
+def _run_generate(config: GenerateConfig, console: Console | None) -> dict[str, Any]:
     from dflash.corpus import METADATA_FILE, open_corpus
     from dflash.generation.parts import PartSpec, committed_parts, plan_parts, summarize_parts
     from dflash.generation.prompts import check_generation_prompt
@@ -359,7 +373,7 @@ def run_generate(config: GenerateConfig, console: Console | None = None) -> dict
     started = time.perf_counter()
     identity = target_identity(resolve_target_path(config.target)).to_dict()
     tokenizer = load_tokenizer(config.target)
-    records, read_drops, source = _load_prompts(config)
+    records, read_drops, source, heldout = _load_prompts(config)
     if any(record.messages is not None for record in records):
         check_generation_prompt(tokenizer, config.template_kwargs, where=f"target {config.target}")
     ranges = plan_parts(len(records), config.part_size)
@@ -371,6 +385,10 @@ def run_generate(config: GenerateConfig, console: Console | None = None) -> dict
             "read_dropped": read_drops.to_dict()}
     _open_output(config, plan)
     output = Path(config.output)
+    if heldout is not None:  # the default set's held-out prompts, for evaluate --prompts
+        from dflash.generation.default_prompts import write_prompts_jsonl
+
+        write_prompts_jsonl(heldout, output / HELDOUT_PROMPTS_FILE)
     done = committed_parts(output)
     sampling = config.sampling().to_dict()
     specs = [PartSpec(part_id=part_id, first_prompt=start, records=[r.to_dict() for r in records[start:stop]],
@@ -466,12 +484,16 @@ def register(app: typer.Typer) -> None:
         workers: int | None = typer.Option(None, help="CPU worker processes (no GPU)."),
         scheduler_address: str | None = typer.Option(None, help="An existing Dask scheduler (tcp://host:8786)."),
         dashboard_address: str = typer.Option("127.0.0.1:0", help="Dask dashboard of a local cluster (localhost by default)."),
+        tls_ca_file: str | None = typer.Option(None, help="TLS for --scheduler-address: the CA file (with --tls-cert, --tls-key)."),
+        tls_cert: str | None = typer.Option(None, help="TLS client certificate for --scheduler-address."),
+        tls_key: str | None = typer.Option(None, help="TLS client key for --scheduler-address."),
         endpoint: list[str] = typer.Option([], "--endpoint", help="openai engine: base URL of a server, e.g. http://127.0.0.1:8000/v1 (repeatable)."),
         served_model: str | None = typer.Option(None, help="openai engine: model name on the servers (default: the only one served)."),
         api_key_env: str | None = typer.Option(None, help="openai engine: environment variable holding the API key."),
         concurrency: int = typer.Option(8, help="openai engine: requests in flight per endpoint."),
         heldout_permille: int = typer.Option(50, help="Default prompt set: share of stdlib files held out, in 1/1000."),
         overwrite: bool = typer.Option(False, help="Replace an output generated with other settings."),
+        break_lock: bool = typer.Option(False, "--break-lock", help="Take over OUTPUT's lock left by a run on another host known dead."),
     ) -> None:
         """Generate the target's own responses to prompts as a training corpus (the DFlash paper's recipe)."""
         try:
@@ -487,6 +509,7 @@ def register(app: typer.Typer) -> None:
             scheduler_address=scheduler_address, dashboard_address=dashboard_address, endpoints=list(endpoint),
             served_model=served_model, api_key_env=api_key_env, concurrency=concurrency,
             default_prompts=DefaultPromptConfig(heldout_permille=heldout_permille), overwrite=overwrite,
+            tls_ca_file=tls_ca_file, tls_cert=tls_cert, tls_key=tls_key, break_lock=break_lock,
         )
         run_generate(config)
 

@@ -29,6 +29,7 @@ from dflash.errors import CacheError, ConfigError, CorpusError
 from dflash.target import default_target_layer_ids
 from dflash.target_runner import TargetRunner
 from stages import extract as extract_stage
+from stages.cluster import security_of, start_cluster
 from stages.extract import ExtractConfig, plan_shards, prepare_cache, run_extract
 from stages.extract_worker import ShardExtractor, ShardSpec, default_write_processes
 
@@ -452,7 +453,7 @@ def test_local_cluster_listens_on_localhost_only_and_prints_its_dashboard(tmp_pa
     for address in (ExtractConfig.__dataclass_fields__["dashboard_address"].default, ":0"):
         config = ExtractConfig(corpus=str(tmp_path), output=str(tmp_path / "cache"), workers=1, write_processes=0,
                                dashboard_address=address)
-        client, cluster, _ = extract_stage._start_cluster(config, _quiet())
+        client, cluster, _ = start_cluster(config)
         try:
             listening = [c.laddr for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
             dashboard_port = cluster.scheduler.http_server.port
@@ -470,10 +471,10 @@ def test_tls_options_build_a_security_for_the_scheduler_and_are_checked(tmp_path
         path.write_text("-----BEGIN CERTIFICATE-----\n")
     config = ExtractConfig(corpus="c", output="o", scheduler_address="tls://scheduler:8786", tls_ca_file=str(files["ca"]),
                            tls_cert=str(files["cert"]), tls_key=str(files["key"]))
-    security = extract_stage._security(config)
+    security = security_of(config)
     assert security.require_encryption and security.tls_ca_file == str(files["ca"])
     assert security.tls_client_cert == str(files["cert"]) and security.tls_client_key == str(files["key"])
-    assert extract_stage._security(ExtractConfig(corpus="c", output="o", scheduler_address="tcp://h:8786")) is None
+    assert security_of(ExtractConfig(corpus="c", output="o", scheduler_address="tcp://h:8786")) is None
     with pytest.raises(ConfigError, match=r"^tls_cert: TLS needs --tls-ca-file, --tls-cert and --tls-key together"):
         ExtractConfig(corpus="c", output="o", scheduler_address="tls://h:8786", tls_ca_file=str(files["ca"]))
     with pytest.raises(ConfigError, match=r"^tls_ca_file: TLS options apply to --scheduler-address only"):

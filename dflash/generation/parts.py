@@ -142,8 +142,10 @@ def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec) -> d
                 builder.stop()
                 continue
             prompts[index] = prompt
+            # prompt_text for engines that take text only: the ids decoded, special tokens kept as text.
             requests.append(GenerationRequest(request_id=spec.first_prompt + index, prompt_ids=prompt,
-                                              max_new_tokens=min(settings.max_new_tokens, room)))
+                                              max_new_tokens=min(settings.max_new_tokens, room),
+                                              prompt_text=tokenizer.decode(prompt, skip_special_tokens=False)))
         if not requests:
             break
         engine_started = time.perf_counter()

@@ -1,0 +1,140 @@
+"""The Dask cluster of every target-replica stage (``extract``, ``generate``): one local worker per target GPU, CPU
+worker processes, or an existing scheduler (optionally over TLS).
+
+Run by the stages, never alone. Local clusters listen on 127.0.0.1 only, the dashboard included (a bare ``:port``
+binds 127.0.0.1 too); ``--tls-ca-file/--tls-cert/--tls-key`` connect to a ``tls://`` scheduler through
+``distributed.security.Security`` (docs/cache-format.md, "Running extract on a shared machine or cluster").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from dflash.errors import ConfigError
+
+__all__ = ["PlacementSettings", "validate_placement", "start_cluster", "security_of", "dashboard_address_of"]
+
+log = logging.getLogger("stages.extract")
+
+
+class PlacementSettings(Protocol):
+    """The placement fields a stage config declares (``ExtractConfig``, ``GenerateConfig``)."""
+
+    scheduler_address: str | None
+    target_gpus: list[int] | None
+    workers: int | None
+    dashboard_address: str
+    tls_ca_file: str | None
+    tls_cert: str | None
+    tls_key: str | None
+
+
+def validate_placement(config: PlacementSettings) -> None:
+    """Check the placement fields of a stage config (called from its ``__post_init__``).
+
+    Raises:
+        ConfigError: more than one of target_gpus / workers / scheduler_address, repeated GPUs, workers < 1, or
+            incomplete / misplaced / missing TLS files; the message names the field.
+    """
+    chosen = [name for name in ("target_gpus", "workers", "scheduler_address") if getattr(config, name) is not None]
+    if len(chosen) > 1:
+        raise ConfigError(f"{chosen[0]}: give only one of --target-gpus, --workers, --scheduler-address, got {chosen}")
+    if config.target_gpus is not None and (not config.target_gpus or len(set(config.target_gpus)) != len(config.target_gpus)):
+        raise ConfigError(f"target_gpus: expected distinct GPU indices, got {config.target_gpus}")
+    if config.workers is not None and config.workers < 1:
+        raise ConfigError(f"workers: expected >= 1, got {config.workers}")
+    tls = {name: getattr(config, name) for name in ("tls_ca_file", "tls_cert", "tls_key")}
+    given = [name for name, value in tls.items() if value is not None]
+    if given and len(given) != 3:
+        missing = sorted(set(tls) - set(given))
+        raise ConfigError(f"{missing[0]}: TLS needs --tls-ca-file, --tls-cert and --tls-key together, got only {given}")
+    if given and config.scheduler_address is None:
+        raise ConfigError(f"{given[0]}: TLS options apply to --scheduler-address only (a local cluster listens on 127.0.0.1)")
+    for name in given:
+        if not Path(tls[name]).is_file():
+            raise ConfigError(f"{name}: {tls[name]} is not a file")
+
+
+def start_cluster(config: PlacementSettings, *, daemonic_workers: bool = True) -> tuple[Any, Any, dict[str, Any]]:
+    """Client, cluster (``None`` for an external scheduler) and the plugin/placement settings.
+
+    A LocalCluster gets one worker per GPU of ``target_gpus`` (resource ``GPU=1``; all visible GPUs when neither
+    ``target_gpus`` nor ``workers`` is given and CUDA is present), else ``workers`` CPU processes; it listens on
+    127.0.0.1 only. ``daemonic_workers=False`` lets workers start processes of their own (extract's writers).
+    """
+    import torch
+    from distributed import Client, LocalCluster
+
+    if not log.isEnabledFor(logging.DEBUG):  # the scheduler and nannies log into this process
+        logging.getLogger("distributed").setLevel(logging.WARNING)
+
+    if config.scheduler_address is not None:
+        client = Client(config.scheduler_address, security=security_of(config))
+        workers = client.scheduler_info(n_workers=-1)["workers"] if _accepts_n_workers(client) else client.scheduler_info()["workers"]
+        has_gpu_resource = any(info.get("resources", {}).get("GPU") for info in workers.values())
+        return client, None, {"device": "auto", "resources": {"GPU": 1} if has_gpu_resource else None, "die_with_parent": False}
+    if not daemonic_workers:  # workers start processes of their own: daemonic processes may not have children
+        import dask
+
+        dask.config.set({"distributed.worker.daemon": False})
+    gpus = config.target_gpus
+    if gpus is None and config.workers is None and torch.cuda.is_available():
+        gpus = list(range(torch.cuda.device_count()))
+    if gpus is not None:
+        # memory_limit=0: our host memory is pinned output buffers we bound ourselves; the nanny must not kill on it.
+        cluster = LocalCluster(
+            host="127.0.0.1",
+            n_workers=len(gpus),
+            threads_per_worker=1,
+            processes=True,
+            resources={"GPU": 1},
+            memory_limit=0,
+            dashboard_address=dashboard_address_of(config.dashboard_address),
+        )
+        placement = {"gpu_by_worker": dict(enumerate(gpus)), "device": "cuda", "resources": {"GPU": 1}, "num_workers": len(gpus)}
+    else:
+        num_workers = config.workers or 1
+        cluster = LocalCluster(
+            host="127.0.0.1",
+            n_workers=num_workers,
+            threads_per_worker=1,
+            processes=True,
+            memory_limit=0,
+            dashboard_address=dashboard_address_of(config.dashboard_address),
+        )
+        threads = max(1, (os.cpu_count() or 1) // num_workers)
+        placement = {"device": "cpu", "torch_threads": threads, "resources": None, "num_workers": num_workers}
+    placement["die_with_parent"] = True
+    return Client(cluster), cluster, placement
+
+
+def dashboard_address_of(address: str) -> str:
+    """``:port`` -> ``127.0.0.1:port``: distributed binds a bare port on all interfaces; we bind this machine only
+    unless the user names a host."""
+    return f"127.0.0.1{address}" if address.startswith(":") else address
+
+
+def security_of(config: PlacementSettings) -> Any:
+    """``distributed.security.Security`` from ``--tls-*`` (encryption required), else ``None``: distributed's
+    config (``distributed.comm.tls.*``, ``DASK_DISTRIBUTED__COMM__TLS__...``) then decides."""
+    if config.tls_ca_file is None:
+        return None
+    from distributed.security import Security
+
+    return Security(
+        tls_ca_file=config.tls_ca_file,
+        tls_client_cert=config.tls_cert,
+        tls_client_key=config.tls_key,
+        require_encryption=True,
+    )
+
+
+
+
+def _accepts_n_workers(client: Any) -> bool:
+    import inspect
+
+    return "n_workers" in inspect.signature(client.scheduler_info).parameters

@@ -1,0 +1,214 @@
+"""generate: the target's own responses as a contract-1 corpus.
+
+Every supervised token is the target's greedy continuation of the tokens before it, computed again here with
+transformers' own ``generate``; prompt and template tokens are unsupervised; multi-turn chats are regenerated on
+the model's own history; bad lines, too-long prompts and templates without a generation prompt are counted or
+refused by name; a SIGKILLed run rerun with the same command loses and duplicates no prompt; the openai engine
+path writes the same corpus layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.corpus import open_corpus
+from dflash.errors import ConfigError, CorpusError
+from dflash.generation.engine import SamplingSettings
+from dflash.generation.parts import PartSpec, committed_parts, generate_part
+from dflash.generation.prompts import ConversationBuilder, check_generation_prompt, read_prompt_file
+from dflash.generation.transformers_engine import TransformersEngine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = [
+    {"prompt": "Write a Python function that adds two numbers."},
+    {"text": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"},
+    {"messages": [{"role": "user", "content": "Hi, who are you?"}, {"role": "assistant", "content": "ORIGINAL-1"},
+                  {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "ORIGINAL-2"}]},
+]
+
+
+def _write_jsonl(path: Path, rows: list) -> Path:
+    with open(path, "wb") as handle:
+        for row in rows:
+            handle.write(row if isinstance(row, bytes) else (json.dumps(row) + "\n").encode())
+    return path
+
+
+def _spans(mask: list[int]) -> list[tuple[int, int]]:
+    spans, start = [], None
+    for index, value in enumerate([*mask, 0]):
+        if value and start is None:
+            start = index
+        elif not value and start is not None:
+            spans.append((start, index))
+            start = None
+    return spans
+
+
+def _part(tmp_path, tokenizer, records, **settings):
+    return PartSpec(part_id=0, first_prompt=0, records=[r.to_dict() for r in records], output=str(tmp_path),
+                    settings=SamplingSettings(**{"max_new_tokens": 6, **settings}).to_dict(), max_length=2048)
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory, target):
+    folder = tmp_path_factory.mktemp("generated")
+    records, _ = read_prompt_file(_write_jsonl(folder / "prompts.jsonl", PROMPTS))
+    engine = TransformersEngine(target.model, target.tokenizer, batch_size=2)
+    record = generate_part(engine, target.tokenizer, _part(folder, target.tokenizer, records))
+    return folder, records, record
+
+
+def test_every_supervised_token_is_the_targets_greedy_continuation(generated, target):
+    folder, _, record = generated
+    corpus = open_corpus(folder / "part-000000.arrow")
+    assert len(corpus) == 3 and record["num_rows"] == 3
+    checked = 0
+    for index in range(len(corpus)):
+        row = corpus.row(index)
+        ids, mask = [int(t) for t in row.input_ids], [int(m) for m in row.loss_mask]
+        for start, stop in _spans(mask):
+            expected = target.model.generate(torch.tensor([ids[:start]]), max_new_tokens=stop - start,
+                                             do_sample=False, pad_token_id=target.tokenizer.eos_token_id)
+            assert expected[0, start:].tolist() == ids[start:stop], (corpus.sample_id(index), start)
+            checked += 1
+    assert checked == 4  # one reply per single prompt, two for the two-turn chat
+
+
+def test_prompt_and_template_tokens_are_unsupervised(generated, target):
+    folder, records, _ = generated
+    corpus = open_corpus(folder / "part-000000.arrow")
+    tokenizer = target.tokenizer
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]["prompt"]}],
+                                         add_generation_prompt=True, tokenize=False)
+    first = corpus.row(0)
+    prompt_ids = tokenizer(chat, add_special_tokens=False)["input_ids"]
+    assert list(first.input_ids[: len(prompt_ids)]) == prompt_ids
+    assert not np.any(first.loss_mask[: len(prompt_ids)]) and np.all(first.loss_mask[len(prompt_ids):])
+    raw = corpus.row(1)
+    raw_ids = tokenizer(PROMPTS[1]["text"])["input_ids"]
+    assert list(raw.input_ids[: len(raw_ids)]) == raw_ids and not np.any(raw.loss_mask[: len(raw_ids)])
+    text = tokenizer.decode(corpus.row(2).input_ids)
+    assert "ORIGINAL" not in text and text.count("<|im_start|>assistant") == 2  # original replies dropped
+    # The second turn's prompt holds the model's own first reply, then the template's next user turn.
+    spans = _spans([int(m) for m in corpus.row(2).loss_mask])
+    between = tokenizer.decode(corpus.row(2).input_ids[spans[0][1]: spans[1][0]])
+    assert "What is 2+2?" in between and between.rstrip().endswith("assistant")
+
+
+def test_last_turn_mode_keeps_the_history_unsupervised(tmp_path, target):
+    records, _ = read_prompt_file(_write_jsonl(tmp_path / "p.jsonl", PROMPTS[2:]), turns="last")
+    builder = ConversationBuilder(records[0], target.tokenizer, {})
+    assert builder.num_turns == 1
+    prompt = builder.prompt_ids()
+    text = target.tokenizer.decode(prompt)
+    assert "ORIGINAL-1" in text and "ORIGINAL-2" not in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_bad_lines_are_counted_with_their_reason(tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "fine"}, {"prompt": "   "}, b"not json\n", {"foo": 1}, b'{"prompt": "caf\xe9"}\n', b"\n",
+        {"messages": [{"role": "assistant", "content": "only a reply"}]},
+    ])
+    records, drops = read_prompt_file(path)
+    assert [r.prompt_id for r in records] == ["p.jsonl line 1"]
+    assert dict(drops.counts) == {"empty": 2, "bad_json": 1, "no_prompt": 1, "not_utf8": 1}
+    assert drops.examples["not_utf8"] == ["p.jsonl line 5"]
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [b"\xff\xfe\n", {"prompt": ""}])
+    with pytest.raises(ConfigError, match=r"holds no usable prompt \(left out: empty: 1 .*not_utf8: 1"):
+        read_prompt_file(bad)
+    txt = tmp_path / "p.txt"
+    txt.write_text("first prompt\n\nsecond prompt\n")
+    assert [r.messages[0]["content"] for r in read_prompt_file(txt)[0]] == ["first prompt", "second prompt"]
+
+
+def test_prompts_longer_than_max_length_are_dropped_and_counted(tmp_path, target):
+    records, _ = read_prompt_file(_write_jsonl(tmp_path / "p.jsonl", [{"text": "x = 1\n" * 40}, {"text": "y = 2\n"}]))
+    engine = TransformersEngine(target.model, target.tokenizer, batch_size=2)
+    spec = _part(tmp_path, target.tokenizer, records)
+    spec.max_length = 40
+    record = generate_part(engine, target.tokenizer, spec)
+    assert record["num_rows"] == 1 and record["dropped"]["counts"] == {"too_long": 1}
+    assert record["dropped"]["examples"]["too_long"] == ["p.jsonl line 1"]
+    row = open_corpus(tmp_path / "part-000000.arrow").row(0)
+    assert len(row.input_ids) <= 40
+
+
+def test_a_template_without_a_generation_prompt_is_refused(target):
+    import copy
+
+    tokenizer = copy.copy(target.tokenizer)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with pytest.raises(ConfigError, match="writes no generation prompt"):
+        check_generation_prompt(tokenizer, {}, where="target X")
+    tokenizer.chat_template = None
+    with pytest.raises(ConfigError, match="has no chat template"):
+        check_generation_prompt(tokenizer, {}, where="target X")
+
+
+def _generate_cli(prompts: Path, output: Path, *extra: str, **popen) -> subprocess.Popen:
+    command = [sys.executable, "-m", "stages.cli", "generate", str(prompts), "--output", str(output),
+               "--workers", "1", "--part-size", "1", "--max-new-tokens", "4", *extra]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}, **popen)
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_loses_and_duplicates_no_prompt(tmp_path):
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"text": f"def function_{i}(x):\n    return x"} for i in range(5)])
+    output = tmp_path / "out"
+    process = _generate_cli(prompts, output, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while len(committed_parts(output)) < 2 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)  # the driver and its Dask cluster, as a node failure would
+    process.wait(timeout=60)
+    before = {part: (output / f"part-{part:06d}.arrow").stat().st_ino for part in committed_parts(output)}
+    assert 2 <= len(before) < 5, before
+    with pytest.raises(CorpusError, match="unfinished generate output"):
+        open_corpus(output)
+    rerun = _generate_cli(prompts, output)
+    stdout, stderr = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, stderr[-3000:]
+    corpus = open_corpus(output)
+    assert [corpus.sample_id(i) for i in range(len(corpus))] == [f"p.jsonl line {i + 1}" for i in range(5)]
+    for part, inode in before.items():  # committed parts were kept, not redone
+        assert (output / f"part-{part:06d}.arrow").stat().st_ino == inode
+    generation = corpus.metadata["generation"]
+    assert generation["temperature"] == 0.0 and generation["max_new_tokens"] == 4 and generation["seed"] == 0
+    assert generation["engine"]["engine"] == "transformers" and generation["target"]["num_hidden_layers"] == 30
+    assert generation["generated_tokens"] == int(sum(corpus.row(i).loss_mask.sum() for i in range(len(corpus))))
+    # The same command with other settings is refused, naming what differs.
+    other = _generate_cli(prompts, output, "--temperature", "0.7")
+    _, stderr = other.communicate(timeout=300)
+    assert other.returncode == 2 and "differs in: temperature" in stderr
+
+
+def test_openai_engine_through_the_stage(tmp_path, target):
+    from test_generation_openai import FakeServer
+
+    from stages.generate import GenerateConfig, run_generate
+
+    server = FakeServer(target.tokenizer, kind="vllm")
+    try:
+        prompts = _write_jsonl(tmp_path / "p.jsonl", PROMPTS[:2])
+        summary = run_generate(GenerateConfig(prompts=str(prompts), output=str(tmp_path / "out"), engine="openai",
+                                              endpoints=[server.url], max_new_tokens=8))
+    finally:
+        server.stop()
+    corpus = open_corpus(tmp_path / "out")
+    assert summary["rows"] == 2 and corpus.metadata["generation"]["token_sources"] == {"engine": 2}
+    reply = [int(t) for t, m in zip(corpus.row(0).input_ids, corpus.row(0).loss_mask, strict=True) if m]
+    assert reply[: len(server.reply_ids)] == server.reply_ids
+    assert corpus.metadata["generation"]["engine"]["endpoints"] == [server.url]
