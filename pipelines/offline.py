@@ -472,6 +472,9 @@ def register(app: typer.Typer) -> None:
         """The main job: prepare -> extract -> train -> evaluate on a preset; ends by printing tau."""
         console = Console()
         preset_config = apply_overrides(load_preset(preset), overrides)
+        if docs and preset_config.get("generate"):
+            raise ConfigError(f"--docs adds text folders to prepare's inputs, but preset {preset} generates its corpus "
+                              "(a generate section) and runs no prepare; drop --docs")
         if docs:
             preset_config.setdefault("prepare", {})
             preset_config["prepare"]["inputs"] = [*preset_config["prepare"].get("inputs", ["default"]),
