@@ -139,6 +139,11 @@ class PipelineConfig:
         held = self.split.get("heldout_documents", 0)
         if not self.generate and (not isinstance(held, int) or held < 1):
             raise ConfigError(f"split.heldout_documents must be a positive integer, got {held!r}")
+        if self.generate and self.generate.get("prompts", "default") != "default" and "prompts" not in self.evaluate:
+            raise ConfigError(
+                f"evaluate.prompts: generate.prompts is {self.generate['prompts']!r}, which has no held-out split; "
+                "give evaluate.prompts (a .jsonl/.txt file of prompts training never saw)"
+            )
         unknown = sorted(set(self.evaluate) - _EVALUATE_FIELDS)
         if unknown:
             raise ConfigError(f"evaluate: unknown fields {unknown}; known: {sorted(_EVALUATE_FIELDS)}")
@@ -155,7 +160,7 @@ class PipelineConfig:
                 **{name: getattr(self, name) for name in _STAGES}}
 
 
-_EVALUATE_FIELDS = {"num_prompts", "prompt_tokens", "max_new_tokens", "temperature", "ignore_eos", "seed", "device",
+_EVALUATE_FIELDS = {"prompts", "num_prompts", "prompt_tokens", "max_new_tokens", "temperature", "ignore_eos", "seed", "device",
                     "dtype", "cpu_threads", "per_epoch", "compare_untrained", "near_tie_tolerance"}
 
 
@@ -303,7 +308,7 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
         generate = config.section("generate")
         stage("generate", generate, lambda: _json_safe(run_generate(
             GenerateConfig(output=str(paths["corpus"]), **generate), console=console)))
-        heldout_prompts = paths["corpus"] / HELDOUT_PROMPTS_FILE
+        heldout_prompts = Path(config.evaluate.get("prompts") or paths["corpus"] / HELDOUT_PROMPTS_FILE)
     else:
         prepare = config.section("prepare")
 
@@ -331,6 +336,7 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
 
     train = {"progress": True, **config.section("train")}
     evaluate = {"seed": 0, **config.evaluate}
+    evaluate.pop("prompts", None)  # where the prompts come from is decided above
     per_epoch = bool(evaluate.pop("per_epoch", False))
     compare_untrained = bool(evaluate.pop("compare_untrained", False))
 
@@ -342,7 +348,7 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
     def get_evaluator() -> Evaluator:
         nonlocal evaluator
         if evaluator is None:
-            if heldout_prompts is not None:  # the generate prompt set's held-out prompts (unseen documents)
+            if heldout_prompts is not None:  # the prompt set's held-out prompts (unseen documents), or evaluate.prompts
                 settings = EvaluateConfig(drafter=paths["run"], target=config.target, prompts=str(heldout_prompts),
                                           **evaluate)
             else:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import main_in_process
 from train_helpers import build_tiny_cache, tiny_config
 
 from dflash import faults
@@ -64,24 +65,6 @@ def fault(monkeypatch):
     yield set_fault
     monkeypatch.delenv(faults.ENV, raising=False)
     faults.reload()
-
-
-def _cli(monkeypatch, capsys, *args: str) -> tuple[int, str]:
-    """Run the real entry point ``stages.cli.main`` in this process; returns (exit status, stderr)."""
-    from stages.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["dflash-stages", *args])
-    monkeypatch.setenv("COLUMNS", "400")
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    code = 0
-    try:
-        main()
-    except SystemExit as exit_:
-        code = int(exit_.code or 0)
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-    return code, capsys.readouterr().err
 
 
 def _one_error_line(stderr: str) -> str:
@@ -207,7 +190,7 @@ def test_swapped_or_truncated_chunk_is_refused_before_step_1(cache, tmp_path, mo
         shutil.copyfile(tampered / "shards" / "000000" / "hidden" / "c" / "2" / "0", chunk)
     else:
         chunk.write_bytes(chunk.read_bytes()[:-100])
-    code, stderr = _cli(monkeypatch, capsys, *_train_args(tampered, tmp_path / "run"))
+    code, stderr = main_in_process(monkeypatch, capsys, *_train_args(tampered, tmp_path / "run"))
     line = _one_error_line(stderr)
     assert code == 2
     assert f"shard 1 of {tampered}: array 'hidden' chunk 2 (c/2/0, rows 64..96) ends with crc32c" in line
@@ -219,12 +202,12 @@ def test_deleted_commit_record_is_refused_unless_allow_incomplete(cache, tmp_pat
     partial = tmp_path / "cache"
     shutil.copytree(cache, partial)
     (partial / "commits" / "shard-000001.json").unlink()
-    code, stderr = _cli(monkeypatch, capsys, *_train_args(partial, tmp_path / "run"))
+    code, stderr = main_in_process(monkeypatch, capsys, *_train_args(partial, tmp_path / "run"))
     assert code == 2
     assert (f"error: {partial} is incomplete: 1 of 2 planned shards have no commit record (first: [1]; 12 of 24 corpus "
             "rows), so training would see 12 samples instead of about 24") in _one_error_line(stderr)
     assert not (tmp_path / "run").exists()
-    code, stderr = _cli(monkeypatch, capsys, *_train_args(partial, tmp_path / "run", "--allow-incomplete"))
+    code, stderr = main_in_process(monkeypatch, capsys, *_train_args(partial, tmp_path / "run", "--allow-incomplete"))
     assert code == 0, stderr
     assert "--allow-incomplete: training on 12 samples of 24 planned corpus rows (1 of 2 shards committed" in caplog.text
     run = json.loads((tmp_path / "run" / "run.json").read_text())
@@ -256,7 +239,7 @@ def test_full_disk_at_a_checkpoint_is_one_error_line_and_the_resume_is_bit_exact
     config_file = tmp_path / "config.json"
     config_file.write_text(json.dumps(tiny_config(cache, output, **RUN).to_dict()))
     fault("checkpoint.write@2=enospc")
-    code, stderr = _cli(monkeypatch, capsys, "train", "--config", str(config_file))
+    code, stderr = main_in_process(monkeypatch, capsys, "train", "--config", str(config_file))
     assert code == 2
     line = _one_error_line(stderr)
     assert line.startswith("error: No space left on device (ENOSPC) at ")
@@ -264,7 +247,7 @@ def test_full_disk_at_a_checkpoint_is_one_error_line_and_the_resume_is_bit_exact
     assert (output / "latest").read_text().strip() == "step_00000002"
     assert not list((output / "checkpoints").glob(".tmp-*"))  # nothing half-written left
     fault(None)
-    code, stderr = _cli(monkeypatch, capsys, "train", "--config", str(config_file), "--resume")
+    code, stderr = main_in_process(monkeypatch, capsys, "train", "--config", str(config_file), "--resume")
     assert code == 0, stderr
     _assert_same_run_state(straight_run, output, 4)
 
@@ -284,7 +267,7 @@ def test_truncated_weights_are_one_error_line_naming_the_file(straight_run, tmp_
         "evaluate": ["evaluate", "--drafter", str(run), "--prompts", str(prompts)],
         "train --resume": ["train", "--output", str(run), "--resume", "--no-progress"],
     }[command]
-    code, stderr = _cli(monkeypatch, capsys, *args)
+    code, stderr = main_in_process(monkeypatch, capsys, *args)
     assert code == 2
     line = _one_error_line(stderr)
     assert f"{weights} (1,000 bytes) is not a readable safetensors file" in line
@@ -298,7 +281,7 @@ def test_output_that_is_a_file_is_refused(cache, tmp_path, monkeypatch, capsys, 
     target.write_text("not a folder")
     args = _train_args(cache, target) if stage == "train" else ["extract", "--corpus", str(tmp_path / "corpus"),
                                                                   "--output", str(target)]  # fmt: skip
-    code, stderr = _cli(monkeypatch, capsys, *args)
+    code, stderr = main_in_process(monkeypatch, capsys, *args)
     assert code == 2
     assert f"output: {target} exists and is not a folder" in _one_error_line(stderr)
     assert target.read_text() == "not a folder"

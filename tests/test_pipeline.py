@@ -102,6 +102,36 @@ def test_rerun_skips_complete_stages_and_refuses_changed_settings(finished_run):
     assert isinstance(changed.exception, ConfigError) and "train" in str(changed.exception)
 
 
+def test_pipeline_on_generated_responses(tmp_path, target):
+    """A generate section replaces prepare + split: the corpus is the target's own replies, evaluation uses the
+    given held-out prompts, and every stage runs."""
+    from stages.cli import _register_all, app
+
+    _register_all()
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text("".join(json.dumps({"text": f"def add_{i}(a, b):\n    "}) + "\n" for i in range(6)))
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text(json.dumps({"text": "def multiply(a, b):\n    "}) + "\n")
+    tiny = {key: value for key, value in TINY.items() if key not in ("prepare", "split")}
+    preset = {**tiny, "generate": {"prompts": str(prompts), "max_new_tokens": 24, "workers": 1, "part_size": 3},
+              "evaluate": {**TINY["evaluate"], "prompts": str(heldout), "per_epoch": False, "num_prompts": 1}}
+    (tmp_path / "gen.json").write_text(json.dumps(preset))
+    workdir = tmp_path / "work"
+    result = CliRunner().invoke(app, ["run", "--preset", str(tmp_path / "gen.json"), "--workdir", str(workdir)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    state = json.loads((workdir / "pipeline.json").read_text())
+    assert set(state["stages"]) == {"generate", "extract", "train", "evaluate"}
+    from dflash.corpus import open_corpus
+
+    corpus = open_corpus(workdir / "corpus")
+    assert len(corpus) == 6 and corpus.metadata["generation"]["max_new_tokens"] == 24
+    report = json.loads((workdir / "eval" / "final.json").read_text())
+    assert report["prompts"]["source"] == str(heldout) and report["prompts"]["count"] == 1
+    without = {**preset, "evaluate": TINY["evaluate"]}
+    with pytest.raises(ConfigError, match="evaluate.prompts: generate.prompts is"):
+        PipelineConfig.from_preset(without, workdir=tmp_path / "other")
+
+
 def test_presets_load_and_overrides_apply():
     for name in PRESETS:
         preset = load_preset(name)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_helpers import main_in_process
 from train_helpers import build_tiny_cache
 
 from dflash.locks import lock_path_of
@@ -53,24 +54,6 @@ def hold(tmp_path):
         process.wait()
 
 
-def _main_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str]:
-    """The real entry point ``stages.cli.main`` in this process; returns (exit status, stderr)."""
-    from stages.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["dflash-stages", *args])
-    monkeypatch.setenv("COLUMNS", "400")
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    code = 0
-    try:
-        main()
-    except SystemExit as exit_:
-        code = int(exit_.code or 0)
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-    return code, capsys.readouterr().err
-
-
 @pytest.mark.parametrize("command", ["extract", "train", "prepare", "export", "sweep", "run"])
 def test_each_stage_refuses_an_output_another_process_writes(tmp_path, hold, monkeypatch, capsys, command):
     output = tmp_path / "out"
@@ -84,7 +67,7 @@ def test_each_stage_refuses_an_output_another_process_writes(tmp_path, hold, mon
     }[command]
     pid = hold(output)
     started = time.perf_counter()
-    code, err = _main_in_process(monkeypatch, capsys, *args)
+    code, err = main_in_process(monkeypatch, capsys, *args)
     assert code == 2, err
     assert time.perf_counter() - started < 10  # at once: nothing loaded, no waiting
     lines = [line for line in err.splitlines() if line.strip()]
@@ -122,7 +105,7 @@ def test_real_train_holds_its_run_and_a_sigkilled_one_is_taken_over_on_resume(ti
             assert time.monotonic() < deadline, "no checkpoint in time"
             time.sleep(0.1)
         # A second real train into the same run folder, while the first trains: refused at once.
-        code, err = _main_in_process(monkeypatch, capsys, "train", "--output", str(run), "--resume")
+        code, err = main_in_process(monkeypatch, capsys, "train", "--output", str(run), "--resume")
         assert code == 2 and f"is being written by pid {first.pid} on host" in err, err
         first.send_signal(signal.SIGKILL)
         first.wait()
