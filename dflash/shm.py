@@ -147,10 +147,11 @@ def attach_segment(name: str) -> shared_memory.SharedMemory:
     from multiprocessing import resource_tracker
 
     # Python < 3.13 registers every attach; undo it right away so the creator's unlink stays the only cleanup.
-    # A spawned child shares its creator's tracker (the name is a set entry there): unregistering would drop the
-    # creator's own registration, so children started by the creator keep it (process_writer's write processes).
+    # The creator itself, and the children it spawned (multiprocessing hands them its tracker, where the name is a set
+    # entry), share the creator's registration: unregistering there would drop it, so they keep it (process_writer's
+    # write processes, Dask workers of a LocalCluster started by the trainer).
     shm = shared_memory.SharedMemory(name=name)
-    if _segment_owner(name) != os.getppid():
+    if _segment_owner(name) not in (os.getpid(), os.getppid()):
         resource_tracker.unregister(getattr(shm, "_name", "/" + name), "shared_memory")
     return shm
 
