@@ -127,6 +127,8 @@ class TrainingData:
     """The cache check's record (``dflash.cache.integrity.check_cache``); ``{}`` when there is no cache."""
     kind: str = "cache"
     """Where the hidden states come from: ``"cache"`` (offline) or ``"online"`` (target replicas), for run.json."""
+    provenance: dict[str, Any] = field(default_factory=dict)
+    """What built the sources (e.g. the online producers' config), saved in run.json under ``data_source``."""
 
     def close(self) -> None:
         """Close both sources (threads, processes, shared memory)."""
@@ -816,7 +818,7 @@ class Trainer:
             "validation_loader": self.val_loader.describe() if self.val_loader is not None else None,
             "bucket_table": [_row_dict(row) for row in rows],
             "cache_metadata": self.data.metadata.to_dict(),
-            "data_source": self.data.kind,
+            "data_source": {"kind": self.data.kind, **self.data.provenance},
         }
         write_run_json(self.run_dir, self.config.to_dict(), self.environment, resolved=resolved, target=self.target_info)
         self.metrics.log_text("config", f"```\n{self.config.to_dict()}\n```")

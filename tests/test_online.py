@@ -100,3 +100,99 @@ def test_online_batches_hold_the_same_samples_in_the_same_batches_as_offline(off
         assert online_batch["hidden"].dtype == torch.bfloat16
         torch.testing.assert_close(online_batch["hidden"].float(), offline_batch["hidden"].float(), rtol=1.6e-2,
                                    atol=2e-2)  # fmt: skip
+
+
+def _online_config(corpus_dir, target_path, output, **train_overrides):
+    from pipelines.online import ONLINE_CACHE_PREFIX, OnlineConfig
+    from tests.train_helpers import tiny_config
+
+    train = tiny_config(Path(f"{ONLINE_CACHE_PREFIX}{corpus_dir}"), output, **train_overrides)
+    train.cache = f"{ONLINE_CACHE_PREFIX}{corpus_dir}"
+    return OnlineConfig(corpus=str(corpus_dir), train=train, target=str(target_path), target_layer_ids=TINY_LAYER_IDS,
+                        ring_slots=3)
+
+
+def _train_online_in_process(config, target) -> dict:
+    """``run_online`` with the producer in a thread of this process instead of a Dask worker."""
+    from pipelines.online import online_training_data
+    from stages.trainer import Trainer
+
+    producer = BatchProducer(TargetRunner(target.model, TINY_LAYER_IDS, "cpu", token_budget=256),
+                             open_corpus(config.corpus))
+    with ThreadPoolExecutor(1) as pool:
+        data = online_training_data(config, submit=lambda task: pool.submit(producer.produce, task),
+                                    device=torch.device("cpu"))
+        trainer = Trainer(config.train, device=torch.device("cpu"), data=data)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
+            producer.close()
+
+
+def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir, target_path, target, tmp_path):
+    from dflash.checkpoint import load_checkpoint
+
+    before = set(list_segments())
+    common = dict(max_steps=4, grad_accum_steps=3, save_every=2)  # 12 micro-batches: crosses an epoch (9)
+    straight = _train_online_in_process(_online_config(corpus_dir, target_path, tmp_path / "straight", **common), target)
+    first = _train_online_in_process(
+        _online_config(corpus_dir, target_path, tmp_path / "resumed", stop_at_step=2, **common), target)
+    assert first["step"] == 2
+    resumed = _train_online_in_process(
+        _online_config(corpus_dir, target_path, tmp_path / "resumed", resume=True, **common), target)
+    assert resumed["step"] == straight["step"] == 4 and resumed["data_digest"] == straight["data_digest"]
+    a = load_checkpoint(tmp_path / "straight" / "checkpoints" / "step_00000004")
+    b = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "step_00000004")
+    for name in a.model_state:
+        assert torch.equal(a.model_state[name], b.model_state[name]), name
+    assert a.trainer_state["data"] == b.trainer_state["data"] and a.trainer_state["data"]["epoch"] >= 1
+    assert a.trainer_state["counters"] == b.trainer_state["counters"]
+    assert resumed["val"]["loss"] == straight["val"]["loss"]
+    run = json.loads((tmp_path / "straight" / "run.json").read_text())
+    assert run["resolved"]["data_source"]["kind"] == "online"
+    assert run["resolved"]["train_loader"]["queue"]["num_slots"] == 3
+    assert set(list_segments()) == before  # every ring removed
+
+
+def test_online_command_trains_end_to_end_with_one_cpu_worker_and_resumes(corpus_dir, target_path, target,
+                                                                          tmp_path):
+    """``dflash-stages online --workers 1``: a Dask producer process, the training loop here; stopped at step 2
+    and resumed to step 4 through the CLI, it trains on the batches of the in-process straight run."""
+    import os
+    import subprocess
+    import sys
+
+    reference = _train_online_in_process(
+        _online_config(corpus_dir, target_path, tmp_path / "reference", max_steps=4, save_every=2), target)
+    before = set(list_segments())
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "stages.cli", "online", "--corpus", str(corpus_dir), "--output", str(run),
+               "--workers", "1", "--target", str(target_path), "--target-layer-ids", "1,3", "--num-draft-layers", "1",
+               "--block-size", "4", "--max-anchors-per-document", "2", "--token-budget", "192", "--num-buckets", "2",
+               "--validation-fraction", "0.2", "--max-steps", "4", "--save-every", "2", "--log-every", "1",
+               "--device", "cpu", "--ring-slots", "3", "--no-progress"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = subprocess.run([*command, "--stop-at-step", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = subprocess.run(["--resume" if a == "--no-progress" else a for a in command] + ["--no-progress"],
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout[resumed.stdout.index("{"):])
+    assert summary["step"] == 4 and summary["data_digest"] == reference["data_digest"]
+    assert (run / "latest").read_text().strip() == "step_00000004"
+    from dflash.telemetry import read_metrics
+
+    assert [r["step"] for r in read_metrics(run, kind="train")] == [1, 2, 3, 4]
+    assert set(list_segments()) == before  # no ring left behind by either process
+
+
+def test_online_command_refuses_bad_options_with_one_error_line(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "stages.cli", "online", "--corpus", str(tmp_path), "--output",
+                             str(tmp_path / "run"), "--workers", "1", "--ring-slots", "1"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2
+    assert "error: ring_slots: expected an integer >= 2" in result.stderr
