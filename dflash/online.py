@@ -246,10 +246,21 @@ class OnlineBatches(PlannedCursor):
     # ---- consumer --------------------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[PackedBatch]:
-        """This rank's batches from the cursor to the end of the epoch (then the cursor moves to the next epoch)."""
+        """This rank's batches from the cursor to the end of the epoch (then the cursor moves to the next epoch).
+
+        Producers run ahead (into the next epoch too) while slots are free; closing the iterator early stops them
+        (the slots of batches in flight come back when their tasks end)."""
         if self._step >= self.plan().num_steps:
             self._advance_epoch()
         self._start_dispatcher()
+        try:
+            yield from self._consume()
+        except GeneratorExit:  # the consumer stopped early (e.g. max_validation_batches): producers stop too
+            self._stop_dispatcher()
+            raise
+        self._advance_epoch()
+
+    def _consume(self) -> Iterator[PackedBatch]:
         while self._step < self.plan().num_steps:
             waited = time.perf_counter()
             item = self._in_order.get()  # the trainer waits here while producers are behind
@@ -285,7 +296,6 @@ class OnlineBatches(PlannedCursor):
             stats.bucket_batches[planned.bucket] += 1  # type: ignore[index]
             self._step += 1
             yield batch
-        self._advance_epoch()
 
     def _pack(self, slot_batch: Any, bucket: int) -> PackedBatch:
         """The offline packing (:func:`dflash.batching.pack_samples`) of the slot's documents."""

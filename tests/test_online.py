@@ -155,35 +155,40 @@ def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir
     assert set(list_segments()) == before  # every ring removed
 
 
-def test_online_command_trains_end_to_end_with_one_cpu_worker_and_resumes(corpus_dir, target_path, target,
-                                                                          tmp_path):
-    """``dflash-stages online --workers 1``: a Dask producer process, the training loop here; stopped at step 2
-    and resumed to step 4 through the CLI, it trains on the batches of the in-process straight run."""
+def test_online_trains_end_to_end_with_one_cpu_worker_and_the_command_resumes_it(corpus_dir, target_path, target,
+                                                                                 tmp_path):
+    """``run_online`` with one Dask producer process and the training loop here, stopped at step 2 (as a preemption
+    would), then ``dflash-stages online --output RUN --resume`` (a new process, config from run.json) to step 4:
+    the run trains on exactly the first 4 batches of the plan and leaves no ring behind."""
     import os
     import subprocess
     import sys
 
-    reference = _train_online_in_process(
-        _online_config(corpus_dir, target_path, tmp_path / "reference", max_steps=4, save_every=2), target)
-    before = set(list_segments())
+    from dflash.batch_source import PlannedCursor
+    from dflash.telemetry import read_metrics
+    from pipelines.online import run_online
+    from stages.trainer import stream_config
+
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "stages.cli", "online", "--corpus", str(corpus_dir), "--output", str(run),
-               "--workers", "1", "--target", str(target_path), "--target-layer-ids", "1,3", "--num-draft-layers", "1",
-               "--block-size", "4", "--max-anchors-per-document", "2", "--token-budget", "192", "--num-buckets", "2",
-               "--validation-fraction", "0.2", "--max-steps", "4", "--save-every", "2", "--log-every", "1",
-               "--device", "cpu", "--ring-slots", "3", "--no-progress"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    first = subprocess.run([*command, "--stop-at-step", "2"], capture_output=True, text=True, env=env, timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = subprocess.run(["--resume" if a == "--no-progress" else a for a in command] + ["--no-progress"],
-                             capture_output=True, text=True, env=env, timeout=300)
+    config = _online_config(corpus_dir, target_path, run, max_steps=4, save_every=2, stop_at_step=2)
+    plan = PlannedCursor(CorpusLengths(open_corpus(corpus_dir)), stream_config(config.train, "train",
+                                                                                torch.device("cpu")))
+    expected_digest = ""  # the trainer's data digest chains the corpus rows of every batch it trained on
+    for step in range(4):
+        rows = [int(r) for r in plan.sample_row[plan.planned_batch(0, step).samples]]
+        expected_digest = hashlib.sha256((expected_digest + repr(rows)).encode()).hexdigest()
+    before = set(list_segments())
+    first = run_online(config)
+    assert first["step"] == 2 and (run / "latest").read_text().strip() == "step_00000002"
+    resumed = subprocess.run([sys.executable, "-m", "stages.cli", "online", "--output", str(run), "--resume"],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout[resumed.stdout.index("{"):])
-    assert summary["step"] == 4 and summary["data_digest"] == reference["data_digest"]
+    assert summary["step"] == 4 and summary["data_digest"] == expected_digest
     assert (run / "latest").read_text().strip() == "step_00000004"
-    from dflash.telemetry import read_metrics
-
     assert [r["step"] for r in read_metrics(run, kind="train")] == [1, 2, 3, 4]
+    assert read_metrics(run, kind="val")  # validation batches came through the queue too
     assert set(list_segments()) == before  # no ring left behind by either process
 
 
