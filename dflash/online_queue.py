@@ -217,6 +217,10 @@ class Ring:
         close_segment(self.shm, unlink=self.owner)
         self.shm = None
 
+    def __del__(self) -> None:  # a ring dropped without close(): unmap before the segment object is collected
+        if getattr(self, "shm", None) is not None:
+            self.close()
+
     def __enter__(self) -> Ring:
         return self
 
