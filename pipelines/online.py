@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +67,6 @@ class OnlineConfig:
     token_budget x n*H x 2 bytes)."""
     runner_token_budget: int | None = None
     """Padded tokens per target forward of a producer; ``None``: the training ``token_budget``."""
-    scheduler_extra: dict[str, Any] = field(default_factory=dict)
-    """Reserved for cluster settings (dashboard address...); informative."""
 
     def __post_init__(self) -> None:
         if not self.corpus:

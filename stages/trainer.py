@@ -786,6 +786,8 @@ class Trainer:
             **self.buckets.summary(),
             "data_wait_total_s": self.train_loader.stats.wait_seconds,
         }
+        if hasattr(self.train_loader.stats, "dispatch_wait_seconds"):  # online: producers held back by a full ring
+            record["queue_full_wait_total_s"] = self.train_loader.stats.dispatch_wait_seconds
         self.metrics.log("train", self.step, record)
 
     def _status(self, step_metrics: dict[str, Any], last_eval: dict[str, float]) -> str:

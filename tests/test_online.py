@@ -152,6 +152,10 @@ def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir
     run = json.loads((tmp_path / "straight" / "run.json").read_text())
     assert run["resolved"]["data_source"]["kind"] == "online"
     assert run["resolved"]["train_loader"]["queue"]["num_slots"] == 3
+    from dflash.telemetry import read_metrics
+
+    last = read_metrics(tmp_path / "straight", kind="train")[-1]
+    assert last["data_wait_total_s"] >= 0 and last["queue_full_wait_total_s"] >= 0  # both waits measured
     assert set(list_segments()) == before  # every ring removed
 
 
