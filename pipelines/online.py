@@ -240,6 +240,12 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any]) -> 
     train_overrides = {**train_overrides, "cache": train_overrides.get("cache") or f"{ONLINE_CACHE_PREFIX}{corpus}"}
     train = train_config_from_cli(train_overrides)
     merged.pop("train", None)
+    from dataclasses import fields
+
+    unknown = sorted(set(merged) - {f.name for f in fields(OnlineConfig)})
+    if unknown:
+        raise ConfigError(f"unknown online config fields {unknown} in {run_json}: the run was made by another version "
+                          "of dflash-stages; resume it with that version or start a new run")
     return OnlineConfig(train=train, **merged)
 
 
