@@ -44,6 +44,7 @@ __all__ = [
     "LengthPolicy",
     "CorpusRow",
     "Corpus",
+    "CorpusLengths",
     "CorpusReport",
     "CorpusWriter",
     "open_corpus",
@@ -280,6 +281,19 @@ class Corpus:
         return int(self.lengths.sum())
 
     @cached_property
+    def supervised_counts(self) -> np.ndarray:
+        """Supervised tokens (``loss_mask == 1``) per row, ``[len(self)]`` int64 (from the mask values; no row object
+        is built)."""
+        parts = []
+        for chunk in self._chunks:
+            starts, stops = chunk.mask_offsets[:-1], chunk.mask_offsets[1:]
+            cumulative = np.concatenate([[0], np.cumsum(chunk.mask_values[chunk.mask_offsets[0]: chunk.mask_offsets[-1]]
+                                                        .astype(np.int64) == 1)])
+            base = chunk.mask_offsets[0]
+            parts.append(cumulative[stops - base] - cumulative[starts - base])
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+    @cached_property
     def fingerprint(self) -> str:
         """``"sha256:<hex>"`` of the content: per-row lengths (int64 LE), all ``input_ids`` (int32 LE) and all
         ``loss_mask`` values (uint8), in row order. Independent of the file format, chunking and ``sample_id``;
@@ -329,6 +343,38 @@ class Corpus:
         """Rows ``[start, stop)`` (clipped to the corpus) as :class:`CorpusRow` objects."""
         start, stop = max(0, start), min(stop, len(self))
         return [self.row(i) for i in range(start, stop)]
+
+
+class CorpusLengths:
+    """A :class:`dflash.batch_source.LengthSource` over a corpus: what the epoch plan needs, without hidden states.
+
+    The online mode plans its epochs from it exactly as the streaming loader plans them from a cache of the same
+    corpus (same rows, lengths, supervised counts, in corpus-row order): same seed -> same batches.
+
+    Args:
+        corpus: an opened :class:`Corpus`.
+        shard_rows: ``[start, stop)`` corpus-row ranges, one per shard (``None``: one shard of every row).
+    """
+
+    def __init__(self, corpus: Corpus, shard_rows: list[list[int]] | None = None) -> None:
+        self.corpus = corpus
+        self.shard_rows = [list(map(int, r)) for r in shard_rows] if shard_rows is not None else [[0, len(corpus)]]
+
+    @property
+    def shards(self) -> list[int]:
+        return list(range(len(self.shard_rows)))
+
+    def shard_lengths(self, shard: int) -> np.ndarray:
+        start, stop = self.shard_rows[shard]
+        return self.corpus.lengths[start:stop]
+
+    def shard_corpus_rows(self, shard: int) -> np.ndarray:
+        start, stop = self.shard_rows[shard]
+        return np.arange(start, stop, dtype=np.int64)
+
+    def shard_supervised_counts(self, shard: int) -> np.ndarray:
+        start, stop = self.shard_rows[shard]
+        return self.corpus.supervised_counts[start:stop]
 
 
 def open_corpus(path: str | os.PathLike[str], *, labels_as_mask: bool = False, allow_unfinished: bool = False) -> Corpus:

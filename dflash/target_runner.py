@@ -156,7 +156,7 @@ class TargetRunner:
         token_budget: padded tokens per forward batch (``rows x longest``).
         pad_token_id: id written into padding positions (never seen by real tokens).
         shared_host_buffers: allocate the reusable host buffers in POSIX shared memory (pinned on CUDA), so that
-            write processes read the hidden states without a copy (:mod:`dflash.cache.process_writer`); call
+            write processes read the hidden states without a copy (:mod:`dflash.shm`, read by :mod:`dflash.cache.process_writer`); call
             :meth:`close` to free them.
 
     Raises:
@@ -212,7 +212,7 @@ class TargetRunner:
                 return buffer
         size = max(numel, self.token_budget * self.feature_size)
         if self.shared_host_buffers:
-            from dflash.cache.process_writer import SharedHostBuffer, SharedMemoryFull
+            from dflash.shm import SharedHostBuffer, SharedMemoryFull
 
             try:
                 shared = SharedHostBuffer(size, pin=self.device.type == "cuda")

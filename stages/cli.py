@@ -136,6 +136,7 @@ _COMMAND_MODULES = [
     "stages.extract",
     "stages.cache_cmd",
     "stages.train",
+    "pipelines.online",  # online: target replicas feed training through shared memory
     "stages.sweep",
     "stages.evaluate",
     "stages.export",

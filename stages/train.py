@@ -336,7 +336,7 @@ def _train_worker(config_dict: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from stages.trainer import Trainer
+    from stages.trainer import Trainer, open_cache_data
 
     config = TrainConfig.from_dict(config_dict)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -349,11 +349,15 @@ def _train_worker(config_dict: dict[str, Any]) -> dict[str, Any]:
         initialized_here = True
     if device.type == "cpu" and world_size > 1:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    trainer = Trainer(config, rank=rank, world_size=world_size, device=device)
+    trainer = None
     try:
+        # The trainer gets its batch sources (STYLE.md 16): here the cache's; pipelines/online.py hands it the queue's.
+        data = open_cache_data(config, rank=rank, world_size=world_size, device=device)
+        trainer = Trainer(config, rank=rank, world_size=world_size, device=device, data=data)
         return trainer.fit()
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
         if initialized_here:
             dist.destroy_process_group()
 

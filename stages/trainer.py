@@ -25,6 +25,7 @@ import logging
 import math
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dflash.batch_source import BatchSource, StreamConfig
 from dflash.checkpoint import (
     Checkpointer,
     capture_rng_state,
@@ -56,7 +58,6 @@ from dflash.drafter import (
 from dflash.drafter.attention_kernels import flash_attention_applies
 from dflash.errors import CheckpointError, ConfigError
 from dflash.optim import build_optimizer, build_scheduler, clip_grad_norm, extend_schedule, schedule_segments
-from dflash.stream import StreamConfig, StreamingLoader
 from dflash.target import LAYER_ID_CONVENTION, resolve_target_path, target_identity
 from dflash.telemetry import BucketCounter, MetricsWriter, StepTimer, ThroughputWindow, training_progress
 
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
     from dflash.batching import PackedBatch
     from stages.train import TrainConfig
 
-__all__ = ["Trainer", "load_target_embeddings"]
+__all__ = ["Trainer", "TrainingData", "open_cache_data", "stream_config", "loader_placement", "load_target_embeddings"]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,93 @@ def load_target_embeddings(target_path: Path) -> tuple[torch.Tensor, torch.Tenso
     return embed, (None if head.data_ptr() == embed.data_ptr() else head)
 
 
+@dataclass(kw_only=True, slots=True)
+class TrainingData:
+    """What the training loop consumes, built outside it (STYLE.md 16) and handed to :class:`Trainer`."""
+
+    metadata: Any
+    """``dflash.cache.CacheMetadata`` of the hidden states: the cache's, or (online) the one the producers compute
+    to (target identity, taps, hidden size, corpus fingerprint); checked against the drafter before step 1."""
+    train: BatchSource
+    """This rank's training batches (shuffled, plan order); its state is the checkpoint's data cursor."""
+    validation: BatchSource | None = None
+    """This rank's held-out batches (fixed order), or ``None`` (no validation, no best checkpoint)."""
+    integrity: dict[str, Any] = field(default_factory=dict)
+    """The cache check's record (``dflash.cache.integrity.check_cache``); ``{}`` when there is no cache."""
+    kind: str = "cache"
+    """Where the hidden states come from: ``"cache"`` (offline) or ``"online"`` (target replicas), for run.json."""
+    provenance: dict[str, Any] = field(default_factory=dict)
+    """What built the sources (e.g. the online producers' config), saved in run.json under ``data_source``."""
+
+    def close(self) -> None:
+        """Close both sources (threads, processes, shared memory)."""
+        try:
+            self.train.close()
+        finally:
+            if self.validation is not None:
+                self.validation.close()
+
+
+def loader_placement(rank: int, world_size: int, device: torch.device) -> dict[str, Any]:
+    """Rank, world size and device of a rank's loaders. On CUDA the loader gets ``device=``: it packs into
+    pinned memory and copies the next batch to the GPU on its side stream while the current one trains
+    (what ``benchmarks/train_stream.py`` measures), instead of a copy on the default stream in the step. On
+    CPU batches stay where they are read (``device=None``)."""
+    return {"rank": rank, "world_size": world_size, "device": device if device.type == "cuda" else None}
+
+
+def stream_config(config: TrainConfig, split: str, device: torch.device) -> StreamConfig:
+    """The :class:`StreamConfig` of ``split`` (``"train"``: shuffled; ``"validation"``: fixed order) for a run."""
+    return StreamConfig(
+        token_budget=config.token_budget,
+        boundaries=tuple(config.bucket_boundaries) if config.bucket_boundaries else None,
+        num_buckets=config.num_buckets,
+        seed=config.seed,
+        shuffle=split == "train",
+        split=split,  # type: ignore[arg-type]
+        validation_fraction=config.validation_fraction,
+        prefetch_batches=config.prefetch_batches,
+        shard_window=config.shard_window,
+        max_documents_per_batch=config.max_documents_per_batch,
+        min_supervised_tokens=config.resolved_min_supervised_tokens(),
+        pad_to_budget=config.compile,  # fixed shapes: one compiled graph for every step
+        pin_memory=device.type == "cuda",
+    )
+
+
+def open_cache_data(config: TrainConfig, *, rank: int = 0, world_size: int = 1,
+                    device: torch.device) -> TrainingData:  # fmt: skip
+    """The offline batch sources: ``config.cache`` checked (every commit record against its chunks, completeness;
+    before anything is written) and streamed by :class:`dflash.stream.StreamingLoader`.
+
+    Raises:
+        CacheError: the cache is missing, incomplete (without ``allow_incomplete``) or corrupt.
+        ConfigError: the training split is empty or a sample is longer than the token budget.
+    """
+    from dflash.cache import CacheReader
+    from dflash.cache.integrity import check_cache
+    from dflash.stream import StreamingLoader
+
+    reader = CacheReader(config.cache)
+    integrity = check_cache(reader, allow_incomplete=config.allow_incomplete)
+    if rank == 0 and integrity["uncommitted_shards"]:
+        log.warning(
+            "--allow-incomplete: training on %d samples of %d planned corpus rows (%d of %d shards committed; "
+            "not committed: %s); finish the cache with `dflash-stages extract` to train on all of them",
+            integrity["num_samples"], integrity["planned_rows"], integrity["committed_shards"],
+            integrity["planned_shards"], integrity["uncommitted_shards"][:10],
+        )
+    placement = loader_placement(rank, world_size, device)
+    train = StreamingLoader(reader, stream_config(config, "train", device), **placement)
+    validation = None
+    if config.validation_fraction > 0:
+        try:
+            validation = StreamingLoader(reader, stream_config(config, "validation", device), **placement)
+        except ConfigError as error:  # e.g. a tiny cache where 1% of the rows is no row at all
+            log.warning("validation disabled (no best checkpoint, no validation loss): %s", error)
+    return TrainingData(metadata=reader.metadata, train=train, validation=validation, integrity=integrity)
+
+
 class _LossModule(nn.Module):
     """``forward(batch, anchors) -> (weighted_ce_sum, weight_sum, correct[B-1], count[B-1])`` so DDP wraps it."""
 
@@ -140,10 +228,15 @@ class Trainer:
         config: the resolved :class:`stages.train.TrainConfig`.
         rank, world_size: this process's data-parallel rank.
         device: the torch device of this rank.
+        data: the batch sources to train on (:class:`TrainingData`: the offline cache's loaders from
+            :func:`open_cache_data`, or the online queue's consumer); ``None``: :func:`open_cache_data` of
+            ``config.cache``. Closed by :meth:`close`.
     """
 
-    def __init__(self, config: TrainConfig, *, rank: int = 0, world_size: int = 1, device: torch.device) -> None:
+    def __init__(self, config: TrainConfig, *, rank: int = 0, world_size: int = 1, device: torch.device,
+                 data: TrainingData | None = None) -> None:
         self.config = config
+        self.data = data
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -227,22 +320,12 @@ class Trainer:
 
     # ================================================================== load
     def load(self) -> None:
-        """Open the cache, target weights, drafter, optimizer and loaders; check they agree; resume if asked."""
-        from dflash.cache import CacheReader
-        from dflash.cache.integrity import check_cache
-
+        """Take the batch sources; load target weights, drafter, optimizer; check they agree; resume if asked."""
         config = self.config
-        self.reader = CacheReader(config.cache)
-        metadata = self.reader.metadata
-        # Before anything is written: every commit record against its stored chunks, and completeness.
-        self.integrity = check_cache(self.reader, allow_incomplete=config.allow_incomplete)
-        if self.is_main and self.integrity["uncommitted_shards"]:
-            log.warning(
-                "--allow-incomplete: training on %d samples of %d planned corpus rows (%d of %d shards committed; "
-                "not committed: %s); finish the cache with `dflash-stages extract` to train on all of them",
-                self.integrity["num_samples"], self.integrity["planned_rows"], self.integrity["committed_shards"],
-                self.integrity["planned_shards"], self.integrity["uncommitted_shards"][:10],
-            )
+        if self.data is None:  # the train stage's own data: the cache of config.cache
+            self.data = open_cache_data(config, rank=self.rank, world_size=self.world_size, device=self.device)
+        metadata = self.data.metadata
+        self.integrity = self.data.integrity
         self.target_spec = config.target or metadata.target_spec
         target_path = resolve_target_path(self.target_spec)
         self.identity = target_identity(target_path)
@@ -280,14 +363,10 @@ class Trainer:
             **target_weight_record(embed, lm_head),
         }
 
-        self.train_loader = StreamingLoader(self.reader, self._stream_config("train"), **self._loader_placement())
-        self.val_loader = None
-        if config.validation_fraction > 0:
-            try:
-                self.val_loader = StreamingLoader(self.reader, self._stream_config("validation"), **self._loader_placement())
-                self._val_start = self.val_loader.state_dict()
-            except ConfigError as error:  # e.g. a tiny cache where 1% of the rows is no row at all
-                log.warning("validation disabled (no best checkpoint, no validation loss): %s", error)
+        self.train_loader = self.data.train
+        self.val_loader = self.data.validation
+        if self.val_loader is not None:
+            self._val_start = self.val_loader.state_dict()
         self.excluded = self._excluded_samples()
         micro_per_epoch = len(self.train_loader)
         if micro_per_epoch < 1:
@@ -421,30 +500,7 @@ class Trainer:
         )
 
     def _loader_placement(self) -> dict[str, Any]:
-        """Rank, world size and device of this rank's loaders. On CUDA the loader gets ``device=``: it packs into
-        pinned memory and copies the next batch to the GPU on its side stream while the current one trains
-        (what ``benchmarks/train_stream.py`` measures), instead of a copy on the default stream in the step. On
-        CPU batches stay where they are read (``device=None``)."""
-        device = self.device if self.device.type == "cuda" else None
-        return {"rank": self.rank, "world_size": self.world_size, "device": device}
-
-    def _stream_config(self, split: str) -> StreamConfig:
-        config = self.config
-        return StreamConfig(
-            token_budget=config.token_budget,
-            boundaries=tuple(config.bucket_boundaries) if config.bucket_boundaries else None,
-            num_buckets=config.num_buckets,
-            seed=config.seed,
-            shuffle=split == "train",
-            split=split,  # type: ignore[arg-type]
-            validation_fraction=config.validation_fraction,
-            prefetch_batches=config.prefetch_batches,
-            shard_window=config.shard_window,
-            max_documents_per_batch=config.max_documents_per_batch,
-            min_supervised_tokens=config.resolved_min_supervised_tokens(),
-            pad_to_budget=config.compile,  # fixed shapes: one compiled graph for every step
-            pin_memory=self.device.type == "cuda",
-        )
+        return loader_placement(self.rank, self.world_size, self.device)
 
     def _restore(self, checkpoint) -> None:
         state = checkpoint.trainer_state
@@ -730,6 +786,8 @@ class Trainer:
             **self.buckets.summary(),
             "data_wait_total_s": self.train_loader.stats.wait_seconds,
         }
+        if hasattr(self.train_loader.stats, "dispatch_wait_seconds"):  # online: producers held back by a full ring
+            record["queue_full_wait_total_s"] = self.train_loader.stats.dispatch_wait_seconds
         self.metrics.log("train", self.step, record)
 
     def _status(self, step_metrics: dict[str, Any], last_eval: dict[str, float]) -> str:
@@ -761,7 +819,8 @@ class Trainer:
             "train_loader": self.train_loader.describe(),
             "validation_loader": self.val_loader.describe() if self.val_loader is not None else None,
             "bucket_table": [_row_dict(row) for row in rows],
-            "cache_metadata": self.reader.metadata.to_dict(),
+            "cache_metadata": self.data.metadata.to_dict(),
+            "data_source": {"kind": self.data.kind, **self.data.provenance},
         }
         write_run_json(self.run_dir, self.config.to_dict(), self.environment, resolved=resolved, target=self.target_info)
         self.metrics.log_text("config", f"```\n{self.config.to_dict()}\n```")
@@ -789,8 +848,8 @@ class Trainer:
         finally:
             if self.metrics is not None:
                 self.metrics.close()
-            if getattr(self, "train_loader", None) is not None:
-                self.train_loader.close()
+            if self.data is not None:
+                self.data.close()
 
 
 def _row_dict(row: Any) -> dict[str, Any]:

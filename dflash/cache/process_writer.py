@@ -24,7 +24,6 @@ import concurrent.futures
 import logging
 import multiprocessing
 import os
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -32,12 +31,20 @@ from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
 
 from dflash.errors import ConfigError
+from dflash.shm import (
+    SEGMENT_PREFIX,
+    SharedHostBuffer,
+    SharedMemoryFull,
+    remove_orphaned_segments,
+    remove_segments_of,
+    shared_location,
+)
 
 __all__ = [
+    "SEGMENT_PREFIX",
     "SharedHostBuffer",
     "SharedMemoryFull",
     "ProcessShardWriter",
@@ -48,134 +55,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_REGISTRY: dict[int, SharedHostBuffer] = {}  # base address -> live buffer (this process)
-_REGISTRY_LOCK = threading.Lock()
-
-
-#: Segment names: ``dflash_<creator pid>_<random>`` (under /dev/shm on Linux), so that the segments of a killed
-#: worker can be found and removed (:func:`remove_segments_of`, :func:`remove_orphaned_segments`).
-SEGMENT_PREFIX = "dflash_"
-_SHM_DIR = "/dev/shm"
-
-
-def _segment_owner(name: str) -> int | None:
-    if not name.startswith(SEGMENT_PREFIX):
-        return None
-    pid = name[len(SEGMENT_PREFIX):].split("_", 1)[0]
-    return int(pid) if pid.isdigit() else None
-
-
-def remove_segments_of(pid: int) -> int:
-    """Unlink every shared host buffer created by process ``pid`` (Linux ``/dev/shm``); returns how many.
-
-    Called by a write process whose worker died: a SIGKILLed worker never runs :meth:`SharedHostBuffer.close`, and
-    its segments (GiBs) would otherwise stay until the process that started the worker exits."""
-    removed = 0
-    try:
-        names = os.listdir(_SHM_DIR)
-    except OSError:
-        return 0
-    for name in names:
-        if _segment_owner(name) == pid:
-            try:
-                os.unlink(os.path.join(_SHM_DIR, name))
-                removed += 1
-            except OSError:
-                pass
-    return removed
-
-
-def remove_orphaned_segments() -> int:
-    """Unlink the shared host buffers of processes that no longer exist (killed workers); returns how many."""
-    try:
-        owners = {_segment_owner(name) for name in os.listdir(_SHM_DIR)}
-    except OSError:
-        return 0
-    return sum(remove_segments_of(pid) for pid in owners if pid is not None and not psutil.pid_exists(pid))
-
-
-class SharedMemoryFull(ConfigError):
-    """Not enough POSIX shared memory (``/dev/shm``) for a host buffer."""
-
-
-def _shm_free() -> str:
-    try:
-        stats = os.statvfs("/dev/shm")
-    except OSError:
-        return "/dev/shm not found"
-    return f"/dev/shm has {stats.f_bavail * stats.f_frsize / 2**20:,.0f} MiB free of {stats.f_blocks * stats.f_frsize / 2**20:,.0f} MiB"
-
-
-class SharedHostBuffer:
-    """``numel`` bf16 elements of POSIX shared memory as a flat tensor (``.tensor``), pinned for CUDA copies when
-    ``pin`` and CUDA is available (``cudaHostRegister``; ``.pinned`` says whether it took). Close with
-    :meth:`close` (unregisters, unmaps and unlinks); views of ``.tensor`` must be gone by then.
-
-    Raises:
-        SharedMemoryFull: the pages cannot be reserved (``posix_fallocate`` on the shared-memory file failed,
-            e.g. a container's small ``/dev/shm``); nothing is left behind.
-    """
-
-    def __init__(self, numel: int, *, pin: bool) -> None:
-        nbytes = max(2, int(numel) * 2)
-        name = f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-        self.shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-        # Reserve the pages now: a shared-memory file is sparse, and writing past a full /dev/shm (a container's
-        # default is 64 MB) kills the process with SIGBUS instead of raising.
-        fd = getattr(self.shm, "_fd", -1)
-        if fd >= 0 and hasattr(os, "posix_fallocate"):
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as error:
-                self.shm.close()
-                self.shm.unlink()
-                raise SharedMemoryFull(
-                    f"cannot reserve {nbytes / 2**20:,.0f} MiB of shared memory for a host buffer ({error.strerror}; "
-                    f"{_shm_free()}); give the machine or container more shared memory (docker run --shm-size=...) "
-                    "or write shards in threads (extract --write-processes 0)"
-                ) from None
-        self.name = self.shm.name
-        self.nbytes = nbytes
-        self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.bfloat16, count=nbytes // 2)
-        self.base = self.tensor.data_ptr()
-        self.pinned = False
-        if pin and torch.cuda.is_available():
-            try:  # unpinned memory still works: the device-to-host copies then synchronize
-                code = torch.cuda.cudart().cudaHostRegister(self.base, nbytes, 0)
-                self.pinned = int(getattr(code, "value", code)) == 0
-            except (AttributeError, RuntimeError, TypeError):
-                self.pinned = False
-        with _REGISTRY_LOCK:
-            _REGISTRY[self.base] = self
-
-    def close(self) -> None:
-        with _REGISTRY_LOCK:
-            _REGISTRY.pop(self.base, None)
-        if self.pinned:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.base)
-            except (AttributeError, RuntimeError, TypeError):
-                pass
-            self.pinned = False
-        self.tensor = None  # type: ignore[assignment]
-        try:
-            self.shm.close()
-            self.shm.unlink()
-        except (BufferError, FileNotFoundError):  # a view still alive / already unlinked: the OS frees it at exit
-            pass
-
-
-def shared_location(tensor: torch.Tensor) -> tuple[str, int] | None:
-    """``(shared memory name, byte offset)`` of a CPU tensor lying inside a live :class:`SharedHostBuffer` of
-    this process, else ``None``. The tensor must be C-contiguous."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        return None
-    address = tensor.data_ptr()
-    with _REGISTRY_LOCK:
-        for base, buffer in _REGISTRY.items():
-            if base <= address and address + tensor.numel() * tensor.element_size() <= base + buffer.nbytes:
-                return buffer.name, address - base
-    return None
+# The segments themselves (naming, page reservation, cleanup of killed processes) live in dflash.shm, shared with
+# the online queue; re-exported here for the callers that imported them from this module.
 
 
 @dataclass(frozen=True, slots=True)

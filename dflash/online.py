@@ -1,0 +1,340 @@
+"""Online batches: the trainer's batch source fed by target replicas through the shared-memory ring.
+
+:class:`OnlineBatches` is a :class:`dflash.batch_source.BatchSource`. Its epoch plan is the offline one
+(:class:`dflash.batch_source.PlannedCursor` over :class:`dflash.corpus.CorpusLengths`: same lengths, split, buckets,
+token budget and seed as a cache of the same corpus), so it yields the same samples in the same batches in the same
+order as ``extract`` then ``train``; only the hidden states come from producers instead of the cache (equal within
+the runner's tolerance, since a sample's forward batch differs).
+
+Flow (one rank)::
+
+    dispatcher thread:  for each planned batch from the cursor, in plan order:
+                            slot, ticket = ring.acquire()      # blocks while the ring is full (backpressure)
+                            future = submit(BatchTask(...))    # a producer computes it into the slot
+                            in_order.put(future)
+    consumer (__iter__): future = in_order.get()               # waits while nothing is ready (measured)
+                            future.result(); batch = ring.read_batch(...)   # private copy, CRC-32C checked
+                            ring.release(slot); yield pack(batch)
+
+``submit`` is anything returning a future (``concurrent.futures`` or Dask's ``Client.submit``, as
+``pipelines/online.py`` wires it); the producers run :class:`BatchProducer` (the same
+:class:`dflash.target_runner.TargetRunner` as extract). Slots are handed out in plan order, so the batch the
+consumer needs next always holds a slot: the reorder window is the ring, never a deadlock.
+
+Resume: the cursor (``state_dict``) is the offline one; after ``load_state_dict`` the dispatcher starts at the
+cursor and producers recompute the remaining batches of the plan. Nothing of the queue is checkpointed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash.batch_source import LengthSource, PlannedCursor, StreamConfig
+from dflash.batching import PackedBatch, pack_samples
+from dflash.buckets import EpochPlan
+from dflash.errors import ConfigError, DFlashError
+from dflash.online_queue import QueueError, Ring, RingGeometry
+
+__all__ = ["BatchTask", "BatchProducer", "OnlineBatches", "OnlineStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchTask:
+    """One producer task: compute the planned batch ``batch_index`` of ``epoch`` into ``slot`` of ring ``ring_name``.
+
+    ``corpus_rows``: the batch's documents in plan order; ``ticket``: the slot's hand-out (checked on both sides).
+    Small and picklable: what travels to a producer process.
+    """
+
+    ring_name: str
+    slot: int
+    ticket: int
+    epoch: int
+    batch_index: int
+    bucket: int
+    corpus_rows: tuple[int, ...]
+
+
+class BatchProducer:
+    """Producer side: runs the target on a task's corpus rows and writes the batch into the ring.
+
+    Args:
+        runner: a :class:`dflash.target_runner.TargetRunner` (the extract stage's runner).
+        corpus: the opened corpus (``dflash.corpus.Corpus``) the plan was made from.
+    """
+
+    def __init__(self, runner: Any, corpus: Any) -> None:
+        self.runner = runner
+        self.corpus = corpus
+        self._rings: dict[str, Ring] = {}
+
+    def _ring(self, name: str) -> Ring:
+        if name not in self._rings:
+            self._rings[name] = Ring.attach(name)
+        return self._rings[name]
+
+    def produce(self, task: BatchTask) -> dict[str, Any]:
+        """Compute ``task`` into its slot; returns ``{"batch_index", "epoch", "tokens", "compute_seconds"}``.
+
+        Raises:
+            DFlashError: a document's hidden states are not finite (the offline path quarantines such rows; online
+                the run stops, naming the corpus row: extract and train offline to skip it).
+            QueueError: the slot is no longer claimed by the task's ticket.
+        """
+        started = time.perf_counter()
+        rows = [self.corpus.row(int(r)) for r in task.corpus_rows]
+        hidden: list[torch.Tensor | None] = [None] * len(rows)
+        batches = []
+        for batch in self.runner.iter_batches([row.input_ids for row in rows]):
+            batches.append(batch)
+            for index, states, bad_layers in zip(batch.indices, batch.hidden, batch.nonfinite_layers, strict=True):
+                if bad_layers:
+                    raise DFlashError(
+                        f"corpus row {task.corpus_rows[index]}: non-finite hidden states at tapped layers {bad_layers}; "
+                        "the online mode cannot quarantine it (the plan holds it): use extract + train, which does"
+                    )
+                hidden[index] = states
+        try:
+            self._ring(task.ring_name).write_batch(
+                task.slot, task.ticket, epoch=task.epoch, batch_index=task.batch_index, bucket=task.bucket,
+                corpus_rows=np.asarray(task.corpus_rows, dtype=np.int64), input_ids=[row.input_ids for row in rows],
+                loss_mask=[row.loss_mask for row in rows], hidden=hidden,  # type: ignore[arg-type]
+            )
+        finally:
+            for batch in batches:
+                batch.release()
+        return {"batch_index": task.batch_index, "epoch": task.epoch,
+                "tokens": int(sum(len(row.input_ids) for row in rows)), "compute_seconds": time.perf_counter() - started}
+
+    def close(self) -> None:
+        for ring in self._rings.values():
+            ring.close()
+        self._rings.clear()
+
+
+@dataclass(slots=True)
+class OnlineStats:
+    """Counters of :class:`OnlineBatches` (the trainer reads ``wait_seconds`` as for the offline loader)."""
+
+    batches: int = 0
+    tokens: int = 0
+    wait_seconds: float = 0.0
+    """Seconds the trainer waited for the next batch (the ring was empty: producers are the bottleneck)."""
+    last_wait_seconds: float = 0.0
+    dispatch_wait_seconds: float = 0.0
+    """Seconds the dispatcher waited for a free slot (the ring was full: the trainer is the bottleneck)."""
+    producer_seconds: float = 0.0
+    """Producer compute time summed over the batches consumed."""
+    read_seconds: float = 0.0
+    """Time copying and checking slots."""
+    bucket_batches: list[int] | None = None
+
+
+_END = object()
+
+
+class OnlineBatches(PlannedCursor):
+    """Packed batches for one rank, computed by producers into a shared-memory ring, yielded in plan order.
+
+    Args:
+        source: a :class:`dflash.batch_source.LengthSource` of the corpus (``dflash.corpus.CorpusLengths``).
+        config: :class:`dflash.batch_source.StreamConfig` (``shard_window`` must be ``None``: the plan is global).
+        submit: ``submit(BatchTask) -> future`` (``.result()``, ``.add_done_callback()``, ``.cancel()``).
+        width: ``n*H`` of the hidden states; ``dtype``: bfloat16 or float32 (the runner's output dtype).
+        num_slots: ring slots (>= 2): batches in flight between producers and trainer.
+        rank, world_size: this process's data-parallel rank.
+
+    The ring (``self.ring``) is created here and removed by :meth:`close`.
+    """
+
+    def __init__(self, source: LengthSource, config: StreamConfig, *, submit: Callable[[BatchTask], Any], width: int,
+                 dtype: torch.dtype = torch.bfloat16, num_slots: int = 4, rank: int = 0,
+                 world_size: int = 1) -> None:  # fmt: skip
+        if config.shard_window is not None:
+            raise ConfigError(f"shard_window={config.shard_window}: the online mode plans globally (no cache shards "
+                              "to window over); use shard_window=None")
+        self._plan_lock = threading.RLock()
+        super().__init__(source, config, rank=rank, world_size=world_size)
+        self.submit = submit
+        self.stats = OnlineStats(bucket_batches=[0] * self.num_buckets)  # type: ignore[assignment]
+        max_documents = min(config.token_budget, config.max_documents_per_batch or config.token_budget)
+        self.ring = Ring.create(RingGeometry(num_slots=num_slots, max_tokens=config.token_budget,
+                                             max_documents=max_documents, width=width, dtype=dtype))  # fmt: skip
+        self.pin_memory = bool(config.pin_memory) and torch.cuda.is_available()
+        self._dispatcher: threading.Thread | None = None
+        self._in_order: queue.Queue = queue.Queue()
+
+    def plan(self, epoch: int | None = None) -> EpochPlan:
+        with self._plan_lock:  # the dispatcher thread plans ahead too
+            return super().plan(epoch)
+
+    # ---- dispatcher ------------------------------------------------------------------------------------------
+
+    def _start_dispatcher(self) -> None:
+        if self._dispatcher is not None:
+            return
+        self.ring.restart()
+        self._in_order = queue.Queue()
+        start = (self.epoch, self._step)
+        self._dispatcher = threading.Thread(target=self._dispatch, args=(start, self._in_order),
+                                            name="dflash-online-dispatch", daemon=True)  # fmt: skip
+        self._dispatcher.start()
+
+    def _dispatch(self, start: tuple[int, int], in_order: queue.Queue) -> None:
+        epoch, step = start
+        try:
+            while True:
+                plan = self.plan(epoch)
+                while step < plan.num_steps:
+                    planned = plan.batch(step, self.rank)
+                    waited = time.perf_counter()
+                    claimed = self.ring.acquire()  # blocks while every slot is taken
+                    self.stats.dispatch_wait_seconds += time.perf_counter() - waited
+                    if claimed is None:
+                        return  # stopped
+                    slot, ticket = claimed
+                    task = BatchTask(ring_name=self.ring.name, slot=slot, ticket=ticket, epoch=epoch,
+                                     batch_index=self.global_batch_index(step), bucket=int(planned.bucket),
+                                     corpus_rows=tuple(int(r) for r in self.sample_row[planned.samples]))  # fmt: skip
+                    try:
+                        future = self.submit(task)
+                    except BaseException:
+                        self.ring.release(slot)
+                        raise
+                    in_order.put((epoch, step, planned, task, future))
+                    step += 1
+                epoch, step = epoch + 1, 0
+        except BaseException as error:  # handed to the consumer, which raises it
+            in_order.put((_END, error))
+
+    def _stop_dispatcher(self) -> None:
+        """Stop handing out slots; slots of batches in flight come back when their producers finish."""
+        if self._dispatcher is None:
+            return
+        self.ring.stop()
+        self._dispatcher.join()
+        self._dispatcher = None
+        while True:
+            try:
+                item = self._in_order.get_nowait()
+            except queue.Empty:
+                break
+            if item[0] is not _END:
+                self._release_when_done(item[3], item[4])
+
+    def _release_when_done(self, task: BatchTask, future: Any) -> None:
+        ring = self.ring
+        future.cancel()
+
+        def release(_: Any) -> None:
+            if ring.shm is not None:
+                ring.release(task.slot)
+
+        future.add_done_callback(release)
+
+    # ---- consumer --------------------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        """This rank's batches from the cursor to the end of the epoch (then the cursor moves to the next epoch).
+
+        Producers run ahead (into the next epoch too) while slots are free; closing the iterator early stops them
+        (the slots of batches in flight come back when their tasks end)."""
+        if self._step >= self.plan().num_steps:
+            self._advance_epoch()
+        self._start_dispatcher()
+        try:
+            yield from self._consume()
+        except GeneratorExit:  # the consumer stopped early (e.g. max_validation_batches): producers stop too
+            self._stop_dispatcher()
+            raise
+        self._advance_epoch()
+
+    def _consume(self) -> Iterator[PackedBatch]:
+        while self._step < self.plan().num_steps:
+            waited = time.perf_counter()
+            item = self._in_order.get()  # the trainer waits here while producers are behind
+            if item[0] is _END:
+                self._dispatcher = None
+                raise item[1]
+            epoch, step, planned, task, future = item
+            assert (epoch, step) == (self.epoch, self._step), "online batches out of plan order"
+            try:
+                result = future.result()
+            except BaseException:
+                self._release_when_done(task, future)
+                self._stop_dispatcher()
+                raise
+            wait = time.perf_counter() - waited
+            read_started = time.perf_counter()
+            try:
+                slot_batch = self.ring.read_batch(task.slot, task.ticket, epoch=epoch, batch_index=task.batch_index)
+            finally:
+                self.ring.release(task.slot)
+            expected = self.sample_row[planned.samples]
+            if not np.array_equal(slot_batch.corpus_rows, expected):
+                raise QueueError(f"slot {task.slot}: batch {task.batch_index} of epoch {epoch} holds corpus rows "
+                                 f"{slot_batch.corpus_rows[:8].tolist()}..., the plan names {expected[:8].tolist()}...")
+            batch = self._pack(slot_batch, planned.bucket)
+            stats = self.stats
+            stats.read_seconds += time.perf_counter() - read_started
+            stats.wait_seconds += wait
+            stats.last_wait_seconds = wait
+            stats.producer_seconds += float(result.get("compute_seconds", 0.0)) if isinstance(result, dict) else 0.0
+            stats.batches += 1
+            stats.tokens += planned.num_tokens
+            stats.bucket_batches[planned.bucket] += 1  # type: ignore[index]
+            self._step += 1
+            yield batch
+
+    def _pack(self, slot_batch: Any, bucket: int) -> PackedBatch:
+        """The offline packing (:func:`dflash.batching.pack_samples`) of the slot's documents."""
+        samples = []
+        offsets = np.concatenate([[0], np.cumsum(slot_batch.lengths)])
+        for row, start, stop in zip(slot_batch.corpus_rows.tolist(), offsets[:-1].tolist(), offsets[1:].tolist(),
+                                    strict=True):  # fmt: skip
+            samples.append(_Document(row, slot_batch.input_ids[start:stop], slot_batch.loss_mask[start:stop],
+                                     slot_batch.hidden[start:stop]))  # fmt: skip
+        return pack_samples(samples, pad_to=self._pad_length(int(offsets[-1])), bucket_id=bucket,
+                            pin_memory=self.pin_memory)  # fmt: skip
+
+    def _cursor_moved(self) -> None:
+        self._stop_dispatcher()  # batches in flight were for the old position
+
+    def close(self) -> None:
+        """Stop the dispatcher and remove the ring (producers still writing get an error, their tasks end)."""
+        self._stop_dispatcher()
+        self.ring.close()
+
+    def __enter__(self) -> OnlineBatches:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def describe(self) -> dict[str, Any]:
+        geometry = self.ring.geometry
+        return PlannedCursor.describe(self) | {
+            "queue": {"num_slots": geometry.num_slots, "slot_bytes": geometry.slot_bytes, "width": geometry.width,
+                      "dtype": str(geometry.dtype).removeprefix("torch."), "ring": self.ring.name},
+        }  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Document:
+    """One document as :func:`dflash.batching.pack_samples` reads it (views into the slot's private copy)."""
+
+    corpus_row: int
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    hidden: torch.Tensor

@@ -1,0 +1,222 @@
+"""POSIX shared-memory segments of dflash-stages and their cleanup (one neutral home for both users).
+
+Users: the extract write processes (:mod:`dflash.cache.process_writer`, host buffers of the target runner) and
+the online queue (:mod:`dflash.online_queue`, the ring of slots). Every segment is named
+``dflash_<creator pid>_<random>`` (under ``/dev/shm`` on Linux), so the segments of a killed process can be found
+and removed: :func:`remove_segments_of` (by the dead process's pid) and :func:`remove_orphaned_segments` (every
+creator that no longer exists), which each creator of long-lived segments calls at start.
+
+Pages are reserved at creation (``posix_fallocate``): a shared-memory file is sparse, and writing past a full
+``/dev/shm`` (a container's default is 64 MB) kills the process with SIGBUS instead of raising; here it raises
+:class:`SharedMemoryFull` with the fix.
+
+Attaching (:func:`attach_segment`) never registers the segment with the attaching process's resource tracker: on
+Python < 3.13 that registration makes the tracker unlink the creator's segment when the attaching process exits.
+Sizes are bytes; :class:`SharedHostBuffer` views its segment as a flat bfloat16 tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import threading
+from multiprocessing import shared_memory
+
+import psutil
+import torch
+
+from dflash.errors import ConfigError
+
+__all__ = [
+    "SEGMENT_PREFIX",
+    "SharedMemoryFull",
+    "SharedHostBuffer",
+    "create_segment",
+    "attach_segment",
+    "close_segment",
+    "shm_free_bytes",
+    "shm_free",
+    "list_segments",
+    "shared_location",
+    "remove_segments_of",
+    "remove_orphaned_segments",
+]
+
+#: Segment name prefix: ``dflash_<creator pid>_<random>``.
+SEGMENT_PREFIX = "dflash_"
+_SHM_DIR = "/dev/shm"
+
+_REGISTRY: dict[int, SharedHostBuffer] = {}  # base address -> live host buffer (this process)
+_REGISTRY_LOCK = threading.Lock()
+
+
+class SharedMemoryFull(ConfigError):
+    """Not enough POSIX shared memory (``/dev/shm``) for a segment."""
+
+
+def _segment_owner(name: str) -> int | None:
+    if not name.startswith(SEGMENT_PREFIX):
+        return None
+    pid = name[len(SEGMENT_PREFIX):].split("_", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+def list_segments() -> list[str]:
+    """Names of the dflash segments in ``/dev/shm`` now (every creator), sorted; ``[]`` where there is none."""
+    try:
+        return sorted(name for name in os.listdir(_SHM_DIR) if _segment_owner(name) is not None)
+    except OSError:
+        return []
+
+
+def remove_segments_of(pid: int) -> int:
+    """Unlink every dflash segment created by process ``pid`` (Linux ``/dev/shm``); returns how many.
+
+    A SIGKILLed process never closes its segments; they would otherwise stay until the machine reboots."""
+    removed = 0
+    for name in list_segments():
+        if _segment_owner(name) == pid:
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name))
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
+def remove_orphaned_segments() -> int:
+    """Unlink the dflash segments of processes that no longer exist (killed ones); returns how many."""
+    owners = {_segment_owner(name) for name in list_segments()}
+    return sum(remove_segments_of(pid) for pid in owners if pid is not None and not psutil.pid_exists(pid))
+
+
+def shm_free_bytes() -> int | None:
+    """Bytes available to an unprivileged process in ``/dev/shm``; ``None`` without one."""
+    try:
+        stats = os.statvfs(_SHM_DIR)
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+def shm_free() -> str:
+    """``/dev/shm`` free and total space in MiB, for error messages."""
+    try:
+        stats = os.statvfs(_SHM_DIR)
+    except OSError:
+        return "/dev/shm not found"
+    return (f"/dev/shm has {stats.f_bavail * stats.f_frsize / 2**20:,.0f} MiB free of "
+            f"{stats.f_blocks * stats.f_frsize / 2**20:,.0f} MiB")
+
+
+def create_segment(nbytes: int, *, what: str = "a host buffer", fix: str = "") -> shared_memory.SharedMemory:
+    """A new segment ``dflash_<pid>_<random>`` of ``nbytes`` bytes with its pages reserved.
+
+    Raises:
+        SharedMemoryFull: the pages cannot be reserved; nothing is left behind. The message says ``what`` it was
+            for, the free space, and the fix (``docker run --shm-size=...``, plus ``fix`` when given).
+    """
+    nbytes = max(1, int(nbytes))
+    name = f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+    shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+    fd = getattr(shm, "_fd", -1)  # CPython's own attribute; no public accessor exists
+    if fd >= 0 and hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as error:
+            shm.close()
+            shm.unlink()
+            raise SharedMemoryFull(
+                f"cannot reserve {nbytes / 2**20:,.0f} MiB of shared memory for {what} ({error.strerror}; "
+                f"{shm_free()}); give the machine or container more shared memory (docker run --shm-size=...)"
+                + (f" or {fix}" if fix else "")
+            ) from None
+    return shm
+
+
+def attach_segment(name: str) -> shared_memory.SharedMemory:
+    """Map an existing segment without taking ownership: the attaching process never unlinks it (on Python < 3.13
+    the resource tracker would, at this process's exit).
+
+    Raises:
+        FileNotFoundError: no segment of that name (its creator removed it, or died and it was swept).
+    """
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, track=False)
+    from multiprocessing import resource_tracker
+
+    # Python < 3.13 registers every attach; undo it right away so the creator's unlink stays the only cleanup.
+    # The creator itself, and the children it spawned (multiprocessing hands them its tracker, where the name is a set
+    # entry), share the creator's registration: unregistering there would drop it, so they keep it (process_writer's
+    # write processes, Dask workers of a LocalCluster started by the trainer).
+    shm = shared_memory.SharedMemory(name=name)
+    if _segment_owner(name) not in (os.getpid(), os.getppid()):
+        resource_tracker.unregister(getattr(shm, "_name", "/" + name), "shared_memory")
+    return shm
+
+
+def close_segment(shm: shared_memory.SharedMemory, *, unlink: bool) -> None:
+    """Unmap ``shm`` (and remove it when ``unlink``); tolerant of views still alive and of a segment already gone."""
+    try:
+        shm.close()
+    except BufferError:  # a view is still alive: the mapping goes when the process exits
+        pass
+    if unlink:
+        try:
+            shm.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class SharedHostBuffer:
+    """``numel`` bf16 elements of POSIX shared memory as a flat tensor (``.tensor``), pinned for CUDA copies when
+    ``pin`` and CUDA is available (``cudaHostRegister``; ``.pinned`` says whether it took). Close with
+    :meth:`close` (unregisters, unmaps and unlinks); views of ``.tensor`` must be gone by then.
+
+    Raises:
+        SharedMemoryFull: the pages cannot be reserved (e.g. a container's small ``/dev/shm``); nothing is left.
+    """
+
+    def __init__(self, numel: int, *, pin: bool) -> None:
+        nbytes = max(2, int(numel) * 2)
+        self.shm = create_segment(nbytes, what="a host buffer",
+                                  fix="write shards in threads (extract --write-processes 0)")
+        self.name = self.shm.name
+        self.nbytes = nbytes
+        self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.bfloat16, count=nbytes // 2)
+        self.base = self.tensor.data_ptr()
+        self.pinned = False
+        if pin and torch.cuda.is_available():
+            try:  # unpinned memory still works: the device-to-host copies then synchronize
+                code = torch.cuda.cudart().cudaHostRegister(self.base, nbytes, 0)
+                self.pinned = int(getattr(code, "value", code)) == 0
+            except (AttributeError, RuntimeError, TypeError):
+                self.pinned = False
+        with _REGISTRY_LOCK:
+            _REGISTRY[self.base] = self
+
+    def close(self) -> None:
+        with _REGISTRY_LOCK:
+            _REGISTRY.pop(self.base, None)
+        if self.pinned:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.base)
+            except (AttributeError, RuntimeError, TypeError):
+                pass
+            self.pinned = False
+        self.tensor = None  # type: ignore[assignment]
+        close_segment(self.shm, unlink=True)
+
+
+def shared_location(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """``(shared memory name, byte offset)`` of a CPU tensor lying inside a live :class:`SharedHostBuffer` of
+    this process, else ``None``. The tensor must be C-contiguous."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    address = tensor.data_ptr()
+    with _REGISTRY_LOCK:
+        for base, buffer in _REGISTRY.items():
+            if base <= address and address + tensor.numel() * tensor.element_size() <= base + buffer.nbytes:
+                return buffer.name, address - base
+    return None

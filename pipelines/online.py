@@ -1,0 +1,303 @@
+"""The online pipeline: target replicas feed drafter training through the shared-memory queue (no disk cache).
+
+Run::
+
+    dflash-stages online --corpus CORPUS --output RUN --workers 1            # CPU: 1 producer process + trainer
+    dflash-stages online --corpus CORPUS --output RUN --target-gpus 0 --drafter-gpus 1   # (wired; untested on GPU)
+    dflash-stages online --output RUN --resume                                # continue a stopped or killed run
+
+Layout: Dask schedules the producers exactly as ``extract`` does (a LocalCluster, one worker per target GPU or
+``--workers`` CPU processes; :class:`stages.online_worker.OnlineProducerPlugin`, a ``TargetReplicaPlugin``, loads
+the target once per worker and runs the extract stage's ``TargetRunner``). This process is the trainer: the
+``train`` stage's :class:`stages.trainer.Trainer` (same loop, checkpoints, telemetry, validation), handed
+:class:`dflash.online.OnlineBatches` as its batch sources instead of the cache's loaders. Batches move through the
+ring of :mod:`dflash.online_queue` (contract: docs/online-queue.md).
+
+Mixing and order are the offline ones (the plan comes from the corpus lengths, :class:`dflash.corpus.CorpusLengths`):
+the same corpus, config and seed give the same samples in the same batches as ``extract`` then ``train``.
+
+Resume: ``--resume`` reads RUN/run.json (training config, and the producers' config under
+``resolved.data_source``) and continues from the latest checkpoint's data cursor; producers recompute the batches
+of the plan from there. N steps + resume + N steps equals 2N steps straight, bit for bit on CPU.
+
+Limits (docs/online-queue.md): one drafter process (no DDP yet: several ``--drafter-gpus`` are refused); a sample
+with non-finite hidden states stops the run (offline extract quarantines it); ``--cache-to`` is not built.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from dflash.errors import ConfigError
+from stages.train import TrainConfig
+
+__all__ = ["OnlineConfig", "ONLINE_CACHE_PREFIX", "online_metadata", "online_training_data", "run_online", "register"]
+
+log = logging.getLogger(__name__)
+
+#: ``TrainConfig.cache`` of an online run: ``online:<corpus>`` (there is no cache; the marker says so in run.json).
+ONLINE_CACHE_PREFIX = "online:"
+
+
+@dataclass(kw_only=True, slots=True)
+class OnlineConfig:
+    """The producer side of an online run; the trainer side is ``train`` (a :class:`stages.train.TrainConfig`)."""
+
+    corpus: str
+    """Corpus folder (contract 1) the plan is made from and the producers read."""
+    train: TrainConfig
+    """The training loop's config (``cache`` is ``online:<corpus>``; ``output`` is the run folder)."""
+    target: str = "default"
+    """Target spec (``"default"``: embedded SmolLM2-135M-Instruct, a transformers folder or a ``.gguf``)."""
+    target_layer_ids: list[int] | None = None
+    """Tapped layers; ``None``: DFlash's default rule with one tap per draft layer."""
+    workers: int | None = None
+    """CPU producer processes (Dask LocalCluster workers); ``None``: one per ``target_gpus`` entry, else 1."""
+    target_gpus: list[int] | None = None
+    """GPU ids of the producers, one Dask worker each (wired, untested on GPU in this version)."""
+    ring_slots: int = 4
+    """Slots of the shared-memory ring: batches in flight between producers and trainer (memory: slots x
+    token_budget x n*H x 2 bytes)."""
+    runner_token_budget: int | None = None
+    """Padded tokens per target forward of a producer; ``None``: the training ``token_budget``."""
+
+    def __post_init__(self) -> None:
+        if not self.corpus:
+            raise ConfigError("corpus: give the corpus folder (--corpus)")
+        if self.workers is not None and self.target_gpus is not None:
+            raise ConfigError(f"workers: give --workers (CPU) or --target-gpus, not both; got {self.workers} and "
+                              f"{self.target_gpus}")
+        if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
+            raise ConfigError(f"workers: expected >= 1, got {self.workers!r}")
+        if self.target_gpus is not None and (not self.target_gpus or len(set(self.target_gpus)) != len(self.target_gpus)):
+            raise ConfigError(f"target_gpus: expected distinct GPU ids, got {self.target_gpus}")
+        if not isinstance(self.ring_slots, int) or self.ring_slots < 2:
+            raise ConfigError(f"ring_slots: expected an integer >= 2, got {self.ring_slots!r}")
+        if self.runner_token_budget is not None and self.runner_token_budget < 1:
+            raise ConfigError(f"runner_token_budget: expected >= 1, got {self.runner_token_budget}")
+        if self.train.world_size > 1:
+            raise ConfigError(f"drafter_gpus: the online mode trains on one drafter process in this version; got "
+                              f"{self.train.world_size} ({self.train.drafter_gpus or 'cpu_processes'}); give one GPU, "
+                              "or use extract + train for DDP")
+        if self.train.shard_window is not None:
+            raise ConfigError("shard_window: the online mode plans globally (no cache shards); leave it unset")
+
+    def producer_dict(self) -> dict[str, Any]:
+        """The producer fields (saved in run.json under ``resolved.data_source``, read back by ``--resume``)."""
+        data = asdict(self)
+        data.pop("train")
+        return data
+
+
+def online_metadata(config: OnlineConfig) -> tuple[Any, Any]:
+    """``(corpus, metadata)``: the opened corpus (validated against the target's vocabulary) and the
+    ``dflash.cache.CacheMetadata`` describing the hidden states the producers compute (what a cache of this corpus
+    would record), so the trainer checks the drafter against it before step 1 exactly as offline."""
+    from dflash.cache import CacheMetadata
+    from dflash.corpus import open_corpus, validate_corpus
+    from dflash.target import (
+        LAYER_ID_CONVENTION,
+        default_target_layer_ids,
+        resolve_target_path,
+        target_identity,
+        validate_target_layer_ids,
+    )
+
+    corpus = open_corpus(config.corpus)
+    identity = target_identity(resolve_target_path(config.target))
+    validate_corpus(corpus, vocab_size=identity.vocab_size)
+    layer_ids = (
+        validate_target_layer_ids(config.target_layer_ids, identity.num_hidden_layers)
+        if config.target_layer_ids is not None
+        else default_target_layer_ids(identity.num_hidden_layers, config.train.num_draft_layers)
+    )
+    metadata = CacheMetadata(
+        target=identity.to_dict(), target_spec=str(config.target), target_layer_ids=layer_ids,
+        layer_id_convention=LAYER_ID_CONVENTION, hidden_size=identity.hidden_size, num_taps=len(layer_ids),
+        corpus_fingerprint=corpus.fingerprint, corpus_path=str(config.corpus), num_shards=1,
+        shard_rows=[[0, len(corpus)]], extra={"online": config.producer_dict()},
+    )  # fmt: skip
+    return corpus, metadata
+
+
+def online_training_data(config: OnlineConfig, *, submit: Any, device: Any, corpus: Any = None,
+                         metadata: Any = None) -> Any:  # fmt: skip
+    """The trainer's :class:`stages.trainer.TrainingData` of an online run: training (and validation) batches from
+    :class:`dflash.online.OnlineBatches` over ``config.corpus``, computed by ``submit(BatchTask) -> future``."""
+    import torch
+
+    from dflash.corpus import CorpusLengths
+    from dflash.online import OnlineBatches
+    from stages.trainer import TrainingData, stream_config
+
+    if metadata is None:
+        corpus, metadata = online_metadata(config)
+    lengths = CorpusLengths(corpus)
+    width = metadata.num_taps * metadata.hidden_size
+    common = {"submit": submit, "width": width, "dtype": torch.bfloat16, "num_slots": config.ring_slots}
+    train = OnlineBatches(lengths, stream_config(config.train, "train", device), **common)
+    validation = None
+    if config.train.validation_fraction > 0:
+        try:
+            validation = OnlineBatches(lengths, stream_config(config.train, "validation", device), **common)
+        except ConfigError as error:  # e.g. a tiny corpus where 1% of the rows is no row at all
+            log.warning("validation disabled (no best checkpoint, no validation loss): %s", error)
+    return TrainingData(metadata=metadata, train=train, validation=validation, kind="online",
+                        provenance={"online": config.producer_dict()})  # fmt: skip
+
+
+def _start_cluster(config: OnlineConfig, metadata: Any) -> tuple[Any, Any]:
+    """A LocalCluster of producers (as ``extract`` starts one) with the producer plugin registered on every worker."""
+    import torch
+    from distributed import Client, LocalCluster
+
+    from stages.online_worker import OnlineProducerPlugin
+
+    if not log.isEnabledFor(logging.DEBUG):
+        logging.getLogger("distributed").setLevel(logging.WARNING)
+    gpus = config.target_gpus
+    num_workers = len(gpus) if gpus else (config.workers or 1)
+    cluster = LocalCluster(host="127.0.0.1", n_workers=num_workers, threads_per_worker=1, processes=True,
+                           resources={"GPU": 1} if gpus else None, memory_limit=0,
+                           dashboard_address="127.0.0.1:0")  # fmt: skip
+    client = Client(cluster)
+    threads = None if gpus else max(1, (os.cpu_count() or 1) // (num_workers + 1))
+    plugin = OnlineProducerPlugin(
+        target_spec=config.target, target_layer_ids=list(metadata.target_layer_ids),
+        token_budget=config.runner_token_budget or config.train.token_budget, corpus_path=config.corpus,
+        gpu_by_worker=dict(enumerate(gpus)) if gpus else None, device="cuda" if gpus else "cpu",
+        torch_threads=threads, die_with_parent=True,
+    )  # fmt: skip
+    del torch
+    client.register_plugin(plugin)  # loads the target on every worker; re-raises a worker's loading error here
+    return client, cluster
+
+
+def run_online(config: OnlineConfig) -> dict[str, Any]:
+    """Run an online training: producers on a LocalCluster, the training loop in this process. Returns the
+    trainer's summary (as ``train``'s).
+
+    Raises:
+        ConfigError, CorpusError, TargetError, CheckpointError, MismatchError: before any step (one ``error:`` line
+            from the CLI); SharedMemoryFull: ``/dev/shm`` too small for the ring (the message gives the fix).
+    """
+    from dflash.locks import output_lock
+    from stages.online_worker import produce_batch
+    from stages.train import _pick_device
+    from stages.trainer import Trainer
+
+    train = config.train
+    with output_lock(train.output, what="run", break_lock=train.break_lock):
+        corpus, metadata = online_metadata(config)
+        device = _pick_device(train, 0)
+        client, cluster = _start_cluster(config, metadata)
+        data = trainer = None
+        try:
+            def submit(task: Any) -> Any:
+                # Unique per ring and hand-out: Dask returns the existing future for a key it already holds.
+                key = f"dflash-online-{task.ring_name}-e{task.epoch}-b{task.batch_index}-t{task.ticket}"
+                return client.submit(produce_batch, task, pure=False, key=key)
+
+            data = online_training_data(config, submit=submit, device=device, corpus=corpus, metadata=metadata)
+            trainer = Trainer(train, device=device, data=data)
+            return trainer.fit()
+        finally:
+            if trainer is not None:
+                trainer.close()  # closes data (rings removed)
+            elif data is not None:
+                data.close()
+            client.close()
+            cluster.close()
+
+
+# ====================================================================== CLI
+
+
+def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any]) -> OnlineConfig:
+    """The run's config: with ``--resume`` the saved one of RUN (run.json) under the options given."""
+    from stages.train import config_from_cli as train_config_from_cli
+
+    output = train_overrides.get("output")
+    saved: dict[str, Any] = {}
+    run_json = Path(output) / "run.json" if output else None
+    if train_overrides.get("resume") and run_json is not None and run_json.is_file():
+        resolved = json.loads(run_json.read_text()).get("resolved", {})
+        saved = dict(resolved.get("data_source", {}).get("online", {}))
+        if not saved:
+            raise ConfigError(f"--resume: {output} is not an online run (run.json has no online data source); "
+                              "resume it with `dflash-stages train --output ... --resume`")
+    merged = {**saved, **{k: v for k, v in online.items() if v is not None}}
+    corpus = merged.get("corpus")
+    if not corpus:
+        raise ConfigError("corpus: give the corpus folder (--corpus), or --resume with --output of an online run")
+    train_overrides = {**train_overrides, "cache": train_overrides.get("cache") or f"{ONLINE_CACHE_PREFIX}{corpus}"}
+    train = train_config_from_cli(train_overrides)
+    merged.pop("train", None)
+    from dataclasses import fields
+
+    unknown = sorted(set(merged) - {f.name for f in fields(OnlineConfig)})
+    if unknown:
+        raise ConfigError(f"unknown online config fields {unknown} in {run_json}: the run was made by another version "
+                          "of dflash-stages; resume it with that version or start a new run")
+    return OnlineConfig(train=train, **merged)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``dflash-stages online``."""
+    from stages.train import _csv_ints, exit_if_interrupted
+
+    @app.command("online")
+    def online_command(
+        corpus: str = typer.Option(None, "--corpus", help="Corpus folder (contract 1)."),
+        output: str = typer.Option(None, "--output", "-o", help="Run folder."),
+        resume: bool = typer.Option(None, "--resume/--no-resume", help="Continue RUN from its latest checkpoint."),
+        target: str = typer.Option(None, "--target", help="Target spec ('default' = SmolLM2-135M-Instruct)."),
+        target_layer_ids: str = typer.Option(None, "--target-layer-ids", help="Tapped layer ids, e.g. 1,3."),
+        workers: int = typer.Option(None, "--workers", help="CPU producer processes."),
+        target_gpus: str = typer.Option(None, "--target-gpus", help="Producer GPUs, e.g. 0 (untested on GPU)."),
+        drafter_gpus: str = typer.Option(None, "--drafter-gpus", help="Drafter GPU (one; untested on GPU)."),
+        ring_slots: int = typer.Option(None, "--ring-slots", help="Shared-memory ring slots (4)."),
+        device: str = typer.Option(None, "--device", help="Drafter device: auto | cpu | cuda."),
+        num_draft_layers: int = typer.Option(None, "--num-draft-layers", help="Draft decoder layers (5)."),
+        block_size: int = typer.Option(None, "--block-size", help="Block size B (16)."),
+        max_anchors: int = typer.Option(None, "--max-anchors-per-document", help="Anchors per document (512)."),
+        token_budget: int = typer.Option(None, "--token-budget", help="Real tokens per micro-batch (16384)."),
+        num_buckets: int = typer.Option(None, "--num-buckets", help="Length buckets (4)."),
+        validation_fraction: float = typer.Option(None, "--validation-fraction", help="Held-out rows (0.01)."),
+        epochs: float = typer.Option(None, "--epochs", help="Epochs (6)."),
+        max_steps: int = typer.Option(None, "--max-steps", help="Optimizer steps (overrides --epochs)."),
+        stop_at_step: int = typer.Option(None, "--stop-at-step", help="Stop early with a checkpoint."),
+        lr: float = typer.Option(None, "--lr", help="Peak learning rate (6e-4)."),
+        seed: int = typer.Option(None, "--seed", help="Seed (0)."),
+        min_supervised_tokens: int = typer.Option(None, "--min-supervised-tokens", help="Exclusion threshold."),
+        save_every: int = typer.Option(None, "--save-every", help="Checkpoint every N steps (500)."),
+        log_every: int = typer.Option(None, "--log-every", help="Log every N steps (10)."),
+        progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the progress bar."),
+    ) -> None:
+        """Train a drafter with target replicas feeding it through shared memory (no disk cache).
+
+        Same batches as extract + train on the same corpus and seed; exact resume (--output RUN --resume).
+        """
+        from rich.console import Console
+
+        online = {"corpus": corpus, "target": target, "target_layer_ids": _csv_ints(target_layer_ids),
+                  "workers": workers, "target_gpus": _csv_ints(target_gpus), "ring_slots": ring_slots}  # fmt: skip
+        train_overrides = {
+            "output": output, "resume": resume, "drafter_gpus": _csv_ints(drafter_gpus), "device": device,
+            "num_draft_layers": num_draft_layers, "block_size": block_size, "max_anchors_per_document": max_anchors,
+            "token_budget": token_budget, "num_buckets": num_buckets, "validation_fraction": validation_fraction,
+            "epochs": epochs, "max_steps": max_steps, "stop_at_step": stop_at_step, "lr": lr, "seed": seed,
+            "min_supervised_tokens": min_supervised_tokens, "save_every": save_every, "log_every": log_every,
+            "progress": progress,
+        }  # fmt: skip
+        config = config_from_cli(online, train_overrides)
+        summary = run_online(config)
+        Console().print_json(json.dumps(summary, default=str))
+        exit_if_interrupted(summary, config.train)

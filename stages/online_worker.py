@@ -1,0 +1,72 @@
+"""Worker side of ``dflash-stages online``: the Dask WorkerPlugin of an online producer and its task.
+
+:class:`OnlineProducerPlugin` is a :class:`stages.replica.TargetReplicaPlugin` (target loaded once per worker in
+``setup``, its GPU pinned; freed in ``teardown``), with a :class:`dflash.online.BatchProducer` on top: the same
+:class:`dflash.target_runner.TargetRunner` as ``extract``. A task is pure in Dask's sense: a
+:class:`dflash.online.BatchTask` in (a planned batch, a ring slot and its ticket), a small dict out; the hidden
+states go into the shared-memory slot, never through Dask. A task whose worker dies is rerun by Dask on another
+worker (same slot and ticket; the slot is rewritten whole).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from distributed import get_worker
+
+from dflash.corpus import open_corpus
+from dflash.online import BatchProducer, BatchTask
+from dflash.target_runner import TargetRunner
+from stages.replica import TargetReplicaPlugin
+
+__all__ = ["OnlineProducerPlugin", "produce_batch", "PLUGIN_NAME"]
+
+PLUGIN_NAME = "dflash-online-producer"
+
+
+class OnlineProducerPlugin(TargetReplicaPlugin):
+    """An online producer: the shared target-replica lifecycle plus a :class:`BatchProducer`.
+
+    Args:
+        target_spec, gpu_by_worker, device, torch_threads, die_with_parent: see :class:`TargetReplicaPlugin`.
+        target_layer_ids: tapped decoder layers.
+        token_budget: padded tokens per forward batch of the runner.
+        corpus_path: the corpus the trainer's plan was made from.
+    """
+
+    name = PLUGIN_NAME
+    idempotent = False
+
+    def __init__(self, *, target_spec: str, target_layer_ids: list[int], token_budget: int, corpus_path: str,
+                 gpu_by_worker: dict[Any, int] | None = None, device: str = "auto", torch_threads: int | None = None,
+                 die_with_parent: bool = False) -> None:  # fmt: skip
+        super().__init__(target_spec=target_spec, gpu_by_worker=gpu_by_worker, device=device,
+                         torch_threads=torch_threads, die_with_parent=die_with_parent)  # fmt: skip
+        self.target_layer_ids = list(target_layer_ids)
+        self.token_budget = int(token_budget)
+        self.corpus_path = corpus_path
+        self.producer: BatchProducer | None = None
+
+    def build(self, loaded: Any, device: torch.device) -> None:
+        pad_token_id = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+        runner = TargetRunner(loaded.model, self.target_layer_ids, device, token_budget=self.token_budget,
+                              pad_token_id=pad_token_id)  # fmt: skip
+        self.producer = BatchProducer(runner, open_corpus(self.corpus_path))
+
+    def release(self) -> torch.device | None:
+        if self.producer is None:
+            return None
+        device = self.producer.runner.device
+        self.producer.close()
+        self.producer = None
+        return device
+
+
+def produce_batch(task: BatchTask) -> dict:
+    """Dask task: compute one planned batch into its ring slot on this worker's target replica."""
+    worker = get_worker()
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    if plugin is None or plugin.producer is None:
+        raise RuntimeError(f"worker {worker.address} has no target loaded (plugin {PLUGIN_NAME} missing)")
+    return plugin.producer.produce(task) | {"worker": str(worker.name)}

@@ -1,0 +1,207 @@
+"""The online mode on the real SmolLM2 target (CPU): same batches as extract + train, exact resume, end to end.
+
+The corpus is short stdlib snippets tokenized by the target's tokenizer, with an unsupervised "prompt" prefix.
+Producers run in-process (a thread executor) where the test is about the plan or the trainer, and as Dask worker
+processes (``dflash-stages online --workers 1``) end to end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+
+from dflash.batch_source import StreamConfig
+from dflash.cache import CacheReader
+from dflash.corpus import CorpusLengths, CorpusWriter, open_corpus
+from dflash.online import BatchProducer, OnlineBatches
+from dflash.shm import list_segments
+from dflash.stream import StreamingLoader
+from dflash.target_runner import TargetRunner
+from tests.train_helpers import TINY_LAYER_IDS, stdlib_snippets
+
+WIDTH_TAPS = len(TINY_LAYER_IDS)
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("online") / "corpus"
+    with CorpusWriter(path) as writer:
+        for index, text in enumerate(stdlib_snippets(24)):
+            ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"][:96], dtype=np.int32)
+            mask = np.ones(len(ids), dtype=np.uint8)
+            mask[: max(1, len(ids) // 4)] = 0
+            writer.add(ids, mask, f"snippet-{index}")
+        writer.commit({"target_spec": "default"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def offline_cache(tmp_path_factory, corpus_dir, target_path, target):
+    """``extract`` of the corpus (its prepare + shard tasks, in this process): 3 shards."""
+    import os
+
+    from stages.extract import ExtractConfig, prepare_cache
+    from stages.extract_worker import ShardExtractor, ShardSpec
+
+    output = tmp_path_factory.mktemp("online-offline") / "cache"
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), target=str(target_path),
+                           target_layer_ids=TINY_LAYER_IDS, shard_size=600, workers=1, write_processes=0)
+    _, corpus, shard_rows, _ = prepare_cache(config, Console(file=open(os.devnull, "w")))  # noqa: SIM115
+    assert len(shard_rows) >= 3
+    extractor = ShardExtractor(TargetRunner(target.model, TINY_LAYER_IDS, "cpu", token_budget=256), write_processes=0)
+    for shard, (start, stop) in enumerate(shard_rows):
+        extractor.process(ShardSpec(shard_id=shard, row_start=start, row_stop=stop, num_tokens=0,
+                                    cache_path=str(output), corpus_path=str(corpus_dir)))
+    extractor.close()
+    return output
+
+
+def _stream_config(split: str) -> StreamConfig:
+    return StreamConfig(token_budget=192, num_buckets=2, seed=3, shuffle=split == "train", split=split,
+                        validation_fraction=0.2, min_supervised_tokens=8, prefetch_batches=2)
+
+
+def _collect(source, epochs: int) -> list[dict]:
+    out = []
+    for _ in range(epochs):
+        for batch in source:
+            digest = hashlib.sha256(repr(batch.corpus_rows).encode() + batch.input_ids.numpy().tobytes()
+                                    + batch.loss_mask.numpy().tobytes()).hexdigest()
+            out.append({"digest": digest, "rows": list(batch.corpus_rows), "bucket": batch.bucket_id,
+                        "hidden": batch.hidden.clone(), "epoch": source.epoch})
+    return out
+
+
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_online_batches_hold_the_same_samples_in_the_same_batches_as_offline(offline_cache, corpus_dir, target,
+                                                                              split):
+    producer = BatchProducer(TargetRunner(target.model, TINY_LAYER_IDS, "cpu", token_budget=256),
+                             open_corpus(corpus_dir))
+    width = WIDTH_TAPS * int(target.model.config.hidden_size)
+    with ThreadPoolExecutor(1) as pool, StreamingLoader(CacheReader(offline_cache), _stream_config(split)) as offline, \
+            OnlineBatches(CorpusLengths(open_corpus(corpus_dir)), _stream_config(split),
+                          submit=lambda task: pool.submit(producer.produce, task), width=width, num_slots=3) as online:
+        assert online.boundaries == offline.boundaries and len(online) == len(offline)
+        expected, got = _collect(offline, 2), _collect(online, 2)
+    producer.close()
+    assert len(got) == len(expected) >= 4
+    assert [b["digest"] for b in got] == [b["digest"] for b in expected]  # same samples, tokens, masks, order
+    assert [b["bucket"] for b in got] == [b["bucket"] for b in expected]
+    if split == "train":
+        assert got[0]["rows"] != got[len(got) // 2]["rows"]  # the second epoch reshuffled (like offline)
+    for online_batch, offline_batch in zip(got, expected, strict=True):
+        assert online_batch["hidden"].dtype == torch.bfloat16
+        torch.testing.assert_close(online_batch["hidden"].float(), offline_batch["hidden"].float(), rtol=1.6e-2,
+                                   atol=2e-2)  # fmt: skip
+
+
+def _online_config(corpus_dir, target_path, output, **train_overrides):
+    from pipelines.online import ONLINE_CACHE_PREFIX, OnlineConfig
+    from tests.train_helpers import tiny_config
+
+    train = tiny_config(Path(f"{ONLINE_CACHE_PREFIX}{corpus_dir}"), output, **train_overrides)
+    train.cache = f"{ONLINE_CACHE_PREFIX}{corpus_dir}"
+    return OnlineConfig(corpus=str(corpus_dir), train=train, target=str(target_path), target_layer_ids=TINY_LAYER_IDS,
+                        ring_slots=3)
+
+
+def _train_online_in_process(config, target) -> dict:
+    """``run_online`` with the producer in a thread of this process instead of a Dask worker."""
+    from pipelines.online import online_training_data
+    from stages.trainer import Trainer
+
+    producer = BatchProducer(TargetRunner(target.model, TINY_LAYER_IDS, "cpu", token_budget=256),
+                             open_corpus(config.corpus))
+    with ThreadPoolExecutor(1) as pool:
+        data = online_training_data(config, submit=lambda task: pool.submit(producer.produce, task),
+                                    device=torch.device("cpu"))
+        trainer = Trainer(config.train, device=torch.device("cpu"), data=data)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
+            producer.close()
+
+
+def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir, target_path, target, tmp_path):
+    from dflash.checkpoint import load_checkpoint
+
+    before = set(list_segments())
+    common = dict(max_steps=4, grad_accum_steps=3, save_every=2)  # 12 micro-batches: crosses an epoch (9)
+    straight = _train_online_in_process(_online_config(corpus_dir, target_path, tmp_path / "straight", **common), target)
+    first = _train_online_in_process(
+        _online_config(corpus_dir, target_path, tmp_path / "resumed", stop_at_step=2, **common), target)
+    assert first["step"] == 2
+    resumed = _train_online_in_process(
+        _online_config(corpus_dir, target_path, tmp_path / "resumed", resume=True, **common), target)
+    assert resumed["step"] == straight["step"] == 4 and resumed["data_digest"] == straight["data_digest"]
+    a = load_checkpoint(tmp_path / "straight" / "checkpoints" / "step_00000004")
+    b = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "step_00000004")
+    for name in a.model_state:
+        assert torch.equal(a.model_state[name], b.model_state[name]), name
+    assert a.trainer_state["data"] == b.trainer_state["data"] and a.trainer_state["data"]["epoch"] >= 1
+    assert a.trainer_state["counters"] == b.trainer_state["counters"]
+    assert resumed["val"]["loss"] == straight["val"]["loss"]
+    run = json.loads((tmp_path / "straight" / "run.json").read_text())
+    assert run["resolved"]["data_source"]["kind"] == "online"
+    assert run["resolved"]["train_loader"]["queue"]["num_slots"] == 3
+    from dflash.telemetry import read_metrics
+
+    last = read_metrics(tmp_path / "straight", kind="train")[-1]
+    assert last["data_wait_total_s"] >= 0 and last["queue_full_wait_total_s"] >= 0  # both waits measured
+    assert set(list_segments()) == before  # every ring removed
+
+
+def test_online_trains_end_to_end_with_one_cpu_worker_and_the_command_resumes_it(corpus_dir, target_path, target,
+                                                                                 tmp_path):
+    """``run_online`` with one Dask producer process and the training loop here, stopped at step 2 (as a preemption
+    would), then ``dflash-stages online --output RUN --resume`` (a new process, config from run.json) to step 4:
+    the run trains on exactly the first 4 batches of the plan and leaves no ring behind."""
+    import os
+    import subprocess
+    import sys
+
+    from dflash.batch_source import PlannedCursor
+    from dflash.telemetry import read_metrics
+    from pipelines.online import run_online
+    from stages.trainer import stream_config
+
+    run = tmp_path / "run"
+    config = _online_config(corpus_dir, target_path, run, max_steps=4, save_every=2, stop_at_step=2)
+    plan = PlannedCursor(CorpusLengths(open_corpus(corpus_dir)), stream_config(config.train, "train",
+                                                                                torch.device("cpu")))
+    expected_digest = ""  # the trainer's data digest chains the corpus rows of every batch it trained on
+    for step in range(4):
+        rows = [int(r) for r in plan.sample_row[plan.planned_batch(0, step).samples]]
+        expected_digest = hashlib.sha256((expected_digest + repr(rows)).encode()).hexdigest()
+    before = set(list_segments())
+    first = run_online(config)
+    assert first["step"] == 2 and (run / "latest").read_text().strip() == "step_00000002"
+    resumed = subprocess.run([sys.executable, "-m", "stages.cli", "online", "--output", str(run), "--resume"],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout[resumed.stdout.index("{"):])
+    assert summary["step"] == 4 and summary["data_digest"] == expected_digest
+    assert (run / "latest").read_text().strip() == "step_00000004"
+    assert [r["step"] for r in read_metrics(run, kind="train")] == [1, 2, 3, 4]
+    assert read_metrics(run, kind="val")  # validation batches came through the queue too
+    assert set(list_segments()) == before  # no ring left behind by either process
+
+
+def test_online_command_refuses_bad_options_with_one_error_line(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "stages.cli", "online", "--corpus", str(tmp_path), "--output",
+                             str(tmp_path / "run"), "--workers", "1", "--ring-slots", "1"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2
+    assert "error: ring_slots: expected an integer >= 2" in result.stderr

@@ -1,0 +1,159 @@
+"""Contract tests of the online queue's ring (dflash.online_queue; docs/online-queue.md).
+
+Checksums, version refusal, tickets (a slot is reused only after its release), backpressure, and cleanup of the
+shared-memory segments when a producer or the owner is SIGKILLed (``/dev/shm`` listed before and after).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from dflash import online_queue
+from dflash.online_queue import QUEUE_FORMAT_VERSION, QueueError, Ring, RingGeometry
+from dflash.shm import SharedMemoryFull, list_segments
+
+
+def _batch(dtype: torch.dtype, width: int = 8, lengths=(3, 5), seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = [torch.randn(n, width, generator=generator).to(dtype) for n in lengths]
+    ids = [np.arange(n, dtype=np.int32) + 100 * i for i, n in enumerate(lengths)]
+    mask = [(np.arange(n) % 2).astype(np.uint8) for n in lengths]
+    return dict(corpus_rows=np.arange(len(lengths), dtype=np.int64) + 40, input_ids=ids, loss_mask=mask, hidden=hidden)
+
+
+@pytest.fixture()
+def ring():
+    ring = Ring.create(RingGeometry(num_slots=2, max_tokens=32, max_documents=8, width=8))
+    yield ring
+    ring.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_batch_goes_through_a_slot_bit_for_bit(dtype):
+    with Ring.create(RingGeometry(num_slots=2, max_tokens=32, max_documents=8, width=8, dtype=dtype)) as owner:
+        producer = Ring.attach(owner.name)
+        slot, ticket = owner.acquire()
+        batch = _batch(dtype)
+        producer.write_batch(slot, ticket, epoch=3, batch_index=7, bucket=1, **batch)
+        read = owner.read_batch(slot, ticket, epoch=3, batch_index=7)
+        producer.close()
+    assert read.hidden.dtype == dtype and torch.equal(read.hidden, torch.cat(batch["hidden"]))
+    assert read.corpus_rows.tolist() == [40, 41] and read.lengths.tolist() == [3, 5] and read.bucket == 1
+    assert read.input_ids.tolist() == np.concatenate(batch["input_ids"]).tolist()
+    assert read.loss_mask.tolist() == np.concatenate(batch["loss_mask"]).tolist()
+
+
+def test_a_slot_rewritten_after_hand_over_fails_its_checksum(ring):
+    slot, ticket = ring.acquire()
+    with Ring.attach(ring.name) as producer:
+        producer.write_batch(slot, ticket, epoch=0, batch_index=0, bucket=0, **_batch(torch.bfloat16))
+    start = online_queue._RING_HEADER_BYTES + slot * ring.geometry.slot_bytes + online_queue._SLOT_HEADER_BYTES
+    ring._buffer[start + ring.header(slot)["payload_bytes"] - 1] ^= 0xFF  # a producer scribbling after FULL
+    with pytest.raises(QueueError, match="CRC-32C"):
+        ring.read_batch(slot, ticket, epoch=0, batch_index=0)
+
+
+def test_a_slot_of_another_format_version_or_batch_is_refused(ring):
+    slot, ticket = ring.acquire()
+    with Ring.attach(ring.name) as producer:
+        producer.write_batch(slot, ticket, epoch=0, batch_index=4, bucket=0, **_batch(torch.bfloat16))
+    with pytest.raises(QueueError, match="expected batch 5 of epoch 0"):
+        ring.read_batch(slot, ticket, epoch=0, batch_index=5)
+    start = online_queue._RING_HEADER_BYTES + slot * ring.geometry.slot_bytes
+    ring._buffer[start + 8 : start + 12] = np.frombuffer(struct.pack("<I", QUEUE_FORMAT_VERSION + 1), np.uint8)
+    with pytest.raises(QueueError, match=f"format version {QUEUE_FORMAT_VERSION + 1}.*expected {QUEUE_FORMAT_VERSION}"):
+        ring.read_batch(slot, ticket, epoch=0, batch_index=4)
+    ring._buffer[8:12] = np.frombuffer(struct.pack("<I", QUEUE_FORMAT_VERSION + 1), np.uint8)  # the ring header
+    with pytest.raises(QueueError, match="format version"):
+        Ring.attach(ring.name)
+
+
+def test_a_slot_is_handed_out_again_only_after_release_with_a_new_ticket(ring):
+    first, second = ring.acquire(), ring.acquire()
+    assert first[0] != second[0]
+    assert ring.acquire(timeout=0) is None  # full
+    ring.release(first[0])
+    again = ring.acquire(timeout=0)
+    assert again is not None and again[0] == first[0] and again[1] not in (first[1], second[1])
+    with Ring.attach(ring.name) as producer, pytest.raises(QueueError, match="not claimed by ticket"):
+        # the old hand-out's producer may not write
+        producer.write_batch(first[0], first[1], epoch=0, batch_index=0, bucket=0, **_batch(torch.bfloat16))
+
+
+def test_acquire_blocks_while_the_ring_is_full_until_a_release(ring):
+    held = [ring.acquire(), ring.acquire()]
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(ring.acquire()))
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive() and not got  # blocked: no free slot
+    ring.release(held[1][0])
+    waiter.join()
+    assert got[0][0] == held[1][0]
+
+
+def test_a_batch_too_large_for_the_slot_is_refused(ring):
+    slot, ticket = ring.acquire()
+    with Ring.attach(ring.name) as producer, pytest.raises(QueueError, match="exceed"):
+        producer.write_batch(slot, ticket, epoch=0, batch_index=0, bucket=0, **_batch(torch.bfloat16, lengths=(30, 5)))
+
+
+def test_too_small_dev_shm_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(online_queue, "shm_free_bytes", lambda: 1 << 20)
+    before = set(list_segments())
+    with pytest.raises(SharedMemoryFull, match="--shm-size.*--ring-slots"):
+        Ring.create(RingGeometry(num_slots=4, max_tokens=4096, max_documents=64, width=1024))
+    assert set(list_segments()) == before
+
+
+def _attach_write_and_hang(name: str, slot: int, ticket: int, ready) -> None:
+    producer = Ring.attach(name)
+    producer.write_batch(slot, ticket, epoch=0, batch_index=0, bucket=0, **_batch(torch.bfloat16))
+    ready.set()
+    threading.Event().wait()  # until SIGKILLed
+
+
+def test_sigkilled_producer_leaves_no_segment_and_the_slot_stays_readable():
+    before = set(list_segments())
+    context = multiprocessing.get_context("spawn")
+    ring = Ring.create(RingGeometry(num_slots=2, max_tokens=32, max_documents=8, width=8))
+    try:
+        slot, ticket = ring.acquire()
+        ready = context.Event()
+        process = context.Process(target=_attach_write_and_hang, args=(ring.name, slot, ticket, ready))
+        process.start()
+        assert ready.wait(timeout=120)
+        os.kill(process.pid, signal.SIGKILL)
+        process.join()
+        read = ring.read_batch(slot, ticket, epoch=0, batch_index=0)
+        assert torch.equal(read.hidden, torch.cat(_batch(torch.bfloat16)["hidden"]))
+    finally:
+        ring.close()
+    assert set(list_segments()) == before
+
+
+def test_segments_of_a_sigkilled_owner_are_swept_at_the_next_start():
+    code = ("import sys, threading; from dflash.online_queue import Ring, RingGeometry; "
+            "r = Ring.create(RingGeometry(num_slots=2, max_tokens=8, max_documents=2, width=4)); "
+            "print(r.name, flush=True); threading.Event().wait()")
+    # Its own session, so that SIGKILL of the group also takes its resource tracker (which would otherwise unlink
+    # the segment itself): only the sweep can remove it then.
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    name = owner.stdout.readline().strip()
+    assert name in list_segments()
+    os.killpg(owner.pid, signal.SIGKILL)
+    owner.wait()
+    assert name in list_segments()  # SIGKILL ran no cleanup
+    with Ring.create(RingGeometry(num_slots=2, max_tokens=8, max_documents=2, width=4)):
+        assert name not in list_segments()
