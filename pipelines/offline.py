@@ -1,4 +1,4 @@
-"""The offline pipeline: prepare -> split -> extract -> train -> evaluate as ONE command, on a preset config.
+"""The offline pipeline: generate (or prepare -> split) -> extract -> train -> evaluate as ONE command, on a preset config.
 
 Run::
 
@@ -475,7 +475,7 @@ def register(app: typer.Typer) -> None:
         docs: list[Path] = typer.Option([], "--docs", help="Extra text folders for the corpus, e.g. the Python docs' reST sources."),
         target: str | None = typer.Option(None, "--target", help="Target spec (default: the preset's, 'default' = SmolLM2)."),
     ) -> None:
-        """The main job: prepare -> extract -> train -> evaluate on a preset; ends by printing tau."""
+        """The main job: generate (or prepare + split) -> extract -> train -> evaluate on a preset; ends by printing tau."""
         console = Console()
         preset_config = apply_overrides(load_preset(preset), overrides)
         if docs and preset_config.get("generate"):
