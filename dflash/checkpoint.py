@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
     "OPTIMIZER_FILE",
+    "PARAM_NAMES_KEY",
     "RNG_FILE",
     "TrainingSnapshot",
     "LoadedCheckpoint",
@@ -62,6 +63,7 @@ __all__ = [
     "capture_rng_state",
     "restore_rng_state",
     "collect_environment",
+    "optimizer_param_names",
     "write_run_json",
     "resolve_checkpoint",
     "load_checkpoint",
@@ -77,6 +79,8 @@ RNG_FILE = "rng.safetensors"
 #: What format-1 checkpoints hold instead (read without unpickling code, see dflash.state_files).
 LEGACY_OPTIMIZER_FILE = "optimizer.pt"
 LEGACY_RNG_FILE = "rng.pt"
+#: Metadata key of ``optimizer.safetensors``: JSON list, the parameter name of each optimizer parameter index.
+PARAM_NAMES_KEY = "dflash_param_names"
 _CHECKPOINT_PREFIX = "step_"
 _REQUIRED_FILES = ("model.safetensors", "drafter_config.json", "target.json", "trainer_state.json")
 
@@ -203,6 +207,19 @@ def write_run_json(run_dir: str | Path, config: Mapping[str, Any], environment: 
     return path
 
 
+def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name in ``model.named_parameters()`` of each parameter index of ``optimizer.state_dict()``.
+
+    ``Optimizer.state_dict()`` numbers the parameters of its param groups consecutively, group after group, in the
+    order each group lists them; this walks the same order and names each parameter by identity, so the map is
+    exact whatever filtering built the optimizer's list (``dflash.optim.build_optimizer`` keeps the parameters
+    that require grad, in ``parameters()`` order). A parameter the model does not own is named ``<unnamed N>``.
+    """
+    names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
+    ordered = [param for group in optimizer.param_groups for param in group["params"]]
+    return [names.get(id(param), f"<unnamed {index}>") for index, param in enumerate(ordered)]
+
+
 @dataclass(kw_only=True)
 class TrainingSnapshot:
     """Everything a checkpoint holds, as host-memory copies taken at one step.
@@ -215,6 +232,9 @@ class TrainingSnapshot:
         rng_state: from :func:`capture_rng_state`.
         drafter_config: ``DFlashConfig.to_dict()``.
         target_info: target identity, ``target_spec`` and embedding/LM-head hashes.
+        optimizer_param_names: the model's parameter name of each optimizer parameter index (the ``N`` of
+            ``state.N.exp_avg``), in ``optimizer.state_dict()`` order; written into ``optimizer.safetensors``'s
+            metadata (:data:`PARAM_NAMES_KEY`) so ``scan`` names optimizer state by parameter.
     """
 
     step: int
@@ -224,6 +244,7 @@ class TrainingSnapshot:
     rng_state: dict[str, Any]
     drafter_config: dict[str, Any]
     target_info: dict[str, Any]
+    optimizer_param_names: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -291,6 +312,7 @@ class Checkpointer:
             rng_state=_to_host(dict(rng_state)),
             drafter_config=json.loads(json.dumps(drafter_config)),
             target_info=json.loads(json.dumps(target_info)),
+            optimizer_param_names=optimizer_param_names(model, optimizer),
         )
         if on_cuda:
             torch.cuda.synchronize()
@@ -342,7 +364,8 @@ class Checkpointer:
                 metadata={"format": "pt", "step": str(snapshot.step)},
             )
             fault_point("checkpoint.write", staging / OPTIMIZER_FILE)
-            save_state_tree(snapshot.optimizer_state, staging / OPTIMIZER_FILE, metadata={"step": str(snapshot.step)})
+            save_state_tree(snapshot.optimizer_state, staging / OPTIMIZER_FILE, metadata={
+                "step": str(snapshot.step), PARAM_NAMES_KEY: json.dumps(snapshot.optimizer_param_names)})
             save_state_tree(snapshot.rng_state, staging / RNG_FILE, metadata={"step": str(snapshot.step)})
             trainer_state = {"format_version": CHECKPOINT_FORMAT_VERSION, "step": snapshot.step, **snapshot.trainer_state}
             (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))

@@ -140,6 +140,7 @@ _COMMAND_MODULES = [
     "stages.evaluate",
     "stages.export",
     "stages.inspect",
+    "stages.scan",
 ]
 
 

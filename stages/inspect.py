@@ -6,7 +6,7 @@ PATH is a run folder (``run.json``, ``latest``, ``checkpoints/``), a checkpoint 
 
     dflash-stages inspect runs/smol                       # resolved config, target, checkpoints, weights
     dflash-stages inspect runs/smol --diff exports/smol   # differing config keys (exit code 1 if any differ)
-    dflash-stages inspect runs/smol --scan                # every tensor checked for NaN/Inf (exit code 1 if any)
+    dflash-stages inspect runs/smol --scan                # = dflash-stages scan runs/smol (stages/scan.py)
 
 Every artefact is reduced to flat ``section.key -> value`` facts (sections: ``drafter`` = the DFlashConfig fields,
 ``target``, ``run``, ``trainer``, ``serving``, ``provenance``, ``weights``); the diff compares the sections both sides
@@ -313,7 +313,8 @@ def inspect_command(
         None, "--diff", help="Another run/checkpoint/export: print the config keys that differ (exit code 1 if any)."
     ),
     scan: bool = typer.Option(
-        False, "--scan", help="Check every tensor (weights and optimizer state) for NaN/Inf and name the bad ones (exit code 1 if any)."
+        False, "--scan", help="Alias of `dflash-stages scan PATH`: every checkpoint's tensors (weights and optimizer state) "
+        "checked for NaN/Inf/extreme values (exit code 1 if any)."
     ),
 ) -> None:
     """Print the full config and provenance of a run, checkpoint or export; optionally diff or scan it.
@@ -356,19 +357,12 @@ def inspect_command(
             console.print(f"[yellow]not compared[/] (only one side has them): {', '.join(skipped)}")
         failed = bool(rows)
 
-    if scan:
-        scanned, elements, bad = scan_tensors(artefact.weight_files)
-        if bad:
-            table = Table(title=f"tensors with NaN/Inf in {artefact.path}")
-            for column in ("file", "tensor", "dtype", "shape", "nan", "inf"):
-                table.add_column(column, overflow="fold")
-            for row in bad:
-                table.add_row(*(_format(row[column]) for column in ("file", "tensor", "dtype", "shape", "nan", "inf")))
-            console.print(table)
-        files = ", ".join(p.name for p in artefact.weight_files) or "no weight files"
-        verdict = f"[red]{len(bad)} with NaN/Inf[/]" if bad else "[green]all finite[/]"
-        console.print(f"scanned {scanned} tensors ({elements:,} values) in {files}: {verdict}")
-        failed = failed or bool(bad)
+    if scan:  # the same scan as ``dflash-stages scan PATH`` (every checkpoint of a run)
+        from stages.scan import DEFAULT_MAX_ABS, print_scans, scan_paths
+
+        scans = scan_paths([path], max_abs=DEFAULT_MAX_ABS)
+        print_scans(console, scans, max_abs=DEFAULT_MAX_ABS)
+        failed = failed or not all(item.clean for item in scans)
     if failed:
         raise typer.Exit(code=1)
 

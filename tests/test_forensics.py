@@ -1,0 +1,107 @@
+"""Run forensics on runs made by the real ``train`` on CPU (tiny real cache, tests/train_helpers.py): ``scan`` of
+every checkpoint with optimizer state named by parameter, ``diff`` of config/environment/performance, ``report``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+from train_helpers import build_tiny_cache, tiny_config
+from typer.testing import CliRunner
+
+from dflash.checkpoint import PARAM_NAMES_KEY
+from dflash.state_files import load_state_tree, save_state_tree
+from dflash.weights_io import open_safetensors
+from stages import scan as scan_stage
+from stages.train import run_training
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory, target):
+    return build_tiny_cache(tmp_path_factory.mktemp("cache") / "tiny.zarr", target)
+
+
+@pytest.fixture(scope="module")
+def run_a(tiny_cache, tmp_path_factory):
+    """6 steps, a checkpoint every 2 (steps 2, 4, 6 all kept)."""
+    run = tmp_path_factory.mktemp("runs") / "a"
+    run_training(tiny_config(tiny_cache, run, save_every=2, keep_last=5, validation_fraction=0.0))
+    return run
+
+
+def _invoke(register, *args: str):
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    register(app)
+    return CliRunner().invoke(app, [*map(str, args)], env={"COLUMNS": "250"})
+
+
+def test_optimizer_param_names_are_recorded_in_build_optimizer_order(run_a):
+    from dflash.drafter import DFlashConfig, DFlashDrafter
+
+    checkpoint = run_a / "checkpoints" / "step_00000002"
+    with open_safetensors(checkpoint / "optimizer.safetensors") as handle:
+        names = json.loads(handle.metadata()[PARAM_NAMES_KEY])
+    drafter = DFlashDrafter(DFlashConfig.from_dict(json.loads((checkpoint / "drafter_config.json").read_text())))
+    assert names == [name for name, param in drafter.named_parameters() if param.requires_grad]
+    state = load_state_tree(checkpoint / "optimizer.safetensors")
+    assert sorted(state["state"]) == list(range(len(names)))
+    # The map is exact: each optimizer state has its parameter's shape.
+    with open_safetensors(checkpoint / "model.safetensors") as handle:
+        weights = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    for index, name in enumerate(names):
+        assert list(state["state"][index]["exp_avg"].shape) == weights[name], name
+
+
+def test_scan_reads_every_checkpoint_and_names_a_nan_in_an_older_optimizer_state(run_a, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_a, run)
+    assert (run / "latest").read_text().strip() == "step_00000006"
+    older = run / "checkpoints" / "step_00000004"
+    with open_safetensors(older / "optimizer.safetensors") as handle:
+        names = json.loads(handle.metadata()[PARAM_NAMES_KEY])
+        metadata = {k: v for k, v in handle.metadata().items() if k not in ("dflash_state_tree", "dflash_state_format")}
+    index = names.index("layers.0.mlp.up_proj.weight")
+    state = load_state_tree(older / "optimizer.safetensors")
+    state["state"][index]["exp_avg_sq"].view(-1)[5] = float("nan")
+    save_state_tree(state, older / "optimizer.safetensors", metadata=metadata)
+
+    result = _invoke(scan_stage.register, "scan", run)
+    assert result.exit_code == 1, result.output
+    for name in ("step_00000002", "step_00000004", "step_00000006"):  # every checkpoint read, and named
+        assert f"checkpoints/{name}: scanned" in result.output
+    assert "layers.0.mlp.up_proj.weight.exp_avg_sq" in result.output
+    assert f"state.{index}.exp_avg_sq" in result.output
+    assert "1 of 3 with problems" in result.output
+
+    scans = scan_stage.scan_paths([run])
+    bad = {scan.path.name: [(f.tensor, f.nan) for f in scan.findings] for scan in scans}
+    assert bad == {"step_00000002": [], "step_00000004": [("layers.0.mlp.up_proj.weight.exp_avg_sq", 1)],
+                   "step_00000006": []}
+    assert all(scan.files == ["model.safetensors", "optimizer.safetensors"] for scan in scans)
+    assert scans[0].tensors > 2 * len(names)  # weights + exp_avg, exp_avg_sq and step per parameter
+
+    # The old entry point is an alias of the same scan.
+    from stages import inspect as inspect_stage
+
+    alias = _invoke(inspect_stage.register, "inspect", run, "--scan")
+    assert alias.exit_code == 1 and "layers.0.mlp.up_proj.weight.exp_avg_sq" in alias.output
+
+
+def test_scan_of_a_clean_run_exits_0_and_counts_extremes(run_a):
+    result = _invoke(scan_stage.register, "scan", run_a)
+    assert result.exit_code == 0, result.output
+    assert "3 checkpoint(s) scanned: all clean" in result.output
+    scans = scan_stage.scan_paths([run_a / "checkpoints" / "step_00000002"], max_abs=1e-6)
+    assert scans[0].findings and all(f.extreme > 0 and f.nan == f.inf == 0 for f in scans[0].findings)
+    assert not any(f.tensor.endswith(".step") for f in scans[0].findings)  # Adam's step counter is no value
+
+
+def test_scan_of_no_artefact_is_a_usage_error(tmp_path):
+    result = _invoke(scan_stage.register, "scan", tmp_path)
+    assert result.exit_code == 2
+    assert result.output.startswith("error: ")
