@@ -28,6 +28,7 @@ Retention keeps the last ``keep_last`` checkpoints plus the best by validation l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -63,6 +64,9 @@ __all__ = [
     "capture_rng_state",
     "restore_rng_state",
     "collect_environment",
+    "code_version",
+    "CODE_DIR",
+    "BEHAVIOUR_ENV_PREFIXES",
     "optimizer_param_names",
     "write_run_json",
     "resolve_checkpoint",
@@ -155,27 +159,70 @@ def restore_rng_state(state: Mapping[str, Any], **generators: torch.Generator) -
             generator.set_state(state["generators"][name])
 
 
-def _git_commit() -> str | None:
+#: The code whose version ``collect_environment`` records (this package's git checkout).
+CODE_DIR = Path(__file__).resolve().parent
+#: Prefixes of the environment variables that change what a run does or how fast (recorded in ``run.json``).
+BEHAVIOUR_ENV_PREFIXES = ("DFLASH_", "OMP_", "MKL_", "CUDA_", "NCCL_", "TORCH_", "PYTORCH_")
+
+
+def _run(command: list[str], cwd: Path | None = None) -> str | None:
+    """Stdout of a short command, or None when it is missing, fails or hangs."""
     try:
-        result = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        )
+        result = subprocess.run(command, cwd=cwd, capture_output=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
-    return result.stdout.strip() or None
+    return result.stdout.decode(errors="replace") if result.returncode == 0 else None
+
+
+def code_version(code_dir: Path | None = None) -> dict[str, Any]:
+    """Git state of the code: commit, whether the working tree differs from it, a hash of ``git diff HEAD`` and the
+    untracked files (so two runs of the same commit with different edits are told apart). ``None`` values outside
+    a git checkout."""
+    import hashlib
+
+    code_dir = code_dir or CODE_DIR
+    commit = (_run(["git", "rev-parse", "HEAD"], code_dir) or "").strip() or None
+    if commit is None:
+        return {"git_commit": None, "git_dirty": None, "git_diff_sha256": None, "git_untracked": None}
+    diff = _run(["git", "diff", "HEAD", "--binary"], code_dir) or ""
+    untracked = sorted((_run(["git", "ls-files", "--others", "--exclude-standard"], code_dir) or "").split())
+    digest = hashlib.sha256(diff.encode())
+    for name in untracked:
+        digest.update(name.encode())
+        with contextlib.suppress(OSError):
+            digest.update((code_dir / name).read_bytes() if (code_dir / name).is_file() else b"")
+    dirty = bool(diff) or bool(untracked)
+    return {"git_commit": commit, "git_dirty": dirty, "git_diff_sha256": digest.hexdigest() if dirty else None,
+            "git_untracked": len(untracked)}
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _gpu_driver() -> str | None:
+    import shutil as _shutil
+
+    if _shutil.which("nvidia-smi") is None:
+        return None
+    output = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return output.splitlines()[0].strip() if output and output.strip() else None
 
 
 def collect_environment() -> dict[str, Any]:
-    """What produced a run: host, Python and library versions, devices, code commit, command line."""
+    """What produced a run, all that can make two runs of one config differ in speed or result: host, CPU model
+    and core/thread counts, Python, library versions (torch with its CUDA build, triton, flash-attn), GPUs and
+    driver, the behaviour-changing environment variables (:data:`BEHAVIOUR_ENV_PREFIXES`), the code version
+    (:func:`code_version`) and the command line."""
     import importlib.metadata
 
     versions = {}
-    for package in ("torch", "transformers", "safetensors", "zarr", "numcodecs", "numpy", "dflash-stages"):
+    for package in ("torch", "triton", "flash-attn", "flash-attn-4", "transformers", "safetensors", "zarr",
+                    "numcodecs", "numpy", "dflash-stages"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -183,6 +230,7 @@ def collect_environment() -> dict[str, Any]:
     devices = []
     if torch.cuda.is_available():
         devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
@@ -190,8 +238,16 @@ def collect_environment() -> dict[str, Any]:
         "versions": versions,
         "cuda": torch.version.cuda,
         "cuda_devices": devices,
+        "cuda_device_count": len(devices),
+        "gpu_driver": _gpu_driver() if devices else None,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "git_commit": _git_commit(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": affinity,
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "env": {name: value for name, value in sorted(os.environ.items()) if name.startswith(BEHAVIOUR_ENV_PREFIXES)},
+        **code_version(),
         "argv": list(sys.argv),
     }
 

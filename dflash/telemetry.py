@@ -7,6 +7,9 @@
   (tokens with loss_mask = 1) and drafted block tokens/s (anchors x block_size, what the drafter actually computes).
 - :class:`StepTimer` splits each step's wall time into ``data_wait``, ``forward``, ``backward``, ``optimizer``
   (CUDA is synchronized at phase boundaries only when asked, since syncing costs throughput).
+- :class:`StepTimeWindow` keeps the last ``window`` steps' timings: the logged ``time_*`` fields are window medians
+  (one step's split is noise), and per length bucket (steps whose batches all came from one bucket) the median step
+  and forward time and the real tokens/s, so a slowdown can be traced to a bucket (``dflash-stages diff``).
 - :class:`BucketCounter` counts batches and tokens per length bucket, cumulatively and over the window, so the
   realized mixing shares can be compared with the corpus shares.
 - :func:`training_progress` is a rich progress bar with ETA.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from collections import Counter, deque
 from contextlib import contextmanager
@@ -35,6 +39,7 @@ __all__ = [
     "MetricsWriter",
     "ThroughputWindow",
     "StepTimer",
+    "StepTimeWindow",
     "BucketCounter",
     "training_progress",
     "read_metrics",
@@ -253,6 +258,67 @@ class StepTimer:
         out = {f"{name}_s": value for name, value in self.seconds.items()}
         out["step_s"] = total
         out["data_wait_fraction"] = self.seconds["data_wait"] / total if total > 0 else 0.0
+        return out
+
+
+@dataclass(slots=True)
+class _StepTiming:
+    seconds: dict[str, float]  # StepTimer.summary()
+    split: bool  # the phases were timed with synchronization (always off CUDA)
+    bucket: int | None
+    real_tokens: int
+
+
+class StepTimeWindow:
+    """Medians of the step-time split over the last ``window`` steps, overall and per length bucket.
+
+    Call :meth:`update` once per optimizer step. ``split=False`` marks a step whose phases were timed without
+    synchronizing CUDA (``StepTimer`` syncs on log steps only, since syncing costs throughput): its total step time
+    counts, its phase split does not (kernels still queued would be billed to the wrong phase). ``bucket`` is the
+    length bucket of all the step's batches, or ``None`` when they mixed buckets (grad accumulation, DDP).
+    """
+
+    def __init__(self, window: int = 20) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self._steps: deque[_StepTiming] = deque(maxlen=window)
+
+    def update(self, seconds: Mapping[str, float], *, split: bool = True, bucket: int | None = None,
+               real_tokens: int = 0) -> None:
+        self._steps.append(_StepTiming(dict(seconds), split, bucket, int(real_tokens)))
+
+    def summary(self) -> dict[str, Any]:
+        """``time_<phase>_s`` and ``time_data_wait_fraction`` (medians over the split steps), ``time_step_s``
+        (median over all), ``time_window_steps`` / ``time_split_steps`` (how many steps they are medians of), and
+        per bucket id (string keys): ``bucket_step_s``, ``bucket_forward_s`` (medians), ``bucket_real_tokens_per_s``
+        (tokens / seconds summed over the bucket's steps) and ``bucket_window_steps``."""
+        steps = list(self._steps)
+        if not steps:
+            return {}
+        split = [s for s in steps if s.split]
+        out: dict[str, Any] = {"time_step_s": statistics.median(s.seconds["step_s"] for s in steps)}
+        for name in (*StepTimer.PHASES, "data_wait_fraction"):
+            key = name if name.endswith("fraction") else f"{name}_s"
+            if split:
+                out[f"time_{key}"] = statistics.median(s.seconds[key] for s in split)
+        out["time_window_steps"] = len(steps)
+        out["time_split_steps"] = len(split)
+        by_bucket: dict[int, list[_StepTiming]] = {}
+        for step in steps:
+            if step.bucket is not None:
+                by_bucket.setdefault(step.bucket, []).append(step)
+        if by_bucket:
+            order = sorted(by_bucket)
+            out["bucket_step_s"] = {str(b): statistics.median(s.seconds["step_s"] for s in by_bucket[b]) for b in order}
+            out["bucket_forward_s"] = {
+                str(b): statistics.median(s.seconds["forward_s"] for s in by_bucket[b] if s.split)
+                for b in order if any(s.split for s in by_bucket[b])
+            }
+            out["bucket_real_tokens_per_s"] = {
+                str(b): sum(s.real_tokens for s in by_bucket[b]) / max(1e-12, sum(s.seconds["step_s"] for s in by_bucket[b]))
+                for b in order
+            }
+            out["bucket_window_steps"] = {str(b): len(by_bucket[b]) for b in order}
         return out
 
 

@@ -141,6 +141,7 @@ _COMMAND_MODULES = [
     "stages.export",
     "stages.inspect",
     "stages.scan",
+    "stages.diff",
 ]
 
 

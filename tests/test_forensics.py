@@ -5,15 +5,18 @@ every checkpoint with optimizer state named by parameter, ``diff`` of config/env
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import typer
 from train_helpers import build_tiny_cache, tiny_config
 from typer.testing import CliRunner
 
+from dflash import checkpoint as checkpoint_module
 from dflash.checkpoint import PARAM_NAMES_KEY
 from dflash.state_files import load_state_tree, save_state_tree
 from dflash.weights_io import open_safetensors
+from stages import diff as diff_stage
 from stages import scan as scan_stage
 from stages.train import run_training
 
@@ -24,10 +27,39 @@ def tiny_cache(tmp_path_factory, target):
 
 
 @pytest.fixture(scope="module")
-def run_a(tiny_cache, tmp_path_factory):
-    """6 steps, a checkpoint every 2 (steps 2, 4, 6 all kept)."""
+def code_repo(tmp_path_factory):
+    """A real git checkout standing in for the code (``dflash.checkpoint.CODE_DIR``), committed and clean."""
+    repo = tmp_path_factory.mktemp("code")
+    (repo / "trainer.py").write_text("STEP = 1\n")
+    for command in (["init", "-q"], ["add", "trainer.py"],
+                    ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code"]):
+        subprocess.run(["git", *command], cwd=repo, check=True)
+    return repo
+
+
+def _train(config, code_repo, env: dict[str, str] | None = None):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoint_module, "CODE_DIR", code_repo)
+        for name, value in (env or {}).items():
+            patch.setenv(name, value)
+        return run_training(config)
+
+
+@pytest.fixture(scope="module")
+def run_a(tiny_cache, tmp_path_factory, code_repo):
+    """6 steps, a checkpoint every 2 (steps 2, 4, 6 all kept), from the clean code checkout."""
     run = tmp_path_factory.mktemp("runs") / "a"
-    run_training(tiny_config(tiny_cache, run, save_every=2, keep_last=5, validation_fraction=0.0))
+    _train(tiny_config(tiny_cache, run, save_every=2, keep_last=5, validation_fraction=0.0), code_repo)
+    return run
+
+
+@pytest.fixture(scope="module")
+def run_b(run_a, tiny_cache, tmp_path_factory, code_repo):
+    """Run A with another token budget, OMP_NUM_THREADS set and an edited working tree."""
+    run = tmp_path_factory.mktemp("runs") / "b"
+    (code_repo / "trainer.py").write_text("STEP = 2\n")
+    _train(tiny_config(tiny_cache, run, save_every=2, keep_last=5, validation_fraction=0.0, token_budget=128),
+           code_repo, env={"OMP_NUM_THREADS": "1"})
     return run
 
 
@@ -105,3 +137,29 @@ def test_scan_of_no_artefact_is_a_usage_error(tmp_path):
     result = _invoke(scan_stage.register, "scan", tmp_path)
     assert result.exit_code == 2
     assert result.output.startswith("error: ")
+
+
+def test_diff_lists_exactly_the_batch_environment_and_code_changes_and_the_throughput_gap(run_a, run_b):
+    comparison = diff_stage.compare(diff_stage.load_side(run_a), diff_stage.load_side(run_b))
+    print(comparison.config)
+    assert {key: (a, b) for key, a, b in comparison.config} == {"config.token_budget": (192, 128)}
+    environment = {key: (a, b) for key, a, b in comparison.environment}
+    assert set(environment) == {"environment.env.OMP_NUM_THREADS", "environment.git_dirty",
+                                "environment.git_diff_sha256"}
+    assert environment["environment.env.OMP_NUM_THREADS"] == ("<absent>", "1")
+    assert environment["environment.git_dirty"] == (False, True)
+    performance = {key: (a, b, change) for key, a, b, change in comparison.performance}
+    for key in ("real_tokens_per_s", "supervised_tokens_per_s", "time_step_s", "time_forward_s",
+                "time_data_wait_s", "time_backward_s", "time_optimizer_s"):
+        a, b, change = performance[key]
+        assert a > 0 and b > 0 and change == pytest.approx(b / a - 1)
+    assert any(key.startswith("bucket_step_s.") for key in performance)  # per length bucket
+    assert comparison.verdict.startswith("B is ") and "% " in comparison.verdict
+    assert "OMP_NUM_THREADS" in comparison.verdict and "config: config.token_budget 192 -> 128" in comparison.verdict
+
+    result = _invoke(diff_stage.register, "diff", run_a, run_b)
+    assert result.exit_code == 1, result.output
+    for expected in ("config.token_budget", "environment.env.OMP_NUM_THREADS", "real_tokens_per_s", "verdict: B is"):
+        assert expected in result.output, expected
+    assert "drafter." not in result.output and "trainer.config" not in result.output  # each change once
+    assert _invoke(diff_stage.register, "diff", run_a, run_a).exit_code == 0
