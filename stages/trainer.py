@@ -760,9 +760,20 @@ class Trainer:
         from rich.console import Console
 
         from dflash.buckets import render_bucket_table
+        from stages.hyperparameters import convention_warnings, hyperparameter_rows, render_hyperparameters
 
         rows = self.train_loader.bucket_table()
         console = Console(stderr=True)
+        config = self.config
+        self.resolved["convention_warnings"] = convention_warnings(
+            block_size=self.drafter_config.block_size, gamma=config.resolved_gamma(), betas=config.betas,
+            max_anchors_per_document=config.max_anchors_per_document,
+            longest_sample=max((row.max_length for row in rows), default=None),
+        )
+        console.print(render_hyperparameters(hyperparameter_rows(
+            config, self.resolved, schedule=schedule_segments(self.scheduler), attention_backend=attention_backend())))
+        for warning in self.resolved["convention_warnings"]:
+            log.warning("%s", warning)
         console.print(render_bucket_table(rows, title=f"length buckets (epoch {self.train_loader.epoch})"))
         console.print(
             f"excluded samples (fewer than {self.excluded['min_supervised_tokens']} supervised tokens): "

@@ -163,3 +163,31 @@ def test_diff_lists_exactly_the_batch_environment_and_code_changes_and_the_throu
         assert expected in result.output, expected
     assert "drafter." not in result.output and "trainer.config" not in result.output  # each change once
     assert _invoke(diff_stage.register, "diff", run_a, run_a).exit_code == 0
+
+
+def test_train_records_convention_warnings_and_the_hyperparameter_table_shows_effective_values(run_a, tiny_cache):
+    from rich.console import Console
+
+    from stages.hyperparameters import convention_warnings, hyperparameter_rows, render_hyperparameters
+
+    resolved = json.loads((run_a / "run.json").read_text())["resolved"]
+    # The tiny run: 2 anchors x block 4 cannot cover its longest sample; gamma and betas are the defaults.
+    assert len(resolved["convention_warnings"]) == 1 and "max_anchors_per_document 2" in resolved["convention_warnings"][0]
+    config = tiny_config(tiny_cache, run_a, save_every=2, keep_last=5, validation_fraction=0.0)
+    rows = hyperparameter_rows(config, resolved, schedule=[{"warmup_steps": 1, "total_steps": 6}],
+                               attention_backend="auto")
+    console = Console(record=True, width=200)
+    console.print(render_hyperparameters(rows))
+    text = console.export_text()
+    for expected in ("lr (peak)", "0.001", "0.0006", "AdamW betas", "(0.9, 0.999)", "gamma", "warmup 1 steps",
+                     "192 per micro-batch x 1 accum x 1 ranks = 192 per step", "compile", "dense-sdpa"):
+        assert expected in text, expected
+    assert {row.name for row in rows if row.departs} == {"lr (peak)", "schedule", "block size", "anchors per document"}
+
+    warnings = convention_warnings(block_size=16, gamma=4.0, betas=(0.9, 0.95), max_anchors_per_document=512,
+                                   longest_sample=3072)
+    assert len(warnings) == 2
+    assert warnings[0].startswith("gamma 4 at block size 16: the paper uses 7")
+    assert "betas (0.9, 0.95)" in warnings[1]
+    assert convention_warnings(block_size=8, gamma=4.0, betas=(0.9, 0.999), max_anchors_per_document=512,
+                               longest_sample=3072) == []
