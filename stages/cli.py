@@ -142,6 +142,7 @@ _COMMAND_MODULES = [
     "stages.inspect",
     "stages.scan",
     "stages.diff",
+    "stages.report",
 ]
 
 

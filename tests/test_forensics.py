@@ -49,7 +49,7 @@ def _train(config, code_repo, env: dict[str, str] | None = None):
 def run_a(tiny_cache, tmp_path_factory, code_repo):
     """6 steps, a checkpoint every 2 (steps 2, 4, 6 all kept), from the clean code checkout."""
     run = tmp_path_factory.mktemp("runs") / "a"
-    _train(tiny_config(tiny_cache, run, save_every=2, keep_last=5, validation_fraction=0.0), code_repo)
+    _train(tiny_config(tiny_cache, run, save_every=2, keep_last=5), code_repo)
     return run
 
 
@@ -58,7 +58,7 @@ def run_b(run_a, tiny_cache, tmp_path_factory, code_repo):
     """Run A with another token budget, OMP_NUM_THREADS set and an edited working tree."""
     run = tmp_path_factory.mktemp("runs") / "b"
     (code_repo / "trainer.py").write_text("STEP = 2\n")
-    _train(tiny_config(tiny_cache, run, save_every=2, keep_last=5, validation_fraction=0.0, token_budget=128),
+    _train(tiny_config(tiny_cache, run, save_every=2, keep_last=5, token_budget=128),
            code_repo, env={"OMP_NUM_THREADS": "1"})
     return run
 
@@ -173,7 +173,7 @@ def test_train_records_convention_warnings_and_the_hyperparameter_table_shows_ef
     resolved = json.loads((run_a / "run.json").read_text())["resolved"]
     # The tiny run: 2 anchors x block 4 cannot cover its longest sample; gamma and betas are the defaults.
     assert len(resolved["convention_warnings"]) == 1 and "max_anchors_per_document 2" in resolved["convention_warnings"][0]
-    config = tiny_config(tiny_cache, run_a, save_every=2, keep_last=5, validation_fraction=0.0)
+    config = tiny_config(tiny_cache, run_a, save_every=2, keep_last=5)
     rows = hyperparameter_rows(config, resolved, schedule=[{"warmup_steps": 1, "total_steps": 6}],
                                attention_backend="auto")
     console = Console(record=True, width=200)
@@ -191,3 +191,30 @@ def test_train_records_convention_warnings_and_the_hyperparameter_table_shows_ef
     assert "betas (0.9, 0.95)" in warnings[1]
     assert convention_warnings(block_size=8, gamma=4.0, betas=(0.9, 0.999), max_anchors_per_document=512,
                                longest_sample=3072) == []
+
+
+def test_report_writes_pngs_and_a_self_contained_html_page_for_overlaid_runs(run_a, run_b, tmp_path):
+    import base64
+    import shutil
+
+    pytest.importorskip("matplotlib")
+    from stages import report as report_stage
+
+    workdir = tmp_path / "work"  # a pipeline work folder: evaluated tau per epoch comes from its pipeline.json
+    shutil.copytree(run_a, workdir / "run")
+    (workdir / "pipeline.json").write_text(json.dumps({"epochs": [{"epoch": 0, "step": 0, "tau": 1.0},
+                                                                  {"epoch": 1, "step": 6, "tau": 1.2}]}))
+    series = report_stage.load_series(workdir)
+    assert [e["tau"] for e in series.evaluated] == [1.0, 1.2] and series.saves == [2, 4, 6] and series.val
+
+    output = tmp_path / "report"
+    result = _invoke(report_stage.register, "report", workdir, run_b, "--output", output)
+    assert result.exit_code == 0, result.output
+    page = (output / "report.html").read_text()
+    for name in report_stage.PLOTS:
+        png = (output / f"{name}.png").read_bytes()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000, name
+        assert base64.b64encode(png).decode() in page, name  # embedded, not linked
+    assert "evaluated tau per epoch" in page and "2, 4, 6" in page
+    assert "<img" in page and 'src="data:image/png;base64,' in page and "src=\"http" not in page
+    assert _invoke(report_stage.register, "report", tmp_path / "nothing").exit_code == 2
