@@ -270,7 +270,7 @@ def write_report(runs: list[RunSeries], output: str | Path) -> dict[str, Path]:
 
 
 def report_command(
-    runs: list[Path] = typer.Argument(..., metavar="RUN...", help="Run folders (or pipeline work folders) to plot, overlaid."),
+    runs: list[Path] = typer.Argument(..., metavar="RUN", help="Run folders (or pipeline work folders) to plot, overlaid."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Folder for the PNGs and report.html (default: FIRST_RUN/report)."),
 ) -> None:
     """PNG plots (loss with checkpoint saves, accuracy, tau, throughput, time split, data wait, buckets) and one

@@ -262,7 +262,7 @@ def print_scans(console: Any, scans: list[CheckpointScan], *, max_abs: float) ->
 
 
 def scan_command(
-    paths: list[Path] = typer.Argument(..., metavar="PATH...", help="Run folders (every checkpoint), checkpoint or export folders."),
+    paths: list[Path] = typer.Argument(..., metavar="PATH", help="Run folders (every checkpoint), checkpoint or export folders."),
     max_abs: float = typer.Option(DEFAULT_MAX_ABS, "--max-abs", help="Finite values above this magnitude count as extreme."),
     as_json: bool = typer.Option(False, "--json", help="Print the findings as JSON instead of tables."),
 ) -> None:
