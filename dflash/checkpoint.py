@@ -165,6 +165,10 @@ CODE_DIR = Path(__file__).resolve().parent
 BEHAVIOUR_ENV_PREFIXES = ("DFLASH_", "OMP_", "MKL_", "CUDA_", "NCCL_", "TORCH_", "PYTORCH_")
 
 
+#: Untracked files up to this size are hashed by content into ``git_diff_sha256``; larger ones by name and size.
+_HASHED_UNTRACKED_BYTES = 1 << 20
+
+
 def _run(command: list[str], cwd: Path | None = None) -> str | None:
     """Stdout of a short command, or None when it is missing, fails or hangs."""
     try:
@@ -180,17 +184,20 @@ def code_version(code_dir: Path | None = None) -> dict[str, Any]:
     a git checkout."""
     import hashlib
 
-    code_dir = code_dir or CODE_DIR
+    top = (_run(["git", "rev-parse", "--show-toplevel"], code_dir or CODE_DIR) or "").strip()
+    code_dir = Path(top) if top else (code_dir or CODE_DIR)  # the whole checkout, not only this package's folder
     commit = (_run(["git", "rev-parse", "HEAD"], code_dir) or "").strip() or None
     if commit is None:
         return {"git_commit": None, "git_dirty": None, "git_diff_sha256": None, "git_untracked": None}
     diff = _run(["git", "diff", "HEAD", "--binary"], code_dir) or ""
     untracked = sorted((_run(["git", "ls-files", "--others", "--exclude-standard"], code_dir) or "").split())
     digest = hashlib.sha256(diff.encode())
-    for name in untracked:
+    for name in untracked:  # content of small files (new source files); name and size of big ones (data left lying)
         digest.update(name.encode())
         with contextlib.suppress(OSError):
-            digest.update((code_dir / name).read_bytes() if (code_dir / name).is_file() else b"")
+            path = code_dir / name
+            size = path.stat().st_size
+            digest.update(path.read_bytes() if size <= _HASHED_UNTRACKED_BYTES else str(size).encode())
     dirty = bool(diff) or bool(untracked)
     return {"git_commit": commit, "git_dirty": dirty, "git_diff_sha256": digest.hexdigest() if dirty else None,
             "git_untracked": len(untracked)}
