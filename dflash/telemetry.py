@@ -1,7 +1,8 @@
-"""Training telemetry: metrics JSONL + TensorBoard, windowed throughput, step-time split, rich progress.
+"""Training telemetry: metrics JSONL + experiment trackers (TensorBoard by default), windowed throughput, step-time split, rich progress.
 
 - :class:`MetricsWriter` appends one JSON object per record to ``metrics.jsonl`` (flushed, so ``tail -f`` works and
-  a killed run keeps every logged step) and mirrors numeric fields to TensorBoard (``tb/``).
+  a killed run keeps every logged step) and mirrors numeric fields to the trackers of ``--report-to``
+  (:mod:`dflash.trackers`: TensorBoard ``tb/`` by default; W&B, MLflow, Trackio offline).
 - :class:`ThroughputWindow` gives rates over the last ``window`` steps (not cumulative since start, which hides
   slow-downs): real tokens/s (documents' tokens), padded tokens/s (tokens including padding), supervised tokens/s
   (tokens with loss_mask = 1) and drafted block tokens/s (anchors x block_size, what the drafter actually computes).
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping
+    from collections.abc import Iterator, Mapping, Sequence
 
     from rich.progress import Progress
 
@@ -60,24 +61,31 @@ def _jsonable(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Append-only metrics: ``<run>/metrics.jsonl`` and TensorBoard scalars under ``<run>/tb``.
+    """Append-only metrics: ``<run>/metrics.jsonl``, mirrored to experiment trackers (:mod:`dflash.trackers`;
+    TensorBoard under ``<run>/tb`` by default).
 
-    Each record is ``{"kind": ..., "step": ..., "time": unix seconds, **fields}``. Numeric fields are written to
-    TensorBoard as ``<kind>/<field>``; list fields (e.g. per-position accuracy) as ``<kind>/<field>/<i>``.
+    Each record is ``{"kind": ..., "step": ..., "time": unix seconds, **fields}``. Numeric fields go to the trackers
+    as ``<kind>/<field>``; list fields (e.g. per-position accuracy) as ``<kind>/<field>/<i>``, dict fields as
+    ``<kind>/<field>/<key>``.
     """
 
     def __init__(
-        self, run_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True, start_step: int | None = None
+        self, run_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True, start_step: int | None = None,
+        trackers: Sequence[str] | None = None, config: Mapping[str, Any] | None = None,
     ) -> None:
         """Open (append to) the run's metrics.
 
         ``start_step``: the step this process starts from (the resumed checkpoint's, 0 for a fresh start). Records
         a crashed or killed earlier attempt wrote beyond it are dropped first (and TensorBoard purges its events
-        from ``start_step + 1`` on), so every step is recorded once; ``None`` keeps the file as is.
+        from ``start_step + 1`` on), so every step is recorded once; ``None`` keeps the file as is. ``trackers``:
+        names of :data:`dflash.trackers.TRACKERS` (default: TensorBoard when ``tensorboard``); ``config`` is
+        given to the trackers that record one (W&B, MLflow, Trackio).
         """
+        from dflash.trackers import open_trackers
+
         self.enabled = enabled
         self._file = None
-        self._tb = None
+        self._trackers: list[Any] = []
         if not enabled:
             return
         run_dir = Path(run_dir)
@@ -86,52 +94,41 @@ class MetricsWriter:
         if start_step is not None:
             drop_records_after(self.path, start_step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            purge = None if start_step is None else start_step + 1
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge)
+        names = list(trackers) if trackers is not None else (["tensorboard"] if tensorboard else [])
+        self._trackers = open_trackers(names, run_dir, start_step=start_step, config=config)
 
     def log(self, kind: str, step: int, fields: Mapping[str, Any]) -> None:
         """Write one record (no-op when disabled)."""
         if not self.enabled or self._file is None:
             return
+        from dflash.trackers import numeric_fields
+
         record = {"kind": kind, "step": int(step), "time": time.time(), **_jsonable(dict(fields))}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is None:
-            return
-        for name, value in record.items():
-            if name in ("kind", "step", "time"):
-                continue
-            if isinstance(value, bool):
-                value = int(value)
-            if isinstance(value, int | float):
-                self._tb.add_scalar(f"{kind}/{name}", value, step)
-            elif isinstance(value, list) and all(isinstance(v, int | float) for v in value):
-                for index, item in enumerate(value):
-                    self._tb.add_scalar(f"{kind}/{name}/{index}", item, step)
-            elif isinstance(value, dict) and all(isinstance(v, int | float) for v in value.values()):
-                self._tb.add_scalars(f"{kind}/{name}", value, step)
+        if self._trackers:
+            scalars = numeric_fields(kind, record)
+            for tracker in self._trackers:
+                tracker.log(int(step), scalars)
 
     def log_text(self, tag: str, text: str, step: int = 0) -> None:
-        """A text blob in TensorBoard (resolved config, bucket table)."""
-        if self._tb is not None:
-            self._tb.add_text(tag, text, step)
+        """A text blob for the trackers that keep text (TensorBoard: resolved config, bucket table)."""
+        for tracker in self._trackers:
+            tracker.log_text(tag, text, step)
 
     def flush(self) -> None:
         if self._file is not None:
             self._file.flush()
-        if self._tb is not None:
-            self._tb.flush()
+        for tracker in self._trackers:
+            tracker.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close()
 
 
 def drop_records_after(path: str | Path, step: int) -> int:

@@ -357,7 +357,8 @@ class Trainer:
         }
         # Opened last, so a run refused above writes no metrics or TensorBoard file; from the step resumed (0 when
         # new), dropping what a killed attempt logged past it.
-        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, start_step=self.step)
+        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, start_step=self.step,
+                                     trackers=config.report_to, config=config.to_dict())
         if self.is_main:
             self._write_run_json()
             self.metrics.log("data", self.step, self.excluded)

@@ -32,3 +32,38 @@ def test_empty_window_reports_nothing():
     assert StepTimeWindow().summary() == {}
     with pytest.raises(ValueError, match="window"):
         StepTimeWindow(window=0)
+
+
+def test_report_to_skips_an_absent_tracker_with_a_warning_and_keeps_the_jsonl(tmp_path, caplog):
+    import importlib.util
+    import logging
+
+    from dflash.telemetry import MetricsWriter, read_metrics
+
+    absent = next((name for name in ("wandb", "mlflow", "trackio") if importlib.util.find_spec(name) is None), None)
+    if absent is None:
+        pytest.skip("wandb, mlflow and trackio are all installed")
+    with caplog.at_level(logging.WARNING, logger="dflash.trackers"):
+        writer = MetricsWriter(tmp_path, trackers=["tensorboard", absent])
+    try:
+        writer.log("train", 1, {"loss": 2.0, "accuracy_per_position": [0.5, 0.25], "bucket_step_s": {"0": 0.1}})
+    finally:
+        writer.close()
+    assert f"--report-to {absent} skipped" in caplog.text and f"pip install {absent}" in caplog.text
+    assert read_metrics(tmp_path, kind="train")[0]["loss"] == 2.0
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))  # the other tracker still got it
+
+
+def test_report_to_names_are_checked_and_none_means_jsonl_only(tmp_path):
+    from dflash.errors import ConfigError
+    from dflash.trackers import numeric_fields
+    from stages.train import RUNTIME_FIELDS, TrainConfig
+
+    assert TrainConfig(cache="c", output="o").report_to == ["tensorboard"]
+    assert TrainConfig(cache="c", output="o", report_to=["none"]).report_to == []
+    with pytest.raises(ConfigError, match="report_to: unknown tracker"):
+        TrainConfig(cache="c", output="o", report_to=["comet"])
+    assert "report_to" in RUNTIME_FIELDS  # a resume may change the trackers
+    assert numeric_fields("train", {"kind": "train", "step": 3, "loss": 1.5, "skipped": True,
+                                    "accuracy_per_position": [0.5], "bucket_step_s": {"1": 0.2}, "data_digest": "ab"}) == {
+        "train/loss": 1.5, "train/skipped": 1.0, "train/accuracy_per_position/0": 0.5, "train/bucket_step_s/1": 0.2}
