@@ -83,13 +83,17 @@ def checkpoints_to_scan(path: str | Path) -> list[Path]:
     from dflash.errors import CheckpointError
     from stages.inspect import describe
 
-    artefact = describe(path)  # raises for a folder that is none of the three
-    if artefact.kind != "run":
-        return [artefact.path]
-    folders = sorted(p for p in (artefact.path / "checkpoints").glob("step_*") if p.is_dir())
-    if not folders:
-        raise CheckpointError(f"run folder {artefact.path} has no checkpoint under checkpoints/; nothing to scan")
-    return folders
+    folder = Path(path).expanduser()
+    if (folder / "checkpoints").is_dir() and not (folder / "model.safetensors").is_file():
+        # A run: listed directly, so a damaged run (a dangling `latest`, a broken run.json) is still scanned.
+        folders = sorted(p for p in (folder / "checkpoints").glob("step_*") if p.is_dir())
+        if not folders:
+            raise CheckpointError(f"run folder {folder} has no checkpoint under checkpoints/; nothing to scan")
+        return folders
+    artefact = describe(folder)  # raises for a folder that is none of the three
+    if artefact.kind == "run":
+        raise CheckpointError(f"run folder {folder} has no checkpoint under checkpoints/; nothing to scan")
+    return [artefact.path]
 
 
 def _chunks(handle: Any, name: str) -> Iterator[Any]:

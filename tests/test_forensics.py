@@ -37,11 +37,15 @@ def code_repo(tmp_path_factory):
     return repo
 
 
-def _train(config, code_repo, env: dict[str, str] | None = None):
+def _train(config, code_repo, env: dict[str, str | None] | None = None):
+    """Train with ``CODE_DIR`` at ``code_repo`` and the environment variables of ``env`` set (``None``: unset)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(checkpoint_module, "CODE_DIR", code_repo)
         for name, value in (env or {}).items():
-            patch.setenv(name, value)
+            if value is None:
+                patch.delenv(name, raising=False)
+            else:
+                patch.setenv(name, value)
         return run_training(config)
 
 
@@ -49,7 +53,7 @@ def _train(config, code_repo, env: dict[str, str] | None = None):
 def run_a(tiny_cache, tmp_path_factory, code_repo):
     """6 steps, a checkpoint every 2 (steps 2, 4, 6 all kept), from the clean code checkout."""
     run = tmp_path_factory.mktemp("runs") / "a"
-    _train(tiny_config(tiny_cache, run, save_every=2, keep_last=5), code_repo)
+    _train(tiny_config(tiny_cache, run, save_every=2, keep_last=5), code_repo, env={"OMP_NUM_THREADS": None})
     return run
 
 
@@ -87,7 +91,7 @@ def test_optimizer_param_names_are_recorded_in_build_optimizer_order(run_a):
         assert list(state["state"][index]["exp_avg"].shape) == weights[name], name
 
 
-def test_scan_reads_every_checkpoint_and_names_a_nan_in_an_older_optimizer_state(run_a, tmp_path):
+def test_scan_reads_every_checkpoint_and_names_a_nan_in_an_older_optimizer_state(run_a, tmp_path, monkeypatch):
     import shutil
 
     run = tmp_path / "run"
@@ -116,12 +120,20 @@ def test_scan_reads_every_checkpoint_and_names_a_nan_in_an_older_optimizer_state
                    "step_00000006": []}
     assert all(scan.files == ["model.safetensors", "optimizer.safetensors"] for scan in scans)
     assert scans[0].tensors > 2 * len(names)  # weights + exp_avg, exp_avg_sq and step per parameter
+    # Streamed in row chunks (bounded memory), a tensor counts the same as read whole.
+    monkeypatch.setattr(scan_stage, "_CHUNK_ELEMENTS", 64)
+    chunked = scan_stage.scan_checkpoint(older)
+    assert chunked.to_dict() == scans[1].to_dict()
 
     # The old entry point is an alias of the same scan.
     from stages import inspect as inspect_stage
 
     alias = _invoke(inspect_stage.register, "inspect", run, "--scan")
     assert alias.exit_code == 1 and "layers.0.mlp.up_proj.weight.exp_avg_sq" in alias.output
+
+    (run / "latest").write_text("step_00000099\n")  # a damaged run is still scanned, checkpoint by checkpoint
+    assert [scan.path.name for scan in scan_stage.scan_paths([run])] == ["step_00000002", "step_00000004",
+                                                                         "step_00000006"]
 
 
 def test_scan_of_a_clean_run_exits_0_and_counts_extremes(run_a):
