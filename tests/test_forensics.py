@@ -121,7 +121,7 @@ def test_scan_reads_every_checkpoint_and_names_a_nan_in_an_older_optimizer_state
     assert all(scan.files == ["model.safetensors", "optimizer.safetensors"] for scan in scans)
     assert scans[0].tensors > 2 * len(names)  # weights + exp_avg, exp_avg_sq and step per parameter
     # Streamed in row chunks (bounded memory), a tensor counts the same as read whole.
-    monkeypatch.setattr(scan_stage, "_CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(scan_stage, "_CHUNK_ELEMENTS", 1 << 16)  # the MLP weights: several row chunks each
     chunked = scan_stage.scan_checkpoint(older)
     assert chunked.to_dict() == scans[1].to_dict()
 
@@ -132,8 +132,8 @@ def test_scan_reads_every_checkpoint_and_names_a_nan_in_an_older_optimizer_state
     assert alias.exit_code == 1 and "layers.0.mlp.up_proj.weight.exp_avg_sq" in alias.output
 
     (run / "latest").write_text("step_00000099\n")  # a damaged run is still scanned, checkpoint by checkpoint
-    assert [scan.path.name for scan in scan_stage.scan_paths([run])] == ["step_00000002", "step_00000004",
-                                                                         "step_00000006"]
+    assert [path.name for path in scan_stage.checkpoints_to_scan(run)] == ["step_00000002", "step_00000004",
+                                                                           "step_00000006"]
 
 
 def test_scan_of_a_clean_run_exits_0_and_counts_extremes(run_a):
