@@ -28,6 +28,7 @@ Retention keeps the last ``keep_last`` checkpoints plus the best by validation l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
     "OPTIMIZER_FILE",
+    "PARAM_NAMES_KEY",
     "RNG_FILE",
     "TrainingSnapshot",
     "LoadedCheckpoint",
@@ -62,6 +64,10 @@ __all__ = [
     "capture_rng_state",
     "restore_rng_state",
     "collect_environment",
+    "code_version",
+    "CODE_DIR",
+    "BEHAVIOUR_ENV_PREFIXES",
+    "optimizer_param_names",
     "write_run_json",
     "resolve_checkpoint",
     "load_checkpoint",
@@ -77,6 +83,8 @@ RNG_FILE = "rng.safetensors"
 #: What format-1 checkpoints hold instead (read without unpickling code, see dflash.state_files).
 LEGACY_OPTIMIZER_FILE = "optimizer.pt"
 LEGACY_RNG_FILE = "rng.pt"
+#: Metadata key of ``optimizer.safetensors``: JSON list, the parameter name of each optimizer parameter index.
+PARAM_NAMES_KEY = "dflash_param_names"
 _CHECKPOINT_PREFIX = "step_"
 _REQUIRED_FILES = ("model.safetensors", "drafter_config.json", "target.json", "trainer_state.json")
 
@@ -151,27 +159,77 @@ def restore_rng_state(state: Mapping[str, Any], **generators: torch.Generator) -
             generator.set_state(state["generators"][name])
 
 
-def _git_commit() -> str | None:
+#: The code whose version ``collect_environment`` records (this package's git checkout).
+CODE_DIR = Path(__file__).resolve().parent
+#: Prefixes of the environment variables that change what a run does or how fast (recorded in ``run.json``).
+BEHAVIOUR_ENV_PREFIXES = ("DFLASH_", "OMP_", "MKL_", "CUDA_", "NCCL_", "TORCH_", "PYTORCH_")
+
+
+#: Untracked files up to this size are hashed by content into ``git_diff_sha256``; larger ones by name and size.
+_HASHED_UNTRACKED_BYTES = 1 << 20
+
+
+def _run(command: list[str], cwd: Path | None = None) -> str | None:
+    """Stdout of a short command, or None when it is missing, fails or hangs."""
     try:
-        result = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        )
+        result = subprocess.run(command, cwd=cwd, capture_output=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
-    return result.stdout.strip() or None
+    return result.stdout.decode(errors="replace") if result.returncode == 0 else None
+
+
+def code_version(code_dir: Path | None = None) -> dict[str, Any]:
+    """Git state of the code: commit, whether the working tree differs from it, a hash of ``git diff HEAD`` and the
+    untracked files (so two runs of the same commit with different edits are told apart). ``None`` values outside
+    a git checkout."""
+    import hashlib
+
+    top = (_run(["git", "rev-parse", "--show-toplevel"], code_dir or CODE_DIR) or "").strip()
+    code_dir = Path(top) if top else (code_dir or CODE_DIR)  # the whole checkout, not only this package's folder
+    commit = (_run(["git", "rev-parse", "HEAD"], code_dir) or "").strip() or None
+    if commit is None:
+        return {"git_commit": None, "git_dirty": None, "git_diff_sha256": None, "git_untracked": None}
+    diff = _run(["git", "diff", "HEAD", "--binary"], code_dir) or ""
+    untracked = sorted((_run(["git", "ls-files", "--others", "--exclude-standard"], code_dir) or "").split())
+    digest = hashlib.sha256(diff.encode())
+    for name in untracked:  # content of small files (new source files); name and size of big ones (data left lying)
+        digest.update(name.encode())
+        with contextlib.suppress(OSError):
+            path = code_dir / name
+            size = path.stat().st_size
+            digest.update(path.read_bytes() if size <= _HASHED_UNTRACKED_BYTES else str(size).encode())
+    dirty = bool(diff) or bool(untracked)
+    return {"git_commit": commit, "git_dirty": dirty, "git_diff_sha256": digest.hexdigest() if dirty else None,
+            "git_untracked": len(untracked)}
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _gpu_driver() -> str | None:
+    import shutil as _shutil
+
+    if _shutil.which("nvidia-smi") is None:
+        return None
+    output = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return output.splitlines()[0].strip() if output and output.strip() else None
 
 
 def collect_environment() -> dict[str, Any]:
-    """What produced a run: host, Python and library versions, devices, code commit, command line."""
+    """What produced a run, all that can make two runs of one config differ in speed or result: host, CPU model
+    and core/thread counts, Python, library versions (torch with its CUDA build, triton, flash-attn), GPUs and
+    driver, the behaviour-changing environment variables (:data:`BEHAVIOUR_ENV_PREFIXES`), the code version
+    (:func:`code_version`) and the command line."""
     import importlib.metadata
 
     versions = {}
-    for package in ("torch", "transformers", "safetensors", "zarr", "numcodecs", "numpy", "dflash-stages"):
+    for package in ("torch", "triton", "flash-attn", "flash-attn-4", "transformers", "safetensors", "zarr",
+                    "numcodecs", "numpy", "dflash-stages"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -179,6 +237,7 @@ def collect_environment() -> dict[str, Any]:
     devices = []
     if torch.cuda.is_available():
         devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
@@ -186,8 +245,16 @@ def collect_environment() -> dict[str, Any]:
         "versions": versions,
         "cuda": torch.version.cuda,
         "cuda_devices": devices,
+        "cuda_device_count": len(devices),
+        "gpu_driver": _gpu_driver() if devices else None,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "git_commit": _git_commit(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": affinity,
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "env": {name: value for name, value in sorted(os.environ.items()) if name.startswith(BEHAVIOUR_ENV_PREFIXES)},
+        **code_version(),
         "argv": list(sys.argv),
     }
 
@@ -203,6 +270,19 @@ def write_run_json(run_dir: str | Path, config: Mapping[str, Any], environment: 
     return path
 
 
+def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name in ``model.named_parameters()`` of each parameter index of ``optimizer.state_dict()``.
+
+    ``Optimizer.state_dict()`` numbers the parameters of its param groups consecutively, group after group, in the
+    order each group lists them; this walks the same order and names each parameter by identity, so the map is
+    exact whatever filtering built the optimizer's list (``dflash.optim.build_optimizer`` keeps the parameters
+    that require grad, in ``parameters()`` order). A parameter the model does not own is named ``<unnamed N>``.
+    """
+    names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
+    ordered = [param for group in optimizer.param_groups for param in group["params"]]
+    return [names.get(id(param), f"<unnamed {index}>") for index, param in enumerate(ordered)]
+
+
 @dataclass(kw_only=True)
 class TrainingSnapshot:
     """Everything a checkpoint holds, as host-memory copies taken at one step.
@@ -215,6 +295,9 @@ class TrainingSnapshot:
         rng_state: from :func:`capture_rng_state`.
         drafter_config: ``DFlashConfig.to_dict()``.
         target_info: target identity, ``target_spec`` and embedding/LM-head hashes.
+        optimizer_param_names: the model's parameter name of each optimizer parameter index (the ``N`` of
+            ``state.N.exp_avg``), in ``optimizer.state_dict()`` order; written into ``optimizer.safetensors``'s
+            metadata (:data:`PARAM_NAMES_KEY`) so ``scan`` names optimizer state by parameter.
     """
 
     step: int
@@ -224,6 +307,7 @@ class TrainingSnapshot:
     rng_state: dict[str, Any]
     drafter_config: dict[str, Any]
     target_info: dict[str, Any]
+    optimizer_param_names: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -291,6 +375,7 @@ class Checkpointer:
             rng_state=_to_host(dict(rng_state)),
             drafter_config=json.loads(json.dumps(drafter_config)),
             target_info=json.loads(json.dumps(target_info)),
+            optimizer_param_names=optimizer_param_names(model, optimizer),
         )
         if on_cuda:
             torch.cuda.synchronize()
@@ -342,7 +427,8 @@ class Checkpointer:
                 metadata={"format": "pt", "step": str(snapshot.step)},
             )
             fault_point("checkpoint.write", staging / OPTIMIZER_FILE)
-            save_state_tree(snapshot.optimizer_state, staging / OPTIMIZER_FILE, metadata={"step": str(snapshot.step)})
+            save_state_tree(snapshot.optimizer_state, staging / OPTIMIZER_FILE, metadata={
+                "step": str(snapshot.step), PARAM_NAMES_KEY: json.dumps(snapshot.optimizer_param_names)})
             save_state_tree(snapshot.rng_state, staging / RNG_FILE, metadata={"step": str(snapshot.step)})
             trainer_state = {"format_version": CHECKPOINT_FORMAT_VERSION, "step": snapshot.step, **snapshot.trainer_state}
             (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))

@@ -1,12 +1,16 @@
-"""Training telemetry: metrics JSONL + TensorBoard, windowed throughput, step-time split, rich progress.
+"""Training telemetry: metrics JSONL + experiment trackers (TensorBoard by default), windowed throughput, step-time split, rich progress.
 
 - :class:`MetricsWriter` appends one JSON object per record to ``metrics.jsonl`` (flushed, so ``tail -f`` works and
-  a killed run keeps every logged step) and mirrors numeric fields to TensorBoard (``tb/``).
+  a killed run keeps every logged step) and mirrors numeric fields to the trackers of ``--report-to``
+  (:mod:`dflash.trackers`: TensorBoard ``tb/`` by default; W&B, MLflow, Trackio offline).
 - :class:`ThroughputWindow` gives rates over the last ``window`` steps (not cumulative since start, which hides
   slow-downs): real tokens/s (documents' tokens), padded tokens/s (tokens including padding), supervised tokens/s
   (tokens with loss_mask = 1) and drafted block tokens/s (anchors x block_size, what the drafter actually computes).
 - :class:`StepTimer` splits each step's wall time into ``data_wait``, ``forward``, ``backward``, ``optimizer``
   (CUDA is synchronized at phase boundaries only when asked, since syncing costs throughput).
+- :class:`StepTimeWindow` keeps the last ``window`` steps' timings: the logged ``time_*`` fields are window medians
+  (one step's split is noise), and per length bucket (steps whose batches all came from one bucket) the median step
+  and forward time and the real tokens/s, so a slowdown can be traced to a bucket (``dflash-stages diff``).
 - :class:`BucketCounter` counts batches and tokens per length bucket, cumulatively and over the window, so the
   realized mixing shares can be compared with the corpus shares.
 - :func:`training_progress` is a rich progress bar with ETA.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from collections import Counter, deque
 from contextlib import contextmanager
@@ -27,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping
+    from collections.abc import Iterator, Mapping, Sequence
 
     from rich.progress import Progress
 
@@ -35,6 +40,7 @@ __all__ = [
     "MetricsWriter",
     "ThroughputWindow",
     "StepTimer",
+    "StepTimeWindow",
     "BucketCounter",
     "training_progress",
     "read_metrics",
@@ -55,24 +61,31 @@ def _jsonable(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Append-only metrics: ``<run>/metrics.jsonl`` and TensorBoard scalars under ``<run>/tb``.
+    """Append-only metrics: ``<run>/metrics.jsonl``, mirrored to experiment trackers (:mod:`dflash.trackers`;
+    TensorBoard under ``<run>/tb`` by default).
 
-    Each record is ``{"kind": ..., "step": ..., "time": unix seconds, **fields}``. Numeric fields are written to
-    TensorBoard as ``<kind>/<field>``; list fields (e.g. per-position accuracy) as ``<kind>/<field>/<i>``.
+    Each record is ``{"kind": ..., "step": ..., "time": unix seconds, **fields}``. Numeric fields go to the trackers
+    as ``<kind>/<field>``; list fields (e.g. per-position accuracy) as ``<kind>/<field>/<i>``, dict fields as
+    ``<kind>/<field>/<key>``.
     """
 
     def __init__(
-        self, run_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True, start_step: int | None = None
+        self, run_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True, start_step: int | None = None,
+        trackers: Sequence[str] | None = None, config: Mapping[str, Any] | None = None,
     ) -> None:
         """Open (append to) the run's metrics.
 
         ``start_step``: the step this process starts from (the resumed checkpoint's, 0 for a fresh start). Records
         a crashed or killed earlier attempt wrote beyond it are dropped first (and TensorBoard purges its events
-        from ``start_step + 1`` on), so every step is recorded once; ``None`` keeps the file as is.
+        from ``start_step + 1`` on), so every step is recorded once; ``None`` keeps the file as is. ``trackers``:
+        names of :data:`dflash.trackers.TRACKERS` (default: TensorBoard when ``tensorboard``); ``config`` is
+        given to the trackers that record one (W&B, MLflow, Trackio).
         """
+        from dflash.trackers import open_trackers
+
         self.enabled = enabled
         self._file = None
-        self._tb = None
+        self._trackers: list[Any] = []
         if not enabled:
             return
         run_dir = Path(run_dir)
@@ -81,52 +94,41 @@ class MetricsWriter:
         if start_step is not None:
             drop_records_after(self.path, start_step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            purge = None if start_step is None else start_step + 1
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge)
+        names = list(trackers) if trackers is not None else (["tensorboard"] if tensorboard else [])
+        self._trackers = open_trackers(names, run_dir, start_step=start_step, config=config)
 
     def log(self, kind: str, step: int, fields: Mapping[str, Any]) -> None:
         """Write one record (no-op when disabled)."""
         if not self.enabled or self._file is None:
             return
+        from dflash.trackers import numeric_fields
+
         record = {"kind": kind, "step": int(step), "time": time.time(), **_jsonable(dict(fields))}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is None:
-            return
-        for name, value in record.items():
-            if name in ("kind", "step", "time"):
-                continue
-            if isinstance(value, bool):
-                value = int(value)
-            if isinstance(value, int | float):
-                self._tb.add_scalar(f"{kind}/{name}", value, step)
-            elif isinstance(value, list) and all(isinstance(v, int | float) for v in value):
-                for index, item in enumerate(value):
-                    self._tb.add_scalar(f"{kind}/{name}/{index}", item, step)
-            elif isinstance(value, dict) and all(isinstance(v, int | float) for v in value.values()):
-                self._tb.add_scalars(f"{kind}/{name}", value, step)
+        if self._trackers:
+            scalars = numeric_fields(kind, record)
+            for tracker in self._trackers:
+                tracker.log(int(step), scalars)
 
     def log_text(self, tag: str, text: str, step: int = 0) -> None:
-        """A text blob in TensorBoard (resolved config, bucket table)."""
-        if self._tb is not None:
-            self._tb.add_text(tag, text, step)
+        """A text blob for the trackers that keep text (TensorBoard: resolved config, bucket table)."""
+        for tracker in self._trackers:
+            tracker.log_text(tag, text, step)
 
     def flush(self) -> None:
         if self._file is not None:
             self._file.flush()
-        if self._tb is not None:
-            self._tb.flush()
+        for tracker in self._trackers:
+            tracker.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close()
 
 
 def drop_records_after(path: str | Path, step: int) -> int:
@@ -253,6 +255,67 @@ class StepTimer:
         out = {f"{name}_s": value for name, value in self.seconds.items()}
         out["step_s"] = total
         out["data_wait_fraction"] = self.seconds["data_wait"] / total if total > 0 else 0.0
+        return out
+
+
+@dataclass(slots=True)
+class _StepTiming:
+    seconds: dict[str, float]  # StepTimer.summary()
+    split: bool  # the phases were timed with synchronization (always off CUDA)
+    bucket: int | None
+    real_tokens: int
+
+
+class StepTimeWindow:
+    """Medians of the step-time split over the last ``window`` steps, overall and per length bucket.
+
+    Call :meth:`update` once per optimizer step. ``split=False`` marks a step whose phases were timed without
+    synchronizing CUDA (``StepTimer`` syncs on log steps only, since syncing costs throughput): its total step time
+    counts, its phase split does not (kernels still queued would be billed to the wrong phase). ``bucket`` is the
+    length bucket of all the step's batches, or ``None`` when they mixed buckets (grad accumulation, DDP).
+    """
+
+    def __init__(self, window: int = 20) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self._steps: deque[_StepTiming] = deque(maxlen=window)
+
+    def update(self, seconds: Mapping[str, float], *, split: bool = True, bucket: int | None = None,
+               real_tokens: int = 0) -> None:
+        self._steps.append(_StepTiming(dict(seconds), split, bucket, int(real_tokens)))
+
+    def summary(self) -> dict[str, Any]:
+        """``time_<phase>_s`` and ``time_data_wait_fraction`` (medians over the split steps), ``time_step_s``
+        (median over all), ``time_window_steps`` / ``time_split_steps`` (how many steps they are medians of), and
+        per bucket id (string keys): ``bucket_step_s``, ``bucket_forward_s`` (medians), ``bucket_real_tokens_per_s``
+        (tokens / seconds summed over the bucket's steps) and ``bucket_window_steps``."""
+        steps = list(self._steps)
+        if not steps:
+            return {}
+        split = [s for s in steps if s.split]
+        out: dict[str, Any] = {"time_step_s": statistics.median(s.seconds["step_s"] for s in steps)}
+        for name in (*StepTimer.PHASES, "data_wait_fraction"):
+            key = name if name.endswith("fraction") else f"{name}_s"
+            if split:
+                out[f"time_{key}"] = statistics.median(s.seconds[key] for s in split)
+        out["time_window_steps"] = len(steps)
+        out["time_split_steps"] = len(split)
+        by_bucket: dict[int, list[_StepTiming]] = {}
+        for step in steps:
+            if step.bucket is not None:
+                by_bucket.setdefault(step.bucket, []).append(step)
+        if by_bucket:
+            order = sorted(by_bucket)
+            out["bucket_step_s"] = {str(b): statistics.median(s.seconds["step_s"] for s in by_bucket[b]) for b in order}
+            out["bucket_forward_s"] = {
+                str(b): statistics.median(s.seconds["forward_s"] for s in by_bucket[b] if s.split)
+                for b in order if any(s.split for s in by_bucket[b])
+            }
+            out["bucket_real_tokens_per_s"] = {
+                str(b): sum(s.real_tokens for s in by_bucket[b]) / max(1e-12, sum(s.seconds["step_s"] for s in by_bucket[b]))
+                for b in order
+            }
+            out["bucket_window_steps"] = {str(b): len(by_bucket[b]) for b in order}
         return out
 
 

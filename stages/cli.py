@@ -7,8 +7,8 @@ Exit status, the same for every command (:class:`ExitCode`, printed at the end o
 
 * 0 -- success.
 * 1 -- the thing a command checks is bad: ``cache verify`` found corrupt or uncommitted shards, ``inspect`` found a
-  failed check, a difference (``--diff``) or NaN/Inf (``--scan``), ``evaluate``'s lossless check failed, a
-  ``sweep`` run failed.
+  failed check, ``diff`` a config or environment difference, ``scan`` NaN/Inf/extreme values,
+  ``evaluate``'s lossless check failed, a ``sweep`` run failed.
 * 2 -- bad input, usage or configuration the user must fix (an ``error:`` line names it; no traceback); also what
   the machine refuses (a full disk or quota, permission denied, a read-only filesystem, an I/O error, interrupted
   I/O: :func:`os_error_message` names the path and the fix) and truncated or foreign files.
@@ -80,8 +80,8 @@ def os_error_message(error: OSError) -> str:
 EXIT_STATUS_HELP = "\n".join([
     "[bold]Exit status[/] (every command):",
     "  [bold]0[/]    success",
-    "  [bold]1[/]    the checked thing is bad: cache verify found corrupt or uncommitted shards; inspect a failed check,",
-    "       a difference or NaN/Inf; evaluate's lossless check failed; a sweep run failed",
+    "  [bold]1[/]    the checked thing is bad: cache verify found corrupt or uncommitted shards; inspect a failed check;",
+    "       diff a difference; scan NaN/Inf/extremes; evaluate's lossless check failed; a sweep run failed",
     "  [bold]2[/]    bad input, usage or configuration to fix, a full disk, permission denied, a truncated file",
     "       (one error: line names the path and the fix)",
     "  [bold]3[/]    unexpected error, i.e. a bug (traceback printed)",
@@ -141,6 +141,9 @@ _COMMAND_MODULES = [
     "stages.evaluate",
     "stages.export",
     "stages.inspect",
+    "stages.scan",
+    "stages.diff",
+    "stages.report",
 ]
 
 

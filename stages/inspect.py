@@ -5,8 +5,8 @@ PATH is a run folder (``run.json``, ``latest``, ``checkpoints/``), a checkpoint 
 ``architectures: ["DFlashDraftModel"]``, ``dflash_export.json``).
 
     dflash-stages inspect runs/smol                       # resolved config, target, checkpoints, weights
-    dflash-stages inspect runs/smol --diff exports/smol   # differing config keys (exit code 1 if any differ)
-    dflash-stages inspect runs/smol --scan                # every tensor checked for NaN/Inf (exit code 1 if any)
+    dflash-stages inspect runs/smol --diff exports/smol   # = dflash-stages diff runs/smol exports/smol (stages/diff.py)
+    dflash-stages inspect runs/smol --scan                # = dflash-stages scan runs/smol (stages/scan.py)
 
 Every artefact is reduced to flat ``section.key -> value`` facts (sections: ``drafter`` = the DFlashConfig fields,
 ``target``, ``run``, ``trainer``, ``serving``, ``provenance``, ``weights``); the diff compares the sections both sides
@@ -310,10 +310,12 @@ def _print_artefact(console: Any, artefact: Artefact) -> None:
 def inspect_command(
     path: Path = typer.Argument(..., metavar="PATH", help="A run folder, a checkpoint folder or a serving-format export folder."),
     diff: Path | None = typer.Option(
-        None, "--diff", help="Another run/checkpoint/export: print the config keys that differ (exit code 1 if any)."
+        None, "--diff", help="Alias of `dflash-stages diff PATH OTHER`: config, environment and performance "
+        "differences with a verdict (exit code 1 if config or environment differ)."
     ),
     scan: bool = typer.Option(
-        False, "--scan", help="Check every tensor (weights and optimizer state) for NaN/Inf and name the bad ones (exit code 1 if any)."
+        False, "--scan", help="Alias of `dflash-stages scan PATH`: every checkpoint's tensors (weights and optimizer state) "
+        "checked for NaN/Inf/extreme values (exit code 1 if any)."
     ),
 ) -> None:
     """Print the full config and provenance of a run, checkpoint or export; optionally diff or scan it.
@@ -322,14 +324,13 @@ def inspect_command(
     2 PATH is not a run, checkpoint or export.
     """
     from rich.console import Console
-    from rich.table import Table
 
     from dflash.errors import DFlashError
 
     console = Console()
     try:
         artefact = describe(path)
-        other = describe(diff) if diff is not None else None
+        other = describe(diff) if diff is not None else None  # both refused here, before any output
     except DFlashError as error:
         from stages.cli import ExitCode, print_error
 
@@ -340,35 +341,19 @@ def inspect_command(
     if other is None:
         _print_artefact(console, artefact)
         failed = any(verdict != "ok" for verdict in artefact.checks.values())
-    else:
-        rows, skipped = diff_facts(artefact, other)
-        table = Table(title=f"diff: {artefact.kind} {artefact.path}  vs  {other.kind} {other.path}")
-        _add_key_column(table, console, [key for key, _, _ in rows], value_columns=2)
-        table.add_column(str(artefact.path), overflow="fold")
-        table.add_column(str(other.path), overflow="fold")
-        for key, left, right in rows:
-            table.add_row(_format(key), _format(left), _format(right))
-        if rows:
-            console.print(table)
-        else:
-            console.print("[green]no differences[/] in the compared sections")
-        if skipped:
-            console.print(f"[yellow]not compared[/] (only one side has them): {', '.join(skipped)}")
-        failed = bool(rows)
+    else:  # the same comparison as ``dflash-stages diff PATH OTHER``
+        from stages.diff import compare, load_side, print_comparison
 
-    if scan:
-        scanned, elements, bad = scan_tensors(artefact.weight_files)
-        if bad:
-            table = Table(title=f"tensors with NaN/Inf in {artefact.path}")
-            for column in ("file", "tensor", "dtype", "shape", "nan", "inf"):
-                table.add_column(column, overflow="fold")
-            for row in bad:
-                table.add_row(*(_format(row[column]) for column in ("file", "tensor", "dtype", "shape", "nan", "inf")))
-            console.print(table)
-        files = ", ".join(p.name for p in artefact.weight_files) or "no weight files"
-        verdict = f"[red]{len(bad)} with NaN/Inf[/]" if bad else "[green]all finite[/]"
-        console.print(f"scanned {scanned} tensors ({elements:,} values) in {files}: {verdict}")
-        failed = failed or bool(bad)
+        comparison = compare(load_side(path), load_side(diff))
+        print_comparison(console, comparison)
+        failed = comparison.differs
+
+    if scan:  # the same scan as ``dflash-stages scan PATH`` (every checkpoint of a run)
+        from stages.scan import DEFAULT_MAX_ABS, print_scans, scan_paths
+
+        scans = scan_paths([path], max_abs=DEFAULT_MAX_ABS)
+        print_scans(console, scans, max_abs=DEFAULT_MAX_ABS)
+        failed = failed or not all(item.clean for item in scans)
     if failed:
         raise typer.Exit(code=1)
 

@@ -28,7 +28,7 @@ import logging
 import math
 import os
 import uuid
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -151,6 +151,9 @@ class TrainConfig:
     """Steps in the throughput window."""
     progress: bool = True
     """Show the rich progress bar (rank 0)."""
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers the metrics also go to (``dflash.trackers``): tensorboard, wandb, mlflow, trackio (offline
+    modes; an absent package is skipped with a warning); empty (``--report-to none``) for ``metrics.jsonl`` only."""
 
     def __post_init__(self) -> None:
         if not self.cache:
@@ -185,6 +188,13 @@ class TrainConfig:
             raise ConfigError(f"epochs must be > 0 (or give max_steps), got {self.epochs!r}")
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ConfigError(f"validation_fraction must be in [0, 1), got {self.validation_fraction!r}")
+        from dflash.trackers import TRACKERS
+
+        self.report_to = [] if list(self.report_to) == ["none"] else [str(name) for name in self.report_to]
+        unknown_trackers = [name for name in self.report_to if name not in TRACKERS]
+        if unknown_trackers:
+            raise ConfigError(f"report_to: unknown tracker(s) {unknown_trackers}; expected a comma-separated subset of "
+                              f"{', '.join(TRACKERS)}, or none")
         if self.mixed_precision not in ("bf16", "none"):
             raise ConfigError(f"mixed_precision must be 'bf16' or 'none', got {self.mixed_precision!r}")
         if self.residual_dtype not in ("compute", "float32"):
@@ -267,7 +277,7 @@ class TrainConfig:
 RUNTIME_FIELDS = frozenset({
     "cache", "output", "target", "resume", "allow_config_change", "break_lock", "allow_incomplete", "device", "drafter_gpus", "cpu_processes",
     "stop_at_step", "save_every", "keep_last", "eval_every", "log_every", "throughput_window", "progress",
-    "prefetch_batches", "max_validation_batches",
+    "prefetch_batches", "max_validation_batches", "report_to",
 })  # fmt: skip
 
 
@@ -541,6 +551,11 @@ def register(app: typer.Typer) -> None:
                  "samples of how many it trains on).",
         ),
         progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the progress bar."),
+        report_to: str = typer.Option(
+            None, "--report-to",
+            help="Trackers the metrics also go to, comma-separated: tensorboard (default), wandb, mlflow, trackio "
+                 "(offline; an absent package is skipped with a warning), or none.",
+        ),
     ) -> None:
         """Train a DFlash drafter on a hidden-state cache (the stage after extract).
 
@@ -569,6 +584,7 @@ def register(app: typer.Typer) -> None:
             "min_supervised_tokens": min_supervised_tokens,
             "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "log_every": log_every,
             "allow_config_change": allow_config_change, "break_lock": break_lock, "allow_incomplete": allow_incomplete, "progress": progress,
+            "report_to": report_to.split(",") if report_to else None,
         }  # fmt: skip
         config = config_from_cli(overrides, config_file)
         summary = run_training(config)

@@ -59,7 +59,14 @@ from dflash.drafter.attention_kernels import flash_attention_applies
 from dflash.errors import CheckpointError, ConfigError
 from dflash.optim import build_optimizer, build_scheduler, clip_grad_norm, extend_schedule, schedule_segments
 from dflash.target import LAYER_ID_CONVENTION, resolve_target_path, target_identity
-from dflash.telemetry import BucketCounter, MetricsWriter, StepTimer, ThroughputWindow, training_progress
+from dflash.telemetry import (
+    BucketCounter,
+    MetricsWriter,
+    StepTimer,
+    StepTimeWindow,
+    ThroughputWindow,
+    training_progress,
+)
 
 if TYPE_CHECKING:
     from dflash.batching import PackedBatch
@@ -248,6 +255,7 @@ class Trainer:
         self.checkpointer: Checkpointer | None = None
         self.throughput = ThroughputWindow(config.throughput_window)
         self.timer = StepTimer()
+        self.step_times = StepTimeWindow(config.throughput_window)
         self._interval = self._zero_interval()
         self._train_iter = None
         self._stop_requested = False  # set by SIGTERM
@@ -400,7 +408,8 @@ class Trainer:
         )
         self.timer = StepTimer()
         self.progress = training_progress(enabled=self.is_main and config.progress)
-        self.environment = collect_environment() | {"world_size": self.world_size, "device": str(self.device)}
+        self.environment = collect_environment() | {"world_size": self.world_size, "device": str(self.device),
+                                                    "compile": config.compile, **_data_fingerprints(self.reader)}
         compute_dtype = torch.bfloat16 if isinstance(self.autocast, torch.autocast) else torch.float32
         head_dim = self.drafter_config.head_dim
         attention = attention_implementation(self.device, compute_dtype, head_dim)
@@ -427,7 +436,8 @@ class Trainer:
         }
         # Opened last, so a run refused above writes no metrics or TensorBoard file; from the step resumed (0 when
         # new), dropping what a killed attempt logged past it.
-        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, start_step=self.step)
+        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, start_step=self.step,
+                                     trackers=config.report_to, config=config.to_dict())
         if self.is_main:
             self._write_run_json()
             self.metrics.log("data", self.step, self.excluded)
@@ -587,13 +597,17 @@ class Trainer:
             values, grad_norm, finite, lr = self._apply_update(sums)
         self.step += 1
         self._count(values, grad_norm, finite)
+        time_split = self.timer.summary()
+        buckets = [bucket for bucket, batches in enumerate(values["bucket_batches"]) if batches]
+        self.step_times.update(time_split, split=self.device.type != "cuda" or log_step,
+                               bucket=buckets[0] if len(buckets) == 1 else None, real_tokens=int(values["real_tokens"]))
         return {
             "loss": values["ce_sum"] / values["weight_sum"] if values["weight_sum"] > 0 else float("nan"),
             "grad_norm": grad_norm,
             "lr": lr,
             "skipped": not finite,
             "stop": self._stopped,
-            "time": self.timer.summary(),
+            "time": time_split,
         }
 
     # Layout of the per-step sums (one float64 vector, so ranks all-reduce it in one call).
@@ -782,7 +796,7 @@ class Trainer:
             "tokens_seen": self.counters["tokens_seen"],
             "data_digest": self.counters["data_digest"][:16],
             **self.throughput.rates(),
-            **{f"time_{name}": value for name, value in step_metrics["time"].items()},
+            **self.step_times.summary(),  # time_* = window medians; per-bucket step time and tokens/s
             **self.buckets.summary(),
             "data_wait_total_s": self.train_loader.stats.wait_seconds,
         }
@@ -805,9 +819,20 @@ class Trainer:
         from rich.console import Console
 
         from dflash.buckets import render_bucket_table
+        from stages.hyperparameters import convention_warnings, hyperparameter_rows, render_hyperparameters
 
         rows = self.train_loader.bucket_table()
         console = Console(stderr=True)
+        config = self.config
+        self.resolved["convention_warnings"] = convention_warnings(
+            block_size=self.drafter_config.block_size, gamma=config.resolved_gamma(), betas=config.betas,
+            max_anchors_per_document=config.max_anchors_per_document,
+            longest_sample=max((row.max_length for row in rows), default=None),
+        )
+        console.print(render_hyperparameters(hyperparameter_rows(
+            config, self.resolved, schedule=schedule_segments(self.scheduler), attention_backend=attention_backend())))
+        for warning in self.resolved["convention_warnings"]:
+            log.warning("%s", warning)
         console.print(render_bucket_table(rows, title=f"length buckets (epoch {self.train_loader.epoch})"))
         console.print(
             f"excluded samples (fewer than {self.excluded['min_supervised_tokens']} supervised tokens): "
@@ -850,6 +875,16 @@ class Trainer:
                 self.metrics.close()
             if self.data is not None:
                 self.data.close()
+
+
+def _data_fingerprints(reader: Any) -> dict[str, Any]:
+    """What identifies the training data in the environment record: the corpus fingerprint and a hash of the cache's
+    metadata (target, taps, dtype, shard plan), so ``dflash-stages diff`` tells runs on other data apart."""
+    import json
+
+    metadata = reader.metadata.to_dict()
+    digest = hashlib.sha256(json.dumps(metadata, sort_keys=True, default=str).encode()).hexdigest()
+    return {"cache_fingerprint": f"sha256:{digest}", "corpus_fingerprint": metadata.get("corpus_fingerprint")}
 
 
 def _row_dict(row: Any) -> dict[str, Any]:

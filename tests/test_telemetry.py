@@ -1,0 +1,69 @@
+"""``dflash.telemetry``: the step-time window gives medians (not one step's split) and per-bucket figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash.telemetry import StepTimeWindow
+
+
+def _seconds(step: float, forward: float) -> dict[str, float]:
+    return {"data_wait_s": 0.01, "forward_s": forward, "backward_s": 0.1, "optimizer_s": 0.05, "step_s": step,
+            "data_wait_fraction": 0.01 / step}
+
+
+def test_window_medians_ignore_one_outlier_step_and_unsynchronized_splits():
+    window = StepTimeWindow(window=4)
+    window.update(_seconds(9.0, 8.0), bucket=0, real_tokens=100)  # falls out of the window
+    for step, forward in ((1.0, 0.5), (1.2, 0.6), (50.0, 40.0)):
+        window.update(_seconds(step, forward), bucket=1, real_tokens=100)
+    window.update(_seconds(1.1, 30.0), split=False, bucket=None, real_tokens=100)  # phases not synchronized
+    summary = window.summary()
+    assert summary["time_window_steps"] == 4 and summary["time_split_steps"] == 3
+    assert summary["time_step_s"] == pytest.approx(1.15)  # median of 1.0, 1.2, 50, 1.1
+    assert summary["time_forward_s"] == pytest.approx(0.6)  # median of the synchronized steps only
+    assert summary["bucket_step_s"] == {"1": pytest.approx(1.2)}  # mixed-bucket step not attributed
+    assert summary["bucket_forward_s"] == {"1": pytest.approx(0.6)}
+    assert summary["bucket_real_tokens_per_s"] == {"1": pytest.approx(300 / 52.2)}
+    assert summary["bucket_window_steps"] == {"1": 3}
+
+
+def test_empty_window_reports_nothing():
+    assert StepTimeWindow().summary() == {}
+    with pytest.raises(ValueError, match="window"):
+        StepTimeWindow(window=0)
+
+
+def test_report_to_skips_an_absent_tracker_with_a_warning_and_keeps_the_jsonl(tmp_path, caplog):
+    import importlib.util
+    import logging
+
+    from dflash.telemetry import MetricsWriter, read_metrics
+
+    absent = next((name for name in ("wandb", "mlflow", "trackio") if importlib.util.find_spec(name) is None), None)
+    if absent is None:
+        pytest.skip("wandb, mlflow and trackio are all installed")
+    with caplog.at_level(logging.WARNING, logger="dflash.trackers"):
+        writer = MetricsWriter(tmp_path, trackers=["tensorboard", absent])
+    try:
+        writer.log("train", 1, {"loss": 2.0, "accuracy_per_position": [0.5, 0.25], "bucket_step_s": {"0": 0.1}})
+    finally:
+        writer.close()
+    assert f"--report-to {absent} skipped" in caplog.text and f"pip install {absent}" in caplog.text
+    assert read_metrics(tmp_path, kind="train")[0]["loss"] == 2.0
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))  # the other tracker still got it
+
+
+def test_report_to_names_are_checked_and_none_means_jsonl_only(tmp_path):
+    from dflash.errors import ConfigError
+    from dflash.trackers import numeric_fields
+    from stages.train import RUNTIME_FIELDS, TrainConfig
+
+    assert TrainConfig(cache="c", output="o").report_to == ["tensorboard"]
+    assert TrainConfig(cache="c", output="o", report_to=["none"]).report_to == []
+    with pytest.raises(ConfigError, match="report_to: unknown tracker"):
+        TrainConfig(cache="c", output="o", report_to=["comet"])
+    assert "report_to" in RUNTIME_FIELDS  # a resume may change the trackers
+    assert numeric_fields("train", {"kind": "train", "step": 3, "loss": 1.5, "skipped": True,
+                                    "accuracy_per_position": [0.5], "bucket_step_s": {"1": 0.2}, "data_digest": "ab"}) == {
+        "train/loss": 1.5, "train/skipped": 1.0, "train/accuracy_per_position/0": 0.5, "train/bucket_step_s/1": 0.2}
