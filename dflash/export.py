@@ -90,11 +90,38 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False, allow_nan=False) + "\n")
 
 
+def _check_replaceable(destination: Path, *, overwrite: bool) -> None:
+    """Refuse an existing ``destination`` unless ``overwrite`` and it is an earlier export or an empty folder (a typo
+    in the output path must never delete a user's folder or file).
+
+    Raises:
+        ExportError: naming the path and the fix.
+    """
+    if not destination.exists() and not destination.is_symlink():
+        return
+    if not overwrite:
+        raise ExportError(f"{destination} already exists; pass --overwrite to replace an earlier export there, or "
+                          "another output folder")
+    is_export = destination.is_dir() and ((destination / PROVENANCE_FILE).is_file() or _is_serving_dir(destination))
+    if not is_export and not (destination.is_dir() and not any(destination.iterdir())):
+        kind = "a folder" if destination.is_dir() else "a file"
+        raise ExportError(
+            f"{destination} exists and is {kind} that is not an export of dflash-stages (no {PROVENANCE_FILE}); "
+            "--overwrite replaces only an earlier export or an empty folder: pass another output folder"
+        )
+
+
+def _is_serving_dir(folder: Path) -> bool:
+    try:
+        return "DFlashDraftModel" in json.loads((folder / CONFIG_FILE).read_text()).get("architectures", [])
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _replace_dir(staging: Path, destination: Path, *, overwrite: bool) -> None:
     """Move a finished staging folder to ``destination``; the old folder (if allowed) goes only after success."""
     if destination.exists():
-        if not overwrite:
-            raise ExportError(f"{destination} already exists; pass overwrite=True (CLI: --overwrite) to replace it")
+        _check_replaceable(destination, overwrite=overwrite)
         trash = destination.with_name(f".{destination.name}.old-{os.getpid()}")
         destination.rename(trash)
         try:
@@ -143,8 +170,7 @@ def export_drafter(
     import dflash
 
     destination = Path(out_dir).expanduser().absolute()
-    if destination.exists() and not overwrite:
-        raise ExportError(f"{destination} already exists; pass overwrite=True (CLI: --overwrite) to replace it")
+    _check_replaceable(destination, overwrite=overwrite)
     config_json = serving_config(config, mask_token=mask_token)
     validate_serving_config(config_json, destination / CONFIG_FILE)
     check_state_dict({name: tuple(t.shape) for name, t in state_dict.items()}, config, where="state_dict")

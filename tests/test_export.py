@@ -513,11 +513,26 @@ def test_rejects_an_export_for_another_target(exported, target):
 
 def test_export_refuses_to_overwrite_without_flag_and_replaces_with_it(trained, tmp_path):
     out = export_drafter(trained.state_dict(), trained.config, tmp_path / "out")
-    with pytest.raises(ExportError, match="already exists; pass overwrite=True"):
+    with pytest.raises(ExportError, match="already exists; pass --overwrite"):
         export_drafter(trained.state_dict(), trained.config, out)
     export_drafter(trained.state_dict(), trained.config, out, overwrite=True)
     load_exported(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging or old folder left behind
+
+
+def test_overwrite_never_replaces_a_folder_or_file_that_is_not_an_export(trained, tmp_path):
+    notes = tmp_path / "mine"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("keep me")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me too")
+    for destination in (notes, a_file):
+        with pytest.raises(ExportError, match="is not an export of dflash-stages"):
+            export_drafter(trained.state_dict(), trained.config, destination, overwrite=True)
+    assert (notes / "notes.txt").read_text() == "keep me" and a_file.read_text() == "keep me too"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    load_exported(export_drafter(trained.state_dict(), trained.config, empty, overwrite=True))
 
 
 def test_export_refuses_nan_weights_and_leaves_nothing(trained, tmp_path):

@@ -120,14 +120,19 @@ def test_bad_lines_are_counted_with_their_reason(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [
         {"prompt": "fine"}, {"prompt": "   "}, b"not json\n", {"foo": 1}, b'{"prompt": "caf\xe9"}\n', b"\n",
         {"messages": [{"role": "assistant", "content": "only a reply"}]},
+        {"conversations": [{"from": "human", "value": "What's 1+1?"}, {"from": "gpt", "value": "2"}]},
+        {"messages": [{"role": "user"}]},
     ])
     records, drops = read_prompt_file(path)
-    assert [r.prompt_id for r in records] == ["p.jsonl line 1"]
-    assert dict(drops.counts) == {"empty": 2, "bad_json": 1, "no_prompt": 1, "not_utf8": 1}
+    assert [r.prompt_id for r in records] == ["p.jsonl line 1", "p.jsonl line 8"]
+    assert records[1].messages == [{"role": "user", "content": "What's 1+1?"}, {"role": "assistant", "content": None}]
+    assert dict(drops.counts) == {"empty": 2, "bad_json": 1, "no_prompt": 1, "not_utf8": 1, "bad_messages": 1}
     assert drops.examples["not_utf8"] == ["p.jsonl line 5"]
     bad = _write_jsonl(tmp_path / "bad.jsonl", [b"\xff\xfe\n", {"prompt": ""}])
     with pytest.raises(ConfigError, match=r"holds no usable prompt \(left out: empty: 1 .*not_utf8: 1"):
         read_prompt_file(bad)
+    with pytest.raises(ConfigError, match="is a folder; pass a file"):
+        read_prompt_file(tmp_path)
     txt = tmp_path / "p.txt"
     txt.write_text("first prompt\n\nsecond prompt\n")
     assert [r.messages[0]["content"] for r in read_prompt_file(txt)[0]] == ["first prompt", "second prompt"]

@@ -19,7 +19,7 @@ previous reply ended with the end-of-turn token the template would also write, t
 target generates every reply on exactly the tokens stored before it, and ``loss_mask`` is 1 on generated tokens only.
 
 Bad input is counted, never silently dropped: :class:`DropCounts` names each reason (``empty``, ``not_utf8``,
-``bad_json``, ``no_prompt``, ``too_long``); :func:`read_prompt_file` keeps the first line numbers of each.
+``bad_json``, ``bad_messages``, ``no_prompt``, ``too_long``); :func:`read_prompt_file` keeps the first line numbers of each.
 """
 
 from __future__ import annotations
@@ -101,15 +101,12 @@ class DropCounts:
 
 def _messages_of(record: dict[str, Any], where: str, turns: TurnMode) -> list[dict[str, Any]] | None:
     """The record's conversation with the replies to generate set to ``None``; None if it has no usable turn."""
-    raw = record.get("messages", record.get("conversations"))
+    raw = record.get("messages") if record.get("messages") is not None else record.get("conversations")
     if not isinstance(raw, list) or not raw:
         return None
     from dflash.chat import normalize_messages
 
-    try:
-        messages: list[dict[str, Any]] = normalize_messages({"messages": raw}, where=where)
-    except CorpusError:
-        return None
+    messages: list[dict[str, Any]] = normalize_messages(record, where=where)  # ShareGPT from/value mapped here
     if turns == "all":
         out = [dict(m, content=None) if m["role"] == "assistant" else dict(m) for m in messages]
         if out[-1]["role"] != "assistant":
@@ -153,7 +150,11 @@ def _records_from_rows(rows: Iterator[tuple[str, bytes | dict[str, Any]]], *, ch
         else:
             record = raw
         if record.get("messages") is not None or record.get("conversations") is not None:
-            messages = _messages_of(record, where, turns)
+            try:
+                messages = _messages_of(record, where, turns)
+            except CorpusError:  # a message without role/content, an unknown role: not an empty chat
+                drops.add("bad_messages", where)
+                continue
             if messages is None:
                 drops.add("empty", where)
                 continue
@@ -183,6 +184,9 @@ def read_prompt_file(path: str | Path, *, chat_template: bool = True, turns: Tur
     """
     path = Path(path).expanduser()
     drops = drops if drops is not None else DropCounts()
+    if path.is_dir():
+        raise ConfigError(f"prompts: {path} is a folder; pass a file: .jsonl/.json/.parquet (chats or prompts) or "
+                          ".txt (one prompt per line), or `default`")
     if not path.is_file():
         raise ConfigError(f"prompts: {path} does not exist; pass a .jsonl/.json/.parquet chat or prompts file, "
                           "a .txt file (one prompt per line) or `default`")
