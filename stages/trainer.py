@@ -409,7 +409,7 @@ class Trainer:
         self.timer = StepTimer()
         self.progress = training_progress(enabled=self.is_main and config.progress)
         self.environment = collect_environment() | {"world_size": self.world_size, "device": str(self.device),
-                                                    "compile": config.compile, **_data_fingerprints(self.reader)}
+                                                    "compile": config.compile, **_data_fingerprints(self.data)}
         compute_dtype = torch.bfloat16 if isinstance(self.autocast, torch.autocast) else torch.float32
         head_dim = self.drafter_config.head_dim
         attention = attention_implementation(self.device, compute_dtype, head_dim)
@@ -877,12 +877,12 @@ class Trainer:
                 self.data.close()
 
 
-def _data_fingerprints(reader: Any) -> dict[str, Any]:
+def _data_fingerprints(data: Any) -> dict[str, Any]:
     """What identifies the training data in the environment record: the corpus fingerprint and a hash of the cache's
     metadata (target, taps, dtype, shard plan), so ``dflash-stages diff`` tells runs on other data apart."""
     import json
 
-    metadata = reader.metadata.to_dict()
+    metadata = data.metadata.to_dict()
     digest = hashlib.sha256(json.dumps(metadata, sort_keys=True, default=str).encode()).hexdigest()
     return {"cache_fingerprint": f"sha256:{digest}", "corpus_fingerprint": metadata.get("corpus_fingerprint")}
 
