@@ -211,11 +211,12 @@ class Ring:
     def close(self) -> None:
         """Unmap the segment; the owner also removes it (idempotent). Wakes any thread blocked in :meth:`acquire`."""
         self.stop()
-        if self.shm is None:
-            return
-        self._buffer = None  # type: ignore[assignment]
-        close_segment(self.shm, unlink=self.owner)
-        self.shm = None
+        with self._condition:  # a release() callback of a cancelled producer task may run concurrently
+            if self.shm is None:
+                return
+            shm, self.shm = self.shm, None
+            self._buffer = None  # type: ignore[assignment]
+        close_segment(shm, unlink=self.owner)
 
     def __del__(self) -> None:  # a ring dropped without close(): unmap before the segment object is collected
         if getattr(self, "shm", None) is not None:
@@ -245,9 +246,12 @@ class Ring:
         return slot, ticket
 
     def release(self, slot: int) -> None:
-        """Give ``slot`` back (its batch was copied out, or its producer's task ended without it being read)."""
-        self._write_header(slot, state=_STATE_FREE, ticket=0)
+        """Give ``slot`` back (its batch was copied out, or its producer's task ended without it being read); a no-op
+        once the ring is closed."""
         with self._condition:
+            if self.shm is None:
+                return
+            self._write_header(slot, state=_STATE_FREE, ticket=0)
             assert slot not in self._free, f"slot {slot} released twice"
             self._free.append(slot)
             self._condition.notify()

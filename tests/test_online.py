@@ -188,7 +188,8 @@ def test_online_trains_end_to_end_with_one_cpu_worker_and_the_command_resumes_it
                              capture_output=True, text=True, timeout=300,
                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    summary = json.loads(resumed.stdout[resumed.stdout.index("{"):])
+    # The summary is the JSON object that closes stdout (the start-of-train table before it may hold braces).
+    summary = json.loads(resumed.stdout[resumed.stdout.rindex("\n{") + 1:])
     assert summary["step"] == 4 and summary["data_digest"] == expected_digest
     assert (run / "latest").read_text().strip() == "step_00000004"
     assert [r["step"] for r in read_metrics(run, kind="train")] == [1, 2, 3, 4]
