@@ -178,11 +178,8 @@ def _load_prompts(config: GenerateConfig) -> tuple[list[Any], Any, dict[str, Any
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return "sha256:" + digest.hexdigest()
+        return "sha256:" + hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _records_digest(records: list[Any]) -> str:
@@ -198,9 +195,7 @@ def _open_output(config: GenerateConfig, plan: dict[str, Any]) -> None:
     from dflash.checkpoint import atomic_write_text
     from dflash.generation.parts import PLAN_FILE, clear_uncommitted
 
-    output = Path(config.output)
-    if output.exists() and not output.is_dir():
-        raise ConfigError(f"--output {output} is a file; pass a folder")
+    output = Path(config.output)  # run_generate refused an output that is a file before taking the lock
     plan_file = output / PLAN_FILE
     if plan_file.is_file():
         existing = json.loads(plan_file.read_text())
@@ -449,17 +444,9 @@ def _run_generate(config: GenerateConfig, console: Console | None) -> dict[str, 
     return summary
 
 
-def _int_list(value: str | None, name: str) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        return [int(part) for part in value.split(",") if part.strip()]
-    except ValueError:
-        raise ConfigError(f"{name} must be comma-separated integers, got {value!r}") from None
-
-
 def register(app: typer.Typer) -> None:
     """Add the ``generate`` command to ``app``."""
+    from stages.extract import _int_list  # the GPU-list parsing of extract (same option, same spelling)
 
     @app.command("generate")
     def generate_command(

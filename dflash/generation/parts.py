@@ -142,10 +142,9 @@ def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec) -> d
                 builder.stop()
                 continue
             prompts[index] = prompt
-            # prompt_text for engines that take text only: the ids decoded, special tokens kept as text.
+            # No prompt_text: an engine that needs text decodes the ids itself, only when it must.
             requests.append(GenerationRequest(request_id=spec.first_prompt + index, prompt_ids=prompt,
-                                              max_new_tokens=min(settings.max_new_tokens, room),
-                                              prompt_text=tokenizer.decode(prompt, skip_special_tokens=False)))
+                                              max_new_tokens=min(settings.max_new_tokens, room)))
         if not requests:
             break
         engine_started = time.perf_counter()
