@@ -107,7 +107,10 @@ def _assert_bit_identical_caches(a: Path, b: Path) -> None:
 def write_missing_shards(source: str, output: str) -> None:
     """What extract does with a cache: open (or create) it with the plan, write every uncommitted shard. The
     samples come from ``source`` (a cache), so a subprocess needs no target model."""
+    from dflash.cache.store import remove_partial_files
+
     reader = CacheReader(source)
+    remove_partial_files(output)  # as extract does under its lock: a killed writer's zarr *.partial temporaries
     cache = HiddenStateCache.create(output, reader.metadata)
     for shard in sorted(set(range(reader.metadata.num_shards)) - cache.committed_shards()):
         cache.write_shard(shard, reader.read_shard(shard))
