@@ -11,15 +11,18 @@ Prompts: the first ``--prompts`` training prompts of the embedded default prompt
 instructions about stdlib functions, through the chat template), so lengths are what the preset generates from;
 for the random-weight Qwen3-8B shape, seeded random prompts of 64-512 tokens (its replies are noise, its speed is
 real; they run to ``--max-new-tokens``). Each setting
-runs the same requests twice; the second (warm: compiled graphs and allocator ready) pass is the figure. Printed:
-generated tokens/s (reply tokens, stop token included; the padding rows of a batch excluded), rows per second, and
-the share of replies that stopped before ``--max-new-tokens``.
+runs the same requests once cold (graph capture, allocator) and ``--repeats`` times warm; the median warm pass is the
+figure. Printed: generated tokens/s (reply tokens, stop token included; the padding rows of a batch excluded), rows
+per second, the share of replies that stopped before ``--max-new-tokens``, how the decode step ran (CUDA graph or
+eager) and, when several KV-cache kinds run, the share of replies identical to the first kind's (greedy: only
+floating-point ties can differ).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -59,6 +62,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, nargs="+", default=[512])
     parser.add_argument("--kv-cache", nargs="+", default=["static"], choices=["static", "dynamic"])
+    parser.add_argument("--repeats", type=int, default=3, help="warm passes per setting (median reported)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -81,23 +85,36 @@ def main() -> None:
     print(f"device {name}, target {identity.name}, {len(requests)} prompts (mean {sum(len(r.prompt_ids) for r in requests) / len(requests):.0f} tokens), "
           f"max_new_tokens {args.max_new_tokens}, torch {torch.__version__}")
     figures = []
+    reference: dict[int, list[list[int]]] = {}
     for kv_cache in args.kv_cache:
         for batch_size in args.batch_size:
             engine = TransformersEngine(model, tokenizer, batch_size=batch_size, token_budget=batch_size * 4096,
                                         cache=kv_cache, stop_token_ids=stop)
-            for attempt in ("cold", "warm"):
+            warm = []
+            for attempt in ["cold"] + [f"warm{k}" for k in range(1, args.repeats + 1)]:
                 started = time.perf_counter()
                 results = engine.generate(requests, settings)
                 seconds = time.perf_counter() - started
                 tokens = sum(len(r.token_ids) for r in results)
                 stopped = sum(r.finish_reason == "stop" for r in results) / len(results)
+                mode = engine.decode_step
+                same = reference.setdefault(batch_size, [r.token_ids for r in results])
+                agree = sum(a == r.token_ids for a, r in zip(same, results, strict=True)) / len(results)
                 row = {"kv_cache": kv_cache, "batch_size": batch_size, "pass": attempt, "seconds": round(seconds, 2),
                        "generated_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
                        "rows_per_s": round(len(results) / seconds, 2), "stopped_early": round(stopped, 3),
+                       "decode_step": mode, "identical_to_first_kind": round(agree, 4),
                        "device": name, "target": identity.name}
                 figures.append(row)
+                if attempt != "cold":
+                    warm.append(tokens / seconds)
                 print(f"  kv {kv_cache:7s} batch {batch_size:4d} {attempt}: {tokens:,} tokens in {seconds:.1f} s = "
-                      f"{tokens / seconds:,.0f} generated tok/s ({stopped:.0%} stopped early)", flush=True)
+                      f"{tokens / seconds:,.0f} generated tok/s ({stopped:.0%} stopped early; decode step {mode}; "
+                      f"{agree:.1%} identical to {args.kv_cache[0]})", flush=True)
+            if warm:
+                print(f"  kv {kv_cache:7s} batch {batch_size:4d} median of {len(warm)} warm passes: "
+                      f"{statistics.median(warm):,.0f} generated tok/s", flush=True)
+            engine.close()
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

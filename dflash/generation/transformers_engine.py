@@ -1,17 +1,19 @@
 """Engine ``transformers``: batched generation with the target's own transformers model, on one device.
 
 Requests are sorted by prompt length and cut into batches of at most ``batch_size`` rows whose padded prompt tokens
-stay within ``token_budget`` (length grouping keeps left padding small). Each batch runs ``model.generate`` with left
-padding; on CUDA with ``cache="static"`` (the default there) transformers' static KV cache, whose fixed shapes let it
-compile the decoding step once (CUDA graphs) instead of re-running Python per layer per token. Every batch is padded
-to ``batch_size`` rows and its prompt to a multiple of ``prompt_bucket`` tokens, so a handful of compiled shapes
-serve a whole run.
+stay within ``token_budget`` (length grouping keeps left padding small), each left-padded to a multiple of
+``prompt_bucket`` tokens.
+
+- ``cache="static"`` (the default on CUDA): :class:`dflash.generation.static_decode.StaticDecoder`, this project's
+  decode loop over transformers' ``StaticCache``, the decode step replayed as a CUDA graph (one per cache length);
+  every batch has ``batch_size`` rows (filler rows), so a few captured shapes serve a whole run. Sampling is seeded
+  per request (``seed`` and the request id), independent of batching.
+- ``cache="dynamic"`` (the default elsewhere): ``model.generate`` with transformers' dynamic cache. Sampling is
+  seeded per batch (``seed`` + the first request id of the batch): a rerun of the same shard samples the same tokens.
 
 Greedy (temperature 0) output depends only on the prompt, up to floating-point ties between batch compositions.
-Sampling is seeded per batch (``seed`` + the first request id of the batch), so a rerun of the same shard (same
-requests, same batch size) samples the same tokens; it is not independent of how requests were batched.
 
-Source followed: transformers' ``GenerationMixin.generate`` and its static cache (``cache_implementation``).
+Source followed: transformers' ``GenerationMixin.generate``, ``StaticCache``; PyTorch's CUDA graphs.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ class TransformersEngine:
         tokenizer: its tokenizer (pad and stop tokens).
         batch_size: most rows per ``generate`` call.
         token_budget: most padded prompt tokens per call (batch rows x prompt length).
-        cache: ``"static"`` (fixed-shape KV cache, compiled decoding; CUDA), ``"dynamic"`` (transformers' default),
-            ``"auto"``: static on CUDA, dynamic elsewhere.
+        cache: ``"static"`` (StaticDecoder: fixed-shape KV cache, CUDA-graph decode step on CUDA),
+            ``"dynamic"`` (``model.generate``, transformers' dynamic cache), ``"auto"``: static on CUDA, dynamic
+            elsewhere.
         prompt_bucket: prompts are left-padded to a multiple of this many tokens (fewer compiled shapes).
         stop_token_ids: tokens that end a reply (default: the tokenizer's EOS and, for chat models, the end of turn).
         description: extra facts for :meth:`describe` (the target identity).
@@ -74,6 +77,12 @@ class TransformersEngine:
         self.description = dict(description or {})
         #: Seconds and generated tokens of the last :meth:`generate` call (for the stage's report and benchmarks).
         self.last_stats: dict[str, float] = {}
+        self._decoder: Any = None
+        if self.cache == "static":
+            from dflash.generation.static_decode import StaticDecoder
+
+            self._decoder = StaticDecoder(model, rows=batch_size, pad_token_id=self.pad_token_id,
+                                          stop_token_ids=self.stop_token_ids)
 
     def describe(self) -> dict[str, Any]:
         import transformers
@@ -82,6 +91,11 @@ class TransformersEngine:
                 "device": str(self.device), "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
                 "kv_cache": self.cache, "batch_size": self.batch_size, "stop_token_ids": self.stop_token_ids,
                 **self.description}
+
+    @property
+    def decode_step(self) -> str:
+        """How the last batch's decode steps ran: ``"graph"`` (CUDA graph replay), ``"eager"`` or ``"generate()"``."""
+        return self._decoder.last_mode if self._decoder is not None else "generate()"
 
     def _batches(self, requests: Sequence[GenerationRequest]) -> list[list[int]]:
         order = sorted(range(len(requests)), key=lambda i: (len(requests[i].prompt_ids), requests[i].request_id))
@@ -118,14 +132,18 @@ class TransformersEngine:
 
     def _generate_batch(self, rows: list[GenerationRequest], settings: SamplingSettings) -> list[GenerationResult]:
         width = self._bucketed(max(len(r.prompt_ids) for r in rows))
-        num_rows = self.batch_size if self.cache == "static" else len(rows)  # fixed shapes for the compiled step
-        input_ids = torch.full((num_rows, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((num_rows, width), dtype=torch.long)
+        if self._decoder is not None:
+            keys = [settings.seed * 2**32 + r.request_id for r in rows]
+            token_lists = self._decoder.decode([r.prompt_ids for r in rows], [r.max_new_tokens for r in rows],
+                                               temperature=settings.temperature, top_p=settings.top_p,
+                                               row_keys=keys, width=width)
+            return [self._result(request, tokens) for request, tokens in zip(rows, token_lists, strict=True)]
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, request in enumerate(rows):
             ids = torch.as_tensor(list(request.prompt_ids), dtype=torch.long)
             input_ids[i, width - len(ids):] = ids
             attention_mask[i, width - len(ids):] = 1
-        attention_mask[len(rows):, -1] = 1  # filler rows: one visible pad token, output discarded
         max_new = max(r.max_new_tokens for r in rows)
         kwargs: dict[str, Any] = {
             "max_new_tokens": max_new, "eos_token_id": self.stop_token_ids, "pad_token_id": self.pad_token_id,
@@ -136,24 +154,22 @@ class TransformersEngine:
         else:
             kwargs.update(do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=0)
             torch.manual_seed(settings.seed + min(r.request_id for r in rows))
-        if self.cache == "static":
-            kwargs["cache_implementation"] = "static"
         output = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                                      **kwargs)
-        new_tokens = output[: len(rows), width:].cpu().tolist()
-        stops = set(self.stop_token_ids)
-        results = []
-        for request, tokens in zip(rows, new_tokens, strict=True):
-            tokens = tokens[: request.max_new_tokens]
-            end = next((k for k, token in enumerate(tokens) if token in stops), None)
-            if end is not None:
-                results.append(GenerationResult(request_id=request.request_id, token_ids=tokens[: end + 1],
-                                                finish_reason="stop"))
-            else:
-                results.append(GenerationResult(request_id=request.request_id, token_ids=tokens, finish_reason="length"))
-        return results
+        new_tokens = output[:, width:].cpu().tolist()
+        return [self._result(request, tokens) for request, tokens in zip(rows, new_tokens, strict=True)]
+
+    def _result(self, request: GenerationRequest, tokens: list[int]) -> GenerationResult:
+        tokens = tokens[: request.max_new_tokens]
+        end = next((k for k, token in enumerate(tokens) if token in self.stop_token_ids), None)
+        if end is not None:
+            return GenerationResult(request_id=request.request_id, token_ids=tokens[: end + 1], finish_reason="stop")
+        return GenerationResult(request_id=request.request_id, token_ids=tokens, finish_reason="length")
 
     def close(self) -> None:
+        if self._decoder is not None:
+            self._decoder.close()
+            self._decoder = None
         self.model = None  # the worker plugin owns the target and frees the device
 
 

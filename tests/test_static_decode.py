@@ -1,0 +1,90 @@
+"""The static-cache decode loop (generate's default engine on CUDA) against transformers' own ``generate()``, on the
+real SmolLM2 target in float32 on CPU (the same loop without CUDA graphs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.generation.engine import GenerationRequest, SamplingSettings
+from dflash.generation.static_decode import StaticDecoder, gumbel_noise
+from dflash.generation.transformers_engine import TransformersEngine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TEXTS = [
+    "def fibonacci(n):",
+    'import os\nimport sys\n\ndef main(argv):\n    """Parse the command line and',
+    "class Stack:\n    def __init__(self):",
+    "# A",
+    "The quick brown fox",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    return [target.tokenizer(text)["input_ids"] for text in TEXTS]
+
+
+def reference(target, prompt, max_new_tokens, stops):
+    output = target.model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                   eos_token_id=stops, pad_token_id=0)
+    return output[0, len(prompt):].tolist()
+
+
+def test_greedy_equals_transformers_generate_per_prompt(target, prompts):
+    stops = [target.tokenizer.eos_token_id]
+    limits = [20, 20, 12, 20, 9]
+    decoder = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=32)
+    got = decoder.decode(prompts, limits)
+    for prompt, tokens, limit in zip(prompts, got, limits, strict=True):
+        assert tokens == reference(target, prompt, limit, stops)
+    # The same requests in another batch composition and width (the cache slot is reused, stale entries masked).
+    again = decoder.decode(prompts[::-1][:3], limits[::-1][:3], width=40)
+    assert again == got[::-1][:3]
+    assert decoder.last_mode == "eager"  # no CUDA graphs on CPU
+
+
+def test_a_stop_token_ends_a_row_and_is_kept(target, prompts):
+    first = reference(target, prompts[0], 6, [target.tokenizer.eos_token_id])
+    stop = first[3]  # make the 4th greedy token a stop token
+    decoder = StaticDecoder(target.model, rows=2, pad_token_id=0, stop_token_ids=[stop], length_bucket=16)
+    assert decoder.decode(prompts[:1], [6]) == [first[: first.index(stop) + 1]]
+
+
+def test_sampling_depends_on_the_request_not_on_the_batch(target, prompts):
+    decoder = StaticDecoder(target.model, rows=4, pad_token_id=0, stop_token_ids=[target.tokenizer.eos_token_id])
+    together = decoder.decode(prompts[:3], [12] * 3, temperature=0.9, top_p=0.95, row_keys=[7, 8, 9])
+    apart = decoder.decode([prompts[2], prompts[0]], [12, 12], temperature=0.9, top_p=0.95, row_keys=[9, 7])
+    assert apart == [together[2], together[0]]
+    other_key = decoder.decode(prompts[:1], [12], temperature=0.9, top_p=0.95, row_keys=[1234])
+    assert other_key != together[:1]
+    # A nucleus so small that only the top token survives is greedy decoding.
+    greedy = decoder.decode(prompts[:2], [10, 10])
+    assert decoder.decode(prompts[:2], [10, 10], temperature=1.0, top_p=1e-6, row_keys=[1, 2]) == greedy
+
+
+def test_gumbel_max_samples_the_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    keys = torch.arange(20_000, dtype=torch.long)
+    draws = (logits[None] + gumbel_noise(keys, step=3, vocab_size=4)).argmax(-1)
+    observed = torch.bincount(draws, minlength=4).double()
+    expected = logits.double().softmax(-1) * len(keys)
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < 16.3  # 3 degrees of freedom, p = 0.001
+    again = (logits[None] + gumbel_noise(keys, step=3, vocab_size=4)).argmax(-1)
+    assert torch.equal(draws, again)
+    assert not torch.equal(draws, (logits[None] + gumbel_noise(keys, step=4, vocab_size=4)).argmax(-1))
+
+
+def test_the_engine_static_and_dynamic_caches_agree(target, prompts):
+    requests = [GenerationRequest(request_id=i, prompt_ids=p, max_new_tokens=10) for i, p in enumerate(prompts)]
+    settings = SamplingSettings(max_new_tokens=10)
+    results = {}
+    for cache in ("static", "dynamic"):
+        engine = TransformersEngine(target.model, target.tokenizer, batch_size=3, cache=cache, prompt_bucket=8)
+        results[cache] = [(r.request_id, r.token_ids, r.finish_reason) for r in engine.generate(requests, settings)]
+        assert engine.decode_step == ("eager" if cache == "static" else "generate()")
+        engine.close()
+    assert results["static"] == results["dynamic"]
+    assert all(len(tokens) == 10 or reason == "stop" for _, tokens, reason in results["static"])
