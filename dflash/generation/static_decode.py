@@ -36,7 +36,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["StaticDecoder", "gumbel_noise"]
+__all__ = ["StaticDecoder", "gumbel_noise", "grouped_decode_attention", "ATTENTION_NAME"]
+
+#: The name under which :func:`grouped_decode_attention` is registered with transformers' ``AttentionInterface``.
+ATTENTION_NAME = "grouped_decode_gqa"  # no "flash" in it: transformers reads that as a flash-attention kernel request
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,52 @@ def gumbel_noise(keys: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor
     return (-torch.log(-torch.log(uniform))).float()
 
 
+def grouped_decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                             **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention for one query token per row that reads each KV head once (grouped-query attention without
+    ``repeat_kv``); longer queries (prefill) go to transformers' own ``sdpa`` function.
+
+    transformers' sdpa path expands the KV heads to the query heads whenever a mask is given (``repeat_kv``), which
+    at decode time writes and re-reads ``query_heads / kv_heads`` copies of the whole cache every layer and step: the
+    cost that bounded SmolLM2 at ~9K generated tokens/s at batch 512 on an H200 (docs/generate.md). Here the query
+    heads of a group form the rows of one small matmul against their shared KV head.
+
+    Args:
+        module: the attention module (``is_causal`` is irrelevant for one query).
+        query: (batch, query_heads, 1, head_dim); key, value: (batch, kv_heads, kv_length, head_dim), same dtype.
+        attention_mask: additive (batch, 1, 1, kv_length) (0 = attend) or None.
+        scaling: the softmax scale (default ``head_dim ** -0.5``).
+
+    Returns:
+        (batch, 1, query_heads, head_dim) in the query's dtype, and no weights; scores and softmax in float32.
+
+    Source followed: transformers' ``repeat_kv`` (query head h reads KV head ``h // (query_heads / kv_heads)``) and
+    its attention-function interface (``AttentionInterface``).
+    """
+    if query.shape[2] != 1 or dropout:
+        from transformers import AttentionInterface
+
+        return AttentionInterface()["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
+                                            scaling=scaling, **kwargs)
+    batch, query_heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.reshape(batch, kv_heads, query_heads // kv_heads, head_dim)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float()  # (batch, kv_heads, group, kv_length)
+    scores.mul_(scaling if scaling is not None else head_dim ** -0.5)
+    if attention_mask is not None:
+        scores.add_(attention_mask[:, :, -1:, : key.shape[-2]].float())
+    probs = scores.softmax(-1).to(value.dtype)
+    out = torch.matmul(probs, value)  # (batch, kv_heads, group, head_dim)
+    return out.reshape(batch, query_heads, 1, head_dim).transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, grouped_decode_attention)
+
+
 @dataclass
 class _Slot:
     """One cache length: the static cache, the captured decode step and its fixed input/output buffers."""
@@ -95,10 +144,14 @@ class StaticDecoder:
         length_bucket: cache lengths (prompt width + new tokens) are rounded up to a multiple of this.
         max_slots: cache lengths kept allocated at once (least recently used freed first).
         check_every: decode steps between checks that every row has stopped (each check waits on the device).
+        grouped_attention: while this decoder is open, the model's attention is :func:`grouped_decode_attention`
+            (registered with transformers; the previous implementation comes back on :meth:`close`). Only models on
+            ``sdpa`` or ``eager`` attention are switched.
     """
 
     def __init__(self, model: Any, *, rows: int, pad_token_id: int, stop_token_ids: Sequence[int],
-                 cuda_graphs: bool = True, length_bucket: int = 128, max_slots: int = 2, check_every: int = 16) -> None:
+                 cuda_graphs: bool = True, length_bucket: int = 128, max_slots: int = 2, check_every: int = 16,
+                 grouped_attention: bool = True) -> None:
         self.model = model
         self.rows = rows
         self.pad_token_id = int(pad_token_id)
@@ -115,6 +168,12 @@ class StaticDecoder:
         self._min = torch.finfo(self.dtype).min
         #: How the last batch's decode steps ran: "graph" or "eager" (benchmarks and the stage report it).
         self.last_mode = "eager"
+        self._restore_attention: str | None = None
+        previous = getattr(model.config, "_attn_implementation", None)
+        if grouped_attention and previous in ("sdpa", "eager"):
+            _register_attention()
+            model.set_attn_implementation(ATTENTION_NAME)
+            self._restore_attention = previous
 
     # -- buffers ---------------------------------------------------------------------------------------------------
 
@@ -283,5 +342,9 @@ class StaticDecoder:
         return (scores + gumbel_noise(keys, step, scores.shape[-1])).argmax(-1)
 
     def close(self) -> None:
+        """Free the caches and graphs; give the model its previous attention implementation back."""
         self._slots.clear()
+        if self.model is not None and self._restore_attention is not None:
+            self.model.set_attn_implementation(self._restore_attention)
+        self._restore_attention = None
         self.model = None
