@@ -43,6 +43,8 @@ def test_greedy_equals_transformers_generate_per_prompt(target, prompts):
     again = decoder.decode(prompts[::-1][:3], limits[::-1][:3], width=40)
     assert again == got[::-1][:3]
     assert decoder.last_mode == "eager"  # no CUDA graphs on CPU
+    decoder.close()
+    assert target.model.config._attn_implementation == "sdpa"  # the model's own attention is back
 
 
 def test_a_stop_token_ends_a_row_and_is_kept(target, prompts):
@@ -50,6 +52,7 @@ def test_a_stop_token_ends_a_row_and_is_kept(target, prompts):
     stop = first[3]  # make the 4th greedy token a stop token
     decoder = StaticDecoder(target.model, rows=2, pad_token_id=0, stop_token_ids=[stop], length_bucket=16)
     assert decoder.decode(prompts[:1], [6]) == [first[: first.index(stop) + 1]]
+    decoder.close()
 
 
 def test_sampling_depends_on_the_request_not_on_the_batch(target, prompts):
@@ -62,6 +65,27 @@ def test_sampling_depends_on_the_request_not_on_the_batch(target, prompts):
     # A nucleus so small that only the top token survives is greedy decoding.
     greedy = decoder.decode(prompts[:2], [10, 10])
     assert decoder.decode(prompts[:2], [10, 10], temperature=1.0, top_p=1e-6, row_keys=[1, 2]) == greedy
+    decoder.close()
+
+
+def test_grouped_attention_equals_sdpa_with_either_mask_kind():
+    from transformers import AttentionInterface
+
+    from dflash.generation.static_decode import grouped_decode_attention
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 6, 1, 8, generator=generator)
+    key, value = torch.randn(3, 2, 10, 8, generator=generator), torch.randn(3, 2, 10, 8, generator=generator)
+    visible = torch.rand(3, 1, 1, 10, generator=generator) > 0.3
+    visible[..., -1] = True
+    additive = torch.zeros(3, 1, 1, 10).masked_fill_(~visible, torch.finfo(torch.float32).min)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = 3, True, False
+    expected, _ = AttentionInterface()["sdpa"](module, query, key, value, visible, scaling=0.3)
+    for mask in (visible, additive):
+        got, _ = grouped_decode_attention(module, query, key, value, mask, scaling=0.3)
+        assert got.shape == (3, 1, 6, 8)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_gumbel_max_samples_the_softmax():

@@ -87,7 +87,7 @@ def grouped_decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor
     Args:
         module: the attention module (``is_causal`` is irrelevant for one query).
         query: (batch, query_heads, 1, head_dim); key, value: (batch, kv_heads, kv_length, head_dim), same dtype.
-        attention_mask: additive (batch, 1, 1, kv_length) (0 = attend) or None.
+        attention_mask: (batch, 1, 1, kv_length), additive (0 = attend) or boolean (True = attend), or None.
         scaling: the softmax scale (default ``head_dim ** -0.5``).
 
     Returns:
@@ -107,7 +107,11 @@ def grouped_decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor
     scores = torch.matmul(grouped, key.transpose(-1, -2)).float()  # (batch, kv_heads, group, kv_length)
     scores.mul_(scaling if scaling is not None else head_dim ** -0.5)
     if attention_mask is not None:
-        scores.add_(attention_mask[:, :, -1:, : key.shape[-2]].float())
+        mask = attention_mask[:, :, -1:, : key.shape[-2]]
+        if mask.dtype == torch.bool:  # transformers' sdpa-style mask: True = attend
+            scores.masked_fill_(~mask, float("-inf"))
+        else:
+            scores.add_(mask.float())
     probs = scores.softmax(-1).to(value.dtype)
     out = torch.matmul(probs, value)  # (batch, kv_heads, group, head_dim)
     return out.reshape(batch, query_heads, 1, head_dim).transpose(1, 2).contiguous(), None
