@@ -7,6 +7,7 @@ PATH is a run folder (``run.json``, ``latest``, ``checkpoints/``), a checkpoint 
     dflash-stages inspect runs/smol                       # resolved config, target, checkpoints, weights
     dflash-stages inspect runs/smol --diff exports/smol   # = dflash-stages diff runs/smol exports/smol (stages/diff.py)
     dflash-stages inspect runs/smol --scan                # = dflash-stages scan runs/smol (stages/scan.py)
+    dflash-stages inspect runs/smol --json > smol.json    # the same facts, checks and per-tensor statistics as JSON
 
 Every artefact is reduced to flat ``section.key -> value`` facts (sections: ``drafter`` = the DFlashConfig fields,
 ``target``, ``run``, ``trainer``, ``serving``, ``provenance``, ``weights``); the diff compares the sections both sides
@@ -23,7 +24,8 @@ from typing import Any, Literal
 
 import typer
 
-__all__ = ["register", "inspect_command", "Artefact", "describe", "diff_facts", "scan_tensors", "flatten"]
+__all__ = ["register", "inspect_command", "Artefact", "describe", "diff_facts", "scan_tensors", "flatten",
+           "tensor_statistics", "parameter_groups"]
 
 ArtefactKind = Literal["run", "checkpoint", "export"]
 
@@ -48,6 +50,70 @@ class Artefact:
     weight_files: list[Path] = field(default_factory=list)
     checks: dict[str, str] = field(default_factory=dict)  # name -> "ok" or the error message
     notes: list[str] = field(default_factory=list)
+    #: The safetensors file of the drafter's weights (checkpoint or export), for per-tensor statistics.
+    model_file: Path | None = None
+
+    def to_dict(self, tensors: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """JSON form (``inspect --json``): facts by key, checks, notes, parameter counts, per-tensor statistics."""
+        data: dict[str, Any] = {"path": str(self.path), "kind": self.kind, "facts": self.facts, "checks": self.checks,
+                                "notes": self.notes, "model_file": str(self.model_file) if self.model_file else None}
+        if tensors is not None:
+            data["parameters"] = parameter_groups(tensors)
+            data["tensors"] = tensors
+        return data
+
+
+def tensor_statistics(path: Path) -> list[dict[str, Any]]:
+    """Per tensor of a safetensors (or format-1 torch) file, streamed in row chunks (bounded memory).
+
+    Returns:
+        One dict per tensor, in file order: ``name``, ``dtype``, ``shape``, ``numel``; for floating-point tensors
+        also ``min``, ``max``, ``mean``, ``std`` (population), ``abs_max`` over the finite values (float64
+        accumulation; None when no value is finite) and ``nonfinite`` (NaN + Inf count).
+    """
+    import torch
+
+    from stages.scan import file_tensors
+
+    rows = []
+    for name, dtype, shape, chunks in file_tensors(path):
+        count = nonfinite = 0
+        total = squares = 0.0
+        low, high = float("inf"), float("-inf")
+        numel = 0
+        floating = False
+        for chunk in chunks:
+            numel += chunk.numel()
+            if not chunk.is_floating_point() or chunk.numel() == 0:
+                continue
+            floating = True
+            values = chunk.double().flatten()
+            finite = torch.isfinite(values)
+            nonfinite += int((~finite).sum())
+            values = values[finite]
+            if values.numel():
+                count += values.numel()
+                total += float(values.sum())
+                squares += float((values * values).sum())
+                low, high = min(low, float(values.min())), max(high, float(values.max()))
+        row: dict[str, Any] = {"name": name, "dtype": dtype, "shape": [int(n) for n in shape], "numel": numel}
+        if floating:
+            mean = total / count if count else None
+            row.update(min=low if count else None, max=high if count else None, mean=mean,
+                       std=max(0.0, squares / count - mean * mean) ** 0.5 if count else None,
+                       abs_max=max(abs(low), abs(high)) if count else None, nonfinite=nonfinite)
+        rows.append(row)
+    return rows
+
+
+def parameter_groups(tensors: list[dict[str, Any]]) -> dict[str, Any]:
+    """Parameter counts: ``total`` and per group (``layers.N`` per draft layer, else the name's first part)."""
+    groups: dict[str, int] = {}
+    for row in tensors:
+        parts = row["name"].split(".")
+        key = ".".join(parts[:2]) if len(parts) > 2 and parts[1].isdigit() else parts[0]
+        groups[key] = groups.get(key, 0) + int(row["numel"])
+    return {"total": sum(groups.values()), "groups": groups}
 
 
 def _read_json(path: Path) -> Any:
@@ -98,6 +164,7 @@ def _describe_checkpoint(folder: Path, artefact: Artefact) -> None:
     weights = folder / WEIGHTS_FILE
     if weights.is_file():
         artefact.weight_files.append(weights)
+        artefact.model_file = weights
         artefact.facts.update(flatten(_weights_summary(weights), "weights"))
         try:
             check_state_dict(_shapes(weights), config, where=str(weights))
@@ -106,9 +173,15 @@ def _describe_checkpoint(folder: Path, artefact: Artefact) -> None:
             artefact.checks["weight names and shapes"] = str(error)
     else:
         artefact.checks["weights"] = f"{weights} is missing"
-    for state_file in ("optimizer.safetensors", "optimizer.pt"):  # format 2, or a format-1 checkpoint's file
-        if (folder / state_file).is_file():
+    for state_file in ("optimizer.safetensors", "optimizer.pt", "rng.safetensors"):  # format 2, or format 1's file
+        if (folder / state_file).is_file() and state_file != "rng.safetensors":
             artefact.weight_files.append(folder / state_file)
+    from stages.scan import step_problems
+
+    recorded = [folder / name for name in (WEIGHTS_FILE, "optimizer.safetensors", "rng.safetensors")
+                if (folder / name).is_file()]
+    problems = step_problems(folder, recorded)
+    artefact.checks["steps agree (folder, trainer state, weights, optimizer, RNG)"] = "; ".join(problems) or "ok"
 
 
 def _describe_export(folder: Path, artefact: Artefact) -> None:
@@ -138,6 +211,7 @@ def _describe_export(folder: Path, artefact: Artefact) -> None:
     weights = folder / WEIGHTS_FILE
     if weights.is_file():
         artefact.weight_files.append(weights)
+        artefact.model_file = weights
         artefact.facts.update(flatten(_weights_summary(weights), "weights"))
     try:
         read_exported(folder, check_finite=False)
@@ -277,14 +351,14 @@ def _format(value: Any) -> str:
 _VALUE_MIN_WIDTH = 10
 
 
-def _add_key_column(table: Any, console: Any, keys: list[str], value_columns: int) -> None:
+def _add_key_column(table: Any, console: Any, keys: list[str], value_columns: int, header: str = "key") -> None:
     """The key column: each key on one line, never split mid-word (a folded ``..._samples`` / ``_train`` read like
     two keys). It is as wide as the longest key; the value columns fold into the rest. Only a terminal too narrow
     to leave ``_VALUE_MIN_WIDTH`` columns per value shortens keys, with an ellipsis."""
     borders_and_padding = (value_columns + 2) + 2 * (value_columns + 1)
     room = console.width - borders_and_padding - value_columns * _VALUE_MIN_WIDTH
     longest = max((len(key) for key in keys), default=3)
-    table.add_column("key", style="bold", no_wrap=True, overflow="ellipsis", width=max(8, min(longest, room)))
+    table.add_column(header, style="bold", no_wrap=True, overflow="ellipsis", width=max(8, min(longest, room)))
 
 
 def _print_artefact(console: Any, artefact: Artefact) -> None:
@@ -307,6 +381,32 @@ def _print_artefact(console: Any, artefact: Artefact) -> None:
         console.print(f"[yellow]note:[/] {_format(note)}")
 
 
+def _print_tensors(console: Any, tensors: list[dict[str, Any]], source: Path) -> None:
+    from rich.table import Table
+
+    groups = parameter_groups(tensors)
+    table = Table(title=f"tensors of {source} ({groups['total']:,} parameters)")
+    _add_key_column(table, console, [row["name"] for row in tensors], value_columns=8, header="tensor")
+    for column in ("dtype", "shape", "min", "max", "mean", "std", "abs max", "non-finite"):
+        table.add_column(column, justify="left" if column in ("dtype", "shape") else "right", overflow="fold")
+
+    def number(value: Any) -> str:
+        return "-" if value is None else f"{value:.4g}"
+
+    for row in tensors:
+        table.add_row(_format(row["name"]), row["dtype"], "x".join(map(str, row["shape"])) or "scalar",
+                      number(row.get("min")), number(row.get("max")), number(row.get("mean")), number(row.get("std")),
+                      number(row.get("abs_max")), str(row.get("nonfinite", "-")))
+    console.print(table)
+    counts = Table(title="parameters by group")
+    counts.add_column("group")
+    counts.add_column("parameters", justify="right")
+    for name, count in groups["groups"].items():
+        counts.add_row(_format(name), f"{count:,}")
+    counts.add_row("[bold]total[/]", f"[bold]{groups['total']:,}[/]")
+    console.print(counts)
+
+
 def inspect_command(
     path: Path = typer.Argument(..., metavar="PATH", help="A run folder, a checkpoint folder or a serving-format export folder."),
     diff: Path | None = typer.Option(
@@ -317,6 +417,10 @@ def inspect_command(
         False, "--scan", help="Alias of `dflash-stages scan PATH`: every checkpoint's tensors (weights and optimizer state) "
         "checked for NaN/Inf/extreme values (exit code 1 if any)."
     ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (facts, checks, notes, parameter "
+                                 "counts, per-tensor statistics) instead of tables."),
+    tensors: bool = typer.Option(True, "--tensors/--no-tensors", help="Per-tensor shape, dtype and statistics of "
+                                 "the drafter's weights (min, max, mean, std, abs max, non-finite; streamed)."),
 ) -> None:
     """Print the full config and provenance of a run, checkpoint or export; optionally diff or scan it.
 
@@ -337,9 +441,23 @@ def inspect_command(
         print_error(error)
         raise typer.Exit(code=ExitCode.USAGE) from None
 
+    if as_json and (other is not None or scan):
+        from stages.cli import ExitCode, print_error
+
+        print_error("--json prints one artefact: use it without --diff and --scan (`dflash-stages diff` and "
+                    "`dflash-stages scan` have their own --json)")
+        raise typer.Exit(code=ExitCode.USAGE)
     failed = False
+    statistics = tensor_statistics(artefact.model_file) if tensors and artefact.model_file is not None else None
+    if as_json:
+        print(json.dumps(artefact.to_dict(statistics), indent=2, default=str))
+        if any(verdict != "ok" for verdict in artefact.checks.values()):
+            raise typer.Exit(code=1)
+        return
     if other is None:
         _print_artefact(console, artefact)
+        if statistics is not None and artefact.model_file is not None:
+            _print_tensors(console, statistics, artefact.model_file)
         failed = any(verdict != "ok" for verdict in artefact.checks.values())
     else:  # the same comparison as ``dflash-stages diff PATH OTHER``
         from stages.diff import compare, load_side, print_comparison

@@ -111,7 +111,7 @@ def _chunks(handle: Any, name: str) -> Iterator[Any]:
         yield tensor_slice[start : start + rows]
 
 
-def _file_tensors(path: Path) -> Iterator[tuple[str, str, list[int], Iterator[Any]]]:
+def file_tensors(path: Path) -> Iterator[tuple[str, str, list[int], Iterator[Any]]]:
     """``(stored name, dtype, shape, chunks)`` of every tensor of a safetensors or format-1 torch file."""
     if path.suffix == ".safetensors":
         from dflash.weights_io import open_safetensors
@@ -165,7 +165,7 @@ def _readable_name(stored: str, names: list[str] | None) -> str:
 def _scan_file(path: Path, names: list[str] | None, max_abs: float, scan: CheckpointScan) -> None:
     import torch
 
-    for stored, dtype, shape, chunks in _file_tensors(path):
+    for stored, dtype, shape, chunks in file_tensors(path):
         scan.tensors += 1
         nan = inf = extreme = 0
         largest = 0.0
@@ -189,7 +189,7 @@ def _scan_file(path: Path, names: list[str] | None, max_abs: float, scan: Checkp
             ))
 
 
-def _step_problems(folder: Path, files: list[Path]) -> list[str]:
+def step_problems(folder: Path, files: list[Path]) -> list[str]:
     """Disagreements between the steps a checkpoint records (folder name, trainer state, files' metadata)."""
     from dflash.weights_io import open_safetensors
 
@@ -228,7 +228,7 @@ def scan_checkpoint(folder: str | Path, *, max_abs: float = DEFAULT_MAX_ABS) -> 
     elif (folder / "trainer_state.json").is_file():
         scan.notes.append("no optimizer state in this checkpoint")
     scan.files = [path.name for path in files]
-    scan.problems.extend(_step_problems(folder, files))
+    scan.problems.extend(step_problems(folder, files))
     return scan
 
 

@@ -17,6 +17,7 @@ from dflash.checkpoint import PARAM_NAMES_KEY
 from dflash.state_files import load_state_tree, save_state_tree
 from dflash.weights_io import open_safetensors
 from stages import diff as diff_stage
+from stages import inspect as inspect_stage
 from stages import scan as scan_stage
 from stages.train import run_training
 
@@ -143,6 +144,44 @@ def test_scan_of_a_clean_run_exits_0_and_counts_extremes(run_a):
     scans = scan_stage.scan_paths([run_a / "checkpoints" / "step_00000002"], max_abs=1e-6)
     assert scans[0].findings and all(f.extreme > 0 and f.nan == f.inf == 0 for f in scans[0].findings)
     assert not any(f.tensor.endswith(".step") for f in scans[0].findings)  # Adam's step counter is no value
+
+
+def test_inspect_json_gives_parameter_counts_tensor_statistics_and_checks_steps(run_a, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    result = _invoke(inspect_stage.register, "inspect", run_a, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["kind"] == "run" and data["model_file"].endswith("step_00000006/model.safetensors")
+    assert data["facts"]["trainer.step"] == 6
+    assert data["checks"]["steps agree (folder, trainer state, weights, optimizer, RNG)"] == "ok"
+    weights = load_file(data["model_file"])
+    assert data["parameters"]["total"] == sum(t.numel() for t in weights.values())
+    assert {name for name in data["parameters"]["groups"] if name.startswith("layers.")} == {"layers.0"}
+    by_name = {row["name"]: row for row in data["tensors"]}
+    assert set(by_name) == set(weights)
+    for name, tensor in weights.items():
+        row, values = by_name[name], tensor.double()
+        assert row["shape"] == list(tensor.shape) and row["numel"] == tensor.numel()
+        assert row["min"] == pytest.approx(float(values.min())) and row["max"] == pytest.approx(float(values.max()))
+        assert row["mean"] == pytest.approx(float(values.mean()), abs=1e-9)
+        assert row["std"] == pytest.approx(float(values.std(unbiased=False)), rel=1e-6, abs=1e-9)
+        assert row["nonfinite"] == 0
+
+    # A checkpoint whose trainer state records another step than its files: the check names both, exit 1.
+    copy = tmp_path / "step_00000004"
+    shutil.copytree(run_a / "checkpoints" / "step_00000004", copy)
+    state = json.loads((copy / "trainer_state.json").read_text())
+    (copy / "trainer_state.json").write_text(json.dumps({**state, "step": 5}))
+    result = _invoke(inspect_stage.register, "inspect", copy, "--no-tensors")
+    assert result.exit_code == 1
+    assert "steps disagree" in result.output and "trainer_state.json 5" in result.output
+    assert "model.safetensors 4" in result.output
+    assert "tensors of" not in result.output
+    result = _invoke(inspect_stage.register, "inspect", run_a, "--json", "--scan")
+    assert result.exit_code == 2 and result.output.startswith("error: ")
 
 
 def test_scan_of_no_artefact_is_a_usage_error(tmp_path):
