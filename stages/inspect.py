@@ -351,14 +351,14 @@ def _format(value: Any) -> str:
 _VALUE_MIN_WIDTH = 10
 
 
-def _add_key_column(table: Any, console: Any, keys: list[str], value_columns: int, header: str = "key") -> None:
+def _add_key_column(table: Any, console: Any, keys: list[str], value_columns: int) -> None:
     """The key column: each key on one line, never split mid-word (a folded ``..._samples`` / ``_train`` read like
     two keys). It is as wide as the longest key; the value columns fold into the rest. Only a terminal too narrow
     to leave ``_VALUE_MIN_WIDTH`` columns per value shortens keys, with an ellipsis."""
     borders_and_padding = (value_columns + 2) + 2 * (value_columns + 1)
     room = console.width - borders_and_padding - value_columns * _VALUE_MIN_WIDTH
     longest = max((len(key) for key in keys), default=3)
-    table.add_column(header, style="bold", no_wrap=True, overflow="ellipsis", width=max(8, min(longest, room)))
+    table.add_column("key", style="bold", no_wrap=True, overflow="ellipsis", width=max(8, min(longest, room)))
 
 
 def _print_artefact(console: Any, artefact: Artefact) -> None:
@@ -386,7 +386,7 @@ def _print_tensors(console: Any, tensors: list[dict[str, Any]], source: Path) ->
 
     groups = parameter_groups(tensors)
     table = Table(title=f"tensors of {source} ({groups['total']:,} parameters)")
-    _add_key_column(table, console, [row["name"] for row in tensors], value_columns=8, header="tensor")
+    table.add_column("tensor", style="bold", overflow="fold")  # folds on a narrow terminal, never an ellipsis
     for column in ("dtype", "shape", "min", "max", "mean", "std", "abs max", "non-finite"):
         table.add_column(column, justify="left" if column in ("dtype", "shape") else "right", overflow="fold")
 
