@@ -151,6 +151,10 @@ class StaticDecoder:
         grouped_attention: while this decoder is open, the model's attention is :func:`grouped_decode_attention`
             (registered with transformers; the previous implementation comes back on :meth:`close`). Only models on
             ``sdpa`` or ``eager`` attention are switched.
+
+    Raises:
+        ConfigError: the model runs another attention (e.g. flash-attention, which takes no 4-D mask).
+        ValueError: (at the first batch) the model has sliding-window layers.
     """
 
     def __init__(self, model: Any, *, rows: int, pad_token_id: int, stop_token_ids: Sequence[int],
@@ -174,6 +178,11 @@ class StaticDecoder:
         self.last_mode = "eager"
         self._restore_attention: str | None = None
         previous = getattr(model.config, "_attn_implementation", None)
+        if previous not in ("sdpa", "eager", ATTENTION_NAME, None):
+            from dflash.errors import ConfigError
+
+            raise ConfigError(f"the static decoder passes a 4-D padding mask, which attention {previous!r} does not "
+                              "take; load the target with attn_implementation='sdpa' or use kv_cache=dynamic")
         if grouped_attention and previous in ("sdpa", "eager"):
             _register_attention()
             model.set_attn_implementation(ATTENTION_NAME)
