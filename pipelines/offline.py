@@ -36,7 +36,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
@@ -52,7 +52,8 @@ from dflash.errors import ConfigError
 if TYPE_CHECKING:
     from stages.evaluate import Evaluator
 
-__all__ = ["PRESETS", "load_preset", "apply_overrides", "PipelineConfig", "run_pipeline", "register"]
+__all__ = ["PRESETS", "load_preset", "apply_overrides", "PipelineConfig", "run_pipeline", "register",
+           "validate_sections"]
 
 PRESETS = ("cpu-small", "h200-smollm2")
 _STAGES = ("generate", "prepare", "split", "extract", "train", "evaluate")
@@ -144,9 +145,6 @@ class PipelineConfig:
                 f"evaluate.prompts: generate.prompts is {self.generate['prompts']!r}, which has no held-out split; "
                 "give evaluate.prompts (a .jsonl/.txt file of prompts training never saw)"
             )
-        unknown = sorted(set(self.evaluate) - _EVALUATE_FIELDS)
-        if unknown:
-            raise ConfigError(f"evaluate: unknown fields {unknown}; known: {sorted(_EVALUATE_FIELDS)}")
 
     @classmethod
     def from_preset(cls, preset: dict[str, Any], *, workdir: Path) -> PipelineConfig:
@@ -160,8 +158,63 @@ class PipelineConfig:
                 **{name: getattr(self, name) for name in _STAGES}}
 
 
-_EVALUATE_FIELDS = {"prompts", "num_prompts", "prompt_tokens", "max_new_tokens", "temperature", "ignore_eos", "seed", "device",
-                    "dtype", "cpu_threads", "per_epoch", "compare_untrained", "near_tie_tolerance"}
+
+def validate_sections(config: PipelineConfig, source: Callable[[str, str], str]) -> None:
+    """Check every stage section before any stage runs: unknown keys (did-you-mean), wrong types, then each stage
+    config's own checks (ranges, choices), as that stage will build it.
+
+    Args:
+        config: the resolved pipeline.
+        source: ``(section, key)`` -> where the value came from, for the message (``"--set train.lr=abc"``).
+
+    Raises:
+        ConfigError: the first problem, naming ``section.key`` and its source.
+    """
+    from dflash.config_check import check_fields
+    from stages.evaluate import EvaluateConfig
+    from stages.extract import ExtractConfig
+    from stages.prepare import PrepareConfig
+    from stages.train import TrainConfig
+
+    placeholder = str(config.workdir / "validate")
+    checks: list[tuple[str, type, set[str], dict[str, Any], dict[str, Any]]] = [
+        ("extract", ExtractConfig, {"corpus", "output"}, {}, {"corpus": placeholder, "output": placeholder}),
+        ("train", TrainConfig, {"cache", "output", "resume", "stop_at_step"}, {},
+         {"cache": placeholder, "output": placeholder}),
+    ]
+    if config.generate:
+        from stages.generate import GenerateConfig
+
+        checks.insert(0, ("generate", GenerateConfig, {"output"}, {}, {"output": placeholder}))
+    else:
+        checks.insert(0, ("prepare", PrepareConfig, {"output", "overwrite"}, {},
+                          {"output": placeholder, "overwrite": True}))
+        for key, value in config.split.items():
+            if key not in ("heldout_documents", "seed"):
+                raise ConfigError(f"split.{key} ({source('split', key)}): unknown key; known: heldout_documents, seed")
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"split.{key} ({source('split', key)}): expected int, got {value!r}")
+    evaluate_extra = {"per_epoch": bool, "compare_untrained": bool}
+    for section, cls, reserved, extra, paths in checks:
+        values = getattr(config, section)
+        check_fields(cls, values, section=section, source=lambda key, s=section: source(s, key),
+                     reserved=reserved | {"target"}, extra=extra)
+        _build_for_check(section, cls, {"target": config.target, **values, **paths}, source)
+    evaluate = {k: v for k, v in config.evaluate.items() if k not in evaluate_extra}
+    check_fields(EvaluateConfig, config.evaluate, section="evaluate", source=lambda key: source("evaluate", key),
+                 reserved={"drafter", "target", "corpus", "cache", "json"}, extra=evaluate_extra)
+    _build_for_check("evaluate", EvaluateConfig, {"prompts": "held-out", **evaluate, "drafter": placeholder,
+                                                  "target": config.target, "corpus": placeholder}, source)
+
+
+def _build_for_check(section: str, cls: type, values: dict[str, Any], source: Callable[[str, str], str]) -> None:
+    try:
+        cls(**values)
+    except (ConfigError, ValueError, TypeError) as error:
+        message = str(error)
+        key = next((k for k in values if message.startswith((k + " ", k + ":"))), None)
+        where = f"{section}.{key} ({source(section, key)})" if key else f"{section} ({source(section, '')})"
+        raise ConfigError(f"{where}: {message}") from None
 
 
 def _digest(data: Any) -> str:
@@ -268,12 +321,14 @@ def run_pipeline(config: PipelineConfig, *, console: Console | None = None) -> d
     """Run (or resume) the pipeline; returns the final evaluation report (``tau`` and the rest).
 
     Raises:
-        ConfigError: a stage's settings changed in an existing work folder; any stage's own errors.
+        ConfigError: a setting fails :func:`validate_sections` (before any work); a stage's settings changed in an
+            existing work folder; any stage's own errors.
         LockError: another pipeline runs in the same work folder (``dflash.locks``; each stage also locks its own
             output inside it).
     """
     from dflash.locks import output_lock
 
+    validate_sections(config, lambda section, key: "pipeline config")  # before anything is written
     with output_lock(config.workdir, what="pipeline work folder"), _excluded_samples_reported_once():
         return _run_stages(config, console=console)
 
@@ -488,6 +543,20 @@ def register(app: typer.Typer) -> None:
         if target is not None:
             preset_config["target"] = target
         config = PipelineConfig.from_preset(preset_config, workdir=workdir)
+        given = {}
+        for override in overrides:
+            key, _, _ = override.partition("=")
+            section, _, name = key.strip().partition(".")
+            given[(section, name)] = f"--set {override}"
+
+        def source(section: str, key: str) -> str:
+            if (section, key) in given:
+                return given[(section, key)]
+            if section == "prepare" and key == "inputs" and docs:
+                return "--docs"
+            return f"preset {preset}"
+
+        validate_sections(config, source)
         console.print(f"preset {preset} -> {workdir}")
         started = time.perf_counter()
         report = run_pipeline(config, console=console)

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash.errors import ConfigError, MismatchError
-from pipelines.offline import PRESETS, PipelineConfig, apply_overrides, load_preset
+from pipelines.offline import PRESETS, PipelineConfig, apply_overrides, load_preset, validate_sections
 
 TINY = {
     "_why": "test-sized: seconds per stage",
@@ -136,7 +136,7 @@ def test_presets_load_and_overrides_apply():
     for name in PRESETS:
         preset = load_preset(name)
         assert not any(key.startswith("_") for section in preset.values() if isinstance(section, dict) for key in section)
-        PipelineConfig.from_preset(preset, workdir="unused")
+        validate_sections(PipelineConfig.from_preset(preset, workdir="unused"), lambda section, key: name)
     preset = apply_overrides(load_preset("cpu-small"), ["train.lr=3e-4", "evaluate.device=cuda", "train.target_layer_ids=[3]"])
     assert preset["train"]["lr"] == 3e-4 and preset["evaluate"]["device"] == "cuda"
     assert preset["train"]["target_layer_ids"] == [3]
@@ -146,6 +146,34 @@ def test_presets_load_and_overrides_apply():
         apply_overrides(preset, ["optimizer.lr=3"])
     with pytest.raises(ConfigError, match="neither"):
         load_preset("no-such-preset")
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("train.lr=abc", "train.lr (--set train.lr=abc): expected float, got 'abc'"),
+    ("train.lrr=0.1", "train.lrr (--set train.lrr=0.1): unknown key; did you mean train.lr?"),
+    ("generate.max_new_tokenz=3", "did you mean generate.max_new_tokens?"),
+    ("train.block_size=1", "train.block_size (--set train.block_size=1): block_size must be an integer >= 2"),
+    ("extract.num_taps=[1]", "extract.num_taps (--set extract.num_taps=[1]): expected int"),
+    ("evaluate.per_epoch=2", "evaluate.per_epoch (--set evaluate.per_epoch=2): expected bool"),
+    ("evaluate.num_promts=4", "did you mean evaluate.num_prompts?"),
+    ("train.output=elsewhere", "train.output (--set train.output=elsewhere): set by the pipeline itself"),
+    ("generate.temperature=-1", "generate.temperature (--set generate.temperature=-1): temperature must be >= 0"),
+])
+def test_run_refuses_a_bad_setting_before_any_stage_writes(tmp_path, monkeypatch, capsys, override, message):
+    """Every section is checked (keys, types, the stage config's own ranges) before the first stage: one error line
+    naming the key and its source, exit 2, and the work folder is never created."""
+    from cli_helpers import main_in_process
+
+    workdir = tmp_path / "work"
+    code, err = main_in_process(monkeypatch, capsys, "run", "--workdir", str(workdir), "--set", override)
+    assert code == 2, err
+    assert err.startswith("error: ") and message in " ".join(err.split())
+    assert not workdir.exists()
+    preset = tmp_path / "bad.json"
+    preset.write_text(json.dumps({**load_preset("cpu-small"), "extract": {"num_tapz": 1}}))
+    code, err = main_in_process(monkeypatch, capsys, "run", "--workdir", str(workdir), "--preset", str(preset))
+    assert code == 2 and f"extract.num_tapz (preset {preset})" in "".join(err.split("\n"))
+    assert not workdir.exists()
 
 
 def test_interrupted_training_ends_the_pipeline_with_130():

@@ -1,0 +1,93 @@
+"""Check a dict of settings against a config dataclass before any work: unknown keys (with a did-you-mean) and values
+of the wrong type, each named by key and by where it came from (a preset file, an override).
+
+Used by ``dflash-stages run`` to validate every stage section of a preset and its ``--set`` overrides before the
+first stage starts (a typo in ``train`` must not cost a generate and an extract first). The dataclass's own
+``__post_init__`` checks (ranges, choices) run afterwards when the caller builds the config.
+
+Types understood: ``bool``, ``int``, ``float`` (ints accepted), ``str``, ``pathlib.Path`` (strings), ``None``,
+unions/``Optional``, ``Literal``, ``list``/``tuple``/``Sequence`` of these, ``dict``/``Mapping``; any other annotation
+is left to the dataclass.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from dflash.errors import ConfigError
+
+__all__ = ["check_fields", "matches_type"]
+
+
+def matches_type(value: Any, hint: Any) -> bool:
+    """Whether a JSON-like ``value`` fits the annotation ``hint`` (see the module docstring for what is checked)."""
+    if hint is Any or hint is typing.Any:
+        return True
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        return any(matches_type(value, arg) for arg in args)
+    if hint is type(None):
+        return value is None
+    if origin is typing.Literal:
+        return any(value == arg and type(value) is type(arg) for arg in args)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str or hint is Path:
+        return isinstance(value, str)
+    if origin in (list, tuple, collections.abc.Sequence, typing.Sequence):
+        if not isinstance(value, (list, tuple)):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(matches_type(v, a) for v, a in zip(value, args, strict=True))
+        return not args or all(matches_type(v, args[0]) for v in value)
+    if origin in (dict, collections.abc.Mapping, typing.Mapping) or hint is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def _type_name(hint: Any) -> str:
+    text = str(hint).replace("typing.", "").replace("pathlib.", "").replace("<class '", "").replace("'>", "")
+    return text.replace("NoneType", "None")
+
+
+def check_fields(cls: type, values: Mapping[str, Any], *, section: str, source: Callable[[str], str],
+                 reserved: Iterable[str] = (), extra: Mapping[str, Any] | None = None) -> None:
+    """Refuse unknown keys and wrongly typed values of ``values`` for the dataclass ``cls``.
+
+    Args:
+        cls: the stage's config dataclass.
+        values: the section's settings (JSON-like).
+        section: its name in messages (``train`` -> ``train.lr``).
+        source: key -> where the value came from, e.g. ``"--set train.lr=abc"`` or ``"preset cpu-small"``.
+        reserved: fields the caller sets itself (paths inside the work folder): refused when given.
+        extra: keys the caller accepts beyond the dataclass's fields, with their annotations.
+
+    Raises:
+        ConfigError: the first problem, as ``SECTION.KEY (SOURCE): what is wrong; the fix``.
+    """
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    reserved = set(reserved)
+    allowed = (fields - reserved) | set(extra or {})
+    hints = {**hints, **dict(extra or {})}
+    for key, value in values.items():
+        where = f"{section}.{key} ({source(key)})"
+        if key in reserved:
+            raise ConfigError(f"{where}: set by the pipeline itself (inside the work folder); remove it")
+        if key not in allowed:
+            close = difflib.get_close_matches(key, sorted(allowed), n=1)
+            hint = f"did you mean {section}.{close[0]}?" if close else f"known: {', '.join(sorted(allowed))}"
+            raise ConfigError(f"{where}: unknown key; {hint}")
+        if key in hints and not matches_type(value, hints[key]):
+            raise ConfigError(f"{where}: expected {_type_name(hints[key])}, got {value!r}")
