@@ -23,7 +23,7 @@ from typing import Any
 
 from dflash.errors import ConfigError
 
-__all__ = ["check_fields", "matches_type"]
+__all__ = ["check_fields", "matches_type", "read_config_file"]
 
 
 def matches_type(value: Any, hint: Any) -> bool:
@@ -91,3 +91,41 @@ def check_fields(cls: type, values: Mapping[str, Any], *, section: str, source: 
             raise ConfigError(f"{where}: unknown key; {hint}")
         if key in hints and not matches_type(value, hints[key]):
             raise ConfigError(f"{where}: expected {_type_name(hints[key])}, got {value!r}")
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Settings from a ``.toml`` (``tomllib``) or ``.json`` file; a JSON ``run.json`` gives its ``config`` object.
+
+    Raises:
+        ConfigError: the file is missing or unreadable, not valid TOML/JSON (with line and column), of another
+            extension, or not a table/object at the top.
+    """
+    import json
+    import tomllib
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"--config {file}: no such file; give a .toml or .json config file")
+    suffix = file.suffix.lower()
+    try:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"--config {file}: unreadable ({error})") from None
+    if suffix == ".toml":
+        try:
+            data: Any = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"--config {file}: invalid TOML ({error})") from None
+    elif suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--config {file}: invalid JSON at line {error.lineno} column {error.colno} "
+                              f"({error.msg})") from None
+    else:
+        raise ConfigError(f"--config {file}: expected a .toml or .json file, got {suffix or 'no extension'!r}")
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {file}: expected a table/object of settings at the top, got {type(data).__name__}")
+    if suffix == ".json" and isinstance(data.get("config"), dict):  # a run.json
+        data = data["config"]
+    return data

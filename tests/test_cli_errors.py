@@ -294,3 +294,34 @@ def test_os_errors_the_user_must_fix_are_one_line_exit_2(monkeypatch, capsys, co
     assert expected in stderr
     if exit_status == 2:
         assert stderr.count("error:") == 1 and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(("text", "suffix", "message"), [
+    ('lr = "fast"\n', ".toml", "train.lr (--config {path}): expected float, got 'fast'"),
+    ("lr = = 3\n", ".toml", "--config {path}: invalid TOML (Invalid value (at line 1, column 6))"),
+    ('{"lrr": 3}', ".json", "train.lrr (--config {path}): unknown key; did you mean train.lr?"),
+    ('{"lr": 3,}', ".json", "--config {path}: invalid JSON at line 1 column 10"),
+    ("lr: 3\n", ".yaml", "--config {path}: expected a .toml or .json file, got '.yaml'"),
+    (None, ".toml", "--config {path}: no such file"),
+])
+def test_train_config_file_errors_name_the_key_or_position_and_the_file(tmp_path, monkeypatch, capsys, text, suffix,
+                                                                         message):
+    from cli_helpers import main_in_process
+
+    path = tmp_path / f"train{suffix}"
+    if text is not None:
+        path.write_text(text)
+    code, err = main_in_process(monkeypatch, capsys, "train", "--config", str(path), "--cache", str(tmp_path / "c"),
+                                "--output", str(tmp_path / "run"))
+    assert code == 2, err
+    assert err.startswith("error: ") and message.format(path=path) in " ".join(err.split())
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_toml_train_config_is_read(tmp_path):
+    from stages.train import config_from_cli
+
+    path = tmp_path / "train.toml"
+    path.write_text('lr = 3e-4\nblock_size = 8\nbetas = [0.9, 0.95]\ntarget_layer_ids = [1, 2]\n')
+    config = config_from_cli({"cache": "c", "output": "o"}, path)
+    assert (config.lr, config.block_size, tuple(config.betas), config.target_layer_ids) == (3e-4, 8, (0.9, 0.95), [1, 2])
