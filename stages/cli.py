@@ -154,8 +154,25 @@ def _register_all() -> None:
         importlib.import_module(module_name).register(app)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        import importlib.metadata
+
+        import torch
+        import transformers
+
+        try:
+            version = importlib.metadata.version("dflash-stages")
+        except importlib.metadata.PackageNotFoundError:  # run from a source tree without an install
+            version = "not installed"
+        print(f"dflash-stages {version} (torch {torch.__version__}, transformers {transformers.__version__})")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages.")) -> None:
+def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages."),
+          version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print the version (and torch's, transformers') and exit.")) -> None:
     from rich.logging import RichHandler
 
     logging.basicConfig(

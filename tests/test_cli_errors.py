@@ -325,3 +325,12 @@ def test_a_toml_train_config_is_read(tmp_path):
     path.write_text('lr = 3e-4\nblock_size = 8\nbetas = [0.9, 0.95]\ntarget_layer_ids = [1, 2]\n')
     config = config_from_cli({"cache": "c", "output": "o"}, path)
     assert (config.lr, config.block_size, tuple(config.betas), config.target_layer_ids) == (3e-4, 8, (0.9, 0.95), [1, 2])
+
+
+def test_version_prints_the_package_and_library_versions():
+    import importlib.metadata
+
+    result = subprocess.run([sys.executable, "-m", "stages.cli", "--version"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"dflash-stages {importlib.metadata.version('dflash-stages')} (torch ")
