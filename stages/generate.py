@@ -466,7 +466,9 @@ def register(app: typer.Typer) -> None:
         part_size: int = typer.Option(1024, help="Prompts per committed part."),
         batch_size: int = typer.Option(256, help="transformers engine: rows per generate() call."),
         token_budget: int = typer.Option(262_144, help="transformers engine: padded prompt tokens per call."),
-        kv_cache: str = typer.Option("auto", help="transformers engine: auto (static on CUDA), static or dynamic."),
+        kv_cache: str = typer.Option("auto", help="transformers engine: static (own decode loop over a static KV "
+                                     "cache, CUDA graphs on CUDA), dynamic (transformers generate()), auto (static on "
+                                     "CUDA, dynamic elsewhere)."),
         target_gpus: str | None = typer.Option(None, help="GPUs for target replicas, e.g. 0,1,2 (one Dask worker each)."),
         workers: int | None = typer.Option(None, help="CPU worker processes (no GPU)."),
         scheduler_address: str | None = typer.Option(None, help="An existing Dask scheduler (tcp://host:8786)."),

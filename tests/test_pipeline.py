@@ -136,7 +136,7 @@ def test_presets_load_and_overrides_apply():
     for name in PRESETS:
         preset = load_preset(name)
         assert not any(key.startswith("_") for section in preset.values() if isinstance(section, dict) for key in section)
-        validate_sections(PipelineConfig.from_preset(preset, workdir="unused"), lambda section, key: name)
+        validate_sections(PipelineConfig.from_preset(preset, workdir="unused"), lambda section, key, name=name: name)
     preset = apply_overrides(load_preset("cpu-small"), ["train.lr=3e-4", "evaluate.device=cuda", "train.target_layer_ids=[3]"])
     assert preset["train"]["lr"] == 3e-4 and preset["evaluate"]["device"] == "cuda"
     assert preset["train"]["target_layer_ids"] == [3]
