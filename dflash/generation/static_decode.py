@@ -141,7 +141,8 @@ class StaticDecoder:
 
     Args:
         model: a transformers causal LM (decoder-only, full attention), eval mode, on its device.
-        rows: rows of every batch (shorter batches are filled with one-token filler rows: fixed graph shapes).
+        rows: most rows per batch; with CUDA graphs every batch has exactly this many (shorter ones are filled with
+            one-token filler rows: fixed graph shapes), eagerly a batch has only its own rows.
         pad_token_id: the token of padding and filler rows.
         stop_token_ids: tokens that end a row (kept as its last token).
         cuda_graphs: capture the decode step (CUDA only); False runs the same loop eagerly.
@@ -172,7 +173,7 @@ class StaticDecoder:
         self.stops = torch.tensor(sorted(set(int(t) for t in stop_token_ids)), dtype=torch.long, device=self.device)
         params = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in params else "past_key_values"
-        self._slots: OrderedDict[int, _Slot] = OrderedDict()
+        self._slots: OrderedDict[tuple[int, int], _Slot] = OrderedDict()
         self._min = torch.finfo(self.dtype).min
         #: How the last batch's decode steps ran: "graph" or "eager" (benchmarks and the stage report it).
         self.last_mode = "eager"
@@ -190,8 +191,8 @@ class StaticDecoder:
 
     # -- buffers ---------------------------------------------------------------------------------------------------
 
-    def _slot(self, length: int) -> _Slot:
-        slot = self._slots.pop(length, None)
+    def _slot(self, rows: int, length: int) -> _Slot:
+        slot = self._slots.pop((rows, length), None)
         if slot is None:
             while len(self._slots) >= self.max_slots:
                 self._slots.popitem(last=False)
@@ -204,10 +205,10 @@ class StaticDecoder:
                 raise ValueError("the static decoder needs full-attention layers; this target has sliding-window ones "
                                  "(use kv_cache=dynamic)")
             slot = _Slot(cache=cache,
-                         tokens=torch.full((self.rows, 1), self.pad_token_id, dtype=torch.long, device=self.device),
-                         positions=torch.zeros((self.rows, 1), dtype=torch.long, device=self.device),
-                         mask=torch.full((self.rows, 1, 1, length), self._min, dtype=self.dtype, device=self.device))
-        self._slots[length] = slot
+                         tokens=torch.full((rows, 1), self.pad_token_id, dtype=torch.long, device=self.device),
+                         positions=torch.zeros((rows, 1), dtype=torch.long, device=self.device),
+                         mask=torch.full((rows, 1, 1, length), self._min, dtype=self.dtype, device=self.device))
+        self._slots[(rows, length)] = slot
         return slot
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
@@ -269,10 +270,11 @@ class StaticDecoder:
             raise ValueError(f"width {width} is below the longest prompt ({longest} tokens)")
         steps = max(max_new_tokens)
         length = -(-(width + steps) // self.length_bucket) * self.length_bucket
-        slot = self._slot(length)
+        rows = self.rows if self.cuda_graphs else count  # fixed shapes only where a graph is captured
+        slot = self._slot(rows, length)
 
-        input_ids = torch.full((self.rows, width), self.pad_token_id, dtype=torch.long)
-        valid = torch.zeros((self.rows, width), dtype=torch.bool)
+        input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
+        valid = torch.zeros((rows, width), dtype=torch.bool)
         for row, prompt in enumerate(prompts):
             input_ids[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
             valid[row, width - len(prompt):] = True
@@ -283,7 +285,7 @@ class StaticDecoder:
         causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril_()
         allowed = causal[None] & valid[:, None, :]
         allowed |= torch.eye(width, dtype=torch.bool, device=self.device)[None]
-        prefill_mask = torch.full((self.rows, 1, width, length), self._min, dtype=self.dtype, device=self.device)
+        prefill_mask = torch.full((rows, 1, width, length), self._min, dtype=self.dtype, device=self.device)
         prefill_mask[:, 0, :, :width].masked_fill_(allowed, 0.0)
         positions = (valid.long().cumsum(-1) - 1).clamp_(min=0)
         for layer in slot.cache.layers:  # reuse the cache: write from position 0 again (stale entries stay masked)
@@ -295,15 +297,15 @@ class StaticDecoder:
         slot.mask.fill_(self._min)
         slot.mask[:, 0, 0, :width].masked_fill_(valid, 0.0)
         slot.positions.copy_(positions[:, -1:])
-        limits = torch.tensor(list(max_new_tokens) + [1] * (self.rows - count), dtype=torch.long, device=self.device)
-        done = torch.zeros(self.rows, dtype=torch.bool, device=self.device)
+        limits = torch.tensor(list(max_new_tokens) + [1] * (rows - count), dtype=torch.long, device=self.device)
+        done = torch.zeros(rows, dtype=torch.bool, device=self.device)
         done[count:] = True
-        out = torch.full((self.rows, steps), self.pad_token_id, dtype=torch.long, device=self.device)
+        out = torch.full((rows, steps), self.pad_token_id, dtype=torch.long, device=self.device)
         keys = None
         if temperature > 0:
             if row_keys is None or len(row_keys) != count:
                 raise ValueError("sampling needs one row key per prompt")
-            keys = torch.tensor(list(row_keys) + [0] * (self.rows - count), dtype=torch.long, device=self.device)
+            keys = torch.tensor(list(row_keys) + [0] * (rows - count), dtype=torch.long, device=self.device)
         write = torch.tensor([width], dtype=torch.long, device=self.device)
 
         use_graph = self.cuda_graphs and not slot.graph_failed
