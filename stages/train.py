@@ -553,6 +553,11 @@ def register(app: typer.Typer) -> None:
                  "samples of how many it trains on).",
         ),
         progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the progress bar."),
+        print_config: bool = typer.Option(
+            False, "--print-config",
+            help="Print the resolved config (defaults < --config file < saved run with --resume < options) as JSON, "
+                 "which --config reads back, and exit without training.",
+        ),
         report_to: str = typer.Option(
             None, "--report-to",
             help="Trackers the metrics also go to, comma-separated: tensorboard (default), wandb, mlflow, trackio "
@@ -589,6 +594,9 @@ def register(app: typer.Typer) -> None:
             "report_to": report_to.split(",") if report_to else None,
         }  # fmt: skip
         config = config_from_cli(overrides, config_file)
+        if print_config:
+            print(json.dumps(config.to_dict(), indent=2))
+            return
         summary = run_training(config)
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank runs this command
             Console().print_json(json.dumps(summary, default=str))

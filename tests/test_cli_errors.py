@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -334,3 +335,29 @@ def test_version_prints_the_package_and_library_versions():
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"dflash-stages {importlib.metadata.version('dflash-stages')} (torch ")
+
+
+def test_train_print_config_round_trips_through_config(tmp_path):
+    """``train --print-config`` prints the resolved config; fed back with ``--config`` it resolves to the same one,
+    and options still override it. Nothing is trained or written."""
+    import typer
+    from typer.testing import CliRunner
+
+    from stages.train import register
+
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    register(app)
+    run = tmp_path / "run"
+    first = CliRunner().invoke(app, ["train", "--cache", str(tmp_path / "c"), "--output", str(run), "--lr", "3e-4",
+                                     "--block-size", "8", "--betas", "0.9,0.95", "--print-config"])
+    assert first.exit_code == 0, first.output
+    printed = json.loads(first.output)
+    assert (printed["lr"], printed["block_size"], printed["betas"]) == (3e-4, 8, [0.9, 0.95])
+    (tmp_path / "resolved.json").write_text(first.output)
+    again = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "resolved.json"), "--print-config"])
+    assert again.exit_code == 0 and json.loads(again.output) == printed
+    changed = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "resolved.json"), "--lr", "1e-3",
+                                       "--print-config"])
+    assert json.loads(changed.output) == {**printed, "lr": 1e-3}
+    assert not run.exists()
