@@ -34,7 +34,7 @@ def reference(target, prompt, max_new_tokens, stops):
 
 def test_greedy_equals_transformers_generate_per_prompt(target, prompts):
     stops = [target.tokenizer.eos_token_id]
-    limits = [20, 20, 12, 20, 9]
+    limits = [10, 10, 6, 10, 4]
     decoder = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=32)
     got = decoder.decode(prompts, limits)
     for prompt, tokens, limit in zip(prompts, got, limits, strict=True):
@@ -57,14 +57,14 @@ def test_a_stop_token_ends_a_row_and_is_kept(target, prompts):
 
 def test_sampling_depends_on_the_request_not_on_the_batch(target, prompts):
     decoder = StaticDecoder(target.model, rows=4, pad_token_id=0, stop_token_ids=[target.tokenizer.eos_token_id])
-    together = decoder.decode(prompts[:3], [12] * 3, temperature=0.9, top_p=0.95, row_keys=[7, 8, 9])
-    apart = decoder.decode([prompts[2], prompts[0]], [12, 12], temperature=0.9, top_p=0.95, row_keys=[9, 7])
+    together = decoder.decode(prompts[:3], [8] * 3, temperature=0.9, top_p=0.95, row_keys=[7, 8, 9])
+    apart = decoder.decode([prompts[2], prompts[0]], [8, 8], temperature=0.9, top_p=0.95, row_keys=[9, 7])
     assert apart == [together[2], together[0]]
-    other_key = decoder.decode(prompts[:1], [12], temperature=0.9, top_p=0.95, row_keys=[1234])
+    other_key = decoder.decode(prompts[:1], [8], temperature=0.9, top_p=0.95, row_keys=[1234])
     assert other_key != together[:1]
     # A nucleus so small that only the top token survives is greedy decoding.
-    greedy = decoder.decode(prompts[:2], [10, 10])
-    assert decoder.decode(prompts[:2], [10, 10], temperature=1.0, top_p=1e-6, row_keys=[1, 2]) == greedy
+    greedy = decoder.decode(prompts[:2], [6, 6])
+    assert decoder.decode(prompts[:2], [6, 6], temperature=1.0, top_p=1e-6, row_keys=[1, 2]) == greedy
     decoder.close()
 
 
