@@ -82,7 +82,17 @@ class _TensorBoard:
         self._writer.close()
 
 
-class _Wandb:
+class _ScalarsOnly:
+    """Trackers that take scalars only: text records are dropped, and the library flushes on its own."""
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+
+class _Wandb(_ScalarsOnly):
     def __init__(self, run_dir: Path, config: Mapping[str, Any]) -> None:
         import wandb
 
@@ -92,17 +102,11 @@ class _Wandb:
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         self._run.log(dict(scalars), step=step)
 
-    def log_text(self, tag: str, text: str, step: int) -> None:
-        return None
-
-    def flush(self) -> None:
-        return None
-
     def close(self) -> None:
         self._run.finish()
 
 
-class _Mlflow:
+class _Mlflow(_ScalarsOnly):
     def __init__(self, run_dir: Path, config: Mapping[str, Any]) -> None:
         import mlflow
 
@@ -116,17 +120,11 @@ class _Mlflow:
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         self._mlflow.log_metrics(dict(scalars), step=step)
 
-    def log_text(self, tag: str, text: str, step: int) -> None:
-        return None
-
-    def flush(self) -> None:
-        return None
-
     def close(self) -> None:
         self._mlflow.end_run()
 
 
-class _Trackio:
+class _Trackio(_ScalarsOnly):
     def __init__(self, run_dir: Path, config: Mapping[str, Any]) -> None:
         import trackio
 
@@ -135,12 +133,6 @@ class _Trackio:
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         self._trackio.log(dict(scalars), step=step)
-
-    def log_text(self, tag: str, text: str, step: int) -> None:
-        return None
-
-    def flush(self) -> None:
-        return None
 
     def close(self) -> None:
         self._trackio.finish()
