@@ -317,7 +317,8 @@ def _excluded_samples_reported_once() -> Iterator[None]:
         trainer_log.removeFilter(drop)
 
 
-def run_pipeline(config: PipelineConfig, *, console: Console | None = None) -> dict[str, Any]:
+def run_pipeline(config: PipelineConfig, *, console: Console | None = None,
+                 source: Callable[[str, str], str] | None = None) -> dict[str, Any]:
     """Run (or resume) the pipeline; returns the final evaluation report (``tau`` and the rest).
 
     Raises:
@@ -328,7 +329,8 @@ def run_pipeline(config: PipelineConfig, *, console: Console | None = None) -> d
     """
     from dflash.locks import output_lock
 
-    validate_sections(config, lambda section, key: "pipeline config")  # before anything is written
+    # Before anything is written; ``source`` names where a setting came from (the CLI passes --set/preset).
+    validate_sections(config, source or (lambda section, key: "pipeline config"))
     with output_lock(config.workdir, what="pipeline work folder"), _excluded_samples_reported_once():
         return _run_stages(config, console=console)
 
@@ -556,10 +558,9 @@ def register(app: typer.Typer) -> None:
                 return "--docs"
             return f"preset {preset}"
 
-        validate_sections(config, source)
         console.print(f"preset {preset} -> {workdir}")
         started = time.perf_counter()
-        report = run_pipeline(config, console=console)
+        report = run_pipeline(config, console=console, source=source)
         print_summary(report, console)
         console.print(f"pipeline finished in {time.perf_counter() - started:.1f} s; results in {workdir}")
         console.print(f"[bold]tau = {report['tau']:.3f}[/] (mean acceptance length, block size "
