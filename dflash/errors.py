@@ -20,6 +20,7 @@ __all__ = [
     "ExportError",
     "GenerationError",
     "LockError",
+    "ProducerError",
 ]
 
 
@@ -74,3 +75,8 @@ class LockError(DFlashError, RuntimeError):
     (``dflash.locks``). A ``RuntimeError``, not an ``OSError``: the stages' ``except OSError`` handlers for I/O
     failures must not swallow it.
     """
+
+
+class ProducerError(DFlashError, RuntimeError):
+    """An online run lost a producer (a target replica's process died) and stopped, by its policy
+    (``on_producer_death``). The message names the batch and says how to continue (``--resume``)."""

@@ -15,6 +15,7 @@ inherited by Dask workers and write processes):
 ``cache.before-commit``     a shard's arrays are written, its commit record not yet (mid-commit)
 ``cache.after-commit``      a shard's commit record was just written (``@N``: after N shards committed)
 ``checkpoint.write``        a checkpoint's weights are in its temporary folder, the rest not yet (mid-write)
+``online.produce``          an online producer computed a batch and is about to write it into its ring slot
 ==========================  ================================================================================
 
 Zero cost when unset: the variable is read once at import, and :func:`fault_point` returns at its first test.
@@ -31,7 +32,7 @@ import threading
 __all__ = ["ENV", "POINTS", "fault_point", "reload"]
 
 ENV = "DFLASH_FAULT"
-POINTS = ("cache.chunk-write", "cache.before-commit", "cache.after-commit", "checkpoint.write")
+POINTS = ("cache.chunk-write", "cache.before-commit", "cache.after-commit", "checkpoint.write", "online.produce")
 
 _spec: tuple[str, int, str] | None = None
 _seen = 0

@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,8 @@ import torch
 from dflash.batch_source import LengthSource, PlannedCursor, StreamConfig
 from dflash.batching import PackedBatch, pack_samples
 from dflash.buckets import EpochPlan
-from dflash.errors import ConfigError, DFlashError
+from dflash.errors import ConfigError, DFlashError, ProducerError
+from dflash.faults import fault_point
 from dflash.online_queue import QueueError, Ring, RingGeometry
 
 __all__ = ["BatchTask", "BatchProducer", "OnlineBatches", "OnlineStats"]
@@ -64,6 +65,10 @@ class BatchTask:
     batch_index: int
     bucket: int
     corpus_rows: tuple[int, ...]
+    staging: str | None = None
+    """``--cache-to``: the staging folder this first-epoch batch is also written to (``dflash.cache.staging``)."""
+    stage_name: str = ""
+    """The staged batch's name (``<split>-b<global batch index>``)."""
 
 
 class BatchProducer:
@@ -105,12 +110,17 @@ class BatchProducer:
                         "the online mode cannot quarantine it (the plan holds it): use extract + train, which does"
                     )
                 hidden[index] = states
+        fault_point("online.produce")
         try:
             self._ring(task.ring_name).write_batch(
                 task.slot, task.ticket, epoch=task.epoch, batch_index=task.batch_index, bucket=task.bucket,
                 corpus_rows=np.asarray(task.corpus_rows, dtype=np.int64), input_ids=[row.input_ids for row in rows],
                 loss_mask=[row.loss_mask for row in rows], hidden=hidden,  # type: ignore[arg-type]
             )
+            if task.staging is not None:  # --cache-to: after the slot, which the trainer is waiting for
+                from dflash.cache.staging import stage_batch
+
+                stage_batch(task.staging, task.stage_name, task.corpus_rows, hidden)  # type: ignore[arg-type]
         finally:
             for batch in batches:
                 batch.release()
@@ -136,6 +146,12 @@ class OnlineStats:
     """Seconds the dispatcher waited for a free slot (the ring was full: the trainer is the bottleneck)."""
     producer_seconds: float = 0.0
     """Producer compute time summed over the batches consumed."""
+    producer_work: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Per producer (Dask worker name; ``"local"`` in-process): ``(tokens, compute seconds)`` of the batches consumed;
+    tokens / seconds is that producer's capacity (:class:`dflash.telemetry.FeedMeter`)."""
+    occupancy_sums: tuple[float, float, int] = (0.0, 0.0, 0)
+    """Sums, over the batches consumed, of the batches computed and waiting and of the ring slots in use, seen as the
+    trainer asks for the next batch, and the number of samples (means: sum / samples)."""
     read_seconds: float = 0.0
     """Time copying and checking slots."""
     bucket_batches: list[int] | None = None
@@ -154,19 +170,28 @@ class OnlineBatches(PlannedCursor):
         width: ``n*H`` of the hidden states; ``dtype``: bfloat16 or float32 (the runner's output dtype).
         num_slots: ring slots (>= 2): batches in flight between producers and trainer.
         rank, world_size: this process's data-parallel rank.
+        staging: a staging folder (``--cache-to``): producers also write the first epoch's batches there, for
+            :class:`dflash.cache.staging.ShardAssembler`; ``None``: nothing is staged.
+        health_check: called every ``health_interval`` seconds while the trainer waits for a batch; a message it
+            returns (e.g. every producer is gone) stops the wait with :class:`dflash.errors.ProducerError`, so a run
+            whose producers all died fails instead of waiting forever.
 
     The ring (``self.ring``) is created here and removed by :meth:`close`.
     """
 
     def __init__(self, source: LengthSource, config: StreamConfig, *, submit: Callable[[BatchTask], Any], width: int,
-                 dtype: torch.dtype = torch.bfloat16, num_slots: int = 4, rank: int = 0,
-                 world_size: int = 1) -> None:  # fmt: skip
+                 dtype: torch.dtype = torch.bfloat16, num_slots: int = 4, rank: int = 0, world_size: int = 1,
+                 staging: str | None = None, health_check: Callable[[], str | None] | None = None,
+                 health_interval: float = 5.0) -> None:  # fmt: skip
         if config.shard_window is not None:
             raise ConfigError(f"shard_window={config.shard_window}: the online mode plans globally (no cache shards "
                               "to window over); use shard_window=None")
         self._plan_lock = threading.RLock()
         super().__init__(source, config, rank=rank, world_size=world_size)
         self.submit = submit
+        self.staging = staging
+        self.health_check = health_check
+        self.health_interval = float(health_interval)
         self.stats = OnlineStats(bucket_batches=[0] * self.num_buckets)  # type: ignore[assignment]
         max_documents = min(config.token_budget, config.max_documents_per_batch or config.token_budget)
         self.ring = Ring.create(RingGeometry(num_slots=num_slots, max_tokens=config.token_budget,
@@ -204,9 +229,12 @@ class OnlineBatches(PlannedCursor):
                     if claimed is None:
                         return  # stopped
                     slot, ticket = claimed
+                    index = self.global_batch_index(step)
                     task = BatchTask(ring_name=self.ring.name, slot=slot, ticket=ticket, epoch=epoch,
-                                     batch_index=self.global_batch_index(step), bucket=int(planned.bucket),
-                                     corpus_rows=tuple(int(r) for r in self.sample_row[planned.samples]))  # fmt: skip
+                                     batch_index=index, bucket=int(planned.bucket),
+                                     corpus_rows=tuple(int(r) for r in self.sample_row[planned.samples]),
+                                     staging=self.staging if epoch == 0 else None,
+                                     stage_name=f"{self.config.split}-b{index:08d}")  # fmt: skip
                     try:
                         future = self.submit(task)
                     except BaseException:
@@ -262,6 +290,7 @@ class OnlineBatches(PlannedCursor):
 
     def _consume(self) -> Iterator[PackedBatch]:
         while self._step < self.plan().num_steps:
+            ready, taken = self._occupancy()
             waited = time.perf_counter()
             item = self._in_order.get()  # the trainer waits here while producers are behind
             if item[0] is _END:
@@ -270,7 +299,7 @@ class OnlineBatches(PlannedCursor):
             epoch, step, planned, task, future = item
             assert (epoch, step) == (self.epoch, self._step), "online batches out of plan order"
             try:
-                result = future.result()
+                result = self._result(future)
             except BaseException:
                 self._release_when_done(task, future)
                 self._stop_dispatcher()
@@ -290,12 +319,37 @@ class OnlineBatches(PlannedCursor):
             stats.read_seconds += time.perf_counter() - read_started
             stats.wait_seconds += wait
             stats.last_wait_seconds = wait
-            stats.producer_seconds += float(result.get("compute_seconds", 0.0)) if isinstance(result, dict) else 0.0
+            compute = float(result.get("compute_seconds", 0.0)) if isinstance(result, dict) else 0.0
+            stats.producer_seconds += compute
+            producer = str(result.get("worker", "local")) if isinstance(result, dict) else "local"
+            produced, busy = stats.producer_work.get(producer, (0, 0.0))
+            stats.producer_work[producer] = (produced + planned.num_tokens, busy + compute)
+            ready_sum, taken_sum, samples = stats.occupancy_sums
+            stats.occupancy_sums = (ready_sum + ready, taken_sum + taken, samples + 1)
             stats.batches += 1
             stats.tokens += planned.num_tokens
             stats.bucket_batches[planned.bucket] += 1  # type: ignore[index]
             self._step += 1
             yield batch
+
+    def _result(self, future: Any) -> Any:
+        """``future.result()``, asking ``health_check`` every ``health_interval`` seconds while it is not done."""
+        while True:
+            try:
+                return future.result(timeout=self.health_interval if self.health_check is not None else None)
+            except TimeoutError:
+                if future.done():  # the producer's own error happened to be a TimeoutError
+                    return future.result()
+                problem = self.health_check()  # type: ignore[misc]
+                if problem:
+                    raise ProducerError(problem) from None
+
+    def _occupancy(self) -> tuple[int, int]:
+        """``(batches computed and not yet consumed, ring slots in use)`` now."""
+        with self._in_order.mutex:  # the dispatcher appends concurrently
+            items = list(self._in_order.queue)
+        ready = sum(1 for item in items if item[0] is not _END and item[4].done())
+        return ready, self.ring.geometry.num_slots - self.ring.num_free
 
     def _pack(self, slot_batch: Any, bucket: int) -> PackedBatch:
         """The offline packing (:func:`dflash.batching.pack_samples`) of the slot's documents."""

@@ -13,6 +13,10 @@
   and forward time and the real tokens/s, so a slowdown can be traced to a bucket (``dflash-stages diff``).
 - :class:`BucketCounter` counts batches and tokens per length bucket, cumulatively and over the window, so the
   realized mixing shares can be compared with the corpus shares.
+- :class:`FeedMeter` sets, over each log interval, the rate training achieved against what each side could do
+  alone: the trainer's capacity T (tokens per second of the time it did not wait for data) and, where the batch
+  source reports producer work (the online queue), the producers' capacity I (each producer's tokens per second
+  of its compute time, summed over producers) and the ring's occupancy.
 - :func:`training_progress` is a rich progress bar with ETA.
 
 Only rank 0 writes; other ranks construct these with ``enabled=False`` and every call is a no-op.
@@ -42,6 +46,7 @@ __all__ = [
     "StepTimer",
     "StepTimeWindow",
     "BucketCounter",
+    "FeedMeter",
     "training_progress",
     "read_metrics",
     "drop_records_after",
@@ -359,6 +364,80 @@ class BucketCounter:
         self.total_tokens = Counter({int(k): v for k, v in state["total_tokens"].items()})
         self._recent.clear()
         self._recent.extend((int(b), int(n)) for b, n in state["recent"])
+
+
+@dataclass(frozen=True, slots=True)
+class _FeedMark:
+    time: float
+    tokens: int
+    wait_seconds: float
+    producer_work: dict[str, tuple[int, float]]
+    occupancy: tuple[float, float, int]
+
+
+class FeedMeter:
+    """Achieved rate, trainer capacity T and (online) producer capacity I over log intervals.
+
+    ``stats`` is the training batch source's ``stats``: ``wait_seconds`` (seconds the trainer waited for a batch),
+    and optionally ``producer_work`` (``{producer: (tokens, compute_seconds)}``, cumulative) and
+    ``occupancy_sums`` (``(sum of ready batches, sum of taken slots, samples)``, cumulative, one sample per batch
+    consumed), as :class:`dflash.online.OnlineStats` has. ``tokens`` is the trainer's cumulative real-token count.
+
+    :meth:`interval` returns, since the previous :meth:`mark` or :meth:`interval` (all rates in real tokens per
+    second of wall time; a field is absent when its interval holds no data):
+
+    - ``achieved_tokens_per_s``: tokens trained / wall time;
+    - ``trainer_capacity_tokens_per_s`` (T): tokens / (wall time - data wait), what the trainer does when fed;
+    - ``interval_data_wait_fraction``: data wait / wall time over the whole interval;
+    - ``producer_capacity_tokens_per_s`` (I): sum over producers of tokens / compute seconds, what the producers
+      supply when never held back (a producer counts once it finished a batch the trainer consumed);
+    - ``ring_ready_mean`` / ``ring_taken_mean``: mean batches computed and waiting / slots in use, seen each time
+      the trainer takes a batch (ready near 0: producers are the bottleneck; near the slot count: the trainer is).
+
+    Call :meth:`mark` after a pause that is not training (an evaluation), as for :class:`ThroughputWindow`.
+    """
+
+    def __init__(self) -> None:
+        self._last: _FeedMark | None = None
+
+    @staticmethod
+    def _snapshot(tokens: int, stats: Any) -> _FeedMark:
+        work = {str(k): (int(v[0]), float(v[1])) for k, v in dict(getattr(stats, "producer_work", None) or {}).items()}
+        ready, taken, samples = getattr(stats, "occupancy_sums", None) or (0.0, 0.0, 0)
+        return _FeedMark(time.perf_counter(), int(tokens), float(stats.wait_seconds), work,
+                         (float(ready), float(taken), int(samples)))  # fmt: skip
+
+    def mark(self, tokens: int, stats: Any) -> None:
+        """Start an interval now."""
+        self._last = self._snapshot(tokens, stats)
+
+    def interval(self, tokens: int, stats: Any) -> dict[str, float]:
+        """The rates since the last mark (see the class docstring); starts the next interval."""
+        now = self._snapshot(tokens, stats)
+        last, self._last = self._last, now
+        if last is None:
+            return {}
+        elapsed = now.time - last.time
+        trained = now.tokens - last.tokens
+        waited = max(0.0, now.wait_seconds - last.wait_seconds)
+        out: dict[str, float] = {}
+        if elapsed > 0 and trained > 0:
+            out["achieved_tokens_per_s"] = trained / elapsed
+            out["interval_data_wait_fraction"] = min(1.0, waited / elapsed)
+            if elapsed - waited > 0:
+                out["trainer_capacity_tokens_per_s"] = trained / (elapsed - waited)
+        capacity = 0.0
+        for producer, (produced, seconds) in now.producer_work.items():
+            before = last.producer_work.get(producer, (0, 0.0))
+            if seconds - before[1] > 0:
+                capacity += (produced - before[0]) / (seconds - before[1])
+        if capacity > 0:
+            out["producer_capacity_tokens_per_s"] = capacity
+        samples = now.occupancy[2] - last.occupancy[2]
+        if samples > 0:
+            out["ring_ready_mean"] = (now.occupancy[0] - last.occupancy[0]) / samples
+            out["ring_taken_mean"] = (now.occupancy[1] - last.occupancy[1]) / samples
+        return out
 
 
 def training_progress(*, enabled: bool = True) -> Progress:

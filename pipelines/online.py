@@ -26,9 +26,12 @@ with non-finite hidden states stops the run (offline extract quarantines it); ``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,12 @@ log = logging.getLogger(__name__)
 
 #: ``TrainConfig.cache`` of an online run: ``online:<corpus>`` (there is no cache; the marker says so in run.json).
 ONLINE_CACHE_PREFIX = "online:"
+
+#: ``OnlineConfig.on_producer_death`` values: rerun the lost batch elsewhere, or stop the run.
+PRODUCER_DEATH_POLICIES = ("recompute", "stop")
+
+#: Tasks a batch may lose to dying producers before the run stops (Dask's ``allowed-failures``), per policy.
+_ALLOWED_FAILURES = {"recompute": 3, "stop": 0}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,6 +76,16 @@ class OnlineConfig:
     token_budget x n*H x 2 bytes)."""
     runner_token_budget: int | None = None
     """Padded tokens per target forward of a producer; ``None``: the training ``token_budget``."""
+    cache_to: str | None = None
+    """Also write the hidden-state cache (contract 2, the ``extract`` stage's shard plan) of the corpus here while
+    training: producers stage the first epoch's batches, and a shard is committed once its rows are all staged
+    (``dflash.cache.staging``), so a later ``train`` or ``sweep`` reuses the cache. ``None``: no cache."""
+    cache_shard_size: int = 65536
+    """``--cache-to``: tokens per cache shard (``extract --shard-size``)."""
+    on_producer_death: str = "recompute"
+    """A producer process that dies (OOM killer, a GPU fault): ``"recompute"``: Dask reruns its batch on another
+    producer (a batch whose task killed 3 producers in turn stops the run); ``"stop"``: the run stops at once with
+    one ``error:`` line; its latest checkpoint is kept and ``--resume`` continues from it."""
 
     def __post_init__(self) -> None:
         if not self.corpus:
@@ -82,10 +101,11 @@ class OnlineConfig:
             raise ConfigError(f"ring_slots: expected an integer >= 2, got {self.ring_slots!r}")
         if self.runner_token_budget is not None and self.runner_token_budget < 1:
             raise ConfigError(f"runner_token_budget: expected >= 1, got {self.runner_token_budget}")
-        if self.train.world_size > 1:
-            raise ConfigError(f"drafter_gpus: the online mode trains on one drafter process in this version; got "
-                              f"{self.train.world_size} ({self.train.drafter_gpus or 'cpu_processes'}); give one GPU, "
-                              "or use extract + train for DDP")
+        if not isinstance(self.cache_shard_size, int) or self.cache_shard_size < 1:
+            raise ConfigError(f"cache_shard_size: expected an integer >= 1, got {self.cache_shard_size!r}")
+        if self.on_producer_death not in PRODUCER_DEATH_POLICIES:
+            raise ConfigError(f"on_producer_death: expected one of {', '.join(PRODUCER_DEATH_POLICIES)}, got "
+                              f"{self.on_producer_death!r}")
         if self.train.shard_window is not None:
             raise ConfigError("shard_window: the online mode plans globally (no cache shards); leave it unset")
 
@@ -128,9 +148,11 @@ def online_metadata(config: OnlineConfig) -> tuple[Any, Any]:
 
 
 def online_training_data(config: OnlineConfig, *, submit: Any, device: Any, corpus: Any = None,
-                         metadata: Any = None) -> Any:  # fmt: skip
-    """The trainer's :class:`stages.trainer.TrainingData` of an online run: training (and validation) batches from
-    :class:`dflash.online.OnlineBatches` over ``config.corpus``, computed by ``submit(BatchTask) -> future``."""
+                         metadata: Any = None, rank: int = 0, world_size: int = 1,
+                         health_check: Any = None) -> Any:  # fmt: skip
+    """The trainer's :class:`stages.trainer.TrainingData` of an online run: this rank's training (and validation)
+    batches from :class:`dflash.online.OnlineBatches` over ``config.corpus``, computed by
+    ``submit(BatchTask) -> future``. Each rank has its own rings; ranks take disjoint batches of the plan."""
     import torch
 
     from dflash.corpus import CorpusLengths
@@ -141,7 +163,9 @@ def online_training_data(config: OnlineConfig, *, submit: Any, device: Any, corp
         corpus, metadata = online_metadata(config)
     lengths = CorpusLengths(corpus)
     width = metadata.num_taps * metadata.hidden_size
-    common = {"submit": submit, "width": width, "dtype": torch.bfloat16, "num_slots": config.ring_slots}
+    common = {"submit": submit, "width": width, "dtype": torch.bfloat16, "num_slots": config.ring_slots,
+              "rank": rank, "world_size": world_size, "staging": staging_dir(config),
+              "health_check": health_check}  # fmt: skip
     train = OnlineBatches(lengths, stream_config(config.train, "train", device), **common)
     validation = None
     if config.train.validation_fraction > 0:
@@ -153,8 +177,161 @@ def online_training_data(config: OnlineConfig, *, submit: Any, device: Any, corp
                         provenance={"online": config.producer_dict()})  # fmt: skip
 
 
+def staging_dir(config: OnlineConfig) -> str | None:
+    """``--cache-to``'s staging folder (``CACHE/staging``), or ``None``."""
+    from dflash.cache.staging import STAGING_DIR
+
+    return str(Path(config.cache_to) / STAGING_DIR) if config.cache_to else None
+
+
+def _open_cache_to(config: OnlineConfig, metadata: Any) -> Any:
+    """``--cache-to``: the cache (created, or reopened with its committed shards: it must be of the same corpus,
+    target and taps) and a :class:`dflash.cache.staging.ShardAssembler` over it."""
+    import io
+
+    import torch
+    from rich.console import Console
+
+    from dflash.batch_source import PlannedCursor
+    from dflash.cache.staging import ShardAssembler
+    from dflash.corpus import CorpusLengths
+    from stages.extract import ExtractConfig, prepare_cache
+    from stages.trainer import stream_config
+
+    train = config.train
+    extract = ExtractConfig(corpus=config.corpus, output=str(config.cache_to), target=config.target,
+                            target_layer_ids=list(metadata.target_layer_ids), shard_size=config.cache_shard_size,
+                            token_budget=config.runner_token_budget or train.token_budget,
+                            extra={"written_by": "online --cache-to"})  # fmt: skip
+    console = Console(file=io.StringIO())  # prepare_cache's size report: logged below instead
+    cache, corpus, shard_rows, _ = prepare_cache(extract, console)
+    log.info("cache-to: %s", console.file.getvalue().strip().replace("\n", "; "))
+    lengths = CorpusLengths(corpus)
+    planned: set[int] = set()
+    for split in ("train", "validation"):
+        if split == "validation" and train.validation_fraction <= 0:
+            continue
+        try:
+            cursor = PlannedCursor(lengths, stream_config(train, split, torch.device("cpu")))
+            planned.update(int(r) for r in cursor.sample_row)
+        except ConfigError:  # no validation split on a tiny corpus (the trainer says so)
+            pass
+    excluded = sorted(set(range(len(corpus))) - planned)
+    return ShardAssembler(cache, corpus, excluded, reason=(
+        f"online --cache-to: fewer than min_supervised_tokens={train.resolved_min_supervised_tokens()} supervised tokens (the "
+        "run never computes it)"))
+
+
+def _assemble_while_training(assembler: Any, stop: Any, every: float = 2.0) -> None:
+    """The assembler's loop (a thread of the launcher): commit each shard as soon as its rows are staged."""
+    while not stop.wait(every):
+        try:
+            assembler.poll()
+        except Exception:  # reported by the final poll, which runs in the launcher itself
+            log.exception("cache-to: writing a shard failed; retried at the end of the run")
+
+
+class _ProducerFuture:
+    """A Dask future whose ``result()`` turns a batch lost with its producers into one clear error."""
+
+    def __init__(self, future: Any, task: Any, policy: str) -> None:
+        self._future, self._task, self._policy = future, task, policy
+
+    def result(self, timeout: float | None = None) -> Any:
+        from distributed import KilledWorker
+
+        from dflash.errors import ProducerError
+
+        try:
+            return self._future.result(timeout=timeout)
+        except KilledWorker as error:
+            how = ("on_producer_death=stop" if self._policy == "stop"
+                   else f"its task was rerun on {_ALLOWED_FAILURES['recompute']} producers in turn and each died")
+            raise ProducerError(
+                f"producer lost: the process computing batch {self._task.batch_index} of epoch {self._task.epoch} "
+                f"died ({how}; {error}); the run stopped without training on it and keeps its latest checkpoint: "
+                "see the producer's log for the cause (out of memory?), then rerun with --resume"
+            ) from None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancel(self) -> Any:
+        return self._future.cancel()
+
+    def add_done_callback(self, callback: Any) -> None:
+        self._future.add_done_callback(lambda _: callback(self))
+
+
+def dask_health(client: Any, grace: float = 180.0) -> Any:
+    """``health_check() -> message | None`` for :class:`dflash.online.OnlineBatches`: a message once no producer
+    (Dask worker) has been alive for ``grace`` seconds (a nanny restarting a killed producer reloads the target
+    within it; one that gave up never comes back)."""
+    state = {"seen": time.monotonic()}
+
+    def health_check() -> str | None:
+        if client.scheduler_info().get("workers"):
+            state["seen"] = time.monotonic()
+            return None
+        gone = time.monotonic() - state["seen"]
+        if gone < grace:
+            return None
+        return (f"no producer is alive: every target replica's process died and none came back within {grace:.0f} s "
+                "(see the worker log lines above: out of memory? the target failing to load?); the run stopped and "
+                "keeps its latest checkpoint: fix the cause, then rerun with --resume")
+
+    return health_check
+
+
+def dask_submit(client: Any, policy: str = "recompute") -> Any:
+    """``submit(BatchTask) -> future`` running :func:`stages.online_worker.produce_batch` on ``client``'s workers."""
+    from stages.online_worker import produce_batch
+
+    def submit(task: Any) -> Any:
+        # Unique per ring and hand-out: Dask returns the existing future for a key it already holds.
+        key = f"dflash-online-{task.ring_name}-e{task.epoch}-b{task.batch_index}-t{task.ticket}"
+        return _ProducerFuture(client.submit(produce_batch, task, pure=False, key=key), task, policy)
+
+    return submit
+
+
+@dataclass(frozen=True, slots=True)
+class OnlineData:
+    """One rank's online batch sources, built in the rank's process (picklable: it travels to spawned DDP ranks).
+
+    ``producer``: :meth:`OnlineConfig.producer_dict`; ``metadata``: the producers' ``CacheMetadata.to_dict()``
+    (computed once by the launcher: the target's content hash is not recomputed per rank); ``scheduler_address``:
+    the producers' Dask scheduler, which every rank submits its own batches to.
+    """
+
+    producer: dict[str, Any]
+    metadata: dict[str, Any]
+    scheduler_address: str
+
+    def __call__(self, config: TrainConfig, *, rank: int, world_size: int, device: Any) -> Any:
+        from distributed import Client
+
+        from dflash.cache import CacheMetadata
+        from dflash.corpus import open_corpus
+
+        online = OnlineConfig(train=config, **self.producer)
+        client = Client(self.scheduler_address, set_as_default=False)
+        try:
+            data = online_training_data(
+                online, submit=dask_submit(client, online.on_producer_death), device=device,
+                corpus=open_corpus(online.corpus), metadata=CacheMetadata.from_dict(self.metadata), rank=rank,
+                world_size=world_size, health_check=dask_health(client),
+            )  # fmt: skip
+        except BaseException:
+            client.close()
+            raise
+        data.on_close.append(client.close)
+        return data
+
+
 def _start_cluster(config: OnlineConfig, metadata: Any) -> tuple[Any, Any]:
     """A LocalCluster of producers (as ``extract`` starts one) with the producer plugin registered on every worker."""
+    import dask
     import torch
     from distributed import Client, LocalCluster
 
@@ -164,9 +341,12 @@ def _start_cluster(config: OnlineConfig, metadata: Any) -> tuple[Any, Any]:
         logging.getLogger("distributed").setLevel(logging.WARNING)
     gpus = config.target_gpus
     num_workers = len(gpus) if gpus else (config.workers or 1)
-    cluster = LocalCluster(host="127.0.0.1", n_workers=num_workers, threads_per_worker=1, processes=True,
-                           resources={"GPU": 1} if gpus else None, memory_limit=0,
-                           dashboard_address="127.0.0.1:0")  # fmt: skip
+    # The scheduler (in this process) reads allowed-failures when it is made: a task whose producers died that
+    # often fails with KilledWorker, which _ProducerFuture reports.
+    with dask.config.set({"distributed.scheduler.allowed-failures": _ALLOWED_FAILURES[config.on_producer_death]}):
+        cluster = LocalCluster(host="127.0.0.1", n_workers=num_workers, threads_per_worker=1, processes=True,
+                               resources={"GPU": 1} if gpus else None, memory_limit=0,
+                               dashboard_address="127.0.0.1:0")  # fmt: skip
     client = Client(cluster)
     threads = None if gpus else max(1, (os.cpu_count() or 1) // (num_workers + 1))
     plugin = OnlineProducerPlugin(
@@ -189,32 +369,59 @@ def run_online(config: OnlineConfig) -> dict[str, Any]:
             from the CLI); SharedMemoryFull: ``/dev/shm`` too small for the ring (the message gives the fix).
     """
     from dflash.locks import output_lock
-    from stages.online_worker import produce_batch
-    from stages.train import _pick_device
-    from stages.trainer import Trainer
+    from stages.train import _run_training
 
     train = config.train
-    with output_lock(train.output, what="run", break_lock=train.break_lock):
-        corpus, metadata = online_metadata(config)
-        device = _pick_device(train, 0)
+    with contextlib.ExitStack() as locks:
+        locks.enter_context(output_lock(train.output, what="run", break_lock=train.break_lock))
+        if config.cache_to:
+            locks.enter_context(output_lock(config.cache_to, what="cache", break_lock=train.break_lock))
+        _, metadata = online_metadata(config)
+        assembler = _open_cache_to(config, metadata) if config.cache_to else None
         client, cluster = _start_cluster(config, metadata)
-        data = trainer = None
+        stop = threading.Event()
+        writer = None
+        if assembler is not None:
+            writer = threading.Thread(target=_assemble_while_training, args=(assembler, stop),
+                                      name="dflash-cache-to", daemon=True)  # fmt: skip
+            writer.start()
         try:
-            def submit(task: Any) -> Any:
-                # Unique per ring and hand-out: Dask returns the existing future for a key it already holds.
-                key = f"dflash-online-{task.ring_name}-e{task.epoch}-b{task.batch_index}-t{task.ticket}"
-                return client.submit(produce_batch, task, pure=False, key=key)
-
-            data = online_training_data(config, submit=submit, device=device, corpus=corpus, metadata=metadata)
-            trainer = Trainer(train, device=device, data=data)
-            return trainer.fit()
+            # The ranks (this process, or one spawned process per drafter GPU / CPU process: the train stage's
+            # launcher and DDP) each connect to the producers' scheduler and hand out their own batches.
+            factory = OnlineData(producer=config.producer_dict(), metadata=metadata.to_dict(),
+                                 scheduler_address=cluster.scheduler_address)  # fmt: skip
+            summary = _run_training(train, factory)
         finally:
-            if trainer is not None:
-                trainer.close()  # closes data (rings removed)
-            elif data is not None:
-                data.close()
+            stop.set()
+            if writer is not None:
+                writer.join()
             client.close()
             cluster.close()
+        if assembler is not None:
+            summary["cache_to"] = _finish_cache_to(config, assembler)
+        return summary
+
+
+def _finish_cache_to(config: OnlineConfig, assembler: Any) -> dict[str, Any]:
+    """The last assembly pass (after the producers stopped); what is committed and what is missing."""
+    pending = assembler.finish()
+    record = {"path": str(config.cache_to), "planned_shards": assembler.cache.metadata.num_shards,
+              "committed_shards": assembler.cache.metadata.num_shards - len(pending), "pending_shards": pending}
+    if not pending:
+        assembler.cache.finalize()
+        log.info("cache-to: %s complete (%d shards); `dflash-stages train --cache %s` reuses it", config.cache_to,
+                 record["planned_shards"], config.cache_to)
+    else:
+        missing = sum(len(assembler.missing_rows(k)) for k in pending)
+        layers = ",".join(str(i) for i in assembler.cache.metadata.target_layer_ids)
+        log.warning(
+            "cache-to: %d of %d shards committed; %d lack %d rows this run did not compute (it stopped inside its "
+            "first epoch, or validation read only max_validation_batches): `dflash-stages extract --corpus %s "
+            "--output %s --target %s --target-layer-ids %s --shard-size %d` computes the rest",
+            record["committed_shards"], record["planned_shards"], len(pending), missing, config.corpus,
+            config.cache_to, config.target, layers, config.cache_shard_size,
+        )
+    return record
 
 
 # ====================================================================== CLI
@@ -261,9 +468,14 @@ def register(app: typer.Typer) -> None:
         target: str = typer.Option(None, "--target", help="Target spec ('default' = SmolLM2-135M-Instruct)."),
         target_layer_ids: str = typer.Option(None, "--target-layer-ids", help="Tapped layer ids, e.g. 1,3."),
         workers: int = typer.Option(None, "--workers", help="CPU producer processes."),
-        target_gpus: str = typer.Option(None, "--target-gpus", help="Producer GPUs, e.g. 0 (untested on GPU)."),
-        drafter_gpus: str = typer.Option(None, "--drafter-gpus", help="Drafter GPU (one; untested on GPU)."),
-        ring_slots: int = typer.Option(None, "--ring-slots", help="Shared-memory ring slots (4)."),
+        target_gpus: str = typer.Option(None, "--target-gpus", help="Producer GPUs, one Dask worker each, e.g. 0,1."),
+        drafter_gpus: str = typer.Option(None, "--drafter-gpus", help="Drafter GPUs, e.g. 2,3 (DDP when several)."),
+        cpu_processes: int = typer.Option(None, "--cpu-processes", help="Drafter DDP processes on CPU (gloo)."),
+        ring_slots: int = typer.Option(None, "--ring-slots", help="Shared-memory ring slots per rank (4)."),
+        cache_to: str = typer.Option(None, "--cache-to", help="Also write the hidden-state cache here while training."),
+        cache_shard_size: int = typer.Option(None, "--cache-shard-size", help="--cache-to: tokens per shard (65536)."),
+        on_producer_death: str = typer.Option(
+            None, "--on-producer-death", help="recompute (rerun the batch on another producer) | stop (the run stops)."),
         device: str = typer.Option(None, "--device", help="Drafter device: auto | cpu | cuda."),
         num_draft_layers: int = typer.Option(None, "--num-draft-layers", help="Draft decoder layers (5)."),
         block_size: int = typer.Option(None, "--block-size", help="Block size B (16)."),
@@ -288,9 +500,12 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
 
         online = {"corpus": corpus, "target": target, "target_layer_ids": _csv_ints(target_layer_ids),
-                  "workers": workers, "target_gpus": _csv_ints(target_gpus), "ring_slots": ring_slots}  # fmt: skip
+                  "workers": workers, "target_gpus": _csv_ints(target_gpus), "ring_slots": ring_slots,
+                  "on_producer_death": on_producer_death, "cache_to": cache_to,
+                  "cache_shard_size": cache_shard_size}  # fmt: skip
         train_overrides = {
-            "output": output, "resume": resume, "drafter_gpus": _csv_ints(drafter_gpus), "device": device,
+            "output": output, "resume": resume, "drafter_gpus": _csv_ints(drafter_gpus),
+            "cpu_processes": cpu_processes, "device": device,
             "num_draft_layers": num_draft_layers, "block_size": block_size, "max_anchors_per_document": max_anchors,
             "token_budget": token_budget, "num_buckets": num_buckets, "validation_fraction": validation_fraction,
             "epochs": epochs, "max_steps": max_steps, "stop_at_step": stop_at_step, "lr": lr, "seed": seed,

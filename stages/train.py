@@ -341,8 +341,12 @@ def _pick_device(config: TrainConfig, local_rank: int):
     return torch.device("cuda", gpu)
 
 
-def _train_worker(config_dict: dict[str, Any]) -> dict[str, Any]:
-    """One rank: join the process group (if any), train, close. Picklable entry point of the launcher."""
+def _train_worker(config_dict: dict[str, Any], data_factory: Any = None) -> dict[str, Any]:
+    """One rank: join the process group (if any), train, close. Picklable entry point of the launcher.
+
+    ``data_factory(config, rank=, world_size=, device=) -> stages.trainer.TrainingData`` builds the rank's batch
+    sources (picklable: it travels to spawned ranks); ``None``: the cache's (:func:`stages.trainer.open_cache_data`).
+    ``pipelines/online.py`` passes the online queue's."""
     import torch
     import torch.distributed as dist
 
@@ -361,8 +365,8 @@ def _train_worker(config_dict: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     trainer = None
     try:
-        # The trainer gets its batch sources (STYLE.md 16): here the cache's; pipelines/online.py hands it the queue's.
-        data = open_cache_data(config, rank=rank, world_size=world_size, device=device)
+        # The trainer gets its batch sources (STYLE.md 16): the cache's, or (pipelines/online.py) the queue's.
+        data = (data_factory or open_cache_data)(config, rank=rank, world_size=world_size, device=device)
         trainer = Trainer(config, rank=rank, world_size=world_size, device=device, data=data)
         return trainer.fit()
     finally:
@@ -397,10 +401,12 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
         return _run_training(config)
 
 
-def _run_training(config: TrainConfig) -> dict[str, Any]:
+def _run_training(config: TrainConfig, data_factory: Any = None) -> dict[str, Any]:
+    """The ranks of a run (the caller holds the run folder's lock): this process alone, or one spawned process per
+    rank. ``data_factory``: see :func:`_train_worker`."""
     config_dict = config.to_dict()
     if "TORCHELASTIC_RUN_ID" in os.environ or config.world_size == 1:
-        return _train_worker(config_dict)
+        return _train_worker(config_dict, data_factory)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     previous = {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "DFLASH_GPUS_REMAPPED")}
@@ -420,7 +426,7 @@ def _run_training(config: TrainConfig) -> dict[str, Any]:
         start_method="spawn",
     )
     try:
-        results = elastic_launch(launch, _train_worker)(config_dict)
+        results = elastic_launch(launch, _train_worker)(config_dict, data_factory)
     finally:
         for key, value in previous.items():
             if value is None:

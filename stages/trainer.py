@@ -61,6 +61,7 @@ from dflash.optim import build_optimizer, build_scheduler, clip_grad_norm, exten
 from dflash.target import LAYER_ID_CONVENTION, resolve_target_path, target_identity
 from dflash.telemetry import (
     BucketCounter,
+    FeedMeter,
     MetricsWriter,
     StepTimer,
     StepTimeWindow,
@@ -136,14 +137,20 @@ class TrainingData:
     """Where the hidden states come from: ``"cache"`` (offline) or ``"online"`` (target replicas), for run.json."""
     provenance: dict[str, Any] = field(default_factory=dict)
     """What built the sources (e.g. the online producers' config), saved in run.json under ``data_source``."""
+    on_close: list[Any] = field(default_factory=list)
+    """Callables run after the sources are closed (e.g. the online mode's Dask client)."""
 
     def close(self) -> None:
-        """Close both sources (threads, processes, shared memory)."""
+        """Close both sources (threads, processes, shared memory), then run ``on_close``; idempotent."""
         try:
             self.train.close()
         finally:
-            if self.validation is not None:
-                self.validation.close()
+            try:
+                if self.validation is not None:
+                    self.validation.close()
+            finally:
+                while self.on_close:
+                    self.on_close.pop()()
 
 
 def loader_placement(rank: int, world_size: int, device: torch.device) -> dict[str, Any]:
@@ -254,6 +261,8 @@ class Trainer:
         self.metrics: MetricsWriter | None = None  # opened by load(), once the inputs are known to agree
         self.checkpointer: Checkpointer | None = None
         self.throughput = ThroughputWindow(config.throughput_window)
+        self.feed = FeedMeter()
+        self._feed: dict[str, float] = {}  # the last log interval's feed rates (for the progress line)
         self.timer = StepTimer()
         self.step_times = StepTimeWindow(config.throughput_window)
         self._interval = self._zero_interval()
@@ -277,6 +286,7 @@ class Trainer:
             )
         last_eval: dict[str, float] = {}
         self.throughput.reset_clock()  # setup time is not training throughput
+        self.feed.mark(self.counters["tokens_seen"], self.train_loader.stats)
         with self.progress, self._stop_on_sigterm():
             task = self.progress.add_task("train", total=self.total_steps, completed=self.step, status="")
             while self.step < self.total_steps and self.step != config.stop_at_step and not self._stopped:
@@ -294,6 +304,7 @@ class Trainer:
                 self.log(step_metrics)
                 if evaluated:
                     self.throughput.reset_clock()  # evaluation time is not training throughput
+                    self.feed.mark(self.counters["tokens_seen"], self.train_loader.stats)
                 self.progress.update(task, completed=self.step, status=self._status(step_metrics, last_eval))
                 if stopping:
                     log.warning("stopped at step %d on SIGTERM, with a checkpoint; --resume continues it", self.step)
@@ -802,6 +813,9 @@ class Trainer:
         }
         if hasattr(self.train_loader.stats, "dispatch_wait_seconds"):  # online: producers held back by a full ring
             record["queue_full_wait_total_s"] = self.train_loader.stats.dispatch_wait_seconds
+        # Achieved rate, trainer capacity T and (online) producer capacity I, ring occupancy, over this interval.
+        self._feed = self.feed.interval(self.counters["tokens_seen"], self.train_loader.stats)
+        record.update(self._feed)
         self.metrics.log("train", self.step, record)
 
     def _status(self, step_metrics: dict[str, Any], last_eval: dict[str, float]) -> str:
@@ -809,6 +823,11 @@ class Trainer:
         status = f"loss {step_metrics['loss']:.3f}  lr {step_metrics['lr']:.2e}"
         if rates:
             status += f"  {rates['real_tokens_per_s']:,.0f} tok/s"
+        feed = self._feed
+        if "producer_capacity_tokens_per_s" in feed:  # online: what each side could do alone, and the ring's fill
+            status += (f" (I {feed['producer_capacity_tokens_per_s']:,.0f}"
+                       f" T {feed.get('trainer_capacity_tokens_per_s', float('nan')):,.0f}"
+                       f" ring {feed.get('ring_ready_mean', 0.0):.1f} ready)")
         if last_eval:
             status += f"  val {last_eval['loss']:.3f} tau {last_eval['expected_acceptance_length']:.2f}"
         if self.counters["skipped_steps"]:

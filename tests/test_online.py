@@ -21,12 +21,18 @@ from dflash.batch_source import StreamConfig
 from dflash.cache import CacheReader
 from dflash.corpus import CorpusLengths, CorpusWriter, open_corpus
 from dflash.online import BatchProducer, OnlineBatches
-from dflash.shm import list_segments
+from dflash.shm import list_segments, remove_orphaned_segments
 from dflash.stream import StreamingLoader
 from dflash.target_runner import TargetRunner
 from tests.train_helpers import TINY_LAYER_IDS, stdlib_snippets
 
 WIDTH_TAPS = len(TINY_LAYER_IDS)
+
+
+def _live_segments() -> set[str]:
+    """Segments now, less those of dead processes (an earlier killed run's, which any new ring sweeps away)."""
+    remove_orphaned_segments()
+    return set(list_segments())
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +139,7 @@ def _train_online_in_process(config, target) -> dict:
 def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir, target_path, target, tmp_path):
     from dflash.checkpoint import load_checkpoint
 
-    before = set(list_segments())
+    before = _live_segments()
     common = dict(max_steps=4, grad_accum_steps=3, save_every=2)  # 12 micro-batches: crosses an epoch (9)
     straight = _train_online_in_process(_online_config(corpus_dir, target_path, tmp_path / "straight", **common), target)
     first = _train_online_in_process(
@@ -156,32 +162,48 @@ def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir
 
     last = read_metrics(tmp_path / "straight", kind="train")[-1]
     assert last["data_wait_total_s"] >= 0 and last["queue_full_wait_total_s"] >= 0  # both waits measured
+    # Each side's capacity over the log interval (one step of 3 micro-batches): the producer's tokens per compute
+    # second, the trainer's tokens per second of not waiting; the achieved rate cannot beat the trainer's.
+    assert last["producer_capacity_tokens_per_s"] > 0
+    assert 0 < last["achieved_tokens_per_s"] <= last["trainer_capacity_tokens_per_s"]
+    assert 0 <= last["interval_data_wait_fraction"] <= 1
+    assert 0 <= last["ring_ready_mean"] <= last["ring_taken_mean"] <= 3  # 3 ring slots
     assert set(list_segments()) == before  # every ring removed
 
 
-def test_online_trains_end_to_end_with_one_cpu_worker_and_the_command_resumes_it(corpus_dir, target_path, target,
-                                                                                 tmp_path):
-    """``run_online`` with one Dask producer process and the training loop here, stopped at step 2 (as a preemption
-    would), then ``dflash-stages online --output RUN --resume`` (a new process, config from run.json) to step 4:
-    the run trains on exactly the first 4 batches of the plan and leaves no ring behind."""
+def _expected_rows(config, steps: int, world_size: int) -> tuple[str, int]:
+    """Rank 0's data digest (the trainer chains the corpus rows of every batch it trained on) and the global token
+    count of the first ``steps`` steps of the plan, ``world_size`` ranks taking disjoint batches of each step."""
+    from dflash.batch_source import PlannedCursor
+    from stages.trainer import stream_config
+
+    lengths = CorpusLengths(open_corpus(config.corpus))
+    cursors = [PlannedCursor(lengths, stream_config(config.train, "train", torch.device("cpu")), rank=rank,
+                             world_size=world_size) for rank in range(world_size)]  # fmt: skip
+    digest, tokens = "", 0
+    for step in range(steps):
+        rows = [int(r) for r in cursors[0].sample_row[cursors[0].planned_batch(0, step).samples]]
+        digest = hashlib.sha256((digest + repr(rows)).encode()).hexdigest()
+        tokens += sum(cursor.planned_batch(0, step).num_tokens for cursor in cursors)
+    return digest, tokens
+
+
+def test_online_trains_end_to_end_with_ddp_and_the_command_resumes_it(corpus_dir, target_path, target, tmp_path):
+    """``run_online`` with one Dask producer process and 2 drafter DDP ranks (gloo, spawned by the train stage's
+    launcher; each rank hands out its own batches through its own ring), stopped at step 2 (as a preemption would),
+    then ``dflash-stages online --output RUN --resume`` (a new process, config from run.json) to step 4: the ranks
+    train on exactly the first 4 global steps of the plan, disjoint batches, and leave no ring behind."""
     import os
     import subprocess
     import sys
 
-    from dflash.batch_source import PlannedCursor
     from dflash.telemetry import read_metrics
     from pipelines.online import run_online
-    from stages.trainer import stream_config
 
     run = tmp_path / "run"
-    config = _online_config(corpus_dir, target_path, run, max_steps=4, save_every=2, stop_at_step=2)
-    plan = PlannedCursor(CorpusLengths(open_corpus(corpus_dir)), stream_config(config.train, "train",
-                                                                                torch.device("cpu")))
-    expected_digest = ""  # the trainer's data digest chains the corpus rows of every batch it trained on
-    for step in range(4):
-        rows = [int(r) for r in plan.sample_row[plan.planned_batch(0, step).samples]]
-        expected_digest = hashlib.sha256((expected_digest + repr(rows)).encode()).hexdigest()
-    before = set(list_segments())
+    config = _online_config(corpus_dir, target_path, run, max_steps=4, save_every=2, stop_at_step=2, cpu_processes=2)
+    expected_digest, expected_tokens = _expected_rows(config, 4, world_size=2)
+    before = _live_segments()
     first = run_online(config)
     assert first["step"] == 2 and (run / "latest").read_text().strip() == "step_00000002"
     resumed = subprocess.run([sys.executable, "-m", "stages.cli", "online", "--output", str(run), "--resume"],
@@ -191,6 +213,7 @@ def test_online_trains_end_to_end_with_one_cpu_worker_and_the_command_resumes_it
     # The summary is the JSON object that closes stdout (the start-of-train table before it may hold braces).
     summary = json.loads(resumed.stdout[resumed.stdout.rindex("\n{") + 1:])
     assert summary["step"] == 4 and summary["data_digest"] == expected_digest
+    assert summary["tokens_seen"] == expected_tokens  # both ranks' batches, none twice
     assert (run / "latest").read_text().strip() == "step_00000004"
     assert [r["step"] for r in read_metrics(run, kind="train")] == [1, 2, 3, 4]
     assert read_metrics(run, kind="val")  # validation batches came through the queue too
@@ -206,3 +229,102 @@ def test_online_command_refuses_bad_options_with_one_error_line(tmp_path):
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 2
     assert "error: ring_slots: expected an integer >= 2" in result.stderr
+
+
+@pytest.mark.parametrize("policy", ["recompute", "stop"])
+def test_a_producer_killed_mid_batch_is_recomputed_or_stops_the_run_resumably(corpus_dir, target_path, target,
+                                                                               tmp_path, monkeypatch, policy):
+    """Every producer process is SIGKILLed at its 3rd batch, after computing it and before writing its slot (as the
+    OOM killer would; Dask's nanny starts a new one, which loads the target again). ``recompute``: the lost batches
+    are rerun on the new producer and the run trains on exactly the planned batches. ``stop``: the run stops with
+    one error naming the batch, keeps its step-2 checkpoint, and ``--resume`` finishes it on the same batches."""
+    from dflash.errors import ProducerError
+    from pipelines.online import run_online
+
+    monkeypatch.setenv("DFLASH_FAULT", "online.produce@3=kill")  # read by each new producer process at import
+    run = tmp_path / "run"
+    config = _online_config(corpus_dir, target_path, run, max_steps=4, save_every=2, validation_fraction=0.0)
+    config.on_producer_death = policy
+    expected_digest, expected_tokens = _expected_rows(config, 4, world_size=1)
+    before = _live_segments()
+    if policy == "recompute":
+        summary = run_online(config)
+    else:
+        with pytest.raises(ProducerError, match=r"producer lost: the process computing batch 2 of epoch 0 died "
+                                                r"\(on_producer_death=stop"):
+            run_online(config)
+        assert (run / "latest").read_text().strip() == "step_00000002"
+        monkeypatch.delenv("DFLASH_FAULT")
+        summary = run_online(_online_config(corpus_dir, target_path, run, max_steps=4, save_every=2,
+                                            validation_fraction=0.0, resume=True))  # fmt: skip
+    assert summary["step"] == 4 and summary["data_digest"] == expected_digest
+    assert summary["tokens_seen"] == expected_tokens
+    assert set(list_segments()) == before
+
+
+def test_cache_to_writes_while_training_the_cache_extract_would_and_train_reuses_it(corpus_dir, target_path, target,
+                                                                                    offline_cache, tmp_path):
+    """``online --cache-to`` over one epoch (and one full validation pass): every shard of extract's plan is
+    committed from the staged batches, ``cache verify`` accepts it, it holds what ``extract`` stores for the same
+    rows (tokens and masks exactly, hidden states within bf16 tolerance) and records the rows the run never
+    computes (too few supervised tokens) as skipped; staging is empty after; ``train --cache`` trains on it."""
+    from dflash.cache import verify_cache
+    from pipelines.online import run_online
+    from stages.train import run_training
+    from tests.train_helpers import tiny_config
+
+    cache = tmp_path / "cache"
+    config = _online_config(corpus_dir, target_path, tmp_path / "run", max_steps=5, grad_accum_steps=2,
+                            max_validation_batches=None, min_supervised_tokens=40)  # fmt: skip
+    config.cache_to, config.cache_shard_size = str(cache), 600  # the shard plan of the offline_cache fixture
+    before = _live_segments()
+    summary = run_online(config)
+    assert summary["cache_to"]["pending_shards"] == [] and summary["cache_to"]["committed_shards"] >= 3
+    assert set(list_segments()) == before
+    assert not (cache / "staging").exists()  # every staged batch went into a committed shard
+    assert verify_cache(cache, require_complete=True)["ok"]  # checksums, digests, every row of every range
+    online, offline = CacheReader(cache), CacheReader(offline_cache)
+    assert online.metadata.shard_rows == offline.metadata.shard_rows
+    skipped = 0
+    for shard in range(online.metadata.num_shards):
+        got = {s.corpus_row: s for s in online.read_shard(shard)}
+        recorded = {entry["corpus_row"] for entry in online.commit_record(shard)["skipped"]}
+        for sample in offline.read_shard(shard):
+            if sample.corpus_row not in got:
+                skipped += 1
+                assert int(sample.loss_mask.sum()) < 40 and sample.corpus_row in recorded  # excluded, and said so
+                continue
+            mine = got[sample.corpus_row]
+            assert torch.equal(mine.input_ids, sample.input_ids) and torch.equal(mine.loss_mask, sample.loss_mask)
+            torch.testing.assert_close(mine.hidden.float(), sample.hidden.float(), rtol=1.6e-2, atol=2e-2)
+        assert len(got) + len(recorded) == online.metadata.shard_rows[shard][1] - online.metadata.shard_rows[shard][0]
+    assert skipped > 0
+    trained = run_training(tiny_config(cache, tmp_path / "offline-run", max_steps=1, min_supervised_tokens=40))
+    assert trained["step"] == 1
+
+
+def test_a_run_whose_producers_are_all_gone_fails_instead_of_waiting_forever(corpus_dir):
+    """No Dask worker alive (every producer died and its nanny gave up): the health check names it after the grace
+    period, and the trainer's wait for the next batch ends with ProducerError instead of hanging."""
+    from concurrent.futures import Future
+
+    from distributed import Client, LocalCluster
+
+    from dflash.errors import ProducerError
+    from pipelines.online import dask_health
+
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        health = dask_health(client, grace=0.3)
+        assert health() is None  # within the grace period
+        import time
+
+        time.sleep(0.4)
+        problem = health()
+    assert problem is not None and problem.startswith("no producer is alive")
+
+    never: list[Future] = []
+    with OnlineBatches(CorpusLengths(open_corpus(corpus_dir)), _stream_config("train"),
+                       submit=lambda task: never.append(Future()) or never[-1], width=8, num_slots=2,
+                       health_check=lambda: problem, health_interval=0.05) as source:  # fmt: skip
+        with pytest.raises(ProducerError, match="no producer is alive"):
+            next(iter(source))

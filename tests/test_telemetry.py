@@ -67,3 +67,28 @@ def test_report_to_names_are_checked_and_none_means_jsonl_only(tmp_path):
     assert numeric_fields("train", {"kind": "train", "step": 3, "loss": 1.5, "skipped": True,
                                     "accuracy_per_position": [0.5], "bucket_step_s": {"1": 0.2}, "data_digest": "ab"}) == {
         "train/loss": 1.5, "train/skipped": 1.0, "train/accuracy_per_position/0": 0.5, "train/bucket_step_s/1": 0.2}
+
+
+def test_feed_meter_gives_each_side_its_capacity_over_the_interval(monkeypatch):
+    """Over 10 s the trainer trained 5,000 tokens and waited 2 s: achieved 500 tok/s, trainer capacity T = 5,000 / 8 s.
+    Two producers computed 3,000 tokens in 4 s and 2,000 in 5 s: I = 750 + 400. Ring: 3 samples of (ready, taken)."""
+    from types import SimpleNamespace
+
+    from dflash import telemetry
+
+    clock = iter([100.0, 110.0, 110.0])
+    monkeypatch.setattr(telemetry.time, "perf_counter", lambda: next(clock))
+    meter = telemetry.FeedMeter()
+    stats = SimpleNamespace(wait_seconds=1.0, producer_work={"w0": (1000, 2.0)}, occupancy_sums=(1.0, 2.0, 1))
+    meter.mark(10_000, stats)
+    stats.wait_seconds = 3.0
+    stats.producer_work = {"w0": (4000, 6.0), "w1": (2000, 5.0)}
+    stats.occupancy_sums = (4.0, 11.0, 4)
+    rates = meter.interval(15_000, stats)
+    assert rates["achieved_tokens_per_s"] == pytest.approx(500.0)
+    assert rates["trainer_capacity_tokens_per_s"] == pytest.approx(5000 / 8)
+    assert rates["interval_data_wait_fraction"] == pytest.approx(0.2)
+    assert rates["producer_capacity_tokens_per_s"] == pytest.approx(3000 / 4 + 2000 / 5)
+    assert rates["ring_ready_mean"] == pytest.approx(1.0) and rates["ring_taken_mean"] == pytest.approx(3.0)
+    # An offline loader's stats (no producers): achieved and T only; an empty interval gives nothing.
+    assert set(meter.interval(15_000, SimpleNamespace(wait_seconds=3.0))) == set()
