@@ -12,12 +12,26 @@ Rates are real (unpadded) tokens per second; the trainer's figures are its throu
 of the last logged step over the whole run but its first step: setup excluded; a 2-slot ring, so read-ahead
 does not flatter a short run). Printed against ``min(I, T)`` (separate devices) and ``1/(1/I + 1/T)``
 (one device shared by producer and trainer, e.g. a CPU host or a single GPU: the issue's target is achieved >=
-0.9 x that). Producers run as threads of this process here; the multi-GPU layouts go through
-``dflash-stages online --target-gpus ... --drafter-gpus ...`` (not measured by this script yet).
+0.9 x that). With ``--repeats N`` the three are measured N times, interleaved, and the medians are reported (the
+ratios are of medians). Producers run as threads of this process here (on one GPU: the target and the drafter
+share it); the multi-GPU layouts go through ``dflash-stages online --target-gpus ... --drafter-gpus ...``, whose
+metrics JSONL logs the same three figures per interval (``producer_capacity_tokens_per_s``,
+``trainer_capacity_tokens_per_s``, ``achieved_tokens_per_s``: ``dflash.telemetry.FeedMeter``).
+
+Targets: ``default`` (SmolLM2-135M-Instruct, stdlib snippets) or ``qwen3-8b-random`` (Qwen3-8B's shape, random
+weights, random token ids of 256-2048 tokens: the forward cost does not depend on them; the trainer reads the
+embedding and LM head from a folder written beside the corpus). On CUDA the drafter is the paper's (5 layers,
+block 16, 512 anchors per document, 16,384-token batches) unless options say otherwise.
 
 CPU smoke run (tens of seconds)::
 
     python benchmarks/online.py --smoke
+    python benchmarks/online.py --smoke --target qwen3-8b-random      # the same family, tiny
+
+One GPU::
+
+    python benchmarks/online.py --device cuda --repeats 3 --json-out smollm2.json
+    python benchmarks/online.py --device cuda --target qwen3-8b-random --repeats 3 --steps 8
 """
 
 from __future__ import annotations
@@ -26,6 +40,9 @@ import argparse
 import importlib
 import inspect
 import json
+import shutil
+import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +56,10 @@ from dflash.online import BatchProducer, BatchTask
 from dflash.target import load_target
 from dflash.target_runner import TargetRunner
 from dflash.telemetry import read_metrics
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from extract import build_target  # noqa: E402  (the benchmarks' shared random-target builder)
+from extract import write_corpus as write_random_corpus  # noqa: E402
 
 MODULES = ("textwrap", "shlex", "fnmatch", "colorsys", "bisect", "heapq", "argparse", "inspect")
 
@@ -68,8 +89,8 @@ class ReplayProducer(BatchProducer):
     def produce(self, task: BatchTask) -> dict:
         rows = [self.corpus.row(int(r)) for r in task.corpus_rows]
         hidden = self.memo.get(task.corpus_rows)
-        if hidden is None:
-            hidden = self.memo[task.corpus_rows] = self.runner.run([row.input_ids for row in rows])
+        if hidden is None:  # copied: run() returns views of the runner's reusable host buffers
+            hidden = self.memo[task.corpus_rows] = [h.clone() for h in self.runner.run([row.input_ids for row in rows])]
         self._ring(task.ring_name).write_batch(
             task.slot, task.ticket, epoch=task.epoch, batch_index=task.batch_index, bucket=task.bucket,
             corpus_rows=np.asarray(task.corpus_rows), input_ids=[r.input_ids for r in rows],
@@ -78,7 +99,7 @@ class ReplayProducer(BatchProducer):
         return {"compute_seconds": 0.0}
 
 
-def producer_rate(producer: BatchProducer, config, batches: int) -> float:
+def producer_rate(producer: BatchProducer, config, batches: int, device: torch.device) -> float:
     """The online batch source alone (producer in a thread, the ring, checks and packing; no training): real
     tokens/s between the first and the last of ``batches`` batches (same window rule as the trainer's rates)."""
     from pipelines.online import online_training_data
@@ -86,7 +107,7 @@ def producer_rate(producer: BatchProducer, config, batches: int) -> float:
     producer.runner.run([producer.corpus.row(0).input_ids])  # warm-up, untimed (first forward allocates)
     with ThreadPoolExecutor(1) as pool:
         data = online_training_data(config, submit=lambda task: pool.submit(producer.produce, task),
-                                    device=torch.device("cpu"))  # fmt: skip
+                                    device=device)  # fmt: skip
         times, tokens = [], []
         try:
             while len(times) < batches:
@@ -101,71 +122,134 @@ def producer_rate(producer: BatchProducer, config, batches: int) -> float:
     return sum(tokens[1:]) / (times[-1] - times[0])
 
 
-def trainer_rate(config, producer: BatchProducer) -> float:
+def trainer_rate(config, producer: BatchProducer, device: torch.device) -> float:
     """Trains ``config`` with ``producer`` in a thread; the last logged real tokens/s."""
     from pipelines.online import online_training_data
     from stages.trainer import Trainer
 
     with ThreadPoolExecutor(1) as pool:
         data = online_training_data(config, submit=lambda task: pool.submit(producer.produce, task),
-                                    device=torch.device("cpu"))  # fmt: skip
-        trainer = Trainer(config.train, device=torch.device("cpu"), data=data)
+                                    device=device)  # fmt: skip
+        trainer = Trainer(config.train, device=device, data=data)
         try:
             trainer.fit()
         finally:
             trainer.close()
-    return float(read_metrics(config.train.output, kind="train")[-1]["real_tokens_per_s"])
+    rate = float(read_metrics(config.train.output, kind="train")[-1]["real_tokens_per_s"])
+    shutil.rmtree(Path(config.train.output) / "checkpoints", ignore_errors=True)  # an 8B-shaped drafter's are GBs
+    return rate
+
+
+def head_only_target(model, folder: Path) -> Path:
+    """A target folder holding the random model's config and only its embedding and LM head: what the trainer
+    reads of a target (``stages.trainer.load_target_embeddings``); the producers use the model in memory."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(folder)
+    tensors = {"model.embed_tokens.weight": model.get_input_embeddings().weight.detach().cpu().contiguous()}
+    if not model.config.tie_word_embeddings:
+        tensors["lm_head.weight"] = model.get_output_embeddings().weight.detach().cpu().contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default="default")
-    parser.add_argument("--layer-ids", default="1,3", help="Tapped layers (few low ones keep a CPU run short).")
-    parser.add_argument("--rows", type=int, default=96)
-    parser.add_argument("--token-budget", type=int, default=512)
+    parser.add_argument("--target", default="default", help="default (SmolLM2) or qwen3-8b-random")
+    parser.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    parser.add_argument("--layer-ids", default=None, help="Tapped layers (default: 1,3 on CPU, 5 taps by the "
+                        "DFlash rule on CUDA)")
+    parser.add_argument("--rows", type=int, default=96, help="CPU corpus rows (CUDA: enough tokens for the steps)")
+    parser.add_argument("--token-budget", type=int, default=None, help="Real tokens per batch (CPU 512, CUDA 16384)")
+    parser.add_argument("--num-draft-layers", type=int, default=None, help="(CPU 1, CUDA 5)")
+    parser.add_argument("--block-size", type=int, default=None, help="(CPU 4, CUDA 16)")
+    parser.add_argument("--anchors", type=int, default=None, help="Anchors per document (CPU 8, CUDA 512)")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=1, help="Measure I, T and achieved N times; report medians.")
     parser.add_argument("--smoke", action="store_true", help="Tiny run on CPU.")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")  # fmt: skip
     if args.smoke:
-        args.rows, args.steps, args.token_budget = 64, 10, 384
+        device = torch.device("cpu")
+        args.rows, args.steps, args.token_budget = 64, 10, args.token_budget or 384
+    gpu = device.type == "cuda"
+    token_budget = args.token_budget or (16384 if gpu else 512)
+    num_draft_layers = args.num_draft_layers or (5 if gpu else 1)
+    block_size = args.block_size or (16 if gpu else 4)
+    anchors = args.anchors or (512 if gpu else 8)
+    from dflash.target import default_target_layer_ids
     from pipelines.online import ONLINE_CACHE_PREFIX, OnlineConfig
     from stages.train import TrainConfig
 
-    layer_ids = [int(i) for i in args.layer_ids.split(",")]
-    loaded = load_target(args.target)
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-online-"))
-    corpus_path = write_corpus(work / "corpus", loaded.tokenizer, args.rows, args.token_budget // 4)
+    tokenizer = None
+    if args.target == "qwen3-8b-random":
+        model, identity = build_target(args.target, device, args.smoke, seed=0)
+    else:
+        loaded = load_target(args.target, device=device)
+        model, identity, tokenizer = loaded.model, loaded.identity, loaded.tokenizer
+    if args.target == "qwen3-8b-random":
+        target_spec = str(head_only_target(model, work / "target"))
+        mask_token_id = identity.vocab_size - 1
+    else:
+        target_spec, mask_token_id = args.target, None
+    if args.layer_ids:
+        layer_ids = [int(i) for i in args.layer_ids.split(",")]
+    else:
+        layer_ids = default_target_layer_ids(identity.num_hidden_layers, num_draft_layers) if gpu else [1, 3]
+    if args.target == "qwen3-8b-random" or gpu:  # enough rows for every step of every measurement
+        write_random_corpus(work / "corpus", token_budget * (args.steps + 4) * 5 // 4, 256 if gpu else 16,
+                            2048 if gpu else 64, identity.vocab_size, seed=0)  # fmt: skip
+        corpus_path = work / "corpus"
+    else:
+        corpus_path = write_corpus(work / "corpus", tokenizer, args.rows, token_budget // 4)
 
     def config(name: str) -> OnlineConfig:
-        train = TrainConfig(cache=f"{ONLINE_CACHE_PREFIX}{corpus_path}", output=str(work / name), num_draft_layers=1,
-                            block_size=4, max_anchors_per_document=8, token_budget=args.token_budget,
-                            num_buckets=2, validation_fraction=0.0, max_steps=args.steps, save_every=args.steps,
-                            log_every=1, throughput_window=args.steps + 1, progress=False, device="cpu",
-                            min_supervised_tokens=0)  # fmt: skip
+        train = TrainConfig(cache=f"{ONLINE_CACHE_PREFIX}{corpus_path}", output=str(work / name),
+                            target=target_spec, num_draft_layers=num_draft_layers, block_size=block_size,
+                            max_anchors_per_document=anchors, token_budget=token_budget, num_buckets=2,
+                            validation_fraction=0.0, max_steps=args.steps, save_every=args.steps, log_every=1,
+                            throughput_window=args.steps + 1, progress=False, device=device.type,
+                            min_supervised_tokens=0, mask_token_id=mask_token_id)  # fmt: skip
         # Two slots: read-ahead cannot cover a short run, so the rate is the steady one.
-        return OnlineConfig(corpus=str(corpus_path), train=train, target=args.target, target_layer_ids=layer_ids,
+        return OnlineConfig(corpus=str(corpus_path), train=train, target=target_spec, target_layer_ids=layer_ids,
                             ring_slots=2)
 
     def runner() -> TargetRunner:
-        return TargetRunner(loaded.model, layer_ids, "cpu", token_budget=args.token_budget)
+        return TargetRunner(model, layer_ids, device, token_budget=token_budget)
 
     corpus = open_corpus(corpus_path)
-    rate_i = producer_rate(BatchProducer(runner(), corpus), config("producer"), args.steps)
     replay = ReplayProducer(runner(), corpus)
-    trainer_rate(config("warm-replay"), replay)  # fills the replay memo
-    rate_t = trainer_rate(config("trainer"), replay)
-    achieved = trainer_rate(config("achieved"), BatchProducer(runner(), corpus))
+    trainer_rate(config("warm-replay"), replay, device)  # fills the replay memo (and warms the trainer up)
+    runs: dict[str, list[float]] = {"producer_alone_I": [], "trainer_alone_T": [], "achieved": []}
+    for repeat in range(args.repeats):
+        runs["producer_alone_I"].append(producer_rate(BatchProducer(runner(), corpus), config(f"producer-{repeat}"),
+                                                      args.steps, device))  # fmt: skip
+        runs["trainer_alone_T"].append(trainer_rate(config(f"trainer-{repeat}"), replay, device))
+        runs["achieved"].append(trainer_rate(config(f"achieved-{repeat}"), BatchProducer(runner(), corpus), device))
+        print(f"repeat {repeat}: " + ", ".join(f"{key} {values[-1]:,.0f}" for key, values in runs.items()), flush=True)
+    rate_i, rate_t, achieved = (statistics.median(runs[key]) for key in runs)
     shared = 1.0 / (1.0 / rate_i + 1.0 / rate_t)
+    logged = read_metrics(work / f"achieved-{args.repeats - 1}", kind="train")[-1]
     report = {"producer_alone_I": rate_i, "trainer_alone_T": rate_t, "achieved": achieved,
               "min_I_T": min(rate_i, rate_t), "shared_device_bound": shared,
               "achieved_over_min": achieved / min(rate_i, rate_t), "achieved_over_shared": achieved / shared,
-              "token_budget": args.token_budget, "steps": args.steps, "target": args.target,
-              "layer_ids": layer_ids, "device": "cpu", "torch_threads": torch.get_num_threads()}  # fmt: skip
+              "runs": runs, "repeats": args.repeats,
+              "in_run_telemetry_last_interval": {key: logged.get(key) for key in (
+                  "producer_capacity_tokens_per_s", "trainer_capacity_tokens_per_s", "achieved_tokens_per_s",
+                  "ring_ready_mean", "ring_taken_mean")},
+              "token_budget": token_budget, "steps": args.steps, "target": identity.name, "layer_ids": layer_ids,
+              "num_draft_layers": num_draft_layers, "block_size": block_size, "anchors": anchors,
+              "device": torch.cuda.get_device_name(device) if gpu else "cpu",
+              "torch": torch.__version__, "torch_threads": torch.get_num_threads()}  # fmt: skip
     for key in ("producer_alone_I", "trainer_alone_T", "achieved", "min_I_T", "shared_device_bound"):
-        print(f"{key:>22}: {report[key]:10,.0f} real tokens/s")
+        print(f"{key:>22}: {report[key]:10,.0f} real tokens/s   (runs: {', '.join(f'{v:,.0f}' for v in runs.get(key, []))})")
     print(f"{'achieved / min(I, T)':>22}: {report['achieved_over_min']:.2f}")
     print(f"{'achieved / shared':>22}: {report['achieved_over_shared']:.2f}  (1/(1/I+1/T): one device for both)")
+    print(f"{'device':>22}: {report['device']}; target {identity.name}, taps {layer_ids}")
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=2))
 

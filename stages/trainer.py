@@ -291,6 +291,9 @@ class Trainer:
             task = self.progress.add_task("train", total=self.total_steps, completed=self.step, status="")
             while self.step < self.total_steps and self.step != config.stop_at_step and not self._stopped:
                 step_metrics = self.train_step()
+                log_due = self._log_due()
+                if log_due:  # the feed rates of the interval, before a checkpoint or an evaluation pauses it
+                    self._feed = self.feed.interval(self.counters["tokens_seen"], self.train_loader.stats)
                 stopping = step_metrics["stop"]  # SIGTERM on any rank: every rank stops after this same step
                 if self.step % config.save_every == 0 or self.step in (self.total_steps, config.stop_at_step) or stopping:
                     self.save()
@@ -304,6 +307,7 @@ class Trainer:
                 self.log(step_metrics)
                 if evaluated:
                     self.throughput.reset_clock()  # evaluation time is not training throughput
+                if evaluated or log_due:  # the next feed interval starts after this step's checkpoint and evaluation
                     self.feed.mark(self.counters["tokens_seen"], self.train_loader.stats)
                 self.progress.update(task, completed=self.step, status=self._status(step_metrics, last_eval))
                 if stopping:
@@ -784,9 +788,12 @@ class Trainer:
     def _zero_interval(self) -> dict[str, Any]:
         return {"steps": 0, "ce_sum": 0.0, "weight_sum": 0.0, "correct": 0.0, "count": 0.0, "grad_norm_max": 0.0}
 
+    def _log_due(self) -> bool:
+        return self.step % self.config.log_every == 0 or self.step == self.total_steps
+
     def log(self, step_metrics: dict[str, Any]) -> None:
         """Every ``log_every`` steps: interval loss/accuracy/tau, lr, grad norm, skips, throughput, time split."""
-        if self.step % self.config.log_every and self.step != self.total_steps:
+        if not self._log_due():
             return
         interval, self._interval = self._interval, self._zero_interval()
         positions = self.drafter_config.block_size - 1
@@ -813,8 +820,8 @@ class Trainer:
         }
         if hasattr(self.train_loader.stats, "dispatch_wait_seconds"):  # online: producers held back by a full ring
             record["queue_full_wait_total_s"] = self.train_loader.stats.dispatch_wait_seconds
-        # Achieved rate, trainer capacity T and (online) producer capacity I, ring occupancy, over this interval.
-        self._feed = self.feed.interval(self.counters["tokens_seen"], self.train_loader.stats)
+        # Achieved rate, trainer capacity T and (online) producer capacity I, ring occupancy, over this interval
+        # (taken by fit() right after the step, so a checkpoint or an evaluation after it is not in it).
         record.update(self._feed)
         self.metrics.log("train", self.step, record)
 
