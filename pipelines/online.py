@@ -427,10 +427,60 @@ def _finish_cache_to(config: OnlineConfig, assembler: Any) -> dict[str, Any]:
 # ====================================================================== CLI
 
 
-def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any]) -> OnlineConfig:
-    """The run's config: with ``--resume`` the saved one of RUN (run.json) under the options given."""
+#: The online layouts of ``pipelines/presets/``: ``online --preset NAME`` (or a .json file of the same shape).
+ONLINE_PRESETS = ("online-cpu", "online-1gpu", "online-2gpu", "online-8gpu")
+
+
+def load_online_preset(name_or_path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(online fields, train fields)`` of an online preset: ``{"online": {...}, "train": {...}}`` (keys starting
+    with ``_`` are comments), by name (:data:`ONLINE_PRESETS`) or JSON path.
+
+    Raises:
+        ConfigError: unknown preset, unreadable JSON, or a section or key that is not an online or train setting
+            (the message names it).
+    """
+    from dataclasses import fields
+    from importlib import resources
+
+    from stages.train import TrainConfig
+
+    path = Path(name_or_path)
+    if path.suffix == ".json" and path.is_file():
+        text = path.read_text()
+    elif name_or_path in ONLINE_PRESETS:
+        text = resources.files("pipelines").joinpath("presets", f"{name_or_path}.json").read_text()
+    else:
+        raise ConfigError(f"preset {name_or_path!r} is neither one of {', '.join(ONLINE_PRESETS)} nor a .json file")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"preset {name_or_path}: invalid JSON ({error})") from None
+    sections = {k: v for k, v in data.items() if not k.startswith("_")}
+    if set(sections) - {"online", "train"}:
+        raise ConfigError(f"preset {name_or_path}: unknown sections {sorted(set(sections) - {'online', 'train'})}; "
+                          "expected 'online' and 'train'")
+    known = {"online": {f.name for f in fields(OnlineConfig)} - {"train", "corpus"},
+             "train": {f.name for f in fields(TrainConfig)} - {"cache", "output", "resume"}}
+    out = []
+    for section in ("online", "train"):
+        values = {k: v for k, v in dict(sections.get(section, {})).items() if not k.startswith("_")}
+        unknown = sorted(set(values) - known[section])
+        if unknown:
+            raise ConfigError(f"preset {name_or_path}: {section}.{unknown[0]} is not a setting of that section; "
+                              f"known: {', '.join(sorted(known[section]))}")
+        out.append(values)
+    return out[0], out[1]
+
+
+def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], preset: str | None = None) -> OnlineConfig:
+    """The run's config: the preset's values (if any) under the options given; with ``--resume`` both over the
+    run's saved config (RUN/run.json), so resume a preset run with the same preset or none."""
     from stages.train import config_from_cli as train_config_from_cli
 
+    if preset is not None:
+        preset_online, preset_train = load_online_preset(preset)
+        online = {**preset_online, **{k: v for k, v in online.items() if v is not None}}
+        train_overrides = {**preset_train, **{k: v for k, v in train_overrides.items() if v is not None}}
     output = train_overrides.get("output")
     saved: dict[str, Any] = {}
     run_json = Path(output) / "run.json" if output else None
@@ -464,6 +514,8 @@ def register(app: typer.Typer) -> None:
     def online_command(
         corpus: str = typer.Option(None, "--corpus", help="Corpus folder (contract 1)."),
         output: str = typer.Option(None, "--output", "-o", help="Run folder."),
+        preset: str = typer.Option(None, "--preset", help=f"A layout: {', '.join(ONLINE_PRESETS)}, or a .json file "
+                                   "({online: {...}, train: {...}}); options given override it."),
         resume: bool = typer.Option(None, "--resume/--no-resume", help="Continue RUN from its latest checkpoint."),
         target: str = typer.Option(None, "--target", help="Target spec ('default' = SmolLM2-135M-Instruct)."),
         target_layer_ids: str = typer.Option(None, "--target-layer-ids", help="Tapped layer ids, e.g. 1,3."),
@@ -512,7 +564,7 @@ def register(app: typer.Typer) -> None:
             "min_supervised_tokens": min_supervised_tokens, "save_every": save_every, "log_every": log_every,
             "progress": progress,
         }  # fmt: skip
-        config = config_from_cli(online, train_overrides)
+        config = config_from_cli(online, train_overrides, preset)
         summary = run_online(config)
         Console().print_json(json.dumps(summary, default=str))
         exit_if_interrupted(summary, config.train)

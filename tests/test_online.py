@@ -328,3 +328,24 @@ def test_a_run_whose_producers_are_all_gone_fails_instead_of_waiting_forever(cor
                        health_check=lambda: problem, health_interval=0.05) as source:  # fmt: skip
         with pytest.raises(ProducerError, match="no producer is alive"):
             next(iter(source))
+
+
+def test_online_presets_give_each_layout_and_options_override_them(tmp_path):
+    """Every shipped layout loads into a valid config (producer GPUs, drafter ranks); an option given wins over the
+    preset; a preset key that is no setting is refused naming it."""
+    from dflash.errors import ConfigError
+    from pipelines.online import ONLINE_PRESETS, config_from_cli
+
+    layouts = {}
+    for name in ONLINE_PRESETS:
+        config = config_from_cli({"corpus": str(tmp_path)}, {"output": str(tmp_path / name)}, name)
+        layouts[name] = (config.workers, config.target_gpus, config.train.drafter_gpus, config.train.world_size)
+    assert layouts == {"online-cpu": (1, None, None, 1), "online-1gpu": (None, [0], [0], 1),
+                       "online-2gpu": (None, [0], [1], 1), "online-8gpu": (None, [0, 1, 2, 3, 4], [5, 6, 7], 3)}
+    config = config_from_cli({"corpus": str(tmp_path), "ring_slots": 6},
+                             {"output": str(tmp_path / "o"), "token_budget": 2048}, "online-cpu")  # fmt: skip
+    assert config.ring_slots == 6 and config.train.token_budget == 2048 and config.train.block_size == 4
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"online": {"ring_slot": 3}}))
+    with pytest.raises(ConfigError, match=r"online\.ring_slot is not a setting"):
+        config_from_cli({"corpus": str(tmp_path)}, {"output": str(tmp_path / "b")}, str(bad))
