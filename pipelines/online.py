@@ -3,15 +3,18 @@
 Run::
 
     dflash-stages online --corpus CORPUS --output RUN --workers 1            # CPU: 1 producer process + trainer
-    dflash-stages online --corpus CORPUS --output RUN --target-gpus 0 --drafter-gpus 1   # (wired; untested on GPU)
+    dflash-stages online --preset online-1gpu --corpus CORPUS --output RUN   # one GPU for producer and drafter
+    dflash-stages online --corpus CORPUS --output RUN --target-gpus 0,1,2,3,4 --drafter-gpus 5,6,7   # DDP
+    dflash-stages online --corpus CORPUS --output RUN --workers 1 --cache-to CACHE   # also write the cache
     dflash-stages online --output RUN --resume                                # continue a stopped or killed run
 
 Layout: Dask schedules the producers exactly as ``extract`` does (a LocalCluster, one worker per target GPU or
 ``--workers`` CPU processes; :class:`stages.online_worker.OnlineProducerPlugin`, a ``TargetReplicaPlugin``, loads
-the target once per worker and runs the extract stage's ``TargetRunner``). This process is the trainer: the
-``train`` stage's :class:`stages.trainer.Trainer` (same loop, checkpoints, telemetry, validation), handed
-:class:`dflash.online.OnlineBatches` as its batch sources instead of the cache's loaders. Batches move through the
-ring of :mod:`dflash.online_queue` (contract: docs/online-queue.md).
+the target once per worker and runs the extract stage's ``TargetRunner``). The trainer is the ``train`` stage's
+launcher and :class:`stages.trainer.Trainer` (same loop, DDP, checkpoints, telemetry, validation): this process for
+one rank, one spawned process per rank otherwise; each rank builds its batch sources with :class:`OnlineData`
+(:class:`dflash.online.OnlineBatches`, its own rings, connected to the producers' scheduler) instead of the cache's
+loaders. Batches move through the ring of :mod:`dflash.online_queue` (contract: docs/online-queue.md).
 
 Mixing and order are the offline ones (the plan comes from the corpus lengths, :class:`dflash.corpus.CorpusLengths`):
 the same corpus, config and seed give the same samples in the same batches as ``extract`` then ``train``.
@@ -20,8 +23,11 @@ Resume: ``--resume`` reads RUN/run.json (training config, and the producers' con
 ``resolved.data_source``) and continues from the latest checkpoint's data cursor; producers recompute the batches
 of the plan from there. N steps + resume + N steps equals 2N steps straight, bit for bit on CPU.
 
-Limits (docs/online-queue.md): one drafter process (no DDP yet: several ``--drafter-gpus`` are refused); a sample
-with non-finite hidden states stops the run (offline extract quarantines it); ``--cache-to`` is not built.
+``--cache-to``: producers stage the first epoch's batches and a launcher thread commits each shard of extract's plan
+once its rows are staged (:mod:`dflash.cache.staging`). Layout presets: :data:`ONLINE_PRESETS`.
+
+Limits (docs/online-queue.md): multi-GPU layouts are wired and CPU-tested, not yet run on a multi-GPU host; a sample
+with non-finite hidden states stops the run (offline extract quarantines it).
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ class OnlineConfig:
     workers: int | None = None
     """CPU producer processes (Dask LocalCluster workers); ``None``: one per ``target_gpus`` entry, else 1."""
     target_gpus: list[int] | None = None
-    """GPU ids of the producers, one Dask worker each (wired, untested on GPU in this version)."""
+    """GPU ids of the producers, one Dask worker each (one GPU tested on an H200; several not yet run)."""
     ring_slots: int = 4
     """Slots of the shared-memory ring: batches in flight between producers and trainer (memory: slots x
     token_budget x n*H x 2 bytes)."""
@@ -545,9 +551,10 @@ def register(app: typer.Typer) -> None:
         log_every: int = typer.Option(None, "--log-every", help="Log every N steps (10)."),
         progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the progress bar."),
     ) -> None:
-        """Train a drafter with target replicas feeding it through shared memory (no disk cache).
+        """Train a drafter with target replicas feeding it through shared memory (no disk cache; --cache-to writes one).
 
-        Same batches as extract + train on the same corpus and seed; exact resume (--output RUN --resume).
+        Same batches as extract + train on the same corpus and seed; DDP over --drafter-gpus; exact resume
+        (--output RUN --resume); layouts: --preset.
         """
         from rich.console import Console
 
