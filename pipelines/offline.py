@@ -387,6 +387,8 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
             return counts
 
         stage("split", split, split_work)
+        if config.evaluate.get("prompts"):  # a prompts file given: evaluate on it, not on the held-out rows
+            heldout_prompts = Path(config.evaluate["prompts"])
     extract = config.section("extract")
     stage("extract", extract, lambda: _json_safe(run_extract(
         ExtractConfig(corpus=str(paths["corpus"]), output=str(paths["cache"]), **extract), console=console)))
