@@ -93,19 +93,39 @@ def check_fields(cls: type, values: Mapping[str, Any], *, section: str, source: 
             raise ConfigError(f"{where}: expected {_type_name(hints[key])}, got {value!r}")
 
 
+def _yaml_loader() -> Any:
+    """PyYAML's SafeLoader (plain data only) that also reads ``3e-4`` as a float, as TOML and JSON do (YAML 1.1's
+    float pattern wants a dot: ``lr: 3e-4`` would otherwise be the string ``"3e-4"``)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+|\.[0-9_]+"
+                   r"(?:[eE][-+]?[0-9]+)?|\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+        list("-+0123456789."),
+    )
+    return Loader
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Settings from a ``.toml`` (``tomllib``) or ``.json`` file; a JSON ``run.json`` gives its ``config`` object.
+    """Settings from a ``.toml`` (``tomllib``), ``.yaml``/``.yml`` (PyYAML's safe loader: plain data only, never
+    objects; ``3e-4`` is a float) or ``.json`` file; a JSON ``run.json`` gives its ``config`` object.
 
     Raises:
-        ConfigError: the file is missing or unreadable, not valid TOML/JSON (with line and column), of another
-            extension, or not a table/object at the top.
+        ConfigError: the file is missing or unreadable, not valid TOML/YAML/JSON (with line and column), of another
+            extension, or not a table/mapping/object at the top.
     """
     import json
     import tomllib
 
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ConfigError(f"--config {file}: no such file; give a .toml or .json config file")
+        raise ConfigError(f"--config {file}: no such file; give a .toml, .yaml or .json config file")
     suffix = file.suffix.lower()
     try:
         text = file.read_text()
@@ -116,6 +136,16 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             data: Any = tomllib.loads(text)
         except tomllib.TOMLDecodeError as error:
             raise ConfigError(f"--config {file}: invalid TOML ({error})") from None
+    elif suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+            raise ConfigError(f"--config {file}: invalid YAML{where} ({problem})") from None
     elif suffix == ".json":
         try:
             data = json.loads(text)
@@ -123,7 +153,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             raise ConfigError(f"--config {file}: invalid JSON at line {error.lineno} column {error.colno} "
                               f"({error.msg})") from None
     else:
-        raise ConfigError(f"--config {file}: expected a .toml or .json file, got {suffix or 'no extension'!r}")
+        raise ConfigError(f"--config {file}: expected a .toml, .yaml or .json file, got {suffix or 'no extension'!r}")
     if not isinstance(data, dict):
         raise ConfigError(f"--config {file}: expected a table/object of settings at the top, got {type(data).__name__}")
     if suffix == ".json" and isinstance(data.get("config"), dict):  # a run.json

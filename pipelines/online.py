@@ -47,7 +47,8 @@ import typer
 from dflash.errors import ConfigError
 from stages.train import TrainConfig
 
-__all__ = ["OnlineConfig", "ONLINE_CACHE_PREFIX", "online_metadata", "online_training_data", "run_online", "register"]
+__all__ = ["OnlineConfig", "ONLINE_CACHE_PREFIX", "ONLINE_PRESETS", "OnlineData", "online_metadata", "online_sections",
+           "online_training_data", "load_online_preset", "printable_config", "run_online", "register"]
 
 log = logging.getLogger(__name__)
 
@@ -445,10 +446,7 @@ def load_online_preset(name_or_path: str) -> tuple[dict[str, Any], dict[str, Any
         ConfigError: unknown preset, unreadable JSON, or a section or key that is not an online or train setting
             (the message names it).
     """
-    from dataclasses import fields
     from importlib import resources
-
-    from stages.train import TrainConfig
 
     path = Path(name_or_path)
     if path.suffix == ".json" and path.is_file():
@@ -461,32 +459,59 @@ def load_online_preset(name_or_path: str) -> tuple[dict[str, Any], dict[str, Any
         data = json.loads(text)
     except json.JSONDecodeError as error:
         raise ConfigError(f"preset {name_or_path}: invalid JSON ({error})") from None
+    return online_sections(data, f"preset {name_or_path}")
+
+
+def online_sections(data: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(online fields, train fields)`` of a preset or ``--config`` mapping ``{"online": {...}, "train": {...}}``,
+    checked: unknown sections or keys (with a did-you-mean) and wrong types name the key and ``where``.
+
+    Raises:
+        ConfigError: as above.
+    """
+    from dflash.config_check import check_fields
+    from stages.train import TrainConfig
+
     sections = {k: v for k, v in data.items() if not k.startswith("_")}
-    if set(sections) - {"online", "train"}:
-        raise ConfigError(f"preset {name_or_path}: unknown sections {sorted(set(sections) - {'online', 'train'})}; "
-                          "expected 'online' and 'train'")
-    known = {"online": {f.name for f in fields(OnlineConfig)} - {"train", "corpus"},
-             "train": {f.name for f in fields(TrainConfig)} - {"cache", "output", "resume"}}
-    out = []
-    for section in ("online", "train"):
-        values = {k: v for k, v in dict(sections.get(section, {})).items() if not k.startswith("_")}
-        unknown = sorted(set(values) - known[section])
-        if unknown:
-            raise ConfigError(f"preset {name_or_path}: {section}.{unknown[0]} is not a setting of that section; "
-                              f"known: {', '.join(sorted(known[section]))}")
-        out.append(values)
-    return out[0], out[1]
+    if set(sections) - {"online", "train"} or not all(isinstance(v, dict) for v in sections.values()):
+        raise ConfigError(f"{where}: expected the sections 'online' and 'train' (tables of settings), got "
+                          f"{sorted(sections)}")
+    online = {k: v for k, v in sections.get("online", {}).items() if not k.startswith("_")}
+    train = {k: v for k, v in sections.get("train", {}).items() if not k.startswith("_")}
+    check_fields(OnlineConfig, online, section="online", source=lambda key: where, reserved={"train"})
+    # cache is online:<corpus>; resume is an option (--resume), never a saved setting
+    check_fields(TrainConfig, train, section="train", source=lambda key: where, reserved={"cache", "resume"})
+    return online, train
 
 
-def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], preset: str | None = None) -> OnlineConfig:
-    """The run's config: the preset's values (if any) under the options given; with ``--resume`` both over the
-    run's saved config (RUN/run.json), so resume a preset run with the same preset or none."""
+def printable_config(config: OnlineConfig) -> dict[str, Any]:
+    """The resolved config as ``online --config`` reads it back (``--print-config``)."""
+    train = config.train.to_dict()
+    for key in ("cache", "resume"):
+        train.pop(key, None)
+    return {"online": config.producer_dict(), "train": train}
+
+
+def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], preset: str | None = None,
+                    config_file: str | Path | None = None) -> OnlineConfig:  # fmt: skip
+    """The run's config: defaults < the preset < the ``--config`` file < the options given; with ``--resume`` all
+    of them over the run's saved config (RUN/run.json), so resume a run with the same preset and file, or none."""
+    from dflash.config_check import read_config_file
     from stages.train import config_from_cli as train_config_from_cli
 
+    layers = []
     if preset is not None:
-        preset_online, preset_train = load_online_preset(preset)
-        online = {**preset_online, **{k: v for k, v in online.items() if v is not None}}
-        train_overrides = {**preset_train, **{k: v for k, v in train_overrides.items() if v is not None}}
+        layers.append(load_online_preset(preset))
+    if config_file is not None:
+        layers.append(online_sections(read_config_file(config_file), f"--config {config_file}"))
+    given_online = {k: v for k, v in online.items() if v is not None}
+    given_train = {k: v for k, v in train_overrides.items() if v is not None}
+    online, train_overrides = {}, {}
+    for layer_online, layer_train in layers:
+        online.update(layer_online)
+        train_overrides.update(layer_train)
+    online.update(given_online)
+    train_overrides.update(given_train)
     output = train_overrides.get("output")
     saved: dict[str, Any] = {}
     run_json = Path(output) / "run.json" if output else None
@@ -522,6 +547,11 @@ def register(app: typer.Typer) -> None:
         output: str = typer.Option(None, "--output", "-o", help="Run folder."),
         preset: str = typer.Option(None, "--preset", help=f"A layout: {', '.join(ONLINE_PRESETS)}, or a .json file "
                                    "({online: {...}, train: {...}}); options given override it."),
+        config_file: str = typer.Option(None, "--config", help="Settings in a .toml, .yaml or .json file with the "
+                                        "sections online and train (what --print-config prints); over --preset, "
+                                        "under the options given."),
+        print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config (JSON, readable "
+                                          "by --config) and exit; nothing runs."),
         resume: bool = typer.Option(None, "--resume/--no-resume", help="Continue RUN from its latest checkpoint."),
         target: str = typer.Option(None, "--target", help="Target spec ('default' = SmolLM2-135M-Instruct)."),
         target_layer_ids: str = typer.Option(None, "--target-layer-ids", help="Tapped layer ids, e.g. 1,3."),
@@ -571,7 +601,10 @@ def register(app: typer.Typer) -> None:
             "min_supervised_tokens": min_supervised_tokens, "save_every": save_every, "log_every": log_every,
             "progress": progress,
         }  # fmt: skip
-        config = config_from_cli(online, train_overrides, preset)
+        config = config_from_cli(online, train_overrides, preset, config_file)
+        if print_config:
+            print(json.dumps(printable_config(config), indent=2))
+            return
         summary = run_online(config)
         Console().print_json(json.dumps(summary, default=str))
         exit_if_interrupted(summary, config.train)

@@ -454,7 +454,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None) 
     if config_file is not None:
         from dflash.config_check import check_fields, read_config_file
 
-        base = read_config_file(config_file)  # .toml or .json (a run.json too)
+        base = read_config_file(config_file)  # .toml, .yaml or .json (a run.json too)
         check_fields(TrainConfig, base, section="train", source=lambda key: f"--config {config_file}")
     output = overrides.get("output") or base.get("output")
     run_json = Path(output) / "run.json" if output else None
@@ -506,7 +506,7 @@ def register(app: typer.Typer) -> None:
         cache: str = typer.Option(None, "--cache", help="Hidden-state cache (folder or fsspec URL)."),
         output: str = typer.Option(None, "--output", "-o", help="Run folder."),
         resume: bool = typer.Option(None, "--resume/--no-resume", help="Continue RUN from its latest checkpoint."),
-        config_file: Path = typer.Option(None, "--config", help="TrainConfig fields in a .toml or .json file (or a run.json) to start from; options given override it."),
+        config_file: Path = typer.Option(None, "--config", help="TrainConfig fields in a .toml, .yaml or .json file (or a run.json) to start from; options given override it."),
         target: str = typer.Option(None, "--target", help="Target spec; default: the cache's."),
         drafter_gpus: str = typer.Option(None, "--drafter-gpus", help="GPU ids, e.g. 5,6,7 (DDP when several)."),
         cpu_processes: int = typer.Option(None, "--cpu-processes", help="DDP processes on CPU (gloo)."),

@@ -302,7 +302,11 @@ def test_os_errors_the_user_must_fix_are_one_line_exit_2(monkeypatch, capsys, co
     ("lr = = 3\n", ".toml", "--config {path}: invalid TOML (Invalid value (at line 1, column 6))"),
     ('{"lrr": 3}', ".json", "train.lrr (--config {path}): unknown key; did you mean train.lr?"),
     ('{"lr": 3,}', ".json", "--config {path}: invalid JSON at line 1 column 10"),
-    ("lr: 3\n", ".yaml", "--config {path}: expected a .toml or .json file, got '.yaml'"),
+    ("lr: [3\n", ".yaml", "--config {path}: invalid YAML at line 2 column 1 (expected ',' or ']'"),
+    ("lr: fast\n", ".yml", "train.lr (--config {path}): expected float, got 'fast'"),
+    ('!!python/object/apply:os.system ["touch {path}.pwned"]\n', ".yaml",
+     "--config {path}: invalid YAML at line 1 column 1 (could not determine a constructor"),  # never code
+    ("lr = 3\n", ".ini", "--config {path}: expected a .toml, .yaml or .json file, got '.ini'"),
     (None, ".toml", "--config {path}: no such file"),
 ])
 def test_train_config_file_errors_name_the_key_or_position_and_the_file(tmp_path, monkeypatch, capsys, text, suffix,
@@ -319,11 +323,15 @@ def test_train_config_file_errors_name_the_key_or_position_and_the_file(tmp_path
     assert not (tmp_path / "run").exists()
 
 
-def test_a_toml_train_config_is_read(tmp_path):
+@pytest.mark.parametrize(("name", "text"), [
+    ("train.toml", 'lr = 3e-4\nblock_size = 8\nbetas = [0.9, 0.95]\ntarget_layer_ids = [1, 2]\n'),
+    ("train.yaml", "lr: 3e-4\nblock_size: 8\nbetas: [0.9, 0.95]\ntarget_layer_ids: [1, 2]\n"),  # 3e-4: a float
+])
+def test_a_toml_or_yaml_train_config_is_read(tmp_path, name, text):
     from stages.train import config_from_cli
 
-    path = tmp_path / "train.toml"
-    path.write_text('lr = 3e-4\nblock_size = 8\nbetas = [0.9, 0.95]\ntarget_layer_ids = [1, 2]\n')
+    path = tmp_path / name
+    path.write_text(text)
     config = config_from_cli({"cache": "c", "output": "o"}, path)
     assert (config.lr, config.block_size, tuple(config.betas), config.target_layer_ids) == (3e-4, 8, (0.9, 0.95), [1, 2])
 

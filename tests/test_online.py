@@ -347,5 +347,42 @@ def test_online_presets_give_each_layout_and_options_override_them(tmp_path):
     assert config.ring_slots == 6 and config.train.token_budget == 2048 and config.train.block_size == 4
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"online": {"ring_slot": 3}}))
-    with pytest.raises(ConfigError, match=r"online\.ring_slot is not a setting"):
+    with pytest.raises(ConfigError, match=r"online\.ring_slot \(preset .*bad\.json\): unknown key; did you mean "
+                                          r"online\.ring_slots\?"):
         config_from_cli({"corpus": str(tmp_path)}, {"output": str(tmp_path / "b")}, str(bad))
+
+
+def test_online_print_config_reads_back_with_config_and_files_sit_between_preset_and_options(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """``--print-config`` prints the resolved config; fed back with ``--config`` (JSON, or the same as YAML) it
+    resolves to the same config; precedence is preset < file < options; a typo in the file names key and file."""
+    from cli_helpers import main_in_process
+
+    from pipelines.online import config_from_cli, printable_config
+
+    args = ["online", "--preset", "online-cpu", "--corpus", str(tmp_path / "c"), "--output", str(tmp_path / "r"),
+            "--ring-slots", "5", "--lr", "3e-4", "--print-config"]
+    import sys
+
+    from stages.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["dflash-stages", *args])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code in (0, None)
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["online"]["ring_slots"] == 5 and printed["train"]["lr"] == 3e-4
+    assert printed["train"]["block_size"] == 4  # from the preset
+    (tmp_path / "cfg.json").write_text(json.dumps(printed))
+    again = config_from_cli({}, {}, None, tmp_path / "cfg.json")
+    assert printable_config(again) == printed
+    (tmp_path / "cfg.yaml").write_text("online:\n  ring_slots: 7\ntrain:\n  lr: 1e-3\n  block_size: 8\n")
+    layered = config_from_cli({"corpus": str(tmp_path / "c")}, {"output": str(tmp_path / "r"), "block_size": 2},
+                              "online-cpu", tmp_path / "cfg.yaml")  # fmt: skip
+    assert (layered.ring_slots, layered.train.lr, layered.train.block_size, layered.train.token_budget) == \
+        (7, 1e-3, 2, 1024)  # file over preset, option over file, preset where neither says
+    (tmp_path / "typo.yaml").write_text("train:\n  lrr: 1e-3\n")
+    code, err = main_in_process(monkeypatch, capsys, "online", "--corpus", str(tmp_path / "c"), "--output",
+                                str(tmp_path / "t"), "--config", str(tmp_path / "typo.yaml"))  # fmt: skip
+    assert code == 2 and "train.lrr (--config " in err and "did you mean train.lr?" in err
+    assert not (tmp_path / "t").exists()
