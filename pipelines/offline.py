@@ -430,8 +430,11 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
         epoch_taus.append(entry)
         state.data["epochs"] = epoch_taus
         state.save()
+        where = f"step {entry['step']}"
+        if entry.get("data_epoch") is not None and "max_steps" in train:  # the points are not epoch ends
+            where += f", {entry['steps_fraction']:.0%} of the steps, data cursor in epoch {entry['data_epoch']}"
         console.print(f"[bold]epoch {entry['epoch']}: tau = {entry['tau']:.3f}[/] on {report['prompts']['count']} "
-                      f"held-out prompts (step {entry['step']})")
+                      f"held-out prompts ({where})")
 
     done_epochs = {entry["epoch"] for entry in epoch_taus}
     if per_epoch and not state.check("train", train):
@@ -454,9 +457,14 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
             if epoch in done_epochs:
                 continue
             folder, trainer_state = _latest_checkpoint(paths["run"])
-            report = evaluate_checkpoint(folder, paths["eval"] / f"epoch_{epoch}.json", f"epoch {epoch} ({folder.name})")
+            # With train.max_steps the schedule is not whole epochs: the points are at equal fractions of the steps,
+            # and the data cursor says which pass over the corpus each one fell in.
+            cursor = trainer_state.get("data") or {}
+            label = f"epoch {epoch}" if "max_steps" not in train else f"point {epoch} of {math.ceil(epochs)}"
+            report = evaluate_checkpoint(folder, paths["eval"] / f"epoch_{epoch}.json", f"{label} ({folder.name})")
             record_epoch({"epoch": epoch, "step": int(trainer_state["step"]), "tau": report["tau"],
-                          "speedup": report["speedup"], "checkpoint": str(folder)}, report)
+                          "speedup": report["speedup"], "checkpoint": str(folder),
+                          "data_epoch": cursor.get("epoch"), "steps_fraction": stop / total_steps}, report)
         state.finish("train", time.perf_counter() - started, {"total_steps": total_steps})
     else:
         def train_work() -> dict[str, Any]:
