@@ -92,3 +92,18 @@ class ForkedCli:
         self._server.wait(timeout=60)
         self._server.stdout.close()
         self._folder.cleanup()
+
+
+_SHARED: list[ForkedCli] = []
+
+
+def forked_cli(*args: str, cwd, env: dict[str, str] | None = None, timeout: float = 120):
+    """``ForkedCli.run`` on the session's one fork server (started at the first call; conftest closes it)."""
+    if not _SHARED:
+        _SHARED.append(ForkedCli())
+    return _SHARED[0].run(*args, cwd=cwd, env=env, timeout=timeout)
+
+
+def close_forked_cli() -> None:
+    while _SHARED:
+        _SHARED.pop().close()

@@ -14,24 +14,13 @@ import pytest
 from dflash.corpus import CorpusWriter
 from dflash.errors import CorpusError
 
-_FORKED: list = []  # the module's ForkedCli, started by the first _cli call
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _forked_cli():
-    yield
-    while _FORKED:
-        _FORKED.pop().close()
-
 
 def _cli(*args: str, cwd, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The console script in its own process (forked from one that imported torch and transformers once; see
     cli_helpers.ForkedCli); test_version and the SIGTERM test start whole interpreters."""
-    from cli_helpers import ForkedCli
+    from cli_helpers import forked_cli
 
-    if not _FORKED:
-        _FORKED.append(ForkedCli())
-    return _FORKED[0].run(*args, cwd=cwd, env=env)
+    return forked_cli(*args, cwd=cwd, env=env)
 
 
 def _main_in_process(monkeypatch, *args: str) -> int:
