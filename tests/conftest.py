@@ -55,6 +55,15 @@ def dflash_home(tmp_path_factory):
     patch.undo()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _forked_cli_server():
+    """Ends the fork server of ``cli_helpers.forked_cli`` (started only by a test that uses it)."""
+    yield
+    from cli_helpers import close_forked_cli
+
+    close_forked_cli()
+
+
 @pytest.fixture(scope="session")
 def target_path(dflash_home):
     """Local transformers folder of the embedded default target (converted once from its GGUF file; reached

@@ -5,6 +5,7 @@ trains like the Triton path."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -94,13 +95,42 @@ def test_unknown_names_are_refused(restore_backend, monkeypatch):
             call()
 
 
+ENV_VALUES = ("Triton", "", "fast")
+
+# One interpreter imports torch and transformers (the slow part), then forks a child per value: each child sets the
+# variable and imports dflash.drafter for the first time, so the value is read at import as in a fresh process.
+_FORK_PER_VALUE = f"""
+import os, sys
+import torch, transformers
+for value in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:
+        os.environ[{backend.ENV_VAR!r}] = value
+        assert "dflash.drafter" not in sys.modules
+        try:
+            from dflash.drafter import attention_backend
+            print(repr(value), attention_backend(), flush=True)
+        except Exception as error:
+            print(repr(value), type(error).__name__, flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+"""
+
+
+@pytest.fixture(scope="module")
+def backend_by_env_value():
+    env = {key: value for key, value in os.environ.items() if key != backend.ENV_VAR}
+    result = subprocess.run([sys.executable, "-c", _FORK_PER_VALUE, *ENV_VALUES], capture_output=True, text=True,
+                            env=env, timeout=120)
+    lines = [line.split(" ", 1) for line in result.stdout.splitlines()]
+    assert len(lines) == len(ENV_VALUES), result.stdout + result.stderr
+    return {ast.literal_eval(value): name for value, name in lines}, result.stderr
+
+
 @pytest.mark.parametrize("value, expected", [("Triton", "triton"), ("", "auto"), ("fast", "ConfigError")])
-def test_environment_variable_sets_the_default(value, expected):
-    code = ("from dflash.drafter import attention_backend\n"
-            "try:\n    print(attention_backend())\nexcept Exception as error:\n    print(type(error).__name__)")
-    env = {**os.environ, backend.ENV_VAR: value}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert result.stdout.strip() == expected, result.stderr
+def test_environment_variable_sets_the_default(backend_by_env_value, value, expected):
+    seen, stderr = backend_by_env_value
+    assert seen[value] == expected, stderr
 
 
 def test_forward_train_hands_the_choice_to_every_layer(restore_backend, monkeypatch):

@@ -16,8 +16,11 @@ from dflash.errors import CorpusError
 
 
 def _cli(*args: str, cwd, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from stages.cli import main; main()", *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=120, env=env)
+    """The console script in its own process (forked from one that imported torch and transformers once; see
+    cli_helpers.ForkedCli); test_version and the SIGTERM test start whole interpreters."""
+    from cli_helpers import forked_cli
+
+    return forked_cli(*args, cwd=cwd, env=env)
 
 
 def _main_in_process(monkeypatch, *args: str) -> int:

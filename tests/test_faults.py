@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import main_in_process
+from cli_helpers import forked_cli, main_in_process
 from train_helpers import build_tiny_cache, tiny_config
 
 from dflash import faults
@@ -159,10 +159,11 @@ def test_full_disk_under_extract_stops_cleanly_keeping_the_committed_shards(tmp_
             writer.add(input_ids, np.ones(len(input_ids), dtype=np.uint8), f"doc-{index}")
         writer.commit({"target_spec": "default"})
     output = tmp_path / "cache"
-    command = [sys.executable, "-m", "stages.cli", "extract", "--corpus", str(corpus), "--output", str(output),
+    command = ["extract", "--corpus", str(corpus), "--output", str(output),
                "--workers", "1", "--shard-size", "1", "--dashboard-address", ":0", "--force-space"]  # fmt: skip
-    full = subprocess.run(command, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, faults.ENV: "cache.chunk-write@2=enospc", "COLUMNS": "400"})  # fmt: skip
+    # The console script in its own process, forked from one that imported torch once (cli_helpers.forked_cli).
+    full = forked_cli(*command, cwd=os.getcwd(), timeout=240,
+                      env={**os.environ, faults.ENV: "cache.chunk-write@2=enospc", "COLUMNS": "400"})  # fmt: skip
     assert full.returncode == 2, full.stderr
     line = _one_error_line(full.stderr)
     assert line.startswith(f"error: no space left at {output}: 1 of 3 shards are committed and kept; the other 2 "

@@ -162,15 +162,23 @@ def test_a_template_without_a_generation_prompt_is_refused(target):
         check_generation_prompt(tokenizer, {}, where="target X")
 
 
+def _generate_args(prompts: Path, output: Path, *extra: str) -> list[str]:
+    return ["generate", str(prompts), "--output", str(output), "--workers", "1", "--part-size", "1",
+            "--max-new-tokens", "4", *extra]
+
+
 def _generate_cli(prompts: Path, output: Path, *extra: str, **popen) -> subprocess.Popen:
-    command = [sys.executable, "-m", "stages.cli", "generate", str(prompts), "--output", str(output),
-               "--workers", "1", "--part-size", "1", "--max-new-tokens", "4", *extra]
+    command = [sys.executable, "-m", "stages.cli", *_generate_args(prompts, output, *extra)]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}, **popen)
 
 
 @pytest.mark.slow
-def test_sigkill_then_rerun_loses_and_duplicates_no_prompt(tmp_path):
+def test_sigkill_then_rerun_loses_and_duplicates_no_prompt(tmp_path, monkeypatch, capsys):
+    """The killed run is a real ``dflash-stages generate`` process (its process group SIGKILLed); the rerun and the
+    refused run are the same command through the same entry point, in this process (no second interpreter start)."""
+    from cli_helpers import main_in_process
+
     prompts = _write_jsonl(tmp_path / "p.jsonl", [{"text": f"def function_{i}(x):\n    return x"} for i in range(5)])
     output = tmp_path / "out"
     process = _generate_cli(prompts, output, start_new_session=True)
@@ -183,9 +191,9 @@ def test_sigkill_then_rerun_loses_and_duplicates_no_prompt(tmp_path):
     assert 2 <= len(before) < 5, before
     with pytest.raises(CorpusError, match="unfinished generate output"):
         open_corpus(output)
-    rerun = _generate_cli(prompts, output)
-    stdout, stderr = rerun.communicate(timeout=600)
-    assert rerun.returncode == 0, stderr[-3000:]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as _generate_cli's environment, for the rerun's Dask worker
+    code, stderr = main_in_process(monkeypatch, capsys, *_generate_args(prompts, output))
+    assert code == 0, stderr[-3000:]
     corpus = open_corpus(output)
     assert [corpus.sample_id(i) for i in range(len(corpus))] == [f"p.jsonl line {i + 1}" for i in range(5)]
     for part, inode in before.items():  # committed parts were kept, not redone
@@ -195,9 +203,8 @@ def test_sigkill_then_rerun_loses_and_duplicates_no_prompt(tmp_path):
     assert generation["engine"]["engine"] == "transformers" and generation["target"]["num_hidden_layers"] == 30
     assert generation["generated_tokens"] == int(sum(corpus.row(i).loss_mask.sum() for i in range(len(corpus))))
     # The same command with other settings is refused, naming what differs.
-    other = _generate_cli(prompts, output, "--temperature", "0.7")
-    _, stderr = other.communicate(timeout=300)
-    assert other.returncode == 2 and "differs in: temperature" in stderr
+    code, stderr = main_in_process(monkeypatch, capsys, *_generate_args(prompts, output, "--temperature", "0.7"))
+    assert code == 2 and "differs in: temperature" in stderr
 
 
 def test_openai_engine_through_the_stage(tmp_path, target):

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import main_in_process
+from cli_helpers import forked_cli, main_in_process
 from train_helpers import build_tiny_cache
 
 from dflash.locks import lock_path_of
@@ -116,10 +116,9 @@ def test_real_train_holds_its_run_and_a_sigkilled_one_is_taken_over_on_resume(ti
     assert lock_path_of(run).is_file()  # SIGKILL: no cleanup ran
     checkpointed = int((run / "latest").read_text().strip().removeprefix("step_"))
     # The same command with --resume (stopping soon, to keep the test short) takes the stale lock over.
-    result = subprocess.run(
-        [*_train_command(tiny_cache, run), "--resume", "--stop-at-step", str(checkpointed + 2)],
-        capture_output=True, text=True, env=_ENV, timeout=300,
-    )
+    # In its own process, forked from one that imported torch once (cli_helpers.forked_cli).
+    result = forked_cli(*_train_command(tiny_cache, run)[3:], "--resume", "--stop-at-step", str(checkpointed + 2),
+                        cwd=os.getcwd(), env=_ENV, timeout=300)
     assert result.returncode == 0, result.stderr
     logged = " ".join((result.stdout + result.stderr).split())  # the log handler writes to stdout
     assert f"took over the stale lock of {run}: pid {first.pid}" in logged, logged[-2000:]

@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -172,10 +170,12 @@ def test_train_resume_with_a_planted_rng_file_exits_2_and_runs_nothing(run_b8, t
     import json
 
     cache = json.loads(config)["config"]["cache"]
-    result = subprocess.run(
-        [sys.executable, "-m", "stages.cli", "train", "--cache", cache, "--output", str(run), "--resume",
-         "--max-steps", "2", "--num-draft-layers", "1", "--block-size", "4", "--device", "cpu"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()},
+    from cli_helpers import forked_cli
+
+    result = forked_cli(  # the console script in its own process, forked from one that imported torch once
+        "train", "--cache", cache, "--output", str(run), "--resume",
+        "--max-steps", "2", "--num-draft-layers", "1", "--block-size", "4", "--device", "cpu",
+        cwd=os.getcwd(), timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert not marker.exists()
