@@ -68,7 +68,7 @@ class BatchTask:
     staging: str | None = None
     """``--cache-to``: the staging folder this first-epoch batch is also written to (``dflash.cache.staging``)."""
     stage_name: str = ""
-    """The staged batch's name (``<split>-b<global batch index>``)."""
+    """The staged batch's name (``<split>-b<global batch index>-<digest of its rows>``)."""
 
 
 class BatchProducer:
@@ -230,11 +230,11 @@ class OnlineBatches(PlannedCursor):
                         return  # stopped
                     slot, ticket = claimed
                     index = self.global_batch_index(step)
+                    planned_rows = tuple(int(r) for r in self.sample_row[planned.samples])
                     task = BatchTask(ring_name=self.ring.name, slot=slot, ticket=ticket, epoch=epoch,
                                      batch_index=index, bucket=int(planned.bucket),
-                                     corpus_rows=tuple(int(r) for r in self.sample_row[planned.samples]),
-                                     staging=self.staging if epoch == 0 else None,
-                                     stage_name=f"{self.config.split}-b{index:08d}")  # fmt: skip
+                                     corpus_rows=planned_rows, staging=self.staging if epoch == 0 else None,
+                                     stage_name=_stage_name(self.config.split, index, planned_rows))  # fmt: skip
                     try:
                         future = self.submit(task)
                     except BaseException:
@@ -382,6 +382,14 @@ class OnlineBatches(PlannedCursor):
             "queue": {"num_slots": geometry.num_slots, "slot_bytes": geometry.slot_bytes, "width": geometry.width,
                       "dtype": str(geometry.dtype).removeprefix("torch."), "ring": self.ring.name},
         }  # fmt: skip
+
+
+def _stage_name(split: str, index: int, rows: tuple[int, ...]) -> str:
+    """A staged batch's name: split, global batch index and a digest of its rows, so that the batches of another
+    plan (another seed or token budget writing into the same ``--cache-to``) never pass for this plan's."""
+    import hashlib
+
+    return f"{split}-b{index:08d}-{hashlib.sha256(repr(rows).encode()).hexdigest()[:12]}"
 
 
 @dataclass(slots=True)

@@ -108,6 +108,11 @@ class OnlineConfig:
             raise ConfigError(f"ring_slots: expected an integer >= 2, got {self.ring_slots!r}")
         if self.runner_token_budget is not None and self.runner_token_budget < 1:
             raise ConfigError(f"runner_token_budget: expected >= 1, got {self.runner_token_budget}")
+        if self.cache_to is not None and self.train.output:
+            run, cache = Path(self.train.output).resolve(), Path(self.cache_to).resolve()
+            if run == cache or run in cache.parents or cache in run.parents:
+                raise ConfigError(f"cache_to: {self.cache_to} and the run folder {self.train.output} overlap; give "
+                                  "--cache-to a folder of its own (beside the run, not in it)")
         if not isinstance(self.cache_shard_size, int) or self.cache_shard_size < 1:
             raise ConfigError(f"cache_shard_size: expected an integer >= 1, got {self.cache_shard_size!r}")
         if self.on_producer_death not in PRODUCER_DEATH_POLICIES:
@@ -367,6 +372,25 @@ def _start_cluster(config: OnlineConfig, metadata: Any) -> tuple[Any, Any]:
     return client, cluster
 
 
+def _check_before_start(config: OnlineConfig) -> None:
+    """What the trainer would refuse only after the producers loaded the target (seconds to minutes in), checked
+    before anything starts or is created: GPUs asked for on a host without CUDA, a run folder that is no run."""
+    import torch
+
+    train = config.train
+    wants_cuda = bool(config.target_gpus) or bool(train.drafter_gpus) or train.device == "cuda"
+    if wants_cuda and not torch.cuda.is_available():
+        given = "--target-gpus" if config.target_gpus else "--drafter-gpus" if train.drafter_gpus else "--device cuda"
+        raise ConfigError(f"{given}: CUDA is not available on this host; use --workers N (CPU producers) and "
+                          "--device cpu, or the online-cpu preset")
+    run = Path(train.output)
+    if run.exists() and not run.is_dir():
+        raise ConfigError(f"output: {run} exists and is not a folder (a run folder is expected)")
+    if run.is_dir() and not (run / "run.json").is_file() and any(run.iterdir()):
+        raise ConfigError(f"--output {run} exists and holds files that are not a dflash run (no run.json); pass a new "
+                          "or empty folder" + (", or the folder of the run to resume" if train.resume else ""))
+
+
 def run_online(config: OnlineConfig) -> dict[str, Any]:
     """Run an online training: producers on a LocalCluster, the training loop in this process. Returns the
     trainer's summary (as ``train``'s).
@@ -383,6 +407,7 @@ def run_online(config: OnlineConfig) -> dict[str, Any]:
         locks.enter_context(output_lock(train.output, what="run", break_lock=train.break_lock))
         if config.cache_to:
             locks.enter_context(output_lock(config.cache_to, what="cache", break_lock=train.break_lock))
+        _check_before_start(config)
         _, metadata = online_metadata(config)
         assembler = _open_cache_to(config, metadata) if config.cache_to else None
         client, cluster = _start_cluster(config, metadata)
@@ -449,7 +474,9 @@ def load_online_preset(name_or_path: str) -> tuple[dict[str, Any], dict[str, Any
     from importlib import resources
 
     path = Path(name_or_path)
-    if path.suffix == ".json" and path.is_file():
+    if path.suffix == ".json" and not path.is_file():
+        raise ConfigError(f"preset {name_or_path}: no such file")
+    if path.suffix == ".json":
         text = path.read_text()
     elif name_or_path in ONLINE_PRESETS:
         text = resources.files("pipelines").joinpath("presets", f"{name_or_path}.json").read_text()
@@ -472,6 +499,9 @@ def online_sections(data: dict[str, Any], where: str) -> tuple[dict[str, Any], d
     from dflash.config_check import check_fields
     from stages.train import TrainConfig
 
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected an object with the sections 'online' and 'train', got "
+                          f"{type(data).__name__}")
     sections = {k: v for k, v in data.items() if not k.startswith("_")}
     if set(sections) - {"online", "train"} or not all(isinstance(v, dict) for v in sections.values()):
         raise ConfigError(f"{where}: expected the sections 'online' and 'train' (tables of settings), got "
@@ -510,8 +540,22 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
     for layer_online, layer_train in layers:
         online.update(layer_online)
         train_overrides.update(layer_train)
+    # An option given replaces what it contradicts in the preset or file (CPU producers vs producer GPUs, CPU
+    # ranks vs drafter GPUs): `--preset online-cpu --target-gpus 0` means GPU producers, not an error.
+    for given, replaced in (("target_gpus", "workers"), ("workers", "target_gpus")):
+        if given in given_online:
+            online.pop(replaced, None)
+    if "drafter_gpus" in given_train:
+        train_overrides.pop("cpu_processes", None)
+        if train_overrides.get("device") == "cpu":
+            train_overrides.pop("device")
+    if "cpu_processes" in given_train:
+        train_overrides.pop("drafter_gpus", None)
     online.update(given_online)
     train_overrides.update(given_train)
+    for key in ("corpus", "cache_to"):  # saved in run.json: a resume from another folder must find them
+        if online.get(key) and "://" not in str(online[key]):
+            online[key] = str(Path(online[key]).expanduser().resolve())
     output = train_overrides.get("output")
     saved: dict[str, Any] = {}
     run_json = Path(output) / "run.json" if output else None
@@ -580,6 +624,12 @@ def register(app: typer.Typer) -> None:
         save_every: int = typer.Option(None, "--save-every", help="Checkpoint every N steps (500)."),
         log_every: int = typer.Option(None, "--log-every", help="Log every N steps (10)."),
         progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the progress bar."),
+        grad_accum_steps: int = typer.Option(None, "--grad-accum-steps", help="Micro-batches per step and rank (1)."),
+        eval_every: int = typer.Option(None, "--eval-every", help="Validate every N steps (500)."),
+        keep_last: int = typer.Option(None, "--keep-last", help="Checkpoints kept besides the best (3)."),
+        allow_config_change: bool = typer.Option(None, "--allow-config-change", help="--resume with settings that "
+                                                 "change the trajectory (e.g. more --max-steps)."),
+        break_lock: bool = typer.Option(None, "--break-lock", help="Take over the run's lock held by another host."),
     ) -> None:
         """Train a drafter with target replicas feeding it through shared memory (no disk cache; --cache-to writes one).
 
@@ -599,7 +649,8 @@ def register(app: typer.Typer) -> None:
             "token_budget": token_budget, "num_buckets": num_buckets, "validation_fraction": validation_fraction,
             "epochs": epochs, "max_steps": max_steps, "stop_at_step": stop_at_step, "lr": lr, "seed": seed,
             "min_supervised_tokens": min_supervised_tokens, "save_every": save_every, "log_every": log_every,
-            "progress": progress,
+            "progress": progress, "grad_accum_steps": grad_accum_steps, "eval_every": eval_every,
+            "keep_last": keep_last, "allow_config_change": allow_config_change, "break_lock": break_lock,
         }  # fmt: skip
         config = config_from_cli(online, train_overrides, preset, config_file)
         if print_config:
@@ -607,4 +658,4 @@ def register(app: typer.Typer) -> None:
             return
         summary = run_online(config)
         Console().print_json(json.dumps(summary, default=str))
-        exit_if_interrupted(summary, config.train)
+        exit_if_interrupted(summary, config.train, command="online")

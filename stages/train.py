@@ -474,10 +474,10 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None) 
     return TrainConfig.from_dict(merged)
 
 
-def exit_if_interrupted(summary: dict[str, Any], config: TrainConfig) -> None:
+def exit_if_interrupted(summary: dict[str, Any], config: TrainConfig, command: str = "train") -> None:
     """End a run that stopped on SIGTERM or a first Ctrl-C with exit status 130 (``stages.cli.ExitCode``), after
     the trainer saved its checkpoint: to a scheduler an interrupted run is not a finished one. Prints the exact
-    command that continues it (on rank 0).
+    command that continues it (on rank 0): ``dflash-stages COMMAND --output RUN --resume``.
 
     Raises:
         typer.Exit: code 130 when ``summary["stopped_by_signal"]``; returns otherwise.
@@ -493,7 +493,7 @@ def exit_if_interrupted(summary: dict[str, Any], config: TrainConfig) -> None:
         Console(stderr=True).print(
             Text("interrupted", style="bold yellow")
             + Text(f" at step {summary.get('step')} of {summary.get('total_steps')}; the checkpoint is saved. "
-                   f"Continue with: dflash-stages train --output {config.output} --resume"),
+                   f"Continue with: dflash-stages {command} --output {config.output} --resume"),
             soft_wrap=True,
         )
     raise typer.Exit(ExitCode.INTERRUPTED)

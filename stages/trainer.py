@@ -311,7 +311,7 @@ class Trainer:
                     self.feed.mark(self.counters["tokens_seen"], self.train_loader.stats)
                 self.progress.update(task, completed=self.step, status=self._status(step_metrics, last_eval))
                 if stopping:
-                    log.warning("stopped at step %d on SIGTERM, with a checkpoint; --resume continues it", self.step)
+                    log.warning("stopped at step %d on SIGTERM or Ctrl-C, with a checkpoint; --resume continues it", self.step)
         self.checkpointer.wait()
         return self.summary(last_eval)
 
@@ -480,12 +480,14 @@ class Trainer:
 
     def _resume_checkpoint(self):
         config = self.config
+        # Also with --resume: resuming "into" a cache or any folder of the user's must not write a run into it.
+        if self.run_dir.is_dir() and not (self.run_dir / "run.json").is_file() and any(self.run_dir.iterdir()):
+            raise CheckpointError(
+                f"--output {self.run_dir} exists and holds files that are not a dflash run (no run.json); "
+                "pass a new or empty folder so nothing of yours is mixed with the run"
+                + ("" if not config.resume else ", or the folder of the run to resume")
+            )
         if not config.resume:
-            if self.run_dir.is_dir() and not (self.run_dir / "run.json").is_file() and any(self.run_dir.iterdir()):
-                raise CheckpointError(
-                    f"--output {self.run_dir} exists and holds files that are not a dflash run (no run.json); "
-                    "pass a new or empty folder so nothing of yours is mixed with the run"
-                )
             if (self.run_dir / "latest").is_file():
                 raise CheckpointError(
                     f"{self.run_dir} already holds a run (latest -> {(self.run_dir / 'latest').read_text().strip()}); "

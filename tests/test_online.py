@@ -398,3 +398,61 @@ def test_online_print_config_reads_back_with_config_and_files_sit_between_preset
                                 str(tmp_path / "t"), "--config", str(tmp_path / "typo.yaml"))  # fmt: skip
     assert code == 2 and "train.lrr (--config " in err and "did you mean train.lr?" in err
     assert not (tmp_path / "t").exists()
+
+
+def test_a_damaged_staged_batch_is_dropped_not_fatal_and_a_restaged_one_commits_the_shard(offline_cache, corpus_dir,
+                                                                                           tmp_path):
+    """``--cache-to``'s assembler: a truncated staged batch (a full disk, a hand edit) is removed with a warning and
+    its shard stays pending (no traceback at the end of a run); staged again, the shard commits with exactly the
+    staged hidden states, and staging empties."""
+    from dflash.cache import HiddenStateCache
+    from dflash.cache.staging import ShardAssembler, stage_batch
+
+    offline = CacheReader(offline_cache)
+    cache = HiddenStateCache.create(tmp_path / "cache", offline.metadata)
+    assembler = ShardAssembler(cache, open_corpus(corpus_dir), [], reason="test")
+    samples = offline.read_shard(0)
+    half = len(samples) // 2
+    staging = tmp_path / "cache" / "staging"
+    assert stage_batch(staging, "train-b0-a", [s.corpus_row for s in samples[:half]], [s.hidden for s in samples[:half]])
+    assert stage_batch(staging, "train-b1-b", [s.corpus_row for s in samples[half:]], [s.hidden for s in samples[half:]])
+    assert not stage_batch(staging, "train-b1-b", [s.corpus_row for s in samples[half:]], [])  # staged already
+    damaged = staging / "train-b1-b" / "hidden.npy"
+    damaged.write_bytes(damaged.read_bytes()[:-1000])
+    assert assembler.poll() == [] and 0 in assembler.pending_shards()
+    assert not (staging / "train-b1-b").exists() and len(assembler.missing_rows(0)) == len(samples) - half
+    assert stage_batch(staging, "train-b1-b", [s.corpus_row for s in samples[half:]], [s.hidden for s in samples[half:]])
+    assert assembler.poll() == [0]
+    stored = {s.corpus_row: s for s in CacheReader(tmp_path / "cache").read_shard(0)}
+    for sample in samples:
+        assert torch.equal(stored[sample.corpus_row].hidden, sample.hidden)
+        assert torch.equal(stored[sample.corpus_row].input_ids, sample.input_ids)
+    assert not any(staging.iterdir())  # both staged batches were swept once the shard committed
+
+
+def test_online_refuses_up_front_what_would_fail_after_the_producers_loaded(tmp_path, monkeypatch, capsys, corpus_dir):
+    """Checked before any producer starts or anything is created: a resume into a folder that is no run (a cache,
+    the user's files), --cache-to inside the run folder, GPUs on a host without CUDA; an option given replaces what
+    it contradicts in the preset."""
+    from cli_helpers import main_in_process
+
+    from pipelines.online import config_from_cli
+
+    foreign = tmp_path / "not-a-run"
+    foreign.mkdir()
+    (foreign / "zarr.json").write_text("{}")
+    code, err = main_in_process(monkeypatch, capsys, "online", "--preset", "online-cpu", "--corpus", str(corpus_dir),
+                                "--output", str(foreign), "--resume")  # fmt: skip
+    assert code == 2 and "holds files that are not a dflash run" in err and err.count("error:") == 1
+    assert sorted(p.name for p in foreign.iterdir()) == ["zarr.json"]
+    code, err = main_in_process(monkeypatch, capsys, "online", "--preset", "online-cpu", "--corpus", str(corpus_dir),
+                                "--output", str(tmp_path / "r"), "--cache-to", str(tmp_path / "r" / "cache"))
+    assert code == 2 and "overlap" in err and not (tmp_path / "r").exists()
+    if not torch.cuda.is_available():
+        code, err = main_in_process(monkeypatch, capsys, "online", "--preset", "online-cpu", "--corpus",
+                                    str(corpus_dir), "--output", str(tmp_path / "g"), "--target-gpus", "0")
+        assert code == 2 and "CUDA is not available" in err and not (tmp_path / "g").exists()
+    config = config_from_cli({"corpus": "c", "target_gpus": [0]}, {"output": "o", "drafter_gpus": [1]}, "online-cpu")
+    assert (config.workers, config.target_gpus, config.train.drafter_gpus, config.train.device) == (None, [0], [1],
+                                                                                                      "auto")
+    assert Path(config.corpus).is_absolute()  # saved in run.json: a resume from another folder finds it

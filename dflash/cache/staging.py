@@ -98,8 +98,19 @@ class ShardAssembler:
         for entry in sorted(self.staging.iterdir()):
             if entry.name.startswith(".") or entry.name in self._batches or not entry.is_dir():
                 continue
-            rows = np.load(entry / "corpus_rows.npy", allow_pickle=False)
-            lengths = np.load(entry / "lengths.npy", allow_pickle=False)
+            try:
+                rows = np.load(entry / "corpus_rows.npy", allow_pickle=False)
+                lengths = np.load(entry / "lengths.npy", allow_pickle=False)
+                hidden = np.load(entry / "hidden.npy", mmap_mode="r", allow_pickle=False)
+                if hidden.ndim != 2 or rows.shape != lengths.shape or int(lengths.sum()) != hidden.shape[0]:
+                    raise ValueError(f"shapes disagree: rows {rows.shape}, lengths sum {int(lengths.sum())}, "
+                                     f"hidden {hidden.shape}")
+            except (OSError, ValueError) as error:  # truncated or damaged (a full disk, a hand edit): not used
+                log.warning("cache-to: staged batch %s is unreadable (%s); removed, its rows are not staged",
+                            entry, error)
+                shutil.rmtree(entry, ignore_errors=True)
+                continue
+            del hidden
             offsets = np.concatenate([[0], np.cumsum(lengths)])
             for row, offset, length in zip(rows.tolist(), offsets[:-1].tolist(), lengths.tolist(), strict=True):
                 self._where.setdefault(int(row), (entry.name, int(offset), int(length)))
@@ -121,7 +132,11 @@ class ShardAssembler:
         written = []
         for shard in self.pending_shards():
             if not self.missing_rows(shard):
-                self._write(shard)
+                try:
+                    self._write(shard)
+                except (OSError, ValueError) as error:  # e.g. a full disk: the shard stays pending (extract finishes it)
+                    log.warning("cache-to: shard %d could not be written (%s); it stays uncommitted", shard, error)
+                    continue
                 written.append(shard)
         self._sweep()  # also batches staged again after their shard was committed (recomputed, or run ahead)
         self.written += written
