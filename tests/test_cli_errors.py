@@ -372,3 +372,13 @@ def test_train_print_config_round_trips_through_config(tmp_path):
                                        "--print-config"])
     assert json.loads(changed.output) == {**printed, "lr": 1e-3}
     assert not run.exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a host without CUDA")
+def test_extract_on_gpus_without_cuda_is_refused_before_any_file_exists(tmp_path, monkeypatch, capsys):
+    from cli_helpers import main_in_process
+
+    code, err = main_in_process(monkeypatch, capsys, "extract", "--corpus", str(tmp_path / "corpus"), "--output",
+                                str(tmp_path / "cache"), "--target-gpus", "0")  # fmt: skip
+    assert code == 2 and "CUDA is not available" in err and err.count("error:") == 1
+    assert not (tmp_path / "cache").exists()
