@@ -66,6 +66,28 @@ def _strip_comments(data: Any) -> Any:
     return data
 
 
+def read_preset_json(name_or_path: str, names: tuple[str, ...]) -> Any:
+    """The parsed JSON of a shipped preset (``pipelines/presets/NAME.json``, ``NAME`` in ``names``) or of a
+    ``.json`` file path; the caller checks its shape.
+
+    Raises:
+        ConfigError: a missing file, a name that is not in ``names``, or invalid JSON.
+    """
+    path = Path(name_or_path)
+    if path.suffix == ".json" and not path.is_file():
+        raise ConfigError(f"preset {name_or_path}: no such file")
+    if path.suffix == ".json":
+        text = path.read_text()
+    elif name_or_path in names:
+        text = resources.files("pipelines").joinpath("presets", f"{name_or_path}.json").read_text()
+    else:
+        raise ConfigError(f"preset {name_or_path!r} is neither one of {', '.join(names)} nor a .json file")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"preset {name_or_path}: invalid JSON ({error})") from None
+
+
 def load_preset(name_or_path: str) -> dict[str, Any]:
     """A preset's config: a name in :data:`PRESETS` (``pipelines/presets/NAME.json``) or a JSON file path.
 
@@ -74,17 +96,9 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     Raises:
         ConfigError: unknown preset or unreadable JSON.
     """
-    path = Path(name_or_path)
-    if path.suffix == ".json" and path.is_file():
-        text = path.read_text()
-    elif name_or_path in PRESETS:
-        text = resources.files("pipelines").joinpath("presets", f"{name_or_path}.json").read_text()
-    else:
-        raise ConfigError(f"preset {name_or_path!r} is neither one of {PRESETS} nor a .json file")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"preset {name_or_path}: invalid JSON ({error})") from None
+    data = read_preset_json(name_or_path, PRESETS)
+    if not isinstance(data, dict):
+        raise ConfigError(f"preset {name_or_path}: expected an object of sections, got {type(data).__name__}")
     unknown = sorted(set(_strip_comments(data)) - set(_STAGES) - {"target"})
     if unknown:
         raise ConfigError(f"preset {name_or_path}: unknown sections {unknown}; expected {list(_STAGES)} and 'target'")

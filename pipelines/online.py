@@ -472,22 +472,9 @@ def load_online_preset(name_or_path: str) -> tuple[dict[str, Any], dict[str, Any
         ConfigError: unknown preset, unreadable JSON, or a section or key that is not an online or train setting
             (the message names it).
     """
-    from importlib import resources
+    from pipelines.offline import read_preset_json
 
-    path = Path(name_or_path)
-    if path.suffix == ".json" and not path.is_file():
-        raise ConfigError(f"preset {name_or_path}: no such file")
-    if path.suffix == ".json":
-        text = path.read_text()
-    elif name_or_path in ONLINE_PRESETS:
-        text = resources.files("pipelines").joinpath("presets", f"{name_or_path}.json").read_text()
-    else:
-        raise ConfigError(f"preset {name_or_path!r} is neither one of {', '.join(ONLINE_PRESETS)} nor a .json file")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"preset {name_or_path}: invalid JSON ({error})") from None
-    return online_sections(data, f"preset {name_or_path}")
+    return online_sections(read_preset_json(name_or_path, ONLINE_PRESETS), f"preset {name_or_path}")
 
 
 def online_sections(data: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
