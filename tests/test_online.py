@@ -238,38 +238,33 @@ def test_online_command_refuses_bad_options_with_one_error_line(tmp_path):
     assert "error: ring_slots: expected an integer >= 2" in result.stderr
 
 
-@pytest.mark.parametrize("policy", ["recompute", "stop"])
-def test_a_producer_killed_mid_batch_is_recomputed_or_stops_the_run_resumably(corpus_dir, target_path, target,
-                                                                               tmp_path, monkeypatch, policy):
+def test_a_producer_killed_mid_batch_stops_the_run_and_the_resume_recomputes_lost_batches(corpus_dir, target_path,
+                                                                                           target, tmp_path,
+                                                                                           monkeypatch):
     """Every producer process is SIGKILLed at its 3rd batch, after computing it and before writing its slot (as the
-    OOM killer would; Dask's nanny starts a new one, which loads the target again). ``recompute``: the lost batches
-    are rerun on the new producer and the run trains on exactly the planned batches. ``stop``: the run stops with
-    one error naming the batch, keeps its step-2 checkpoint, and ``--resume`` finishes it on the same batches."""
+    OOM killer would; Dask's nanny starts a new one, which loads the target again). ``stop``: the run stops with one
+    error naming the batch and keeps its step-2 checkpoint. ``--resume --on-producer-death recompute`` (the config
+    otherwise from run.json, as the command reads it), with producers still dying at their 3rd batch: the lost
+    batches are rerun on the new producers and the run ends on exactly the planned batches."""
     from dflash.errors import ProducerError
-    from pipelines.online import run_online
+    from pipelines.online import config_from_cli, run_online
 
     monkeypatch.setenv("DFLASH_FAULT", "online.produce@3=kill")  # read by each new producer process at import
     run = tmp_path / "run"
-    config = _online_config(corpus_dir, target_path, run, max_steps=4, save_every=2, validation_fraction=0.0)
-    config.on_producer_death = policy
-    expected_digest, expected_tokens = _expected_rows(config, 4, world_size=1)
+    config = _online_config(corpus_dir, target_path, run, max_steps=5, save_every=2, validation_fraction=0.0)
+    config.on_producer_death = "stop"
+    expected_digest, expected_tokens = _expected_rows(config, 5, world_size=1)
     before = _live_segments()
-    if policy == "recompute":
-        summary = run_online(config)
-    else:
-        with pytest.raises(ProducerError, match=r"producer lost: the process computing batch 2 of epoch 0 died "
-                                                r"\(on_producer_death=stop"):
-            run_online(config)
-        assert (run / "latest").read_text().strip() == "step_00000002"
-        monkeypatch.delenv("DFLASH_FAULT")
-        # As `dflash-stages online --output RUN --resume` does: the whole config comes back from RUN/run.json.
-        from pipelines.online import config_from_cli
-
-        resumed = config_from_cli({}, {"output": str(run), "resume": True})
-        assert resumed.corpus == config.corpus and resumed.on_producer_death == "stop"
-        assert resumed.train.max_steps == 4 and resumed.target_layer_ids == config.target_layer_ids
-        summary = run_online(resumed)
-    assert summary["step"] == 4 and summary["data_digest"] == expected_digest
+    with pytest.raises(ProducerError, match=r"producer lost: the process computing batch 2 of epoch 0 died "
+                                            r"\(on_producer_death=stop"):
+        run_online(config)
+    assert (run / "latest").read_text().strip() == "step_00000002"
+    assert not _leaked(before)
+    resumed = config_from_cli({"on_producer_death": "recompute"}, {"output": str(run), "resume": True})
+    assert resumed.corpus == config.corpus and resumed.on_producer_death == "recompute"
+    assert resumed.train.max_steps == 5 and resumed.target_layer_ids == config.target_layer_ids
+    summary = run_online(resumed)  # batches 2, 3, 4: the first producer dies at batch 4 (its 3rd), recomputed
+    assert summary["step"] == 5 and summary["data_digest"] == expected_digest
     assert summary["tokens_seen"] == expected_tokens
     assert not _leaked(before)
 
