@@ -369,13 +369,19 @@ def test_online_print_config_reads_back_with_config_and_files_sit_between_preset
 
     args = ["online", "--preset", "online-cpu", "--corpus", str(tmp_path / "c"), "--output", str(tmp_path / "r"),
             "--ring-slots", "5", "--lr", "3e-4", "--print-config"]
+    import signal
     import sys
 
     from stages.cli import main
 
     monkeypatch.setattr(sys, "argv", ["dflash-stages", *args])
-    with pytest.raises(SystemExit) as exited:
-        main()
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main()
+    finally:  # the entry point installs its own (as cli_helpers.main_in_process restores them)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     assert exited.value.code in (0, None)
     printed = json.loads(capsys.readouterr().out)
     assert printed["online"]["ring_slots"] == 5 and printed["train"]["lr"] == 3e-4
