@@ -231,10 +231,11 @@ class OnlineBatches(PlannedCursor):
                     slot, ticket = claimed
                     index = self.global_batch_index(step)
                     planned_rows = tuple(int(r) for r in self.sample_row[planned.samples])
+                    stage = self.staging is not None and epoch == 0  # --cache-to: the first epoch only
                     task = BatchTask(ring_name=self.ring.name, slot=slot, ticket=ticket, epoch=epoch,
                                      batch_index=index, bucket=int(planned.bucket),
-                                     corpus_rows=planned_rows, staging=self.staging if epoch == 0 else None,
-                                     stage_name=_stage_name(self.config.split, index, planned_rows))  # fmt: skip
+                                     corpus_rows=planned_rows, staging=self.staging if stage else None,
+                                     stage_name=_stage_name(self.config.split, index, planned_rows) if stage else "")  # fmt: skip
                     try:
                         future = self.submit(task)
                     except BaseException:

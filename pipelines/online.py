@@ -384,12 +384,12 @@ def _check_before_start(config: OnlineConfig) -> None:
         given = "--target-gpus" if config.target_gpus else "--drafter-gpus" if train.drafter_gpus else "--device cuda"
         raise ConfigError(f"{given}: CUDA is not available on this host; use --workers N (CPU producers) and "
                           "--device cpu, or the online-cpu preset")
+    from stages.trainer import check_run_folder
+
     run = Path(train.output)
     if run.exists() and not run.is_dir():
         raise ConfigError(f"output: {run} exists and is not a folder (a run folder is expected)")
-    if run.is_dir() and not (run / "run.json").is_file() and any(run.iterdir()):
-        raise ConfigError(f"--output {run} exists and holds files that are not a dflash run (no run.json); pass a new "
-                          "or empty folder" + (", or the folder of the run to resume" if train.resume else ""))
+    check_run_folder(run, resume=train.resume)
 
 
 def run_online(config: OnlineConfig) -> dict[str, Any]:

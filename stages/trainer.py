@@ -153,6 +153,21 @@ class TrainingData:
                     self.on_close.pop()()
 
 
+def check_run_folder(run_dir: Path, *, resume: bool) -> None:
+    """Refuse a run folder that exists and holds files but no ``run.json`` (a cache, the user's files), also with
+    ``--resume``: a run is never written into it.
+
+    Raises:
+        CheckpointError: naming the folder and the fix.
+    """
+    run_dir = Path(run_dir)
+    if run_dir.is_dir() and not (run_dir / "run.json").is_file() and any(run_dir.iterdir()):
+        raise CheckpointError(
+            f"--output {run_dir} exists and holds files that are not a dflash run (no run.json); pass a new or empty "
+            "folder so nothing of yours is mixed with the run" + (", or the folder of the run to resume" if resume else "")
+        )
+
+
 def loader_placement(rank: int, world_size: int, device: torch.device) -> dict[str, Any]:
     """Rank, world size and device of a rank's loaders. On CUDA the loader gets ``device=``: it packs into
     pinned memory and copies the next batch to the GPU on its side stream while the current one trains
@@ -480,13 +495,7 @@ class Trainer:
 
     def _resume_checkpoint(self):
         config = self.config
-        # Also with --resume: resuming "into" a cache or any folder of the user's must not write a run into it.
-        if self.run_dir.is_dir() and not (self.run_dir / "run.json").is_file() and any(self.run_dir.iterdir()):
-            raise CheckpointError(
-                f"--output {self.run_dir} exists and holds files that are not a dflash run (no run.json); "
-                "pass a new or empty folder so nothing of yours is mixed with the run"
-                + ("" if not config.resume else ", or the folder of the run to resume")
-            )
+        check_run_folder(self.run_dir, resume=config.resume)
         if not config.resume:
             if (self.run_dir / "latest").is_file():
                 raise CheckpointError(
