@@ -31,7 +31,8 @@ CPU smoke run (tens of seconds)::
 One GPU::
 
     python benchmarks/online.py --device cuda --repeats 3 --json-out smollm2.json
-    python benchmarks/online.py --device cuda --target qwen3-8b-random --repeats 3 --steps 8
+    python benchmarks/online.py --device cuda --target qwen3-8b-random --token-budget 8192 --anchors 256 \
+        --repeats 3 --steps 6      # ~6 minutes on one H200; 16,384 / 512 runs out of its memory
 """
 
 from __future__ import annotations

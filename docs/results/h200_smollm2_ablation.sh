@@ -11,6 +11,8 @@
 #
 # usage: bash docs/results/h200_smollm2_ablation.sh ROOT SECONDS [tiny] [A|B|AB]
 #   tiny: CPU-sized settings to test the logic (no GPU).  Default pipelines: AB.
+#   B_SETS (environment): B's settings, default "--set train.epochs=6" (e.g. the data-volume run:
+#   B_SETS="--set generate.max_prompts=16384 --set train.epochs=3").
 set -uo pipefail
 ROOT=${1:?ROOT}
 SECONDS_GIVEN=${2:?SECONDS}
@@ -74,8 +76,10 @@ run_B() {
   local log=$ROOT/logs/B.log
   {
     stamp "B: call start (left $(left) s)"
-    echo "# $CLI run --preset h200-smollm2 --workdir $ROOT/wB --set train.epochs=6 ${COMMON[*]} ${B_ONLY[*]}"
-    timeout -s TERM -k 30 "$(left)" $CLI run --preset h200-smollm2 --workdir "$ROOT/wB" --set train.epochs=6 \
+    local sets
+    read -r -a sets <<<"${B_SETS:---set train.epochs=6}"
+    echo "# $CLI run --preset h200-smollm2 --workdir $ROOT/wB ${sets[*]} ${COMMON[*]} ${B_ONLY[*]}"
+    timeout -s TERM -k 30 "$(left)" $CLI run --preset h200-smollm2 --workdir "$ROOT/wB" "${sets[@]}" \
       "${COMMON[@]}" "${B_ONLY[@]}"
     stamp "B: exit $?"
   } >>"$log" 2>&1
