@@ -298,6 +298,14 @@ def run_extract(config: ExtractConfig, console: Console | None = None) -> dict[s
         return _run_extract_locked(config, console)
 
 
+def _remove_staging(output: str) -> None:
+    """An online ``--cache-to`` run's staging folder, obsolete once every shard is committed (we hold the lock)."""
+    from dflash.cache.staging import remove_staging
+
+    if remove_staging(output):
+        log.info("removed %s/staging, the staged batches of an online --cache-to run (every shard is committed)", output)
+
+
 def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[str, Any]:
     from distributed import as_completed
 
@@ -332,10 +340,20 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
             length_policy=config.length_policy,
         )
 
+    staged: list[int] = []
+    if report.truncate_to is None and len(report.kept_rows) == len(corpus):  # staged rows are whole rows
+        from dflash.cache.staging import commit_staged_shards
+
+        staged = commit_staged_shards(cache, corpus)
+        if staged:
+            console.print(f"committed {len(staged)} shards from the batches an online --cache-to run left staged in "
+                          f"{config.output}")
     pending = sorted(set(range(len(shard_rows))) - cache.committed_shards())
-    summary: dict[str, Any] = {"planned_shards": len(shard_rows), "skipped_committed": len(shard_rows) - len(pending)}
+    summary: dict[str, Any] = {"planned_shards": len(shard_rows), "from_staging": len(staged),
+                               "skipped_committed": len(shard_rows) - len(pending) - len(staged)}  # fmt: skip
     if not pending:
         console.print(f"all {len(shard_rows)} shards of {config.output} are committed; nothing to do")
+        _remove_staging(config.output)
         summary.update(cache.finalize())
         return summary
     if summary["skipped_committed"]:
@@ -411,6 +429,8 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
 
     counts = cache.finalize()
     summary.update(counts)
+    if not set(range(len(shard_rows))) - cache.committed_shards():
+        _remove_staging(config.output)
     summary.update({"tokens_computed": tokens_done, "seconds": elapsed, "tokens_per_second": tokens_done / max(elapsed, 1e-9),
                     "compute_seconds": compute_seconds, "write_wait_seconds": write_wait_seconds})
     _print_summary(console, config, summary, quarantined)

@@ -431,6 +431,43 @@ def test_a_damaged_staged_batch_is_dropped_not_fatal_and_a_restaged_one_commits_
     assert not any(staging.iterdir())  # both staged batches were swept once the shard committed
 
 
+def test_extract_finishing_a_cache_to_commits_what_was_staged_and_removes_staging(offline_cache, corpus_dir,
+                                                                                 target_path, tmp_path):
+    """``extract`` over a cache an online ``--cache-to`` run left unfinished: shards whose rows are all staged are
+    committed from the staged batches (not recomputed), a shard with a row missing stays pending, and once every
+    shard is committed the staging folder is gone and ``cache verify`` passes."""
+    import os
+
+    from dflash.cache import verify_cache
+    from dflash.cache.staging import commit_staged_shards, stage_batch
+    from stages.extract import ExtractConfig, prepare_cache, run_extract
+
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), target=str(target_path),
+                           target_layer_ids=TINY_LAYER_IDS, shard_size=600, workers=1, write_processes=0)
+    quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115
+    cache, corpus, shard_rows, _ = prepare_cache(config, quiet)
+    offline = CacheReader(offline_cache)
+    staging = tmp_path / "cache" / "staging"
+    last = max(range(len(shard_rows)), key=lambda k: len(offline.read_shard(k)))  # one row of it left unstaged
+    for shard in range(len(shard_rows)):
+        samples = offline.read_shard(shard)
+        kept = samples[:-1] if shard == last else samples
+        assert stage_batch(staging, f"train-b{shard}-x", [s.corpus_row for s in kept], [s.hidden for s in kept])
+    others = [k for k in range(len(shard_rows)) if k != last]
+    assert commit_staged_shards(cache, corpus) == others
+    assert cache.committed_shards() == set(others) and staging.is_dir()
+    final = offline.read_shard(last)
+    assert stage_batch(staging, "val-b0-y", [final[-1].corpus_row], [final[-1].hidden])
+    summary = run_extract(config, quiet)  # the last shard from staging too: no worker starts
+    assert summary["from_staging"] == 1 and summary["skipped_committed"] == len(others)
+    assert not staging.exists()
+    assert verify_cache(tmp_path / "cache", require_complete=True)["committed_shards"] == len(shard_rows)
+    for shard in range(len(shard_rows)):
+        stored = {s.corpus_row: s for s in CacheReader(tmp_path / "cache").read_shard(shard)}
+        for sample in offline.read_shard(shard):
+            assert torch.equal(stored[sample.corpus_row].hidden, sample.hidden)
+
+
 def test_online_refuses_up_front_what_would_fail_after_the_producers_loaded(tmp_path, monkeypatch, capsys, corpus_dir):
     """Checked before any producer starts or anything is created: a resume into a folder that is no run (a cache,
     the user's files), --cache-to inside the run folder, GPUs on a host without CUDA; an option given replaces what

@@ -32,7 +32,7 @@ import torch
 
 from dflash.cache.format import HiddenSample
 
-__all__ = ["STAGING_DIR", "stage_batch", "ShardAssembler"]
+__all__ = ["STAGING_DIR", "stage_batch", "ShardAssembler", "commit_staged_shards", "remove_staging"]
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class ShardAssembler:
             name, offset, length = self._where[row]
             if name not in opened:
                 opened[name] = np.load(self.staging / name / "hidden.npy", mmap_mode="r", allow_pickle=False)
-            bits = np.ascontiguousarray(opened[name][offset : offset + length])
+            bits = np.array(opened[name][offset : offset + length])  # a copy: the map is read-only
             record = self.corpus.row(row)
             assert len(record.input_ids) == length, f"staged row {row} has {length} tokens, the corpus {len(record.input_ids)}"
             samples.append(HiddenSample(corpus_row=row, input_ids=torch.as_tensor(record.input_ids),
@@ -186,3 +186,28 @@ class ShardAssembler:
                 for r in rows:
                     if self._where.get(r, ("",))[0] == name:
                         del self._where[r]
+
+
+def commit_staged_shards(cache: Any, corpus: Any) -> list[int]:
+    """Commit the pending shards of ``cache`` whose rows an online ``--cache-to`` run left staged (it stopped before
+    it could), so that ``extract`` finishing that cache computes only the rest. Nothing happens without a staging
+    folder. Rows the online run excluded were never staged: their shards stay pending for ``extract``.
+
+    Args:
+        cache: the opened :class:`dflash.cache.HiddenStateCache` (caller holds its lock).
+        corpus: the corpus of its plan.
+    Returns:
+        The shards committed, in order.
+    """
+    if not (Path(str(cache.url)) / STAGING_DIR).is_dir():
+        return []
+    return ShardAssembler(cache, corpus, (), reason="").poll()
+
+
+def remove_staging(cache_path: str | os.PathLike[str]) -> bool:
+    """Delete ``CACHE/staging`` (once every shard is committed nothing in it is needed). Returns whether it existed."""
+    staging = Path(str(cache_path)) / STAGING_DIR
+    if not staging.is_dir():
+        return False
+    shutil.rmtree(staging, ignore_errors=True)
+    return True
