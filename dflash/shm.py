@@ -55,6 +55,10 @@ class SharedMemoryFull(ConfigError):
     """Not enough POSIX shared memory (``/dev/shm``) for a segment."""
 
 
+#: Serializes segment creation with attaches (see :func:`attach_segment`).
+_REGISTRATION = threading.Lock()
+
+
 def _segment_owner(name: str) -> int | None:
     if not name.startswith(SEGMENT_PREFIX):
         return None
@@ -119,7 +123,8 @@ def create_segment(nbytes: int, *, what: str = "a host buffer", fix: str = "") -
     """
     nbytes = max(1, int(nbytes))
     name = f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-    shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+    with _REGISTRATION:  # never inside an attach's window without registration (attach_segment)
+        shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
     fd = getattr(shm, "_fd", -1)  # CPython's own attribute; no public accessor exists
     if fd >= 0 and hasattr(os, "posix_fallocate"):
         try:
@@ -136,8 +141,14 @@ def create_segment(nbytes: int, *, what: str = "a host buffer", fix: str = "") -
 
 
 def attach_segment(name: str) -> shared_memory.SharedMemory:
-    """Map an existing segment without taking ownership: the attaching process never unlinks it (on Python < 3.13
-    the resource tracker would, at this process's exit).
+    """Map an existing segment without taking ownership: the attaching process never unlinks it, and its resource
+    tracker never hears of it (the creator's registration stays the only cleanup, also after a SIGKILL).
+
+    Python >= 3.13: ``track=False``. Before, ``SharedMemory(name=...)`` registers every attach with the resource
+    tracker (python/cpython#82300), which unlinks the segment when the attaching process exits; unregistering
+    afterwards is wrong too where the attacher shares the creator's tracker (processes multiprocessing started from a
+    common parent: DDP ranks and the Dask workers of one launcher), since there the name is one set entry. So the
+    attach runs with ``resource_tracker.register`` set aside (under a lock that :func:`create_segment` also takes).
 
     Raises:
         FileNotFoundError: no segment of that name (its creator removed it, or died and it was swept).
@@ -146,14 +157,13 @@ def attach_segment(name: str) -> shared_memory.SharedMemory:
         return shared_memory.SharedMemory(name=name, track=False)
     from multiprocessing import resource_tracker
 
-    # Python < 3.13 registers every attach; undo it right away so the creator's unlink stays the only cleanup.
-    # The creator itself, and the children it spawned (multiprocessing hands them its tracker, where the name is a set
-    # entry), share the creator's registration: unregistering there would drop it, so they keep it (process_writer's
-    # write processes, Dask workers of a LocalCluster started by the trainer).
-    shm = shared_memory.SharedMemory(name=name)
-    if _segment_owner(name) not in (os.getpid(), os.getppid()):
-        resource_tracker.unregister(getattr(shm, "_name", "/" + name), "shared_memory")
-    return shm
+    with _REGISTRATION:
+        register = resource_tracker.register
+        resource_tracker.register = lambda name, rtype: None
+        try:
+            return shared_memory.SharedMemory(name=name)
+        finally:
+            resource_tracker.register = register
 
 
 def close_segment(shm: shared_memory.SharedMemory, *, unlink: bool) -> None:
