@@ -148,6 +148,10 @@ _COMMAND_MODULES = [
 
 
 def _register_all() -> None:
+    """Add every stage's commands to :data:`app`, once per process (a second :func:`main` in the same process, as
+    the tests run it, would otherwise register each command again: typer keeps them all, and builds them all)."""
+    if app.registered_commands:
+        return
     for module_name in _COMMAND_MODULES:
         if importlib.util.find_spec(module_name) is None:  # stage not written yet
             continue

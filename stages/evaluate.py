@@ -102,6 +102,9 @@ class EvaluateConfig:
     json_path: Path | None = None
 
     def __post_init__(self) -> None:
+        for name in ("drafter", "corpus", "cache", "json_path"):  # strings from a config file or --set
+            if getattr(self, name) is not None:
+                setattr(self, name, Path(getattr(self, name)))
         for name in ("num_prompts", "prompt_tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -556,9 +559,12 @@ def print_report(report: dict[str, Any], console: Console) -> None:
 def register(app: typer.Typer) -> None:
     """Add ``dflash-stages evaluate``."""
 
+    from stages.stage_config import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
+
     @app.command("evaluate")
     def evaluate_command(
-        drafter: Path = typer.Option(..., "--drafter", help="Run folder (latest checkpoint), checkpoint folder or exported folder."),
+        ctx: typer.Context,
+        drafter: Path = typer.Option(None, "--drafter", help="Run folder (latest checkpoint), checkpoint folder or exported folder. Required (here or in --config/--preset/--set)."),
         target: str | None = typer.Option(None, "--target", help="Target spec; default: the one recorded with the drafter."),
         prompts: str = typer.Option("held-out", "--prompts", help="held-out | FILE.jsonl (messages/prompt/text) | FILE.txt (one per line)."),
         corpus: Path | None = typer.Option(None, "--corpus", help="Corpus for held-out prompts."),
@@ -575,18 +581,34 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16."),
         cpu_threads: int | None = typer.Option(None, "--cpu-threads", help="Torch threads while decoding on CPU (default: torch's)."),
         json_out: Path | None = typer.Option(None, "--json", help="Write the full report as JSON here."),
+        config_file: str | None = CONFIG_OPTION,
+        preset: str | None = PRESET_OPTION,
+        overrides: list[str] = SET_OPTION,
+        print_config: bool = PRINT_CONFIG_OPTION,
     ) -> None:
         """Speculative decoding with the target and a drafter: tau, per-position acceptance, the speedup against
         block size 1 in the same loop and against the target's own generate() (KV cache, same prompts, stop tokens
         and new tokens), and the greedy lossless check against both. Exit code 1 when a greedy output differs
         beyond a float near-tie."""
         console = Console()
-        config = EvaluateConfig(
-            drafter=drafter, target=target, prompts=prompts, corpus=corpus, cache=cache, num_prompts=num_prompts,
-            prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature, block_size=block_size,
-            ignore_eos=ignore_eos, compare_untrained=compare_untrained, seed=seed, device=device, dtype=dtype,
-            cpu_threads=cpu_threads, json_path=json_out,
-        )
+        from stages.stage_config import print_and_exit, resolve_stage_config, split_given
+
+        def text(path: Path | None) -> str | None:
+            return None if path is None else str(path)
+
+        values = dict(
+            drafter=text(drafter), target=target, prompts=prompts, corpus=text(corpus), cache=text(cache),
+            num_prompts=num_prompts, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
+            temperature=temperature, block_size=block_size, ignore_eos=ignore_eos,
+            compare_untrained=compare_untrained, seed=seed, device=device, dtype=dtype, cpu_threads=cpu_threads,
+            json_path=text(json_out),
+        )  # fmt: skip
+        config = resolve_stage_config(EvaluateConfig, "evaluate", *split_given(ctx, values, {"json_path": "json_out"}),
+                                      config_file=config_file, preset=preset, overrides=overrides,
+                                      required=("drafter",), option_names={"json_path": "--json"})  # fmt: skip
+        if print_config:
+            print_and_exit("evaluate", config)
+        json_out = config.json_path
         report = run_evaluate(config, console=console)
         print_report(report, console)
         if json_out is not None:

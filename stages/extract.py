@@ -506,10 +506,13 @@ def _int_list(value: str | None, name: str) -> list[int] | None:
 def register(app: typer.Typer) -> None:
     """Add the ``extract`` command to the CLI."""
 
+    from stages.stage_config import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
+
     @app.command("extract")
     def extract_command(
-        corpus: str = typer.Option(..., "--corpus", help="Corpus folder (Arrow/Parquet, contract 1)."),
-        output: str = typer.Option(..., "--output", help="Cache path or fsspec URL; an existing cache of the same plan is resumed."),
+        ctx: typer.Context,
+        corpus: str = typer.Option(None, "--corpus", help="Corpus folder (Arrow/Parquet, contract 1). Required (here or in --config/--preset/--set)."),
+        output: str = typer.Option(None, "--output", "-o", help="Cache path or fsspec URL; an existing cache of the same plan is resumed. Required."),
         target: str = typer.Option("default", "--target", help="'default' (SmolLM2-135M-Instruct), a transformers folder or a .gguf file."),
         target_layer_ids: str | None = typer.Option(None, "--target-layer-ids", help="Tapped decoder layers, e.g. 1,9,17,25,33 (output of decoder layer l = hidden_states\\[l+1])."),
         num_taps: int = typer.Option(5, "--num-taps", help="Taps for DFlash's default layer rule when --target-layer-ids is not given."),
@@ -532,6 +535,10 @@ def register(app: typer.Typer) -> None:
         write_threads: int | None = typer.Option(None, "--write-threads", help="Chunk-write threads per worker: gather, compress, checksum, store (default: CPU cores per worker - 1, at most 32)."),
         writes_in_flight: int = typer.Option(2, "--writes-in-flight", help="Shard writes per worker overlapping its compute (each holds one shard in host memory)."),
         write_processes: int | None = typer.Option(None, "--write-processes", help="Write shards in N processes per worker that read the hidden states from shared memory (/dev/shm; if it is too small, threads are used with a warning); 0: in threads of the worker (default: 2 on GPU workers, 0 on CPU workers)."),
+        config_file: str | None = CONFIG_OPTION,
+        preset: str | None = PRESET_OPTION,
+        overrides: list[str] = SET_OPTION,
+        print_config: bool = PRINT_CONFIG_OPTION,
     ) -> None:
         """Extract tapped target hidden states of a corpus into a compressed Zarr v3 cache (Dask workers).
 
@@ -541,32 +548,22 @@ def register(app: typer.Typer) -> None:
         """
         console = Console()
         try:
-            config = ExtractConfig(
-                corpus=corpus,
-                output=output,
-                target=target,
-                target_layer_ids=_int_list(target_layer_ids, "--target-layer-ids"),
-                num_taps=num_taps,
-                target_gpus=_int_list(target_gpus, "--target-gpus"),
-                workers=workers,
-                scheduler_address=scheduler_address,
-                shard_size=shard_size,
-                token_budget=token_budget,
-                storage_dtype=storage_dtype,  # type: ignore[arg-type]
-                codec=codec,
-                max_length=max_length,
-                length_policy=length_policy,  # type: ignore[arg-type]
-                expected_ratio=expected_ratio,
-                force_space=force_space,
-                dashboard_address=dashboard_address,
-                tls_ca_file=tls_ca_file,
-                tls_cert=tls_cert,
-                tls_key=tls_key,
-                break_lock=break_lock,
-                write_threads=write_threads,
-                writes_in_flight=writes_in_flight,
-                write_processes=write_processes,
-            )
+            from stages.stage_config import print_and_exit, resolve_stage_config, split_given
+
+            values = dict(
+                corpus=corpus, output=output, target=target,
+                target_layer_ids=_int_list(target_layer_ids, "--target-layer-ids"), num_taps=num_taps,
+                target_gpus=_int_list(target_gpus, "--target-gpus"), workers=workers,
+                scheduler_address=scheduler_address, shard_size=shard_size, token_budget=token_budget,
+                storage_dtype=storage_dtype, codec=codec, max_length=max_length, length_policy=length_policy,
+                expected_ratio=expected_ratio, force_space=force_space, dashboard_address=dashboard_address,
+                tls_ca_file=tls_ca_file, tls_cert=tls_cert, tls_key=tls_key, break_lock=break_lock,
+                write_threads=write_threads, writes_in_flight=writes_in_flight, write_processes=write_processes,
+            )  # fmt: skip
+            config = resolve_stage_config(ExtractConfig, "extract", *split_given(ctx, values), config_file=config_file,
+                                          preset=preset, overrides=overrides, required=("corpus", "output"))  # fmt: skip
+            if print_config:
+                print_and_exit("extract", config)
             run_extract(config, console)
         except DFlashError as error:
             from stages.cli import ExitCode, print_error

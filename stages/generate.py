@@ -447,11 +447,13 @@ def _run_generate(config: GenerateConfig, console: Console | None) -> dict[str, 
 def register(app: typer.Typer) -> None:
     """Add the ``generate`` command to ``app``."""
     from stages.extract import _int_list  # the GPU-list parsing of extract (same option, same spelling)
+    from stages.stage_config import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
 
     @app.command("generate")
     def generate_command(
+        ctx: typer.Context,
         prompts: str = typer.Argument("default", help="`default` (stdlib prompt set), or a chat/prompts file: .jsonl/.json/.parquet (messages, prompt or text per row) or .txt (a prompt per line)."),
-        output: Path = typer.Option(..., "--output", "-o", help="Corpus folder to write (a rerun resumes)."),
+        output: Path = typer.Option(None, "--output", "-o", help="Corpus folder to write (a rerun resumes). Required (here or in --config/--preset/--set)."),
         target: str = typer.Option("default", help="Target: `default`, a transformers folder or a .gguf file."),
         engine: str = typer.Option("transformers", help="transformers (the target on this node) or openai (--endpoint servers)."),
         turns: str = typer.Option("all", help="Chat inputs: all = regenerate every assistant turn in order; last = only the last."),
@@ -483,22 +485,35 @@ def register(app: typer.Typer) -> None:
         heldout_permille: int = typer.Option(50, help="Default prompt set: share of stdlib files held out, in 1/1000."),
         overwrite: bool = typer.Option(False, help="Replace an output generated with other settings."),
         break_lock: bool = typer.Option(False, "--break-lock", help="Take over OUTPUT's lock left by a run on another host known dead."),
+        config_file: str | None = CONFIG_OPTION,
+        preset: str | None = PRESET_OPTION,
+        overrides: list[str] = SET_OPTION,
+        print_config: bool = PRINT_CONFIG_OPTION,
     ) -> None:
         """Generate the target's own responses to prompts as a training corpus (the DFlash paper's recipe)."""
+        from stages.stage_config import print_and_exit, resolve_stage_config, split_given
+
         try:
             kwargs = json.loads(template_kwargs)
         except json.JSONDecodeError as error:
             raise ConfigError(f"--template-kwargs is not valid JSON ({error.msg}): {template_kwargs!r}") from None
-        config = GenerateConfig(
-            prompts=prompts, output=str(output), target=target, engine=engine, turns=turns,  # type: ignore[arg-type]
-            chat_template=chat_template, template_kwargs=kwargs, temperature=temperature, top_p=top_p,
+        values = dict(
+            prompts=prompts, output=None if output is None else str(output), target=target, engine=engine,
+            turns=turns, chat_template=chat_template, template_kwargs=kwargs, temperature=temperature, top_p=top_p,
             max_new_tokens=max_new_tokens, seed=seed, max_length=max_length, max_prompts=max_prompts,
-            part_size=part_size, batch_size=batch_size, token_budget=token_budget, kv_cache=kv_cache,  # type: ignore[arg-type]
+            part_size=part_size, batch_size=batch_size, token_budget=token_budget, kv_cache=kv_cache,
             target_gpus=_int_list(target_gpus, "--target-gpus"), workers=workers,
             scheduler_address=scheduler_address, dashboard_address=dashboard_address, endpoints=list(endpoint),
             served_model=served_model, api_key_env=api_key_env, concurrency=concurrency,
-            default_prompts=DefaultPromptConfig(heldout_permille=heldout_permille), overwrite=overwrite,
+            default_prompts={"heldout_permille": heldout_permille}, overwrite=overwrite,
             tls_ca_file=tls_ca_file, tls_cert=tls_cert, tls_key=tls_key, break_lock=break_lock,
+        )  # fmt: skip
+        config = resolve_stage_config(
+            GenerateConfig, "generate",
+            *split_given(ctx, values, {"endpoints": "endpoint", "default_prompts": "heldout_permille"}),
+            config_file=config_file, preset=preset, overrides=overrides, required=("output",),
         )
+        if print_config:
+            print_and_exit("generate", config)
         run_generate(config)
 

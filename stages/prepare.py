@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import typer
 
 from dflash.chat import ASSISTANT_MASK_MODES, check_assistant_mask, normalize_messages, tokenize_chat
 from dflash.corpus import FORMAT_VERSION, CorpusWriter, open_corpus, validate_corpus
@@ -565,15 +566,16 @@ def _run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, P
 
 def register(app: Any) -> None:
     """Add ``prepare`` to the typer ``app``."""
-    import typer
+    from stages.stage_config import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
 
     @app.command("prepare")
     def prepare_command(
+        ctx: typer.Context,
         inputs: list[str] = typer.Argument(
             None, metavar="INPUT...", show_default=False,
             help="Chat JSONL/Parquet (messages), text files/folders/globs, tokenized Arrow/Parquet/save_to_disk "
                  "data, or 'default' (the Python stdlib sources). No input: 'default'."),
-        output: Path = typer.Option(..., "--output", "-o", help="Corpus folder to create (written atomically)."),
+        output: Path = typer.Option(None, "--output", "-o", help="Corpus folder to create (written atomically). Required (here or in --config/--preset/--set)."),
         target: str = typer.Option("default", help="Target: 'default' (SmolLM2-135M-Instruct), a transformers folder or a .gguf file."),
         max_length: int = typer.Option(DEFAULT_MAX_LENGTH, help="Longest sample, in tokens."),
         length_policy: _LengthPolicyChoice = typer.Option(
@@ -592,6 +594,10 @@ def register(app: Any) -> None:
         stdlib_tests: bool = typer.Option(False, "--stdlib-tests", help="Default corpus: include the stdlib test suites (~3x tokens)."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --output folder."),
         break_lock: bool = typer.Option(False, "--break-lock", help="Take over --output's lock left by a run on another host known dead."),
+        config_file: str | None = CONFIG_OPTION,
+        preset: str | None = PRESET_OPTION,
+        overrides: list[str] = SET_OPTION,
+        print_config: bool = PRINT_CONFIG_OPTION,
     ) -> None:
         """Tokenize chat, plain-text or tokenized data into a corpus (input_ids + loss_mask) for extract.
 
@@ -606,13 +612,20 @@ def register(app: Any) -> None:
 
         console = Console(stderr=True)
         try:
-            config = PrepareConfig(
-                inputs=inputs or [], output=output, target=target, max_length=max_length,
-                length_policy=length_policy.value, assistant_mask=assistant_mask.value, last_turn_only=last_turn_only,
-                patterns=tuple(pattern), max_samples=max_samples, max_tokens=max_tokens, seed=seed,
-                min_supervised_tokens=min_supervised_tokens, stdlib_tests=stdlib_tests, overwrite=overwrite,
-                break_lock=break_lock,
-            )
+            from stages.stage_config import print_and_exit, resolve_stage_config, split_given
+
+            values = dict(
+                inputs=inputs or [], output=None if output is None else str(output), target=target,
+                max_length=max_length, length_policy=length_policy.value, assistant_mask=assistant_mask.value,
+                last_turn_only=last_turn_only, patterns=list(pattern), max_samples=max_samples,
+                max_tokens=max_tokens, seed=seed, min_supervised_tokens=min_supervised_tokens,
+                stdlib_tests=stdlib_tests, overwrite=overwrite, break_lock=break_lock,
+            )  # fmt: skip
+            config = resolve_stage_config(PrepareConfig, "prepare", *split_given(ctx, values, {"patterns": "pattern"}),
+                                          config_file=config_file, preset=preset, overrides=overrides,
+                                          required=("output",))  # fmt: skip
+            if print_config:
+                print_and_exit("prepare", config)
             path, report = run_prepare(config, console=console)
         except DFlashError as error:
             from stages.cli import ExitCode, print_error

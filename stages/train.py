@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -448,14 +449,33 @@ def _csv_ints(text: str | None) -> list[int] | None:
         raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from error
 
 
-def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None) -> TrainConfig:
-    """Build the config: saved run config (with --resume) or --config file, then the options given."""
-    base: dict[str, Any] = {}
-    if config_file is not None:
-        from dflash.config_check import check_fields, read_config_file
+def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, *, preset: str | None = None,
+                    sets: Sequence[str] = ()) -> TrainConfig:
+    """Build the config, lowest first: the saved run config (with --resume) < the preset's ``train`` section < the
+    --config file (its ``train`` section, or its top level: a run.json too) < the options given < ``--set``
+    (``stages.stage_config``). Every layer is checked before anything runs.
 
-        base = read_config_file(config_file)  # .toml, .yaml or .json (a run.json too)
-        check_fields(TrainConfig, base, section="train", source=lambda key: f"--config {config_file}")
+    Raises:
+        ConfigError: an unknown key, a wrong type or a refused value, named with its source; --resume of a folder
+            that holds no run.
+    """
+    from dflash.config_check import check_fields, read_config_file
+    from stages.stage_config import parse_sets, section_of
+
+    known = {f.name for f in fields(TrainConfig)}
+    base: dict[str, Any] = {}
+    if preset is not None:
+        from pipelines.offline import load_preset
+
+        base = section_of(load_preset(preset), "train", known)
+        check_fields(TrainConfig, base, section="train", source=lambda key: f"preset {preset}")
+    if config_file is not None:
+        from_file = section_of(read_config_file(config_file), "train", known)  # .toml, .yaml or .json
+        check_fields(TrainConfig, from_file, section="train", source=lambda key: f"--config {config_file}")
+        base = {**base, **from_file}
+    parsed_sets = parse_sets(sets, "train")
+    for key, value, source in parsed_sets:
+        check_fields(TrainConfig, {key: value}, section="train", source=lambda _key, s=source: s)
     output = overrides.get("output") or base.get("output")
     run_json = Path(output) / "run.json" if output else None
     if overrides.get("resume") and run_json is not None and not run_json.is_file() and not overrides.get("cache") \
@@ -469,7 +489,8 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None) 
         for one_off in ("stop_at_step", "allow_config_change", "break_lock"):  # they applied to the earlier invocation only
             saved.pop(one_off, None)
         base = {**ABSENT_IN_OLD_RUNS, **saved, **base}
-    merged = {**base, **{k: v for k, v in overrides.items() if v is not None}}
+    merged = {**base, **{k: v for k, v in overrides.items() if v is not None},
+              **{key: value for key, value, _ in parsed_sets}}  # fmt: skip
     merged.setdefault("resume", False)
     return TrainConfig.from_dict(merged)
 
@@ -506,7 +527,9 @@ def register(app: typer.Typer) -> None:
         cache: str = typer.Option(None, "--cache", help="Hidden-state cache (folder or fsspec URL)."),
         output: str = typer.Option(None, "--output", "-o", help="Run folder."),
         resume: bool = typer.Option(None, "--resume/--no-resume", help="Continue RUN from its latest checkpoint."),
-        config_file: Path = typer.Option(None, "--config", help="TrainConfig fields in a .toml, .yaml or .json file (or a run.json) to start from; options given override it."),
+        config_file: Path = typer.Option(None, "--config", help="TrainConfig fields in a .toml, .yaml or .json file (its train section, or at the top; a run.json too) to start from; options given override it."),
+        preset: str = typer.Option(None, "--preset", help="A shipped preset (pipelines/presets) or a .json file: its train section, under --config."),
+        sets: list[str] = typer.Option([], "--set", help="train.FIELD=VALUE or FIELD=VALUE (JSON value, else a string), over everything else. Repeatable."),
         target: str = typer.Option(None, "--target", help="Target spec; default: the cache's."),
         drafter_gpus: str = typer.Option(None, "--drafter-gpus", help="GPU ids, e.g. 5,6,7 (DDP when several)."),
         cpu_processes: int = typer.Option(None, "--cpu-processes", help="DDP processes on CPU (gloo)."),
@@ -599,7 +622,7 @@ def register(app: typer.Typer) -> None:
             "allow_config_change": allow_config_change, "break_lock": break_lock, "allow_incomplete": allow_incomplete, "progress": progress,
             "report_to": report_to.split(",") if report_to else None,
         }  # fmt: skip
-        config = config_from_cli(overrides, config_file)
+        config = config_from_cli(overrides, config_file, preset=preset, sets=sets)
         if print_config:
             print(json.dumps(config.to_dict(), indent=2))
             return

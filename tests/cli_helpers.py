@@ -9,6 +9,12 @@ import sys
 def main_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str]:
     """Run ``stages.cli.main`` with ``args`` in this process; returns (exit status, stderr). Signal handlers the
     entry point installs are restored afterwards."""
+    code, _, err = main_in_process_out(monkeypatch, capsys, *args)
+    return code, err
+
+
+def main_in_process_out(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """:func:`main_in_process`, returning (exit status, stdout, stderr)."""
     from stages.cli import main
 
     monkeypatch.setattr(sys, "argv", ["dflash-stages", *args])
@@ -22,7 +28,8 @@ def main_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str]:
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-    return code, capsys.readouterr().err
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 # A process that has imported torch and transformers (most of an interpreter's start-up here) and forks a child per

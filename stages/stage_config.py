@@ -1,0 +1,204 @@
+"""One way for every stage command to resolve its config: ``--preset``, ``--config FILE``, options, ``--set``.
+
+Precedence, lowest first: the command's defaults < the preset's section for this stage < the config file < the
+options given on the command line < ``--set`` overrides. Each layer is checked against the stage's config
+dataclass before any work (``dflash.config_check.check_fields``: unknown keys with a did-you-mean, wrong types),
+and a value the dataclass refuses names its key and where it came from. ``--print-config`` prints the resolved
+config as ``{"STAGE": {...}}`` JSON, which ``--config`` reads back.
+
+A config file (``.toml``, ``.yaml``/``.yml`` or ``.json``, ``dflash.config_check.read_config_file``) holds either this
+stage's fields at the top or a section named after the stage (``[extract]`` in TOML): a pipeline preset, or a
+``--print-config`` of several stages, configures each stage from its own section (other stages' sections are
+ignored; a top-level ``target`` applies to every stage that has one).
+
+Which options were given is read from click's ``Context.get_parameter_source`` (public API): an option left at
+its default does not hide what the preset or the file say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dflash.errors import ConfigError
+
+__all__ = ["CONFIG_OPTION", "PRESET_OPTION", "PRINT_CONFIG_OPTION", "SET_OPTION", "given_options", "print_and_exit",
+           "parse_sets", "printable", "resolve_stage_config", "section_of", "split_given"]
+
+#: Stage sections a config file may hold besides this stage's own (ignored by the other stages).
+KNOWN_SECTIONS = ("generate", "prepare", "split", "extract", "train", "evaluate", "online", "export", "sweep")
+
+
+def given_options(ctx: Any, names: Sequence[str]) -> set[str]:
+    """The parameter names of ``ctx``'s command that the command line (or an environment variable) set."""
+    # By the enum member's name: typer bundles its own click, whose ParameterSource is not click's class.
+    return {name for name in names
+            if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
+
+
+#: Keys of a pipeline preset's stage section that only ``run`` reads (``pipelines.offline``); a stage skips them.
+PIPELINE_ONLY = {"evaluate": frozenset({"per_epoch"})}
+
+
+def section_of(data: Mapping[str, Any], section: str, fields: set[str]) -> dict[str, Any]:
+    """This stage's part of a config file or preset (see the module docstring)."""
+    if isinstance(data.get(section), Mapping):
+        picked = {k: v for k, v in data[section].items() if k not in PIPELINE_ONLY.get(section, ())}
+        if "target" in fields and "target" in data and not isinstance(data["target"], Mapping):
+            picked.setdefault("target", data["target"])
+        return picked
+    if any(isinstance(data.get(name), Mapping) for name in KNOWN_SECTIONS):
+        return {"target": data["target"]} if "target" in fields and isinstance(data.get("target"), str) else {}
+    return dict(data)
+
+
+def parse_sets(overrides: Sequence[str], section: str) -> list[tuple[str, Any, str]]:
+    """``--set KEY=VALUE`` or ``--set SECTION.KEY=VALUE`` (JSON value, else a string) -> (key, value, source)."""
+    parsed = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if key.startswith(section + "."):
+            key = key[len(section) + 1 :]
+        if not sep or not key or "." in key:
+            raise ConfigError(f"--set {item!r}: expected {section}.field=value (or field=value), e.g. "
+                              f"{section}.seed=1")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        parsed.append((key, value, f"--set {item}"))
+    return parsed
+
+
+def resolve_stage_config(
+    cls: type,
+    section: str,
+    defaults: Mapping[str, Any],
+    given: Mapping[str, Any],
+    *,
+    config_file: str | Path | None = None,
+    preset: str | None = None,
+    overrides: Sequence[str] = (),
+    required: Sequence[str] = (),
+    option_names: Mapping[str, str] | None = None,
+    build: Callable[[dict[str, Any]], Any] | None = None,
+) -> Any:
+    """Resolve and build a stage's config (precedence in the module docstring).
+
+    Args:
+        cls: the stage's config dataclass (its fields are the keys of every layer).
+        section: the stage's name (``extract``): messages, sections of files and presets, ``--set`` prefixes.
+        defaults: field -> the command's value for options left at their default.
+        given: field -> value of options given on the command line (converted to the field's type).
+        config_file: ``--config`` path, or None.
+        preset: ``--preset`` name (``pipelines/presets``) or JSON path, or None.
+        overrides: ``--set`` items.
+        required: fields that must have a value in the end (``--output``...).
+        option_names: field -> its option's spelling, for messages (default ``--field-name``).
+        build: makes the config from the merged dict (default ``cls(**merged)``).
+
+    Returns:
+        The built config.
+
+    Raises:
+        ConfigError: a missing or unreadable file, an unknown preset, an unknown key, a wrong type, a value the
+            config refuses, or a required field without a value; the message names the key and its source.
+    """
+    from dflash.config_check import check_fields, read_config_file
+
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    option_names = dict(option_names or {})
+    layers: list[tuple[dict[str, Any], Callable[[str], str]]] = []
+    if preset is not None:
+        from pipelines.offline import load_preset
+
+        layers.append((section_of(load_preset(preset), section, fields), lambda key: f"preset {preset}"))
+    if config_file is not None:
+        data = read_config_file(config_file)
+        layers.append((section_of(data, section, fields), lambda key: f"--config {config_file}"))
+    for values, source in layers:
+        check_fields(cls, values, section=section, source=source)
+    sets = parse_sets(overrides, section)
+    for key, value, source in sets:
+        check_fields(cls, {key: value}, section=section, source=lambda _key, s=source: s)
+    merged: dict[str, Any] = dict(defaults)
+    origin: dict[str, str] = {key: "default" for key in merged}
+    for values, source in layers:
+        merged.update(values)
+        origin.update({key: source(key) for key in values})
+    merged.update(given)
+    origin.update({key: option_names.get(key, "--" + key.replace("_", "-")) for key in given})
+    for key, value, source in sets:
+        merged[key] = value
+        origin[key] = source
+    for key in required:
+        if merged.get(key) is None:
+            option = option_names.get(key, "--" + key.replace("_", "-"))
+            raise ConfigError(f"{section}: {option} is required (the option, or {key} in --config/--preset/--set)")
+    try:
+        return build(merged) if build is not None else cls(**merged)
+    except (ConfigError, ValueError, TypeError) as error:
+        message = str(error)
+        key = next((k for k in merged if message.startswith((k + " ", k + ":", "--" + k.replace("_", "-")))), None)
+        if key is None:
+            raise ConfigError(f"{section}: {message}") from None
+        raise ConfigError(f"{section}.{key} ({origin.get(key, 'default')}): {message}") from None
+
+
+def printable(section: str, config: Any) -> str:
+    """``{"SECTION": fields}`` JSON of a built config, which ``--config`` reads back."""
+
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        return value
+
+    return json.dumps({section: plain(config)}, indent=2)
+
+
+def split_given(ctx: Any, values: Mapping[str, Any],
+                params: Mapping[str, str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``values`` (field -> the command's value) split into the options left at their default and those given: the
+    ``defaults`` and ``given`` of :func:`resolve_stage_config`. ``params``: field -> the command's parameter name
+    where they differ."""
+    params = dict(params or {})
+    given = given_options(ctx, [params.get(k, k) for k in values])
+    chosen = {k for k in values if params.get(k, k) in given}
+    return ({k: v for k, v in values.items() if k not in chosen}, {k: v for k, v in values.items() if k in chosen})
+
+
+def print_and_exit(section: str, config: Any) -> None:
+    """``--print-config``: print :func:`printable` and end the command (exit 0)."""
+    import typer
+
+    print(printable(section, config))
+    raise typer.Exit(0)
+
+
+def _options() -> dict[str, Any]:
+    import typer
+
+    return {
+        "config": typer.Option(None, "--config", help="Settings in a .toml, .yaml or .json file: this stage's fields, "
+                               "or a section named after the stage. Options given override it."),
+        "preset": typer.Option(None, "--preset", help="A shipped preset (pipelines/presets) or a .json file: its "
+                               "section for this stage (and its target) under the config file."),
+        "set": typer.Option([], "--set", help="STAGE.FIELD=VALUE or FIELD=VALUE (JSON value, else a string), "
+                            "over everything else. Repeatable."),
+        "print_config": typer.Option(False, "--print-config", help="Print the resolved config as JSON (which "
+                                     "--config reads back) and exit without doing anything."),
+    }
+
+
+#: The four options every stage command takes, declared once (``typer.Option`` defaults, shared by the commands).
+CONFIG_OPTION, PRESET_OPTION, SET_OPTION, PRINT_CONFIG_OPTION = _options().values()

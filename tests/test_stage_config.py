@@ -1,0 +1,108 @@
+"""Every stage command resolves its config the same way: --preset < --config FILE < options < --set, checked before
+any work, printed by --print-config in a form --config reads back (stages/stage_config.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.cli_helpers import main_in_process, main_in_process_out
+
+# (command, the options that name its inputs/outputs; paths that need not exist: nothing runs)
+STAGES = {
+    "prepare": ["-o", "{tmp}/out"],
+    "generate": ["-o", "{tmp}/out"],
+    "extract": ["--corpus", "{tmp}/corpus", "-o", "{tmp}/out"],
+    "evaluate": ["--drafter", "{tmp}/drafter", "--prompts", "p.jsonl"],
+    "train": ["--cache", "{tmp}/cache", "-o", "{tmp}/out"],
+}
+# One field of each stage, a value of the right type, a typo of its name, and a value of the wrong type.
+FIELD = {
+    "prepare": ("max_length", 777, "max_lenght", "long"),
+    "generate": ("max_new_tokens", 77, "max_new_token", "many"),
+    "extract": ("shard_size", 7777, "shard_sise", "big"),
+    "evaluate": ("num_prompts", 7, "num_prompt", "few"),
+    "train": ("lr", 0.007, "lrr", "fast"),
+}
+
+
+def _args(stage: str, tmp_path) -> list[str]:
+    return [a.format(tmp=tmp_path) for a in STAGES[stage]]
+
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_print_config_reads_back_and_layers_in_order(stage, tmp_path, monkeypatch, capsys):
+    """The file's value beats the default, an option given beats the file, --set beats the option; the printed
+    config, fed back with --config, prints the same again."""
+    field, value, _, _ = FIELD[stage]
+    option = "--" + field.replace("_", "-")
+    (tmp_path / "c.toml").write_text(f"[{stage}]\n{field} = {json.dumps(value)}\n")
+
+    def resolved(*extra: str) -> dict:
+        code, out, err = main_in_process_out(monkeypatch, capsys, stage, *_args(stage, tmp_path), *extra,
+                                             "--print-config")  # fmt: skip
+        assert code == 0, err
+        return json.loads(out)
+
+    def of(printed: dict) -> dict:
+        return printed.get(stage, printed)  # train prints its fields at the top
+
+    default = of(resolved())[field]
+    assert default != value
+    assert of(resolved("--config", str(tmp_path / "c.toml")))[field] == value
+    other = value * 2
+    assert of(resolved("--config", str(tmp_path / "c.toml"), option, str(other)))[field] == other
+    final = resolved("--config", str(tmp_path / "c.toml"), option, str(other), "--set", f"{stage}.{field}={value * 3}")
+    assert of(final)[field] == value * 3
+    (tmp_path / "printed.json").write_text(json.dumps(final))
+    code, out, err = main_in_process_out(monkeypatch, capsys, stage, "--config", str(tmp_path / "printed.json"),
+                                         "--print-config")  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out) == final
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_bad_configs_exit_2_with_one_line_naming_key_and_source_and_write_nothing(stage, tmp_path, monkeypatch,
+                                                                                  capsys):
+    field, _, typo, wrong = FIELD[stage]
+    (tmp_path / "typo.yaml").write_text(f"{stage}:\n  {typo}: 1\n")
+    (tmp_path / "broken.toml").write_text(f"[{stage}]\n{field} = = 3\n")
+    (tmp_path / "broken.yaml").write_text(f"{stage}:\n  {field}: [1, 2\n")
+    (tmp_path / "wrong.json").write_text(json.dumps({stage: {field: wrong}}))
+    cases = [
+        (["--config", str(tmp_path / "typo.yaml")], [f"{stage}.{typo} (--config ", f"did you mean {stage}.{field}?"]),
+        (["--config", str(tmp_path / "broken.toml")], ["invalid TOML", "broken.toml"]),
+        (["--config", str(tmp_path / "broken.yaml")], ["broken.yaml"]),
+        (["--config", str(tmp_path / "wrong.json")], [f"{stage}.{field} (--config ", "expected"]),
+        (["--config", str(tmp_path / "missing.toml")], ["missing.toml", "no such file"]),
+        (["--set", f"{stage}.{field}={wrong}"], [f"{stage}.{field} (--set {stage}.{field}={wrong})", "expected"]),
+        (["--set", f"{typo}=3"], [f"{stage}.{typo} (--set {typo}=3)", "did you mean"]),
+        (["--preset", "no-such-preset"], ["no-such-preset"]),
+    ]
+    for extra, needles in cases:
+        code, err = main_in_process(monkeypatch, capsys, stage, *_args(stage, tmp_path), *extra)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2, (extra, err)
+        assert len(lines) == 1 and lines[0].startswith("error:"), (extra, err)
+        for needle in needles:
+            assert needle in lines[0], (extra, needle, lines[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.toml", "broken.yaml", "typo.yaml", "wrong.json"]
+
+
+def test_a_pipeline_preset_configures_each_stage_from_its_own_section(tmp_path, monkeypatch, capsys):
+    """``--preset h200-smollm2`` gives extract the preset's extract section (and the top-level target), evaluate its
+    evaluate section without the pipeline-only keys; a required input missing everywhere is one error line."""
+    code, out, err = main_in_process_out(monkeypatch, capsys, "extract", *_args("extract", tmp_path), "--preset",
+                                         "h200-smollm2", "--print-config")  # fmt: skip
+    assert code == 0, err
+    extract = json.loads(out)["extract"]
+    assert (extract["num_taps"], extract["target_gpus"], extract["shard_size"]) == (5, [0], 262144)
+    code, out, err = main_in_process_out(monkeypatch, capsys, "evaluate", *_args("evaluate", tmp_path), "--preset",
+                                         "h200-smollm2", "--print-config")  # fmt: skip
+    assert code == 0, err
+    evaluate = json.loads(out)["evaluate"]
+    assert (evaluate["dtype"], evaluate["ignore_eos"], evaluate["prompt_tokens"]) == ("float32", True, 256)
+    code, err = main_in_process(monkeypatch, capsys, "extract", "--preset", "h200-smollm2")
+    assert code == 2 and err.strip().startswith("error: extract: --corpus is required")
