@@ -392,6 +392,7 @@ class Trainer:
         drafter.residual_in_compute_dtype = config.residual_dtype == "compute"
         self.drafter = drafter.to(self.device)
         self.anchor_slots = config.resolved_anchor_slots()
+        self._compiled_graphs_logged = 0
         if config.compile:
             self.drafter.compile_layers()
         self.target_info = {
@@ -834,6 +835,15 @@ class Trainer:
         # Achieved rate, trainer capacity T and (online) producer capacity I, ring occupancy, over this interval
         # (taken by fit() right after the step, so a checkpoint or an evaluation after it is not in it).
         record.update(self._feed)
+        if self.config.compile:
+            graphs = self.drafter.compiled_graphs
+            record["compiled_graphs"] = graphs
+            if graphs > self._compiled_graphs_logged:
+                log.info("compiled layers: %d graph(s) so far (+%d since the last log, step %d)%s", graphs,
+                         graphs - self._compiled_graphs_logged, self.step,
+                         "; still rising after the first epoch: new batch shapes recompile" if self.train_loader.epoch
+                         else "")  # fmt: skip
+                self._compiled_graphs_logged = graphs
         self.metrics.log("train", self.step, record)
 
     def _status(self, step_metrics: dict[str, Any], last_eval: dict[str, float]) -> str:

@@ -40,6 +40,8 @@ def test_compiled_fixed_shape_path_equals_eager_and_recompiles_per_bucket_only()
     # Per bucket, whatever the documents inside: one graph for the first layer (its A + 1 distinct input rows), one
     # shared by the middle layers, one for the last (anchor rows dropped): 3 per bucket, not one per layer or step.
     assert len(compiles) == 3 * len(buckets), compiles
+    assert compiled.compiled_graphs == len(compiles)  # the trainer's logged count agrees with dynamo's compiles
+    assert eager.compiled_graphs == 0
 
 
 @pytest.mark.gpu

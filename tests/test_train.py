@@ -357,8 +357,10 @@ def test_compile_flag_wires_compiled_layers_and_fixed_shape_anchors(tiny_cache, 
         assert slots == 2 * 3  # max_anchors_per_document x max_documents_per_batch
         assert calls["compile"] == 1
         assert all(tokens == config.token_budget and n == slots and shape == (slots,) for tokens, n, shape in calls["shapes"])
+        assert all("compiled_graphs" in r for r in read_metrics(tmp_path / "run", kind="train"))  # logged with compile
     else:
         assert calls["compile"] == 0
+        assert not any("compiled_graphs" in r for r in read_metrics(tmp_path / "run", kind="train"))
         assert all(n is None for _, n, _ in calls["shapes"])
         assert any(tokens != config.token_budget for tokens, _, _ in calls["shapes"])  # dynamic shapes
 

@@ -257,6 +257,8 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("_lm_head_weight", None, persistent=False)
         self._lm_head_tied = False
         self._compiled_layers: list | None = None
+        #: Input signatures the compiled layers have run on (see :attr:`compiled_graphs`).
+        self._compile_signatures: set[tuple] = set()
         #: The block tokens' residual stream in the compute dtype (bf16 under bf16 autocast), as the serving engines
         #: run the drafter and as Megatron-LM trains by default (``fp32_residual_connection=False``); False keeps it
         #: in the parameter dtype (float32 master weights). Norms compute in float32 either way. No effect without
@@ -334,6 +336,14 @@ class DFlashDrafter(nn.Module):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
         self._compiled_layers = [torch.compile(layer, **compile_kwargs) for layer in self.layers]
 
+    @property
+    def compiled_graphs(self) -> int:
+        """Graphs the compiled layers have needed so far: distinct (layer variant, input shapes, dtypes,
+        requires_grad, grad mode, autocast) signatures they ran on, each of which ``dynamic=False`` compiles once
+        (the guards dynamo checks for these layers; counted here because torch has no public recompile counter).
+        0 without :meth:`compile_layers`. A count still rising late in a run is a recompile storm: new shapes."""
+        return len(self._compile_signatures)
+
     # ------------------------------------------------------------------ forward
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         probe = torch.empty(0, device=positions.device, dtype=dtype)
@@ -379,7 +389,14 @@ class DFlashDrafter(nn.Module):
         # Key RoPE (context positions, then block positions) concatenated once per step, shared by every layer.
         key_rope = (torch.cat([context_rope[0], block_rope[0]], dim=0), torch.cat([context_rope[1], block_rope[1]], dim=0))
         last = len(layers) - 1
+        compiled = layers is self._compiled_layers
         for index, layer in enumerate(layers):
+            if compiled:  # shapes are Python ints here: no device sync
+                self._compile_signatures.add((
+                    "first" if index == 0 and num_anchors else "last" if drop_anchor_rows and index == last else "mid",
+                    num_anchors if index == 0 else 0, tuple(block_states.shape), block_states.dtype,
+                    block_states.requires_grad, tuple(context.shape), context.dtype, torch.is_grad_enabled(),
+                    torch.is_autocast_enabled(block_states.device.type)))  # fmt: skip
             block_states = layer(block_states, context, block_rope, key_rope, mask, num_anchors if index == 0 else 0,
                                  drop_anchor_rows and index == last)
         return self.norm(block_states)
