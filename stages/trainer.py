@@ -839,10 +839,11 @@ class Trainer:
             graphs = self.drafter.compiled_graphs
             record["compiled_graphs"] = graphs
             if graphs > self._compiled_graphs_logged:
-                log.info("compiled layers: %d graph(s) so far (+%d since the last log, step %d)%s", graphs,
-                         graphs - self._compiled_graphs_logged, self.step,
-                         "; still rising after the first epoch: new batch shapes recompile" if self.train_loader.epoch
-                         else "")  # fmt: skip
+                late = self.train_loader.epoch > 0  # every bucket's shapes have been seen by then
+                (log.warning if late else log.info)(
+                    "compiled layers: %d graph(s) so far (+%d since the last log, step %d)%s", graphs,
+                    graphs - self._compiled_graphs_logged, self.step,
+                    "; still rising after the first epoch: new batch shapes recompile" if late else "")
                 self._compiled_graphs_logged = graphs
         self.metrics.log("train", self.step, record)
 
