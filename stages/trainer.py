@@ -393,6 +393,7 @@ class Trainer:
         self.drafter = drafter.to(self.device)
         self.anchor_slots = config.resolved_anchor_slots()
         self._compiled_graphs_logged = 0
+        self._compiled_graphs_epoch: int | None = None
         if config.compile:
             self.drafter.compile_layers()
         self.target_info = {
@@ -839,7 +840,9 @@ class Trainer:
             graphs = self.drafter.compiled_graphs
             record["compiled_graphs"] = graphs
             if graphs > self._compiled_graphs_logged:
-                late = self.train_loader.epoch > 0  # every bucket's shapes have been seen by then
+                if self._compiled_graphs_epoch is None:  # this process's first epoch (a resume recompiles all)
+                    self._compiled_graphs_epoch = self.train_loader.epoch
+                late = self.train_loader.epoch > self._compiled_graphs_epoch  # every bucket's shapes seen by then
                 (log.warning if late else log.info)(
                     "compiled layers: %d graph(s) so far (+%d since the last log, step %d)%s", graphs,
                     graphs - self._compiled_graphs_logged, self.step,
