@@ -492,7 +492,33 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
     merged = {**base, **{k: v for k, v in overrides.items() if v is not None},
               **{key: value for key, value, _ in parsed_sets}}  # fmt: skip
     merged.setdefault("resume", False)
+    _size_defaults_for_cpu(merged)
     return TrainConfig.from_dict(merged)
+
+
+#: What a CPU host trains with where nothing (option, file, preset, saved run) sets these: the paper's GPU sizes
+#: (16,384-token micro-batches, 512 anchors per document) make a step of the dense-mask CPU path need tens of GB
+#: (the attention mask and scores grow with (anchors x block size) x (tokens + anchors x block size)), which a CPU
+#: host runs out of minutes later; these are the cpu-small preset's.
+CPU_SIZED_DEFAULTS = {"token_budget": 1024, "max_anchors_per_document": 32}
+
+
+def _size_defaults_for_cpu(merged: dict[str, Any]) -> None:
+    """Fill :data:`CPU_SIZED_DEFAULTS` into ``merged`` (in place) when the run will train on CPU and the keys are
+    unset, with a log line saying so."""
+    device = merged.get("device", "auto")
+    if merged.get("drafter_gpus") or device.startswith("cuda"):
+        return
+    if device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    sized = {key: value for key, value in CPU_SIZED_DEFAULTS.items() if key not in merged}
+    if sized:
+        merged.update(sized)
+        log.info("training on CPU: %s (the GPU-sized defaults would need tens of GB per step here; set them to "
+                 "override)", ", ".join(f"{key} {value}" for key, value in sized.items()))
 
 
 def exit_if_interrupted(summary: dict[str, Any], config: TrainConfig, command: str = "train") -> None:

@@ -474,3 +474,23 @@ def test_an_attempt_killed_after_its_checkpoint_leaves_each_step_once_in_the_met
     train_steps = [r["step"] for r in records if r["kind"] == "train"]
     assert train_steps == [1, 2, 3] and all(r["loss"] != 99.0 for r in records if r["kind"] == "train")
     assert [r["step"] for r in records if r["kind"] == "data"] == [0, 1]
+
+
+def test_cpu_runs_get_cpu_sized_batches_unless_a_setting_says_otherwise(tmp_path):
+    """``train`` with its defaults on a CPU host (issue 15): the GPU-sized token budget and anchors per document are
+    replaced by the cpu-small preset's, so the first step is not OOM-killed minutes later; anything set wins, and a
+    CUDA run keeps the paper's sizes."""
+    from stages.train import CPU_SIZED_DEFAULTS, config_from_cli
+
+    paths = {"cache": str(tmp_path / "c"), "output": str(tmp_path / "o")}
+    assert not torch.cuda.is_available()  # the CPU-only suite
+    sized = config_from_cli({**paths, "device": "cpu"})
+    assert (sized.token_budget, sized.max_anchors_per_document) == tuple(CPU_SIZED_DEFAULTS.values())
+    assert config_from_cli(paths).token_budget == CPU_SIZED_DEFAULTS["token_budget"]  # auto without CUDA: CPU
+    given = config_from_cli({**paths, "token_budget": 4096})
+    assert (given.token_budget, given.max_anchors_per_document) == (4096, CPU_SIZED_DEFAULTS["max_anchors_per_document"])
+    (tmp_path / "cfg.toml").write_text("[train]\nmax_anchors_per_document = 64\n")
+    assert config_from_cli(paths, tmp_path / "cfg.toml").max_anchors_per_document == 64
+    gpu = TrainConfig(cache="c", output="o")
+    assert (gpu.token_budget, gpu.max_anchors_per_document) == (16384, 512)  # the paper's, kept for CUDA
+    assert config_from_cli({**paths, "device": "cuda"}).token_budget == 16384
