@@ -250,6 +250,70 @@ def test_worker_sigkill_mid_run_is_redone_exactly_once(tmp_path, corpus_dir, ref
     _assert_cache_matches(output, corpus_dir, reference)
 
 
+def test_external_cluster_of_dask_cli_processes_survives_a_killed_worker_exactly_once(tmp_path, corpus_dir, reference):
+    """The multi-node way (docs/cache-format.md): a scheduler and two workers started with the ``dask scheduler`` /
+    ``dask worker`` commands a user runs on each node (each worker declaring ``--resources GPU=1``, on CPU here),
+    ``extract --scheduler-address``; one worker (its nanny and worker processes, as when a node dies) is SIGKILLed
+    after the first commit. The other finishes: every shard committed once, the cache equals the per-row reference."""
+    dask_cli = Path(sys.executable).with_name("dask")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    scheduler_file = tmp_path / "scheduler.json"
+    started = [subprocess.Popen([str(dask_cli), "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                                 "--scheduler-file", str(scheduler_file)], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)]  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not scheduler_file.is_file():
+            assert time.monotonic() < deadline and started[0].poll() is None, "the dask scheduler did not start"
+            time.sleep(0.1)
+        for name in ("node-a", "node-b"):
+            started.append(subprocess.Popen(
+                [str(dask_cli), "worker", "--scheduler-file", str(scheduler_file), "--name", name, "--nworkers", "1",
+                 "--nthreads", "1", "--resources", "GPU=1", "--memory-limit", "0", "--no-dashboard",
+                 "--local-directory", str(tmp_path / name)],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+        address = json.loads(scheduler_file.read_text())["address"]
+        from distributed import Client
+
+        with Client(address) as client:
+            client.wait_for_workers(2, timeout=120)
+        output = tmp_path / "cache"
+        config = ExtractConfig(corpus=str(corpus_dir), output=str(output), scheduler_address=address, shard_size=1,
+                               write_processes=0)  # fmt: skip
+        outcome: dict = {}
+
+        def run() -> None:
+            try:
+                outcome["summary"] = run_extract(config, _quiet())
+            except BaseException as error:  # surfaced by the assertion below
+                outcome["error"] = error
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        commits = output / "commits"
+        deadline = time.monotonic() + 240
+        while not (commits.is_dir() and any(commits.glob("shard-*.json"))):
+            assert thread.is_alive(), outcome
+            assert time.monotonic() < deadline, "no shard committed in time"
+            time.sleep(0.05)
+        node_a = psutil.Process(started[1].pid)
+        for process in [*node_a.children(recursive=True), node_a]:
+            process.kill()
+        committed_at_kill = len(list(commits.glob("shard-*.json")))
+        thread.join(timeout=300)
+        assert not thread.is_alive() and "error" not in outcome, outcome
+        assert committed_at_kill < outcome["summary"]["planned_shards"], "the kill did not land mid-run"
+        assert outcome["summary"]["committed_shards"] == outcome["summary"]["planned_shards"]
+        _assert_cache_matches(output, corpus_dir, reference)
+    finally:
+        for process in started:
+            for child in (psutil.Process(process.pid).children(recursive=True) if process.poll() is None else []):
+                child.kill()
+            process.kill()
+            process.wait(timeout=30)
+
+
 def _shard_specs(output: Path, corpus_dir: Path) -> list[ShardSpec]:
     """The prepared cache's shard tasks (40-token shards of the test corpus), as the extract driver plans them."""
     config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=40)
