@@ -38,6 +38,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -511,11 +512,31 @@ def printable_config(config: OnlineConfig) -> dict[str, Any]:
 
 
 def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], preset: str | None = None,
-                    config_file: str | Path | None = None) -> OnlineConfig:  # fmt: skip
-    """The run's config: defaults < the preset < the ``--config`` file < the options given; with ``--resume`` all
-    of them over the run's saved config (RUN/run.json), so resume a run with the same preset and file, or none."""
-    from dflash.config_check import read_config_file
+                    config_file: str | Path | None = None, sets: Sequence[str] = ()) -> OnlineConfig:  # fmt: skip
+    """The run's config: defaults < the preset < the ``--config`` file < the options given < ``--set
+    online.FIELD=VALUE`` / ``train.FIELD=VALUE``; with ``--resume`` all of them over the run's saved config
+    (RUN/run.json), so resume a run with the same preset and file, or none.
+
+    Raises:
+        ConfigError: an unknown key or section, a wrong type or a refused value, named with its source.
+    """
+    from dflash.config_check import check_fields, read_config_file
+    from stages.stage_config import parse_sets
+    from stages.train import TrainConfig
     from stages.train import config_from_cli as train_config_from_cli
+
+    set_online, set_train = {}, {}
+    for item in sets:
+        section = item.partition("=")[0].strip().partition(".")[0]
+        if section not in ("online", "train"):
+            raise ConfigError(f"--set {item!r}: expected online.FIELD=VALUE or train.FIELD=VALUE")
+        cls, into = (OnlineConfig, set_online) if section == "online" else (TrainConfig, set_train)
+        for key, value, source in parse_sets([item], section):
+            check_fields(cls, {key: value}, section=section, source=lambda _key, s=source: s,
+                         reserved={"train"} if section == "online" else ())  # fmt: skip
+            into[key] = value
+    online = {**online, **set_online}
+    train_overrides = {**train_overrides, **set_train}
 
     layers = []
     if preset is not None:
@@ -584,6 +605,8 @@ def register(app: typer.Typer) -> None:
                                         "under the options given."),
         print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config (JSON, readable "
                                           "by --config) and exit; nothing runs."),
+        sets: list[str] = typer.Option([], "--set", help="online.FIELD=VALUE or train.FIELD=VALUE (JSON value, else "
+                                       "a string), over everything else. Repeatable."),
         resume: bool = typer.Option(None, "--resume/--no-resume", help="Continue RUN from its latest checkpoint."),
         target: str = typer.Option(None, "--target", help="Target spec ('default' = SmolLM2-135M-Instruct)."),
         target_layer_ids: str = typer.Option(None, "--target-layer-ids", help="Tapped layer ids, e.g. 1,3."),
@@ -640,7 +663,7 @@ def register(app: typer.Typer) -> None:
             "progress": progress, "grad_accum_steps": grad_accum_steps, "eval_every": eval_every,
             "keep_last": keep_last, "allow_config_change": allow_config_change, "break_lock": break_lock,
         }  # fmt: skip
-        config = config_from_cli(online, train_overrides, preset, config_file)
+        config = config_from_cli(online, train_overrides, preset, config_file, sets)
         if print_config:
             print(json.dumps(printable_config(config), indent=2))
             return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -494,3 +495,17 @@ def test_online_refuses_up_front_what_would_fail_after_the_producers_loaded(tmp_
     assert (config.workers, config.target_gpus, config.train.drafter_gpus, config.train.device) == (None, [0], [1],
                                                                                                       "auto")
     assert Path(config.corpus).is_absolute()  # saved in run.json: a resume from another folder finds it
+
+
+def test_online_set_overrides_both_sections_over_options_and_names_bad_ones(tmp_path):
+    from dflash.errors import ConfigError
+    from pipelines.online import config_from_cli
+
+    paths = ({"corpus": str(tmp_path / "c"), "ring_slots": 5}, {"output": str(tmp_path / "r"), "lr": 1e-3})
+    config = config_from_cli(*paths, "online-cpu", None, ["online.ring_slots=9", "train.lr=0.002", "train.block_size=8"])
+    assert (config.ring_slots, config.train.lr, config.train.block_size) == (9, 0.002, 8)
+    for item, needle in (("online.ring_slotz=9", "did you mean online.ring_slots?"),
+                         ("lr=9", "expected online.FIELD=VALUE or train.FIELD=VALUE"),
+                         ("train.lr=fast", "train.lr (--set train.lr=fast): expected float")):  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            config_from_cli(*paths, "online-cpu", None, [item])
