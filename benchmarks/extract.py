@@ -36,6 +36,7 @@ Run (GPU)::
     python benchmarks/extract.py --write-only --write-shards 8                         # write path, CPU only
     python benchmarks/extract.py --target default                                      # SmolLM2-135M-Instruct
     python benchmarks/extract.py --smoke                      # tiny, on CPU (a check that it runs)
+    python benchmarks/extract.py --target qwen3-8b-random --compare-packing --tokens 262144   # padded vs packed
 """
 
 from __future__ import annotations
@@ -135,6 +136,82 @@ def write_corpus(path: Path, num_tokens: int, min_len: int, max_len: int, vocab_
             writer.add(ids, mask, f"bench-{writer.num_rows}")
             total += length
         writer.commit({"source": "benchmarks/extract.py random tokens", "seed": seed})
+
+
+#: Six length buckets from 256 to 8,192 tokens (a long-tailed corpus: most rows short, most tokens in long rows),
+#: with the share of ROWS drawn from each; a row's length is uniform inside its bucket.
+LONG_TAIL_BUCKETS = ((256, 512, 0.34), (513, 1024, 0.26), (1025, 2048, 0.18), (2049, 4096, 0.12),
+                     (4097, 6144, 0.06), (6145, 8192, 0.04))  # fmt: skip
+
+
+def long_tail_lengths(num_tokens: int, seed: int, max_len: int = 8192) -> list[int]:
+    """Row lengths drawn from :data:`LONG_TAIL_BUCKETS` (the buckets scaled by ``max_len / 8192``) until
+    ``num_tokens`` is reached."""
+    rng = np.random.default_rng(seed)
+    weights = np.asarray([w for _, _, w in LONG_TAIL_BUCKETS])
+    scale = max_len / LONG_TAIL_BUCKETS[-1][1]
+    lengths, total = [], 0
+    while total < num_tokens:
+        low, high, _ = LONG_TAIL_BUCKETS[int(rng.choice(len(LONG_TAIL_BUCKETS), p=weights / weights.sum()))]
+        length = max(1, int(rng.integers(round(low * scale), round(high * scale) + 1)))
+        lengths.append(length)
+        total += length
+    return lengths
+
+
+def compare_packing(args: argparse.Namespace, model: Any, identity: Any, device: torch.device, console: Console) -> dict:
+    """Truncated runner forwards (``TargetRunner.iter_batches``, taps copied to host, no writes) in ONE run, ``--repeats``
+    times interleaved, medians: a fixed-length corpus (rows of ``--max-len``, no padding either way: the reference
+    rate), then a long-tailed corpus (:data:`LONG_TAIL_BUCKETS`) right-padded in length-grouped batches and packed
+    (samples back to back, attention confined to each). Real tokens per second."""
+    rng = np.random.default_rng(args.seed)
+    layer_ids = default_target_layer_ids(identity.num_hidden_layers, args.num_taps)
+    vocab = min(identity.vocab_size, 32000)
+    fixed_len = min(2048, args.max_len)  # the issue's reference: rows of 2,048 tokens, 8 per 16,384-token batch
+    fixed = [rng.integers(0, vocab, size=fixed_len, dtype=np.int64) for _ in range(max(1, args.tokens // fixed_len))]
+    tail = [rng.integers(0, vocab, size=n, dtype=np.int64) for n in long_tail_lengths(args.tokens, args.seed, args.max_len)]
+    runners = {"padded": TargetRunner(model, layer_ids, device, token_budget=args.token_budget),
+               "packed": TargetRunner(model, layer_ids, device, token_budget=args.token_budget, packing=True)}
+
+    def rate(runner: TargetRunner, rows: list[np.ndarray]) -> tuple[float, int]:
+        _sync(device)
+        started = time.perf_counter()
+        padded = 0
+        for batch in runner.iter_batches(rows):
+            padded += batch.num_padded_tokens
+            batch.release()
+        _sync(device)
+        return sum(len(r) for r in rows) / (time.perf_counter() - started), padded
+
+    for runner in runners.values():  # warm-up: kernels, allocator, pinned buffers
+        rate(runner, tail[: max(4, len(tail) // 8)])
+    # Same hidden states either way (attention confined to each packed sample): the largest difference over a few rows.
+    probe = tail[:12]
+    worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(
+        runners["padded"].run(probe), runners["packed"].run(probe), strict=True))  # fmt: skip
+    console.print(f"packed vs padded hidden states, {len(probe)} rows: max |difference| {worst:.4g}")
+    runs: dict[str, list[float]] = {"fixed_padded": [], "fixed_packed": [], "long_tail_padded": [], "long_tail_packed": []}
+    padded_tokens = {}
+    for repeat in range(args.repeats):
+        for name, rows in (("fixed", fixed), ("long_tail", tail)):
+            for mode, runner in runners.items():
+                value, padded_tokens[f"{name}_{mode}"] = rate(runner, rows)
+                runs[f"{name}_{mode}"].append(value)
+        console.print(f"repeat {repeat}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in runs.items()))
+    medians = {key: float(np.median(values)) for key, values in runs.items()}
+    tail_tokens = sum(len(r) for r in tail)
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "target": identity.name,
+        "token_budget": args.token_budget, "repeats": args.repeats, "taps": layer_ids,
+        "fixed_rows": f"{len(fixed)} x {fixed_len}", "long_tail_rows": len(tail), "long_tail_tokens": tail_tokens,
+        "packed_vs_padded_max_abs_difference": worst,
+        **{f"{k}_tokens_per_s": v for k, v in medians.items()},
+        "long_tail_padding_share": 1 - tail_tokens / padded_tokens["long_tail_padded"],
+        "long_tail_packed_over_padded": medians["long_tail_packed"] / medians["long_tail_padded"],
+        "long_tail_packed_over_fixed": medians["long_tail_packed"] / medians["fixed_padded"],
+        "long_tail_padded_over_fixed": medians["long_tail_padded"] / medians["fixed_padded"],
+        "runs": json.dumps({k: [round(v) for v in vs] for k, vs in runs.items()}),
+    }  # fmt: skip
 
 
 def _sync(device: torch.device) -> None:
@@ -396,6 +473,9 @@ def main() -> None:
     parser.add_argument("--write-processes", type=int, default=None,
                         help="shard writes in N processes reading shared host memory; 0: threads (default: as extract, "
                              "2 on a GPU, 0 on CPU)")
+    parser.add_argument("--compare-packing", action="store_true",
+                        help="only the runner: fixed-length vs long-tailed corpora, padded vs packed batches")
+    parser.add_argument("--repeats", type=int, default=3, help="--compare-packing: interleaved repeats (medians)")
     parser.add_argument("--write-only", action="store_true", help="time the write path alone on the CPU (no model)")
     parser.add_argument("--write-shards", type=int, default=6, help="shards written by --write-only")
     parser.add_argument("--hidden-size", type=int, default=4096, help="H for --write-only (Qwen3-8B: 4096)")
@@ -417,6 +497,15 @@ def main() -> None:
         _report(console, figures, "write path benchmark (CPU)", args.json)
         return
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+
+    if args.compare_packing:
+        if args.smoke:
+            args.max_len, args.tokens, args.token_budget = 256, 2048, 512
+        else:
+            args.max_len = max(args.max_len, 8192) if args.max_len == 2048 and args.min_len == 256 else args.max_len
+        model, identity = build_target(args.target, device, args.smoke, args.seed)
+        _report(console, compare_packing(args, model, identity, device, console), "padded vs packed batches", args.json)
+        return
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-bench-extract-"))
     workdir.mkdir(parents=True, exist_ok=True)

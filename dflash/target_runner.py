@@ -17,6 +17,15 @@ Batching: samples are sorted by length (longest first) and grouped greedily into
 token on its right, and position ids are ``0..L-1`` for every row, so a sample's output equals its solo forward
 up to kernel rounding (bf16 tolerance), whatever batch it lands in.
 
+Packed batches (``packing=True``): samples are concatenated into one row of at most ``token_budget`` tokens
+(first-fit decreasing; a longer sample gets a row of its own), no padding, with position ids restarting at 0 for
+each sample and no attention mask: transformers reads the restarts as its packed-sequence format
+(``masking_utils.find_packed_sequence_indices``) and confines attention to each sample (a block-diagonal causal
+mask for SDPA/eager, a document BlockMask for ``flex_attention``, varlen for flash-attention). A sample's output
+again equals its solo forward within bf16 tolerance, whatever it is packed with. What it saves is the padding of
+length-grouped batches (long-tailed corpora); what it costs is the masked attention kernel instead of the causal
+one, so it is an option (``benchmarks/extract.py`` measures both).
+
 On CUDA the taps are copied on a side stream (non-blocking, ordered by an event) into pinned host buffers that
 are allocated once and reused: a consumer hands a batch's buffer back with :meth:`RunnerBatch.release` once it no
 longer needs ``hidden`` (a batch never released is simply garbage-collected and a new buffer is allocated).
@@ -37,7 +46,7 @@ import torch
 from dflash.errors import ConfigError, TargetError
 from dflash.target import LAYER_ID_CONVENTION, validate_target_layer_ids
 
-__all__ = ["TargetRunner", "RunnerBatch", "plan_batches", "find_decoder_layers"]
+__all__ = ["TargetRunner", "RunnerBatch", "plan_batches", "plan_packed_batches", "find_decoder_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +115,39 @@ def plan_batches(lengths: Sequence[int] | np.ndarray, token_budget: int) -> list
     return batches
 
 
+def plan_packed_batches(lengths: Sequence[int] | np.ndarray, token_budget: int) -> list[np.ndarray]:
+    """Group samples into packed rows of at most ``token_budget`` tokens (first-fit decreasing: longest first,
+    each into the first row it fits).
+
+    Args:
+        lengths: per-sample token counts (int, > 0).
+        token_budget: most tokens of one packed row; a longer sample gets a row of its own.
+
+    Returns:
+        Index arrays (int64) into ``lengths``, one per row, in the order the samples were placed (longest first).
+
+    Raises:
+        ConfigError: ``token_budget < 1`` or an empty sample.
+    """
+    if token_budget < 1:
+        raise ConfigError(f"token_budget must be >= 1, got {token_budget}")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size and lengths.min() < 1:
+        raise ConfigError(f"sample {int(np.argmin(lengths))} is empty; every sample needs at least one token")
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for index in np.argsort(-lengths, kind="stable").tolist():
+        length = int(lengths[index])
+        target = next((row for row, free in enumerate(room) if free >= length), None)
+        if target is None:
+            rows.append([index])
+            room.append(token_budget - length)
+        else:
+            rows[target].append(index)
+            room[target] -= length
+    return [np.asarray(row, dtype=np.int64) for row in rows]
+
+
 @dataclass(slots=True)
 class RunnerBatch:
     """One finished batch of :meth:`TargetRunner.iter_batches`.
@@ -144,6 +186,7 @@ class _InFlight:
     event: Any = None
     padded: int = 0
     buffer: torch.Tensor | None = None  # the pooled pinned buffer ``host`` is a view of
+    offsets: list[int] | None = None  # packed: each sample's first token in the single row ``host[0]``
 
 
 class TargetRunner:
@@ -155,6 +198,7 @@ class TargetRunner:
         device: where the forward runs (default: the model's device). The model is moved there.
         token_budget: padded tokens per forward batch (``rows x longest``).
         pad_token_id: id written into padding positions (never seen by real tokens).
+        packing: packed batches instead of right-padded ones (module docstring).
         shared_host_buffers: allocate the reusable host buffers in POSIX shared memory (pinned on CUDA), so that
             write processes read the hidden states without a copy (:mod:`dflash.shm`, read by :mod:`dflash.cache.process_writer`); call
             :meth:`close` to free them.
@@ -177,6 +221,7 @@ class TargetRunner:
         token_budget: int = 16384,
         pad_token_id: int = 0,
         shared_host_buffers: bool = False,
+        packing: bool = False,
     ) -> None:
         if token_budget < 1:
             raise ConfigError(f"token_budget must be >= 1, got {token_budget}")
@@ -188,6 +233,7 @@ class TargetRunner:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.token_budget = int(token_budget)
         self.pad_token_id = int(pad_token_id)
+        self.packing = bool(packing)
         self._decoder, self._layers = find_decoder_layers(model)
         model.to(self.device)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -246,13 +292,16 @@ class TargetRunner:
         """``n * H``: width of one token's concatenated taps."""
         return self.num_taps * self.hidden_size
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Tapped hidden states of a right-padded batch, left on the device.
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Tapped hidden states of a right-padded (or packed) batch, left on the device.
 
         Args:
             input_ids: ``Tensor[b, P]`` int64 on ``self.device``.
             attention_mask: accepted for callers that have one (``Tensor[b, P]``, 1 = real token) and ignored: the
                 batch must be RIGHT-padded, so causal attention alone keeps real tokens exact (module docstring).
+            position_ids: ``Tensor[b, P]`` int64; default ``0..P-1`` per row. Restarting at 0 inside a row packs
+                samples (module docstring).
 
         Returns:
             ``Tensor[b, P, n*H]`` bfloat16 on the device; padding positions hold unspecified values.
@@ -273,7 +322,8 @@ class TargetRunner:
             self._layers[layer_id].register_forward_hook(make_hook(slot))
             for slot, layer_id in enumerate(self.target_layer_ids)
         ]
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         try:
             with torch.inference_mode():
                 self._decoder(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False)
@@ -292,29 +342,49 @@ class TargetRunner:
 
     def _launch(self, input_ids_list: Sequence[Any], indices: np.ndarray) -> _InFlight:
         lengths = [len(input_ids_list[i]) for i in indices]
-        padded_length = max(lengths)
-        rows = len(indices)
-        tokens = torch.full((rows, padded_length), self.pad_token_id, dtype=torch.int64)
-        for row, index in enumerate(indices):
-            tokens[row, : lengths[row]] = torch.as_tensor(np.asarray(input_ids_list[index]), dtype=torch.int64)
-        real = torch.arange(padded_length)[None, :] < torch.as_tensor(lengths)[:, None]  # [b, P] bool, real tokens
         on_cuda = self.device.type == "cuda"
-        if on_cuda:  # pinned sources: the non-blocking copies below never stall on the previous batch
-            tokens, real = tokens.pin_memory(), real.pin_memory()
-        tokens = tokens.to(self.device, non_blocking=True)
-        real = real.to(self.device, non_blocking=True)
-        hidden = self.forward(tokens)  # [b, P, n*H]
-        with torch.inference_mode():
-            # Non-finite check on the stored (bf16) values, real tokens only: [b, P, n] -> [b, n].
-            finite = torch.isfinite(hidden.view(rows, padded_length, self.num_taps, self.hidden_size)).all(-1)
-            nonfinite = (~finite & real[:, :, None]).any(1)
+        offsets = None
+        if self.packing:  # one row: the samples back to back, positions restarting per sample
+            offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+            rows, padded_length = 1, sum(lengths)
+            tokens = torch.cat([torch.as_tensor(np.asarray(input_ids_list[i]), dtype=torch.int64) for i in indices])[None]
+            positions = torch.cat([torch.arange(length) for length in lengths])[None]
+            owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.as_tensor(lengths))  # [T] sample of token
+            if on_cuda:
+                tokens, positions, owner = tokens.pin_memory(), positions.pin_memory(), owner.pin_memory()
+            tokens = tokens.to(self.device, non_blocking=True)
+            positions = positions.to(self.device, non_blocking=True)
+            owner = owner.to(self.device, non_blocking=True)
+            hidden = self.forward(tokens, position_ids=positions)  # [1, T, n*H]
+            with torch.inference_mode():  # [T, n] -> per sample [D, n]
+                bad = ~torch.isfinite(hidden.view(padded_length, self.num_taps, self.hidden_size)).all(-1)
+                nonfinite = torch.zeros(len(lengths), self.num_taps, dtype=torch.int32, device=self.device)
+                nonfinite = nonfinite.index_add_(0, owner, bad.to(torch.int32)) > 0
+        else:
+            padded_length = max(lengths)
+            rows = len(indices)
+            tokens = torch.full((rows, padded_length), self.pad_token_id, dtype=torch.int64)
+            for row, index in enumerate(indices):
+                tokens[row, : lengths[row]] = torch.as_tensor(np.asarray(input_ids_list[index]), dtype=torch.int64)
+            real = torch.arange(padded_length)[None, :] < torch.as_tensor(lengths)[:, None]  # [b, P] bool, real tokens
+            if on_cuda:  # pinned sources: the non-blocking copies below never stall on the previous batch
+                tokens, real = tokens.pin_memory(), real.pin_memory()
+            tokens = tokens.to(self.device, non_blocking=True)
+            real = real.to(self.device, non_blocking=True)
+            hidden = self.forward(tokens)  # [b, P, n*H]
+            with torch.inference_mode():
+                # Non-finite check on the stored (bf16) values, real tokens only: [b, P, n] -> [b, n].
+                finite = torch.isfinite(hidden.view(rows, padded_length, self.num_taps, self.hidden_size)).all(-1)
+                nonfinite = (~finite & real[:, :, None]).any(1)
         if not on_cuda and not self.shared_host_buffers:
-            return _InFlight(list(map(int, indices)), lengths, hidden, nonfinite, padded=rows * padded_length)
+            return _InFlight(list(map(int, indices)), lengths, hidden, nonfinite, padded=rows * padded_length,
+                             offsets=offsets)  # fmt: skip
         buffer = self._acquire_host_buffer(hidden.numel())
         if not on_cuda:  # CPU with shared host buffers: a plain copy into the shared memory
             host = buffer[: hidden.numel()].view(hidden.shape)
             host.copy_(hidden)
-            return _InFlight(list(map(int, indices)), lengths, host, nonfinite, padded=rows * padded_length, buffer=buffer)
+            return _InFlight(list(map(int, indices)), lengths, host, nonfinite, padded=rows * padded_length,
+                             buffer=buffer, offsets=offsets)  # fmt: skip
         host = buffer[: hidden.numel()].view(hidden.shape)
         host_flags = torch.empty(nonfinite.shape, dtype=torch.bool, pin_memory=True)
         assert self._copy_stream is not None
@@ -328,7 +398,8 @@ class TargetRunner:
         hidden.record_stream(self._copy_stream)
         nonfinite.record_stream(self._copy_stream)
         return _InFlight(
-            list(map(int, indices)), lengths, host, host_flags, event, padded=rows * padded_length, buffer=buffer
+            list(map(int, indices)), lengths, host, host_flags, event, padded=rows * padded_length, buffer=buffer,
+            offsets=offsets,
         )
 
     def _finish(self, flight: _InFlight) -> RunnerBatch:
@@ -337,7 +408,9 @@ class TargetRunner:
         flags = flight.nonfinite.tolist()
         return RunnerBatch(
             indices=flight.indices,
-            hidden=[flight.host[row, :length] for row, length in enumerate(flight.lengths)],
+            hidden=[flight.host[row, :length] for row, length in enumerate(flight.lengths)] if flight.offsets is None
+            else [flight.host[0, start : start + length] for start, length in zip(flight.offsets, flight.lengths,
+                                                                                  strict=True)],  # fmt: skip
             nonfinite_layers=[
                 [layer_id for layer_id, bad in zip(self.target_layer_ids, row_flags, strict=True) if bad]
                 for row_flags in flags
@@ -358,7 +431,8 @@ class TargetRunner:
             pinned host buffer, valid until :meth:`RunnerBatch.release`). Batch k+1's forward is already queued on
             the device when batch k is yielded.
         """
-        plan = plan_batches([len(ids) for ids in input_ids_list], self.token_budget)
+        planner = plan_packed_batches if self.packing else plan_batches
+        plan = planner([len(ids) for ids in input_ids_list], self.token_budget)
         pending: _InFlight | None = None
         for indices in plan:
             flight = self._launch(input_ids_list, indices)

@@ -67,7 +67,9 @@ class ExtractConfig:
         workers: CPU worker processes (LocalCluster).
         scheduler_address: an existing Dask scheduler; its workers must reach ``corpus`` and ``output``.
         shard_size: target tokens per shard (rows are grouped contiguously; a longer row is a shard of its own).
-        token_budget: padded tokens per forward batch (rows x longest).
+        token_budget: padded tokens per forward batch (rows x longest); with ``packing``, tokens per packed row.
+        packing: packed forward batches (samples back to back, attention confined to each; no padding) instead of
+            right-padded length-grouped ones (``dflash.target_runner``): the same hidden states within bf16.
         storage_dtype: ``"bf16"`` (bit-exact) or ``"fp8"`` (lossy e4m3 with a per-token, per-tap scale).
         codec: codec preset name (``dflash.cache.CODEC_PRESETS``); ``None``: the cache's default.
         max_length, length_policy: rows longer than ``max_length`` raise (``"error"``), are skipped
@@ -103,6 +105,7 @@ class ExtractConfig:
     scheduler_address: str | None = None
     shard_size: int = 65536
     token_budget: int = 16384
+    packing: bool = False
     storage_dtype: Literal["bf16", "fp8"] = "bf16"
     codec: str | None = None
     max_length: int | None = None
@@ -377,6 +380,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
             write_threads=config.write_threads or _default_write_threads(placement),
             writes_in_flight=config.writes_in_flight,
             write_processes=config.write_processes,
+            packing=config.packing,
         )
         loading = time.perf_counter()
         client.register_plugin(plugin)  # runs setup on every worker; re-raises a worker's loading error here
@@ -520,7 +524,8 @@ def register(app: typer.Typer) -> None:
         workers: int | None = typer.Option(None, "--workers", help="CPU worker processes."),
         scheduler_address: str | None = typer.Option(None, "--scheduler-address", help="Existing Dask scheduler (workers with resource GPU=1 get one task at a time)."),
         shard_size: int = typer.Option(65536, "--shard-size", help="Target tokens per shard (one task, one commit)."),
-        token_budget: int = typer.Option(16384, "--token-budget", help="Padded tokens per forward batch (rows x longest)."),
+        token_budget: int = typer.Option(16384, "--token-budget", help="Padded tokens per forward batch (rows x longest); with --packing, tokens per packed row."),
+        packing: bool = typer.Option(False, "--packing/--no-packing", help="Packed forward batches: samples back to back with attention confined to each, no padding (long-tailed corpora; benchmarks/extract.py compares)."),
         storage_dtype: str = typer.Option("bf16", "--storage-dtype", help="bf16 (bit-exact) or fp8 (lossy e4m3, per-token per-tap scale)."),
         codec: str | None = typer.Option(None, "--codec", help="Codec preset of dflash.cache.CODEC_PRESETS, e.g. none, zstd-1, blosc-zstd1-shuffle (an unknown name lists them; default: the cache's measured default, see docs/cache-format.md)."),
         max_length: int | None = typer.Option(None, "--max-length", help="Longest row accepted (see --length-policy)."),
@@ -554,7 +559,7 @@ def register(app: typer.Typer) -> None:
                 corpus=corpus, output=output, target=target,
                 target_layer_ids=_int_list(target_layer_ids, "--target-layer-ids"), num_taps=num_taps,
                 target_gpus=_int_list(target_gpus, "--target-gpus"), workers=workers,
-                scheduler_address=scheduler_address, shard_size=shard_size, token_budget=token_budget,
+                scheduler_address=scheduler_address, shard_size=shard_size, token_budget=token_budget, packing=packing,
                 storage_dtype=storage_dtype, codec=codec, max_length=max_length, length_policy=length_policy,
                 expected_ratio=expected_ratio, force_space=force_space, dashboard_address=dashboard_address,
                 tls_ca_file=tls_ca_file, tls_cert=tls_cert, tls_key=tls_key, break_lock=break_lock,

@@ -344,6 +344,7 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
         writes_in_flight: shard writes per worker running beside compute (bounded backpressure).
         write_processes: write processes per worker (0: threads; ``None``: :func:`default_write_processes`; see
             :class:`ShardExtractor`).
+        packing: packed forward batches instead of right-padded ones (:class:`dflash.target_runner.TargetRunner`).
     """
 
     name = PLUGIN_NAME
@@ -362,11 +363,13 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
         write_threads: int | None = None,
         writes_in_flight: int = 2,
         write_processes: int | None = None,
+        packing: bool = False,
     ) -> None:
         super().__init__(target_spec=target_spec, gpu_by_worker=gpu_by_worker, device=device,
                          torch_threads=torch_threads, die_with_parent=die_with_parent)
         self.target_layer_ids = list(target_layer_ids)
         self.token_budget = token_budget
+        self.packing = packing
         self.write_threads = write_threads
         self.writes_in_flight = writes_in_flight
         self.write_processes = write_processes
@@ -375,7 +378,8 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
     def build(self, loaded: Any, device: torch.device) -> None:
         pad_token_id = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
         runner = TargetRunner(
-            loaded.model, self.target_layer_ids, device, token_budget=self.token_budget, pad_token_id=pad_token_id
+            loaded.model, self.target_layer_ids, device, token_budget=self.token_budget, pad_token_id=pad_token_id,
+            packing=self.packing,
         )
         write_threads = self.write_threads or default_write_threads(self.torch_threads)
         self.extractor = ShardExtractor(runner, writes_in_flight=self.writes_in_flight, write_threads=write_threads,

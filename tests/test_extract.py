@@ -342,6 +342,20 @@ def test_write_processes_write_the_same_cache_from_shared_buffers(tmp_path, targ
     _assert_cache_matches(output, corpus_dir, reference)
 
 
+def test_packed_batches_write_the_same_cache_through_write_processes(tmp_path, target, corpus_dir, layer_ids,
+                                                                     reference):
+    """``packing=True`` (extract --packing): samples packed back to back without padding; the cache written from the
+    packed rows' shared buffers by a write process equals the per-row reference (each row alone)."""
+    output = tmp_path / "cache"
+    specs = _shard_specs(output, corpus_dir)
+    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=64, packing=True)
+    extractor = ShardExtractor(runner, write_processes=1, write_threads=1)
+    writes = [record for spec in specs for record in extractor.process(spec)["committed"]]
+    writes += extractor.close()
+    assert len(writes) == len(specs) and not [w for w in writes if "error" in w]
+    _assert_cache_matches(output, corpus_dir, reference)
+
+
 def test_process_writer_refuses_hidden_states_outside_shared_memory(tmp_path):
     from dflash.cache import HiddenSample
     from dflash.cache.process_writer import ProcessShardWriter, SharedHostBuffer

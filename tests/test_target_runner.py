@@ -12,7 +12,7 @@ import torch
 
 from dflash.errors import ConfigError, TargetError
 from dflash.target import default_target_layer_ids
-from dflash.target_runner import TargetRunner, plan_batches
+from dflash.target_runner import TargetRunner, plan_batches, plan_packed_batches
 
 # Short real stdlib text of mixed lengths (5-16 tokens): enough to exercise padding, cheap on 2 CPU cores.
 SNIPPETS = [
@@ -71,6 +71,37 @@ def test_solo_vs_shuffled_mixed_batch_vs_repeat(target, samples, layer_ids, solo
     for position, index in enumerate(order):
         _assert_bf16_close(first[position], solo[index])
         assert torch.equal(first[position], second[position])  # a repeated call is bit-identical
+
+
+@pytest.mark.parametrize("token_budget", [4096, 24])
+def test_packed_batches_equal_each_sample_alone_whatever_they_are_packed_with(target, samples, layer_ids, solo,
+                                                                             token_budget):
+    """``packing=True``: samples back to back in one row (positions restarting, attention confined to each sample by
+    transformers' packed-sequence mask), no padding; each sample's taps equal its solo forward within bf16, in one
+    row (4096) or several (24), and a repeated call is bit-identical."""
+    order = list(range(len(samples)))
+    random.Random(1).shuffle(order)
+    shuffled = [samples[i] for i in order]
+    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=token_budget, packing=True)
+    rows = plan_packed_batches([len(s) for s in shuffled], token_budget)
+    assert (len(rows) == 1) == (token_budget == 4096)
+    batches = list(runner.iter_batches(shuffled))
+    assert all(b.num_padded_tokens == b.num_tokens for b in batches)  # nothing padded
+    first = runner.run(shuffled)
+    second = runner.run(shuffled)
+    for position, index in enumerate(order):
+        _assert_bf16_close(first[position], solo[index])
+        assert torch.equal(first[position], second[position])
+
+
+def test_plan_packed_batches_fills_rows_first_fit_and_covers_every_sample():
+    lengths = np.array([5, 70, 12, 12, 3, 40, 200, 9, 30])
+    rows = plan_packed_batches(lengths, token_budget=64)
+    assert sorted(np.concatenate(rows).tolist()) == list(range(len(lengths)))
+    for row in rows:
+        assert len(row) == 1 or lengths[row].sum() <= 64
+    # First fit decreasing: 200 and 70 alone (over the budget), then 40+12+12 = 64 fills a row, the rest the next.
+    assert [lengths[r].tolist() for r in rows] == [[200], [70], [40, 12, 12], [30, 9, 5, 3]]
 
 
 def test_stops_after_last_tapped_layer(target, samples, layer_ids):
