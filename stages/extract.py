@@ -525,7 +525,7 @@ def register(app: typer.Typer) -> None:
         scheduler_address: str | None = typer.Option(None, "--scheduler-address", help="Existing Dask scheduler (workers with resource GPU=1 get one task at a time)."),
         shard_size: int = typer.Option(65536, "--shard-size", help="Target tokens per shard (one task, one commit)."),
         token_budget: int = typer.Option(16384, "--token-budget", help="Padded tokens per forward batch (rows x longest); with --packing, tokens per packed row."),
-        packing: bool = typer.Option(False, "--packing/--no-packing", help="Packed forward batches: samples back to back with attention confined to each, no padding (long-tailed corpora; benchmarks/extract.py compares)."),
+        packing: bool = typer.Option(False, "--packing/--no-packing", help="Packed forward batches: samples back to back with attention confined to each, no padding. Same hidden states; with SDPA half as fast as padded batches on an H200 (docs/benchmarks.md), so off by default."),
         storage_dtype: str = typer.Option("bf16", "--storage-dtype", help="bf16 (bit-exact) or fp8 (lossy e4m3, per-token per-tap scale)."),
         codec: str | None = typer.Option(None, "--codec", help="Codec preset of dflash.cache.CODEC_PRESETS, e.g. none, zstd-1, blosc-zstd1-shuffle (an unknown name lists them; default: the cache's measured default, see docs/cache-format.md)."),
         max_length: int | None = typer.Option(None, "--max-length", help="Longest row accepted (see --length-policy)."),
