@@ -53,10 +53,14 @@ def matches_type(value: Any, hint: Any) -> bool:
         return not args or all(matches_type(v, args[0]) for v in value)
     if origin in (dict, collections.abc.Mapping, typing.Mapping) or hint is dict:
         return isinstance(value, dict)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a nested config: an object of its fields
+        return isinstance(value, dict)
     return True
 
 
 def _type_name(hint: Any) -> str:
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return f"an object of {hint.__name__} fields"
     text = str(hint).replace("typing.", "").replace("pathlib.", "").replace("<class '", "").replace("'>", "")
     return text.replace("NoneType", "None")
 
@@ -91,6 +95,9 @@ def check_fields(cls: type, values: Mapping[str, Any], *, section: str, source: 
             raise ConfigError(f"{where}: unknown key; {hint}")
         if key in hints and not matches_type(value, hints[key]):
             raise ConfigError(f"{where}: expected {_type_name(hints[key])}, got {value!r}")
+        nested = hints.get(key)
+        if isinstance(nested, type) and dataclasses.is_dataclass(nested) and isinstance(value, dict):
+            check_fields(nested, value, section=f"{section}.{key}", source=lambda _key, k=key: source(k))
 
 
 def _yaml_loader() -> Any:
@@ -120,10 +127,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         ConfigError: the file is missing or unreadable, not valid TOML/YAML/JSON (with line and column), of another
             extension, or not a table/mapping/object at the top.
     """
-    import json
-    import tomllib
-
     file = Path(path).expanduser()
+    if file.is_dir():
+        raise ConfigError(f"--config {file}: is a folder; give a .toml, .yaml or .json config file")
     if not file.is_file():
         raise ConfigError(f"--config {file}: no such file; give a .toml, .yaml or .json config file")
     suffix = file.suffix.lower()
@@ -131,6 +137,23 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         text = file.read_text()
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"--config {file}: unreadable ({error})") from None
+    try:
+        data: Any = _parse(file, suffix, text)
+    except (ValueError, RecursionError) as error:  # e.g. a 5,000-digit integer, nesting thousands deep
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError(f"--config {file}: unreadable ({type(error).__name__}: {str(error)[:120]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {file}: expected a table/object of settings at the top, got {type(data).__name__}")
+    if suffix == ".json" and isinstance(data.get("config"), dict):  # a run.json
+        data = data["config"]
+    return data
+
+
+def _parse(file: Path, suffix: str, text: str) -> Any:
+    import json
+    import tomllib
+
     if suffix == ".toml":
         try:
             data: Any = tomllib.loads(text)
@@ -140,6 +163,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         import yaml
 
         try:
+            # Anchors/aliases refused before anything is built: nested aliases expand exponentially ("billion laughs").
+            if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=_yaml_loader())):
+                raise ConfigError(f"--config {file}: YAML aliases (*name) are not accepted in config files; write the "
+                                  "values out")
             data = yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
         except yaml.YAMLError as error:
             mark = getattr(error, "problem_mark", None)
@@ -154,8 +181,4 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
                               f"({error.msg})") from None
     else:
         raise ConfigError(f"--config {file}: expected a .toml, .yaml or .json file, got {suffix or 'no extension'!r}")
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {file}: expected a table/object of settings at the top, got {type(data).__name__}")
-    if suffix == ".json" and isinstance(data.get("config"), dict):  # a run.json
-        data = data["config"]
     return data

@@ -77,7 +77,10 @@ def read_preset_json(name_or_path: str, names: tuple[str, ...]) -> Any:
     if path.suffix == ".json" and not path.is_file():
         raise ConfigError(f"preset {name_or_path}: no such file")
     if path.suffix == ".json":
-        text = path.read_text()
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"preset {name_or_path}: unreadable ({error})") from None
     elif name_or_path in names:
         text = resources.files("pipelines").joinpath("presets", f"{name_or_path}.json").read_text()
     else:
@@ -86,6 +89,8 @@ def read_preset_json(name_or_path: str, names: tuple[str, ...]) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as error:
         raise ConfigError(f"preset {name_or_path}: invalid JSON ({error})") from None
+    except (ValueError, RecursionError) as error:  # a 5,000-digit integer, nesting thousands deep
+        raise ConfigError(f"preset {name_or_path}: unreadable ({type(error).__name__}: {str(error)[:120]})") from None
 
 
 def load_preset(name_or_path: str) -> dict[str, Any]:
@@ -123,6 +128,8 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
+        except (ValueError, RecursionError) as error:  # a 5,000-digit integer, nesting thousands deep
+            raise ConfigError(f"--set {override[:80]!r}: unreadable value ({type(error).__name__})") from None
         result.setdefault(section, {})[name] = value
     return result
 

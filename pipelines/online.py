@@ -512,7 +512,8 @@ def printable_config(config: OnlineConfig) -> dict[str, Any]:
 
 
 def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], preset: str | None = None,
-                    config_file: str | Path | None = None, sets: Sequence[str] = ()) -> OnlineConfig:  # fmt: skip
+                    config_file: str | Path | None = None, sets: Sequence[str] = (),
+                    announce: bool = True) -> OnlineConfig:  # fmt: skip
     """The run's config: defaults < the preset < the ``--config`` file < the options given < ``--set
     online.FIELD=VALUE`` / ``train.FIELD=VALUE``; with ``--resume`` all of them over the run's saved config
     (RUN/run.json), so resume a run with the same preset and file, or none.
@@ -522,21 +523,21 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
     """
     from dflash.config_check import check_fields, read_config_file
     from stages.stage_config import parse_sets
-    from stages.train import TrainConfig
     from stages.train import config_from_cli as train_config_from_cli
 
-    set_online, set_train = {}, {}
+    set_online, train_sets = {}, []
     for item in sets:
         section = item.partition("=")[0].strip().partition(".")[0]
         if section not in ("online", "train"):
             raise ConfigError(f"--set {item!r}: expected online.FIELD=VALUE or train.FIELD=VALUE")
-        cls, into = (OnlineConfig, set_online) if section == "online" else (TrainConfig, set_train)
+        if section == "train":  # checked, applied last and named by the train config's own resolver
+            train_sets.append(item)
+            continue
         for key, value, source in parse_sets([item], section):
-            check_fields(cls, {key: value}, section=section, source=lambda _key, s=source: s,
-                         reserved={"train"} if section == "online" else ())  # fmt: skip
-            into[key] = value
+            check_fields(OnlineConfig, {key: value}, section=section, source=lambda _key, s=source: s,
+                         reserved={"train"})  # fmt: skip
+            set_online[key] = value
     online = {**online, **set_online}
-    train_overrides = {**train_overrides, **set_train}
 
     layers = []
     if preset is not None:
@@ -579,7 +580,7 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
     if not corpus:
         raise ConfigError("corpus: give the corpus folder (--corpus), or --resume with --output of an online run")
     train_overrides = {**train_overrides, "cache": train_overrides.get("cache") or f"{ONLINE_CACHE_PREFIX}{corpus}"}
-    train = train_config_from_cli(train_overrides)
+    train = train_config_from_cli(train_overrides, announce=announce, sets=train_sets)
     merged.pop("train", None)
     from dataclasses import fields
 
@@ -663,7 +664,7 @@ def register(app: typer.Typer) -> None:
             "progress": progress, "grad_accum_steps": grad_accum_steps, "eval_every": eval_every,
             "keep_last": keep_last, "allow_config_change": allow_config_change, "break_lock": break_lock,
         }  # fmt: skip
-        config = config_from_cli(online, train_overrides, preset, config_file, sets)
+        config = config_from_cli(online, train_overrides, preset, config_file, sets, announce=not print_config)
         if print_config:
             print(json.dumps(printable_config(config), indent=2))
             return

@@ -43,8 +43,29 @@ def given_options(ctx: Any, names: Sequence[str]) -> set[str]:
 PIPELINE_ONLY = {"evaluate": frozenset({"per_epoch"})}
 
 
-def section_of(data: Mapping[str, Any], section: str, fields: set[str]) -> dict[str, Any]:
-    """This stage's part of a config file or preset (see the module docstring)."""
+def section_of(data: Mapping[str, Any], section: str, fields: set[str], source: str = "") -> dict[str, Any]:
+    """This stage's part of a config file or preset (see the module docstring).
+
+    Raises:
+        ConfigError: a file with stage sections that also holds an unknown section or key at its top, or a flat
+            file with a table whose name is close to a stage's (a misspelt section), named with ``source``.
+    """
+    import difflib
+
+    sectioned = any(isinstance(data.get(name), Mapping) for name in KNOWN_SECTIONS)
+    where = f" ({source})" if source else ""
+    for key, value in data.items():
+        if key.startswith("_") or key == "target":
+            continue
+        if sectioned and key not in KNOWN_SECTIONS:
+            close = difflib.get_close_matches(key, KNOWN_SECTIONS, n=1)
+            raise ConfigError(f"{key}{where}: not a stage section; a file with stage sections holds its settings "
+                              "inside them (and target at the top): "
+                              + (f"did you mean {close[0]}?" if close else f"sections: {', '.join(KNOWN_SECTIONS)}"))
+        if not sectioned and isinstance(value, Mapping) and key not in fields:
+            close = difflib.get_close_matches(key, KNOWN_SECTIONS, n=1, cutoff=0.75)
+            if close:
+                raise ConfigError(f"{key}{where}: unknown section; did you mean {close[0]}?")
     if isinstance(data.get(section), Mapping):
         picked = {k: v for k, v in data[section].items() if k not in PIPELINE_ONLY.get(section, ())}
         if "target" in fields and "target" in data and not isinstance(data["target"], Mapping):
@@ -65,11 +86,13 @@ def parse_sets(overrides: Sequence[str], section: str) -> list[tuple[str, Any, s
             key = key[len(section) + 1 :]
         if not sep or not key or "." in key:
             raise ConfigError(f"--set {item!r}: expected {section}.field=value (or field=value), e.g. "
-                              f"{section}.seed=1")
+                              f"{section}.target=default")
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
+        except (ValueError, RecursionError) as error:  # a 5,000-digit integer, nesting thousands deep
+            raise ConfigError(f"--set {item[:80]!r}: unreadable value ({type(error).__name__})") from None
         parsed.append((key, value, f"--set {item}"))
     return parsed
 
@@ -116,10 +139,12 @@ def resolve_stage_config(
     if preset is not None:
         from pipelines.offline import load_preset
 
-        layers.append((section_of(load_preset(preset), section, fields), lambda key: f"preset {preset}"))
+        layers.append((section_of(load_preset(preset), section, fields, f"preset {preset}"),
+                       lambda key: f"preset {preset}"))
     if config_file is not None:
         data = read_config_file(config_file)
-        layers.append((section_of(data, section, fields), lambda key: f"--config {config_file}"))
+        layers.append((section_of(data, section, fields, f"--config {config_file}"),
+                       lambda key: f"--config {config_file}"))
     for values, source in layers:
         check_fields(cls, values, section=section, source=source)
     sets = parse_sets(overrides, section)
@@ -163,7 +188,7 @@ def printable(section: str, config: Any) -> str:
             return {str(k): plain(v) for k, v in value.items()}
         return value
 
-    return json.dumps({section: plain(config)}, indent=2)
+    return json.dumps({section: plain(config)}, indent=2, default=str)  # dates etc. of free-form `extra` as text
 
 
 def split_given(ctx: Any, values: Mapping[str, Any],

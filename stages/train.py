@@ -450,7 +450,7 @@ def _csv_ints(text: str | None) -> list[int] | None:
 
 
 def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, *, preset: str | None = None,
-                    sets: Sequence[str] = ()) -> TrainConfig:
+                    sets: Sequence[str] = (), announce: bool = True) -> TrainConfig:
     """Build the config, lowest first: the saved run config (with --resume) < the preset's ``train`` section < the
     --config file (its ``train`` section, or its top level: a run.json too) < the options given < ``--set``
     (``stages.stage_config``). Every layer is checked before anything runs.
@@ -464,15 +464,18 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
 
     known = {f.name for f in fields(TrainConfig)}
     base: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # key -> where its value came from, for the messages
     if preset is not None:
         from pipelines.offline import load_preset
 
-        base = section_of(load_preset(preset), "train", known)
+        base = section_of(load_preset(preset), "train", known, f"preset {preset}")
         check_fields(TrainConfig, base, section="train", source=lambda key: f"preset {preset}")
+        origin.update({key: f"preset {preset}" for key in base})
     if config_file is not None:
-        from_file = section_of(read_config_file(config_file), "train", known)  # .toml, .yaml or .json
+        from_file = section_of(read_config_file(config_file), "train", known, f"--config {config_file}")
         check_fields(TrainConfig, from_file, section="train", source=lambda key: f"--config {config_file}")
         base = {**base, **from_file}
+        origin.update({key: f"--config {config_file}" for key in from_file})
     parsed_sets = parse_sets(sets, "train")
     for key, value, source in parsed_sets:
         check_fields(TrainConfig, {key: value}, section="train", source=lambda _key, s=source: s)
@@ -485,15 +488,35 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
             "with --cache"
         )
     if overrides.get("resume") and run_json is not None and run_json.is_file():
-        saved = json.loads(run_json.read_text())["config"]
+        try:
+            saved = json.loads(run_json.read_text())["config"]
+            if not isinstance(saved, dict):
+                raise TypeError("config is not an object")
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+            raise ConfigError(f"--resume: {run_json} is not a readable run record ({error}); it is damaged: restore "
+                              "it, or start a new run in another --output") from None
+        origin.update({key: f"the saved run {run_json}" for key in saved if key not in origin})
         for one_off in ("stop_at_step", "allow_config_change", "break_lock"):  # they applied to the earlier invocation only
             saved.pop(one_off, None)
         base = {**ABSENT_IN_OLD_RUNS, **saved, **base}
     merged = {**base, **{k: v for k, v in overrides.items() if v is not None},
               **{key: value for key, value, _ in parsed_sets}}  # fmt: skip
     merged.setdefault("resume", False)
-    _size_defaults_for_cpu(merged)
-    return TrainConfig.from_dict(merged)
+    sized = _size_defaults_for_cpu(merged)
+    origin.update({key: "--" + key.replace("_", "-") for key, value in overrides.items() if value is not None})
+    origin.update({key: source for key, _, source in parsed_sets})
+    try:
+        config = TrainConfig.from_dict(merged)
+    except ConfigError as error:  # a refused value: name its key and where it came from
+        message = str(error)
+        key = next((k for k in sorted(origin, key=len, reverse=True) if message.startswith((k + " ", k + ":"))), None)
+        if key is None:
+            raise
+        raise ConfigError(f"train.{key} ({origin[key]}): {message}") from None
+    if sized and announce:
+        log.info("training on CPU: %s (the GPU-sized defaults would need tens of GB per step here; set them to "
+                 "override)", ", ".join(f"{key} {value}" for key, value in sized.items()))
+    return config
 
 
 #: What a CPU host trains with where nothing (option, file, preset, saved run) sets these: the paper's GPU sizes
@@ -503,22 +526,21 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
 CPU_SIZED_DEFAULTS = {"token_budget": 1024, "max_anchors_per_document": 32}
 
 
-def _size_defaults_for_cpu(merged: dict[str, Any]) -> None:
+def _size_defaults_for_cpu(merged: dict[str, Any]) -> dict[str, Any]:
     """Fill :data:`CPU_SIZED_DEFAULTS` into ``merged`` (in place) when the run will train on CPU and the keys are
-    unset, with a log line saying so."""
-    device = merged.get("device", "auto")
+    unset; returns what was filled (logged by the caller once the config is valid, and not under ``--print-config``,
+    whose stdout is the config)."""
+    device = str(merged.get("device", "auto"))
     if merged.get("drafter_gpus") or device.startswith("cuda"):
-        return
+        return {}
     if device == "auto":
         import torch
 
         if torch.cuda.is_available():
-            return
+            return {}
     sized = {key: value for key, value in CPU_SIZED_DEFAULTS.items() if key not in merged}
-    if sized:
-        merged.update(sized)
-        log.info("training on CPU: %s (the GPU-sized defaults would need tens of GB per step here; set them to "
-                 "override)", ", ".join(f"{key} {value}" for key, value in sized.items()))
+    merged.update(sized)
+    return sized
 
 
 def exit_if_interrupted(summary: dict[str, Any], config: TrainConfig, command: str = "train") -> None:
@@ -648,7 +670,7 @@ def register(app: typer.Typer) -> None:
             "allow_config_change": allow_config_change, "break_lock": break_lock, "allow_incomplete": allow_incomplete, "progress": progress,
             "report_to": report_to.split(",") if report_to else None,
         }  # fmt: skip
-        config = config_from_cli(overrides, config_file, preset=preset, sets=sets)
+        config = config_from_cli(overrides, config_file, preset=preset, sets=sets, announce=not print_config)
         if print_config:
             print(json.dumps(config.to_dict(), indent=2))
             return
