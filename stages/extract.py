@@ -516,7 +516,7 @@ def register(app: typer.Typer) -> None:
     def extract_command(
         ctx: typer.Context,
         corpus: str = typer.Option(None, "--corpus", help="Corpus folder (Arrow/Parquet, contract 1). Required (here or in --config/--preset/--set)."),
-        output: str = typer.Option(None, "--output", "-o", help="Cache path or fsspec URL; an existing cache of the same plan is resumed. Required."),
+        output: str = typer.Option(None, "--output", "-o", help="Cache path or fsspec URL; an existing cache of the same plan is resumed. Required (here or in --config/--preset/--set)."),
         target: str = typer.Option("default", "--target", help="'default' (SmolLM2-135M-Instruct), a transformers folder or a .gguf file."),
         target_layer_ids: str | None = typer.Option(None, "--target-layer-ids", help="Tapped decoder layers, e.g. 1,9,17,25,33 (output of decoder layer l = hidden_states\\[l+1])."),
         num_taps: int = typer.Option(5, "--num-taps", help="Taps for DFlash's default layer rule when --target-layer-ids is not given."),

@@ -216,8 +216,8 @@ def _options() -> dict[str, Any]:
     return {
         "config": typer.Option(None, "--config", help="Settings in a .toml, .yaml or .json file: this stage's fields, "
                                "or a section named after the stage. Options given override it."),
-        "preset": typer.Option(None, "--preset", help="A shipped preset (pipelines/presets) or a .json file: its "
-                               "section for this stage (and its target) under the config file."),
+        "preset": typer.Option(None, "--preset", help="A pipeline preset of `run` (cpu-small, h200-smollm2) or a .json "
+                               "file of sections: its section for this stage (and its target), under the config file."),
         "set": typer.Option([], "--set", help="STAGE.FIELD=VALUE or FIELD=VALUE (JSON value, else a string), "
                             "over everything else. Repeatable."),
         "print_config": typer.Option(False, "--print-config", help="Print the resolved config as JSON (which "

@@ -572,8 +572,8 @@ def register(app: typer.Typer) -> None:
     """Add the ``train`` command to the ``dflash-stages`` app."""
     @app.command("train")
     def train_command(
-        cache: str = typer.Option(None, "--cache", help="Hidden-state cache (folder or fsspec URL)."),
-        output: str = typer.Option(None, "--output", "-o", help="Run folder."),
+        cache: str = typer.Option(None, "--cache", help="Hidden-state cache (folder or fsspec URL). Required for a new run (here or in --config/--preset/--set)."),
+        output: str = typer.Option(None, "--output", "-o", help="Run folder. Required (here or in --config/--preset/--set)."),
         resume: bool = typer.Option(None, "--resume/--no-resume", help="Continue RUN from its latest checkpoint."),
         config_file: Path = typer.Option(None, "--config", help="TrainConfig fields in a .toml, .yaml or .json file (its train section, or at the top; a run.json too) to start from; options given override it."),
         preset: str = typer.Option(None, "--preset", help="A shipped preset (pipelines/presets) or a .json file: its train section, under --config."),
@@ -632,8 +632,8 @@ def register(app: typer.Typer) -> None:
         progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the progress bar."),
         print_config: bool = typer.Option(
             False, "--print-config",
-            help="Print the resolved config (defaults < --config file < saved run with --resume < options) as JSON, "
-                 "which --config reads back, and exit without training.",
+            help="Print the resolved config (defaults < saved run with --resume < --preset < --config file < options "
+                 "< --set) as JSON, which --config reads back, and exit without training.",
         ),
         report_to: str = typer.Option(
             None, "--report-to",
