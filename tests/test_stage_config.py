@@ -106,3 +106,39 @@ def test_a_pipeline_preset_configures_each_stage_from_its_own_section(tmp_path, 
     assert (evaluate["dtype"], evaluate["ignore_eos"], evaluate["prompt_tokens"]) == ("float32", True, 256)
     code, err = main_in_process(monkeypatch, capsys, "extract", "--preset", "h200-smollm2")
     assert code == 2 and err.strip().startswith("error: extract: --corpus is required")
+
+
+def test_hostile_config_files_and_values_are_one_error_line(tmp_path, monkeypatch, capsys):
+    """Inputs that break parsers or slip past a flat type check (found by attacking the CLI): each exits 2 with one
+    ``error:`` line naming the file or key, and nothing is written; a YAML alias bomb is refused before expansion."""
+    (tmp_path / "huge.json").write_text('{"extract": {"shard_size": ' + "1" * 5000 + "}}")
+    (tmp_path / "deep.json").write_text("[" * 100000 + "]" * 100000)
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00bad")
+    (tmp_path / "laughs.yaml").write_text('a: &a ["x","x","x"]\nb: &b [*a,*a,*a]\nextract:\n  extra: {c: [*b,*b]}\n')
+    (tmp_path / "nested.json").write_text('{"generate": {"default_prompts": {"window_chars": "big"}}}')
+    (tmp_path / "typo_section.json").write_text('{"extract": {"workers": 1}, "trian": {"lr": 5}}')
+    (tmp_path / "lr.toml").write_text("[train]\nlr = -1.0\n")
+    out = str(tmp_path / "out")
+    cases = [
+        (["extract", "--corpus", "c", "-o", out, "--config", str(tmp_path / "huge.json")], "huge.json: unreadable"),
+        (["extract", "--corpus", "c", "-o", out, "--config", str(tmp_path / "deep.json")], "deep.json: unreadable"),
+        (["extract", "--corpus", "c", "-o", out, "--preset", str(tmp_path / "bin.json")], "bin.json: unreadable"),
+        (["extract", "--corpus", "c", "-o", out, "--config", str(tmp_path / "laughs.yaml")], "YAML aliases"),
+        (["extract", "--corpus", "c", "-o", out, "--set", "shard_size=" + "1" * 5000], "unreadable value"),
+        (["extract", "--corpus", "c", "-o", out, "--config", str(tmp_path)], "is a folder"),
+        (["extract", "--corpus", "c", "-o", out, "--config", str(tmp_path / "typo_section.json")], "did you mean train?"),
+        (["generate", "-o", out, "--config", str(tmp_path / "nested.json")],
+         "generate.default_prompts.window_chars (--config "),
+        (["generate", "-o", out, "--set", "generate.default_prompts=5"], "expected an object of DefaultPromptConfig"),
+        (["train", "--cache", "c", "-o", out, "--config", str(tmp_path / "lr.toml")], "train.lr (--config "),
+        (["train", "--cache", "c", "-o", out, "--set", "train.epochs=-3"], "train.epochs (--set train.epochs=-3)"),
+    ]
+    for args, needle in cases:
+        code, stdout, err = main_in_process_out(monkeypatch, capsys, *args)
+        lines = [line for line in (stdout + err).splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], (args, lines)
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.json").write_text("[1]")
+    code, err = main_in_process(monkeypatch, capsys, "train", "-o", str(tmp_path / "run"), "--resume")
+    assert code == 2 and "is not a readable run record" in err
