@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -95,6 +96,8 @@ def check_fields(cls: type, values: Mapping[str, Any], *, section: str, source: 
             raise ConfigError(f"{where}: unknown key; {hint}")
         if key in hints and not matches_type(value, hints[key]):
             raise ConfigError(f"{where}: expected {_type_name(hints[key])}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):  # 1e999 parses as inf; JSON cannot print it back
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         nested = hints.get(key)
         if isinstance(nested, type) and dataclasses.is_dataclass(nested) and isinstance(value, dict):
             check_fields(nested, value, section=f"{section}.{key}", source=lambda _key, k=key: source(k))

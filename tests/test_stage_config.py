@@ -118,6 +118,7 @@ def test_hostile_config_files_and_values_are_one_error_line(tmp_path, monkeypatc
     (tmp_path / "nested.json").write_text('{"generate": {"default_prompts": {"window_chars": "big"}}}')
     (tmp_path / "typo_section.json").write_text('{"extract": {"workers": 1}, "trian": {"lr": 5}}')
     (tmp_path / "lr.toml").write_text("[train]\nlr = -1.0\n")
+    (tmp_path / "inf.json").write_text('{"extract": {"expected_ratio": 1e999}}')
     out = str(tmp_path / "out")
     cases = [
         (["extract", "--corpus", "c", "-o", out, "--config", str(tmp_path / "huge.json")], "huge.json: unreadable"),
@@ -126,6 +127,7 @@ def test_hostile_config_files_and_values_are_one_error_line(tmp_path, monkeypatc
         (["extract", "--corpus", "c", "-o", out, "--config", str(tmp_path / "laughs.yaml")], "YAML aliases"),
         (["extract", "--corpus", "c", "-o", out, "--set", "shard_size=" + "1" * 5000], "unreadable value"),
         (["extract", "--corpus", "c", "-o", out, "--config", str(tmp_path)], "is a folder"),
+        (["extract", "--corpus", "c", "-o", out, "--config", str(tmp_path / "inf.json")], "expected a finite number"),
         (["extract", "--corpus", "c", "-o", out, "--config", str(tmp_path / "typo_section.json")], "did you mean train?"),
         (["generate", "-o", out, "--config", str(tmp_path / "nested.json")],
          "generate.default_prompts.window_chars (--config "),
