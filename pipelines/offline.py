@@ -31,6 +31,7 @@ the held-out prompts after each epoch, starting with the untrained drafter (epoc
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import json
 import logging
@@ -562,10 +563,27 @@ def register(app: typer.Typer) -> None:
         overrides: list[str] = typer.Option([], "--set", help="Override a preset field: section.field=value (repeatable; value parsed as JSON, else a string). Every setting is checked before the first stage runs."),
         docs: list[Path] = typer.Option([], "--docs", help="Extra text folders for the corpus, e.g. the Python docs' reST sources."),
         target: str | None = typer.Option(None, "--target", help="Target spec (default: the preset's, 'default' = SmolLM2)."),
+        config_file: str | None = typer.Option(None, "--config", help="Sections (generate, prepare, split, extract, train, evaluate; target) in a .toml, .yaml or .json file, merged field by field over the preset, under --set."),
+        print_config: bool = typer.Option(False, "--print-config", help="Check and print the resolved pipeline config (JSON; --preset FILE.json or --config reads it back) and exit; nothing runs."),
     ) -> None:
         """The main job: generate (or prepare + split) -> extract -> train -> evaluate on a preset; ends by printing tau."""
         console = Console()
-        preset_config = apply_overrides(load_preset(preset), overrides)
+        preset_config = load_preset(preset)
+        from_file: set[tuple[str, str]] = set()
+        if config_file is not None:
+            from dflash.config_check import read_config_file
+
+            for section, values in _strip_comments(read_config_file(config_file)).items():
+                if section == "target":
+                    preset_config["target"] = values
+                    continue
+                if section not in _STAGES or not isinstance(values, dict):
+                    close = difflib.get_close_matches(section, _STAGES, n=1)
+                    raise ConfigError(f"{section} (--config {config_file}): not a pipeline section; "
+                                      + (f"did you mean {close[0]}?" if close else f"sections: {', '.join(_STAGES)}"))
+                preset_config.setdefault(section, {}).update(values)
+                from_file.update((section, key) for key in values)
+        preset_config = apply_overrides(preset_config, overrides)
         if docs and preset_config.get("generate"):
             raise ConfigError(f"--docs adds text folders to prepare's inputs, but preset {preset} generates its corpus "
                               "(a generate section) and runs no prepare; drop --docs")
@@ -587,7 +605,15 @@ def register(app: typer.Typer) -> None:
                 return given[(section, key)]
             if section == "prepare" and key == "inputs" and docs:
                 return "--docs"
+            if (section, key) in from_file:
+                return f"--config {config_file}"
             return f"preset {preset}"
+
+        if print_config:
+            validate_sections(config, source)
+            print(json.dumps({k: v for k, v in config.to_dict().items() if k != "workdir" and (v or k == "target")},
+                             indent=2))
+            raise typer.Exit(0)
 
         console.print(f"preset {preset} -> {workdir}")
         started = time.perf_counter()

@@ -144,3 +144,26 @@ def test_hostile_config_files_and_values_are_one_error_line(tmp_path, monkeypatc
     (tmp_path / "run" / "run.json").write_text("[1]")
     code, err = main_in_process(monkeypatch, capsys, "train", "-o", str(tmp_path / "run"), "--resume")
     assert code == 2 and "is not a readable run record" in err
+
+
+def test_run_takes_a_config_file_over_its_preset_and_prints_what_it_would_run(tmp_path, monkeypatch, capsys):
+    """``run --config`` merges sections field by field over the preset, ``--set`` over both; ``--print-config``
+    checks everything, prints JSON that ``--preset FILE.json`` reads back, and creates no work folder."""
+    workdir = str(tmp_path / "work")
+    (tmp_path / "c.toml").write_text("[train]\nlr = 0.002\n[evaluate]\nnum_prompts = 3\n")
+    code, out, err = main_in_process_out(monkeypatch, capsys, "run", "--workdir", workdir, "--config",
+                                         str(tmp_path / "c.toml"), "--set", "train.lr=0.003", "--print-config")  # fmt: skip
+    assert code == 0, err
+    printed = json.loads(out)
+    assert (printed["train"]["lr"], printed["evaluate"]["num_prompts"]) == (0.003, 3)
+    assert printed["train"]["block_size"] == 4  # the cpu-small preset's, untouched by the file
+    (tmp_path / "resolved.json").write_text(out)
+    code, again, err = main_in_process_out(monkeypatch, capsys, "run", "--workdir", workdir, "--preset",
+                                           str(tmp_path / "resolved.json"), "--print-config")  # fmt: skip
+    assert code == 0 and json.loads(again) == printed, err
+    (tmp_path / "bad.toml").write_text("[trian]\nlr = 1\n")
+    (tmp_path / "range.toml").write_text("[train]\nlr = -1\n")
+    for name, needle in (("bad.toml", "did you mean train?"), ("range.toml", "train.lr (--config ")):
+        code, err = main_in_process(monkeypatch, capsys, "run", "--workdir", workdir, "--config", str(tmp_path / name))
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "work").exists()
