@@ -133,7 +133,7 @@ def crc32c_trailer(data: bytes) -> str:
 
 def store_chunk(array: Any, coords: tuple[int, ...], data: bytes) -> None:
     """Store finished chunk bytes under ``array``'s own chunk key for ``coords`` (its store, its key encoding)."""
-    from zarr.core.buffer import default_buffer_prototype
+    from zarr.buffer import default_buffer_prototype
     from zarr.core.sync import sync
 
     sync(array.store_path.store.set(_chunk_path(array, coords), default_buffer_prototype().buffer.from_bytes(data)))
@@ -141,7 +141,7 @@ def store_chunk(array: Any, coords: tuple[int, ...], data: bytes) -> None:
 
 def stored_chunk(array: Any, coords: tuple[int, ...]) -> bytes | None:
     """The stored (encoded) bytes of chunk ``coords`` of ``array``, or ``None`` if the chunk is missing."""
-    from zarr.core.buffer import default_buffer_prototype
+    from zarr.buffer import default_buffer_prototype
     from zarr.core.sync import sync
 
     buffer = sync(array.store_path.store.get(_chunk_path(array, coords), prototype=default_buffer_prototype()))

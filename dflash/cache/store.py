@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 import zarr
-from zarr.core.buffer import default_buffer_prototype
+from zarr.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from dflash.errors import CacheCorruptError
