@@ -217,9 +217,25 @@ def test_corpus_outside_the_vocab_fails_before_any_worker_starts(tmp_path, token
 
 @pytest.mark.slow
 def test_worker_sigkill_mid_run_is_redone_exactly_once(tmp_path, corpus_dir, reference):
-    output = tmp_path / "cache"
-    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=2, shard_size=1, dashboard_address=":0")
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), workers=2, shard_size=1,
+                           dashboard_address=":0")  # fmt: skip
     before = {child.pid for child in psutil.Process().children(recursive=True)}
+
+    def kill_a_worker() -> None:
+        workers = [
+            child for child in psutil.Process().children(recursive=True)
+            if child.pid not in before and "spawn_main" in " ".join(child.cmdline())
+        ]  # fmt: skip
+        assert workers, "no Dask worker process found"
+        workers[0].kill()  # the task it ran and its pending write are lost; the driver must redo them
+
+    _kill_mid_extract(config, kill_a_worker, corpus_dir, reference)
+
+
+def _kill_mid_extract(config: ExtractConfig, kill, corpus_dir: Path, reference) -> None:
+    """Run ``extract`` in a thread, call ``kill()`` once its first shard is committed, and check the run still
+    commits every planned shard exactly once with the reference's contents."""
+    output = Path(config.output)
     outcome: dict = {}
 
     def run() -> None:
@@ -236,12 +252,7 @@ def test_worker_sigkill_mid_run_is_redone_exactly_once(tmp_path, corpus_dir, ref
         assert thread.is_alive(), outcome
         assert time.monotonic() < deadline, "no shard committed in time"
         time.sleep(0.05)
-    workers = [
-        child for child in psutil.Process().children(recursive=True)
-        if child.pid not in before and "spawn_main" in " ".join(child.cmdline())
-    ]  # fmt: skip
-    assert workers, "no Dask worker process found"
-    workers[0].kill()  # the task it ran and its pending write are lost; the driver must redo them
+    kill()
     committed_at_kill = len(list(commits.glob("shard-*.json")))
     thread.join(timeout=300)
     assert not thread.is_alive() and "error" not in outcome, outcome
@@ -278,34 +289,15 @@ def test_external_cluster_of_dask_cli_processes_survives_a_killed_worker_exactly
 
         with Client(address) as client:
             client.wait_for_workers(2, timeout=120)
-        output = tmp_path / "cache"
-        config = ExtractConfig(corpus=str(corpus_dir), output=str(output), scheduler_address=address, shard_size=1,
-                               write_processes=0)  # fmt: skip
-        outcome: dict = {}
+        config = ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), scheduler_address=address,
+                               shard_size=1, write_processes=0)  # fmt: skip
 
-        def run() -> None:
-            try:
-                outcome["summary"] = run_extract(config, _quiet())
-            except BaseException as error:  # surfaced by the assertion below
-                outcome["error"] = error
+        def kill_node_a() -> None:
+            node_a = psutil.Process(started[1].pid)
+            for process in [*node_a.children(recursive=True), node_a]:
+                process.kill()
 
-        thread = threading.Thread(target=run)
-        thread.start()
-        commits = output / "commits"
-        deadline = time.monotonic() + 240
-        while not (commits.is_dir() and any(commits.glob("shard-*.json"))):
-            assert thread.is_alive(), outcome
-            assert time.monotonic() < deadline, "no shard committed in time"
-            time.sleep(0.05)
-        node_a = psutil.Process(started[1].pid)
-        for process in [*node_a.children(recursive=True), node_a]:
-            process.kill()
-        committed_at_kill = len(list(commits.glob("shard-*.json")))
-        thread.join(timeout=300)
-        assert not thread.is_alive() and "error" not in outcome, outcome
-        assert committed_at_kill < outcome["summary"]["planned_shards"], "the kill did not land mid-run"
-        assert outcome["summary"]["committed_shards"] == outcome["summary"]["planned_shards"]
-        _assert_cache_matches(output, corpus_dir, reference)
+        _kill_mid_extract(config, kill_node_a, corpus_dir, reference)
     finally:
         for process in started:
             for child in (psutil.Process(process.pid).children(recursive=True) if process.poll() is None else []):
