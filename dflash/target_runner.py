@@ -84,6 +84,16 @@ def _text_config(model: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def _checked_lengths(lengths: Sequence[int] | np.ndarray, token_budget: int) -> np.ndarray:
+    """``lengths`` as int64, after the checks both batch planners share (see their ``Raises``)."""
+    if token_budget < 1:
+        raise ConfigError(f"token_budget must be >= 1, got {token_budget}")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size and lengths.min() < 1:
+        raise ConfigError(f"sample {int(np.argmin(lengths))} is empty; every sample needs at least one token")
+    return lengths
+
+
 def plan_batches(lengths: Sequence[int] | np.ndarray, token_budget: int) -> list[np.ndarray]:
     """Group samples into right-padded batches of at most ``token_budget`` padded tokens, longest first.
 
@@ -99,11 +109,7 @@ def plan_batches(lengths: Sequence[int] | np.ndarray, token_budget: int) -> list
     Raises:
         ConfigError: ``token_budget < 1`` or an empty sample.
     """
-    if token_budget < 1:
-        raise ConfigError(f"token_budget must be >= 1, got {token_budget}")
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.size and lengths.min() < 1:
-        raise ConfigError(f"sample {int(np.argmin(lengths))} is empty; every sample needs at least one token")
+    lengths = _checked_lengths(lengths, token_budget)
     order = np.argsort(-lengths, kind="stable")
     batches: list[np.ndarray] = []
     start = 0
@@ -129,11 +135,7 @@ def plan_packed_batches(lengths: Sequence[int] | np.ndarray, token_budget: int) 
     Raises:
         ConfigError: ``token_budget < 1`` or an empty sample.
     """
-    if token_budget < 1:
-        raise ConfigError(f"token_budget must be >= 1, got {token_budget}")
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.size and lengths.min() < 1:
-        raise ConfigError(f"sample {int(np.argmin(lengths))} is empty; every sample needs at least one token")
+    lengths = _checked_lengths(lengths, token_budget)
     rows: list[list[int]] = []
     room: list[int] = []
     for index in np.argsort(-lengths, kind="stable").tolist():
