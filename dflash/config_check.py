@@ -24,7 +24,7 @@ from typing import Any
 
 from dflash.errors import ConfigError
 
-__all__ = ["check_fields", "matches_type", "read_config_file"]
+__all__ = ["check_fields", "matches_type", "override_value", "read_config_file"]
 
 
 def matches_type(value: Any, hint: Any) -> bool:
@@ -120,6 +120,22 @@ def _yaml_loader() -> Any:
         list("-+0123456789."),
     )
     return Loader
+
+
+def override_value(raw: str, item: str) -> Any:
+    """The value of a ``--set KEY=RAW`` override: JSON if it parses (``3e-4``, ``[0, 1]``, ``null``), else the text.
+
+    Raises:
+        ConfigError: JSON that Python cannot hold (a 5,000-digit integer, nesting thousands deep), naming ``item``.
+    """
+    import json
+
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+    except (ValueError, RecursionError) as error:
+        raise ConfigError(f"--set {item[:80]!r}: unreadable value ({type(error).__name__})") from None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

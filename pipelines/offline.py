@@ -48,6 +48,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from dflash.config_check import override_value
 from dflash.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -125,13 +126,7 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
             raise ConfigError(f"--set {override!r}: expected section.field=value, e.g. train.lr=3e-4")
         if section not in _STAGES:
             raise ConfigError(f"--set {override!r}: unknown section {section!r}; expected one of {list(_STAGES)}")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        except (ValueError, RecursionError) as error:  # a 5,000-digit integer, nesting thousands deep
-            raise ConfigError(f"--set {override[:80]!r}: unreadable value ({type(error).__name__})") from None
-        result.setdefault(section, {})[name] = value
+        result.setdefault(section, {})[name] = override_value(raw, override)
     return result
 
 

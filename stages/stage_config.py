@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dflash.config_check import override_value
 from dflash.errors import ConfigError
 
 __all__ = ["CONFIG_OPTION", "PRESET_OPTION", "PRINT_CONFIG_OPTION", "SET_OPTION", "given_options", "print_and_exit",
@@ -87,13 +88,7 @@ def parse_sets(overrides: Sequence[str], section: str) -> list[tuple[str, Any, s
         if not sep or not key or "." in key:
             raise ConfigError(f"--set {item!r}: expected {section}.field=value (or field=value), e.g. "
                               f"{section}.target=default")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        except (ValueError, RecursionError) as error:  # a 5,000-digit integer, nesting thousands deep
-            raise ConfigError(f"--set {item[:80]!r}: unreadable value ({type(error).__name__})") from None
-        parsed.append((key, value, f"--set {item}"))
+        parsed.append((key, override_value(raw, item), f"--set {item}"))
     return parsed
 
 
