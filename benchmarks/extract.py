@@ -28,12 +28,17 @@ timed apart (``extract_close_seconds``). Token counts are real (unpadded) tokens
 ``--write-only`` measures the write path alone on the CPU (no model): ``--write-shards`` shards of ``--shard-size``
 tokens x ``--num-taps`` x ``--hidden-size`` bf16 (normal values with a per-token log-normal scale, so the exponent
 bytes are realistic), written like extract writes them; it prints raw MB/s, tokens/s and CPU seconds per GB.
+``--write-only --compare-write-paths`` writes the same shards ``--repeats`` times interleaved through each write path:
+``direct`` (ours: :mod:`dflash.cache.chunks`, whole chunks encoded and stored in our threads), ``zarr`` (zarr's own
+codec pipeline, ``array[lo:hi] = rows``) and ``zarrs`` (zarr's codec pipeline backed by the ``zarrs`` Rust crate,
+``zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"})``, where installed), medians side by side.
 
 Run (GPU)::
 
     python benchmarks/extract.py --target qwen3-8b-random --tokens 262144              # random lengths 256-2048
     python benchmarks/extract.py --target qwen3-8b-random --tokens 262144 --reference  # 8 x 2048, the issue's setup
     python benchmarks/extract.py --write-only --write-shards 8                         # write path, CPU only
+    python benchmarks/extract.py --write-only --compare-write-paths --shard-size 65536 # ours vs zarr vs zarrs
     python benchmarks/extract.py --target default                                      # SmolLM2-135M-Instruct
     python benchmarks/extract.py --smoke                      # tiny, on CPU (a check that it runs)
     python benchmarks/extract.py --target qwen3-8b-random --compare-packing --tokens 262144   # padded vs packed
@@ -57,7 +62,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from dflash.cache import DEFAULT_CODEC, CacheMetadata, CacheReader, HiddenSample, HiddenStateCache
+from dflash.cache import (
+    DEFAULT_CODEC,
+    CacheMetadata,
+    CacheReader,
+    HiddenSample,
+    HiddenStateCache,
+    verify_cache,
+)
 from dflash.cache.chunks import keep_chunk_buffers_mapped
 from dflash.cache.format import codec_config, zarr_compressors
 from dflash.corpus import CorpusWriter, open_corpus
@@ -67,7 +79,7 @@ from dflash.target import (
     default_target_layer_ids,
     load_target,
 )
-from dflash.target_runner import TargetRunner, plan_batches
+from dflash.target_runner import PACKED_ATTENTION, TargetRunner, plan_batches
 from stages.extract import plan_shards
 from stages.extract_worker import (
     ShardExtractor,
@@ -163,7 +175,8 @@ def compare_packing(args: argparse.Namespace, model: Any, identity: Any, device:
     """Truncated runner forwards (``TargetRunner.iter_batches``, taps copied to host, no writes) in ONE run, ``--repeats``
     times interleaved, medians: a fixed-length corpus (rows of ``--max-len``, no padding either way: the reference
     rate), then a long-tailed corpus (:data:`LONG_TAIL_BUCKETS`) right-padded in length-grouped batches and packed
-    (samples back to back, attention confined to each). Real tokens per second."""
+    (samples back to back, attention confined to each) with each packed kernel (:data:`PACKED_ATTENTION`:
+    FlexAttention's document mask, SDPA's block-diagonal mask). Real tokens per second."""
     rng = np.random.default_rng(args.seed)
     layer_ids = default_target_layer_ids(identity.num_hidden_layers, args.num_taps)
     vocab = min(identity.vocab_size, 32000)
@@ -171,7 +184,9 @@ def compare_packing(args: argparse.Namespace, model: Any, identity: Any, device:
     fixed = [rng.integers(0, vocab, size=fixed_len, dtype=np.int64) for _ in range(max(1, args.tokens // fixed_len))]
     tail = [rng.integers(0, vocab, size=n, dtype=np.int64) for n in long_tail_lengths(args.tokens, args.seed, args.max_len)]
     runners = {"padded": TargetRunner(model, layer_ids, device, token_budget=args.token_budget),
-               "packed": TargetRunner(model, layer_ids, device, token_budget=args.token_budget, packing=True)}
+               **{f"packed_{name.split('_')[0]}": TargetRunner(model, layer_ids, device, token_budget=args.token_budget,
+                                                               packing=True, packed_attention=name)
+                  for name in args.packed_attention}}  # packed_flex, packed_sdpa
 
     def rate(runner: TargetRunner, rows: list[np.ndarray]) -> tuple[float, int]:
         _sync(device)
@@ -185,12 +200,16 @@ def compare_packing(args: argparse.Namespace, model: Any, identity: Any, device:
 
     for runner in runners.values():  # warm-up: kernels, allocator, pinned buffers
         rate(runner, tail[: max(4, len(tail) // 8)])
-    # Same hidden states either way (attention confined to each packed sample): the largest difference over a few rows.
+    # Same hidden states either way (attention confined to each packed sample): the largest difference over a few
+    # rows, relative to the largest value (bf16 rounding differs between kernels).
     probe = tail[:12]
-    worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(
-        runners["padded"].run(probe), runners["packed"].run(probe), strict=True))  # fmt: skip
-    console.print(f"packed vs padded hidden states, {len(probe)} rows: max |difference| {worst:.4g}")
-    runs: dict[str, list[float]] = {"fixed_padded": [], "fixed_packed": [], "long_tail_padded": [], "long_tail_packed": []}
+    padded_out = runners["padded"].run(probe)
+    scale = max(float(a.float().abs().max()) for a in padded_out)
+    worst = {mode: max(float((a.float() - b.float()).abs().max()) for a, b in zip(
+        padded_out, runners[mode].run(probe), strict=True)) / scale for mode in runners if mode != "padded"}  # fmt: skip
+    console.print(f"packed vs padded hidden states, {len(probe)} rows: max |difference| / max |value| "
+                  + ", ".join(f"{mode} {value:.3g}" for mode, value in worst.items()))
+    runs: dict[str, list[float]] = {f"{name}_{mode}": [] for name in ("fixed", "long_tail") for mode in runners}
     padded_tokens = {}
     for repeat in range(args.repeats):
         for name, rows in (("fixed", fixed), ("long_tail", tail)):
@@ -204,11 +223,12 @@ def compare_packing(args: argparse.Namespace, model: Any, identity: Any, device:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "target": identity.name,
         "token_budget": args.token_budget, "repeats": args.repeats, "taps": layer_ids,
         "fixed_rows": f"{len(fixed)} x {fixed_len}", "long_tail_rows": len(tail), "long_tail_tokens": tail_tokens,
-        "packed_vs_padded_max_abs_difference": worst,
+        **{f"{mode}_vs_padded_max_relative_difference": value for mode, value in worst.items()},
         **{f"{k}_tokens_per_s": v for k, v in medians.items()},
         "long_tail_padding_share": 1 - tail_tokens / padded_tokens["long_tail_padded"],
-        "long_tail_packed_over_padded": medians["long_tail_packed"] / medians["long_tail_padded"],
-        "long_tail_packed_over_fixed": medians["long_tail_packed"] / medians["fixed_padded"],
+        **{f"long_tail_{mode}_padding_share": 1 - tail_tokens / padded_tokens[f"long_tail_{mode}"] for mode in worst},
+        **{f"long_tail_{mode}_over_padded": medians[f"long_tail_{mode}"] / medians["long_tail_padded"] for mode in worst},
+        **{f"long_tail_{mode}_over_fixed": medians[f"long_tail_{mode}"] / medians["fixed_padded"] for mode in worst},
         "long_tail_padded_over_fixed": medians["long_tail_padded"] / medians["fixed_padded"],
         "runs": json.dumps({k: [round(v) for v in vs] for k, vs in runs.items()}),
     }  # fmt: skip
@@ -398,6 +418,66 @@ def time_writes(args: argparse.Namespace, workdir: Path) -> dict:
     }
 
 
+#: ``--compare-write-paths``: name -> (DFLASH_CACHE_DIRECT_CHUNKS, zarr codec pipeline class or None for zarr's).
+WRITE_PATHS = {"direct": ("1", None), "zarr": ("0", None), "zarrs": ("0", "zarrs.ZarrsCodecPipeline")}
+
+
+def compare_write_paths(args: argparse.Namespace, workdir: Path, console: Console) -> dict:
+    """:func:`time_writes` through each of :data:`WRITE_PATHS` (``zarrs`` only where the package is installed),
+    ``args.repeats`` times interleaved; medians of hidden-state MB/s and their ratios to ``direct``."""
+    import importlib.util
+
+    import zarr
+
+    paths = {name: spec for name, spec in WRITE_PATHS.items() if spec[1] is None or importlib.util.find_spec("zarrs")}
+    runs: dict[str, list[float]] = {name: [] for name in paths}
+    ratios: dict[str, float] = {}
+    previous = os.environ.get("DFLASH_CACHE_DIRECT_CHUNKS")
+    try:
+        for repeat in range(args.repeats):
+            for name, (direct, pipeline) in paths.items():
+                os.environ["DFLASH_CACHE_DIRECT_CHUNKS"] = direct
+                settings = {"codec_pipeline.path": pipeline} if pipeline else {}
+                with zarr.config.set(settings):
+                    figures = time_writes(args, workdir / name)
+                runs[name].append(figures["hidden_MB_per_s"])
+                ratios[name] = figures["compression_ratio"]
+            console.print(f"repeat {repeat}: " + ", ".join(f"{k} {v[-1]:,.0f} MB/s" for k, v in runs.items()))
+        # Each path's cache (its last repeat) must read back: every chunk checksum and commit record verified.
+        verified = {}
+        for name in paths:
+            try:
+                verified[name] = bool(verify_cache(workdir / name / "cache-write-only", fail_fast=False)["ok"])
+            except Exception as error:  # a path whose cache does not even open is a result too
+                verified[name] = f"{type(error).__name__}: {error}"
+    finally:
+        if previous is None:
+            os.environ.pop("DFLASH_CACHE_DIRECT_CHUNKS", None)
+        else:
+            os.environ["DFLASH_CACHE_DIRECT_CHUNKS"] = previous
+    medians = {name: float(np.median(values)) for name, values in runs.items()}
+    return {
+        "mode": "compare-write-paths", "cpu_count": os.cpu_count(), "zarr": zarr.__version__,
+        "zarrs": _version("zarrs"), "codec": args.codec, "write_shards": args.write_shards,
+        "shard_tokens": args.shard_size, "row_bytes": args.num_taps * args.hidden_size * 2,
+        "write_threads": args.write_threads, "writes_in_flight": args.writes_in_flight, "repeats": args.repeats,
+        **{f"{name}_hidden_MB_per_s": value for name, value in medians.items()},
+        **{f"{name}_over_direct": value / medians["direct"] for name, value in medians.items() if name != "direct"},
+        **{f"{name}_compression_ratio": value for name, value in ratios.items()},
+        **{f"{name}_cache_verified": value for name, value in verified.items()},
+        "runs": json.dumps({k: [round(v) for v in vs] for k, vs in runs.items()}),
+    }  # fmt: skip
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def component_costs(hidden: torch.Tensor, codec: str) -> dict[str, float]:
     """Single-thread CPU seconds per GB of bf16 hidden states for each step of a chunk write (the codec alone,
     sha256, crc32c, one memcpy), on ~80 MB of ``hidden``: what the write path costs per core on this host."""
@@ -475,9 +555,13 @@ def main() -> None:
                              "2 on a GPU, 0 on CPU)")
     parser.add_argument("--compare-packing", action="store_true",
                         help="only the runner: fixed-length vs long-tailed corpora, padded vs packed batches")
-    parser.add_argument("--repeats", type=int, default=3, help="--compare-packing: interleaved repeats (medians)")
+    parser.add_argument("--packed-attention", nargs="+", default=list(PACKED_ATTENTION), choices=PACKED_ATTENTION,
+                        help="--compare-packing: the packed kernels to time (default: all)")
+    parser.add_argument("--repeats", type=int, default=3, help="--compare-packing, --compare-write-paths: interleaved repeats (medians)")
     parser.add_argument("--write-only", action="store_true", help="time the write path alone on the CPU (no model)")
     parser.add_argument("--write-shards", type=int, default=6, help="shards written by --write-only")
+    parser.add_argument("--compare-write-paths", action="store_true",
+                        help="with --write-only: ours vs zarr's codec pipeline vs zarrs', --repeats interleaved")
     parser.add_argument("--hidden-size", type=int, default=4096, help="H for --write-only (Qwen3-8B: 4096)")
     args = parser.parse_args()
     if args.reference:
@@ -490,7 +574,7 @@ def main() -> None:
     if args.write_only:
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-bench-write-"))
         try:
-            figures = time_writes(args, workdir)
+            figures = compare_write_paths(args, workdir, console) if args.compare_write_paths else time_writes(args, workdir)
         finally:
             if not args.keep:
                 shutil.rmtree(workdir, ignore_errors=True)

@@ -18,13 +18,17 @@ token on its right, and position ids are ``0..L-1`` for every row, so a sample's
 up to kernel rounding (bf16 tolerance), whatever batch it lands in.
 
 Packed batches (``packing=True``): samples are concatenated into one row of at most ``token_budget`` tokens
-(first-fit decreasing; a longer sample gets a row of its own), no padding, with position ids restarting at 0 for
-each sample and no attention mask: transformers reads the restarts as its packed-sequence format
-(``masking_utils.find_packed_sequence_indices``) and confines attention to each sample (a block-diagonal causal
-mask for SDPA/eager, a document BlockMask for ``flex_attention``, varlen for flash-attention). A sample's output
-again equals its solo forward within bf16 tolerance, whatever it is packed with. What it saves is the padding of
-length-grouped batches (long-tailed corpora); what it costs is the masked attention kernel instead of the causal
-one, so it is an option (``benchmarks/extract.py`` measures both).
+(first-fit decreasing; a longer sample gets a row of its own), with position ids restarting at 0 for each sample
+and no attention mask: transformers reads the restarts as its packed-sequence format
+(``masking_utils.find_packed_sequence_indices``) and confines attention to each sample. Which kernel does that is
+``packed_attention``: ``"flex_attention"`` (the default) builds a document ``BlockMask``, so FlexAttention skips
+every block outside a sample's causal triangle; the row is filled up to ``token_budget`` with a padding "sample"
+of its own (its outputs are dropped) so that the compiled kernel sees one shape. ``"sdpa"`` gets a materialized
+block-diagonal causal mask (SDPA's masked kernels: half the speed of the ``is_causal`` flash kernel on an H200,
+docs/benchmarks.md). The runner switches the model to that implementation (``set_attn_implementation``) for the
+packed forward only and back afterwards, so a model may be shared with a padded runner. A sample's output again
+equals its solo forward within bf16 tolerance, whatever it is packed with. What packing saves is the padding of
+length-grouped batches (long-tailed corpora); ``benchmarks/extract.py --compare-packing`` measures both.
 
 On CUDA the taps are copied on a side stream (non-blocking, ordered by an event) into pinned host buffers that
 are allocated once and reused: a consumer hands a batch's buffer back with :meth:`RunnerBatch.release` once it no
@@ -46,7 +50,11 @@ import torch
 from dflash.errors import ConfigError, TargetError
 from dflash.target import LAYER_ID_CONVENTION, validate_target_layer_ids
 
-__all__ = ["TargetRunner", "RunnerBatch", "plan_batches", "plan_packed_batches", "find_decoder_layers"]
+__all__ = ["TargetRunner", "RunnerBatch", "plan_batches", "plan_packed_batches", "find_decoder_layers",
+           "PACKED_ATTENTION"]
+
+#: Attention implementations a packed forward may use (module docstring), the default first.
+PACKED_ATTENTION = ("flex_attention", "sdpa")
 
 log = logging.getLogger(__name__)
 
@@ -201,13 +209,16 @@ class TargetRunner:
         token_budget: padded tokens per forward batch (``rows x longest``).
         pad_token_id: id written into padding positions (never seen by real tokens).
         packing: packed batches instead of right-padded ones (module docstring).
+        packed_attention: the attention implementation of packed forwards, one of :data:`PACKED_ATTENTION`
+            (module docstring); ignored without ``packing``.
         shared_host_buffers: allocate the reusable host buffers in POSIX shared memory (pinned on CUDA), so that
             write processes read the hidden states without a copy (:mod:`dflash.shm`, read by :mod:`dflash.cache.process_writer`); call
             :meth:`close` to free them.
 
     Raises:
         TargetError: the model has no recognisable decoder layers, or a layer id is out of range.
-        ConfigError: ``token_budget < 1``.
+        ConfigError: ``token_budget < 1``; an unknown ``packed_attention``, or ``flex_attention`` where this
+            torch has no FlexAttention.
 
     Source: tap offset as in vLLM ``qwen3_dflash.py`` / SGLang ``models/dflash.py`` (``hidden_states[l + 1]``).
     """
@@ -224,9 +235,18 @@ class TargetRunner:
         pad_token_id: int = 0,
         shared_host_buffers: bool = False,
         packing: bool = False,
+        packed_attention: str = PACKED_ATTENTION[0],
     ) -> None:
         if token_budget < 1:
             raise ConfigError(f"token_budget must be >= 1, got {token_budget}")
+        if packed_attention not in PACKED_ATTENTION:
+            raise ConfigError(f"packed_attention must be one of {', '.join(PACKED_ATTENTION)}, got {packed_attention!r}")
+        if packing and packed_attention == "flex_attention":
+            try:
+                from torch.nn.attention import flex_attention  # noqa: F401  (torch >= 2.5)
+            except ImportError as error:
+                raise ConfigError(f"packed_attention=flex_attention needs FlexAttention, which this torch "
+                                  f"{torch.__version__} lacks ({error}); use packed_attention=sdpa") from error
         config = _text_config(model)
         self.model = model
         self.num_target_layers = int(config.num_hidden_layers)
@@ -236,6 +256,7 @@ class TargetRunner:
         self.token_budget = int(token_budget)
         self.pad_token_id = int(pad_token_id)
         self.packing = bool(packing)
+        self.packed_attention = packed_attention
         self._decoder, self._layers = find_decoder_layers(model)
         model.to(self.device)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -326,6 +347,11 @@ class TargetRunner:
         ]
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        previous = None
+        if self.packing:  # the packed kernel for this forward only (module docstring)
+            previous = getattr(self.model.config, "_attn_implementation", None)
+            if previous != self.packed_attention:
+                self.model.set_attn_implementation(self.packed_attention)
         try:
             with torch.inference_mode():
                 self._decoder(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False)
@@ -334,6 +360,8 @@ class TargetRunner:
         finally:
             for handle in handles:
                 handle.remove()
+            if previous is not None and previous != self.packed_attention:
+                self.model.set_attn_implementation(previous)
         if any(tap is None for tap in captured):
             raise TargetError(
                 f"the forward of {type(self.model).__name__} did not run every tapped layer {self.target_layer_ids}; "
@@ -348,9 +376,13 @@ class TargetRunner:
         offsets = None
         if self.packing:  # one row: the samples back to back, positions restarting per sample
             offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
-            rows, padded_length = 1, sum(lengths)
-            tokens = torch.cat([torch.as_tensor(np.asarray(input_ids_list[i]), dtype=torch.int64) for i in indices])[None]
-            positions = torch.cat([torch.arange(length) for length in lengths])[None]
+            real_tokens = sum(lengths)
+            # FlexAttention is compiled: fill the row to the budget (one shape) with a padding sample of its own.
+            fill = max(0, self.token_budget - real_tokens) if self.packed_attention == "flex_attention" else 0
+            rows, padded_length = 1, real_tokens + fill
+            pieces = [torch.as_tensor(np.asarray(input_ids_list[i]), dtype=torch.int64) for i in indices]
+            tokens = torch.cat([*pieces, torch.full((fill,), self.pad_token_id, dtype=torch.int64)])[None]
+            positions = torch.cat([torch.arange(length) for length in [*lengths, fill]])[None]
             owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.as_tensor(lengths))  # [T] sample of token
             if on_cuda:
                 tokens, positions, owner = tokens.pin_memory(), positions.pin_memory(), owner.pin_memory()
@@ -359,7 +391,7 @@ class TargetRunner:
             owner = owner.to(self.device, non_blocking=True)
             hidden = self.forward(tokens, position_ids=positions)  # [1, T, n*H]
             with torch.inference_mode():  # [T, n] -> per sample [D, n]
-                bad = ~torch.isfinite(hidden.view(padded_length, self.num_taps, self.hidden_size)).all(-1)
+                bad = ~torch.isfinite(hidden[0, :real_tokens].view(real_tokens, self.num_taps, self.hidden_size)).all(-1)
                 nonfinite = torch.zeros(len(lengths), self.num_taps, dtype=torch.int32, device=self.device)
                 nonfinite = nonfinite.index_add_(0, owner, bad.to(torch.int32)) > 0
         else:

@@ -70,6 +70,8 @@ class ExtractConfig:
         token_budget: padded tokens per forward batch (rows x longest); with ``packing``, tokens per packed row.
         packing: packed forward batches (samples back to back, attention confined to each; no padding) instead of
             right-padded length-grouped ones (``dflash.target_runner``): the same hidden states within bf16.
+        packed_attention: the attention kernel of packed batches: ``"flex_attention"`` (a document mask) or
+            ``"sdpa"`` (a block-diagonal mask); ignored without ``packing``.
         storage_dtype: ``"bf16"`` (bit-exact) or ``"fp8"`` (lossy e4m3 with a per-token, per-tap scale).
         codec: codec preset name (``dflash.cache.CODEC_PRESETS``); ``None``: the cache's default.
         max_length, length_policy: rows longer than ``max_length`` raise (``"error"``), are skipped
@@ -106,6 +108,7 @@ class ExtractConfig:
     shard_size: int = 65536
     token_budget: int = 16384
     packing: bool = False
+    packed_attention: Literal["flex_attention", "sdpa"] = "flex_attention"
     storage_dtype: Literal["bf16", "fp8"] = "bf16"
     codec: str | None = None
     max_length: int | None = None
@@ -129,6 +132,11 @@ class ExtractConfig:
                 raise ConfigError(f"{name}: expected >= 1, got {getattr(self, name)}")
         if self.storage_dtype not in _STORAGE_DTYPES:
             raise ConfigError(f"storage_dtype: expected one of {sorted(_STORAGE_DTYPES)}, got {self.storage_dtype!r}")
+        from dflash.target_runner import PACKED_ATTENTION
+
+        if self.packed_attention not in PACKED_ATTENTION:
+            raise ConfigError(f"packed_attention: expected one of {'|'.join(PACKED_ATTENTION)}, "
+                              f"got {self.packed_attention!r}")
         if self.length_policy not in ("error", "drop", "truncate"):
             raise ConfigError(f"length_policy: expected error|drop|truncate, got {self.length_policy!r}")
         if self.max_length is not None and self.max_length < 1:
@@ -381,6 +389,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
             writes_in_flight=config.writes_in_flight,
             write_processes=config.write_processes,
             packing=config.packing,
+            packed_attention=config.packed_attention,
         )
         loading = time.perf_counter()
         client.register_plugin(plugin)  # runs setup on every worker; re-raises a worker's loading error here
@@ -525,7 +534,8 @@ def register(app: typer.Typer) -> None:
         scheduler_address: str | None = typer.Option(None, "--scheduler-address", help="Existing Dask scheduler (workers with resource GPU=1 get one task at a time)."),
         shard_size: int = typer.Option(65536, "--shard-size", help="Target tokens per shard (one task, one commit)."),
         token_budget: int = typer.Option(16384, "--token-budget", help="Padded tokens per forward batch (rows x longest); with --packing, tokens per packed row."),
-        packing: bool = typer.Option(False, "--packing/--no-packing", help="Packed forward batches: samples back to back with attention confined to each, no padding. Same hidden states; with SDPA half as fast as padded batches on an H200 (docs/benchmarks.md), so off by default."),
+        packing: bool = typer.Option(False, "--packing/--no-packing", help="Packed forward batches: samples back to back with attention confined to each, no padding. Same hidden states; measured 0.96x of padded batches on a long-tailed corpus on an H200 (docs/benchmarks.md), so off by default."),
+        packed_attention: str = typer.Option("flex_attention", "--packed-attention", help="Attention kernel of --packing: flex_attention (document mask) | sdpa (block-diagonal mask, half the speed on an H200)."),
         storage_dtype: str = typer.Option("bf16", "--storage-dtype", help="bf16 (bit-exact) or fp8 (lossy e4m3, per-token per-tap scale)."),
         codec: str | None = typer.Option(None, "--codec", help="Codec preset of dflash.cache.CODEC_PRESETS, e.g. none, zstd-1, blosc-zstd1-shuffle (an unknown name lists them; default: the cache's measured default, see docs/cache-format.md)."),
         max_length: int | None = typer.Option(None, "--max-length", help="Longest row accepted (see --length-policy)."),
@@ -560,6 +570,7 @@ def register(app: typer.Typer) -> None:
                 target_layer_ids=_int_list(target_layer_ids, "--target-layer-ids"), num_taps=num_taps,
                 target_gpus=_int_list(target_gpus, "--target-gpus"), workers=workers,
                 scheduler_address=scheduler_address, shard_size=shard_size, token_budget=token_budget, packing=packing,
+                packed_attention=packed_attention,
                 storage_dtype=storage_dtype, codec=codec, max_length=max_length, length_policy=length_policy,
                 expected_ratio=expected_ratio, force_space=force_space, dashboard_address=dashboard_address,
                 tls_ca_file=tls_ca_file, tls_cert=tls_cert, tls_key=tls_key, break_lock=break_lock,

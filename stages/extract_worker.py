@@ -345,6 +345,7 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
         write_processes: write processes per worker (0: threads; ``None``: :func:`default_write_processes`; see
             :class:`ShardExtractor`).
         packing: packed forward batches instead of right-padded ones (:class:`dflash.target_runner.TargetRunner`).
+        packed_attention: the attention kernel of packed batches (``TargetRunner``'s ``packed_attention``).
     """
 
     name = PLUGIN_NAME
@@ -364,12 +365,14 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
         writes_in_flight: int = 2,
         write_processes: int | None = None,
         packing: bool = False,
+        packed_attention: str = "flex_attention",
     ) -> None:
         super().__init__(target_spec=target_spec, gpu_by_worker=gpu_by_worker, device=device,
                          torch_threads=torch_threads, die_with_parent=die_with_parent)
         self.target_layer_ids = list(target_layer_ids)
         self.token_budget = token_budget
         self.packing = packing
+        self.packed_attention = packed_attention
         self.write_threads = write_threads
         self.writes_in_flight = writes_in_flight
         self.write_processes = write_processes
@@ -380,6 +383,7 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
         runner = TargetRunner(
             loaded.model, self.target_layer_ids, device, token_budget=self.token_budget, pad_token_id=pad_token_id,
             packing=self.packing,
+            packed_attention=self.packed_attention,
         )
         write_threads = self.write_threads or default_write_threads(self.torch_threads)
         self.extractor = ShardExtractor(runner, writes_in_flight=self.writes_in_flight, write_threads=write_threads,

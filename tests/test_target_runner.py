@@ -73,25 +73,40 @@ def test_solo_vs_shuffled_mixed_batch_vs_repeat(target, samples, layer_ids, solo
         assert torch.equal(first[position], second[position])  # a repeated call is bit-identical
 
 
-@pytest.mark.parametrize("token_budget", [4096, 24])
+@pytest.mark.parametrize(("token_budget", "packed_attention"),
+                         [(4096, "sdpa"), (24, "sdpa"), (1024, "flex_attention"), (24, "flex_attention")])
 def test_packed_batches_equal_each_sample_alone_whatever_they_are_packed_with(target, samples, layer_ids, solo,
-                                                                             token_budget):
+                                                                             token_budget, packed_attention):
     """``packing=True``: samples back to back in one row (positions restarting, attention confined to each sample by
-    transformers' packed-sequence mask), no padding; each sample's taps equal its solo forward within bf16, in one
-    row (4096) or several (24), and a repeated call is bit-identical."""
+    transformers' packed-sequence mask: SDPA's block-diagonal mask or FlexAttention's document BlockMask); each
+    sample's taps equal its solo forward within bf16, in one row or several (24), and a repeated call is
+    bit-identical. SDPA rows hold no padding; FlexAttention rows are filled to the budget (one compiled shape)
+    unless one sample is longer. The model's own attention implementation is back after every forward."""
     order = list(range(len(samples)))
     random.Random(1).shuffle(order)
     shuffled = [samples[i] for i in order]
-    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=token_budget, packing=True)
+    before = target.model.config._attn_implementation
+    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=token_budget, packing=True,
+                          packed_attention=packed_attention)
     rows = plan_packed_batches([len(s) for s in shuffled], token_budget)
-    assert (len(rows) == 1) == (token_budget == 4096)
+    assert (len(rows) == 1) == (token_budget > 24)
     batches = list(runner.iter_batches(shuffled))
-    assert all(b.num_padded_tokens == b.num_tokens for b in batches)  # nothing padded
+    for batch in batches:
+        if packed_attention == "sdpa":
+            assert batch.num_padded_tokens == batch.num_tokens  # nothing padded
+        else:
+            assert batch.num_padded_tokens == max(token_budget, batch.num_tokens)
+    assert target.model.config._attn_implementation == before
     first = runner.run(shuffled)
     second = runner.run(shuffled)
     for position, index in enumerate(order):
         _assert_bf16_close(first[position], solo[index])
         assert torch.equal(first[position], second[position])
+
+
+def test_packed_attention_is_checked():
+    with pytest.raises(ConfigError, match="packed_attention must be one of flex_attention, sdpa, got 'flash'"):
+        TargetRunner(torch.nn.Module(), [0], "cpu", packing=True, packed_attention="flash")
 
 
 def test_plan_packed_batches_fills_rows_first_fit_and_covers_every_sample():
