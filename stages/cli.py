@@ -28,8 +28,8 @@ import sys
 
 import typer
 
-__all__ = ["app", "main", "ExitCode", "EXIT_STATUS_HELP", "NON_TTY_COLUMNS", "USER_ERRNOS", "dask_setup", "print_error",
-           "os_error_message"]
+__all__ = ["app", "main", "ExitCode", "EXIT_STATUS_HELP", "GLOBAL_FLAGS", "NON_TTY_COLUMNS", "USER_ERRNOS", "dask_setup",
+           "hoist_global_flags", "print_error", "os_error_message"]
 
 
 class ExitCode(enum.IntEnum):
@@ -125,7 +125,7 @@ app = typer.Typer(
     epilog=EXIT_STATUS_HELP,
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, PowerShell)
 )
 
 # Modules whose ``register(app)`` adds commands, in the order ``--help`` lists them.
@@ -173,14 +173,32 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
+#: Options of the whole program that may also be given after the subcommand (``dflash-stages train ... -v``):
+#: :func:`main` moves them in front of it, where the root callback reads them.
+GLOBAL_FLAGS = ("-v", "--verbose", "-q", "--quiet")
+
+
+def hoist_global_flags(args: list[str]) -> list[str]:
+    """``args`` (``sys.argv[1:]``) with every :data:`GLOBAL_FLAGS` item before a ``--`` moved to the front, so that
+    ``-v``/``-q`` work anywhere on the command line, as the same flags of every command."""
+    stop = args.index("--") if "--" in args else len(args)
+    flags = [a for a in args[:stop] if a in GLOBAL_FLAGS]
+    return [*flags, *[a for a in args[:stop] if a not in GLOBAL_FLAGS], *args[stop:]]
+
+
 @app.callback()
-def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages."),
+def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages (anywhere on the line)."),
+          quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings and errors only (anywhere on the line)."),
           version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                        help="Print the version (and torch's, transformers') and exit.")) -> None:
     from rich.logging import RichHandler
 
+    if verbose and quiet:
+        from dflash.errors import ConfigError
+
+        raise ConfigError("-v/--verbose and -q/--quiet contradict each other; give one")
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO,
         format="%(message)s",
         handlers=[RichHandler(show_path=False, rich_tracebacks=True)],
     )
@@ -264,6 +282,7 @@ def main() -> None:
     _set_output_width()
     _preload_quiet_dask_workers()
     _register_all()
+    sys.argv[1:] = hoist_global_flags(sys.argv[1:])
     try:
         app()
     except DFlashError as error:

@@ -5,6 +5,10 @@ The export is written atomically, then read back with the strict loader (:func:`
 compared tensor by tensor with the checkpoint; see ``dflash/export.py`` for the format.
 
     dflash-stages export runs/smol OUT/smol-dflash [--target PATH] [--overwrite]
+    dflash-stages export --config export.toml [--set export.overwrite=true] [--print-config]
+
+Settings resolve like every stage's (``stages.stage_config``): defaults < ``--preset`` < ``--config`` (an
+``[export]`` section or the fields at the top) < CKPT, OUT and the options given < ``--set``.
 
 Exit status: 0 exported and verified; 2 the checkpoint, OUT or target is not usable (one ``error:`` line
 says why and what to pass, or another export writes OUT); 130 interrupted (OUT is left as it was).
@@ -14,16 +18,39 @@ OUT is locked while it is written (``dflash.locks``): a second export into it is
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
 
-__all__ = ["register", "export_command"]
+from stages.stage_config import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
+
+__all__ = ["ExportConfig", "register", "export_command"]
+
+
+@dataclass(kw_only=True)
+class ExportConfig:
+    """What ``export`` needs; every field is also a ``--config`` key and a ``--set export.FIELD=VALUE``.
+
+    Fields:
+        checkpoint: checkpoint folder or run folder (``CKPT``); required.
+        out: export folder to create (``OUT``); required.
+        target: target spec (folder, ``.gguf`` or ``"default"``); ``None``: the checkpoint's recorded target.
+        overwrite: replace ``out`` if it exists (only once the new export is complete).
+        break_lock: take over ``out``'s lock left by a run on another host known dead.
+    """
+
+    checkpoint: str | None = None
+    out: str | None = None
+    target: str | None = None
+    overwrite: bool = False
+    break_lock: bool = False
 
 
 def export_command(
-    checkpoint: Path = typer.Argument(..., metavar="CKPT", help="Checkpoint folder, or a run folder (its `latest` checkpoint is used)."),
-    out: Path = typer.Argument(..., metavar="OUT", help="Export folder to create (config.json, model.safetensors, dflash_export.json)."),
+    ctx: typer.Context,
+    checkpoint: Path = typer.Argument(None, metavar="CKPT", show_default=False, help="Checkpoint folder, or a run folder (its `latest` checkpoint is used). Required (here or in --config/--preset/--set)."),
+    out: Path = typer.Argument(None, metavar="OUT", show_default=False, help="Export folder to create (config.json, model.safetensors, dflash_export.json). Required (here or in --config/--preset/--set)."),
     target: str | None = typer.Option(
         None,
         "--target",
@@ -32,6 +59,10 @@ def export_command(
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists (only after the new export is complete)."),
     break_lock: bool = typer.Option(False, "--break-lock", help="Take over OUT's lock left by a run on another host known dead."),
+    config_file: str | None = CONFIG_OPTION,
+    preset: str | None = PRESET_OPTION,
+    overrides: list[str] = SET_OPTION,
+    print_config: bool = PRINT_CONFIG_OPTION,
 ) -> None:
     """Export a drafter checkpoint in the serving format (DFLASH.md) and verify it with the strict loader."""
     from rich.console import Console
@@ -41,8 +72,18 @@ def export_command(
     from dflash.errors import DFlashError
     from dflash.export import export_checkpoint
     from dflash.locks import output_lock
+    from stages.stage_config import print_and_exit, resolve_stage_config, split_given
 
     console = Console()
+    values = dict(checkpoint=None if checkpoint is None else str(checkpoint), out=None if out is None else str(out),
+                  target=target, overwrite=overwrite, break_lock=break_lock)  # fmt: skip
+    config = resolve_stage_config(ExportConfig, "export", *split_given(ctx, values), config_file=config_file,
+                                  preset=preset, overrides=overrides, required=("checkpoint", "out"),
+                                  option_names={"checkpoint": "CKPT", "out": "OUT"})  # fmt: skip
+    if print_config:
+        print_and_exit("export", config)
+    checkpoint, out = Path(config.checkpoint), Path(config.out)
+    target, overwrite, break_lock = config.target, config.overwrite, config.break_lock
     try:
         with warnings.catch_warnings(record=True) as caught, output_lock(out, what="export", break_lock=break_lock):
             warnings.simplefilter("always")

@@ -158,7 +158,7 @@ def resolve_stage_config(
     for key in required:
         if merged.get(key) is None:
             option = option_names.get(key, "--" + key.replace("_", "-"))
-            raise ConfigError(f"{section}: {option} is required (the option, or {key} in --config/--preset/--set)")
+            raise ConfigError(f"{section}: {option} is required (on the command line, or {key} in --config/--preset/--set)")
     try:
         return build(merged) if build is not None else cls(**merged)
     except (ConfigError, ValueError, TypeError) as error:

@@ -2,14 +2,24 @@
 
 Run::
 
-    dflash-stages sweep --cache CACHE --output SWEEP --set lr=3e-4,6e-4 --set gamma=4,7
-    dflash-stages sweep --cache CACHE --output SWEEP --set lr=3e-4,6e-4 --set max_steps=2000 --gpus 0,1,2,3
+    dflash-stages sweep --cache CACHE --output SWEEP --grid lr=3e-4,6e-4 --grid gamma=4,7
+    dflash-stages sweep --cache CACHE --output SWEEP --grid lr=3e-4,6e-4 --set train.max_steps=2000 --gpus 0,1,2,3
+    dflash-stages sweep --config sweep.toml --print-config
 
-Each ``--set FIELD=V1,V2,...`` names a :class:`stages.train.TrainConfig` field and its values; a single value
-fixes the field for every run. The runs are the cartesian product of the swept values, in the order given; run
-``k`` trains into ``SWEEP/<field>=<value>_...``. Without ``--gpus`` runs go one after the other in this process
-(CPU, or GPU 0); with ``--gpus`` one run per listed GPU at a time, each in its own ``dflash-stages train``
-process (its log in ``RUN/train.log``). List-valued fields take ``:`` between items (``--set betas=0.9:0.95``).
+Each ``--grid FIELD=V1,V2,...`` names a :class:`stages.train.TrainConfig` field and its values (list-valued
+fields take ``:`` between items: ``--grid betas=0.9:0.95,0.9:0.99``). The runs are the cartesian product of the
+grid, in the order given; run ``k`` trains into ``SWEEP/<field>=<value>_...``. ``--set train.FIELD=VALUE`` (or
+``FIELD=VALUE``) fixes a train field for every run, ``--set sweep.FIELD=VALUE`` sets one of the sweep's own fields
+(:class:`SweepConfig`), with the one ``--set`` grammar of every stage (the value is JSON, else a string).
+
+Settings, lowest first: defaults < ``--preset NAME`` (its ``train`` section fixes train fields for every run) <
+``--config FILE`` (a ``[sweep]`` section: cache, output, grid, gpus...; a ``[train]`` section: the fixed train
+fields) < the options given < ``--set``. Everything is checked before any run starts (unknown fields with a
+did-you-mean, types, each run's whole TrainConfig); ``--print-config`` prints ``{"sweep": ..., "train": ...}``,
+which ``--config`` reads back.
+
+Without ``--gpus`` runs go one after the other in this process (CPU, or GPU 0); with ``--gpus`` one run per listed
+GPU at a time, each in its own ``dflash-stages train`` process (its log in ``RUN/train.log``).
 
 At the end a table compares final train loss, validation loss and implied acceptance length, best validation
 loss, steps, skipped steps and throughput; it is also written to ``SWEEP/sweep.json``. A failed run is reported
@@ -42,7 +52,8 @@ from dflash.errors import ConfigError
 from dflash.telemetry import read_metrics
 from stages.train import TrainConfig, run_training
 
-__all__ = ["SweepRun", "parse_set_options", "plan_sweep", "run_sweep", "summarize_run", "register"]
+__all__ = ["SweepConfig", "SweepRun", "parse_grid", "plan_sweep", "resolve_sweep", "run_sweep", "summarize_run",
+           "register"]
 
 log = logging.getLogger(__name__)
 
@@ -69,27 +80,135 @@ def _parse_value(name: str, text: str, annotation: str) -> Any:
     return text
 
 
-def parse_set_options(options: list[str]) -> dict[str, list[Any]]:
-    """``["lr=3e-4,6e-4", "gamma=4"]`` -> ``{"lr": [3e-4, 6e-4], "gamma": [4.0]}`` (typed by TrainConfig).
+#: TrainConfig fields a sweep sets itself for every run (its own ``cache``, ``output`` per run, ``resume``).
+SWEEP_OWNED = ("cache", "output", "resume")
+
+
+def parse_grid(options: list[str]) -> dict[str, list[Any]]:
+    """``--grid`` items: ``["lr=3e-4,6e-4", "gamma=4"]`` -> ``{"lr": [3e-4, 6e-4], "gamma": [4.0]}`` (typed by
+    TrainConfig's annotations).
 
     Raises:
-        ConfigError: malformed option, unknown field (with the known ones), or a field set twice.
+        ConfigError: malformed item, unknown field (with a did-you-mean), a field the sweep sets itself, or a field
+            given twice.
     """
+    import difflib
+
     types = TrainConfig.field_types()
     values: dict[str, list[Any]] = {}
     for option in options:
         name, separator, raw = option.partition("=")
         name = name.strip().replace("-", "_")
+        if name.startswith("train."):
+            name = name[len("train."):]
         if not separator or not raw:
-            raise ConfigError(f"--set expects FIELD=V1,V2,..., got {option!r}")
+            raise ConfigError(f"--grid {option!r}: expected FIELD=V1,V2,..., e.g. --grid lr=3e-4,6e-4")
         if name not in types:
-            raise ConfigError(f"--set {name}: not a train config field; known fields: {', '.join(sorted(types))}")
-        if name in ("cache", "output", "resume"):
-            raise ConfigError(f"--set {name}: give it as the sweep's own --{name} option")
+            close = difflib.get_close_matches(name, sorted(types), n=1)
+            raise ConfigError(f"--grid {name}: not a train config field; "
+                              + (f"did you mean {close[0]}?" if close else f"known fields: {', '.join(sorted(types))}"))
+        if name in SWEEP_OWNED:
+            raise ConfigError(f"--grid {name}: the sweep sets it itself; give it as the sweep's own --{name}")
         if name in values:
-            raise ConfigError(f"--set {name} given twice; list all its values in one option: {name}=V1,V2")
+            raise ConfigError(f"--grid {name} given twice; list all its values in one option: {name}=V1,V2")
         values[name] = [_parse_value(name, part, types[name]) for part in raw.split(",")]
     return values
+
+
+@dataclass(kw_only=True)
+class SweepConfig:
+    """The sweep's own settings (``[sweep]`` of a config file, ``--set sweep.FIELD=VALUE``).
+
+    Fields:
+        cache: the hidden-state cache every run trains on; required.
+        output: the sweep folder (one run folder per combination); ``None``: ``./sweep-<time>``.
+        grid: TrainConfig field -> its values; runs are the cartesian product (one value fixes the field).
+        gpus: GPU ids, one run per GPU at a time, each in a ``train`` subprocess; ``None``: runs one after the other.
+        resume: continue unfinished runs of an earlier sweep into ``output``.
+        break_lock: take over locks of the sweep and its runs left on another host known dead.
+    """
+
+    cache: str | None = None
+    output: str | None = None
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+    gpus: list[int] | None = None
+    resume: bool = False
+    break_lock: bool = False
+
+    def __post_init__(self) -> None:
+        for name, values in self.grid.items():
+            if not isinstance(values, list) or not values:
+                raise ConfigError(f"grid: {name} needs a non-empty list of values, got {values!r}")
+        if self.gpus is not None and (not self.gpus or any(g < 0 for g in self.gpus)):
+            raise ConfigError(f"gpus: expected a non-empty list of GPU ids >= 0, got {self.gpus!r}")
+
+
+def _split_sets(overrides: list[str]) -> tuple[list[str], list[tuple[str, Any, str]]]:
+    """``--set`` items -> (``sweep.X=V`` items, ``(train field, value, source)`` of the others)."""
+    from dflash.config_check import override_value
+
+    sweep_items, train_items = [], []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if key.startswith("sweep."):
+            sweep_items.append(item)
+            continue
+        if key.startswith("train."):
+            key = key[len("train."):]
+        if not sep or not key or "." in key:
+            raise ConfigError(f"--set {item!r}: expected train.FIELD=VALUE, FIELD=VALUE or sweep.FIELD=VALUE")
+        value = override_value(raw, item)
+        if isinstance(value, str) and "," in value and key in TrainConfig.field_types():
+            raise ConfigError(f"--set {item}: --set fixes one value; sweep several with --grid {key}={raw}")
+        train_items.append((key, value, f"--set {item}"))
+    return sweep_items, train_items
+
+
+def resolve_sweep(ctx: Any, values: dict[str, Any], *, config_file: str | None, preset: str | None,
+                  overrides: list[str]) -> tuple[SweepConfig, dict[str, Any]]:
+    """The sweep's config and the train fields fixed for every run (precedence in the module docstring).
+
+    Raises:
+        ConfigError: an unknown or mistyped key (named with its source), a missing cache, or a combination
+            TrainConfig refuses.
+    """
+    from dflash.config_check import check_fields, read_config_file
+    from stages.stage_config import resolve_stage_config, section_of, split_given
+
+    sweep_sets, train_sets = _split_sets(overrides)
+    config = resolve_stage_config(SweepConfig, "sweep", *split_given(ctx, values), config_file=config_file,
+                                  preset=preset, overrides=sweep_sets, required=("cache",))  # fmt: skip
+    known = {f.name for f in dataclasses.fields(TrainConfig) if f.init}
+    fixed: dict[str, Any] = {}
+    layers = []
+    if preset is not None:
+        from pipelines.offline import load_preset
+
+        layers.append((section_of(load_preset(preset), "train", known, f"preset {preset}"), f"preset {preset}"))
+    if config_file is not None:
+        data = read_config_file(config_file)
+        if isinstance(data.get("train"), dict):
+            layers.append((dict(data["train"]), f"--config {config_file}"))
+    def check(values: dict[str, Any], source: str) -> None:
+        owned = sorted(set(values) & set(SWEEP_OWNED))
+        if owned:
+            raise ConfigError(f"train.{owned[0]} ({source}): the sweep sets it for every run; give it as "
+                              f"sweep.{owned[0]} (--{owned[0]})")
+        check_fields(TrainConfig, values, section="train", source=lambda _key: source)
+
+    for part, source in layers:
+        if source.startswith("preset"):  # a pipeline preset's train section never names the sweep's folders
+            part = {k: v for k, v in part.items() if k not in SWEEP_OWNED}
+        check(part, source)
+        fixed.update(part)
+    for key, value, source in train_sets:
+        check({key: value}, source)
+        fixed[key] = value
+    for name, options in config.grid.items():
+        for option in options:
+            check({name: option}, f"sweep.grid.{name}")
+    return config, fixed
 
 
 @dataclass(kw_only=True)
@@ -114,20 +233,22 @@ def _run_name(swept: dict[str, Any]) -> str:
     return re.sub(r"[^A-Za-z0-9_.=:+-]", "_", "_".join(parts))
 
 
-def plan_sweep(cache: str, output: str | Path, values: dict[str, list[Any]], *, resume: bool = False) -> list[SweepRun]:
-    """The runs of a sweep: the cartesian product of the multi-valued fields, single values fixed for all.
+def plan_sweep(cache: str, output: str | Path, values: dict[str, list[Any]], *, resume: bool = False,
+               fixed: dict[str, Any] | None = None) -> list[SweepRun]:
+    """The runs of a sweep: the cartesian product of the multi-valued fields of ``values`` (the grid), its single
+    values and ``fixed`` (train field -> value) the same for all.
 
     Raises:
         ConfigError: an invalid combination (the TrainConfig error, prefixed by the run's name).
     """
-    fixed = {name: options[0] for name, options in values.items() if len(options) == 1}
+    fixed = {**(fixed or {}), **{name: options[0] for name, options in values.items() if len(options) == 1}}
     swept_names = [name for name, options in values.items() if len(options) > 1]
     runs = []
     for combination in itertools.product(*(values[name] for name in swept_names)):
         swept = dict(zip(swept_names, combination, strict=True))
         name = _run_name(swept)
         try:
-            config = TrainConfig(cache=cache, output=str(Path(output) / name), resume=resume, **fixed, **swept)
+            config = TrainConfig(cache=cache, output=str(Path(output) / name), resume=resume, **{**fixed, **swept})
         except (ConfigError, TypeError) as error:
             raise ConfigError(f"sweep run {name}: {error}") from error
         runs.append(SweepRun(name=name, swept=swept, config=config))
@@ -235,35 +356,57 @@ def register(app: typer.Typer) -> None:
     """Add the ``sweep`` command to the ``dflash-stages`` app."""
     @app.command("sweep")
     def sweep_command(
-        cache: str = typer.Option(..., "--cache", help="Hidden-state cache shared by every run."),
+        ctx: typer.Context,
+        cache: str = typer.Option(None, "--cache", help="Hidden-state cache shared by every run. Required (here or in --config/--set)."),
         output: Path = typer.Option(
             None, "--output", "-o", help="Sweep folder, one run folder per combination (default: ./sweep-<time>)."
         ),
-        set_options: list[str] = typer.Option(
-            [], "--set", help="FIELD=V1,V2,... (a TrainConfig field; one value fixes it). Repeatable."
+        grid: list[str] = typer.Option(
+            [], "--grid", help="FIELD=V1,V2,... (a TrainConfig field and its values; one value fixes it). Repeatable."
         ),
         gpus: str = typer.Option(None, "--gpus", help="GPU ids; one run per GPU at a time (default: sequential)."),
         resume: bool = typer.Option(False, "--resume", help="Continue unfinished runs of an earlier sweep."),
         break_lock: bool = typer.Option(
             False, "--break-lock", help="Take over locks of the sweep and its runs left on another host known dead."),
+        config_file: str | None = typer.Option(None, "--config", help="Settings in a .toml, .yaml or .json file: a "
+                                               "[sweep] section (cache, output, grid, gpus...) and a [train] section "
+                                               "(train fields fixed for every run). Options given override it."),
+        preset: str | None = typer.Option(None, "--preset", help="A pipeline preset of `run` or a .json file of "
+                                          "sections: its train section fixes train fields for every run."),
+        overrides: list[str] = typer.Option([], "--set", help="train.FIELD=VALUE (or FIELD=VALUE) fixes a train field "
+                                            "for every run; sweep.FIELD=VALUE sets a sweep field (JSON value, else a "
+                                            "string). Repeatable."),
+        print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config as JSON ({sweep, "
+                                          "train}, which --config reads back) and exit without doing anything."),
     ) -> None:
-        """Train one drafter per combination of --set values over one cache and compare them."""
+        """Train one drafter per combination of --grid values over one cache and compare them."""
         from dflash.locks import output_lock
 
-        values = parse_set_options(set_options)
-        if output is None:
-            output = Path(time.strftime("sweep-%Y%m%d-%H%M%S"))
-        runs = plan_sweep(cache, output, values, resume=resume)
-        if break_lock:
+        try:
+            gpu_ids = [int(g) for g in gpus.split(",") if g.strip()] if gpus else None
+        except ValueError:
+            raise ConfigError(f"--gpus {gpus!r}: expected comma-separated GPU ids, e.g. 0,1,2") from None
+        values = dict(cache=cache, output=None if output is None else str(output), grid=parse_grid(grid),
+                      gpus=gpu_ids, resume=resume, break_lock=break_lock)  # fmt: skip
+        config, fixed = resolve_sweep(ctx, values, config_file=config_file, preset=preset, overrides=overrides)
+        folder = Path(config.output) if config.output else Path(time.strftime("sweep-%Y%m%d-%H%M%S"))
+        runs = plan_sweep(config.cache, folder, config.grid, resume=config.resume, fixed=fixed)
+        if print_config:
+            from stages.stage_config import printable
+
+            printed = json.loads(printable("sweep", config))
+            printed["sweep"]["output"] = str(folder)
+            print(json.dumps({**printed, "train": fixed}, indent=2, default=str))
+            raise typer.Exit(0)
+        if config.break_lock:
             for run in runs:
                 run.config = dataclasses.replace(run.config, break_lock=True)
-        with output_lock(output, what="sweep", break_lock=break_lock):
-            _sweep(runs, output, gpus)
+        with output_lock(folder, what="sweep", break_lock=config.break_lock):
+            _sweep(runs, folder, config.gpus)
 
-    def _sweep(runs: list[SweepRun], output: Path, gpus: str | None) -> None:
+    def _sweep(runs: list[SweepRun], output: Path, gpu_ids: list[int] | None) -> None:
         from rich.console import Console
 
-        gpu_ids = [int(g) for g in gpus.split(",")] if gpus else None
         Console(stderr=True).print(f"sweep: {len(runs)} runs into {output}" + (f" on GPUs {gpu_ids}" if gpu_ids else ""))
         run_sweep(runs, gpus=gpu_ids)
         rows = [{"name": r.name, "swept": r.swept, "summary": r.summary, "error": r.error} for r in runs]

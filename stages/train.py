@@ -270,7 +270,7 @@ class TrainConfig:
 
     @classmethod
     def field_types(cls) -> dict[str, str]:
-        """Field name -> annotation string (for ``--set name=value`` parsing in sweeps)."""
+        """Field name -> annotation string (for ``sweep --grid name=v1,v2`` parsing)."""
         return {f.name: str(f.type) for f in fields(cls)}
 
 

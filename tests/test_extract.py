@@ -103,26 +103,10 @@ def test_plan_shards_is_contiguous_and_bounded():
         assert stop - start == 1 or lengths[start:stop].sum() <= 10
 
 
-def test_two_dask_workers_write_the_same_cache_as_one_process(tmp_path, corpus_dir, reference):
-    output = tmp_path / "cache"
-    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=2, shard_size=20, dashboard_address=":0")
-    summary = run_extract(config, _quiet())
-    assert summary["committed_shards"] == summary["planned_shards"] >= 4
-    # Telemetry: the workers' compute and write-wait time add up to at most their share of the wall time.
-    assert 0 < summary["compute_seconds"] and 0 <= summary["write_wait_seconds"]
-    assert summary["compute_seconds"] + summary["write_wait_seconds"] <= 2 * summary["seconds"] + 1e-6
-    _assert_cache_matches(output, corpus_dir, reference)
-    # A rerun finds every shard committed and does nothing but remove what a write killed before its rename left
-    # (a zarr temporary: here of finalize's root metadata), which verify reported.
-    (output / "zarr.0123abcd.partial").write_text("{")
-    assert verify_cache(output)["partial_files"] == ["zarr.0123abcd.partial"]
-    assert run_extract(config, _quiet())["skipped_committed"] == summary["planned_shards"]
-    assert not list(output.rglob("*.partial")) and verify_cache(output)["partial_files"] == []
-    assert not (tmp_path / "cache.lock").exists()  # the lock is gone with the run
-
-
 @pytest.mark.slow
 def test_sigkill_mid_run_then_rerun_is_exactly_once(tmp_path, corpus_dir, reference):
+    """SIGKILL of the whole ``extract`` process after its first commit; the rerun (with a write process) commits
+    the rest exactly once."""
     output = tmp_path / "cache"
     command = [
         sys.executable, "-m", "stages.cli", "extract", "--corpus", str(corpus_dir), "--output", str(output),
@@ -145,7 +129,9 @@ def test_sigkill_mid_run_then_rerun_is_exactly_once(tmp_path, corpus_dir, refere
     planned = CacheReader(output).metadata.num_shards
     assert 1 <= len(committed_at_kill) < planned, "the kill did not land mid-run"
 
-    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=1, dashboard_address=":0")
+    # The rerun goes through the whole stage with a write process (the non-daemonic Dask worker spawns it).
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=1, dashboard_address=":0",
+                           write_processes=1, write_threads=1)  # fmt: skip
     summary = run_extract(config, _quiet())
     assert summary["skipped_committed"] == len(committed_at_kill)
     assert summary["committed_shards"] == planned
@@ -229,12 +215,24 @@ def test_worker_sigkill_mid_run_is_redone_exactly_once(tmp_path, corpus_dir, ref
         assert workers, "no Dask worker process found"
         workers[0].kill()  # the task it ran and its pending write are lost; the driver must redo them
 
-    _kill_mid_extract(config, kill_a_worker, corpus_dir, reference)
+    summary = _kill_mid_extract(config, kill_a_worker, corpus_dir, reference)
+    # Two workers wrote the same cache as one process (checked above against the per-row reference). Telemetry:
+    # the workers' compute and write-wait time add up to at most their share of the wall time.
+    assert 0 < summary["compute_seconds"] and 0 <= summary["write_wait_seconds"]
+    assert summary["compute_seconds"] + summary["write_wait_seconds"] <= 2 * summary["seconds"] + 1e-6
+    # A rerun finds every shard committed and does nothing but remove what a write killed before its rename left
+    # (a zarr temporary: here of finalize's root metadata), which verify reported.
+    output = Path(config.output)
+    (output / "zarr.0123abcd.partial").write_text("{")
+    assert verify_cache(output)["partial_files"] == ["zarr.0123abcd.partial"]
+    assert run_extract(config, _quiet())["skipped_committed"] == summary["planned_shards"]
+    assert not list(output.rglob("*.partial")) and verify_cache(output)["partial_files"] == []
+    assert not (output.parent / "cache.lock").exists()  # the lock is gone with the run
 
 
-def _kill_mid_extract(config: ExtractConfig, kill, corpus_dir: Path, reference) -> None:
+def _kill_mid_extract(config: ExtractConfig, kill, corpus_dir: Path, reference) -> dict:
     """Run ``extract`` in a thread, call ``kill()`` once its first shard is committed, and check the run still
-    commits every planned shard exactly once with the reference's contents."""
+    commits every planned shard exactly once with the reference's contents; returns the run's summary."""
     output = Path(config.output)
     outcome: dict = {}
 
@@ -259,6 +257,7 @@ def _kill_mid_extract(config: ExtractConfig, kill, corpus_dir: Path, reference) 
     assert committed_at_kill < outcome["summary"]["planned_shards"], "the kill did not land mid-run"
     assert outcome["summary"]["committed_shards"] == outcome["summary"]["planned_shards"]
     _assert_cache_matches(output, corpus_dir, reference)
+    return outcome["summary"]
 
 
 def test_external_cluster_of_dask_cli_processes_survives_a_killed_worker_exactly_once(tmp_path, corpus_dir, reference):
@@ -367,17 +366,9 @@ def test_process_writer_refuses_hidden_states_outside_shared_memory(tmp_path):
         shared.close()
 
 
-def test_extract_stage_with_write_processes_through_dask(tmp_path, corpus_dir, reference):
-    """The whole stage with ``write_processes=1``: the (non-daemonic) Dask worker spawns a write process; the cache
-    is complete, verified and equal to the per-row reference; the report has the write telemetry."""
-    output = tmp_path / "cache"
-    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=40, dashboard_address=":0",
-                           write_processes=1, write_threads=1)  # fmt: skip
-    summary = run_extract(config, _quiet())
-    assert summary["committed_shards"] == summary["planned_shards"] >= 2
-    _assert_cache_matches(output, corpus_dir, reference)
+def test_write_processes_must_not_be_negative(tmp_path, corpus_dir):
     with pytest.raises(ConfigError, match="write_processes: expected >= 0"):
-        ExtractConfig(corpus=str(corpus_dir), output=str(output), write_processes=-1)
+        ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), write_processes=-1)
 
 
 def _write_processes_in_daemon(queue) -> None:

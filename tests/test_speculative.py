@@ -182,7 +182,7 @@ def test_verify_sampled_is_lossless_on_a_tiny_vocabulary():
     generator = torch.Generator().manual_seed(0)
     p = torch.tensor([[0.5, 0.2, 0.1, 0.15, 0.05], [0.1, 0.1, 0.6, 0.1, 0.1], [0.2, 0.2, 0.2, 0.2, 0.2]])
     q = torch.tensor([[0.1, 0.6, 0.1, 0.1, 0.1], [0.3, 0.1, 0.3, 0.2, 0.1]])
-    trials = 40000
+    trials = 12000  # standard error of a frequency <= 0.005: the bounds below are 3 and 4 of them
     first = torch.zeros(5)
     second = torch.zeros(5)
     seconds_seen = 0
@@ -194,9 +194,9 @@ def test_verify_sampled_is_lossless_on_a_tiny_vocabulary():
         if len(committed) > 1:
             second[committed[1]] += 1
             seconds_seen += 1
-    torch.testing.assert_close(first / trials, p[0], atol=0.01, rtol=0)
+    torch.testing.assert_close(first / trials, p[0], atol=0.015, rtol=0)
     # p[1] does not depend on the first token here, so the second committed token must follow p[1].
-    torch.testing.assert_close(second / seconds_seen, p[1], atol=0.015, rtol=0)
+    torch.testing.assert_close(second / seconds_seen, p[1], atol=0.025, rtol=0)
 
 
 def test_verify_greedy_accepts_longest_matching_prefix():

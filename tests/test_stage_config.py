@@ -9,22 +9,31 @@ import pytest
 
 from tests.cli_helpers import main_in_process, main_in_process_out
 
-# (command, the options that name its inputs/outputs; paths that need not exist: nothing runs)
+# (command, the options and arguments that name its inputs/outputs; paths that need not exist: nothing runs)
 STAGES = {
     "prepare": ["-o", "{tmp}/out"],
     "generate": ["-o", "{tmp}/out"],
     "extract": ["--corpus", "{tmp}/corpus", "-o", "{tmp}/out"],
     "evaluate": ["--drafter", "{tmp}/drafter", "--prompts", "p.jsonl"],
     "train": ["--cache", "{tmp}/cache", "-o", "{tmp}/out"],
+    "export": ["{tmp}/ckpt", "{tmp}/out"],
+    "sweep": ["--cache", "{tmp}/cache", "--grid", "lr=1e-3,2e-3"],
 }
-# One field of each stage, a value of the right type, a typo of its name, and a value of the wrong type.
+# One field of each stage, three values of the right type (for the file, the option, --set), a typo of its name,
+# and a value of the wrong type.
 FIELD = {
-    "prepare": ("max_length", 777, "max_lenght", "long"),
-    "generate": ("max_new_tokens", 77, "max_new_token", "many"),
-    "extract": ("shard_size", 7777, "shard_sise", "big"),
-    "evaluate": ("num_prompts", 7, "num_prompt", "few"),
-    "train": ("lr", 0.007, "lrr", "fast"),
+    "prepare": ("max_length", (777, 1554, 2331), "max_lenght", "long"),
+    "generate": ("max_new_tokens", (77, 154, 231), "max_new_token", "many"),
+    "extract": ("shard_size", (7777, 15554, 23331), "shard_sise", "big"),
+    "evaluate": ("num_prompts", (7, 14, 21), "num_prompt", "few"),
+    "train": ("lr", (0.007, 0.014, 0.021), "lrr", "fast"),
+    "export": ("target", ("t1", "t2", "t3"), "targte", 5),
+    "sweep": ("output", ("s1", "s2", "s3"), "outptu", 5),
 }
+
+
+# The section a bare ``--set FIELD=VALUE`` sets where it is not the command's own: sweep's fix train fields.
+BARE_SET = {"sweep": "train"}
 
 
 def _args(stage: str, tmp_path) -> list[str]:
@@ -36,7 +45,7 @@ def _args(stage: str, tmp_path) -> list[str]:
 def test_print_config_reads_back_and_layers_in_order(stage, tmp_path, monkeypatch, capsys):
     """The file's value beats the default, an option given beats the file, --set beats the option; the printed
     config, fed back with --config, prints the same again."""
-    field, value, _, _ = FIELD[stage]
+    field, (value, other, last), _, _ = FIELD[stage]
     option = "--" + field.replace("_", "-")
     (tmp_path / "c.toml").write_text(f"[{stage}]\n{field} = {json.dumps(value)}\n")
 
@@ -52,10 +61,10 @@ def test_print_config_reads_back_and_layers_in_order(stage, tmp_path, monkeypatc
     default = of(resolved())[field]
     assert default != value
     assert of(resolved("--config", str(tmp_path / "c.toml")))[field] == value
-    other = value * 2
     assert of(resolved("--config", str(tmp_path / "c.toml"), option, str(other)))[field] == other
-    final = resolved("--config", str(tmp_path / "c.toml"), option, str(other), "--set", f"{stage}.{field}={value * 3}")
-    assert of(final)[field] == value * 3
+    final = resolved("--config", str(tmp_path / "c.toml"), option, str(other), "--set",
+                     f"{stage}.{field}={json.dumps(last)}")
+    assert of(final)[field] == last
     (tmp_path / "printed.json").write_text(json.dumps(final))
     code, out, err = main_in_process_out(monkeypatch, capsys, stage, "--config", str(tmp_path / "printed.json"),
                                          "--print-config")  # fmt: skip
@@ -78,7 +87,7 @@ def test_bad_configs_exit_2_with_one_line_naming_key_and_source_and_write_nothin
         (["--config", str(tmp_path / "wrong.json")], [f"{stage}.{field} (--config ", "expected"]),
         (["--config", str(tmp_path / "missing.toml")], ["missing.toml", "no such file"]),
         (["--set", f"{stage}.{field}={wrong}"], [f"{stage}.{field} (--set {stage}.{field}={wrong})", "expected"]),
-        (["--set", f"{typo}=3"], [f"{stage}.{typo} (--set {typo}=3)", "did you mean"]),
+        (["--set", f"{typo}=3"], [f"{BARE_SET.get(stage, stage)}.{typo} (--set {typo}=3)", "did you mean"]),
         (["--preset", "no-such-preset"], ["no-such-preset"]),
     ]
     for extra, needles in cases:

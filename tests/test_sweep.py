@@ -1,4 +1,4 @@
-"""``dflash-stages sweep``: one train run per combination of ``--set`` values over one tiny real cache, compared."""
+"""``dflash-stages sweep``: one train run per combination of ``--grid`` values over one tiny real cache, compared."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from train_helpers import build_tiny_cache
 
 from dflash.errors import ConfigError
-from stages.sweep import parse_set_options, plan_sweep
+from stages.sweep import parse_grid, plan_sweep
 
 TINY = [
     "num_draft_layers=1", "block_size=4", "max_anchors_per_document=2", "token_budget=192", "num_buckets=2",
@@ -17,8 +17,8 @@ TINY = [
 ]  # fmt: skip
 
 
-def test_parse_set_options_types_values_by_field():
-    values = parse_set_options(["lr=3e-4,6e-4", "gamma=4,7", "max_steps=10", "betas=0.9:0.95", "mask_token_id=none"])
+def test_parse_grid_types_values_by_field():
+    values = parse_grid(["lr=3e-4,6e-4", "gamma=4,7", "max_steps=10", "betas=0.9:0.95", "mask_token_id=none"])
     assert values == {"lr": [3e-4, 6e-4], "gamma": [4.0, 7.0], "max_steps": [10], "betas": [[0.9, 0.95]],
                       "mask_token_id": [None]}
     runs = plan_sweep("cache", "out", values)
@@ -26,12 +26,12 @@ def test_parse_set_options_types_values_by_field():
                                       "lr=0.0006_gamma=7.0"]
     assert all(r.config.max_steps == 10 and r.config.betas == (0.9, 0.95) for r in runs)
     assert runs[3].config.output.endswith("lr=0.0006_gamma=7.0")
-    with pytest.raises(ConfigError, match="not a train config field; known fields: .*lr"):
-        parse_set_options(["learning_rate=1e-3"])
+    with pytest.raises(ConfigError, match="not a train config field; did you mean lr"):
+        parse_grid(["lrr=1e-3"])
     with pytest.raises(ConfigError, match="max_steps"):
-        parse_set_options(["max_steps=ten"])
+        parse_grid(["max_steps=ten"])
     with pytest.raises(ConfigError, match="sweep run lr=-1.0"):
-        plan_sweep("cache", "out", parse_set_options(["lr=-1,1e-3"]))
+        plan_sweep("cache", "out", parse_grid(["lr=-1,1e-3"]))
 
 
 def test_sweep_trains_every_combination_and_compares(target, tmp_path):
@@ -41,9 +41,9 @@ def test_sweep_trains_every_combination_and_compares(target, tmp_path):
 
     cache = build_tiny_cache(tmp_path / "cache.zarr", target, num_samples=12, num_shards=1)
     _register_all()
-    args = ["sweep", "--cache", str(cache), "--output", str(tmp_path / "sweep"), "--set", "lr=1e-3,3e-3"]
-    for option in TINY:
-        args += ["--set", option]
+    args = ["sweep", "--cache", str(cache), "--output", str(tmp_path / "sweep"), "--grid", "lr=1e-3,3e-3"]
+    for option in TINY:  # fixed for every run: --set train.FIELD=VALUE (or FIELD=VALUE) as in every stage
+        args += ["--set", option if option.startswith("max_") else "train." + option]
     result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
@@ -64,7 +64,7 @@ def test_interrupted_run_stops_the_sweep_and_is_marked(monkeypatch, tmp_path):
     marked interrupted, so the sweep command exits 130 instead of reporting a finished comparison."""
     import stages.sweep as sweep
 
-    runs = plan_sweep("cache", str(tmp_path), parse_set_options(["lr=1e-4,2e-4,3e-4"]))
+    runs = plan_sweep("cache", str(tmp_path), parse_grid(["lr=1e-4,2e-4,3e-4"]))
     started = []
 
     def fake_training(config):
@@ -77,3 +77,34 @@ def test_interrupted_run_stops_the_sweep_and_is_marked(monkeypatch, tmp_path):
     assert len(started) == 2  # the third combination never started
     assert [r.interrupted for r in runs] == [False, True, False]
     assert runs[0].error is None and "interrupted at step 5" in runs[1].error and runs[2].error is None
+
+
+def test_sweep_settings_from_a_config_file_and_preset_and_errors_before_any_run(tmp_path, monkeypatch, capsys):
+    """A TOML file's [sweep] grid and [train] fixed fields, under options and --set; the preset's train section
+    fixes fields for every run; each run's whole TrainConfig is checked before anything is written."""
+    from tests.cli_helpers import main_in_process, main_in_process_out
+
+    (tmp_path / "s.toml").write_text('[sweep]\ncache = "c"\ngrid = {lr = [1e-3, 2e-3], gamma = [4.0]}\n'
+                                     '[train]\nmax_steps = 7\nblock_size = 8\n')
+    code, out, err = main_in_process_out(monkeypatch, capsys, "sweep", "--config", str(tmp_path / "s.toml"),
+                                         "-o", str(tmp_path / "sw"), "--set", "block_size=4", "--print-config")
+    assert code == 0, err
+    printed = json.loads(out)
+    assert printed["sweep"]["grid"] == {"lr": [1e-3, 2e-3], "gamma": [4.0]}
+    assert printed["train"] == {"max_steps": 7, "block_size": 4}
+    runs = plan_sweep("c", tmp_path / "sw", printed["sweep"]["grid"], fixed=printed["train"])
+    assert [(r.name, r.config.gamma, r.config.block_size) for r in runs] == [("lr=0.001", 4.0, 4), ("lr=0.002", 4.0, 4)]
+    code, out, err = main_in_process_out(monkeypatch, capsys, "sweep", "--cache", "c", "--grid", "lr=1e-3,2e-3",
+                                         "--preset", "cpu-small", "--print-config")
+    assert code == 0, err
+    assert json.loads(out)["train"]["num_draft_layers"] == 1  # the cpu-small preset's train section
+    for args, needle in [
+        (["--set", "lr=3e-4,6e-4"], "sweep several with --grid lr=3e-4,6e-4"),
+        (["--grid", "lr=-1,1e-3"], "sweep run lr=-1.0"),
+        (["--set", "train.cache=x"], "give it as sweep.cache"),
+        (["--set", "sweep.gpu=[0]"], "did you mean sweep.gpus?"),
+    ]:
+        code, err = main_in_process(monkeypatch, capsys, "sweep", "--cache", "c", "-o", str(tmp_path / "never"), *args)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and needle in lines[0], (args, err)
+    assert not (tmp_path / "never").exists()
