@@ -47,6 +47,7 @@ import torch
 
 from dflash.errors import CheckpointError, MismatchError
 from dflash.faults import fault_point
+from dflash.files import atomic_write_text  # re-exported: callers import it from here too
 from dflash.state_files import load_legacy_torch_file, load_state_tree, save_state_tree
 
 if TYPE_CHECKING:
@@ -87,21 +88,6 @@ LEGACY_RNG_FILE = "rng.pt"
 PARAM_NAMES_KEY = "dflash_param_names"
 _CHECKPOINT_PREFIX = "step_"
 _REQUIRED_FILES = ("model.safetensors", "drafter_config.json", "target.json", "trainer_state.json")
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace`` (atomic)."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temporary, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
 
 
 def _to_host(tree: Any, pinned: dict[str, torch.Tensor] | None = None, prefix: str = "") -> Any:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import time
 from collections import Counter, deque
@@ -159,9 +158,9 @@ def drop_records_after(path: str | Path, step: int) -> int:
             continue
         kept.append(line)
     if dropped:
-        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(temporary, path)
+        from dflash.files import atomic_write_text
+
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
     return dropped
 
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -394,18 +392,12 @@ def _untrained_like(drafter_config: Any, target: Any, seed: int) -> Any:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` through a temporary file in the same folder, then rename."""
+    """Write ``data`` as JSON to ``path`` atomically (:func:`dflash.files.atomic_write_text`), creating its folder."""
+    from dflash.files import atomic_write_text
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as stream:
-            json.dump(data, stream, indent=2, default=str)
-            stream.write("\n")
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 class Evaluator:

@@ -192,7 +192,7 @@ def _records_digest(records: list[Any]) -> str:
 # ---------------------------------------------------------------------------------------------------- output
 def _open_output(config: GenerateConfig, plan: dict[str, Any]) -> None:
     """Create the output folder with its plan, or check an existing one holds the same plan."""
-    from dflash.checkpoint import atomic_write_text
+    from dflash.files import atomic_write_text
     from dflash.generation.parts import PLAN_FILE, clear_uncommitted
 
     output = Path(config.output)  # run_generate refused an output that is a file before taking the lock
@@ -425,8 +425,8 @@ def _run_generate(config: GenerateConfig, console: Console | None) -> dict[str, 
         "read_dropped": read_drops.to_dict(),
         **totals,
     }
-    from dflash.checkpoint import atomic_write_text
     from dflash.corpus import FORMAT_VERSION
+    from dflash.files import atomic_write_text
 
     corpus = open_corpus(output, allow_unfinished=True)
     metadata = {"format_version": FORMAT_VERSION, "source": "generate", "target_spec": config.target,

@@ -35,6 +35,8 @@ from typing import Any
 
 import typer
 
+from dflash.files import atomic_write_text
+
 __all__ = ["register", "report_command", "RunSeries", "load_series", "write_report", "PLOTS"]
 
 #: File names of the plots, in the order the HTML page shows them.
@@ -262,9 +264,7 @@ def write_report(runs: list[RunSeries], output: str | Path) -> dict[str, Path]:
             "padding:2px 8px;text-align:left}img{max-width:100%}</style></head><body><h1>dflash-stages report</h1>"
             + "".join(sections) + images + "</body></html>")
     html_path = output / "report.html"
-    temporary = html_path.with_name(f".{html_path.name}.tmp")
-    temporary.write_text(page, encoding="utf-8")
-    temporary.replace(html_path)
+    atomic_write_text(html_path, page)
     written["html"] = html_path
     return written
 

@@ -47,8 +47,8 @@ from typing import Any
 
 import typer
 
-from dflash.checkpoint import atomic_write_text
 from dflash.errors import ConfigError
+from dflash.files import atomic_write_text
 from dflash.telemetry import read_metrics
 from stages.train import TrainConfig, run_training
 

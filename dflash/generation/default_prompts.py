@@ -174,10 +174,11 @@ def write_prompts_jsonl(records: list[PromptRecord], path: Any) -> int:
     import json
     from pathlib import Path
 
+    from dflash.files import atomic_output
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "w", encoding="utf-8") as handle:
+    with atomic_output(path) as handle:
         for record in records:
             if record.messages is None:
                 line: dict[str, Any] = {"text": record.text}
@@ -187,7 +188,6 @@ def write_prompts_jsonl(records: list[PromptRecord], path: Any) -> int:
                 line = {"messages": [m for m in record.messages if m["content"] is not None]}
             line["id"] = record.prompt_id
             handle.write(json.dumps(line, ensure_ascii=False) + "\n")
-    temporary.replace(path)
     return len(records)
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from dflash.files import atomic_write_text
 from dflash.generation.engine import GenerationEngine, GenerationRequest, SamplingSettings
 from dflash.generation.prompts import ConversationBuilder, DropCounts, PromptRecord
 
@@ -104,9 +105,7 @@ def _write_part(output: Path, part_id: int, rows: list[tuple[list[int], list[int
             os.fsync(handle.fileno())
         record_path = part_record_path(output, part_id)
         record_path.parent.mkdir(exist_ok=True)
-        record_temporary = record_path.with_name(f".{record_path.name}.tmp-{os.getpid()}")
-        record_temporary.write_text(json.dumps(record, indent=1))
-        os.replace(record_temporary, record_path)
+        atomic_write_text(record_path, json.dumps(record, indent=1))
         os.replace(temporary, final)  # the commit
     except BaseException:
         temporary.unlink(missing_ok=True)
