@@ -9,6 +9,7 @@ silently wrong": tapped ids off by one or a different set with the same count; m
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dflash.errors import MismatchError
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from dflash.drafter import DFlashConfig
     from dflash.target import TargetIdentity
 
-__all__ = ["IDENTITY_FIELDS", "check_training_inputs", "check_target_identity"]
+__all__ = ["IDENTITY_FIELDS", "check_training_inputs", "check_target_identity", "recorded_identity"]
 
 #: Target identity fields that must agree (the name may differ: a renamed folder holds the same weights).
 IDENTITY_FIELDS = ("content_hash", "num_hidden_layers", "hidden_size", "vocab_size", "model_type")
@@ -28,15 +29,33 @@ def _mismatch(field: str, expected: Any, got: Any, where: str, fix: str) -> Mism
     return MismatchError(f"{field} differs: {where} has {expected!r}, got {got!r}; {fix}")
 
 
-def check_target_identity(recorded: dict[str, Any], identity: TargetIdentity, *, where: str, fix: str) -> None:
-    """Compare a recorded target identity dict with the loaded target's, field by field.
+def recorded_identity(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The target identity fields of any record that carries them: a ``TargetIdentity`` dict, a checkpoint's
+    ``target.json`` (identity fields at the top, plus ``target_spec`` and weight hashes), an export's provenance
+    ``target``, or a record nesting them under ``identity`` or ``target``."""
+    nested = record.get("identity") or record.get("target")
+    source = nested if isinstance(nested, Mapping) else record
+    return {key: source[key] for key in ("name", *IDENTITY_FIELDS) if source.get(key) is not None}
+
+
+def check_target_identity(recorded: Mapping[str, Any], identity: TargetIdentity | Mapping[str, Any], *, where: str,
+                          fix: str) -> None:
+    """The one check that an artefact (cache, checkpoint, export, evaluated drafter) belongs to the loaded target:
+    :data:`IDENTITY_FIELDS` compared one by one where both sides record them (the name may differ).
+
+    Args:
+        recorded: what the artefact recorded (any form :func:`recorded_identity` reads).
+        identity: the loaded target's ``TargetIdentity`` (or its dict).
+        where: names the artefact in the message (``cache /data/c``, ``the drafter at RUN``).
+        fix: what to do instead.
 
     Raises:
-        MismatchError: naming ``target.<field>``.
+        MismatchError: ``target.<field> differs: WHERE has RECORDED, got LOADED; FIX``.
     """
-    loaded = identity.to_dict()
+    recorded = recorded_identity(recorded)
+    loaded = identity.to_dict() if hasattr(identity, "to_dict") else recorded_identity(identity)
     for field in IDENTITY_FIELDS:
-        if field in recorded and recorded[field] != loaded[field]:
+        if field in recorded and loaded.get(field) is not None and recorded[field] != loaded[field]:
             raise _mismatch(f"target.{field}", recorded[field], loaded[field], where, fix)
 
 

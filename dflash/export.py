@@ -321,13 +321,11 @@ def load_exported(
 
     config, provenance, state_dict = read_exported(path, verify_hashes=verify_hashes, check_finite=check_finite)
     if expected_target is not None and provenance.get("target"):
-        recorded = provenance["target"].get("content_hash")
-        if recorded is not None and recorded != expected_target.get("content_hash"):
-            raise MismatchError(
-                f"{path}: exported for target {provenance['target'].get('name')!r} ({recorded}), but the expected "
-                f"target is {expected_target.get('name')!r} ({expected_target.get('content_hash')}); use the target "
-                "the drafter was trained on"
-            )
+        from dflash.compat import check_target_identity
+
+        check_target_identity(provenance["target"], expected_target,
+                              where=f"{path} (exported for target {provenance['target'].get('name')!r})",
+                              fix=f"use the target the drafter was trained on, not {expected_target.get('name')!r}")
     try:
         drafter_config = DFlashConfig.from_dict(drafter_config_dict_from_serving(config))
     except (TypeError, ValueError) as error:
@@ -437,12 +435,11 @@ def _check_target(
         return None
     check_against_target(config, AutoConfig.from_pretrained(target_path), where=where)
     if target_info.get("content_hash"):
-        identity = target_identity(target_path)
-        if identity.content_hash != target_info["content_hash"]:
-            raise MismatchError(
-                f"{where}: trained on target {target_info.get('name')!r} ({target_info['content_hash']}), but "
-                f"{spec!s} is {identity.name!r} ({identity.content_hash}); pass --target with the training target"
-            )
+        from dflash.compat import check_target_identity
+
+        check_target_identity(target_info, target_identity(target_path),
+                              where=f"{where}: trained on target {target_info.get('name')!r}",
+                              fix=f"{spec!s} is another target; pass --target with the training target")
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     return tokenizer.convert_ids_to_tokens(int(config["mask_token_id"]))
 

@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dflash.errors import ConfigError, MismatchError
+from dflash.errors import ConfigError
 from dflash.eval_prompts import EvalPrompt, held_out_rows, prompts_from_corpus, prompts_from_file
 from dflash.speculative import (
     AcceptanceStats,
@@ -156,19 +156,17 @@ def attach_checked(drafter: Any, target: Any, target_info: dict[str, Any], where
 
 
 def check_target_identity(target_info: dict[str, Any], target: Any, where: Path) -> None:
-    """Compare the target's content hash with the one recorded with the drafter (when recorded).
+    """The drafter's recorded target against the loaded one (:func:`dflash.compat.check_target_identity`).
 
     Raises:
-        MismatchError: they differ.
+        MismatchError: an identity field differs.
     """
-    nested = target_info.get("identity") or target_info.get("target")
-    recorded_hash = nested.get("content_hash") if isinstance(nested, dict) else target_info.get("content_hash")
-    if recorded_hash and recorded_hash != target.identity.content_hash:
-        raise MismatchError(
-            f"target content_hash: the drafter at {where} was trained on {recorded_hash}, the loaded target "
-            f"{target.identity.name!r} is {target.identity.content_hash}; pass --target "
-            f"{target_info.get('target_spec')!r} (the recorded target)"
-        )
+    from dflash.compat import check_target_identity as check
+    from dflash.compat import recorded_identity
+
+    check(target_info, target.identity,
+          where=f"the drafter at {where} (trained on target {recorded_identity(target_info).get('name')!r})",
+          fix=f"pass --target {target_info.get('target_spec')!r} (the recorded target)")
 
 
 def load_prompts(config: EvaluateConfig, tokenizer: Any) -> list[EvalPrompt]:

@@ -1,4 +1,4 @@
-"""``dflash.files``: the one atomic file replacement (run records, reports, prompt files)."""
+"""The single homes of two cross-cutting concerns: atomic file replacement (``dflash.files``) and the target-identity check (``dflash.compat``)."""
 
 from __future__ import annotations
 
@@ -19,3 +19,21 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     assert path.read_bytes() == b"\x00new" and sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
     with pytest.raises(ValueError, match="mode must be"), atomic_output(path, "a"):
         pass
+
+
+def test_one_target_identity_check_reads_every_recorded_form():
+    """``dflash.compat.check_target_identity``: the check behind cache, checkpoint, export and evaluate, whatever
+    form the artefact recorded its target in."""
+    from dflash.compat import check_target_identity, recorded_identity
+    from dflash.errors import MismatchError
+
+    identity = {"name": "smol", "content_hash": "sha256:aa", "num_hidden_layers": 30, "hidden_size": 576,
+                "vocab_size": 49152, "model_type": "llama"}
+    for record in (identity, {"target_spec": "default", **identity}, {"identity": identity}, {"target": identity}):
+        assert recorded_identity(record) == identity
+        check_target_identity(record, identity, where="w", fix="f")  # the same target: no error
+        renamed = {**identity, "name": "renamed folder"}
+        check_target_identity(record, renamed, where="w", fix="f")  # a name is not an identity
+    with pytest.raises(MismatchError, match=r"^target\.hidden_size differs: the drafter at R has 576, got 960; pass"):
+        check_target_identity({"identity": identity}, {**identity, "hidden_size": 960}, where="the drafter at R",
+                              fix="pass --target default")
