@@ -515,7 +515,7 @@ def _stop_if_interrupted(summary: dict[str, Any]) -> dict[str, Any]:
     saved): no evaluation of a half-trained drafter, and to a scheduler the run is not finished. Rerunning the same
     ``dflash-stages run`` command continues from the checkpoint (finished stages are skipped)."""
     if summary.get("stopped_by_signal"):
-        from stages.cli import ExitCode
+        from stages.exit_status import ExitCode
 
         Console(stderr=True).print(f"[bold yellow]interrupted[/] during training at step {summary.get('step')}; the "
                                    "checkpoint is saved. Rerun the same command to continue.")

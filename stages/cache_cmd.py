@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from stages.cli import ExitCode
+from stages.exit_status import ExitCode
 
 __all__ = ["register", "cache_app", "cache_info"]
 

@@ -291,7 +291,7 @@ def diff_command(
     try:
         comparison = compare(load_side(a), load_side(b))
     except DFlashError as error:
-        from stages.cli import ExitCode, print_error
+        from stages.exit_status import ExitCode, print_error
 
         print_error(error)
         raise typer.Exit(code=ExitCode.USAGE) from None

@@ -91,7 +91,7 @@ def export_command(
         for warning in caught:
             console.print(f"[yellow]warning:[/] {escape(str(warning.message))}")
     except DFlashError as error:  # a wrong path, OUT exists, mismatched target...: the user's to fix (exit 2)
-        from stages.cli import ExitCode, print_error
+        from stages.exit_status import ExitCode, print_error
 
         print_error(error)
         raise typer.Exit(ExitCode.USAGE) from None

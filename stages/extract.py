@@ -582,7 +582,7 @@ def register(app: typer.Typer) -> None:
                 print_and_exit("extract", config)
             run_extract(config, console)
         except DFlashError as error:
-            from stages.cli import ExitCode, print_error
+            from stages.exit_status import ExitCode, print_error
 
             print_error(error)
             raise typer.Exit(ExitCode.USAGE) from None

@@ -628,7 +628,7 @@ def register(app: Any) -> None:
                 print_and_exit("prepare", config)
             path, report = run_prepare(config, console=console)
         except DFlashError as error:
-            from stages.cli import ExitCode, print_error
+            from stages.exit_status import ExitCode, print_error
 
             print_error(error, console)
             raise typer.Exit(ExitCode.USAGE) from None

@@ -285,7 +285,7 @@ def report_command(
     try:
         series = [load_series(run) for run in runs]
     except DFlashError as error:
-        from stages.cli import ExitCode, print_error
+        from stages.exit_status import ExitCode, print_error
 
         print_error(error)
         raise typer.Exit(code=ExitCode.USAGE) from None

@@ -283,7 +283,7 @@ def scan_command(
     try:
         scans = scan_paths(paths, max_abs=max_abs)
     except DFlashError as error:
-        from stages.cli import ExitCode, print_error
+        from stages.exit_status import ExitCode, print_error
 
         print_error(error)
         raise typer.Exit(code=ExitCode.USAGE) from None

@@ -414,7 +414,7 @@ def register(app: typer.Typer) -> None:
         atomic_write_text(Path(output) / "sweep.json", json.dumps({"runs": rows}, indent=2, default=str))
         Console().print(comparison_table(runs))
         if any(r.interrupted for r in runs):
-            from stages.cli import ExitCode
+            from stages.exit_status import ExitCode
 
             raise typer.Exit(code=ExitCode.INTERRUPTED)  # a stopped sweep is not a finished one
         if any(r.error for r in runs):

@@ -551,7 +551,7 @@ def exit_if_interrupted(summary: dict[str, Any], config: TrainConfig, command: s
     Raises:
         typer.Exit: code 130 when ``summary["stopped_by_signal"]``; returns otherwise.
     """
-    from stages.cli import ExitCode
+    from stages.exit_status import ExitCode
 
     if not summary.get("stopped_by_signal"):
         return

@@ -270,7 +270,7 @@ def test_help_renders_flags_without_a_type_placeholder():
         assert " ".join(help_line.strip("│ ").split()) == "--help Show this message and exit."
     verbose = next(line for line in runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).output.splitlines()
                    if "--verbose" in line)
-    assert " ".join(verbose.strip("│ ").split()) == "--verbose -v Log debug messages."
+    assert " ".join(verbose.strip("│ ").split()) == "--verbose -v Log debug messages (anywhere on the line)."
     extract = runner.invoke(app, ["extract", "--help"], env={"COLUMNS": "200"}).output
     assert any("--workers" in line and "<int>" in line for line in extract.splitlines())
 

@@ -183,7 +183,7 @@ def test_interrupted_training_ends_the_pipeline_with_130():
     import typer
 
     from pipelines.offline import _stop_if_interrupted
-    from stages.cli import ExitCode
+    from stages.exit_status import ExitCode
 
     finished = {"stopped_by_signal": False, "step": 10}
     assert _stop_if_interrupted(finished) is finished
