@@ -29,7 +29,7 @@ import math
 import os
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -568,68 +568,80 @@ def exit_if_interrupted(summary: dict[str, Any], config: TrainConfig, command: s
     raise typer.Exit(ExitCode.INTERRUPTED)
 
 
+def _shown(name: str) -> str:
+    """``--help``'s ``[default: ...]`` of a train option: its :class:`TrainConfig` field's default (options default
+    to ``None`` so that a saved run, preset or file fills what the command line leaves out)."""
+    value = next(f for f in fields(TrainConfig) if f.name == name)
+    default = value.default if value.default_factory is MISSING else value.default_factory()  # type: ignore[misc]
+    if isinstance(default, bool):
+        return str(default).lower()
+    if isinstance(default, (list, tuple)):
+        return ",".join(str(item) for item in default)
+    return str(default)
+
+
 def register(app: typer.Typer) -> None:
     """Add the ``train`` command to the ``dflash-stages`` app."""
     @app.command("train")
     def train_command(
         cache: str = typer.Option(None, "--cache", help="Hidden-state cache (folder or fsspec URL). Required for a new run (here or in --config/--preset/--set)."),
         output: str = typer.Option(None, "--output", "-o", help="Run folder. Required (here or in --config/--preset/--set)."),
-        resume: bool = typer.Option(None, "--resume/--no-resume", help="Continue RUN from its latest checkpoint."),
+        resume: bool = typer.Option(None, "--resume/--no-resume", show_default=_shown("resume"), help="Continue RUN from its latest checkpoint."),
         config_file: Path = typer.Option(None, "--config", help="TrainConfig fields in a .toml, .yaml or .json file (its train section, or at the top; a run.json too) to start from; options given override it."),
         preset: str = typer.Option(None, "--preset", help="A shipped preset (pipelines/presets) or a .json file: its train section, under --config."),
         sets: list[str] = typer.Option([], "--set", help="train.FIELD=VALUE or FIELD=VALUE (JSON value, else a string), over everything else. Repeatable."),
         target: str = typer.Option(None, "--target", help="Target spec; default: the cache's."),
         drafter_gpus: str = typer.Option(None, "--drafter-gpus", help="GPU ids, e.g. 5,6,7 (DDP when several)."),
-        cpu_processes: int = typer.Option(None, "--cpu-processes", help="DDP processes on CPU (gloo)."),
-        device: str = typer.Option(None, "--device", help="auto | cpu | cuda."),
-        num_draft_layers: int = typer.Option(None, "--num-draft-layers", help="Draft decoder layers (5)."),
-        block_size: int = typer.Option(None, "--block-size", help="Block size B (16)."),
+        cpu_processes: int = typer.Option(None, "--cpu-processes", show_default=_shown("cpu_processes"), help="DDP processes on CPU (gloo)."),
+        device: str = typer.Option(None, "--device", show_default=_shown("device"), help="auto | cpu | cuda."),
+        num_draft_layers: int = typer.Option(None, "--num-draft-layers", show_default=_shown("num_draft_layers"), help="Draft decoder layers."),
+        block_size: int = typer.Option(None, "--block-size", show_default=_shown("block_size"), help="Block size B."),
         mask_token_id: int = typer.Option(None, "--mask-token-id", help="Mask token row (default: chosen)."),
         target_layer_ids: str = typer.Option(None, "--target-layer-ids", help="Tapped ids; must equal the cache's."),
         gamma: float = typer.Option(None, "--gamma", help="Loss decay (default by block size)."),
-        max_anchors: int = typer.Option(None, "--max-anchors-per-document", help="Anchors per document (512)."),
-        token_budget: int = typer.Option(None, "--token-budget", help="Real tokens per micro-batch per rank (16384)."),
-        num_buckets: int = typer.Option(None, "--num-buckets", help="Length buckets from quantiles (4)."),
+        max_anchors: int = typer.Option(None, "--max-anchors-per-document", show_default=_shown("max_anchors_per_document"), help=f"Anchors per document (on a CPU host, when nothing sets it: {CPU_SIZED_DEFAULTS['max_anchors_per_document']})."),
+        token_budget: int = typer.Option(None, "--token-budget", show_default=_shown("token_budget"), help=f"Real tokens per micro-batch per rank (on a CPU host, when nothing sets it: {CPU_SIZED_DEFAULTS['token_budget']})."),
+        num_buckets: int = typer.Option(None, "--num-buckets", show_default=_shown("num_buckets"), help="Length buckets from quantiles."),
         bucket_boundaries: str = typer.Option(None, "--bucket-boundaries", help="Bucket edges, e.g. 256,1024."),
-        validation_fraction: float = typer.Option(None, "--validation-fraction", help="Held-out rows (0.01)."),
-        epochs: float = typer.Option(None, "--epochs", help="Epochs (6)."),
+        validation_fraction: float = typer.Option(None, "--validation-fraction", show_default=_shown("validation_fraction"), help="Held-out rows."),
+        epochs: float = typer.Option(None, "--epochs", show_default=_shown("epochs"), help="Epochs."),
         max_steps: int = typer.Option(None, "--max-steps", help="Optimizer steps (overrides --epochs)."),
         stop_at_step: int = typer.Option(None, "--stop-at-step", help="Stop early with a checkpoint."),
-        grad_accum_steps: int = typer.Option(None, "--grad-accum-steps", help="Micro-batches per step."),
-        lr: float = typer.Option(None, "--lr", help="Peak learning rate (6e-4)."),
-        betas: str = typer.Option(None, "--betas", help="AdamW betas, e.g. 0.9,0.999."),
-        weight_decay: float = typer.Option(None, "--weight-decay", help="AdamW weight decay (0)."),
-        warmup_ratio: float = typer.Option(None, "--warmup-ratio", help="Warmup share (0.04)."),
-        grad_clip: float = typer.Option(None, "--grad-clip", help="Clip norm (1.0; 0 = off)."),
-        seed: int = typer.Option(None, "--seed", help="Seed (0)."),
-        mixed_precision: str = typer.Option(None, "--mixed-precision", help="bf16 | none (GPU only)."),
+        grad_accum_steps: int = typer.Option(None, "--grad-accum-steps", show_default=_shown("grad_accum_steps"), help="Micro-batches per step."),
+        lr: float = typer.Option(None, "--lr", show_default=_shown("lr"), help="Peak learning rate."),
+        betas: str = typer.Option(None, "--betas", show_default=_shown("betas"), help="AdamW betas, e.g. 0.9,0.999."),
+        weight_decay: float = typer.Option(None, "--weight-decay", show_default=_shown("weight_decay"), help="AdamW weight decay."),
+        warmup_ratio: float = typer.Option(None, "--warmup-ratio", show_default=_shown("warmup_ratio"), help="Warmup share."),
+        grad_clip: float = typer.Option(None, "--grad-clip", show_default=_shown("grad_clip"), help="Clip norm (0 = off)."),
+        seed: int = typer.Option(None, "--seed", show_default=_shown("seed"), help="Seed."),
+        mixed_precision: str = typer.Option(None, "--mixed-precision", show_default=_shown("mixed_precision"), help="bf16 | none (GPU only)."),
         residual_dtype: str = typer.Option(
-            None, "--residual-dtype", help="Residual stream dtype: compute (bf16 under autocast) | float32."),
-        compile_layers: bool = typer.Option(None, "--compile/--no-compile", help="Fixed shapes + torch.compile."),
+            None, "--residual-dtype", show_default=_shown("residual_dtype"), help="Residual stream dtype: compute (bf16 under autocast) | float32."),
+        compile_layers: bool = typer.Option(None, "--compile/--no-compile", show_default=_shown("compile"), help="Fixed shapes + torch.compile."),
         attention_backend: str = typer.Option(
             None, "--attention-backend",
             help="Attention kernels (GPU only): auto (flash-attn-4's where installed and usable, else Triton) | "
                  "flash | triton. Same as DFLASH_ATTENTION_BACKEND; not part of the run's config.",
         ),
         anchor_slots: int = typer.Option(None, "--anchor-slots", help="Anchors per micro-batch with --compile."),
-        max_documents: int = typer.Option(None, "--max-documents-per-batch", help="Documents per micro-batch cap."),
+        max_documents: int = typer.Option(None, "--max-documents-per-batch", show_default=_shown("max_documents_per_batch"), help="Documents per micro-batch cap."),
         min_supervised_tokens: int = typer.Option(
             None, "--min-supervised-tokens",
             help="Exclude (and count) samples with fewer supervised tokens (default 2 x block size; 0 keeps all).",
         ),
-        save_every: int = typer.Option(None, "--save-every", help="Checkpoint every N steps (500)."),
-        keep_last: int = typer.Option(None, "--keep-last", help="Checkpoints to keep (3) plus the best."),
+        save_every: int = typer.Option(None, "--save-every", show_default=_shown("save_every"), help="Checkpoint every N steps."),
+        keep_last: int = typer.Option(None, "--keep-last", show_default=_shown("keep_last"), help="Checkpoints to keep, plus the best."),
         eval_every: int = typer.Option(None, "--eval-every", help="Validate every N steps."),
-        log_every: int = typer.Option(None, "--log-every", help="Log every N steps (10)."),
-        allow_config_change: bool = typer.Option(None, "--allow-config-change", help="Resume despite changes."),
+        log_every: int = typer.Option(None, "--log-every", show_default=_shown("log_every"), help="Log every N steps."),
+        allow_config_change: bool = typer.Option(None, "--allow-config-change", show_default=_shown("allow_config_change"), help="Resume despite changes."),
         break_lock: bool = typer.Option(
-            None, "--break-lock", help="Take over RUN's lock left by a run on another host known dead (docs/training.md)."),
+            None, "--break-lock", show_default=_shown("break_lock"), help="Take over RUN's lock left by a run on another host known dead (docs/training.md)."),
         allow_incomplete: bool = typer.Option(
             None, "--allow-incomplete",
-            help="Train on the committed shards of an unfinished cache (refused otherwise; the run says how many "
+            show_default=_shown("allow_incomplete"), help="Train on the committed shards of an unfinished cache (refused otherwise; the run says how many "
                  "samples of how many it trains on).",
         ),
-        progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the progress bar."),
+        progress: bool = typer.Option(None, "--progress/--no-progress", show_default=_shown("progress"), help="Show the progress bar."),
         print_config: bool = typer.Option(
             False, "--print-config",
             help="Print the resolved config (defaults < saved run with --resume < --preset < --config file < options "
@@ -637,7 +649,7 @@ def register(app: typer.Typer) -> None:
         ),
         report_to: str = typer.Option(
             None, "--report-to",
-            help="Trackers the metrics also go to, comma-separated: tensorboard (default), wandb, mlflow, trackio "
+            show_default=_shown("report_to"), help="Trackers the metrics also go to, comma-separated: tensorboard, wandb, mlflow, trackio "
                  "(offline; an absent package is skipped with a warning), or none.",
         ),
     ) -> None:

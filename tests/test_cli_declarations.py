@@ -1,0 +1,81 @@
+"""Each setting is declared once, in its stage's config dataclass; the CLI options cannot drift from it (issue 15,
+item 1): an option named after a field defaults to the field's default (train's options default to ``None`` so a
+saved run can fill them, and show the field's default in ``--help``), and ``--print-config`` reaches every field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import typer
+
+from stages.cli import _register_all, app
+from stages.sweep import parse_grid
+
+#: command -> (module, config dataclass).
+CONFIGS = {
+    "prepare": ("stages.prepare", "PrepareConfig"),
+    "generate": ("stages.generate", "GenerateConfig"),
+    "extract": ("stages.extract", "ExtractConfig"),
+    "evaluate": ("stages.evaluate", "EvaluateConfig"),
+    "export": ("stages.export", "ExportConfig"),
+    "sweep": ("stages.sweep", "SweepConfig"),
+    "train": ("stages.train", "TrainConfig"),
+}
+#: Options whose text form the command parses into the field's type.
+PARSED = {("generate", "template_kwargs"): json.loads, ("sweep", "grid"): parse_grid}
+#: train option parameter -> TrainConfig field, where the names differ.
+TRAIN_NAMES = {"max_anchors": "max_anchors_per_document", "max_documents": "max_documents_per_batch",
+               "compile_layers": "compile"}
+
+
+def _field_default(field: dataclasses.Field):
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
+
+
+@pytest.mark.parametrize("command", sorted(CONFIGS))
+def test_options_default_to_their_fields_defaults(command):
+    import importlib
+
+    from stages.train import _shown
+
+    _register_all()
+    module, name = CONFIGS[command]
+    fields = {f.name: f for f in dataclasses.fields(getattr(importlib.import_module(module), name)) if f.init}
+    params = typer.main.get_command(app).commands[command].params
+    checked = 0
+    for param in params:
+        field_name = TRAIN_NAMES.get(param.name, param.name) if command == "train" else param.name
+        if field_name not in fields:
+            continue
+        default = _field_default(fields[field_name])
+        if command == "train":  # None on the command line; the field's default shown in --help
+            assert param.default is None, param.name
+            if default is not None:
+                assert param.show_default == _shown(field_name), param.name
+        else:
+            value = PARSED.get((command, field_name), lambda v: v)(param.default)
+            empty = (None, (), [], {})  # "nothing given" spelled by click or by the field
+            assert value == default or (value in empty and default in empty), (command, param.name, value, default)
+        checked += 1
+    assert checked >= min(5, len(fields))
+
+
+@pytest.mark.parametrize("command", ["prepare", "generate", "extract", "evaluate", "export"])
+def test_print_config_reaches_every_field(command, tmp_path, monkeypatch, capsys):
+    import importlib
+
+    from tests.cli_helpers import main_in_process_out
+    from tests.test_stage_config import STAGES
+
+    module, name = CONFIGS[command]
+    fields = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name)) if f.init}
+    args = [a.format(tmp=tmp_path) for a in STAGES[command]]
+    code, out, err = main_in_process_out(monkeypatch, capsys, command, *args, "--print-config")
+    assert code == 0, err
+    assert set(json.loads(out)[command]) == fields
