@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflash.errors import CheckpointError, MismatchError
+from dflash.errors import CheckpointError, CheckpointNotFoundError, MismatchError
 from dflash.faults import fault_point
 from dflash.files import atomic_write_text  # re-exported: callers import it from here too
 from dflash.state_files import load_legacy_torch_file, load_state_tree, save_state_tree
@@ -508,7 +508,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     elif (path / "run.json").is_file() and not (path / "model.safetensors").is_file():
         raise CheckpointError(f"run folder {path} has no checkpoint yet (no 'latest' file); train it first")
     if not path.is_dir():
-        raise CheckpointError(f"{path} is not a folder; pass a run folder, a checkpoint folder or an export folder")
+        error = CheckpointNotFoundError if not path.exists() else CheckpointError
+        raise error(f"{path} is not a folder; pass a run folder, a checkpoint folder or an export folder")
     missing = [name for name in _REQUIRED_FILES if not (path / name).is_file()]
     if missing:
         raise CheckpointError(

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, ConfigPathNotFoundError
 
 __all__ = ["check_fields", "matches_type", "override_value", "read_config_file"]
 
@@ -150,7 +150,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if file.is_dir():
         raise ConfigError(f"--config {file}: is a folder; give a .toml, .yaml or .json config file")
     if not file.is_file():
-        raise ConfigError(f"--config {file}: no such file; give a .toml, .yaml or .json config file")
+        raise ConfigPathNotFoundError(f"--config {file}: no such file; give a .toml, .yaml or .json config file")
     suffix = file.suffix.lower()
     try:
         text = file.read_text()

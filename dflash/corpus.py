@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash.errors import CorpusError
+from dflash.errors import CorpusError, CorpusNotFoundError
 
 __all__ = [
     "FORMAT_VERSION",
@@ -186,7 +186,7 @@ def _data_files(path: Path, *, allow_unfinished: bool = False) -> list[Path]:
             f"{METADATA_FILE} yet); rerun the same `dflash-stages generate` command to finish it"
         )
     if not path.is_dir():
-        raise CorpusError(f"corpus {path} does not exist; pass a corpus folder or an .arrow/.parquet file")
+        raise CorpusNotFoundError(f"corpus {path} does not exist; pass a corpus folder or an .arrow/.parquet file")
     if (path / "dataset_dict.json").is_file():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
         raise CorpusError(
@@ -397,7 +397,7 @@ def open_corpus(path: str | os.PathLike[str], *, labels_as_mask: bool = False, a
     first_schema_metadata: dict[bytes, bytes] = {}
     for file in files:
         if not file.is_file():
-            raise CorpusError(f"corpus data file {file} is missing; {_FIX_PREPARE}")
+            raise CorpusNotFoundError(f"corpus data file {file} is missing; {_FIX_PREPARE}")
         table = _read_table(file, labels_as_mask=labels_as_mask)
         if not chunks:
             first_schema_metadata = table.schema.metadata or {}

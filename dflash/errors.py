@@ -21,6 +21,11 @@ __all__ = [
     "GenerationError",
     "LockError",
     "ProducerError",
+    "ConfigPathNotFoundError",
+    "CorpusNotFoundError",
+    "CacheNotFoundError",
+    "CheckpointNotFoundError",
+    "TargetNotFoundError",
 ]
 
 
@@ -80,3 +85,28 @@ class LockError(DFlashError, RuntimeError):
 class ProducerError(DFlashError, RuntimeError):
     """An online run lost a producer (a target replica's process died) and stopped, by its policy
     (``on_producer_death``). The message names the batch and says how to continue (``--resume``)."""
+
+
+# "Does not exist" errors: each is its family's error AND a ``FileNotFoundError`` (an ``OSError``), so a caller can
+# catch either. The CLI maps every DFlashError to exit 2 before it looks at OSErrors.
+
+
+class ConfigPathNotFoundError(ConfigError, FileNotFoundError):
+    """A file or folder a setting names does not exist (``--config`` file, preset file, prompts file, TLS file,
+    the run folder of ``--resume``). The message names the setting and the path."""
+
+
+class CorpusNotFoundError(CorpusError, FileNotFoundError):
+    """The corpus (or a data file it lists, or a ``prepare`` input) does not exist. The message names the path."""
+
+
+class CacheNotFoundError(CacheError, FileNotFoundError):
+    """No hidden-state cache at the given path. The message says what is there instead."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The run, checkpoint or export folder does not exist. The message names the path."""
+
+
+class TargetNotFoundError(TargetError, FileNotFoundError):
+    """The target path does not exist (model hubs are never contacted). The message names the spec."""

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash.errors import ConfigError, MismatchError
+from dflash.errors import ConfigError, ConfigPathNotFoundError, MismatchError
 
 __all__ = ["EvalPrompt", "held_out_rows", "prompts_from_corpus", "prompts_from_file"]
 
@@ -134,7 +134,7 @@ def prompts_from_file(
     """
     path = Path(path).expanduser()
     if not path.is_file():
-        raise ConfigError(f"prompts: {path} does not exist; pass held-out, a .jsonl or a .txt file")
+        raise ConfigPathNotFoundError(f"prompts: {path} does not exist; pass held-out, a .jsonl or a .txt file")
     if path.suffix not in (".jsonl", ".txt"):
         raise ConfigError(f"prompts: {path} must end in .jsonl (chat rows) or .txt (one prompt per line)")
     use_template = chat_template and getattr(tokenizer, "chat_template", None) is not None

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash.errors import TargetError
+from dflash.errors import TargetError, TargetNotFoundError
 
 if TYPE_CHECKING:
     import torch
@@ -172,7 +172,7 @@ def resolve_target_path(target: str | os.PathLike[str] | None) -> Path:
             f"target folder {path} has no config.json"
             + (f" and {len(ggufs)} .gguf files; pass one of them" if ggufs else "; pass a transformers folder or a .gguf file")
         )
-    raise TargetError(
+    raise (TargetError if path.exists() else TargetNotFoundError)(
         f"target {str(target)!r} is neither a transformers folder nor a .gguf file (model hubs are never contacted); "
         "pass a local path, or 'default' for the embedded SmolLM2-135M-Instruct"
     )

@@ -49,7 +49,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash.config_check import override_value
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, ConfigPathNotFoundError
 
 if TYPE_CHECKING:
     from stages.evaluate import Evaluator
@@ -77,7 +77,7 @@ def read_preset_json(name_or_path: str, names: tuple[str, ...]) -> Any:
     """
     path = Path(name_or_path)
     if path.suffix == ".json" and not path.is_file():
-        raise ConfigError(f"preset {name_or_path}: no such file")
+        raise ConfigPathNotFoundError(f"preset {name_or_path}: no such file")
     if path.suffix == ".json":
         try:
             text = path.read_text()

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, ConfigPathNotFoundError
 
 __all__ = ["PlacementSettings", "validate_placement", "start_cluster", "security_of", "dashboard_address_of"]
 
@@ -55,7 +55,7 @@ def validate_placement(config: PlacementSettings) -> None:
         raise ConfigError(f"{given[0]}: TLS options apply to --scheduler-address only (a local cluster listens on 127.0.0.1)")
     for name in given:
         if not Path(tls[name]).is_file():
-            raise ConfigError(f"{name}: {tls[name]} is not a file")
+            raise ConfigPathNotFoundError(f"{name}: {tls[name]} is not a file")
 
 
 def start_cluster(config: PlacementSettings, *, daemonic_workers: bool = True) -> tuple[Any, Any, dict[str, Any]]:

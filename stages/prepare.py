@@ -50,7 +50,7 @@ from dflash.default_corpus import (
     default_corpus_description,
     default_corpus_files,
 )
-from dflash.errors import ConfigError, CorpusError, DFlashError
+from dflash.errors import ConfigError, CorpusError, CorpusNotFoundError, DFlashError
 
 __all__ = ["PrepareConfig", "PrepareReport", "run_prepare", "register"]
 
@@ -386,7 +386,7 @@ def collect_documents(config: PrepareConfig) -> list[_Document]:
                 _refuse_artifact(str(match), match)
                 documents += _file_documents(match)
         else:
-            raise CorpusError(f"input {spec!r} does not exist; pass files, folders, globs or 'default'")
+            raise CorpusNotFoundError(f"input {spec!r} does not exist; pass files, folders, globs or 'default'")
     return documents
 
 

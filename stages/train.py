@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import typer
 
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, ConfigPathNotFoundError
 from dflash.optim import DEFAULT_BETAS, OptimConfig
 
 __all__ = ["TrainConfig", "RUNTIME_FIELDS", "trajectory_changes", "run_training", "exit_if_interrupted", "register"]
@@ -483,7 +483,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
     run_json = Path(output) / "run.json" if output else None
     if overrides.get("resume") and run_json is not None and not run_json.is_file() and not overrides.get("cache") \
             and not base.get("cache"):
-        raise ConfigError(
+        raise ConfigPathNotFoundError(
             f"--resume: {output} holds no run (no run.json); point --output at an existing run, or start a new run "
             "with --cache"
         )

@@ -37,3 +37,28 @@ def test_one_target_identity_check_reads_every_recorded_form():
     with pytest.raises(MismatchError, match=r"^target\.hidden_size differs: the drafter at R has 576, got 960; pass"):
         check_target_identity({"identity": identity}, {**identity, "hidden_size": 960}, where="the drafter at R",
                               fix="pass --target default")
+
+
+def test_a_path_that_does_not_exist_is_the_familys_error_and_a_file_not_found_error(tmp_path):
+    """dflash/errors.py: every error for a user's input also inherits the matching builtin; a missing path is a
+    ``FileNotFoundError`` as well as its family's error, at each place that looks one up."""
+    from dflash.cache import HiddenStateCache
+    from dflash.checkpoint import resolve_checkpoint
+    from dflash.config_check import read_config_file
+    from dflash.corpus import open_corpus
+    from dflash.errors import CacheError, CheckpointError, ConfigError, CorpusError, TargetError
+    from dflash.target import resolve_target_path
+
+    missing = tmp_path / "nothing-here"
+    for call, family in [(lambda: read_config_file(missing), ConfigError), (lambda: open_corpus(missing), CorpusError),
+                         (lambda: HiddenStateCache.open(missing), CacheError),
+                         (lambda: resolve_checkpoint(missing), CheckpointError),
+                         (lambda: resolve_target_path(missing), TargetError)]:
+        with pytest.raises(family) as caught:
+            call()
+        assert isinstance(caught.value, FileNotFoundError), (family, caught.value)
+        assert str(missing) in str(caught.value)
+    (tmp_path / "a-file").write_text("x")  # there, but not a folder: the family's error only
+    with pytest.raises(CheckpointError, match="is not a folder") as caught:
+        resolve_checkpoint(tmp_path / "a-file")
+    assert not isinstance(caught.value, FileNotFoundError)

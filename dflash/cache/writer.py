@@ -41,7 +41,7 @@ from dflash.cache.format import (
     zarr_compressors,
 )
 from dflash.cache.store import CacheStore
-from dflash.errors import CacheError
+from dflash.errors import CacheError, CacheNotFoundError
 from dflash.faults import fault_point
 
 __all__ = [
@@ -410,7 +410,7 @@ def _open_store(path: str | os.PathLike[str], mode: str) -> CacheStore:
     try:
         return CacheStore(path, mode)
     except FileNotFoundError as error:
-        raise CacheError(
+        raise CacheNotFoundError(
             f"no cache at {os.fspath(path)}: {_what_is_there(os.fspath(path))}; run `dflash-stages extract` first"
         ) from error
     except Exception as error:  # zarr raises several types for "not a group"

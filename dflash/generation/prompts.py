@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash.errors import ConfigError, CorpusError
+from dflash.errors import ConfigError, ConfigPathNotFoundError, CorpusError
 
 __all__ = [
     "TurnMode",
@@ -188,7 +188,7 @@ def read_prompt_file(path: str | Path, *, chat_template: bool = True, turns: Tur
         raise ConfigError(f"prompts: {path} is a folder; pass a file: .jsonl/.json/.parquet (chats or prompts) or "
                           ".txt (one prompt per line), or `default`")
     if not path.is_file():
-        raise ConfigError(f"prompts: {path} does not exist; pass a .jsonl/.json/.parquet chat or prompts file, "
+        raise ConfigPathNotFoundError(f"prompts: {path} does not exist; pass a .jsonl/.json/.parquet chat or prompts file, "
                           "a .txt file (one prompt per line) or `default`")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".txt"):
