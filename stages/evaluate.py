@@ -62,7 +62,7 @@ class EvaluateConfig:
         drafter: a run folder (its ``latest`` checkpoint), a checkpoint folder or an exported serving folder.
         target: target spec; ``None`` = the spec recorded with the drafter (else the embedded default).
         prompts: ``"held-out"`` (rows of ``corpus`` outside ``cache``'s shards), or a ``.jsonl`` / ``.txt`` file.
-        corpus / cache: for ``held-out`` prompts.
+        corpus, cache: for ``held-out`` prompts.
         num_prompts: prompts evaluated.
         prompt_tokens: prompt window taken from a plain (all-supervised) corpus row.
         max_new_tokens: tokens generated per prompt.

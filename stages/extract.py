@@ -95,6 +95,7 @@ class ExtractConfig:
             LocalCluster workers are then started non-daemonic; an external cluster (``--scheduler-address``) needs
             ``distributed.worker.daemon: false`` in its config (else its workers fall back to threads, or fail
             for an explicit N > 0).
+        extra: free-form entries recorded in the cache metadata (provenance a caller adds; not used by extract).
     """
 
     corpus: str

@@ -79,3 +79,20 @@ def test_print_config_reaches_every_field(command, tmp_path, monkeypatch, capsys
     code, out, err = main_in_process_out(monkeypatch, capsys, command, *args, "--print-config")
     assert code == 0, err
     assert set(json.loads(out)[command]) == fields
+
+
+def test_the_configuration_reference_is_generated_from_the_declarations():
+    """docs/config-reference.md lists every field of every stage with its type, default and description, exactly as
+    ``python -m stages.config_reference`` writes it from the config dataclasses."""
+    from pathlib import Path
+
+    from stages.config_reference import STAGE_CONFIGS, field_descriptions, reference_markdown
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "config-reference.md"
+    assert page.read_text() == reference_markdown(), "regenerate: python -m stages.config_reference > docs/config-reference.md"
+    import importlib
+
+    for section, (module, name) in STAGE_CONFIGS.items():  # every field is described in its declaration
+        cls = getattr(importlib.import_module(module), name)
+        undescribed = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in field_descriptions(cls)]
+        assert not undescribed, (section, undescribed)

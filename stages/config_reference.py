@@ -1,0 +1,122 @@
+"""Write ``docs/config-reference.md``: every setting of every stage, from its one declaration.
+
+Each stage's settings are the fields of its config dataclass; this reads them (name, type, default) with
+``dataclasses`` and their descriptions from the class source (attribute docstrings, ``#:`` comments or a
+``Fields:`` section of the class docstring), so the reference cannot drift from the code:
+``tests/test_cli_declarations.py`` regenerates it and compares. Run::
+
+    python -m stages.config_reference > docs/config-reference.md
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+import re
+import textwrap
+import typing
+from typing import Any
+
+__all__ = ["STAGE_CONFIGS", "field_descriptions", "reference_markdown"]
+
+#: Section (the ``--config`` section and ``--set`` prefix) -> (module, config dataclass), in pipeline order.
+STAGE_CONFIGS = {
+    "prepare": ("stages.prepare", "PrepareConfig"),
+    "generate": ("stages.generate", "GenerateConfig"),
+    "generate.default_prompts": ("dflash.generation.default_prompts", "DefaultPromptConfig"),
+    "extract": ("stages.extract", "ExtractConfig"),
+    "train": ("stages.train", "TrainConfig"),
+    "online": ("pipelines.online", "OnlineConfig"),
+    "evaluate": ("stages.evaluate", "EvaluateConfig"),
+    "export": ("stages.export", "ExportConfig"),
+    "sweep": ("stages.sweep", "SweepConfig"),
+}
+
+
+def field_descriptions(cls: type) -> dict[str, str]:
+    """Field -> its description in the class source: the string literal after the field (attribute docstring), the
+    ``#:`` comment lines above it, or its entry in a ``Fields:`` / ``Attributes:`` section of the class docstring
+    (an entry may name several fields: ``temperature, top_p: ...``)."""
+    described: dict[str, str] = {}
+    doc = inspect.getdoc(cls) or ""
+    header = next((h for h in ("Fields:", "Attributes:") if h in doc), None)
+    if header is not None:
+        body = textwrap.dedent(doc.split(header, 1)[1].strip("\n"))
+        entries = re.split(r"\n(?=[A-Za-z_][\w, ]*:)", body)
+        for entry in entries:
+            match = re.match(r"\s*([A-Za-z_][\w, ]*):\s*(.*)", entry, re.S)
+            if match:
+                text = " ".join(match.group(2).split())
+                for name in match.group(1).split(","):
+                    described.setdefault(name.strip(), text)
+    source = textwrap.dedent(inspect.getsource(cls))
+    lines = source.splitlines()
+    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    for index, node in enumerate(body):
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        name = node.target.id
+        following = body[index + 1] if index + 1 < len(body) else None
+        if isinstance(following, ast.Expr) and isinstance(getattr(following, "value", None), ast.Constant) \
+                and isinstance(following.value.value, str):
+            described[name] = " ".join(following.value.value.split())
+            continue
+        comments, row = [], node.lineno - 2
+        while row >= 0 and lines[row].strip().startswith("#:"):
+            comments.insert(0, lines[row].strip()[2:].strip())
+            row -= 1
+        if comments:
+            described[name] = " ".join(comments)
+    return described
+
+
+def _type_name(annotation: Any) -> str:
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None) or str(annotation)
+    return str(text).replace("typing.", "").replace("pathlib.", "")
+
+
+def _default(field: dataclasses.Field) -> str:
+    if field.default is not dataclasses.MISSING:
+        value = field.default
+    elif field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = field.default_factory()  # type: ignore[misc]
+    else:
+        return "required"
+    if dataclasses.is_dataclass(value):
+        return f"see `{type(value).__name__}`"
+    return f"`{value!r}`"
+
+
+def reference_markdown() -> str:
+    """The whole reference page (Markdown)."""
+    out = [
+        "# Configuration reference",
+        "",
+        "Every setting of every stage, generated from the config dataclasses (`python -m stages.config_reference >",
+        "docs/config-reference.md`; a test fails when this page and the code disagree). A field `F` of section `S`",
+        "is `S.F` everywhere: `--set S.F=VALUE`, key `F` under `[S]` in a `--config` file or a preset, and (for most",
+        "fields) the option `--f-name` of the stage's command. Precedence, lowest first: the default below <",
+        "`--preset` < `--config` < options given < `--set` (README, \"Config files, presets and overrides\").",
+        "",
+    ]
+    for section, (module, name) in STAGE_CONFIGS.items():
+        cls = getattr(importlib.import_module(module), name)
+        hints = typing.get_type_hints(cls)
+        described = field_descriptions(cls)
+        out += [f"## `{section}`", "", f"Declared in `{module.replace('.', '/')}.py`: `{name}`.", "",
+                "| field | type | default | description |", "|---|---|---|---|"]
+        for field in dataclasses.fields(cls):
+            if not field.init:
+                continue
+            text = described.get(field.name, "").replace("|", "\\|")
+            kind = _type_name(hints.get(field.name, field.type)).replace("|", "\\|")
+            default = _default(field).replace("|", "\\|")
+            out.append(f"| `{field.name}` | `{kind}` | {default} | {text} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")
