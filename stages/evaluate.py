@@ -570,7 +570,8 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
         dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16."),
         cpu_threads: int | None = typer.Option(None, "--cpu-threads", help="Torch threads while decoding on CPU (default: torch's)."),
-        json_out: Path | None = typer.Option(None, "--json", help="Write the full report as JSON here."),
+        json_out: Path | None = typer.Option(None, "--json-file", help="Also write the full report as JSON to this file."),
+        as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON on stdout instead of the table (progress and messages go to stderr), as `cache info --json` and `inspect --json` do."),
         config_file: str | None = CONFIG_OPTION,
         preset: str | None = PRESET_OPTION,
         overrides: list[str] = SET_OPTION,
@@ -595,12 +596,17 @@ def register(app: typer.Typer) -> None:
         )  # fmt: skip
         config = resolve_stage_config(EvaluateConfig, "evaluate", *split_given(ctx, values, {"json_path": "json_out"}),
                                       config_file=config_file, preset=preset, overrides=overrides,
-                                      required=("drafter",), option_names={"json_path": "--json"})  # fmt: skip
+                                      required=("drafter",), option_names={"json_path": "--json-file"})  # fmt: skip
         if print_config:
             print_and_exit("evaluate", config)
         json_out = config.json_path
+        if as_json:  # stdout holds the JSON only
+            console = Console(stderr=True)
         report = run_evaluate(config, console=console)
-        print_report(report, console)
+        if as_json:
+            print(json.dumps(report, indent=2, default=str))
+        else:
+            print_report(report, console)
         if json_out is not None:
             console.print(f"report written to {json_out}")
         console.print(f"tau = {report['tau']:.3f}")

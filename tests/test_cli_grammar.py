@@ -37,3 +37,20 @@ def test_version_and_bash_completion_of_commands_and_options(monkeypatch, capsys
     done = subprocess.run([sys.executable, "-c", "import sys; sys.argv[0] = 'dflash-stages'; "
                            "from stages.cli import main; main()"], env=env, capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["--packing", "--packed-attention"], done.stderr
+
+
+def test_json_is_a_flag_printing_json_on_stdout_in_every_command_that_has_it(tmp_path, monkeypatch, capsys):
+    """``--json`` means the same everywhere (cache info, inspect, diff, scan, evaluate): the command's report as JSON
+    on stdout and nothing else there; evaluate writes a report file with ``--json-file``."""
+    import stages.evaluate as evaluate
+
+    report = {"tau": 2.5, "lossless": {"checked": True, "passed": True}, "lossless_vs_generate": {"checked": False}}
+    monkeypatch.setattr(evaluate, "run_evaluate", lambda config, console: report)
+    code, out, err = main_in_process_out(monkeypatch, capsys, "evaluate", "--drafter", str(tmp_path / "d"),
+                                         "--prompts", "p.jsonl", "--json")
+    assert code == 0, err
+    assert json.loads(out) == report and "tau = 2.500" in err
+    code, out, err = main_in_process_out(monkeypatch, capsys, "evaluate", "--drafter", str(tmp_path / "d"),
+                                         "--prompts", "p.jsonl", "--json-file", str(tmp_path / "r.json"),
+                                         "--print-config")
+    assert code == 0 and json.loads(out)["evaluate"]["json_path"] == str(tmp_path / "r.json")

@@ -54,7 +54,7 @@ def test_evaluate_cli_writes_report_with_every_field(export_folder, tmp_path):
     out = tmp_path / "report.json"
     result = CliRunner().invoke(app, [
         "evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--max-new-tokens", "6",
-        "--ignore-eos", "--compare-untrained", "--device", "cpu", "--cpu-threads", "1", "--json", str(out),
+        "--ignore-eos", "--compare-untrained", "--device", "cpu", "--cpu-threads", "1", "--json-file", str(out),
     ])
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert "tau = " in result.output and "per-position acceptance" in result.output
