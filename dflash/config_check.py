@@ -24,7 +24,22 @@ from typing import Any
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 
-__all__ = ["check_fields", "matches_type", "override_value", "read_config_file"]
+__all__ = ["DTYPE_NAMES", "check_fields", "dtype_spelling", "matches_type", "override_value", "read_config_file"]
+
+#: Spellings of a dtype a user may write -> torch's name. Every dtype setting accepts each spelling of its choices
+#: (``bf16`` or ``bfloat16``, ``fp32`` or ``float32``, ``fp8`` or ``float8_e4m3fn``) and stores its own one
+#: (:func:`dtype_spelling`).
+DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+               "fp16": "float16", "float16": "float16", "fp8": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
+
+
+def dtype_spelling(value: Any, choices: Any) -> Any:
+    """The member of ``choices`` that names the same dtype as ``value`` (``"bfloat16"`` -> ``"bf16"`` where the
+    choices are ``("bf16", "fp8")``), else ``value`` unchanged (the caller's own check then refuses it)."""
+    if not isinstance(value, str) or value in choices:
+        return value
+    same = [c for c in choices if isinstance(c, str) and DTYPE_NAMES.get(c, c) == DTYPE_NAMES.get(value.lower())]
+    return same[0] if same else value
 
 
 def matches_type(value: Any, hint: Any) -> bool:
@@ -37,6 +52,7 @@ def matches_type(value: Any, hint: Any) -> bool:
     if hint is type(None):
         return value is None
     if origin is typing.Literal:
+        value = dtype_spelling(value, args)
         return any(value == arg and type(value) is type(arg) for arg in args)
     if hint is bool:
         return isinstance(value, bool)

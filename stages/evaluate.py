@@ -112,6 +112,9 @@ class EvaluateConfig:
             raise ConfigError(f"cpu_threads must be >= 1 (or unset), got {self.cpu_threads}")
         if self.block_size is not None and self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2 to draft anything, got {self.block_size}")
+        from dflash.config_check import dtype_spelling
+
+        self.dtype = dtype_spelling(self.dtype, ("auto", "float32", "bfloat16", "float16"))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.prompts == "held-out" and self.corpus is None:
@@ -568,7 +571,7 @@ def register(app: typer.Typer) -> None:
         compare_untrained: bool = typer.Option(False, "--compare-untrained", help="Also measure a randomly initialized drafter."),
         seed: int = typer.Option(0, "--seed", help="Prompt selection, sampling, untrained init."),
         device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
-        dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16."),
+        dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16 (bf16, fp32, fp16 also accepted)."),
         cpu_threads: int | None = typer.Option(None, "--cpu-threads", help="Torch threads while decoding on CPU (default: torch's)."),
         json_out: Path | None = typer.Option(None, "--json-file", help="Also write the full report as JSON to this file."),
         as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON on stdout instead of the table (progress and messages go to stderr), as `cache info --json` and `inspect --json` do."),

@@ -131,6 +131,9 @@ class ExtractConfig:
         for name in ("num_taps", "shard_size", "token_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        from dflash.config_check import dtype_spelling
+
+        self.storage_dtype = dtype_spelling(self.storage_dtype, tuple(_STORAGE_DTYPES))
         if self.storage_dtype not in _STORAGE_DTYPES:
             raise ConfigError(f"storage_dtype: expected one of {sorted(_STORAGE_DTYPES)}, got {self.storage_dtype!r}")
         from dflash.target_runner import PACKED_ATTENTION
@@ -537,7 +540,7 @@ def register(app: typer.Typer) -> None:
         token_budget: int = typer.Option(16384, "--token-budget", help="Padded tokens per forward batch (rows x longest); with --packing, tokens per packed row."),
         packing: bool = typer.Option(False, "--packing/--no-packing", help="Packed forward batches: samples back to back with attention confined to each, no padding. Same hidden states; measured 0.96x of padded batches on a long-tailed corpus on an H200 (docs/benchmarks.md), so off by default."),
         packed_attention: str = typer.Option("flex_attention", "--packed-attention", help="Attention kernel of --packing: flex_attention (document mask) | sdpa (block-diagonal mask, half the speed on an H200)."),
-        storage_dtype: str = typer.Option("bf16", "--storage-dtype", help="bf16 (bit-exact) or fp8 (lossy e4m3, per-token per-tap scale)."),
+        storage_dtype: str = typer.Option("bf16", "--storage-dtype", help="bf16 (bit-exact) or fp8 (lossy e4m3, per-token per-tap scale); bfloat16 and float8_e4m3fn also accepted."),
         codec: str | None = typer.Option(None, "--codec", help="Codec preset of dflash.cache.CODEC_PRESETS, e.g. none, zstd-1, blosc-zstd1-shuffle (an unknown name lists them; default: the cache's measured default, see docs/cache-format.md)."),
         max_length: int | None = typer.Option(None, "--max-length", help="Longest row accepted (see --length-policy)."),
         length_policy: str = typer.Option("error", "--length-policy", help="Rows over --max-length: error, drop or truncate."),

@@ -196,6 +196,9 @@ class TrainConfig:
         if unknown_trackers:
             raise ConfigError(f"report_to: unknown tracker(s) {unknown_trackers}; expected a comma-separated subset of "
                               f"{', '.join(TRACKERS)}, or none")
+        from dflash.config_check import dtype_spelling
+
+        self.mixed_precision = dtype_spelling(self.mixed_precision, ("bf16", "none"))
         if self.mixed_precision not in ("bf16", "none"):
             raise ConfigError(f"mixed_precision must be 'bf16' or 'none', got {self.mixed_precision!r}")
         if self.residual_dtype not in ("compute", "float32"):

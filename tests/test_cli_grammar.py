@@ -54,3 +54,23 @@ def test_json_is_a_flag_printing_json_on_stdout_in_every_command_that_has_it(tmp
                                          "--prompts", "p.jsonl", "--json-file", str(tmp_path / "r.json"),
                                          "--print-config")
     assert code == 0 and json.loads(out)["evaluate"]["json_path"] == str(tmp_path / "r.json")
+
+
+def test_dtype_names_are_accepted_in_either_spelling_and_stored_in_one(tmp_path, monkeypatch, capsys):
+    cases = [
+        (["extract", "--corpus", "c", "-o", str(tmp_path / "o"), "--storage-dtype", "bfloat16"], "extract",
+         "storage_dtype", "bf16"),
+        (["extract", "--corpus", "c", "-o", str(tmp_path / "o"), "--set", "extract.storage_dtype=float8_e4m3fn"],
+         "extract", "storage_dtype", "fp8"),
+        (["evaluate", "--drafter", "d", "--prompts", "p.jsonl", "--dtype", "bf16"], "evaluate", "dtype", "bfloat16"),
+        (["train", "--cache", "c", "-o", str(tmp_path / "o"), "--mixed-precision", "bfloat16"], None,
+         "mixed_precision", "bf16"),
+    ]
+    for args, section, field, stored in cases:
+        code, out, err = main_in_process_out(monkeypatch, capsys, *args, "--print-config")
+        assert code == 0, (args, err)
+        printed = json.loads(out)
+        assert (printed[section] if section else printed)[field] == stored, args
+    code, err = main_in_process(monkeypatch, capsys, "evaluate", "--drafter", "d", "--prompts", "p.jsonl",
+                                "--dtype", "bf17")
+    assert code == 2 and "evaluate.dtype (--dtype)" in err
