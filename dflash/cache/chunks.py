@@ -133,19 +133,16 @@ def crc32c_trailer(data: bytes) -> str:
 
 def store_chunk(array: Any, coords: tuple[int, ...], data: bytes) -> None:
     """Store finished chunk bytes under ``array``'s own chunk key for ``coords`` (its store, its key encoding)."""
-    from zarr.buffer import default_buffer_prototype
-    from zarr.core.sync import sync
+    from dflash.cache.store import key_io
 
-    sync(array.store_path.store.set(_chunk_path(array, coords), default_buffer_prototype().buffer.from_bytes(data)))
+    key_io(array.store_path.store).set(_chunk_path(array, coords), data)
 
 
 def stored_chunk(array: Any, coords: tuple[int, ...]) -> bytes | None:
     """The stored (encoded) bytes of chunk ``coords`` of ``array``, or ``None`` if the chunk is missing."""
-    from zarr.buffer import default_buffer_prototype
-    from zarr.core.sync import sync
+    from dflash.cache.store import key_io
 
-    buffer = sync(array.store_path.store.get(_chunk_path(array, coords), prototype=default_buffer_prototype()))
-    return None if buffer is None else buffer.to_bytes()
+    return key_io(array.store_path.store).get(_chunk_path(array, coords))
 
 
 def stored_chunk_crc32c(array: Any, coords: tuple[int, ...]) -> str | None:

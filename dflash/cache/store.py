@@ -1,24 +1,207 @@
-"""Raw key access to the Zarr store under a cache root (commit records, listing, deletes, sizes).
+"""Raw key access to the Zarr store under a cache root (commit records, chunks, listing, deletes, sizes).
 
-Zarr's own API covers arrays and groups; commit records are plain JSON objects written next to them with the
-store's atomic put (LocalStore: temp file then rename; object stores: a single PUT), so a reader sees either
-no record or the whole record. Works for local paths and fsspec URLs alike.
+Zarr's own API covers arrays and groups; commit records are plain JSON objects written next to them and whole
+chunks are stored by :mod:`dflash.cache.chunks`, both through this module's synchronous key I/O
+(:func:`key_io`), so a reader sees either no object or the whole object:
+
+* a local folder (zarr's ``LocalStore``): zarr's public synchronous store protocol
+  (``zarr.abc.store.SupportsSyncStore``: ``get_sync``/``set_sync``/``delete_sync``, zarr >= 3.1.6; ``set_sync``
+  writes a temporary and renames it) plus plain file calls for listing, sizes and exclusive creation (a hard
+  link, which fails if the key exists);
+* any other store (fsspec URLs: object stores, ``memory://``): fsspec's synchronous filesystem API for the same
+  URL (``fsspec.core.url_to_fs``); a PUT is atomic on object stores.
+
+No event loop is driven from here (zarr's private ``zarr.core.sync`` is not used).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
+import shutil
+import uuid
 from typing import Any
 
 import zarr
+from zarr.abc.store import SupportsSyncStore
 from zarr.buffer import default_buffer_prototype
-from zarr.core.sync import sync
+from zarr.storage import LocalStore
 
 from dflash.errors import CacheCorruptError
 
-__all__ = ["CacheStore", "partial_files", "remove_partial_files"]
+__all__ = ["CacheStore", "KeyIO", "key_io", "partial_files", "remove_partial_files"]
+
+
+class KeyIO:
+    """Synchronous bytes-by-key access to one zarr store; keys are the store's own (``shards/000001/hidden/c/0/0``).
+    Made by :func:`key_io`; thread-safe (every call is independent)."""
+
+    def get(self, key: str, suffix: int | None = None) -> bytes | None:  # pragma: no cover - interface
+        """The object's bytes (only the last ``suffix`` bytes when given), ``None`` if it is missing."""
+        raise NotImplementedError
+
+    def set(self, key: str, data: bytes) -> None:  # pragma: no cover - interface
+        """Write the whole object atomically (replacing it)."""
+        raise NotImplementedError
+
+    def set_if_absent(self, key: str, data: bytes) -> bool:  # pragma: no cover - interface
+        """Write the object unless it exists; whether it was written."""
+        raise NotImplementedError
+
+    def exists(self, key: str) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def list_prefix(self, prefix: str) -> list[str]:  # pragma: no cover - interface
+        """Keys (objects, not folders) under ``prefix`` (which ends with ``/``)."""
+        raise NotImplementedError
+
+    def delete(self, key: str) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def delete_dir(self, prefix: str) -> None:  # pragma: no cover - interface
+        """Delete every object under ``prefix``; nothing there is not an error."""
+        raise NotImplementedError
+
+    def size_prefix(self, prefix: str) -> int:  # pragma: no cover - interface
+        """Bytes of the objects under ``prefix`` (``""``: the whole store)."""
+        raise NotImplementedError
+
+
+class _LocalKeys(KeyIO):
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.root = str(store.root)
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.root, *key.strip("/").split("/")) if key.strip("/") else self.root
+
+    def get(self, key: str, suffix: int | None = None) -> bytes | None:
+        return _read_file(self.path(key), suffix)
+
+    def set(self, key: str, data: bytes) -> None:
+        self.store.set_sync(key, default_buffer_prototype().buffer.from_bytes(data))
+
+    def set_if_absent(self, key: str, data: bytes) -> bool:
+        final = self.path(key)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        temporary = f"{final}.{uuid.uuid4().hex}.partial"  # the name zarr's own temporaries have (partial_files)
+        try:
+            with open(temporary, "xb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            try:
+                os.link(temporary, final)  # atomic, and refuses an existing key: two racing writers, one wins
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            try:
+                os.unlink(temporary)
+            except FileNotFoundError:
+                pass
+
+    def exists(self, key: str) -> bool:
+        return os.path.isfile(self.path(key))
+
+    def list_prefix(self, prefix: str) -> list[str]:
+        folder = self.path(prefix)
+        keys = []
+        for directory, _, names in os.walk(folder):
+            relative = os.path.relpath(directory, self.root)
+            base = "" if relative == "." else relative.replace(os.sep, "/") + "/"
+            keys += [base + name for name in names]
+        return keys
+
+    def delete(self, key: str) -> None:
+        self.store.delete_sync(key)
+
+    def delete_dir(self, prefix: str) -> None:
+        folder = self.path(prefix)
+        if os.path.isdir(folder):
+            shutil.rmtree(folder)
+
+    def size_prefix(self, prefix: str) -> int:
+        total = 0
+        for directory, _, names in os.walk(self.path(prefix)):
+            for name in names:
+                try:
+                    total += os.path.getsize(os.path.join(directory, name))
+                except FileNotFoundError:  # removed meanwhile (a temporary renamed into place)
+                    pass
+        return total
+
+
+class _FsspecKeys(KeyIO):
+    def __init__(self, store: Any) -> None:
+        import fsspec
+
+        fs = store.fs
+        sync_fs = getattr(fs, "sync_fs", None)  # fsspec's AsyncFileSystemWrapper around a synchronous filesystem
+        if sync_fs is None:  # an asynchronous filesystem (s3fs, gcsfs...): the same one, in synchronous mode
+            sync_fs = fsspec.filesystem(fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0],
+                                        **{**getattr(fs, "storage_options", {}), "asynchronous": False})
+        self.fs = sync_fs
+        self.root = str(store.path).rstrip("/")
+
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key.strip('/')}" if key.strip("/") else self.root
+
+    def get(self, key: str, suffix: int | None = None) -> bytes | None:
+        path = self.path(key)
+        try:
+            if suffix is None:
+                return self.fs.cat_file(path)
+            size = self.fs.size(path)
+            return self.fs.cat_file(path, start=max(0, size - suffix), end=size)
+        except FileNotFoundError:
+            return None
+
+    def set(self, key: str, data: bytes) -> None:
+        self.fs.pipe_file(self.path(key), data)
+
+    def set_if_absent(self, key: str, data: bytes) -> bool:
+        if self.fs.exists(self.path(key)):
+            return False
+        self.fs.pipe_file(self.path(key), data)
+        return True
+
+    def exists(self, key: str) -> bool:
+        return bool(self.fs.isfile(self.path(key)))
+
+    def list_prefix(self, prefix: str) -> list[str]:
+        base = self.root + "/" if self.root else ""
+        found = self.fs.find(self.path(prefix)) if self.fs.exists(self.path(prefix)) else []
+        return [path.lstrip("/")[len(base.lstrip("/")):] if path.lstrip("/").startswith(base.lstrip("/")) else path
+                for path in found]
+
+    def delete(self, key: str) -> None:
+        try:
+            self.fs.rm_file(self.path(key))
+        except FileNotFoundError:
+            pass
+
+    def delete_dir(self, prefix: str) -> None:
+        if self.fs.exists(self.path(prefix)):
+            self.fs.rm(self.path(prefix), recursive=True)
+
+    def size_prefix(self, prefix: str) -> int:
+        path = self.path(prefix)
+        return int(self.fs.du(path)) if self.fs.exists(path) else 0
+
+
+def key_io(store: Any) -> KeyIO:
+    """Synchronous key I/O for a zarr store (module docstring): a ``LocalStore`` (zarr's sync protocol and file
+    calls) or an ``FsspecStore`` (fsspec's synchronous API).
+
+    Raises:
+        TypeError: another kind of store (none is used for caches).
+    """
+    if isinstance(store, LocalStore) and isinstance(store, SupportsSyncStore):
+        return _LocalKeys(store)
+    if hasattr(store, "fs") and hasattr(store, "path"):
+        return _FsspecKeys(store)
+    raise TypeError(f"no synchronous key access for a {type(store).__name__}; caches live in local folders or fsspec URLs")
 
 
 class CacheStore:
@@ -39,34 +222,19 @@ class CacheStore:
             self.group = zarr.open_group(store=location, mode=mode, zarr_format=3)
         self.store = self.group.store
         self.prefix = self.group.store_path.path
+        self.keys = key_io(self.store)
 
     def key(self, relative: str) -> str:
         return f"{self.prefix}/{relative}" if self.prefix else relative
 
     def get_bytes(self, relative: str) -> bytes | None:
-        buffer = sync(self.store.get(self.key(relative), prototype=default_buffer_prototype()))
-        return None if buffer is None else buffer.to_bytes()
+        return self.keys.get(self.key(relative))
 
     def get_many(self, relatives: list[str], *, suffix: int | None = None) -> list[bytes | None]:
         """The bytes of many keys (only their last ``suffix`` bytes when given; fewer if the object is shorter),
-        ``None`` for a missing key. A local folder is read with plain file calls, without an event-loop round trip
-        per key (the cost that dominates reading thousands of small chunks through zarr); other stores with
-        concurrent (ranged) GETs in one round trip."""
-        from zarr.storage import LocalStore
-
-        if isinstance(self.store, LocalStore):
-            folder = os.path.join(str(self.store.root), self.prefix) if self.prefix else str(self.store.root)
-            return [_read_file(os.path.join(folder, relative), suffix) for relative in relatives]
-        from zarr.abc.store import SuffixByteRequest
-
-        prototype = default_buffer_prototype()
-        byte_range = SuffixByteRequest(suffix) if suffix is not None else None
-
-        async def fetch() -> list[Any]:
-            return await asyncio.gather(*(self.store.get(self.key(relative), prototype=prototype, byte_range=byte_range)
-                                          for relative in relatives))  # fmt: skip
-
-        return [None if buffer is None else buffer.to_bytes() for buffer in sync(fetch())]
+        ``None`` for a missing key. A local folder is read with plain file calls (one ``pread`` each), other stores
+        with one (ranged) GET per key."""
+        return [self.keys.get(self.key(relative), suffix) for relative in relatives]
 
     def get_json(self, relative: str) -> Any | None:
         """The JSON object at ``relative`` or ``None``; raises :class:`CacheCorruptError` naming the key if unparsable."""
@@ -83,34 +251,29 @@ class CacheStore:
 
     def put_json(self, relative: str, value: Any, *, exclusive: bool = False) -> None:
         """Write JSON atomically; with ``exclusive`` an existing object is left untouched."""
-        buffer = default_buffer_prototype().buffer.from_bytes(json.dumps(value, indent=1, sort_keys=True).encode())
+        data = json.dumps(value, indent=1, sort_keys=True).encode()
         if exclusive:
-            sync(self.store.set_if_not_exists(self.key(relative), buffer))
+            self.keys.set_if_absent(self.key(relative), data)
         else:
-            sync(self.store.set(self.key(relative), buffer))
+            self.keys.set(self.key(relative), data)
 
     def exists(self, relative: str) -> bool:
-        return bool(sync(self.store.exists(self.key(relative))))
+        return self.keys.exists(self.key(relative))
 
     def list_prefix(self, relative: str) -> list[str]:
         """Keys under ``relative`` (a folder-like prefix), relative to ``relative``."""
         full = self.key(relative).rstrip("/") + "/"
-
-        async def collect() -> list[str]:
-            return [key async for key in self.store.list_prefix(full)]
-
-        return [key[len(full):] if key.startswith(full) else key for key in sync(collect())]
+        return [key[len(full):] if key.startswith(full) else key for key in self.keys.list_prefix(full)]
 
     def delete(self, relative: str) -> None:
-        sync(self.store.delete(self.key(relative)))
+        self.keys.delete(self.key(relative))
 
     def delete_dir(self, relative: str) -> None:
-        sync(self.store.delete_dir(self.key(relative).rstrip("/")))
+        self.keys.delete_dir(self.key(relative).rstrip("/"))
 
     def size_prefix(self, relative: str = "") -> int:
         """Bytes stored under ``relative`` (the whole cache for ``""``)."""
-        full = self.key(relative).rstrip("/")
-        return int(sync(self.store.getsize_prefix(full + "/" if full else "")))
+        return self.keys.size_prefix(self.key(relative).rstrip("/"))
 
 
 def _local_root(url: str) -> str | None:
