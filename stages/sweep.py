@@ -76,7 +76,7 @@ def _parse_value(name: str, text: str, annotation: str) -> Any:
         if annotation.startswith("float"):
             return float(text)
     except ValueError as error:
-        raise ConfigError(f"--set {name}: cannot read {text!r} as {annotation}") from error
+        raise ConfigError(f"--grid {name}: cannot read {text!r} as {annotation}") from error
     return text
 
 
@@ -139,8 +139,9 @@ class SweepConfig:
         for name, values in self.grid.items():
             if not isinstance(values, list) or not values:
                 raise ConfigError(f"grid: {name} needs a non-empty list of values, got {values!r}")
-        if self.gpus is not None and (not self.gpus or any(g < 0 for g in self.gpus)):
-            raise ConfigError(f"gpus: expected a non-empty list of GPU ids >= 0, got {self.gpus!r}")
+        if self.gpus is not None and (not self.gpus or any(g < 0 for g in self.gpus)
+                                      or len(set(self.gpus)) != len(self.gpus)):
+            raise ConfigError(f"gpus: expected a non-empty list of distinct GPU ids >= 0, got {self.gpus!r}")
 
 
 def _split_sets(overrides: list[str]) -> tuple[list[str], list[tuple[str, Any, str]]]:
@@ -188,8 +189,16 @@ def resolve_sweep(ctx: Any, values: dict[str, Any], *, config_file: str | None, 
         layers.append((section_of(load_preset(preset), "train", known, f"preset {preset}"), f"preset {preset}"))
     if config_file is not None:
         data = read_config_file(config_file)
-        if isinstance(data.get("train"), dict):
-            layers.append((dict(data["train"]), f"--config {config_file}"))
+        if "train" in data and not isinstance(data["train"], dict):
+            raise ConfigError(f"train (--config {config_file}): expected a table of train fields fixed for every "
+                              f"run, got {type(data['train']).__name__}")
+        if isinstance(data.get("sweep"), (list, str, int, float, bool)) or ("sweep" in data and data["sweep"] is None):
+            raise ConfigError(f"sweep (--config {config_file}): expected a table of sweep fields, got "
+                              f"{type(data['sweep']).__name__}")
+        part = dict(data.get("train") or {})
+        if isinstance(data.get("target"), str):  # a top-level target applies to every stage that has one
+            part.setdefault("target", data["target"])
+        layers.append((part, f"--config {config_file}"))
     def check(values: dict[str, Any], source: str) -> None:
         owned = sorted(set(values) & set(SWEEP_OWNED))
         if owned:
@@ -208,6 +217,12 @@ def resolve_sweep(ctx: Any, values: dict[str, Any], *, config_file: str | None, 
     for name, options in config.grid.items():
         for option in options:
             check({name: option}, f"sweep.grid.{name}")
+    given_fixed = {key: source for key, _, source in train_sets}
+    if config_file is not None:
+        given_fixed.update({key: f"--config {config_file}" for key in layers[-1][0]})
+    for name in config.grid:
+        if name in given_fixed:
+            raise ConfigError(f"train.{name} is both swept (sweep.grid) and fixed ({given_fixed[name]}); keep one")
     return config, fixed
 
 
@@ -251,6 +266,9 @@ def plan_sweep(cache: str, output: str | Path, values: dict[str, list[Any]], *, 
             config = TrainConfig(cache=cache, output=str(Path(output) / name), resume=resume, **{**fixed, **swept})
         except (ConfigError, TypeError) as error:
             raise ConfigError(f"sweep run {name}: {error}") from error
+        if any(run.name == name for run in runs):
+            raise ConfigError(f"sweep: two runs would share the folder {Path(output) / name} (the grid repeats a "
+                              f"value: {swept}); list each value once")
         runs.append(SweepRun(name=name, swept=swept, config=config))
     return runs
 
@@ -369,7 +387,7 @@ def register(app: typer.Typer) -> None:
         break_lock: bool = typer.Option(
             False, "--break-lock", help="Take over locks of the sweep and its runs left on another host known dead."),
         config_file: str | None = typer.Option(None, "--config", help="Settings in a .toml, .yaml or .json file: a "
-                                               "[sweep] section (cache, output, grid, gpus...) and a [train] section "
+                                               "\\[sweep] section (cache, output, grid, gpus...) and a \\[train] section "
                                                "(train fields fixed for every run). Options given override it."),
         preset: str | None = typer.Option(None, "--preset", help="A pipeline preset of `run` or a .json file of "
                                           "sections: its train section fixes train fields for every run."),
@@ -398,11 +416,30 @@ def register(app: typer.Typer) -> None:
             printed["sweep"]["output"] = str(folder)
             print(json.dumps({**printed, "train": fixed}, indent=2, default=str))
             raise typer.Exit(0)
+        _preflight(config, runs, folder)
         if config.break_lock:
             for run in runs:
                 run.config = dataclasses.replace(run.config, break_lock=True)
         with output_lock(folder, what="sweep", break_lock=config.break_lock):
             _sweep(runs, folder, config.gpus)
+
+    def _preflight(config: SweepConfig, runs: list[SweepRun], folder: Path) -> None:
+        """What would make every run fail, refused before the first one starts (one error line, nothing written)."""
+        from dflash.cache import CacheReader
+
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(f"sweep.output: {folder} exists and is not a folder; choose another --output")
+        CacheReader(config.cache)  # CacheError (exit 2): no cache there, or not one
+        wants_cuda = config.gpus is not None or any(run.config.device == "cuda" for run in runs)
+        if wants_cuda:
+            import torch
+
+            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if not visible:
+                raise ConfigError("sweep: the runs need CUDA (--gpus, or device cuda), which is not available here")
+            if config.gpus is not None and max(config.gpus) >= visible:
+                raise ConfigError(f"sweep.gpus: {config.gpus} names a GPU this host does not have ({visible} "
+                                  f"visible: 0..{visible - 1})")
 
     def _sweep(runs: list[SweepRun], output: Path, gpu_ids: list[int] | None) -> None:
         from rich.console import Console
