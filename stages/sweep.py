@@ -416,11 +416,11 @@ def register(app: typer.Typer) -> None:
             printed["sweep"]["output"] = str(folder)
             print(json.dumps({**printed, "train": fixed}, indent=2, default=str))
             raise typer.Exit(0)
-        _preflight(config, runs, folder)
         if config.break_lock:
             for run in runs:
                 run.config = dataclasses.replace(run.config, break_lock=True)
         with output_lock(folder, what="sweep", break_lock=config.break_lock):
+            _preflight(config, runs, folder)  # under the lock, as train checks its cache under its run's lock
             _sweep(runs, folder, config.gpus)
 
     def _preflight(config: SweepConfig, runs: list[SweepRun], folder: Path) -> None:

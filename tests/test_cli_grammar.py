@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 from stages.cli import hoist_global_flags
 from tests.cli_helpers import main_in_process, main_in_process_out
@@ -32,11 +29,13 @@ def test_version_and_bash_completion_of_commands_and_options(monkeypatch, capsys
     code, out, _ = main_in_process_out(monkeypatch, capsys, "--version")
     assert code == 0 and out.startswith("dflash-stages ") and "torch " in out
     # What bash's completion function asks the program (the script --show-completion bash prints).
-    env = {**os.environ, "_DFLASH_STAGES_COMPLETE": "complete_bash", "COMP_WORDS": "dflash-stages extract --pack",
-           "COMP_CWORD": "2"}
-    done = subprocess.run([sys.executable, "-c", "import sys; sys.argv[0] = 'dflash-stages'; "
-                           "from stages.cli import main; main()"], env=env, capture_output=True, text=True, timeout=120)
-    assert done.stdout.split() == ["--packing", "--packed-attention"], done.stderr
+    from typer.testing import CliRunner
+
+    from stages.cli import app
+
+    env = {"_DFLASH_STAGES_COMPLETE": "complete_bash", "COMP_WORDS": "dflash-stages extract --pack", "COMP_CWORD": "2"}
+    done = CliRunner().invoke(app, [], env=env, prog_name="dflash-stages")
+    assert done.output.split() == ["--packing", "--packed-attention"], done.output
 
 
 def test_json_is_a_flag_printing_json_on_stdout_in_every_command_that_has_it(tmp_path, monkeypatch, capsys):

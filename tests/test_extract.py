@@ -339,7 +339,9 @@ def test_packed_batches_write_the_same_cache_through_write_processes(tmp_path, t
     packed rows' shared buffers by a write process equals the per-row reference (each row alone)."""
     output = tmp_path / "cache"
     specs = _shard_specs(output, corpus_dir)
-    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=64, packing=True)
+    # SDPA's packed mask: this test is about packed rows through write processes (FlexAttention is checked in
+    # tests/test_target_runner.py; its CPU compile would add ~10 s here).
+    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=64, packing=True, packed_attention="sdpa")
     extractor = ShardExtractor(runner, write_processes=1, write_threads=1)
     writes = [record for spec in specs for record in extractor.process(spec)["committed"]]
     writes += extractor.close()

@@ -62,7 +62,7 @@ def test_each_stage_refuses_an_output_another_process_writes(tmp_path, hold, mon
         "train": ["train", "--cache", str(tmp_path / "cache"), "--output", str(output)],
         "prepare": ["prepare", "default", "--output", str(output)],
         "export": ["export", str(tmp_path / "run"), str(output)],
-        "sweep": ["sweep", "--cache", str(tmp_path / "cache"), "--output", str(output), "--set", "lr=1e-3,2e-3"],
+        "sweep": ["sweep", "--cache", str(tmp_path / "cache"), "--output", str(output), "--grid", "lr=1e-3,2e-3"],
         "run": ["run", "--workdir", str(output)],
     }[command]
     pid = hold(output)
