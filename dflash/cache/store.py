@@ -40,6 +40,10 @@ class KeyIO:
         """The object's bytes (only the last ``suffix`` bytes when given), ``None`` if it is missing."""
         raise NotImplementedError
 
+    def get_many(self, keys: list[str], suffix: int | None = None) -> list[bytes | None]:
+        """:meth:`get` of each key, in order (stores with a batched read override it)."""
+        return [self.get(key, suffix) for key in keys]
+
     def set(self, key: str, data: bytes) -> None:  # pragma: no cover - interface
         """Write the whole object atomically (replacing it)."""
         raise NotImplementedError
@@ -49,6 +53,7 @@ class KeyIO:
         raise NotImplementedError
 
     def exists(self, key: str) -> bool:  # pragma: no cover - interface
+        """Whether the object exists (a folder-like prefix is not an object)."""
         raise NotImplementedError
 
     def list_prefix(self, prefix: str) -> list[str]:  # pragma: no cover - interface
@@ -56,6 +61,7 @@ class KeyIO:
         raise NotImplementedError
 
     def delete(self, key: str) -> None:  # pragma: no cover - interface
+        """Delete the object; a missing one is not an error."""
         raise NotImplementedError
 
     def delete_dir(self, prefix: str) -> None:  # pragma: no cover - interface
@@ -157,6 +163,17 @@ class _FsspecKeys(KeyIO):
         except FileNotFoundError:
             return None
 
+    def get_many(self, keys: list[str], suffix: int | None = None) -> list[bytes | None]:
+        """One batched call (fsspec runs an async filesystem's GETs concurrently): ``cat`` for whole objects,
+        ``cat_ranges`` with a negative start for suffixes; a missing object is ``None``."""
+        paths = [self.path(key) for key in keys]
+        if suffix is None:
+            found = self.fs.cat(paths, on_error="omit") if paths else {}
+            return [found.get(path, found.get(path.lstrip("/"))) for path in paths]
+        parts = self.fs.cat_ranges(paths, [-suffix] * len(paths), [None] * len(paths), on_error="return")
+        return [part if isinstance(part, bytes) else self.get(key, suffix) for key, part in zip(keys, parts,
+                                                                                                 strict=True)]
+
     def set(self, key: str, data: bytes) -> None:
         self.fs.pipe_file(self.path(key), data)
 
@@ -170,10 +187,10 @@ class _FsspecKeys(KeyIO):
         return bool(self.fs.isfile(self.path(key)))
 
     def list_prefix(self, prefix: str) -> list[str]:
-        base = self.root + "/" if self.root else ""
+        root = self.root.strip("/")
+        skip = len(root) + 1 if root else 0  # find() returns whole paths (with or without a leading "/")
         found = self.fs.find(self.path(prefix)) if self.fs.exists(self.path(prefix)) else []
-        return [path.lstrip("/")[len(base.lstrip("/")):] if path.lstrip("/").startswith(base.lstrip("/")) else path
-                for path in found]
+        return [path.strip("/")[skip:] for path in found]
 
     def delete(self, key: str) -> None:
         try:
@@ -233,8 +250,8 @@ class CacheStore:
     def get_many(self, relatives: list[str], *, suffix: int | None = None) -> list[bytes | None]:
         """The bytes of many keys (only their last ``suffix`` bytes when given; fewer if the object is shorter),
         ``None`` for a missing key. A local folder is read with plain file calls (one ``pread`` each), other stores
-        with one (ranged) GET per key."""
-        return [self.keys.get(self.key(relative), suffix) for relative in relatives]
+        with one batched fsspec call (concurrent GETs on object stores)."""
+        return self.keys.get_many([self.key(relative) for relative in relatives], suffix)
 
     def get_json(self, relative: str) -> Any | None:
         """The JSON object at ``relative`` or ``None``; raises :class:`CacheCorruptError` naming the key if unparsable."""
