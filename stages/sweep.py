@@ -145,24 +145,15 @@ class SweepConfig:
 
 
 def _split_sets(overrides: list[str]) -> tuple[list[str], list[tuple[str, Any, str]]]:
-    """``--set`` items -> (``sweep.X=V`` items, ``(train field, value, source)`` of the others)."""
-    from dflash.config_check import override_value
+    """``--set`` items -> (``sweep.X=V`` items, ``(train field, value, source)`` of the others, parsed as every
+    stage parses ``--set``: :func:`stages.stage_config.parse_sets`)."""
+    from stages.stage_config import parse_sets
 
-    sweep_items, train_items = [], []
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if key.startswith("sweep."):
-            sweep_items.append(item)
-            continue
-        if key.startswith("train."):
-            key = key[len("train."):]
-        if not sep or not key or "." in key:
-            raise ConfigError(f"--set {item!r}: expected train.FIELD=VALUE, FIELD=VALUE or sweep.FIELD=VALUE")
-        value = override_value(raw, item)
+    sweep_items = [item for item in overrides if item.strip().startswith("sweep.")]
+    train_items = parse_sets([item for item in overrides if item not in sweep_items], "train")
+    for key, value, source in train_items:
         if isinstance(value, str) and "," in value and key in TrainConfig.field_types():
-            raise ConfigError(f"--set {item}: --set fixes one value; sweep several with --grid {key}={raw}")
-        train_items.append((key, value, f"--set {item}"))
+            raise ConfigError(f"{source}: --set fixes one value; sweep several with --grid {key}={value}")
     return sweep_items, train_items
 
 
@@ -192,13 +183,14 @@ def resolve_sweep(ctx: Any, values: dict[str, Any], *, config_file: str | None, 
         if "train" in data and not isinstance(data["train"], dict):
             raise ConfigError(f"train (--config {config_file}): expected a table of train fields fixed for every "
                               f"run, got {type(data['train']).__name__}")
-        if isinstance(data.get("sweep"), (list, str, int, float, bool)) or ("sweep" in data and data["sweep"] is None):
+        if "sweep" in data and not isinstance(data["sweep"], dict):
             raise ConfigError(f"sweep (--config {config_file}): expected a table of sweep fields, got "
                               f"{type(data['sweep']).__name__}")
         part = dict(data.get("train") or {})
         if isinstance(data.get("target"), str):  # a top-level target applies to every stage that has one
             part.setdefault("target", data["target"])
         layers.append((part, f"--config {config_file}"))
+
     def check(values: dict[str, Any], source: str) -> None:
         owned = sorted(set(values) & set(SWEEP_OWNED))
         if owned:
