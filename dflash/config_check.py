@@ -24,7 +24,20 @@ from typing import Any
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 
-__all__ = ["DTYPE_NAMES", "check_fields", "dtype_spelling", "matches_type", "override_value", "read_config_file"]
+__all__ = ["DTYPE_NAMES", "MISSING_DEFAULT", "check_fields", "dtype_spelling", "field_default", "matches_type",
+           "override_value", "read_config_file"]
+
+#: What :func:`field_default` returns for a field without a default (a required field).
+MISSING_DEFAULT = dataclasses.MISSING
+
+
+def field_default(field: dataclasses.Field) -> Any:
+    """A dataclass field's default value (a fresh one from its ``default_factory``), or :data:`MISSING_DEFAULT`."""
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return field.default_factory()  # type: ignore[misc]
+    return MISSING_DEFAULT
 
 #: Spellings of a dtype a user may write -> torch's name. Every dtype setting accepts each spelling of its choices
 #: (``bf16`` or ``bfloat16``, ``fp32`` or ``float32``, ``fp8`` or ``float8_e4m3fn``) and stores its own one

@@ -78,11 +78,10 @@ def _type_name(annotation: Any) -> str:
 
 
 def _default(field: dataclasses.Field) -> str:
-    if field.default is not dataclasses.MISSING:
-        value = field.default
-    elif field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        value = field.default_factory()  # type: ignore[misc]
-    else:
+    from dflash.config_check import MISSING_DEFAULT, field_default
+
+    value = field_default(field)
+    if value is MISSING_DEFAULT:
         return "required"
     if dataclasses.is_dataclass(value):
         return f"see `{type(value).__name__}`"

@@ -297,7 +297,6 @@ def trajectory_changes(saved: dict[str, Any], current: dict[str, Any], *, saved_
     separately); the global batch is ``world_size * grad_accum_steps`` micro-batches, so a different world size
     with the same product keeps the batches but not bit-exactness (different float summation order).
     """
-    from dataclasses import MISSING
 
     # A field missing from an older checkpoint had its default then (fields are only ever added with defaults),
     # except where ABSENT_IN_OLD_RUNS says otherwise.
@@ -574,8 +573,9 @@ def exit_if_interrupted(summary: dict[str, Any], config: TrainConfig, command: s
 def _shown(name: str) -> str:
     """``--help``'s ``[default: ...]`` of a train option: its :class:`TrainConfig` field's default (options default
     to ``None`` so that a saved run, preset or file fills what the command line leaves out)."""
-    value = next(f for f in fields(TrainConfig) if f.name == name)
-    default = value.default if value.default_factory is MISSING else value.default_factory()  # type: ignore[misc]
+    from dflash.config_check import field_default
+
+    default = field_default(next(f for f in fields(TrainConfig) if f.name == name))
     if isinstance(default, bool):
         return str(default).lower()
     if isinstance(default, (list, tuple)):

@@ -31,11 +31,10 @@ TRAIN_NAMES = {"max_anchors": "max_anchors_per_document", "max_documents": "max_
 
 
 def _field_default(field: dataclasses.Field):
-    if field.default is not dataclasses.MISSING:
-        return field.default
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return None
+    from dflash.config_check import MISSING_DEFAULT, field_default
+
+    value = field_default(field)
+    return None if value is MISSING_DEFAULT else value
 
 
 @pytest.mark.parametrize("command", sorted(CONFIGS))
