@@ -5,6 +5,7 @@ Run::
     python benchmarks/generate.py                                   # SmolLM2 (the embedded default), default prompts
     python benchmarks/generate.py --target qwen3-8b-random --batch-size 128
     python benchmarks/generate.py --kv-cache static dynamic         # A/B in one process
+    python benchmarks/generate.py --decode-attention fast deterministic --batch-size 512 1024
     python benchmarks/generate.py --smoke                           # tiny, on CPU (a check that it runs)
 
 Prompts: the first ``--prompts`` training prompts of the embedded default prompt set (code completions and
@@ -14,8 +15,8 @@ real; they run to ``--max-new-tokens``). Each setting
 runs the same requests once cold (graph capture, allocator) and ``--repeats`` times warm; the median warm pass is the
 figure. Printed: generated tokens/s (reply tokens, stop token included; the padding rows of a batch excluded), rows
 per second, the share of replies that stopped before ``--max-new-tokens``, how the decode step ran (CUDA graph or
-eager) and, when several KV-cache kinds run, the share of replies identical to the first kind's (greedy: only
-floating-point ties can differ).
+eager), the share of replies identical to the first setting's (greedy: only floating-point ties can differ) and
+to this setting's own cold pass (1.0 when its kernels repeat bit for bit: ``--decode-attention deterministic``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, nargs="+", default=[512])
     parser.add_argument("--kv-cache", nargs="+", default=["static"], choices=["static", "dynamic"])
+    parser.add_argument("--decode-attention", nargs="+", default=["fast"], choices=["fast", "deterministic"],
+                        help="static cache: SDPA's grouped-query kernel (fast) and/or the bitwise-repeatable one")
     parser.add_argument("--repeats", type=int, default=3, help="warm passes per setting (median reported)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--smoke", action="store_true")
@@ -86,11 +89,14 @@ def main() -> None:
           f"max_new_tokens {args.max_new_tokens}, torch {torch.__version__}")
     figures = []
     reference: dict[int, list[list[int]]] = {}
-    for kv_cache in args.kv_cache:
+    settings_list = [(kv, attention) for kv in args.kv_cache
+                     for attention in (args.decode_attention if kv == "static" else ["-"])]
+    for kv_cache, attention in settings_list:
         for batch_size in args.batch_size:
             engine = TransformersEngine(model, tokenizer, batch_size=batch_size, token_budget=batch_size * 4096,
-                                        cache=kv_cache, stop_token_ids=stop)
+                                        cache=kv_cache, stop_token_ids=stop, deterministic=attention == "deterministic")
             warm = []
+            own_cold: list[list[int]] | None = None
             for attempt in ["cold"] + [f"warm{k}" for k in range(1, args.repeats + 1)]:
                 started = time.perf_counter()
                 results = engine.generate(requests, settings)
@@ -100,19 +106,23 @@ def main() -> None:
                 mode = engine.decode_step
                 same = reference.setdefault(batch_size, [r.token_ids for r in results])
                 agree = sum(a == r.token_ids for a, r in zip(same, results, strict=True)) / len(results)
-                row = {"kv_cache": kv_cache, "batch_size": batch_size, "pass": attempt, "seconds": round(seconds, 2),
+                own_cold = own_cold or [r.token_ids for r in results]
+                repeat = sum(a == r.token_ids for a, r in zip(own_cold, results, strict=True)) / len(results)
+                row = {"kv_cache": kv_cache, "decode_attention": attention, "batch_size": batch_size, "pass": attempt, "seconds": round(seconds, 2),
                        "generated_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
                        "rows_per_s": round(len(results) / seconds, 2), "stopped_early": round(stopped, 3),
                        "decode_step": mode, "identical_to_first_kind": round(agree, 4),
+                       "identical_to_own_cold_pass": round(repeat, 4),
                        "device": name, "target": identity.name}
                 figures.append(row)
                 if attempt != "cold":
                     warm.append(tokens / seconds)
-                print(f"  kv {kv_cache:7s} batch {batch_size:4d} {attempt}: {tokens:,} tokens in {seconds:.1f} s = "
-                      f"{tokens / seconds:,.0f} generated tok/s ({stopped:.0%} stopped early; decode step {mode}; "
-                      f"{agree:.1%} identical to {args.kv_cache[0]})", flush=True)
+                print(f"  kv {kv_cache:7s} attention {attention:13s} batch {batch_size:4d} {attempt}: {tokens:,} tokens "
+                      f"in {seconds:.1f} s = {tokens / seconds:,.0f} generated tok/s ({stopped:.0%} stopped early; "
+                      f"decode step {mode}; {agree:.1%} identical to the first setting, {repeat:.1%} to this "
+                      "setting's cold pass)", flush=True)
             if warm:
-                print(f"  kv {kv_cache:7s} batch {batch_size:4d} median of {len(warm)} warm passes: "
+                print(f"  kv {kv_cache:7s} attention {attention:13s} batch {batch_size:4d} median of {len(warm)} warm passes: "
                       f"{statistics.median(warm):,.0f} generated tok/s", flush=True)
             engine.close()
     if args.json:

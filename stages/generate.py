@@ -74,6 +74,10 @@ class GenerateConfig:
         part_size: prompts per part (one task, one committed file).
         batch_size, token_budget, kv_cache: transformers engine batching (rows per call, padded prompt tokens per
             call, ``auto``/``static``/``dynamic`` KV cache).
+        deterministic: static KV cache: bitwise-repeatable decode attention (grouped matmuls; 1.32x slower on an
+            H200) instead of SDPA's grouped-query kernel, whose bits differ from run to run on CUDA, so a rerun may
+            break greedy near-ties differently (docs/generate.md). Never changes what a prompt asks for, so a
+            resume may change it.
         target_gpus, workers, scheduler_address, dashboard_address, tls_ca_file, tls_cert, tls_key: placement, as
             in ``extract`` (stages.cluster).
         default_prompts: settings of the embedded default prompt set.
@@ -99,6 +103,7 @@ class GenerateConfig:
     batch_size: int = 256
     token_budget: int = 262_144
     kv_cache: Literal["auto", "static", "dynamic"] = "auto"
+    deterministic: bool = False
     target_gpus: list[int] | None = None
     workers: int | None = None
     scheduler_address: str | None = None
@@ -152,7 +157,7 @@ class GenerateConfig:
         data = self.to_dict()
         for key in ("output", "target_gpus", "workers", "scheduler_address", "dashboard_address", "tls_ca_file",
                     "tls_cert", "tls_key", "break_lock", "overwrite",
-                    "batch_size", "token_budget", "kv_cache", "concurrency", "endpoints", "api_key_env"):
+                    "batch_size", "token_budget", "kv_cache", "deterministic", "concurrency", "endpoints", "api_key_env"):
             data.pop(key)
         return data
 
@@ -296,7 +301,7 @@ def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: Any, task: 
             device=placement.get("device", "auto"), torch_threads=placement.get("torch_threads"),
             die_with_parent=placement.get("die_with_parent", False),
             engine_kwargs={"batch_size": config.batch_size, "token_budget": config.token_budget,
-                           "cache": config.kv_cache},
+                           "cache": config.kv_cache, "deterministic": config.deterministic},
         )
         client.register_plugin(plugin)
         resources = placement.get("resources")
@@ -471,6 +476,9 @@ def register(app: typer.Typer) -> None:
         kv_cache: str = typer.Option("auto", help="transformers engine: static (own decode loop over a static KV "
                                      "cache, CUDA graphs on CUDA), dynamic (transformers generate()), auto (static on "
                                      "CUDA, dynamic elsewhere)."),
+        deterministic: bool = typer.Option(False, "--deterministic/--no-deterministic", help="Static KV cache: "
+                                           "bitwise-repeatable decode attention (slower) instead of SDPA's grouped-"
+                                           "query kernel, whose bits vary from run to run on CUDA."),
         target_gpus: str | None = typer.Option(None, help="GPUs for target replicas, e.g. 0,1,2 (one Dask worker each)."),
         workers: int | None = typer.Option(None, help="CPU worker processes (no GPU)."),
         scheduler_address: str | None = typer.Option(None, help="An existing Dask scheduler (tcp://host:8786)."),
@@ -502,7 +510,7 @@ def register(app: typer.Typer) -> None:
             turns=turns, chat_template=chat_template, template_kwargs=kwargs, temperature=temperature, top_p=top_p,
             max_new_tokens=max_new_tokens, seed=seed, max_length=max_length, max_prompts=max_prompts,
             part_size=part_size, batch_size=batch_size, token_budget=token_budget, kv_cache=kv_cache,
-            target_gpus=_int_list(target_gpus, "--target-gpus"), workers=workers,
+            deterministic=deterministic, target_gpus=_int_list(target_gpus, "--target-gpus"), workers=workers,
             scheduler_address=scheduler_address, dashboard_address=dashboard_address, endpoints=list(endpoint),
             served_model=served_model, api_key_env=api_key_env, concurrency=concurrency,
             default_prompts={"heldout_permille": heldout_permille}, overwrite=overwrite,

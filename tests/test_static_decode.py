@@ -47,6 +47,22 @@ def test_greedy_equals_transformers_generate_per_prompt(target, prompts):
     assert target.model.config._attn_implementation == "sdpa"  # the model's own attention is back
 
 
+def test_deterministic_decoder_gives_the_same_greedy_tokens(target, prompts):
+    from dflash.generation.static_decode import DETERMINISTIC_ATTENTION_NAME
+
+    stops = [target.tokenizer.eos_token_id]
+    limits = [8, 8, 5, 8, 3]
+    fast = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=32)
+    expected = fast.decode(prompts, limits)
+    fast.close()
+    repeatable = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=32,
+                               deterministic=True)
+    assert target.model.config._attn_implementation == DETERMINISTIC_ATTENTION_NAME
+    assert repeatable.decode(prompts, limits) == expected
+    repeatable.close()
+    assert target.model.config._attn_implementation == "sdpa"
+
+
 def test_a_stop_token_ends_a_row_and_is_kept(target, prompts):
     first = reference(target, prompts[0], 6, [target.tokenizer.eos_token_id])
     stop = first[3]  # make the 4th greedy token a stop token
@@ -68,10 +84,10 @@ def test_sampling_depends_on_the_request_not_on_the_batch(target, prompts):
     decoder.close()
 
 
-def test_grouped_attention_equals_sdpa_with_either_mask_kind():
+def test_both_decode_attentions_equal_sdpa_with_either_mask_kind():
     from transformers import AttentionInterface
 
-    from dflash.generation.static_decode import grouped_decode_attention
+    from dflash.generation.static_decode import deterministic_decode_attention, grouped_decode_attention
 
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(3, 6, 1, 8, generator=generator)
@@ -82,10 +98,11 @@ def test_grouped_attention_equals_sdpa_with_either_mask_kind():
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal, module.training = 3, True, False
     expected, _ = AttentionInterface()["sdpa"](module, query, key, value, visible, scaling=0.3)
-    for mask in (visible, additive):
-        got, _ = grouped_decode_attention(module, query, key, value, mask, scaling=0.3)
-        assert got.shape == (3, 1, 6, 8)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for function in (grouped_decode_attention, deterministic_decode_attention):
+        for mask in (visible, additive):
+            got, _ = function(module, query, key, value, mask, scaling=0.3)
+            assert got.shape == (3, 1, 6, 8)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_gumbel_max_samples_the_softmax():

@@ -46,6 +46,9 @@ class TransformersEngine:
         cache: ``"static"`` (StaticDecoder: fixed-shape KV cache, CUDA-graph decode step on CUDA),
             ``"dynamic"`` (``model.generate``, transformers' dynamic cache), ``"auto"``: static on CUDA, dynamic
             elsewhere.
+        deterministic: static cache: bitwise-repeatable decode attention
+            (:func:`dflash.generation.static_decode.deterministic_decode_attention`), slower; default SDPA's
+            grouped-query kernel, whose bits may differ from run to run on CUDA (near-ties then break differently).
         prompt_bucket: prompts are left-padded to a multiple of this many tokens (fewer compiled shapes).
         stop_token_ids: tokens that end a reply (default: the tokenizer's EOS and, for chat models, the end of turn).
         description: extra facts for :meth:`describe` (the target identity).
@@ -54,7 +57,7 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 256, token_budget: int = 262_144,
-                 cache: CacheKind = "auto", prompt_bucket: int = 64, stop_token_ids: Sequence[int] | None = None,
+                 cache: CacheKind = "auto", deterministic: bool = False, prompt_bucket: int = 64, stop_token_ids: Sequence[int] | None = None,
                  description: dict[str, Any] | None = None) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -68,6 +71,7 @@ class TransformersEngine:
         self.token_budget = token_budget
         self.device = next(model.parameters()).device
         self.cache = ("static" if self.device.type == "cuda" else "dynamic") if cache == "auto" else cache
+        self.deterministic = bool(deterministic)
         self.prompt_bucket = max(1, prompt_bucket)
         self.stop_token_ids = sorted(set(stop_token_ids if stop_token_ids is not None else default_stop_ids(tokenizer)))
         if not self.stop_token_ids:
@@ -82,14 +86,14 @@ class TransformersEngine:
             from dflash.generation.static_decode import StaticDecoder
 
             self._decoder = StaticDecoder(model, rows=batch_size, pad_token_id=self.pad_token_id,
-                                          stop_token_ids=self.stop_token_ids)
+                                          stop_token_ids=self.stop_token_ids, deterministic=deterministic)
 
     def describe(self) -> dict[str, Any]:
         import transformers
 
         return {"engine": self.name, "transformers": transformers.__version__, "torch": torch.__version__,
                 "device": str(self.device), "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
-                "kv_cache": self.cache, "batch_size": self.batch_size, "stop_token_ids": self.stop_token_ids,
+                "kv_cache": self.cache, "deterministic": self.deterministic, "batch_size": self.batch_size, "stop_token_ids": self.stop_token_ids,
                 **self.description}
 
     @property
