@@ -24,11 +24,53 @@ from typing import Any
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 
-__all__ = ["DTYPE_NAMES", "MISSING_DEFAULT", "check_fields", "dtype_spelling", "field_default", "matches_type",
-           "override_value", "read_config_file"]
+__all__ = ["DTYPE_NAMES", "MISSING_DEFAULT", "RENAMED_KEYS", "check_fields", "dtype_spelling", "field_default",
+           "matches_type", "migrate_renamed", "override_value", "read_config_file"]
 
 #: What :func:`field_default` returns for a field without a default (a required field).
 MISSING_DEFAULT = dataclasses.MISSING
+
+
+#: Settings renamed for one CLI grammar (``--target-gpus``/``--target-processes`` for target replicas,
+#: ``--drafter-gpus``/``--drafter-processes`` for the drafter, in every command): section -> {old key: new key}. A
+#: config file, preset, ``--set`` or saved run (``run.json``) with an old key is read as the new one, with one
+#: deprecation warning per key; ``stages.cli.DEPRECATED_OPTIONS`` does the same for the old option spellings.
+RENAMED_KEYS: dict[str, dict[str, str]] = {
+    "extract": {"workers": "target_processes"},
+    "generate": {"workers": "target_processes"},
+    "online": {"workers": "target_processes"},
+    "train": {"cpu_processes": "drafter_processes"},
+    "sweep": {"gpus": "drafter_gpus"},
+}
+
+_warned_renames: set[tuple[str, str]] = set()
+
+
+def migrate_renamed(section: str, values: Mapping[str, Any], source: str = "") -> dict[str, Any]:
+    """``values`` (a section's settings) with the old keys of :data:`RENAMED_KEYS` under their new names.
+
+    Logs one deprecation warning per old key and process. A mapping that holds both the old and the new key keeps
+    the new one's value.
+    """
+    renames = RENAMED_KEYS.get(section, {})
+    if not any(key in renames for key in values):
+        return dict(values)
+    import logging
+
+    result: dict[str, Any] = {}
+    for key, value in values.items():
+        new = renames.get(key)
+        if new is None:
+            result[key] = value
+            continue
+        if (section, key) not in _warned_renames:
+            _warned_renames.add((section, key))
+            where = f" ({source})" if source else ""
+            logging.getLogger("dflash.config").warning("%s.%s%s is deprecated: it is now %s.%s; rename it", section,
+                                                       key, where, section, new)
+        if new not in values:
+            result[new] = value
+    return result
 
 
 def field_default(field: dataclasses.Field) -> Any:

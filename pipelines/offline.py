@@ -48,7 +48,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dflash.config_check import override_value
+from dflash.config_check import migrate_renamed, override_value
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 
 if TYPE_CHECKING:
@@ -109,7 +109,8 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     unknown = sorted(set(_strip_comments(data)) - set(_STAGES) - {"target"})
     if unknown:
         raise ConfigError(f"preset {name_or_path}: unknown sections {unknown}; expected {list(_STAGES)} and 'target'")
-    return _strip_comments(data)
+    return {name: migrate_renamed(name, values, f"preset {name_or_path}") if isinstance(values, dict) else values
+            for name, values in _strip_comments(data).items()}
 
 
 def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -126,7 +127,8 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
             raise ConfigError(f"--set {override!r}: expected section.field=value, e.g. train.lr=3e-4")
         if section not in _STAGES:
             raise ConfigError(f"--set {override!r}: unknown section {section!r}; expected one of {list(_STAGES)}")
-        result.setdefault(section, {})[name] = override_value(raw, override)
+        result.setdefault(section, {}).update(migrate_renamed(section, {name: override_value(raw, override)},
+                                                              f"--set {override}"))
     return result
 
 

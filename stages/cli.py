@@ -19,8 +19,8 @@ import typer
 
 from stages.exit_status import EXIT_STATUS_HELP, USER_ERRNOS, ExitCode, os_error_message, print_error
 
-__all__ = ["app", "main", "ExitCode", "EXIT_STATUS_HELP", "GLOBAL_FLAGS", "NON_TTY_COLUMNS", "USER_ERRNOS", "dask_setup",
-           "hoist_global_flags", "print_error", "os_error_message"]
+__all__ = ["app", "main", "ExitCode", "DEPRECATED_OPTIONS", "EXIT_STATUS_HELP", "GLOBAL_FLAGS", "NON_TTY_COLUMNS",
+           "USER_ERRNOS", "canonical_options", "dask_setup", "hoist_global_flags", "print_error", "os_error_message"]
 
 
 #: Columns rich lays output out for when stdout is not a terminal and ``$COLUMNS`` is unset (rich's default is 80,
@@ -121,6 +121,40 @@ def hoist_global_flags(args: list[str]) -> list[str]:
     return [*flags, *[a for a in args[:stop] if a not in GLOBAL_FLAGS], *args[stop:]]
 
 
+#: Old option spellings, per command -> the one spelling every command now uses (GPUs and CPU processes named by
+#: role: ``--target-gpus``/``--target-processes`` for target replicas, ``--drafter-gpus``/``--drafter-processes``
+#: for the drafter). :func:`main` still accepts them, hidden from ``--help``, with one deprecation warning;
+#: ``dflash.config_check.RENAMED_KEYS`` does the same for config keys.
+DEPRECATED_OPTIONS: dict[str, dict[str, str]] = {
+    "extract": {"--workers": "--target-processes"},
+    "generate": {"--workers": "--target-processes"},
+    "online": {"--workers": "--target-processes", "--cpu-processes": "--drafter-processes"},
+    "train": {"--cpu-processes": "--drafter-processes"},
+    "sweep": {"--gpus": "--drafter-gpus"},
+}
+
+
+def canonical_options(args: list[str]) -> list[str]:
+    """``args`` (after :func:`hoist_global_flags`) with the command's :data:`DEPRECATED_OPTIONS` spellings (also
+    ``--old=VALUE``) before a ``--`` replaced by the current ones; one warning on stderr per old spelling."""
+    command = next((a for a in args if not a.startswith("-")), None)
+    renames = DEPRECATED_OPTIONS.get(command or "", {})
+    if not renames:
+        return args
+    stop = args.index("--") if "--" in args else len(args)
+    result, warned = [], set()
+    for arg in args[:stop]:
+        name, eq, value = arg.partition("=")
+        new = renames.get(name)
+        if new is not None:
+            if name not in warned:
+                warned.add(name)
+                print(f"warning: {command} {name} is deprecated; use {new}", file=sys.stderr)
+            arg = new + eq + value
+        result.append(arg)
+    return [*result, *args[stop:]]
+
+
 @app.callback()
 def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages (anywhere on the line)."),
           quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings and errors only (anywhere on the line)."),
@@ -217,7 +251,7 @@ def main() -> None:
     _set_output_width()
     _preload_quiet_dask_workers()
     _register_all()
-    sys.argv[1:] = hoist_global_flags(sys.argv[1:])
+    sys.argv[1:] = canonical_options(hoist_global_flags(sys.argv[1:]))
     try:
         app()
     except DFlashError as error:

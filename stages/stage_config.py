@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash.config_check import override_value
+from dflash.config_check import migrate_renamed, override_value
 from dflash.errors import ConfigError
 
 __all__ = ["CONFIG_OPTION", "PRESET_OPTION", "PRINT_CONFIG_OPTION", "SET_OPTION", "given_options", "print_and_exit",
@@ -71,10 +71,10 @@ def section_of(data: Mapping[str, Any], section: str, fields: set[str], source: 
         picked = {k: v for k, v in data[section].items() if k not in PIPELINE_ONLY.get(section, ())}
         if "target" in fields and "target" in data and not isinstance(data["target"], Mapping):
             picked.setdefault("target", data["target"])
-        return picked
+        return migrate_renamed(section, picked, source)
     if any(isinstance(data.get(name), Mapping) for name in KNOWN_SECTIONS):
         return {"target": data["target"]} if "target" in fields and isinstance(data.get("target"), str) else {}
-    return dict(data)
+    return migrate_renamed(section, data, source)
 
 
 def parse_sets(overrides: Sequence[str], section: str) -> list[tuple[str, Any, str]]:
@@ -88,7 +88,8 @@ def parse_sets(overrides: Sequence[str], section: str) -> list[tuple[str, Any, s
         if not sep or not key or "." in key:
             raise ConfigError(f"--set {item!r}: expected {section}.field=value (or field=value), e.g. "
                               f"{section}.target=default")
-        parsed.append((key, override_value(raw, item), f"--set {item}"))
+        (key, value), = migrate_renamed(section, {key: override_value(raw, item)}, f"--set {item}").items()
+        parsed.append((key, value, f"--set {item}"))
     return parsed
 
 

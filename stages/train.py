@@ -7,7 +7,7 @@ Run::
     torchrun --nproc-per-node 3 -m stages.train --cache CACHE --output RUN   # same, launched by torchrun
     dflash-stages train --cache CACHE --output RUN --resume             # continue RUN from its latest checkpoint
 
-With ``--drafter-gpus`` listing several GPUs (or ``--cpu-processes N`` on CPU, gloo backend) the command launches
+With ``--drafter-gpus`` listing several GPUs (or ``--drafter-processes N`` on CPU, gloo backend) the command launches
 its own workers through ``torch.distributed.run``'s elastic launcher (what ``torchrun --standalone`` does); under
 ``torchrun`` it joins the process group that torchrun set up (nccl on GPU, gloo on CPU).
 
@@ -136,7 +136,7 @@ class TrainConfig:
     """Where the drafter trains; auto: CUDA when available."""
     drafter_gpus: list[int] | None = None
     """GPU ids for the drafter; several: DDP, one process per GPU."""
-    cpu_processes: int = 1
+    drafter_processes: int = 1
     """Data-parallel processes on CPU (gloo), for tests and debugging."""
     stop_at_step: int | None = None
     """Stop after this step with a checkpoint, as a preemption would (the schedule still spans ``max_steps``)."""
@@ -171,7 +171,7 @@ class TrainConfig:
                 raise ConfigError(f"drafter_gpus must list distinct GPU ids, got {self.drafter_gpus}")
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
         positive = ("num_draft_layers", "max_anchors_per_document", "token_budget", "num_buckets", "grad_accum_steps",
-                    "prefetch_batches", "save_every", "keep_last", "log_every", "throughput_window", "cpu_processes")
+                    "prefetch_batches", "save_every", "keep_last", "log_every", "throughput_window", "drafter_processes")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -207,8 +207,8 @@ class TrainConfig:
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.drafter_gpus is not None and self.device == "cpu":
             raise ConfigError("drafter_gpus lists GPUs but device is 'cpu'; drop one of them")
-        if self.drafter_gpus is not None and self.cpu_processes > 1:
-            raise ConfigError("cpu_processes > 1 is for CPU runs; with drafter_gpus the world size is their count")
+        if self.drafter_gpus is not None and self.drafter_processes > 1:
+            raise ConfigError("drafter_processes > 1 is for CPU runs; with drafter_gpus the world size is their count")
         if self.min_supervised_tokens is not None and (
             not isinstance(self.min_supervised_tokens, int) or isinstance(self.min_supervised_tokens, bool)
             or self.min_supervised_tokens < 0
@@ -250,7 +250,7 @@ class TrainConfig:
     @property
     def world_size(self) -> int:
         """Processes this config asks for (under torchrun the launcher's WORLD_SIZE rules)."""
-        return len(self.drafter_gpus) if self.drafter_gpus else self.cpu_processes
+        return len(self.drafter_gpus) if self.drafter_gpus else self.drafter_processes
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -279,7 +279,7 @@ class TrainConfig:
 
 #: Fields that never change what is computed: a resume may change them freely.
 RUNTIME_FIELDS = frozenset({
-    "cache", "output", "target", "resume", "allow_config_change", "break_lock", "allow_incomplete", "device", "drafter_gpus", "cpu_processes",
+    "cache", "output", "target", "resume", "allow_config_change", "break_lock", "allow_incomplete", "device", "drafter_gpus", "drafter_processes",
     "stop_at_step", "save_every", "keep_last", "eval_every", "log_every", "throughput_window", "progress",
     "prefetch_batches", "max_validation_batches", "report_to",
 })  # fmt: skip
@@ -301,7 +301,9 @@ def trajectory_changes(saved: dict[str, Any], current: dict[str, Any], *, saved_
     # A field missing from an older checkpoint had its default then (fields are only ever added with defaults),
     # except where ABSENT_IN_OLD_RUNS says otherwise.
     defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
-    saved = {**ABSENT_IN_OLD_RUNS, **saved}
+    from dflash.config_check import migrate_renamed
+
+    saved = {**ABSENT_IN_OLD_RUNS, **migrate_renamed("train", saved)}
     changes = []
     for name in sorted(set(saved) | set(current)):
         if name in RUNTIME_FIELDS or name == "grad_accum_steps":
@@ -461,7 +463,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
         ConfigError: an unknown key, a wrong type or a refused value, named with its source; --resume of a folder
             that holds no run.
     """
-    from dflash.config_check import check_fields, read_config_file
+    from dflash.config_check import check_fields, migrate_renamed, read_config_file
     from stages.stage_config import parse_sets, section_of
 
     known = {f.name for f in fields(TrainConfig)}
@@ -494,6 +496,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
             saved = json.loads(run_json.read_text())["config"]
             if not isinstance(saved, dict):
                 raise TypeError("config is not an object")
+            saved = migrate_renamed("train", saved, str(run_json))  # a run saved before a setting was renamed
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
             raise ConfigError(f"--resume: {run_json} is not a readable run record ({error}); it is damaged: restore "
                               "it, or start a new run in another --output") from None
@@ -595,7 +598,7 @@ def register(app: typer.Typer) -> None:
         sets: list[str] = typer.Option([], "--set", help="train.FIELD=VALUE or FIELD=VALUE (JSON value, else a string), over everything else. Repeatable."),
         target: str = typer.Option(None, "--target", help="Target spec; default: the cache's."),
         drafter_gpus: str = typer.Option(None, "--drafter-gpus", help="GPU ids, e.g. 5,6,7 (DDP when several)."),
-        cpu_processes: int = typer.Option(None, "--cpu-processes", show_default=_shown("cpu_processes"), help="DDP processes on CPU (gloo)."),
+        drafter_processes: int = typer.Option(None, "--drafter-processes", show_default=_shown("drafter_processes"), help="DDP processes on CPU (gloo)."),
         device: str = typer.Option(None, "--device", show_default=_shown("device"), help="auto | cpu | cuda."),
         num_draft_layers: int = typer.Option(None, "--num-draft-layers", show_default=_shown("num_draft_layers"), help="Draft decoder layers."),
         block_size: int = typer.Option(None, "--block-size", show_default=_shown("block_size"), help="Block size B."),
@@ -670,7 +673,7 @@ def register(app: typer.Typer) -> None:
         set_attention_backend(attention_backend if attention_backend is not None else current_attention_backend())
         overrides = {
             "cache": cache, "output": output, "resume": resume, "target": target,
-            "drafter_gpus": _csv_ints(drafter_gpus), "cpu_processes": cpu_processes, "device": device,
+            "drafter_gpus": _csv_ints(drafter_gpus), "drafter_processes": drafter_processes, "device": device,
             "num_draft_layers": num_draft_layers, "block_size": block_size, "mask_token_id": mask_token_id,
             "target_layer_ids": _csv_ints(target_layer_ids), "gamma": gamma, "max_anchors_per_document": max_anchors,
             "token_budget": token_budget, "num_buckets": num_buckets, "bucket_boundaries": _csv_ints(bucket_boundaries),

@@ -272,7 +272,7 @@ def test_help_renders_flags_without_a_type_placeholder():
                    if "--verbose" in line)
     assert " ".join(verbose.strip("│ ").split()) == "--verbose -v Log debug messages (anywhere on the line)."
     extract = runner.invoke(app, ["extract", "--help"], env={"COLUMNS": "200"}).output
-    assert any("--workers" in line and "<int>" in line for line in extract.splitlines())
+    assert any("--target-processes" in line and "<int>" in line for line in extract.splitlines())
 
 
 @pytest.mark.parametrize("code, exit_status, expected", [

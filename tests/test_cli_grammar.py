@@ -73,3 +73,84 @@ def test_dtype_names_are_accepted_in_either_spelling_and_stored_in_one(tmp_path,
     code, err = main_in_process(monkeypatch, capsys, "evaluate", "--drafter", "d", "--prompts", "p.jsonl",
                                 "--dtype", "bf17")
     assert code == 2 and "evaluate.dtype (--dtype)" in err
+
+
+#: GPUs and CPU processes are named by role, one spelling per role in every command (README, "Usage").
+PLACEMENT_OPTIONS = {"--target-gpus", "--target-processes", "--drafter-gpus", "--drafter-processes"}
+
+
+def _visible_options():
+    """(command path, option name, parameter name) of every option ``--help`` shows, in every (sub)command."""
+    import typer
+
+    from stages.cli import _register_all, app
+
+    _register_all()
+
+    def walk(command, path):  # by duck type: typer may bundle a click of its own, whose classes are not click's
+        if hasattr(command, "commands"):
+            for name, sub in command.commands.items():
+                yield from walk(sub, (*path, name))
+            return
+        for param in command.params:
+            if param.param_type_name == "option" and not param.hidden:
+                for name in (*param.opts, *param.secondary_opts):
+                    yield " ".join(path), name, param.name
+
+    return list(walk(typer.main.get_command(app), ()))
+
+
+def test_gpu_lists_and_cpu_processes_have_one_spelling_per_role_in_every_command():
+    from stages.cli import DEPRECATED_OPTIONS
+
+    options = _visible_options()
+    deprecated = {old for renames in DEPRECATED_OPTIONS.values() for old in renames}
+    for command, name, param in options:
+        assert name not in deprecated, (command, name)
+        if name.endswith(("-gpus", "-gpu", "-workers")) or (name.endswith("-processes") and name != "--write-processes"):
+            assert name in PLACEMENT_OPTIONS, (command, name)
+        if name in PLACEMENT_OPTIONS:  # the config field is named as the option
+            assert param == name[2:].replace("-", "_"), (command, name, param)
+    by_command: dict[str, set[str]] = {}
+    for command, name, _ in options:
+        by_command.setdefault(command, set()).add(name)
+    for command in ("generate", "extract", "online"):
+        assert {"--target-gpus", "--target-processes"} <= by_command[command], command
+    for command in ("train", "online"):
+        assert {"--drafter-gpus", "--drafter-processes"} <= by_command[command], command
+    assert "--drafter-gpus" in by_command["sweep"]
+
+
+def test_old_placement_spellings_still_work_with_one_deprecation_warning(tmp_path, monkeypatch, capsys):
+    extract = ["extract", "--corpus", str(tmp_path / "c"), "-o", str(tmp_path / "o"), "--print-config"]
+    code, out, err = main_in_process_out(monkeypatch, capsys, *extract, "--workers", "2")
+    assert code == 0, err
+    assert json.loads(out)["extract"]["target_processes"] == 2
+    assert err.count("deprecated") == 1 and "use --target-processes" in err
+    code, out, err = main_in_process_out(monkeypatch, capsys, *extract, "--workers=3")
+    assert code == 0 and json.loads(out)["extract"]["target_processes"] == 3, err
+    code, out, err = main_in_process_out(monkeypatch, capsys, "sweep", "--cache", str(tmp_path / "cache"), "--grid",
+                                         "lr=1e-3,2e-3", "--gpus", "0,1", "--print-config")
+    assert code == 0, err
+    assert json.loads(out)["sweep"]["drafter_gpus"] == [0, 1] and "use --drafter-gpus" in err
+    code, out, err = main_in_process_out(monkeypatch, capsys, "train", "--cache", str(tmp_path / "cache"), "-o",
+                                         str(tmp_path / "r"), "--cpu-processes", "2", "--print-config")
+    assert code == 0, err
+    assert json.loads(out)["drafter_processes"] == 2 and "use --drafter-processes" in err
+    # The old config keys too: in --set, in a config file (a run.json of an older version), in a preset.
+    code, out, err = main_in_process_out(monkeypatch, capsys, *extract, "--set", "extract.workers=4")
+    assert code == 0 and json.loads(out)["extract"]["target_processes"] == 4, err
+    old_run = tmp_path / "run.json"
+    old_run.write_text(json.dumps({"config": {"cache": str(tmp_path / "cache"), "output": str(tmp_path / "r"),
+                                              "cpu_processes": 3}}))
+    code, out, err = main_in_process_out(monkeypatch, capsys, "train", "--config", str(old_run), "--print-config")
+    assert code == 0, err
+    assert json.loads(out)["drafter_processes"] == 3 and "cpu_processes" not in json.loads(out)
+
+
+def test_an_old_run_json_with_renamed_keys_compares_equal_on_resume():
+    from stages.train import TrainConfig, trajectory_changes
+
+    current = TrainConfig(cache="c", output="o", drafter_processes=2).to_dict()
+    saved = {**{k: v for k, v in current.items() if k != "drafter_processes"}, "cpu_processes": 2}
+    assert trajectory_changes(saved, current, saved_world_size=2, world_size=2) == []

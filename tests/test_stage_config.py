@@ -125,7 +125,7 @@ def test_hostile_config_files_and_values_are_one_error_line(tmp_path, monkeypatc
     (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00bad")
     (tmp_path / "laughs.yaml").write_text('a: &a ["x","x","x"]\nb: &b [*a,*a,*a]\nextract:\n  extra: {c: [*b,*b]}\n')
     (tmp_path / "nested.json").write_text('{"generate": {"default_prompts": {"window_chars": "big"}}}')
-    (tmp_path / "typo_section.json").write_text('{"extract": {"workers": 1}, "trian": {"lr": 5}}')
+    (tmp_path / "typo_section.json").write_text('{"extract": {"target_processes": 1}, "trian": {"lr": 5}}')
     (tmp_path / "lr.toml").write_text("[train]\nlr = -1.0\n")
     (tmp_path / "inf.json").write_text('{"extract": {"expected_ratio": 1e999}}')
     out = str(tmp_path / "out")
