@@ -20,7 +20,8 @@ import typer
 from stages.exit_status import EXIT_STATUS_HELP, USER_ERRNOS, ExitCode, os_error_message, print_error
 
 __all__ = ["app", "main", "ExitCode", "DEPRECATED_OPTIONS", "EXIT_STATUS_HELP", "GLOBAL_FLAGS", "NON_TTY_COLUMNS",
-           "USER_ERRNOS", "canonical_options", "dask_setup", "hoist_global_flags", "print_error", "os_error_message"]
+           "USER_ERRNOS", "canonical_options", "dask_setup", "hoist_global_flags", "print_error", "os_error_message",
+           "usage_error_message"]
 
 
 #: Columns rich lays output out for when stdout is not a terminal and ``$COLUMNS`` is unset (rich's default is 80,
@@ -229,7 +230,8 @@ def main() -> None:
     Errors raised for a user's input (``dflash.errors.DFlashError``: bad path, field, row...) and ``OSError``s of
     :data:`USER_ERRNOS` (full disk, permission denied...) print one ``error:`` line naming what to fix and exit with
     status 2, whichever command raised them; any other exception is a bug: its traceback is printed and the status
-    is 3. Ctrl-C and SIGTERM unwind (``finally`` blocks clean up)
+    is 3. Click's own usage errors (unknown option or command, missing argument, bad value) are one ``error:``
+    line too (:func:`usage_error_message`), exit 2. Ctrl-C and SIGTERM unwind (``finally`` blocks clean up)
     and exit 130. See :class:`ExitCode`.
     """
     import signal
@@ -253,7 +255,16 @@ def main() -> None:
     _register_all()
     sys.argv[1:] = canonical_options(hoist_global_flags(sys.argv[1:]))
     try:
-        app()
+        # standalone_mode=False: click's own usage errors (unknown option, missing or bad value, no such command)
+        # come here as exceptions instead of typer's boxed panel, and print as one error: line.
+        returned = app(standalone_mode=False, prog_name="dflash-stages")
+    except typer.TyperException as error:  # click's exceptions derive from it (typer bundles its own click)
+        if type(error).__name__ == "NoArgsIsHelpError":  # the help is already printed (no_args_is_help)
+            raise SystemExit(ExitCode.USAGE) from None
+        print_error(usage_error_message(error))
+        raise SystemExit(ExitCode.USAGE) from None
+    except typer.Abort:  # end of input at a prompt
+        raise SystemExit(ExitCode.INTERRUPTED) from None
     except DFlashError as error:
         print_error(error)
         raise SystemExit(ExitCode.USAGE) from None
@@ -268,6 +279,34 @@ def main() -> None:
     except Exception as error:  # a bug: keep the (pretty) traceback, but never mistake it for a check's verdict
         sys.excepthook(type(error), error, error.__traceback__)
         raise SystemExit(ExitCode.INTERNAL) from None
+    if isinstance(returned, int) and not isinstance(returned, bool):  # typer.Exit(code) / ctx.exit(code)
+        raise SystemExit(returned)
+
+
+def usage_error_message(error: Exception) -> str:
+    """The one line of a click usage error (``typer.TyperException``): the command, click's message and where the
+    usage is explained, e.g. ``dflash-stages train: No such option: --lrr Did you mean --lr? (see 'dflash-stages
+    train --help')``."""
+    format_message = getattr(error, "format_message", None)
+    message = " ".join(str(format_message() if callable(format_message) else error).split())
+    ctx = getattr(error, "ctx", None)
+    command = getattr(ctx, "command_path", None) or _command_path(sys.argv[1:])
+    return f"{command}: {message} (see '{command} --help')"
+
+
+def _command_path(args: list[str]) -> str:
+    """``dflash-stages`` and the (sub)command names that lead ``args`` (for an error click raised without a
+    context, e.g. an option missing its value at the end of the line)."""
+    node, path = typer.main.get_command(app), ["dflash-stages"]
+    for arg in args:
+        if arg.startswith("-"):
+            continue
+        commands = getattr(node, "commands", None)
+        if not commands or arg not in commands:
+            break
+        node = commands[arg]
+        path.append(arg)
+    return " ".join(path)
 
 
 if __name__ == "__main__":

@@ -383,3 +383,30 @@ def test_extract_on_gpus_without_cuda_is_refused_before_any_file_exists(tmp_path
                                 str(tmp_path / "cache"), "--target-gpus", "0")  # fmt: skip
     assert code == 2 and "CUDA is not available" in err and err.count("error:") == 1
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["train", "--lrr", "3"], "error: dflash-stages train: No such option: --lrr (Possible options: --lr) "
+                              "(see 'dflash-stages train --help')"),
+    (["train", "--token-budget", "abc"], "error: dflash-stages train: Invalid value for '--token-budget':"),
+    (["trian"], "error: dflash-stages: No such command 'trian'. Did you mean 'train'? (see 'dflash-stages --help')"),
+    (["cache", "info"], "error: dflash-stages cache info: Missing argument 'CACHE'. "
+                        "(see 'dflash-stages cache info --help')"),
+    (["extract", "--length-policy"], "error: dflash-stages extract: Option '--length-policy' requires an argument."),
+])  # fmt: skip
+def test_click_usage_errors_are_one_error_line_naming_the_fix(args, expected, monkeypatch, capsys):
+    from tests.cli_helpers import main_in_process_out
+
+    code, out, err = main_in_process_out(monkeypatch, capsys, *args)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith(expected), err
+    assert "╭" not in err and "Usage:" not in err
+
+
+def test_help_and_a_group_without_its_subcommand_still_print_the_help(monkeypatch, capsys):
+    from tests.cli_helpers import main_in_process_out
+
+    code, out, _ = main_in_process_out(monkeypatch, capsys, "train", "--help")
+    assert code == 0 and "--drafter-gpus" in out
+    code, out, _ = main_in_process_out(monkeypatch, capsys, "cache")
+    assert code == 2 and "verify" in out
