@@ -155,6 +155,14 @@ class TrainConfig:
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     """Experiment trackers the metrics also go to (``dflash.trackers``): tensorboard, wandb, mlflow, trackio (offline
     modes; an absent package is skipped with a warning); empty (``--report-to none``) for ``metrics.jsonl`` only."""
+    attention_backend: Literal["auto", "flash", "triton"] | None = None
+    """Kernels of the drafter's FlexAttention on GPU (``dflash.drafter.attention_kernels``): ``auto`` (flash-attn-4's
+    where installed and usable, else Triton's), ``flash`` or ``triton``; ``None``: ``$DFLASH_ATTENTION_BACKEND``, else
+    ``auto``. Every rank applies it (and sets the variable for the processes it starts)."""
+    ce_kernel: Literal["auto", "triton", "inductor", "eager"] | None = None
+    """Per-chunk softmax/cross-entropy implementation of the loss on GPU (``dflash.drafter.loss``): ``auto`` (Triton
+    where it runs, else the compiled chunk), ``triton``, ``inductor`` or ``eager``; ``None``: ``$DFLASH_CE_KERNEL``,
+    else ``auto``. For benchmarking; every rank applies it."""
 
     def __post_init__(self) -> None:
         if not self.cache:
@@ -222,6 +230,29 @@ class TrainConfig:
         if self.eval_every is None:
             self.eval_every = self.save_every
         self.optim_config()  # validates lr, betas, eps, weight_decay, warmup_ratio, min_lr_ratio, grad_clip
+        from dflash.drafter import CE_KERNELS, attention_backend, ce_kernel
+        from dflash.drafter.attention_kernels import ATTENTION_BACKENDS
+
+        for name, choices, from_env in (("attention_backend", ATTENTION_BACKENDS, attention_backend),
+                                        ("ce_kernel", CE_KERNELS, ce_kernel)):
+            value = getattr(self, name)
+            if value is None:
+                from_env()  # a bad environment variable is refused before any work too (ConfigError naming it)
+            elif not isinstance(value, str) or value.strip().lower() not in choices:
+                raise ConfigError(f"{name} must be one of {', '.join(choices)} (or None: the environment's), got "
+                                  f"{value!r}")
+            else:
+                setattr(self, name, value.strip().lower())
+
+    def apply_kernel_choices(self) -> None:
+        """Make ``attention_backend`` and ``ce_kernel`` this process's choice (where set; unset fields leave the
+        environment variables' choice), for it and the processes it starts."""
+        from dflash.drafter import set_attention_backend, set_ce_kernel
+
+        if self.attention_backend is not None:
+            set_attention_backend(self.attention_backend)
+        if self.ce_kernel is not None:
+            set_ce_kernel(self.ce_kernel)
 
     def optim_config(self) -> OptimConfig:
         return OptimConfig(
@@ -281,7 +312,7 @@ class TrainConfig:
 RUNTIME_FIELDS = frozenset({
     "cache", "output", "target", "resume", "allow_config_change", "break_lock", "allow_incomplete", "device", "drafter_gpus", "drafter_processes",
     "stop_at_step", "save_every", "keep_last", "eval_every", "log_every", "throughput_window", "progress",
-    "prefetch_batches", "max_validation_batches", "report_to",
+    "prefetch_batches", "max_validation_batches", "report_to", "attention_backend", "ce_kernel",
 })  # fmt: skip
 
 
@@ -358,6 +389,7 @@ def _train_worker(config_dict: dict[str, Any], data_factory: Any = None) -> dict
     from stages.trainer import Trainer, open_cache_data
 
     config = TrainConfig.from_dict(config_dict)
+    config.apply_kernel_choices()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -627,7 +659,12 @@ def register(app: typer.Typer) -> None:
         attention_backend: str = typer.Option(
             None, "--attention-backend",
             help="Attention kernels (GPU only): auto (flash-attn-4's where installed and usable, else Triton) | "
-                 "flash | triton. Same as DFLASH_ATTENTION_BACKEND; not part of the run's config.",
+                 "flash | triton (default: $DFLASH_ATTENTION_BACKEND, else auto). A resume may change it.",
+        ),
+        ce_kernel: str = typer.Option(
+            None, "--ce-kernel",
+            help="Per-chunk cross-entropy kernel of the loss (GPU only): auto | triton | inductor | eager (default: "
+                 "$DFLASH_CE_KERNEL, else auto). A resume may change it.",
         ),
         anchor_slots: int = typer.Option(None, "--anchor-slots", help="Anchors per micro-batch with --compile."),
         max_documents: int = typer.Option(None, "--max-documents-per-batch", show_default=_shown("max_documents_per_batch"), help="Documents per micro-batch cap."),
@@ -666,11 +703,6 @@ def register(app: typer.Typer) -> None:
         """
         from rich.console import Console
 
-        from dflash.drafter import attention_backend as current_attention_backend
-        from dflash.drafter import set_attention_backend
-
-        # Checked before anything runs (also a bad DFLASH_ATTENTION_BACKEND); sets the variable DDP workers read.
-        set_attention_backend(attention_backend if attention_backend is not None else current_attention_backend())
         overrides = {
             "cache": cache, "output": output, "resume": resume, "target": target,
             "drafter_gpus": _csv_ints(drafter_gpus), "drafter_processes": drafter_processes, "device": device,
@@ -687,6 +719,7 @@ def register(app: typer.Typer) -> None:
             "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "log_every": log_every,
             "allow_config_change": allow_config_change, "break_lock": break_lock, "allow_incomplete": allow_incomplete, "progress": progress,
             "report_to": report_to.split(",") if report_to else None,
+            "attention_backend": attention_backend, "ce_kernel": ce_kernel,
         }  # fmt: skip
         config = config_from_cli(overrides, config_file, preset=preset, sets=sets, announce=not print_config)
         if print_config:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from stages.cli import hoist_global_flags
 from tests.cli_helpers import main_in_process, main_in_process_out
@@ -154,3 +155,41 @@ def test_an_old_run_json_with_renamed_keys_compares_equal_on_resume():
     current = TrainConfig(cache="c", output="o", drafter_processes=2).to_dict()
     saved = {**{k: v for k, v in current.items() if k != "drafter_processes"}, "cpu_processes": 2}
     assert trajectory_changes(saved, current, saved_world_size=2, world_size=2) == []
+
+
+def test_kernel_environment_variables_are_also_train_config_fields(tmp_path, monkeypatch, capsys):
+    """DFLASH_ATTENTION_BACKEND and DFLASH_CE_KERNEL are train.attention_backend / train.ce_kernel too (options,
+    --set, files, --print-config); the variable is the default where the field is unset, and both are checked
+    before any work."""
+    from dflash.drafter import attention_kernels
+    from dflash.drafter.loss import CE_KERNEL_ENV
+    from stages.train import TrainConfig, trajectory_changes
+
+    monkeypatch.delenv(CE_KERNEL_ENV, raising=False)
+    monkeypatch.setenv(attention_kernels.ENV_VAR, attention_kernels.attention_backend())
+    base = ["train", "--cache", str(tmp_path / "cache"), "-o", str(tmp_path / "run"), "--print-config"]
+    code, out, err = main_in_process_out(monkeypatch, capsys, *base, "--attention-backend", "TRITON", "--set",
+                                         "train.ce_kernel=eager")
+    assert code == 0, err
+    assert (json.loads(out)["attention_backend"], json.loads(out)["ce_kernel"]) == ("triton", "eager")
+    code, out, err = main_in_process_out(monkeypatch, capsys, *base)
+    assert code == 0 and (json.loads(out)["attention_backend"], json.loads(out)["ce_kernel"]) == (None, None), err
+    code, _, err = main_in_process_out(monkeypatch, capsys, *base, "--ce-kernel", "fast")
+    assert code == 2 and err.startswith("error: train.ce_kernel (--ce-kernel): ce_kernel must be one of auto,"), err
+    monkeypatch.setenv(CE_KERNEL_ENV, "fast")
+    code, _, err = main_in_process_out(monkeypatch, capsys, *base)
+    assert code == 2 and "DFLASH_CE_KERNEL='fast' is not one of" in err, err
+    code, out, err = main_in_process_out(monkeypatch, capsys, *base, "--ce-kernel", "inductor")  # the field wins
+    assert code == 0 and json.loads(out)["ce_kernel"] == "inductor", err
+    monkeypatch.delenv(CE_KERNEL_ENV)
+
+    previous = attention_kernels.attention_backend()
+    try:
+        TrainConfig(cache="c", output="o", attention_backend="flash", ce_kernel="eager").apply_kernel_choices()
+        assert attention_kernels.attention_backend() == "flash"
+        assert os.environ[attention_kernels.ENV_VAR] == "flash" and os.environ[CE_KERNEL_ENV] == "eager"
+    finally:
+        attention_kernels.set_attention_backend(previous)
+    saved = TrainConfig(cache="c", output="o", attention_backend="flash").to_dict()
+    current = TrainConfig(cache="c", output="o", ce_kernel="eager").to_dict()
+    assert trajectory_changes(saved, current, saved_world_size=1, world_size=1) == []  # a resume may change them
