@@ -118,8 +118,16 @@ def hoist_global_flags(args: list[str]) -> list[str]:
     """``args`` (``sys.argv[1:]``) with every :data:`GLOBAL_FLAGS` item before a ``--`` moved to the front, so that
     ``-v``/``-q`` work anywhere on the command line, as the same flags of every command."""
     stop = args.index("--") if "--" in args else len(args)
-    flags = [a for a in args[:stop] if a in GLOBAL_FLAGS]
-    return [*flags, *[a for a in args[:stop] if a not in GLOBAL_FLAGS], *args[stop:]]
+    # Combined short flags (-vv, -vq) are the flags one by one: -vv is -v (debug is the most verbose level), -vq is
+    # refused as -v -q is.
+    head: list[str] = []
+    for arg in args[:stop]:
+        if len(arg) > 2 and arg[0] == "-" and arg[1] != "-" and set(arg[1:]) <= {"v", "q"}:
+            head.extend(f"-{letter}" for letter in arg[1:])
+        else:
+            head.append(arg)
+    flags = [a for a in head if a in GLOBAL_FLAGS]
+    return [*flags, *[a for a in head if a not in GLOBAL_FLAGS], *args[stop:]]
 
 
 #: Old option spellings, per command -> the one spelling every command now uses (GPUs and CPU processes named by

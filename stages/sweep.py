@@ -65,7 +65,8 @@ def _parse_value(name: str, text: str, annotation: str) -> Any:
         return None
     try:
         if annotation.startswith(("list[", "tuple[")):
-            item_type = float if "float" in annotation else int
+            item = annotation.partition("[")[2]
+            item_type = float if item.startswith("float") else str if item.startswith("str") else int
             return [item_type(part) for part in text.split(":") if part]
         if annotation.startswith("bool"):
             if text.lower() not in ("true", "false", "1", "0", "yes", "no"):

@@ -496,7 +496,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
             that holds no run.
     """
     from dflash.config_check import check_fields, migrate_renamed, read_config_file
-    from stages.stage_config import parse_sets, section_of
+    from stages.stage_config import parse_sets, section_of, without_key
 
     known = {f.name for f in fields(TrainConfig)}
     base: dict[str, Any] = {}
@@ -549,7 +549,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
         key = next((k for k in sorted(origin, key=len, reverse=True) if message.startswith((k + " ", k + ":"))), None)
         if key is None:
             raise
-        raise ConfigError(f"train.{key} ({origin[key]}): {message}") from None
+        raise ConfigError(f"train.{key} ({origin[key]}): {without_key(message, key)}") from None
     if sized and announce:
         log.info("training on CPU: %s (the GPU-sized defaults would need tens of GB per step here; set them to "
                  "override)", ", ".join(f"{key} {value}" for key, value in sized.items()))

@@ -45,7 +45,7 @@ def _main_in_process(monkeypatch, *args: str) -> int:
 @pytest.mark.parametrize("args, expected", [
     (("train", "--cache", "no-such-cache", "--output", "run"), "no cache at no-such-cache"),
     (("train", "--output", "no-such-run", "--resume"), "--resume: no-such-run holds no run"),
-    (("train", "--cache", "c", "--output", "run", "--attention-backend", "fa3"), "train.attention_backend (--attention-backend): attention_backend must be one of auto, flash, triton"),
+    (("train", "--cache", "c", "--output", "run", "--attention-backend", "fa3"), "train.attention_backend (--attention-backend): must be one of auto, flash, triton"),
 ])
 def test_user_errors_exit_2_with_one_error_line(tmp_path, args, expected):
     result = _cli(*args, cwd=tmp_path)

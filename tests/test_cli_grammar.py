@@ -175,7 +175,7 @@ def test_kernel_environment_variables_are_also_train_config_fields(tmp_path, mon
     code, out, err = main_in_process_out(monkeypatch, capsys, *base)
     assert code == 0 and (json.loads(out)["attention_backend"], json.loads(out)["ce_kernel"]) == (None, None), err
     code, _, err = main_in_process_out(monkeypatch, capsys, *base, "--ce-kernel", "fast")
-    assert code == 2 and err.startswith("error: train.ce_kernel (--ce-kernel): ce_kernel must be one of auto,"), err
+    assert code == 2 and err.startswith("error: train.ce_kernel (--ce-kernel): must be one of auto,"), err
     monkeypatch.setenv(CE_KERNEL_ENV, "fast")
     code, _, err = main_in_process_out(monkeypatch, capsys, *base)
     assert code == 2 and "DFLASH_CE_KERNEL='fast' is not one of" in err, err
@@ -193,3 +193,37 @@ def test_kernel_environment_variables_are_also_train_config_fields(tmp_path, mon
     saved = TrainConfig(cache="c", output="o", attention_backend="flash").to_dict()
     current = TrainConfig(cache="c", output="o", ce_kernel="eager").to_dict()
     assert trajectory_changes(saved, current, saved_world_size=1, world_size=1) == []  # a resume may change them
+
+
+def test_combined_short_flags_vv_and_vq(tmp_path, monkeypatch, capsys):
+    assert hoist_global_flags(["extract", "-vv", "--corpus", "c"]) == ["-v", "-v", "extract", "--corpus", "c"]
+    args = ["extract", "--corpus", str(tmp_path / "c"), "-o", str(tmp_path / "o"), "--print-config"]
+    code, out, err = main_in_process_out(monkeypatch, capsys, *args, "-vv")
+    assert code == 0 and json.loads(out)["extract"]["corpus"] == str(tmp_path / "c"), err
+    code, err = main_in_process(monkeypatch, capsys, *args, "-vq")
+    assert code == 2 and err.strip() == "error: -v/--verbose and -q/--quiet contradict each other; give one"
+
+
+def test_empty_paths_are_refused_naming_the_key(tmp_path, monkeypatch, capsys):
+    cases = [
+        (["export", str(tmp_path / "ckpt"), "--set", "out=", "--print-config"], "error: export.out (--set out=): "),
+        (["extract", "--corpus", "c", "-o", "", "--print-config"], "error: extract.output (--output): "),
+        (["extract", "--corpus", " ", "-o", "x", "--print-config"], "error: extract.corpus (--corpus): "),
+    ]
+    for args, start in cases:
+        code, err = main_in_process(monkeypatch, capsys, *args)
+        assert code == 2 and err.startswith(start) and "empty path" in err, (args, err)
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"extract": {"corpus": "c", "output": ""}}))
+    code, err = main_in_process(monkeypatch, capsys, "extract", "--config", str(config), "--print-config")
+    assert code == 2 and err.startswith(f"error: extract.output (--config {config}): empty path"), err
+
+
+def test_refusals_name_the_key_once(tmp_path, monkeypatch, capsys):
+    code, err = main_in_process(monkeypatch, capsys, "sweep", "--cache", "c", "--grid", "lr=1e-3", "--drafter-gpus",
+                                "0,0", "--print-config")
+    assert code == 2 and err.strip() == ("error: sweep.drafter_gpus (--drafter-gpus): expected a non-empty list of "
+                                         "distinct GPU ids >= 0, got [0, 0]"), err
+    code, err = main_in_process(monkeypatch, capsys, "train", "--cache", "c", "-o", str(tmp_path / "r"), "--lr", "-1",
+                                "--print-config")
+    assert code == 2 and err.startswith("error: train.lr (--lr): must be"), err

@@ -153,12 +153,12 @@ def test_presets_load_and_overrides_apply():
     ("train.lr=abc", "train.lr (--set train.lr=abc): expected float, got 'abc'"),
     ("train.lrr=0.1", "train.lrr (--set train.lrr=0.1): unknown key; did you mean train.lr?"),
     ("generate.max_new_tokenz=3", "did you mean generate.max_new_tokens?"),
-    ("train.block_size=1", "train.block_size (--set train.block_size=1): block_size must be an integer >= 2"),
+    ("train.block_size=1", "train.block_size (--set train.block_size=1): must be an integer >= 2"),
     ("extract.num_taps=[1]", "extract.num_taps (--set extract.num_taps=[1]): expected int"),
     ("evaluate.per_epoch=2", "evaluate.per_epoch (--set evaluate.per_epoch=2): expected bool"),
     ("evaluate.num_promts=4", "did you mean evaluate.num_prompts?"),
     ("train.output=elsewhere", "train.output (--set train.output=elsewhere): set by the pipeline itself"),
-    ("generate.temperature=-1", "generate.temperature (--set generate.temperature=-1): temperature must be >= 0"),
+    ("generate.temperature=-1", "generate.temperature (--set generate.temperature=-1): must be >= 0"),
 ])
 def test_run_refuses_a_bad_setting_before_any_stage_writes(tmp_path, monkeypatch, capsys, override, message):
     """Every section is checked (keys, types, the stage config's own ranges) before the first stage: one error line

@@ -112,3 +112,11 @@ def test_sweep_settings_from_a_config_file_and_preset_and_errors_before_any_run(
         lines = [line for line in err.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and needle in lines[0], (args, err)
     assert not (tmp_path / "never").exists()
+
+
+def test_list_of_str_fields_are_swept_as_strings():
+    from stages.sweep import parse_grid
+
+    assert parse_grid(["report_to=tensorboard:wandb,none"]) == {"report_to": [["tensorboard", "wandb"], ["none"]]}
+    assert parse_grid(["betas=0.9:0.95"]) == {"betas": [[0.9, 0.95]]}
+    assert parse_grid(["target_layer_ids=1:3"]) == {"target_layer_ids": [[1, 3]]}
