@@ -20,7 +20,7 @@ import typer
 from stages.exit_status import EXIT_STATUS_HELP, USER_ERRNOS, ExitCode, os_error_message, print_error
 
 __all__ = ["app", "main", "ExitCode", "DEPRECATED_OPTIONS", "EXIT_STATUS_HELP", "GLOBAL_FLAGS", "NON_TTY_COLUMNS",
-           "USER_ERRNOS", "canonical_options", "dask_setup", "hoist_global_flags", "print_error", "os_error_message",
+           "PATH_OPTIONS", "USER_ERRNOS", "canonical_options", "refuse_empty_paths", "dask_setup", "hoist_global_flags", "print_error", "os_error_message",
            "usage_error_message"]
 
 
@@ -164,6 +164,25 @@ def canonical_options(args: list[str]) -> list[str]:
     return [*result, *args[stop:]]
 
 
+#: Options whose value is a path (or URL, or target spec) in some command: an empty value (``-o ''``) is refused
+#: before typer turns it into ``Path('.')``, the current folder (config keys: ``dflash.config_check.PATH_FIELDS``).
+PATH_OPTIONS = frozenset({"-o", "--output", "--corpus", "--cache", "--cache-to", "--drafter", "--json-file",
+                          "--workdir", "--config", "--preset", "--target", "--diff", "--resume-from"})
+
+
+def refuse_empty_paths(args: list[str]) -> None:
+    """Raise ``ConfigError`` for a :data:`PATH_OPTIONS` option given an empty value (``-o ''``, ``--output=``)."""
+    from dflash.errors import ConfigError
+
+    stop = args.index("--") if "--" in args else len(args)
+    for index, arg in enumerate(args[:stop]):
+        name, eq, value = arg.partition("=")
+        empty = (eq and name in PATH_OPTIONS and not value.strip()) or (
+            arg in PATH_OPTIONS and index + 1 < stop and not args[index + 1].strip())
+        if empty:
+            raise ConfigError(f"{name}: empty path; give a path (an empty one would mean the current folder)")
+
+
 @app.callback()
 def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages (anywhere on the line)."),
           quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings and errors only (anywhere on the line)."),
@@ -263,6 +282,7 @@ def main() -> None:
     _register_all()
     sys.argv[1:] = canonical_options(hoist_global_flags(sys.argv[1:]))
     try:
+        refuse_empty_paths(sys.argv[1:])
         # standalone_mode=False: click's own usage errors (unknown option, missing or bad value, no such command)
         # come here as exceptions instead of typer's boxed panel, and print as one error: line.
         returned = app(standalone_mode=False, prog_name="dflash-stages")

@@ -207,8 +207,12 @@ def test_combined_short_flags_vv_and_vq(tmp_path, monkeypatch, capsys):
 def test_empty_paths_are_refused_naming_the_key(tmp_path, monkeypatch, capsys):
     cases = [
         (["export", str(tmp_path / "ckpt"), "--set", "out=", "--print-config"], "error: export.out (--set out=): "),
-        (["extract", "--corpus", "c", "-o", "", "--print-config"], "error: extract.output (--output): "),
-        (["extract", "--corpus", " ", "-o", "x", "--print-config"], "error: extract.corpus (--corpus): "),
+        (["extract", "--corpus", "c", "-o", "", "--print-config"], "error: -o: "),
+        (["extract", "--corpus", " ", "-o", "x", "--print-config"], "error: --corpus: "),
+        (["sweep", "--cache", "c", "--grid", "lr=1e-3", "--output=", "--print-config"], "error: --output: "),  # Path
+        (["evaluate", "--drafter", "", "--prompts", "p.jsonl", "--print-config"], "error: --drafter: "),  # Path
+        (["extract", "--corpus", "c", "-o", "x", "--set", "extract.corpus= ", "--print-config"],
+         "error: extract.corpus (--set extract.corpus= ): "),
     ]
     for args, start in cases:
         code, err = main_in_process(monkeypatch, capsys, *args)
