@@ -307,8 +307,8 @@ def main() -> None:
     except Exception as error:  # a bug: keep the (pretty) traceback, but never mistake it for a check's verdict
         sys.excepthook(type(error), error, error.__traceback__)
         raise SystemExit(ExitCode.INTERNAL) from None
-    if isinstance(returned, int) and not isinstance(returned, bool):  # typer.Exit(code) / ctx.exit(code)
-        raise SystemExit(returned)
+    # As typer's standalone mode ends: always SystemExit; the code of typer.Exit(code) / ctx.exit(code), else 0.
+    raise SystemExit(returned if isinstance(returned, int) and not isinstance(returned, bool) else ExitCode.OK)
 
 
 def usage_error_message(error: Exception) -> str:
