@@ -522,7 +522,7 @@ def time_dask_extract(args: argparse.Namespace, device: torch.device, workdir: P
         num_taps=args.num_taps, shard_size=args.shard_size, token_budget=args.token_budget,
         storage_dtype={"bfloat16": "bf16", "float8_e4m3fn": "fp8"}[args.storage_dtype], codec=args.codec,
         dashboard_address=":0", write_threads=args.write_threads, writes_in_flight=args.writes_in_flight,
-        write_processes=args.write_processes, **({"target_gpus": [0]} if device.type == "cuda" else {"workers": 1}),
+        write_processes=args.write_processes, **({"target_gpus": [0]} if device.type == "cuda" else {"target_processes": 1}),
     )  # fmt: skip
     return run_extract(config, Console(stderr=True))
 

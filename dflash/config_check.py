@@ -24,11 +24,70 @@ from typing import Any
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 
-__all__ = ["DTYPE_NAMES", "MISSING_DEFAULT", "check_fields", "dtype_spelling", "field_default", "matches_type",
-           "override_value", "read_config_file"]
+__all__ = ["DTYPE_NAMES", "DuplicateKeyError", "unique_keys", "MISSING_DEFAULT", "PATH_FIELDS", "RENAMED_KEYS", "check_fields", "check_not_empty_path", "dtype_spelling", "field_default",
+           "matches_type", "migrate_renamed", "override_value", "read_config_file"]
 
 #: What :func:`field_default` returns for a field without a default (a required field).
 MISSING_DEFAULT = dataclasses.MISSING
+
+
+#: Settings renamed for one CLI grammar (``--target-gpus``/``--target-processes`` for target replicas,
+#: ``--drafter-gpus``/``--drafter-processes`` for the drafter, in every command): section -> {old key: new key}. A
+#: config file, preset, ``--set`` or saved run (``run.json``) with an old key is read as the new one, with one
+#: deprecation warning per key; ``stages.cli.DEPRECATED_OPTIONS`` does the same for the old option spellings.
+RENAMED_KEYS: dict[str, dict[str, str]] = {
+    "extract": {"workers": "target_processes"},
+    "generate": {"workers": "target_processes"},
+    "online": {"workers": "target_processes"},
+    "train": {"cpu_processes": "drafter_processes"},
+    "sweep": {"gpus": "drafter_gpus"},
+}
+
+_warned_renames: set[tuple[str, str]] = set()
+
+
+def migrate_renamed(section: str, values: Mapping[str, Any], source: str = "") -> dict[str, Any]:
+    """``values`` (a section's settings) with the old keys of :data:`RENAMED_KEYS` under their new names.
+
+    Logs one deprecation warning per old key and process. A mapping that holds both the old and the new key keeps
+    the new one's value.
+    """
+    renames = RENAMED_KEYS.get(section, {})
+    if not any(key in renames for key in values):
+        return dict(values)
+    import logging
+
+    result: dict[str, Any] = {}
+    for key, value in values.items():
+        new = renames.get(key)
+        if new is None:
+            result[key] = value
+            continue
+        if (section, key) not in _warned_renames:
+            _warned_renames.add((section, key))
+            where = f" ({source})" if source else ""
+            logging.getLogger("dflash.config").warning("%s.%s%s is deprecated: it is now %s.%s; rename it", section,
+                                                       key, where, section, new)
+        if new not in values:
+            result[new] = value
+    return result
+
+
+#: Fields of the stage configs that hold a path (or a URL, or a target spec): an empty value would silently mean the
+#: current folder, so it is refused wherever it comes from (:func:`check_not_empty_path`).
+PATH_FIELDS = frozenset({"cache", "cache_to", "checkpoint", "corpus", "drafter", "json_path", "out", "output",
+                         "prompts", "target", "tls_ca_file", "tls_cert", "tls_key", "workdir"})
+
+
+def check_not_empty_path(key: str, value: Any, where: str) -> None:
+    """Refuse an empty or blank string for a :data:`PATH_FIELDS` key.
+
+    Raises:
+        ConfigError: ``WHERE: empty path; ...``, with ``where`` naming the key and its source.
+    """
+    if key in PATH_FIELDS and isinstance(value, str) and not value.strip():
+        raise ConfigError(f"{where}: empty path; give a path (an empty one would mean the current folder), or "
+                          "remove the key")
 
 
 def field_default(field: dataclasses.Field) -> Any:
@@ -125,6 +184,7 @@ def check_fields(cls: type, values: Mapping[str, Any], *, section: str, source: 
             raise ConfigError(f"{where}: unknown key; {hint}")
         if key in hints and not matches_type(value, hints[key]):
             raise ConfigError(f"{where}: expected {_type_name(hints[key])}, got {value!r}")
+        check_not_empty_path(key, value, where)
         if isinstance(value, float) and not math.isfinite(value):  # 1e999 parses as inf; JSON cannot print it back
             raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         nested = hints.get(key)
@@ -140,7 +200,15 @@ def _yaml_loader() -> Any:
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):  # a key given twice is an error, as in TOML (not last-wins)
+            if isinstance(node, yaml.MappingNode):
+                seen: set = set()
+                for key_node, _ in node.value:
+                    key = self.construct_object(key_node, deep=True)
+                    if key in seen:
+                        raise DuplicateKeyError(key, key_node.start_mark.line + 1)
+                    seen.add(key)
+            return super().construct_mapping(node, deep=deep)
 
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
@@ -149,6 +217,24 @@ def _yaml_loader() -> Any:
         list("-+0123456789."),
     )
     return Loader
+
+
+class DuplicateKeyError(ValueError):
+    """A key given twice in one mapping of a YAML or JSON config file."""
+
+    def __init__(self, key: Any, line: int | None = None) -> None:
+        super().__init__(key)
+        self.key, self.line = key, line
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook``: the object, refusing a key given twice."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise DuplicateKeyError(key)
+        result[key] = value
+    return result
 
 
 def override_value(raw: str, item: str) -> Any:
@@ -187,6 +273,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"--config {file}: unreadable ({error})") from None
     try:
         data: Any = _parse(file, suffix, text)
+    except DuplicateKeyError as error:
+        at = f" (line {error.line})" if error.line is not None else ""
+        raise ConfigError(f"--config {file}: key {error.key!r} given twice{at}; keep one") from None
     except (ValueError, RecursionError) as error:  # e.g. a 5,000-digit integer, nesting thousands deep
         if isinstance(error, ConfigError):
             raise
@@ -223,7 +312,7 @@ def _parse(file: Path, suffix: str, text: str) -> Any:
             raise ConfigError(f"--config {file}: invalid YAML{where} ({problem})") from None
     elif suffix == ".json":
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=unique_keys)
         except json.JSONDecodeError as error:
             raise ConfigError(f"--config {file}: invalid JSON at line {error.lineno} column {error.colno} "
                               f"({error.msg})") from None

@@ -48,7 +48,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dflash.config_check import override_value
+from dflash.config_check import migrate_renamed, override_value
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 
 if TYPE_CHECKING:
@@ -87,10 +87,14 @@ def read_preset_json(name_or_path: str, names: tuple[str, ...]) -> Any:
         text = resources.files("pipelines").joinpath("presets", f"{name_or_path}.json").read_text()
     else:
         raise ConfigError(f"preset {name_or_path!r} is neither one of {', '.join(names)} nor a .json file")
+    from dflash.config_check import DuplicateKeyError, unique_keys
+
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as error:
         raise ConfigError(f"preset {name_or_path}: invalid JSON ({error})") from None
+    except DuplicateKeyError as error:
+        raise ConfigError(f"preset {name_or_path}: key {error.key!r} given twice; keep one") from None
     except (ValueError, RecursionError) as error:  # a 5,000-digit integer, nesting thousands deep
         raise ConfigError(f"preset {name_or_path}: unreadable ({type(error).__name__}: {str(error)[:120]})") from None
 
@@ -109,7 +113,8 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     unknown = sorted(set(_strip_comments(data)) - set(_STAGES) - {"target"})
     if unknown:
         raise ConfigError(f"preset {name_or_path}: unknown sections {unknown}; expected {list(_STAGES)} and 'target'")
-    return _strip_comments(data)
+    return {name: migrate_renamed(name, values, f"preset {name_or_path}") if isinstance(values, dict) else values
+            for name, values in _strip_comments(data).items()}
 
 
 def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -126,7 +131,8 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
             raise ConfigError(f"--set {override!r}: expected section.field=value, e.g. train.lr=3e-4")
         if section not in _STAGES:
             raise ConfigError(f"--set {override!r}: unknown section {section!r}; expected one of {list(_STAGES)}")
-        result.setdefault(section, {})[name] = override_value(raw, override)
+        result.setdefault(section, {}).update(migrate_renamed(section, {name: override_value(raw, override)},
+                                                              f"--set {override}"))
     return result
 
 
@@ -230,8 +236,10 @@ def _build_for_check(section: str, cls: type, values: dict[str, Any], source: Ca
     except (ConfigError, ValueError, TypeError) as error:
         message = str(error)
         key = next((k for k in values if message.startswith((k + " ", k + ":"))), None)
+        from stages.stage_config import without_key
+
         where = f"{section}.{key} ({source(section, key)})" if key else f"{section} ({source(section, '')})"
-        raise ConfigError(f"{where}: {message}") from None
+        raise ConfigError(f"{where}: {without_key(message, key) if key else message}") from None
 
 
 def _digest(data: Any) -> str:

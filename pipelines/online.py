@@ -2,14 +2,14 @@
 
 Run::
 
-    dflash-stages online --corpus CORPUS --output RUN --workers 1            # CPU: 1 producer process + trainer
+    dflash-stages online --corpus CORPUS --output RUN --target-processes 1   # CPU: 1 producer process + trainer
     dflash-stages online --preset online-1gpu --corpus CORPUS --output RUN   # one GPU for producer and drafter
     dflash-stages online --corpus CORPUS --output RUN --target-gpus 0,1,2,3,4 --drafter-gpus 5,6,7   # DDP
-    dflash-stages online --corpus CORPUS --output RUN --workers 1 --cache-to CACHE   # also write the cache
+    dflash-stages online --corpus CORPUS --output RUN --target-processes 1 --cache-to CACHE   # also write the cache
     dflash-stages online --output RUN --resume                                # continue a stopped or killed run
 
 Layout: Dask schedules the producers exactly as ``extract`` does (a LocalCluster, one worker per target GPU or
-``--workers`` CPU processes; :class:`stages.online_worker.OnlineProducerPlugin`, a ``TargetReplicaPlugin``, loads
+``--target-processes`` CPU processes; :class:`stages.online_worker.OnlineProducerPlugin`, a ``TargetReplicaPlugin``, loads
 the target once per worker and runs the extract stage's ``TargetRunner``). The trainer is the ``train`` stage's
 launcher and :class:`stages.trainer.Trainer` (same loop, DDP, checkpoints, telemetry, validation): this process for
 one rank, one spawned process per rank otherwise; each rank builds its batch sources with :class:`OnlineData`
@@ -75,7 +75,7 @@ class OnlineConfig:
     """Target spec (``"default"``: embedded SmolLM2-135M-Instruct, a transformers folder or a ``.gguf``)."""
     target_layer_ids: list[int] | None = None
     """Tapped layers; ``None``: DFlash's default rule with one tap per draft layer."""
-    workers: int | None = None
+    target_processes: int | None = None
     """CPU producer processes (Dask LocalCluster workers); ``None``: one per ``target_gpus`` entry, else 1."""
     target_gpus: list[int] | None = None
     """GPU ids of the producers, one Dask worker each (one GPU tested on an H200; several not yet run)."""
@@ -99,11 +99,11 @@ class OnlineConfig:
     def __post_init__(self) -> None:
         if not self.corpus:
             raise ConfigError("corpus: give the corpus folder (--corpus)")
-        if self.workers is not None and self.target_gpus is not None:
-            raise ConfigError(f"workers: give --workers (CPU) or --target-gpus, not both; got {self.workers} and "
+        if self.target_processes is not None and self.target_gpus is not None:
+            raise ConfigError(f"target_processes: give --target-processes (CPU) or --target-gpus, not both; got {self.target_processes} and "
                               f"{self.target_gpus}")
-        if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
-            raise ConfigError(f"workers: expected >= 1, got {self.workers!r}")
+        if self.target_processes is not None and (not isinstance(self.target_processes, int) or self.target_processes < 1):
+            raise ConfigError(f"target_processes: expected >= 1, got {self.target_processes!r}")
         if self.target_gpus is not None and (not self.target_gpus or len(set(self.target_gpus)) != len(self.target_gpus)):
             raise ConfigError(f"target_gpus: expected distinct GPU ids, got {self.target_gpus}")
         if not isinstance(self.ring_slots, int) or self.ring_slots < 2:
@@ -354,7 +354,7 @@ def _start_cluster(config: OnlineConfig, metadata: Any) -> tuple[Any, Any]:
     if not log.isEnabledFor(logging.DEBUG):
         logging.getLogger("distributed").setLevel(logging.WARNING)
     gpus = config.target_gpus
-    num_workers = len(gpus) if gpus else (config.workers or 1)
+    num_workers = len(gpus) if gpus else (config.target_processes or 1)
     # The scheduler (in this process) reads allowed-failures when it is made: a task whose producers died that
     # often fails with KilledWorker, which _ProducerFuture reports.
     with dask.config.set({"distributed.scheduler.allowed-failures": _ALLOWED_FAILURES[config.on_producer_death]}):
@@ -383,7 +383,7 @@ def _check_before_start(config: OnlineConfig) -> None:
     wants_cuda = bool(config.target_gpus) or bool(train.drafter_gpus) or train.device == "cuda"
     if wants_cuda and not torch.cuda.is_available():
         given = "--target-gpus" if config.target_gpus else "--drafter-gpus" if train.drafter_gpus else "--device cuda"
-        raise ConfigError(f"{given}: CUDA is not available on this host; use --workers N (CPU producers) and "
+        raise ConfigError(f"{given}: CUDA is not available on this host; use --target-processes N (CPU producers) and "
                           "--device cpu, or the online-cpu preset")
     from stages.trainer import check_run_folder
 
@@ -485,7 +485,7 @@ def online_sections(data: dict[str, Any], where: str) -> tuple[dict[str, Any], d
     Raises:
         ConfigError: as above.
     """
-    from dflash.config_check import check_fields
+    from dflash.config_check import check_fields, migrate_renamed
     from stages.train import TrainConfig
 
     if not isinstance(data, dict):
@@ -495,8 +495,10 @@ def online_sections(data: dict[str, Any], where: str) -> tuple[dict[str, Any], d
     if set(sections) - {"online", "train"} or not all(isinstance(v, dict) for v in sections.values()):
         raise ConfigError(f"{where}: expected the sections 'online' and 'train' (tables of settings), got "
                           f"{sorted(sections)}")
-    online = {k: v for k, v in sections.get("online", {}).items() if not k.startswith("_")}
-    train = {k: v for k, v in sections.get("train", {}).items() if not k.startswith("_")}
+    online = migrate_renamed("online", {k: v for k, v in sections.get("online", {}).items() if not k.startswith("_")},
+                             where)
+    train = migrate_renamed("train", {k: v for k, v in sections.get("train", {}).items() if not k.startswith("_")},
+                            where)
     check_fields(OnlineConfig, online, section="online", source=lambda key: where, reserved={"train"})
     # cache is online:<corpus>; resume is an option (--resume), never a saved setting
     check_fields(TrainConfig, train, section="train", source=lambda key: where, reserved={"cache", "resume"})
@@ -552,14 +554,14 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
         train_overrides.update(layer_train)
     # An option given replaces what it contradicts in the preset or file (CPU producers vs producer GPUs, CPU
     # ranks vs drafter GPUs): `--preset online-cpu --target-gpus 0` means GPU producers, not an error.
-    for given, replaced in (("target_gpus", "workers"), ("workers", "target_gpus")):
+    for given, replaced in (("target_gpus", "target_processes"), ("target_processes", "target_gpus")):
         if given in given_online:
             online.pop(replaced, None)
     if "drafter_gpus" in given_train:
-        train_overrides.pop("cpu_processes", None)
+        train_overrides.pop("drafter_processes", None)
         if train_overrides.get("device") == "cpu":
             train_overrides.pop("device")
-    if "cpu_processes" in given_train:
+    if "drafter_processes" in given_train:
         train_overrides.pop("drafter_gpus", None)
     online.update(given_online)
     train_overrides.update(given_train)
@@ -571,7 +573,9 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
     run_json = Path(output) / "run.json" if output else None
     if train_overrides.get("resume") and run_json is not None and run_json.is_file():
         resolved = json.loads(run_json.read_text()).get("resolved", {})
-        saved = dict(resolved.get("data_source", {}).get("online", {}))
+        from dflash.config_check import migrate_renamed
+
+        saved = migrate_renamed("online", resolved.get("data_source", {}).get("online", {}), str(run_json))
         if not saved:
             raise ConfigError(f"--resume: {output} is not an online run (run.json has no online data source); "
                               "resume it with `dflash-stages train --output ... --resume`")
@@ -611,10 +615,10 @@ def register(app: typer.Typer) -> None:
         resume: bool = typer.Option(None, "--resume/--no-resume", help="Continue RUN from its latest checkpoint."),
         target: str = typer.Option(None, "--target", help="Target spec ('default' = SmolLM2-135M-Instruct)."),
         target_layer_ids: str = typer.Option(None, "--target-layer-ids", help="Tapped layer ids, e.g. 1,3."),
-        workers: int = typer.Option(None, "--workers", help="CPU producer processes."),
+        target_processes: int = typer.Option(None, "--target-processes", help="CPU producer processes (target replicas), one Dask worker each."),
         target_gpus: str = typer.Option(None, "--target-gpus", help="Producer GPUs, one Dask worker each, e.g. 0,1."),
         drafter_gpus: str = typer.Option(None, "--drafter-gpus", help="Drafter GPUs, e.g. 2,3 (DDP when several)."),
-        cpu_processes: int = typer.Option(None, "--cpu-processes", help="Drafter DDP processes on CPU (gloo)."),
+        drafter_processes: int = typer.Option(None, "--drafter-processes", help="Drafter DDP processes on CPU (gloo)."),
         ring_slots: int = typer.Option(None, "--ring-slots", help="Shared-memory ring slots per rank (4)."),
         cache_to: str = typer.Option(None, "--cache-to", help="Also write the hidden-state cache here while training."),
         cache_shard_size: int = typer.Option(None, "--cache-shard-size", help="--cache-to: tokens per shard (65536)."),
@@ -651,12 +655,12 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
 
         online = {"corpus": corpus, "target": target, "target_layer_ids": _csv_ints(target_layer_ids),
-                  "workers": workers, "target_gpus": _csv_ints(target_gpus), "ring_slots": ring_slots,
+                  "target_processes": target_processes, "target_gpus": _csv_ints(target_gpus), "ring_slots": ring_slots,
                   "on_producer_death": on_producer_death, "cache_to": cache_to,
                   "cache_shard_size": cache_shard_size}  # fmt: skip
         train_overrides = {
             "output": output, "resume": resume, "drafter_gpus": _csv_ints(drafter_gpus),
-            "cpu_processes": cpu_processes, "device": device,
+            "drafter_processes": drafter_processes, "device": device,
             "num_draft_layers": num_draft_layers, "block_size": block_size, "max_anchors_per_document": max_anchors,
             "token_budget": token_budget, "num_buckets": num_buckets, "validation_fraction": validation_fraction,
             "epochs": epochs, "max_steps": max_steps, "stop_at_step": stop_at_step, "lr": lr, "seed": seed,

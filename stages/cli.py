@@ -19,8 +19,9 @@ import typer
 
 from stages.exit_status import EXIT_STATUS_HELP, USER_ERRNOS, ExitCode, os_error_message, print_error
 
-__all__ = ["app", "main", "ExitCode", "EXIT_STATUS_HELP", "GLOBAL_FLAGS", "NON_TTY_COLUMNS", "USER_ERRNOS", "dask_setup",
-           "hoist_global_flags", "print_error", "os_error_message"]
+__all__ = ["app", "main", "ExitCode", "DEPRECATED_OPTIONS", "EXIT_STATUS_HELP", "GLOBAL_FLAGS", "NON_TTY_COLUMNS",
+           "PATH_OPTIONS", "USER_ERRNOS", "canonical_options", "refuse_empty_paths", "dask_setup", "hoist_global_flags", "print_error", "os_error_message",
+           "usage_error_message"]
 
 
 #: Columns rich lays output out for when stdout is not a terminal and ``$COLUMNS`` is unset (rich's default is 80,
@@ -117,8 +118,69 @@ def hoist_global_flags(args: list[str]) -> list[str]:
     """``args`` (``sys.argv[1:]``) with every :data:`GLOBAL_FLAGS` item before a ``--`` moved to the front, so that
     ``-v``/``-q`` work anywhere on the command line, as the same flags of every command."""
     stop = args.index("--") if "--" in args else len(args)
-    flags = [a for a in args[:stop] if a in GLOBAL_FLAGS]
-    return [*flags, *[a for a in args[:stop] if a not in GLOBAL_FLAGS], *args[stop:]]
+    # Combined short flags (-vv, -vq) are the flags one by one: -vv is -v (debug is the most verbose level), -vq is
+    # refused as -v -q is.
+    head: list[str] = []
+    for arg in args[:stop]:
+        if len(arg) > 2 and arg[0] == "-" and arg[1] != "-" and set(arg[1:]) <= {"v", "q"}:
+            head.extend(f"-{letter}" for letter in arg[1:])
+        else:
+            head.append(arg)
+    flags = [a for a in head if a in GLOBAL_FLAGS]
+    return [*flags, *[a for a in head if a not in GLOBAL_FLAGS], *args[stop:]]
+
+
+#: Old option spellings, per command -> the one spelling every command now uses (GPUs and CPU processes named by
+#: role: ``--target-gpus``/``--target-processes`` for target replicas, ``--drafter-gpus``/``--drafter-processes``
+#: for the drafter). :func:`main` still accepts them, hidden from ``--help``, with one deprecation warning;
+#: ``dflash.config_check.RENAMED_KEYS`` does the same for config keys.
+DEPRECATED_OPTIONS: dict[str, dict[str, str]] = {
+    "extract": {"--workers": "--target-processes"},
+    "generate": {"--workers": "--target-processes"},
+    "online": {"--workers": "--target-processes", "--cpu-processes": "--drafter-processes"},
+    "train": {"--cpu-processes": "--drafter-processes"},
+    "sweep": {"--gpus": "--drafter-gpus"},
+}
+
+
+def canonical_options(args: list[str]) -> list[str]:
+    """``args`` (after :func:`hoist_global_flags`) with the command's :data:`DEPRECATED_OPTIONS` spellings (also
+    ``--old=VALUE``) before a ``--`` replaced by the current ones; one warning on stderr per old spelling."""
+    command = next((a for a in args if not a.startswith("-")), None)
+    renames = DEPRECATED_OPTIONS.get(command or "", {})
+    if not renames:
+        return args
+    stop = args.index("--") if "--" in args else len(args)
+    result, warned = [], set()
+    for arg in args[:stop]:
+        name, eq, value = arg.partition("=")
+        new = renames.get(name)
+        if new is not None:
+            if name not in warned:
+                warned.add(name)
+                print(f"warning: {command} {name} is deprecated; use {new}", file=sys.stderr)
+            arg = new + eq + value
+        result.append(arg)
+    return [*result, *args[stop:]]
+
+
+#: Options whose value is a path (or URL, or target spec) in some command: an empty value (``-o ''``) is refused
+#: before typer turns it into ``Path('.')``, the current folder (config keys: ``dflash.config_check.PATH_FIELDS``).
+PATH_OPTIONS = frozenset({"-o", "--output", "--corpus", "--cache", "--cache-to", "--drafter", "--json-file",
+                          "--workdir", "--config", "--preset", "--target", "--diff", "--resume-from"})
+
+
+def refuse_empty_paths(args: list[str]) -> None:
+    """Raise ``ConfigError`` for a :data:`PATH_OPTIONS` option given an empty value (``-o ''``, ``--output=``)."""
+    from dflash.errors import ConfigError
+
+    stop = args.index("--") if "--" in args else len(args)
+    for index, arg in enumerate(args[:stop]):
+        name, eq, value = arg.partition("=")
+        empty = (eq and name in PATH_OPTIONS and not value.strip()) or (
+            arg in PATH_OPTIONS and index + 1 < stop and not args[index + 1].strip())
+        if empty:
+            raise ConfigError(f"{name}: empty path; give a path (an empty one would mean the current folder)")
 
 
 @app.callback()
@@ -195,7 +257,8 @@ def main() -> None:
     Errors raised for a user's input (``dflash.errors.DFlashError``: bad path, field, row...) and ``OSError``s of
     :data:`USER_ERRNOS` (full disk, permission denied...) print one ``error:`` line naming what to fix and exit with
     status 2, whichever command raised them; any other exception is a bug: its traceback is printed and the status
-    is 3. Ctrl-C and SIGTERM unwind (``finally`` blocks clean up)
+    is 3. Click's own usage errors (unknown option or command, missing argument, bad value) are one ``error:``
+    line too (:func:`usage_error_message`), exit 2. Ctrl-C and SIGTERM unwind (``finally`` blocks clean up)
     and exit 130. See :class:`ExitCode`.
     """
     import signal
@@ -217,9 +280,19 @@ def main() -> None:
     _set_output_width()
     _preload_quiet_dask_workers()
     _register_all()
-    sys.argv[1:] = hoist_global_flags(sys.argv[1:])
+    sys.argv[1:] = canonical_options(hoist_global_flags(sys.argv[1:]))
     try:
-        app()
+        refuse_empty_paths(sys.argv[1:])
+        # standalone_mode=False: click's own usage errors (unknown option, missing or bad value, no such command)
+        # come here as exceptions instead of typer's boxed panel, and print as one error: line.
+        returned = app(standalone_mode=False, prog_name="dflash-stages")
+    except typer.TyperException as error:  # click's exceptions derive from it (typer bundles its own click)
+        if type(error).__name__ == "NoArgsIsHelpError":  # the help is already printed (no_args_is_help)
+            raise SystemExit(ExitCode.USAGE) from None
+        print_error(usage_error_message(error))
+        raise SystemExit(ExitCode.USAGE) from None
+    except typer.Abort:  # end of input at a prompt
+        raise SystemExit(ExitCode.INTERRUPTED) from None
     except DFlashError as error:
         print_error(error)
         raise SystemExit(ExitCode.USAGE) from None
@@ -234,6 +307,34 @@ def main() -> None:
     except Exception as error:  # a bug: keep the (pretty) traceback, but never mistake it for a check's verdict
         sys.excepthook(type(error), error, error.__traceback__)
         raise SystemExit(ExitCode.INTERNAL) from None
+    # As typer's standalone mode ends: always SystemExit; the code of typer.Exit(code) / ctx.exit(code), else 0.
+    raise SystemExit(returned if isinstance(returned, int) and not isinstance(returned, bool) else ExitCode.OK)
+
+
+def usage_error_message(error: Exception) -> str:
+    """The one line of a click usage error (``typer.TyperException``): the command, click's message and where the
+    usage is explained, e.g. ``dflash-stages train: No such option: --lrr Did you mean --lr? (see 'dflash-stages
+    train --help')``."""
+    format_message = getattr(error, "format_message", None)
+    message = " ".join(str(format_message() if callable(format_message) else error).split())
+    ctx = getattr(error, "ctx", None)
+    command = getattr(ctx, "command_path", None) or _command_path(sys.argv[1:])
+    return f"{command}: {message} (see '{command} --help')"
+
+
+def _command_path(args: list[str]) -> str:
+    """``dflash-stages`` and the (sub)command names that lead ``args`` (for an error click raised without a
+    context, e.g. an option missing its value at the end of the line)."""
+    node, path = typer.main.get_command(app), ["dflash-stages"]
+    for arg in args:
+        if arg.startswith("-"):
+            continue
+        commands = getattr(node, "commands", None)
+        if not commands or arg not in commands:
+            break
+        node = commands[arg]
+        path.append(arg)
+    return " ".join(path)
 
 
 if __name__ == "__main__":

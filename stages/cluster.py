@@ -25,7 +25,7 @@ class PlacementSettings(Protocol):
 
     scheduler_address: str | None
     target_gpus: list[int] | None
-    workers: int | None
+    target_processes: int | None
     dashboard_address: str
     tls_ca_file: str | None
     tls_cert: str | None
@@ -36,16 +36,16 @@ def validate_placement(config: PlacementSettings) -> None:
     """Check the placement fields of a stage config (called from its ``__post_init__``).
 
     Raises:
-        ConfigError: more than one of target_gpus / workers / scheduler_address, repeated GPUs, workers < 1, or
+        ConfigError: more than one of target_gpus / target_processes / scheduler_address, repeated GPUs, target_processes < 1, or
             incomplete / misplaced / missing TLS files; the message names the field.
     """
-    chosen = [name for name in ("target_gpus", "workers", "scheduler_address") if getattr(config, name) is not None]
+    chosen = [name for name in ("target_gpus", "target_processes", "scheduler_address") if getattr(config, name) is not None]
     if len(chosen) > 1:
-        raise ConfigError(f"{chosen[0]}: give only one of --target-gpus, --workers, --scheduler-address, got {chosen}")
+        raise ConfigError(f"{chosen[0]}: give only one of --target-gpus, --target-processes, --scheduler-address, got {chosen}")
     if config.target_gpus is not None and (not config.target_gpus or len(set(config.target_gpus)) != len(config.target_gpus)):
         raise ConfigError(f"target_gpus: expected distinct GPU indices, got {config.target_gpus}")
-    if config.workers is not None and config.workers < 1:
-        raise ConfigError(f"workers: expected >= 1, got {config.workers}")
+    if config.target_processes is not None and config.target_processes < 1:
+        raise ConfigError(f"target_processes: expected >= 1, got {config.target_processes}")
     tls = {name: getattr(config, name) for name in ("tls_ca_file", "tls_cert", "tls_key")}
     given = [name for name, value in tls.items() if value is not None]
     if given and len(given) != 3:
@@ -62,7 +62,7 @@ def start_cluster(config: PlacementSettings, *, daemonic_workers: bool = True) -
     """Client, cluster (``None`` for an external scheduler) and the plugin/placement settings.
 
     A LocalCluster gets one worker per GPU of ``target_gpus`` (resource ``GPU=1``; all visible GPUs when neither
-    ``target_gpus`` nor ``workers`` is given and CUDA is present), else ``workers`` CPU processes; it listens on
+    ``target_gpus`` nor ``target_processes`` is given and CUDA is present), else ``target_processes`` CPU processes; it listens on
     127.0.0.1 only. ``daemonic_workers=False`` lets workers start processes of their own (extract's writers).
     """
     import torch
@@ -81,7 +81,7 @@ def start_cluster(config: PlacementSettings, *, daemonic_workers: bool = True) -
 
         dask.config.set({"distributed.worker.daemon": False})
     gpus = config.target_gpus
-    if gpus is None and config.workers is None and torch.cuda.is_available():
+    if gpus is None and config.target_processes is None and torch.cuda.is_available():
         gpus = list(range(torch.cuda.device_count()))
     if gpus is not None:
         # memory_limit=0: our host memory is pinned output buffers we bound ourselves; the nanny must not kill on it.
@@ -96,7 +96,7 @@ def start_cluster(config: PlacementSettings, *, daemonic_workers: bool = True) -
         )
         placement = {"gpu_by_worker": dict(enumerate(gpus)), "device": "cuda", "resources": {"GPU": 1}, "num_workers": len(gpus)}
     else:
-        num_workers = config.workers or 1
+        num_workers = config.target_processes or 1
         cluster = LocalCluster(
             host="127.0.0.1",
             n_workers=num_workers,

@@ -3,7 +3,7 @@
 Run::
 
     dflash-stages extract --corpus data/corpus --output data/cache --target-gpus 0,1,2,3   # one worker per GPU
-    dflash-stages extract --corpus data/corpus --output data/cache --workers 2             # CPU processes
+    dflash-stages extract --corpus data/corpus --output data/cache --target-processes 2    # CPU processes
     dflash-stages extract --corpus data/corpus --output data/cache --scheduler-address tcp://host:8786
 
 Order of work: lock the output (``dflash.locks``: one extract per cache; the driver holds the lock until it returns
@@ -64,7 +64,7 @@ class ExtractConfig:
         target_layer_ids: tapped decoder layers; ``None``: DFlash's default rule with ``num_taps`` taps.
         num_taps: number of taps for the default rule (DFlash default: one per draft layer, 5).
         target_gpus: physical GPU indices, one worker each (LocalCluster).
-        workers: CPU worker processes (LocalCluster).
+        target_processes: CPU worker processes (LocalCluster).
         scheduler_address: an existing Dask scheduler; its workers must reach ``corpus`` and ``output``.
         shard_size: target tokens per shard (rows are grouped contiguously; a longer row is a shard of its own).
         token_budget: padded tokens per forward batch (rows x longest); with ``packing``, tokens per packed row.
@@ -104,7 +104,7 @@ class ExtractConfig:
     target_layer_ids: list[int] | None = None
     num_taps: int = 5
     target_gpus: list[int] | None = None
-    workers: int | None = None
+    target_processes: int | None = None
     scheduler_address: str | None = None
     shard_size: int = 65536
     token_budget: int = 16384
@@ -333,7 +333,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
 
         if not torch.cuda.is_available():
             raise ConfigError(f"--target-gpus {','.join(map(str, config.target_gpus))}: CUDA is not available on this "
-                              "host; use --workers N (CPU workers)")
+                              "host; use --target-processes N (CPU workers)")
     cache, corpus, shard_rows, report = prepare_cache(config, console)
     # Temporaries of a writer killed between write and rename (e.g. during finalize): ours to clear, we hold the lock.
     for leftover in remove_partial_files(config.output):
@@ -533,8 +533,8 @@ def register(app: typer.Typer) -> None:
         target: str = typer.Option("default", "--target", help="'default' (SmolLM2-135M-Instruct), a transformers folder or a .gguf file."),
         target_layer_ids: str | None = typer.Option(None, "--target-layer-ids", help="Tapped decoder layers, e.g. 1,9,17,25,33 (output of decoder layer l = hidden_states\\[l+1])."),
         num_taps: int = typer.Option(5, "--num-taps", help="Taps for DFlash's default layer rule when --target-layer-ids is not given."),
-        target_gpus: str | None = typer.Option(None, "--target-gpus", help="GPUs, one Dask worker each, e.g. 0,1,2,3 (default: all visible GPUs, else --workers 1)."),
-        workers: int | None = typer.Option(None, "--workers", help="CPU worker processes."),
+        target_gpus: str | None = typer.Option(None, "--target-gpus", help="GPUs, one Dask worker each, e.g. 0,1,2,3 (default: all visible GPUs, else --target-processes 1)."),
+        target_processes: int | None = typer.Option(None, "--target-processes", help="CPU processes for target replicas, one Dask worker each."),
         scheduler_address: str | None = typer.Option(None, "--scheduler-address", help="Existing Dask scheduler (workers with resource GPU=1 get one task at a time)."),
         shard_size: int = typer.Option(65536, "--shard-size", help="Target tokens per shard (one task, one commit)."),
         token_budget: int = typer.Option(16384, "--token-budget", help="Padded tokens per forward batch (rows x longest); with --packing, tokens per packed row."),
@@ -572,7 +572,7 @@ def register(app: typer.Typer) -> None:
             values = dict(
                 corpus=corpus, output=output, target=target,
                 target_layer_ids=_int_list(target_layer_ids, "--target-layer-ids"), num_taps=num_taps,
-                target_gpus=_int_list(target_gpus, "--target-gpus"), workers=workers,
+                target_gpus=_int_list(target_gpus, "--target-gpus"), target_processes=target_processes,
                 scheduler_address=scheduler_address, shard_size=shard_size, token_budget=token_budget, packing=packing,
                 packed_attention=packed_attention,
                 storage_dtype=storage_dtype, codec=codec, max_length=max_length, length_policy=length_policy,

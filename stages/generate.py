@@ -5,14 +5,14 @@ Run::
 
     dflash-stages generate --output data/gen                                  # embedded default prompts (stdlib)
     dflash-stages generate chats.jsonl --turns all --output data/gen --target-gpus 0,1,2,3
-    dflash-stages generate prompts.jsonl --output data/gen --workers 2       # CPU worker processes
+    dflash-stages generate prompts.jsonl --output data/gen --target-processes 2       # CPU worker processes
     dflash-stages generate prompts.txt --engine openai --endpoint http://127.0.0.1:8000/v1 --output data/gen
 
 Order of work: load the tokenizer and the target's identity (no weights), read the prompts (bad lines counted with
 their reasons), check the chat template has a generation prompt, plan parts (``--part-size`` prompts each), open or
 create the output (a rerun of the same command resumes: committed parts are skipped; other settings are refused),
 then answer each pending part as one task: with ``--engine transformers`` (default) one target replica per GPU,
-scheduled by Dask exactly as ``extract`` is (same worker lifecycle, ``--target-gpus``, ``--workers``,
+scheduled by Dask exactly as ``extract`` is (same worker lifecycle, ``--target-gpus``, ``--target-processes``,
 ``--scheduler-address``); with ``--engine openai`` the user's servers, from this process. When every part is
 committed, ``corpus.json`` records the generation settings (engine, target identity, temperature, top-p, max tokens,
 seed, template kwargs) and the counts; the folder is then a corpus ``extract`` reads.
@@ -74,11 +74,11 @@ class GenerateConfig:
         part_size: prompts per part (one task, one committed file).
         batch_size, token_budget, kv_cache: transformers engine batching (rows per call, padded prompt tokens per
             call, ``auto``/``static``/``dynamic`` KV cache).
-        deterministic: static KV cache: bitwise-repeatable decode attention (grouped matmuls; 1.32x slower on an
-            H200) instead of SDPA's grouped-query kernel, whose bits differ from run to run on CUDA, so a rerun may
+        deterministic: static KV cache: bitwise-repeatable decode attention (grouped matmuls; 1.34-1.42x slower on
+            an H200) instead of SDPA's grouped-query kernel, whose bits differ from run to run on CUDA, so a rerun may
             break greedy near-ties differently (docs/generate.md). Never changes what a prompt asks for, so a
             resume may change it.
-        target_gpus, workers, scheduler_address, dashboard_address, tls_ca_file, tls_cert, tls_key: placement, as
+        target_gpus, target_processes, scheduler_address, dashboard_address, tls_ca_file, tls_cert, tls_key: placement, as
             in ``extract`` (stages.cluster).
         default_prompts: settings of the embedded default prompt set.
         endpoints, served_model, api_key_env, concurrency: ``openai`` engine settings.
@@ -105,7 +105,7 @@ class GenerateConfig:
     kv_cache: Literal["auto", "static", "dynamic"] = "auto"
     deterministic: bool = False
     target_gpus: list[int] | None = None
-    workers: int | None = None
+    target_processes: int | None = None
     scheduler_address: str | None = None
     dashboard_address: str = "127.0.0.1:0"
     tls_ca_file: str | None = None
@@ -155,7 +155,7 @@ class GenerateConfig:
     def plan_settings(self) -> dict[str, Any]:
         """What decides the output's content: a resume must match these (placement and batching excluded)."""
         data = self.to_dict()
-        for key in ("output", "target_gpus", "workers", "scheduler_address", "dashboard_address", "tls_ca_file",
+        for key in ("output", "target_gpus", "target_processes", "scheduler_address", "dashboard_address", "tls_ca_file",
                     "tls_cert", "tls_key", "break_lock", "overwrite",
                     "batch_size", "token_budget", "kv_cache", "deterministic", "concurrency", "endpoints", "api_key_env"):
             data.pop(key)
@@ -480,7 +480,7 @@ def register(app: typer.Typer) -> None:
                                            "bitwise-repeatable decode attention (slower) instead of SDPA's grouped-"
                                            "query kernel, whose bits vary from run to run on CUDA."),
         target_gpus: str | None = typer.Option(None, help="GPUs for target replicas, e.g. 0,1,2 (one Dask worker each)."),
-        workers: int | None = typer.Option(None, help="CPU worker processes (no GPU)."),
+        target_processes: int | None = typer.Option(None, "--target-processes", help="CPU processes for target replicas (no GPU), one Dask worker each."),
         scheduler_address: str | None = typer.Option(None, help="An existing Dask scheduler (tcp://host:8786)."),
         dashboard_address: str = typer.Option("127.0.0.1:0", help="Dask dashboard of a local cluster (localhost by default)."),
         tls_ca_file: str | None = typer.Option(None, help="TLS for --scheduler-address: the CA file (with --tls-cert, --tls-key)."),
@@ -510,7 +510,8 @@ def register(app: typer.Typer) -> None:
             turns=turns, chat_template=chat_template, template_kwargs=kwargs, temperature=temperature, top_p=top_p,
             max_new_tokens=max_new_tokens, seed=seed, max_length=max_length, max_prompts=max_prompts,
             part_size=part_size, batch_size=batch_size, token_budget=token_budget, kv_cache=kv_cache,
-            deterministic=deterministic, target_gpus=_int_list(target_gpus, "--target-gpus"), workers=workers,
+            deterministic=deterministic, target_gpus=_int_list(target_gpus, "--target-gpus"),
+            target_processes=target_processes,
             scheduler_address=scheduler_address, dashboard_address=dashboard_address, endpoints=list(endpoint),
             served_model=served_model, api_key_env=api_key_env, concurrency=concurrency,
             default_prompts={"heldout_permille": heldout_permille}, overwrite=overwrite,

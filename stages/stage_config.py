@@ -23,11 +23,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash.config_check import override_value
+from dflash.config_check import check_not_empty_path, migrate_renamed, override_value
 from dflash.errors import ConfigError
 
 __all__ = ["CONFIG_OPTION", "PRESET_OPTION", "PRINT_CONFIG_OPTION", "SET_OPTION", "given_options", "print_and_exit",
-           "parse_sets", "printable", "resolve_stage_config", "section_of", "split_given"]
+           "parse_sets", "printable", "resolve_stage_config", "section_of", "split_given", "without_key"]
 
 #: Stage sections a config file may hold besides this stage's own (ignored by the other stages).
 KNOWN_SECTIONS = ("generate", "prepare", "split", "extract", "train", "evaluate", "online", "export", "sweep")
@@ -71,10 +71,10 @@ def section_of(data: Mapping[str, Any], section: str, fields: set[str], source: 
         picked = {k: v for k, v in data[section].items() if k not in PIPELINE_ONLY.get(section, ())}
         if "target" in fields and "target" in data and not isinstance(data["target"], Mapping):
             picked.setdefault("target", data["target"])
-        return picked
+        return migrate_renamed(section, picked, source)
     if any(isinstance(data.get(name), Mapping) for name in KNOWN_SECTIONS):
         return {"target": data["target"]} if "target" in fields and isinstance(data.get("target"), str) else {}
-    return dict(data)
+    return migrate_renamed(section, data, source)
 
 
 def parse_sets(overrides: Sequence[str], section: str) -> list[tuple[str, Any, str]]:
@@ -88,7 +88,8 @@ def parse_sets(overrides: Sequence[str], section: str) -> list[tuple[str, Any, s
         if not sep or not key or "." in key:
             raise ConfigError(f"--set {item!r}: expected {section}.field=value (or field=value), e.g. "
                               f"{section}.target=default")
-        parsed.append((key, override_value(raw, item), f"--set {item}"))
+        (key, value), = migrate_renamed(section, {key: override_value(raw, item)}, f"--set {item}").items()
+        parsed.append((key, value, f"--set {item}"))
     return parsed
 
 
@@ -155,6 +156,8 @@ def resolve_stage_config(
     for key, value, source in sets:
         merged[key] = value
         origin[key] = source
+    for key, value in merged.items():  # the options given too (`-o ''`)
+        check_not_empty_path(key, value, f"{section}.{key} ({origin.get(key, 'default')})")
     for key in required:
         if merged.get(key) is None:
             option = option_names.get(key, "--" + key.replace("_", "-"))
@@ -166,7 +169,16 @@ def resolve_stage_config(
         key = next((k for k in merged if message.startswith((k + " ", k + ":", "--" + k.replace("_", "-")))), None)
         if key is None:
             raise ConfigError(f"{section}: {message}") from None
-        raise ConfigError(f"{section}.{key} ({origin.get(key, 'default')}): {message}") from None
+        raise ConfigError(f"{section}.{key} ({origin.get(key, 'default')}): {without_key(message, key)}") from None
+
+
+def without_key(message: str, key: str) -> str:
+    """A config's refusal without its leading field name, for a message that names the key already
+    (``lr: expected > 0`` -> ``expected > 0``; ``lr must be > 0`` -> ``must be > 0``)."""
+    for prefix in (key + ": ", key + " "):
+        if message.startswith(prefix) and len(message) > len(prefix):
+            return message[len(prefix):]
+    return message
 
 
 def printable(section: str, config: Any) -> str:

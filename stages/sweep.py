@@ -3,7 +3,7 @@
 Run::
 
     dflash-stages sweep --cache CACHE --output SWEEP --grid lr=3e-4,6e-4 --grid gamma=4,7
-    dflash-stages sweep --cache CACHE --output SWEEP --grid lr=3e-4,6e-4 --set train.max_steps=2000 --gpus 0,1,2,3
+    dflash-stages sweep --cache CACHE --output SWEEP --grid lr=3e-4,6e-4 --set train.max_steps=2000 --drafter-gpus 0,1,2,3
     dflash-stages sweep --config sweep.toml --print-config
 
 Each ``--grid FIELD=V1,V2,...`` names a :class:`stages.train.TrainConfig` field and its values (list-valued
@@ -13,12 +13,12 @@ grid, in the order given; run ``k`` trains into ``SWEEP/<field>=<value>_...``. `
 (:class:`SweepConfig`), with the one ``--set`` grammar of every stage (the value is JSON, else a string).
 
 Settings, lowest first: defaults < ``--preset NAME`` (its ``train`` section fixes train fields for every run) <
-``--config FILE`` (a ``[sweep]`` section: cache, output, grid, gpus...; a ``[train]`` section: the fixed train
+``--config FILE`` (a ``[sweep]`` section: cache, output, grid, drafter_gpus...; a ``[train]`` section: the fixed train
 fields) < the options given < ``--set``. Everything is checked before any run starts (unknown fields with a
 did-you-mean, types, each run's whole TrainConfig); ``--print-config`` prints ``{"sweep": ..., "train": ...}``,
 which ``--config`` reads back.
 
-Without ``--gpus`` runs go one after the other in this process (CPU, or GPU 0); with ``--gpus`` one run per listed
+Without ``--drafter-gpus`` runs go one after the other in this process (CPU, or GPU 0); with ``--drafter-gpus`` one run per listed
 GPU at a time, each in its own ``dflash-stages train`` process (its log in ``RUN/train.log``).
 
 At the end a table compares final train loss, validation loss and implied acceptance length, best validation
@@ -65,7 +65,8 @@ def _parse_value(name: str, text: str, annotation: str) -> Any:
         return None
     try:
         if annotation.startswith(("list[", "tuple[")):
-            item_type = float if "float" in annotation else int
+            item = annotation.partition("[")[2]
+            item_type = float if item.startswith("float") else str if item.startswith("str") else int
             return [item_type(part) for part in text.split(":") if part]
         if annotation.startswith("bool"):
             if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
@@ -123,7 +124,7 @@ class SweepConfig:
         cache: the hidden-state cache every run trains on; required.
         output: the sweep folder (one run folder per combination); ``None``: ``./sweep-<time>``.
         grid: TrainConfig field -> its values; runs are the cartesian product (one value fixes the field).
-        gpus: GPU ids, one run per GPU at a time, each in a ``train`` subprocess; ``None``: runs one after the other.
+        drafter_gpus: GPU ids, one run per GPU at a time, each in a ``train`` subprocess; ``None``: runs one after the other.
         resume: continue unfinished runs of an earlier sweep into ``output``.
         break_lock: take over locks of the sweep and its runs left on another host known dead.
     """
@@ -131,7 +132,7 @@ class SweepConfig:
     cache: str | None = None
     output: str | None = None
     grid: dict[str, list[Any]] = field(default_factory=dict)
-    gpus: list[int] | None = None
+    drafter_gpus: list[int] | None = None
     resume: bool = False
     break_lock: bool = False
 
@@ -139,9 +140,9 @@ class SweepConfig:
         for name, values in self.grid.items():
             if not isinstance(values, list) or not values:
                 raise ConfigError(f"grid: {name} needs a non-empty list of values, got {values!r}")
-        if self.gpus is not None and (not self.gpus or any(g < 0 for g in self.gpus)
-                                      or len(set(self.gpus)) != len(self.gpus)):
-            raise ConfigError(f"gpus: expected a non-empty list of distinct GPU ids >= 0, got {self.gpus!r}")
+        if self.drafter_gpus is not None and (not self.drafter_gpus or any(g < 0 for g in self.drafter_gpus)
+                                              or len(set(self.drafter_gpus)) != len(self.drafter_gpus)):
+            raise ConfigError(f"drafter_gpus: expected a non-empty list of distinct GPU ids >= 0, got {self.drafter_gpus!r}")
 
 
 def _split_sets(overrides: list[str]) -> tuple[list[str], list[tuple[str, Any, str]]]:
@@ -165,7 +166,7 @@ def resolve_sweep(ctx: Any, values: dict[str, Any], *, config_file: str | None, 
         ConfigError: an unknown or mistyped key (named with its source), a missing cache, or a combination
             TrainConfig refuses.
     """
-    from dflash.config_check import check_fields, read_config_file
+    from dflash.config_check import check_fields, migrate_renamed, read_config_file
     from stages.stage_config import resolve_stage_config, section_of, split_given
 
     sweep_sets, train_sets = _split_sets(overrides)
@@ -186,7 +187,7 @@ def resolve_sweep(ctx: Any, values: dict[str, Any], *, config_file: str | None, 
         if "sweep" in data and not isinstance(data["sweep"], dict):
             raise ConfigError(f"sweep (--config {config_file}): expected a table of sweep fields, got "
                               f"{type(data['sweep']).__name__}")
-        part = dict(data.get("train") or {})
+        part = migrate_renamed("train", data.get("train") or {}, f"--config {config_file}")
         if isinstance(data.get("target"), str):  # a top-level target applies to every stage that has one
             part.setdefault("target", data["target"])
         layers.append((part, f"--config {config_file}"))
@@ -374,12 +375,12 @@ def register(app: typer.Typer) -> None:
         grid: list[str] = typer.Option(
             [], "--grid", help="FIELD=V1,V2,... (a TrainConfig field and its values; one value fixes it). Repeatable."
         ),
-        gpus: str = typer.Option(None, "--gpus", help="GPU ids; one run per GPU at a time (default: sequential)."),
+        drafter_gpus: str = typer.Option(None, "--drafter-gpus", help="GPU ids, e.g. 0,1,2; one run per GPU at a time (default: one run after the other)."),
         resume: bool = typer.Option(False, "--resume", help="Continue unfinished runs of an earlier sweep."),
         break_lock: bool = typer.Option(
             False, "--break-lock", help="Take over locks of the sweep and its runs left on another host known dead."),
         config_file: str | None = typer.Option(None, "--config", help="Settings in a .toml, .yaml or .json file: a "
-                                               "\\[sweep] section (cache, output, grid, gpus...) and a \\[train] section "
+                                               "\\[sweep] section (cache, output, grid, drafter_gpus...) and a \\[train] section "
                                                "(train fields fixed for every run). Options given override it."),
         preset: str | None = typer.Option(None, "--preset", help="A pipeline preset of `run` or a .json file of "
                                           "sections: its train section fixes train fields for every run."),
@@ -393,11 +394,11 @@ def register(app: typer.Typer) -> None:
         from dflash.locks import output_lock
 
         try:
-            gpu_ids = [int(g) for g in gpus.split(",") if g.strip()] if gpus else None
+            gpu_ids = [int(g) for g in drafter_gpus.split(",") if g.strip()] if drafter_gpus else None
         except ValueError:
-            raise ConfigError(f"--gpus {gpus!r}: expected comma-separated GPU ids, e.g. 0,1,2") from None
+            raise ConfigError(f"--drafter-gpus {drafter_gpus!r}: expected comma-separated GPU ids, e.g. 0,1,2") from None
         values = dict(cache=cache, output=None if output is None else str(output), grid=parse_grid(grid),
-                      gpus=gpu_ids, resume=resume, break_lock=break_lock)  # fmt: skip
+                      drafter_gpus=gpu_ids, resume=resume, break_lock=break_lock)  # fmt: skip
         config, fixed = resolve_sweep(ctx, values, config_file=config_file, preset=preset, overrides=overrides)
         folder = Path(config.output) if config.output else Path(time.strftime("sweep-%Y%m%d-%H%M%S"))
         runs = plan_sweep(config.cache, folder, config.grid, resume=config.resume, fixed=fixed)
@@ -413,7 +414,7 @@ def register(app: typer.Typer) -> None:
                 run.config = dataclasses.replace(run.config, break_lock=True)
         with output_lock(folder, what="sweep", break_lock=config.break_lock):
             _preflight(config, runs, folder)  # under the lock, as train checks its cache under its run's lock
-            _sweep(runs, folder, config.gpus)
+            _sweep(runs, folder, config.drafter_gpus)
 
     def _preflight(config: SweepConfig, runs: list[SweepRun], folder: Path) -> None:
         """What would make every run fail, refused before the first one starts (one error line, nothing written)."""
@@ -422,15 +423,15 @@ def register(app: typer.Typer) -> None:
         if folder.exists() and not folder.is_dir():
             raise ConfigError(f"sweep.output: {folder} exists and is not a folder; choose another --output")
         CacheReader(config.cache)  # CacheError (exit 2): no cache there, or not one
-        wants_cuda = config.gpus is not None or any(run.config.device == "cuda" for run in runs)
+        wants_cuda = config.drafter_gpus is not None or any(run.config.device == "cuda" for run in runs)
         if wants_cuda:
             import torch
 
             visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if not visible:
-                raise ConfigError("sweep: the runs need CUDA (--gpus, or device cuda), which is not available here")
-            if config.gpus is not None and max(config.gpus) >= visible:
-                raise ConfigError(f"sweep.gpus: {config.gpus} names a GPU this host does not have ({visible} "
+                raise ConfigError("sweep: the runs need CUDA (--drafter-gpus, or device cuda), which is not available here")
+            if config.drafter_gpus is not None and max(config.drafter_gpus) >= visible:
+                raise ConfigError(f"sweep.drafter_gpus: {config.drafter_gpus} names a GPU this host does not have ({visible} "
                                   f"visible: 0..{visible - 1})")
 
     def _sweep(runs: list[SweepRun], output: Path, gpu_ids: list[int] | None) -> None:

@@ -7,7 +7,7 @@ Run::
     torchrun --nproc-per-node 3 -m stages.train --cache CACHE --output RUN   # same, launched by torchrun
     dflash-stages train --cache CACHE --output RUN --resume             # continue RUN from its latest checkpoint
 
-With ``--drafter-gpus`` listing several GPUs (or ``--cpu-processes N`` on CPU, gloo backend) the command launches
+With ``--drafter-gpus`` listing several GPUs (or ``--drafter-processes N`` on CPU, gloo backend) the command launches
 its own workers through ``torch.distributed.run``'s elastic launcher (what ``torchrun --standalone`` does); under
 ``torchrun`` it joins the process group that torchrun set up (nccl on GPU, gloo on CPU).
 
@@ -136,7 +136,7 @@ class TrainConfig:
     """Where the drafter trains; auto: CUDA when available."""
     drafter_gpus: list[int] | None = None
     """GPU ids for the drafter; several: DDP, one process per GPU."""
-    cpu_processes: int = 1
+    drafter_processes: int = 1
     """Data-parallel processes on CPU (gloo), for tests and debugging."""
     stop_at_step: int | None = None
     """Stop after this step with a checkpoint, as a preemption would (the schedule still spans ``max_steps``)."""
@@ -155,6 +155,14 @@ class TrainConfig:
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     """Experiment trackers the metrics also go to (``dflash.trackers``): tensorboard, wandb, mlflow, trackio (offline
     modes; an absent package is skipped with a warning); empty (``--report-to none``) for ``metrics.jsonl`` only."""
+    attention_backend: Literal["auto", "flash", "triton"] | None = None
+    """Kernels of the drafter's FlexAttention on GPU (``dflash.drafter.attention_kernels``): ``auto`` (flash-attn-4's
+    where installed and usable, else Triton's), ``flash`` or ``triton``; ``None``: ``$DFLASH_ATTENTION_BACKEND``, else
+    ``auto``. Every rank applies it (and sets the variable for the processes it starts)."""
+    ce_kernel: Literal["auto", "triton", "inductor", "eager"] | None = None
+    """Per-chunk softmax/cross-entropy implementation of the loss on GPU (``dflash.drafter.loss``): ``auto`` (Triton
+    where it runs, else the compiled chunk), ``triton``, ``inductor`` or ``eager``; ``None``: ``$DFLASH_CE_KERNEL``,
+    else ``auto``. For benchmarking; every rank applies it."""
 
     def __post_init__(self) -> None:
         if not self.cache:
@@ -171,7 +179,7 @@ class TrainConfig:
                 raise ConfigError(f"drafter_gpus must list distinct GPU ids, got {self.drafter_gpus}")
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
         positive = ("num_draft_layers", "max_anchors_per_document", "token_budget", "num_buckets", "grad_accum_steps",
-                    "prefetch_batches", "save_every", "keep_last", "log_every", "throughput_window", "cpu_processes")
+                    "prefetch_batches", "save_every", "keep_last", "log_every", "throughput_window", "drafter_processes")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -207,8 +215,8 @@ class TrainConfig:
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.drafter_gpus is not None and self.device == "cpu":
             raise ConfigError("drafter_gpus lists GPUs but device is 'cpu'; drop one of them")
-        if self.drafter_gpus is not None and self.cpu_processes > 1:
-            raise ConfigError("cpu_processes > 1 is for CPU runs; with drafter_gpus the world size is their count")
+        if self.drafter_gpus is not None and self.drafter_processes > 1:
+            raise ConfigError("drafter_processes > 1 is for CPU runs; with drafter_gpus the world size is their count")
         if self.min_supervised_tokens is not None and (
             not isinstance(self.min_supervised_tokens, int) or isinstance(self.min_supervised_tokens, bool)
             or self.min_supervised_tokens < 0
@@ -222,6 +230,29 @@ class TrainConfig:
         if self.eval_every is None:
             self.eval_every = self.save_every
         self.optim_config()  # validates lr, betas, eps, weight_decay, warmup_ratio, min_lr_ratio, grad_clip
+        from dflash.drafter import CE_KERNELS, attention_backend, ce_kernel
+        from dflash.drafter.attention_kernels import ATTENTION_BACKENDS
+
+        for name, choices, from_env in (("attention_backend", ATTENTION_BACKENDS, attention_backend),
+                                        ("ce_kernel", CE_KERNELS, ce_kernel)):
+            value = getattr(self, name)
+            if value is None:
+                from_env()  # a bad environment variable is refused before any work too (ConfigError naming it)
+            elif not isinstance(value, str) or value.strip().lower() not in choices:
+                raise ConfigError(f"{name} must be one of {', '.join(choices)} (or None: the environment's), got "
+                                  f"{value!r}")
+            else:
+                setattr(self, name, value.strip().lower())
+
+    def apply_kernel_choices(self) -> None:
+        """Make ``attention_backend`` and ``ce_kernel`` this process's choice (where set; unset fields leave the
+        environment variables' choice), for it and the processes it starts."""
+        from dflash.drafter import set_attention_backend, set_ce_kernel
+
+        if self.attention_backend is not None:
+            set_attention_backend(self.attention_backend)
+        if self.ce_kernel is not None:
+            set_ce_kernel(self.ce_kernel)
 
     def optim_config(self) -> OptimConfig:
         return OptimConfig(
@@ -250,7 +281,7 @@ class TrainConfig:
     @property
     def world_size(self) -> int:
         """Processes this config asks for (under torchrun the launcher's WORLD_SIZE rules)."""
-        return len(self.drafter_gpus) if self.drafter_gpus else self.cpu_processes
+        return len(self.drafter_gpus) if self.drafter_gpus else self.drafter_processes
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -279,9 +310,9 @@ class TrainConfig:
 
 #: Fields that never change what is computed: a resume may change them freely.
 RUNTIME_FIELDS = frozenset({
-    "cache", "output", "target", "resume", "allow_config_change", "break_lock", "allow_incomplete", "device", "drafter_gpus", "cpu_processes",
+    "cache", "output", "target", "resume", "allow_config_change", "break_lock", "allow_incomplete", "device", "drafter_gpus", "drafter_processes",
     "stop_at_step", "save_every", "keep_last", "eval_every", "log_every", "throughput_window", "progress",
-    "prefetch_batches", "max_validation_batches", "report_to",
+    "prefetch_batches", "max_validation_batches", "report_to", "attention_backend", "ce_kernel",
 })  # fmt: skip
 
 
@@ -301,7 +332,9 @@ def trajectory_changes(saved: dict[str, Any], current: dict[str, Any], *, saved_
     # A field missing from an older checkpoint had its default then (fields are only ever added with defaults),
     # except where ABSENT_IN_OLD_RUNS says otherwise.
     defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
-    saved = {**ABSENT_IN_OLD_RUNS, **saved}
+    from dflash.config_check import migrate_renamed
+
+    saved = {**ABSENT_IN_OLD_RUNS, **migrate_renamed("train", saved)}
     changes = []
     for name in sorted(set(saved) | set(current)):
         if name in RUNTIME_FIELDS or name == "grad_accum_steps":
@@ -356,6 +389,7 @@ def _train_worker(config_dict: dict[str, Any], data_factory: Any = None) -> dict
     from stages.trainer import Trainer, open_cache_data
 
     config = TrainConfig.from_dict(config_dict)
+    config.apply_kernel_choices()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -461,8 +495,8 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
         ConfigError: an unknown key, a wrong type or a refused value, named with its source; --resume of a folder
             that holds no run.
     """
-    from dflash.config_check import check_fields, read_config_file
-    from stages.stage_config import parse_sets, section_of
+    from dflash.config_check import check_fields, migrate_renamed, read_config_file
+    from stages.stage_config import parse_sets, section_of, without_key
 
     known = {f.name for f in fields(TrainConfig)}
     base: dict[str, Any] = {}
@@ -494,6 +528,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
             saved = json.loads(run_json.read_text())["config"]
             if not isinstance(saved, dict):
                 raise TypeError("config is not an object")
+            saved = migrate_renamed("train", saved, str(run_json))  # a run saved before a setting was renamed
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
             raise ConfigError(f"--resume: {run_json} is not a readable run record ({error}); it is damaged: restore "
                               "it, or start a new run in another --output") from None
@@ -514,7 +549,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
         key = next((k for k in sorted(origin, key=len, reverse=True) if message.startswith((k + " ", k + ":"))), None)
         if key is None:
             raise
-        raise ConfigError(f"train.{key} ({origin[key]}): {message}") from None
+        raise ConfigError(f"train.{key} ({origin[key]}): {without_key(message, key)}") from None
     if sized and announce:
         log.info("training on CPU: %s (the GPU-sized defaults would need tens of GB per step here; set them to "
                  "override)", ", ".join(f"{key} {value}" for key, value in sized.items()))
@@ -595,7 +630,7 @@ def register(app: typer.Typer) -> None:
         sets: list[str] = typer.Option([], "--set", help="train.FIELD=VALUE or FIELD=VALUE (JSON value, else a string), over everything else. Repeatable."),
         target: str = typer.Option(None, "--target", help="Target spec; default: the cache's."),
         drafter_gpus: str = typer.Option(None, "--drafter-gpus", help="GPU ids, e.g. 5,6,7 (DDP when several)."),
-        cpu_processes: int = typer.Option(None, "--cpu-processes", show_default=_shown("cpu_processes"), help="DDP processes on CPU (gloo)."),
+        drafter_processes: int = typer.Option(None, "--drafter-processes", show_default=_shown("drafter_processes"), help="DDP processes on CPU (gloo)."),
         device: str = typer.Option(None, "--device", show_default=_shown("device"), help="auto | cpu | cuda."),
         num_draft_layers: int = typer.Option(None, "--num-draft-layers", show_default=_shown("num_draft_layers"), help="Draft decoder layers."),
         block_size: int = typer.Option(None, "--block-size", show_default=_shown("block_size"), help="Block size B."),
@@ -624,7 +659,12 @@ def register(app: typer.Typer) -> None:
         attention_backend: str = typer.Option(
             None, "--attention-backend",
             help="Attention kernels (GPU only): auto (flash-attn-4's where installed and usable, else Triton) | "
-                 "flash | triton. Same as DFLASH_ATTENTION_BACKEND; not part of the run's config.",
+                 "flash | triton (default: $DFLASH_ATTENTION_BACKEND, else auto). A resume may change it.",
+        ),
+        ce_kernel: str = typer.Option(
+            None, "--ce-kernel",
+            help="Per-chunk cross-entropy kernel of the loss (GPU only): auto | triton | inductor | eager (default: "
+                 "$DFLASH_CE_KERNEL, else auto). A resume may change it.",
         ),
         anchor_slots: int = typer.Option(None, "--anchor-slots", help="Anchors per micro-batch with --compile."),
         max_documents: int = typer.Option(None, "--max-documents-per-batch", show_default=_shown("max_documents_per_batch"), help="Documents per micro-batch cap."),
@@ -663,14 +703,9 @@ def register(app: typer.Typer) -> None:
         """
         from rich.console import Console
 
-        from dflash.drafter import attention_backend as current_attention_backend
-        from dflash.drafter import set_attention_backend
-
-        # Checked before anything runs (also a bad DFLASH_ATTENTION_BACKEND); sets the variable DDP workers read.
-        set_attention_backend(attention_backend if attention_backend is not None else current_attention_backend())
         overrides = {
             "cache": cache, "output": output, "resume": resume, "target": target,
-            "drafter_gpus": _csv_ints(drafter_gpus), "cpu_processes": cpu_processes, "device": device,
+            "drafter_gpus": _csv_ints(drafter_gpus), "drafter_processes": drafter_processes, "device": device,
             "num_draft_layers": num_draft_layers, "block_size": block_size, "mask_token_id": mask_token_id,
             "target_layer_ids": _csv_ints(target_layer_ids), "gamma": gamma, "max_anchors_per_document": max_anchors,
             "token_budget": token_budget, "num_buckets": num_buckets, "bucket_boundaries": _csv_ints(bucket_boundaries),
@@ -684,6 +719,7 @@ def register(app: typer.Typer) -> None:
             "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "log_every": log_every,
             "allow_config_change": allow_config_change, "break_lock": break_lock, "allow_incomplete": allow_incomplete, "progress": progress,
             "report_to": report_to.split(",") if report_to else None,
+            "attention_backend": attention_backend, "ce_kernel": ce_kernel,
         }  # fmt: skip
         config = config_from_cli(overrides, config_file, preset=preset, sets=sets, announce=not print_config)
         if print_config:

@@ -45,7 +45,7 @@ def _main_in_process(monkeypatch, *args: str) -> int:
 @pytest.mark.parametrize("args, expected", [
     (("train", "--cache", "no-such-cache", "--output", "run"), "no cache at no-such-cache"),
     (("train", "--output", "no-such-run", "--resume"), "--resume: no-such-run holds no run"),
-    (("train", "--cache", "c", "--output", "run", "--attention-backend", "fa3"), "unknown attention backend 'fa3'"),
+    (("train", "--cache", "c", "--output", "run", "--attention-backend", "fa3"), "train.attention_backend (--attention-backend): must be one of auto, flash, triton"),
 ])
 def test_user_errors_exit_2_with_one_error_line(tmp_path, args, expected):
     result = _cli(*args, cwd=tmp_path)
@@ -272,7 +272,7 @@ def test_help_renders_flags_without_a_type_placeholder():
                    if "--verbose" in line)
     assert " ".join(verbose.strip("│ ").split()) == "--verbose -v Log debug messages (anywhere on the line)."
     extract = runner.invoke(app, ["extract", "--help"], env={"COLUMNS": "200"}).output
-    assert any("--workers" in line and "<int>" in line for line in extract.splitlines())
+    assert any("--target-processes" in line and "<int>" in line for line in extract.splitlines())
 
 
 @pytest.mark.parametrize("code, exit_status, expected", [
@@ -383,3 +383,30 @@ def test_extract_on_gpus_without_cuda_is_refused_before_any_file_exists(tmp_path
                                 str(tmp_path / "cache"), "--target-gpus", "0")  # fmt: skip
     assert code == 2 and "CUDA is not available" in err and err.count("error:") == 1
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["train", "--lrr", "3"], "error: dflash-stages train: No such option: --lrr (Possible options: --lr) "
+                              "(see 'dflash-stages train --help')"),
+    (["train", "--token-budget", "abc"], "error: dflash-stages train: Invalid value for '--token-budget':"),
+    (["trian"], "error: dflash-stages: No such command 'trian'. Did you mean 'train'? (see 'dflash-stages --help')"),
+    (["cache", "info"], "error: dflash-stages cache info: Missing argument 'CACHE'. "
+                        "(see 'dflash-stages cache info --help')"),
+    (["extract", "--length-policy"], "error: dflash-stages extract: Option '--length-policy' requires an argument."),
+])  # fmt: skip
+def test_click_usage_errors_are_one_error_line_naming_the_fix(args, expected, monkeypatch, capsys):
+    from tests.cli_helpers import main_in_process_out
+
+    code, out, err = main_in_process_out(monkeypatch, capsys, *args)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith(expected), err
+    assert "╭" not in err and "Usage:" not in err
+
+
+def test_help_and_a_group_without_its_subcommand_still_print_the_help(monkeypatch, capsys):
+    from tests.cli_helpers import main_in_process_out
+
+    code, out, _ = main_in_process_out(monkeypatch, capsys, "train", "--help")
+    assert code == 0 and "--drafter-gpus" in out
+    code, out, _ = main_in_process_out(monkeypatch, capsys, "cache")
+    assert code == 2 and "verify" in out

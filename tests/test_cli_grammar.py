@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from stages.cli import hoist_global_flags
 from tests.cli_helpers import main_in_process, main_in_process_out
@@ -73,3 +74,160 @@ def test_dtype_names_are_accepted_in_either_spelling_and_stored_in_one(tmp_path,
     code, err = main_in_process(monkeypatch, capsys, "evaluate", "--drafter", "d", "--prompts", "p.jsonl",
                                 "--dtype", "bf17")
     assert code == 2 and "evaluate.dtype (--dtype)" in err
+
+
+#: GPUs and CPU processes are named by role, one spelling per role in every command (README, "Usage").
+PLACEMENT_OPTIONS = {"--target-gpus", "--target-processes", "--drafter-gpus", "--drafter-processes"}
+
+
+def _visible_options():
+    """(command path, option name, parameter name) of every option ``--help`` shows, in every (sub)command."""
+    import typer
+
+    from stages.cli import _register_all, app
+
+    _register_all()
+
+    def walk(command, path):  # by duck type: typer may bundle a click of its own, whose classes are not click's
+        if hasattr(command, "commands"):
+            for name, sub in command.commands.items():
+                yield from walk(sub, (*path, name))
+            return
+        for param in command.params:
+            if param.param_type_name == "option" and not param.hidden:
+                for name in (*param.opts, *param.secondary_opts):
+                    yield " ".join(path), name, param.name
+
+    return list(walk(typer.main.get_command(app), ()))
+
+
+def test_gpu_lists_and_cpu_processes_have_one_spelling_per_role_in_every_command():
+    from stages.cli import DEPRECATED_OPTIONS
+
+    options = _visible_options()
+    deprecated = {old for renames in DEPRECATED_OPTIONS.values() for old in renames}
+    for command, name, param in options:
+        assert name not in deprecated, (command, name)
+        if name.endswith(("-gpus", "-gpu", "-workers")) or (name.endswith("-processes") and name != "--write-processes"):
+            assert name in PLACEMENT_OPTIONS, (command, name)
+        if name in PLACEMENT_OPTIONS:  # the config field is named as the option
+            assert param == name[2:].replace("-", "_"), (command, name, param)
+    by_command: dict[str, set[str]] = {}
+    for command, name, _ in options:
+        by_command.setdefault(command, set()).add(name)
+    for command in ("generate", "extract", "online"):
+        assert {"--target-gpus", "--target-processes"} <= by_command[command], command
+    for command in ("train", "online"):
+        assert {"--drafter-gpus", "--drafter-processes"} <= by_command[command], command
+    assert "--drafter-gpus" in by_command["sweep"]
+
+
+def test_old_placement_spellings_still_work_with_one_deprecation_warning(tmp_path, monkeypatch, capsys):
+    extract = ["extract", "--corpus", str(tmp_path / "c"), "-o", str(tmp_path / "o"), "--print-config"]
+    code, out, err = main_in_process_out(monkeypatch, capsys, *extract, "--workers", "2")
+    assert code == 0, err
+    assert json.loads(out)["extract"]["target_processes"] == 2
+    assert err.count("deprecated") == 1 and "use --target-processes" in err
+    code, out, err = main_in_process_out(monkeypatch, capsys, *extract, "--workers=3")
+    assert code == 0 and json.loads(out)["extract"]["target_processes"] == 3, err
+    code, out, err = main_in_process_out(monkeypatch, capsys, "sweep", "--cache", str(tmp_path / "cache"), "--grid",
+                                         "lr=1e-3,2e-3", "--gpus", "0,1", "--print-config")
+    assert code == 0, err
+    assert json.loads(out)["sweep"]["drafter_gpus"] == [0, 1] and "use --drafter-gpus" in err
+    code, out, err = main_in_process_out(monkeypatch, capsys, "train", "--cache", str(tmp_path / "cache"), "-o",
+                                         str(tmp_path / "r"), "--cpu-processes", "2", "--print-config")
+    assert code == 0, err
+    assert json.loads(out)["drafter_processes"] == 2 and "use --drafter-processes" in err
+    # The old config keys too: in --set, in a config file (a run.json of an older version), in a preset.
+    code, out, err = main_in_process_out(monkeypatch, capsys, *extract, "--set", "extract.workers=4")
+    assert code == 0 and json.loads(out)["extract"]["target_processes"] == 4, err
+    old_run = tmp_path / "run.json"
+    old_run.write_text(json.dumps({"config": {"cache": str(tmp_path / "cache"), "output": str(tmp_path / "r"),
+                                              "cpu_processes": 3}}))
+    code, out, err = main_in_process_out(monkeypatch, capsys, "train", "--config", str(old_run), "--print-config")
+    assert code == 0, err
+    assert json.loads(out)["drafter_processes"] == 3 and "cpu_processes" not in json.loads(out)
+
+
+def test_an_old_run_json_with_renamed_keys_compares_equal_on_resume():
+    from stages.train import TrainConfig, trajectory_changes
+
+    current = TrainConfig(cache="c", output="o", drafter_processes=2).to_dict()
+    saved = {**{k: v for k, v in current.items() if k != "drafter_processes"}, "cpu_processes": 2}
+    assert trajectory_changes(saved, current, saved_world_size=2, world_size=2) == []
+
+
+def test_kernel_environment_variables_are_also_train_config_fields(tmp_path, monkeypatch, capsys):
+    """DFLASH_ATTENTION_BACKEND and DFLASH_CE_KERNEL are train.attention_backend / train.ce_kernel too (options,
+    --set, files, --print-config); the variable is the default where the field is unset, and both are checked
+    before any work."""
+    from dflash.drafter import attention_kernels
+    from dflash.drafter.loss import CE_KERNEL_ENV
+    from stages.train import TrainConfig, trajectory_changes
+
+    monkeypatch.delenv(CE_KERNEL_ENV, raising=False)
+    monkeypatch.setenv(attention_kernels.ENV_VAR, attention_kernels.attention_backend())
+    base = ["train", "--cache", str(tmp_path / "cache"), "-o", str(tmp_path / "run"), "--print-config"]
+    code, out, err = main_in_process_out(monkeypatch, capsys, *base, "--attention-backend", "TRITON", "--set",
+                                         "train.ce_kernel=eager")
+    assert code == 0, err
+    assert (json.loads(out)["attention_backend"], json.loads(out)["ce_kernel"]) == ("triton", "eager")
+    code, out, err = main_in_process_out(monkeypatch, capsys, *base)
+    assert code == 0 and (json.loads(out)["attention_backend"], json.loads(out)["ce_kernel"]) == (None, None), err
+    code, _, err = main_in_process_out(monkeypatch, capsys, *base, "--ce-kernel", "fast")
+    assert code == 2 and err.startswith("error: train.ce_kernel (--ce-kernel): must be one of auto,"), err
+    monkeypatch.setenv(CE_KERNEL_ENV, "fast")
+    code, _, err = main_in_process_out(monkeypatch, capsys, *base)
+    assert code == 2 and "DFLASH_CE_KERNEL='fast' is not one of" in err, err
+    code, out, err = main_in_process_out(monkeypatch, capsys, *base, "--ce-kernel", "inductor")  # the field wins
+    assert code == 0 and json.loads(out)["ce_kernel"] == "inductor", err
+    monkeypatch.delenv(CE_KERNEL_ENV)
+
+    previous = attention_kernels.attention_backend()
+    try:
+        TrainConfig(cache="c", output="o", attention_backend="flash", ce_kernel="eager").apply_kernel_choices()
+        assert attention_kernels.attention_backend() == "flash"
+        assert os.environ[attention_kernels.ENV_VAR] == "flash" and os.environ[CE_KERNEL_ENV] == "eager"
+    finally:
+        attention_kernels.set_attention_backend(previous)
+    saved = TrainConfig(cache="c", output="o", attention_backend="flash").to_dict()
+    current = TrainConfig(cache="c", output="o", ce_kernel="eager").to_dict()
+    assert trajectory_changes(saved, current, saved_world_size=1, world_size=1) == []  # a resume may change them
+
+
+def test_combined_short_flags_vv_and_vq(tmp_path, monkeypatch, capsys):
+    assert hoist_global_flags(["extract", "-vv", "--corpus", "c"]) == ["-v", "-v", "extract", "--corpus", "c"]
+    args = ["extract", "--corpus", str(tmp_path / "c"), "-o", str(tmp_path / "o"), "--print-config"]
+    code, out, err = main_in_process_out(monkeypatch, capsys, *args, "-vv")
+    assert code == 0 and json.loads(out)["extract"]["corpus"] == str(tmp_path / "c"), err
+    code, err = main_in_process(monkeypatch, capsys, *args, "-vq")
+    assert code == 2 and err.strip() == "error: -v/--verbose and -q/--quiet contradict each other; give one"
+
+
+def test_empty_paths_are_refused_naming_the_key(tmp_path, monkeypatch, capsys):
+    cases = [
+        (["export", str(tmp_path / "ckpt"), "--set", "out=", "--print-config"], "error: export.out (--set out=): "),
+        (["extract", "--corpus", "c", "-o", "", "--print-config"], "error: -o: "),
+        (["extract", "--corpus", " ", "-o", "x", "--print-config"], "error: --corpus: "),
+        (["sweep", "--cache", "c", "--grid", "lr=1e-3", "--output=", "--print-config"], "error: --output: "),  # Path
+        (["evaluate", "--drafter", "", "--prompts", "p.jsonl", "--print-config"], "error: --drafter: "),  # Path
+        (["extract", "--corpus", "c", "-o", "x", "--set", "extract.corpus= ", "--print-config"],
+         "error: extract.corpus (--set extract.corpus= ): "),
+    ]
+    for args, start in cases:
+        code, err = main_in_process(monkeypatch, capsys, *args)
+        assert code == 2 and err.startswith(start) and "empty path" in err, (args, err)
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"extract": {"corpus": "c", "output": ""}}))
+    code, err = main_in_process(monkeypatch, capsys, "extract", "--config", str(config), "--print-config")
+    assert code == 2 and err.startswith(f"error: extract.output (--config {config}): empty path"), err
+
+
+def test_refusals_name_the_key_once(tmp_path, monkeypatch, capsys):
+    code, err = main_in_process(monkeypatch, capsys, "sweep", "--cache", "c", "--grid", "lr=1e-3", "--drafter-gpus",
+                                "0,0", "--print-config")
+    assert code == 2 and err.strip() == ("error: sweep.drafter_gpus (--drafter-gpus): expected a non-empty list of "
+                                         "distinct GPU ids >= 0, got [0, 0]"), err
+    code, err = main_in_process(monkeypatch, capsys, "train", "--cache", "c", "-o", str(tmp_path / "r"), "--lr", "-1",
+                                "--print-config")
+    assert code == 2 and err.startswith("error: train.lr (--lr): must be"), err

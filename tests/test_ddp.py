@@ -19,7 +19,7 @@ def tiny_cache(tmp_path_factory, target):
 
 def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(tiny_cache, tmp_path):
     common = dict(max_steps=3, save_every=3, validation_fraction=0.2)
-    ddp = run_training(tiny_config(tiny_cache, tmp_path / "ddp", cpu_processes=2, grad_accum_steps=1, **common))
+    ddp = run_training(tiny_config(tiny_cache, tmp_path / "ddp", drafter_processes=2, grad_accum_steps=1, **common))
     single = run_training(tiny_config(tiny_cache, tmp_path / "single", grad_accum_steps=2, **common))
     assert ddp["step"] == single["step"] == 3
     assert ddp["tokens_seen"] == single["tokens_seen"]  # global counts: both ranks' batches

@@ -110,7 +110,7 @@ def test_sigkill_mid_run_then_rerun_is_exactly_once(tmp_path, corpus_dir, refere
     output = tmp_path / "cache"
     command = [
         sys.executable, "-m", "stages.cli", "extract", "--corpus", str(corpus_dir), "--output", str(output),
-        "--workers", "1", "--shard-size", "1", "--dashboard-address", ":0",
+        "--target-processes", "1", "--shard-size", "1", "--dashboard-address", ":0",
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     commits = output / "commits"
@@ -130,7 +130,7 @@ def test_sigkill_mid_run_then_rerun_is_exactly_once(tmp_path, corpus_dir, refere
     assert 1 <= len(committed_at_kill) < planned, "the kill did not land mid-run"
 
     # The rerun goes through the whole stage with a write process (the non-daemonic Dask worker spawns it).
-    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=1, dashboard_address=":0",
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), target_processes=1, shard_size=1, dashboard_address=":0",
                            write_processes=1, write_threads=1)  # fmt: skip
     summary = run_extract(config, _quiet())
     assert summary["skipped_committed"] == len(committed_at_kill)
@@ -140,7 +140,7 @@ def test_sigkill_mid_run_then_rerun_is_exactly_once(tmp_path, corpus_dir, refere
 
 def test_nonfinite_sample_is_quarantined_and_the_rest_written(tmp_path, target, corpus_dir, layer_ids, reference):
     output = tmp_path / "cache"
-    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=10_000)
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), target_processes=1, shard_size=10_000)
     cache, corpus, shard_rows, _ = prepare_cache(config, _quiet())
     poisoned_row = 3
     marker = int(corpus.row(poisoned_row).input_ids[0])
@@ -183,7 +183,7 @@ def test_nonfinite_sample_is_quarantined_and_the_rest_written(tmp_path, target, 
 
 def test_refuses_when_the_estimate_exceeds_free_space(tmp_path, corpus_dir, monkeypatch):
     monkeypatch.setattr(extract_stage, "_free_bytes", lambda output: 1000)
-    config = ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), workers=1)
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), target_processes=1)
     with pytest.raises(CacheError, match="--force-space"):
         run_extract(config, _quiet())
     assert not (tmp_path / "cache").exists()
@@ -195,7 +195,7 @@ def test_corpus_outside_the_vocab_fails_before_any_worker_starts(tmp_path, token
         writer.add(np.array([1, 2, 3], np.int32), np.array([0, 1, 1], np.uint8), "ok")
         writer.add(np.array([1, 60_000, 3], np.int32), np.array([0, 1, 1], np.uint8), "bad")
         writer.commit({})
-    config = ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), workers=1)
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), target_processes=1)
     with pytest.raises(CorpusError, match="60000"):
         run_extract(config, _quiet())
     assert not (tmp_path / "cache").exists()
@@ -203,7 +203,7 @@ def test_corpus_outside_the_vocab_fails_before_any_worker_starts(tmp_path, token
 
 @pytest.mark.slow
 def test_worker_sigkill_mid_run_is_redone_exactly_once(tmp_path, corpus_dir, reference):
-    config = ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), workers=2, shard_size=1,
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), target_processes=2, shard_size=1,
                            dashboard_address=":0")  # fmt: skip
     before = {child.pid for child in psutil.Process().children(recursive=True)}
 
@@ -307,7 +307,7 @@ def test_external_cluster_of_dask_cli_processes_survives_a_killed_worker_exactly
 
 def _shard_specs(output: Path, corpus_dir: Path) -> list[ShardSpec]:
     """The prepared cache's shard tasks (40-token shards of the test corpus), as the extract driver plans them."""
-    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), workers=1, shard_size=40)
+    config = ExtractConfig(corpus=str(corpus_dir), output=str(output), target_processes=1, shard_size=40)
     _, _, shard_rows, _ = prepare_cache(config, _quiet())
     return [ShardSpec(shard_id=shard_id, row_start=start, row_stop=stop, num_tokens=0, cache_path=str(output),
                       corpus_path=str(corpus_dir)) for shard_id, (start, stop) in enumerate(shard_rows)]  # fmt: skip
@@ -514,7 +514,7 @@ def test_orphaned_segments_of_dead_workers_are_removed():
 def test_local_cluster_listens_on_localhost_only_and_prints_its_dashboard(tmp_path):
     # The default, and a bare ":0" (what distributed would bind on every interface).
     for address in (ExtractConfig.__dataclass_fields__["dashboard_address"].default, ":0"):
-        config = ExtractConfig(corpus=str(tmp_path), output=str(tmp_path / "cache"), workers=1, write_processes=0,
+        config = ExtractConfig(corpus=str(tmp_path), output=str(tmp_path / "cache"), target_processes=1, write_processes=0,
                                dashboard_address=address)
         client, cluster, _ = start_cluster(config)
         try:
@@ -541,7 +541,7 @@ def test_tls_options_build_a_security_for_the_scheduler_and_are_checked(tmp_path
     with pytest.raises(ConfigError, match=r"^tls_cert: TLS needs --tls-ca-file, --tls-cert and --tls-key together"):
         ExtractConfig(corpus="c", output="o", scheduler_address="tls://h:8786", tls_ca_file=str(files["ca"]))
     with pytest.raises(ConfigError, match=r"^tls_ca_file: TLS options apply to --scheduler-address only"):
-        ExtractConfig(corpus="c", output="o", workers=1, tls_ca_file=str(files["ca"]), tls_cert=str(files["cert"]),
+        ExtractConfig(corpus="c", output="o", target_processes=1, tls_ca_file=str(files["ca"]), tls_cert=str(files["cert"]),
                       tls_key=str(files["key"]))
     with pytest.raises(ConfigError, match=r"^tls_key: .*missing.pem is not a file"):
         ExtractConfig(corpus="c", output="o", scheduler_address="tls://h:8786", tls_ca_file=str(files["ca"]),

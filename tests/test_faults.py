@@ -160,7 +160,7 @@ def test_full_disk_under_extract_stops_cleanly_keeping_the_committed_shards(tmp_
         writer.commit({"target_spec": "default"})
     output = tmp_path / "cache"
     command = ["extract", "--corpus", str(corpus), "--output", str(output),
-               "--workers", "1", "--shard-size", "1", "--dashboard-address", ":0", "--force-space"]  # fmt: skip
+               "--target-processes", "1", "--shard-size", "1", "--dashboard-address", ":0", "--force-space"]  # fmt: skip
     # The console script in its own process, forked from one that imported torch once (cli_helpers.forked_cli).
     full = forked_cli(*command, cwd=os.getcwd(), timeout=240,
                       env={**os.environ, faults.ENV: "cache.chunk-write@2=enospc", "COLUMNS": "400"})  # fmt: skip

@@ -163,7 +163,7 @@ def test_a_template_without_a_generation_prompt_is_refused(target):
 
 
 def _generate_args(prompts: Path, output: Path, *extra: str) -> list[str]:
-    return ["generate", str(prompts), "--output", str(output), "--workers", "1", "--part-size", "1",
+    return ["generate", str(prompts), "--output", str(output), "--target-processes", "1", "--part-size", "1",
             "--max-new-tokens", "4", *extra]
 
 

@@ -2,7 +2,7 @@
 
 The corpus is short stdlib snippets tokenized by the target's tokenizer, with an unsupervised "prompt" prefix.
 Producers run in-process (a thread executor) where the test is about the plan or the trainer, and as Dask worker
-processes (``dflash-stages online --workers 1``) end to end.
+processes (``dflash-stages online --target-processes 1``) end to end.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def offline_cache(tmp_path_factory, corpus_dir, target_path, target):
 
     output = tmp_path_factory.mktemp("online-offline") / "cache"
     config = ExtractConfig(corpus=str(corpus_dir), output=str(output), target=str(target_path),
-                           target_layer_ids=TINY_LAYER_IDS, shard_size=600, workers=1, write_processes=0)
+                           target_layer_ids=TINY_LAYER_IDS, shard_size=600, target_processes=1, write_processes=0)
     _, corpus, shard_rows, _ = prepare_cache(config, Console(file=open(os.devnull, "w")))  # noqa: SIM115
     assert len(shard_rows) >= 3
     extractor = ShardExtractor(TargetRunner(target.model, TINY_LAYER_IDS, "cpu", token_budget=256), write_processes=0)
@@ -214,7 +214,7 @@ def test_online_trains_end_to_end_with_ddp_on_exactly_the_planned_batches(corpus
     from pipelines.online import run_online
 
     run = tmp_path / "run"
-    config = _online_config(corpus_dir, target_path, run, max_steps=4, save_every=2, cpu_processes=2)
+    config = _online_config(corpus_dir, target_path, run, max_steps=4, save_every=2, drafter_processes=2)
     expected_digest, expected_tokens = _expected_rows(config, 4, world_size=2)
     before = _live_segments()
     summary = run_online(config)
@@ -233,7 +233,7 @@ def test_online_command_refuses_bad_options_with_one_error_line(tmp_path):
     import sys
 
     result = subprocess.run([sys.executable, "-m", "stages.cli", "online", "--corpus", str(tmp_path), "--output",
-                             str(tmp_path / "run"), "--workers", "1", "--ring-slots", "1"],
+                             str(tmp_path / "run"), "--target-processes", "1", "--ring-slots", "1"],
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 2
     assert "error: ring_slots: expected an integer >= 2" in result.stderr
@@ -347,7 +347,7 @@ def test_online_presets_give_each_layout_and_options_override_them(tmp_path):
     layouts = {}
     for name in ONLINE_PRESETS:
         config = config_from_cli({"corpus": str(tmp_path)}, {"output": str(tmp_path / name)}, name)
-        layouts[name] = (config.workers, config.target_gpus, config.train.drafter_gpus, config.train.world_size)
+        layouts[name] = (config.target_processes, config.target_gpus, config.train.drafter_gpus, config.train.world_size)
     assert layouts == {"online-cpu": (1, None, None, 1), "online-1gpu": (None, [0], [0], 1),
                        "online-2gpu": (None, [0], [1], 1), "online-8gpu": (None, [0, 1, 2, 3, 4], [5, 6, 7], 3)}
     config = config_from_cli({"corpus": str(tmp_path), "ring_slots": 6},
@@ -444,7 +444,7 @@ def test_extract_finishing_a_cache_to_commits_what_was_staged_and_removes_stagin
     from stages.extract import ExtractConfig, prepare_cache, run_extract
 
     config = ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), target=str(target_path),
-                           target_layer_ids=TINY_LAYER_IDS, shard_size=600, workers=1, write_processes=0)
+                           target_layer_ids=TINY_LAYER_IDS, shard_size=600, target_processes=1, write_processes=0)
     quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115
     cache, corpus, shard_rows, _ = prepare_cache(config, quiet)
     offline = CacheReader(offline_cache)
@@ -492,7 +492,7 @@ def test_online_refuses_up_front_what_would_fail_after_the_producers_loaded(tmp_
                                     str(corpus_dir), "--output", str(tmp_path / "g"), "--target-gpus", "0")
         assert code == 2 and "CUDA is not available" in err and not (tmp_path / "g").exists()
     config = config_from_cli({"corpus": "c", "target_gpus": [0]}, {"output": "o", "drafter_gpus": [1]}, "online-cpu")
-    assert (config.workers, config.target_gpus, config.train.drafter_gpus, config.train.device) == (None, [0], [1],
+    assert (config.target_processes, config.target_gpus, config.train.drafter_gpus, config.train.device) == (None, [0], [1],
                                                                                                       "auto")
     assert Path(config.corpus).is_absolute()  # saved in run.json: a resume from another folder finds it
 

@@ -22,7 +22,7 @@ TINY = {
     "target": "default",
     "prepare": {"max_length": 256},  # inputs: a folder of small stdlib modules (set in the fixture)
     "split": {"heldout_documents": 1, "seed": 0},
-    "extract": {"workers": 1, "num_taps": 1, "token_budget": 2048, "shard_size": 2048, "dashboard_address": ":0"},
+    "extract": {"target_processes": 1, "num_taps": 1, "token_budget": 2048, "shard_size": 2048, "dashboard_address": ":0"},
     "train": {"num_draft_layers": 1, "block_size": 4, "epochs": 2, "token_budget": 512,
               "max_anchors_per_document": 8, "validation_fraction": 0.0, "save_every": 100, "keep_last": 1,
               "device": "cpu", "progress": False},
@@ -113,7 +113,7 @@ def test_pipeline_on_generated_responses(tmp_path, target):
     heldout = tmp_path / "heldout.jsonl"
     heldout.write_text(json.dumps({"text": "def multiply(a, b):\n    "}) + "\n")
     tiny = {key: value for key, value in TINY.items() if key not in ("prepare", "split")}
-    preset = {**tiny, "generate": {"prompts": str(prompts), "max_new_tokens": 12, "workers": 1, "part_size": 3},
+    preset = {**tiny, "generate": {"prompts": str(prompts), "max_new_tokens": 12, "target_processes": 1, "part_size": 3},
               "train": {**TINY["train"], "epochs": 1},
               "evaluate": {**TINY["evaluate"], "prompts": str(heldout), "per_epoch": False, "num_prompts": 1}}
     (tmp_path / "gen.json").write_text(json.dumps(preset))
@@ -153,12 +153,12 @@ def test_presets_load_and_overrides_apply():
     ("train.lr=abc", "train.lr (--set train.lr=abc): expected float, got 'abc'"),
     ("train.lrr=0.1", "train.lrr (--set train.lrr=0.1): unknown key; did you mean train.lr?"),
     ("generate.max_new_tokenz=3", "did you mean generate.max_new_tokens?"),
-    ("train.block_size=1", "train.block_size (--set train.block_size=1): block_size must be an integer >= 2"),
+    ("train.block_size=1", "train.block_size (--set train.block_size=1): must be an integer >= 2"),
     ("extract.num_taps=[1]", "extract.num_taps (--set extract.num_taps=[1]): expected int"),
     ("evaluate.per_epoch=2", "evaluate.per_epoch (--set evaluate.per_epoch=2): expected bool"),
     ("evaluate.num_promts=4", "did you mean evaluate.num_prompts?"),
     ("train.output=elsewhere", "train.output (--set train.output=elsewhere): set by the pipeline itself"),
-    ("generate.temperature=-1", "generate.temperature (--set generate.temperature=-1): temperature must be >= 0"),
+    ("generate.temperature=-1", "generate.temperature (--set generate.temperature=-1): must be >= 0"),
 ])
 def test_run_refuses_a_bad_setting_before_any_stage_writes(tmp_path, monkeypatch, capsys, override, message):
     """Every section is checked (keys, types, the stage config's own ranges) before the first stage: one error line

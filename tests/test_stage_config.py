@@ -125,7 +125,7 @@ def test_hostile_config_files_and_values_are_one_error_line(tmp_path, monkeypatc
     (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00bad")
     (tmp_path / "laughs.yaml").write_text('a: &a ["x","x","x"]\nb: &b [*a,*a,*a]\nextract:\n  extra: {c: [*b,*b]}\n')
     (tmp_path / "nested.json").write_text('{"generate": {"default_prompts": {"window_chars": "big"}}}')
-    (tmp_path / "typo_section.json").write_text('{"extract": {"workers": 1}, "trian": {"lr": 5}}')
+    (tmp_path / "typo_section.json").write_text('{"extract": {"target_processes": 1}, "trian": {"lr": 5}}')
     (tmp_path / "lr.toml").write_text("[train]\nlr = -1.0\n")
     (tmp_path / "inf.json").write_text('{"extract": {"expected_ratio": 1e999}}')
     out = str(tmp_path / "out")
@@ -176,3 +176,22 @@ def test_run_takes_a_config_file_over_its_preset_and_prints_what_it_would_run(tm
         code, err = main_in_process(monkeypatch, capsys, "run", "--workdir", workdir, "--config", str(tmp_path / name))
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize(("name", "text", "line"), [
+    ("dup.yaml", "extract:\n  shard_size: 5\n  shard_size: 6\n", " (line 3)"),
+    ("dup.yml", "shard_size: 5\nshard_size: 6\n", " (line 2)"),
+    ("dup.json", '{"extract": {"shard_size": 5, "shard_size": 6}}', ""),
+])  # fmt: skip
+def test_a_key_given_twice_in_a_yaml_or_json_file_is_refused(name, text, line, tmp_path):
+    """As TOML refuses it: last-wins would silently drop one of the two values."""
+    from dflash.config_check import read_config_file
+    from dflash.errors import ConfigError
+
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError) as raised:
+        read_config_file(path)
+    assert str(raised.value) == f"--config {path}: key 'shard_size' given twice{line}; keep one"
+    path.write_text(text.replace("shard_size: 6", "num_taps: 6").replace('"shard_size": 6', '"num_taps": 6'))
+    assert read_config_file(path)  # distinct keys (also the same key in different mappings) are fine

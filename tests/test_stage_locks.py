@@ -58,7 +58,7 @@ def hold(tmp_path):
 def test_each_stage_refuses_an_output_another_process_writes(tmp_path, hold, monkeypatch, capsys, command):
     output = tmp_path / "out"
     args = {
-        "extract": ["extract", "--corpus", str(tmp_path / "corpus"), "--output", str(output), "--workers", "1"],
+        "extract": ["extract", "--corpus", str(tmp_path / "corpus"), "--output", str(output), "--target-processes", "1"],
         "train": ["train", "--cache", str(tmp_path / "cache"), "--output", str(output)],
         "prepare": ["prepare", "default", "--output", str(output)],
         "export": ["export", str(tmp_path / "run"), str(output)],

@@ -102,13 +102,21 @@ def test_sweep_settings_from_a_config_file_and_preset_and_errors_before_any_run(
         (["--set", "lr=3e-4,6e-4"], "sweep several with --grid lr=3e-4,6e-4"),
         (["--grid", "lr=-1,1e-3"], "sweep run lr=-1.0"),
         (["--set", "train.cache=x"], "give it as sweep.cache"),
-        (["--set", "sweep.gpu=[0]"], "did you mean sweep.gpus?"),
+        (["--set", "sweep.drafter_gpu=[0]"], "did you mean sweep.drafter_gpus?"),
         (["--grid", "lr=1e-3,2e-3"], "no cache at c"),  # checked before any run starts: nothing written
         (["--grid", "lr=1e-3,0.001"], "two runs would share the folder"),
         (["--grid", "lr=1e-3,2e-3", "--set", "lr=5e-4"], "both swept (sweep.grid) and fixed (--set lr=5e-4)"),
-        (["--gpus", "0,0"], "distinct GPU ids"),
+        (["--drafter-gpus", "0,0"], "distinct GPU ids"),
     ]:
         code, err = main_in_process(monkeypatch, capsys, "sweep", "--cache", "c", "-o", str(tmp_path / "never"), *args)
         lines = [line for line in err.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and needle in lines[0], (args, err)
     assert not (tmp_path / "never").exists()
+
+
+def test_list_of_str_fields_are_swept_as_strings():
+    from stages.sweep import parse_grid
+
+    assert parse_grid(["report_to=tensorboard:wandb,none"]) == {"report_to": [["tensorboard", "wandb"], ["none"]]}
+    assert parse_grid(["betas=0.9:0.95"]) == {"betas": [[0.9, 0.95]]}
+    assert parse_grid(["target_layer_ids=1:3"]) == {"target_layer_ids": [[1, 3]]}

@@ -15,17 +15,23 @@ from dflash.drafter.attention_kernels import (
 )
 from dflash.drafter.config import DFlashConfig, select_mask_token_id
 from dflash.drafter.loss import (
+    CE_KERNELS,
     LossOutput,
+    ce_kernel,
     chunked_linear_cross_entropy,
     default_gamma,
     dflash_loss,
     expected_acceptance_length,
     position_weights,
+    set_ce_kernel,
 )
 from dflash.drafter.masks import AttentionLayout, attention_layout, dense_attention_mask, flex_block_mask
 from dflash.drafter.model import DFlashDrafter
 
 __all__ = [
+    "CE_KERNELS",
+    "ce_kernel",
+    "set_ce_kernel",
     "AttentionLayout",
     "DFlashConfig",
     "DFlashDrafter",

@@ -13,9 +13,10 @@ Per-chunk softmax/CE/gradient kernel (``fused=True``, the default on CUDA): the 
 :mod:`dflash.drafter.ce_triton` (two passes over the bf16 logits, gradient written over the logits) when Triton is
 importable and the logits are bf16/fp16/fp32 on CUDA, else the ``torch.compile``'d :func:`_ce_chunk_fusable`; each
 falls back to the next (Triton -> compiled -> eager) with a warning if it fails to build. The environment variable
-``DFLASH_CE_KERNEL`` forces one, for benchmarking: ``triton`` (an error if Triton cannot run), ``inductor`` (the
-compiled chunk), ``eager`` (:func:`_ce_chunk_inplace`), or ``auto`` (unset: the choice above). ``fused=False`` always
-runs the eager chunk. Read at every chunk, so it can be changed between steps.
+``DFLASH_CE_KERNEL`` (or ``train.ce_kernel`` / ``train --ce-kernel``, which sets it through :func:`set_ce_kernel`)
+forces one, for benchmarking: ``triton`` (an error if Triton cannot run), ``inductor`` (the compiled chunk), ``eager``
+(:func:`_ce_chunk_inplace`), or ``auto`` (unset: the choice above). ``fused=False`` always runs the eager chunk. Read
+at every chunk, so it can be changed between steps.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ __all__ = [
     "dflash_loss",
     "chunked_linear_cross_entropy",
     "expected_acceptance_length",
+    "CE_KERNELS",
+    "ce_kernel",
+    "set_ce_kernel",
 ]
 
 _PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -142,7 +146,9 @@ _compiled_chunk_failed = False
 _triton_chunk_failed = False
 #: Environment variable forcing the per-chunk CE implementation (see the module docstring).
 CE_KERNEL_ENV = "DFLASH_CE_KERNEL"
-_CE_KERNELS = ("auto", "triton", "inductor", "eager")
+#: The choices of the per-chunk CE implementation (module docstring).
+CE_KERNELS = ("auto", "triton", "inductor", "eager")
+_CE_KERNELS = CE_KERNELS
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -150,6 +156,31 @@ _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def _fused_chunk_fn():
     """The per-chunk softmax/CE/gradient as one ``torch.compile``'d function, compiled once per process."""
     return torch.compile(_ce_chunk_fusable)
+
+
+def set_ce_kernel(name: str) -> str:
+    """Force the per-chunk CE implementation for this process and the processes it starts (sets
+    ``DFLASH_CE_KERNEL``); case-insensitive. Returns the previous choice.
+
+    Raises:
+        ConfigError: a name not in :data:`CE_KERNELS`.
+    """
+    choice = str(name).strip().lower()
+    if choice not in CE_KERNELS:
+        raise ConfigError(f"unknown CE kernel {name!r}; choose one of {', '.join(CE_KERNELS)} (train --ce-kernel or "
+                          f"{CE_KERNEL_ENV})")
+    previous = _requested_chunk_kernel()
+    os.environ[CE_KERNEL_ENV] = choice
+    return previous
+
+
+def ce_kernel() -> str:
+    """The current choice (``auto`` when ``DFLASH_CE_KERNEL`` is unset).
+
+    Raises:
+        ConfigError: ``DFLASH_CE_KERNEL`` holds an unknown name.
+    """
+    return _requested_chunk_kernel()
 
 
 def _requested_chunk_kernel() -> str:
