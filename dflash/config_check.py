@@ -24,7 +24,7 @@ from typing import Any
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 
-__all__ = ["DTYPE_NAMES", "DuplicateKeyError", "unique_keys", "MISSING_DEFAULT", "PATH_FIELDS", "RENAMED_KEYS", "check_fields", "check_not_empty_path", "dtype_spelling", "field_default",
+__all__ = ["DTYPE_NAMES", "DuplicateKeyError", "unique_keys", "MISSING_DEFAULT", "PATH_FIELDS", "RENAMED_KEYS", "EXCLUSIVE_SETTINGS", "layer_over", "check_fields", "check_not_empty_path", "dtype_spelling", "field_default",
            "matches_type", "migrate_renamed", "override_value", "read_config_file"]
 
 #: What :func:`field_default` returns for a field without a default (a required field).
@@ -68,9 +68,38 @@ def migrate_renamed(section: str, values: Mapping[str, Any], source: str = "") -
             where = f" ({source})" if source else ""
             logging.getLogger("dflash.config").warning("%s.%s%s is deprecated: it is now %s.%s; rename it", section,
                                                        key, where, section, new)
+        if new in values and values[new] != value:
+            from dflash.errors import ConfigError
+
+            where = f" ({source})" if source else ""
+            raise ConfigError(f"{section}.{new}{where}: given twice, as {new} = {values[new]!r} and as its deprecated "
+                              f"spelling {key} = {value!r}; keep {new} only")
         if new not in values:
             result[new] = value
     return result
+
+
+#: Settings where one choice excludes the others (where target replicas or drafter ranks run). A layer that sets
+#: one of a group (preset < config file < options < ``--set``) replaces the others set by the layers below it, so
+#: ``--preset cpu-small --target-gpus 0`` means GPU replicas, not a contradiction; one layer giving two of a group
+#: is still refused by the stage config.
+EXCLUSIVE_SETTINGS: tuple[tuple[str, ...], ...] = (
+    ("target_gpus", "target_processes", "scheduler_address"),
+    ("drafter_gpus", "drafter_processes"),
+)
+
+
+def layer_over(merged: dict[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
+    """``merged`` (the settings of lower layers) updated in place by ``layer``; a key of an
+    :data:`EXCLUSIVE_SETTINGS` group that ``layer`` sets (not None) removes the group's other keys of ``merged``
+    that ``layer`` does not set itself. Returns ``merged``."""
+    for group in EXCLUSIVE_SETTINGS:
+        if any(layer.get(key) is not None for key in group):
+            for key in group:
+                if key not in layer:
+                    merged.pop(key, None)
+    merged.update(layer)
+    return merged
 
 
 #: Fields of the stage configs that hold a path (or a URL, or a target spec): an empty value would silently mean the

@@ -31,6 +31,7 @@ the held-out prompts after each epoch, starting with the untrained drafter (epoc
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import hashlib
 import json
@@ -48,7 +49,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dflash.config_check import migrate_renamed, override_value
+from dflash.config_check import layer_over, migrate_renamed, override_value
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 
 if TYPE_CHECKING:
@@ -131,8 +132,8 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
             raise ConfigError(f"--set {override!r}: expected section.field=value, e.g. train.lr=3e-4")
         if section not in _STAGES:
             raise ConfigError(f"--set {override!r}: unknown section {section!r}; expected one of {list(_STAGES)}")
-        result.setdefault(section, {}).update(migrate_renamed(section, {name: override_value(raw, override)},
-                                                              f"--set {override}"))
+        layer_over(result.setdefault(section, {}),
+                   migrate_renamed(section, {name: override_value(raw, override)}, f"--set {override}"))
     return result
 
 
@@ -228,6 +229,57 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
                  reserved={"drafter", "target", "corpus", "cache", "json"}, extra=evaluate_extra)
     _build_for_check("evaluate", EvaluateConfig, {"prompts": "held-out", **evaluate, "drafter": placeholder,
                                                   "target": config.target, "corpus": placeholder}, source)
+
+
+#: The preset ``run`` uses when none is given; ``run --config FILE`` is merged over it.
+DEFAULT_PRESET = "cpu-small"
+
+
+def printable_pipeline(config: PipelineConfig) -> dict[str, Any]:
+    """The resolved pipeline as ``--print-config`` prints it: the non-empty sections, plus every key that
+    :data:`DEFAULT_PRESET` sets and this config leaves at its stage's default (written out with that default), so
+    the output read back with ``--config`` (merged over the default preset) or with ``--preset FILE.json`` resolves
+    to the same config. A pipeline without a ``generate`` section cannot mask the default preset's one this way:
+    read such a printout back with ``--preset FILE.json``."""
+    from stages.evaluate import EvaluateConfig
+    from stages.extract import ExtractConfig
+    from stages.generate import GenerateConfig
+    from stages.train import TrainConfig
+
+    data = {k: copy.deepcopy(v) for k, v in config.to_dict().items() if k != "workdir" and (v or k == "target")}
+    classes = {"generate": GenerateConfig, "extract": ExtractConfig, "train": TrainConfig, "evaluate": EvaluateConfig}
+    extras = {"evaluate": {"per_epoch": False, "compare_untrained": False}}
+    from dflash.config_check import EXCLUSIVE_SETTINGS, field_default
+
+    for section, base in load_preset(DEFAULT_PRESET).items():
+        if section not in classes or not isinstance(base, dict) or section not in data:
+            continue
+        values = data[section]
+        chosen = {key for group in EXCLUSIVE_SETTINGS for key in group if values.get(key) is not None}
+        for key, base_value in base.items():
+            if any(key in group and chosen & set(group) for group in EXCLUSIVE_SETTINGS):
+                continue  # the chosen member of its group replaces it when read back
+            fields = {f.name: f for f in dataclasses.fields(classes[section])}
+            if key in extras.get(section, {}):
+                default = extras[section][key]
+            elif key in fields:
+                default = field_default(fields[key])
+            else:
+                continue
+            if key not in values:
+                values[key] = _plain_default(default)
+            if isinstance(base_value, dict) and isinstance(values[key], dict):
+                for sub in base_value:  # nested settings (generate.default_prompts) merge field by field too
+                    values[key].setdefault(sub, (_plain_default(default) or {}).get(sub))
+    return data
+
+
+def _plain_default(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain_default(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+    if isinstance(value, tuple):
+        return list(value)
+    return value
 
 
 def _build_for_check(section: str, cls: type, values: dict[str, Any], source: Callable[[str, str], str]) -> None:
@@ -584,7 +636,8 @@ def register(app: typer.Typer) -> None:
                     close = difflib.get_close_matches(section, _STAGES, n=1)
                     raise ConfigError(f"{section} (--config {config_file}): not a pipeline section; "
                                       + (f"did you mean {close[0]}?" if close else f"sections: {', '.join(_STAGES)}"))
-                preset_config.setdefault(section, {}).update(values)
+                values = migrate_renamed(section, values, f"--config {config_file}")
+                layer_over(preset_config.setdefault(section, {}), values)
                 from_file.update((section, key) for key in values)
         preset_config = apply_overrides(preset_config, overrides)
         if docs and preset_config.get("generate"):
@@ -614,8 +667,7 @@ def register(app: typer.Typer) -> None:
 
         if print_config:
             validate_sections(config, source)
-            print(json.dumps({k: v for k, v in config.to_dict().items() if k != "workdir" and (v or k == "target")},
-                             indent=2))
+            print(json.dumps(printable_pipeline(config), indent=2))
             raise typer.Exit(0)
 
         console.print(f"preset {preset} -> {workdir}")

@@ -170,8 +170,16 @@ PATH_OPTIONS = frozenset({"-o", "--output", "--corpus", "--cache", "--cache-to",
                           "--workdir", "--config", "--preset", "--target", "--diff", "--resume-from"})
 
 
+#: Options that take no value (an empty word after one of them is a positional argument).
+_FLAGS = frozenset({"-v", "-q", "--verbose", "--quiet", "--help", "--print-config", "--json", "--overwrite",
+                    "--resume", "--break-lock", "--allow-config-change", "--allow-incomplete", "--ignore-eos",
+                    "--compare-untrained", "--deterministic", "--no-deterministic", "--compile", "--scan",
+                    "--no-tensors", "--chat-template", "--no-chat-template", "--progress", "--no-progress"})
+
+
 def refuse_empty_paths(args: list[str]) -> None:
-    """Raise ``ConfigError`` for a :data:`PATH_OPTIONS` option given an empty value (``-o ''``, ``--output=``)."""
+    """Raise ``ConfigError`` for a :data:`PATH_OPTIONS` option given an empty value (``-o ''``, ``--output=``) and
+    for an empty positional argument (``export RUN ''``: typer would read it as the current folder)."""
     from dflash.errors import ConfigError
 
     stop = args.index("--") if "--" in args else len(args)
@@ -181,6 +189,11 @@ def refuse_empty_paths(args: list[str]) -> None:
             arg in PATH_OPTIONS and index + 1 < stop and not args[index + 1].strip())
         if empty:
             raise ConfigError(f"{name}: empty path; give a path (an empty one would mean the current folder)")
+        previous = args[index - 1] if index else ""
+        takes_value = previous.startswith("-") and "=" not in previous and previous not in _FLAGS
+        if not arg.strip() and not takes_value:
+            raise ConfigError(f"argument {index + 1} is empty; give a path or value (an empty path would mean the "
+                              "current folder)")
 
 
 @app.callback()
@@ -188,6 +201,7 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug
           quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings and errors only (anywhere on the line)."),
           version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                        help="Print the version (and torch's, transformers') and exit.")) -> None:
+    from rich.console import Console
     from rich.logging import RichHandler
 
     if verbose and quiet:
@@ -197,7 +211,8 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO,
         format="%(message)s",
-        handlers=[RichHandler(show_path=False, rich_tracebacks=True)],
+        # stderr: standard output is for results (--print-config, --json, tables), which must stay parseable.
+        handlers=[RichHandler(console=Console(stderr=True), show_path=False, rich_tracebacks=True)],
     )
 
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 
-__all__ = ["PlacementSettings", "validate_placement", "start_cluster", "security_of", "dashboard_address_of"]
+__all__ = ["require_local_gpus", "PlacementSettings", "validate_placement", "start_cluster", "security_of", "dashboard_address_of"]
 
 log = logging.getLogger("stages.extract")
 
@@ -32,6 +32,20 @@ class PlacementSettings(Protocol):
     tls_key: str | None
 
 
+def require_local_gpus(config: PlacementSettings) -> None:
+    """Refuse ``--target-gpus`` for a local cluster on a host without CUDA (called before any file is written).
+
+    Raises:
+        ConfigError: naming the GPUs and the CPU alternative.
+    """
+    if config.target_gpus and config.scheduler_address is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--target-gpus {','.join(map(str, config.target_gpus))}: CUDA is not available on this "
+                              "host; use --target-processes N (CPU workers)")
+
+
 def validate_placement(config: PlacementSettings) -> None:
     """Check the placement fields of a stage config (called from its ``__post_init__``).
 
@@ -42,8 +56,10 @@ def validate_placement(config: PlacementSettings) -> None:
     chosen = [name for name in ("target_gpus", "target_processes", "scheduler_address") if getattr(config, name) is not None]
     if len(chosen) > 1:
         raise ConfigError(f"{chosen[0]}: give only one of --target-gpus, --target-processes, --scheduler-address, got {chosen}")
-    if config.target_gpus is not None and (not config.target_gpus or len(set(config.target_gpus)) != len(config.target_gpus)):
-        raise ConfigError(f"target_gpus: expected distinct GPU indices, got {config.target_gpus}")
+    if config.target_gpus is not None and (not config.target_gpus or len(set(config.target_gpus)) != len(config.target_gpus)
+                                           or any(isinstance(g, bool) or not isinstance(g, int) or g < 0
+                                                  for g in config.target_gpus)):
+        raise ConfigError(f"target_gpus: expected distinct GPU indices >= 0, got {config.target_gpus}")
     if config.target_processes is not None and config.target_processes < 1:
         raise ConfigError(f"target_processes: expected >= 1, got {config.target_processes}")
     tls = {name: getattr(config, name) for name in ("tls_ca_file", "tls_cert", "tls_key")}

@@ -119,11 +119,25 @@ class EvaluateConfig:
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.prompts == "held-out" and self.corpus is None:
             raise ConfigError("prompts: held-out prompts need --corpus (and --cache to exclude the training rows)")
+        kind, _, index = str(self.device).partition(":")
+        if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N (N a GPU index >= 0), got {self.device!r}")
 
     def resolved_device(self) -> torch.device:
+        """The device to run on.
+
+        Raises:
+            ConfigError: ``cuda`` or ``cuda:N`` on a host without CUDA, or N beyond its GPUs.
+        """
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError(f"device {self.device}: CUDA is not available on this host; use --device cpu")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ConfigError(f"device {self.device}: this host has {torch.cuda.device_count()} GPU(s)")
+        return device
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

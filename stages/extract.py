@@ -328,12 +328,9 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
     from stages.extract_worker import ShardSpec, TargetWorkerPlugin, extract_shard, flush_worker
 
     console = console or Console()
-    if config.target_gpus and config.scheduler_address is None:  # local GPU workers: refused before any file exists
-        import torch
+    from stages.cluster import require_local_gpus
 
-        if not torch.cuda.is_available():
-            raise ConfigError(f"--target-gpus {','.join(map(str, config.target_gpus))}: CUDA is not available on this "
-                              "host; use --target-processes N (CPU workers)")
+    require_local_gpus(config)  # local GPU workers on a host without CUDA: refused before any file exists
     cache, corpus, shard_rows, report = prepare_cache(config, console)
     # Temporaries of a writer killed between write and rename (e.g. during finalize): ours to clear, we hold the lock.
     for leftover in remove_partial_files(config.output):

@@ -359,6 +359,10 @@ def run_generate(config: GenerateConfig, console: Console | None = None) -> dict
     output = Path(config.output)
     if output.exists() and not output.is_dir():
         raise ConfigError(f"--output {output} is a file; pass a folder")
+    if config.engine == "transformers":
+        from stages.cluster import require_local_gpus
+
+        require_local_gpus(config)  # before the lock and any file
     with output_lock(output, what="corpus", break_lock=config.break_lock):
         return _run_generate(config, console)
 

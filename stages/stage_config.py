@@ -127,7 +127,7 @@ def resolve_stage_config(
         ConfigError: a missing or unreadable file, an unknown preset, an unknown key, a wrong type, a value the
             config refuses, or a required field without a value; the message names the key and its source.
     """
-    from dflash.config_check import check_fields, read_config_file
+    from dflash.config_check import check_fields, layer_over, read_config_file
 
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     option_names = dict(option_names or {})
@@ -149,12 +149,12 @@ def resolve_stage_config(
     merged: dict[str, Any] = dict(defaults)
     origin: dict[str, str] = {key: "default" for key in merged}
     for values, source in layers:
-        merged.update(values)
+        layer_over(merged, values)
         origin.update({key: source(key) for key in values})
-    merged.update(given)
+    layer_over(merged, given)
     origin.update({key: option_names.get(key, "--" + key.replace("_", "-")) for key in given})
     for key, value, source in sets:
-        merged[key] = value
+        layer_over(merged, {key: value})
         origin[key] = source
     for key, value in merged.items():  # the options given too (`-o ''`)
         check_not_empty_path(key, value, f"{section}.{key} ({origin.get(key, 'default')})")

@@ -175,8 +175,9 @@ class TrainConfig:
             self.bucket_boundaries = [int(i) for i in self.bucket_boundaries]
         if self.drafter_gpus is not None:
             self.drafter_gpus = [int(i) for i in self.drafter_gpus]
-            if not self.drafter_gpus or len(set(self.drafter_gpus)) != len(self.drafter_gpus):
-                raise ConfigError(f"drafter_gpus must list distinct GPU ids, got {self.drafter_gpus}")
+            if (not self.drafter_gpus or len(set(self.drafter_gpus)) != len(self.drafter_gpus)
+                    or any(g < 0 for g in self.drafter_gpus)):
+                raise ConfigError(f"drafter_gpus must list distinct GPU ids >= 0, got {self.drafter_gpus}")
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
         positive = ("num_draft_layers", "max_anchors_per_document", "token_budget", "num_buckets", "grad_accum_steps",
                     "prefetch_batches", "save_every", "keep_last", "log_every", "throughput_window", "drafter_processes")

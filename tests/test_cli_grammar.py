@@ -231,3 +231,65 @@ def test_refusals_name_the_key_once(tmp_path, monkeypatch, capsys):
     code, err = main_in_process(monkeypatch, capsys, "train", "--cache", "c", "-o", str(tmp_path / "r"), "--lr", "-1",
                                 "--print-config")
     assert code == 2 and err.startswith("error: train.lr (--lr): must be"), err
+
+
+def test_a_higher_layer_replaces_the_placement_a_lower_one_chose(tmp_path, monkeypatch, capsys):
+    extract = ["extract", "--corpus", str(tmp_path / "c"), "-o", str(tmp_path / "o"), "--print-config"]
+    code, out, err = main_in_process_out(monkeypatch, capsys, *extract, "--preset", "cpu-small", "--target-gpus", "0")
+    assert code == 0, err
+    assert json.loads(out)["extract"]["target_gpus"] == [0] and json.loads(out)["extract"]["target_processes"] is None
+    code, out, err = main_in_process_out(monkeypatch, capsys, "run", "--set", "extract.target_gpus=[0]",
+                                         "--print-config")
+    assert code == 0, err
+    assert json.loads(out)["extract"]["target_gpus"] == [0] and "target_processes" not in json.loads(out)["extract"]
+    # One layer naming two choices is still a contradiction.
+    code, err = main_in_process(monkeypatch, capsys, *extract, "--target-gpus", "0", "--target-processes", "2")
+    assert code == 2 and "give only one of" in err, err
+    # An old and a new spelling of one key with different values: refused, not last-wins.
+    config = tmp_path / "both.toml"
+    config.write_text("workers = 2\ntarget_processes = 3\n")
+    code, err = main_in_process(monkeypatch, capsys, *extract, "--config", str(config))
+    assert code == 2 and "given twice" in err and "workers = 2" in err, err
+
+
+def test_run_print_config_reads_back_with_config_over_the_default_preset(tmp_path, monkeypatch, capsys):
+    code, printed, err = main_in_process_out(monkeypatch, capsys, "run", "--preset", "h200-smollm2", "--print-config")
+    assert code == 0, err
+    saved = tmp_path / "pipeline.json"
+    saved.write_text(printed)
+    for option in ("--config", "--preset"):
+        code, again, err = main_in_process_out(monkeypatch, capsys, "run", option, str(saved), "--print-config")
+        assert code == 0, err
+        assert json.loads(again) == json.loads(printed), option
+
+
+def test_log_lines_go_to_stderr_so_printed_json_stays_parseable(tmp_path):
+    from tests.cli_helpers import forked_cli  # a real process: pytest's log capture would hide where logs go
+
+    config = tmp_path / "old.toml"
+    config.write_text("workers = 2\n")
+    done = forked_cli("generate", "-o", str(tmp_path / "g"), "--config", str(config), "--print-config", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "deprecated" in done.stderr and "deprecated" not in done.stdout
+    assert json.loads(done.stdout)["generate"]["target_processes"] == 2
+
+
+def test_devices_and_gpu_ids_are_checked_before_any_work(tmp_path, monkeypatch, capsys):
+    import torch
+
+    for args, needle in [
+        (["evaluate", "--drafter", str(tmp_path / "d"), "--prompts", "p.jsonl", "--device", "banana", "--print-config"],
+         "must be auto, cpu, cuda or cuda:N"),
+        (["evaluate", "--drafter", str(tmp_path / "d"), "--prompts", "p.jsonl", "--device", "cuda:x", "--print-config"],
+         "must be auto, cpu, cuda or cuda:N"),
+        (["extract", "--corpus", "c", "-o", "x", "--target-gpus=-1", "--print-config"], "GPU indices >= 0"),
+        (["train", "--cache", "c", "-o", "x", "--drafter-gpus=-1", "--print-config"], "GPU ids >= 0"),
+        (["export", str(tmp_path / "run"), ""], "argument 3 is empty"),
+    ]:
+        code, err = main_in_process(monkeypatch, capsys, *args)
+        assert code == 2 and err.startswith("error: ") and needle in err, (args, err)
+    if not torch.cuda.is_available():
+        output = tmp_path / "gen"
+        code, err = main_in_process(monkeypatch, capsys, "generate", "-o", str(output), "--target-gpus", "0")
+        assert code == 2 and "CUDA is not available" in err, err
+        assert not output.exists()
