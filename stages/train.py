@@ -439,12 +439,39 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
         return _run_training(config)
 
 
+def _refuse_changed_resume(config: TrainConfig) -> None:
+    """Before ranks are spawned: the check each rank's trainer makes on resume (``trajectory_changes`` against the
+    ``latest`` checkpoint's saved config and world size), from its ``trainer_state.json`` alone.
+
+    Raises:
+        CheckpointError: the changes, and the fix (restore them or pass ``--allow-config-change``).
+    """
+    from dflash.checkpoint import resolve_checkpoint
+    from dflash.errors import CheckpointError
+
+    run = Path(config.output)
+    if not config.resume or config.allow_config_change or not (run / "latest").is_file():
+        return
+    folder = resolve_checkpoint(run)
+    try:
+        state = json.loads((folder / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return  # unreadable: the rank's own load names the file
+    changes = trajectory_changes(state.get("config", {}), config.to_dict(),
+                                 saved_world_size=int(state.get("world_size", 1)), world_size=config.world_size)
+    if changes:
+        raise CheckpointError(f"resuming {folder} with a changed config breaks exact resume (the run will not equal a "
+                              "straight run): " + "; ".join(changes)
+                              + ". Restore those values, or pass --allow-config-change to go on anyway")
+
+
 def _run_training(config: TrainConfig, data_factory: Any = None) -> dict[str, Any]:
     """The ranks of a run (the caller holds the run folder's lock): this process alone, or one spawned process per
     rank. ``data_factory``: see :func:`_train_worker`."""
     config_dict = config.to_dict()
     if "TORCHELASTIC_RUN_ID" in os.environ or config.world_size == 1:
         return _train_worker(config_dict, data_factory)
+    _refuse_changed_resume(config)  # here, not in each rank: one error: line instead of a failed launch per rank
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     previous = {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "DFLASH_GPUS_REMAPPED")}

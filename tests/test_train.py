@@ -152,6 +152,10 @@ def test_resume_with_a_trajectory_change_says_so(tiny_cache, preempted_run, tmp_
     shutil.copytree(preempted_run, tmp_path / "run")
     with pytest.raises(CheckpointError, match=r"lr: 0\.001 -> 0\.002"):
         run_training(tiny_config(tiny_cache, tmp_path / "run", max_steps=2, lr=2e-3, resume=True, validation_fraction=0.0))
+    # Several ranks: refused by the launcher before any rank is spawned (one error, not a failed launch per rank).
+    with pytest.raises(CheckpointError, match=r"global batch \(world_size x grad_accum_steps\): 1 x 1 -> 2 x 1"):
+        run_training(tiny_config(tiny_cache, tmp_path / "run", max_steps=2, resume=True, validation_fraction=0.0,
+                                 drafter_processes=2))
     # Runtime-only changes are fine, and --allow-config-change goes on anyway.
     summary = run_training(
         tiny_config(tiny_cache, tmp_path / "run", max_steps=2, lr=2e-3, resume=True, allow_config_change=True,
