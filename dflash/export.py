@@ -210,6 +210,8 @@ def export_drafter(
             },
         }
         _write_json(staging / PROVENANCE_FILE, provenance)
+        for name in (WEIGHTS_FILE, CONFIG_FILE, PROVENANCE_FILE):  # safetensors writes 0600; a serving engine often
+            (staging / name).chmod(0o644)                          # runs as another user
         staging.chmod(0o755)
         _replace_dir(staging, destination, overwrite=overwrite)
     except BaseException:

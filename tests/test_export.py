@@ -246,6 +246,12 @@ def test_strict_loader_returns_the_training_config(exported, drafter_config):
     assert config == drafter_config
 
 
+def test_export_files_are_readable_by_other_users(exported):
+    # A serving engine often runs as another user than the trainer (safetensors itself writes 0600).
+    for name in ("model.safetensors", "config.json", "dflash_export.json"):
+        assert (exported / name).stat().st_mode & 0o044 == 0o044, name
+
+
 def test_exported_tensors_equal_the_bf16_cast_of_the_checkpoint(exported, trained):
     _, state_dict = load_exported(exported)
     expected = trained.state_dict()
