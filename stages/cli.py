@@ -62,6 +62,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
     add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, PowerShell)
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command and group
 )
 
 # Modules whose ``register(app)`` adds commands, in the order ``--help`` lists them.

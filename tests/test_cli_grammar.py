@@ -293,3 +293,9 @@ def test_devices_and_gpu_ids_are_checked_before_any_work(tmp_path, monkeypatch, 
         code, err = main_in_process(monkeypatch, capsys, "generate", "-o", str(output), "--target-gpus", "0")
         assert code == 2 and "CUDA is not available" in err, err
         assert not output.exists()
+
+
+def test_h_is_help_in_every_command(monkeypatch, capsys):
+    for args in (["-h"], ["train", "-h"], ["cache", "verify", "-h"], ["generate", "-h"]):
+        code, out, err = main_in_process_out(monkeypatch, capsys, *args)
+        assert code == 0 and "Usage: dflash-stages" in out, (args, err)
