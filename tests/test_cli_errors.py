@@ -267,7 +267,7 @@ def test_help_renders_flags_without_a_type_placeholder():
         assert result.exit_code == 0, result.output
         assert "<bool>" not in result.output, args
         help_line = next(line for line in result.output.splitlines() if "--help" in line)
-        assert " ".join(help_line.strip("│ ").split()) == "--help Show this message and exit."
+        assert " ".join(help_line.strip("│ ").split()) == "--help -h Show this message and exit."
     verbose = next(line for line in runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).output.splitlines()
                    if "--verbose" in line)
     assert " ".join(verbose.strip("│ ").split()) == "--verbose -v Log debug messages (anywhere on the line)."
