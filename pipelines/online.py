@@ -549,9 +549,11 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
     given_online = {k: v for k, v in online.items() if v is not None}
     given_train = {k: v for k, v in train_overrides.items() if v is not None}
     online, train_overrides = {}, {}
+    from dflash.config_check import deep_merge
+
     for layer_online, layer_train in layers:
         online.update(layer_online)
-        train_overrides.update(layer_train)
+        train_overrides = deep_merge(train_overrides, layer_train)
     # An option given replaces what it contradicts in the preset or file (CPU producers vs producer GPUs, CPU
     # ranks vs drafter GPUs): `--preset online-cpu --target-gpus 0` means GPU producers, not an error.
     for given, replaced in (("target_gpus", "target_processes"), ("target_processes", "target_gpus")):
@@ -663,7 +665,7 @@ def register(app: typer.Typer) -> None:
             "drafter_processes": drafter_processes, "device": device,
             "num_draft_layers": num_draft_layers, "block_size": block_size, "max_anchors_per_document": max_anchors,
             "token_budget": token_budget, "num_buckets": num_buckets, "validation_fraction": validation_fraction,
-            "epochs": epochs, "max_steps": max_steps, "stop_at_step": stop_at_step, "lr": lr, "seed": seed,
+            "epochs": epochs, "max_steps": max_steps, "stop_at_step": stop_at_step, "optim.lr": lr, "seed": seed,
             "min_supervised_tokens": min_supervised_tokens, "save_every": save_every, "log_every": log_every,
             "progress": progress, "grad_accum_steps": grad_accum_steps, "eval_every": eval_every,
             "keep_last": keep_last, "allow_config_change": allow_config_change, "break_lock": break_lock,

@@ -19,13 +19,13 @@ import textwrap
 import typing
 from typing import Any
 
-__all__ = ["STAGE_CONFIGS", "field_descriptions", "reference_markdown"]
+__all__ = ["STAGE_CONFIGS", "field_descriptions", "reference_markdown", "sections"]
 
-#: Section (the ``--config`` section and ``--set`` prefix) -> (module, config dataclass), in pipeline order.
+#: Section (the ``--config`` section and ``--set`` prefix) -> (module, config dataclass), in pipeline order. A field
+#: that holds a nested config (``train.optim``) gets its own section right after its parent's (:func:`sections`).
 STAGE_CONFIGS = {
     "prepare": ("stages.prepare", "PrepareConfig"),
     "generate": ("stages.generate", "GenerateConfig"),
-    "generate.default_prompts": ("dflash.generation.default_prompts", "DefaultPromptConfig"),
     "extract": ("stages.extract", "ExtractConfig"),
     "train": ("stages.train", "TrainConfig"),
     "online": ("pipelines.online", "OnlineConfig"),
@@ -88,6 +88,26 @@ def _default(field: dataclasses.Field) -> str:
     return f"`{value!r}`"
 
 
+def sections() -> list[tuple[str, type]]:
+    """``(section, config dataclass)`` of every stage and of every nested config they hold (``train.optim``:
+    ``OptimConfig``), each nested one after its parent, in field order."""
+    found: list[tuple[str, type]] = []
+    stages = {getattr(importlib.import_module(module), name) for module, name in STAGE_CONFIGS.values()}
+
+    def walk(section: str, cls: type) -> None:
+        found.append((section, cls))
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            hint = hints.get(field.name)
+            # a stage's config inside another's (online.train) has its own section already
+            if field.init and isinstance(hint, type) and dataclasses.is_dataclass(hint) and hint not in stages:
+                walk(f"{section}.{field.name}", hint)
+
+    for section, (module, name) in STAGE_CONFIGS.items():
+        walk(section, getattr(importlib.import_module(module), name))
+    return found
+
+
 def reference_markdown() -> str:
     """The whole reference page (Markdown)."""
     out = [
@@ -100,11 +120,10 @@ def reference_markdown() -> str:
         "`--preset` < `--config` < options given < `--set` (README, \"Config files, presets and overrides\").",
         "",
     ]
-    for section, (module, name) in STAGE_CONFIGS.items():
-        cls = getattr(importlib.import_module(module), name)
+    for section, cls in sections():
         hints = typing.get_type_hints(cls)
         described = field_descriptions(cls)
-        out += [f"## `{section}`", "", f"Declared in `{module.replace('.', '/')}.py`: `{name}`.", "",
+        out += [f"## `{section}`", "", f"Declared in `{cls.__module__.replace('.', '/')}.py`: `{cls.__name__}`.", "",
                 "| field | type | default | description |", "|---|---|---|---|"]
         for field in dataclasses.fields(cls):
             if not field.init:

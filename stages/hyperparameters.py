@@ -78,18 +78,18 @@ def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: l
         differs = departs if departs is not None else (convention is not None and value != convention)
         return HyperparameterRow(name, str(value), shown, bool(differs))
 
-    schedule_text = (f"warmup {first.get('warmup_steps', '?')} steps ({config.warmup_ratio:.0%}), cosine to "
-                     f"{config.lr * config.min_lr_ratio:.3g} at step {first.get('total_steps', '?')}")
+    schedule_text = (f"warmup {first.get('warmup_steps', '?')} steps ({config.optim.warmup_ratio:.0%}), cosine to "
+                     f"{config.optim.lr * config.optim.min_lr_ratio:.3g} at step {first.get('total_steps', '?')}")
     if len(schedule) > 1:
         schedule_text += f"; {len(schedule) - 1} extension(s) (resumed with more steps)"
     tokens_per_step = config.token_budget * config.grad_accum_steps * world
     boundaries = list(resolved.get("bucket_boundaries") or [])
     return [
-        row("lr (peak)", f"{config.lr:.3g}", f"{_PAPER['lr']:.3g}"),
-        row("schedule", schedule_text, "4% warmup, cosine", departs=config.warmup_ratio != _PAPER["warmup_ratio"]),
-        row("AdamW betas", tuple(config.betas), tuple(DEFAULT_BETAS)),
-        row("AdamW eps / weight decay", f"{config.eps:g} / {config.weight_decay:g}"),
-        row("grad clip", f"{config.grad_clip:g}", f"{_PAPER['grad_clip']:g}"),
+        row("lr (peak)", f"{config.optim.lr:.3g}", f"{_PAPER['lr']:.3g}"),
+        row("schedule", schedule_text, "4% warmup, cosine", departs=config.optim.warmup_ratio != _PAPER["warmup_ratio"]),
+        row("AdamW betas", tuple(config.optim.betas), tuple(DEFAULT_BETAS)),
+        row("AdamW eps / weight decay", f"{config.optim.eps:g} / {config.optim.weight_decay:g}"),
+        row("grad clip", f"{config.optim.grad_clip:g}", f"{_PAPER['grad_clip']:g}"),
         row("gamma", f"{resolved['gamma']:g}", f"{paper_gamma:g}" if paper_gamma is not None else
             f"{default_gamma(block_size):g} (no paper value; 1 + 3B/8)",
             departs=float(resolved["gamma"]) != (paper_gamma or default_gamma(block_size))),

@@ -417,8 +417,8 @@ class Trainer:
         self.total_steps = config.max_steps or max(1, math.ceil(config.epochs * micro_per_epoch / config.grad_accum_steps))
         # Window of the realized bucket shares: one entry per bucket per step, over the throughput window.
         self.buckets = BucketCounter(window=config.throughput_window * self.train_loader.num_buckets)
-        self.optimizer = build_optimizer(self.drafter.parameters(), config.optim_config())
-        self.scheduler = build_scheduler(self.optimizer, config.optim_config(), total_steps=self.total_steps)
+        self.optimizer = build_optimizer(self.drafter.parameters(), config.optim)
+        self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps=self.total_steps)
         if resume_from is not None:
             self._restore(resume_from)
 
@@ -562,10 +562,10 @@ class Trainer:
         leaves it as it is."""
         planned = self.scheduler.lr_lambdas[0].end_step
         saved_peak = float(self.scheduler.base_lrs[0])
-        if self.config.lr != saved_peak and self.is_main:
+        if self.config.optim.lr != saved_peak and self.is_main:
             log.warning("lr %.3g ignored on resume: the restored schedule keeps the run's peak lr %.3g",
-                        self.config.lr, saved_peak)
-        if extend_schedule(self.scheduler, self.config.optim_config(), total_steps=self.total_steps) is not None:
+                        self.config.optim.lr, saved_peak)
+        if extend_schedule(self.scheduler, self.config.optim, total_steps=self.total_steps) is not None:
             segment = schedule_segments(self.scheduler)[-1]
             if self.is_main:
                 log.info(
@@ -678,7 +678,7 @@ class Trainer:
         # grad = (1/W) sum_ranks d ce_r (DDP averages) -> x W / global weight sum = d (sum_ranks ce_r / weight sum)
         scale = torch.where(weight_total > 0, self.world_size / weight_total.clamp(min=1e-12), 0.0)
         torch._foreach_mul_([p.grad for p in parameters], scale.to(torch.float32))
-        grad_norm = float(clip_grad_norm(parameters, self.config.grad_clip))
+        grad_norm = float(clip_grad_norm(parameters, self.config.optim.grad_clip))
         flat = sums.tolist()  # the step's one host sync
         positions, num_buckets = self.drafter_config.block_size - 1, self.train_loader.num_buckets
         values: dict[str, Any] = dict(zip(self._SCALARS, flat, strict=False))
@@ -876,7 +876,7 @@ class Trainer:
         console = Console(stderr=True)
         config = self.config
         self.resolved["convention_warnings"] = convention_warnings(
-            block_size=self.drafter_config.block_size, gamma=config.resolved_gamma(), betas=config.betas,
+            block_size=self.drafter_config.block_size, gamma=config.resolved_gamma(), betas=config.optim.betas,
             max_anchors_per_document=config.max_anchors_per_document,
             longest_sample=max((row.max_length for row in rows), default=None),
         )

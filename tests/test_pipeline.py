@@ -138,8 +138,9 @@ def test_presets_load_and_overrides_apply():
         preset = load_preset(name)
         assert not any(key.startswith("_") for section in preset.values() if isinstance(section, dict) for key in section)
         validate_sections(PipelineConfig.from_preset(preset, workdir="unused"), lambda section, key, name=name: name)
-    preset = apply_overrides(load_preset("cpu-small"), ["train.lr=3e-4", "evaluate.device=cuda", "train.target_layer_ids=[3]"])
-    assert preset["train"]["lr"] == 3e-4 and preset["evaluate"]["device"] == "cuda"
+    preset = apply_overrides(load_preset("cpu-small"), ["train.optim.lr=3e-4", "evaluate.device=cuda", "train.target_layer_ids=[3]"])
+    assert preset["train"]["optim"]["lr"] == 3e-4 and preset["evaluate"]["device"] == "cuda"
+    assert apply_overrides(preset, ["train.lr=5e-4"])["train"]["optim"]["lr"] == 5e-4  # the old flat key (deprecated)
     assert preset["train"]["target_layer_ids"] == [3]
     with pytest.raises(ConfigError, match="section.field=value"):
         apply_overrides(preset, ["lr=3"])
@@ -150,8 +151,9 @@ def test_presets_load_and_overrides_apply():
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("train.lr=abc", "train.lr (--set train.lr=abc): expected float, got 'abc'"),
-    ("train.lrr=0.1", "train.lrr (--set train.lrr=0.1): unknown key; did you mean train.lr?"),
+    ("train.optim.lr=abc", "train.optim.lr (--set train.optim.lr=abc): expected float, got 'abc'"),
+    ("train.lr=abc", "train.optim.lr (--set train.lr=abc): expected float, got 'abc'"),  # the old flat key
+    ("train.lrr=0.1", "train.lrr (--set train.lrr=0.1): unknown key; did you mean train.optim.lr?"),
     ("generate.max_new_tokenz=3", "did you mean generate.max_new_tokens?"),
     ("train.block_size=1", "train.block_size (--set train.block_size=1): must be an integer >= 2"),
     ("extract.num_taps=[1]", "extract.num_taps (--set extract.num_taps=[1]): expected int"),
