@@ -77,12 +77,18 @@ def migrate_renamed(section: str, values: Mapping[str, Any], source: str = "", *
 
 
 #: Settings that moved into a nested config (STYLE.md 15: bigger configs nest smaller ones; ``train.lr`` is now
-#: ``train.optim.lr``, declared once in ``dflash.optim.OptimConfig``): section -> {old flat key: new dotted path}.
+#: ``train.optim.lr``, declared once in ``dflash.optim.OptimConfig``; ``train.token_budget`` is ``train.data.token_budget``,
+#: ``dflash.batch_source.LoaderConfig``): section -> {old flat key: new dotted path}.
 #: A config file, preset, ``--set`` or ``--grid`` with the old key is read as the new path with one deprecation
 #: warning per key; a saved run (``run.json``, a checkpoint) written before the move is read silently.
 MOVED_KEYS: dict[str, dict[str, str]] = {
-    "train": {name: f"optim.{name}" for name in ("lr", "betas", "eps", "weight_decay", "warmup_ratio",
-                                                "min_lr_ratio", "grad_clip")},
+    "train": {
+        **{name: f"optim.{name}" for name in ("lr", "betas", "eps", "weight_decay", "warmup_ratio", "min_lr_ratio",
+                                              "grad_clip")},
+        **{name: f"data.{name}" for name in ("token_budget", "num_buckets", "max_documents_per_batch",
+                                             "validation_fraction", "prefetch_batches", "shard_window")},
+        "bucket_boundaries": "data.boundaries",
+    },
 }
 
 _warned_moves: set[tuple[str, str]] = set()

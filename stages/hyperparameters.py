@@ -82,7 +82,7 @@ def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: l
                      f"{config.optim.lr * config.optim.min_lr_ratio:.3g} at step {first.get('total_steps', '?')}")
     if len(schedule) > 1:
         schedule_text += f"; {len(schedule) - 1} extension(s) (resumed with more steps)"
-    tokens_per_step = config.token_budget * config.grad_accum_steps * world
+    tokens_per_step = config.data.token_budget * config.grad_accum_steps * world
     boundaries = list(resolved.get("bucket_boundaries") or [])
     return [
         row("lr (peak)", f"{config.optim.lr:.3g}", f"{_PAPER['lr']:.3g}"),
@@ -97,9 +97,9 @@ def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: l
         row("draft layers", drafter.get("num_hidden_layers", config.num_draft_layers)),
         row("anchors per document", config.max_anchors_per_document, _PAPER["max_anchors_per_document"]),
         row("anchor slots (compile)", resolved.get("anchor_slots") or "dynamic"),
-        row("token budget", f"{config.token_budget:,} per micro-batch x {config.grad_accum_steps} accum x {world} "
+        row("token budget", f"{config.data.token_budget:,} per micro-batch x {config.grad_accum_steps} accum x {world} "
             f"ranks = {tokens_per_step:,} per step"),
-        row("length buckets", f"{len(boundaries) + 1 if boundaries else config.num_buckets} "
+        row("length buckets", f"{len(boundaries) + 1 if boundaries else config.data.num_buckets} "
             f"(boundaries {boundaries})"),
         row("compile", config.compile),
         row("attention", f"{resolved.get('attention')} (backend {attention_backend})"),

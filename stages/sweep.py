@@ -125,7 +125,11 @@ def grid_path(name: str) -> str | None:
     if name in types:
         return name
     matches = [path for path in types if path.rsplit(".", 1)[-1] == name]
-    return matches[0] if len(matches) == 1 else None
+    if len(matches) == 1:
+        return matches[0]
+    from dflash.config_check import MOVED_KEYS
+
+    return MOVED_KEYS["train"].get(name)  # a field's name before it moved (bucket_boundaries: data.boundaries)
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ More steps or epochs on resume extend the lr schedule: the added steps re-warm t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -35,6 +36,7 @@ from typing import Any, Literal
 
 import typer
 
+from dflash.batch_source import LoaderConfig
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 from dflash.optim import OptimConfig
 
@@ -78,25 +80,16 @@ class TrainConfig:
     max_anchors_per_document: int = 512
     """Anchor budget per document per epoch (paper: 512)."""
     # -- data
-    token_budget: int = 16384
-    """Real tokens per micro-batch per rank."""
-    num_buckets: int = 4
-    """Length buckets from the cache's length quantiles (when ``bucket_boundaries`` is not given)."""
-    bucket_boundaries: list[int] | None = None
-    """Explicit bucket upper edges (inclusive), strictly increasing."""
-    validation_fraction: float = 0.01
-    """Corpus rows held out for validation (stable per row); 0 disables validation and best-checkpoint tracking."""
+    data: LoaderConfig = field(default_factory=lambda: dataclasses.replace(_TRAIN_DATA_DEFAULTS))
+    """What the run reads and how (``dflash.batch_source.LoaderConfig``: token_budget, boundaries, num_buckets,
+    max_documents_per_batch, validation_fraction, prefetch_batches, shard_window); ``[train.data]`` in a config
+    file, ``--set train.data.token_budget=8192``. The train stage holds out 1% of the rows by default
+    (``validation_fraction`` 0.01; 0 disables validation and best-checkpoint tracking)."""
     max_validation_batches: int | None = 50
     """Validation batches per rank per evaluation (None: the whole held-out split)."""
-    max_documents_per_batch: int | None = None
-    """Cap on documents packed into one micro-batch (None: only the token budget limits it)."""
     min_supervised_tokens: int | None = None
     """Samples with fewer supervised (loss_mask = 1) tokens are excluded, counted and reported (run.json, metrics,
     log); default ``2 * block_size`` (DFLASH.md: shorter samples give no useful anchors); 0 keeps every sample."""
-    prefetch_batches: int = 4
-    """Batches read ahead in the background (bounds memory)."""
-    shard_window: int | None = None
-    """Mix within K shards at a time with whole-shard reads (object storage); None: global shuffle."""
     # -- optimization (defaults: the paper's recipe; betas from SpecForge, see dflash.optim)
     epochs: float = 6.0
     """Passes over the training split (paper: 6); ignored when ``max_steps`` is set."""
@@ -160,21 +153,19 @@ class TrainConfig:
             raise ConfigError("output: give the run folder (--output)")
         if self.target_layer_ids is not None:
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        if self.bucket_boundaries is not None:
-            self.bucket_boundaries = [int(i) for i in self.bucket_boundaries]
         if self.drafter_gpus is not None:
             self.drafter_gpus = [int(i) for i in self.drafter_gpus]
             if not self.drafter_gpus or len(set(self.drafter_gpus)) != len(self.drafter_gpus):
                 raise ConfigError(f"drafter_gpus must list distinct GPU ids, got {self.drafter_gpus}")
-        self.optim = _nested_config(OptimConfig, self.optim, "optim")
-        positive = ("num_draft_layers", "max_anchors_per_document", "token_budget", "num_buckets", "grad_accum_steps",
-                    "prefetch_batches", "save_every", "keep_last", "log_every", "throughput_window", "drafter_processes")
+        self.optim = _nested_config(OptimConfig(), self.optim, "optim")
+        self.data = _nested_config(_TRAIN_DATA_DEFAULTS, self.data, "data")
+        positive = ("num_draft_layers", "max_anchors_per_document", "grad_accum_steps", "save_every", "keep_last",
+                    "log_every", "throughput_window", "drafter_processes")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_steps", "eval_every", "max_validation_batches", "stop_at_step", "shard_window", "mask_token_id",
-                     "max_documents_per_batch", "anchor_slots"):
+        for name in ("max_steps", "eval_every", "max_validation_batches", "stop_at_step", "mask_token_id", "anchor_slots"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < (0 if name == "mask_token_id" else 1)):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
@@ -184,8 +175,6 @@ class TrainConfig:
             raise ConfigError(f"gamma must be a positive finite number, got {self.gamma!r}")
         if self.max_steps is None and not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ConfigError(f"epochs must be > 0 (or give max_steps), got {self.epochs!r}")
-        if not 0.0 <= self.validation_fraction < 1.0:
-            raise ConfigError(f"validation_fraction must be in [0, 1), got {self.validation_fraction!r}")
         from dflash.trackers import TRACKERS
 
         self.report_to = [] if list(self.report_to) == ["none"] else [str(name) for name in self.report_to]
@@ -211,10 +200,10 @@ class TrainConfig:
             or self.min_supervised_tokens < 0
         ):
             raise ConfigError(f"min_supervised_tokens must be an integer >= 0 or None, got {self.min_supervised_tokens!r}")
-        if self.compile and self.anchor_slots is None and self.max_documents_per_batch is None:
+        if self.compile and self.anchor_slots is None and self.data.max_documents_per_batch is None:
             raise ConfigError(
-                "anchor_slots: --compile needs a fixed anchor count; give anchor_slots, or max_documents_per_batch "
-                "(anchor_slots then defaults to max_anchors_per_document x max_documents_per_batch)"
+                "anchor_slots: --compile needs a fixed anchor count; give anchor_slots, or data.max_documents_per_batch "
+                "(anchor_slots then defaults to max_anchors_per_document x data.max_documents_per_batch)"
             )
         if self.eval_every is None:
             self.eval_every = self.save_every
@@ -248,8 +237,8 @@ class TrainConfig:
             return None
         if self.anchor_slots is not None:
             return self.anchor_slots
-        assert self.max_documents_per_batch is not None
-        return min(self.token_budget, self.max_anchors_per_document * self.max_documents_per_batch)
+        assert self.data.max_documents_per_batch is not None
+        return min(self.data.token_budget, self.max_anchors_per_document * self.data.max_documents_per_batch)
 
     def resolved_min_supervised_tokens(self) -> int:
         """Samples with fewer supervised tokens are excluded: ``min_supervised_tokens``, default ``2 * block_size``."""
@@ -314,12 +303,19 @@ class TrainConfig:
         return walk(cls, "")
 
 
-def _nested_config(cls: type, value: Any, name: str) -> Any:
-    """``value`` as a ``cls`` (a nested config given as a dict: a file section, a saved run), checked field by field.
+#: The train stage's loader defaults: :class:`LoaderConfig`'s, with 1% of the rows held out for validation.
+_TRAIN_DATA_DEFAULTS = LoaderConfig(validation_fraction=0.01)
+
+
+def _nested_config(default: Any, value: Any, name: str) -> Any:
+    """``value`` as a config of ``default``'s class (a nested config given as a dict: a file section, a saved run),
+    checked field by field; the fields it leaves out keep ``default``'s values (the train stage's, which may differ
+    from the class's: ``data.validation_fraction``).
 
     Raises:
         ConfigError: ``NAME.KEY: unknown key`` or the nested config's own refusal, prefixed by ``NAME.``.
     """
+    cls = type(default)
     if isinstance(value, cls):
         return value
     if not isinstance(value, dict):
@@ -329,7 +325,7 @@ def _nested_config(cls: type, value: Any, name: str) -> Any:
     if unknown:
         raise ConfigError(f"{name}.{unknown[0]}: unknown key; known: {', '.join(sorted(known))}")
     try:
-        return cls(**value)
+        return dataclasses.replace(default, **value)
     except ConfigError as error:
         raise ConfigError(f"{name}.{error}") from None
 
@@ -339,7 +335,7 @@ def _nested_config(cls: type, value: Any, name: str) -> Any:
 RUNTIME_FIELDS = frozenset({
     "cache", "output", "target", "resume", "allow_config_change", "break_lock", "allow_incomplete", "device", "drafter_gpus", "drafter_processes",
     "stop_at_step", "save_every", "keep_last", "eval_every", "log_every", "throughput_window", "progress",
-    "prefetch_batches", "max_validation_batches", "report_to", "attention_backend", "ce_kernel",
+    "data.prefetch_batches", "max_validation_batches", "report_to", "attention_backend", "ce_kernel",
 })  # fmt: skip
 
 
@@ -349,19 +345,16 @@ ABSENT_IN_OLD_RUNS = {"residual_dtype": "float32"}
 
 
 def _default_leaves() -> dict[str, Any]:
-    """Dotted path -> default of every field with one (nested configs' leaves: ``optim.lr``)."""
+    """Dotted path -> default of every field with one (nested configs' leaves: ``optim.lr``, from the default
+    instance the field makes: ``data.validation_fraction`` is train's 0.01, not the loader's 0.0)."""
     from dflash.config_check import MISSING_DEFAULT, field_default, leaf_paths
 
-    def walk(klass: type) -> dict[str, Any]:
-        values: dict[str, Any] = {}
-        for f in fields(klass):
-            default = field_default(f)
-            if default is MISSING_DEFAULT:
-                continue
-            values[f.name] = walk(type(default)) if is_dataclass(default) else default
-        return values
-
-    return leaf_paths(walk(TrainConfig))
+    values: dict[str, Any] = {}
+    for f in fields(TrainConfig):
+        default = field_default(f)
+        if default is not MISSING_DEFAULT:
+            values[f.name] = asdict(default) if is_dataclass(default) else default
+    return leaf_paths(values)
 
 
 def trajectory_changes(saved: dict[str, Any], current: dict[str, Any], *, saved_world_size: int, world_size: int) -> list[str]:
@@ -539,7 +532,14 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
         ConfigError: an unknown key, a wrong type or a refused value, named with its source; --resume of a folder
             that holds no run.
     """
-    from dflash.config_check import check_fields, deep_merge, leaf_paths, migrate_renamed, read_config_file
+    from dflash.config_check import (
+        MOVED_KEYS,
+        check_fields,
+        deep_merge,
+        leaf_paths,
+        migrate_renamed,
+        read_config_file,
+    )
     from stages.stage_config import nested, parse_sets, section_of, without_key
 
     known = {f.name for f in fields(TrainConfig)}
@@ -561,9 +561,8 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
         check_fields(TrainConfig, nested(key, value), section="train", source=lambda _key, s=source: s)
     given: dict[str, Any] = {}  # the options given, at their field paths (``lr`` -> ``optim.lr``)
     for key, value in overrides.items():
-        if value is not None:
-            given = deep_merge(given, nested(key, value))
-    given = migrate_renamed("train", given, saved=True)  # a caller's flat key (code, not a user file): no warning
+        if value is not None:  # a caller's flat key (code, not a user file) at its nested path, without a warning
+            given = deep_merge(given, nested(MOVED_KEYS["train"].get(key, key), value))
     output = overrides.get("output") or base.get("output")
     run_json = Path(output) / "run.json" if output else None
     if overrides.get("resume") and run_json is not None and not run_json.is_file() and not overrides.get("cache") \
@@ -612,7 +611,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
 #: (16,384-token micro-batches, 512 anchors per document) make a step of the dense-mask CPU path need tens of GB
 #: (the attention mask and scores grow with (anchors x block size) x (tokens + anchors x block size)), which a CPU
 #: host runs out of minutes later; these are the cpu-small preset's.
-CPU_SIZED_DEFAULTS = {"token_budget": 1024, "max_anchors_per_document": 32}
+CPU_SIZED_DEFAULTS = {"data.token_budget": 1024, "max_anchors_per_document": 32}
 
 
 def _size_defaults_for_cpu(merged: dict[str, Any]) -> dict[str, Any]:
@@ -663,13 +662,15 @@ def exit_if_interrupted(summary: dict[str, Any], config: TrainConfig, command: s
 
 #: ``train`` option parameter -> the :class:`TrainConfig` field (dotted path) it sets, where the names differ.
 OPTION_FIELDS = {
-    "max_anchors": "max_anchors_per_document", "max_documents": "max_documents_per_batch", "compile_layers": "compile",
+    "max_anchors": "max_anchors_per_document", "compile_layers": "compile",
     "lr": "optim.lr", "betas": "optim.betas", "weight_decay": "optim.weight_decay",
-    "warmup_ratio": "optim.warmup_ratio", "grad_clip": "optim.grad_clip",
+    "warmup_ratio": "optim.warmup_ratio", "grad_clip": "optim.grad_clip", "token_budget": "data.token_budget",
+    "num_buckets": "data.num_buckets", "bucket_boundaries": "data.boundaries",
+    "validation_fraction": "data.validation_fraction", "max_documents": "data.max_documents_per_batch",
 }  # fmt: skip
 
 #: Field path -> its option's spelling, where it is not ``--`` + the last part (for messages naming the source).
-OPTION_SPELLINGS: dict[str, str] = {}
+OPTION_SPELLINGS = {"data.boundaries": "--bucket-boundaries"}
 
 
 def _shown(name: str) -> str:
@@ -704,10 +705,10 @@ def register(app: typer.Typer) -> None:
         target_layer_ids: str = typer.Option(None, "--target-layer-ids", help="Tapped ids; must equal the cache's."),
         gamma: float = typer.Option(None, "--gamma", help="Loss decay (default by block size)."),
         max_anchors: int = typer.Option(None, "--max-anchors-per-document", show_default=_shown("max_anchors_per_document"), help=f"Anchors per document (on a CPU host, when nothing sets it: {CPU_SIZED_DEFAULTS['max_anchors_per_document']})."),
-        token_budget: int = typer.Option(None, "--token-budget", show_default=_shown("token_budget"), help=f"Real tokens per micro-batch per rank (on a CPU host, when nothing sets it: {CPU_SIZED_DEFAULTS['token_budget']})."),
-        num_buckets: int = typer.Option(None, "--num-buckets", show_default=_shown("num_buckets"), help="Length buckets from quantiles."),
+        token_budget: int = typer.Option(None, "--token-budget", show_default=_shown("data.token_budget"), help=f"Real tokens per micro-batch per rank (on a CPU host, when nothing sets it: {CPU_SIZED_DEFAULTS['data.token_budget']})."),
+        num_buckets: int = typer.Option(None, "--num-buckets", show_default=_shown("data.num_buckets"), help="Length buckets from quantiles."),
         bucket_boundaries: str = typer.Option(None, "--bucket-boundaries", help="Bucket edges, e.g. 256,1024."),
-        validation_fraction: float = typer.Option(None, "--validation-fraction", show_default=_shown("validation_fraction"), help="Held-out rows."),
+        validation_fraction: float = typer.Option(None, "--validation-fraction", show_default=_shown("data.validation_fraction"), help="Held-out rows."),
         epochs: float = typer.Option(None, "--epochs", show_default=_shown("epochs"), help="Epochs."),
         max_steps: int = typer.Option(None, "--max-steps", help="Optimizer steps (overrides --epochs)."),
         stop_at_step: int = typer.Option(None, "--stop-at-step", help="Stop early with a checkpoint."),
@@ -733,7 +734,7 @@ def register(app: typer.Typer) -> None:
                  "$DFLASH_CE_KERNEL, else auto). A resume may change it.",
         ),
         anchor_slots: int = typer.Option(None, "--anchor-slots", help="Anchors per micro-batch with --compile."),
-        max_documents: int = typer.Option(None, "--max-documents-per-batch", show_default=_shown("max_documents_per_batch"), help="Documents per micro-batch cap."),
+        max_documents: int = typer.Option(None, "--max-documents-per-batch", show_default=_shown("data.max_documents_per_batch"), help="Documents per micro-batch cap."),
         min_supervised_tokens: int = typer.Option(
             None, "--min-supervised-tokens",
             help="Exclude (and count) samples with fewer supervised tokens (default 2 x block size; 0 keeps all).",
@@ -774,13 +775,13 @@ def register(app: typer.Typer) -> None:
             "drafter_gpus": _csv_ints(drafter_gpus), "drafter_processes": drafter_processes, "device": device,
             "num_draft_layers": num_draft_layers, "block_size": block_size, "mask_token_id": mask_token_id,
             "target_layer_ids": _csv_ints(target_layer_ids), "gamma": gamma, "max_anchors_per_document": max_anchors,
-            "token_budget": token_budget, "num_buckets": num_buckets, "bucket_boundaries": _csv_ints(bucket_boundaries),
-            "validation_fraction": validation_fraction, "epochs": epochs, "max_steps": max_steps,
+            "data.token_budget": token_budget, "data.num_buckets": num_buckets,
+            "data.boundaries": _csv_ints(bucket_boundaries), "data.validation_fraction": validation_fraction, "epochs": epochs, "max_steps": max_steps,
             "stop_at_step": stop_at_step, "grad_accum_steps": grad_accum_steps, "optim.lr": lr,
             "optim.betas": [float(b) for b in betas.split(",")] if betas else None, "optim.weight_decay": weight_decay,
             "optim.warmup_ratio": warmup_ratio, "optim.grad_clip": grad_clip, "seed": seed, "mixed_precision": mixed_precision,
             "residual_dtype": residual_dtype, "compile": compile_layers, "anchor_slots": anchor_slots,
-            "max_documents_per_batch": max_documents,
+            "data.max_documents_per_batch": max_documents,
             "min_supervised_tokens": min_supervised_tokens,
             "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "log_every": log_every,
             "allow_config_change": allow_config_change, "break_lock": break_lock, "allow_incomplete": allow_incomplete, "progress": progress,

@@ -25,7 +25,7 @@ import logging
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -179,16 +179,10 @@ def loader_placement(rank: int, world_size: int, device: torch.device) -> dict[s
 def stream_config(config: TrainConfig, split: str, device: torch.device) -> StreamConfig:
     """The :class:`StreamConfig` of ``split`` (``"train"``: shuffled; ``"validation"``: fixed order) for a run."""
     return StreamConfig(
-        token_budget=config.token_budget,
-        boundaries=tuple(config.bucket_boundaries) if config.bucket_boundaries else None,
-        num_buckets=config.num_buckets,
+        **asdict(config.data),  # the run's LoaderConfig: budget, buckets, split fraction, read-ahead
         seed=config.seed,
         shuffle=split == "train",
         split=split,  # type: ignore[arg-type]
-        validation_fraction=config.validation_fraction,
-        prefetch_batches=config.prefetch_batches,
-        shard_window=config.shard_window,
-        max_documents_per_batch=config.max_documents_per_batch,
         min_supervised_tokens=config.resolved_min_supervised_tokens(),
         pad_to_budget=config.compile,  # fixed shapes: one compiled graph for every step
         pin_memory=device.type == "cuda",
@@ -220,7 +214,7 @@ def open_cache_data(config: TrainConfig, *, rank: int = 0, world_size: int = 1,
     placement = loader_placement(rank, world_size, device)
     train = StreamingLoader(reader, stream_config(config, "train", device), **placement)
     validation = None
-    if config.validation_fraction > 0:
+    if config.data.validation_fraction > 0:
         try:
             validation = StreamingLoader(reader, stream_config(config, "validation", device), **placement)
         except ConfigError as error:  # e.g. a tiny cache where 1% of the rows is no row at all
@@ -291,13 +285,13 @@ class Trainer:
         """Train until ``total_steps`` (or ``stop_at_step``); returns a summary (final metrics, run folder)."""
         self.load()
         config = self.config
-        if self.device.type == "cpu" and self.is_main and config.token_budget * config.max_anchors_per_document > 2**20:
+        if self.device.type == "cpu" and self.is_main and config.data.token_budget * config.max_anchors_per_document > 2**20:
             # GPU-sized defaults (16384-token batches, 512 anchors per document) take minutes per step on a CPU.
             # Said after load(): a wrong --cache fails first with its own error, not after this warning.
             log.warning(
                 "training on CPU with token budget %d and %d anchors per document: expect minutes per step; "
                 "for CPU runs use e.g. --token-budget 1024 --max-anchors-per-document 32 (the cpu-small preset)",
-                config.token_budget, config.max_anchors_per_document,
+                config.data.token_budget, config.max_anchors_per_document,
             )
         last_eval: dict[str, float] = {}
         self.throughput.reset_clock()  # setup time is not training throughput

@@ -88,13 +88,10 @@ def test_the_configuration_reference_is_generated_from_the_declarations():
     ``python -m stages.config_reference`` writes it from the config dataclasses."""
     from pathlib import Path
 
-    from stages.config_reference import STAGE_CONFIGS, field_descriptions, reference_markdown
+    from stages.config_reference import field_descriptions, reference_markdown, sections
 
     page = Path(__file__).resolve().parents[1] / "docs" / "config-reference.md"
     assert page.read_text() == reference_markdown(), "regenerate: python -m stages.config_reference > docs/config-reference.md"
-    import importlib
-
-    for section, (module, name) in STAGE_CONFIGS.items():  # every field is described in its declaration
-        cls = getattr(importlib.import_module(module), name)
+    for section, cls, _ in sections():  # every field is described in its declaration, nested configs' too
         undescribed = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in field_descriptions(cls)]
         assert not undescribed, (section, undescribed)

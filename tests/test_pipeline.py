@@ -23,8 +23,8 @@ TINY = {
     "prepare": {"max_length": 256},  # inputs: a folder of small stdlib modules (set in the fixture)
     "split": {"heldout_documents": 1, "seed": 0},
     "extract": {"target_processes": 1, "num_taps": 1, "token_budget": 2048, "shard_size": 2048, "dashboard_address": ":0"},
-    "train": {"num_draft_layers": 1, "block_size": 4, "epochs": 2, "token_budget": 512,
-              "max_anchors_per_document": 8, "validation_fraction": 0.0, "save_every": 100, "keep_last": 1,
+    "train": {"num_draft_layers": 1, "block_size": 4, "epochs": 2, "data": {"token_budget": 512, "validation_fraction": 0.0},
+              "max_anchors_per_document": 8, "save_every": 100, "keep_last": 1,
               "device": "cpu", "progress": False},
     "evaluate": {"num_prompts": 2, "prompt_tokens": 32, "max_new_tokens": 4, "ignore_eos": True, "device": "cpu",
                  "cpu_threads": 1,

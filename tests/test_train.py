@@ -357,13 +357,13 @@ def test_compile_flag_wires_compiled_layers_and_fixed_shape_anchors(tiny_cache, 
         slots = config.resolved_anchor_slots()
         assert slots == 2 * 3  # max_anchors_per_document x max_documents_per_batch
         assert calls["compile"] == 1
-        assert all(tokens == config.token_budget and n == slots and shape == (slots,) for tokens, n, shape in calls["shapes"])
+        assert all(tokens == config.data.token_budget and n == slots and shape == (slots,) for tokens, n, shape in calls["shapes"])
         assert all("compiled_graphs" in r for r in read_metrics(tmp_path / "run", kind="train"))  # logged with compile
     else:
         assert calls["compile"] == 0
         assert not any("compiled_graphs" in r for r in read_metrics(tmp_path / "run", kind="train"))
         assert all(n is None for _, n, _ in calls["shapes"])
-        assert any(tokens != config.token_budget for tokens, _, _ in calls["shapes"])  # dynamic shapes
+        assert any(tokens != config.data.token_budget for tokens, _, _ in calls["shapes"])  # dynamic shapes
 
 
 def test_config_fields_are_validated_with_their_names(tmp_path):
@@ -510,6 +510,18 @@ def test_flat_keys_of_files_and_overrides_are_read_with_one_deprecation_warning(
     assert (layered.optim.lr, layered.optim.warmup_ratio, layered.optim.eps) == (3e-4, 0.1, 1e-6)
 
 
+def test_a_partial_nested_section_keeps_the_train_stages_other_defaults(tmp_path):
+    """``[train.data] token_budget = 512`` changes that field only: the rest of ``data`` keeps the train stage's
+    defaults (1% held out for validation, not the loader class's 0), and ``print-config`` prints it nested."""
+    from stages.train import config_from_cli
+
+    (tmp_path / "cfg.toml").write_text("[train.data]\ntoken_budget = 512\n")
+    config = config_from_cli({"cache": "c", "output": str(tmp_path / "run")}, tmp_path / "cfg.toml")
+    assert (config.data.token_budget, config.data.validation_fraction) == (512, 0.01)
+    assert config.data == TrainConfig.from_dict({"cache": "c", "output": "o", "token_budget": 512}).data
+    assert config.to_dict()["data"]["token_budget"] == 512 and "token_budget" not in config.to_dict()
+
+
 def _files(folder):
     return {p.relative_to(folder): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
 
@@ -551,12 +563,12 @@ def test_cpu_runs_get_cpu_sized_batches_unless_a_setting_says_otherwise(tmp_path
     paths = {"cache": str(tmp_path / "c"), "output": str(tmp_path / "o")}
     assert not torch.cuda.is_available()  # the CPU-only suite
     sized = config_from_cli({**paths, "device": "cpu"})
-    assert (sized.token_budget, sized.max_anchors_per_document) == tuple(CPU_SIZED_DEFAULTS.values())
-    assert config_from_cli(paths).token_budget == CPU_SIZED_DEFAULTS["token_budget"]  # auto without CUDA: CPU
+    assert (sized.data.token_budget, sized.max_anchors_per_document) == tuple(CPU_SIZED_DEFAULTS.values())
+    assert config_from_cli(paths).data.token_budget == CPU_SIZED_DEFAULTS["data.token_budget"]  # auto without CUDA: CPU
     given = config_from_cli({**paths, "token_budget": 4096})
-    assert (given.token_budget, given.max_anchors_per_document) == (4096, CPU_SIZED_DEFAULTS["max_anchors_per_document"])
+    assert (given.data.token_budget, given.max_anchors_per_document) == (4096, CPU_SIZED_DEFAULTS["max_anchors_per_document"])
     (tmp_path / "cfg.toml").write_text("[train]\nmax_anchors_per_document = 64\n")
     assert config_from_cli(paths, tmp_path / "cfg.toml").max_anchors_per_document == 64
     gpu = TrainConfig(cache="c", output="o")
-    assert (gpu.token_budget, gpu.max_anchors_per_document) == (16384, 512)  # the paper's, kept for CUDA
-    assert config_from_cli({**paths, "device": "cuda"}).token_budget == 16384
+    assert (gpu.data.token_budget, gpu.max_anchors_per_document) == (16384, 512)  # the paper's, kept for CUDA
+    assert config_from_cli({**paths, "device": "cuda"}).data.token_budget == 16384
