@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from dflash.batching import PackedBatch
 
 __all__ = [
+    "LoaderConfig",
     "StreamConfig",
     "LoaderStats",
     "LengthSource",
@@ -72,17 +73,39 @@ class LengthSource(Protocol):
 
 
 @dataclass(kw_only=True, slots=True)
-class StreamConfig:
-    """Batching, mixing, split and prefetch settings of :class:`StreamingLoader`."""
+class LoaderConfig(BucketConfig):
+    """What a run reads and how, the user-facing part of a loader's settings (``[train.data]`` of the train stage):
+    the batching of :class:`dflash.buckets.BucketConfig` (token budget, buckets, documents per batch), the held-out
+    split and the read-ahead. :class:`StreamConfig` adds what the trainer sets per loader (seed, split, padding)."""
 
-    token_budget: int = 16384
-    """Maximum real tokens per batch (per rank and micro-step)."""
-    boundaries: tuple[int, ...] | None = None
-    """Bucket upper edges (inclusive); ``None``: length quantiles of the whole cache (all splits)."""
-    num_buckets: int = 4
-    """Quantile buckets when ``boundaries`` is ``None``."""
-    max_documents_per_batch: int | None = None
-    """Optional cap on documents per batch."""
+    validation_fraction: float = 0.0
+    """Fraction of corpus rows held out for validation (stable per row); 0 disables validation."""
+    prefetch_batches: int = 4
+    """Batches read ahead in the background. Memory bound: ``prefetch_batches + 1`` batches of at most
+    ``token_budget * n*H * 2`` bytes of hidden states each (pinned host memory; also GPU memory with ``device=``),
+    e.g. 5 x 16384 x 20480 x 2 B = 3.4 GB for a Qwen3-8B cache with 5 taps."""
+    shard_window: int | None = None
+    """``None``: global shuffle, per-sample reads. K: mix within K shards at a time, whole-shard reads, LRU of K
+    shards (object storage; a shard may be read twice when read-ahead crosses into the next window; order is
+    unaffected)."""
+
+    def __post_init__(self) -> None:
+        BucketConfig.__post_init__(self)  # explicit: zero-argument super() fails in slots dataclasses on 3.11
+        if isinstance(self.validation_fraction, bool) or not isinstance(self.validation_fraction, (int, float)) \
+                or not 0.0 <= self.validation_fraction < 1.0:
+            raise ConfigError(f"validation_fraction must be in [0, 1); got {self.validation_fraction!r}")
+        if not isinstance(self.prefetch_batches, int) or isinstance(self.prefetch_batches, bool) \
+                or self.prefetch_batches < 1:
+            raise ConfigError(f"prefetch_batches must be >= 1; got {self.prefetch_batches!r}")
+        if self.shard_window is not None and (not isinstance(self.shard_window, int) or self.shard_window < 1):
+            raise ConfigError(f"shard_window must be >= 1 shards or None; got {self.shard_window!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class StreamConfig(LoaderConfig):
+    """Batching, mixing, split and prefetch settings of :class:`StreamingLoader`: a :class:`LoaderConfig` (declared
+    there: token budget, buckets, validation split, read-ahead) plus what the trainer sets per loader."""
+
     min_supervised_tokens: int = 0
     """Samples with fewer supervised tokens (``loss_mask == 1``) are excluded before planning, counted in
     :attr:`StreamingLoader.num_excluded_short` (DFLASH.md: fewer than ``2 * block_size`` are not useful). Read
@@ -93,19 +116,10 @@ class StreamConfig:
     """Shuffle samples every epoch (``False`` for validation order)."""
     split: Literal["train", "validation", "all"] = "train"
     """Which part of the corpus rows this loader serves."""
-    validation_fraction: float = 0.0
-    """Fraction of corpus rows held out for validation (stable per row)."""
     split_seed: int = 0
     """Salt of the row hash that decides the split (independent of ``seed`` so sweeps share one split)."""
-    prefetch_batches: int = 4
-    """Batches read ahead in the background. Memory bound: ``prefetch_batches + 1`` batches of at most
-    ``token_budget * n*H * 2`` bytes of hidden states each (pinned host memory; also GPU memory with ``device=``),
-    e.g. 5 x 16384 x 20480 x 2 B = 3.4 GB for a Qwen3-8B cache with 5 taps."""
     num_read_workers: int = 2
     """Threads reading and packing batches (Zarr decompression releases the GIL)."""
-    shard_window: int | None = None
-    """``None``: global shuffle, per-sample reads. K: mix within K shards at a time, whole-shard reads, LRU of K
-    shards (a shard may be read twice when read-ahead crosses into the next window; order is unaffected)."""
     pin_memory: bool | None = None
     """Pack into pinned host memory; ``None``: when CUDA is available."""
     pad_to_budget: bool = False
@@ -114,27 +128,13 @@ class StreamConfig:
     """Pad each batch's length up to a multiple of this (ignored with ``pad_to_budget``)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.boundaries, list):
-            self.boundaries = tuple(self.boundaries)
-        # Reuse the bucket validation so both configs word their errors alike.
-        BucketConfig(
-            token_budget=self.token_budget,
-            boundaries=self.boundaries,
-            num_buckets=self.num_buckets,
-            max_documents_per_batch=self.max_documents_per_batch,
-        )
+        LoaderConfig.__post_init__(self)
         if self.split not in ("train", "validation", "all"):
             raise ConfigError(f"split must be 'train', 'validation' or 'all'; got {self.split!r}")
-        if not 0.0 <= self.validation_fraction < 1.0:
-            raise ConfigError(f"validation_fraction must be in [0, 1); got {self.validation_fraction!r}")
         if self.split == "validation" and self.validation_fraction == 0.0:
             raise ConfigError("split='validation' needs validation_fraction > 0 (e.g. 0.01)")
-        if self.prefetch_batches < 1:
-            raise ConfigError(f"prefetch_batches must be >= 1; got {self.prefetch_batches!r}")
         if self.num_read_workers < 1:
             raise ConfigError(f"num_read_workers must be >= 1; got {self.num_read_workers!r}")
-        if self.shard_window is not None and self.shard_window < 1:
-            raise ConfigError(f"shard_window must be >= 1 shards or None; got {self.shard_window!r}")
         if self.pad_to_multiple < 1:
             raise ConfigError(f"pad_to_multiple must be >= 1; got {self.pad_to_multiple!r}")
         if not isinstance(self.min_supervised_tokens, int) or self.min_supervised_tokens < 0:

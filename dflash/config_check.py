@@ -25,7 +25,8 @@ from typing import Any
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 
 __all__ = ["DTYPE_NAMES", "DuplicateKeyError", "unique_keys", "MISSING_DEFAULT", "PATH_FIELDS", "RENAMED_KEYS", "EXCLUSIVE_SETTINGS", "layer_over", "check_fields", "check_not_empty_path", "dtype_spelling", "field_default",
-           "matches_type", "migrate_renamed", "override_value", "read_config_file"]
+           "matches_type", "migrate_renamed", "MOVED_KEYS", "nest_moved", "set_path", "get_path", "leaf_paths",
+           "deep_merge", "override_value", "read_config_file"]
 
 #: What :func:`field_default` returns for a field without a default (a required field).
 MISSING_DEFAULT = dataclasses.MISSING
@@ -46,15 +47,17 @@ RENAMED_KEYS: dict[str, dict[str, str]] = {
 _warned_renames: set[tuple[str, str]] = set()
 
 
-def migrate_renamed(section: str, values: Mapping[str, Any], source: str = "") -> dict[str, Any]:
-    """``values`` (a section's settings) with the old keys of :data:`RENAMED_KEYS` under their new names.
+def migrate_renamed(section: str, values: Mapping[str, Any], source: str = "", *, saved: bool = False) -> dict[str, Any]:
+    """``values`` (a section's settings) with the old keys of :data:`RENAMED_KEYS` under their new names, and the
+    flat keys of :data:`MOVED_KEYS` at their nested paths (:func:`nest_moved`).
 
-    Logs one deprecation warning per old key and process. A mapping that holds both the old and the new key keeps
-    the new one's value.
+    Logs one deprecation warning per old key and process (for a moved key only when not ``saved``: a run record
+    written before the move is not the user's to fix). A mapping that holds both the old and the new key keeps the
+    new one's value.
     """
     renames = RENAMED_KEYS.get(section, {})
     if not any(key in renames for key in values):
-        return dict(values)
+        return nest_moved(section, values, source, warn=not saved)
     import logging
 
     result: dict[str, Any] = {}
@@ -76,6 +79,102 @@ def migrate_renamed(section: str, values: Mapping[str, Any], source: str = "") -
                               f"spelling {key} = {value!r}; keep {new} only")
         if new not in values:
             result[new] = value
+    return nest_moved(section, result, source, warn=not saved)
+
+
+#: Settings that moved into a nested config (STYLE.md 15: bigger configs nest smaller ones; ``train.lr`` is now
+#: ``train.optim.lr``, declared once in ``dflash.optim.OptimConfig``; ``train.token_budget`` is ``train.data.token_budget``,
+#: ``dflash.batch_source.LoaderConfig``): section -> {old flat key: new dotted path}.
+#: A config file, preset, ``--set`` or ``--grid`` with the old key is read as the new path with one deprecation
+#: warning per key; a saved run (``run.json``, a checkpoint) written before the move is read silently.
+MOVED_KEYS: dict[str, dict[str, str]] = {
+    "train": {
+        **{name: f"optim.{name}" for name in ("lr", "betas", "eps", "weight_decay", "warmup_ratio", "min_lr_ratio",
+                                              "grad_clip")},
+        **{name: f"data.{name}" for name in ("token_budget", "num_buckets", "max_documents_per_batch",
+                                             "validation_fraction", "prefetch_batches", "shard_window")},
+        "bucket_boundaries": "data.boundaries",
+    },
+}
+
+_warned_moves: set[tuple[str, str]] = set()
+
+
+def set_path(values: dict[str, Any], path: str, value: Any, *, keep_existing: bool = False) -> None:
+    """Set ``values[a][b] = value`` for the dotted ``path`` ``"a.b"`` (in place), making the inner dicts (copies of
+    the ones met, so a caller's nested dict is never changed). ``keep_existing``: leave a value already there."""
+    parts = path.split(".")
+    node = values
+    for part in parts[:-1]:
+        inner = node.get(part)
+        if not isinstance(inner, Mapping):
+            if inner is not None:
+                return  # a non-mapping in the way: the config's own check names it
+            inner = {}
+        node[part] = dict(inner)
+        node = node[part]
+    if not (keep_existing and parts[-1] in node):
+        node[parts[-1]] = value
+
+
+_ABSENT = object()
+
+
+def get_path(values: Mapping[str, Any], path: str, default: Any = None) -> Any:
+    """``values[a][b]`` for the dotted ``path`` ``"a.b"``, else ``default``."""
+    node: Any = values
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def leaf_paths(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 1}}`` -> ``{"optim.lr": 1}``: every non-mapping value by its dotted path."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            flat.update(leaf_paths(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def deep_merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` updated by ``top``, nested mappings merged key by key (``top`` wins on leaves); new dicts."""
+    merged = {key: dict(value) if isinstance(value, Mapping) else value for key, value in base.items()}
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = dict(value) if isinstance(value, Mapping) else value
+    return merged
+
+
+def nest_moved(section: str, values: Mapping[str, Any], source: str = "", *, warn: bool = True) -> dict[str, Any]:
+    """``values`` (a section's settings) with the flat keys of :data:`MOVED_KEYS` moved to their nested paths
+    (``{"lr": 3e-4}`` -> ``{"optim": {"lr": 3e-4}}``). A value given at the new path too wins over the old key's.
+
+    Logs one deprecation warning per old key and process when ``warn`` (files, presets, overrides); a saved run
+    passes ``warn=False`` (it was written correctly by the version that wrote it).
+    """
+    moves = MOVED_KEYS.get(section, {})
+    if not any(key in moves for key in values):
+        return dict(values)
+    import logging
+
+    result = {key: value for key, value in values.items() if key not in moves}
+    for key, value in values.items():
+        path = moves.get(key)
+        if path is None:
+            continue
+        if warn and (section, key) not in _warned_moves:
+            _warned_moves.add((section, key))
+            where = f" ({source})" if source else ""
+            logging.getLogger("dflash.config").warning("%s.%s%s is deprecated: it is now %s.%s; move it", section,
+                                                       key, where, section, path)
+        set_path(result, path, value, keep_existing=True)
     return result
 
 
@@ -90,7 +189,8 @@ EXCLUSIVE_SETTINGS: tuple[tuple[str, ...], ...] = (
 
 
 def layer_over(merged: dict[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
-    """``merged`` (the settings of lower layers) updated in place by ``layer``; a key of an
+    """``merged`` (the settings of lower layers) updated in place by ``layer`` (nested mappings merged key by key,
+    :func:`deep_merge`); a key of an
     :data:`EXCLUSIVE_SETTINGS` group that ``layer`` sets (not None) removes the group's other keys of ``merged``
     that ``layer`` does not set itself. Returns ``merged``."""
     for group in EXCLUSIVE_SETTINGS:
@@ -98,7 +198,7 @@ def layer_over(merged: dict[str, Any], layer: Mapping[str, Any]) -> dict[str, An
             for key in group:
                 if key not in layer:
                     merged.pop(key, None)
-    merged.update(layer)
+    merged.update(deep_merge(merged, layer))  # nested configs (train.optim) merge key by key
     return merged
 
 
@@ -208,7 +308,13 @@ def check_fields(cls: type, values: Mapping[str, Any], *, section: str, source: 
         if key in reserved:
             raise ConfigError(f"{where}: set by the pipeline itself (inside the work folder); remove it")
         if key not in allowed:
-            close = difflib.get_close_matches(key, sorted(allowed), n=1)
+            # a nested config's field is suggested by its path (train.lrr -> did you mean train.optim.lr?)
+            inner = {f"{name}.{f.name}": f.name for name in sorted(allowed)
+                     if isinstance(hints.get(name), type) and dataclasses.is_dataclass(hints[name])
+                     for f in dataclasses.fields(hints[name]) if f.init}
+            close = difflib.get_close_matches(key, sorted(allowed) + sorted(set(inner.values())), n=1)
+            if close and close[0] not in allowed:
+                close = [next(path for path, leaf in inner.items() if leaf == close[0])]
             hint = f"did you mean {section}.{close[0]}?" if close else f"known: {', '.join(sorted(allowed))}"
             raise ConfigError(f"{where}: unknown key; {hint}")
         if key in hints and not matches_type(value, hints[key]):
@@ -218,7 +324,7 @@ def check_fields(cls: type, values: Mapping[str, Any], *, section: str, source: 
             raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         nested = hints.get(key)
         if isinstance(nested, type) and dataclasses.is_dataclass(nested) and isinstance(value, dict):
-            check_fields(nested, value, section=f"{section}.{key}", source=lambda _key, k=key: source(k))
+            check_fields(nested, value, section=f"{section}.{key}", source=lambda inner, k=key: source(f"{k}.{inner}"))
 
 
 def _yaml_loader() -> Any:

@@ -4,7 +4,7 @@ Run::
 
     dflash-stages run                                   # preset cpu-small: the README main job, 2 CPU cores, < 10 min
     dflash-stages run --preset h200-smollm2 --workdir /data/dflash --docs /usr/share/doc/python3.12/html/_sources
-    dflash-stages run --set train.lr=3e-4 --set evaluate.num_prompts=32   # override any preset field
+    dflash-stages run --set train.optim.lr=3e-4 --set evaluate.num_prompts=32   # override any preset field
 
 Stages run in this process through their Python entry points (``run_prepare``, ``run_extract``,
 ``run_training``, ``run_evaluate``), never as shell commands. Work folder layout::
@@ -129,11 +129,16 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
         key, sep, raw = override.partition("=")
         section, dot, name = key.strip().partition(".")
         if not sep or not dot or not name:
-            raise ConfigError(f"--set {override!r}: expected section.field=value, e.g. train.lr=3e-4")
+            raise ConfigError(f"--set {override!r}: expected section.field=value, e.g. train.optim.lr=3e-4")
         if section not in _STAGES:
             raise ConfigError(f"--set {override!r}: unknown section {section!r}; expected one of {list(_STAGES)}")
-        layer_over(result.setdefault(section, {}),
-                   migrate_renamed(section, {name: override_value(raw, override)}, f"--set {override}"))
+        value = override_value(raw, override)
+        if "." in name:  # a nested config's field: train.optim.lr=3e-4
+            from dflash.config_check import set_path
+
+            set_path(result.setdefault(section, {}), name.strip(), value)
+            continue
+        layer_over(result.setdefault(section, {}), migrate_renamed(section, {name: value}, f"--set {override}"))
     return result
 
 
@@ -287,8 +292,11 @@ def _build_for_check(section: str, cls: type, values: dict[str, Any], source: Ca
         cls(**values)
     except (ConfigError, ValueError, TypeError) as error:
         message = str(error)
-        key = next((k for k in values if message.startswith((k + " ", k + ":"))), None)
+        from dflash.config_check import leaf_paths
         from stages.stage_config import without_key
+
+        candidates = sorted({*values, *leaf_paths(values)}, key=len, reverse=True)  # optim.lr: a nested field
+        key = next((k for k in candidates if message.startswith((k + " ", k + ":"))), None)
 
         where = f"{section}.{key} ({source(section, key)})" if key else f"{section} ({source(section, '')})"
         raise ConfigError(f"{where}: {without_key(message, key) if key else message}") from None
@@ -312,7 +320,9 @@ class _State:
         record = self.data["stages"].get(stage)
         if record is None:
             return False
-        if record["digest"] != _digest(settings):
+        # A stage recorded before its settings moved into nested configs (flat train.lr): compared as today's.
+        if record["digest"] != _digest(settings) and \
+                _digest(migrate_renamed(stage, record["settings"], saved=True)) != _digest(settings):
             raise ConfigError(
                 f"{stage}: {self.path.parent} holds outputs of this stage made with other settings "
                 f"({record['settings']} vs now {settings}); use a new --workdir"
@@ -477,7 +487,10 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
     compare_untrained = bool(evaluate.pop("compare_untrained", False))
 
     def train_config(**changes: Any) -> TrainConfig:
-        return TrainConfig(cache=str(paths["cache"]), output=str(paths["run"]), **{**train, **changes})
+        from dflash.config_check import deep_merge
+
+        return TrainConfig.from_dict(deep_merge({**train, "cache": str(paths["cache"]), "output": str(paths["run"])},
+                                                changes))
 
     evaluator: Evaluator | None = None
 
@@ -636,9 +649,11 @@ def register(app: typer.Typer) -> None:
                     close = difflib.get_close_matches(section, _STAGES, n=1)
                     raise ConfigError(f"{section} (--config {config_file}): not a pipeline section; "
                                       + (f"did you mean {close[0]}?" if close else f"sections: {', '.join(_STAGES)}"))
+                from dflash.config_check import leaf_paths
+
                 values = migrate_renamed(section, values, f"--config {config_file}")
                 layer_over(preset_config.setdefault(section, {}), values)
-                from_file.update((section, key) for key in values)
+                from_file.update((section, key) for key in {*values, *leaf_paths(values)})
         preset_config = apply_overrides(preset_config, overrides)
         if docs and preset_config.get("generate"):
             raise ConfigError(f"--docs adds text folders to prepare's inputs, but preset {preset} generates its corpus "
@@ -655,13 +670,17 @@ def register(app: typer.Typer) -> None:
             key, _, _ = override.partition("=")
             section, _, name = key.strip().partition(".")
             given[(section, name)] = f"--set {override}"
+            from dflash.config_check import MOVED_KEYS
+
+            if name in MOVED_KEYS.get(section, {}):  # an old flat key: checked at its new path
+                given[(section, MOVED_KEYS[section][name])] = f"--set {override}"
 
         def source(section: str, key: str) -> str:
             if (section, key) in given:
                 return given[(section, key)]
             if section == "prepare" and key == "inputs" and docs:
                 return "--docs"
-            if (section, key) in from_file:
+            if (section, key) in from_file or (section, key.split(".")[0]) in from_file:
                 return f"--config {config_file}"
             return f"preset {preset}"
 

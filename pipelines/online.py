@@ -120,8 +120,8 @@ class OnlineConfig:
         if self.on_producer_death not in PRODUCER_DEATH_POLICIES:
             raise ConfigError(f"on_producer_death: expected one of {', '.join(PRODUCER_DEATH_POLICIES)}, got "
                               f"{self.on_producer_death!r}")
-        if self.train.shard_window is not None:
-            raise ConfigError("shard_window: the online mode plans globally (no cache shards); leave it unset")
+        if self.train.data.shard_window is not None:
+            raise ConfigError("data.shard_window: the online mode plans globally (no cache shards); leave it unset")
 
     def producer_dict(self) -> dict[str, Any]:
         """The producer fields (saved in run.json under ``resolved.data_source``, read back by ``--resume``)."""
@@ -182,7 +182,7 @@ def online_training_data(config: OnlineConfig, *, submit: Any, device: Any, corp
               "health_check": health_check}  # fmt: skip
     train = OnlineBatches(lengths, stream_config(config.train, "train", device), **common)
     validation = None
-    if config.train.validation_fraction > 0:
+    if config.train.data.validation_fraction > 0:
         try:
             validation = OnlineBatches(lengths, stream_config(config.train, "validation", device), **common)
         except ConfigError as error:  # e.g. a tiny corpus where 1% of the rows is no row at all
@@ -215,7 +215,7 @@ def _open_cache_to(config: OnlineConfig, metadata: Any) -> Any:
     train = config.train
     extract = ExtractConfig(corpus=config.corpus, output=str(config.cache_to), target=config.target,
                             target_layer_ids=list(metadata.target_layer_ids), shard_size=config.cache_shard_size,
-                            token_budget=config.runner_token_budget or train.token_budget,
+                            token_budget=config.runner_token_budget or train.data.token_budget,
                             extra={"written_by": "online --cache-to"})  # fmt: skip
     console = Console(file=io.StringIO())  # prepare_cache's size report: logged below instead
     cache, corpus, shard_rows, _ = prepare_cache(extract, console)
@@ -223,7 +223,7 @@ def _open_cache_to(config: OnlineConfig, metadata: Any) -> Any:
     lengths = CorpusLengths(corpus)
     planned: set[int] = set()
     for split in ("train", "validation"):
-        if split == "validation" and train.validation_fraction <= 0:
+        if split == "validation" and train.data.validation_fraction <= 0:
             continue
         try:
             cursor = PlannedCursor(lengths, stream_config(train, split, torch.device("cpu")))
@@ -365,7 +365,7 @@ def _start_cluster(config: OnlineConfig, metadata: Any) -> tuple[Any, Any]:
     threads = None if gpus else max(1, (os.cpu_count() or 1) // (num_workers + 1))
     plugin = OnlineProducerPlugin(
         target_spec=config.target, target_layer_ids=list(metadata.target_layer_ids),
-        token_budget=config.runner_token_budget or config.train.token_budget, corpus_path=config.corpus,
+        token_budget=config.runner_token_budget or config.train.data.token_budget, corpus_path=config.corpus,
         gpu_by_worker=dict(enumerate(gpus)) if gpus else None, device="cuda" if gpus else "cpu",
         torch_threads=threads, die_with_parent=True,
     )  # fmt: skip
@@ -549,9 +549,11 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
     given_online = {k: v for k, v in online.items() if v is not None}
     given_train = {k: v for k, v in train_overrides.items() if v is not None}
     online, train_overrides = {}, {}
+    from dflash.config_check import deep_merge
+
     for layer_online, layer_train in layers:
         online.update(layer_online)
-        train_overrides.update(layer_train)
+        train_overrides = deep_merge(train_overrides, layer_train)
     # An option given replaces what it contradicts in the preset or file (CPU producers vs producer GPUs, CPU
     # ranks vs drafter GPUs): `--preset online-cpu --target-gpus 0` means GPU producers, not an error.
     for given, replaced in (("target_gpus", "target_processes"), ("target_processes", "target_gpus")):
@@ -662,8 +664,9 @@ def register(app: typer.Typer) -> None:
             "output": output, "resume": resume, "drafter_gpus": _csv_ints(drafter_gpus),
             "drafter_processes": drafter_processes, "device": device,
             "num_draft_layers": num_draft_layers, "block_size": block_size, "max_anchors_per_document": max_anchors,
-            "token_budget": token_budget, "num_buckets": num_buckets, "validation_fraction": validation_fraction,
-            "epochs": epochs, "max_steps": max_steps, "stop_at_step": stop_at_step, "lr": lr, "seed": seed,
+            "data.token_budget": token_budget, "data.num_buckets": num_buckets,
+            "data.validation_fraction": validation_fraction,
+            "epochs": epochs, "max_steps": max_steps, "stop_at_step": stop_at_step, "optim.lr": lr, "seed": seed,
             "min_supervised_tokens": min_supervised_tokens, "save_every": save_every, "log_every": log_every,
             "progress": progress, "grad_accum_steps": grad_accum_steps, "eval_every": eval_every,
             "keep_last": keep_last, "allow_config_change": allow_config_change, "break_lock": break_lock,

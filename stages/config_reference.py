@@ -19,13 +19,13 @@ import textwrap
 import typing
 from typing import Any
 
-__all__ = ["STAGE_CONFIGS", "field_descriptions", "reference_markdown"]
+__all__ = ["STAGE_CONFIGS", "field_descriptions", "reference_markdown", "sections"]
 
-#: Section (the ``--config`` section and ``--set`` prefix) -> (module, config dataclass), in pipeline order.
+#: Section (the ``--config`` section and ``--set`` prefix) -> (module, config dataclass), in pipeline order. A field
+#: that holds a nested config (``train.optim``) gets its own section right after its parent's (:func:`sections`).
 STAGE_CONFIGS = {
     "prepare": ("stages.prepare", "PrepareConfig"),
     "generate": ("stages.generate", "GenerateConfig"),
-    "generate.default_prompts": ("dflash.generation.default_prompts", "DefaultPromptConfig"),
     "extract": ("stages.extract", "ExtractConfig"),
     "train": ("stages.train", "TrainConfig"),
     "online": ("pipelines.online", "OnlineConfig"),
@@ -38,8 +38,12 @@ STAGE_CONFIGS = {
 def field_descriptions(cls: type) -> dict[str, str]:
     """Field -> its description in the class source: the string literal after the field (attribute docstring), the
     ``#:`` comment lines above it, or its entry in a ``Fields:`` / ``Attributes:`` section of the class docstring
-    (an entry may name several fields: ``temperature, top_p: ...``)."""
+    (an entry may name several fields: ``temperature, top_p: ...``). Fields inherited from a base config
+    (``LoaderConfig`` extends ``BucketConfig``) are described where the base declares them."""
     described: dict[str, str] = {}
+    for base in reversed(cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            described.update(field_descriptions(base))
     doc = inspect.getdoc(cls) or ""
     header = next((h for h in ("Fields:", "Attributes:") if h in doc), None)
     if header is not None:
@@ -88,6 +92,30 @@ def _default(field: dataclasses.Field) -> str:
     return f"`{value!r}`"
 
 
+def sections() -> list[tuple[str, type, Any]]:
+    """``(section, config dataclass, default)`` of every stage and of every nested config they hold (``train.optim``:
+    ``OptimConfig``), each nested one after its parent, in field order. ``default``: the instance the parent's field
+    defaults to (its values are the defaults there: train's ``data.validation_fraction`` is 0.01), or None."""
+    from dflash.config_check import MISSING_DEFAULT, field_default
+
+    found: list[tuple[str, type, Any]] = []
+    stages = {getattr(importlib.import_module(module), name) for module, name in STAGE_CONFIGS.values()}
+
+    def walk(section: str, cls: type, default: Any = None) -> None:
+        found.append((section, cls, default))
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            hint = hints.get(field.name)
+            # a stage's config inside another's (online.train) has its own section already
+            if field.init and isinstance(hint, type) and dataclasses.is_dataclass(hint) and hint not in stages:
+                value = field_default(field) if default is None else getattr(default, field.name)
+                walk(f"{section}.{field.name}", hint, None if value is MISSING_DEFAULT else value)
+
+    for section, (module, name) in STAGE_CONFIGS.items():
+        walk(section, getattr(importlib.import_module(module), name))
+    return found
+
+
 def reference_markdown() -> str:
     """The whole reference page (Markdown)."""
     out = [
@@ -100,18 +128,19 @@ def reference_markdown() -> str:
         "`--preset` < `--config` < options given < `--set` (README, \"Config files, presets and overrides\").",
         "",
     ]
-    for section, (module, name) in STAGE_CONFIGS.items():
-        cls = getattr(importlib.import_module(module), name)
+    for section, cls, instance in sections():
         hints = typing.get_type_hints(cls)
         described = field_descriptions(cls)
-        out += [f"## `{section}`", "", f"Declared in `{module.replace('.', '/')}.py`: `{name}`.", "",
+        bases = [base for base in cls.__mro__[1:] if dataclasses.is_dataclass(base)]
+        extends = "".join(f" (extends `{base.__name__}` of `{base.__module__.replace('.', '/')}.py`)" for base in bases)
+        out += [f"## `{section}`", "", f"Declared in `{cls.__module__.replace('.', '/')}.py`: `{cls.__name__}`{extends}.", "",
                 "| field | type | default | description |", "|---|---|---|---|"]
         for field in dataclasses.fields(cls):
             if not field.init:
                 continue
             text = described.get(field.name, "").replace("|", "\\|")
             kind = _type_name(hints.get(field.name, field.type)).replace("|", "\\|")
-            default = _default(field).replace("|", "\\|")
+            default = (_default(field) if instance is None else f"`{getattr(instance, field.name)!r}`").replace("|", "\\|")
             out.append(f"| `{field.name}` | `{kind}` | {default} | {text} |")
         out.append("")
     return "\n".join(out)

@@ -78,18 +78,18 @@ def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: l
         differs = departs if departs is not None else (convention is not None and value != convention)
         return HyperparameterRow(name, str(value), shown, bool(differs))
 
-    schedule_text = (f"warmup {first.get('warmup_steps', '?')} steps ({config.warmup_ratio:.0%}), cosine to "
-                     f"{config.lr * config.min_lr_ratio:.3g} at step {first.get('total_steps', '?')}")
+    schedule_text = (f"warmup {first.get('warmup_steps', '?')} steps ({config.optim.warmup_ratio:.0%}), cosine to "
+                     f"{config.optim.lr * config.optim.min_lr_ratio:.3g} at step {first.get('total_steps', '?')}")
     if len(schedule) > 1:
         schedule_text += f"; {len(schedule) - 1} extension(s) (resumed with more steps)"
-    tokens_per_step = config.token_budget * config.grad_accum_steps * world
+    tokens_per_step = config.data.token_budget * config.grad_accum_steps * world
     boundaries = list(resolved.get("bucket_boundaries") or [])
     return [
-        row("lr (peak)", f"{config.lr:.3g}", f"{_PAPER['lr']:.3g}"),
-        row("schedule", schedule_text, "4% warmup, cosine", departs=config.warmup_ratio != _PAPER["warmup_ratio"]),
-        row("AdamW betas", tuple(config.betas), tuple(DEFAULT_BETAS)),
-        row("AdamW eps / weight decay", f"{config.eps:g} / {config.weight_decay:g}"),
-        row("grad clip", f"{config.grad_clip:g}", f"{_PAPER['grad_clip']:g}"),
+        row("lr (peak)", f"{config.optim.lr:.3g}", f"{_PAPER['lr']:.3g}"),
+        row("schedule", schedule_text, "4% warmup, cosine", departs=config.optim.warmup_ratio != _PAPER["warmup_ratio"]),
+        row("AdamW betas", tuple(config.optim.betas), tuple(DEFAULT_BETAS)),
+        row("AdamW eps / weight decay", f"{config.optim.eps:g} / {config.optim.weight_decay:g}"),
+        row("grad clip", f"{config.optim.grad_clip:g}", f"{_PAPER['grad_clip']:g}"),
         row("gamma", f"{resolved['gamma']:g}", f"{paper_gamma:g}" if paper_gamma is not None else
             f"{default_gamma(block_size):g} (no paper value; 1 + 3B/8)",
             departs=float(resolved["gamma"]) != (paper_gamma or default_gamma(block_size))),
@@ -97,9 +97,9 @@ def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: l
         row("draft layers", drafter.get("num_hidden_layers", config.num_draft_layers)),
         row("anchors per document", config.max_anchors_per_document, _PAPER["max_anchors_per_document"]),
         row("anchor slots (compile)", resolved.get("anchor_slots") or "dynamic"),
-        row("token budget", f"{config.token_budget:,} per micro-batch x {config.grad_accum_steps} accum x {world} "
+        row("token budget", f"{config.data.token_budget:,} per micro-batch x {config.grad_accum_steps} accum x {world} "
             f"ranks = {tokens_per_step:,} per step"),
-        row("length buckets", f"{len(boundaries) + 1 if boundaries else config.num_buckets} "
+        row("length buckets", f"{len(boundaries) + 1 if boundaries else config.data.num_buckets} "
             f"(boundaries {boundaries})"),
         row("compile", config.compile),
         row("attention", f"{resolved.get('attention')} (backend {attention_backend})"),

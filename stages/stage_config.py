@@ -27,7 +27,7 @@ from dflash.config_check import check_not_empty_path, migrate_renamed, override_
 from dflash.errors import ConfigError
 
 __all__ = ["CONFIG_OPTION", "PRESET_OPTION", "PRINT_CONFIG_OPTION", "SET_OPTION", "given_options", "print_and_exit",
-           "parse_sets", "printable", "resolve_stage_config", "section_of", "split_given", "without_key"]
+           "nested", "parse_sets", "printable", "resolve_stage_config", "section_of", "split_given", "without_key"]
 
 #: Stage sections a config file may hold besides this stage's own (ignored by the other stages).
 KNOWN_SECTIONS = ("generate", "prepare", "split", "extract", "train", "evaluate", "online", "export", "sweep")
@@ -78,19 +78,38 @@ def section_of(data: Mapping[str, Any], section: str, fields: set[str], source: 
 
 
 def parse_sets(overrides: Sequence[str], section: str) -> list[tuple[str, Any, str]]:
-    """``--set KEY=VALUE`` or ``--set SECTION.KEY=VALUE`` (JSON value, else a string) -> (key, value, source)."""
+    """``--set KEY=VALUE`` or ``--set SECTION.KEY=VALUE`` (JSON value, else a string) -> (key, value, source). A key
+    of a nested config is its dotted path (``train.optim.lr=3e-4`` -> ``("optim.lr", 3e-4, ...)``); an old flat key
+    (``train.lr``) is read as its path with a deprecation warning (``dflash.config_check.MOVED_KEYS``)."""
+    from dflash.config_check import MOVED_KEYS, RENAMED_KEYS, nest_moved
+
     parsed = []
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if key.startswith(section + "."):
             key = key[len(section) + 1 :]
-        if not sep or not key or "." in key:
+        if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"--set {item!r}: expected {section}.field=value (or field=value), e.g. "
                               f"{section}.target=default")
-        (key, value), = migrate_renamed(section, {key: override_value(raw, item)}, f"--set {item}").items()
-        parsed.append((key, value, f"--set {item}"))
+        head, dot, rest = key.partition(".")
+        if head in RENAMED_KEYS.get(section, {}):  # the new name, with the deprecation warning
+            head = next(iter(migrate_renamed(section, {head: None}, f"--set {item}")))
+        if not dot and head in MOVED_KEYS.get(section, {}):  # an old flat key: its nested path, with the warning
+            nest_moved(section, {head: None}, f"--set {item}")
+            head = MOVED_KEYS[section][head]
+        key = f"{head}.{rest}" if dot else head
+        parsed.append((key, override_value(raw, item), f"--set {item}"))
     return parsed
+
+
+def nested(key: str, value: Any) -> dict[str, Any]:
+    """``("optim.lr", 3e-4)`` -> ``{"optim": {"lr": 3e-4}}``: a dotted ``--set`` key as the section dict it sets."""
+    from dflash.config_check import set_path
+
+    values: dict[str, Any] = {}
+    set_path(values, key, value)
+    return values
 
 
 def resolve_stage_config(
@@ -145,7 +164,7 @@ def resolve_stage_config(
         check_fields(cls, values, section=section, source=source)
     sets = parse_sets(overrides, section)
     for key, value, source in sets:
-        check_fields(cls, {key: value}, section=section, source=lambda _key, s=source: s)
+        check_fields(cls, nested(key, value), section=section, source=lambda _key, s=source: s)
     merged: dict[str, Any] = dict(defaults)
     origin: dict[str, str] = {key: "default" for key in merged}
     for values, source in layers:
@@ -154,8 +173,8 @@ def resolve_stage_config(
     layer_over(merged, given)
     origin.update({key: option_names.get(key, "--" + key.replace("_", "-")) for key in given})
     for key, value, source in sets:
-        layer_over(merged, {key: value})
-        origin[key] = source
+        layer_over(merged, nested(key, value))
+        origin[key.split(".")[0]] = source
     for key, value in merged.items():  # the options given too (`-o ''`)
         check_not_empty_path(key, value, f"{section}.{key} ({origin.get(key, 'default')})")
     for key in required:

@@ -52,7 +52,7 @@ from dflash.files import atomic_write_text
 from dflash.telemetry import read_metrics
 from stages.train import TrainConfig, run_training
 
-__all__ = ["SweepConfig", "SweepRun", "parse_grid", "plan_sweep", "resolve_sweep", "run_sweep", "summarize_run",
+__all__ = ["SweepConfig", "SweepRun", "grid_path", "parse_grid", "plan_sweep", "resolve_sweep", "run_sweep", "summarize_run",
            "register"]
 
 log = logging.getLogger(__name__)
@@ -104,16 +104,32 @@ def parse_grid(options: list[str]) -> dict[str, list[Any]]:
             name = name[len("train."):]
         if not separator or not raw:
             raise ConfigError(f"--grid {option!r}: expected FIELD=V1,V2,..., e.g. --grid lr=3e-4,6e-4")
-        if name not in types:
-            close = difflib.get_close_matches(name, sorted(types), n=1)
+        path = grid_path(name)
+        if path is None:
+            names = sorted(set(types) | {p.rsplit(".", 1)[-1] for p in types})
+            close = difflib.get_close_matches(name, names, n=1)
             raise ConfigError(f"--grid {name}: not a train config field; "
                               + (f"did you mean {close[0]}?" if close else f"known fields: {', '.join(sorted(types))}"))
         if name in SWEEP_OWNED:
             raise ConfigError(f"--grid {name}: the sweep sets it itself; give it as the sweep's own --{name}")
         if name in values:
             raise ConfigError(f"--grid {name} given twice; list all its values in one option: {name}=V1,V2")
-        values[name] = [_parse_value(name, part, types[name]) for part in raw.split(",")]
+        values[name] = [_parse_value(name, part, types[path]) for part in raw.split(",")]
     return values
+
+
+def grid_path(name: str) -> str | None:
+    """The :class:`TrainConfig` field a grid key names: its dotted path (``optim.lr``), or a field's last part where
+    only one field ends so (``lr``: the run folders keep the key as written, ``lr=0.0003``); None if none does."""
+    types = TrainConfig.field_types()
+    if name in types:
+        return name
+    matches = [path for path in types if path.rsplit(".", 1)[-1] == name]
+    if len(matches) == 1:
+        return matches[0]
+    from dflash.config_check import MOVED_KEYS
+
+    return MOVED_KEYS["train"].get(name)  # a field's name before it moved (bucket_boundaries: data.boundaries)
 
 
 @dataclass(kw_only=True)
@@ -153,8 +169,9 @@ def _split_sets(overrides: list[str]) -> tuple[list[str], list[tuple[str, Any, s
     sweep_items = [item for item in overrides if item.strip().startswith("sweep.")]
     train_items = parse_sets([item for item in overrides if item not in sweep_items], "train")
     for key, value, source in train_items:
-        if isinstance(value, str) and "," in value and key in TrainConfig.field_types():
-            raise ConfigError(f"{source}: --set fixes one value; sweep several with --grid {key}={value}")
+        if isinstance(value, str) and "," in value and key in TrainConfig.field_types():  # key: a field's path
+            written = source.partition(" ")[2].partition("=")[0]  # the key as the user wrote it (lr or optim.lr)
+            raise ConfigError(f"{source}: --set fixes one value; sweep several with --grid {written}={value}")
     return sweep_items, train_items
 
 
@@ -166,8 +183,8 @@ def resolve_sweep(ctx: Any, values: dict[str, Any], *, config_file: str | None, 
         ConfigError: an unknown or mistyped key (named with its source), a missing cache, or a combination
             TrainConfig refuses.
     """
-    from dflash.config_check import check_fields, migrate_renamed, read_config_file
-    from stages.stage_config import resolve_stage_config, section_of, split_given
+    from dflash.config_check import check_fields, deep_merge, leaf_paths, migrate_renamed, read_config_file
+    from stages.stage_config import nested, resolve_stage_config, section_of, split_given
 
     sweep_sets, train_sets = _split_sets(overrides)
     config = resolve_stage_config(SweepConfig, "sweep", *split_given(ctx, values), config_file=config_file,
@@ -203,19 +220,22 @@ def resolve_sweep(ctx: Any, values: dict[str, Any], *, config_file: str | None, 
         if source.startswith("preset"):  # a pipeline preset's train section never names the sweep's folders
             part = {k: v for k, v in part.items() if k not in SWEEP_OWNED}
         check(part, source)
-        fixed.update(part)
+        fixed = deep_merge(fixed, part)
     for key, value, source in train_sets:
-        check({key: value}, source)
-        fixed[key] = value
+        check(nested(key, value), source)
+        fixed = deep_merge(fixed, nested(key, value))
     for name, options in config.grid.items():
+        path = grid_path(name)
+        if path is None:
+            raise ConfigError(f"sweep.grid.{name}: not a train config field; see --grid in --help")
         for option in options:
-            check({name: option}, f"sweep.grid.{name}")
+            check(nested(path, option), f"sweep.grid.{name}")
     given_fixed = {key: source for key, _, source in train_sets}
     if config_file is not None:
-        given_fixed.update({key: f"--config {config_file}" for key in layers[-1][0]})
+        given_fixed.update({key: f"--config {config_file}" for key in leaf_paths(layers[-1][0])})
     for name in config.grid:
-        if name in given_fixed:
-            raise ConfigError(f"train.{name} is both swept (sweep.grid) and fixed ({given_fixed[name]}); keep one")
+        if grid_path(name) in given_fixed:
+            raise ConfigError(f"train.{name} is both swept (sweep.grid) and fixed ({given_fixed[grid_path(name)]}); keep one")
     return config, fixed
 
 
@@ -249,14 +269,22 @@ def plan_sweep(cache: str, output: str | Path, values: dict[str, list[Any]], *, 
     Raises:
         ConfigError: an invalid combination (the TrainConfig error, prefixed by the run's name).
     """
-    fixed = {**(fixed or {}), **{name: options[0] for name, options in values.items() if len(options) == 1}}
+    from dflash.config_check import deep_merge, set_path
+
+    fixed = deep_merge(fixed or {}, {})  # train fields (nested, as to_dict writes them) the same for every run
+    for name, options in values.items():
+        if len(options) == 1:
+            set_path(fixed, grid_path(name) or name, options[0])
     swept_names = [name for name, options in values.items() if len(options) > 1]
     runs = []
     for combination in itertools.product(*(values[name] for name in swept_names)):
         swept = dict(zip(swept_names, combination, strict=True))
         name = _run_name(swept)
         try:
-            config = TrainConfig(cache=cache, output=str(Path(output) / name), resume=resume, **{**fixed, **swept})
+            data = deep_merge(fixed, {"cache": cache, "output": str(Path(output) / name), "resume": resume})
+            for key, value in swept.items():
+                set_path(data, grid_path(key) or key, value)
+            config = TrainConfig.from_dict(data)
         except (ConfigError, TypeError) as error:
             raise ConfigError(f"sweep run {name}: {error}") from error
         if any(run.name == name for run in runs):

@@ -23,20 +23,22 @@ More steps or epochs on resume extend the lr schedule: the added steps re-warm t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
 import uuid
 from collections.abc import Sequence
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import typer
 
+from dflash.batch_source import LoaderConfig
 from dflash.errors import ConfigError, ConfigPathNotFoundError
-from dflash.optim import DEFAULT_BETAS, OptimConfig
+from dflash.optim import OptimConfig
 
 __all__ = ["TrainConfig", "RUNTIME_FIELDS", "trajectory_changes", "run_training", "exit_if_interrupted", "register"]
 
@@ -78,25 +80,16 @@ class TrainConfig:
     max_anchors_per_document: int = 512
     """Anchor budget per document per epoch (paper: 512)."""
     # -- data
-    token_budget: int = 16384
-    """Real tokens per micro-batch per rank."""
-    num_buckets: int = 4
-    """Length buckets from the cache's length quantiles (when ``bucket_boundaries`` is not given)."""
-    bucket_boundaries: list[int] | None = None
-    """Explicit bucket upper edges (inclusive), strictly increasing."""
-    validation_fraction: float = 0.01
-    """Corpus rows held out for validation (stable per row); 0 disables validation and best-checkpoint tracking."""
+    data: LoaderConfig = field(default_factory=lambda: dataclasses.replace(_TRAIN_DATA_DEFAULTS))
+    """What the run reads and how (``dflash.batch_source.LoaderConfig``: token_budget, boundaries, num_buckets,
+    max_documents_per_batch, validation_fraction, prefetch_batches, shard_window); ``[train.data]`` in a config
+    file, ``--set train.data.token_budget=8192``. The train stage holds out 1% of the rows by default
+    (``validation_fraction`` 0.01; 0 disables validation and best-checkpoint tracking)."""
     max_validation_batches: int | None = 50
     """Validation batches per rank per evaluation (None: the whole held-out split)."""
-    max_documents_per_batch: int | None = None
-    """Cap on documents packed into one micro-batch (None: only the token budget limits it)."""
     min_supervised_tokens: int | None = None
     """Samples with fewer supervised (loss_mask = 1) tokens are excluded, counted and reported (run.json, metrics,
     log); default ``2 * block_size`` (DFLASH.md: shorter samples give no useful anchors); 0 keeps every sample."""
-    prefetch_batches: int = 4
-    """Batches read ahead in the background (bounds memory)."""
-    shard_window: int | None = None
-    """Mix within K shards at a time with whole-shard reads (object storage); None: global shuffle."""
     # -- optimization (defaults: the paper's recipe; betas from SpecForge, see dflash.optim)
     epochs: float = 6.0
     """Passes over the training split (paper: 6); ignored when ``max_steps`` is set."""
@@ -104,20 +97,9 @@ class TrainConfig:
     """Optimizer steps of the whole schedule (overrides ``epochs``)."""
     grad_accum_steps: int = 1
     """Micro-batches per rank per optimizer step."""
-    lr: float = 6e-4
-    """Peak learning rate."""
-    betas: tuple[float, float] = DEFAULT_BETAS
-    """AdamW betas."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    warmup_ratio: float = 0.04
-    """Linear warmup share of the schedule."""
-    min_lr_ratio: float = 0.0
-    """Cosine floor as a fraction of ``lr``."""
-    grad_clip: float = 1.0
-    """Gradient clipping max norm (0: off)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer, lr schedule and clipping (``dflash.optim.OptimConfig``: lr, betas, eps, weight_decay,
+    warmup_ratio, min_lr_ratio, grad_clip); ``[train.optim]`` in a config file, ``--set train.optim.lr=3e-4``."""
     seed: int = 0
     """Seed of initial weights, data order and anchors."""
     mixed_precision: Literal["bf16", "none"] = "bf16"
@@ -171,22 +153,20 @@ class TrainConfig:
             raise ConfigError("output: give the run folder (--output)")
         if self.target_layer_ids is not None:
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        if self.bucket_boundaries is not None:
-            self.bucket_boundaries = [int(i) for i in self.bucket_boundaries]
         if self.drafter_gpus is not None:
             self.drafter_gpus = [int(i) for i in self.drafter_gpus]
             if (not self.drafter_gpus or len(set(self.drafter_gpus)) != len(self.drafter_gpus)
                     or any(g < 0 for g in self.drafter_gpus)):
                 raise ConfigError(f"drafter_gpus must list distinct GPU ids >= 0, got {self.drafter_gpus}")
-        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
-        positive = ("num_draft_layers", "max_anchors_per_document", "token_budget", "num_buckets", "grad_accum_steps",
-                    "prefetch_batches", "save_every", "keep_last", "log_every", "throughput_window", "drafter_processes")
+        self.optim = _nested_config(OptimConfig(), self.optim, "optim")
+        self.data = _nested_config(_TRAIN_DATA_DEFAULTS, self.data, "data")
+        positive = ("num_draft_layers", "max_anchors_per_document", "grad_accum_steps", "save_every", "keep_last",
+                    "log_every", "throughput_window", "drafter_processes")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_steps", "eval_every", "max_validation_batches", "stop_at_step", "shard_window", "mask_token_id",
-                     "max_documents_per_batch", "anchor_slots"):
+        for name in ("max_steps", "eval_every", "max_validation_batches", "stop_at_step", "mask_token_id", "anchor_slots"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < (0 if name == "mask_token_id" else 1)):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
@@ -196,8 +176,6 @@ class TrainConfig:
             raise ConfigError(f"gamma must be a positive finite number, got {self.gamma!r}")
         if self.max_steps is None and not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ConfigError(f"epochs must be > 0 (or give max_steps), got {self.epochs!r}")
-        if not 0.0 <= self.validation_fraction < 1.0:
-            raise ConfigError(f"validation_fraction must be in [0, 1), got {self.validation_fraction!r}")
         from dflash.trackers import TRACKERS
 
         self.report_to = [] if list(self.report_to) == ["none"] else [str(name) for name in self.report_to]
@@ -223,14 +201,13 @@ class TrainConfig:
             or self.min_supervised_tokens < 0
         ):
             raise ConfigError(f"min_supervised_tokens must be an integer >= 0 or None, got {self.min_supervised_tokens!r}")
-        if self.compile and self.anchor_slots is None and self.max_documents_per_batch is None:
+        if self.compile and self.anchor_slots is None and self.data.max_documents_per_batch is None:
             raise ConfigError(
-                "anchor_slots: --compile needs a fixed anchor count; give anchor_slots, or max_documents_per_batch "
-                "(anchor_slots then defaults to max_anchors_per_document x max_documents_per_batch)"
+                "anchor_slots: --compile needs a fixed anchor count; give anchor_slots, or data.max_documents_per_batch "
+                "(anchor_slots then defaults to max_anchors_per_document x data.max_documents_per_batch)"
             )
         if self.eval_every is None:
             self.eval_every = self.save_every
-        self.optim_config()  # validates lr, betas, eps, weight_decay, warmup_ratio, min_lr_ratio, grad_clip
         from dflash.drafter import CE_KERNELS, attention_backend, ce_kernel
         from dflash.drafter.attention_kernels import ATTENTION_BACKENDS
 
@@ -255,20 +232,14 @@ class TrainConfig:
         if self.ce_kernel is not None:
             set_ce_kernel(self.ce_kernel)
 
-    def optim_config(self) -> OptimConfig:
-        return OptimConfig(
-            lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
-            warmup_ratio=self.warmup_ratio, min_lr_ratio=self.min_lr_ratio, grad_clip=self.grad_clip,
-        )
-
     def resolved_anchor_slots(self) -> int | None:
         """Fixed anchors per micro-batch with ``compile``; None on the dynamic (eager) path."""
         if not self.compile:
             return None
         if self.anchor_slots is not None:
             return self.anchor_slots
-        assert self.max_documents_per_batch is not None
-        return min(self.token_budget, self.max_anchors_per_document * self.max_documents_per_batch)
+        assert self.data.max_documents_per_batch is not None
+        return min(self.data.token_budget, self.max_anchors_per_document * self.data.max_documents_per_batch)
 
     def resolved_min_supervised_tokens(self) -> int:
         """Samples with fewer supervised tokens are excluded: ``min_supervised_tokens``, default ``2 * block_size``."""
@@ -285,12 +256,22 @@ class TrainConfig:
         return len(self.drafter_gpus) if self.drafter_gpus else self.drafter_processes
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["betas"] = list(self.betas)
-        return data
+        """The config as JSON-ready nested dicts (``{"optim": {"lr": ...}, ...}``), which :meth:`from_dict` reads."""
+
+        def plain(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {key: plain(item) for key, item in value.items()}
+            return list(value) if isinstance(value, tuple) else value
+
+        return plain(asdict(self))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Build from :meth:`to_dict`'s form; the flat keys of runs saved before the nesting (``lr`` for
+        ``optim.lr``, ``dflash.config_check.MOVED_KEYS``) are read at their new paths."""
+        from dflash.config_check import migrate_renamed
+
+        data = migrate_renamed("train", data, saved=True)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -305,21 +286,76 @@ class TrainConfig:
 
     @classmethod
     def field_types(cls) -> dict[str, str]:
-        """Field name -> annotation string (for ``sweep --grid name=v1,v2`` parsing)."""
-        return {f.name: str(f.type) for f in fields(cls)}
+        """Dotted field path -> annotation string, nested configs' leaves included (``optim.lr``), for ``sweep
+        --grid name=v1,v2`` parsing."""
+        import typing
+
+        def walk(klass: type, prefix: str) -> dict[str, str]:
+            hints = typing.get_type_hints(klass)
+            types: dict[str, str] = {}
+            for f in fields(klass):
+                hint = hints.get(f.name, f.type)
+                if isinstance(hint, type) and is_dataclass(hint):
+                    types.update(walk(hint, f"{prefix}{f.name}."))
+                else:
+                    types[f"{prefix}{f.name}"] = str(f.type)
+            return types
+
+        return walk(cls, "")
 
 
-#: Fields that never change what is computed: a resume may change them freely.
+#: The train stage's loader defaults: :class:`LoaderConfig`'s, with 1% of the rows held out for validation.
+_TRAIN_DATA_DEFAULTS = LoaderConfig(validation_fraction=0.01)
+
+
+def _nested_config(default: Any, value: Any, name: str) -> Any:
+    """``value`` as a config of ``default``'s class (a nested config given as a dict: a file section, a saved run),
+    checked field by field; the fields it leaves out keep ``default``'s values (the train stage's, which may differ
+    from the class's: ``data.validation_fraction``).
+
+    Raises:
+        ConfigError: ``NAME.KEY: unknown key`` or the nested config's own refusal, prefixed by ``NAME.``.
+    """
+    cls = type(default)
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be an object of {cls.__name__} fields, got {value!r}")
+    known = {f.name for f in fields(cls) if f.init}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"{name}.{unknown[0]}: unknown key; known: {', '.join(sorted(known))}")
+    try:
+        return dataclasses.replace(default, **value)
+    except ConfigError as error:
+        raise ConfigError(f"{name}.{error}") from None
+
+
+#: Fields that never change what is computed: a resume may change them freely (a nested config's field by its
+#: dotted path, ``data.prefetch_batches``).
 RUNTIME_FIELDS = frozenset({
     "cache", "output", "target", "resume", "allow_config_change", "break_lock", "allow_incomplete", "device", "drafter_gpus", "drafter_processes",
     "stop_at_step", "save_every", "keep_last", "eval_every", "log_every", "throughput_window", "progress",
-    "prefetch_batches", "max_validation_batches", "report_to", "attention_backend", "ce_kernel",
+    "data.prefetch_batches", "max_validation_batches", "report_to", "attention_backend", "ce_kernel",
 })  # fmt: skip
 
 
 #: Fields added after runs already existed whose absence in a saved config means something other than today's
 #: default (runs saved before ``residual_dtype`` existed kept the residual stream in float32).
 ABSENT_IN_OLD_RUNS = {"residual_dtype": "float32"}
+
+
+def _default_leaves() -> dict[str, Any]:
+    """Dotted path -> default of every field with one (nested configs' leaves: ``optim.lr``, from the default
+    instance the field makes: ``data.validation_fraction`` is train's 0.01, not the loader's 0.0)."""
+    from dflash.config_check import MISSING_DEFAULT, field_default, leaf_paths
+
+    values: dict[str, Any] = {}
+    for f in fields(TrainConfig):
+        default = field_default(f)
+        if default is not MISSING_DEFAULT:
+            values[f.name] = asdict(default) if is_dataclass(default) else default
+    return leaf_paths(values)
 
 
 def trajectory_changes(saved: dict[str, Any], current: dict[str, Any], *, saved_world_size: int, world_size: int) -> list[str]:
@@ -332,10 +368,11 @@ def trajectory_changes(saved: dict[str, Any], current: dict[str, Any], *, saved_
 
     # A field missing from an older checkpoint had its default then (fields are only ever added with defaults),
     # except where ABSENT_IN_OLD_RUNS says otherwise.
-    defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
-    from dflash.config_check import migrate_renamed
+    from dflash.config_check import leaf_paths, migrate_renamed
 
-    saved = {**ABSENT_IN_OLD_RUNS, **migrate_renamed("train", saved)}
+    defaults = _default_leaves()
+    saved = leaf_paths({**ABSENT_IN_OLD_RUNS, **migrate_renamed("train", saved, saved=True)})
+    current = leaf_paths(migrate_renamed("train", current, saved=True))
     changes = []
     for name in sorted(set(saved) | set(current)):
         if name in RUNTIME_FIELDS or name == "grad_accum_steps":
@@ -523,8 +560,15 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
         ConfigError: an unknown key, a wrong type or a refused value, named with its source; --resume of a folder
             that holds no run.
     """
-    from dflash.config_check import check_fields, migrate_renamed, read_config_file
-    from stages.stage_config import parse_sets, section_of, without_key
+    from dflash.config_check import (
+        MOVED_KEYS,
+        check_fields,
+        deep_merge,
+        leaf_paths,
+        migrate_renamed,
+        read_config_file,
+    )
+    from stages.stage_config import nested, parse_sets, section_of, without_key
 
     known = {f.name for f in fields(TrainConfig)}
     base: dict[str, Any] = {}
@@ -534,15 +578,19 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
 
         base = section_of(load_preset(preset), "train", known, f"preset {preset}")
         check_fields(TrainConfig, base, section="train", source=lambda key: f"preset {preset}")
-        origin.update({key: f"preset {preset}" for key in base})
+        origin.update({key: f"preset {preset}" for key in leaf_paths(base)})
     if config_file is not None:
         from_file = section_of(read_config_file(config_file), "train", known, f"--config {config_file}")
         check_fields(TrainConfig, from_file, section="train", source=lambda key: f"--config {config_file}")
-        base = {**base, **from_file}
-        origin.update({key: f"--config {config_file}" for key in from_file})
+        base = deep_merge(base, from_file)
+        origin.update({key: f"--config {config_file}" for key in leaf_paths(from_file)})
     parsed_sets = parse_sets(sets, "train")
     for key, value, source in parsed_sets:
-        check_fields(TrainConfig, {key: value}, section="train", source=lambda _key, s=source: s)
+        check_fields(TrainConfig, nested(key, value), section="train", source=lambda _key, s=source: s)
+    given: dict[str, Any] = {}  # the options given, at their field paths (``lr`` -> ``optim.lr``)
+    for key, value in overrides.items():
+        if value is not None:  # a caller's flat key (code, not a user file) at its nested path, without a warning
+            given = deep_merge(given, nested(MOVED_KEYS["train"].get(key, key), value))
     output = overrides.get("output") or base.get("output")
     run_json = Path(output) / "run.json" if output else None
     if overrides.get("resume") and run_json is not None and not run_json.is_file() and not overrides.get("cache") \
@@ -556,19 +604,22 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
             saved = json.loads(run_json.read_text())["config"]
             if not isinstance(saved, dict):
                 raise TypeError("config is not an object")
-            saved = migrate_renamed("train", saved, str(run_json))  # a run saved before a setting was renamed
+            # A run saved before a setting was renamed or moved into a nested config (flat ``lr``): read as today's.
+            saved = migrate_renamed("train", saved, str(run_json), saved=True)
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
             raise ConfigError(f"--resume: {run_json} is not a readable run record ({error}); it is damaged: restore "
                               "it, or start a new run in another --output") from None
-        origin.update({key: f"the saved run {run_json}" for key in saved if key not in origin})
+        origin.update({key: f"the saved run {run_json}" for key in leaf_paths(saved) if key not in origin})
         for one_off in ("stop_at_step", "allow_config_change", "break_lock"):  # they applied to the earlier invocation only
             saved.pop(one_off, None)
-        base = {**ABSENT_IN_OLD_RUNS, **saved, **base}
-    merged = {**base, **{k: v for k, v in overrides.items() if v is not None},
-              **{key: value for key, value, _ in parsed_sets}}  # fmt: skip
+        base = deep_merge({**ABSENT_IN_OLD_RUNS, **saved}, base)
+    merged = deep_merge(base, given)
+    for key, value, _ in parsed_sets:
+        merged = deep_merge(merged, nested(key, value))
     merged.setdefault("resume", False)
     sized = _size_defaults_for_cpu(merged)
-    origin.update({key: "--" + key.replace("_", "-") for key, value in overrides.items() if value is not None})
+    origin.update({key: OPTION_SPELLINGS.get(key, "--" + key.rsplit(".", 1)[-1].replace("_", "-"))
+                   for key in leaf_paths(given)})
     origin.update({key: source for key, _, source in parsed_sets})
     try:
         config = TrainConfig.from_dict(merged)
@@ -588,7 +639,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
 #: (16,384-token micro-batches, 512 anchors per document) make a step of the dense-mask CPU path need tens of GB
 #: (the attention mask and scores grow with (anchors x block size) x (tokens + anchors x block size)), which a CPU
 #: host runs out of minutes later; these are the cpu-small preset's.
-CPU_SIZED_DEFAULTS = {"token_budget": 1024, "max_anchors_per_document": 32}
+CPU_SIZED_DEFAULTS = {"data.token_budget": 1024, "max_anchors_per_document": 32}
 
 
 def _size_defaults_for_cpu(merged: dict[str, Any]) -> dict[str, Any]:
@@ -603,8 +654,12 @@ def _size_defaults_for_cpu(merged: dict[str, Any]) -> dict[str, Any]:
 
         if torch.cuda.is_available():
             return {}
-    sized = {key: value for key, value in CPU_SIZED_DEFAULTS.items() if key not in merged}
-    merged.update(sized)
+    from dflash.config_check import get_path, set_path
+
+    absent = object()
+    sized = {path: value for path, value in CPU_SIZED_DEFAULTS.items() if get_path(merged, path, absent) is absent}
+    for path, value in sized.items():
+        set_path(merged, path, value)
     return sized
 
 
@@ -633,12 +688,24 @@ def exit_if_interrupted(summary: dict[str, Any], config: TrainConfig, command: s
     raise typer.Exit(ExitCode.INTERRUPTED)
 
 
+#: ``train`` option parameter -> the :class:`TrainConfig` field (dotted path) it sets, where the names differ.
+OPTION_FIELDS = {
+    "max_anchors": "max_anchors_per_document", "compile_layers": "compile",
+    "lr": "optim.lr", "betas": "optim.betas", "weight_decay": "optim.weight_decay",
+    "warmup_ratio": "optim.warmup_ratio", "grad_clip": "optim.grad_clip", "token_budget": "data.token_budget",
+    "num_buckets": "data.num_buckets", "bucket_boundaries": "data.boundaries",
+    "validation_fraction": "data.validation_fraction", "max_documents": "data.max_documents_per_batch",
+}  # fmt: skip
+
+#: Field path -> its option's spelling, where it is not ``--`` + the last part (for messages naming the source).
+OPTION_SPELLINGS = {"data.boundaries": "--bucket-boundaries"}
+
+
 def _shown(name: str) -> str:
     """``--help``'s ``[default: ...]`` of a train option: its :class:`TrainConfig` field's default (options default
-    to ``None`` so that a saved run, preset or file fills what the command line leaves out)."""
-    from dflash.config_check import field_default
-
-    default = field_default(next(f for f in fields(TrainConfig) if f.name == name))
+    to ``None`` so that a saved run, preset or file fills what the command line leaves out). ``name``: the field's
+    dotted path (``optim.lr``)."""
+    default = _default_leaves()[name]
     if isinstance(default, bool):
         return str(default).lower()
     if isinstance(default, (list, tuple)):
@@ -666,19 +733,19 @@ def register(app: typer.Typer) -> None:
         target_layer_ids: str = typer.Option(None, "--target-layer-ids", help="Tapped ids; must equal the cache's."),
         gamma: float = typer.Option(None, "--gamma", help="Loss decay (default by block size)."),
         max_anchors: int = typer.Option(None, "--max-anchors-per-document", show_default=_shown("max_anchors_per_document"), help=f"Anchors per document (on a CPU host, when nothing sets it: {CPU_SIZED_DEFAULTS['max_anchors_per_document']})."),
-        token_budget: int = typer.Option(None, "--token-budget", show_default=_shown("token_budget"), help=f"Real tokens per micro-batch per rank (on a CPU host, when nothing sets it: {CPU_SIZED_DEFAULTS['token_budget']})."),
-        num_buckets: int = typer.Option(None, "--num-buckets", show_default=_shown("num_buckets"), help="Length buckets from quantiles."),
+        token_budget: int = typer.Option(None, "--token-budget", show_default=_shown("data.token_budget"), help=f"Real tokens per micro-batch per rank (on a CPU host, when nothing sets it: {CPU_SIZED_DEFAULTS['data.token_budget']})."),
+        num_buckets: int = typer.Option(None, "--num-buckets", show_default=_shown("data.num_buckets"), help="Length buckets from quantiles."),
         bucket_boundaries: str = typer.Option(None, "--bucket-boundaries", help="Bucket edges, e.g. 256,1024."),
-        validation_fraction: float = typer.Option(None, "--validation-fraction", show_default=_shown("validation_fraction"), help="Held-out rows."),
+        validation_fraction: float = typer.Option(None, "--validation-fraction", show_default=_shown("data.validation_fraction"), help="Held-out rows."),
         epochs: float = typer.Option(None, "--epochs", show_default=_shown("epochs"), help="Epochs."),
         max_steps: int = typer.Option(None, "--max-steps", help="Optimizer steps (overrides --epochs)."),
         stop_at_step: int = typer.Option(None, "--stop-at-step", help="Stop early with a checkpoint."),
         grad_accum_steps: int = typer.Option(None, "--grad-accum-steps", show_default=_shown("grad_accum_steps"), help="Micro-batches per step."),
-        lr: float = typer.Option(None, "--lr", show_default=_shown("lr"), help="Peak learning rate."),
-        betas: str = typer.Option(None, "--betas", show_default=_shown("betas"), help="AdamW betas, e.g. 0.9,0.999."),
-        weight_decay: float = typer.Option(None, "--weight-decay", show_default=_shown("weight_decay"), help="AdamW weight decay."),
-        warmup_ratio: float = typer.Option(None, "--warmup-ratio", show_default=_shown("warmup_ratio"), help="Warmup share."),
-        grad_clip: float = typer.Option(None, "--grad-clip", show_default=_shown("grad_clip"), help="Clip norm (0 = off)."),
+        lr: float = typer.Option(None, "--lr", show_default=_shown("optim.lr"), help="Peak learning rate."),
+        betas: str = typer.Option(None, "--betas", show_default=_shown("optim.betas"), help="AdamW betas, e.g. 0.9,0.999."),
+        weight_decay: float = typer.Option(None, "--weight-decay", show_default=_shown("optim.weight_decay"), help="AdamW weight decay."),
+        warmup_ratio: float = typer.Option(None, "--warmup-ratio", show_default=_shown("optim.warmup_ratio"), help="Warmup share."),
+        grad_clip: float = typer.Option(None, "--grad-clip", show_default=_shown("optim.grad_clip"), help="Clip norm (0 = off)."),
         seed: int = typer.Option(None, "--seed", show_default=_shown("seed"), help="Seed."),
         mixed_precision: str = typer.Option(None, "--mixed-precision", show_default=_shown("mixed_precision"), help="bf16 | none (GPU only)."),
         residual_dtype: str = typer.Option(
@@ -695,7 +762,7 @@ def register(app: typer.Typer) -> None:
                  "$DFLASH_CE_KERNEL, else auto). A resume may change it.",
         ),
         anchor_slots: int = typer.Option(None, "--anchor-slots", help="Anchors per micro-batch with --compile."),
-        max_documents: int = typer.Option(None, "--max-documents-per-batch", show_default=_shown("max_documents_per_batch"), help="Documents per micro-batch cap."),
+        max_documents: int = typer.Option(None, "--max-documents-per-batch", show_default=_shown("data.max_documents_per_batch"), help="Documents per micro-batch cap."),
         min_supervised_tokens: int = typer.Option(
             None, "--min-supervised-tokens",
             help="Exclude (and count) samples with fewer supervised tokens (default 2 x block size; 0 keeps all).",
@@ -736,13 +803,13 @@ def register(app: typer.Typer) -> None:
             "drafter_gpus": _csv_ints(drafter_gpus), "drafter_processes": drafter_processes, "device": device,
             "num_draft_layers": num_draft_layers, "block_size": block_size, "mask_token_id": mask_token_id,
             "target_layer_ids": _csv_ints(target_layer_ids), "gamma": gamma, "max_anchors_per_document": max_anchors,
-            "token_budget": token_budget, "num_buckets": num_buckets, "bucket_boundaries": _csv_ints(bucket_boundaries),
-            "validation_fraction": validation_fraction, "epochs": epochs, "max_steps": max_steps,
-            "stop_at_step": stop_at_step, "grad_accum_steps": grad_accum_steps, "lr": lr,
-            "betas": [float(b) for b in betas.split(",")] if betas else None, "weight_decay": weight_decay,
-            "warmup_ratio": warmup_ratio, "grad_clip": grad_clip, "seed": seed, "mixed_precision": mixed_precision,
+            "data.token_budget": token_budget, "data.num_buckets": num_buckets,
+            "data.boundaries": _csv_ints(bucket_boundaries), "data.validation_fraction": validation_fraction, "epochs": epochs, "max_steps": max_steps,
+            "stop_at_step": stop_at_step, "grad_accum_steps": grad_accum_steps, "optim.lr": lr,
+            "optim.betas": [float(b) for b in betas.split(",")] if betas else None, "optim.weight_decay": weight_decay,
+            "optim.warmup_ratio": warmup_ratio, "optim.grad_clip": grad_clip, "seed": seed, "mixed_precision": mixed_precision,
             "residual_dtype": residual_dtype, "compile": compile_layers, "anchor_slots": anchor_slots,
-            "max_documents_per_batch": max_documents,
+            "data.max_documents_per_batch": max_documents,
             "min_supervised_tokens": min_supervised_tokens,
             "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "log_every": log_every,
             "allow_config_change": allow_config_change, "break_lock": break_lock, "allow_incomplete": allow_incomplete, "progress": progress,
@@ -751,7 +818,7 @@ def register(app: typer.Typer) -> None:
         }  # fmt: skip
         config = config_from_cli(overrides, config_file, preset=preset, sets=sets, announce=not print_config)
         if print_config:
-            print(json.dumps(config.to_dict(), indent=2))
+            print(json.dumps({"train": config.to_dict()}, indent=2))
             return
         summary = run_training(config)
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank runs this command

@@ -25,7 +25,7 @@ import logging
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -179,16 +179,10 @@ def loader_placement(rank: int, world_size: int, device: torch.device) -> dict[s
 def stream_config(config: TrainConfig, split: str, device: torch.device) -> StreamConfig:
     """The :class:`StreamConfig` of ``split`` (``"train"``: shuffled; ``"validation"``: fixed order) for a run."""
     return StreamConfig(
-        token_budget=config.token_budget,
-        boundaries=tuple(config.bucket_boundaries) if config.bucket_boundaries else None,
-        num_buckets=config.num_buckets,
+        **asdict(config.data),  # the run's LoaderConfig: budget, buckets, split fraction, read-ahead
         seed=config.seed,
         shuffle=split == "train",
         split=split,  # type: ignore[arg-type]
-        validation_fraction=config.validation_fraction,
-        prefetch_batches=config.prefetch_batches,
-        shard_window=config.shard_window,
-        max_documents_per_batch=config.max_documents_per_batch,
         min_supervised_tokens=config.resolved_min_supervised_tokens(),
         pad_to_budget=config.compile,  # fixed shapes: one compiled graph for every step
         pin_memory=device.type == "cuda",
@@ -220,7 +214,7 @@ def open_cache_data(config: TrainConfig, *, rank: int = 0, world_size: int = 1,
     placement = loader_placement(rank, world_size, device)
     train = StreamingLoader(reader, stream_config(config, "train", device), **placement)
     validation = None
-    if config.validation_fraction > 0:
+    if config.data.validation_fraction > 0:
         try:
             validation = StreamingLoader(reader, stream_config(config, "validation", device), **placement)
         except ConfigError as error:  # e.g. a tiny cache where 1% of the rows is no row at all
@@ -291,13 +285,13 @@ class Trainer:
         """Train until ``total_steps`` (or ``stop_at_step``); returns a summary (final metrics, run folder)."""
         self.load()
         config = self.config
-        if self.device.type == "cpu" and self.is_main and config.token_budget * config.max_anchors_per_document > 2**20:
+        if self.device.type == "cpu" and self.is_main and config.data.token_budget * config.max_anchors_per_document > 2**20:
             # GPU-sized defaults (16384-token batches, 512 anchors per document) take minutes per step on a CPU.
             # Said after load(): a wrong --cache fails first with its own error, not after this warning.
             log.warning(
                 "training on CPU with token budget %d and %d anchors per document: expect minutes per step; "
                 "for CPU runs use e.g. --token-budget 1024 --max-anchors-per-document 32 (the cpu-small preset)",
-                config.token_budget, config.max_anchors_per_document,
+                config.data.token_budget, config.max_anchors_per_document,
             )
         last_eval: dict[str, float] = {}
         self.throughput.reset_clock()  # setup time is not training throughput
@@ -417,8 +411,8 @@ class Trainer:
         self.total_steps = config.max_steps or max(1, math.ceil(config.epochs * micro_per_epoch / config.grad_accum_steps))
         # Window of the realized bucket shares: one entry per bucket per step, over the throughput window.
         self.buckets = BucketCounter(window=config.throughput_window * self.train_loader.num_buckets)
-        self.optimizer = build_optimizer(self.drafter.parameters(), config.optim_config())
-        self.scheduler = build_scheduler(self.optimizer, config.optim_config(), total_steps=self.total_steps)
+        self.optimizer = build_optimizer(self.drafter.parameters(), config.optim)
+        self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps=self.total_steps)
         if resume_from is not None:
             self._restore(resume_from)
 
@@ -562,10 +556,10 @@ class Trainer:
         leaves it as it is."""
         planned = self.scheduler.lr_lambdas[0].end_step
         saved_peak = float(self.scheduler.base_lrs[0])
-        if self.config.lr != saved_peak and self.is_main:
+        if self.config.optim.lr != saved_peak and self.is_main:
             log.warning("lr %.3g ignored on resume: the restored schedule keeps the run's peak lr %.3g",
-                        self.config.lr, saved_peak)
-        if extend_schedule(self.scheduler, self.config.optim_config(), total_steps=self.total_steps) is not None:
+                        self.config.optim.lr, saved_peak)
+        if extend_schedule(self.scheduler, self.config.optim, total_steps=self.total_steps) is not None:
             segment = schedule_segments(self.scheduler)[-1]
             if self.is_main:
                 log.info(
@@ -678,7 +672,7 @@ class Trainer:
         # grad = (1/W) sum_ranks d ce_r (DDP averages) -> x W / global weight sum = d (sum_ranks ce_r / weight sum)
         scale = torch.where(weight_total > 0, self.world_size / weight_total.clamp(min=1e-12), 0.0)
         torch._foreach_mul_([p.grad for p in parameters], scale.to(torch.float32))
-        grad_norm = float(clip_grad_norm(parameters, self.config.grad_clip))
+        grad_norm = float(clip_grad_norm(parameters, self.config.optim.grad_clip))
         flat = sums.tolist()  # the step's one host sync
         positions, num_buckets = self.drafter_config.block_size - 1, self.train_loader.num_buckets
         values: dict[str, Any] = dict(zip(self._SCALARS, flat, strict=False))
@@ -876,7 +870,7 @@ class Trainer:
         console = Console(stderr=True)
         config = self.config
         self.resolved["convention_warnings"] = convention_warnings(
-            block_size=self.drafter_config.block_size, gamma=config.resolved_gamma(), betas=config.betas,
+            block_size=self.drafter_config.block_size, gamma=config.resolved_gamma(), betas=config.optim.betas,
             max_anchors_per_document=config.max_anchors_per_document,
             longest_sample=max((row.max_length for row in rows), default=None),
         )

@@ -25,9 +25,6 @@ CONFIGS = {
 }
 #: Options whose text form the command parses into the field's type.
 PARSED = {("generate", "template_kwargs"): json.loads, ("sweep", "grid"): parse_grid}
-#: train option parameter -> TrainConfig field, where the names differ.
-TRAIN_NAMES = {"max_anchors": "max_anchors_per_document", "max_documents": "max_documents_per_batch",
-               "compile_layers": "compile"}
 
 
 def _field_default(field: dataclasses.Field):
@@ -41,7 +38,7 @@ def _field_default(field: dataclasses.Field):
 def test_options_default_to_their_fields_defaults(command):
     import importlib
 
-    from stages.train import _shown
+    from stages.train import OPTION_FIELDS, _default_leaves, _shown
 
     _register_all()
     module, name = CONFIGS[command]
@@ -49,10 +46,16 @@ def test_options_default_to_their_fields_defaults(command):
     params = typer.main.get_command(app).commands[command].params
     checked = 0
     for param in params:
-        field_name = TRAIN_NAMES.get(param.name, param.name) if command == "train" else param.name
-        if field_name not in fields:
-            continue
-        default = _field_default(fields[field_name])
+        if command == "train":  # an option of a nested config's field (--lr: optim.lr) by its dotted path
+            field_name = OPTION_FIELDS.get(param.name, param.name)
+            if field_name not in _default_leaves():
+                continue
+            default = _default_leaves()[field_name]
+        else:
+            field_name = param.name
+            if field_name not in fields:
+                continue
+            default = _field_default(fields[field_name])
         if command == "train":  # None on the command line; the field's default shown in --help
             assert param.default is None, param.name
             if default is not None:
@@ -85,13 +88,10 @@ def test_the_configuration_reference_is_generated_from_the_declarations():
     ``python -m stages.config_reference`` writes it from the config dataclasses."""
     from pathlib import Path
 
-    from stages.config_reference import STAGE_CONFIGS, field_descriptions, reference_markdown
+    from stages.config_reference import field_descriptions, reference_markdown, sections
 
     page = Path(__file__).resolve().parents[1] / "docs" / "config-reference.md"
     assert page.read_text() == reference_markdown(), "regenerate: python -m stages.config_reference > docs/config-reference.md"
-    import importlib
-
-    for section, (module, name) in STAGE_CONFIGS.items():  # every field is described in its declaration
-        cls = getattr(importlib.import_module(module), name)
+    for section, cls, _ in sections():  # every field is described in its declaration, nested configs' too
         undescribed = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in field_descriptions(cls)]
         assert not undescribed, (section, undescribed)

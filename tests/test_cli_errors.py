@@ -302,12 +302,12 @@ def test_os_errors_the_user_must_fix_are_one_line_exit_2(monkeypatch, capsys, co
 
 
 @pytest.mark.parametrize(("text", "suffix", "message"), [
-    ('lr = "fast"\n', ".toml", "train.lr (--config {path}): expected float, got 'fast'"),
+    ('[optim]\nlr = "fast"\n', ".toml", "train.optim.lr (--config {path}): expected float, got 'fast'"),
     ("lr = = 3\n", ".toml", "--config {path}: invalid TOML (Invalid value (at line 1, column 6))"),
-    ('{"lrr": 3}', ".json", "train.lrr (--config {path}): unknown key; did you mean train.lr?"),
+    ('{"lrr": 3}', ".json", "train.lrr (--config {path}): unknown key; did you mean train.optim.lr?"),
     ('{"lr": 3,}', ".json", "--config {path}: invalid JSON at line 1 column 10"),
     ("lr: [3\n", ".yaml", "--config {path}: invalid YAML at line 2 column 1 (expected ',' or ']'"),
-    ("lr: fast\n", ".yml", "train.lr (--config {path}): expected float, got 'fast'"),
+    ("optim:\n  lr: fast\n", ".yml", "train.optim.lr (--config {path}): expected float, got 'fast'"),
     ('!!python/object/apply:os.system ["touch {path}.pwned"]\n', ".yaml",
      "--config {path}: invalid YAML at line 1 column 1 (could not determine a constructor"),  # never code
     ("lr = 3\n", ".ini", "--config {path}: expected a .toml, .yaml or .json file, got '.ini'"),
@@ -328,8 +328,8 @@ def test_train_config_file_errors_name_the_key_or_position_and_the_file(tmp_path
 
 
 @pytest.mark.parametrize(("name", "text"), [
-    ("train.toml", 'lr = 3e-4\nblock_size = 8\nbetas = [0.9, 0.95]\ntarget_layer_ids = [1, 2]\n'),
-    ("train.yaml", "lr: 3e-4\nblock_size: 8\nbetas: [0.9, 0.95]\ntarget_layer_ids: [1, 2]\n"),  # 3e-4: a float
+    ("train.toml", 'block_size = 8\ntarget_layer_ids = [1, 2]\n[optim]\nlr = 3e-4\nbetas = [0.9, 0.95]\n'),
+    ("train.yaml", "optim:\n  lr: 3e-4\n  betas: [0.9, 0.95]\nblock_size: 8\ntarget_layer_ids: [1, 2]\n"),  # 3e-4: a float
 ])
 def test_a_toml_or_yaml_train_config_is_read(tmp_path, name, text):
     from stages.train import config_from_cli
@@ -337,7 +337,8 @@ def test_a_toml_or_yaml_train_config_is_read(tmp_path, name, text):
     path = tmp_path / name
     path.write_text(text)
     config = config_from_cli({"cache": "c", "output": "o"}, path)
-    assert (config.lr, config.block_size, tuple(config.betas), config.target_layer_ids) == (3e-4, 8, (0.9, 0.95), [1, 2])
+    assert (config.optim.lr, config.block_size, config.optim.betas, config.target_layer_ids) == \
+        (3e-4, 8, (0.9, 0.95), [1, 2])
 
 
 def test_version_prints_the_package_and_library_versions():
@@ -365,13 +366,15 @@ def test_train_print_config_round_trips_through_config(tmp_path):
                                      "--block-size", "8", "--betas", "0.9,0.95", "--print-config"])
     assert first.exit_code == 0, first.output
     printed = json.loads(first.output)
-    assert (printed["lr"], printed["block_size"], printed["betas"]) == (3e-4, 8, [0.9, 0.95])
+    assert list(printed) == ["train"]  # {"train": {...}}, as every stage prints
+    train = printed["train"]
+    assert (train["optim"]["lr"], train["block_size"], train["optim"]["betas"]) == (3e-4, 8, [0.9, 0.95])
     (tmp_path / "resolved.json").write_text(first.output)
     again = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "resolved.json"), "--print-config"])
     assert again.exit_code == 0 and json.loads(again.output) == printed
     changed = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "resolved.json"), "--lr", "1e-3",
                                        "--print-config"])
-    assert json.loads(changed.output) == {**printed, "lr": 1e-3}
+    assert json.loads(changed.output) == {"train": {**train, "optim": {**train["optim"], "lr": 1e-3}}}
     assert not run.exists()
 
 

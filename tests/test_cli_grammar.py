@@ -63,14 +63,14 @@ def test_dtype_names_are_accepted_in_either_spelling_and_stored_in_one(tmp_path,
         (["extract", "--corpus", "c", "-o", str(tmp_path / "o"), "--set", "extract.storage_dtype=float8_e4m3fn"],
          "extract", "storage_dtype", "fp8"),
         (["evaluate", "--drafter", "d", "--prompts", "p.jsonl", "--dtype", "bf16"], "evaluate", "dtype", "bfloat16"),
-        (["train", "--cache", "c", "-o", str(tmp_path / "o"), "--mixed-precision", "bfloat16"], None,
+        (["train", "--cache", "c", "-o", str(tmp_path / "o"), "--mixed-precision", "bfloat16"], "train",
          "mixed_precision", "bf16"),
     ]
     for args, section, field, stored in cases:
         code, out, err = main_in_process_out(monkeypatch, capsys, *args, "--print-config")
         assert code == 0, (args, err)
         printed = json.loads(out)
-        assert (printed[section] if section else printed)[field] == stored, args
+        assert printed[section][field] == stored, args
     code, err = main_in_process(monkeypatch, capsys, "evaluate", "--drafter", "d", "--prompts", "p.jsonl",
                                 "--dtype", "bf17")
     assert code == 2 and "evaluate.dtype (--dtype)" in err
@@ -137,7 +137,7 @@ def test_old_placement_spellings_still_work_with_one_deprecation_warning(tmp_pat
     code, out, err = main_in_process_out(monkeypatch, capsys, "train", "--cache", str(tmp_path / "cache"), "-o",
                                          str(tmp_path / "r"), "--cpu-processes", "2", "--print-config")
     assert code == 0, err
-    assert json.loads(out)["drafter_processes"] == 2 and "use --drafter-processes" in err
+    assert json.loads(out)["train"]["drafter_processes"] == 2 and "use --drafter-processes" in err
     # The old config keys too: in --set, in a config file (a run.json of an older version), in a preset.
     code, out, err = main_in_process_out(monkeypatch, capsys, *extract, "--set", "extract.workers=4")
     assert code == 0 and json.loads(out)["extract"]["target_processes"] == 4, err
@@ -146,7 +146,7 @@ def test_old_placement_spellings_still_work_with_one_deprecation_warning(tmp_pat
                                               "cpu_processes": 3}}))
     code, out, err = main_in_process_out(monkeypatch, capsys, "train", "--config", str(old_run), "--print-config")
     assert code == 0, err
-    assert json.loads(out)["drafter_processes"] == 3 and "cpu_processes" not in json.loads(out)
+    assert json.loads(out)["train"]["drafter_processes"] == 3 and "cpu_processes" not in json.loads(out)["train"]
 
 
 def test_an_old_run_json_with_renamed_keys_compares_equal_on_resume():
@@ -171,16 +171,17 @@ def test_kernel_environment_variables_are_also_train_config_fields(tmp_path, mon
     code, out, err = main_in_process_out(monkeypatch, capsys, *base, "--attention-backend", "TRITON", "--set",
                                          "train.ce_kernel=eager")
     assert code == 0, err
-    assert (json.loads(out)["attention_backend"], json.loads(out)["ce_kernel"]) == ("triton", "eager")
+    assert (json.loads(out)["train"]["attention_backend"], json.loads(out)["train"]["ce_kernel"]) == ("triton", "eager")
     code, out, err = main_in_process_out(monkeypatch, capsys, *base)
-    assert code == 0 and (json.loads(out)["attention_backend"], json.loads(out)["ce_kernel"]) == (None, None), err
+    assert code == 0 and (json.loads(out)["train"]["attention_backend"], json.loads(out)["train"]["ce_kernel"]) == \
+        (None, None), err
     code, _, err = main_in_process_out(monkeypatch, capsys, *base, "--ce-kernel", "fast")
     assert code == 2 and err.startswith("error: train.ce_kernel (--ce-kernel): must be one of auto,"), err
     monkeypatch.setenv(CE_KERNEL_ENV, "fast")
     code, _, err = main_in_process_out(monkeypatch, capsys, *base)
     assert code == 2 and "DFLASH_CE_KERNEL='fast' is not one of" in err, err
     code, out, err = main_in_process_out(monkeypatch, capsys, *base, "--ce-kernel", "inductor")  # the field wins
-    assert code == 0 and json.loads(out)["ce_kernel"] == "inductor", err
+    assert code == 0 and json.loads(out)["train"]["ce_kernel"] == "inductor", err
     monkeypatch.delenv(CE_KERNEL_ENV)
 
     previous = attention_kernels.attention_backend()
@@ -230,7 +231,7 @@ def test_refusals_name_the_key_once(tmp_path, monkeypatch, capsys):
                                          "distinct GPU ids >= 0, got [0, 0]"), err
     code, err = main_in_process(monkeypatch, capsys, "train", "--cache", "c", "-o", str(tmp_path / "r"), "--lr", "-1",
                                 "--print-config")
-    assert code == 2 and err.startswith("error: train.lr (--lr): must be"), err
+    assert code == 2 and err.startswith("error: train.optim.lr (--lr): must be"), err
 
 
 def test_a_higher_layer_replaces_the_placement_a_lower_one_chose(tmp_path, monkeypatch, capsys):

@@ -193,7 +193,7 @@ def test_scan_of_no_artefact_is_a_usage_error(tmp_path):
 def test_diff_lists_exactly_the_batch_environment_and_code_changes_and_the_throughput_gap(run_a, run_b):
     comparison = diff_stage.compare(diff_stage.load_side(run_a), diff_stage.load_side(run_b))
     print(comparison.config)
-    assert {key: (a, b) for key, a, b in comparison.config} == {"config.token_budget": (192, 128)}
+    assert {key: (a, b) for key, a, b in comparison.config} == {"config.data.token_budget": (192, 128)}
     environment = {key: (a, b) for key, a, b in comparison.environment}
     assert set(environment) == {"environment.env.OMP_NUM_THREADS", "environment.git_dirty",
                                 "environment.git_diff_sha256"}
@@ -206,11 +206,11 @@ def test_diff_lists_exactly_the_batch_environment_and_code_changes_and_the_throu
         assert a > 0 and b > 0 and change == pytest.approx(b / a - 1)
     assert any(key.startswith("bucket_step_s.") for key in performance)  # per length bucket
     assert comparison.verdict.startswith("B is ") and "% " in comparison.verdict
-    assert "OMP_NUM_THREADS" in comparison.verdict and "config: config.token_budget 192 -> 128" in comparison.verdict
+    assert "OMP_NUM_THREADS" in comparison.verdict and "config: config.data.token_budget 192 -> 128" in comparison.verdict
 
     result = _invoke(diff_stage.register, "diff", run_a, run_b)
     assert result.exit_code == 1, result.output
-    for expected in ("config.token_budget", "environment.env.OMP_NUM_THREADS", "real_tokens_per_s", "verdict: B is"):
+    for expected in ("config.data.token_budget", "environment.env.OMP_NUM_THREADS", "real_tokens_per_s", "verdict: B is"):
         assert expected in result.output, expected
     assert "drafter." not in result.output and "trainer.config" not in result.output  # each change once
     assert _invoke(diff_stage.register, "diff", run_a, run_a).exit_code == 0

@@ -26,7 +26,7 @@ FIELD = {
     "generate": ("max_new_tokens", (77, 154, 231), "max_new_token", "many"),
     "extract": ("shard_size", (7777, 15554, 23331), "shard_sise", "big"),
     "evaluate": ("num_prompts", (7, 14, 21), "num_prompt", "few"),
-    "train": ("lr", (0.007, 0.014, 0.021), "lrr", "fast"),
+    "train": ("optim.lr", (0.007, 0.014, 0.021), "optim.lrr", "fast"),  # a nested config's field: [train.optim]
     "export": ("target", ("t1", "t2", "t3"), "targte", 5),
     "sweep": ("output", ("s1", "s2", "s3"), "outptu", 5),
 }
@@ -40,14 +40,32 @@ def _args(stage: str, tmp_path) -> list[str]:
     return [a.format(tmp=tmp_path) for a in STAGES[stage]]
 
 
+def _nested(field: str, value) -> dict:
+    """``("optim.lr", 1)`` -> ``{"optim": {"lr": 1}}``."""
+    head, _, rest = field.partition(".")
+    return {head: _nested(rest, value)} if rest else {field: value}
+
+
+def _toml(stage: str, field: str, text: str) -> str:
+    """A TOML file setting ``field`` (dotted: in its nested table, ``[train.optim]``) to the literal ``text``."""
+    table, _, leaf = field.rpartition(".")
+    return f"[{stage}{'.' + table if table else ''}]\n{leaf} = {text}\n"
+
+
+def _get(printed: dict, field: str):
+    for part in field.split("."):
+        printed = printed[part]
+    return printed
+
+
 
 @pytest.mark.parametrize("stage", sorted(STAGES))
 def test_print_config_reads_back_and_layers_in_order(stage, tmp_path, monkeypatch, capsys):
     """The file's value beats the default, an option given beats the file, --set beats the option; the printed
     config, fed back with --config, prints the same again."""
     field, (value, other, last), _, _ = FIELD[stage]
-    option = "--" + field.replace("_", "-")
-    (tmp_path / "c.toml").write_text(f"[{stage}]\n{field} = {json.dumps(value)}\n")
+    option = "--" + field.rpartition(".")[2].replace("_", "-")  # --lr sets train.optim.lr
+    (tmp_path / "c.toml").write_text(_toml(stage, field, json.dumps(value)))
 
     def resolved(*extra: str) -> dict:
         code, out, err = main_in_process_out(monkeypatch, capsys, stage, *_args(stage, tmp_path), *extra,
@@ -55,16 +73,16 @@ def test_print_config_reads_back_and_layers_in_order(stage, tmp_path, monkeypatc
         assert code == 0, err
         return json.loads(out)
 
-    def of(printed: dict) -> dict:
-        return printed.get(stage, printed)  # train prints its fields at the top
+    def of(printed: dict):
+        return _get(printed[stage], field)
 
-    default = of(resolved())[field]
+    default = of(resolved())
     assert default != value
-    assert of(resolved("--config", str(tmp_path / "c.toml")))[field] == value
-    assert of(resolved("--config", str(tmp_path / "c.toml"), option, str(other)))[field] == other
+    assert of(resolved("--config", str(tmp_path / "c.toml"))) == value
+    assert of(resolved("--config", str(tmp_path / "c.toml"), option, str(other))) == other
     final = resolved("--config", str(tmp_path / "c.toml"), option, str(other), "--set",
                      f"{stage}.{field}={json.dumps(last)}")
-    assert of(final)[field] == last
+    assert of(final) == last
     (tmp_path / "printed.json").write_text(json.dumps(final))
     code, out, err = main_in_process_out(monkeypatch, capsys, stage, "--config", str(tmp_path / "printed.json"),
                                          "--print-config")  # fmt: skip
@@ -76,10 +94,12 @@ def test_print_config_reads_back_and_layers_in_order(stage, tmp_path, monkeypatc
 def test_bad_configs_exit_2_with_one_line_naming_key_and_source_and_write_nothing(stage, tmp_path, monkeypatch,
                                                                                   capsys):
     field, _, typo, wrong = FIELD[stage]
-    (tmp_path / "typo.yaml").write_text(f"{stage}:\n  {typo}: 1\n")
-    (tmp_path / "broken.toml").write_text(f"[{stage}]\n{field} = = 3\n")
-    (tmp_path / "broken.yaml").write_text(f"{stage}:\n  {field}: [1, 2\n")
-    (tmp_path / "wrong.json").write_text(json.dumps({stage: {field: wrong}}))
+    import yaml
+
+    (tmp_path / "typo.yaml").write_text(yaml.safe_dump({stage: _nested(typo, 1)}))
+    (tmp_path / "broken.toml").write_text(_toml(stage, field, "= 3"))
+    (tmp_path / "broken.yaml").write_text(yaml.safe_dump({stage: _nested(field, "X")}).replace("X", "[1, 2"))
+    (tmp_path / "wrong.json").write_text(json.dumps({stage: _nested(field, wrong)}))
     cases = [
         (["--config", str(tmp_path / "typo.yaml")], [f"{stage}.{typo} (--config ", f"did you mean {stage}.{field}?"]),
         (["--config", str(tmp_path / "broken.toml")], ["invalid TOML", "broken.toml"]),
@@ -126,7 +146,7 @@ def test_hostile_config_files_and_values_are_one_error_line(tmp_path, monkeypatc
     (tmp_path / "laughs.yaml").write_text('a: &a ["x","x","x"]\nb: &b [*a,*a,*a]\nextract:\n  extra: {c: [*b,*b]}\n')
     (tmp_path / "nested.json").write_text('{"generate": {"default_prompts": {"window_chars": "big"}}}')
     (tmp_path / "typo_section.json").write_text('{"extract": {"target_processes": 1}, "trian": {"lr": 5}}')
-    (tmp_path / "lr.toml").write_text("[train]\nlr = -1.0\n")
+    (tmp_path / "lr.toml").write_text("[train.optim]\nlr = -1.0\n")
     (tmp_path / "inf.json").write_text('{"extract": {"expected_ratio": 1e999}}')
     out = str(tmp_path / "out")
     cases = [
@@ -141,7 +161,7 @@ def test_hostile_config_files_and_values_are_one_error_line(tmp_path, monkeypatc
         (["generate", "-o", out, "--config", str(tmp_path / "nested.json")],
          "generate.default_prompts.window_chars (--config "),
         (["generate", "-o", out, "--set", "generate.default_prompts=5"], "expected an object of DefaultPromptConfig"),
-        (["train", "--cache", "c", "-o", out, "--config", str(tmp_path / "lr.toml")], "train.lr (--config "),
+        (["train", "--cache", "c", "-o", out, "--config", str(tmp_path / "lr.toml")], "train.optim.lr (--config "),
         (["train", "--cache", "c", "-o", out, "--set", "train.epochs=-3"], "train.epochs (--set train.epochs=-3)"),
     ]
     for args, needle in cases:
@@ -159,20 +179,20 @@ def test_run_takes_a_config_file_over_its_preset_and_prints_what_it_would_run(tm
     """``run --config`` merges sections field by field over the preset, ``--set`` over both; ``--print-config``
     checks everything, prints JSON that ``--preset FILE.json`` reads back, and creates no work folder."""
     workdir = str(tmp_path / "work")
-    (tmp_path / "c.toml").write_text("[train]\nlr = 0.002\n[evaluate]\nnum_prompts = 3\n")
+    (tmp_path / "c.toml").write_text("[train.optim]\nlr = 0.002\n[evaluate]\nnum_prompts = 3\n")
     code, out, err = main_in_process_out(monkeypatch, capsys, "run", "--workdir", workdir, "--config",
-                                         str(tmp_path / "c.toml"), "--set", "train.lr=0.003", "--print-config")  # fmt: skip
+                                         str(tmp_path / "c.toml"), "--set", "train.optim.lr=0.003", "--print-config")  # fmt: skip
     assert code == 0, err
     printed = json.loads(out)
-    assert (printed["train"]["lr"], printed["evaluate"]["num_prompts"]) == (0.003, 3)
+    assert (printed["train"]["optim"]["lr"], printed["evaluate"]["num_prompts"]) == (0.003, 3)
     assert printed["train"]["block_size"] == 4  # the cpu-small preset's, untouched by the file
     (tmp_path / "resolved.json").write_text(out)
     code, again, err = main_in_process_out(monkeypatch, capsys, "run", "--workdir", workdir, "--preset",
                                            str(tmp_path / "resolved.json"), "--print-config")  # fmt: skip
     assert code == 0 and json.loads(again) == printed, err
     (tmp_path / "bad.toml").write_text("[trian]\nlr = 1\n")
-    (tmp_path / "range.toml").write_text("[train]\nlr = -1\n")
-    for name, needle in (("bad.toml", "did you mean train?"), ("range.toml", "train.lr (--config ")):
+    (tmp_path / "range.toml").write_text("[train.optim]\nlr = -1\n")
+    for name, needle in (("bad.toml", "did you mean train?"), ("range.toml", "train.optim.lr (--config ")):
         code, err = main_in_process(monkeypatch, capsys, "run", "--workdir", workdir, "--config", str(tmp_path / name))
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "work").exists()

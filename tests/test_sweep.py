@@ -11,9 +11,9 @@ from dflash.errors import ConfigError
 from stages.sweep import parse_grid, plan_sweep
 
 TINY = [
-    "num_draft_layers=1", "block_size=4", "max_anchors_per_document=2", "token_budget=192", "num_buckets=2",
-    "validation_fraction=0.2", "max_validation_batches=1", "max_steps=2", "log_every=1", "device=cpu",
-    "progress=false", "prefetch_batches=2",
+    "num_draft_layers=1", "block_size=4", "max_anchors_per_document=2", "data.token_budget=192", "data.num_buckets=2",
+    "data.validation_fraction=0.2", "max_validation_batches=1", "max_steps=2", "log_every=1", "device=cpu",
+    "progress=false", "data.prefetch_batches=2",
 ]  # fmt: skip
 
 
@@ -24,7 +24,13 @@ def test_parse_grid_types_values_by_field():
     runs = plan_sweep("cache", "out", values)
     assert [r.name for r in runs] == ["lr=0.0003_gamma=4.0", "lr=0.0003_gamma=7.0", "lr=0.0006_gamma=4.0",
                                       "lr=0.0006_gamma=7.0"]
-    assert all(r.config.max_steps == 10 and r.config.betas == (0.9, 0.95) for r in runs)
+    assert all(r.config.max_steps == 10 and r.config.optim.betas == (0.9, 0.95) for r in runs)
+    assert runs[1].config.optim.lr == 3e-4 and runs[1].config.gamma == 7.0
+    # A nested config's field by its dotted path too; the run folders keep the key as written.
+    dotted = parse_grid(["optim.lr=3e-4,6e-4", "train.optim.warmup_ratio=0.1"])
+    assert dotted == {"optim.lr": [3e-4, 6e-4], "optim.warmup_ratio": [0.1]}
+    assert [(r.name, r.config.optim.lr, r.config.optim.warmup_ratio) for r in plan_sweep("cache", "out", dotted)] == [
+        ("optim.lr=0.0003", 3e-4, 0.1), ("optim.lr=0.0006", 6e-4, 0.1)]
     assert runs[3].config.output.endswith("lr=0.0006_gamma=7.0")
     with pytest.raises(ConfigError, match="not a train config field; did you mean lr"):
         parse_grid(["lrr=1e-3"])
@@ -55,7 +61,7 @@ def test_sweep_trains_every_combination_and_compares(target, tmp_path):
     assert "lr=0.001" in result.output and "val loss" in result.output
     runs = {run["name"]: run for run in report["runs"]}
     config = json.loads((tmp_path / "sweep" / "lr=0.003" / "run.json").read_text())["config"]
-    assert config["lr"] == 3e-3 and config["max_steps"] == 2 and config["num_draft_layers"] == 1
+    assert config["optim"]["lr"] == 3e-3 and config["max_steps"] == 2 and config["num_draft_layers"] == 1
     assert runs["lr=0.001"]["summary"]["train_loss"] != runs["lr=0.003"]["summary"]["train_loss"]
 
 

@@ -13,6 +13,7 @@ from train_helpers import build_tiny_cache, tiny_config
 
 from dflash.checkpoint import load_checkpoint
 from dflash.errors import CheckpointError, ConfigError, MismatchError
+from dflash.optim import OptimConfig
 from dflash.telemetry import read_metrics
 from stages.train import TrainConfig, run_training
 
@@ -79,7 +80,7 @@ def test_resume_reproduces_straight_run_bit_exactly(tiny_cache, tmp_path):
     assert records[0]["loss"] > last["loss"]  # it learns
     assert list((tmp_path / "straight" / "tb").glob("events.out.tfevents.*"))
     run = json.loads((tmp_path / "straight" / "run.json").read_text())
-    assert run["config"]["lr"] == 1e-3 and run["resolved"]["total_steps"] == 4
+    assert run["config"]["optim"]["lr"] == 1e-3 and run["resolved"]["total_steps"] == 4
     assert run["resolved"]["drafter_config"]["target_layer_ids"] == [1, 3]
     assert run["resolved"]["attention"] == "dense-sdpa"  # CPU: the dense-mask path (a GPU run records flex-*)
     assert run["environment"]["versions"]["torch"] and run["environment"]["python"]
@@ -360,29 +361,30 @@ def test_compile_flag_wires_compiled_layers_and_fixed_shape_anchors(tiny_cache, 
         slots = config.resolved_anchor_slots()
         assert slots == 2 * 3  # max_anchors_per_document x max_documents_per_batch
         assert calls["compile"] == 1
-        assert all(tokens == config.token_budget and n == slots and shape == (slots,) for tokens, n, shape in calls["shapes"])
+        assert all(tokens == config.data.token_budget and n == slots and shape == (slots,) for tokens, n, shape in calls["shapes"])
         assert all("compiled_graphs" in r for r in read_metrics(tmp_path / "run", kind="train"))  # logged with compile
     else:
         assert calls["compile"] == 0
         assert not any("compiled_graphs" in r for r in read_metrics(tmp_path / "run", kind="train"))
         assert all(n is None for _, n, _ in calls["shapes"])
-        assert any(tokens != config.token_budget for tokens, _, _ in calls["shapes"])  # dynamic shapes
+        assert any(tokens != config.data.token_budget for tokens, _, _ in calls["shapes"])  # dynamic shapes
 
 
 def test_config_fields_are_validated_with_their_names(tmp_path):
     with pytest.raises(ConfigError, match="grad_accum_steps"):
         TrainConfig(cache="c", output="o", grad_accum_steps=0)
     with pytest.raises(ConfigError, match="warmup_ratio"):
-        TrainConfig(cache="c", output="o", warmup_ratio=1.5)
-    with pytest.raises(ConfigError, match="betas"):
-        TrainConfig(cache="c", output="o", betas=(0.9, 1.5))
+        TrainConfig(cache="c", output="o", optim=OptimConfig(warmup_ratio=1.5))
+    with pytest.raises(ConfigError, match="optim.betas"):  # a nested config given as a dict names its path
+        TrainConfig(cache="c", output="o", optim={"betas": (0.9, 1.5)})
     with pytest.raises(ConfigError, match="drafter_gpus"):
         TrainConfig(cache="c", output="o", drafter_gpus=[1, 1])
     with pytest.raises(ConfigError, match="residual_dtype"):
         TrainConfig(cache="c", output="o", residual_dtype="bfloat16")
     config = TrainConfig(cache="c", output="o", save_every=7)
-    assert config.eval_every == 7 and config.betas == (0.9, 0.999)
+    assert config.eval_every == 7 and config.optim.betas == (0.9, 0.999)
     assert TrainConfig.from_dict(config.to_dict()) == config
+    assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config  # through run.json's JSON
 
 
 def test_cli_help_lists_the_options():
@@ -448,6 +450,82 @@ def test_runs_saved_before_residual_dtype_resume_with_a_float32_residual(tmp_pat
     assert TrainConfig(cache="c", output="o").residual_dtype == "compute"  # new runs
 
 
+def _flat(config: dict) -> dict:
+    """A nested run config as runs before the nesting saved it (``lr`` at the top, not ``optim.lr``)."""
+    from dflash.config_check import MOVED_KEYS, get_path
+
+    flat = {key: value for key, value in config.items() if not isinstance(value, dict)}
+    flat.update({old: get_path(config, new) for old, new in MOVED_KEYS["train"].items()})
+    return flat
+
+
+def test_a_run_saved_with_flat_keys_resumes_bit_exactly_without_a_trajectory_change(tiny_cache, tmp_path, caplog):
+    """A run.json and checkpoints written before the settings moved into nested configs (flat ``lr``,
+    ``token_budget``...) resume through ``--resume`` with no trajectory change, no deprecation warning, and the
+    straight run's result bit for bit."""
+    import logging
+
+    from stages.train import config_from_cli
+
+    common = dict(max_steps=4, save_every=2, validation_fraction=0.0, lr=2e-3, token_budget=256)
+    straight = run_training(tiny_config(tiny_cache, tmp_path / "straight", **common))
+    run = tmp_path / "old"
+    run_training(tiny_config(tiny_cache, run, stop_at_step=2, **common))
+    record = json.loads((run / "run.json").read_text())
+    record["config"] = _flat(record["config"])
+    (run / "run.json").write_text(json.dumps(record))
+    for state_file in run.glob("checkpoints/*/trainer_state.json"):
+        state = json.loads(state_file.read_text())
+        state["config"] = _flat(state["config"])
+        state_file.write_text(json.dumps(state))
+    with caplog.at_level(logging.WARNING):
+        config = config_from_cli({"output": str(run), "resume": True})
+        resumed = run_training(config)
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage() or "changed config" in r.getMessage()]
+    assert config.optim.lr == 2e-3 and resumed["step"] == straight["step"] == 4
+    _assert_same_state(_checkpoint_state(tmp_path / "straight", 4), _checkpoint_state(run, 4))
+
+
+def test_flat_keys_of_files_and_overrides_are_read_with_one_deprecation_warning(tmp_path, caplog):
+    """``lr = 3e-4`` under ``[train]`` (and ``--set train.lr=``) still sets ``train.optim.lr``, warning once per key
+    with the new path; the nested spellings (``[train.optim]``, ``--set train.optim.lr=``) set it silently."""
+    import logging
+
+    import dflash.config_check as config_check
+    from stages.train import config_from_cli
+
+    paths = {"cache": "c", "output": str(tmp_path / "run"), "device": "cpu"}
+    (tmp_path / "flat.toml").write_text("[train]\nlr = 3e-4\nblock_size = 8\n")
+    (tmp_path / "nested.toml").write_text("[train]\nblock_size = 8\n[train.optim]\nlr = 3e-4\n")
+    config_check._warned_moves.clear()
+    with caplog.at_level(logging.WARNING, logger="dflash.config"):
+        flat = config_from_cli(paths, tmp_path / "flat.toml", sets=["train.grad_clip=0.5"])
+    warnings = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(warnings) == 2 and any("train.lr" in w and "train.optim.lr" in w for w in warnings), warnings
+    assert any("train.grad_clip" in w and "train.optim.grad_clip" in w for w in warnings), warnings
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dflash.config"):
+        nested = config_from_cli(paths, tmp_path / "nested.toml", sets=["train.optim.grad_clip=0.5"])
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage()]
+    assert nested == flat and nested.optim.lr == 3e-4 and nested.optim.grad_clip == 0.5 and nested.block_size == 8
+    # An option or --set over a file's nested section replaces that field only.
+    layered = config_from_cli({**paths, "optim.warmup_ratio": 0.1}, tmp_path / "nested.toml",
+                              sets=["train.optim.eps=1e-6"])
+    assert (layered.optim.lr, layered.optim.warmup_ratio, layered.optim.eps) == (3e-4, 0.1, 1e-6)
+
+
+def test_a_partial_nested_section_keeps_the_train_stages_other_defaults(tmp_path):
+    """``[train.data] token_budget = 512`` changes that field only: the rest of ``data`` keeps the train stage's
+    defaults (1% held out for validation, not the loader class's 0), and ``print-config`` prints it nested."""
+    from stages.train import config_from_cli
+
+    (tmp_path / "cfg.toml").write_text("[train.data]\ntoken_budget = 512\n")
+    config = config_from_cli({"cache": "c", "output": str(tmp_path / "run")}, tmp_path / "cfg.toml")
+    assert (config.data.token_budget, config.data.validation_fraction) == (512, 0.01)
+    assert config.data == TrainConfig.from_dict({"cache": "c", "output": "o", "token_budget": 512}).data
+    assert config.to_dict()["data"]["token_budget"] == 512 and "token_budget" not in config.to_dict()
+
+
 def _files(folder):
     return {p.relative_to(folder): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
 
@@ -489,12 +567,12 @@ def test_cpu_runs_get_cpu_sized_batches_unless_a_setting_says_otherwise(tmp_path
     paths = {"cache": str(tmp_path / "c"), "output": str(tmp_path / "o")}
     assert not torch.cuda.is_available()  # the CPU-only suite
     sized = config_from_cli({**paths, "device": "cpu"})
-    assert (sized.token_budget, sized.max_anchors_per_document) == tuple(CPU_SIZED_DEFAULTS.values())
-    assert config_from_cli(paths).token_budget == CPU_SIZED_DEFAULTS["token_budget"]  # auto without CUDA: CPU
+    assert (sized.data.token_budget, sized.max_anchors_per_document) == tuple(CPU_SIZED_DEFAULTS.values())
+    assert config_from_cli(paths).data.token_budget == CPU_SIZED_DEFAULTS["data.token_budget"]  # auto without CUDA: CPU
     given = config_from_cli({**paths, "token_budget": 4096})
-    assert (given.token_budget, given.max_anchors_per_document) == (4096, CPU_SIZED_DEFAULTS["max_anchors_per_document"])
+    assert (given.data.token_budget, given.max_anchors_per_document) == (4096, CPU_SIZED_DEFAULTS["max_anchors_per_document"])
     (tmp_path / "cfg.toml").write_text("[train]\nmax_anchors_per_document = 64\n")
     assert config_from_cli(paths, tmp_path / "cfg.toml").max_anchors_per_document == 64
     gpu = TrainConfig(cache="c", output="o")
-    assert (gpu.token_budget, gpu.max_anchors_per_document) == (16384, 512)  # the paper's, kept for CUDA
-    assert config_from_cli({**paths, "device": "cuda"}).token_budget == 16384
+    assert (gpu.data.token_budget, gpu.max_anchors_per_document) == (16384, 512)  # the paper's, kept for CUDA
+    assert config_from_cli({**paths, "device": "cuda"}).data.token_budget == 16384

@@ -116,7 +116,7 @@ def tiny_config(cache: Path, output: Path, **overrides: Any):
         prefetch_batches=2,
     )
     values.update(overrides)
-    return TrainConfig(**values)
+    return TrainConfig.from_dict(values)
 
 
 def replace_config(config, **changes: Any):
