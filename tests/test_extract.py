@@ -205,15 +205,13 @@ def test_corpus_outside_the_vocab_fails_before_any_worker_starts(tmp_path, token
 def test_worker_sigkill_mid_run_is_redone_exactly_once(tmp_path, corpus_dir, reference):
     config = ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), workers=2, shard_size=1,
                            dashboard_address=":0")  # fmt: skip
-    before = {child.pid for child in psutil.Process().children(recursive=True)}
 
     def kill_a_worker() -> None:
-        workers = [
-            child for child in psutil.Process().children(recursive=True)
-            if child.pid not in before and "spawn_main" in " ".join(child.cmdline())
-        ]  # fmt: skip
-        assert workers, "no Dask worker process found"
-        workers[0].kill()  # the task it ran and its pending write are lost; the driver must redo them
+        from distributed import default_client
+
+        workers = sorted(default_client().run(os.getpid).values())  # run_extract's client: its workers' pids
+        assert len(workers) == 2, "no Dask worker process found"
+        psutil.Process(workers[0]).kill()  # the task it ran and its pending write are lost; the driver must redo them
 
     summary = _kill_mid_extract(config, kill_a_worker, corpus_dir, reference)
     # Two workers wrote the same cache as one process (checked above against the per-row reference). Telemetry:
@@ -267,7 +265,8 @@ def test_external_cluster_of_dask_cli_processes_survives_a_killed_worker_exactly
     after the first commit. The other finishes: every shard committed once, the cache equals the per-row reference."""
     dask_cli = Path(sys.executable).with_name("dask")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+                                                        os.environ.get("PYTHONPATH", "")]),
+           "DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD": "spawn"}  # dask's default, as on a user's node  # fmt: skip
     scheduler_file = tmp_path / "scheduler.json"
     started = [subprocess.Popen([str(dask_cli), "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
                                  "--scheduler-file", str(scheduler_file)], env=env, stdout=subprocess.DEVNULL,
