@@ -71,8 +71,21 @@ def _start_the_fork_server() -> None:
 
     from stages.cluster import worker_process_options
 
+    import dask
+
     worker_process_options()  # sets the preload list
-    multiprocessing.forkserver.ensure_running()
+    # As when a nanny starts it (after setting distributed's pre-spawn variables, e.g. OMP_NUM_THREADS=1, here).
+    spawn_env = {name: str(value) for name, value in (dask.config.get("distributed.nanny.pre-spawn-environ") or {}).items()}
+    saved = {name: os.environ.get(name) for name in spawn_env}
+    os.environ.update(spawn_env)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 @pytest.fixture(scope="session", autouse=True)
