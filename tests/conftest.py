@@ -69,9 +69,9 @@ def _start_the_fork_server() -> None:
     forked Dask worker starts from (a test's own variables reach its workers as the cluster's ``env``)."""
     import multiprocessing.forkserver
 
-    from stages.cluster import worker_process_options
-
     import dask
+
+    from stages.cluster import worker_process_options
 
     worker_process_options()  # sets the preload list
     # As when a nanny starts it (after setting distributed's pre-spawn variables, e.g. OMP_NUM_THREADS=1, here).

@@ -545,3 +545,36 @@ def test_tls_options_build_a_security_for_the_scheduler_and_are_checked(tmp_path
     with pytest.raises(ConfigError, match=r"^tls_key: .*missing.pem is not a file"):
         ExtractConfig(corpus="c", output="o", scheduler_address="tls://h:8786", tls_ca_file=str(files["ca"]),
                       tls_cert=str(files["cert"]), tls_key=str(tmp_path / "missing.pem"))
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_local_workers_start_by_the_configured_method_with_this_process_environment(tmp_path, monkeypatch, method):
+    """distributed's default (spawn) and the forkserver this suite runs with (stages.cluster.worker_process_options):
+    either way a worker sees a variable set here after the fork server started (the session started it) and
+    distributed's own pre-spawn settings (OMP_NUM_THREADS=1 by default), and its process started by that method."""
+    import dask
+
+    from stages.cluster import FORKSERVER_PRELOAD, worker_process_options
+
+    monkeypatch.setenv("DFLASH_TEST_WORKER_MARKER", f"set-after-start-{method}")
+    config = ExtractConfig(corpus=str(tmp_path), output=str(tmp_path / "cache"), workers=1, write_processes=0,
+                           dashboard_address=":0")  # fmt: skip
+    with dask.config.set({"distributed.worker.multiprocessing-method": method}):
+        options = worker_process_options()
+        client, cluster, _ = start_cluster(config)
+    try:
+        seen = client.run(lambda: (os.environ.get("DFLASH_TEST_WORKER_MARKER"), os.environ.get("OMP_NUM_THREADS"),
+                                   psutil.Process().cmdline(), psutil.Process().parent().cmdline()))  # fmt: skip
+    finally:
+        client.close()
+        cluster.close()
+    ((marker, omp_threads, cmdline, parent_cmdline),) = seen.values()
+    assert marker == f"set-after-start-{method}" and omp_threads == "1"
+    if method == "spawn":
+        assert options == {} and "spawn_main" in " ".join(cmdline)
+    else:
+        assert options["env"]["DFLASH_TEST_WORKER_MARKER"] == marker and "OMP_NUM_THREADS" not in options["env"]
+        assert "forkserver" in " ".join(parent_cmdline)  # forked from the fork server
+        import multiprocessing.forkserver
+
+        assert multiprocessing.forkserver._forkserver._preload_modules == list(FORKSERVER_PRELOAD)
