@@ -349,6 +349,7 @@ def _start_cluster(config: OnlineConfig, metadata: Any) -> tuple[Any, Any]:
     import torch
     from distributed import Client, LocalCluster
 
+    from stages.cluster import worker_process_options
     from stages.online_worker import OnlineProducerPlugin
 
     if not log.isEnabledFor(logging.DEBUG):
@@ -360,7 +361,7 @@ def _start_cluster(config: OnlineConfig, metadata: Any) -> tuple[Any, Any]:
     with dask.config.set({"distributed.scheduler.allowed-failures": _ALLOWED_FAILURES[config.on_producer_death]}):
         cluster = LocalCluster(host="127.0.0.1", n_workers=num_workers, threads_per_worker=1, processes=True,
                                resources={"GPU": 1} if gpus else None, memory_limit=0,
-                               dashboard_address="127.0.0.1:0")  # fmt: skip
+                               dashboard_address="127.0.0.1:0", **worker_process_options())  # fmt: skip
     client = Client(cluster)
     threads = None if gpus else max(1, (os.cpu_count() or 1) // (num_workers + 1))
     plugin = OnlineProducerPlugin(

@@ -4,6 +4,12 @@ worker processes, or an existing scheduler (optionally over TLS).
 Run by the stages, never alone. Local clusters listen on 127.0.0.1 only, the dashboard included (a bare ``:port``
 binds 127.0.0.1 too); ``--tls-ca-file/--tls-cert/--tls-key`` connect to a ``tls://`` scheduler through
 ``distributed.security.Security`` (docs/cache-format.md, "Running extract on a shared machine or cluster").
+
+Worker processes start as distributed's ``distributed.worker.multiprocessing-method`` says (``spawn`` by default:
+each worker imports torch and transformers itself, a few seconds of CPU each). With ``forkserver`` (opt-in:
+``DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD=forkserver`` or dask's config file) the fork server imports torch
+and transformers once and every worker forks from it (:func:`worker_process_options`); since the fork server keeps
+the environment it started with, each worker is also handed this process's environment as of its cluster's start.
 """
 
 from __future__ import annotations
@@ -15,7 +21,13 @@ from typing import Any, Protocol
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 
-__all__ = ["require_local_gpus", "PlacementSettings", "validate_placement", "start_cluster", "security_of", "dashboard_address_of"]
+__all__ = ["require_local_gpus", "PlacementSettings", "validate_placement", "start_cluster", "security_of", "dashboard_address_of",
+           "worker_process_options", "FORKSERVER_PRELOAD"]
+
+# Imported once by distributed's fork server when workers start by ``forkserver``: what every target worker imports
+# (most of a worker's start-up). Third-party modules only: this project's modules (some read the environment at
+# import, e.g. dflash.faults) are imported by each worker under its own environment.
+FORKSERVER_PRELOAD = ("distributed", "numpy", "torch", "transformers", "transformers.modeling_utils")
 
 log = logging.getLogger("stages.extract")
 
@@ -109,6 +121,7 @@ def start_cluster(config: PlacementSettings, *, daemonic_workers: bool = True) -
             resources={"GPU": 1},
             memory_limit=0,
             dashboard_address=dashboard_address_of(config.dashboard_address),
+            **worker_process_options(),
         )
         placement = {"gpu_by_worker": dict(enumerate(gpus)), "device": "cuda", "resources": {"GPU": 1}, "num_workers": len(gpus)}
     else:
@@ -120,11 +133,37 @@ def start_cluster(config: PlacementSettings, *, daemonic_workers: bool = True) -
             processes=True,
             memory_limit=0,
             dashboard_address=dashboard_address_of(config.dashboard_address),
+            **worker_process_options(),
         )
         threads = max(1, (os.cpu_count() or 1) // num_workers)
         placement = {"device": "cpu", "torch_threads": threads, "resources": None, "num_workers": num_workers}
     placement["die_with_parent"] = True
     return Client(cluster), cluster, placement
+
+
+def worker_process_options() -> dict[str, Any]:
+    """Extra ``LocalCluster`` keyword arguments for how its worker processes start: none under ``spawn`` (the
+    default; a spawned worker inherits this process's environment) or ``fork``.
+
+    Under ``forkserver``: the fork server (started by the first worker of this process) preloads
+    :data:`FORKSERVER_PRELOAD` instead of distributed's own list, and ``env`` carries this process's environment,
+    which a forked worker would otherwise miss where it changed after the fork server started. Variables that
+    distributed's ``distributed.nanny.pre-spawn-environ`` / ``distributed.nanny.environ`` set are left to those, as
+    under ``spawn``; a variable removed since the fork server started stays set in the workers.
+    """
+    import dask
+
+    if dask.config.get("distributed.worker.multiprocessing-method") != "forkserver":
+        return {}
+    import multiprocessing
+
+    from distributed.utils import get_mp_context
+
+    get_mp_context()  # distributed sets its preload list on its first call; ours replaces it (before the server starts)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    own = set(dask.config.get("distributed.nanny.pre-spawn-environ") or {}) | set(dask.config.get("distributed.nanny.environ") or {})
+    own.add("PYTHONHASHSEED")  # the nanny fixes it before the process starts
+    return {"env": {name: value for name, value in os.environ.items() if name not in own}}
 
 
 def dashboard_address_of(address: str) -> str:

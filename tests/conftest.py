@@ -8,8 +8,16 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-import pytest
-import torch
+# Dask workers of every cluster this session starts (in this process and in the CLI processes it runs) fork from a
+# fork server that imported torch and transformers once (stages.cluster.worker_process_options) instead of each
+# spawned worker importing them again: seconds per worker. A test of the default (spawn) sets it back.
+os.environ["DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD"] = "forkserver"
+
+import dask  # noqa: E402 (reads the variable above)
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})  # in case dask was imported before
 
 # Two CPU cores in CI: keep torch from oversubscribing them.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -51,8 +59,33 @@ def dflash_home(tmp_path_factory):
         (home / "targets" / real_default.name).symlink_to(real_default, target_is_directory=True)
     patch = pytest.MonkeyPatch()
     patch.setenv("DFLASH_STAGES_HOME", str(home))
+    _start_the_fork_server()
     yield SimpleNamespace(path=home, real_home=real_home, real_files=real_files)
     patch.undo()
+
+
+def _start_the_fork_server() -> None:
+    """Starts this process's multiprocessing fork server now, under the session's environment: the one every
+    forked Dask worker starts from (a test's own variables reach its workers as the cluster's ``env``)."""
+    import multiprocessing.forkserver
+
+    import dask
+
+    from stages.cluster import worker_process_options
+
+    worker_process_options()  # sets the preload list
+    # As when a nanny starts it (after setting distributed's pre-spawn variables, e.g. OMP_NUM_THREADS=1, here).
+    spawn_env = {name: str(value) for name, value in (dask.config.get("distributed.nanny.pre-spawn-environ") or {}).items()}
+    saved = {name: os.environ.get(name) for name in spawn_env}
+    os.environ.update(spawn_env)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -205,15 +205,13 @@ def test_corpus_outside_the_vocab_fails_before_any_worker_starts(tmp_path, token
 def test_worker_sigkill_mid_run_is_redone_exactly_once(tmp_path, corpus_dir, reference):
     config = ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), target_processes=2, shard_size=1,
                            dashboard_address=":0")  # fmt: skip
-    before = {child.pid for child in psutil.Process().children(recursive=True)}
 
     def kill_a_worker() -> None:
-        workers = [
-            child for child in psutil.Process().children(recursive=True)
-            if child.pid not in before and "spawn_main" in " ".join(child.cmdline())
-        ]  # fmt: skip
-        assert workers, "no Dask worker process found"
-        workers[0].kill()  # the task it ran and its pending write are lost; the driver must redo them
+        from distributed import default_client
+
+        workers = sorted(default_client().run(os.getpid).values())  # run_extract's client: its workers' pids
+        assert len(workers) == 2, "no Dask worker process found"
+        psutil.Process(workers[0]).kill()  # the task it ran and its pending write are lost; the driver must redo them
 
     summary = _kill_mid_extract(config, kill_a_worker, corpus_dir, reference)
     # Two workers wrote the same cache as one process (checked above against the per-row reference). Telemetry:
@@ -267,7 +265,8 @@ def test_external_cluster_of_dask_cli_processes_survives_a_killed_worker_exactly
     after the first commit. The other finishes: every shard committed once, the cache equals the per-row reference."""
     dask_cli = Path(sys.executable).with_name("dask")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+                                                        os.environ.get("PYTHONPATH", "")]),
+           "DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD": "spawn"}  # dask's default, as on a user's node  # fmt: skip
     scheduler_file = tmp_path / "scheduler.json"
     started = [subprocess.Popen([str(dask_cli), "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
                                  "--scheduler-file", str(scheduler_file)], env=env, stdout=subprocess.DEVNULL,
@@ -546,3 +545,36 @@ def test_tls_options_build_a_security_for_the_scheduler_and_are_checked(tmp_path
     with pytest.raises(ConfigError, match=r"^tls_key: .*missing.pem is not a file"):
         ExtractConfig(corpus="c", output="o", scheduler_address="tls://h:8786", tls_ca_file=str(files["ca"]),
                       tls_cert=str(files["cert"]), tls_key=str(tmp_path / "missing.pem"))
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_local_workers_start_by_the_configured_method_with_this_process_environment(tmp_path, monkeypatch, method):
+    """distributed's default (spawn) and the forkserver this suite runs with (stages.cluster.worker_process_options):
+    either way a worker sees a variable set here after the fork server started (the session started it) and
+    distributed's own pre-spawn settings (OMP_NUM_THREADS=1 by default), and its process started by that method."""
+    import dask
+
+    from stages.cluster import FORKSERVER_PRELOAD, worker_process_options
+
+    monkeypatch.setenv("DFLASH_TEST_WORKER_MARKER", f"set-after-start-{method}")
+    config = ExtractConfig(corpus=str(tmp_path), output=str(tmp_path / "cache"), workers=1, write_processes=0,
+                           dashboard_address=":0")  # fmt: skip
+    with dask.config.set({"distributed.worker.multiprocessing-method": method}):
+        options = worker_process_options()
+        client, cluster, _ = start_cluster(config)
+    try:
+        seen = client.run(lambda: (os.environ.get("DFLASH_TEST_WORKER_MARKER"), os.environ.get("OMP_NUM_THREADS"),
+                                   psutil.Process().cmdline(), psutil.Process().parent().cmdline()))  # fmt: skip
+    finally:
+        client.close()
+        cluster.close()
+    ((marker, omp_threads, cmdline, parent_cmdline),) = seen.values()
+    assert marker == f"set-after-start-{method}" and omp_threads == "1"
+    if method == "spawn":
+        assert options == {} and "spawn_main" in " ".join(cmdline)
+    else:
+        assert options["env"]["DFLASH_TEST_WORKER_MARKER"] == marker and "OMP_NUM_THREADS" not in options["env"]
+        assert "forkserver" in " ".join(parent_cmdline)  # forked from the fork server
+        import multiprocessing.forkserver
+
+        assert multiprocessing.forkserver._forkserver._preload_modules == list(FORKSERVER_PRELOAD)
