@@ -37,6 +37,7 @@ from typing import Any, Literal
 import typer
 
 from dflash.batch_source import LoaderConfig
+from dflash.drafter.config import DrafterTrainingConfig
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 from dflash.optim import OptimConfig
 
@@ -67,18 +68,10 @@ class TrainConfig:
     """Train on a cache whose planned shards are not all committed (the run then logs how many samples of how many
     planned rows it trains on); without it such a cache is refused before step 1."""
     # -- drafter and objective
-    num_draft_layers: int = 5
-    """Draft decoder layers (paper: 5)."""
-    block_size: int = 16
-    """Draft block size B (paper: 16)."""
-    mask_token_id: int | None = None
-    """Mask token row of the target embedding; default: chosen from the tokenizer's unused special tokens."""
-    target_layer_ids: list[int] | None = None
-    """Tapped target layers; default: the cache's. Anything else is refused (the cache holds only its taps)."""
-    gamma: float | None = None
-    """Loss decay over block positions; default by block size (7 for 16, 5 for 10, 4 for 8)."""
-    max_anchors_per_document: int = 512
-    """Anchor budget per document per epoch (paper: 512)."""
+    drafter: DrafterTrainingConfig = field(default_factory=DrafterTrainingConfig)
+    """The drafter and objective (``dflash.drafter.config.DrafterTrainingConfig``: num_draft_layers, block_size,
+    mask_token_id, target_layer_ids, gamma, max_anchors_per_document); ``[train.drafter]`` in a config file,
+    ``--set train.drafter.block_size=8``."""
     # -- data
     data: LoaderConfig = field(default_factory=lambda: dataclasses.replace(_TRAIN_DATA_DEFAULTS))
     """What the run reads and how (``dflash.batch_source.LoaderConfig``: token_budget, boundaries, num_buckets,
@@ -89,7 +82,7 @@ class TrainConfig:
     """Validation batches per rank per evaluation (None: the whole held-out split)."""
     min_supervised_tokens: int | None = None
     """Samples with fewer supervised (loss_mask = 1) tokens are excluded, counted and reported (run.json, metrics,
-    log); default ``2 * block_size`` (DFLASH.md: shorter samples give no useful anchors); 0 keeps every sample."""
+    log); default ``2 * drafter.block_size`` (DFLASH.md: shorter samples give no useful anchors); 0 keeps every sample."""
     # -- optimization (defaults: the paper's recipe; betas from SpecForge, see dflash.optim)
     epochs: float = 6.0
     """Passes over the training split (paper: 6); ignored when ``max_steps`` is set."""
@@ -111,8 +104,8 @@ class TrainConfig:
     """torch.compile the draft layers on the fixed-shape path: every micro-batch padded to ``token_budget`` and
     ``anchor_slots`` anchor slots, so one graph serves every step (eager, dynamic shapes, is the default)."""
     anchor_slots: int | None = None
-    """Anchors per micro-batch on the fixed-shape path; default ``max_anchors_per_document x
-    max_documents_per_batch`` capped at ``token_budget``. More valid anchors: a uniform random subset is kept."""
+    """Anchors per micro-batch on the fixed-shape path; default ``drafter.max_anchors_per_document x
+    data.max_documents_per_batch`` capped at ``data.token_budget``. More valid anchors: a uniform random subset is kept."""
     # -- runtime (never changes the trajectory)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the drafter trains; auto: CUDA when available."""
@@ -151,8 +144,6 @@ class TrainConfig:
             raise ConfigError("cache: give the hidden-state cache path (--cache)")
         if not self.output:
             raise ConfigError("output: give the run folder (--output)")
-        if self.target_layer_ids is not None:
-            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.drafter_gpus is not None:
             self.drafter_gpus = [int(i) for i in self.drafter_gpus]
             if (not self.drafter_gpus or len(set(self.drafter_gpus)) != len(self.drafter_gpus)
@@ -160,20 +151,17 @@ class TrainConfig:
                 raise ConfigError(f"drafter_gpus must list distinct GPU ids >= 0, got {self.drafter_gpus}")
         self.optim = _nested_config(OptimConfig(), self.optim, "optim")
         self.data = _nested_config(_TRAIN_DATA_DEFAULTS, self.data, "data")
-        positive = ("num_draft_layers", "max_anchors_per_document", "grad_accum_steps", "save_every", "keep_last",
+        self.drafter = _nested_config(DrafterTrainingConfig(), self.drafter, "drafter")
+        positive = ("grad_accum_steps", "save_every", "keep_last",
                     "log_every", "throughput_window", "drafter_processes")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_steps", "eval_every", "max_validation_batches", "stop_at_step", "mask_token_id", "anchor_slots"):
+        for name in ("max_steps", "eval_every", "max_validation_batches", "stop_at_step", "anchor_slots"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < (0 if name == "mask_token_id" else 1)):
+            if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
-        if not isinstance(self.block_size, int) or self.block_size < 2:
-            raise ConfigError(f"block_size must be an integer >= 2, got {self.block_size!r}")
-        if self.gamma is not None and not (self.gamma > 0 and math.isfinite(self.gamma)):
-            raise ConfigError(f"gamma must be a positive finite number, got {self.gamma!r}")
         if self.max_steps is None and not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ConfigError(f"epochs must be > 0 (or give max_steps), got {self.epochs!r}")
         from dflash.trackers import TRACKERS
@@ -204,7 +192,7 @@ class TrainConfig:
         if self.compile and self.anchor_slots is None and self.data.max_documents_per_batch is None:
             raise ConfigError(
                 "anchor_slots: --compile needs a fixed anchor count; give anchor_slots, or data.max_documents_per_batch "
-                "(anchor_slots then defaults to max_anchors_per_document x data.max_documents_per_batch)"
+                "(anchor_slots then defaults to drafter.max_anchors_per_document x data.max_documents_per_batch)"
             )
         if self.eval_every is None:
             self.eval_every = self.save_every
@@ -239,16 +227,18 @@ class TrainConfig:
         if self.anchor_slots is not None:
             return self.anchor_slots
         assert self.data.max_documents_per_batch is not None
-        return min(self.data.token_budget, self.max_anchors_per_document * self.data.max_documents_per_batch)
+        return min(self.data.token_budget, self.drafter.max_anchors_per_document * self.data.max_documents_per_batch)
 
     def resolved_min_supervised_tokens(self) -> int:
-        """Samples with fewer supervised tokens are excluded: ``min_supervised_tokens``, default ``2 * block_size``."""
-        return self.min_supervised_tokens if self.min_supervised_tokens is not None else 2 * self.block_size
+        """Samples with fewer supervised tokens are excluded: ``min_supervised_tokens``, default ``2 *
+        drafter.block_size``."""
+        if self.min_supervised_tokens is not None:
+            return self.min_supervised_tokens
+        return 2 * self.drafter.block_size
 
     def resolved_gamma(self) -> float:
-        from dflash.drafter import default_gamma
-
-        return float(self.gamma) if self.gamma is not None else default_gamma(self.block_size)
+        """``drafter.gamma``, or the default for ``drafter.block_size``."""
+        return self.drafter.resolved_gamma()
 
     @property
     def world_size(self) -> int:
@@ -639,7 +629,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
 #: (16,384-token micro-batches, 512 anchors per document) make a step of the dense-mask CPU path need tens of GB
 #: (the attention mask and scores grow with (anchors x block size) x (tokens + anchors x block size)), which a CPU
 #: host runs out of minutes later; these are the cpu-small preset's.
-CPU_SIZED_DEFAULTS = {"data.token_budget": 1024, "max_anchors_per_document": 32}
+CPU_SIZED_DEFAULTS = {"data.token_budget": 1024, "drafter.max_anchors_per_document": 32}
 
 
 def _size_defaults_for_cpu(merged: dict[str, Any]) -> dict[str, Any]:
@@ -690,7 +680,9 @@ def exit_if_interrupted(summary: dict[str, Any], config: TrainConfig, command: s
 
 #: ``train`` option parameter -> the :class:`TrainConfig` field (dotted path) it sets, where the names differ.
 OPTION_FIELDS = {
-    "max_anchors": "max_anchors_per_document", "compile_layers": "compile",
+    "max_anchors": "drafter.max_anchors_per_document", "compile_layers": "compile",
+    **{name: f"drafter.{name}" for name in ("num_draft_layers", "block_size", "mask_token_id", "target_layer_ids",
+                                            "gamma")},
     "lr": "optim.lr", "betas": "optim.betas", "weight_decay": "optim.weight_decay",
     "warmup_ratio": "optim.warmup_ratio", "grad_clip": "optim.grad_clip", "token_budget": "data.token_budget",
     "num_buckets": "data.num_buckets", "bucket_boundaries": "data.boundaries",
@@ -727,12 +719,12 @@ def register(app: typer.Typer) -> None:
         drafter_gpus: str = typer.Option(None, "--drafter-gpus", help="GPU ids, e.g. 5,6,7 (DDP when several)."),
         drafter_processes: int = typer.Option(None, "--drafter-processes", show_default=_shown("drafter_processes"), help="DDP processes on CPU (gloo)."),
         device: str = typer.Option(None, "--device", show_default=_shown("device"), help="auto | cpu | cuda."),
-        num_draft_layers: int = typer.Option(None, "--num-draft-layers", show_default=_shown("num_draft_layers"), help="Draft decoder layers."),
-        block_size: int = typer.Option(None, "--block-size", show_default=_shown("block_size"), help="Block size B."),
+        num_draft_layers: int = typer.Option(None, "--num-draft-layers", show_default=_shown("drafter.num_draft_layers"), help="Draft decoder layers."),
+        block_size: int = typer.Option(None, "--block-size", show_default=_shown("drafter.block_size"), help="Block size B."),
         mask_token_id: int = typer.Option(None, "--mask-token-id", help="Mask token row (default: chosen)."),
         target_layer_ids: str = typer.Option(None, "--target-layer-ids", help="Tapped ids; must equal the cache's."),
         gamma: float = typer.Option(None, "--gamma", help="Loss decay (default by block size)."),
-        max_anchors: int = typer.Option(None, "--max-anchors-per-document", show_default=_shown("max_anchors_per_document"), help=f"Anchors per document (on a CPU host, when nothing sets it: {CPU_SIZED_DEFAULTS['max_anchors_per_document']})."),
+        max_anchors: int = typer.Option(None, "--max-anchors-per-document", show_default=_shown("drafter.max_anchors_per_document"), help=f"Anchors per document (on a CPU host, when nothing sets it: {CPU_SIZED_DEFAULTS['drafter.max_anchors_per_document']})."),
         token_budget: int = typer.Option(None, "--token-budget", show_default=_shown("data.token_budget"), help=f"Real tokens per micro-batch per rank (on a CPU host, when nothing sets it: {CPU_SIZED_DEFAULTS['data.token_budget']})."),
         num_buckets: int = typer.Option(None, "--num-buckets", show_default=_shown("data.num_buckets"), help="Length buckets from quantiles."),
         bucket_boundaries: str = typer.Option(None, "--bucket-boundaries", help="Bucket edges, e.g. 256,1024."),
@@ -801,8 +793,9 @@ def register(app: typer.Typer) -> None:
         overrides = {
             "cache": cache, "output": output, "resume": resume, "target": target,
             "drafter_gpus": _csv_ints(drafter_gpus), "drafter_processes": drafter_processes, "device": device,
-            "num_draft_layers": num_draft_layers, "block_size": block_size, "mask_token_id": mask_token_id,
-            "target_layer_ids": _csv_ints(target_layer_ids), "gamma": gamma, "max_anchors_per_document": max_anchors,
+            "drafter.num_draft_layers": num_draft_layers, "drafter.block_size": block_size,
+            "drafter.mask_token_id": mask_token_id, "drafter.target_layer_ids": _csv_ints(target_layer_ids),
+            "drafter.gamma": gamma, "drafter.max_anchors_per_document": max_anchors,
             "data.token_budget": token_budget, "data.num_buckets": num_buckets,
             "data.boundaries": _csv_ints(bucket_boundaries), "data.validation_fraction": validation_fraction, "epochs": epochs, "max_steps": max_steps,
             "stop_at_step": stop_at_step, "grad_accum_steps": grad_accum_steps, "optim.lr": lr,

@@ -285,13 +285,13 @@ class Trainer:
         """Train until ``total_steps`` (or ``stop_at_step``); returns a summary (final metrics, run folder)."""
         self.load()
         config = self.config
-        if self.device.type == "cpu" and self.is_main and config.data.token_budget * config.max_anchors_per_document > 2**20:
+        if self.device.type == "cpu" and self.is_main and config.data.token_budget * config.drafter.max_anchors_per_document > 2**20:
             # GPU-sized defaults (16384-token batches, 512 anchors per document) take minutes per step on a CPU.
             # Said after load(): a wrong --cache fails first with its own error, not after this warning.
             log.warning(
                 "training on CPU with token budget %d and %d anchors per document: expect minutes per step; "
                 "for CPU runs use e.g. --token-budget 1024 --max-anchors-per-document 32 (the cpu-small preset)",
-                config.data.token_budget, config.max_anchors_per_document,
+                config.data.token_budget, config.drafter.max_anchors_per_document,
             )
         last_eval: dict[str, float] = {}
         self.throughput.reset_clock()  # setup time is not training throughput
@@ -521,14 +521,15 @@ class Trainer:
         from transformers import AutoConfig, AutoTokenizer
 
         config = self.config
-        tokenizer = AutoTokenizer.from_pretrained(target_path) if config.mask_token_id is None else None
+        tokenizer = AutoTokenizer.from_pretrained(target_path) if config.drafter.mask_token_id is None else None
         return DFlashConfig.from_target_config(
             AutoConfig.from_pretrained(target_path),
             tokenizer=tokenizer,
-            num_draft_layers=config.num_draft_layers,
-            block_size=config.block_size,
-            mask_token_id=config.mask_token_id,
-            target_layer_ids=config.target_layer_ids if config.target_layer_ids is not None else metadata.target_layer_ids,
+            num_draft_layers=config.drafter.num_draft_layers,
+            block_size=config.drafter.block_size,
+            mask_token_id=config.drafter.mask_token_id,
+            target_layer_ids=(config.drafter.target_layer_ids if config.drafter.target_layer_ids is not None
+                              else metadata.target_layer_ids),
         )
 
     def _loader_placement(self) -> dict[str, Any]:
@@ -589,7 +590,7 @@ class Trainer:
         batch_index = (loader.step_in_epoch - 1) * self.world_size + self.rank
         generator = torch.Generator().manual_seed(_anchor_seed(self.config.seed, split, loader.epoch, batch_index))
         anchors = sample_anchors(
-            batch, self.drafter_config.block_size, self.config.max_anchors_per_document, generator,
+            batch, self.drafter_config.block_size, self.config.drafter.max_anchors_per_document, generator,
             num_anchors=self.anchor_slots,
         )
         digest = hashlib.sha256((self.counters["data_digest"] + repr(batch.corpus_rows)).encode()).hexdigest()
@@ -769,7 +770,7 @@ class Trainer:
                     _anchor_seed(self.config.seed, "validation", 0, index * self.world_size + self.rank)
                 )
                 anchors = sample_anchors(
-                    batch, block, self.config.max_anchors_per_document, generator, num_anchors=self.anchor_slots
+                    batch, block, self.config.drafter.max_anchors_per_document, generator, num_anchors=self.anchor_slots
                 )
                 batch, anchors = batch.to(self.device), anchors.to(self.device)
                 with self.autocast:
@@ -871,7 +872,7 @@ class Trainer:
         config = self.config
         self.resolved["convention_warnings"] = convention_warnings(
             block_size=self.drafter_config.block_size, gamma=config.resolved_gamma(), betas=config.optim.betas,
-            max_anchors_per_document=config.max_anchors_per_document,
+            max_anchors_per_document=config.drafter.max_anchors_per_document,
             longest_sample=max((row.max_length for row in rows), default=None),
         )
         console.print(render_hyperparameters(hyperparameter_rows(

@@ -3,8 +3,8 @@
 Follows DFlash (arXiv 2602.06036) and the serving implementations (vLLM ``qwen3_dflash.py``, SGLang
 ``models/dflash.py``, z-lab/dflash). Knows nothing of Dask or the CLI.
 
-The names below are imported on first use (PEP 562), so that ``dflash.drafter.config`` (torch-free) is
-importable without loading torch.
+The names below are imported on first use (PEP 562), so that ``dflash.drafter.config`` (torch-free: the train
+stage's ``DrafterTrainingConfig``) is importable without loading torch.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
         flash_attention_available,
         set_attention_backend,
     )
-    from dflash.drafter.config import DFlashConfig, select_mask_token_id
+    from dflash.drafter.config import DFlashConfig, DrafterTrainingConfig, select_mask_token_id
     from dflash.drafter.loss import (
         CE_KERNELS,
         LossOutput,
@@ -45,6 +45,7 @@ _EXPORTS = {
     "flash_attention_available": "dflash.drafter.attention_kernels",
     "set_attention_backend": "dflash.drafter.attention_kernels",
     "DFlashConfig": "dflash.drafter.config",
+    "DrafterTrainingConfig": "dflash.drafter.config",
     "select_mask_token_id": "dflash.drafter.config",
     "CE_KERNELS": "dflash.drafter.loss",
     "LossOutput": "dflash.drafter.loss",
@@ -69,6 +70,7 @@ __all__ = [
     "AttentionLayout",
     "DFlashConfig",
     "DFlashDrafter",
+    "DrafterTrainingConfig",
     "LossOutput",
     "attention_backend",
     "attention_implementation",
