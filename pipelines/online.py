@@ -668,8 +668,8 @@ def register(app: typer.Typer) -> None:
             "data.token_budget": token_budget, "data.num_buckets": num_buckets,
             "data.validation_fraction": validation_fraction,
             "epochs": epochs, "max_steps": max_steps, "stop_at_step": stop_at_step, "optim.lr": lr, "seed": seed,
-            "min_supervised_tokens": min_supervised_tokens, "save_every": save_every, "log_every": log_every,
-            "progress": progress, "grad_accum_steps": grad_accum_steps, "eval_every": eval_every,
+            "min_supervised_tokens": min_supervised_tokens, "save_every": save_every, "telemetry.log_every": log_every,
+            "telemetry.progress": progress, "grad_accum_steps": grad_accum_steps, "eval_every": eval_every,
             "keep_last": keep_last, "allow_config_change": allow_config_change, "break_lock": break_lock,
         }  # fmt: skip
         config = config_from_cli(online, train_overrides, preset, config_file, sets, announce=not print_config)

@@ -40,6 +40,7 @@ from dflash.batch_source import LoaderConfig
 from dflash.drafter.config import DrafterTrainingConfig
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 from dflash.optim import OptimConfig
+from dflash.telemetry import TelemetryConfig
 
 __all__ = ["TrainConfig", "RUNTIME_FIELDS", "trajectory_changes", "run_training", "exit_if_interrupted", "register"]
 
@@ -121,15 +122,13 @@ class TrainConfig:
     """Checkpoints kept besides the best by validation loss."""
     eval_every: int | None = None
     """Validate every N steps (default: ``save_every``, so each checkpoint has a validation loss)."""
-    log_every: int = 10
-    """Log metrics every N steps."""
-    throughput_window: int = 20
-    """Steps in the throughput window."""
-    progress: bool = True
-    """Show the rich progress bar (rank 0)."""
-    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
-    """Experiment trackers the metrics also go to (``dflash.trackers``): tensorboard, wandb, mlflow, trackio (offline
-    modes; an absent package is skipped with a warning); empty (``--report-to none``) for ``metrics.jsonl`` only."""
+    # save_every, eval_every and keep_last stay here rather than in a nested config: the cadence of checkpoints and
+    # validation is the trainer's own loop (which steps save, which validate, eval_every defaulting to save_every so
+    # that the best-by-validation checkpoint has a loss at each one); the checkpointer only takes keep_last, and
+    # ``dflash.checkpoint`` loads torch, which a config declared there would load for every CLI call.
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    """What the run reports and how often (``dflash.telemetry.TelemetryConfig``: log_every, throughput_window,
+    progress, report_to); ``[train.telemetry]`` in a config file, ``--set train.telemetry.log_every=50``."""
     attention_backend: Literal["auto", "flash", "triton"] | None = None
     """Kernels of the drafter's FlexAttention on GPU (``dflash.drafter.attention_kernels``): ``auto`` (flash-attn-4's
     where installed and usable, else Triton's), ``flash`` or ``triton``; ``None``: ``$DFLASH_ATTENTION_BACKEND``, else
@@ -152,8 +151,8 @@ class TrainConfig:
         self.optim = _nested_config(OptimConfig(), self.optim, "optim")
         self.data = _nested_config(_TRAIN_DATA_DEFAULTS, self.data, "data")
         self.drafter = _nested_config(DrafterTrainingConfig(), self.drafter, "drafter")
-        positive = ("grad_accum_steps", "save_every", "keep_last",
-                    "log_every", "throughput_window", "drafter_processes")
+        self.telemetry = _nested_config(TelemetryConfig(), self.telemetry, "telemetry")
+        positive = ("grad_accum_steps", "save_every", "keep_last", "drafter_processes")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -164,13 +163,6 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
         if self.max_steps is None and not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ConfigError(f"epochs must be > 0 (or give max_steps), got {self.epochs!r}")
-        from dflash.trackers import TRACKERS
-
-        self.report_to = [] if list(self.report_to) == ["none"] else [str(name) for name in self.report_to]
-        unknown_trackers = [name for name in self.report_to if name not in TRACKERS]
-        if unknown_trackers:
-            raise ConfigError(f"report_to: unknown tracker(s) {unknown_trackers}; expected a comma-separated subset of "
-                              f"{', '.join(TRACKERS)}, or none")
         from dflash.config_check import dtype_spelling
 
         self.mixed_precision = dtype_spelling(self.mixed_precision, ("bf16", "none"))
@@ -325,8 +317,9 @@ def _nested_config(default: Any, value: Any, name: str) -> Any:
 #: dotted path, ``data.prefetch_batches``).
 RUNTIME_FIELDS = frozenset({
     "cache", "output", "target", "resume", "allow_config_change", "break_lock", "allow_incomplete", "device", "drafter_gpus", "drafter_processes",
-    "stop_at_step", "save_every", "keep_last", "eval_every", "log_every", "throughput_window", "progress",
-    "data.prefetch_batches", "max_validation_batches", "report_to", "attention_backend", "ce_kernel",
+    "stop_at_step", "save_every", "keep_last", "eval_every", "telemetry.log_every", "telemetry.throughput_window",
+    "telemetry.progress", "data.prefetch_batches", "max_validation_batches", "telemetry.report_to", "attention_backend",
+    "ce_kernel",
 })  # fmt: skip
 
 
@@ -687,6 +680,7 @@ OPTION_FIELDS = {
     "warmup_ratio": "optim.warmup_ratio", "grad_clip": "optim.grad_clip", "token_budget": "data.token_budget",
     "num_buckets": "data.num_buckets", "bucket_boundaries": "data.boundaries",
     "validation_fraction": "data.validation_fraction", "max_documents": "data.max_documents_per_batch",
+    "log_every": "telemetry.log_every", "progress": "telemetry.progress", "report_to": "telemetry.report_to",
 }  # fmt: skip
 
 #: Field path -> its option's spelling, where it is not ``--`` + the last part (for messages naming the source).
@@ -762,7 +756,7 @@ def register(app: typer.Typer) -> None:
         save_every: int = typer.Option(None, "--save-every", show_default=_shown("save_every"), help="Checkpoint every N steps."),
         keep_last: int = typer.Option(None, "--keep-last", show_default=_shown("keep_last"), help="Checkpoints to keep, plus the best."),
         eval_every: int = typer.Option(None, "--eval-every", help="Validate every N steps."),
-        log_every: int = typer.Option(None, "--log-every", show_default=_shown("log_every"), help="Log every N steps."),
+        log_every: int = typer.Option(None, "--log-every", show_default=_shown("telemetry.log_every"), help="Log every N steps."),
         allow_config_change: bool = typer.Option(None, "--allow-config-change", show_default=_shown("allow_config_change"), help="Resume despite changes."),
         break_lock: bool = typer.Option(
             None, "--break-lock", show_default=_shown("break_lock"), help="Take over RUN's lock left by a run on another host known dead (docs/training.md)."),
@@ -771,7 +765,7 @@ def register(app: typer.Typer) -> None:
             show_default=_shown("allow_incomplete"), help="Train on the committed shards of an unfinished cache (refused otherwise; the run says how many "
                  "samples of how many it trains on).",
         ),
-        progress: bool = typer.Option(None, "--progress/--no-progress", show_default=_shown("progress"), help="Show the progress bar."),
+        progress: bool = typer.Option(None, "--progress/--no-progress", show_default=_shown("telemetry.progress"), help="Show the progress bar."),
         print_config: bool = typer.Option(
             False, "--print-config",
             help="Print the resolved config (defaults < saved run with --resume < --preset < --config file < options "
@@ -779,7 +773,7 @@ def register(app: typer.Typer) -> None:
         ),
         report_to: str = typer.Option(
             None, "--report-to",
-            show_default=_shown("report_to"), help="Trackers the metrics also go to, comma-separated: tensorboard, wandb, mlflow, trackio "
+            show_default=_shown("telemetry.report_to"), help="Trackers the metrics also go to, comma-separated: tensorboard, wandb, mlflow, trackio "
                  "(offline; an absent package is skipped with a warning), or none.",
         ),
     ) -> None:
@@ -804,9 +798,9 @@ def register(app: typer.Typer) -> None:
             "residual_dtype": residual_dtype, "compile": compile_layers, "anchor_slots": anchor_slots,
             "data.max_documents_per_batch": max_documents,
             "min_supervised_tokens": min_supervised_tokens,
-            "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "log_every": log_every,
-            "allow_config_change": allow_config_change, "break_lock": break_lock, "allow_incomplete": allow_incomplete, "progress": progress,
-            "report_to": report_to.split(",") if report_to else None,
+            "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "telemetry.log_every": log_every,
+            "allow_config_change": allow_config_change, "break_lock": break_lock, "allow_incomplete": allow_incomplete, "telemetry.progress": progress,
+            "telemetry.report_to": report_to.split(",") if report_to else None,
             "attention_backend": attention_backend, "ce_kernel": ce_kernel,
         }  # fmt: skip
         config = config_from_cli(overrides, config_file, preset=preset, sets=sets, announce=not print_config)

@@ -25,7 +25,7 @@ TINY = {
     "extract": {"target_processes": 1, "num_taps": 1, "token_budget": 2048, "shard_size": 2048, "dashboard_address": ":0"},
     "train": {"drafter": {"num_draft_layers": 1, "block_size": 4, "max_anchors_per_document": 8}, "epochs": 2,
               "data": {"token_budget": 512, "validation_fraction": 0.0}, "save_every": 100, "keep_last": 1,
-              "device": "cpu", "progress": False},
+              "device": "cpu", "telemetry": {"progress": False}},
     "evaluate": {"num_prompts": 2, "prompt_tokens": 32, "max_new_tokens": 4, "ignore_eos": True, "device": "cpu",
                  "cpu_threads": 1,
                  "per_epoch": True, "compare_untrained": True},
@@ -218,7 +218,7 @@ def test_a_work_folder_recorded_with_flat_train_keys_still_counts_as_the_same_se
     change is still refused."""
     from pipelines.offline import _digest, _State
 
-    nested = {"target": "default", "progress": True, "drafter": {"block_size": 4}, "optim": {"lr": 1e-3},
+    nested = {"target": "default", "telemetry": {"progress": True}, "drafter": {"block_size": 4}, "optim": {"lr": 1e-3},
               "data": {"token_budget": 1024, "validation_fraction": 0.0}}
     flat = {"target": "default", "progress": True, "block_size": 4, "lr": 1e-3, "token_budget": 1024,
             "validation_fraction": 0.0}

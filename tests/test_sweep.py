@@ -11,9 +11,9 @@ from dflash.errors import ConfigError
 from stages.sweep import parse_grid, plan_sweep
 
 TINY = [
-    "num_draft_layers=1", "block_size=4", "max_anchors_per_document=2", "data.token_budget=192", "data.num_buckets=2",
-    "data.validation_fraction=0.2", "max_validation_batches=1", "max_steps=2", "log_every=1", "device=cpu",
-    "progress=false", "data.prefetch_batches=2",
+    "drafter.num_draft_layers=1", "drafter.block_size=4", "drafter.max_anchors_per_document=2",
+    "data.token_budget=192", "data.num_buckets=2", "data.validation_fraction=0.2", "max_validation_batches=1",
+    "max_steps=2", "telemetry.log_every=1", "device=cpu", "telemetry.progress=false", "data.prefetch_batches=2",
 ]  # fmt: skip
 
 

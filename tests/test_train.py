@@ -484,8 +484,8 @@ def test_a_run_saved_with_flat_keys_resumes_bit_exactly_without_a_trajectory_cha
     run_training(tiny_config(tiny_cache, run, stop_at_step=2, **common))
     record = json.loads((run / "run.json").read_text())
     record["config"] = _flat(record["config"])
-    assert {"lr", "token_budget", "block_size", "max_anchors_per_document"} <= set(record["config"])
-    assert not {"optim", "data", "drafter"} & set(record["config"])
+    assert {"lr", "token_budget", "block_size", "max_anchors_per_document", "log_every", "report_to"} <= set(record["config"])
+    assert not {"optim", "data", "drafter", "telemetry"} & set(record["config"])
     (run / "run.json").write_text(json.dumps(record))
     for state_file in run.glob("checkpoints/*/trainer_state.json"):
         state = json.loads(state_file.read_text())
@@ -497,6 +497,7 @@ def test_a_run_saved_with_flat_keys_resumes_bit_exactly_without_a_trajectory_cha
     assert not [r for r in caplog.records if "deprecated" in r.getMessage() or "changed config" in r.getMessage()]
     assert config.optim.lr == 2e-3 and resumed["step"] == straight["step"] == 4
     assert (config.drafter.block_size, config.drafter.max_anchors_per_document) == (4, 2)
+    assert (config.telemetry.log_every, config.telemetry.progress) == (1, False)
     _assert_same_state(_checkpoint_state(tmp_path / "straight", 4), _checkpoint_state(run, 4))
 
 
