@@ -56,7 +56,7 @@ from dflash.corpus import CorpusWriter, open_corpus
 from dflash.online import BatchProducer, BatchTask
 from dflash.target import load_target
 from dflash.target_runner import TargetRunner
-from dflash.telemetry import read_metrics
+from dflash.telemetry import TelemetryConfig, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extract import build_target  # noqa: E402  (the benchmarks' shared random-target builder)
@@ -182,6 +182,7 @@ def main() -> None:
     block_size = args.block_size or (16 if gpu else 4)
     anchors = args.anchors or (512 if gpu else 8)
     from dflash.batch_source import LoaderConfig
+    from dflash.drafter.config import DrafterTrainingConfig
     from dflash.target import default_target_layer_ids
     from pipelines.online import ONLINE_CACHE_PREFIX, OnlineConfig
     from stages.train import TrainConfig
@@ -211,12 +212,15 @@ def main() -> None:
 
     def config(name: str) -> OnlineConfig:
         train = TrainConfig(cache=f"{ONLINE_CACHE_PREFIX}{corpus_path}", output=str(work / name),
-                            target=target_spec, num_draft_layers=num_draft_layers, block_size=block_size,
-                            max_anchors_per_document=anchors,
+                            target=target_spec,
+                            drafter=DrafterTrainingConfig(num_draft_layers=num_draft_layers, block_size=block_size,
+                                                          max_anchors_per_document=anchors,
+                                                          mask_token_id=mask_token_id),
                             data=LoaderConfig(token_budget=token_budget, num_buckets=2, validation_fraction=0.0),
-                            max_steps=args.steps, save_every=args.steps, log_every=1,
-                            throughput_window=args.steps + 1, progress=False, device=device.type,
-                            min_supervised_tokens=0, mask_token_id=mask_token_id)  # fmt: skip
+                            max_steps=args.steps, save_every=args.steps,
+                            telemetry=TelemetryConfig(log_every=1, throughput_window=args.steps + 1, progress=False),
+                            device=device.type,
+                            min_supervised_tokens=0)  # fmt: skip
         # Two slots: read-ahead cannot cover a short run, so the rate is the steady one.
         return OnlineConfig(corpus=str(corpus_path), train=train, target=target_spec, target_layer_ids=layer_ids,
                             ring_slots=2)

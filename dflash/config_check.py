@@ -84,7 +84,9 @@ def migrate_renamed(section: str, values: Mapping[str, Any], source: str = "", *
 
 #: Settings that moved into a nested config (STYLE.md 15: bigger configs nest smaller ones; ``train.lr`` is now
 #: ``train.optim.lr``, declared once in ``dflash.optim.OptimConfig``; ``train.token_budget`` is ``train.data.token_budget``,
-#: ``dflash.batch_source.LoaderConfig``): section -> {old flat key: new dotted path}.
+#: ``dflash.batch_source.LoaderConfig``; ``train.block_size`` is ``train.drafter.block_size``,
+#: ``dflash.drafter.config.DrafterTrainingConfig``; ``train.log_every`` is ``train.telemetry.log_every``,
+#: ``dflash.telemetry.TelemetryConfig``): section -> {old flat key: new dotted path}.
 #: A config file, preset, ``--set`` or ``--grid`` with the old key is read as the new path with one deprecation
 #: warning per key; a saved run (``run.json``, a checkpoint) written before the move is read silently.
 MOVED_KEYS: dict[str, dict[str, str]] = {
@@ -94,6 +96,9 @@ MOVED_KEYS: dict[str, dict[str, str]] = {
         **{name: f"data.{name}" for name in ("token_budget", "num_buckets", "max_documents_per_batch",
                                              "validation_fraction", "prefetch_batches", "shard_window")},
         "bucket_boundaries": "data.boundaries",
+        **{name: f"drafter.{name}" for name in ("num_draft_layers", "block_size", "mask_token_id", "target_layer_ids",
+                                                "gamma", "max_anchors_per_document")},
+        **{name: f"telemetry.{name}" for name in ("log_every", "throughput_window", "progress", "report_to")},
     },
 }
 

@@ -18,6 +18,8 @@
   source reports producer work (the online queue), the producers' capacity I (each producer's tokens per second
   of its compute time, summed over producers) and the ring's occupancy.
 - :func:`training_progress` is a rich progress bar with ETA.
+- :class:`TelemetryConfig` holds what a run chooses of all this (``train.telemetry``): the log interval, the
+  throughput window, the progress bar and the trackers.
 
 Only rank 0 writes; other ranks construct these with ``enabled=False`` and every call is a no-op.
 """
@@ -30,9 +32,11 @@ import statistics
 import time
 from collections import Counter, deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from dflash.errors import ConfigError
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
@@ -40,6 +44,7 @@ if TYPE_CHECKING:
     from rich.progress import Progress
 
 __all__ = [
+    "TelemetryConfig",
     "MetricsWriter",
     "ThroughputWindow",
     "StepTimer",
@@ -50,6 +55,36 @@ __all__ = [
     "read_metrics",
     "drop_records_after",
 ]
+
+
+
+@dataclass(kw_only=True, slots=True)
+class TelemetryConfig:
+    """What a training run reports and how often (``train.telemetry``; ``[train.telemetry]`` in a config file,
+    ``--set train.telemetry.log_every=50``). None of it changes what is computed: a resume may change any field."""
+
+    log_every: int = 10
+    """Log metrics every N steps (``metrics.jsonl`` and the trackers)."""
+    throughput_window: int = 20
+    """Steps in the throughput window (:class:`ThroughputWindow`, :class:`StepTimeWindow`)."""
+    progress: bool = True
+    """Show the rich progress bar (rank 0)."""
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers the metrics also go to (``dflash.trackers``): tensorboard, wandb, mlflow, trackio (offline
+    modes; an absent package is skipped with a warning); empty (``--report-to none``) for ``metrics.jsonl`` only."""
+
+    def __post_init__(self) -> None:
+        from dflash.trackers import TRACKERS
+
+        for name in ("log_every", "throughput_window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        self.report_to = [] if list(self.report_to) == ["none"] else [str(name) for name in self.report_to]
+        unknown = [name for name in self.report_to if name not in TRACKERS]
+        if unknown:
+            raise ConfigError(f"report_to: unknown tracker(s) {unknown}; expected a comma-separated subset of "
+                              f"{', '.join(TRACKERS)}, or none")
 
 
 def _jsonable(value: Any) -> Any:

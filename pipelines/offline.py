@@ -480,15 +480,15 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
     stage("extract", extract, lambda: _json_safe(run_extract(
         ExtractConfig(corpus=str(paths["corpus"]), output=str(paths["cache"]), **extract), console=console)))
 
-    train = {"progress": True, **config.section("train")}
+    from dflash.config_check import deep_merge
+
+    train = deep_merge({"telemetry": {"progress": True}}, migrate_renamed("train", config.section("train"), saved=True))
     evaluate = {"seed": 0, **config.evaluate}
     evaluate.pop("prompts", None)  # where the prompts come from is decided above
     per_epoch = bool(evaluate.pop("per_epoch", False))
     compare_untrained = bool(evaluate.pop("compare_untrained", False))
 
     def train_config(**changes: Any) -> TrainConfig:
-        from dflash.config_check import deep_merge
-
         return TrainConfig.from_dict(deep_merge({**train, "cache": str(paths["cache"]), "output": str(paths["run"])},
                                                 changes))
 

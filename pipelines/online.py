@@ -150,7 +150,7 @@ def online_metadata(config: OnlineConfig) -> tuple[Any, Any]:
     layer_ids = (
         validate_target_layer_ids(config.target_layer_ids, identity.num_hidden_layers)
         if config.target_layer_ids is not None
-        else default_target_layer_ids(identity.num_hidden_layers, config.train.num_draft_layers)
+        else default_target_layer_ids(identity.num_hidden_layers, config.train.drafter.num_draft_layers)
     )
     metadata = CacheMetadata(
         target=identity.to_dict(), target_spec=str(config.target), target_layer_ids=layer_ids,
@@ -664,12 +664,13 @@ def register(app: typer.Typer) -> None:
         train_overrides = {
             "output": output, "resume": resume, "drafter_gpus": _csv_ints(drafter_gpus),
             "drafter_processes": drafter_processes, "device": device,
-            "num_draft_layers": num_draft_layers, "block_size": block_size, "max_anchors_per_document": max_anchors,
+            "drafter.num_draft_layers": num_draft_layers, "drafter.block_size": block_size,
+            "drafter.max_anchors_per_document": max_anchors,
             "data.token_budget": token_budget, "data.num_buckets": num_buckets,
             "data.validation_fraction": validation_fraction,
             "epochs": epochs, "max_steps": max_steps, "stop_at_step": stop_at_step, "optim.lr": lr, "seed": seed,
-            "min_supervised_tokens": min_supervised_tokens, "save_every": save_every, "log_every": log_every,
-            "progress": progress, "grad_accum_steps": grad_accum_steps, "eval_every": eval_every,
+            "min_supervised_tokens": min_supervised_tokens, "save_every": save_every, "telemetry.log_every": log_every,
+            "telemetry.progress": progress, "grad_accum_steps": grad_accum_steps, "eval_every": eval_every,
             "keep_last": keep_last, "allow_config_change": allow_config_change, "break_lock": break_lock,
         }  # fmt: skip
         config = config_from_cli(online, train_overrides, preset, config_file, sets, announce=not print_config)

@@ -94,8 +94,8 @@ def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: l
             f"{default_gamma(block_size):g} (no paper value; 1 + 3B/8)",
             departs=float(resolved["gamma"]) != (paper_gamma or default_gamma(block_size))),
         row("block size", block_size, _PAPER["block_size"]),
-        row("draft layers", drafter.get("num_hidden_layers", config.num_draft_layers)),
-        row("anchors per document", config.max_anchors_per_document, _PAPER["max_anchors_per_document"]),
+        row("draft layers", drafter.get("num_hidden_layers", config.drafter.num_draft_layers)),
+        row("anchors per document", config.drafter.max_anchors_per_document, _PAPER["max_anchors_per_document"]),
         row("anchor slots (compile)", resolved.get("anchor_slots") or "dynamic"),
         row("token budget", f"{config.data.token_budget:,} per micro-batch x {config.grad_accum_steps} accum x {world} "
             f"ranks = {tokens_per_step:,} per step"),

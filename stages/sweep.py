@@ -319,7 +319,8 @@ def _run_in_subprocess(run: SweepRun, gpus: queue.Queue[int]) -> None:
     try:
         run_dir = Path(run.config.output)
         run_dir.mkdir(parents=True, exist_ok=True)
-        config = run.config.to_dict() | {"drafter_gpus": [gpu], "device": "cuda", "progress": False}
+        config = run.config.to_dict() | {"drafter_gpus": [gpu], "device": "cuda"}
+        config["telemetry"]["progress"] = False
         config_file = run_dir / "sweep_config.json"
         atomic_write_text(config_file, json.dumps(config, indent=2))
         command = [sys.executable, "-m", "stages.cli", "train", "--config", str(config_file)]

@@ -37,8 +37,10 @@ from typing import Any, Literal
 import typer
 
 from dflash.batch_source import LoaderConfig
+from dflash.drafter.config import DrafterTrainingConfig
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 from dflash.optim import OptimConfig
+from dflash.telemetry import TelemetryConfig
 
 __all__ = ["TrainConfig", "RUNTIME_FIELDS", "trajectory_changes", "run_training", "exit_if_interrupted", "register"]
 
@@ -67,18 +69,10 @@ class TrainConfig:
     """Train on a cache whose planned shards are not all committed (the run then logs how many samples of how many
     planned rows it trains on); without it such a cache is refused before step 1."""
     # -- drafter and objective
-    num_draft_layers: int = 5
-    """Draft decoder layers (paper: 5)."""
-    block_size: int = 16
-    """Draft block size B (paper: 16)."""
-    mask_token_id: int | None = None
-    """Mask token row of the target embedding; default: chosen from the tokenizer's unused special tokens."""
-    target_layer_ids: list[int] | None = None
-    """Tapped target layers; default: the cache's. Anything else is refused (the cache holds only its taps)."""
-    gamma: float | None = None
-    """Loss decay over block positions; default by block size (7 for 16, 5 for 10, 4 for 8)."""
-    max_anchors_per_document: int = 512
-    """Anchor budget per document per epoch (paper: 512)."""
+    drafter: DrafterTrainingConfig = field(default_factory=DrafterTrainingConfig)
+    """The drafter and objective (``dflash.drafter.config.DrafterTrainingConfig``: num_draft_layers, block_size,
+    mask_token_id, target_layer_ids, gamma, max_anchors_per_document); ``[train.drafter]`` in a config file,
+    ``--set train.drafter.block_size=8``."""
     # -- data
     data: LoaderConfig = field(default_factory=lambda: dataclasses.replace(_TRAIN_DATA_DEFAULTS))
     """What the run reads and how (``dflash.batch_source.LoaderConfig``: token_budget, boundaries, num_buckets,
@@ -89,7 +83,7 @@ class TrainConfig:
     """Validation batches per rank per evaluation (None: the whole held-out split)."""
     min_supervised_tokens: int | None = None
     """Samples with fewer supervised (loss_mask = 1) tokens are excluded, counted and reported (run.json, metrics,
-    log); default ``2 * block_size`` (DFLASH.md: shorter samples give no useful anchors); 0 keeps every sample."""
+    log); default ``2 * drafter.block_size`` (DFLASH.md: shorter samples give no useful anchors); 0 keeps every sample."""
     # -- optimization (defaults: the paper's recipe; betas from SpecForge, see dflash.optim)
     epochs: float = 6.0
     """Passes over the training split (paper: 6); ignored when ``max_steps`` is set."""
@@ -111,8 +105,8 @@ class TrainConfig:
     """torch.compile the draft layers on the fixed-shape path: every micro-batch padded to ``token_budget`` and
     ``anchor_slots`` anchor slots, so one graph serves every step (eager, dynamic shapes, is the default)."""
     anchor_slots: int | None = None
-    """Anchors per micro-batch on the fixed-shape path; default ``max_anchors_per_document x
-    max_documents_per_batch`` capped at ``token_budget``. More valid anchors: a uniform random subset is kept."""
+    """Anchors per micro-batch on the fixed-shape path; default ``drafter.max_anchors_per_document x
+    data.max_documents_per_batch`` capped at ``data.token_budget``. More valid anchors: a uniform random subset is kept."""
     # -- runtime (never changes the trajectory)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the drafter trains; auto: CUDA when available."""
@@ -128,15 +122,13 @@ class TrainConfig:
     """Checkpoints kept besides the best by validation loss."""
     eval_every: int | None = None
     """Validate every N steps (default: ``save_every``, so each checkpoint has a validation loss)."""
-    log_every: int = 10
-    """Log metrics every N steps."""
-    throughput_window: int = 20
-    """Steps in the throughput window."""
-    progress: bool = True
-    """Show the rich progress bar (rank 0)."""
-    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
-    """Experiment trackers the metrics also go to (``dflash.trackers``): tensorboard, wandb, mlflow, trackio (offline
-    modes; an absent package is skipped with a warning); empty (``--report-to none``) for ``metrics.jsonl`` only."""
+    # save_every, eval_every and keep_last stay here rather than in a nested config: the cadence of checkpoints and
+    # validation is the trainer's own loop (which steps save, which validate, eval_every defaulting to save_every so
+    # that the best-by-validation checkpoint has a loss at each one); the checkpointer only takes keep_last, and
+    # ``dflash.checkpoint`` loads torch, which a config declared there would load for every CLI call.
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    """What the run reports and how often (``dflash.telemetry.TelemetryConfig``: log_every, throughput_window,
+    progress, report_to); ``[train.telemetry]`` in a config file, ``--set train.telemetry.log_every=50``."""
     attention_backend: Literal["auto", "flash", "triton"] | None = None
     """Kernels of the drafter's FlexAttention on GPU (``dflash.drafter.attention_kernels``): ``auto`` (flash-attn-4's
     where installed and usable, else Triton's), ``flash`` or ``triton``; ``None``: ``$DFLASH_ATTENTION_BACKEND``, else
@@ -151,8 +143,6 @@ class TrainConfig:
             raise ConfigError("cache: give the hidden-state cache path (--cache)")
         if not self.output:
             raise ConfigError("output: give the run folder (--output)")
-        if self.target_layer_ids is not None:
-            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.drafter_gpus is not None:
             self.drafter_gpus = [int(i) for i in self.drafter_gpus]
             if (not self.drafter_gpus or len(set(self.drafter_gpus)) != len(self.drafter_gpus)
@@ -160,29 +150,19 @@ class TrainConfig:
                 raise ConfigError(f"drafter_gpus must list distinct GPU ids >= 0, got {self.drafter_gpus}")
         self.optim = _nested_config(OptimConfig(), self.optim, "optim")
         self.data = _nested_config(_TRAIN_DATA_DEFAULTS, self.data, "data")
-        positive = ("num_draft_layers", "max_anchors_per_document", "grad_accum_steps", "save_every", "keep_last",
-                    "log_every", "throughput_window", "drafter_processes")
+        self.drafter = _nested_config(DrafterTrainingConfig(), self.drafter, "drafter")
+        self.telemetry = _nested_config(TelemetryConfig(), self.telemetry, "telemetry")
+        positive = ("grad_accum_steps", "save_every", "keep_last", "drafter_processes")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_steps", "eval_every", "max_validation_batches", "stop_at_step", "mask_token_id", "anchor_slots"):
+        for name in ("max_steps", "eval_every", "max_validation_batches", "stop_at_step", "anchor_slots"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < (0 if name == "mask_token_id" else 1)):
+            if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
-        if not isinstance(self.block_size, int) or self.block_size < 2:
-            raise ConfigError(f"block_size must be an integer >= 2, got {self.block_size!r}")
-        if self.gamma is not None and not (self.gamma > 0 and math.isfinite(self.gamma)):
-            raise ConfigError(f"gamma must be a positive finite number, got {self.gamma!r}")
         if self.max_steps is None and not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ConfigError(f"epochs must be > 0 (or give max_steps), got {self.epochs!r}")
-        from dflash.trackers import TRACKERS
-
-        self.report_to = [] if list(self.report_to) == ["none"] else [str(name) for name in self.report_to]
-        unknown_trackers = [name for name in self.report_to if name not in TRACKERS]
-        if unknown_trackers:
-            raise ConfigError(f"report_to: unknown tracker(s) {unknown_trackers}; expected a comma-separated subset of "
-                              f"{', '.join(TRACKERS)}, or none")
         from dflash.config_check import dtype_spelling
 
         self.mixed_precision = dtype_spelling(self.mixed_precision, ("bf16", "none"))
@@ -204,7 +184,7 @@ class TrainConfig:
         if self.compile and self.anchor_slots is None and self.data.max_documents_per_batch is None:
             raise ConfigError(
                 "anchor_slots: --compile needs a fixed anchor count; give anchor_slots, or data.max_documents_per_batch "
-                "(anchor_slots then defaults to max_anchors_per_document x data.max_documents_per_batch)"
+                "(anchor_slots then defaults to drafter.max_anchors_per_document x data.max_documents_per_batch)"
             )
         if self.eval_every is None:
             self.eval_every = self.save_every
@@ -239,16 +219,18 @@ class TrainConfig:
         if self.anchor_slots is not None:
             return self.anchor_slots
         assert self.data.max_documents_per_batch is not None
-        return min(self.data.token_budget, self.max_anchors_per_document * self.data.max_documents_per_batch)
+        return min(self.data.token_budget, self.drafter.max_anchors_per_document * self.data.max_documents_per_batch)
 
     def resolved_min_supervised_tokens(self) -> int:
-        """Samples with fewer supervised tokens are excluded: ``min_supervised_tokens``, default ``2 * block_size``."""
-        return self.min_supervised_tokens if self.min_supervised_tokens is not None else 2 * self.block_size
+        """Samples with fewer supervised tokens are excluded: ``min_supervised_tokens``, default ``2 *
+        drafter.block_size``."""
+        if self.min_supervised_tokens is not None:
+            return self.min_supervised_tokens
+        return 2 * self.drafter.block_size
 
     def resolved_gamma(self) -> float:
-        from dflash.drafter import default_gamma
-
-        return float(self.gamma) if self.gamma is not None else default_gamma(self.block_size)
+        """``drafter.gamma``, or the default for ``drafter.block_size``."""
+        return self.drafter.resolved_gamma()
 
     @property
     def world_size(self) -> int:
@@ -335,8 +317,9 @@ def _nested_config(default: Any, value: Any, name: str) -> Any:
 #: dotted path, ``data.prefetch_batches``).
 RUNTIME_FIELDS = frozenset({
     "cache", "output", "target", "resume", "allow_config_change", "break_lock", "allow_incomplete", "device", "drafter_gpus", "drafter_processes",
-    "stop_at_step", "save_every", "keep_last", "eval_every", "log_every", "throughput_window", "progress",
-    "data.prefetch_batches", "max_validation_batches", "report_to", "attention_backend", "ce_kernel",
+    "stop_at_step", "save_every", "keep_last", "eval_every", "telemetry.log_every", "telemetry.throughput_window",
+    "telemetry.progress", "data.prefetch_batches", "max_validation_batches", "telemetry.report_to", "attention_backend",
+    "ce_kernel",
 })  # fmt: skip
 
 
@@ -639,7 +622,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
 #: (16,384-token micro-batches, 512 anchors per document) make a step of the dense-mask CPU path need tens of GB
 #: (the attention mask and scores grow with (anchors x block size) x (tokens + anchors x block size)), which a CPU
 #: host runs out of minutes later; these are the cpu-small preset's.
-CPU_SIZED_DEFAULTS = {"data.token_budget": 1024, "max_anchors_per_document": 32}
+CPU_SIZED_DEFAULTS = {"data.token_budget": 1024, "drafter.max_anchors_per_document": 32}
 
 
 def _size_defaults_for_cpu(merged: dict[str, Any]) -> dict[str, Any]:
@@ -690,11 +673,14 @@ def exit_if_interrupted(summary: dict[str, Any], config: TrainConfig, command: s
 
 #: ``train`` option parameter -> the :class:`TrainConfig` field (dotted path) it sets, where the names differ.
 OPTION_FIELDS = {
-    "max_anchors": "max_anchors_per_document", "compile_layers": "compile",
+    "max_anchors": "drafter.max_anchors_per_document", "compile_layers": "compile",
+    **{name: f"drafter.{name}" for name in ("num_draft_layers", "block_size", "mask_token_id", "target_layer_ids",
+                                            "gamma")},
     "lr": "optim.lr", "betas": "optim.betas", "weight_decay": "optim.weight_decay",
     "warmup_ratio": "optim.warmup_ratio", "grad_clip": "optim.grad_clip", "token_budget": "data.token_budget",
     "num_buckets": "data.num_buckets", "bucket_boundaries": "data.boundaries",
     "validation_fraction": "data.validation_fraction", "max_documents": "data.max_documents_per_batch",
+    "log_every": "telemetry.log_every", "progress": "telemetry.progress", "report_to": "telemetry.report_to",
 }  # fmt: skip
 
 #: Field path -> its option's spelling, where it is not ``--`` + the last part (for messages naming the source).
@@ -727,12 +713,12 @@ def register(app: typer.Typer) -> None:
         drafter_gpus: str = typer.Option(None, "--drafter-gpus", help="GPU ids, e.g. 5,6,7 (DDP when several)."),
         drafter_processes: int = typer.Option(None, "--drafter-processes", show_default=_shown("drafter_processes"), help="DDP processes on CPU (gloo)."),
         device: str = typer.Option(None, "--device", show_default=_shown("device"), help="auto | cpu | cuda."),
-        num_draft_layers: int = typer.Option(None, "--num-draft-layers", show_default=_shown("num_draft_layers"), help="Draft decoder layers."),
-        block_size: int = typer.Option(None, "--block-size", show_default=_shown("block_size"), help="Block size B."),
+        num_draft_layers: int = typer.Option(None, "--num-draft-layers", show_default=_shown("drafter.num_draft_layers"), help="Draft decoder layers."),
+        block_size: int = typer.Option(None, "--block-size", show_default=_shown("drafter.block_size"), help="Block size B."),
         mask_token_id: int = typer.Option(None, "--mask-token-id", help="Mask token row (default: chosen)."),
         target_layer_ids: str = typer.Option(None, "--target-layer-ids", help="Tapped ids; must equal the cache's."),
         gamma: float = typer.Option(None, "--gamma", help="Loss decay (default by block size)."),
-        max_anchors: int = typer.Option(None, "--max-anchors-per-document", show_default=_shown("max_anchors_per_document"), help=f"Anchors per document (on a CPU host, when nothing sets it: {CPU_SIZED_DEFAULTS['max_anchors_per_document']})."),
+        max_anchors: int = typer.Option(None, "--max-anchors-per-document", show_default=_shown("drafter.max_anchors_per_document"), help=f"Anchors per document (on a CPU host, when nothing sets it: {CPU_SIZED_DEFAULTS['drafter.max_anchors_per_document']})."),
         token_budget: int = typer.Option(None, "--token-budget", show_default=_shown("data.token_budget"), help=f"Real tokens per micro-batch per rank (on a CPU host, when nothing sets it: {CPU_SIZED_DEFAULTS['data.token_budget']})."),
         num_buckets: int = typer.Option(None, "--num-buckets", show_default=_shown("data.num_buckets"), help="Length buckets from quantiles."),
         bucket_boundaries: str = typer.Option(None, "--bucket-boundaries", help="Bucket edges, e.g. 256,1024."),
@@ -770,7 +756,7 @@ def register(app: typer.Typer) -> None:
         save_every: int = typer.Option(None, "--save-every", show_default=_shown("save_every"), help="Checkpoint every N steps."),
         keep_last: int = typer.Option(None, "--keep-last", show_default=_shown("keep_last"), help="Checkpoints to keep, plus the best."),
         eval_every: int = typer.Option(None, "--eval-every", help="Validate every N steps."),
-        log_every: int = typer.Option(None, "--log-every", show_default=_shown("log_every"), help="Log every N steps."),
+        log_every: int = typer.Option(None, "--log-every", show_default=_shown("telemetry.log_every"), help="Log every N steps."),
         allow_config_change: bool = typer.Option(None, "--allow-config-change", show_default=_shown("allow_config_change"), help="Resume despite changes."),
         break_lock: bool = typer.Option(
             None, "--break-lock", show_default=_shown("break_lock"), help="Take over RUN's lock left by a run on another host known dead (docs/training.md)."),
@@ -779,7 +765,7 @@ def register(app: typer.Typer) -> None:
             show_default=_shown("allow_incomplete"), help="Train on the committed shards of an unfinished cache (refused otherwise; the run says how many "
                  "samples of how many it trains on).",
         ),
-        progress: bool = typer.Option(None, "--progress/--no-progress", show_default=_shown("progress"), help="Show the progress bar."),
+        progress: bool = typer.Option(None, "--progress/--no-progress", show_default=_shown("telemetry.progress"), help="Show the progress bar."),
         print_config: bool = typer.Option(
             False, "--print-config",
             help="Print the resolved config (defaults < saved run with --resume < --preset < --config file < options "
@@ -787,7 +773,7 @@ def register(app: typer.Typer) -> None:
         ),
         report_to: str = typer.Option(
             None, "--report-to",
-            show_default=_shown("report_to"), help="Trackers the metrics also go to, comma-separated: tensorboard, wandb, mlflow, trackio "
+            show_default=_shown("telemetry.report_to"), help="Trackers the metrics also go to, comma-separated: tensorboard, wandb, mlflow, trackio "
                  "(offline; an absent package is skipped with a warning), or none.",
         ),
     ) -> None:
@@ -801,8 +787,9 @@ def register(app: typer.Typer) -> None:
         overrides = {
             "cache": cache, "output": output, "resume": resume, "target": target,
             "drafter_gpus": _csv_ints(drafter_gpus), "drafter_processes": drafter_processes, "device": device,
-            "num_draft_layers": num_draft_layers, "block_size": block_size, "mask_token_id": mask_token_id,
-            "target_layer_ids": _csv_ints(target_layer_ids), "gamma": gamma, "max_anchors_per_document": max_anchors,
+            "drafter.num_draft_layers": num_draft_layers, "drafter.block_size": block_size,
+            "drafter.mask_token_id": mask_token_id, "drafter.target_layer_ids": _csv_ints(target_layer_ids),
+            "drafter.gamma": gamma, "drafter.max_anchors_per_document": max_anchors,
             "data.token_budget": token_budget, "data.num_buckets": num_buckets,
             "data.boundaries": _csv_ints(bucket_boundaries), "data.validation_fraction": validation_fraction, "epochs": epochs, "max_steps": max_steps,
             "stop_at_step": stop_at_step, "grad_accum_steps": grad_accum_steps, "optim.lr": lr,
@@ -811,9 +798,9 @@ def register(app: typer.Typer) -> None:
             "residual_dtype": residual_dtype, "compile": compile_layers, "anchor_slots": anchor_slots,
             "data.max_documents_per_batch": max_documents,
             "min_supervised_tokens": min_supervised_tokens,
-            "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "log_every": log_every,
-            "allow_config_change": allow_config_change, "break_lock": break_lock, "allow_incomplete": allow_incomplete, "progress": progress,
-            "report_to": report_to.split(",") if report_to else None,
+            "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "telemetry.log_every": log_every,
+            "allow_config_change": allow_config_change, "break_lock": break_lock, "allow_incomplete": allow_incomplete, "telemetry.progress": progress,
+            "telemetry.report_to": report_to.split(",") if report_to else None,
             "attention_backend": attention_backend, "ce_kernel": ce_kernel,
         }  # fmt: skip
         config = config_from_cli(overrides, config_file, preset=preset, sets=sets, announce=not print_config)

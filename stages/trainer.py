@@ -269,11 +269,11 @@ class Trainer:
         self.counters: dict[str, Any] = {"skipped_steps": 0, "empty_steps": 0, "tokens_seen": 0, "data_digest": ""}
         self.metrics: MetricsWriter | None = None  # opened by load(), once the inputs are known to agree
         self.checkpointer: Checkpointer | None = None
-        self.throughput = ThroughputWindow(config.throughput_window)
+        self.throughput = ThroughputWindow(config.telemetry.throughput_window)
         self.feed = FeedMeter()
         self._feed: dict[str, float] = {}  # the last log interval's feed rates (for the progress line)
         self.timer = StepTimer()
-        self.step_times = StepTimeWindow(config.throughput_window)
+        self.step_times = StepTimeWindow(config.telemetry.throughput_window)
         self._interval = self._zero_interval()
         self._train_iter = None
         self._stop_requested = False  # set by SIGTERM
@@ -285,13 +285,13 @@ class Trainer:
         """Train until ``total_steps`` (or ``stop_at_step``); returns a summary (final metrics, run folder)."""
         self.load()
         config = self.config
-        if self.device.type == "cpu" and self.is_main and config.data.token_budget * config.max_anchors_per_document > 2**20:
+        if self.device.type == "cpu" and self.is_main and config.data.token_budget * config.drafter.max_anchors_per_document > 2**20:
             # GPU-sized defaults (16384-token batches, 512 anchors per document) take minutes per step on a CPU.
             # Said after load(): a wrong --cache fails first with its own error, not after this warning.
             log.warning(
                 "training on CPU with token budget %d and %d anchors per document: expect minutes per step; "
                 "for CPU runs use e.g. --token-budget 1024 --max-anchors-per-document 32 (the cpu-small preset)",
-                config.data.token_budget, config.max_anchors_per_document,
+                config.data.token_budget, config.drafter.max_anchors_per_document,
             )
         last_eval: dict[str, float] = {}
         self.throughput.reset_clock()  # setup time is not training throughput
@@ -410,7 +410,7 @@ class Trainer:
             )
         self.total_steps = config.max_steps or max(1, math.ceil(config.epochs * micro_per_epoch / config.grad_accum_steps))
         # Window of the realized bucket shares: one entry per bucket per step, over the throughput window.
-        self.buckets = BucketCounter(window=config.throughput_window * self.train_loader.num_buckets)
+        self.buckets = BucketCounter(window=config.telemetry.throughput_window * self.train_loader.num_buckets)
         self.optimizer = build_optimizer(self.drafter.parameters(), config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps=self.total_steps)
         if resume_from is not None:
@@ -433,7 +433,7 @@ class Trainer:
             else contextlib.nullcontext()
         )
         self.timer = StepTimer()
-        self.progress = training_progress(enabled=self.is_main and config.progress)
+        self.progress = training_progress(enabled=self.is_main and config.telemetry.progress)
         self.environment = collect_environment() | {"world_size": self.world_size, "device": str(self.device),
                                                     "compile": config.compile, **_data_fingerprints(self.data)}
         compute_dtype = torch.bfloat16 if isinstance(self.autocast, torch.autocast) else torch.float32
@@ -463,7 +463,7 @@ class Trainer:
         # Opened last, so a run refused above writes no metrics or TensorBoard file; from the step resumed (0 when
         # new), dropping what a killed attempt logged past it.
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, start_step=self.step,
-                                     trackers=config.report_to, config=config.to_dict())
+                                     trackers=config.telemetry.report_to, config=config.to_dict())
         if self.is_main:
             self._write_run_json()
             self.metrics.log("data", self.step, self.excluded)
@@ -521,14 +521,15 @@ class Trainer:
         from transformers import AutoConfig, AutoTokenizer
 
         config = self.config
-        tokenizer = AutoTokenizer.from_pretrained(target_path) if config.mask_token_id is None else None
+        tokenizer = AutoTokenizer.from_pretrained(target_path) if config.drafter.mask_token_id is None else None
         return DFlashConfig.from_target_config(
             AutoConfig.from_pretrained(target_path),
             tokenizer=tokenizer,
-            num_draft_layers=config.num_draft_layers,
-            block_size=config.block_size,
-            mask_token_id=config.mask_token_id,
-            target_layer_ids=config.target_layer_ids if config.target_layer_ids is not None else metadata.target_layer_ids,
+            num_draft_layers=config.drafter.num_draft_layers,
+            block_size=config.drafter.block_size,
+            mask_token_id=config.drafter.mask_token_id,
+            target_layer_ids=(config.drafter.target_layer_ids if config.drafter.target_layer_ids is not None
+                              else metadata.target_layer_ids),
         )
 
     def _loader_placement(self) -> dict[str, Any]:
@@ -589,7 +590,7 @@ class Trainer:
         batch_index = (loader.step_in_epoch - 1) * self.world_size + self.rank
         generator = torch.Generator().manual_seed(_anchor_seed(self.config.seed, split, loader.epoch, batch_index))
         anchors = sample_anchors(
-            batch, self.drafter_config.block_size, self.config.max_anchors_per_document, generator,
+            batch, self.drafter_config.block_size, self.config.drafter.max_anchors_per_document, generator,
             num_anchors=self.anchor_slots,
         )
         digest = hashlib.sha256((self.counters["data_digest"] + repr(batch.corpus_rows)).encode()).hexdigest()
@@ -601,7 +602,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over ``grad_accum_steps`` micro-batches per rank; returns this step's metrics."""
         config = self.config
-        log_step = (self.step + 1) % config.log_every == 0
+        log_step = (self.step + 1) % config.telemetry.log_every == 0
         self.timer = StepTimer(torch.cuda.synchronize if log_step and self.device.type == "cuda" else None)
         self.timer.start_step()
         sums = self._new_step_sums()
@@ -769,7 +770,7 @@ class Trainer:
                     _anchor_seed(self.config.seed, "validation", 0, index * self.world_size + self.rank)
                 )
                 anchors = sample_anchors(
-                    batch, block, self.config.max_anchors_per_document, generator, num_anchors=self.anchor_slots
+                    batch, block, self.config.drafter.max_anchors_per_document, generator, num_anchors=self.anchor_slots
                 )
                 batch, anchors = batch.to(self.device), anchors.to(self.device)
                 with self.autocast:
@@ -796,7 +797,7 @@ class Trainer:
         return {"steps": 0, "ce_sum": 0.0, "weight_sum": 0.0, "correct": 0.0, "count": 0.0, "grad_norm_max": 0.0}
 
     def _log_due(self) -> bool:
-        return self.step % self.config.log_every == 0 or self.step == self.total_steps
+        return self.step % self.config.telemetry.log_every == 0 or self.step == self.total_steps
 
     def log(self, step_metrics: dict[str, Any]) -> None:
         """Every ``log_every`` steps: interval loss/accuracy/tau, lr, grad norm, skips, throughput, time split."""
@@ -871,7 +872,7 @@ class Trainer:
         config = self.config
         self.resolved["convention_warnings"] = convention_warnings(
             block_size=self.drafter_config.block_size, gamma=config.resolved_gamma(), betas=config.optim.betas,
-            max_anchors_per_document=config.max_anchors_per_document,
+            max_anchors_per_document=config.drafter.max_anchors_per_document,
             longest_sample=max((row.max_length for row in rows), default=None),
         )
         console.print(render_hyperparameters(hyperparameter_rows(

@@ -337,7 +337,7 @@ def test_a_toml_or_yaml_train_config_is_read(tmp_path, name, text):
     path = tmp_path / name
     path.write_text(text)
     config = config_from_cli({"cache": "c", "output": "o"}, path)
-    assert (config.optim.lr, config.block_size, config.optim.betas, config.target_layer_ids) == \
+    assert (config.optim.lr, config.drafter.block_size, config.optim.betas, config.drafter.target_layer_ids) == \
         (3e-4, 8, (0.9, 0.95), [1, 2])
 
 
@@ -368,7 +368,7 @@ def test_train_print_config_round_trips_through_config(tmp_path):
     printed = json.loads(first.output)
     assert list(printed) == ["train"]  # {"train": {...}}, as every stage prints
     train = printed["train"]
-    assert (train["optim"]["lr"], train["block_size"], train["optim"]["betas"]) == (3e-4, 8, [0.9, 0.95])
+    assert (train["optim"]["lr"], train["drafter"]["block_size"], train["optim"]["betas"]) == (3e-4, 8, [0.9, 0.95])
     (tmp_path / "resolved.json").write_text(first.output)
     again = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "resolved.json"), "--print-config"])
     assert again.exit_code == 0 and json.loads(again.output) == printed

@@ -352,7 +352,7 @@ def test_online_presets_give_each_layout_and_options_override_them(tmp_path):
                        "online-2gpu": (None, [0], [1], 1), "online-8gpu": (None, [0, 1, 2, 3, 4], [5, 6, 7], 3)}
     config = config_from_cli({"corpus": str(tmp_path), "ring_slots": 6},
                              {"output": str(tmp_path / "o"), "token_budget": 2048}, "online-cpu")  # fmt: skip
-    assert config.ring_slots == 6 and config.train.data.token_budget == 2048 and config.train.block_size == 4
+    assert config.ring_slots == 6 and config.train.data.token_budget == 2048 and config.train.drafter.block_size == 4
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"online": {"ring_slot": 3}}))
     with pytest.raises(ConfigError, match=r"online\.ring_slot \(preset .*bad\.json\): unknown key; did you mean "
@@ -386,14 +386,14 @@ def test_online_print_config_reads_back_with_config_and_files_sit_between_preset
     assert exited.value.code in (0, None)
     printed = json.loads(capsys.readouterr().out)
     assert printed["online"]["ring_slots"] == 5 and printed["train"]["optim"]["lr"] == 3e-4
-    assert printed["train"]["block_size"] == 4  # from the preset
+    assert printed["train"]["drafter"]["block_size"] == 4  # from the preset
     (tmp_path / "cfg.json").write_text(json.dumps(printed))
     again = config_from_cli({}, {}, None, tmp_path / "cfg.json")
     assert printable_config(again) == printed
     (tmp_path / "cfg.yaml").write_text("online:\n  ring_slots: 7\ntrain:\n  optim:\n    lr: 1e-3\n  block_size: 8\n")
-    layered = config_from_cli({"corpus": str(tmp_path / "c")}, {"output": str(tmp_path / "r"), "block_size": 2},
+    layered = config_from_cli({"corpus": str(tmp_path / "c")}, {"output": str(tmp_path / "r"), "drafter.block_size": 2},
                               "online-cpu", tmp_path / "cfg.yaml")  # fmt: skip
-    assert (layered.ring_slots, layered.train.optim.lr, layered.train.block_size, layered.train.data.token_budget) == \
+    assert (layered.ring_slots, layered.train.optim.lr, layered.train.drafter.block_size, layered.train.data.token_budget) == \
         (7, 1e-3, 2, 1024)  # file over preset, option over file, preset where neither says
     (tmp_path / "typo.yaml").write_text("train:\n  lrr: 1e-3\n")
     code, err = main_in_process(monkeypatch, capsys, "online", "--corpus", str(tmp_path / "c"), "--output",
@@ -502,8 +502,8 @@ def test_online_set_overrides_both_sections_over_options_and_names_bad_ones(tmp_
     from pipelines.online import config_from_cli
 
     paths = ({"corpus": str(tmp_path / "c"), "ring_slots": 5}, {"output": str(tmp_path / "r"), "optim.lr": 1e-3})
-    config = config_from_cli(*paths, "online-cpu", None, ["online.ring_slots=9", "train.optim.lr=0.002", "train.block_size=8"])
-    assert (config.ring_slots, config.train.optim.lr, config.train.block_size) == (9, 0.002, 8)
+    config = config_from_cli(*paths, "online-cpu", None, ["online.ring_slots=9", "train.optim.lr=0.002", "train.drafter.block_size=8"])
+    assert (config.ring_slots, config.train.optim.lr, config.train.drafter.block_size) == (9, 0.002, 8)
     for item, needle in (("online.ring_slotz=9", "did you mean online.ring_slots?"),
                          ("lr=9", "expected online.FIELD=VALUE or train.FIELD=VALUE"),
                          ("train.optim.lr=fast", "train.optim.lr (--set train.optim.lr=fast): expected float")):  # fmt: skip

@@ -23,9 +23,9 @@ TINY = {
     "prepare": {"max_length": 256},  # inputs: a folder of small stdlib modules (set in the fixture)
     "split": {"heldout_documents": 1, "seed": 0},
     "extract": {"target_processes": 1, "num_taps": 1, "token_budget": 2048, "shard_size": 2048, "dashboard_address": ":0"},
-    "train": {"num_draft_layers": 1, "block_size": 4, "epochs": 2, "data": {"token_budget": 512, "validation_fraction": 0.0},
-              "max_anchors_per_document": 8, "save_every": 100, "keep_last": 1,
-              "device": "cpu", "progress": False},
+    "train": {"drafter": {"num_draft_layers": 1, "block_size": 4, "max_anchors_per_document": 8}, "epochs": 2,
+              "data": {"token_budget": 512, "validation_fraction": 0.0}, "save_every": 100, "keep_last": 1,
+              "device": "cpu", "telemetry": {"progress": False}},
     "evaluate": {"num_prompts": 2, "prompt_tokens": 32, "max_new_tokens": 4, "ignore_eos": True, "device": "cpu",
                  "cpu_threads": 1,
                  "per_epoch": True, "compare_untrained": True},
@@ -138,10 +138,11 @@ def test_presets_load_and_overrides_apply():
         preset = load_preset(name)
         assert not any(key.startswith("_") for section in preset.values() if isinstance(section, dict) for key in section)
         validate_sections(PipelineConfig.from_preset(preset, workdir="unused"), lambda section, key, name=name: name)
-    preset = apply_overrides(load_preset("cpu-small"), ["train.optim.lr=3e-4", "evaluate.device=cuda", "train.target_layer_ids=[3]"])
+    preset = apply_overrides(load_preset("cpu-small"), ["train.optim.lr=3e-4", "evaluate.device=cuda", "train.drafter.target_layer_ids=[3]"])
     assert preset["train"]["optim"]["lr"] == 3e-4 and preset["evaluate"]["device"] == "cuda"
     assert apply_overrides(preset, ["train.lr=5e-4"])["train"]["optim"]["lr"] == 5e-4  # the old flat key (deprecated)
-    assert preset["train"]["target_layer_ids"] == [3]
+    assert preset["train"]["drafter"]["target_layer_ids"] == [3]
+    assert apply_overrides(preset, ["train.block_size=8"])["train"]["drafter"]["block_size"] == 8  # old flat key
     with pytest.raises(ConfigError, match="section.field=value"):
         apply_overrides(preset, ["lr=3"])
     with pytest.raises(ConfigError, match="unknown section"):
@@ -155,7 +156,8 @@ def test_presets_load_and_overrides_apply():
     ("train.lr=abc", "train.optim.lr (--set train.lr=abc): expected float, got 'abc'"),  # the old flat key
     ("train.lrr=0.1", "train.lrr (--set train.lrr=0.1): unknown key; did you mean train.optim.lr?"),
     ("generate.max_new_tokenz=3", "did you mean generate.max_new_tokens?"),
-    ("train.block_size=1", "train.block_size (--set train.block_size=1): must be an integer >= 2"),
+    ("train.drafter.block_size=1", "train.drafter.block_size (--set train.drafter.block_size=1): must be an integer >= 2"),
+    ("train.block_size=1", "train.drafter.block_size (--set train.block_size=1): must be an integer >= 2"),  # old key
     ("extract.num_taps=[1]", "extract.num_taps (--set extract.num_taps=[1]): expected int"),
     ("evaluate.per_epoch=2", "evaluate.per_epoch (--set evaluate.per_epoch=2): expected bool"),
     ("evaluate.num_promts=4", "did you mean evaluate.num_prompts?"),
@@ -216,7 +218,7 @@ def test_a_work_folder_recorded_with_flat_train_keys_still_counts_as_the_same_se
     change is still refused."""
     from pipelines.offline import _digest, _State
 
-    nested = {"target": "default", "progress": True, "block_size": 4, "optim": {"lr": 1e-3},
+    nested = {"target": "default", "telemetry": {"progress": True}, "drafter": {"block_size": 4}, "optim": {"lr": 1e-3},
               "data": {"token_budget": 1024, "validation_fraction": 0.0}}
     flat = {"target": "default", "progress": True, "block_size": 4, "lr": 1e-3, "token_budget": 1024,
             "validation_fraction": 0.0}

@@ -185,7 +185,7 @@ def test_run_takes_a_config_file_over_its_preset_and_prints_what_it_would_run(tm
     assert code == 0, err
     printed = json.loads(out)
     assert (printed["train"]["optim"]["lr"], printed["evaluate"]["num_prompts"]) == (0.003, 3)
-    assert printed["train"]["block_size"] == 4  # the cpu-small preset's, untouched by the file
+    assert printed["train"]["drafter"]["block_size"] == 4  # the cpu-small preset's, untouched by the file
     (tmp_path / "resolved.json").write_text(out)
     code, again, err = main_in_process_out(monkeypatch, capsys, "run", "--workdir", workdir, "--preset",
                                            str(tmp_path / "resolved.json"), "--print-config")  # fmt: skip

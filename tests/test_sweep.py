@@ -11,9 +11,9 @@ from dflash.errors import ConfigError
 from stages.sweep import parse_grid, plan_sweep
 
 TINY = [
-    "num_draft_layers=1", "block_size=4", "max_anchors_per_document=2", "data.token_budget=192", "data.num_buckets=2",
-    "data.validation_fraction=0.2", "max_validation_batches=1", "max_steps=2", "log_every=1", "device=cpu",
-    "progress=false", "data.prefetch_batches=2",
+    "drafter.num_draft_layers=1", "drafter.block_size=4", "drafter.max_anchors_per_document=2",
+    "data.token_budget=192", "data.num_buckets=2", "data.validation_fraction=0.2", "max_validation_batches=1",
+    "max_steps=2", "telemetry.log_every=1", "device=cpu", "telemetry.progress=false", "data.prefetch_batches=2",
 ]  # fmt: skip
 
 
@@ -25,7 +25,7 @@ def test_parse_grid_types_values_by_field():
     assert [r.name for r in runs] == ["lr=0.0003_gamma=4.0", "lr=0.0003_gamma=7.0", "lr=0.0006_gamma=4.0",
                                       "lr=0.0006_gamma=7.0"]
     assert all(r.config.max_steps == 10 and r.config.optim.betas == (0.9, 0.95) for r in runs)
-    assert runs[1].config.optim.lr == 3e-4 and runs[1].config.gamma == 7.0
+    assert runs[1].config.optim.lr == 3e-4 and runs[1].config.drafter.gamma == 7.0
     # A nested config's field by its dotted path too; the run folders keep the key as written.
     dotted = parse_grid(["optim.lr=3e-4,6e-4", "train.optim.warmup_ratio=0.1"])
     assert dotted == {"optim.lr": [3e-4, 6e-4], "optim.warmup_ratio": [0.1]}
@@ -61,7 +61,7 @@ def test_sweep_trains_every_combination_and_compares(target, tmp_path):
     assert "lr=0.001" in result.output and "val loss" in result.output
     runs = {run["name"]: run for run in report["runs"]}
     config = json.loads((tmp_path / "sweep" / "lr=0.003" / "run.json").read_text())["config"]
-    assert config["optim"]["lr"] == 3e-3 and config["max_steps"] == 2 and config["num_draft_layers"] == 1
+    assert config["optim"]["lr"] == 3e-3 and config["max_steps"] == 2 and config["drafter"]["num_draft_layers"] == 1
     assert runs["lr=0.001"]["summary"]["train_loss"] != runs["lr=0.003"]["summary"]["train_loss"]
 
 
@@ -91,19 +91,19 @@ def test_sweep_settings_from_a_config_file_and_preset_and_errors_before_any_run(
     from tests.cli_helpers import main_in_process, main_in_process_out
 
     (tmp_path / "s.toml").write_text('[sweep]\ncache = "c"\ngrid = {lr = [1e-3, 2e-3], gamma = [4.0]}\n'
-                                     '[train]\nmax_steps = 7\nblock_size = 8\n')
+                                     '[train]\nmax_steps = 7\n[train.drafter]\nblock_size = 8\n')
     code, out, err = main_in_process_out(monkeypatch, capsys, "sweep", "--config", str(tmp_path / "s.toml"),
-                                         "-o", str(tmp_path / "sw"), "--set", "block_size=4", "--print-config")
+                                         "-o", str(tmp_path / "sw"), "--set", "drafter.block_size=4", "--print-config")
     assert code == 0, err
     printed = json.loads(out)
     assert printed["sweep"]["grid"] == {"lr": [1e-3, 2e-3], "gamma": [4.0]}
-    assert printed["train"] == {"max_steps": 7, "block_size": 4}
+    assert printed["train"] == {"max_steps": 7, "drafter": {"block_size": 4}}
     runs = plan_sweep("c", tmp_path / "sw", printed["sweep"]["grid"], fixed=printed["train"])
-    assert [(r.name, r.config.gamma, r.config.block_size) for r in runs] == [("lr=0.001", 4.0, 4), ("lr=0.002", 4.0, 4)]
+    assert [(r.name, r.config.drafter.gamma, r.config.drafter.block_size) for r in runs] == [("lr=0.001", 4.0, 4), ("lr=0.002", 4.0, 4)]
     code, out, err = main_in_process_out(monkeypatch, capsys, "sweep", "--cache", "c", "--grid", "lr=1e-3,2e-3",
                                          "--preset", "cpu-small", "--print-config")
     assert code == 0, err
-    assert json.loads(out)["train"]["num_draft_layers"] == 1  # the cpu-small preset's train section
+    assert json.loads(out)["train"]["drafter"]["num_draft_layers"] == 1  # the cpu-small preset's train section
     for args, needle in [
         (["--set", "lr=3e-4,6e-4"], "sweep several with --grid lr=3e-4,6e-4"),
         (["--grid", "lr=-1,1e-3"], "sweep run lr=-1.0"),

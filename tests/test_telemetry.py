@@ -56,14 +56,20 @@ def test_report_to_skips_an_absent_tracker_with_a_warning_and_keeps_the_jsonl(tm
 
 def test_report_to_names_are_checked_and_none_means_jsonl_only(tmp_path):
     from dflash.errors import ConfigError
+    from dflash.telemetry import TelemetryConfig
     from dflash.trackers import numeric_fields
     from stages.train import RUNTIME_FIELDS, TrainConfig
 
-    assert TrainConfig(cache="c", output="o").report_to == ["tensorboard"]
-    assert TrainConfig(cache="c", output="o", report_to=["none"]).report_to == []
-    with pytest.raises(ConfigError, match="report_to: unknown tracker"):
-        TrainConfig(cache="c", output="o", report_to=["comet"])
-    assert "report_to" in RUNTIME_FIELDS  # a resume may change the trackers
+    assert TrainConfig(cache="c", output="o").telemetry.report_to == ["tensorboard"]
+    assert TrainConfig(cache="c", output="o", telemetry={"report_to": ["none"]}).telemetry.report_to == []
+    assert TelemetryConfig(report_to=["none"]).report_to == []
+    with pytest.raises(ConfigError, match="^telemetry.report_to: unknown tracker"):
+        TrainConfig(cache="c", output="o", telemetry={"report_to": ["comet"]})
+    with pytest.raises(ConfigError, match="^telemetry.log_every must be a positive integer"):
+        TrainConfig(cache="c", output="o", telemetry={"log_every": 0})
+    with pytest.raises(ConfigError, match="^throughput_window must be a positive integer"):
+        TelemetryConfig(throughput_window=0)
+    assert "telemetry.report_to" in RUNTIME_FIELDS  # a resume may change the trackers
     assert numeric_fields("train", {"kind": "train", "step": 3, "loss": 1.5, "skipped": True,
                                     "accuracy_per_position": [0.5], "bucket_step_s": {"1": 0.2}, "data_digest": "ab"}) == {
         "train/loss": 1.5, "train/skipped": 1.0, "train/accuracy_per_position/0": 0.5, "train/bucket_step_s/1": 0.2}

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from train_helpers import build_tiny_cache, tiny_config
 
 from dflash.checkpoint import load_checkpoint
+from dflash.drafter.config import DrafterTrainingConfig
 from dflash.errors import CheckpointError, ConfigError, MismatchError
 from dflash.optim import OptimConfig
 from dflash.telemetry import read_metrics
@@ -377,6 +378,16 @@ def test_config_fields_are_validated_with_their_names(tmp_path):
         TrainConfig(cache="c", output="o", optim=OptimConfig(warmup_ratio=1.5))
     with pytest.raises(ConfigError, match="optim.betas"):  # a nested config given as a dict names its path
         TrainConfig(cache="c", output="o", optim={"betas": (0.9, 1.5)})
+    for drafter, name in (({"block_size": 1}, "drafter.block_size"), ({"gamma": -1.0}, "drafter.gamma"),
+                          ({"num_draft_layers": 0}, "drafter.num_draft_layers"),
+                          ({"mask_token_id": -1}, "drafter.mask_token_id"),
+                          ({"max_anchors_per_document": True}, "drafter.max_anchors_per_document")):
+        with pytest.raises(ConfigError, match=f"^{name} must be"):
+            TrainConfig(cache="c", output="o", drafter=drafter)
+    with pytest.raises(ConfigError, match="block_size must be an integer >= 2"):
+        DrafterTrainingConfig(block_size=1)
+    assert DrafterTrainingConfig(target_layer_ids=("1", 3)).target_layer_ids == [1, 3]
+    assert DrafterTrainingConfig(block_size=8).resolved_gamma() == 4.0
     with pytest.raises(ConfigError, match="drafter_gpus"):
         TrainConfig(cache="c", output="o", drafter_gpus=[1, 1])
     with pytest.raises(ConfigError, match="residual_dtype"):
@@ -461,7 +472,7 @@ def _flat(config: dict) -> dict:
 
 def test_a_run_saved_with_flat_keys_resumes_bit_exactly_without_a_trajectory_change(tiny_cache, tmp_path, caplog):
     """A run.json and checkpoints written before the settings moved into nested configs (flat ``lr``,
-    ``token_budget``...) resume through ``--resume`` with no trajectory change, no deprecation warning, and the
+    ``token_budget``, ``block_size``...) resume through ``--resume`` with no trajectory change, no deprecation warning, and the
     straight run's result bit for bit."""
     import logging
 
@@ -473,6 +484,8 @@ def test_a_run_saved_with_flat_keys_resumes_bit_exactly_without_a_trajectory_cha
     run_training(tiny_config(tiny_cache, run, stop_at_step=2, **common))
     record = json.loads((run / "run.json").read_text())
     record["config"] = _flat(record["config"])
+    assert {"lr", "token_budget", "block_size", "max_anchors_per_document", "log_every", "report_to"} <= set(record["config"])
+    assert not {"optim", "data", "drafter", "telemetry"} & set(record["config"])
     (run / "run.json").write_text(json.dumps(record))
     for state_file in run.glob("checkpoints/*/trainer_state.json"):
         state = json.loads(state_file.read_text())
@@ -483,12 +496,15 @@ def test_a_run_saved_with_flat_keys_resumes_bit_exactly_without_a_trajectory_cha
         resumed = run_training(config)
     assert not [r for r in caplog.records if "deprecated" in r.getMessage() or "changed config" in r.getMessage()]
     assert config.optim.lr == 2e-3 and resumed["step"] == straight["step"] == 4
+    assert (config.drafter.block_size, config.drafter.max_anchors_per_document) == (4, 2)
+    assert (config.telemetry.log_every, config.telemetry.progress) == (1, False)
     _assert_same_state(_checkpoint_state(tmp_path / "straight", 4), _checkpoint_state(run, 4))
 
 
 def test_flat_keys_of_files_and_overrides_are_read_with_one_deprecation_warning(tmp_path, caplog):
-    """``lr = 3e-4`` under ``[train]`` (and ``--set train.lr=``) still sets ``train.optim.lr``, warning once per key
-    with the new path; the nested spellings (``[train.optim]``, ``--set train.optim.lr=``) set it silently."""
+    """``lr = 3e-4`` under ``[train]`` (and ``--set train.lr=``) still sets ``train.optim.lr`` (``block_size``:
+    ``train.drafter.block_size``), warning once per key with the new path; the nested spellings (``[train.optim]``,
+    ``--set train.optim.lr=``) set it silently."""
     import logging
 
     import dflash.config_check as config_check
@@ -496,18 +512,19 @@ def test_flat_keys_of_files_and_overrides_are_read_with_one_deprecation_warning(
 
     paths = {"cache": "c", "output": str(tmp_path / "run"), "device": "cpu"}
     (tmp_path / "flat.toml").write_text("[train]\nlr = 3e-4\nblock_size = 8\n")
-    (tmp_path / "nested.toml").write_text("[train]\nblock_size = 8\n[train.optim]\nlr = 3e-4\n")
+    (tmp_path / "nested.toml").write_text("[train.drafter]\nblock_size = 8\n[train.optim]\nlr = 3e-4\n")
     config_check._warned_moves.clear()
     with caplog.at_level(logging.WARNING, logger="dflash.config"):
         flat = config_from_cli(paths, tmp_path / "flat.toml", sets=["train.grad_clip=0.5"])
     warnings = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
-    assert len(warnings) == 2 and any("train.lr" in w and "train.optim.lr" in w for w in warnings), warnings
+    assert len(warnings) == 3 and any("train.lr" in w and "train.optim.lr" in w for w in warnings), warnings
+    assert any("train.block_size" in w and "train.drafter.block_size" in w for w in warnings), warnings
     assert any("train.grad_clip" in w and "train.optim.grad_clip" in w for w in warnings), warnings
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dflash.config"):
         nested = config_from_cli(paths, tmp_path / "nested.toml", sets=["train.optim.grad_clip=0.5"])
     assert not [r for r in caplog.records if "deprecated" in r.getMessage()]
-    assert nested == flat and nested.optim.lr == 3e-4 and nested.optim.grad_clip == 0.5 and nested.block_size == 8
+    assert nested == flat and nested.optim.lr == 3e-4 and nested.optim.grad_clip == 0.5 and nested.drafter.block_size == 8
     # An option or --set over a file's nested section replaces that field only.
     layered = config_from_cli({**paths, "optim.warmup_ratio": 0.1}, tmp_path / "nested.toml",
                               sets=["train.optim.eps=1e-6"])
@@ -567,12 +584,12 @@ def test_cpu_runs_get_cpu_sized_batches_unless_a_setting_says_otherwise(tmp_path
     paths = {"cache": str(tmp_path / "c"), "output": str(tmp_path / "o")}
     assert not torch.cuda.is_available()  # the CPU-only suite
     sized = config_from_cli({**paths, "device": "cpu"})
-    assert (sized.data.token_budget, sized.max_anchors_per_document) == tuple(CPU_SIZED_DEFAULTS.values())
+    assert (sized.data.token_budget, sized.drafter.max_anchors_per_document) == tuple(CPU_SIZED_DEFAULTS.values())
     assert config_from_cli(paths).data.token_budget == CPU_SIZED_DEFAULTS["data.token_budget"]  # auto without CUDA: CPU
     given = config_from_cli({**paths, "token_budget": 4096})
-    assert (given.data.token_budget, given.max_anchors_per_document) == (4096, CPU_SIZED_DEFAULTS["max_anchors_per_document"])
-    (tmp_path / "cfg.toml").write_text("[train]\nmax_anchors_per_document = 64\n")
-    assert config_from_cli(paths, tmp_path / "cfg.toml").max_anchors_per_document == 64
+    assert (given.data.token_budget, given.drafter.max_anchors_per_document) == (4096, CPU_SIZED_DEFAULTS["drafter.max_anchors_per_document"])
+    (tmp_path / "cfg.toml").write_text("[train.drafter]\nmax_anchors_per_document = 64\n")
+    assert config_from_cli(paths, tmp_path / "cfg.toml").drafter.max_anchors_per_document == 64
     gpu = TrainConfig(cache="c", output="o")
-    assert (gpu.data.token_budget, gpu.max_anchors_per_document) == (16384, 512)  # the paper's, kept for CUDA
+    assert (gpu.data.token_budget, gpu.drafter.max_anchors_per_document) == (16384, 512)  # the paper's, kept for CUDA
     assert config_from_cli({**paths, "device": "cuda"}).data.token_budget == 16384

@@ -13,7 +13,7 @@ from typing import Any
 
 from dflash.errors import ConfigError
 
-__all__ = ["DFlashConfig", "select_mask_token_id", "rope_settings_from_target"]
+__all__ = ["DFlashConfig", "DrafterTrainingConfig", "select_mask_token_id", "rope_settings_from_target"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -193,6 +193,48 @@ class DFlashConfig:
             target_layer_ids=list(target_layer_ids),
             num_target_layers=num_target_layers,
         )
+
+
+@dataclass(kw_only=True, slots=True)
+class DrafterTrainingConfig:
+    """The drafter and objective a training run chooses (``train.drafter``; ``[train.drafter]`` in a config file,
+    ``--set train.drafter.block_size=8``). The rest of the drafter's shape (:class:`DFlashConfig`: widths, RoPE,
+    vocabulary) is the target's; the trainer derives it from these settings and the target
+    (:meth:`DFlashConfig.from_target_config`)."""
+
+    num_draft_layers: int = 5
+    """Draft decoder layers (paper: 5)."""
+    block_size: int = 16
+    """Draft block size B (paper: 16)."""
+    mask_token_id: int | None = None
+    """Mask token row of the target embedding; default: chosen from the tokenizer's unused special tokens."""
+    target_layer_ids: list[int] | None = None
+    """Tapped target layers; default: the cache's. Anything else is refused (the cache holds only its taps)."""
+    gamma: float | None = None
+    """Loss decay over block positions (``dflash.drafter.loss``); default by block size (7 for 16, 5 for 10, 4 for
+    8)."""
+    max_anchors_per_document: int = 512
+    """Anchor budget per document per epoch (paper: 512; ``dflash.drafter.anchors.sample_anchors``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_draft_layers", "max_anchors_per_document"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.mask_token_id is not None and (not isinstance(self.mask_token_id, int) or self.mask_token_id < 0):
+            raise ConfigError(f"mask_token_id must be a positive integer or None, got {self.mask_token_id!r}")
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ConfigError(f"block_size must be an integer >= 2, got {self.block_size!r}")
+        if self.gamma is not None and not (self.gamma > 0 and math.isfinite(self.gamma)):
+            raise ConfigError(f"gamma must be a positive finite number, got {self.gamma!r}")
+
+    def resolved_gamma(self) -> float:
+        """``gamma``, or the default for ``block_size`` (``dflash.drafter.loss.default_gamma``)."""
+        from dflash.drafter.loss import default_gamma
+
+        return float(self.gamma) if self.gamma is not None else default_gamma(self.block_size)
 
 
 def rope_settings_from_target(text_config: Any) -> tuple[float, dict[str, Any] | None]:
