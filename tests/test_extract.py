@@ -557,7 +557,7 @@ def test_local_workers_start_by_the_configured_method_with_this_process_environm
     from stages.cluster import FORKSERVER_PRELOAD, worker_process_options
 
     monkeypatch.setenv("DFLASH_TEST_WORKER_MARKER", f"set-after-start-{method}")
-    config = ExtractConfig(corpus=str(tmp_path), output=str(tmp_path / "cache"), workers=1, write_processes=0,
+    config = ExtractConfig(corpus=str(tmp_path), output=str(tmp_path / "cache"), target_processes=1, write_processes=0,
                            dashboard_address=":0")  # fmt: skip
     with dask.config.set({"distributed.worker.multiprocessing-method": method}):
         options = worker_process_options()
