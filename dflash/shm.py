@@ -166,12 +166,27 @@ def attach_segment(name: str) -> shared_memory.SharedMemory:
             resource_tracker.register = register
 
 
+#: Segments whose unmapping a live view refused (``BufferError``): held here so that their ``__del__`` (which would
+#: retry and raise again, "Exception ignored in SharedMemory.__del__") does not run while the view lives; each
+#: :func:`close_segment` call retries them, and what is still mapped at exit goes with the process.
+_UNMAPPED_LATER: list[shared_memory.SharedMemory] = []
+_UNMAPPED_LOCK = threading.Lock()
+
+
 def close_segment(shm: shared_memory.SharedMemory, *, unlink: bool) -> None:
-    """Unmap ``shm`` (and remove it when ``unlink``); tolerant of views still alive and of a segment already gone."""
-    try:
-        shm.close()
-    except BufferError:  # a view is still alive: the mapping goes when the process exits
-        pass
+    """Unmap ``shm`` (and remove it when ``unlink``); tolerant of views still alive (the segment is then kept
+    mapped until a later call finds its views gone) and of a segment already gone."""
+    with _UNMAPPED_LOCK:
+        for held in list(_UNMAPPED_LATER):
+            try:
+                held.close()
+                _UNMAPPED_LATER.remove(held)
+            except BufferError:
+                pass
+        try:
+            shm.close()
+        except BufferError:  # a view is still alive
+            _UNMAPPED_LATER.append(shm)
     if unlink:
         try:
             shm.unlink()
