@@ -72,8 +72,6 @@ def migrate_renamed(section: str, values: Mapping[str, Any], source: str = "", *
             logging.getLogger("dflash.config").warning("%s.%s%s is deprecated: it is now %s.%s; rename it", section,
                                                        key, where, section, new)
         if new in values and values[new] != value:
-            from dflash.errors import ConfigError
-
             where = f" ({source})" if source else ""
             raise ConfigError(f"{section}.{new}{where}: given twice, as {new} = {values[new]!r} and as its deprecated "
                               f"spelling {key} = {value!r}; keep {new} only")
@@ -120,9 +118,6 @@ def set_path(values: dict[str, Any], path: str, value: Any, *, keep_existing: bo
         node = node[part]
     if not (keep_existing and parts[-1] in node):
         node[parts[-1]] = value
-
-
-_ABSENT = object()
 
 
 def get_path(values: Mapping[str, Any], path: str, default: Any = None) -> Any:

@@ -223,7 +223,7 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
                 raise ConfigError(f"split.{key} ({source('split', key)}): unknown key; known: heldout_documents, seed")
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(f"split.{key} ({source('split', key)}): expected int, got {value!r}")
-    evaluate_extra = {"per_epoch": bool, "compare_untrained": bool}
+    evaluate_extra = {key: type(value) for key, value in EVALUATE_EXTRAS.items()}
     for section, cls, reserved, extra, paths in checks:
         values = getattr(config, section)
         check_fields(cls, values, section=section, source=lambda key, s=section: source(s, key),
@@ -239,6 +239,9 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
 #: The preset ``run`` uses when none is given; ``run --config FILE`` is merged over it.
 DEFAULT_PRESET = "cpu-small"
 
+#: Keys of the ``evaluate`` section that the pipeline reads itself (not EvaluateConfig fields), with their defaults.
+EVALUATE_EXTRAS = {"per_epoch": False, "compare_untrained": False}
+
 
 def printable_pipeline(config: PipelineConfig) -> dict[str, Any]:
     """The resolved pipeline as ``--print-config`` prints it: the non-empty sections, plus every key that
@@ -253,38 +256,31 @@ def printable_pipeline(config: PipelineConfig) -> dict[str, Any]:
 
     data = {k: copy.deepcopy(v) for k, v in config.to_dict().items() if k != "workdir" and (v or k == "target")}
     classes = {"generate": GenerateConfig, "extract": ExtractConfig, "train": TrainConfig, "evaluate": EvaluateConfig}
-    extras = {"evaluate": {"per_epoch": False, "compare_untrained": False}}
     from dflash.config_check import EXCLUSIVE_SETTINGS, field_default
+    from stages.stage_config import plain_value
 
     for section, base in load_preset(DEFAULT_PRESET).items():
         if section not in classes or not isinstance(base, dict) or section not in data:
             continue
         values = data[section]
         chosen = {key for group in EXCLUSIVE_SETTINGS for key in group if values.get(key) is not None}
+        fields = {f.name: f for f in dataclasses.fields(classes[section])}
+        extras = EVALUATE_EXTRAS if section == "evaluate" else {}
         for key, base_value in base.items():
             if any(key in group and chosen & set(group) for group in EXCLUSIVE_SETTINGS):
                 continue  # the chosen member of its group replaces it when read back
-            fields = {f.name: f for f in dataclasses.fields(classes[section])}
-            if key in extras.get(section, {}):
-                default = extras[section][key]
+            if key in extras:
+                default = extras[key]
             elif key in fields:
                 default = field_default(fields[key])
             else:
                 continue
             if key not in values:
-                values[key] = _plain_default(default)
+                values[key] = plain_value(default)
             if isinstance(base_value, dict) and isinstance(values[key], dict):
                 for sub in base_value:  # nested settings (generate.default_prompts) merge field by field too
-                    values[key].setdefault(sub, (_plain_default(default) or {}).get(sub))
+                    values[key].setdefault(sub, (plain_value(default) or {}).get(sub))
     return data
-
-
-def _plain_default(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain_default(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-    if isinstance(value, tuple):
-        return list(value)
-    return value
 
 
 def _build_for_check(section: str, cls: type, values: dict[str, Any], source: Callable[[str, str], str]) -> None:
@@ -485,8 +481,8 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
     train = deep_merge({"telemetry": {"progress": True}}, migrate_renamed("train", config.section("train"), saved=True))
     evaluate = {"seed": 0, **config.evaluate}
     evaluate.pop("prompts", None)  # where the prompts come from is decided above
-    per_epoch = bool(evaluate.pop("per_epoch", False))
-    compare_untrained = bool(evaluate.pop("compare_untrained", False))
+    per_epoch = bool(evaluate.pop("per_epoch", EVALUATE_EXTRAS["per_epoch"]))
+    compare_untrained = bool(evaluate.pop("compare_untrained", EVALUATE_EXTRAS["compare_untrained"]))
 
     def train_config(**changes: Any) -> TrainConfig:
         return TrainConfig.from_dict(deep_merge({**train, "cache": str(paths["cache"]), "output": str(paths["run"])},

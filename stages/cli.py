@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import os
 import sys
+from typing import Any
 
 import typer
 
@@ -171,19 +172,13 @@ PATH_OPTIONS = frozenset({"-o", "--output", "--corpus", "--cache", "--cache-to",
                           "--workdir", "--config", "--preset", "--target", "--diff", "--resume-from"})
 
 
-#: Options that take no value (an empty word after one of them is a positional argument).
-_FLAGS = frozenset({"-v", "-q", "--verbose", "--quiet", "--help", "--print-config", "--json", "--overwrite",
-                    "--resume", "--break-lock", "--allow-config-change", "--allow-incomplete", "--ignore-eos",
-                    "--compare-untrained", "--deterministic", "--no-deterministic", "--compile", "--scan",
-                    "--no-tensors", "--chat-template", "--no-chat-template", "--progress", "--no-progress"})
-
-
 def refuse_empty_paths(args: list[str]) -> None:
     """Raise ``ConfigError`` for a :data:`PATH_OPTIONS` option given an empty value (``-o ''``, ``--output=``) and
     for an empty positional argument (``export RUN ''``: typer would read it as the current folder)."""
     from dflash.errors import ConfigError
 
     stop = args.index("--") if "--" in args else len(args)
+    flags = _flag_names(args[:stop])
     for index, arg in enumerate(args[:stop]):
         name, eq, value = arg.partition("=")
         empty = (eq and name in PATH_OPTIONS and not value.strip()) or (
@@ -191,7 +186,7 @@ def refuse_empty_paths(args: list[str]) -> None:
         if empty:
             raise ConfigError(f"{name}: empty path; give a path (an empty one would mean the current folder)")
         previous = args[index - 1] if index else ""
-        takes_value = previous.startswith("-") and "=" not in previous and previous not in _FLAGS
+        takes_value = previous.startswith("-") and "=" not in previous and previous not in flags
         if not arg.strip() and not takes_value:
             raise ConfigError(f"argument {index + 1} is empty; give a path or value (an empty path would mean the "
                               "current folder)")
@@ -338,10 +333,10 @@ def usage_error_message(error: Exception) -> str:
     return f"{command}: {message} (see '{command} --help')"
 
 
-def _command_path(args: list[str]) -> str:
-    """``dflash-stages`` and the (sub)command names that lead ``args`` (for an error click raised without a
-    context, e.g. an option missing its value at the end of the line)."""
-    node, path = typer.main.get_command(app), ["dflash-stages"]
+def _commands_of(args: list[str]) -> list[Any]:
+    """The click commands ``args`` lead through: the root group, then each (sub)command named in order."""
+    node = typer.main.get_command(app)
+    nodes = [node]
     for arg in args:
         if arg.startswith("-"):
             continue
@@ -349,8 +344,27 @@ def _command_path(args: list[str]) -> str:
         if not commands or arg not in commands:
             break
         node = commands[arg]
-        path.append(arg)
-    return " ".join(path)
+        nodes.append(node)
+    return nodes
+
+
+def _flag_names(args: list[str]) -> set[str]:
+    """Spellings of the options that take no value (flags, counts, ``--help``) of the commands ``args`` name."""
+    names: set[str] = set()
+    context = None
+    for command in _commands_of(args):
+        context = typer.Context(command, parent=context, **command.context_settings)  # help names: inherited
+        for param in command.params:
+            if getattr(param, "is_flag", False) or getattr(param, "count", False):
+                names.update(param.opts, param.secondary_opts)
+        names.update(command.get_help_option_names(context))
+    return names
+
+
+def _command_path(args: list[str]) -> str:
+    """``dflash-stages`` and the (sub)command names that lead ``args`` (for an error click raised without a
+    context, e.g. an option missing its value at the end of the line)."""
+    return " ".join(["dflash-stages", *(command.name for command in _commands_of(args)[1:])])
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from dflash.config_check import check_not_empty_path, migrate_renamed, override_
 from dflash.errors import ConfigError
 
 __all__ = ["CONFIG_OPTION", "PRESET_OPTION", "PRINT_CONFIG_OPTION", "SET_OPTION", "given_options", "print_and_exit",
-           "nested", "parse_sets", "printable", "resolve_stage_config", "section_of", "split_given", "without_key"]
+           "nested", "parse_sets", "plain_value", "printable", "resolve_stage_config", "section_of", "split_given", "without_key"]
 
 #: Stage sections a config file may hold besides this stage's own (ignored by the other stages).
 KNOWN_SECTIONS = ("generate", "prepare", "split", "extract", "train", "evaluate", "online", "export", "sweep")
@@ -200,21 +200,23 @@ def without_key(message: str, key: str) -> str:
     return message
 
 
+def plain_value(value: Any) -> Any:
+    """``value`` as config-file data: a dataclass as the dict of its init fields, paths as text, tuples as lists
+    (recursively)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain_value(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [plain_value(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): plain_value(v) for k, v in value.items()}
+    return value
+
+
 def printable(section: str, config: Any) -> str:
     """``{"SECTION": fields}`` JSON of a built config, which ``--config`` reads back."""
-
-    def plain(value: Any) -> Any:
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-        if isinstance(value, Path):
-            return str(value)
-        if isinstance(value, (list, tuple)):
-            return [plain(v) for v in value]
-        if isinstance(value, dict):
-            return {str(k): plain(v) for k, v in value.items()}
-        return value
-
-    return json.dumps({section: plain(config)}, indent=2, default=str)  # dates etc. of free-form `extra` as text
+    return json.dumps({section: plain_value(config)}, indent=2, default=str)  # dates etc. of free-form `extra` as text
 
 
 def split_given(ctx: Any, values: Mapping[str, Any],

@@ -42,7 +42,7 @@ from dflash.errors import ConfigError, ConfigPathNotFoundError
 from dflash.optim import OptimConfig
 from dflash.telemetry import TelemetryConfig
 
-__all__ = ["TrainConfig", "RUNTIME_FIELDS", "trajectory_changes", "run_training", "exit_if_interrupted", "register"]
+__all__ = ["TrainConfig", "RUNTIME_FIELDS", "trajectory_changes", "check_resume_changes", "run_training", "exit_if_interrupted", "register"]
 
 log = logging.getLogger(__name__)
 
@@ -459,15 +459,31 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
         return _run_training(config)
 
 
-def _refuse_changed_resume(config: TrainConfig) -> None:
-    """Before ranks are spawned: the check each rank's trainer makes on resume (``trajectory_changes`` against the
-    ``latest`` checkpoint's saved config and world size), from its ``trainer_state.json`` alone.
+def check_resume_changes(checkpoint_path: Path, trainer_state: dict[str, Any], config: TrainConfig,
+                         world_size: int) -> None:
+    """A resume of ``checkpoint_path`` (its ``trainer_state.json`` as ``trainer_state``) with ``config`` on
+    ``world_size`` ranks: :func:`trajectory_changes` refused, or only warned with ``allow_config_change``.
 
     Raises:
         CheckpointError: the changes, and the fix (restore them or pass ``--allow-config-change``).
     """
-    from dflash.checkpoint import resolve_checkpoint
     from dflash.errors import CheckpointError
+
+    changes = trajectory_changes(trainer_state.get("config", {}), config.to_dict(),
+                                 saved_world_size=int(trainer_state.get("world_size", 1)), world_size=world_size)
+    if not changes:
+        return
+    message = (f"resuming {checkpoint_path} with a changed config breaks exact resume (the run will not equal a "
+               "straight run): " + "; ".join(changes))
+    if not config.allow_config_change:
+        raise CheckpointError(message + ". Restore those values, or pass --allow-config-change to go on anyway")
+    log.warning("%s (--allow-config-change given)", message)
+
+
+def _refuse_changed_resume(config: TrainConfig) -> None:
+    """Before ranks are spawned: :func:`check_resume_changes` against the ``latest`` checkpoint, from its
+    ``trainer_state.json`` alone (each rank's trainer checks again when it loads the checkpoint)."""
+    from dflash.checkpoint import resolve_checkpoint
 
     run = Path(config.output)
     if not config.resume or config.allow_config_change or not (run / "latest").is_file():
@@ -477,12 +493,7 @@ def _refuse_changed_resume(config: TrainConfig) -> None:
         state = json.loads((folder / "trainer_state.json").read_text())
     except (OSError, ValueError):
         return  # unreadable: the rank's own load names the file
-    changes = trajectory_changes(state.get("config", {}), config.to_dict(),
-                                 saved_world_size=int(state.get("world_size", 1)), world_size=config.world_size)
-    if changes:
-        raise CheckpointError(f"resuming {folder} with a changed config breaks exact resume (the run will not equal a "
-                              "straight run): " + "; ".join(changes)
-                              + ". Restore those values, or pass --allow-config-change to go on anyway")
+    check_resume_changes(folder, state, config, config.world_size)
 
 
 def _run_training(config: TrainConfig, data_factory: Any = None) -> dict[str, Any]:

@@ -503,18 +503,9 @@ class Trainer:
             log.warning("--resume: %s has no checkpoint yet; starting from step 0", self.run_dir)
             return None
         checkpoint = load_checkpoint(self.run_dir)
-        saved = checkpoint.trainer_state.get("config", {})
-        from stages.train import trajectory_changes
+        from stages.train import check_resume_changes
 
-        changes = trajectory_changes(saved, config.to_dict(), saved_world_size=checkpoint.trainer_state.get("world_size", 1), world_size=self.world_size)
-        if changes:
-            message = (
-                f"resuming {checkpoint.path} with a changed config breaks exact resume (the run will not equal a "
-                "straight run): " + "; ".join(changes)
-            )
-            if not config.allow_config_change:
-                raise CheckpointError(message + ". Restore those values, or pass --allow-config-change to go on anyway")
-            log.warning("%s (--allow-config-change given)", message)
+        check_resume_changes(checkpoint.path, checkpoint.trainer_state, config, self.world_size)
         return checkpoint
 
     def _new_drafter_config(self, target_path: Path, metadata) -> DFlashConfig:
