@@ -415,6 +415,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(f"--config {file}: unreadable ({type(error).__name__}: {str(error)[:120]})") from None
+    if data is None and suffix in (".yaml", ".yml"):  # an empty YAML document (or comments only), like empty TOML
+        data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"--config {file}: expected a table/object of settings at the top, got {type(data).__name__}")
     if suffix == ".json" and isinstance(data.get("config"), dict):  # a run.json

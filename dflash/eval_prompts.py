@@ -27,7 +27,7 @@ import numpy as np
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError, MismatchError
 
-__all__ = ["EvalPrompt", "held_out_rows", "prompts_from_corpus", "prompts_from_file"]
+__all__ = ["EvalPrompt", "check_prompts_file", "held_out_rows", "prompts_from_corpus", "prompts_from_file"]
 
 _MIN_PLAIN_PROMPT = 16
 
@@ -123,6 +123,22 @@ def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     return [int(t) for t in ids]
 
 
+def check_prompts_file(path: str | os.PathLike[str]) -> Path:
+    """``path`` (``~`` expanded) if it names a prompts file :func:`prompts_from_file` reads, by kind; the contents
+    are read later. Lets a config refuse a wrong path before any work.
+
+    Raises:
+        ConfigPathNotFoundError: no file at ``path``.
+        ConfigError: a suffix other than .jsonl or .txt.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigPathNotFoundError(f"prompts: {path} does not exist; pass held-out, a .jsonl or a .txt file")
+    if path.suffix not in (".jsonl", ".txt"):
+        raise ConfigError(f"prompts: {path} must end in .jsonl (chat rows) or .txt (one prompt per line)")
+    return path
+
+
 def prompts_from_file(
     path: str | os.PathLike[str], tokenizer: Any, *, num_prompts: int, chat_template: bool = True
 ) -> list[EvalPrompt]:
@@ -132,11 +148,7 @@ def prompts_from_file(
         ConfigError: missing file, unknown suffix, a line without a usable field (named by line number), or no
             prompt at all.
     """
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ConfigPathNotFoundError(f"prompts: {path} does not exist; pass held-out, a .jsonl or a .txt file")
-    if path.suffix not in (".jsonl", ".txt"):
-        raise ConfigError(f"prompts: {path} must end in .jsonl (chat rows) or .txt (one prompt per line)")
+    path = check_prompts_file(path)
     use_template = chat_template and getattr(tokenizer, "chat_template", None) is not None
     prompts: list[EvalPrompt] = []
     with open(path, encoding="utf-8") as handle:

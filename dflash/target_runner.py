@@ -48,13 +48,10 @@ import numpy as np
 import torch
 
 from dflash.errors import ConfigError, TargetError
-from dflash.target import LAYER_ID_CONVENTION, validate_target_layer_ids
+from dflash.target import LAYER_ID_CONVENTION, PACKED_ATTENTION, validate_target_layer_ids
 
 __all__ = ["TargetRunner", "RunnerBatch", "plan_batches", "plan_packed_batches", "find_decoder_layers",
            "PACKED_ATTENTION"]
-
-#: Attention implementations a packed forward may use (module docstring), the default first.
-PACKED_ATTENTION = ("flex_attention", "sdpa")
 
 log = logging.getLogger(__name__)
 

@@ -198,6 +198,7 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
 
     Raises:
         ConfigError: the first problem, naming ``section.key`` and its source.
+        TargetError: ``config.target`` names no transformers folder or ``.gguf`` file.
     """
     from dflash.config_check import check_fields
     from stages.evaluate import EvaluateConfig
@@ -223,6 +224,9 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
                 raise ConfigError(f"split.{key} ({source('split', key)}): unknown key; known: heldout_documents, seed")
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(f"split.{key} ({source('split', key)}): expected int, got {value!r}")
+    from dflash.target import locate_target
+
+    locate_target(config.target)  # a wrong target path fails now, not when the first stage loads it
     evaluate_extra = {key: type(value) for key, value in EVALUATE_EXTRAS.items()}
     for section, cls, reserved, extra, paths in checks:
         values = getattr(config, section)

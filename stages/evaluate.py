@@ -27,9 +27,8 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -37,15 +36,14 @@ from rich.table import Table
 
 from dflash.errors import ConfigError
 from dflash.eval_prompts import EvalPrompt, held_out_rows, prompts_from_corpus, prompts_from_file
-from dflash.speculative import (
-    AcceptanceStats,
-    GenerationResult,
-    SpeculativeConfig,
-    TappedTarget,
-    first_divergence,
-    target_generate,
-)
-from dflash.speculative import speculative_generate as _generate
+
+if TYPE_CHECKING:
+    import torch
+
+    from dflash.speculative import GenerationResult, SpeculativeConfig, TappedTarget
+
+# torch and dflash.speculative are imported where they are used: every command's module is imported when the CLI
+# starts, and importing torch (seconds on a small host) before a config check would delay every `error:` line.
 
 __all__ = ["EvaluateConfig", "Baselines", "Evaluator", "load_drafter_any", "attach_checked", "check_target_identity", "load_prompts", "evaluate_drafter",
            "run_evaluate", "print_report", "write_json_atomic", "register"]
@@ -119,6 +117,10 @@ class EvaluateConfig:
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.prompts == "held-out" and self.corpus is None:
             raise ConfigError("prompts: held-out prompts need --corpus (and --cache to exclude the training rows)")
+        if self.prompts != "held-out":
+            from dflash.eval_prompts import check_prompts_file
+
+            check_prompts_file(self.prompts)  # a wrong path fails here, before the target is loaded
         kind, _, index = str(self.device).partition(":")
         if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N (N a GPU index >= 0), got {self.device!r}")
@@ -129,6 +131,8 @@ class EvaluateConfig:
         Raises:
             ConfigError: ``cuda`` or ``cuda:N`` on a host without CUDA, or N beyond its GPUs.
         """
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
@@ -140,6 +144,8 @@ class EvaluateConfig:
         return device
 
     def resolved_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
@@ -230,17 +236,21 @@ def _throughput(results: list[GenerationResult], *, split: bool = True) -> dict[
             "tokens_per_second": tokens / seconds if seconds > 0 else float("nan")}
 
 
-@torch.inference_mode()
 def _logit_gap(model: Any, prompt: list[int], prefix: list[int], token_a: int, token_b: int) -> float:
     """Target logit of ``token_b`` minus that of ``token_a`` after ``prompt + prefix`` (one full forward)."""
+    import torch
+
     device = next(model.parameters()).device
     ids = torch.tensor([prompt + prefix], device=device)
-    logits = model(input_ids=ids).logits[0, -1].float()
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0, -1].float()
     return float(logits[token_b] - logits[token_a])
 
 
 def _lossless_report(model: Any, prompts: list[EvalPrompt], spec: list[GenerationResult],
                      base: list[GenerationResult], tolerance: float) -> dict[str, Any]:
+    from dflash.speculative import first_divergence
+
     mismatches = []
     for index, (prompt, s, b) in enumerate(zip(prompts, spec, base, strict=True)):
         at = first_divergence(s.output_ids, b.output_ids)
@@ -266,6 +276,8 @@ def _lossless_vs_generate(model: Any, prompts: list[EvalPrompt], spec: list[Gene
     """The lossless report of the speculative outputs against ``generate()``'s, plus how many block-size-1 loop
     outputs equal ``generate()``'s (``block_size_1_identical``: tells a drafting bug from a loop that decodes
     otherwise than transformers)."""
+    from dflash.speculative import first_divergence
+
     report = _lossless_report(model, prompts, spec, generated, tolerance)
     report["block_size_1_identical"] = sum(
         first_divergence(b.output_ids, g.output_ids) is None for b, g in zip(base, generated, strict=True))
@@ -303,6 +315,11 @@ def evaluate_drafter(
         ``speedup_vs_generate``, ``throughput`` (``speculative``, ``baseline_block_size_1``, ``target_generate``),
         ``lossless`` and ``lossless_vs_generate`` (greedy only), ``per_prompt``.
     """
+    import torch
+
+    from dflash.speculative import AcceptanceStats, SpeculativeConfig, TappedTarget
+    from dflash.speculative import speculative_generate as _generate
+
     model = target.model
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -379,6 +396,8 @@ def evaluate_drafter(
 def _plain_generate(tapped: TappedTarget, prompt_ids: list[int], config: SpeculativeConfig, seed: int) -> GenerationResult:
     """:func:`dflash.speculative.target_generate` on the tapped target with its taps off (the hooks stay, as they
     do for the block-size-1 loop, and keep nothing)."""
+    from dflash.speculative import target_generate
+
     tapped.capture = False
     try:
         return target_generate(tapped.model, prompt_ids, config, seed=seed)
@@ -394,6 +413,8 @@ def _generate_call(max_new_tokens: int, temperature: float, stop_token_ids: tupl
 
 
 def _untrained_like(drafter_config: Any, target: Any, seed: int) -> Any:
+    import torch
+
     from dflash.drafter import DFlashDrafter
 
     with torch.random.fork_rng(devices=[]):
@@ -463,6 +484,8 @@ class Evaluator:
     def evaluate(self, drafter: Any, drafter_config: Any, *, label: str, compare_untrained: bool = False,
                  json_path: Path | None = None) -> dict[str, Any]:
         """Evaluate one drafter; returns the JSON report (also written atomically to ``json_path``)."""
+        import torch
+
         config = self.config
         started = time.perf_counter()
         threads = torch.get_num_threads()

@@ -136,11 +136,15 @@ class ExtractConfig:
         self.storage_dtype = dtype_spelling(self.storage_dtype, tuple(_STORAGE_DTYPES))
         if self.storage_dtype not in _STORAGE_DTYPES:
             raise ConfigError(f"storage_dtype: expected one of {sorted(_STORAGE_DTYPES)}, got {self.storage_dtype!r}")
-        from dflash.target_runner import PACKED_ATTENTION
+        from dflash.target import PACKED_ATTENTION
 
         if self.packed_attention not in PACKED_ATTENTION:
             raise ConfigError(f"packed_attention: expected one of {'|'.join(PACKED_ATTENTION)}, "
                               f"got {self.packed_attention!r}")
+        if self.codec is not None:
+            from dflash.cache.format import codec_config
+
+            codec_config(self.codec)  # an unknown name is refused here, before any work, with the valid names
         if self.length_policy not in ("error", "drop", "truncate"):
             raise ConfigError(f"length_policy: expected error|drop|truncate, got {self.length_policy!r}")
         if self.max_length is not None and self.max_length < 1:

@@ -122,6 +122,10 @@ class GenerateConfig:
     def __post_init__(self) -> None:
         if isinstance(self.default_prompts, dict):
             self.default_prompts = DefaultPromptConfig(**self.default_prompts)
+        if self.prompts != "default":
+            from dflash.generation.prompts import check_prompt_file
+
+            check_prompt_file(self.prompts)  # a wrong path fails here, before any work
         if self.engine not in ("transformers", "openai"):
             raise ConfigError(f"engine must be transformers or openai, got {self.engine!r}")
         if self.turns not in ("all", "last"):
@@ -525,6 +529,7 @@ def register(app: typer.Typer) -> None:
             GenerateConfig, "generate",
             *split_given(ctx, values, {"endpoints": "endpoint", "default_prompts": "heldout_permille"}),
             config_file=config_file, preset=preset, overrides=overrides, required=("output",),
+            option_names={"prompts": "PROMPTS"},
         )
         if print_config:
             print_and_exit("generate", config)

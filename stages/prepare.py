@@ -623,7 +623,7 @@ def register(app: Any) -> None:
             )  # fmt: skip
             config = resolve_stage_config(PrepareConfig, "prepare", *split_given(ctx, values, {"patterns": "pattern"}),
                                           config_file=config_file, preset=preset, overrides=overrides,
-                                          required=("output",))  # fmt: skip
+                                          required=("output",), option_names={"inputs": "INPUT"})  # fmt: skip
             if print_config:
                 print_and_exit("prepare", config)
             path, report = run_prepare(config, console=console)

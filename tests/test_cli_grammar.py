@@ -5,8 +5,18 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from stages.cli import hoist_global_flags
 from tests.cli_helpers import main_in_process, main_in_process_out
+
+
+@pytest.fixture(autouse=True)
+def _in_a_folder_with_a_prompts_file(tmp_path, monkeypatch):
+    """Each test runs in its own folder holding ``p.jsonl``: ``evaluate --prompts p.jsonl`` is checked up front
+    (the file must exist), and relative paths such as ``-o x`` land there, not in the checkout."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "Write a haiku."}\n')
 
 
 def test_global_flags_move_in_front_of_the_subcommand_but_not_past_a_double_dash():

@@ -14,7 +14,7 @@ STAGES = {
     "prepare": ["-o", "{tmp}/out"],
     "generate": ["-o", "{tmp}/out"],
     "extract": ["--corpus", "{tmp}/corpus", "-o", "{tmp}/out"],
-    "evaluate": ["--drafter", "{tmp}/drafter", "--prompts", "p.jsonl"],
+    "evaluate": ["--drafter", "{tmp}/drafter", "--prompts", "{tmp}/p.jsonl"],  # made by _args: checked up front
     "train": ["--cache", "{tmp}/cache", "-o", "{tmp}/out"],
     "export": ["{tmp}/ckpt", "{tmp}/out"],
     "sweep": ["--cache", "{tmp}/cache", "--grid", "lr=1e-3,2e-3"],
@@ -37,6 +37,7 @@ BARE_SET = {"sweep": "train"}
 
 
 def _args(stage: str, tmp_path) -> list[str]:
+    (tmp_path / "p.jsonl").write_text('{"prompt": "Write a haiku."}\n')
     return [a.format(tmp=tmp_path) for a in STAGES[stage]]
 
 
@@ -215,3 +216,62 @@ def test_a_key_given_twice_in_a_yaml_or_json_file_is_refused(name, text, line, t
     assert str(raised.value) == f"--config {path}: key 'shard_size' given twice{line}; keep one"
     path.write_text(text.replace("shard_size: 6", "num_taps: 6").replace('"shard_size": 6', '"num_taps": 6'))
     assert read_config_file(path)  # distinct keys (also the same key in different mappings) are fine
+
+
+@pytest.mark.parametrize(("name", "text"), [("empty.yaml", ""), ("comments.yml", "# nothing set yet\n"),
+                                            ("empty.toml", "# nothing\n"), ("empty.json", "{}")])  # fmt: skip
+def test_an_empty_config_file_sets_nothing_in_every_format(name, text, tmp_path):
+    """An empty YAML document reads as no settings, like an empty TOML file or ``{}``; a YAML scalar is refused."""
+    from dflash.config_check import read_config_file
+    from dflash.errors import ConfigError
+
+    path = tmp_path / name
+    path.write_text(text)
+    assert read_config_file(path) == {}
+    (tmp_path / "scalar.yaml").write_text("5\n")
+    with pytest.raises(ConfigError, match="expected a table/object of settings at the top, got int"):
+        read_config_file(tmp_path / "scalar.yaml")
+
+
+def test_paths_and_names_that_would_fail_a_later_stage_are_refused_before_run_writes_anything(
+        tmp_path, monkeypatch, capsys):  # fmt: skip
+    """A wrong target path, prompts file or codec name fails `run` before its first stage, naming where it came
+    from, and the work folder is never made (these once failed only when their stage started)."""
+    workdir = str(tmp_path / "work")
+    (tmp_path / "prompts.csv").write_text("not a prompts file\n")
+    cases = [
+        (["--target", str(tmp_path / "no-model")], "error: target '"),
+        (["--set", f"evaluate.prompts={tmp_path / 'missing.jsonl'}"], "error: evaluate.prompts (--set evaluate.prompts="),
+        (["--set", f"evaluate.prompts={tmp_path / 'prompts.csv'}"], "must end in .jsonl (chat rows) or .txt"),
+        (["--set", "extract.codec=zstd-9"], "error: extract.codec (--set extract.codec=zstd-9): unknown codec"),
+    ]
+    for args, start in cases:
+        code, err = main_in_process(monkeypatch, capsys, "run", "--workdir", workdir, *args)
+        lines = [line for line in err.splitlines() if line.strip() and not line.startswith("preset ")]
+        assert code == 2 and len(lines) == 1 and start in lines[0], (args, err)
+    assert not (tmp_path / "work").exists()
+    for args, start in [
+        (["generate", "-o", workdir, str(tmp_path / "missing.jsonl")], "error: generate.prompts (PROMPTS"),
+        (["evaluate", "--drafter", str(tmp_path), "--prompts", str(tmp_path / "missing.jsonl")],
+         "error: evaluate.prompts (--prompts"),
+    ]:
+        code, err = main_in_process(monkeypatch, capsys, *args)
+        assert code == 2 and err.startswith(start) and "does not exist" in err, (args, err)
+    assert not (tmp_path / "work").exists()
+
+
+def test_a_config_error_is_reported_without_importing_torch(tmp_path):
+    """Every command's module is imported at start-up; none may import torch before the config check, which would
+    delay every `error:` line by the seconds torch takes to import on a small host."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom stages.cli import main\nsys.argv = ['dflash-stages', *sys.argv[1:]]\n"
+              "try:\n    main()\nexcept SystemExit as exit:\n"
+              "    print(exit.code, 'torch' in sys.modules, 'transformers' in sys.modules)\n")
+    for args in (["train", "--cache", "c", "-o", "o", "--set", "optim.lr=abc"],
+                 ["run", "--workdir", str(tmp_path / "w"), "--set", "train.optim.lr=abc"],
+                 ["evaluate", "--drafter", "d", "--set", "block_size=x"]):
+        done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path)
+        assert done.stdout.split()[-3:] == ["2", "False", "False"], (args, done.stdout, done.stderr)

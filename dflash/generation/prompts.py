@@ -34,6 +34,7 @@ from typing import Any, Literal
 from dflash.errors import ConfigError, ConfigPathNotFoundError, CorpusError
 
 __all__ = [
+    "check_prompt_file",
     "TurnMode",
     "PromptRecord",
     "DropCounts",
@@ -175,6 +176,29 @@ def _records_from_rows(rows: Iterator[tuple[str, bytes | dict[str, Any]]], *, ch
     return records
 
 
+_PROMPT_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet", ".pq")
+
+
+def check_prompt_file(path: str | Path) -> Path:
+    """``path`` (``~`` expanded) if it is a prompts file :func:`read_prompt_file` can read, by kind; the contents
+    are read later. Lets a config refuse a wrong path before any work.
+
+    Raises:
+        ConfigPathNotFoundError: nothing at ``path``.
+        ConfigError: a folder, or a suffix other than .jsonl/.json/.parquet/.txt.
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"prompts: {path} is a folder; pass a file: .jsonl/.json/.parquet (chats or prompts) or "
+                          ".txt (one prompt per line), or `default`")
+    if not path.is_file():
+        raise ConfigPathNotFoundError(f"prompts: {path} does not exist; pass a .jsonl/.json/.parquet chat or prompts file, "
+                          "a .txt file (one prompt per line) or `default`")
+    if path.suffix.lower() not in _PROMPT_SUFFIXES:
+        raise ConfigError(f"prompts: {path} must end in .jsonl, .json, .parquet or .txt")
+    return path
+
+
 def read_prompt_file(path: str | Path, *, chat_template: bool = True, turns: TurnMode = "all",
                      drops: DropCounts | None = None) -> tuple[list[PromptRecord], DropCounts]:
     """Prompt records of a chat or prompts file (module docstring); unusable lines are counted in ``drops``.
@@ -182,14 +206,8 @@ def read_prompt_file(path: str | Path, *, chat_template: bool = True, turns: Tur
     Raises:
         ConfigError: the file is missing, of an unknown kind, or holds no usable prompt (the drop counts named).
     """
-    path = Path(path).expanduser()
+    path = check_prompt_file(path)
     drops = drops if drops is not None else DropCounts()
-    if path.is_dir():
-        raise ConfigError(f"prompts: {path} is a folder; pass a file: .jsonl/.json/.parquet (chats or prompts) or "
-                          ".txt (one prompt per line), or `default`")
-    if not path.is_file():
-        raise ConfigPathNotFoundError(f"prompts: {path} does not exist; pass a .jsonl/.json/.parquet chat or prompts file, "
-                          "a .txt file (one prompt per line) or `default`")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".txt"):
         with open(path, "rb") as handle:
@@ -202,8 +220,6 @@ def read_prompt_file(path: str | Path, *, chat_template: bool = True, turns: Tur
         table = pq.read_table(path)
         records = _records_from_rows(((f"{path.name} row {i}", row) for i, row in enumerate(table.to_pylist())),
                                      chat_template=chat_template, turns=turns, drops=drops)
-    else:
-        raise ConfigError(f"prompts: {path} must end in .jsonl, .json, .parquet or .txt")
     if not records:
         raise ConfigError(f"prompts: {path} holds no usable prompt (left out: {drops.describe()})")
     return records, drops
