@@ -463,6 +463,8 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
         console.print(f"all {len(shard_rows)} shards of {config.output} are committed; nothing to do")
         _remove_staging(config.output)
         summary.update(cache.finalize())
+        summary["codec"] = codec_preset_name(cache.metadata.codec)
+        summary["codec_choice"] = cache.metadata.extra.get("codec_choice")
         return summary
     if summary["skipped_committed"]:
         console.print(f"resuming: {summary['skipped_committed']} shards already committed, {len(pending)} to do")

@@ -247,7 +247,12 @@ def describe_choice(choice: dict[str, Any]) -> str:
         return f"codec auto -> {choice['chosen']} ({choice['reason']})"
     production = choice["production_bytes_per_s"]
     where = f"on {len(production)} workers, the fastest" if len(production) > 1 else "on its worker"
-    parts = [f"{name} {figures['encode_bytes_per_s'] / 1e6:,.0f} MB/s ratio {figures['ratio']:.3f} "
+    parts = [f"{name} {_megabytes(figures['encode_bytes_per_s'])} MB/s ratio {figures['ratio']:.3f} "
              f"({'keeps up' if figures['keeps_up'] else 'too slow'})" for name, figures in choice["candidates"].items()]  # fmt: skip
-    return (f"codec auto: hidden states produced at {max(production.values()) / 1e6:,.0f} MB/s ({where}); encode "
+    return (f"codec auto: hidden states produced at {_megabytes(max(production.values()))} MB/s ({where}); encode "
             f"{'; '.join(parts)} -> {choice['chosen']} (keeping up = encoding >= {choice['margin']:g}x production)")
+
+
+def _megabytes(bytes_per_s: float) -> str:
+    value = bytes_per_s / 1e6
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
