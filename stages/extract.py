@@ -602,6 +602,7 @@ def _choose_codec(client: Any, config: ExtractConfig, plan: CachePlan, rows: lis
         describe_choice,
         uncalibrated_choice,
     )
+    from stages.cluster import cluster_workers
     from stages.extract_worker import CalibrationSpec, calibrate_worker_codecs
 
     if config.codec_calibration == "never":
@@ -610,9 +611,12 @@ def _choose_codec(client: Any, config: ExtractConfig, plan: CachePlan, rows: lis
         spec = CalibrationSpec(corpus_path=str(config.corpus), rows=tuple(rows), truncate_to=plan.report.truncate_to,
                                storage_dtype=plan.metadata.storage_dtype, chunk_tokens=plan.metadata.chunk_tokens,
                                on_cpu=config.codec_calibration == "always")  # fmt: skip
+        # One task pinned to each worker that runs shard tasks (those holding the resources they ask for).
+        workers = [address for address, info in sorted(cluster_workers(client).items())
+                   if all(info.get("resources", {}).get(name, 0) >= amount for name, amount in (resources or {}).items())]  # fmt: skip
         futures = [client.submit(calibrate_worker_codecs, spec, key=f"dflash-codec-calibration-{index}", pure=False,
                                  workers=[address], allow_other_workers=False, resources=resources)
-                   for index, address in enumerate(sorted(client.scheduler_info()["workers"]))]  # fmt: skip
+                   for index, address in enumerate(workers)]  # fmt: skip
         results = client.gather(futures)
         measured = {result["worker"]: result for result in results if result["calibrated"]}
         choice = choose_codec(measured) if measured else uncalibrated_choice(CPU_RUNNER_REASON)
