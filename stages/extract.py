@@ -45,7 +45,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dflash.errors import CacheError, ConfigError, DFlashError
-from stages.cluster import start_cluster, validate_placement
+from stages.cluster import cluster_workers, start_cluster, validate_placement
 
 __all__ = ["ExtractConfig", "CachePlan", "run_extract", "plan_cache", "create_cache", "prepare_cache", "plan_shards",
            "estimate_cache_bytes", "register"]
@@ -492,7 +492,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
         )
         loading = time.perf_counter()
         client.register_plugin(plugin)  # runs setup on every worker; re-raises a worker's loading error here
-        console.print(f"target loaded on {len(client.scheduler_info()['workers'])} workers in {time.perf_counter() - loading:.1f} s")
+        console.print(f"target loaded on {len(cluster_workers(client))} workers in {time.perf_counter() - loading:.1f} s")
         if cache is None:  # a new cache: its codec is chosen now (nothing is written before it is created)
             choice = None
             if config.codec == AUTO_CODEC:
@@ -602,7 +602,6 @@ def _choose_codec(client: Any, config: ExtractConfig, plan: CachePlan, rows: lis
         describe_choice,
         uncalibrated_choice,
     )
-    from stages.cluster import cluster_workers
     from stages.extract_worker import CalibrationSpec, calibrate_worker_codecs
 
     if config.codec_calibration == "never":
