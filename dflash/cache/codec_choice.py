@@ -160,7 +160,7 @@ def measure_encode(hidden: torch.Tensor, codec: str, *, storage_dtype: str, num_
         return len(encode(stored))
 
     encoded = [job(chunk) for chunk in chunks]  # sizes of each distinct chunk; also warms the codec up
-    raw = sum(rows * width * (1 if fp8 else 2) for _ in chunks)
+    raw = len(chunks) * rows * width * (1 if fp8 else 2)  # the chunks' bytes as stored before the codec
     num_jobs = math.ceil(max(len(chunks), 2 * threads) / threads) * threads
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="codec-calibration") as pool:
         started = time.perf_counter()
