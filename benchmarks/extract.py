@@ -25,6 +25,11 @@ computing + blocked time: the rate without the run's start and drain), and the m
 of its hidden chunks. Stopping the write threads or processes afterwards (once per worker, not per token) is
 timed apart (``extract_close_seconds``). Token counts are real (unpadded) tokens.
 
+``--codec auto`` runs extract's codec calibration (:mod:`dflash.cache.codec_choice`) on this runner before step 4
+(here on any device; ``extract`` itself measures only on CUDA runners by default), prints the production rate, each
+candidate's encode rate and ratio, and the choice, and times step 4 with the chosen codec (``codec`` in the figures;
+``--via-dask`` passes ``auto`` to the stage, which chooses on its own worker: ``dask_codec``).
+
 ``--write-only`` measures the write path alone on the CPU (no model): ``--write-shards`` shards of ``--shard-size``
 tokens x ``--num-taps`` x ``--hidden-size`` bf16 (normal values with a per-token log-normal scale, so the exponent
 bytes are realistic), written like extract writes them; it prints raw MB/s, tokens/s and CPU seconds per GB.
@@ -40,6 +45,7 @@ Run (GPU)::
     python benchmarks/extract.py --write-only --write-shards 8                         # write path, CPU only
     python benchmarks/extract.py --write-only --compare-write-paths --shard-size 65536 # ours vs zarr vs zarrs
     python benchmarks/extract.py --target default                                      # SmolLM2-135M-Instruct
+    python benchmarks/extract.py --target default --codec auto --via-dask              # the codec extract chooses
     python benchmarks/extract.py --smoke                      # tiny, on CPU (a check that it runs)
     python benchmarks/extract.py --target qwen3-8b-random --compare-packing --tokens 262144   # padded vs packed
 """
@@ -71,7 +77,14 @@ from dflash.cache import (
     verify_cache,
 )
 from dflash.cache.chunks import keep_chunk_buffers_mapped
-from dflash.cache.format import codec_config, zarr_compressors
+from dflash.cache.codec_choice import (
+    AUTO_CODEC,
+    calibrate_codecs,
+    calibration_row_count,
+    choose_codec,
+    describe_choice,
+)
+from dflash.cache.format import codec_config, default_chunk_tokens, stored_row_bytes, zarr_compressors
 from dflash.corpus import CorpusWriter, open_corpus
 from dflash.target import (
     LAYER_ID_CONVENTION,
@@ -511,6 +524,22 @@ def component_costs(hidden: torch.Tensor, codec: str) -> dict[str, float]:
     return out
 
 
+def choose_codec_here(runner: TargetRunner, rows: list[np.ndarray], lengths: np.ndarray, args: argparse.Namespace,
+                      console: Console) -> dict:  # fmt: skip
+    """``--codec auto``: extract's calibration (:mod:`dflash.cache.codec_choice`) on this runner, on the first rows of
+    the corpus that make one batch, with ``--write-threads`` encode threads; prints the choice and returns its record.
+    Unlike ``extract``, it measures on a CPU runner too (extract's default skips CPU runners)."""
+    count = calibration_row_count(lengths[: args.token_budget], args.token_budget, packing=False)
+    row_bytes = stored_row_bytes(args.storage_dtype, runner.num_taps, runner.hidden_size)
+    calibration = calibrate_codecs(runner, rows[:count], storage_dtype=args.storage_dtype,
+                                   chunk_tokens=default_chunk_tokens(row_bytes), write_threads=args.write_threads)  # fmt: skip
+    choice = choose_codec({"benchmark": calibration})
+    console.print(describe_choice(choice), markup=False)
+    if not choice["keeps_up"]:
+        console.print(f"warning: {choice['reason']}", style="yellow", markup=False)
+    return choice
+
+
 def time_dask_extract(args: argparse.Namespace, device: torch.device, workdir: Path) -> dict:
     """The ``extract`` stage itself (LocalCluster, one worker on GPU 0 or CPU); its summary dict."""
     from stages.extract import ExtractConfig, run_extract
@@ -537,7 +566,9 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=16384)
     parser.add_argument("--shard-size", type=int, default=16384, help="tokens per shard")
     parser.add_argument("--storage-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
-    parser.add_argument("--codec", default=DEFAULT_CODEC)
+    parser.add_argument("--codec", default=DEFAULT_CODEC,
+                        help="a codec preset, or auto: calibrate on the runner and use extract's choice (also passed "
+                             "to --via-dask's extract, which makes its own)")
     parser.add_argument("--workdir", default=None, help="where the corpus and cache go (default: a temp folder)")
     parser.add_argument("--keep", action="store_true", help="keep the corpus and cache")
     parser.add_argument("--seed", type=int, default=0)
@@ -571,6 +602,8 @@ def main() -> None:
         args.hidden_size, args.write_shards = 64, 3
     args.write_threads = args.write_threads or default_write_threads()
     console = Console()
+    if args.write_only and args.codec == AUTO_CODEC:
+        raise SystemExit("--codec auto needs a runner to measure on; --write-only takes a codec preset name")
     if args.write_only:
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-bench-write-"))
         try:
@@ -615,8 +648,10 @@ def main() -> None:
         truncated_s = time_truncated_forward(runner, batches, device)
         del batches
         copies_s = time_runner_with_copies(runner, rows, plan, shard_rows, device)
+        choice = choose_codec_here(runner, rows, corpus.lengths, args, console) if args.codec == AUTO_CODEC else None
+        codec = choice["chosen"] if choice is not None else args.codec
         extract_s, counts = time_extract(runner, identity, args.target, workdir / "corpus", workdir / "cache",
-                                         args.shard_size, args.storage_dtype, args.codec, args.writes_in_flight,
+                                         args.shard_size, args.storage_dtype, codec, args.writes_in_flight,
                                          args.write_threads, args.write_processes)  # fmt: skip
         dask_summary = time_dask_extract(args, device, workdir) if args.via_dask else None
     finally:
@@ -638,7 +673,8 @@ def main() -> None:
         "shard_size": args.shard_size,
         "num_shards": counts["num_shards"],
         "storage_dtype": args.storage_dtype,
-        "codec": args.codec,
+        "codec": codec,
+        "codec_requested": args.codec,
         "lengths": [args.min_len, args.max_len],
         "writes_in_flight": args.writes_in_flight,
         "write_threads": args.write_threads,
@@ -665,7 +701,14 @@ def main() -> None:
     }
     if masked_s is not None:
         figures["full_forward_masked_tokens_per_s"] = num_tokens / masked_s
+    if choice is not None:
+        figures["codec_choice_reason"] = choice["reason"]
+        figures["codec_production_MB_per_s"] = choice["production_bytes_per_s"]["benchmark"] / 1e6
+        for name, candidate in choice["candidates"].items():
+            figures[f"codec_{name}_encode_MB_per_s"] = candidate["encode_bytes_per_s"] / 1e6
+            figures[f"codec_{name}_ratio"] = candidate["ratio"]
     if dask_summary is not None:
+        figures["dask_codec"] = dask_summary["codec"]
         figures["dask_extract_tokens_per_s"] = dask_summary["tokens_per_second"]
         figures["dask_extract_over_truncated_forward"] = dask_summary["tokens_per_second"] * truncated_s / num_tokens
     _report(console, figures, f"extract benchmark: {identity.name} on {figures['device']}", args.json)

@@ -62,6 +62,10 @@ PRODUCER_DEATH_POLICIES = ("recompute", "stop")
 #: Tasks a batch may lose to dying producers before the run stops (Dask's ``allowed-failures``), per policy.
 _ALLOWED_FAILURES = {"recompute": 5, "stop": 0}
 
+#: Why ``--cache-to``'s ``codec "auto"`` resolves to the default without measuring (recorded in the cache).
+CACHE_TO_CODEC_REASON = ("online --cache-to: the launcher encodes each shard from the staged batches in the "
+                         "background; no producer or training step waits on it")
+
 
 @dataclass(kw_only=True, slots=True)
 class OnlineConfig:
@@ -218,7 +222,10 @@ def _open_cache_to(config: OnlineConfig, metadata: Any) -> Any:
                             token_budget=config.runner_token_budget or train.data.token_budget,
                             extra={"written_by": "online --cache-to"})  # fmt: skip
     console = Console(file=io.StringIO())  # prepare_cache's size report: logged below instead
-    cache, corpus, shard_rows, _ = prepare_cache(extract, console)
+    # The codec: an existing cache keeps its own; a new one gets the default, unmeasured. Nothing waits on these
+    # writes: producers stage raw batches, and a thread of this launcher encodes each shard once its rows are all
+    # staged, so a slow codec delays only the shard's commit, never a producer or a training step.
+    cache, corpus, shard_rows, _ = prepare_cache(extract, console, auto_reason=CACHE_TO_CODEC_REASON)
     log.info("cache-to: %s", console.file.getvalue().strip().replace("\n", "; "))
     lengths = CorpusLengths(corpus)
     planned: set[int] = set()

@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 
-__all__ = ["require_local_gpus", "PlacementSettings", "validate_placement", "start_cluster", "security_of", "dashboard_address_of",
-           "worker_process_options", "FORKSERVER_PRELOAD"]
+__all__ = ["require_local_gpus", "PlacementSettings", "validate_placement", "start_cluster", "cluster_workers", "security_of",
+           "dashboard_address_of", "worker_process_options", "FORKSERVER_PRELOAD"]
 
 # Imported once by distributed's fork server when workers start by ``forkserver``: what every target worker imports
 # (most of a worker's start-up). Third-party modules only: this project's modules (some read the environment at
@@ -101,7 +101,7 @@ def start_cluster(config: PlacementSettings, *, daemonic_workers: bool = True) -
 
     if config.scheduler_address is not None:
         client = Client(config.scheduler_address, security=security_of(config))
-        workers = client.scheduler_info(n_workers=-1)["workers"] if _accepts_n_workers(client) else client.scheduler_info()["workers"]
+        workers = cluster_workers(client)
         has_gpu_resource = any(info.get("resources", {}).get("GPU") for info in workers.values())
         return client, None, {"device": "auto", "resources": {"GPU": 1} if has_gpu_resource else None, "die_with_parent": False}
     if not daemonic_workers:  # workers start processes of their own: daemonic processes may not have children
@@ -187,6 +187,14 @@ def security_of(config: PlacementSettings) -> Any:
     )
 
 
+
+
+def cluster_workers(client: Any) -> dict[str, dict[str, Any]]:
+    """Every worker of the client's cluster: address -> the scheduler's info on it (``name``, ``resources``, ...).
+    All of them: recent distributed releases list only the first 5 unless asked for all (``n_workers=-1``)."""
+    if _accepts_n_workers(client):
+        return client.scheduler_info(n_workers=-1)["workers"]
+    return client.scheduler_info()["workers"]
 
 
 def _accepts_n_workers(client: Any) -> bool:

@@ -8,11 +8,13 @@ Run::
 
 Order of work: lock the output (``dflash.locks``: one extract per cache; the driver holds the lock until it returns
 and the workers write under it), open and validate the corpus against the target's vocabulary (no GPU touched), plan shards
-(contiguous row ranges of about ``--shard-size`` tokens), open or create the cache (a rerun resumes: committed
-shards are skipped), print the size estimate and refuse when it exceeds the free space (``--force-space``
-overrides), start the cluster, load the target once per worker (WorkerPlugin), submit one task per pending shard,
-follow them with a rich progress bar in tokens/s, then collect the last pending writes and trust only the cache's
-commit records: shards still uncommitted are resubmitted once, and any left are reported (rerun to finish).
+(contiguous row ranges of about ``--shard-size`` tokens), reopen an existing cache (a rerun resumes: committed
+shards are skipped; it keeps its own codec), print the size estimate and refuse when it exceeds the free space
+(``--force-space`` overrides), start the cluster, load the target once per worker (WorkerPlugin); for a new cache
+choose its codec (``--codec auto``: a calibration task on every worker at once, ``dflash.cache.codec_choice``) and
+only then create it; submit one task per pending shard, follow them with a rich progress bar in tokens/s, then
+collect the last pending writes and trust only the cache's commit records: shards still uncommitted are
+resubmitted once, and any left are reported (rerun to finish).
 A local cluster listens on 127.0.0.1 only (its dashboard included); ``--tls-*`` connect to a TLS scheduler
 (docs/cache-format.md, "Running extract on a shared machine or cluster").
 """
@@ -43,14 +45,16 @@ from rich.table import Table
 from rich.text import Text
 
 from dflash.errors import CacheError, ConfigError, DFlashError
-from stages.cluster import start_cluster, validate_placement
+from stages.cluster import cluster_workers, start_cluster, validate_placement
 
-__all__ = ["ExtractConfig", "run_extract", "prepare_cache", "plan_shards", "estimate_cache_bytes", "register"]
+__all__ = ["ExtractConfig", "CachePlan", "run_extract", "plan_cache", "create_cache", "prepare_cache", "plan_shards",
+           "estimate_cache_bytes", "register"]
 
 log = logging.getLogger(__name__)
 
 _STORAGE_DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 _MAX_ROUNDS = 2
+_CODEC_CALIBRATION = ("auto", "always", "never")  # ExtractConfig.codec_calibration
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,7 +77,13 @@ class ExtractConfig:
         packed_attention: the attention kernel of packed batches: ``"flex_attention"`` (a document mask) or
             ``"sdpa"`` (a block-diagonal mask); ignored without ``packing``.
         storage_dtype: ``"bf16"`` (bit-exact) or ``"fp8"`` (lossy e4m3 with a per-token, per-tap scale).
-        codec: codec preset name (``dflash.cache.CODEC_PRESETS``); ``None``: the cache's default.
+        codec: ``"auto"`` (default) or a codec preset name (``dflash.cache.CODEC_PRESETS``). ``"auto"``: a new
+            cache gets the best-compressing lossless codec whose encode rate keeps up with the measured production
+            of hidden states (``dflash.cache.codec_choice``, docs/cache-format.md), recorded in its metadata
+            (``extra["codec_choice"]``); an existing cache keeps its own codec.
+        codec_calibration: when ``codec "auto"`` measures: ``"auto"`` on CUDA runners only (a CPU runner gets the
+            default codec without a forward: its forward is far slower than any codec), ``"always"`` on any
+            runner, ``"never"`` (the default codec, unmeasured).
         max_length, length_policy: rows longer than ``max_length`` raise (``"error"``), are skipped
             (``"drop"``) or cut (``"truncate"``); skipped rows are recorded in the commit records.
         force_space: start even when the size estimate exceeds the free space.
@@ -111,7 +121,8 @@ class ExtractConfig:
     packing: bool = False
     packed_attention: Literal["flex_attention", "sdpa"] = "flex_attention"
     storage_dtype: Literal["bf16", "fp8"] = "bf16"
-    codec: str | None = None
+    codec: str = "auto"
+    codec_calibration: Literal["auto", "always", "never"] = "auto"
     max_length: int | None = None
     length_policy: Literal["error", "drop", "truncate"] = "error"
     force_space: bool = False
@@ -141,10 +152,13 @@ class ExtractConfig:
         if self.packed_attention not in PACKED_ATTENTION:
             raise ConfigError(f"packed_attention: expected one of {'|'.join(PACKED_ATTENTION)}, "
                               f"got {self.packed_attention!r}")
-        if self.codec is not None:
-            from dflash.cache.format import codec_config
+        from dflash.cache import CODEC_PRESETS
 
-            codec_config(self.codec)  # an unknown name is refused here, before any work, with the valid names
+        if self.codec != "auto" and self.codec not in CODEC_PRESETS:
+            raise ConfigError(f"codec: expected auto or one of {', '.join(CODEC_PRESETS)}, got {self.codec!r}")
+        if self.codec_calibration not in _CODEC_CALIBRATION:
+            raise ConfigError(f"codec_calibration: expected one of {'|'.join(_CODEC_CALIBRATION)}, got "
+                              f"{self.codec_calibration!r}")
         if self.length_policy not in ("error", "drop", "truncate"):
             raise ConfigError(f"length_policy: expected error|drop|truncate, got {self.length_policy!r}")
         if self.max_length is not None and self.max_length < 1:
@@ -222,9 +236,39 @@ def _default_write_threads(placement: dict[str, Any]) -> int | None:
     return default_write_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
-def prepare_cache(config: ExtractConfig, console: Console) -> tuple[Any, Any, list[list[int]], Any]:
-    """Validate corpus and target (no model weights loaded), build the metadata, open or create the cache."""
+@dataclass(slots=True)
+class CachePlan:
+    """What :func:`plan_cache` found, before anything is created.
+
+    Fields:
+        metadata: the cache's ``CacheMetadata``: an existing cache's codec when it is resumed with ``codec
+            "auto"``; for a new cache with ``"auto"`` the default codec until :func:`create_cache` records the choice.
+        cache: the existing cache at ``output`` (reopened and checked resumable against ``metadata``), or ``None``.
+        corpus: the opened corpus.
+        shard_rows: the shard plan, ``[start, stop)`` corpus rows per shard.
+        report: the corpus's ``CorpusReport`` (kept rows, truncation).
+    """
+
+    metadata: Any
+    cache: Any
+    corpus: Any
+    shard_rows: list[list[int]]
+    report: Any
+
+
+def plan_cache(config: ExtractConfig, console: Console) -> CachePlan:
+    """Validate corpus and target (no model weights loaded), build the metadata, reopen an existing cache (it must
+    be resumable with these settings), print the size estimate and refuse when it exceeds the free space. Creates
+    nothing: a new cache is made by :func:`create_cache` once its codec is known.
+
+    Raises:
+        CorpusError, TargetError: see :func:`run_extract`.
+        CacheError: ``output`` is a file or holds something else than a dflash cache, the existing cache differs
+            in a setting a resume must keep (named), or the estimate exceeds the free space.
+    """
     from dflash.cache import DEFAULT_CODEC, CacheMetadata, HiddenStateCache
+    from dflash.cache.codec_choice import AUTO_CODEC
+    from dflash.cache.format import codec_preset_name
     from dflash.corpus import open_corpus, validate_corpus
     from dflash.target import (
         LAYER_ID_CONVENTION,
@@ -250,10 +294,14 @@ def prepare_cache(config: ExtractConfig, console: Console) -> tuple[Any, Any, li
         if config.target_layer_ids is not None
         else default_target_layer_ids(identity.num_hidden_layers, config.num_taps)
     )
-    lengths = corpus.lengths
-    if report.truncate_to is not None:
-        lengths = np.minimum(lengths, report.truncate_to)
+    lengths = _stored_lengths(corpus, report)
     shard_rows = plan_shards(lengths, config.shard_size)
+    try:
+        existing = HiddenStateCache.open(config.output)
+    except (CacheError, FileNotFoundError):
+        existing = None
+        HiddenStateCache.check_creatable(config.output)  # refused now, not after the workers loaded the target
+    auto = config.codec == AUTO_CODEC
     metadata = CacheMetadata(
         target=identity.to_dict(),
         target_spec=str(config.target),
@@ -262,7 +310,9 @@ def prepare_cache(config: ExtractConfig, console: Console) -> tuple[Any, Any, li
         hidden_size=identity.hidden_size,
         num_taps=len(layer_ids),
         storage_dtype=_STORAGE_DTYPES[config.storage_dtype],
-        codec=config.codec or DEFAULT_CODEC,
+        # "auto": an existing cache keeps its own codec (a resume never re-chooses); a new one gets its choice in
+        # create_cache, the default until then.
+        codec=(existing.metadata.codec if existing is not None else DEFAULT_CODEC) if auto else config.codec,
         corpus_fingerprint=corpus.fingerprint,
         corpus_path=str(config.corpus),
         num_shards=len(shard_rows),
@@ -275,13 +325,7 @@ def prepare_cache(config: ExtractConfig, console: Console) -> tuple[Any, Any, li
         f"taps {layer_ids} (output of decoder layer l = hidden_states[l+1])",
         markup=False,
     )
-    committed: set[int] = set()
-    try:
-        existing = HiddenStateCache.open(config.output)
-    except (CacheError, FileNotFoundError):
-        existing = None
-    if existing is not None:
-        committed = existing.committed_shards()
+    committed = existing.committed_shards() if existing is not None else set()
     pending_tokens = int(sum(lengths[a:b].sum() for k, (a, b) in enumerate(shard_rows) if k not in committed))
     estimate = estimate_cache_bytes(pending_tokens, metadata.row_bytes, config.expected_ratio)
     free = _free_bytes(config.output)
@@ -296,8 +340,51 @@ def prepare_cache(config: ExtractConfig, console: Console) -> tuple[Any, Any, li
             "choose another --output, use --storage-dtype fp8, or pass --force-space (or --expected-ratio R if "
             "you know the codec's ratio on this data)"
         )
-    cache = HiddenStateCache.create(config.output, metadata)  # reopens (and checks) an existing cache of this plan
-    return cache, corpus, shard_rows, report
+    cache = None
+    if existing is not None:
+        cache = HiddenStateCache.create(config.output, metadata)  # reopens it, refusing a setting a resume changes
+        if auto:
+            first = cache.metadata.extra.get("codec_choice") or {}
+            console.print(f"codec auto: {config.output} exists and keeps its codec "
+                          f"{codec_preset_name(cache.metadata.codec)} (no calibration)"
+                          + (f"; chosen when it was created: {first['reason']}" if first.get("reason") else ""),
+                          markup=False)  # fmt: skip
+    return CachePlan(metadata=metadata, cache=cache, corpus=corpus, shard_rows=shard_rows, report=report)
+
+
+def _stored_lengths(corpus: Any, report: Any) -> np.ndarray:
+    """Tokens each corpus row gets in the cache (rows cut to ``max_length`` under ``length_policy="truncate"``)."""
+    return corpus.lengths if report.truncate_to is None else np.minimum(corpus.lengths, report.truncate_to)
+
+
+def create_cache(config: ExtractConfig, plan: CachePlan, choice: dict[str, Any] | None = None) -> Any:
+    """Create the new cache :func:`plan_cache` planned (``plan.cache is None``), with ``choice`` (a
+    ``dflash.cache.codec_choice`` record) as its codec and ``extra["codec_choice"]`` when the codec was ``auto``.
+
+    Raises:
+        CacheError: ``config.output`` holds something else meanwhile (``HiddenStateCache.create``).
+    """
+    from dflash.cache import HiddenStateCache, codec_config
+
+    assert plan.cache is None, "create_cache is for a new cache"
+    if choice is not None:
+        plan.metadata.codec = codec_config(choice["chosen"])
+        plan.metadata.extra["codec_choice"] = choice
+    return HiddenStateCache.create(config.output, plan.metadata)
+
+
+def prepare_cache(config: ExtractConfig, console: Console, *,
+                  auto_reason: str = "decided without extract workers to measure on") -> tuple[Any, Any, list[list[int]], Any]:  # fmt: skip
+    """:func:`plan_cache`, then create a new cache right away: without workers to measure on, ``codec "auto"``
+    resolves to the default codec, recorded with ``auto_reason`` (``online --cache-to`` gives its own). Returns
+    ``(cache, corpus, shard_rows, report)``. Raises as :func:`plan_cache`."""
+    from dflash.cache.codec_choice import AUTO_CODEC, uncalibrated_choice
+
+    plan = plan_cache(config, console)
+    cache = plan.cache
+    if cache is None:
+        cache = create_cache(config, plan, uncalibrated_choice(auto_reason) if config.codec == AUTO_CODEC else None)
+    return cache, plan.corpus, plan.shard_rows, plan.report
 
 
 def run_extract(config: ExtractConfig, console: Console | None = None) -> dict[str, Any]:
@@ -328,6 +415,8 @@ def _remove_staging(output: str) -> None:
 def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[str, Any]:
     from distributed import as_completed
 
+    from dflash.cache.codec_choice import AUTO_CODEC
+    from dflash.cache.format import codec_preset_name
     from dflash.cache.store import remove_partial_files
     from stages.extract_worker import ShardSpec, TargetWorkerPlugin, extract_shard, flush_worker
 
@@ -335,11 +424,9 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
     from stages.cluster import require_local_gpus
 
     require_local_gpus(config)  # local GPU workers on a host without CUDA: refused before any file exists
-    cache, corpus, shard_rows, report = prepare_cache(config, console)
-    # Temporaries of a writer killed between write and rename (e.g. during finalize): ours to clear, we hold the lock.
-    for leftover in remove_partial_files(config.output):
-        log.warning("removed %s/%s, a temporary file left by an interrupted write", config.output, leftover)
-    lengths = corpus.lengths if report.truncate_to is None else np.minimum(corpus.lengths, report.truncate_to)
+    plan = plan_cache(config, console)
+    cache, corpus, shard_rows, report = plan.cache, plan.corpus, plan.shard_rows, plan.report
+    lengths = _stored_lengths(corpus, report)
     kept = np.zeros(len(corpus), dtype=bool)
     kept[report.kept_rows] = True
 
@@ -357,20 +444,27 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
         )
 
     staged: list[int] = []
-    if report.truncate_to is None and len(report.kept_rows) == len(corpus):  # staged rows are whole rows
-        from dflash.cache.staging import commit_staged_shards
+    if cache is not None:  # a new cache is created below, once the workers have loaded the target
+        # Temporaries of a writer killed between write and rename (e.g. during finalize): ours to clear, we hold
+        # the lock.
+        for leftover in remove_partial_files(config.output):
+            log.warning("removed %s/%s, a temporary file left by an interrupted write", config.output, leftover)
+        if report.truncate_to is None and len(report.kept_rows) == len(corpus):  # staged rows are whole rows
+            from dflash.cache.staging import commit_staged_shards
 
-        staged = commit_staged_shards(cache, corpus)
-        if staged:
-            console.print(f"committed {len(staged)} shards from the batches an online --cache-to run left staged in "
-                          f"{config.output}")
-    pending = sorted(set(range(len(shard_rows))) - cache.committed_shards())
+            staged = commit_staged_shards(cache, corpus)
+            if staged:
+                console.print(f"committed {len(staged)} shards from the batches an online --cache-to run left staged "
+                              f"in {config.output}")
+    pending = sorted(set(range(len(shard_rows))) - (cache.committed_shards() if cache is not None else set()))
     summary: dict[str, Any] = {"planned_shards": len(shard_rows), "from_staging": len(staged),
                                "skipped_committed": len(shard_rows) - len(pending) - len(staged)}  # fmt: skip
     if not pending:
         console.print(f"all {len(shard_rows)} shards of {config.output} are committed; nothing to do")
         _remove_staging(config.output)
         summary.update(cache.finalize())
+        summary["codec"] = codec_preset_name(cache.metadata.codec)
+        summary["codec_choice"] = cache.metadata.extra.get("codec_choice")
         return summary
     if summary["skipped_committed"]:
         console.print(f"resuming: {summary['skipped_committed']} shards already committed, {len(pending)} to do")
@@ -384,7 +478,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
         console.print(f"Dask dashboard: {client.dashboard_link}")
         plugin = TargetWorkerPlugin(
             target_spec=str(config.target),
-            target_layer_ids=cache.metadata.target_layer_ids,
+            target_layer_ids=plan.metadata.target_layer_ids,
             token_budget=config.token_budget,
             gpu_by_worker=placement.get("gpu_by_worker"),
             device=placement["device"],
@@ -398,7 +492,13 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
         )
         loading = time.perf_counter()
         client.register_plugin(plugin)  # runs setup on every worker; re-raises a worker's loading error here
-        console.print(f"target loaded on {len(client.scheduler_info()['workers'])} workers in {time.perf_counter() - loading:.1f} s")
+        console.print(f"target loaded on {len(cluster_workers(client))} workers in {time.perf_counter() - loading:.1f} s")
+        if cache is None:  # a new cache: its codec is chosen now (nothing is written before it is created)
+            choice = None
+            if config.codec == AUTO_CODEC:
+                rows = _calibration_rows(pending, shard_rows, lengths, kept, config.token_budget, config.packing)
+                choice = _choose_codec(client, config, plan, rows, placement["resources"], console)
+            cache = create_cache(config, plan, choice)
 
         started = time.perf_counter()
         columns = [TextColumn("[bold]extract"), BarColumn(), TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"),
@@ -447,6 +547,8 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
 
     counts = cache.finalize()
     summary.update(counts)
+    summary["codec"] = codec_preset_name(cache.metadata.codec)
+    summary["codec_choice"] = cache.metadata.extra.get("codec_choice")
     if not set(range(len(shard_rows))) - cache.committed_shards():
         _remove_staging(config.output)
     summary.update({"tokens_computed": tokens_done, "seconds": elapsed, "tokens_per_second": tokens_done / max(elapsed, 1e-9),
@@ -471,6 +573,57 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
             + "; rerun the same command to finish them"
         )
     return summary
+
+
+def _calibration_rows(pending: list[int], shard_rows: list[list[int]], lengths: np.ndarray, kept: np.ndarray,
+                      token_budget: int, packing: bool) -> list[int]:  # fmt: skip
+    """The corpus rows the codec calibration runs: the first kept rows of the first pending shard that make one
+    forward batch (``dflash.cache.codec_choice.calibration_row_count``), continued into the next pending shards
+    when a shard is smaller than a batch."""
+    from dflash.cache.codec_choice import calibration_row_count
+
+    rows: list[int] = []
+    for shard_id in pending:  # each row holds a token, so token_budget rows are always enough
+        start, stop = shard_rows[shard_id]
+        rows += [row for row in range(start, stop) if kept[row]][: token_budget - len(rows)]
+        if len(rows) >= token_budget:
+            break
+    return rows[: calibration_row_count(lengths[rows], token_budget, packing)]
+
+
+def _choose_codec(client: Any, config: ExtractConfig, plan: CachePlan, rows: list[int], resources: Any,
+                  console: Console) -> dict[str, Any]:  # fmt: skip
+    """``codec "auto"`` for a new cache: a calibration task on every worker at once (``codec_calibration``
+    permitting), then ``dflash.cache.codec_choice.choose_codec``; prints the choice in one line and warns when even
+    ``none`` cannot keep up. Returns the ``extra["codec_choice"]`` record."""
+    from dflash.cache.codec_choice import (
+        CPU_RUNNER_REASON,
+        choose_codec,
+        describe_choice,
+        uncalibrated_choice,
+    )
+    from stages.extract_worker import CalibrationSpec, calibrate_worker_codecs
+
+    if config.codec_calibration == "never":
+        choice = uncalibrated_choice("codec_calibration=never: the default codec, not measured")
+    else:
+        spec = CalibrationSpec(corpus_path=str(config.corpus), rows=tuple(rows), truncate_to=plan.report.truncate_to,
+                               storage_dtype=plan.metadata.storage_dtype, chunk_tokens=plan.metadata.chunk_tokens,
+                               on_cpu=config.codec_calibration == "always")  # fmt: skip
+        # One task pinned to each worker that runs shard tasks (those holding the resources they ask for).
+        workers = [address for address, info in sorted(cluster_workers(client).items())
+                   if all(info.get("resources", {}).get(name, 0) >= amount for name, amount in (resources or {}).items())]  # fmt: skip
+        futures = [client.submit(calibrate_worker_codecs, spec, key=f"dflash-codec-calibration-{index}", pure=False,
+                                 workers=[address], allow_other_workers=False, resources=resources)
+                   for index, address in enumerate(workers)]  # fmt: skip
+        results = client.gather(futures)
+        measured = {result["worker"]: result for result in results if result["calibrated"]}
+        choice = choose_codec(measured) if measured else uncalibrated_choice(CPU_RUNNER_REASON)
+    console.print(describe_choice(choice), markup=False)
+    if not choice.get("keeps_up", True):
+        log.warning("codec auto: %s", choice["reason"])
+        console.print(f"warning: {choice['reason']}", style="yellow", markup=False)
+    return choice
 
 
 def _disk_full(failure: str) -> bool:
@@ -499,6 +652,7 @@ def _print_summary(console: Console, config: ExtractConfig, summary: dict[str, A
         ("quarantined (non-finite)", str(summary.get("num_quarantined", 0))),
         ("skipped (length policy)", str(summary.get("num_skipped", 0))),
         ("stored", f"{_human(stored)} ({stored / max(1, summary.get('num_tokens', 0)):,.0f} B/token, ratio {raw / max(1, stored):.3f})"),
+        ("codec", summary.get("codec", "") + (" (auto)" if summary.get("codec_choice") else "")),
     ]
     busy = summary.get("compute_seconds", 0.0) + summary.get("write_wait_seconds", 0.0)
     if busy > 0:
@@ -542,7 +696,8 @@ def register(app: typer.Typer) -> None:
         packing: bool = typer.Option(False, "--packing/--no-packing", help="Packed forward batches: samples back to back with attention confined to each, no padding. Same hidden states; measured 0.96x of padded batches on a long-tailed corpus on an H200 (docs/benchmarks.md), so off by default."),
         packed_attention: str = typer.Option("flex_attention", "--packed-attention", help="Attention kernel of --packing: flex_attention (document mask) | sdpa (block-diagonal mask, half the speed on an H200)."),
         storage_dtype: str = typer.Option("bf16", "--storage-dtype", help="bf16 (bit-exact) or fp8 (lossy e4m3, per-token per-tap scale); bfloat16 and float8_e4m3fn also accepted."),
-        codec: str | None = typer.Option(None, "--codec", help="Codec preset of dflash.cache.CODEC_PRESETS, e.g. none, zstd-1, blosc-zstd1-shuffle (an unknown name lists them; default: the cache's measured default, see docs/cache-format.md)."),
+        codec: str = typer.Option("auto", "--codec", help="auto, or a codec preset of dflash.cache.CODEC_PRESETS, e.g. none, zstd-1, blosc-zstd1-shuffle (an unknown name lists them). auto: measured on the workers before the cache is created, the best-compressing of blosc-zstd1-shuffle, blosc-lz4-shuffle, none that encodes >= 1.25x the rate hidden states are produced (CUDA runners; CPU runners get blosc-zstd1-shuffle unmeasured); recorded in the cache and printed; an existing cache keeps its codec. If even none cannot keep up, use --storage-dtype fp8 or the online mode (docs/cache-format.md)."),
+        codec_calibration: str = typer.Option("auto", "--codec-calibration", help="When --codec auto measures: auto (CUDA runners only), always (CPU runners too), never (the default codec, unmeasured)."),
         max_length: int | None = typer.Option(None, "--max-length", help="Longest row accepted (see --length-policy)."),
         length_policy: str = typer.Option("error", "--length-policy", help="Rows over --max-length: error, drop or truncate."),
         expected_ratio: float = typer.Option(1.0, "--expected-ratio", help="Compression ratio assumed by the size estimate."),
@@ -576,7 +731,8 @@ def register(app: typer.Typer) -> None:
                 target_gpus=_int_list(target_gpus, "--target-gpus"), target_processes=target_processes,
                 scheduler_address=scheduler_address, shard_size=shard_size, token_budget=token_budget, packing=packing,
                 packed_attention=packed_attention,
-                storage_dtype=storage_dtype, codec=codec, max_length=max_length, length_policy=length_policy,
+                storage_dtype=storage_dtype, codec=codec, codec_calibration=codec_calibration, max_length=max_length,
+                length_policy=length_policy,
                 expected_ratio=expected_ratio, force_space=force_space, dashboard_address=dashboard_address,
                 tls_ca_file=tls_ca_file, tls_cert=tls_cert, tls_key=tls_key, break_lock=break_lock,
                 write_threads=write_threads, writes_in_flight=writes_in_flight, write_processes=write_processes,

@@ -13,6 +13,10 @@ release the GIL; docs/cache-format.md "Write path"). A task returns once its sha
 writes finished since (``committed``); the driver collects the pending writes with :func:`flush_worker` and then
 trusts only the cache's commit records: a shard whose write was lost (worker killed) is simply not committed and
 is redone. One writer per shard holds because a shard is one task and one write.
+
+Before a new cache is created with ``--codec auto``, :func:`calibrate_worker_codecs` (one task pinned to each
+worker) measures the worker's hidden-state production and each candidate codec's encode rate on its own runner and
+write threads (:mod:`dflash.cache.codec_choice`); it writes nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from distributed import get_worker
 
 from dflash.cache import HiddenSample, HiddenStateCache, quarantine_record
 from dflash.cache.chunks import keep_chunk_buffers_mapped
+from dflash.cache.codec_choice import calibrate_codecs
+from dflash.cache.writer import chunk_write_threads
 from dflash.corpus import open_corpus
 from dflash.errors import ConfigError, DFlashError
 from dflash.target_runner import TargetRunner
@@ -39,9 +45,11 @@ from stages.replica import TargetReplicaPlugin
 
 __all__ = [
     "ShardSpec",
+    "CalibrationSpec",
     "ShardExtractor",
     "TargetWorkerPlugin",
     "extract_shard",
+    "calibrate_worker_codecs",
     "flush_worker",
     "configure_write_threads",
     "default_write_threads",
@@ -75,6 +83,29 @@ class ShardSpec:
     corpus_path: str
     max_length: int | None = None
     length_policy: str = "error"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CalibrationSpec:
+    """The codec calibration task of ``extract --codec auto`` (:mod:`dflash.cache.codec_choice`), one per worker.
+
+    Fields:
+        corpus_path: the corpus folder.
+        rows: the corpus rows of one forward batch (the driver takes the first kept rows of the first pending shard,
+            ``dflash.cache.codec_choice.calibration_row_count``).
+        truncate_to: rows are cut to this many tokens (``length_policy="truncate"``); ``None``: whole rows.
+        storage_dtype: the cache's ``"bfloat16"`` or ``"float8_e4m3fn"``.
+        chunk_tokens: the cache's tokens per ``hidden`` chunk.
+        on_cpu: also calibrate a CPU runner (``codec_calibration="always"``); otherwise a CPU worker runs nothing
+            and reports ``calibrated: False``.
+    """
+
+    corpus_path: str
+    rows: tuple[int, ...]
+    truncate_to: int | None = None
+    storage_dtype: str = "bfloat16"
+    chunk_tokens: int
+    on_cpu: bool = False
 
 
 def default_write_threads(cpus_per_worker: int | None = None) -> int:
@@ -167,6 +198,14 @@ class ShardExtractor:
         self._pending: collections.deque[tuple[int, concurrent.futures.Future]] = collections.deque()
         self._caches: dict[str, Any] = {}
         self._corpora: dict[str, Any] = {}
+
+    @property
+    def write_threads(self) -> int:
+        """Chunk-write threads this extractor's shard writes run on: those of its write processes together, or the
+        process-wide chunk pool's (``dflash.cache.writer.chunk_write_threads``) when it writes in threads."""
+        if self._processes is not None:
+            return int(self._processes.write_threads)
+        return chunk_write_threads()
 
     def _start_write_processes(self) -> Any:
         from dflash.cache.process_writer import ProcessShardWriter
@@ -398,18 +437,44 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
         return device
 
 
+def _extractor(worker: Any) -> ShardExtractor:
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    if plugin is None or plugin.extractor is None:
+        raise RuntimeError(f"worker {worker.address} has no target loaded (plugin {PLUGIN_NAME} missing)")
+    return plugin.extractor
+
+
 def extract_shard(spec: ShardSpec) -> dict:
     """Dask task: compute one shard on this worker's target replica and queue its write (see module docstring).
 
     Returns the small metadata dict of :meth:`ShardExtractor.process` plus ``"worker"``.
     """
     worker = get_worker()
-    plugin = worker.plugins.get(PLUGIN_NAME)
-    if plugin is None or plugin.extractor is None:
-        raise RuntimeError(f"worker {worker.address} has no target loaded (plugin {PLUGIN_NAME} missing)")
-    result = plugin.extractor.process(spec)
+    result = _extractor(worker).process(spec)
     result["worker"] = str(worker.name)
     return result
+
+
+def calibrate_worker_codecs(spec: CalibrationSpec) -> dict:
+    """Dask task, one pinned to each worker: :func:`dflash.cache.codec_choice.calibrate_codecs` on this worker's
+    runner, with as many encode threads as its write path has (:attr:`ShardExtractor.write_threads`). Runs before
+    the cache exists and writes nothing.
+
+    Returns:
+        ``{"worker", "device", "calibrated"}``, plus ``calibrate_codecs``' figures when ``calibrated`` (a CPU
+        runner is calibrated only with ``spec.on_cpu``).
+    """
+    worker = get_worker()
+    extractor = _extractor(worker)
+    runner = extractor.runner
+    result = {"worker": str(worker.name), "device": str(runner.device)}
+    if runner.device.type != "cuda" and not spec.on_cpu:
+        return {**result, "calibrated": False}
+    corpus = open_corpus(spec.corpus_path)
+    input_ids = [corpus.row(row).input_ids[: spec.truncate_to] for row in spec.rows]
+    figures = calibrate_codecs(runner, input_ids, storage_dtype=spec.storage_dtype, chunk_tokens=spec.chunk_tokens,
+                               write_threads=extractor.write_threads)  # fmt: skip
+    return {**result, "calibrated": True, **figures}
 
 
 def flush_worker(dask_worker: Any) -> list[dict]:

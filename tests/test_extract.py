@@ -578,3 +578,161 @@ def test_local_workers_start_by_the_configured_method_with_this_process_environm
         import multiprocessing.forkserver
 
         assert multiprocessing.forkserver._forkserver._preload_modules == list(FORKSERVER_PRELOAD)
+
+
+# ----------------------------------------------------------------------------- codec "auto" (issue 16, item 3)
+@pytest.fixture(scope="module")
+def short_corpus_dir(tmp_path_factory, tokenizer):
+    """Three short rows (few forwards: this suite's CPU forwards are slow when the cores are shared)."""
+    return _write_corpus(tmp_path_factory.mktemp("codec-auto") / "corpus", tokenizer, texts=TEXTS[4:7])
+
+
+def _recorded_console() -> Console:
+    import io
+
+    return Console(file=io.StringIO(), width=400)
+
+
+def _same_batches_bit_exact(output: Path, target, token_budget: int) -> None:
+    """The cache reads back bit for bit what the runner computes for each shard, batched as the extract task
+    batches it (each shard on its own, the same token budget and CPU threads as a local CPU worker)."""
+    reader = CacheReader(output)
+    corpus = open_corpus(reader.metadata.corpus_path)
+    runner = TargetRunner(target.model, reader.metadata.target_layer_ids, "cpu", token_budget=token_budget)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))  # stages.cluster gives a lone CPU worker every core
+    try:
+        for shard in reader.shards:
+            start, stop = reader.metadata.shard_rows[shard]
+            expected = runner.run([corpus.row(row).input_ids for row in range(start, stop)])
+            for sample in reader.read_shard(shard):
+                assert torch.equal(sample.hidden, expected[sample.corpus_row - start]), (shard, sample.corpus_row)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_codec_auto_on_a_cpu_runner_is_the_default_unmeasured_and_a_resume_keeps_it(tmp_path, short_corpus_dir):
+    """The default ``codec "auto"`` on CPU workers: the default codec without a calibration forward, recorded with
+    its reason. A resume with ``auto`` (calibration even forced) keeps the cache's codec and measures nothing; an
+    explicit other codec is refused as a config change, before any worker starts."""
+    from dataclasses import replace
+
+    from dflash.cache import DEFAULT_CODEC, codec_config
+    from dflash.cache.codec_choice import CPU_RUNNER_REASON
+
+    output = tmp_path / "cache"
+    config = ExtractConfig(corpus=str(short_corpus_dir), output=str(output), target_processes=1, shard_size=12,
+                           dashboard_address=":0")  # fmt: skip
+    assert (config.codec, config.codec_calibration) == ("auto", "auto")  # the defaults
+    console = _recorded_console()
+    summary = run_extract(config, console)
+    metadata = CacheReader(output).metadata
+    expected = {"requested": "auto", "chosen": DEFAULT_CODEC, "reason": CPU_RUNNER_REASON}
+    assert metadata.codec == codec_config(DEFAULT_CODEC) and metadata.extra["codec_choice"] == expected
+    assert summary["codec"] == DEFAULT_CODEC and summary["codec_choice"] == expected
+    assert f"codec auto -> {DEFAULT_CODEC} ({CPU_RUNNER_REASON})" in console.file.getvalue()
+    planned = summary["planned_shards"]
+    assert planned >= 2
+
+    (output / "commits" / "shard-000001.json").unlink()  # an unfinished cache: one shard to redo
+    console = _recorded_console()
+    summary = run_extract(replace(config, codec_calibration="always"), console)
+    assert (summary["skipped_committed"], summary["committed_shards"]) == (planned - 1, planned)
+    assert f"keeps its codec {DEFAULT_CODEC} (no calibration); chosen when it was created: {CPU_RUNNER_REASON}" in console.file.getvalue()
+    assert "hidden states produced" not in console.file.getvalue()  # nothing measured, nothing chosen again
+    assert "codec auto ->" not in console.file.getvalue()
+    assert CacheReader(output).metadata.extra["codec_choice"] == expected
+    assert verify_cache(output, require_complete=True)["num_samples"] == 3
+
+    (output / "commits" / "shard-000000.json").unlink()
+    with pytest.raises(CacheError, match=r"its codec is .*'none'.* pass --codec auto"):
+        run_extract(replace(config, codec="none"), _quiet())
+    assert not (output / "commits" / "shard-000000.json").exists()  # refused before anything ran
+
+
+def test_codec_calibration_always_measures_on_a_cpu_worker_and_the_cache_reads_back_bit_exact(
+        tmp_path, target, short_corpus_dir, monkeypatch, capsys):
+    """``codec_calibration="always"`` runs the calibration on the CPU worker before the cache exists: the metadata
+    records each candidate's measured rate and ratio and the choice; the cache verifies (``cache verify``) and
+    reads back bit-exact."""
+    from dflash.cache import codec_config
+    from dflash.cache.codec_choice import (
+        CODEC_CANDIDATES,
+        KEEP_UP_MARGIN,
+        calibration_row_count,
+        describe_choice,
+    )
+    from tests.cli_helpers import main_in_process
+
+    output = tmp_path / "cache"
+    config = ExtractConfig(corpus=str(short_corpus_dir), output=str(output), target_processes=1, shard_size=12,
+                           token_budget=64, codec_calibration="always", dashboard_address=":0")  # fmt: skip
+    console = _recorded_console()
+    summary = run_extract(config, console)
+    metadata = CacheReader(output).metadata
+    choice = metadata.extra["codec_choice"]
+    assert choice["requested"] == "auto" and choice["chosen"] in CODEC_CANDIDATES and choice["margin"] == KEEP_UP_MARGIN
+    assert metadata.codec == codec_config(choice["chosen"]) and summary["codec"] == choice["chosen"]
+    ((worker, production),) = choice["production_bytes_per_s"].items()
+    calibration = choice["workers"][worker]
+    assert production > 0 and calibration["device"] == "cpu" and calibration["write_threads"] >= 1
+    # One forward batch of the first rows of the pending shards (here every shard, and the shards are smaller
+    # than a batch: the rows of several).
+    lengths = open_corpus(short_corpus_dir).lengths
+    assert calibration["tokens"] == lengths[: calibration_row_count(lengths, 64, packing=False)].sum() > lengths[0]
+    for name in CODEC_CANDIDATES:
+        figures = choice["candidates"][name]
+        assert figures["encode_bytes_per_s"] > 0 and figures["ratio"] > 0 and isinstance(figures["keeps_up"], bool)
+        assert figures["keeps_up"] == (figures["encode_bytes_per_s"] >= KEEP_UP_MARGIN * production)
+    assert choice["candidates"]["none"]["ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert describe_choice(choice) in console.file.getvalue()
+    code, err = main_in_process(monkeypatch, capsys, "cache", "verify", str(output))
+    assert code == 0, err
+    _same_batches_bit_exact(output, target, config.token_budget)
+
+
+def test_a_chosen_codec_is_applied_to_the_new_cache_and_reads_back_bit_exact(tmp_path, target, short_corpus_dir):
+    """``plan_cache`` creates nothing; ``create_cache`` with a choice that is not the default (lz4: zstd too slow)
+    makes the cache with that codec and records the choice; shards written with it read back bit for bit."""
+    from dflash.cache import codec_config
+    from dflash.cache.codec_choice import CODEC_CANDIDATES, choose_codec
+    from stages.extract import create_cache, plan_cache
+
+    output = tmp_path / "cache"
+    config = ExtractConfig(corpus=str(short_corpus_dir), output=str(output), target_processes=1, shard_size=1000)
+    plan = plan_cache(config, _quiet())
+    assert plan.cache is None and not output.exists()  # nothing is made before the codec is known
+    rates = dict(zip(CODEC_CANDIDATES, (1e9, 3e9, 9e9), strict=True))
+    choice = choose_codec({"w0": {"production_bytes_per_s": 2e9, "candidates": {
+        name: {"encode_bytes_per_s": rate, "ratio": 1.0} for name, rate in rates.items()}}})  # fmt: skip
+    assert choice["chosen"] == "blosc-lz4-shuffle"
+    cache = create_cache(config, plan, choice)
+    assert CacheReader(output).metadata.codec == codec_config("blosc-lz4-shuffle")
+    assert CacheReader(output).metadata.extra["codec_choice"]["chosen"] == "blosc-lz4-shuffle"
+    runner = TargetRunner(target.model, plan.metadata.target_layer_ids, "cpu", token_budget=64)
+    extractor = ShardExtractor(runner, write_threads=1)
+    start, stop = plan.shard_rows[0]
+    extractor.process(ShardSpec(shard_id=0, row_start=start, row_stop=stop, num_tokens=0, cache_path=str(output),
+                                corpus_path=str(short_corpus_dir)))  # fmt: skip
+    assert not [w for w in extractor.close() if "error" in w]
+    assert cache.committed_shards() == {0} and verify_cache(output)["corrupt_shards"] == {}
+    expected = runner.run([plan.corpus.row(row).input_ids for row in range(start, stop)])
+    for sample in CacheReader(output).read_shard(0):
+        assert torch.equal(sample.hidden, expected[sample.corpus_row - start])
+
+
+def test_codec_settings_are_checked_and_the_codec_help_states_the_rule(tmp_path):
+    import typer
+
+    from dflash.cache.codec_choice import CODEC_CANDIDATES, KEEP_UP_MARGIN
+    from stages.cli import _register_all, app
+
+    with pytest.raises(ConfigError, match=r"codec: expected auto or one of none, .*blosc-zstd1-shuffle.*, got 'zstd-9'"):
+        ExtractConfig(corpus="corpus", output=str(tmp_path / "cache"), codec="zstd-9")
+    with pytest.raises(ConfigError, match=r"codec_calibration: expected one of auto\|always\|never, got 'sometimes'"):
+        ExtractConfig(corpus="corpus", output=str(tmp_path / "cache"), codec_calibration="sometimes")
+    _register_all()
+    params = {param.name: param for param in typer.main.get_command(app).commands["extract"].params}
+    help_text = params["codec"].help
+    assert f">= {KEEP_UP_MARGIN:g}x" in help_text and all(name in help_text for name in CODEC_CANDIDATES)
+    assert "--storage-dtype fp8" in help_text and "online" in help_text

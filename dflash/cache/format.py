@@ -42,8 +42,10 @@ __all__ = [
     "CacheMetadata",
     "HiddenSample",
     "codec_config",
+    "codec_preset_name",
     "zarr_compressors",
     "default_chunk_tokens",
+    "stored_row_bytes",
     "shard_group_key",
     "commit_key",
     "quantize_fp8",
@@ -94,6 +96,15 @@ def codec_config(codec: str | dict[str, Any]) -> dict[str, Any]:
     return dict(codec)
 
 
+def codec_preset_name(codec: dict[str, Any]) -> str:
+    """The :data:`CODEC_PRESETS` name of a codec dict (as a cache records it), or its JSON text when no preset
+    matches (a hand-made dict)."""
+    import json
+
+    resolved = codec_config(codec)
+    return next((name for name, preset in CODEC_PRESETS.items() if preset == resolved), json.dumps(resolved))
+
+
 def zarr_compressors(codec: dict[str, Any]) -> list[Any]:
     """The zarr v3 bytes->bytes codec chain for ``codec``, always ending with the crc32c checksum."""
     from zarr.codecs import BloscCodec, Crc32cCodec, GzipCodec, ZstdCodec
@@ -125,6 +136,13 @@ def default_chunk_tokens(row_bytes: int, target_chunk_bytes: int = 8 << 20) -> i
     """
     tokens = max(1, target_chunk_bytes // max(1, row_bytes))
     return int(min(8192, max(256, 2 ** int(math.log2(tokens)))))
+
+
+def stored_row_bytes(storage_dtype: str, num_taps: int, hidden_size: int) -> int:
+    """Stored bytes of one token's hidden row before compression: ``n*H*2`` for ``"bfloat16"``, ``n*H + 4n`` for
+    ``"float8_e4m3fn"`` (one byte per value plus its float32 per-tap scales)."""
+    width = num_taps * hidden_size
+    return width * 2 if storage_dtype == "bfloat16" else width + 4 * num_taps
 
 
 def shard_group_key(shard_id: int) -> str:
@@ -216,9 +234,7 @@ class CacheMetadata:
     @property
     def row_bytes(self) -> int:
         """Stored bytes of one token's hidden row before compression (scales included for fp8)."""
-        if self.storage_dtype == "bfloat16":
-            return self.row_width * 2
-        return self.row_width + 4 * self.num_taps
+        return stored_row_bytes(self.storage_dtype, self.num_taps, self.hidden_size)
 
     @property
     def lossy(self) -> bool:

@@ -152,7 +152,8 @@ class ProcessShardWriter:
             minus one).
         nice: niceness added to the write processes (below the process that feeds the GPU).
 
-    :meth:`submit` returns a ``concurrent.futures.Future`` of the commit record, like the in-process writer.
+    ``write_threads`` (attribute): the chunk-write threads of all processes together (``processes`` x the share of
+    each). :meth:`submit` returns a ``concurrent.futures.Future`` of the commit record, like the in-process writer.
     Raises ConfigError for ``processes < 1``; ``submit`` raises ValueError for a sample whose hidden states are
     not inside a live :class:`SharedHostBuffer` (nothing is copied behind the caller's back).
     """
@@ -165,6 +166,7 @@ class ProcessShardWriter:
             log.warning("removed %d shared-memory host buffers left by killed extract workers", removed)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = max(1, (write_threads or max(1, cores - 1)) // processes)
+        self.write_threads = threads * processes  # chunk-write threads of all processes together
         self._pool = concurrent.futures.ProcessPoolExecutor(
             max_workers=processes, mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_write_process, initargs=(threads, nice, os.getpid()),

@@ -50,6 +50,7 @@ __all__ = [
     "SMALL_ARRAY_CHUNK_ROWS",
     "HiddenStateCache",
     "array_chunk_keys",
+    "chunk_write_threads",
     "digest_root",
     "segment_digests",
     "segment_views",
@@ -107,7 +108,7 @@ def segment_digests(
     return {name: [pool.submit(_sha256_hex, view) for view in segment_views(values, segment_bytes)] for name, values in named_arrays}
 
 
-def _write_threads() -> int:
+def chunk_write_threads() -> int:
     """Threads of a shard write: zarr's ``threading.max_workers`` when set (``configure_write_threads``), else the
     cores this process may use (sched_getaffinity where the OS has it)."""
     import zarr
@@ -176,10 +177,21 @@ class HiddenStateCache:
             if existing is not None:
                 _check_resumable(path, existing.metadata, metadata)
                 return existing
-            if _has_content(path):
-                raise CacheError(f"{path} exists and is not a dflash cache; choose another --output (extract never deletes a folder it did not write)")
+            cls.check_creatable(path)
         store = CacheStore(path, "w", attributes={_ATTRIBUTE: metadata.to_dict()})
         return cls(store, metadata)
+
+    @staticmethod
+    def check_creatable(path: str | os.PathLike[str]) -> None:
+        """Refuse a ``path`` that holds something other than a cache (a non-empty folder without one), as
+        :meth:`create` does, without creating anything.
+
+        Raises:
+            CacheError: ``path`` is a non-empty local folder (extract never deletes a folder it did not write).
+        """
+        if _has_content(os.fspath(path)):
+            raise CacheError(f"{os.fspath(path)} exists and is not a dflash cache; choose another --output (extract "
+                             "never deletes a folder it did not write)")  # fmt: skip
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> HiddenStateCache:
@@ -278,7 +290,7 @@ class HiddenStateCache:
             return array
 
         # One process-wide FIFO pool: concurrent shard writes queue their chunks oldest shard first.
-        pool = _chunk_pool(_write_threads())
+        pool = _chunk_pool(chunk_write_threads())
         submitted: list[Future] = []
         try:
             hidden = create("hidden", [num_tokens, meta.row_width])
@@ -437,7 +449,8 @@ def _check_resumable(path: str, existing: CacheMetadata, wanted: CacheMetadata) 
         if have != want:
             raise CacheError(
                 f"cannot resume the cache at {path}: its {name} is {have!r} but this run wants {want!r}; "
-                "use another --output, or delete that cache yourself if it is no longer needed"
+                + ("pass --codec auto (an existing cache keeps its codec), " if name == "codec" else "")
+                + "use another --output, or delete that cache yourself if it is no longer needed"
             )
 
 
