@@ -73,11 +73,11 @@ def test_print_config_reaches_every_field(command, tmp_path, monkeypatch, capsys
     import importlib
 
     from tests.cli_helpers import main_in_process_out
-    from tests.test_stage_config import STAGES
+    from tests.test_stage_config import _args
 
     module, name = CONFIGS[command]
     fields = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name)) if f.init}
-    args = [a.format(tmp=tmp_path) for a in STAGES[command]]
+    args = _args(command, tmp_path)
     code, out, err = main_in_process_out(monkeypatch, capsys, command, *args, "--print-config")
     assert code == 0, err
     assert set(json.loads(out)[command]) == fields
