@@ -329,10 +329,12 @@ class Corpus:
             combined.update(digest.digest())
         return f"sha256:{combined.hexdigest()}"
 
-    @property
+    @cached_property
     def has_document_ids(self) -> bool:
-        """Whether any data file has a ``document_id`` column (else every row is its own document)."""
-        return any(chunk.document_ids is not None for chunk in self._chunks)
+        """Whether any row has a ``document_id`` (a column of nulls, as :class:`CorpusWriter` writes for rows added
+        without one, counts as none: every row is then its own document)."""
+        return any(chunk.document_ids is not None and chunk.document_ids.null_count < len(chunk.document_ids)
+                   for chunk in self._chunks)
 
     @cached_property
     def document_keys(self) -> np.ndarray:

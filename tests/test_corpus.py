@@ -274,6 +274,8 @@ def test_without_document_ids_every_row_is_its_own_document(tmp_path, samples):
     assert not corpus.has_document_ids and corpus.document_id(0) is None
     assert corpus.document_keys.tolist() == list(range(len(samples)))
     assert CorpusLengths(corpus).document_keys() is None  # the loader then splits by row and says so
+    written = open_corpus(_write(tmp_path / "written", samples))  # a document_id column of nulls: the same
+    assert not written.has_document_ids and written.document_keys.tolist() == list(range(len(samples)))
 
 
 def test_a_document_id_column_of_another_type_names_the_file_and_column(tmp_path, samples):
