@@ -292,7 +292,10 @@ def prepare_cache(config: ExtractConfig, console: Console) -> tuple[Any, Any, li
             "choose another --output, use --storage-dtype fp8, or pass --force-space (or --expected-ratio R if "
             "you know the codec's ratio on this data)"
         )
-    cache = HiddenStateCache.create(config.output, metadata)  # reopens (and checks) an existing cache of this plan
+    # Reopens (and checks) an existing cache of this plan. The corpus's document keys go in before any shard, so
+    # train splits validation by source document without the corpus.
+    document_keys = corpus.document_keys if corpus.has_document_ids else None
+    cache = HiddenStateCache.create(config.output, metadata, document_keys=document_keys)
     return cache, corpus, shard_rows, report
 
 

@@ -578,3 +578,23 @@ def test_local_workers_start_by_the_configured_method_with_this_process_environm
         import multiprocessing.forkserver
 
         assert multiprocessing.forkserver._forkserver._preload_modules == list(FORKSERVER_PRELOAD)
+
+
+def test_the_cache_records_the_corpus_document_keys_before_any_shard(tmp_path, tokenizer, corpus_dir):
+    from dflash.cache import CacheReader
+
+    with_documents = tmp_path / "corpus"
+    with CorpusWriter(with_documents) as writer:
+        for index, text in enumerate(TEXTS):
+            input_ids = np.asarray(tokenizer(text)["input_ids"], dtype=np.int32)
+            writer.add(input_ids, np.ones(len(input_ids), np.uint8), f"doc-{index}#0", f"file-{index // 3}")
+        writer.commit({})
+    config = ExtractConfig(corpus=str(with_documents), output=str(tmp_path / "cache"), shard_size=64)
+    cache, corpus, shard_rows, _ = prepare_cache(config, _quiet())
+    assert len(shard_rows) > 1 and not cache.committed_shards()
+    keys = CacheReader(tmp_path / "cache").document_keys()
+    assert keys.tolist() == corpus.document_keys.tolist() and len(set(keys.tolist())) == 3
+    prepare_cache(config, _quiet())  # a rerun finds the same keys
+    # A corpus without document ids: no keys stored (train splits by row, and says so).
+    prepare_cache(ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "plain")), _quiet())
+    assert CacheReader(tmp_path / "plain").document_keys() is None
