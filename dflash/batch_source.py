@@ -8,8 +8,10 @@ shared memory). Both derive from :class:`PlannedCursor`, which owns what makes t
 * the sample table, built from a :class:`LengthSource`: per shard, sample lengths, corpus rows and (with
   ``min_supervised_tokens``) supervised-token counts; no hidden state. A cache (``CacheReader``) is one length
   source, a corpus (``dflash.corpus.CorpusLengths``: Arrow offsets and loss masks) another;
-* the validation split (stable per corpus row), the exclusion of samples with too few supervised tokens, the
-  length buckets and the epoch plan (:func:`dflash.buckets.plan_epoch`: same seed, buckets, token budget);
+* the validation split (whole source documents by default, from the source's document keys: the cache's
+  ``document_keys`` array, the corpus's ``document_id`` column; else by corpus row; stable either way), the
+  exclusion of samples with too few supervised tokens, the length buckets and the epoch plan
+  (:func:`dflash.buckets.plan_epoch`: same seed, buckets, token budget);
 * the data cursor (``epoch``, ``step_in_epoch``) and its checkpoint form (:meth:`PlannedCursor.state_dict` /
   :meth:`PlannedCursor.load_state_dict`), which refuses a plan config or sample table that changed.
 
@@ -20,7 +22,9 @@ delivers the hidden states. Units: lengths and budgets in tokens.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -53,9 +57,15 @@ __all__ = [
     "validation_rows",
 ]
 
+log = logging.getLogger(__name__)
+
 _STATE_FORMAT = 1
 #: Threads reading the shards' offsets and corpus rows when the table is built.
 _INDEX_THREADS = 16
+#: Sources whose missing document keys were already logged (one INFO line per source, not per loader or split).
+_ROW_SPLIT_LOGGED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+ValidationSplitBy = Literal["document", "row"]
 
 
 class LengthSource(Protocol):
@@ -71,6 +81,10 @@ class LengthSource(Protocol):
     # Needed only with ``StreamConfig.min_supervised_tokens > 0``:
     # def shard_supervised_counts(self, shard: int) -> np.ndarray: ...
 
+    # Optional (``validation_split_by="document"``): ``[R]`` uint64 source-document key per corpus row, indexed by
+    # corpus row, or None when the source has none (``CacheReader.document_keys``, ``CorpusLengths.document_keys``):
+    # def document_keys(self) -> np.ndarray | None: ...
+
 
 @dataclass(kw_only=True, slots=True)
 class LoaderConfig(BucketConfig):
@@ -79,7 +93,16 @@ class LoaderConfig(BucketConfig):
     split and the read-ahead. :class:`StreamConfig` adds what the trainer sets per loader (seed, split, padding)."""
 
     validation_fraction: float = 0.0
-    """Fraction of corpus rows held out for validation (stable per row); 0 disables validation."""
+    """Fraction held out for validation: of source documents (``validation_split_by="document"``) or of corpus rows
+    (``"row"``); stable per document or row; 0 disables validation."""
+    validation_split_by: ValidationSplitBy = "document"
+    """What the validation split holds out. ``"document"``: whole source documents: a corpus row is held out when
+    the hash of its document key (the corpus ``document_id``, which extract stores in the cache as
+    ``document_keys``) falls in ``validation_fraction``, so no document has rows in both splits and validation
+    measures sources training never saw (the share of rows then varies with document sizes). ``"row"``: each
+    corpus row on its own, as before document keys existed (rows cut from one file land on both sides, so
+    validation overlaps training material). A cache or corpus without document keys is split by row either way,
+    with one INFO line saying so."""
     prefetch_batches: int = 4
     """Batches read ahead in the background. Memory bound: ``prefetch_batches + 1`` batches of at most
     ``token_budget * n*H * 2`` bytes of hidden states each (pinned host memory; also GPU memory with ``device=``),
@@ -94,6 +117,8 @@ class LoaderConfig(BucketConfig):
         if isinstance(self.validation_fraction, bool) or not isinstance(self.validation_fraction, (int, float)) \
                 or not 0.0 <= self.validation_fraction < 1.0:
             raise ConfigError(f"validation_fraction must be in [0, 1); got {self.validation_fraction!r}")
+        if self.validation_split_by not in ("document", "row"):
+            raise ConfigError(f"validation_split_by must be 'document' or 'row'; got {self.validation_split_by!r}")
         if not isinstance(self.prefetch_batches, int) or isinstance(self.prefetch_batches, bool) \
                 or self.prefetch_batches < 1:
             raise ConfigError(f"prefetch_batches must be >= 1; got {self.prefetch_batches!r}")
@@ -117,7 +142,8 @@ class StreamConfig(LoaderConfig):
     split: Literal["train", "validation", "all"] = "train"
     """Which part of the corpus rows this loader serves."""
     split_seed: int = 0
-    """Salt of the row hash that decides the split (independent of ``seed`` so sweeps share one split)."""
+    """Salt of the document (or row) hash that decides the split (independent of ``seed`` so sweeps share one
+    split)."""
     num_read_workers: int = 2
     """Threads reading and packing batches (Zarr decompression releases the GIL)."""
     pin_memory: bool | None = None
@@ -144,19 +170,21 @@ class StreamConfig(LoaderConfig):
         """The fields the batch sequence depends on (checked on resume)."""
         keys = (
             "token_budget", "boundaries", "num_buckets", "max_documents_per_batch", "seed", "shuffle", "split",
-            "validation_fraction", "split_seed", "shard_window", "pad_to_budget", "pad_to_multiple",
-            "min_supervised_tokens",
+            "validation_fraction", "validation_split_by", "split_seed", "shard_window", "pad_to_budget",
+            "pad_to_multiple", "min_supervised_tokens",
         )  # fmt: skip
         values = asdict(self)
         return {key: list(values[key]) if isinstance(values[key], tuple) else values[key] for key in keys}
 
 
-def validation_rows(corpus_rows: np.ndarray, fraction: float, split_seed: int = 0) -> np.ndarray:
-    """``[N]`` bool: which corpus rows belong to the validation split (splitmix64 hash of row and seed).
+def validation_rows(split_keys: np.ndarray, fraction: float, split_seed: int = 0) -> np.ndarray:
+    """``[N]`` bool: which samples belong to the validation split, from one uint64 key per sample: its corpus row
+    (the row split) or its source document's key (the document split: equal keys, same side). A key is held out
+    when the splitmix64 hash of key and ``split_seed``, as a fraction of 2^53, is below ``fraction``.
 
-    Stable: the same row is in the same split for any cache sharding, shuffle seed or world size.
+    Stable: the same key is in the same split for any cache sharding, shuffle seed or world size.
     """
-    x = np.asarray(corpus_rows, dtype=np.uint64) + np.uint64((split_seed * 0x9E3779B97F4A7C15) % 2**64)
+    x = np.asarray(split_keys, dtype=np.uint64) + np.uint64((split_seed * 0x9E3779B97F4A7C15) % 2**64)
     with np.errstate(over="ignore"):
         x = x + np.uint64(0x9E3779B97F4A7C15)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -235,6 +263,8 @@ class PlannedCursor:
             (shard, position in the shard, tokens, corpus row, bucket), in table order (shard id, then position).
         num_excluded_short, num_excluded_short_tokens: samples of this split (and their tokens) left out for
             fewer than ``config.min_supervised_tokens`` supervised tokens.
+        split_by: what the validation split went by: ``"document"`` (the source's document keys), ``"row"``
+            (``validation_split_by="row"``, or a source without document keys), ``None`` (no split).
         table_fingerprint: ``sha256:`` of the table (checked on resume).
 
     Raises:
@@ -304,10 +334,11 @@ class PlannedCursor:
         )
         self.num_buckets = len(self.boundaries) + 1
         all_rows = np.concatenate(rows) if rows else empty
+        self.split_by: ValidationSplitBy | None = None
         if cfg.split == "all" or cfg.validation_fraction == 0.0:
             keep = np.ones(all_rows.size, dtype=bool)
         else:
-            is_validation = validation_rows(all_rows, cfg.validation_fraction, cfg.split_seed)
+            is_validation = validation_rows(self._split_keys(all_rows), cfg.validation_fraction, cfg.split_seed)
             keep = is_validation if cfg.split == "validation" else ~is_validation
         # Samples of this split with too few supervised tokens to give useful anchors (DFLASH.md): excluded, counted.
         all_supervised = np.concatenate(supervised) if supervised else empty
@@ -323,7 +354,8 @@ class PlannedCursor:
         if self.sample_length.size == 0:
             raise ConfigError(
                 f"the {cfg.split} split of the cache is empty ({all_rows.size} samples in "
-                f"{len(shards)} committed shards, validation_fraction={cfg.validation_fraction}, "
+                f"{len(shards)} committed shards, validation_fraction={cfg.validation_fraction} of "
+                f"{self.split_by or 'row'}s, "
                 f"{self.num_excluded_short} excluded for fewer than min_supervised_tokens={cfg.min_supervised_tokens} "
                 "supervised tokens); extract more shards, change validation_fraction or lower min_supervised_tokens"
             )
@@ -341,6 +373,35 @@ class PlannedCursor:
         for array in (self.sample_shard, self.sample_position, self.sample_length, self.sample_row):
             digest.update(np.ascontiguousarray(array).tobytes())
         self.table_fingerprint = "sha256:" + digest.hexdigest()
+
+    def _split_keys(self, corpus_rows: np.ndarray) -> np.ndarray:
+        """``[N]`` uint64 keys the split hashes, one per sample: its document's key (``validation_split_by=
+        "document"`` and the source has document keys), else its corpus row. Sets :attr:`split_by`.
+
+        Raises:
+            ConfigError: the source's document keys do not cover a sample's corpus row.
+        """
+        keys = None
+        if self.config.validation_split_by == "document":
+            getter = getattr(self.source, "document_keys", None)
+            keys = getter() if getter is not None else None
+            if keys is None and self.rank == 0 and self.source not in _ROW_SPLIT_LOGGED:
+                _ROW_SPLIT_LOGGED.add(self.source)
+                log.info(
+                    "validation split by corpus row, not by source document: %s has no document keys (a cache "
+                    "extracted before they existed, or a corpus without a document_id column); re-run prepare and "
+                    "extract to split by document", getattr(self.source, "url", type(self.source).__name__))
+        if keys is None:
+            self.split_by = "row"
+            return corpus_rows
+        keys = np.asarray(keys, dtype=np.uint64)
+        if corpus_rows.size and int(corpus_rows.max()) >= keys.size:
+            raise ConfigError(
+                f"the source's document keys cover {keys.size} corpus rows but it holds corpus row "
+                f"{int(corpus_rows.max())}; the cache is inconsistent: run `dflash-stages cache verify`"
+            )
+        self.split_by = "document"
+        return keys[corpus_rows]
 
     def _groups(self, epoch: int) -> list[np.ndarray] | None:
         window = self.config.shard_window
@@ -453,8 +514,10 @@ class PlannedCursor:
             raise CheckpointError(
                 f"data cursor format {state.get('format')!r} is not {_STATE_FORMAT}; cannot resume"
             )
-        # A cursor from before min_supervised_tokens existed was taken with every sample kept.
-        saved, current = {"min_supervised_tokens": 0, **state["plan_config"]}, self.config.plan_fields()
+        # A cursor from before min_supervised_tokens existed was taken with every sample kept, and one from before
+        # validation_split_by existed with the row split.
+        saved = {"min_supervised_tokens": 0, "validation_split_by": "row", **state["plan_config"]}
+        current = self.config.plan_fields()
         for key in sorted(set(saved) | set(current)):
             if saved.get(key) != current.get(key):
                 raise CheckpointError(
@@ -500,6 +563,7 @@ class PlannedCursor:
                 "num_read_workers": self.config.num_read_workers,
             },
             "boundaries": list(self.boundaries),
+            "validation_split": self.split_by,  # what the split went by ("document", "row"; None: no split)
             "num_samples": self.num_samples,
             "num_tokens": self.num_tokens,
             "excluded_short_samples": self.num_excluded_short,

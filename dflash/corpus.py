@@ -5,14 +5,20 @@ A corpus is an Arrow table with one row per sample:
 - ``input_ids``: ``list<int32>`` (``large_list`` and any integer value type are accepted and read as int32);
 - ``loss_mask``: ``list<uint8>`` of the same length (``bool`` or any integer type accepted); 1 = a response token
   whose prediction is supervised;
-- ``sample_id`` (optional): a string (integers accepted) naming the sample in its source.
+- ``sample_id`` (optional): a string (integers accepted) naming the sample in its source;
+- ``document_id`` (optional): a string (integers accepted, read as their decimal text) naming the source document
+  the row comes from: rows with the same ``document_id`` come from the same document (the chunks of one split
+  file, the prompts cut from one source file). The trainer's validation split takes whole documents
+  (``dflash.batch_source.LoaderConfig.validation_split_by``). A row without one (null, or a file without the
+  column) is its own document. :attr:`Corpus.document_keys` gives one uint64 key per row.
 
 It is stored as Arrow IPC files (``*.arrow``, file or stream format), Parquet files (``*.parquet``), or a
 ``datasets.save_to_disk`` folder (read with pyarrow alone; ``datasets`` is not needed). A folder written by
 :class:`CorpusWriter` holds ``corpus.arrow`` (IPC file format, memory-mapped on read) and the sidecar
 ``corpus.json`` (:data:`FORMAT_VERSION`, target spec and identity, tokenizer, max_length, preparation report,
 fingerprint). Reading never loops over rows in Python: per-row lengths, offsets and values are numpy views of the
-Arrow buffers, so ``lengths``, ``row(i)`` and ``fingerprint`` stay cheap on millions of tokens.
+Arrow buffers, so ``lengths``, ``row(i)`` and ``fingerprint`` stay cheap on millions of tokens (``document_keys``
+hashes each distinct document id once).
 
 Run ``dflash-stages prepare`` to build a corpus; :func:`validate_corpus` checks one against a target's vocabulary
 before any GPU work (``dflash-stages extract`` calls it).
@@ -43,6 +49,7 @@ __all__ = [
     "METADATA_FILE",
     "LengthPolicy",
     "CorpusRow",
+    "document_key",
     "Corpus",
     "CorpusLengths",
     "CorpusReport",
@@ -68,9 +75,17 @@ SCHEMA = pa.schema(
         pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
         pa.field("sample_id", pa.string()),
+        pa.field("document_id", pa.string()),
     ],
     metadata={_SCHEMA_KEY: json.dumps({"format_version": FORMAT_VERSION}).encode()},
 )
+
+
+def document_key(document_id: str | int) -> int:
+    """The 64-bit key of a document id: the first 8 bytes of ``blake2b(str(document_id).encode("utf-8"),
+    digest_size=8)`` read as a little-endian unsigned integer. Stable across machines, Python versions and runs (no
+    salted ``hash()``); integers are keyed as their decimal text, so ``7`` and ``"7"`` are one document."""
+    return int.from_bytes(hashlib.blake2b(str(document_id).encode("utf-8"), digest_size=8).digest(), "little")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +108,7 @@ class _Chunk:
     mask_offsets: np.ndarray
     mask_values: np.ndarray
     sample_ids: pa.Array | None
+    document_ids: pa.Array | None = None
 
 
 def _list_value_type(column_type: pa.DataType) -> pa.DataType | None:
@@ -129,10 +145,13 @@ def _check_schema(schema: pa.Schema, file: Path, *, labels_as_mask: bool = False
                 f"{file}: column {name!r} has type {schema.field(name).type}, expected a list of {what} type "
                 f"(list<int32> for input_ids, list<uint8> for loss_mask); {_FIX_PREPARE}"
             )
-    if "sample_id" in names:
-        sample_type = schema.field("sample_id").type
-        if not (pa.types.is_string(sample_type) or pa.types.is_large_string(sample_type) or pa.types.is_integer(sample_type)):
-            raise CorpusError(f"{file}: column 'sample_id' has type {sample_type}, expected string; cast or drop it")
+    for name in ("sample_id", "document_id"):
+        if name in names:
+            label_type = schema.field(name).type
+            if not (pa.types.is_string(label_type) or pa.types.is_large_string(label_type)
+                    or pa.types.is_integer(label_type)):
+                raise CorpusError(f"{file}: column {name!r} has type {label_type}, expected string (integers "
+                                  "accepted); cast it to string or drop the column")
 
 
 def _read_arrow(file: Path) -> pa.Table:
@@ -166,7 +185,7 @@ def _read_table(file: Path, *, labels_as_mask: bool = False) -> pa.Table:
         except (pa.ArrowInvalid, OSError) as error:
             raise CorpusError(f"{file}: not a readable Parquet file ({error}); {_FIX_PREPARE}") from error
         _check_schema(schema, file, labels_as_mask=labels_as_mask)
-        columns = [c for c in ("input_ids", "loss_mask", "labels", "sample_id") if c in schema.names]
+        columns = [c for c in ("input_ids", "loss_mask", "labels", "sample_id", "document_id") if c in schema.names]
         table = pq.read_table(file, columns=columns, memory_map=True)
     else:
         table = _read_arrow(file)
@@ -222,9 +241,8 @@ def _chunks_of(table: pa.Table, file: Path) -> list[_Chunk]:
                 rows = np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))
                 where = f"row {first_row + int(rows[0])}" if rows.size else "inside a row"
                 raise CorpusError(f"{file} {where}: {name} holds a null; remove the row or {_FIX_PREPARE}")
-        sample_ids = None
-        if "sample_id" in batch.schema.names:
-            sample_ids = batch.column("sample_id")
+        sample_ids = batch.column("sample_id") if "sample_id" in batch.schema.names else None
+        document_ids = batch.column("document_id") if "document_id" in batch.schema.names else None
         chunks.append(
             _Chunk(
                 file=file,
@@ -234,6 +252,7 @@ def _chunks_of(table: pa.Table, file: Path) -> list[_Chunk]:
                 mask_offsets=mask.offsets.to_numpy().astype(np.int64, copy=False),
                 mask_values=_numpy_values(mask.values),
                 sample_ids=sample_ids,
+                document_ids=document_ids,
             )
         )
         first_row += batch.num_rows
@@ -296,8 +315,9 @@ class Corpus:
     @cached_property
     def fingerprint(self) -> str:
         """``"sha256:<hex>"`` of the content: per-row lengths (int64 LE), all ``input_ids`` (int32 LE) and all
-        ``loss_mask`` values (uint8), in row order. Independent of the file format, chunking and ``sample_id``;
-        changes with any token, mask bit, row boundary or row order."""
+        ``loss_mask`` values (uint8), in row order. Independent of the file format, chunking, ``sample_id`` and
+        ``document_id`` (labels, not content: a cache stores the document keys it was made with and checks them
+        itself); changes with any token, mask bit, row boundary or row order."""
         lengths, ids, mask = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
         lengths.update(np.ascontiguousarray(self.lengths, dtype="<i8"))
         lengths.update(np.ascontiguousarray(self.mask_lengths, dtype="<i8"))
@@ -308,6 +328,45 @@ class Corpus:
         for digest in (lengths, ids, mask):
             combined.update(digest.digest())
         return f"sha256:{combined.hexdigest()}"
+
+    @cached_property
+    def has_document_ids(self) -> bool:
+        """Whether any row has a ``document_id`` (a column of nulls, as :class:`CorpusWriter` writes for rows added
+        without one, counts as none: every row is then its own document)."""
+        return any(chunk.document_ids is not None and chunk.document_ids.null_count < len(chunk.document_ids)
+                   for chunk in self._chunks)
+
+    @cached_property
+    def document_keys(self) -> np.ndarray:
+        """``[len(self)]`` uint64: the source-document key of each row, :func:`document_key` of its ``document_id``;
+        rows without one (no column, or null) get their row index, so each is its own document. Rows with equal
+        keys come from one document (two different ids collide with probability ~2^-64 per pair). Computed once:
+        the ids are dictionary-encoded by Arrow and each distinct id is hashed once (no per-row Python loop)."""
+        import pyarrow.compute as pc
+
+        keys = np.arange(len(self), dtype=np.uint64)
+        parts, positions = [], []
+        for start, chunk in zip(self._chunk_starts[:-1], self._chunks, strict=True):
+            if chunk.document_ids is not None and len(chunk.document_ids):
+                parts.append(chunk.document_ids.cast(pa.large_string()))  # integers as decimal text, one type
+                positions.append(np.arange(int(start), int(start) + len(chunk.document_ids), dtype=np.int64))
+        if not parts:
+            return keys
+        encoded = pc.dictionary_encode(pa.concat_arrays(parts))
+        hashed = np.fromiter((document_key(value) for value in encoded.dictionary.to_pylist()), dtype=np.uint64,
+                             count=len(encoded.dictionary))
+        valid = encoded.is_valid().to_numpy(zero_copy_only=False)
+        indices = encoded.indices.fill_null(0).to_numpy(zero_copy_only=False)
+        rows = np.concatenate(positions)
+        keys[rows[valid]] = hashed[indices[valid]]
+        return keys
+
+    def document_id(self, index: int) -> str | None:
+        """The row's ``document_id`` as a string (integers as decimal text), ``None`` when it has none."""
+        chunk, local = self._locate(index)
+        if chunk.document_ids is not None and chunk.document_ids[local].is_valid:
+            return str(chunk.document_ids[local].as_py())
+        return None
 
     def _locate(self, index: int) -> tuple[_Chunk, int]:
         if not -len(self) <= index < len(self):
@@ -349,7 +408,8 @@ class CorpusLengths:
     """A :class:`dflash.batch_source.LengthSource` over a corpus: what the epoch plan needs, without hidden states.
 
     The online mode plans its epochs from it exactly as the streaming loader plans them from a cache of the same
-    corpus (same rows, lengths, supervised counts, in corpus-row order): same seed -> same batches.
+    corpus (same rows, lengths, supervised counts and document keys, in corpus-row order): same seed -> same
+    batches.
 
     Args:
         corpus: an opened :class:`Corpus`.
@@ -375,6 +435,11 @@ class CorpusLengths:
     def shard_supervised_counts(self, shard: int) -> np.ndarray:
         start, stop = self.shard_rows[shard]
         return self.corpus.supervised_counts[start:stop]
+
+    def document_keys(self) -> np.ndarray | None:
+        """``[len(corpus)]`` uint64 :attr:`Corpus.document_keys` indexed by corpus row, or ``None`` when the corpus
+        has no ``document_id`` column (the validation split then goes by row)."""
+        return self.corpus.document_keys if self.corpus.has_document_ids else None
 
 
 def open_corpus(path: str | os.PathLike[str], *, labels_as_mask: bool = False, allow_unfinished: bool = False) -> Corpus:
@@ -586,7 +651,7 @@ class CorpusWriter:
     Usage::
 
         with CorpusWriter(out) as writer:
-            writer.add(input_ids, loss_mask, sample_id)
+            writer.add(input_ids, loss_mask, sample_id, document_id)
             writer.commit(metadata)
 
     Raises:
@@ -609,7 +674,7 @@ class CorpusWriter:
         self._staging = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent))
         self._sink = pa.OSFile(str(self._staging / DATA_FILE), "wb")
         self._writer = pa.ipc.new_file(self._sink, SCHEMA)
-        self._pending: list[tuple[np.ndarray, np.ndarray, str]] = []
+        self._pending: list[tuple[np.ndarray, np.ndarray, str, str | None]] = []
         self.num_rows = 0
         self.num_tokens = 0
         self._closed = False
@@ -621,10 +686,12 @@ class CorpusWriter:
         if not self._closed:
             self.abort()
 
-    def add(self, input_ids: np.ndarray, loss_mask: np.ndarray, sample_id: str) -> None:
-        """Append one row (``input_ids`` [L] ints, ``loss_mask`` [L] 0/1). Content is checked by the caller."""
+    def add(self, input_ids: np.ndarray, loss_mask: np.ndarray, sample_id: str, document_id: str | None = None) -> None:
+        """Append one row (``input_ids`` [L] ints, ``loss_mask`` [L] 0/1, its ``sample_id`` and the ``document_id``
+        of its source document, ``None``: its own document). Content is checked by the caller."""
         assert len(input_ids) == len(loss_mask), (len(input_ids), len(loss_mask))
-        self._pending.append((np.asarray(input_ids, np.int32), np.asarray(loss_mask, np.uint8), str(sample_id)))
+        self._pending.append((np.asarray(input_ids, np.int32), np.asarray(loss_mask, np.uint8), str(sample_id),
+                              None if document_id is None else str(document_id)))
         self.num_rows += 1
         self.num_tokens += len(input_ids)
         if len(self._pending) >= self.batch_rows:
@@ -633,13 +700,14 @@ class CorpusWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        ids, masks, names = zip(*self._pending, strict=True)
+        ids, masks, names, documents = zip(*self._pending, strict=True)
         offsets = np.concatenate([[0], np.cumsum([len(x) for x in ids])]).astype(np.int32)
         batch = pa.record_batch(
             [
                 pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(ids), pa.int32())),
                 pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(masks), pa.uint8())),
                 pa.array(names, pa.string()),
+                pa.array(documents, pa.string()),
             ],
             schema=SCHEMA,
         )

@@ -1,8 +1,9 @@
 """Online batches: the trainer's batch source fed by target replicas through the shared-memory ring.
 
 :class:`OnlineBatches` is a :class:`dflash.batch_source.BatchSource`. Its epoch plan is the offline one
-(:class:`dflash.batch_source.PlannedCursor` over :class:`dflash.corpus.CorpusLengths`: same lengths, split, buckets,
-token budget and seed as a cache of the same corpus), so it yields the same samples in the same batches in the same
+(:class:`dflash.batch_source.PlannedCursor` over :class:`dflash.corpus.CorpusLengths`: same lengths, split (the
+corpus's document keys, which extract stores in a cache), buckets, token budget and seed as a cache of the same
+corpus), so it yields the same samples in the same batches in the same
 order as ``extract`` then ``train``; only the hidden states come from producers instead of the cache (equal within
 the runner's tolerance, since a sample's forward batch differs).
 

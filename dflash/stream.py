@@ -18,8 +18,10 @@ Resume: :meth:`StreamingLoader.state_dict` holds ``epoch`` and the number of bat
 in that epoch; :meth:`load_state_dict` continues with exactly the next batch (the plan is a pure function of the
 seed, the epoch, the lengths and the config, which the state records and checks).
 
-Train/validation split: by corpus row, stable (a hash of the row id and ``split_seed``), so it does not change
-with the shuffle seed, the world size, or how the cache was sharded.
+Train/validation split (``StreamConfig.validation_split_by``): by source document (default; a hash of the
+document key the cache stores per corpus row, ``CacheReader.document_keys``, and ``split_seed``: every row of a
+document on one side), or by corpus row (``"row"``, and any cache without document keys: a hash of the row id);
+stable either way, so it does not change with the shuffle seed, the world size, or how the cache was sharded.
 
 Usage::
 

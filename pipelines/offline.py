@@ -345,13 +345,14 @@ class _State:
 
 
 def _split_corpus(source: Path, train_out: Path, heldout_out: Path, *, heldout_documents: int, seed: int) -> dict[str, Any]:
-    """Write the training and held-out corpora: whole documents (``sample_id`` before ``#``) go to one side."""
+    """Write the training and held-out corpora: whole documents (a row's ``document_id``, else its ``sample_id``
+    before ``#``) go to one side; rows keep their ``document_id``."""
     import numpy as np
 
     from dflash.corpus import CorpusWriter, open_corpus
 
     corpus = open_corpus(source)
-    documents = [corpus.sample_id(i).split("#", 1)[0] for i in range(len(corpus))]
+    documents = [corpus.document_id(i) or corpus.sample_id(i).split("#", 1)[0] for i in range(len(corpus))]
     unique = sorted(set(documents))
     if len(unique) <= heldout_documents:
         raise ConfigError(
@@ -365,7 +366,7 @@ def _split_corpus(source: Path, train_out: Path, heldout_out: Path, *, heldout_d
         for index, document in enumerate(documents):
             row = corpus.row(index)
             side = heldout if document in held else train
-            side.add(row.input_ids, row.loss_mask, row.sample_id)
+            side.add(row.input_ids, row.loss_mask, row.sample_id, corpus.document_id(index))
             side_name = "heldout" if document in held else "train"
             counts[f"{side_name}_rows"] += 1
             counts[f"{side_name}_tokens"] += len(row.input_ids)

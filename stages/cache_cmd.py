@@ -56,6 +56,7 @@ def cache_info(path: str) -> dict[str, Any]:
         "compression_ratio": totals["raw_bytes"] / totals["stored_bytes"] if totals["stored_bytes"] else None,
         # Stored (compressed) shard bytes per token: the figure extract's report prints, computed the same way.
         "bytes_per_token": totals["stored_bytes"] / totals["num_tokens"] if totals["num_tokens"] else None,
+        "document_keys": reader.document_keys_info,
         "quarantined_by_layer": dict(sorted(Counter(layer for entry in quarantined for layer in entry.get("layers", [])).items())),
         "quarantined": quarantined,
     }
@@ -82,6 +83,8 @@ def _print_info(info: dict[str, Any], console: Console, max_quarantined: int) ->
         ("tokens", f"{info['num_tokens']:,}"),
         ("quarantined samples", f"{info['num_quarantined']:,}" + (f" by layer {info['quarantined_by_layer']}" if info["num_quarantined"] else "")),
         ("skipped rows", f"{info['num_skipped']:,}"),
+        ("source documents", f"{info['document_keys']['num_documents']:,} over {info['document_keys']['num_rows']:,} corpus rows"
+         if info["document_keys"] else "none recorded (train's validation split goes by row)"),
         ("size on disk", _human_bytes(info["size_on_disk"])),
         ("raw (uncompressed) size", _human_bytes(info["raw_bytes"])),
         ("compression ratio", f"{info['compression_ratio']:.3f}x" if info["compression_ratio"] else "-"),

@@ -342,7 +342,8 @@ def plan_cache(config: ExtractConfig, console: Console) -> CachePlan:
         )
     cache = None
     if existing is not None:
-        cache = HiddenStateCache.create(config.output, metadata)  # reopens it, refusing a setting a resume changes
+        # Reopens it, refusing a setting a resume changes; document keys it lacks are added (see create_cache).
+        cache = HiddenStateCache.create(config.output, metadata, document_keys=_document_keys(corpus))
         if auto:
             first = cache.metadata.extra.get("codec_choice") or {}
             console.print(f"codec auto: {config.output} exists and keeps its codec "
@@ -370,7 +371,14 @@ def create_cache(config: ExtractConfig, plan: CachePlan, choice: dict[str, Any] 
     if choice is not None:
         plan.metadata.codec = codec_config(choice["chosen"])
         plan.metadata.extra["codec_choice"] = choice
-    return HiddenStateCache.create(config.output, plan.metadata)
+    # The corpus's document keys go in before any shard, so train splits validation by source document without
+    # the corpus.
+    return HiddenStateCache.create(config.output, plan.metadata, document_keys=_document_keys(plan.corpus))
+
+
+def _document_keys(corpus: Any) -> Any:
+    """``uint64 [rows]`` document keys of a corpus that names its documents (``document_id``), else ``None``."""
+    return corpus.document_keys if corpus.has_document_ids else None
 
 
 def prepare_cache(config: ExtractConfig, console: Console, *,

@@ -18,8 +18,15 @@ inside one, a run folder, an export, a sweep folder: their JSON files are not te
 as an input that is binary (NUL bytes or not UTF-8); binary files found in a folder or glob are dropped and
 counted. The output is locked while it is written (``dflash.locks``; a second ``prepare`` into it is refused).
 
+Every row records the source document it came from (the corpus ``document_id``, which the trainer's validation
+split keeps whole): a text file's identity (``<source>:<relative path>``, the ``sample_id`` before any ``#<chunk>``)
+for files, so all chunks of a split file are one document; for a JSON line or table row (chat or text), its
+``document_id`` (or ``document``) field or column when it has one (a string or an integer), else its own
+``sample_id`` (one conversation, one document); for tokenized data, its ``document_id`` column (rows without one stay
+their own documents).
+
 Rows longer than ``--max-length`` follow ``--length-policy``: ``error``, ``drop``, ``truncate`` or ``split``
-(consecutive ``max_length`` chunks). ``auto`` means ``split`` when every input is plain text or the default
+(consecutive ``max_length`` chunks, one document). ``auto`` means ``split`` when every input is plain text or the default
 corpus, ``error`` otherwise (chat and tokenized data: choose explicitly). The output is written to a temporary
 sibling folder and renamed when complete; any error leaves nothing at ``--output``. 0 kept samples is an error.
 A report of kept and dropped rows by reason is printed and stored in ``corpus.json``.
@@ -125,12 +132,32 @@ class PrepareConfig:
 @dataclass(slots=True, eq=False)
 class _Document:
     """One input document, read lazily: ``kind`` text (``payload``: TextFile or str), chat (messages) or tokens
-    (``(corpus, row)``)."""
+    (``(corpus, row)``); ``document_id``: its source document, recorded on every row made from it (module
+    docstring; ``None``: the row is its own document)."""
 
     kind: Literal["text", "chat", "tokens"]
     sample_id: str
     where: str
     payload: Any
+    document_id: str | None = None
+
+
+#: Fields (JSON lines) or columns (tables) naming a row's source document, in order of preference.
+_DOCUMENT_FIELDS = ("document_id", "document")
+
+
+def _document_field(value: Any, where: str, name: str) -> str | None:
+    """A ``document_id``/``document`` value as the row's document id: a string or an integer (as decimal text).
+
+    Raises:
+        CorpusError: any other type, naming ``where`` and the field.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise CorpusError(f"{where}: {name!r} is {type(value).__name__} {value!r}, expected a string or an integer "
+                          "naming the row's source document; fix the field or drop it")
+    return str(value)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -209,34 +236,41 @@ def _table_documents(path: Path) -> list[_Document]:
         names = ["input_ids"]  # a corpus / save_to_disk folder: open_corpus checks its columns
     if "input_ids" in names:
         corpus = open_corpus(path, labels_as_mask=True)
-        return [_Document("tokens", corpus.sample_id(i), corpus.describe_row(i), (corpus, i)) for i in range(len(corpus))]
+        return [_Document("tokens", corpus.sample_id(i), corpus.describe_row(i), (corpus, i), corpus.document_id(i))
+                for i in range(len(corpus))]
     column = next((c for c in ("messages", "conversations", "text") if c in names), None)
     if column is None:
         raise CorpusError(
             f"{path}: no 'input_ids', 'messages', 'conversations' or 'text' column (columns: {names}); give "
             "tokenized rows (input_ids + loss_mask), chat rows (messages: [{role, content}]) or plain text rows"
         )
-    table = pq.read_table(path, columns=[column]) if path.suffix in (".parquet", ".pq") else _read_arrow_column(path, column)
+    document_column = next((c for c in _DOCUMENT_FIELDS if c in names), None)
+    columns = [column] + ([document_column] if document_column else [])
+    table = pq.read_table(path, columns=columns) if path.suffix in (".parquet", ".pq") else _read_arrow_columns(path, columns)
     values = table.column(column).to_pylist()
+    document_values = table.column(document_column).to_pylist() if document_column else [None] * len(values)
     documents = []
-    for row, value in enumerate(values):
+    for row, (value, document_value) in enumerate(zip(values, document_values, strict=True)):
         where = f"{path} row {row}"
+        sample_id = f"{path.stem}:{row}"
+        document_id = _document_field(document_value, where, document_column or "") or sample_id
         if column == "text":
             if not isinstance(value, str):
                 raise CorpusError(f"{where}: text is {type(value).__name__}, expected a string")
-            documents.append(_Document("text", f"{path.stem}:{row}", where, value))
+            documents.append(_Document("text", sample_id, where, value, document_id))
         else:
-            documents.append(_Document("chat", f"{path.stem}:{row}", where, normalize_messages({column: value}, where=where)))
+            messages = normalize_messages({column: value}, where=where)
+            documents.append(_Document("chat", sample_id, where, messages, document_id))
     return documents
 
 
-def _read_arrow_column(path: Path, column: str) -> Any:
+def _read_arrow_columns(path: Path, columns: list[str]) -> Any:
     import pyarrow as pa
 
     try:
-        return pa.ipc.open_file(pa.memory_map(str(path))).read_all().select([column])
+        return pa.ipc.open_file(pa.memory_map(str(path))).read_all().select(columns)
     except pa.ArrowInvalid:
-        return pa.ipc.open_stream(pa.memory_map(str(path))).read_all().select([column])
+        return pa.ipc.open_stream(pa.memory_map(str(path))).read_all().select(columns)
 
 
 def _json_documents(path: Path) -> list[_Document]:
@@ -263,10 +297,12 @@ def _parse_json_documents(path: Path) -> list[_Document]:
             if not isinstance(record, dict):
                 raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
             sample_id = str(record.get("id", record.get("sample_id", f"{path.stem}:{line_number}")))
+            name = next((n for n in _DOCUMENT_FIELDS if record.get(n) is not None), None)
+            document_id = (_document_field(record[name], where, name) if name else None) or sample_id
             if "messages" in record or "conversations" in record:
-                documents.append(_Document("chat", sample_id, where, normalize_messages(record, where=where)))
+                documents.append(_Document("chat", sample_id, where, normalize_messages(record, where=where), document_id))
             elif isinstance(record.get("text"), str):
-                documents.append(_Document("text", sample_id, where, record["text"]))
+                documents.append(_Document("text", sample_id, where, record["text"], document_id))
             else:
                 raise CorpusError(
                     f"{where}: no 'messages', 'conversations' or 'text' field (keys: {sorted(record)}); "
@@ -286,7 +322,8 @@ def _file_documents(path: Path, *, named: bool = False) -> list[_Document]:
         return _json_documents(path)
     if named:
         _refuse_binary(path)
-    return [_Document("text", f"{path.parent.name}:{path.name}", str(path), TextFile(path, path.name))]
+    sample_id = f"{path.parent.name}:{path.name}"
+    return [_Document("text", sample_id, str(path), TextFile(path, path.name), sample_id)]
 
 
 #: Marker files of this project's outputs -> what the folder holding them is and what to do instead.
@@ -349,7 +386,8 @@ def _refuse_binary(path: Path) -> None:
 
 
 def _text_file_documents(files: list[TextFile]) -> list[_Document]:
-    return [_Document("text", f.sample_id, str(f.path), f) for f in files]
+    """One document per file; the file's identity (its sample id) is the document id of every chunk of it."""
+    return [_Document("text", f.sample_id, str(f.path), f, f.sample_id) for f in files]
 
 
 def collect_documents(config: PrepareConfig) -> list[_Document]:
@@ -461,8 +499,8 @@ def _apply_length_policy(document: _Document, ids: np.ndarray, mask: np.ndarray,
 
 
 def _samples(documents: list[_Document], tokenizer: Any, config: PrepareConfig, policy: str, report: PrepareReport):
-    """Yield ``(documents consumed, sample_id, input_ids, loss_mask)`` for every sample to keep, in order;
-    drops are counted in ``report``."""
+    """Yield ``(documents consumed, sample_id, document_id, input_ids, loss_mask)`` for every sample to keep, in
+    order (every chunk of a split document has the document's ``document_id``); drops are counted in ``report``."""
     for start in range(0, len(documents), _BATCH_DOCUMENTS):
         batch = documents[start: start + _BATCH_DOCUMENTS]
         for position, document, ids, mask in _encode(batch, tokenizer, config, report):
@@ -471,7 +509,7 @@ def _samples(documents: list[_Document], tokenizer: Any, config: PrepareConfig, 
                     minimum = config.min_supervised_tokens
                     report.dropped["no supervised token" if minimum == 1 else f"fewer than {minimum} supervised tokens"] += 1
                     continue
-                yield start + position + 1, sample_id, sample_ids, sample_mask
+                yield start + position + 1, sample_id, document.document_id, sample_ids, sample_mask
 
 
 @functools.lru_cache(maxsize=2)
@@ -523,8 +561,8 @@ def _run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, P
     read = 0
     with CorpusWriter(config.output, overwrite=config.overwrite) as writer, Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("tokenizing", total=len(documents))
-        for read, sample_id, input_ids, loss_mask in _samples(documents, tokenizer, config, policy, report):
-            writer.add(input_ids, loss_mask, sample_id)
+        for read, sample_id, document_id, input_ids, loss_mask in _samples(documents, tokenizer, config, policy, report):
+            writer.add(input_ids, loss_mask, sample_id, document_id)
             report.samples_kept += 1
             report.tokens_kept += len(input_ids)
             report.supervised_tokens_kept += int(np.count_nonzero(loss_mask))

@@ -76,9 +76,10 @@ class TrainConfig:
     # -- data
     data: LoaderConfig = field(default_factory=lambda: dataclasses.replace(_TRAIN_DATA_DEFAULTS))
     """What the run reads and how (``dflash.batch_source.LoaderConfig``: token_budget, boundaries, num_buckets,
-    max_documents_per_batch, validation_fraction, prefetch_batches, shard_window); ``[train.data]`` in a config
-    file, ``--set train.data.token_budget=8192``. The train stage holds out 1% of the rows by default
-    (``validation_fraction`` 0.01; 0 disables validation and best-checkpoint tracking)."""
+    max_documents_per_batch, validation_fraction, validation_split_by, prefetch_batches, shard_window);
+    ``[train.data]`` in a config file, ``--set train.data.token_budget=8192``. The train stage holds out 1% of the
+    source documents by default (``validation_fraction`` 0.01, ``validation_split_by`` ``"document"``; rows of a
+    cache without document keys; 0 disables validation and best-checkpoint tracking)."""
     max_validation_batches: int | None = 50
     """Validation batches per rank per evaluation (None: the whole held-out split)."""
     min_supervised_tokens: int | None = None
@@ -324,8 +325,10 @@ RUNTIME_FIELDS = frozenset({
 
 
 #: Fields added after runs already existed whose absence in a saved config means something other than today's
-#: default (runs saved before ``residual_dtype`` existed kept the residual stream in float32).
-ABSENT_IN_OLD_RUNS = {"residual_dtype": "float32"}
+#: default (runs saved before ``residual_dtype`` existed kept the residual stream in float32; runs saved before
+#: ``data.validation_split_by`` existed held out validation rows, not documents). Nested like the config; merged
+#: under a saved config with ``deep_merge``.
+ABSENT_IN_OLD_RUNS: dict[str, Any] = {"residual_dtype": "float32", "data": {"validation_split_by": "row"}}
 
 
 def _default_leaves() -> dict[str, Any]:
@@ -351,10 +354,10 @@ def trajectory_changes(saved: dict[str, Any], current: dict[str, Any], *, saved_
 
     # A field missing from an older checkpoint had its default then (fields are only ever added with defaults),
     # except where ABSENT_IN_OLD_RUNS says otherwise.
-    from dflash.config_check import leaf_paths, migrate_renamed
+    from dflash.config_check import deep_merge, leaf_paths, migrate_renamed
 
     defaults = _default_leaves()
-    saved = leaf_paths({**ABSENT_IN_OLD_RUNS, **migrate_renamed("train", saved, saved=True)})
+    saved = leaf_paths(deep_merge(ABSENT_IN_OLD_RUNS, migrate_renamed("train", saved, saved=True)))
     current = leaf_paths(migrate_renamed("train", current, saved=True))
     changes = []
     for name in sorted(set(saved) | set(current)):
@@ -606,7 +609,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
         origin.update({key: f"the saved run {run_json}" for key in leaf_paths(saved) if key not in origin})
         for one_off in ("stop_at_step", "allow_config_change", "break_lock"):  # they applied to the earlier invocation only
             saved.pop(one_off, None)
-        base = deep_merge({**ABSENT_IN_OLD_RUNS, **saved}, base)
+        base = deep_merge(deep_merge(ABSENT_IN_OLD_RUNS, saved), base)
     merged = deep_merge(base, given)
     for key, value, _ in parsed_sets:
         merged = deep_merge(merged, nested(key, value))
@@ -690,7 +693,8 @@ OPTION_FIELDS = {
     "lr": "optim.lr", "betas": "optim.betas", "weight_decay": "optim.weight_decay",
     "warmup_ratio": "optim.warmup_ratio", "grad_clip": "optim.grad_clip", "token_budget": "data.token_budget",
     "num_buckets": "data.num_buckets", "bucket_boundaries": "data.boundaries",
-    "validation_fraction": "data.validation_fraction", "max_documents": "data.max_documents_per_batch",
+    "validation_fraction": "data.validation_fraction", "validation_split_by": "data.validation_split_by",
+    "max_documents": "data.max_documents_per_batch",
     "log_every": "telemetry.log_every", "progress": "telemetry.progress", "report_to": "telemetry.report_to",
 }  # fmt: skip
 
@@ -733,7 +737,8 @@ def register(app: typer.Typer) -> None:
         token_budget: int = typer.Option(None, "--token-budget", show_default=_shown("data.token_budget"), help=f"Real tokens per micro-batch per rank (on a CPU host, when nothing sets it: {CPU_SIZED_DEFAULTS['data.token_budget']})."),
         num_buckets: int = typer.Option(None, "--num-buckets", show_default=_shown("data.num_buckets"), help="Length buckets from quantiles."),
         bucket_boundaries: str = typer.Option(None, "--bucket-boundaries", help="Bucket edges, e.g. 256,1024."),
-        validation_fraction: float = typer.Option(None, "--validation-fraction", show_default=_shown("data.validation_fraction"), help="Held-out rows."),
+        validation_fraction: float = typer.Option(None, "--validation-fraction", show_default=_shown("data.validation_fraction"), help="Held-out share (of source documents, or rows with --validation-split-by row)."),
+        validation_split_by: str = typer.Option(None, "--validation-split-by", show_default=_shown("data.validation_split_by"), help="document (whole source documents held out; a cache without document keys: rows) | row."),
         epochs: float = typer.Option(None, "--epochs", show_default=_shown("epochs"), help="Epochs."),
         max_steps: int = typer.Option(None, "--max-steps", help="Optimizer steps (overrides --epochs)."),
         stop_at_step: int = typer.Option(None, "--stop-at-step", help="Stop early with a checkpoint."),
@@ -802,7 +807,8 @@ def register(app: typer.Typer) -> None:
             "drafter.mask_token_id": mask_token_id, "drafter.target_layer_ids": _csv_ints(target_layer_ids),
             "drafter.gamma": gamma, "drafter.max_anchors_per_document": max_anchors,
             "data.token_budget": token_budget, "data.num_buckets": num_buckets,
-            "data.boundaries": _csv_ints(bucket_boundaries), "data.validation_fraction": validation_fraction, "epochs": epochs, "max_steps": max_steps,
+            "data.boundaries": _csv_ints(bucket_boundaries), "data.validation_fraction": validation_fraction,
+            "data.validation_split_by": validation_split_by, "epochs": epochs, "max_steps": max_steps,
             "stop_at_step": stop_at_step, "grad_accum_steps": grad_accum_steps, "optim.lr": lr,
             "optim.betas": [float(b) for b in betas.split(",")] if betas else None, "optim.weight_decay": weight_decay,
             "optim.warmup_ratio": warmup_ratio, "optim.grad_clip": grad_clip, "seed": seed, "mixed_precision": mixed_precision,

@@ -590,3 +590,45 @@ def test_write_process_task_commits_a_shard_with_no_kept_sample(tmp_path, target
     record = _write_in_process(str(path), 0, [], quarantined, [])
     assert record["num_samples"] == 0 and record["num_quarantined"] == 2
     assert HiddenStateCache.open(path).committed_shards() == {0}
+
+
+def test_document_keys_are_stored_checked_on_resume_and_optional(tmp_path, target, real_samples):
+    """The root array ``document_keys`` (contract 2, optional): stored at creation, read back exactly, checked
+    against its record; a resume must bring the same keys; a cache without them opens and reads as before."""
+    import zarr
+
+    layer_ids, samples = real_samples
+    metadata = _metadata(target, layer_ids, [[0, 3], [3, 6]])
+    keys = np.array([11, 11, 2**64 - 1, 5, 5, 5], dtype=np.uint64)
+    cache = HiddenStateCache.create(tmp_path / "c", metadata, document_keys=keys)
+    cache.write_shard(0, samples[:3], [])
+    reader = CacheReader(tmp_path / "c")
+    assert reader.document_keys().dtype == np.uint64 and reader.document_keys().tolist() == keys.tolist()
+    assert reader.document_keys_info["num_rows"] == 6 and reader.document_keys_info["num_documents"] == 3
+    assert verify_cache(tmp_path / "c")["document_keys"]["num_documents"] == 3
+
+    # Resume: the same keys reopen; other keys, or a corpus now without document ids, are refused by name.
+    HiddenStateCache.create(tmp_path / "c", metadata, document_keys=keys)
+    with pytest.raises(CacheError, match=r"its document keys \(6 rows, 3 documents, sha256:.*\) differ from this "
+                                         r"corpus's \(6 rows, 5 documents"):
+        HiddenStateCache.create(tmp_path / "c", metadata, document_keys=np.array([1, 2, 3, 4, 5, 5], np.uint64))
+    with pytest.raises(CacheError, match="this corpus has no document_id column"):
+        HiddenStateCache.create(tmp_path / "c", metadata)
+    with pytest.raises(CacheError, match="5 keys for the 6 planned corpus rows"):
+        HiddenStateCache.create(tmp_path / "short", metadata, document_keys=keys[:5])
+
+    # Damaged keys (a valid chunk of other values): the reader refuses them, naming the array.
+    zarr.open_array(str(tmp_path / "c" / "document_keys"), mode="r+")[0] = 12
+    with pytest.raises(CacheCorruptError, match=r"array 'document_keys' \(6 rows, sha256:.*\) differs from "
+                                                r"dflash_document_keys"):
+        CacheReader(tmp_path / "c").document_keys()
+
+    # A cache created without keys (older code, or a corpus without document ids) opens and reads as before ...
+    HiddenStateCache.create(tmp_path / "old", metadata).write_shard(0, samples[:3], [])
+    old = CacheReader(tmp_path / "old")
+    assert old.document_keys() is None and old.document_keys_info is None
+    assert [s.corpus_row for s in old.read_shard(0)] == [0, 1, 2]
+    assert verify_cache(tmp_path / "old", require_complete=False)["document_keys"] is None
+    # ... and a resume with a corpus that has them adds them, before the next shard.
+    HiddenStateCache.create(tmp_path / "old", metadata, document_keys=keys)
+    assert CacheReader(tmp_path / "old").document_keys().tolist() == keys.tolist()

@@ -230,3 +230,57 @@ def test_writer_is_atomic(tmp_path, samples):
     assert len(replaced) == 1 and replaced.metadata["note"] == "replaced"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert json.loads((target / METADATA_FILE).read_text())["num_rows"] == 1
+
+
+def _blake2b_key(text: str) -> int:
+    """The contract's document key, computed independently of dflash.corpus."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def test_document_ids_round_trip_and_give_equal_keys_for_equal_ids(tmp_path, samples):
+    from dflash.corpus import document_key
+
+    documents = ["stdlib:os.py", "stdlib:os.py", None, "stdlib:re.py", "7", "stdlib:os.py"]
+    with CorpusWriter(tmp_path / "corpus", batch_rows=4) as writer:  # the document spans two record batches
+        for (sample_id, ids, mask), document in zip(samples, documents, strict=True):
+            writer.add(ids, mask, sample_id, document)
+        writer.commit({})
+    corpus = open_corpus(tmp_path / "corpus")
+    assert corpus.has_document_ids
+    assert [corpus.document_id(i) for i in range(len(corpus))] == documents
+    keys = corpus.document_keys
+    assert keys.dtype == np.uint64 and keys.shape == (len(samples),)
+    assert keys[0] == keys[1] == keys[5] == _blake2b_key("stdlib:os.py") == document_key("stdlib:os.py")
+    assert len({int(keys[0]), int(keys[2]), int(keys[3]), int(keys[4])}) == 4  # different ids, different keys
+    assert keys[2] == 2  # no document id: the row is its own document, keyed by its row index
+    # A label, not content: the fingerprint is that of the same rows without document ids.
+    assert corpus.fingerprint == open_corpus(_write(tmp_path / "plain", samples)).fingerprint
+
+    # Parquet with integer ids (and a null): integers are their decimal text, so 7 and "7" are one document.
+    table = _table(samples).append_column("document_id", pa.array([1, 1, None, 2, 7, 1], pa.int64()))
+    pq.write_table(table, tmp_path / "ints.parquet", row_group_size=2)
+    ints = open_corpus(tmp_path / "ints.parquet")
+    assert ints.document_keys.tolist() == [_blake2b_key("1"), _blake2b_key("1"), 2, _blake2b_key("2"),
+                                           int(keys[4]), _blake2b_key("1")]
+
+
+def test_without_document_ids_every_row_is_its_own_document(tmp_path, samples):
+    from dflash.corpus import CorpusLengths
+
+    pq.write_table(_table(samples), tmp_path / "rows.parquet")
+    corpus = open_corpus(tmp_path / "rows.parquet")
+    assert not corpus.has_document_ids and corpus.document_id(0) is None
+    assert corpus.document_keys.tolist() == list(range(len(samples)))
+    assert CorpusLengths(corpus).document_keys() is None  # the loader then splits by row and says so
+    written = open_corpus(_write(tmp_path / "written", samples))  # a document_id column of nulls: the same
+    assert not written.has_document_ids and written.document_keys.tolist() == list(range(len(samples)))
+
+
+def test_a_document_id_column_of_another_type_names_the_file_and_column(tmp_path, samples):
+    table = _table(samples).append_column("document_id", pa.array([[1]] * len(samples)))
+    pq.write_table(table, tmp_path / "bad.parquet")
+    with pytest.raises(CorpusError, match=r"bad.parquet: column 'document_id' has type list<.*>, expected string "
+                                          r"\(integers accepted\); cast it to string or drop the column"):
+        open_corpus(tmp_path / "bad.parquet")

@@ -736,3 +736,23 @@ def test_codec_settings_are_checked_and_the_codec_help_states_the_rule(tmp_path)
     help_text = params["codec"].help
     assert f">= {KEEP_UP_MARGIN:g}x" in help_text and all(name in help_text for name in CODEC_CANDIDATES)
     assert "--storage-dtype fp8" in help_text and "online" in help_text
+
+
+def test_the_cache_records_the_corpus_document_keys_before_any_shard(tmp_path, tokenizer, corpus_dir):
+    from dflash.cache import CacheReader
+
+    with_documents = tmp_path / "corpus"
+    with CorpusWriter(with_documents) as writer:
+        for index, text in enumerate(TEXTS):
+            input_ids = np.asarray(tokenizer(text)["input_ids"], dtype=np.int32)
+            writer.add(input_ids, np.ones(len(input_ids), np.uint8), f"doc-{index}#0", f"file-{index // 3}")
+        writer.commit({})
+    config = ExtractConfig(corpus=str(with_documents), output=str(tmp_path / "cache"), shard_size=64)
+    cache, corpus, shard_rows, _ = prepare_cache(config, _quiet())
+    assert len(shard_rows) > 1 and not cache.committed_shards()
+    keys = CacheReader(tmp_path / "cache").document_keys()
+    assert keys.tolist() == corpus.document_keys.tolist() and len(set(keys.tolist())) == 3
+    prepare_cache(config, _quiet())  # a rerun finds the same keys
+    # A corpus without document ids: no keys stored (train splits by row, and says so).
+    prepare_cache(ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "plain")), _quiet())
+    assert CacheReader(tmp_path / "plain").document_keys() is None

@@ -224,3 +224,53 @@ def test_openai_engine_through_the_stage(tmp_path, target):
     reply = [int(t) for t, m in zip(corpus.row(0).input_ids, corpus.row(0).loss_mask, strict=True) if m]
     assert reply[: len(server.reply_ids)] == server.reply_ids
     assert corpus.metadata["generation"]["engine"]["endpoints"] == [server.url]
+
+
+
+def test_rows_generated_from_one_stdlib_file_share_its_document(tmp_path, target, monkeypatch):
+    """The default prompt set names each prompt's source file; generate writes it as the corpus document_id, so
+    every row of one file has one document key; a prompts file's ``document`` field does the same. (The openai
+    engine on a loopback server: the replies do not matter here, the rows do.)"""
+    from test_generation_openai import FakeServer
+
+    import dflash.default_corpus
+    from dflash.default_corpus import TextFile, stdlib_root
+    from dflash.generation.default_prompts import DefaultPromptConfig
+    from stages.generate import HELDOUT_PROMPTS_FILE, GenerateConfig, run_generate
+
+    names = ("bisect.py", "colorsys.py", "keyword.py")
+    files = [TextFile(stdlib_root() / name, f"stdlib:{name}") for name in names]
+    monkeypatch.setattr(dflash.default_corpus, "default_corpus_files", lambda **_: files)  # 3 files, not 600
+    server = FakeServer(target.tokenizer, kind="vllm")
+    try:
+        run_generate(GenerateConfig(output=str(tmp_path / "default"), engine="openai", endpoints=[server.url],
+                                    max_new_tokens=4, default_prompts=DefaultPromptConfig(heldout_permille=300)))
+        jsonl = _write_jsonl(tmp_path / "p.jsonl", [{"text": "def f(x):\n", "document": "notes/a.md"},
+                                                    {"prompt": "Say hi.", "document_id": 3}, {"text": "x = 1\n"},
+                                                    {"prompt": "Say bye.", "document": "notes/a.md"}])
+        run_generate(GenerateConfig(prompts=str(jsonl), output=str(tmp_path / "file"), engine="openai",
+                                    endpoints=[server.url], max_new_tokens=4))
+    finally:
+        server.stop()
+    corpus = open_corpus(tmp_path / "default")
+    keys_by_file: dict[str, set[int]] = {}
+    for index in range(len(corpus)):
+        file = next(f"stdlib:{name}" for name in names if corpus.sample_id(index).startswith(f"stdlib:{name}"))
+        assert corpus.document_id(index) == file
+        keys_by_file.setdefault(file, set()).add(int(corpus.document_keys[index]))
+    assert len(keys_by_file) >= 2 and all(len(keys) == 1 for keys in keys_by_file.values())
+    assert len(set.union(*keys_by_file.values())) == len(keys_by_file)
+    assert len(corpus) > len(keys_by_file)  # several rows per file: the property is not vacuous
+    heldout = [json.loads(line) for line in (tmp_path / "default" / HELDOUT_PROMPTS_FILE).read_text().splitlines()]
+    assert heldout and all(line["id"].startswith(line["document"]) for line in heldout)
+    assert not {line["document"] for line in heldout} & set(keys_by_file)  # held-out files are never trained on
+
+    from_file = open_corpus(tmp_path / "file")
+    assert [from_file.document_id(i) for i in range(len(from_file))] == [
+        "notes/a.md", "3", "p.jsonl line 3", "notes/a.md"]  # without a document field: the prompt's own id
+    keys = from_file.document_keys
+    assert keys[0] == keys[3] and len({int(k) for k in keys}) == 3
+
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "hi", "document": {"path": "a"}}])
+    with pytest.raises(ConfigError, match=r"bad.jsonl line 1: 'document' is dict .*expected a string or an integer"):
+        read_prompt_file(bad)

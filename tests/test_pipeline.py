@@ -82,6 +82,12 @@ def test_heldout_documents_never_reach_the_cache(finished_run):
     heldout_docs = {heldout.sample_id(i).split("#")[0] for i in range(len(heldout))}
     assert heldout_docs and not heldout_docs & train_docs
     assert len(train) + len(heldout) == len(open_corpus(workdir / "corpus-all"))
+    # Both sides keep prepare's document ids (a file's identity on each of its chunks), and the cache stores them.
+    assert {train.document_id(i) for i in range(len(train))} == train_docs
+    assert {heldout.document_id(i) for i in range(len(heldout))} == heldout_docs
+    from dflash.cache import CacheReader
+
+    assert CacheReader(workdir / "cache").document_keys().tolist() == train.document_keys.tolist()
     with pytest.raises(ConfigError, match="no row is held out"):
         held_out_rows(train, workdir / "cache")  # the cache covers the whole training split
     with pytest.raises(MismatchError, match="corpus_fingerprint"):

@@ -335,3 +335,33 @@ def test_a_prepared_corpus_is_accepted_as_tokenized_data(tmp_path):
     second, report = run_prepare(PrepareConfig(inputs=[str(first)], output=tmp_path / "c2"))
     assert report.documents_by_kind == {"tokens": 1}
     assert open_corpus(second).fingerprint == open_corpus(first).fingerprint
+
+
+def test_every_row_of_one_file_is_one_document_and_chats_name_theirs(tmp_path):
+    """The corpus document_id: a split text file's chunks share the file's identity; a chat row takes its
+    document_id/document field, else its own id; re-preparing the corpus keeps them."""
+    files = [stdlib_root() / "heapq.py", stdlib_root() / "bisect.py"]
+    output, report = run_prepare(PrepareConfig(inputs=[str(f) for f in files], output=tmp_path / "text",
+                                               max_length=256, length_policy="split"))
+    corpus = open_corpus(output)
+    assert report.split_documents == 2 and len(corpus) > 4
+    by_file: dict[str, set[int]] = {}
+    for index in range(len(corpus)):
+        file = corpus.sample_id(index).split("#", 1)[0]
+        assert corpus.document_id(index) == file  # "lib:heapq.py": the file, not the chunk
+        by_file.setdefault(file, set()).add(int(corpus.document_keys[index]))
+    assert sorted(by_file) == [f"{files[0].parent.name}:bisect.py", f"{files[0].parent.name}:heapq.py"]
+    assert all(len(keys) == 1 for keys in by_file.values()) and len(set.union(*by_file.values())) == 2
+
+    chats = [dict(CHATS[0], document_id="thread-1"), dict(CHATS[1], document=42), CHATS[2]]
+    chat_output, _ = run_prepare(PrepareConfig(inputs=[str(_write_jsonl(tmp_path / "c.jsonl", chats))],
+                                               output=tmp_path / "chat", assistant_mask="prefix-diff"))
+    chat_corpus = open_corpus(chat_output)
+    assert [chat_corpus.document_id(i) for i in range(3)] == ["thread-1", "42", "no-system"]
+    again = open_corpus(run_prepare(PrepareConfig(inputs=[str(chat_output)], output=tmp_path / "again"))[0])
+    assert again.document_keys.tolist() == chat_corpus.document_keys.tolist()
+
+    with pytest.raises(CorpusError, match=r"c2.jsonl line 1: 'document' is list \['a'\], expected a string or an "
+                                          r"integer naming the row's source document"):
+        run_prepare(PrepareConfig(inputs=[str(_write_jsonl(tmp_path / "c2.jsonl", [dict(CHATS[0], document=["a"])]))],
+                                  output=tmp_path / "bad", assistant_mask="prefix-diff"))

@@ -406,3 +406,108 @@ def test_samples_with_too_few_supervised_tokens_are_excluded_and_counted(reader)
         loader.load_state_dict(unfiltered.state_dict())
     with pytest.raises(ConfigError, match="min_supervised_tokens"):
         StreamConfig(min_supervised_tokens=-1)
+
+
+NUM_DOCUMENTS = 12
+
+
+@pytest.fixture(scope="module")
+def document_cache(cache_path, tmp_path_factory):
+    """The fixture cache's samples again, in a cache that also stores document keys: row r comes from document
+    ``file-{r % 12}``, so every document has rows in three different shards. Returns (path, keys)."""
+    from dflash.corpus import document_key
+
+    source = CacheReader(cache_path)
+    keys = np.array([document_key(f"file-{row % NUM_DOCUMENTS}") for row in range(NUM_SHARDS * ROWS_PER_SHARD)],
+                    dtype=np.uint64)
+    path = tmp_path_factory.mktemp("stream-documents") / "cache.zarr"
+    cache = HiddenStateCache.create(path, source.metadata, document_keys=keys)
+    for shard in source.shards:
+        cache.write_shard(shard, source.read_shard(shard), [])
+    return path, keys
+
+
+def _documents_of(loader, keys) -> set[int]:
+    return {int(keys[row]) for row in loader.sample_row}
+
+
+def test_validation_by_document_holds_out_whole_documents_stably(document_cache, reader):
+    path, keys = document_cache
+    documents = CacheReader(path)
+    split = dict(token_budget=BUDGET, validation_fraction=0.3)
+    train = StreamingLoader(documents, StreamConfig(seed=1, **split))
+    valid = StreamingLoader(documents, StreamConfig(seed=9, split="validation", shuffle=False, **split))
+    assert train.split_by == valid.split_by == "document" and valid.describe()["validation_split"] == "document"
+    rows = np.arange(NUM_SHARDS * ROWS_PER_SHARD)
+    train_rows, valid_rows = set(train.sample_row.tolist()), set(valid.sample_row.tolist())
+    assert train_rows.isdisjoint(valid_rows) and train_rows | valid_rows == set(rows.tolist())
+    assert _documents_of(train, keys).isdisjoint(_documents_of(valid, keys))  # no document on both sides
+    assert valid_rows == set(rows[validation_rows(keys[rows], 0.3)].tolist())
+    assert 0 < len(_documents_of(valid, keys)) < NUM_DOCUMENTS
+    assert len(valid_rows) == 3 * len(_documents_of(valid, keys))  # whole documents: all 3 rows of each
+    # Stable for any rank, world size, read mode and shuffle seed (the split comes before the plan).
+    for other in (dict(rank=1, world_size=2), dict()):
+        for window in (None, 2):
+            loader = StreamingLoader(documents, StreamConfig(seed=5, split="validation", shard_window=window, **split),
+                                     **other)
+            assert set(loader.sample_row.tolist()) == valid_rows
+    # The row split of the same cache is today's, bit for bit, and it does cut documents in two.
+    by_row = StreamingLoader(documents, StreamConfig(split="validation", validation_split_by="row", **split))
+    old = StreamingLoader(reader, StreamConfig(split="validation", **split))  # a cache without keys: the row split
+    assert by_row.split_by == old.split_by == "row"
+    assert by_row.sample_row.tolist() == old.sample_row.tolist() == rows[validation_rows(rows, 0.3)].tolist()
+    row_train = StreamingLoader(documents, StreamConfig(validation_split_by="row", **split))
+    assert _documents_of(by_row, keys) & _documents_of(row_train, keys)
+
+
+def test_online_and_offline_sources_split_the_same_documents(document_cache, tmp_path):
+    """The online mode plans from the corpus (CorpusLengths), the offline loader from the cache: same keys, same
+    validation rows."""
+    from dflash.batch_source import PlannedCursor
+    from dflash.corpus import CorpusLengths, CorpusWriter, open_corpus
+
+    path, keys = document_cache
+    documents = CacheReader(path)
+    with CorpusWriter(tmp_path / "corpus") as writer:
+        for shard in documents.shards:
+            for sample in documents.read_shard(shard):
+                writer.add(sample.input_ids.numpy(), sample.loss_mask.numpy(), f"row-{sample.corpus_row}",
+                           f"file-{sample.corpus_row % NUM_DOCUMENTS}")
+        writer.commit({})
+    corpus = open_corpus(tmp_path / "corpus")
+    assert corpus.document_keys.tolist() == keys.tolist()
+    config = StreamConfig(token_budget=BUDGET, validation_fraction=0.3, split="validation", shuffle=False)
+    online = PlannedCursor(CorpusLengths(corpus, documents.metadata.shard_rows), config)
+    assert online.split_by == "document"
+    assert online.sample_row.tolist() == StreamingLoader(documents, config).sample_row.tolist()
+
+
+def test_a_cache_without_document_keys_splits_by_row_and_says_so_once(reader, caplog):
+    import logging
+
+    split = dict(token_budget=BUDGET, validation_fraction=0.25)
+    with caplog.at_level(logging.INFO, logger="dflash.batch_source"):
+        train = StreamingLoader(reader, StreamConfig(**split))
+        valid = StreamingLoader(reader, StreamConfig(split="validation", **split))
+    lines = [r.getMessage() for r in caplog.records if "validation split by corpus row" in r.getMessage()]
+    assert len(lines) == 1 and str(reader.url) in lines[0] and "no document keys" in lines[0]
+    assert train.split_by == valid.split_by == "row"
+    rows = np.arange(NUM_SHARDS * ROWS_PER_SHARD)
+    assert valid.sample_row.tolist() == rows[validation_rows(rows, 0.25)].tolist()
+
+
+def test_resume_refuses_a_changed_split_and_reads_old_cursors_as_the_row_split(document_cache):
+    documents = CacheReader(document_cache[0])
+    split = dict(token_budget=BUDGET, validation_fraction=0.3, seed=2)
+    by_document = StreamingLoader(documents, StreamConfig(**split))
+    by_row = StreamingLoader(documents, StreamConfig(validation_split_by="row", **split))
+    with pytest.raises(CheckpointError, match=r"'validation_split_by' changed since the checkpoint \('document' -> "
+                                              r"'row'\)"):
+        by_row.load_state_dict(by_document.state_dict())
+    old = by_row.state_dict()
+    del old["plan_config"]["validation_split_by"]  # a cursor saved before the field existed
+    StreamingLoader(documents, StreamConfig(validation_split_by="row", **split)).load_state_dict(old)
+    with pytest.raises(CheckpointError, match="validation_split_by"):
+        StreamingLoader(documents, StreamConfig(**split)).load_state_dict(old)
+    with pytest.raises(ConfigError, match="validation_split_by must be 'document' or 'row'; got 'file'"):
+        StreamConfig(validation_split_by="file")

@@ -461,6 +461,31 @@ def test_runs_saved_before_residual_dtype_resume_with_a_float32_residual(tmp_pat
     assert TrainConfig(cache="c", output="o").residual_dtype == "compute"  # new runs
 
 
+def test_runs_saved_before_the_document_split_resume_with_the_row_split(tmp_path):
+    """A run.json (and a checkpoint's config) written before ``data.validation_split_by`` existed resumes with the
+    row split it validated on; asking for the document split on resume is refused like a changed
+    validation_fraction (the validation set, hence the best checkpoint, would change)."""
+    from dflash.errors import CheckpointError
+    from stages.train import check_resume_changes, config_from_cli, trajectory_changes
+
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = TrainConfig(cache="c", output=str(run)).to_dict()
+    assert saved["data"].pop("validation_split_by") == "document"  # new runs split by document
+    (run / "run.json").write_text(json.dumps({"config": saved}))
+    resumed = config_from_cli({"output": str(run), "resume": True})
+    assert resumed.data.validation_split_by == "row"
+    assert trajectory_changes(saved, resumed.to_dict(), saved_world_size=1, world_size=1) == []
+    explicit = config_from_cli({"output": str(run), "resume": True, "data.validation_split_by": "document"})
+    assert trajectory_changes(saved, explicit.to_dict(), saved_world_size=1, world_size=1) == [
+        "data.validation_split_by: 'row' -> 'document'"]
+    with pytest.raises(CheckpointError, match=r"data.validation_split_by: 'row' -> 'document'.*--allow-config-change"):
+        check_resume_changes(run / "checkpoints" / "step_00000001", {"config": saved}, explicit, 1)
+    with pytest.raises(ConfigError, match=r"train.data.validation_split_by \(--validation-split-by\): must be "
+                                          r"'document' or 'row'; got 'doc'"):
+        config_from_cli({"output": str(tmp_path / "new"), "cache": "c", "data.validation_split_by": "doc"})
+
+
 def _flat(config: dict) -> dict:
     """A nested run config as runs before the nesting saved it (``lr`` at the top, not ``optim.lr``)."""
     from dflash.config_check import MOVED_KEYS, get_path
@@ -478,7 +503,9 @@ def test_a_run_saved_with_flat_keys_resumes_bit_exactly_without_a_trajectory_cha
 
     from stages.train import config_from_cli
 
-    common = dict(max_steps=4, save_every=2, validation_fraction=0.0, lr=2e-3, token_budget=256)
+    # Runs that old validated on rows (data.validation_split_by did not exist: a saved run without it means "row").
+    common = dict(max_steps=4, save_every=2, validation_fraction=0.0, lr=2e-3, token_budget=256,
+                  data={"validation_split_by": "row"})
     straight = run_training(tiny_config(tiny_cache, tmp_path / "straight", **common))
     run = tmp_path / "old"
     run_training(tiny_config(tiny_cache, run, stop_at_step=2, **common))
@@ -490,6 +517,7 @@ def test_a_run_saved_with_flat_keys_resumes_bit_exactly_without_a_trajectory_cha
     for state_file in run.glob("checkpoints/*/trainer_state.json"):
         state = json.loads(state_file.read_text())
         state["config"] = _flat(state["config"])
+        del state["data"]["plan_config"]["validation_split_by"]  # as old as the flat keys: before the document split
         state_file.write_text(json.dumps(state))
     with caplog.at_level(logging.WARNING):
         config = config_from_cli({"output": str(run), "resume": True})

@@ -13,8 +13,14 @@ Layout of one Zarr v3 hierarchy (a local folder or any fsspec URL)::
                      uint8  [T, n*H]  float8_e4m3fn bit patterns (storage_dtype "float8_e4m3fn")
         hidden_scale float32 [T, n]   fp8 only: per-token, per-tap dequantization scale
     commits/shard-000007.json      commit record of shard 7, written LAST and atomically
+    document_keys    uint64 [R]    optional: the corpus's ``Corpus.document_keys`` (source document of each of the
+                                   R planned corpus rows), written at creation before any shard; it counts only
+                                   once the root attribute ``dflash_document_keys`` (rows, documents, sha256) that
+                                   is written after it exists. Absent: the cache was made from a corpus without
+                                   ``document_id`` (or by older code) and the validation split goes by row.
 
-Legend: S = samples in a shard, T = tokens in a shard, n = tapped layers, H = target hidden size.
+Legend: S = samples in a shard, T = tokens in a shard, n = tapped layers, H = target hidden size, R = corpus rows.
+The format version stays 1 with ``document_keys``: it is optional, and readers that do not know it ignore it.
 A shard counts only when its commit record exists. Every chunk ends with a crc32c checksum (zarr v3 ``crc32c``
 codec) and the commit record holds counts, per-array shapes and chunk counts, and a sha256 digest of the decoded
 data, so a deleted, truncated or altered chunk is detected by ``verify`` and by the reader.
@@ -33,6 +39,8 @@ from dflash.errors import CacheError, ConfigError
 
 __all__ = [
     "CORRUPT_SHARD_REPAIR",
+    "DOCUMENT_KEYS_ARRAY",
+    "DOCUMENT_KEYS_ATTRIBUTE",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "STORAGE_DTYPES",
@@ -59,6 +67,10 @@ CORRUPT_SHARD_REPAIR = "withdraw the shard (`dflash-stages cache verify CACHE --
 
 FORMAT_NAME = "dflash-hidden-state-cache"
 FORMAT_VERSION = 1
+#: Root-level array of the corpus's per-row document keys (optional; module docstring).
+DOCUMENT_KEYS_ARRAY = "document_keys"
+#: Root attribute committing :data:`DOCUMENT_KEYS_ARRAY`: ``{"num_rows", "num_documents", "sha256"}``, written after it.
+DOCUMENT_KEYS_ATTRIBUTE = "dflash_document_keys"
 StorageDtype = Literal["bfloat16", "float8_e4m3fn"]
 STORAGE_DTYPES: tuple[str, ...] = ("bfloat16", "float8_e4m3fn")
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn

@@ -22,6 +22,8 @@ import torch
 from dflash.cache.chunks import crc32c_trailer, decoder_for
 from dflash.cache.format import (
     CORRUPT_SHARD_REPAIR,
+    DOCUMENT_KEYS_ARRAY,
+    DOCUMENT_KEYS_ATTRIBUTE,
     CacheMetadata,
     HiddenSample,
     commit_key,
@@ -35,6 +37,7 @@ from dflash.cache.writer import (
     _read_metadata,
     array_chunk_keys,
     committed_shard_ids,
+    document_keys_record,
     shard_arrays,
 )
 from dflash.errors import CacheCorruptError, CacheError
@@ -64,6 +67,7 @@ class CacheReader:
         self._verified: OrderedDict[tuple[int, str], np.ndarray] = OrderedDict()
         self._supervised: dict[int, np.ndarray] = {}
         self._decoders: dict[tuple[str, tuple[int, ...]], Any] = {}
+        self._document_keys: np.ndarray | None = None
         self._lock = threading.Lock()  # the loader's prefetch threads share one reader
         self.refresh()
 
@@ -276,6 +280,48 @@ class CacheReader:
     def shard_corpus_rows(self, shard: int) -> np.ndarray:
         """Corpus row of each sample of ``shard``: ``int64 [S]``."""
         return self._shard_index(shard)[1].copy()
+
+    @property
+    def document_keys_info(self) -> dict[str, Any] | None:
+        """The root attribute recording the cache's document keys (``num_rows``, ``num_documents``, ``sha256``), as
+        written (unchecked; :meth:`document_keys` checks), or ``None`` when the cache holds none."""
+        record = dict(self._store.group.attrs).get(DOCUMENT_KEYS_ATTRIBUTE)
+        return dict(record) if record is not None else None
+
+    def document_keys(self) -> np.ndarray | None:
+        """The corpus's source-document key of every corpus row, ``[R]`` uint64 indexed by corpus row (the root
+        array ``document_keys``, checked against its committing attribute: row count and sha256), or ``None`` when
+        the cache holds none (made from a corpus without ``document_id``, or by older code). Read once (8 bytes per
+        corpus row), then kept.
+
+        Raises:
+            CacheCorruptError: the attribute exists but the array is missing, unreadable, of another length, does
+                not cover the planned rows, or differs from the recorded sha256.
+        """
+        if self._document_keys is not None:
+            return self._document_keys
+        record = self.document_keys_info
+        if record is None:
+            return None
+        repair = ("re-extract the cache, or delete the root attribute dflash_document_keys (training then splits by "
+                  "row)")
+        try:
+            keys = np.asarray(self._store.group[DOCUMENT_KEYS_ARRAY][...], dtype=np.uint64)
+        except Exception as error:  # missing array, crc32c mismatch, truncated chunk
+            raise CacheCorruptError(
+                f"{self.url}: array {DOCUMENT_KEYS_ARRAY!r} is missing or unreadable ({type(error).__name__}: {error}) "
+                f"although {DOCUMENT_KEYS_ATTRIBUTE} records it; {repair}"
+            ) from error
+        planned = self.metadata.shard_rows[-1][1] if self.metadata.shard_rows else 0
+        found = document_keys_record(keys)
+        if any(found[name] != record.get(name) for name in ("num_rows", "sha256")) or keys.size < planned:
+            raise CacheCorruptError(
+                f"{self.url}: array {DOCUMENT_KEYS_ARRAY!r} ({found['num_rows']} rows, {found['sha256']}) differs from "
+                f"{DOCUMENT_KEYS_ATTRIBUTE} ({record.get('num_rows')} rows, {record.get('sha256')}) or does not cover the "
+                f"{planned} planned corpus rows; {repair}"
+            )
+        self._document_keys = keys
+        return keys
 
     def quarantined(self) -> list[dict[str, Any]]:
         """Quarantined samples of all committed shards (each entry with its ``shard``)."""

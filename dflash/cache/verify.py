@@ -193,14 +193,16 @@ def verify_cache(
 
     Returns:
         ``{"ok", "complete", "committed_shards", "planned_shards", "uncommitted_shards", "stray_shards", "partial_files",
-        "corrupt_shards": {shard: message}, "num_samples", "num_tokens", "num_quarantined"}``; counts cover the
-        sound committed shards. ``stray_shards``: data without a commit record, ignored by readers and redone by
+        "corrupt_shards": {shard: message}, "document_keys", "num_samples", "num_tokens", "num_quarantined"}``; counts
+        cover the sound committed shards; ``document_keys``: ``{num_rows, num_documents, sha256}`` of the root array
+        of document keys (checked), ``None`` without one. ``stray_shards``: data without a commit record, ignored by readers and redone by
         the next extract run. ``partial_files``: zarr temporaries (``*.partial``) of a killed write, ignored by
         readers and removed by the next extract run.
 
     Raises:
         CacheCorruptError: (``fail_fast``) a committed shard is corrupt or lacks rows of its range, or two
             committed shards hold the same corpus row; the message names the shard and, where known, the array.
+            Also without ``fail_fast``: the document keys differ from their record.
         CacheError: ``require_complete`` and planned shards are not committed.
     """
     reader = CacheReader(path_or_url)
@@ -234,6 +236,7 @@ def verify_cache(
                 totals[name] += result[name]
         if on_shard is not None:
             on_shard(shard)
+    document_keys = reader.document_keys()  # checked against its record (CacheCorruptError naming the array)
     uncommitted = sorted(set(range(meta.num_shards)) - set(reader.shards))
     present = {key.split("/")[0] for key in reader._store.list_prefix("shards")}
     stray = sorted(int(name) for name in present if name.isdigit() and int(name) not in set(reader.shards))
@@ -253,5 +256,6 @@ def verify_cache(
         "stray_shards": stray,
         "partial_files": partial,
         "corrupt_shards": corrupt,
+        "document_keys": None if document_keys is None else reader.document_keys_info,
         **totals,
     }

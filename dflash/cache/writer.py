@@ -32,6 +32,8 @@ import torch
 
 from dflash.cache.chunks import chunk_encoder, crc32c_trailer, store_chunk, stored_chunk_crc32c
 from dflash.cache.format import (
+    DOCUMENT_KEYS_ARRAY,
+    DOCUMENT_KEYS_ATTRIBUTE,
     FORMAT_VERSION,
     CacheMetadata,
     HiddenSample,
@@ -52,6 +54,7 @@ __all__ = [
     "array_chunk_keys",
     "chunk_write_threads",
     "digest_root",
+    "document_keys_record",
     "segment_digests",
     "segment_views",
     "shard_arrays",
@@ -159,14 +162,22 @@ class HiddenStateCache:
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     @classmethod
-    def create(cls, path: str | os.PathLike[str], metadata: CacheMetadata, overwrite: bool = False) -> HiddenStateCache:
+    def create(cls, path: str | os.PathLike[str], metadata: CacheMetadata, overwrite: bool = False, *,
+               document_keys: np.ndarray | None = None) -> HiddenStateCache:
         """Create a new cache at ``path`` (folder or fsspec URL) holding ``metadata`` as root attributes.
 
         An existing cache with the same target, taps, storage dtype, codec, corpus fingerprint and shard plan is
         reopened as is (so a rerun resumes); anything else at ``path`` is an error unless ``overwrite``.
 
+        Args:
+            document_keys: ``[R]`` uint64, the corpus's ``Corpus.document_keys`` (R = corpus rows, at least every
+                planned row), stored as the root array ``document_keys`` before any shard is written (``None``: a
+                corpus without ``document_id``; nothing is stored). On reopening, a cache holding keys must hold
+                these; one created without keys (older code, or killed before they were committed) gets them.
+
         Raises:
-            CacheError: ``path`` holds something else; the message names the differing field and the fix.
+            CacheError: ``path`` holds something else, or other document keys; the message names the differing
+                field and the fix.
         """
         path = os.fspath(path)
         if not overwrite:
@@ -176,10 +187,60 @@ class HiddenStateCache:
                 existing = None
             if existing is not None:
                 _check_resumable(path, existing.metadata, metadata)
+                existing._resume_document_keys(document_keys)
                 return existing
             cls.check_creatable(path)
         store = CacheStore(path, "w", attributes={_ATTRIBUTE: metadata.to_dict()})
-        return cls(store, metadata)
+        cache = cls(store, metadata)
+        if document_keys is not None:
+            cache._write_document_keys(document_keys)
+        return cache
+
+    # ----------------------------------------------------------------------------------------------- document keys
+    def _write_document_keys(self, document_keys: np.ndarray) -> None:
+        """Store ``document_keys`` (array first, then its committing root attribute; a kill in between leaves a
+        cache without keys, which the next run completes)."""
+        from zarr.codecs import Crc32cCodec
+
+        keys = np.ascontiguousarray(document_keys, dtype="<u8").reshape(-1)
+        planned = self.metadata.shard_rows[-1][1] if self.metadata.shard_rows else 0
+        if keys.size < max(planned, 1):
+            raise CacheError(
+                f"document_keys: {keys.size} keys for the {planned} planned corpus rows of {self.url}; pass the corpus's "
+                "Corpus.document_keys (one key per corpus row)"
+            )
+        # Keys are hashes (incompressible): crc32c only, as the other arrays end.
+        array = self._store.group.create_array(
+            DOCUMENT_KEYS_ARRAY, shape=keys.shape, dtype="uint64", chunks=(min(SMALL_ARRAY_CHUNK_ROWS, keys.size),),
+            compressors=[Crc32cCodec()], fill_value=0, config={"write_empty_chunks": True}, overwrite=True,
+        )
+        array[...] = keys
+        record = document_keys_record(keys)
+        self._store.group.update_attributes({DOCUMENT_KEYS_ATTRIBUTE: record})  # the commit, last
+        log.info("%s: stored the document keys of %d corpus rows (%d documents)", self.url, keys.size,
+                 record["num_documents"])
+
+    def _resume_document_keys(self, document_keys: np.ndarray | None) -> None:
+        """Reopening: the stored keys must equal ``document_keys``; a cache without keys gets them."""
+        stored = dict(self._store.group.attrs).get(DOCUMENT_KEYS_ATTRIBUTE)
+        if stored is None:
+            if document_keys is not None:
+                self._write_document_keys(document_keys)
+            return
+        if document_keys is None:
+            raise CacheError(
+                f"cannot resume the cache at {self.url}: it holds the document keys of {stored['num_rows']} corpus rows "
+                "but this corpus has no document_id column (it was rewritten without it); pass the corpus the cache "
+                "was made from, or use another --output"
+            )
+        wanted = document_keys_record(np.ascontiguousarray(document_keys, dtype="<u8").reshape(-1))
+        if wanted != stored:
+            raise CacheError(
+                f"cannot resume the cache at {self.url}: its document keys ({stored['num_rows']} rows, "
+                f"{stored['num_documents']} documents, {stored['sha256']}) differ from this corpus's ({wanted['num_rows']} "
+                f"rows, {wanted['num_documents']} documents, {wanted['sha256']}): the corpus's document_id column changed; "
+                "pass the corpus the cache was made from, or use another --output"
+            )
 
     @staticmethod
     def check_creatable(path: str | os.PathLike[str]) -> None:
@@ -452,6 +513,14 @@ def _check_resumable(path: str, existing: CacheMetadata, wanted: CacheMetadata) 
                 + ("pass --codec auto (an existing cache keeps its codec), " if name == "codec" else "")
                 + "use another --output, or delete that cache yourself if it is no longer needed"
             )
+
+
+def document_keys_record(keys: np.ndarray) -> dict[str, Any]:
+    """The root attribute committing a cache's ``document_keys`` (``[R]`` uint64): ``num_rows`` (R),
+    ``num_documents`` (distinct keys) and ``sha256`` (``"sha256:<hex>"`` of the keys as uint64 little-endian)."""
+    keys = np.ascontiguousarray(keys, dtype="<u8")
+    return {"num_rows": int(keys.size), "num_documents": int(np.unique(keys).size),
+            "sha256": "sha256:" + hashlib.sha256(keys.view(np.uint8)).hexdigest()}
 
 
 def committed_shard_ids(store: CacheStore) -> set[int]:

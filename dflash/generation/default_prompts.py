@@ -11,6 +11,9 @@ suites excluded):
   tests for it with pytest", "Add type hints to it", "Point out possible bugs in it", "Rewrite it to be more
   readable" (one of them per definition, seeded), the definition's source in a fenced block.
 
+Every prompt records its source file (``PromptRecord.document``, ``stdlib:<relative path>``), which ``generate``
+writes as the corpus ``document_id``, so the trainer's validation split also keeps each file whole.
+
 Split by source document, never by prompt: a file is held out when ``sha256(relative path)`` falls in the lowest
 ``heldout_permille`` of the hash range, so the held-out files are the same on every machine and Python version that
 has them, training never sees a held-out file's code, and the held-out prompts test generalization to unseen code
@@ -107,7 +110,7 @@ def _completions(text: str, name: str, config: DefaultPromptConfig, rng: np.rand
         if start > 0:  # start on a line boundary too
             newline = text.find("\n", start, cut)
             start = newline + 1 if 0 <= newline < cut - 40 else start
-        records.append(PromptRecord(prompt_id=f"{name}@{cut}:complete", text=text[start:cut]))
+        records.append(PromptRecord(prompt_id=f"{name}@{cut}:complete", text=text[start:cut], document=name))
     return records
 
 
@@ -131,7 +134,7 @@ def _instructions(text: str, name: str, config: DefaultPromptConfig, rng: np.ran
         content = f"{instruction}\n\n```python\n{source}\n```"
         records.append(PromptRecord(prompt_id=f"{name}:{node.lineno}:instruct",
                                     messages=[{"role": "user", "content": content},
-                                              {"role": "assistant", "content": None}]))
+                                              {"role": "assistant", "content": None}], document=name))
     return records
 
 
@@ -140,7 +143,8 @@ def default_prompt_sets(config: DefaultPromptConfig | None = None) -> dict[Split
 
     Returns:
         ``{"train": [...], "heldout": [...]}``; prompt ids ``stdlib:<path>@<offset>:complete`` and
-        ``stdlib:<path>:<line>:instruct``.
+        ``stdlib:<path>:<line>:instruct``, each with ``document`` ``stdlib:<path>`` (the source file, as the default
+        corpus of ``prepare`` names it), so every row generated from one file has one corpus ``document_id``.
     """
     from dflash.default_corpus import default_corpus_files, stdlib_root
 
@@ -187,6 +191,8 @@ def write_prompts_jsonl(records: list[PromptRecord], path: Any) -> int:
             else:
                 line = {"messages": [m for m in record.messages if m["content"] is not None]}
             line["id"] = record.prompt_id
+            if record.document is not None:
+                line["document"] = record.document
             handle.write(json.dumps(line, ensure_ascii=False) + "\n")
     return len(records)
 

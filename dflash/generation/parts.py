@@ -12,7 +12,8 @@ written, then renamed (atomic on POSIX), so a killed run leaves at most a tempor
 and redoes. One task writes one part, so there are never two writers on one part. Until ``corpus.json`` exists the
 folder is refused as a corpus (``dflash.corpus.open_corpus``: "unfinished generate output").
 
-A part's rows keep the prompt order; prompts dropped (too long for ``max_length``) and turns cut short are counted
+A part's rows keep the prompt order; each row's ``sample_id`` is its prompt's id and its ``document_id`` the
+prompt's source document (``PromptRecord.document_id``). Prompts dropped (too long for ``max_length``) and turns cut short are counted
 in its record, never silently.
 """
 
@@ -83,20 +84,23 @@ def clear_uncommitted(output: str | Path) -> int:
     return len(leftovers)
 
 
-def _write_part(output: Path, part_id: int, rows: list[tuple[list[int], list[int], str]], record: dict[str, Any]) -> None:
+def _write_part(output: Path, part_id: int, rows: list[tuple[list[int], list[int], str, str]], record: dict[str, Any]) -> None:
+    """Commit one part: ``rows`` of ``(input_ids, loss_mask, sample_id, document_id)`` as an Arrow IPC file of the
+    corpus schema (temporary name, fsync, record, rename)."""
     from dflash.corpus import SCHEMA
 
     final = part_path(output, part_id)
     temporary = output / f".part-{part_id:06d}.tmp-{os.getpid()}"
     try:
-        lengths = [len(ids) for ids, _, _ in rows]
+        lengths = [len(ids) for ids, _, _, _ in rows]
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-        flat_ids = np.concatenate([np.asarray(ids, np.int32) for ids, _, _ in rows]) if rows else np.zeros(0, np.int32)
-        flat_mask = np.concatenate([np.asarray(m, np.uint8) for _, m, _ in rows]) if rows else np.zeros(0, np.uint8)
+        flat_ids = np.concatenate([np.asarray(ids, np.int32) for ids, _, _, _ in rows]) if rows else np.zeros(0, np.int32)
+        flat_mask = np.concatenate([np.asarray(m, np.uint8) for _, m, _, _ in rows]) if rows else np.zeros(0, np.uint8)
         batch = pa.record_batch(
             [pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_ids, pa.int32())),
              pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_mask, pa.uint8())),
-             pa.array([name for _, _, name in rows], pa.string())],
+             pa.array([name for _, _, name, _ in rows], pa.string()),
+             pa.array([document for _, _, _, document in rows], pa.string())],
             schema=SCHEMA,
         )
         with pa.OSFile(str(temporary), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
@@ -155,14 +159,15 @@ def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec) -> d
             finish[result.finish_reason] += 1
             token_sources[result.token_source] += 1
         turn += 1
-    rows = [(b.input_ids, b.loss_mask, b.record.prompt_id) for b in builders if b.num_turns_done and any(b.loss_mask)]
+    rows = [(b.input_ids, b.loss_mask, b.record.prompt_id, b.record.document_id)
+            for b in builders if b.num_turns_done and any(b.loss_mask)]
     record = {
         "part_id": spec.part_id,
         "first_prompt": spec.first_prompt,
         "num_prompts": len(records),
         "num_rows": len(rows),
-        "num_tokens": int(sum(len(ids) for ids, _, _ in rows)),
-        "generated_tokens": int(sum(sum(mask) for _, mask, _ in rows)),
+        "num_tokens": int(sum(len(ids) for ids, _, _, _ in rows)),
+        "generated_tokens": int(sum(sum(mask) for _, mask, _, _ in rows)),
         "turns": turn,
         "finish_reasons": dict(finish),
         "token_sources": dict(token_sources),

@@ -9,6 +9,9 @@ template), or a conversation (``messages``) whose assistant turns are (re)genera
   turns stay as written (unsupervised history) and only the last assistant turn is regenerated;
 - prompt files: ``.jsonl`` lines with ``prompt`` (one user message, through the chat template) or ``text`` (raw
   completion), ``.txt`` one prompt per line (as ``prompt``);
+- in chat and prompt files, an optional ``document`` (or ``document_id``) field per line, a string or an integer,
+  names the prompt's source document: it becomes the corpus ``document_id`` (prompts made from one document are
+  kept on one side of the trainer's validation split); without it each prompt is its own document;
 - the embedded default set (:mod:`dflash.generation.default_prompts`).
 
 How a conversation becomes tokens (:class:`ConversationBuilder`): the sequence grows by token ids, never by
@@ -52,18 +55,30 @@ _NAMED_LINES = 5
 class PromptRecord:
     """One prompt: ``text`` (raw completion) or ``messages`` (role/content dicts; assistant turns with content
     ``None`` are generated). ``prompt_id`` is stable (file + line, or the default set's name) and becomes the
-    corpus ``sample_id``."""
+    corpus ``sample_id``. ``document`` names the source document the prompt was made from (the default set: the
+    stdlib file, ``stdlib:<relative path>``; a prompts file: the line's ``document``/``document_id`` field) and
+    becomes the corpus ``document_id``; ``None``: the prompt is its own document (:attr:`document_id`)."""
 
     prompt_id: str
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
+    document: str | None = None
+
+    @property
+    def document_id(self) -> str:
+        """The corpus ``document_id`` of the row this prompt makes: ``document``, else ``prompt_id``."""
+        return self.document if self.document is not None else self.prompt_id
 
     def to_dict(self) -> dict[str, Any]:
-        return {"prompt_id": self.prompt_id, "text": self.text, "messages": self.messages}
+        data: dict[str, Any] = {"prompt_id": self.prompt_id, "text": self.text, "messages": self.messages}
+        if self.document is not None:  # absent otherwise: the plan digest of prompts without one is unchanged
+            data["document"] = self.document
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PromptRecord:
-        return cls(prompt_id=data["prompt_id"], text=data.get("text"), messages=data.get("messages"))
+        return cls(prompt_id=data["prompt_id"], text=data.get("text"), messages=data.get("messages"),
+                   document=data.get("document"))
 
 
 @dataclass(kw_only=True)
@@ -125,6 +140,23 @@ def _messages_of(record: dict[str, Any], where: str, turns: TurnMode) -> list[di
     return out
 
 
+def _document_of(record: dict[str, Any], where: str) -> str | None:
+    """The line's ``document`` (or ``document_id``) field: a string, or an integer as its decimal text; None if
+    absent.
+
+    Raises:
+        ConfigError: any other type, naming the line and the field.
+    """
+    name = next((n for n in ("document", "document_id") if record.get(n) is not None), None)
+    if name is None:
+        return None
+    value = record[name]
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise ConfigError(f"prompts: {where}: {name!r} is {type(value).__name__} {value!r}, expected a string or an "
+                          "integer naming the prompt's source document; fix the field or drop it")
+    return str(value)
+
+
 def _records_from_rows(rows: Iterator[tuple[str, bytes | dict[str, Any]]], *, chat_template: bool, turns: TurnMode,
                        drops: DropCounts, plain_lines: bool = False) -> list[PromptRecord]:
     records: list[PromptRecord] = []
@@ -150,6 +182,7 @@ def _records_from_rows(rows: Iterator[tuple[str, bytes | dict[str, Any]]], *, ch
                     continue
         else:
             record = raw
+        document = _document_of(record, where)
         if record.get("messages") is not None or record.get("conversations") is not None:
             try:
                 messages = _messages_of(record, where, turns)
@@ -159,7 +192,7 @@ def _records_from_rows(rows: Iterator[tuple[str, bytes | dict[str, Any]]], *, ch
             if messages is None:
                 drops.add("empty", where)
                 continue
-            records.append(PromptRecord(prompt_id=where, messages=messages))
+            records.append(PromptRecord(prompt_id=where, messages=messages, document=document))
         elif isinstance(record.get("prompt"), str) or isinstance(record.get("text"), str):
             raw_text = isinstance(record.get("text"), str) and not isinstance(record.get("prompt"), str)
             text = record["text"] if raw_text else record["prompt"]
@@ -167,10 +200,11 @@ def _records_from_rows(rows: Iterator[tuple[str, bytes | dict[str, Any]]], *, ch
                 drops.add("empty", where)
                 continue
             if raw_text or not chat_template:
-                records.append(PromptRecord(prompt_id=where, text=text))
+                records.append(PromptRecord(prompt_id=where, text=text, document=document))
             else:
                 records.append(PromptRecord(prompt_id=where, messages=[{"role": "user", "content": text},
-                                                                       {"role": "assistant", "content": None}]))
+                                                                       {"role": "assistant", "content": None}],
+                                            document=document))
         else:
             drops.add("no_prompt", where)
     return records
