@@ -55,6 +55,8 @@ __all__ = [
     "BatchSource",
     "PlannedCursor",
     "validation_rows",
+    "validation_split",
+    "split_positions",
 ]
 
 log = logging.getLogger(__name__)
@@ -94,7 +96,8 @@ class LoaderConfig(BucketConfig):
 
     validation_fraction: float = 0.0
     """Fraction held out for validation: of source documents (``validation_split_by="document"``) or of corpus rows
-    (``"row"``); stable per document or row; 0 disables validation."""
+    (``"row"``); stable per document or row; 0 disables validation. A fraction too small to hold out anything
+    holds out the one document (or row) nearest to it instead (:func:`validation_split`)."""
     validation_split_by: ValidationSplitBy = "document"
     """What the validation split holds out. ``"document"``: whole source documents: a corpus row is held out when
     the hash of its document key (the corpus ``document_id``, which extract stores in the cache as
@@ -177,20 +180,40 @@ class StreamConfig(LoaderConfig):
         return {key: list(values[key]) if isinstance(values[key], tuple) else values[key] for key in keys}
 
 
-def validation_rows(split_keys: np.ndarray, fraction: float, split_seed: int = 0) -> np.ndarray:
-    """``[N]`` bool: which samples belong to the validation split, from one uint64 key per sample: its corpus row
-    (the row split) or its source document's key (the document split: equal keys, same side). A key is held out
-    when the splitmix64 hash of key and ``split_seed``, as a fraction of 2^53, is below ``fraction``.
-
-    Stable: the same key is in the same split for any cache sharding, shuffle seed or world size.
-    """
+def split_positions(split_keys: np.ndarray, split_seed: int = 0) -> np.ndarray:
+    """``[N]`` float64 in [0, 1): where each uint64 key falls in the split (splitmix64 of key and ``split_seed``,
+    as a fraction of 2^53). A key is held out for validation when its position is below the fraction."""
     x = np.asarray(split_keys, dtype=np.uint64) + np.uint64((split_seed * 0x9E3779B97F4A7C15) % 2**64)
     with np.errstate(over="ignore"):
         x = x + np.uint64(0x9E3779B97F4A7C15)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         x = x ^ (x >> np.uint64(31))
-    return (x >> np.uint64(11)).astype(np.float64) / float(2**53) < fraction
+    return (x >> np.uint64(11)).astype(np.float64) / float(2**53)
+
+
+def validation_rows(split_keys: np.ndarray, fraction: float, split_seed: int = 0) -> np.ndarray:
+    """``[N]`` bool: which samples belong to the validation split, from one uint64 key per sample: its corpus row
+    (the row split) or its source document's key (the document split: equal keys, same side). A key is held out
+    when its :func:`split_positions` value is below ``fraction``.
+
+    Stable: the same key is in the same split for any cache sharding, shuffle seed or world size.
+    """
+    return split_positions(split_keys, split_seed) < fraction
+
+
+def validation_split(split_keys: np.ndarray, fraction: float, split_seed: int = 0) -> np.ndarray:
+    """:func:`validation_rows`, except that a split which would hold out nothing (``fraction > 0`` but too small
+    for this few documents or rows, e.g. 1% of 40 files) holds out the one key nearest to the fraction instead,
+    when there are at least two keys: a small corpus still validates on a whole document and trains on the rest.
+    That fallback key depends on which keys are present (the committed shards), not on rank or world size.
+    """
+    keys = np.asarray(split_keys, dtype=np.uint64)
+    positions = split_positions(keys, split_seed)
+    held_out = positions < fraction
+    if fraction > 0 and keys.size and not held_out.any() and np.unique(keys).size > 1:
+        held_out = keys == keys[int(np.argmin(positions))]
+    return held_out
 
 
 @dataclass(slots=True)
@@ -338,7 +361,7 @@ class PlannedCursor:
         if cfg.split == "all" or cfg.validation_fraction == 0.0:
             keep = np.ones(all_rows.size, dtype=bool)
         else:
-            is_validation = validation_rows(self._split_keys(all_rows), cfg.validation_fraction, cfg.split_seed)
+            is_validation = validation_split(self._split_keys(all_rows), cfg.validation_fraction, cfg.split_seed)
             keep = is_validation if cfg.split == "validation" else ~is_validation
         # Samples of this split with too few supervised tokens to give useful anchors (DFLASH.md): excluded, counted.
         all_supervised = np.concatenate(supervised) if supervised else empty

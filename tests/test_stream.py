@@ -511,3 +511,23 @@ def test_resume_refuses_a_changed_split_and_reads_old_cursors_as_the_row_split(d
         StreamingLoader(documents, StreamConfig(**split)).load_state_dict(old)
     with pytest.raises(ConfigError, match="validation_split_by must be 'document' or 'row'; got 'file'"):
         StreamConfig(validation_split_by="file")
+
+
+def test_a_fraction_too_small_for_the_documents_still_holds_out_one_whole_document(document_cache):
+    """1% of 12 documents is none: rather than an empty validation split (a ConfigError at start), the document
+    nearest to the fraction is held out alone, all its rows, and training keeps the other 11."""
+    from dflash.batch_source import split_positions, validation_split
+
+    path, keys = document_cache
+    documents = CacheReader(path)
+    rows = np.arange(NUM_SHARDS * ROWS_PER_SHARD)
+    assert not validation_rows(keys[rows], 0.01).any()  # the plain rule holds out nothing here
+    split = dict(token_budget=BUDGET, validation_fraction=0.01)
+    valid = StreamingLoader(documents, StreamConfig(split="validation", shuffle=False, **split))
+    train = StreamingLoader(documents, StreamConfig(**split))
+    nearest = int(keys[rows][np.argmin(split_positions(keys[rows]))])
+    assert _documents_of(valid, keys) == {nearest} and len(valid.sample_row) == 3
+    assert nearest not in _documents_of(train, keys) and len(_documents_of(train, keys)) == NUM_DOCUMENTS - 1
+    # A fraction that holds out something is untouched; one key alone is never held out (nothing would train).
+    assert np.array_equal(validation_split(keys[rows], 0.3), validation_rows(keys[rows], 0.3))
+    assert not validation_split(np.full(5, 7, dtype=np.uint64), 0.01).any()
