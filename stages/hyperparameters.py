@@ -84,6 +84,7 @@ def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: l
         schedule_text += f"; {len(schedule) - 1} extension(s) (resumed with more steps)"
     tokens_per_step = config.data.token_budget * config.grad_accum_steps * world
     boundaries = list(resolved.get("bucket_boundaries") or [])
+    validation = resolved.get("validation")
     return [
         row("lr (peak)", f"{config.optim.lr:.3g}", f"{_PAPER['lr']:.3g}"),
         row("schedule", schedule_text, "4% warmup, cosine", departs=config.optim.warmup_ratio != _PAPER["warmup_ratio"]),
@@ -101,6 +102,8 @@ def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: l
             f"ranks = {tokens_per_step:,} per step"),
         row("length buckets", f"{len(boundaries) + 1 if boundaries else config.data.num_buckets} "
             f"(boundaries {boundaries})"),
+        row("validation", f"{validation['samples']:,} samples held out by {validation['split_by']} "
+            f"(fraction {config.data.validation_fraction:g})" if validation else "off (no best checkpoint)"),
         row("compile", config.compile),
         row("attention", f"{resolved.get('attention')} (backend {attention_backend})"),
         row("precision", (f"{config.mixed_precision} autocast" if on_cuda and config.mixed_precision == "bf16" else

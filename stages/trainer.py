@@ -457,6 +457,8 @@ class Trainer:
             "world_size": self.world_size,
             "device": str(self.device),
             "bucket_boundaries": list(self.train_loader.boundaries),
+            "validation": ({"samples": self.val_loader.num_samples, "split_by": self.val_loader.describe().get("validation_split")}
+                           if self.val_loader is not None else None),
             "excluded_samples": self.excluded,
             "cache_integrity": {key: value for key, value in self.integrity.items() if key != "seconds"},
         }

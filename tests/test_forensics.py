@@ -234,6 +234,9 @@ def test_train_records_convention_warnings_and_the_hyperparameter_table_shows_ef
                      "192 per micro-batch x 1 accum x 1 ranks = 192 per step", "compile", "dense-sdpa"):
         assert expected in text, expected
     assert {row.name for row in rows if row.departs} == {"lr (peak)", "schedule", "block size", "anchors per document"}
+    # The tiny cache has no document keys: 20% of its rows are held out, and the table says by what.
+    assert resolved["validation"]["split_by"] == "row" and resolved["validation"]["samples"] > 0
+    assert f"{resolved['validation']['samples']:,} samples held out by row (fraction 0.2)" in text
 
     warnings = convention_warnings(block_size=16, gamma=4.0, betas=(0.9, 0.95), max_anchors_per_document=512,
                                    longest_sample=3072)
