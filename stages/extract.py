@@ -621,12 +621,20 @@ def _choose_codec(client: Any, config: ExtractConfig, plan: CachePlan, rows: lis
         # One task pinned to each worker that runs shard tasks (those holding the resources they ask for).
         workers = [address for address, info in sorted(cluster_workers(client).items())
                    if all(info.get("resources", {}).get(name, 0) >= amount for name, amount in (resources or {}).items())]  # fmt: skip
+        # A worker that dies meanwhile hands its task to another (measured twice there, counted once), as Dask
+        # does for any task, instead of leaving it waiting for a worker that is gone.
         futures = [client.submit(calibrate_worker_codecs, spec, key=f"dflash-codec-calibration-{index}", pure=False,
-                                 workers=[address], allow_other_workers=False, resources=resources)
+                                 workers=[address], allow_other_workers=True, resources=resources)
                    for index, address in enumerate(workers)]  # fmt: skip
-        results = client.gather(futures)
-        measured = {result["worker"]: result for result in results if result["calibrated"]}
-        choice = choose_codec(measured) if measured else uncalibrated_choice(CPU_RUNNER_REASON)
+        try:
+            results = client.gather(futures)
+        except Exception as error:  # measuring is an optimisation: the shard tasks report real failures themselves
+            log.warning("codec auto: the calibration failed (%s: %s); using the default codec", type(error).__name__,
+                        error)
+            choice = uncalibrated_choice(f"calibration failed ({type(error).__name__}): the default codec, unmeasured")
+        else:
+            measured = {result["worker"]: result for result in results if result["calibrated"]}
+            choice = choose_codec(measured) if measured else uncalibrated_choice(CPU_RUNNER_REASON)
     console.print(describe_choice(choice), markup=False)
     if not choice.get("keeps_up", True):
         log.warning("codec auto: %s", choice["reason"])

@@ -166,3 +166,28 @@ def test_encode_cuts_the_real_chunk_shape_and_quantizes_for_fp8(runner, produced
     assert zstd["ratio"] > figures["ratio"]
     with pytest.raises(ValueError, match="threads >= 1"):
         measure_encode(hidden, "none", storage_dtype="bfloat16", num_taps=runner.num_taps, chunk_tokens=8, threads=0)
+
+
+def test_a_calibration_that_fails_on_a_worker_leaves_the_default_codec_and_says_why(tmp_path, caplog):
+    """Measuring is an optimisation: a calibration task that raises (here: a worker with no target loaded) gives
+    the default codec, with the failure as the recorded reason and a warning, instead of stopping extract."""
+    import io
+    import logging
+    from types import SimpleNamespace
+
+    from distributed import Client, LocalCluster
+    from rich.console import Console
+
+    from stages.extract import ExtractConfig, _choose_codec
+
+    config = ExtractConfig(corpus=str(tmp_path / "corpus"), output=str(tmp_path / "cache"), codec_calibration="always")
+    plan = SimpleNamespace(report=SimpleNamespace(truncate_to=None),
+                           metadata=SimpleNamespace(storage_dtype="bfloat16", chunk_tokens=1024))
+    console = Console(file=io.StringIO(), width=300)
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client, \
+            caplog.at_level(logging.WARNING, logger="stages.extract"):
+        choice = _choose_codec(client, config, plan, [0], None, console)
+    assert choice["chosen"] == DEFAULT_CODEC and "candidates" not in choice
+    assert choice["reason"] == "calibration failed (RuntimeError): the default codec, unmeasured"
+    assert "has no target loaded" in caplog.text
+    assert f"codec auto -> {DEFAULT_CODEC} (calibration failed (RuntimeError)" in console.file.getvalue()
