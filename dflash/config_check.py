@@ -25,7 +25,7 @@ from typing import Any
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 
 __all__ = ["DTYPE_NAMES", "DuplicateKeyError", "unique_keys", "MISSING_DEFAULT", "PATH_FIELDS", "RENAMED_KEYS", "EXCLUSIVE_SETTINGS", "layer_over", "check_fields", "check_not_empty_path", "dtype_spelling", "field_default",
-           "matches_type", "migrate_renamed", "MOVED_KEYS", "nest_moved", "set_path", "get_path", "leaf_paths",
+           "matches_type", "migrate_renamed", "MOVED_KEYS", "nest_moved", "nested_config", "set_path", "get_path", "leaf_paths",
            "deep_merge", "override_value", "read_config_file"]
 
 #: What :func:`field_default` returns for a field without a default (a required field).
@@ -456,3 +456,26 @@ def _parse(file: Path, suffix: str, text: str) -> Any:
     else:
         raise ConfigError(f"--config {file}: expected a .toml, .yaml or .json file, got {suffix or 'no extension'!r}")
     return data
+
+
+def nested_config(default: Any, value: Any, name: str) -> Any:
+    """``value`` as a config of ``default``'s class (a nested config given as a dict: a file section, a saved run),
+    checked field by field; the fields it leaves out keep ``default``'s values (the owning stage's, which may differ
+    from the class's: train's ``data.validation_fraction``).
+
+    Raises:
+        ConfigError: ``NAME.KEY: unknown key`` or the nested config's own refusal, prefixed by ``NAME.``.
+    """
+    cls = type(default)
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be an object of {cls.__name__} fields, got {value!r}")
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"{name}.{unknown[0]}: unknown key; known: {', '.join(sorted(known))}")
+    try:
+        return dataclasses.replace(default, **value)
+    except ConfigError as error:
+        raise ConfigError(f"{name}.{error}") from None

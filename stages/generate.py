@@ -120,8 +120,9 @@ class GenerateConfig:
     break_lock: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.default_prompts, dict):
-            self.default_prompts = DefaultPromptConfig(**self.default_prompts)
+        from dflash.config_check import nested_config
+
+        self.default_prompts = nested_config(DefaultPromptConfig(), self.default_prompts, "default_prompts")
         if self.prompts != "default":
             from dflash.generation.prompts import check_prompt_file
 
@@ -529,7 +530,7 @@ def register(app: typer.Typer) -> None:
             GenerateConfig, "generate",
             *split_given(ctx, values, {"endpoints": "endpoint", "default_prompts": "heldout_permille"}),
             config_file=config_file, preset=preset, overrides=overrides, required=("output",),
-            option_names={"prompts": "PROMPTS"},
+            option_names={"prompts": "PROMPTS", "default_prompts": "--heldout-permille"},
         )
         if print_config:
             print_and_exit("generate", config)

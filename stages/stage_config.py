@@ -185,10 +185,14 @@ def resolve_stage_config(
         return build(merged) if build is not None else cls(**merged)
     except (ConfigError, ValueError, TypeError) as error:
         message = str(error)
-        key = next((k for k in merged if message.startswith((k + " ", k + ":", "--" + k.replace("_", "-")))), None)
+        key = next((k for k in merged if message.startswith((k + " ", k + ":", k + ".", "--" + k.replace("_", "-")))),
+                   None)  # fmt: skip
         if key is None:
             raise ConfigError(f"{section}: {message}") from None
-        raise ConfigError(f"{section}.{key} ({origin.get(key, 'default')}): {without_key(message, key)}") from None
+        # A nested config's refusal names its leaf (``default_prompts.heldout_permille must be ...``): the message
+        # names that whole path, the source is the nested config's.
+        path = message.split(" ", 1)[0].rstrip(":") if message.startswith(key + ".") else key
+        raise ConfigError(f"{section}.{path} ({origin.get(key, 'default')}): {without_key(message, path)}") from None
 
 
 def without_key(message: str, key: str) -> str:

@@ -37,6 +37,7 @@ from typing import Any, Literal
 import typer
 
 from dflash.batch_source import LoaderConfig
+from dflash.config_check import nested_config
 from dflash.drafter.config import DrafterTrainingConfig
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 from dflash.optim import OptimConfig
@@ -149,10 +150,10 @@ class TrainConfig:
             if (not self.drafter_gpus or len(set(self.drafter_gpus)) != len(self.drafter_gpus)
                     or any(g < 0 for g in self.drafter_gpus)):
                 raise ConfigError(f"drafter_gpus must list distinct GPU ids >= 0, got {self.drafter_gpus}")
-        self.optim = _nested_config(OptimConfig(), self.optim, "optim")
-        self.data = _nested_config(_TRAIN_DATA_DEFAULTS, self.data, "data")
-        self.drafter = _nested_config(DrafterTrainingConfig(), self.drafter, "drafter")
-        self.telemetry = _nested_config(TelemetryConfig(), self.telemetry, "telemetry")
+        self.optim = nested_config(OptimConfig(), self.optim, "optim")
+        self.data = nested_config(_TRAIN_DATA_DEFAULTS, self.data, "data")
+        self.drafter = nested_config(DrafterTrainingConfig(), self.drafter, "drafter")
+        self.telemetry = nested_config(TelemetryConfig(), self.telemetry, "telemetry")
         positive = ("grad_accum_steps", "save_every", "keep_last", "drafter_processes")
         for name in positive:
             value = getattr(self, name)
@@ -289,29 +290,6 @@ class TrainConfig:
 
 #: The train stage's loader defaults: :class:`LoaderConfig`'s, with 1% of the rows held out for validation.
 _TRAIN_DATA_DEFAULTS = LoaderConfig(validation_fraction=0.01)
-
-
-def _nested_config(default: Any, value: Any, name: str) -> Any:
-    """``value`` as a config of ``default``'s class (a nested config given as a dict: a file section, a saved run),
-    checked field by field; the fields it leaves out keep ``default``'s values (the train stage's, which may differ
-    from the class's: ``data.validation_fraction``).
-
-    Raises:
-        ConfigError: ``NAME.KEY: unknown key`` or the nested config's own refusal, prefixed by ``NAME.``.
-    """
-    cls = type(default)
-    if isinstance(value, cls):
-        return value
-    if not isinstance(value, dict):
-        raise ConfigError(f"{name} must be an object of {cls.__name__} fields, got {value!r}")
-    known = {f.name for f in fields(cls) if f.init}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ConfigError(f"{name}.{unknown[0]}: unknown key; known: {', '.join(sorted(known))}")
-    try:
-        return dataclasses.replace(default, **value)
-    except ConfigError as error:
-        raise ConfigError(f"{name}.{error}") from None
 
 
 #: Fields that never change what is computed: a resume may change them freely (a nested config's field by its

@@ -278,3 +278,22 @@ def test_a_config_error_is_reported_without_importing_torch(tmp_path):
         done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120,
                               cwd=tmp_path)
         assert done.stdout.split()[-3:] == ["2", "False", "False"], (args, done.stdout, done.stderr)
+
+
+def test_a_nested_configs_refusal_names_its_whole_path_and_source(tmp_path, monkeypatch, capsys):
+    """A value the nested config refuses (generate.default_prompts, train.data) is named by its dotted path and
+    where it came from, in each stage's own resolver as in `run`'s."""
+    (tmp_path / "g.toml").write_text("[generate.default_prompts]\nheldout_permille = 2000\n")
+    out = str(tmp_path / "out")
+    for args, expected in [
+        (["generate", "-o", out, "--config", str(tmp_path / "g.toml")],
+         f"error: generate.default_prompts.heldout_permille (--config {tmp_path / 'g.toml'}): must be in 0..999, got 2000"),
+        (["generate", "-o", out, "--heldout-permille", "-3"],
+         "error: generate.default_prompts.heldout_permille (--heldout-permille): must be in 0..999, got -3"),
+        (["train", "--cache", "c", "-o", out, "--set", "train.data.token_budget=-1"],
+         "error: train.data.token_budget (--set train.data.token_budget=-1): must be a positive int (tokens per batch); "
+         "got -1"),
+    ]:
+        code, err = main_in_process(monkeypatch, capsys, *args)
+        assert code == 2 and err.strip() == expected, (args, err)
+    assert not (tmp_path / "out").exists()
