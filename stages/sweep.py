@@ -114,8 +114,46 @@ def parse_grid(options: list[str]) -> dict[str, list[Any]]:
             raise ConfigError(f"--grid {name}: the sweep sets it itself; give it as the sweep's own --{name}")
         if name in values:
             raise ConfigError(f"--grid {name} given twice; list all its values in one option: {name}=V1,V2")
-        values[name] = [_parse_value(name, part, types[path]) for part in raw.split(",")]
+        values[name] = _grid_values(name, raw, types[path])
     return values
+
+
+def _grid_values(name: str, raw: str, annotation: str) -> list[Any]:
+    """The values of one ``--grid`` item: ``V1,V2`` (lists written ``256:512``), or a JSON array of values, the
+    ``--set`` syntax (``[[256, 512], [1024, 2048]]``, ``[3e-4, 6e-4]``), each checked against the field's type.
+
+    Raises:
+        ConfigError: an unreadable value, a JSON value that is not a non-empty array, or a value of the wrong type.
+    """
+    import json
+
+    if not raw.lstrip().startswith("["):
+        return [_parse_value(name, part, annotation) for part in raw.split(",")]
+    from dflash.config_check import matches_type
+
+    try:
+        items = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--grid {name}: invalid JSON array {raw!r} ({error.msg}); write V1,V2 or a JSON array "
+                          "such as [[256, 512], [1024, 2048]]") from None
+    if not isinstance(items, list) or not items:
+        raise ConfigError(f"--grid {name}: expected a non-empty JSON array of values, got {raw!r}")
+    hint = _field_hint(grid_path(name))
+    for item in items:
+        if not matches_type(item, hint):
+            raise ConfigError(f"--grid {name}: cannot read {json.dumps(item)} as {annotation}")
+    return items
+
+
+def _field_hint(path: str) -> Any:
+    """The type annotation of the :class:`TrainConfig` field at dotted ``path`` (``optim.lr`` -> ``float``)."""
+    import typing
+
+    klass: Any = TrainConfig
+    *parents, leaf = path.split(".")
+    for part in parents:
+        klass = typing.get_type_hints(klass)[part]
+    return typing.get_type_hints(klass)[leaf]
 
 
 def grid_path(name: str) -> str | None:
@@ -402,7 +440,7 @@ def register(app: typer.Typer) -> None:
             None, "--output", "-o", help="Sweep folder, one run folder per combination (default: ./sweep-<time>)."
         ),
         grid: list[str] = typer.Option(
-            [], "--grid", help="FIELD=V1,V2,... (a TrainConfig field and its values; one value fixes it). Repeatable."
+            [], "--grid", help="FIELD=V1,V2,... (a TrainConfig field and its values; one value fixes it; lists as 256:512), or FIELD=JSON-ARRAY of the values ('boundaries=[[256,512],[1024]]'). Repeatable."
         ),
         drafter_gpus: str = typer.Option(None, "--drafter-gpus", help="GPU ids, e.g. 0,1,2; one run per GPU at a time (default: one run after the other)."),
         resume: bool = typer.Option(False, "--resume", help="Continue unfinished runs of an earlier sweep."),

@@ -38,6 +38,14 @@ def test_parse_grid_types_values_by_field():
         parse_grid(["max_steps=ten"])
     with pytest.raises(ConfigError, match="sweep run lr=-1.0"):
         plan_sweep("cache", "out", parse_grid(["lr=-1,1e-3"]))
+    # The values as one JSON array, --set's syntax: the same grid as the V1,V2 form, lists without ':'.
+    assert parse_grid(["lr=[3e-4, 6e-4]", "boundaries=[[256, 512], [1024]]"]) == parse_grid(
+        ["lr=3e-4,6e-4", "boundaries=256:512,1024"])
+    for item, message in [("lr=[\"fast\"]", 'cannot read "fast" as float'),
+                          ("boundaries=[[256, \"x\"]]", 'cannot read \\[256, "x"\\] as tuple'),
+                          ("lr=[1,", "invalid JSON array"), ("lr=[]", "non-empty JSON array")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_grid([item])
 
 
 def test_sweep_trains_every_combination_and_compares(target, tmp_path):
