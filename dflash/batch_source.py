@@ -412,8 +412,8 @@ class PlannedCursor:
                 _ROW_SPLIT_LOGGED.add(self.source)
                 log.info(
                     "validation split by corpus row, not by source document: %s has no document keys (a cache "
-                    "extracted before they existed, or a corpus without a document_id column); re-run prepare and "
-                    "extract to split by document", getattr(self.source, "url", type(self.source).__name__))
+                    "extracted before they existed, or a corpus without a document_id column); to split by document, give the corpus a "
+                    "document_id column (prepare writes one) and re-run extract", getattr(self.source, "url", type(self.source).__name__))
         if keys is None:
             self.split_by = "row"
             return corpus_rows

@@ -24,9 +24,12 @@ from typing import Any
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 
-__all__ = ["DTYPE_NAMES", "DuplicateKeyError", "unique_keys", "MISSING_DEFAULT", "PATH_FIELDS", "RENAMED_KEYS", "EXCLUSIVE_SETTINGS", "layer_over", "check_fields", "check_not_empty_path", "dtype_spelling", "field_default",
+__all__ = ["DTYPE_NAMES", "CONFIG_SECTIONS", "DuplicateKeyError", "unique_keys", "MISSING_DEFAULT", "PATH_FIELDS", "RENAMED_KEYS", "EXCLUSIVE_SETTINGS", "layer_over", "check_fields", "check_not_empty_path", "dtype_spelling", "field_default",
            "matches_type", "migrate_renamed", "MOVED_KEYS", "nest_moved", "nested_config", "set_path", "get_path", "leaf_paths",
            "deep_merge", "override_value", "read_config_file"]
+
+#: The stage sections a config file may hold (``[train]``, ``extract:``); ``stages.stage_config.KNOWN_SECTIONS``.
+CONFIG_SECTIONS = ("generate", "prepare", "split", "extract", "train", "evaluate", "online", "export", "sweep")
 
 #: What :func:`field_default` returns for a field without a default (a required field).
 MISSING_DEFAULT = dataclasses.MISSING
@@ -279,6 +282,8 @@ def matches_type(value: Any, hint: Any) -> bool:
 def _type_name(hint: Any) -> str:
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return f"an object of {hint.__name__} fields"
+    if typing.get_origin(hint) is typing.Literal:  # the choices, as the options' own messages spell them
+        return "one of " + "|".join(str(choice) for choice in typing.get_args(hint))
     text = str(hint).replace("typing.", "").replace("pathlib.", "").replace("<class '", "").replace("'>", "")
     return text.replace("NoneType", "None")
 
@@ -417,6 +422,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"--config {file}: unreadable ({type(error).__name__}: {str(error)[:120]})") from None
     if data is None and suffix in (".yaml", ".yml"):  # an empty YAML document (or comments only), like empty TOML
         data = {}
+    if isinstance(data, dict) and suffix in (".yaml", ".yml"):  # `train:` with nothing under it: an empty section
+        data = {key: {} if value is None and key in CONFIG_SECTIONS else value for key, value in data.items()}
     if not isinstance(data, dict):
         raise ConfigError(f"--config {file}: expected a table/object of settings at the top, got {type(data).__name__}")
     if suffix == ".json" and isinstance(data.get("config"), dict):  # a run.json

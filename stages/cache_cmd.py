@@ -63,6 +63,8 @@ def cache_info(path: str) -> dict[str, Any]:
 
 
 def _print_info(info: dict[str, Any], console: Console, max_quarantined: int) -> None:
+    from rich.markup import escape
+
     meta = info["metadata"]
     table = Table(title=f"hidden-state cache {info['path']}", show_header=False, title_justify="left")
     table.add_column("field", style="bold")
@@ -76,6 +78,8 @@ def _print_info(info: dict[str, Any], console: Console, max_quarantined: int) ->
         ("target_layer_ids", f"{meta['target_layer_ids']} ({meta['layer_id_convention']})"),
         ("storage dtype", meta["storage_dtype"] + (" [bold red](lossy)[/]" if meta["lossy"] else " (bit-exact)")),
         ("codec", json.dumps(meta["codec"]) + " + crc32c"),
+        *([("codec choice", escape(f"auto -> {choice['chosen']}: {choice.get('reason', '')}"))]
+          if (choice := (meta.get("extra") or {}).get("codec_choice")) else []),
         ("chunk tokens", str(meta["chunk_tokens"])),
         ("corpus", f"{meta['corpus_path'] or '?'} {meta['corpus_fingerprint'][:23]}..."),
         ("shards committed / planned", f"{info['committed_shards']} / {info['planned_shards']}"),

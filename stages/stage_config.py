@@ -23,14 +23,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash.config_check import check_not_empty_path, migrate_renamed, override_value
+from dflash.config_check import CONFIG_SECTIONS, check_not_empty_path, migrate_renamed, override_value
 from dflash.errors import ConfigError
 
 __all__ = ["CONFIG_OPTION", "PRESET_OPTION", "PRINT_CONFIG_OPTION", "SET_OPTION", "given_options", "print_and_exit",
            "nested", "parse_sets", "plain_value", "printable", "resolve_stage_config", "section_of", "split_given", "without_key"]
 
 #: Stage sections a config file may hold besides this stage's own (ignored by the other stages).
-KNOWN_SECTIONS = ("generate", "prepare", "split", "extract", "train", "evaluate", "online", "export", "sweep")
+KNOWN_SECTIONS = CONFIG_SECTIONS
 
 
 def given_options(ctx: Any, names: Sequence[str]) -> set[str]:

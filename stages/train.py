@@ -440,6 +440,15 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
         return _run_training(config)
 
 
+#: TrainConfig paths that make the loaders' batch plan (``StreamConfig.plan_fields`` as ``stream_config`` fills
+#: them): a checkpoint's data cursor refuses to continue on another value, so a resume refuses them up front.
+_CURSOR_FIELDS = frozenset({
+    "data.token_budget", "data.boundaries", "data.num_buckets", "data.max_documents_per_batch",
+    "data.validation_fraction", "data.validation_split_by", "data.shard_window", "seed", "compile",
+    "min_supervised_tokens",
+})  # fmt: skip
+
+
 def check_resume_changes(checkpoint_path: Path, trainer_state: dict[str, Any], config: TrainConfig,
                          world_size: int) -> None:
     """A resume of ``checkpoint_path`` (its ``trainer_state.json`` as ``trainer_state``) with ``config`` on
@@ -454,6 +463,12 @@ def check_resume_changes(checkpoint_path: Path, trainer_state: dict[str, Any], c
                                  saved_world_size=int(trainer_state.get("world_size", 1)), world_size=world_size)
     if not changes:
         return
+    cursor = [change for change in changes if change.split(":", 1)[0] in _CURSOR_FIELDS]
+    if cursor:  # the data cursor cannot continue on another plan: refused whatever --allow-config-change says
+        raise CheckpointError(
+            f"resuming {checkpoint_path}: " + "; ".join(cursor) + ". These decide the batch plan, so the saved data "
+            "cursor cannot continue on the new one (--allow-config-change does not cover them); restore those "
+            "values, or start a new run in a new --output")
     message = (f"resuming {checkpoint_path} with a changed config breaks exact resume (the run will not equal a "
                "straight run): " + "; ".join(changes))
     if not config.allow_config_change:

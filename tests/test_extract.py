@@ -631,6 +631,11 @@ def test_codec_auto_on_a_cpu_runner_is_the_default_unmeasured_and_a_resume_keeps
     assert metadata.codec == codec_config(DEFAULT_CODEC) and metadata.extra["codec_choice"] == expected
     assert summary["codec"] == DEFAULT_CODEC and summary["codec_choice"] == expected
     assert f"codec auto -> {DEFAULT_CODEC} ({CPU_RUNNER_REASON})" in console.file.getvalue()
+    from tests.test_cache import _cli
+
+    shown = _cli(["cache", "info", str(output)])
+    assert shown.exit_code == 0 and "codec choice" in shown.stdout and f"auto -> {DEFAULT_CODEC}:" in shown.stdout, \
+        shown.stdout  # the table (wrapped at 80 columns) shows the choice beside the codec
     planned = summary["planned_shards"]
     assert planned >= 2
 
@@ -645,7 +650,7 @@ def test_codec_auto_on_a_cpu_runner_is_the_default_unmeasured_and_a_resume_keeps
     assert verify_cache(output, require_complete=True)["num_samples"] == 3
 
     (output / "commits" / "shard-000000.json").unlink()
-    with pytest.raises(CacheError, match=r"its codec is .*'none'.* pass --codec auto"):
+    with pytest.raises(CacheError, match=r"its codec is 'blosc-zstd1-shuffle' but this run wants 'none'; pass --codec auto"):
         run_extract(replace(config, codec="none"), _quiet())
     assert not (output / "commits" / "shard-000000.json").exists()  # refused before anything ran
 

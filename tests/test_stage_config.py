@@ -230,6 +230,10 @@ def test_an_empty_config_file_sets_nothing_in_every_format(name, text, tmp_path)
     path = tmp_path / name
     path.write_text(text)
     assert read_config_file(path) == {}
+    (tmp_path / "sections.yaml").write_text("train:\nextract:\n")  # sections with nothing under them yet
+    assert read_config_file(tmp_path / "sections.yaml") == {"train": {}, "extract": {}}
+    (tmp_path / "flat.yaml").write_text("max_steps:\n")  # a field set to null stays null
+    assert read_config_file(tmp_path / "flat.yaml") == {"max_steps": None}
     (tmp_path / "scalar.yaml").write_text("5\n")
     with pytest.raises(ConfigError, match="expected a table/object of settings at the top, got int"):
         read_config_file(tmp_path / "scalar.yaml")

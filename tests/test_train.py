@@ -481,6 +481,11 @@ def test_runs_saved_before_the_document_split_resume_with_the_row_split(tmp_path
         "data.validation_split_by: 'row' -> 'document'"]
     with pytest.raises(CheckpointError, match=r"data.validation_split_by: 'row' -> 'document'.*--allow-config-change"):
         check_resume_changes(run / "checkpoints" / "step_00000001", {"config": saved}, explicit, 1)
+    # It decides the batch plan, which the saved data cursor cannot leave: --allow-config-change does not cover it
+    # (the loader would refuse the cursor later, after a warning that promised to go on).
+    explicit.allow_config_change = True
+    with pytest.raises(CheckpointError, match=r"validation_split_by.*cursor cannot continue.*does not cover them"):
+        check_resume_changes(run / "checkpoints" / "step_00000001", {"config": saved}, explicit, 1)
     with pytest.raises(ConfigError, match=r"train.data.validation_split_by \(--validation-split-by\): must be "
                                           r"'document' or 'row'; got 'doc'"):
         config_from_cli({"output": str(tmp_path / "new"), "cache": "c", "data.validation_split_by": "doc"})

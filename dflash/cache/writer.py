@@ -508,6 +508,10 @@ def _check_resumable(path: str, existing: CacheMetadata, wanted: CacheMetadata) 
     for name in ("target", "target_layer_ids", "storage_dtype", "codec", "corpus_fingerprint", "shard_rows", "chunk_tokens"):
         have, want = getattr(existing, name), getattr(wanted, name)
         if have != want:
+            if name == "codec":  # named as the --codec presets are
+                from dflash.cache.format import codec_preset_name
+
+                have, want = codec_preset_name(have), codec_preset_name(want)
             raise CacheError(
                 f"cannot resume the cache at {path}: its {name} is {have!r} but this run wants {want!r}; "
                 + ("pass --codec auto (an existing cache keeps its codec), " if name == "codec" else "")
