@@ -672,8 +672,12 @@ class CorpusWriter:
         self.batch_rows = batch_rows
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._staging = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent))
-        self._sink = pa.OSFile(str(self._staging / DATA_FILE), "wb")
-        self._writer = pa.ipc.new_file(self._sink, SCHEMA)
+        try:
+            self._sink = pa.OSFile(str(self._staging / DATA_FILE), "wb")
+            self._writer = pa.ipc.new_file(self._sink, SCHEMA)
+        except BaseException:  # e.g. SIGTERM (raised as KeyboardInterrupt) before a `with` could clean up
+            shutil.rmtree(self._staging, ignore_errors=True)
+            raise
         self._pending: list[tuple[np.ndarray, np.ndarray, str, str | None]] = []
         self.num_rows = 0
         self.num_tokens = 0
