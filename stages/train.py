@@ -440,13 +440,16 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
         return _run_training(config)
 
 
-#: TrainConfig paths that make the loaders' batch plan (``StreamConfig.plan_fields`` as ``stream_config`` fills
-#: them): a checkpoint's data cursor refuses to continue on another value, so a resume refuses them up front.
-_CURSOR_FIELDS = frozenset({
-    "data.token_budget", "data.boundaries", "data.num_buckets", "data.max_documents_per_batch",
-    "data.validation_fraction", "data.validation_split_by", "data.shard_window", "seed", "compile",
-    "min_supervised_tokens",
-})  # fmt: skip
+def _cursor_fields() -> frozenset[str]:
+    """TrainConfig paths that make the loaders' batch plan: ``StreamConfig.plan_fields`` that come from
+    ``train.data``, plus the train fields ``stages.trainer.stream_config`` derives the others from (``seed``,
+    ``compile`` -> ``pad_to_budget``, ``min_supervised_tokens``). A checkpoint's data cursor refuses to continue on
+    another value, so a resume refuses them up front."""
+    from dflash.batch_source import StreamConfig
+
+    loader = {f.name for f in fields(LoaderConfig)}
+    return frozenset({f"data.{key}" for key in StreamConfig().plan_fields() if key in loader}
+                     | {"seed", "compile", "min_supervised_tokens"})
 
 
 def check_resume_changes(checkpoint_path: Path, trainer_state: dict[str, Any], config: TrainConfig,
@@ -463,7 +466,8 @@ def check_resume_changes(checkpoint_path: Path, trainer_state: dict[str, Any], c
                                  saved_world_size=int(trainer_state.get("world_size", 1)), world_size=world_size)
     if not changes:
         return
-    cursor = [change for change in changes if change.split(":", 1)[0] in _CURSOR_FIELDS]
+    plan = _cursor_fields()
+    cursor = [change for change in changes if change.split(":", 1)[0] in plan]
     if cursor:  # the data cursor cannot continue on another plan: refused whatever --allow-config-change says
         raise CheckpointError(
             f"resuming {checkpoint_path}: " + "; ".join(cursor) + ". These decide the batch plan, so the saved data "
