@@ -96,6 +96,8 @@ def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: l
             departs=float(resolved["gamma"]) != (paper_gamma or default_gamma(block_size))),
         row("block size", block_size, _PAPER["block_size"]),
         row("draft layers", drafter.get("num_hidden_layers", config.drafter.num_draft_layers)),
+        row("draft layer init", _init_text(resolved.get("drafter_init") or {}), "random",
+            departs=(resolved.get("drafter_init") or {}).get("init", "random") != "random"),
         row("anchors per document", config.drafter.max_anchors_per_document, _PAPER["max_anchors_per_document"]),
         row("anchor slots (compile)", resolved.get("anchor_slots") or "dynamic"),
         row("token budget", f"{config.data.token_budget:,} per micro-batch x {config.grad_accum_steps} accum x {world} "
@@ -111,6 +113,13 @@ def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: l
             + f", residual {config.residual_dtype}"),
         row("total steps", resolved.get("total_steps")),
     ]
+
+
+def _init_text(record: Mapping[str, Any]) -> str:
+    kind = record.get("init", "random")
+    if kind == "target":
+        return f"target layers {record.get('layers')} ({record.get('tensors')} tensors copied)"
+    return str(kind)
 
 
 def render_hyperparameters(rows: list[HyperparameterRow]) -> Any:

@@ -73,45 +73,66 @@ if TYPE_CHECKING:
     from dflash.batching import PackedBatch
     from stages.train import TrainConfig
 
-__all__ = ["Trainer", "TrainingData", "open_cache_data", "stream_config", "loader_placement", "load_target_embeddings"]
+__all__ = ["Trainer", "TrainingData", "open_cache_data", "stream_config", "loader_placement", "load_target_embeddings",
+           "read_target_tensor", "target_weight_map"]
 
 log = logging.getLogger(__name__)
+
+
+_TARGET_WEIGHTS_FIX = "the target's weights are truncated or damaged: restore or re-download the target"
+
+
+def target_weight_map(target_path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file of a local transformers folder (its ``model.safetensors.index.json``, or
+    the names in every ``*.safetensors`` file); ``{}`` when it has no safetensors.
+
+    Raises:
+        TargetError: a damaged index or safetensors file (naming it).
+    """
+    import json
+
+    from dflash.errors import TargetError
+    from dflash.weights_io import open_safetensors
+
+    index = target_path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return {name: target_path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        except (ValueError, KeyError, AttributeError) as error:
+            raise TargetError(f"{index}: not a safetensors index ({error}); {_TARGET_WEIGHTS_FIX}") from error
+    weight_map: dict[str, Path] = {}
+    for file in sorted(target_path.glob("*.safetensors")):
+        with open_safetensors(file, error_type=TargetError, fix=_TARGET_WEIGHTS_FIX) as handle:
+            weight_map.update(dict.fromkeys(handle.keys(), file))
+    return weight_map
+
+
+def read_target_tensor(weight_map: dict[str, Path], name: str) -> torch.Tensor:
+    """One named tensor of the target, on CPU, from its safetensors file (``target_weight_map``).
+
+    Raises:
+        TargetError: the file is missing or damaged (naming it)."""
+    from dflash.errors import TargetError
+    from dflash.weights_io import open_safetensors
+
+    with open_safetensors(weight_map[name], error_type=TargetError, fix=_TARGET_WEIGHTS_FIX) as handle:
+        return handle.get_tensor(name)
 
 
 def load_target_embeddings(target_path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's input embedding ``[V, H]`` and LM head ``[V, H]`` (``None`` when tied), read from its
     safetensors files alone, so a drafter rank never loads the whole target. Falls back to loading the model.
     """
-    import json
-
     from transformers import AutoConfig
-
-    from dflash.errors import TargetError
-    from dflash.weights_io import open_safetensors
-
-    fix = "the target's weights are truncated or damaged: restore or re-download the target"
 
     config = AutoConfig.from_pretrained(target_path)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    index = target_path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    else:
-        files = sorted(target_path.glob("*.safetensors"))
-        weight_map = {}
-        for file in files:
-            with open_safetensors(file, error_type=TargetError, fix=fix) as handle:
-                weight_map.update(dict.fromkeys(handle.keys(), file.name))
+    weight_map = target_weight_map(target_path)
     embed_names = [n for n in weight_map if n.endswith("embed_tokens.weight")]
     head_names = [n for n in weight_map if n.endswith("lm_head.weight")]
     if len(embed_names) == 1 and (tied or len(head_names) == 1):
-
-        def read(name: str) -> torch.Tensor:
-            with open_safetensors(target_path / weight_map[name], error_type=TargetError, fix=fix) as handle:
-                return handle.get_tensor(name)
-
-        embed = read(embed_names[0])
-        return embed, (None if tied or not head_names else read(head_names[0]))
+        embed = read_target_tensor(weight_map, embed_names[0])
+        return embed, (None if tied or not head_names else read_target_tensor(weight_map, head_names[0]))
     from dflash.target import load_target
 
     model = load_target(target_path).model
@@ -383,6 +404,9 @@ class Trainer:
         torch.manual_seed(config.seed)  # identical initial weights on every rank and in every rerun
         drafter = DFlashDrafter(drafter_config)
         drafter.attach_target(embed, lm_head)
+        self.drafter_init = {"init": "random"} if resume_from is None else self._previous_drafter_init()
+        if resume_from is None and config.drafter.init == "target":
+            self.drafter_init = self._init_from_target(drafter, target_path)
         drafter.residual_in_compute_dtype = config.residual_dtype == "compute"
         self.drafter = drafter.to(self.device)
         self.anchor_slots = config.resolved_anchor_slots()
@@ -460,6 +484,7 @@ class Trainer:
             "validation": ({"samples": self.val_loader.num_samples, "split_by": self.val_loader.describe().get("validation_split")}
                            if self.val_loader is not None else None),
             "excluded_samples": self.excluded,
+            "drafter_init": self.drafter_init,
             "cache_integrity": {key: value for key, value in self.integrity.items() if key != "seconds"},
         }
         # Opened last, so a run refused above writes no metrics or TensorBoard file; from the step resumed (0 when
@@ -524,6 +549,32 @@ class Trainer:
             target_layer_ids=(config.drafter.target_layer_ids if config.drafter.target_layer_ids is not None
                               else metadata.target_layer_ids),
         )
+
+    def _previous_drafter_init(self) -> dict[str, Any]:
+        """A resumed run's record of how its drafter was initialized (run.json ``resolved.drafter_init``)."""
+        import json
+
+        try:
+            record = json.loads((self.run_dir / "run.json").read_text())["resolved"]["drafter_init"]
+        except (OSError, ValueError, KeyError, TypeError):
+            record = None
+        return record if isinstance(record, dict) else {"init": "unknown (resumed from a checkpoint)"}
+
+    def _init_from_target(self, drafter: DFlashDrafter, target_path: Path) -> dict[str, Any]:
+        """``train.drafter.init = "target"``: draft layers copied from target layers (``dflash.drafter.target_init``)."""
+        from dflash.drafter.target_init import default_init_layers, init_from_target_layers
+        from dflash.errors import TargetError
+
+        layers = self.config.drafter.init_target_layers or default_init_layers(
+            self.drafter_config.num_target_layers, self.drafter_config.num_hidden_layers)
+        weight_map = target_weight_map(target_path)
+        if not weight_map:
+            raise TargetError(f"train.drafter.init = 'target': {target_path} has no safetensors weights to copy; "
+                              "use init = 'random'")
+        report = init_from_target_layers(drafter, weight_map, lambda name: read_target_tensor(weight_map, name), layers)
+        if self.is_main:
+            log.info("draft layers initialized from target layers %s (%d tensors)", report["layers"], report["tensors"])
+        return {"init": "target", **report}
 
     def _loader_placement(self) -> dict[str, Any]:
         return loader_placement(self.rank, self.world_size, self.device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from dflash.errors import ConfigError
 
@@ -215,6 +215,13 @@ class DrafterTrainingConfig:
     8)."""
     max_anchors_per_document: int = 512
     """Anchor budget per document per epoch (paper: 512; ``dflash.drafter.anchors.sample_anchors``)."""
+    init: Literal["random", "target"] = "random"
+    """Initial draft layer weights: ``random`` (Normal(0, 0.02), norms at 1: transformers' Qwen3 init, as DFlash
+    trains) or ``target`` (each draft layer a copy of a target decoder layer, the final norm the target's;
+    ``dflash.drafter.target_init``). Only a fresh run reads it; a resumed run continues from its checkpoint."""
+    init_target_layers: list[int] | None = None
+    """With ``init = "target"``: the 0-based target decoder layer copied into each draft layer (one per draft
+    layer, repeats allowed); default the target's last ``num_draft_layers`` layers."""
 
     def __post_init__(self) -> None:
         for name in ("num_draft_layers", "max_anchors_per_document"):
@@ -225,6 +232,17 @@ class DrafterTrainingConfig:
             raise ConfigError(f"mask_token_id must be a positive integer or None, got {self.mask_token_id!r}")
         if self.target_layer_ids is not None:
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.init not in ("random", "target"):
+            raise ConfigError(f"init must be one of random|target, got {self.init!r}")
+        if self.init_target_layers is not None:
+            if self.init != "target":
+                raise ConfigError("init_target_layers is given but init is 'random'; set init = 'target' or drop it")
+            self.init_target_layers = [int(i) for i in self.init_target_layers]
+            if len(self.init_target_layers) != self.num_draft_layers:
+                raise ConfigError(
+                    f"init_target_layers has {len(self.init_target_layers)} layers, num_draft_layers is "
+                    f"{self.num_draft_layers}: give one target layer per draft layer"
+                )
         if not isinstance(self.block_size, int) or self.block_size < 2:
             raise ConfigError(f"block_size must be an integer >= 2, got {self.block_size!r}")
         if self.gamma is not None and not (self.gamma > 0 and math.isfinite(self.gamma)):
