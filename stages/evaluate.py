@@ -342,6 +342,7 @@ def evaluate_drafter(
     progress = Progress(TextColumn(f"[bold]evaluate[/] {label}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("prompts, tau {task.fields[tau]}"), TextColumn("[dim]{task.description}"),
                         TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
+    started = time.perf_counter()
     with TappedTarget(model, target_layer_ids) as tapped, progress:
         task = progress.add_task("warm-up", total=len(prompts), tau="-")
         warm = SpeculativeConfig(block_size=block_size, max_new_tokens=min(8, max_new_tokens), temperature=temperature,
@@ -364,6 +365,10 @@ def evaluate_drafter(
                                           generator=generator(index)))
             lengths = [t for r in spec_results for t in r.acceptance_lengths]
             progress.update(task, advance=1, tau=f"{sum(lengths) / max(len(lengths), 1):.2f}")
+            if not console.is_terminal:  # logs and batch jobs: one plain line per prompt instead of the bar
+                console.print(f"evaluate {label}: prompt {index + 1}/{len(prompts)}, tau so far "
+                              f"{sum(lengths) / max(len(lengths), 1):.3f} ({time.perf_counter() - started:.0f} s)",
+                              highlight=False, markup=False)
 
     stats = AcceptanceStats.from_lengths([t for r in spec_results for t in r.acceptance_lengths], block_size)
     spec_speed, base_speed = _throughput(spec_results), _throughput(base_results)

@@ -58,8 +58,11 @@ def test_evaluate_cli_writes_report_with_every_field(export_folder, tmp_path):
     ])
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert "tau = " in result.output and "per-position acceptance" in result.output
-    # Output that is not a terminal gets no progress bar, and no blank line where one would have been drawn.
+    # Output that is not a terminal gets no progress bar, and no blank line where one would have been drawn: one
+    # plain line per prompt instead (batch-job logs), for the trained and the untrained drafter.
     assert "" not in result.output.splitlines()
+    progress_lines = [line for line in result.output.splitlines() if ", tau so far " in line]
+    assert len(progress_lines) == 4 and [line.split(": prompt ")[1][:3] for line in progress_lines] == ["1/2", "2/2"] * 2
     report = json.loads(out.read_text())
     for key in ("tau", "acceptance", "speedup", "throughput", "lossless", "per_prompt", "untrained", "target",
                 "settings", "prompts"):
@@ -194,3 +197,4 @@ def test_progress_bar_over_prompts_on_a_terminal(export_folder, target, tokenize
     drawn = stream.getvalue()
     assert "evaluate my-drafter" in drawn and "warm-up" in drawn
     assert "2/2 prompts" in drawn and f"tau {summary['tau']:.2f}" in drawn
+    assert "tau so far" not in drawn  # the plain per-prompt lines are for logs only
