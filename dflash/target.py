@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "locate_target",
+    "target_num_layers",
     "PACKED_ATTENTION",
     "DEFAULT_TARGET",
     "LAYER_ID_CONVENTION",
@@ -221,6 +222,28 @@ class TargetIdentity:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TargetIdentity:
         return cls(**{key: data[key] for key in cls.__dataclass_fields__})
+
+
+def target_num_layers(path: Path) -> int | None:
+    """The decoder layer count of a located target (:func:`locate_target`), read without loading or converting it:
+    ``num_hidden_layers`` of a folder's ``config.json`` (or of its ``text_config``), or a GGUF file's
+    ``<architecture>.block_count`` (``gguf.GGUFReader``, a few seconds). ``None`` when it cannot be read (the
+    stage that loads the target reports that properly)."""
+    try:
+        if path.is_dir():
+            config = json.loads((path / "config.json").read_text())
+            text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+            layers = text.get("num_hidden_layers")
+            return int(layers) if isinstance(layers, int) else None
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        field = reader.fields["general.architecture"]
+        architecture = bytes(field.parts[field.data[0]]).decode()
+        count = reader.fields[f"{architecture}.block_count"]
+        return int(count.parts[count.data[0]][0])
+    except (OSError, ValueError, KeyError, IndexError, TypeError, ImportError):
+        return None
 
 
 def _identity_from_config(config: Any, *, name: str, content_hash: str) -> TargetIdentity:

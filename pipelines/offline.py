@@ -226,7 +226,8 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
                 raise ConfigError(f"split.{key} ({source('split', key)}): expected int, got {value!r}")
     from dflash.target import locate_target
 
-    locate_target(config.target)  # a wrong target path fails now, not when the first stage loads it
+    target_path = locate_target(config.target)  # a wrong target path fails now, not when the first stage loads it
+    _check_init_target_layers(config, target_path, source)
     evaluate_extra = {key: type(value) for key, value in EVALUATE_EXTRAS.items()}
     for section, cls, reserved, extra, paths in checks:
         values = getattr(config, section)
@@ -285,6 +286,22 @@ def printable_pipeline(config: PipelineConfig) -> dict[str, Any]:
                 for sub in base_value:  # nested settings (generate.default_prompts) merge field by field too
                     values[key].setdefault(sub, (plain_value(default) or {}).get(sub))
     return data
+
+
+def _check_init_target_layers(config: PipelineConfig, target_path: Path, source: Callable[[str, str], str]) -> None:
+    """``train.drafter.init_target_layers`` within the target's depth, checked before generate/extract run (train
+    would refuse it only after them). Skipped when the depth cannot be read without loading the target."""
+    drafter = (config.train or {}).get("drafter") or {}
+    layers = drafter.get("init_target_layers") if isinstance(drafter, dict) else None
+    if not isinstance(layers, list) or not layers:
+        return
+    from dflash.target import target_num_layers
+
+    depth = target_num_layers(target_path)
+    bad = [i for i in layers if isinstance(i, int) and not 0 <= i < (depth or 0)]
+    if depth is not None and bad:
+        raise ConfigError(f"train.drafter.init_target_layers ({source('train', 'drafter.init_target_layers')}): "
+                          f"{bad} out of range: the target ({target_path.name}) has layers 0..{depth - 1}")
 
 
 def _build_for_check(section: str, cls: type, values: dict[str, Any], source: Callable[[str, str], str]) -> None:

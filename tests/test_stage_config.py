@@ -241,8 +241,8 @@ def test_an_empty_config_file_sets_nothing_in_every_format(name, text, tmp_path)
 
 def test_paths_and_names_that_would_fail_a_later_stage_are_refused_before_run_writes_anything(
         tmp_path, monkeypatch, capsys):  # fmt: skip
-    """A wrong target path, prompts file or codec name fails `run` before its first stage, naming where it came
-    from, and the work folder is never made (these once failed only when their stage started)."""
+    """A wrong target path, prompts file, codec name or target layer to copy fails `run` before its first stage,
+    naming where it came from, and the work folder is never made (these once failed only when their stage started)."""
     workdir = str(tmp_path / "work")
     (tmp_path / "prompts.csv").write_text("not a prompts file\n")
     cases = [
@@ -250,6 +250,11 @@ def test_paths_and_names_that_would_fail_a_later_stage_are_refused_before_run_wr
         (["--set", f"evaluate.prompts={tmp_path / 'missing.jsonl'}"], "error: evaluate.prompts (--set evaluate.prompts="),
         (["--set", f"evaluate.prompts={tmp_path / 'prompts.csv'}"], "must end in .jsonl (chat rows) or .txt"),
         (["--set", "extract.codec=zstd-9"], "error: extract.codec (--set extract.codec=zstd-9): expected auto or one of"),
+        # Read from the GGUF file's header: SmolLM2 has 30 decoder layers.
+        (["--set", "train.drafter.init=target", "--set", "train.drafter.num_draft_layers=2", "--set",
+          "train.drafter.init_target_layers=[3,30]"],
+         "error: train.drafter.init_target_layers (--set train.drafter.init_target_layers=[3,30]): [30] out of range: "
+         "the target (SmolLM2-135M-Instruct.Q4_1.gguf) has layers 0..29"),
     ]
     for args, start in cases:
         code, err = main_in_process(monkeypatch, capsys, "run", "--workdir", workdir, *args)

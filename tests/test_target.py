@@ -18,3 +18,18 @@ def test_load_target_prints_no_transformers_progress_bar_and_restores_the_switch
     # The caller's choice is kept: bars stay enabled for anything else that uses transformers/huggingface_hub.
     assert hf_logging.is_progress_bar_enabled()
     assert not hub_utils.are_progress_bars_disabled()
+
+
+def test_target_num_layers_reads_folders_and_gguf_headers_without_loading(tmp_path, target_path):
+    from dflash.target import default_gguf_path, target_num_layers
+
+    assert target_num_layers(default_gguf_path()) == 30  # the GGUF header's llama.block_count
+    assert target_num_layers(target_path) == 30  # the converted folder's config.json
+    (tmp_path / "vlm").mkdir()
+    (tmp_path / "vlm" / "config.json").write_text('{"text_config": {"num_hidden_layers": 7}, "num_hidden_layers": 99}')
+    assert target_num_layers(tmp_path / "vlm") == 7
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    assert target_num_layers(tmp_path / "broken") is None
+    (tmp_path / "fake.gguf").write_bytes(b"GGUF but not really")
+    assert target_num_layers(tmp_path / "fake.gguf") is None
