@@ -209,7 +209,10 @@ class ForkedCli:
         self._folder.cleanup()
 
 
-_SHARED: list[ForkedCli] = []
+# The session's one fork server, whichever name a test imported this module by (``cli_helpers``, ``tests.cli_helpers``):
+# the second module object takes the first one's list instead of starting a server of its own.
+_OTHER_NAME = "tests.cli_helpers" if __name__ == "cli_helpers" else "cli_helpers"
+_SHARED: list[ForkedCli] = getattr(sys.modules.get(_OTHER_NAME), "_SHARED", [])
 
 
 def _shared() -> ForkedCli:
