@@ -109,12 +109,23 @@ def _quiet_transformers_progress() -> Iterator[None]:
             hub_utils.enable_progress_bars()
 
 
+# sha256 of a file, remembered in this process while its inode, size and mtime stay the same: resolving a GGUF target
+# (each check and load of a stage does) read the whole file again every time (0.12 s for the 98 MB default; seconds
+# for a multi-GB target), as target_identity's memo already avoids for weight files.
+_SHA256_OF_FILE: dict[tuple[str, int, int, int], str] = {}
+
+
 def _sha256_file(path: Path, chunk_bytes: int = 16 << 20) -> str:
+    stat = os.stat(path)
+    key = (str(Path(path).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    if (known := _SHA256_OF_FILE.get(key)) is not None:
+        return known
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while block := handle.read(chunk_bytes):
             digest.update(block)
-    return digest.hexdigest()
+    _SHA256_OF_FILE[key] = digest.hexdigest()
+    return _SHA256_OF_FILE[key]
 
 
 def _convert_gguf(gguf_path: Path) -> Path:

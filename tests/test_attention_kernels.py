@@ -5,10 +5,7 @@ trains like the Triton path."""
 
 from __future__ import annotations
 
-import ast
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -97,34 +94,31 @@ def test_unknown_names_are_refused(restore_backend, monkeypatch):
 
 ENV_VALUES = ("Triton", "", "fast")
 
-# One interpreter imports torch and transformers (the slow part), then forks a child per value: each child sets the
-# variable and imports dflash.drafter for the first time, so the value is read at import as in a fresh process.
-_FORK_PER_VALUE = f"""
-import os, sys
-import torch, transformers
-for value in sys.argv[1:]:
-    pid = os.fork()
-    if pid == 0:
-        os.environ[{backend.ENV_VAR!r}] = value
-        assert "dflash.drafter" not in sys.modules
-        try:
-            from dflash.drafter import attention_backend
-            print(repr(value), attention_backend(), flush=True)
-        except Exception as error:
-            print(repr(value), type(error).__name__, flush=True)
-        os._exit(0)
-    os.waitpid(pid, 0)
+# Each value in a fresh process that sets the variable, then imports dflash.drafter for the first time, so the value
+# is read at import as in a fresh interpreter: forked from the session's CLI fork server (cli_helpers.forked_python),
+# which imported torch and transformers (the slow part) once and never dflash.
+_PRINT_BACKEND = """
+import sys
+assert "dflash.drafter" not in sys.modules
+try:
+    from dflash.drafter import attention_backend
+    print(attention_backend(), flush=True)
+except Exception as error:
+    print(type(error).__name__, flush=True)
 """
 
 
 @pytest.fixture(scope="module")
 def backend_by_env_value():
+    from cli_helpers import forked_python
+
     env = {key: value for key, value in os.environ.items() if key != backend.ENV_VAR}
-    result = subprocess.run([sys.executable, "-c", _FORK_PER_VALUE, *ENV_VALUES], capture_output=True, text=True,
-                            env=env, timeout=120)
-    lines = [line.split(" ", 1) for line in result.stdout.splitlines()]
-    assert len(lines) == len(ENV_VALUES), result.stdout + result.stderr
-    return {ast.literal_eval(value): name for value, name in lines}, result.stderr
+    seen, stderr = {}, ""
+    for value in ENV_VALUES:
+        result = forked_python(_PRINT_BACKEND, env={**env, backend.ENV_VAR: value})
+        assert result.returncode == 0 and len(result.stdout.split()) == 1, result.stdout + result.stderr
+        seen[value], stderr = result.stdout.strip(), stderr + result.stderr
+    return seen, stderr
 
 
 @pytest.mark.parametrize("value, expected", [("Triton", "triton"), ("", "auto"), ("fast", "ConfigError")])

@@ -17,7 +17,7 @@ from dflash.errors import CorpusError
 
 def _cli(*args: str, cwd, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The console script in its own process (forked from one that imported torch and transformers once; see
-    cli_helpers.ForkedCli); test_version and the SIGTERM test start whole interpreters."""
+    cli_helpers.ForkedCli); test_version starts a whole interpreter (``python -m stages.cli``)."""
     from cli_helpers import forked_cli
 
     return forked_cli(*args, cwd=cwd, env=env)
@@ -69,10 +69,9 @@ def test_sigterm_during_prepare_leaves_no_temporary_folder(tmp_path):
     import signal
     import time
 
-    process = subprocess.Popen(
-        [sys.executable, "-c", "from stages.cli import main; main()", "prepare", "--output", "corpus"],
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+    from cli_helpers import forked_cli_start
+
+    process = forked_cli_start("prepare", "--output", "corpus", cwd=tmp_path)  # forked as _cli's commands are
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".corpus.tmp-*")):  # wait until the writer's staging folder exists
         assert process.poll() is None and time.monotonic() < deadline, "prepare ended before writing anything"

@@ -275,7 +275,7 @@ def test_run_print_config_reads_back_with_config_over_the_default_preset(tmp_pat
 
 
 def test_log_lines_go_to_stderr_so_printed_json_stays_parseable(tmp_path):
-    from tests.cli_helpers import forked_cli  # a real process: pytest's log capture would hide where logs go
+    from cli_helpers import forked_cli  # a real process: pytest's log capture would hide where logs go
 
     config = tmp_path / "old.toml"
     config.write_text("workers = 2\n")

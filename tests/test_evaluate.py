@@ -53,7 +53,7 @@ def test_evaluate_cli_writes_report_with_every_field(export_folder, tmp_path):
     )
     out = tmp_path / "report.json"
     result = CliRunner().invoke(app, [
-        "evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--max-new-tokens", "6",
+        "evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--max-new-tokens", "4",
         "--ignore-eos", "--compare-untrained", "--device", "cpu", "--cpu-threads", "1", "--json-file", str(out),
     ])
     assert result.exit_code == 0, result.output + repr(result.exception)
@@ -77,18 +77,18 @@ def test_evaluate_cli_writes_report_with_every_field(export_folder, tmp_path):
     assert report["lossless"]["checked"] and report["lossless"]["passed"]
     assert report["lossless"]["identical"] == report["prompts"]["count"] == 2
     assert report["speedup"] > 0
-    assert all(p["new_tokens"] == 6 for p in report["per_prompt"])
+    assert all(p["new_tokens"] == 4 for p in report["per_prompt"])
     assert 1.0 <= report["untrained"]["tau"] <= BLOCK
     # The second reference: the target's own generate() on the same prompts, the same number of new tokens.
     generate = report["throughput"]["target_generate"]
-    assert generate["new_tokens"] == report["throughput"]["speculative"]["new_tokens"] == 12
+    assert generate["new_tokens"] == report["throughput"]["speculative"]["new_tokens"] == 8
     assert generate["tokens_per_second"] > 0 and "use_cache=True" in generate["call"]
     assert report["speedup_vs_generate"] == pytest.approx(
         report["throughput"]["speculative"]["tokens_per_second"] / generate["tokens_per_second"])
     against_generate = report["lossless_vs_generate"]
     assert against_generate["checked"] and against_generate["passed"]
     assert against_generate["identical"] == against_generate["block_size_1_identical"] == 2
-    assert all(p["generate_new_tokens"] == 6 and p["generate_seconds"] > 0 for p in report["per_prompt"])
+    assert all(p["generate_new_tokens"] == 4 and p["generate_seconds"] > 0 for p in report["per_prompt"])
     assert report["untrained"]["speedup_vs_generate"] > 0 and report["untrained"]["lossless_vs_generate"]["passed"]
     assert "speedup vs generate()" in result.output and "lossless vs generate()" in result.output
     assert report["target"]["content_hash"].startswith("sha256:")

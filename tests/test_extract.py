@@ -107,12 +107,15 @@ def test_plan_shards_is_contiguous_and_bounded():
 def test_sigkill_mid_run_then_rerun_is_exactly_once(tmp_path, corpus_dir, reference):
     """SIGKILL of the whole ``extract`` process after its first commit; the rerun (with a write process) commits
     the rest exactly once."""
+    from cli_helpers import forked_cli_start
+
     output = tmp_path / "cache"
     command = [
-        sys.executable, "-m", "stages.cli", "extract", "--corpus", str(corpus_dir), "--output", str(output),
+        "extract", "--corpus", str(corpus_dir), "--output", str(output),
         "--target-processes", "1", "--shard-size", "1", "--dashboard-address", ":0",
     ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Its own process, forked from one that imported torch and transformers once (cli_helpers.forked_cli_start).
+    process = forked_cli_start(*command, cwd=os.getcwd())
     commits = output / "commits"
     deadline = time.monotonic() + 240
     while not (commits.is_dir() and any(commits.glob("shard-*.json"))):

@@ -13,13 +13,11 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import forked_cli, main_in_process
+from cli_helpers import forked_cli, forked_python, main_in_process
 from train_helpers import build_tiny_cache, tiny_config
 
 from dflash import faults
@@ -124,8 +122,8 @@ def write_missing_shards(source: str, output: str) -> None:
 def test_sigkill_while_writing_a_cache_then_rerun_gives_a_bit_identical_cache(cache, tmp_path, point, committed_at_kill):
     output = tmp_path / "cache"
     script = f"import sys; sys.path.insert(0, {str(TESTS_DIR)!r}); import test_faults; test_faults.write_missing_shards(*sys.argv[1:])"
-    killed = subprocess.run([sys.executable, "-c", script, str(cache), str(output)], capture_output=True, text=True,
-                            timeout=120, env={**os.environ, faults.ENV: point})  # fmt: skip
+    # python -c in its own process, forked from one that imported torch once (cli_helpers.forked_python).
+    killed = forked_python(script, str(cache), str(output), env={**os.environ, faults.ENV: point})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert sorted(HiddenStateCache.open(output).committed_shards()) == committed_at_kill
     write_missing_shards(str(cache), str(output))  # the rerun (no fault)
@@ -227,8 +225,8 @@ def test_sigkill_mid_checkpoint_write_then_resume_is_bit_exact(cache, straight_r
     config = tiny_config(cache, output, **RUN)
     script = ("import json, sys, torch; torch.set_num_threads(1); from stages.train import TrainConfig, run_training; "
               "run_training(TrainConfig.from_dict(json.loads(sys.argv[1])))")  # one thread, as here: same float sums
-    killed = subprocess.run([sys.executable, "-c", script, json.dumps(config.to_dict())], capture_output=True,
-                            text=True, timeout=240, env={**os.environ, faults.ENV: "checkpoint.write@2"})  # fmt: skip
+    killed = forked_python(script, json.dumps(config.to_dict()), timeout=240,
+                           env={**os.environ, faults.ENV: "checkpoint.write@2"})  # as above
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert (output / "latest").read_text().strip() == "step_00000002"  # the half-written step 4 does not count
     assert [p.name for p in (output / "checkpoints").glob(".tmp-step_00000004-*")]

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -167,10 +165,13 @@ def _generate_args(prompts: Path, output: Path, *extra: str) -> list[str]:
             "--max-new-tokens", "4", *extra]
 
 
-def _generate_cli(prompts: Path, output: Path, *extra: str, **popen) -> subprocess.Popen:
-    command = [sys.executable, "-m", "stages.cli", *_generate_args(prompts, output, *extra)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}, **popen)
+def _generate_cli(prompts: Path, output: Path, *extra: str):
+    """``dflash-stages generate`` running as its own process, in its own session (forked from one that imported torch
+    and transformers once: cli_helpers.forked_cli_start)."""
+    from cli_helpers import forked_cli_start
+
+    return forked_cli_start(*_generate_args(prompts, output, *extra), cwd=os.getcwd(), new_session=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.slow
@@ -181,7 +182,7 @@ def test_sigkill_then_rerun_loses_and_duplicates_no_prompt(tmp_path, monkeypatch
 
     prompts = _write_jsonl(tmp_path / "p.jsonl", [{"text": f"def function_{i}(x):\n    return x"} for i in range(5)])
     output = tmp_path / "out"
-    process = _generate_cli(prompts, output, start_new_session=True)
+    process = _generate_cli(prompts, output)
     deadline = time.monotonic() + 600
     while len(committed_parts(output)) < 2 and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)

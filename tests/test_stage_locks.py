@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import forked_cli, main_in_process
+from cli_helpers import forked_cli, forked_cli_start, main_in_process
 from train_helpers import build_tiny_cache
 
 from dflash.locks import lock_path_of
@@ -96,12 +96,12 @@ def _train_command(cache: Path, run: Path, *extra: str) -> list[str]:
 def test_real_train_holds_its_run_and_a_sigkilled_one_is_taken_over_on_resume(tiny_cache, tmp_path, monkeypatch,
                                                                                capsys):
     run = tmp_path / "run"
-    first = subprocess.Popen(_train_command(tiny_cache, run), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True, env=_ENV)
+    # A real train process, forked from one that imported torch once (cli_helpers.forked_cli_start).
+    first = forked_cli_start(*_train_command(tiny_cache, run)[3:], cwd=os.getcwd(), env=_ENV)
     try:
         deadline = time.monotonic() + 120
         while not (run / "latest").is_file():
-            assert first.poll() is None, first.stderr.read() if first.stderr else ""
+            assert first.poll() is None, first.stderr
             assert time.monotonic() < deadline, "no checkpoint in time"
             time.sleep(0.1)
         # A second real train into the same run folder, while the first trains: refused at once.

@@ -107,7 +107,7 @@ def tensor_hash(tensor: torch.Tensor) -> str:
     """``"sha256:..."`` of a tensor's shape, dtype and bytes (used to recognise the target's embedding/LM head)."""
     data = tensor.detach().to("cpu").contiguous()
     digest = hashlib.sha256(f"{tuple(data.shape)}|{data.dtype}".encode())
-    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    digest.update(data.view(torch.uint8).numpy() if data.numel() else b"")  # the buffer itself: no copy of its bytes
     return f"sha256:{digest.hexdigest()}"
 
 
