@@ -298,8 +298,10 @@ def _check_init_target_layers(config: PipelineConfig, target_path: Path, source:
     from dflash.target import target_num_layers
 
     depth = target_num_layers(target_path)
-    bad = [i for i in layers if isinstance(i, int) and not 0 <= i < (depth or 0)]
-    if depth is not None and bad:
+    if depth is None:
+        return
+    bad = [i for i in layers if isinstance(i, int) and not 0 <= i < depth]
+    if bad:
         raise ConfigError(f"train.drafter.init_target_layers ({source('train', 'drafter.init_target_layers')}): "
                           f"{bad} out of range: the target ({target_path.name}) has layers 0..{depth - 1}")
 

@@ -364,10 +364,11 @@ def evaluate_drafter(
             spec_results.append(_generate(tapped, drafter, prompt.input_ids, spec_config,
                                           generator=generator(index)))
             lengths = [t for r in spec_results for t in r.acceptance_lengths]
-            progress.update(task, advance=1, tau=f"{sum(lengths) / max(len(lengths), 1):.2f}")
+            tau_so_far = sum(lengths) / max(len(lengths), 1)
+            progress.update(task, advance=1, tau=f"{tau_so_far:.2f}")
             if not console.is_terminal:  # logs and batch jobs: one plain line per prompt instead of the bar
                 console.print(f"evaluate {label}: prompt {index + 1}/{len(prompts)}, tau so far "
-                              f"{sum(lengths) / max(len(lengths), 1):.3f} ({time.perf_counter() - started:.0f} s)",
+                              f"{tau_so_far:.3f} ({time.perf_counter() - started:.0f} s)",
                               highlight=False, markup=False)
 
     stats = AcceptanceStats.from_lengths([t for r in spec_results for t in r.acceptance_lengths], block_size)

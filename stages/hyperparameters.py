@@ -85,6 +85,7 @@ def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: l
     tokens_per_step = config.data.token_budget * config.grad_accum_steps * world
     boundaries = list(resolved.get("bucket_boundaries") or [])
     validation = resolved.get("validation")
+    init = resolved.get("drafter_init") or {}
     return [
         row("lr (peak)", f"{config.optim.lr:.3g}", f"{_PAPER['lr']:.3g}"),
         row("schedule", schedule_text, "4% warmup, cosine", departs=config.optim.warmup_ratio != _PAPER["warmup_ratio"]),
@@ -96,8 +97,7 @@ def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: l
             departs=float(resolved["gamma"]) != (paper_gamma or default_gamma(block_size))),
         row("block size", block_size, _PAPER["block_size"]),
         row("draft layers", drafter.get("num_hidden_layers", config.drafter.num_draft_layers)),
-        row("draft layer init", _init_text(resolved.get("drafter_init") or {}), "random",
-            departs=(resolved.get("drafter_init") or {}).get("init", "random") != "random"),
+        row("draft layer init", _init_text(init), "random", departs=init.get("init", "random") != "random"),
         row("anchors per document", config.drafter.max_anchors_per_document, _PAPER["max_anchors_per_document"]),
         row("anchor slots (compile)", resolved.get("anchor_slots") or "dynamic"),
         row("token budget", f"{config.data.token_budget:,} per micro-batch x {config.grad_accum_steps} accum x {world} "

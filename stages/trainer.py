@@ -108,9 +108,11 @@ def target_weight_map(target_path: Path) -> dict[str, Path]:
 
 
 def read_target_tensor(weight_map: dict[str, Path], name: str) -> torch.Tensor:
-    """One named tensor of the target, on CPU, from its safetensors file (``target_weight_map``).
+    """One named tensor of the target, on CPU, in its stored dtype and shape, from its safetensors file
+    (``target_weight_map``).
 
     Raises:
+        KeyError: ``name`` is not in ``weight_map``.
         TargetError: the file is missing or damaged (naming it)."""
     from dflash.errors import TargetError
     from dflash.weights_io import open_safetensors
