@@ -18,6 +18,10 @@ right-padded: exactly the batches the extract tasks run):
 5. with ``--via-dask`` (targets loadable by path: ``default`` or a folder): the whole ``extract`` stage through a
    one-GPU LocalCluster (its own worker process loads the target; timed from first task to last commit).
 
+The model is loaded and the corpus and batches built once; steps 1-4 then run ``--repeats`` times (default 3)
+interleaved: each repeat runs every step once, in the order above, and step 4 writes a fresh cache each repeat (the
+previous one deleted, untimed). ``--via-dask`` runs once, after the repeats. Each repeat prints its rates.
+
 Then prints tokens/s of each, extract / truncated-forward (target >= 0.95), extract / full-forward (target >= 1),
 bytes per token on disk, the compression ratio, and where the extract loop's time went: computing (target + copies),
 blocked on shard writes (the device idles), the tail (last writes, finalize), the steady-state rate (tokens over
@@ -25,10 +29,23 @@ computing + blocked time: the rate without the run's start and drain), and the m
 of its hidden chunks. Stopping the write threads or processes afterwards (once per worker, not per token) is
 timed apart (``extract_close_seconds``). Token counts are real (unpadded) tokens.
 
-``--codec auto`` runs extract's codec calibration (:mod:`dflash.cache.codec_choice`) on this runner before step 4
-(here on any device; ``extract`` itself measures only on CUDA runners by default), prints the production rate, each
-candidate's encode rate and ratio, and the choice, and times step 4 with the chosen codec (``codec`` in the figures;
-``--via-dask`` passes ``auto`` to the stage, which chooses on its own worker: ``dask_codec``).
+Over the repeats, every time and rate figure is the MEDIAN of the per-repeat values: the tokens/s figures are medians
+of each repeat's tokens/s; ``extract_over_truncated_forward`` and ``extract_over_full_forward`` are medians of the
+ratios taken within each repeat (the phases of one repeat ran back to back); so are the loop's computing, blocked,
+tail, steady-rate, close and mean-write figures and ``extract_seconds``. Size figures (stored and disk bytes per
+token, the compression ratio, ``num_shards``) are the LAST repeat's cache; ``quarantined`` is the most in any repeat.
+``repeats`` gives the count, and the ``*_runs`` keys list the per-repeat values, in repeat order:
+``full_forward_tokens_per_s_runs`` (and ``full_forward_masked_tokens_per_s_runs`` with ``--masked-baseline``),
+``truncated_forward_tokens_per_s_runs``, ``runner_with_host_copies_tokens_per_s_runs``, ``extract_tokens_per_s_runs``,
+``extract_over_truncated_forward_runs``, ``extract_over_full_forward_runs``, ``extract_steady_tokens_per_s_runs``,
+``extract_blocked_on_writes_seconds_runs``, ``extract_tail_seconds_runs`` and ``extract_seconds_runs``.
+
+``--codec auto`` runs extract's codec calibration (:mod:`dflash.cache.codec_choice`) on this runner once, before the
+first repeat's step 4 (here on any device; ``extract`` itself measures only on CUDA runners by default), prints the
+production rate, each candidate's encode rate and ratio, and the choice, and times step 4 of every repeat with the
+chosen codec (``codec`` in the figures; ``--via-dask`` passes ``auto`` to the stage, which chooses on its own
+worker: ``dask_codec``). ``dask_extract_over_truncated_forward`` is the one Dask run's rate over the median
+truncated-forward rate.
 
 ``--write-only`` measures the write path alone on the CPU (no model): ``--write-shards`` shards of ``--shard-size``
 tokens x ``--num-taps`` x ``--hidden-size`` bf16 (normal values with a per-token log-normal scale, so the exponent
@@ -196,10 +213,13 @@ def compare_packing(args: argparse.Namespace, model: Any, identity: Any, device:
     fixed_len = min(2048, args.max_len)  # the issue's reference: rows of 2,048 tokens, 8 per 16,384-token batch
     fixed = [rng.integers(0, vocab, size=fixed_len, dtype=np.int64) for _ in range(max(1, args.tokens // fixed_len))]
     tail = [rng.integers(0, vocab, size=n, dtype=np.int64) for n in long_tail_lengths(args.tokens, args.seed, args.max_len)]
+    kernels = [name for name in args.packed_attention if name != "varlen" or device.type == "cuda"]
+    if len(kernels) < len(args.packed_attention):
+        console.print("packed varlen skipped: FlashAttention's varlen kernel runs on CUDA only")
     runners = {"padded": TargetRunner(model, layer_ids, device, token_budget=args.token_budget),
                **{f"packed_{name.split('_')[0]}": TargetRunner(model, layer_ids, device, token_budget=args.token_budget,
                                                                packing=True, packed_attention=name)
-                  for name in args.packed_attention}}  # packed_flex, packed_sdpa
+                  for name in kernels}}  # packed_flex, packed_sdpa, packed_varlen
 
     def rate(runner: TargetRunner, rows: list[np.ndarray]) -> tuple[float, int]:
         _sync(device)
@@ -588,13 +608,17 @@ def main() -> None:
                         help="only the runner: fixed-length vs long-tailed corpora, padded vs packed batches")
     parser.add_argument("--packed-attention", nargs="+", default=list(PACKED_ATTENTION), choices=PACKED_ATTENTION,
                         help="--compare-packing: the packed kernels to time (default: all)")
-    parser.add_argument("--repeats", type=int, default=3, help="--compare-packing, --compare-write-paths: interleaved repeats (medians)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="interleaved repeats, figures are medians: the main path's four phases (each repeat runs "
+                             "them all, in order; --via-dask runs once after), --compare-packing, --compare-write-paths")
     parser.add_argument("--write-only", action="store_true", help="time the write path alone on the CPU (no model)")
     parser.add_argument("--write-shards", type=int, default=6, help="shards written by --write-only")
     parser.add_argument("--compare-write-paths", action="store_true",
                         help="with --write-only: ours vs zarr's codec pipeline vs zarrs', --repeats interleaved")
     parser.add_argument("--hidden-size", type=int, default=4096, help="H for --write-only (Qwen3-8B: 4096)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     if args.reference:
         args.min_len, args.max_len, args.token_budget = 2048, 2048, 16384
     if args.smoke:
@@ -643,22 +667,57 @@ def main() -> None:
         batches = _padded_batches(rows, plan, device)
 
         num_shapes = warm_up_shapes(runner, batches, device, masked=args.masked_baseline)
-        full_s = time_full_forward(runner, batches, device)
-        masked_s = time_full_forward(runner, batches, device, masked=True) if args.masked_baseline else None
-        truncated_s = time_truncated_forward(runner, batches, device)
+        choice, codec = None, args.codec
+        # Interleaved repeats: every phase once per repeat, in order, so drift (clocks, heat, page cache) spreads over
+        # all phases alike; the figures are medians of the per-repeat values (ratios taken within each repeat).
+        seconds: dict[str, list[float]] = {"full": [], "masked": [], "truncated": [], "copies": [], "extract": []}
+        counts_runs: list[dict] = []
+        for repeat in range(args.repeats):
+            seconds["full"].append(time_full_forward(runner, batches, device))
+            if args.masked_baseline:
+                seconds["masked"].append(time_full_forward(runner, batches, device, masked=True))
+            seconds["truncated"].append(time_truncated_forward(runner, batches, device))
+            seconds["copies"].append(time_runner_with_copies(runner, rows, plan, shard_rows, device))
+            if repeat == 0 and args.codec == AUTO_CODEC:  # calibrated once; every repeat writes with its choice
+                choice = choose_codec_here(runner, rows, corpus.lengths, args, console)
+                codec = choice["chosen"]
+            shutil.rmtree(workdir / "cache", ignore_errors=True)  # a fresh cache each repeat (untimed)
+            extract_s, counts = time_extract(runner, identity, args.target, workdir / "corpus", workdir / "cache",
+                                             args.shard_size, args.storage_dtype, codec, args.writes_in_flight,
+                                             args.write_threads, args.write_processes)  # fmt: skip
+            seconds["extract"].append(extract_s)
+            counts_runs.append(counts)
+            console.print(f"repeat {repeat}: tokens/s " + ", ".join(
+                f"{name} {num_tokens / values[-1]:,.0f}" for name, values in seconds.items() if values)
+                + f"; extract / truncated {seconds['truncated'][-1] / extract_s:.3f}", soft_wrap=True)  # fmt: skip
         del batches
-        copies_s = time_runner_with_copies(runner, rows, plan, shard_rows, device)
-        choice = choose_codec_here(runner, rows, corpus.lengths, args, console) if args.codec == AUTO_CODEC else None
-        codec = choice["chosen"] if choice is not None else args.codec
-        extract_s, counts = time_extract(runner, identity, args.target, workdir / "corpus", workdir / "cache",
-                                         args.shard_size, args.storage_dtype, codec, args.writes_in_flight,
-                                         args.write_threads, args.write_processes)  # fmt: skip
         dask_summary = time_dask_extract(args, device, workdir) if args.via_dask else None
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
 
     raw_per_token = len(layer_ids) * identity.hidden_size * 2
+    rates = {name: [num_tokens / s for s in values] for name, values in seconds.items() if values}
+    runs = {
+        "full_forward_tokens_per_s": rates["full"],
+        **({"full_forward_masked_tokens_per_s": rates["masked"]} if "masked" in rates else {}),
+        "truncated_forward_tokens_per_s": rates["truncated"],
+        "runner_with_host_copies_tokens_per_s": rates["copies"],
+        "extract_tokens_per_s": rates["extract"],
+        # Ratios within each repeat (the phases of one repeat ran back to back), then their median.
+        "extract_over_truncated_forward": [t / e for t, e in zip(seconds["truncated"], seconds["extract"], strict=True)],
+        "extract_over_full_forward": [f / e for f, e in zip(seconds["full"], seconds["extract"], strict=True)],
+        "extract_steady_tokens_per_s": [num_tokens / (c["loop_compute_seconds"] + c["loop_write_wait_seconds"])
+                                        for c in counts_runs],
+        "extract_blocked_on_writes_seconds": [c["loop_write_wait_seconds"] for c in counts_runs],
+        "extract_tail_seconds": [c["loop_tail_seconds"] for c in counts_runs],
+        "extract_seconds": seconds["extract"],
+    }  # fmt: skip
+
+    def median(key: str) -> float:  # times and rates: the median over repeats
+        return float(np.median([c[key] for c in counts_runs]))
+
+    last = counts_runs[-1]  # sizes: the last repeat's cache (the same corpus, runner and codec every repeat)
     figures = {
         "target": identity.name,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -671,7 +730,7 @@ def main() -> None:
         "distinct_batch_shapes": num_shapes,
         "token_budget": args.token_budget,
         "shard_size": args.shard_size,
-        "num_shards": counts["num_shards"],
+        "num_shards": last["num_shards"],
         "storage_dtype": args.storage_dtype,
         "codec": codec,
         "codec_requested": args.codec,
@@ -679,28 +738,27 @@ def main() -> None:
         "writes_in_flight": args.writes_in_flight,
         "write_threads": args.write_threads,
         "write_processes": default_write_processes(device) if args.write_processes is None else args.write_processes,
-        "full_forward_tokens_per_s": num_tokens / full_s,
-        "truncated_forward_tokens_per_s": num_tokens / truncated_s,
-        "runner_with_host_copies_tokens_per_s": num_tokens / copies_s,
-        "extract_tokens_per_s": num_tokens / extract_s,
-        "extract_over_truncated_forward": truncated_s / extract_s,
-        "extract_over_full_forward": full_s / extract_s,
+        "repeats": args.repeats,
+        # The forward and copy rates (full, masked, truncated, host copies): medians over repeats.
+        **{key: float(np.median(values)) for key, values in runs.items() if not key.startswith("extract_")},
+        "extract_tokens_per_s": float(np.median(runs["extract_tokens_per_s"])),
+        "extract_over_truncated_forward": float(np.median(runs["extract_over_truncated_forward"])),
+        "extract_over_full_forward": float(np.median(runs["extract_over_full_forward"])),
         "raw_bf16_bytes_per_token": raw_per_token,
-        "stored_bytes_per_token": counts["stored_bytes"] / num_tokens,
-        "disk_bytes_per_token": counts["size_on_disk"] / num_tokens,
-        "compression_ratio": counts["raw_bytes"] / max(1, counts["stored_bytes"]),
-        "quarantined": counts["num_quarantined"],
-        "extract_compute_seconds": counts["loop_compute_seconds"],
-        "extract_blocked_on_writes_seconds": counts["loop_write_wait_seconds"],
-        "extract_tail_seconds": counts["loop_tail_seconds"],
-        "extract_seconds": extract_s,
-        "extract_steady_tokens_per_s": num_tokens / (counts["loop_compute_seconds"] + counts["loop_write_wait_seconds"]),
-        "extract_close_seconds": counts["close_seconds"],
-        "mean_shard_write_seconds": counts["mean_write_seconds"],
-        "mean_shard_hidden_chunks_seconds": counts["mean_hidden_seconds"],
+        "stored_bytes_per_token": last["stored_bytes"] / num_tokens,
+        "disk_bytes_per_token": last["size_on_disk"] / num_tokens,
+        "compression_ratio": last["raw_bytes"] / max(1, last["stored_bytes"]),
+        "quarantined": max(c["num_quarantined"] for c in counts_runs),  # the most in any repeat: none may hide
+        "extract_compute_seconds": median("loop_compute_seconds"),
+        "extract_blocked_on_writes_seconds": float(np.median(runs["extract_blocked_on_writes_seconds"])),
+        "extract_tail_seconds": float(np.median(runs["extract_tail_seconds"])),
+        "extract_seconds": float(np.median(runs["extract_seconds"])),
+        "extract_steady_tokens_per_s": float(np.median(runs["extract_steady_tokens_per_s"])),
+        "extract_close_seconds": median("close_seconds"),
+        "mean_shard_write_seconds": median("mean_write_seconds"),
+        "mean_shard_hidden_chunks_seconds": median("mean_hidden_seconds"),
+        **{f"{key}_runs": values for key, values in runs.items()},
     }
-    if masked_s is not None:
-        figures["full_forward_masked_tokens_per_s"] = num_tokens / masked_s
     if choice is not None:
         figures["codec_choice_reason"] = choice["reason"]
         figures["codec_production_MB_per_s"] = choice["production_bytes_per_s"]["benchmark"] / 1e6
@@ -710,14 +768,18 @@ def main() -> None:
     if dask_summary is not None:
         figures["dask_codec"] = dask_summary["codec"]
         figures["dask_extract_tokens_per_s"] = dask_summary["tokens_per_second"]
-        figures["dask_extract_over_truncated_forward"] = dask_summary["tokens_per_second"] * truncated_s / num_tokens
+        figures["dask_extract_over_truncated_forward"] = (dask_summary["tokens_per_second"]
+                                                       / figures["truncated_forward_tokens_per_s"])  # the median
     _report(console, figures, f"extract benchmark: {identity.name} on {figures['device']}", args.json)
 
 
 def _report(console: Console, figures: dict, title: str, json_path: str | None) -> None:
     table = Table(title=title, show_header=False)
     for name, value in figures.items():
-        table.add_row(name, f"{value:,.4g}" if isinstance(value, float) else str(value))
+        if isinstance(value, list) and value and all(isinstance(v, float) for v in value):  # per-repeat values
+            table.add_row(name, ", ".join(f"{v:,.4g}" for v in value))
+        else:
+            table.add_row(name, f"{value:,.4g}" if isinstance(value, float) else str(value))
     console.print(table)
     print(json.dumps(figures))
     if json_path:
