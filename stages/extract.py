@@ -74,8 +74,9 @@ class ExtractConfig:
         token_budget: padded tokens per forward batch (rows x longest); with ``packing``, tokens per packed row.
         packing: packed forward batches (samples back to back, attention confined to each; no padding) instead of
             right-padded length-grouped ones (``dflash.target_runner``): the same hidden states within bf16.
-        packed_attention: the attention kernel of packed batches: ``"flex_attention"`` (a document mask) or
-            ``"sdpa"`` (a block-diagonal mask); ignored without ``packing``.
+        packed_attention: the attention kernel of packed batches: ``"flex_attention"`` (a document mask),
+            ``"sdpa"`` (a block-diagonal mask) or ``"varlen"`` (FlashAttention's varlen kernel over the sample
+            boundaries: no fill, GPU workers only, torch >= 2.10); ignored without ``packing``.
         storage_dtype: ``"bf16"`` (bit-exact) or ``"fp8"`` (lossy e4m3 with a per-token, per-tap scale).
         codec: ``"auto"`` (default) or a codec preset name (``dflash.cache.CODEC_PRESETS``). ``"auto"``: a new
             cache gets the best-compressing lossless codec whose encode rate keeps up with the measured production
@@ -119,7 +120,7 @@ class ExtractConfig:
     shard_size: int = 65536
     token_budget: int = 16384
     packing: bool = False
-    packed_attention: Literal["flex_attention", "sdpa"] = "flex_attention"
+    packed_attention: Literal["flex_attention", "sdpa", "varlen"] = "flex_attention"
     storage_dtype: Literal["bf16", "fp8"] = "bf16"
     codec: str = "auto"
     codec_calibration: Literal["auto", "always", "never"] = "auto"
@@ -152,6 +153,9 @@ class ExtractConfig:
         if self.packed_attention not in PACKED_ATTENTION:
             raise ConfigError(f"packed_attention: expected one of {'|'.join(PACKED_ATTENTION)}, "
                               f"got {self.packed_attention!r}")
+        if self.packing and self.packed_attention == "varlen" and not self.target_gpus and not self.scheduler_address:
+            raise ConfigError("packed_attention: varlen runs FlashAttention on GPU workers only, and this extract "
+                              "has CPU workers (no target_gpus); set target_gpus, or use flex_attention or sdpa")
         from dflash.cache import CODEC_PRESETS
 
         if self.codec != "auto" and self.codec not in CODEC_PRESETS:
@@ -478,7 +482,6 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
         console.print(f"resuming: {summary['skipped_committed']} shards already committed, {len(pending)} to do")
 
     client, cluster, placement = start_cluster(config, daemonic_workers=config.write_processes == 0)
-    quarantined: list[dict] = []
     failures: dict[int, str] = {}
     tokens_done = 0
     compute_seconds = write_wait_seconds = 0.0  # summed over tasks (telemetry: where the workers spent their time)
@@ -534,7 +537,6 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
                     tokens_done += result["tokens"]
                     compute_seconds += float(result.get("compute_seconds", 0.0))
                     write_wait_seconds += float(result.get("write_wait_seconds", 0.0))
-                    quarantined.extend(result["quarantined"])
                     _report_write_errors(result["committed"], failures)
                     progress.update(bar, advance=result["tokens"], shards=f"{done}/{len(specs)} shards computed")
                     future.release()
@@ -555,6 +557,10 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
 
     counts = cache.finalize()
     summary.update(counts)
+    # Quarantined samples of every committed shard, from the commit records (a shard's last batch is finished by
+    # its write, after the shard's task returned: stages.extract_worker.ShardExtractor.process).
+    quarantined = [{**entry, "shard": shard} for shard in sorted(cache.committed_shards())
+                   for entry in (cache.commit_record(shard) or {}).get("quarantined", [])]  # fmt: skip
     summary["codec"] = codec_preset_name(cache.metadata.codec)
     summary["codec_choice"] = cache.metadata.extra.get("codec_choice")
     if not set(range(len(shard_rows))) - cache.committed_shards():
@@ -710,7 +716,7 @@ def register(app: typer.Typer) -> None:
         shard_size: int = typer.Option(65536, "--shard-size", help="Target tokens per shard (one task, one commit)."),
         token_budget: int = typer.Option(16384, "--token-budget", help="Padded tokens per forward batch (rows x longest); with --packing, tokens per packed row."),
         packing: bool = typer.Option(False, "--packing/--no-packing", help="Packed forward batches: samples back to back with attention confined to each, no padding. Same hidden states; measured 0.96x of padded batches on a long-tailed corpus on an H200 (docs/benchmarks.md), so off by default."),
-        packed_attention: str = typer.Option("flex_attention", "--packed-attention", help="Attention kernel of --packing: flex_attention (document mask) | sdpa (block-diagonal mask, half the speed on an H200)."),
+        packed_attention: str = typer.Option("flex_attention", "--packed-attention", help="Attention kernel of --packing: flex_attention (document mask) | sdpa (block-diagonal mask, half the speed on an H200) | varlen (FlashAttention varlen over the sample boundaries; GPU workers, torch >= 2.10)."),
         storage_dtype: str = typer.Option("bf16", "--storage-dtype", help="bf16 (bit-exact) or fp8 (lossy e4m3, per-token per-tap scale); bfloat16 and float8_e4m3fn also accepted."),
         codec: str = typer.Option("auto", "--codec", help="auto, or a codec preset of dflash.cache.CODEC_PRESETS, e.g. none, zstd-1, blosc-zstd1-shuffle (an unknown name lists them). auto: measured on the workers before the cache is created, the best-compressing of blosc-zstd1-shuffle, blosc-lz4-shuffle, none that encodes >= 1.25x the rate hidden states are produced (CUDA runners; CPU runners get blosc-zstd1-shuffle unmeasured); recorded in the cache and printed; an existing cache keeps its codec. If even none cannot keep up, use --storage-dtype fp8 or the online mode (docs/cache-format.md)."),
         codec_calibration: str = typer.Option("auto", "--codec-calibration", help="When --codec auto measures: auto (CUDA runners only), always (CPU runners too), never (the default codec, unmeasured)."),

@@ -26,6 +26,7 @@ import concurrent.futures
 import logging
 import multiprocessing
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -184,6 +185,7 @@ class ShardExtractor:
         self._processes = None
         self._write_processes, self._write_threads = int(write_processes), write_threads
         self._fallback_warned = False
+        self._submit_lock = threading.Lock()
         if write_processes:
             runner.use_shared_host_buffers()
             self._processes = self._start_write_processes()
@@ -267,11 +269,17 @@ class ShardExtractor:
         """Compute shard ``spec.shard_id`` and queue its write.
 
         Returns:
-            ``{"shard", "rows", "samples", "tokens", "padded_tokens", "quarantined": [{"corpus_row", "sample_id",
-            "layers"}], "compute_seconds", "write_wait_seconds", "committed": [commit dicts of writes finished since
-            the last call]}``. ``compute_seconds``: reading the rows and running the target (device work and the
-            copies to host); ``write_wait_seconds``: then blocked until at most ``writes_in_flight - 1`` earlier
-            writes were pending (the device is idle meanwhile: a large share means the write path is the bottleneck).
+            ``{"shard", "rows", "tokens", "skipped", "padded_tokens", "compute_seconds", "write_wait_seconds",
+            "committed": [commit dicts of writes finished since the last call]}``. ``compute_seconds``: reading the
+            rows, queuing the forwards and waiting for every batch's copy to host but the last; ``write_wait_seconds``:
+            then blocked until at most ``writes_in_flight - 1`` earlier writes were pending (a large share means the
+            write path is the bottleneck; it also covers an earlier shard's last batch still on the device).
+
+        The shard's last batch is finished (its copy waited for, its samples checked for non-finite values) by the
+        shard's write job in a writer thread, so this call returns while that batch is still computing and the next
+        call queues its first forward behind it: the device does not idle between shards. The shard's samples
+        and quarantined samples (``quarantined`` of its commit dict, ``CacheReader.quarantined``) are therefore
+        known once its write commits. Host and device memory: at most one batch more than within a shard.
         """
         started = time.perf_counter()
         rows = self._corpus(spec.corpus_path).rows(spec.row_start, spec.row_stop)
@@ -293,9 +301,9 @@ class ShardExtractor:
         quarantined: list[dict] = []
         num_padded = 0
         batches = []  # their pinned host buffers go back to the runner once the shard is written
-        for batch in self.runner.iter_batches([input_ids for _, input_ids, _ in todo]):
+
+        def take(batch: Any) -> None:  # the finished batch's samples, or their quarantine records
             batches.append(batch)
-            num_padded += batch.num_padded_tokens
             for slot, hidden, bad_layers in zip(batch.indices, batch.hidden, batch.nonfinite_layers, strict=True):
                 index, input_ids, loss_mask = todo[slot]
                 row = rows[index]
@@ -317,20 +325,37 @@ class ShardExtractor:
                     loss_mask=torch.as_tensor(loss_mask, dtype=torch.uint8),
                     hidden=hidden,
                 )
-        kept = [sample for sample in samples if sample is not None]
-        quarantined.sort(key=lambda entry: entry["corpus_row"])
+
+        # Every batch but the last is finished here (its copy waited for while the next forward runs); the last is
+        # finished by the shard's write job, so this call returns with its forward still queued and the next
+        # shard's first forward is queued behind it: the device does not idle between shards.
+        last = None
+        for pending in self.runner.iter_pending([input_ids for _, input_ids, _ in todo]):
+            num_padded += pending.num_padded_tokens
+            if pending.last:
+                last = pending
+            else:
+                take(pending.finish())
         compute_seconds = time.perf_counter() - started
         waiting = time.perf_counter()
         committed = self._collect_pending(keep=self.writes_in_flight - 1)  # backpressure: the device idles here
         write_wait_seconds = time.perf_counter() - waiting
-        future = None
-        if self._processes is not None:
-            future = self._submit_to_processes(spec, kept, quarantined, skipped)
-        if future is None:
-            cache = self._cache(spec.cache_path)
-            future = self._writer.submit(cache.write_shard, spec.shard_id, kept, quarantined, skipped=skipped)
-        num_kept = len(kept)
-        del kept, samples  # the write owns the hidden states now
+
+        cache = self._cache(spec.cache_path)  # opened here, not in the writer threads
+
+        def write() -> Any:  # in a writer thread
+            if last is not None:
+                take(last.finish())
+            kept = [sample for sample in samples if sample is not None]
+            quarantined.sort(key=lambda entry: entry["corpus_row"])
+            if self._processes is not None:
+                with self._submit_lock:  # one writer thread at a time may find the pool broken and restart it
+                    future = self._submit_to_processes(spec, kept, quarantined, skipped)
+                if future is not None:
+                    return future.result()
+            return cache.write_shard(spec.shard_id, kept, quarantined, skipped=skipped)
+
+        future = self._writer.submit(write)
 
         def release(_: concurrent.futures.Future, batches: list = batches) -> None:
             for batch in batches:
@@ -341,11 +366,9 @@ class ShardExtractor:
         return {
             "shard": spec.shard_id,
             "rows": [spec.row_start, spec.row_stop],
-            "samples": num_kept,
             "tokens": sum(len(input_ids) for _, input_ids, _ in todo),
             "skipped": len(skipped),
             "padded_tokens": num_padded,
-            "quarantined": quarantined,
             "compute_seconds": compute_seconds,
             "write_wait_seconds": write_wait_seconds,
             "committed": committed,

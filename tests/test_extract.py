@@ -174,10 +174,11 @@ def test_nonfinite_sample_is_quarantined_and_the_rest_written(tmp_path, target, 
     finally:
         for handle in handles:
             handle.remove()
-    assert [entry["corpus_row"] for entry in result["quarantined"]] == [poisoned_row]
-    assert result["quarantined"][0]["sample_id"] == f"doc-{poisoned_row}"
-    assert result["quarantined"][0]["layers"] == [i for i in layer_ids if i > 10]
-    assert writes[0]["num_quarantined"] == 1 and "error" not in writes[0]
+    # The shard's last batch is checked by its write (ShardExtractor.process): the quarantine is in the commit.
+    assert "error" not in writes[0] and writes[0]["num_quarantined"] == 1
+    assert [entry["corpus_row"] for entry in writes[0]["quarantined"]] == [poisoned_row]
+    assert writes[0]["quarantined"][0]["sample_id"] == f"doc-{poisoned_row}"
+    assert writes[0]["quarantined"][0]["layers"] == [i for i in layer_ids if i > 10]
     assert 0 <= result["write_wait_seconds"] and 0 < result["compute_seconds"]
     assert 0 < writes[0]["hidden_seconds"] <= writes[0]["write_seconds"]  # write telemetry in the commit record
     assert [entry["corpus_row"] for entry in CacheReader(output).quarantined()] == [poisoned_row]
@@ -313,6 +314,51 @@ def _shard_specs(output: Path, corpus_dir: Path) -> list[ShardSpec]:
     _, _, shard_rows, _ = prepare_cache(config, _quiet())
     return [ShardSpec(shard_id=shard_id, row_start=start, row_stop=stop, num_tokens=0, cache_path=str(output),
                       corpus_path=str(corpus_dir)) for shard_id, (start, stop) in enumerate(shard_rows)]  # fmt: skip
+
+
+@pytest.mark.parametrize("write_processes", [0, 1])
+def test_a_shards_last_batch_is_finished_by_its_write_after_process_returns(tmp_path, target, corpus_dir, layer_ids,
+                                                                           reference, write_processes):  # fmt: skip
+    """``process`` must not wait for its shard's last batch (so the next shard's first forward is queued behind it and
+    the GPU does not idle between shards): each last batch's ``finish`` is held until ``process`` has returned, and
+    then runs in a writer thread; every shard still commits exactly the per-row reference, in threads or through a
+    write process."""
+    output = tmp_path / "cache"
+    specs = _shard_specs(output, corpus_dir)
+    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=64)
+    iter_pending = runner.iter_pending
+    returned = threading.Event()
+    finished_last: list[tuple[str, bool]] = []  # (thread, whether process had returned) per last batch
+
+    class HeldLast:  # the last PendingBatch, its finish held until process has returned
+        def __init__(self, pending):
+            self.last, self.num_padded_tokens, self._pending = True, pending.num_padded_tokens, pending
+
+        def finish(self):
+            had_returned = returned.wait(timeout=60)  # never set if process waited for this batch itself
+            finished_last.append((threading.current_thread().name, had_returned))
+            return self._pending.finish()
+
+    def held_iter_pending(input_ids_list):
+        for pending in iter_pending(input_ids_list):
+            yield HeldLast(pending) if pending.last else pending
+
+    runner.iter_pending = held_iter_pending
+    extractor = ShardExtractor(runner, write_processes=write_processes, write_threads=1)
+    writes = []
+    try:
+        for spec in specs:
+            returned.clear()
+            result = extractor.process(spec)
+            returned.set()
+            writes += result["committed"]
+        writes += extractor.close()
+    finally:
+        returned.set()
+    assert len(finished_last) == len(specs)
+    assert all(name.startswith("dflash-writer") and had_returned for name, had_returned in finished_last), finished_last
+    assert len(writes) == len(specs) and not [w for w in writes if "error" in w]
+    _assert_cache_matches(output, corpus_dir, reference)
 
 
 def test_write_processes_write_the_same_cache_from_shared_buffers(tmp_path, target, corpus_dir, layer_ids, reference):
@@ -488,6 +534,7 @@ def test_dead_write_process_does_not_fail_later_shards(tmp_path, target, corpus_
                 time.sleep(0.05)
             assert pool._broken  # noqa: SLF001
         writes += extractor.process(spec)["committed"]
+    writes += extractor.flush()  # the last batch of a shard is finished and submitted by its write job
     restarted = extractor._processes._pool  # noqa: SLF001
     writes += extractor.close()
     assert restarted is not pool

@@ -73,15 +73,40 @@ def test_solo_vs_shuffled_mixed_batch_vs_repeat(target, samples, layer_ids, solo
         assert torch.equal(first[position], second[position])  # a repeated call is bit-identical
 
 
+def _reference_varlen(query, key, value, cu_seq_lens, max_length, scale):
+    """What FlashAttention's varlen kernel computes (``dflash.target_runner._flash_varlen``'s contract), one sample at
+    a time through SDPA's causal attention: ``[T, Hq, D]`` from ``[T, H, D]`` inputs and int32 sample starts."""
+    bounds = cu_seq_lens.tolist()
+    assert cu_seq_lens.dtype == torch.int32 and bounds[0] == 0 and bounds[-1] == query.shape[0]
+    assert max_length == max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    groups = query.shape[1] // key.shape[1]
+    out = torch.empty_like(query)
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+        q, k, v = (t[start:stop].transpose(0, 1)[None] for t in (query, key, value))
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out[start:stop] = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0].transpose(0, 1)
+    return out
+
+
 @pytest.mark.parametrize(("token_budget", "packed_attention"),
-                         [(4096, "sdpa"), (24, "sdpa"), (256, "flex_attention")])  # flex: one compile on CPU, a 256-token row
+                         [(4096, "sdpa"), (24, "sdpa"), (256, "flex_attention"), (4096, "varlen"), (24, "varlen")])
 def test_packed_batches_equal_each_sample_alone_whatever_they_are_packed_with(target, samples, layer_ids, solo,
-                                                                             token_budget, packed_attention):
+                                                                             token_budget, packed_attention,
+                                                                             monkeypatch):  # fmt: skip
     """``packing=True``: samples back to back in one row (positions restarting, attention confined to each sample by
-    transformers' packed-sequence mask: SDPA's block-diagonal mask or FlexAttention's document BlockMask); each
-    sample's taps equal its solo forward within bf16, in one row or several (24), and a repeated call is
-    bit-identical. SDPA rows hold no padding; FlexAttention rows are filled to the budget (one compiled shape)
-    unless one sample is longer. The model's own attention implementation is back after every forward."""
+    transformers' packed-sequence mask: SDPA's block-diagonal mask or FlexAttention's document BlockMask, or by the
+    sample boundaries handed to the varlen kernel); each sample's taps equal its solo forward within bf16, in one
+    row or several (24), and a repeated call is bit-identical. SDPA and varlen rows hold no padding; FlexAttention
+    rows are filled to the budget (one compiled shape, one compile on CPU) unless one sample is longer. The model's
+    own attention implementation is back after every forward. FlashAttention's varlen kernel is CUDA only: here the
+    runner's whole varlen path (registration with transformers, sample boundaries through the decoder's kwargs,
+    head layout, GQA, scale) runs with the kernel swapped for :func:`_reference_varlen`; the GPU host checks the
+    kernel itself (``docs/results/extract_packing_check_h200.py``)."""
+    import dflash.target_runner as target_runner
+
+    if packed_attention == "varlen":
+        monkeypatch.setattr(target_runner, "_check_varlen", lambda device: target_runner._register_varlen())
+        monkeypatch.setattr(target_runner, "_flash_varlen", _reference_varlen)
     order = list(range(len(samples)))
     random.Random(1).shuffle(order)
     shuffled = [samples[i] for i in order]
@@ -92,7 +117,7 @@ def test_packed_batches_equal_each_sample_alone_whatever_they_are_packed_with(ta
     assert (len(rows) == 1) == (token_budget > 24)
     batches = list(runner.iter_batches(shuffled))
     for batch in batches:
-        if packed_attention == "sdpa":
+        if packed_attention in ("sdpa", "varlen"):
             assert batch.num_padded_tokens == batch.num_tokens  # nothing padded
         else:
             assert batch.num_padded_tokens == max(token_budget, batch.num_tokens)
@@ -104,9 +129,44 @@ def test_packed_batches_equal_each_sample_alone_whatever_they_are_packed_with(ta
         assert torch.equal(first[position], second[position])
 
 
-def test_packed_attention_is_checked():
-    with pytest.raises(ConfigError, match="packed_attention must be one of flex_attention, sdpa, got 'flash'"):
+def test_packed_attention_is_checked(target, layer_ids):
+    with pytest.raises(ConfigError, match="packed_attention must be one of flex_attention, sdpa, varlen, got 'flash'"):
         TargetRunner(torch.nn.Module(), [0], "cpu", packing=True, packed_attention="flash")
+    with pytest.raises(ConfigError, match="packed_attention=varlen runs FlashAttention, CUDA only .* use packed_attention=flex_attention or sdpa"):
+        TargetRunner(target.model, layer_ids, "cpu", packing=True, packed_attention="varlen")
+
+
+@pytest.mark.parametrize("signature", ["is_causal", "window_size"])
+def test_flash_varlen_calls_either_torch_signature(monkeypatch, signature):
+    """torch 2.10-2.11's ``varlen_attn`` takes ``is_causal`` and equal head counts; later ones ``window_size``,
+    ``enable_gqa`` and ``scale``. ``_flash_varlen`` must give the same causal, grouped-query, scaled attention through
+    both (each fake checks what it is called with, then computes the reference)."""
+    import torch.nn.attention.varlen as varlen
+
+    import dflash.target_runner as target_runner
+
+    def old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+        assert is_causal and key.shape[1] == query.shape[1] and cu_seq_k is cu_seq_q and max_k == max_q
+        return _reference_varlen(query, key, value, cu_seq_q, max_q, query.shape[-1] ** -0.5)
+
+    def new(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+            window_size=(-1, -1), enable_gqa=False):  # fmt: skip
+        assert window_size == (-1, 0) and enable_gqa and key.shape[1] < query.shape[1]
+        return _reference_varlen(query, key, value, cu_seq_q, max_q, scale)
+
+    monkeypatch.setattr(varlen, "varlen_attn", old if signature == "is_causal" else new)
+    target_runner._varlen_parameters.cache_clear()
+    try:
+        generator = torch.Generator().manual_seed(0)
+        query = torch.randn(13, 6, 8, generator=generator)
+        key, value = torch.randn(13, 2, 8, generator=generator), torch.randn(13, 2, 8, generator=generator)
+        cu_seq_lens = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+        out = target_runner._flash_varlen(query, key, value, cu_seq_lens, 7, 0.2)
+    finally:
+        target_runner._varlen_parameters.cache_clear()
+    torch.testing.assert_close(out, _reference_varlen(query, key, value, cu_seq_lens, 7, 0.2))
+    # Attention stays inside each sample: the second sample (one token) attends to itself only, so it is its value.
+    torch.testing.assert_close(out[5], value[5].repeat_interleave(3, dim=0))
 
 
 def test_plan_packed_batches_fills_rows_first_fit_and_covers_every_sample():
