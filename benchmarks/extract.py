@@ -599,14 +599,15 @@ def main() -> None:
                         help="the issue's reference setup: fixed length 2048, token budget 16384 (batch 8 x 2048)")
     parser.add_argument("--masked-baseline", action="store_true",
                         help="also time the full forward WITH the padding attention mask")
-    parser.add_argument("--writes-in-flight", type=int, default=2, help="shard writes overlapping compute")
+    parser.add_argument("--writes-in-flight", type=int, default=3, help="shard writes overlapping compute (extract's default)")
     parser.add_argument("--write-threads", type=int, default=None, help="chunk-write threads (default: cores - 1, at most 32)")
     parser.add_argument("--write-processes", type=int, default=None,
                         help="shard writes in N processes reading shared host memory; 0: threads (default: as extract, "
                              "2 on a GPU, 0 on CPU)")
     parser.add_argument("--compare-packing", action="store_true",
                         help="only the runner: fixed-length vs long-tailed corpora, padded vs packed batches")
-    parser.add_argument("--packed-attention", nargs="+", default=list(PACKED_ATTENTION), choices=PACKED_ATTENTION,
+    parser.add_argument("--packed-attention", nargs="+", default=[name for name in PACKED_ATTENTION if name != "auto"],
+                        choices=[name for name in PACKED_ATTENTION if name != "auto"],
                         help="--compare-packing: the packed kernels to time (default: all)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="interleaved repeats, figures are medians: the main path's four phases (each repeat runs "

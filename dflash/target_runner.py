@@ -21,7 +21,7 @@ Packed batches (``packing=True``): samples are concatenated into one row of at m
 (first-fit decreasing; a longer sample gets a row of its own), with position ids restarting at 0 for each sample
 and no attention mask: transformers reads the restarts as its packed-sequence format
 (``masking_utils.find_packed_sequence_indices``) and confines attention to each sample. Which kernel does that is
-``packed_attention``: ``"flex_attention"`` (the default) builds a document ``BlockMask``, so FlexAttention skips
+``packed_attention``: ``"flex_attention"`` builds a document ``BlockMask``, so FlexAttention skips
 every block outside a sample's causal triangle; the row is filled up to ``token_budget`` with a padding "sample"
 of its own (its outputs are dropped) so that the compiled kernel sees one shape. ``"sdpa"`` gets a materialized
 block-diagonal causal mask (SDPA's masked kernels: half the speed of the ``is_causal`` flash kernel on an H200,
@@ -32,7 +32,10 @@ registered as the transformers attention implementation :data:`VARLEN_IMPLEMENTA
 transformers then builds no mask) and gets the sample boundaries as transformers' ``FlashAttentionKwargs``
 (``cu_seq_lens_q``/``cu_seq_lens_k``, ``max_length_q``/``max_length_k``) through the decoder's ``**kwargs``. The runner switches the model to that implementation (``set_attn_implementation``) for the
 packed forward only and back afterwards, so a model may be shared with a padded runner. A sample's output again
-equals its solo forward within bf16 tolerance, whatever it is packed with. What packing saves is the padding of
+equals its solo forward within bf16 tolerance, whatever it is packed with. ``"auto"`` (the default) is ``"varlen"``
+on CUDA where torch has it and ``"flex_attention"`` elsewhere (:func:`resolve_packed_attention`): on an H200,
+Qwen3-8B shape, varlen ran a long-tailed corpus at 1.13x FlexAttention and fixed 2,048-token rows at 0.99x, in one
+run (docs/benchmarks.md). What packing saves is the padding of
 length-grouped batches (long-tailed corpora); ``benchmarks/extract.py --compare-packing`` measures both.
 
 On CUDA the taps are copied on a side stream (non-blocking, ordered by an event) into pinned host buffers that
@@ -58,6 +61,7 @@ from dflash.errors import ConfigError, TargetError
 from dflash.target import LAYER_ID_CONVENTION, PACKED_ATTENTION, validate_target_layer_ids
 
 __all__ = ["TargetRunner", "RunnerBatch", "PendingBatch", "plan_batches", "plan_packed_batches", "find_decoder_layers",
+           "resolve_packed_attention",
            "PACKED_ATTENTION", "VARLEN_IMPLEMENTATION"]
 
 log = logging.getLogger(__name__)
@@ -118,11 +122,35 @@ def _varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     cu_seq_lens, max_length = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if cu_seq_lens is None or max_length is None or query.shape[0] != 1:
         raise TargetError(f"attention implementation {VARLEN_IMPLEMENTATION!r} needs one packed row with "
-                          "cu_seq_lens_q and max_length_q (TargetRunner's packed forward passes them)")
+                          "cu_seq_lens_q and max_length_q (TargetRunner's packed forward passes them; a model whose decoder drops "
+                          "its attention kwargs cannot use it: packed_attention=flex_attention)")
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     out = _flash_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_seq_lens,
                         int(max_length), scale)  # fmt: skip
     return out[None], None
+
+
+def _varlen_available() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (torch >= 2.10)
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_packed_attention(packed_attention: str, device: str | torch.device) -> str:
+    """The packed-attention kernel a runner on ``device`` uses for ``packed_attention`` (one of
+    :data:`PACKED_ATTENTION`): ``"auto"`` gives ``"varlen"`` on CUDA where this torch has
+    ``torch.nn.attention.varlen`` (torch >= 2.10), else ``"flex_attention"``; any other name is returned as it is.
+
+    Raises:
+        ConfigError: ``packed_attention`` is not one of :data:`PACKED_ATTENTION`.
+    """
+    if packed_attention not in PACKED_ATTENTION:
+        raise ConfigError(f"packed_attention must be one of {', '.join(PACKED_ATTENTION)}, got {packed_attention!r}")
+    if packed_attention != "auto":
+        return packed_attention
+    return "varlen" if torch.device(device).type == "cuda" and _varlen_available() else "flex_attention"
 
 
 def _check_varlen(device: torch.device) -> None:
@@ -322,7 +350,8 @@ class TargetRunner:
         pad_token_id: id written into padding positions (never seen by real tokens).
         packing: packed batches instead of right-padded ones (module docstring).
         packed_attention: the attention implementation of packed forwards, one of :data:`PACKED_ATTENTION`
-            (module docstring); ignored without ``packing``.
+            (module docstring; ``"auto"``: :func:`resolve_packed_attention`); ignored without ``packing``. The
+            attribute ``packed_attention`` holds the kernel resolved for ``device``.
         shared_host_buffers: allocate the reusable host buffers in POSIX shared memory (pinned on CUDA), so that
             write processes read the hidden states without a copy (:mod:`dflash.shm`, read by :mod:`dflash.cache.process_writer`); call
             :meth:`close` to free them.
@@ -351,8 +380,8 @@ class TargetRunner:
     ) -> None:
         if token_budget < 1:
             raise ConfigError(f"token_budget must be >= 1, got {token_budget}")
-        if packed_attention not in PACKED_ATTENTION:
-            raise ConfigError(f"packed_attention must be one of {', '.join(PACKED_ATTENTION)}, got {packed_attention!r}")
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        packed_attention = resolve_packed_attention(packed_attention, self.device)
         if packing and packed_attention == "flex_attention":
             try:
                 from torch.nn.attention import flex_attention  # noqa: F401  (torch >= 2.5)
@@ -364,7 +393,6 @@ class TargetRunner:
         self.num_target_layers = int(config.num_hidden_layers)
         self.hidden_size = int(config.hidden_size)
         self.target_layer_ids = validate_target_layer_ids(list(target_layer_ids), self.num_target_layers)
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.token_budget = int(token_budget)
         self.pad_token_id = int(pad_token_id)
         self.packing = bool(packing)

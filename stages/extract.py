@@ -74,9 +74,10 @@ class ExtractConfig:
         token_budget: padded tokens per forward batch (rows x longest); with ``packing``, tokens per packed row.
         packing: packed forward batches (samples back to back, attention confined to each; no padding) instead of
             right-padded length-grouped ones (``dflash.target_runner``): the same hidden states within bf16.
-        packed_attention: the attention kernel of packed batches: ``"flex_attention"`` (a document mask),
-            ``"sdpa"`` (a block-diagonal mask) or ``"varlen"`` (FlashAttention's varlen kernel over the sample
-            boundaries: no fill, GPU workers only, torch >= 2.10); ignored without ``packing``.
+        packed_attention: the attention kernel of packed batches: ``"auto"`` (default: ``"varlen"`` on GPU workers
+            whose torch has it, else ``"flex_attention"``), ``"flex_attention"`` (a document mask), ``"sdpa"`` (a
+            block-diagonal mask) or ``"varlen"`` (FlashAttention's varlen kernel over the sample boundaries: no fill,
+            GPU workers only, torch >= 2.10); ignored without ``packing``.
         storage_dtype: ``"bf16"`` (bit-exact) or ``"fp8"`` (lossy e4m3 with a per-token, per-tap scale).
         codec: ``"auto"`` (default) or a codec preset name (``dflash.cache.CODEC_PRESETS``). ``"auto"``: a new
             cache gets the best-compressing lossless codec whose encode rate keeps up with the measured production
@@ -100,6 +101,7 @@ class ExtractConfig:
             known dead; ``dflash.locks``).
         write_threads: chunk-compression threads per worker; ``None``: CPUs per worker - 1 (at most 32).
         writes_in_flight: shard writes per worker running beside its compute (each holds a shard in host memory).
+            3: on an H200 (Qwen3-8B shape, 1M tokens) 2 left the device blocked on writes 2.3 s of 33 s, 3 for 2 ms.
         write_processes: 0: each worker writes its shards in its own threads. N > 0: in N write processes per
             worker reading the hidden states from shared host memory (``dflash.cache.process_writer``). ``None``
             (default): 2 on GPU workers, 0 on CPU workers (``stages.extract_worker.default_write_processes``).
@@ -120,7 +122,7 @@ class ExtractConfig:
     shard_size: int = 65536
     token_budget: int = 16384
     packing: bool = False
-    packed_attention: Literal["flex_attention", "sdpa", "varlen"] = "flex_attention"
+    packed_attention: Literal["auto", "flex_attention", "sdpa", "varlen"] = "auto"
     storage_dtype: Literal["bf16", "fp8"] = "bf16"
     codec: str = "auto"
     codec_calibration: Literal["auto", "always", "never"] = "auto"
@@ -134,7 +136,7 @@ class ExtractConfig:
     tls_key: str | None = None
     break_lock: bool = False
     write_threads: int | None = None
-    writes_in_flight: int = 2
+    writes_in_flight: int = 3
     write_processes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -485,6 +487,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
     failures: dict[int, str] = {}
     tokens_done = 0
     compute_seconds = write_wait_seconds = 0.0  # summed over tasks (telemetry: where the workers spent their time)
+    batching: set[str] = set()  # how the workers batched ("padded" or "packed (<kernel resolved on the worker>)")
     try:
         console.print(f"Dask dashboard: {client.dashboard_link}")
         plugin = TargetWorkerPlugin(
@@ -537,6 +540,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
                     tokens_done += result["tokens"]
                     compute_seconds += float(result.get("compute_seconds", 0.0))
                     write_wait_seconds += float(result.get("write_wait_seconds", 0.0))
+                    batching.add(str(result.get("batching", "padded")))
                     _report_write_errors(result["committed"], failures)
                     progress.update(bar, advance=result["tokens"], shards=f"{done}/{len(specs)} shards computed")
                     future.release()
@@ -566,7 +570,8 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
     if not set(range(len(shard_rows))) - cache.committed_shards():
         _remove_staging(config.output)
     summary.update({"tokens_computed": tokens_done, "seconds": elapsed, "tokens_per_second": tokens_done / max(elapsed, 1e-9),
-                    "compute_seconds": compute_seconds, "write_wait_seconds": write_wait_seconds})
+                    "compute_seconds": compute_seconds, "write_wait_seconds": write_wait_seconds,
+                    "batching": ", ".join(sorted(batching))})
     _print_summary(console, config, summary, quarantined)
     missing = sorted(set(range(len(shard_rows))) - cache.committed_shards())
     if missing and any(_disk_full(failures.get(k, "")) for k in missing):
@@ -676,6 +681,8 @@ def _print_summary(console: Console, config: ExtractConfig, summary: dict[str, A
         ("stored", f"{_human(stored)} ({stored / max(1, summary.get('num_tokens', 0)):,.0f} B/token, ratio {raw / max(1, stored):.3f})"),
         ("codec", summary.get("codec", "") + (" (auto)" if summary.get("codec_choice") else "")),
     ]
+    if summary.get("batching"):
+        rows.append(("batches", summary["batching"]))
     busy = summary.get("compute_seconds", 0.0) + summary.get("write_wait_seconds", 0.0)
     if busy > 0:
         share = summary.get("write_wait_seconds", 0.0) / busy
@@ -715,8 +722,8 @@ def register(app: typer.Typer) -> None:
         scheduler_address: str | None = typer.Option(None, "--scheduler-address", help="Existing Dask scheduler (workers with resource GPU=1 get one task at a time)."),
         shard_size: int = typer.Option(65536, "--shard-size", help="Target tokens per shard (one task, one commit)."),
         token_budget: int = typer.Option(16384, "--token-budget", help="Padded tokens per forward batch (rows x longest); with --packing, tokens per packed row."),
-        packing: bool = typer.Option(False, "--packing/--no-packing", help="Packed forward batches: samples back to back with attention confined to each, no padding. Same hidden states; measured 0.96x of padded batches on a long-tailed corpus on an H200 (docs/benchmarks.md), so off by default."),
-        packed_attention: str = typer.Option("flex_attention", "--packed-attention", help="Attention kernel of --packing: flex_attention (document mask) | sdpa (block-diagonal mask, half the speed on an H200) | varlen (FlashAttention varlen over the sample boundaries; GPU workers, torch >= 2.10)."),
+        packing: bool = typer.Option(False, "--packing/--no-packing", help="Packed forward batches: samples back to back with attention confined to each, no padding. Same hidden states; on an H200 a long-tailed corpus ran at 0.99x (524K tokens) to 1.08x (131K) of padded batches with varlen, 0.95-0.96x with flex_attention (docs/benchmarks.md), so off by default."),
+        packed_attention: str = typer.Option("auto", "--packed-attention", help="Attention kernel of --packing: auto (varlen on GPU workers whose torch has it, else flex_attention) | flex_attention (document mask) | sdpa (block-diagonal mask, half the speed on an H200) | varlen (FlashAttention varlen over the sample boundaries; GPU workers, torch >= 2.10; 1.13x flex_attention on a long-tailed corpus on an H200)."),
         storage_dtype: str = typer.Option("bf16", "--storage-dtype", help="bf16 (bit-exact) or fp8 (lossy e4m3, per-token per-tap scale); bfloat16 and float8_e4m3fn also accepted."),
         codec: str = typer.Option("auto", "--codec", help="auto, or a codec preset of dflash.cache.CODEC_PRESETS, e.g. none, zstd-1, blosc-zstd1-shuffle (an unknown name lists them). auto: measured on the workers before the cache is created, the best-compressing of blosc-zstd1-shuffle, blosc-lz4-shuffle, none that encodes >= 1.25x the rate hidden states are produced (CUDA runners; CPU runners get blosc-zstd1-shuffle unmeasured); recorded in the cache and printed; an existing cache keeps its codec. If even none cannot keep up, use --storage-dtype fp8 or the online mode (docs/cache-format.md)."),
         codec_calibration: str = typer.Option("auto", "--codec-calibration", help="When --codec auto measures: auto (CUDA runners only), always (CPU runners too), never (the default codec, unmeasured)."),
@@ -730,7 +737,7 @@ def register(app: typer.Typer) -> None:
         tls_key: str | None = typer.Option(None, "--tls-key", help="Client private key for a TLS scheduler."),
         break_lock: bool = typer.Option(False, "--break-lock", help="Take over the cache's lock left by a run on another host that is known dead (docs/cache-format.md)."),
         write_threads: int | None = typer.Option(None, "--write-threads", help="Chunk-write threads per worker: gather, compress, checksum, store (default: CPU cores per worker - 1, at most 32)."),
-        writes_in_flight: int = typer.Option(2, "--writes-in-flight", help="Shard writes per worker overlapping its compute (each holds one shard in host memory)."),
+        writes_in_flight: int = typer.Option(3, "--writes-in-flight", help="Shard writes per worker overlapping its compute (each holds one shard in host memory)."),
         write_processes: int | None = typer.Option(None, "--write-processes", help="Write shards in N processes per worker that read the hidden states from shared memory (/dev/shm; if it is too small, threads are used with a warning); 0: in threads of the worker (default: 2 on GPU workers, 0 on CPU workers)."),
         config_file: str | None = CONFIG_OPTION,
         preset: str | None = PRESET_OPTION,

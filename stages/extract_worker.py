@@ -5,7 +5,7 @@ arrays. The worker plugin loads the target once per worker in ``setup`` (pinning
 ``teardown``. :class:`ShardExtractor` does the work and is usable without Dask (benchmarks, tests).
 
 Overlap of storage with compute: a shard's hidden states are handed to a ``concurrent.futures`` writer pool
-(``writes_in_flight`` threads, default 2), which calls ``HiddenStateCache.write_shard`` (arrays first, commit
+(``writes_in_flight`` threads, default 3), which calls ``HiddenStateCache.write_shard`` (arrays first, commit
 record last) while the same worker's next shards run on the device. Each write's ``hidden`` chunks are gathered,
 encoded, checksummed and stored in parallel by the cache's process-wide pool of ``write_threads`` chunk threads
 (``zarr.config`` ``threading.max_workers``; niced below this thread, which feeds the GPU; numcodecs and hashlib
@@ -174,7 +174,7 @@ class ShardExtractor:
         ConfigError: ``writes_in_flight < 1`` or ``write_threads < 1``.
     """
 
-    def __init__(self, runner: TargetRunner, *, writes_in_flight: int = 2, write_threads: int | None = None,
+    def __init__(self, runner: TargetRunner, *, writes_in_flight: int = 3, write_threads: int | None = None,
                  write_processes: int | None = None) -> None:  # fmt: skip
         if writes_in_flight < 1:
             raise ConfigError(f"writes_in_flight: expected >= 1, got {writes_in_flight}")
@@ -269,8 +269,9 @@ class ShardExtractor:
         """Compute shard ``spec.shard_id`` and queue its write.
 
         Returns:
-            ``{"shard", "rows", "tokens", "skipped", "padded_tokens", "compute_seconds", "write_wait_seconds",
-            "committed": [commit dicts of writes finished since the last call]}``. ``compute_seconds``: reading the
+            ``{"shard", "rows", "tokens", "skipped", "padded_tokens", "batching", "compute_seconds", "write_wait_seconds",
+            "committed": [commit dicts of writes finished since the last call]}``. ``batching``: ``"padded"`` or
+            ``"packed (<kernel>)"``, the packed-attention kernel this worker resolved. ``compute_seconds``: reading the
             rows, queuing the forwards and waiting for every batch's copy to host but the last; ``write_wait_seconds``:
             then blocked until at most ``writes_in_flight - 1`` earlier writes were pending (a large share means the
             write path is the bottleneck; it also covers an earlier shard's last batch still on the device).
@@ -369,6 +370,7 @@ class ShardExtractor:
             "tokens": sum(len(input_ids) for _, input_ids, _ in todo),
             "skipped": len(skipped),
             "padded_tokens": num_padded,
+            "batching": f"packed ({self.runner.packed_attention})" if self.runner.packing else "padded",
             "compute_seconds": compute_seconds,
             "write_wait_seconds": write_wait_seconds,
             "committed": committed,
@@ -424,10 +426,10 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
         torch_threads: int | None = None,
         die_with_parent: bool = False,
         write_threads: int | None = None,
-        writes_in_flight: int = 2,
+        writes_in_flight: int = 3,
         write_processes: int | None = None,
         packing: bool = False,
-        packed_attention: str = "flex_attention",
+        packed_attention: str = "auto",
     ) -> None:
         super().__init__(target_spec=target_spec, gpu_by_worker=gpu_by_worker, device=device,
                          torch_threads=torch_threads, die_with_parent=die_with_parent)

@@ -391,7 +391,9 @@ def test_packed_batches_write_the_same_cache_through_write_processes(tmp_path, t
     # tests/test_target_runner.py; its CPU compile would add ~10 s here).
     runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=64, packing=True, packed_attention="sdpa")
     extractor = ShardExtractor(runner, write_processes=1, write_threads=1)
-    writes = [record for spec in specs for record in extractor.process(spec)["committed"]]
+    results = [extractor.process(spec) for spec in specs]
+    assert {result["batching"] for result in results} == {"packed (sdpa)"}  # the kernel each task reports
+    writes = [record for result in results for record in result["committed"]]
     writes += extractor.close()
     assert len(writes) == len(specs) and not [w for w in writes if "error" in w]
     _assert_cache_matches(output, corpus_dir, reference)

@@ -97,7 +97,7 @@ def test_packed_batches_equal_each_sample_alone_whatever_they_are_packed_with(ta
     transformers' packed-sequence mask: SDPA's block-diagonal mask or FlexAttention's document BlockMask, or by the
     sample boundaries handed to the varlen kernel); each sample's taps equal its solo forward within bf16, in one
     row or several (24), and a repeated call is bit-identical. SDPA and varlen rows hold no padding; FlexAttention
-    rows are filled to the budget (one compiled shape, one compile on CPU) unless one sample is longer. The model's
+    rows are filled to the budget (one compiled shape on a GPU) unless one sample is longer. The model's
     own attention implementation is back after every forward. FlashAttention's varlen kernel is CUDA only: here the
     runner's whole varlen path (registration with transformers, sample boundaries through the decoder's kwargs,
     head layout, GQA, scale) runs with the kernel swapped for :func:`_reference_varlen`; the GPU host checks the
@@ -107,6 +107,19 @@ def test_packed_batches_equal_each_sample_alone_whatever_they_are_packed_with(ta
     if packed_attention == "varlen":
         monkeypatch.setattr(target_runner, "_check_varlen", lambda device: target_runner._register_varlen())
         monkeypatch.setattr(target_runner, "_flash_varlen", _reference_varlen)
+    if packed_attention == "flex_attention":
+        # transformers compiles both the document BlockMask's construction and the FlexAttention kernel: about 50 s
+        # of cold inductor C++ on 2 CPU cores. Here both run eagerly: the same mask and the same attention (compiling
+        # changes only speed and rounding); the compiled kernel's numerics are checked on the GPU host
+        # (docs/results/extract_packing_check_h200.py, extract_packing_varlen_check_h200.py).
+        import transformers.integrations.flex_attention as flex_integration
+        import transformers.masking_utils as masking_utils
+        from torch.nn.attention.flex_attention import flex_attention
+
+        build = masking_utils.create_block_mask
+        monkeypatch.setattr(masking_utils, "create_block_mask",
+                            lambda *args, **kwargs: build(*args, **{**kwargs, "_compile": False}))
+        monkeypatch.setattr(flex_integration.WrappedFlexAttention, "__call__", lambda self: flex_attention)
     order = list(range(len(samples)))
     random.Random(1).shuffle(order)
     shuffled = [samples[i] for i in order]
@@ -129,8 +142,25 @@ def test_packed_batches_equal_each_sample_alone_whatever_they_are_packed_with(ta
         assert torch.equal(first[position], second[position])
 
 
+def test_auto_packed_attention_is_varlen_on_cuda_where_torch_has_it_else_flex(target, layer_ids, monkeypatch):
+    import dflash.target_runner as target_runner
+    from dflash.target_runner import resolve_packed_attention
+
+    runner = TargetRunner(target.model, layer_ids, "cpu", packing=True)  # the default is "auto"
+    assert runner.packed_attention == "flex_attention"
+    assert TargetRunner(target.model, layer_ids, "cpu", packing=True, packed_attention="sdpa").packed_attention == "sdpa"
+    monkeypatch.setattr(target_runner, "_varlen_available", lambda: True)
+    assert resolve_packed_attention("auto", "cuda:1") == "varlen"
+    assert resolve_packed_attention("auto", "cpu") == "flex_attention"
+    assert resolve_packed_attention("flex_attention", "cuda") == "flex_attention"  # an explicit choice is kept
+    monkeypatch.setattr(target_runner, "_varlen_available", lambda: False)  # torch < 2.10
+    assert resolve_packed_attention("auto", "cuda") == "flex_attention"
+    with pytest.raises(ConfigError, match="packed_attention must be one of auto, flex_attention, sdpa, varlen"):
+        resolve_packed_attention("flash", "cuda")
+
+
 def test_packed_attention_is_checked(target, layer_ids):
-    with pytest.raises(ConfigError, match="packed_attention must be one of flex_attention, sdpa, varlen, got 'flash'"):
+    with pytest.raises(ConfigError, match="packed_attention must be one of auto, flex_attention, sdpa, varlen, got 'flash'"):
         TargetRunner(torch.nn.Module(), [0], "cpu", packing=True, packed_attention="flash")
     with pytest.raises(ConfigError, match="packed_attention=varlen runs FlashAttention, CUDA only .* use packed_attention=flex_attention or sdpa"):
         TargetRunner(target.model, layer_ids, "cpu", packing=True, packed_attention="varlen")
