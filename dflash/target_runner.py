@@ -33,7 +33,7 @@ transformers then builds no mask) and gets the sample boundaries as transformers
 (``cu_seq_lens_q``/``cu_seq_lens_k``, ``max_length_q``/``max_length_k``) through the decoder's ``**kwargs``. The runner switches the model to that implementation (``set_attn_implementation``) for the
 packed forward only and back afterwards, so a model may be shared with a padded runner. A sample's output again
 equals its solo forward within bf16 tolerance, whatever it is packed with. ``"auto"`` (the default) is ``"varlen"``
-on CUDA where torch has it and ``"flex_attention"`` elsewhere (:func:`resolve_packed_attention`): on an H200,
+on CUDA where torch has it, else ``"flex_attention"`` on CUDA and ``"sdpa"`` on CPU (:func:`resolve_packed_attention`): on an H200,
 Qwen3-8B shape, varlen ran a long-tailed corpus at 1.13x FlexAttention and fixed 2,048-token rows at 0.99x, in one
 run (docs/benchmarks.md). What packing saves is the padding of
 length-grouped batches (long-tailed corpora); ``benchmarks/extract.py --compare-packing`` measures both.
@@ -141,7 +141,9 @@ def _varlen_available() -> bool:
 def resolve_packed_attention(packed_attention: str, device: str | torch.device) -> str:
     """The packed-attention kernel a runner on ``device`` uses for ``packed_attention`` (one of
     :data:`PACKED_ATTENTION`): ``"auto"`` gives ``"varlen"`` on CUDA where this torch has
-    ``torch.nn.attention.varlen`` (torch >= 2.10), else ``"flex_attention"``; any other name is returned as it is.
+    ``torch.nn.attention.varlen`` (torch >= 2.10), ``"flex_attention"`` on CUDA without it, and ``"sdpa"`` off CUDA
+    (on 2 CPU cores, SmolLM2, 1,263 tokens: extract took 4.5 s with sdpa, 271.5 s with flex_attention, whose
+    compiled mask and kernel dominate there); any other name is returned as it is.
 
     Raises:
         ConfigError: ``packed_attention`` is not one of :data:`PACKED_ATTENTION`.
@@ -150,7 +152,9 @@ def resolve_packed_attention(packed_attention: str, device: str | torch.device) 
         raise ConfigError(f"packed_attention must be one of {', '.join(PACKED_ATTENTION)}, got {packed_attention!r}")
     if packed_attention != "auto":
         return packed_attention
-    return "varlen" if torch.device(device).type == "cuda" and _varlen_available() else "flex_attention"
+    if torch.device(device).type != "cuda":
+        return "sdpa"
+    return "varlen" if _varlen_available() else "flex_attention"
 
 
 def _check_varlen(device: torch.device) -> None:

@@ -142,16 +142,17 @@ def test_packed_batches_equal_each_sample_alone_whatever_they_are_packed_with(ta
         assert torch.equal(first[position], second[position])
 
 
-def test_auto_packed_attention_is_varlen_on_cuda_where_torch_has_it_else_flex(target, layer_ids, monkeypatch):
+def test_auto_packed_attention_is_varlen_on_cuda_where_torch_has_it_else_flex_and_sdpa_on_cpu(target, layer_ids, monkeypatch):
     import dflash.target_runner as target_runner
     from dflash.target_runner import resolve_packed_attention
 
     runner = TargetRunner(target.model, layer_ids, "cpu", packing=True)  # the default is "auto"
-    assert runner.packed_attention == "flex_attention"
-    assert TargetRunner(target.model, layer_ids, "cpu", packing=True, packed_attention="sdpa").packed_attention == "sdpa"
+    assert runner.packed_attention == "sdpa"  # CPU: no compiled mask or kernel
+    flex = TargetRunner(target.model, layer_ids, "cpu", packing=True, packed_attention="flex_attention")
+    assert flex.packed_attention == "flex_attention"
     monkeypatch.setattr(target_runner, "_varlen_available", lambda: True)
     assert resolve_packed_attention("auto", "cuda:1") == "varlen"
-    assert resolve_packed_attention("auto", "cpu") == "flex_attention"
+    assert resolve_packed_attention("auto", "cpu") == "sdpa"
     assert resolve_packed_attention("flex_attention", "cuda") == "flex_attention"  # an explicit choice is kept
     monkeypatch.setattr(target_runner, "_varlen_available", lambda: False)  # torch < 2.10
     assert resolve_packed_attention("auto", "cuda") == "flex_attention"
