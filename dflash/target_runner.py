@@ -33,9 +33,9 @@ transformers then builds no mask) and gets the sample boundaries as transformers
 (``cu_seq_lens_q``/``cu_seq_lens_k``, ``max_length_q``/``max_length_k``) through the decoder's ``**kwargs``. The runner switches the model to that implementation (``set_attn_implementation``) for the
 packed forward only and back afterwards, so a model may be shared with a padded runner. A sample's output again
 equals its solo forward within bf16 tolerance, whatever it is packed with. ``"auto"`` (the default) is ``"varlen"``
-on CUDA where torch has it, else ``"flex_attention"`` on CUDA and ``"sdpa"`` on CPU (:func:`resolve_packed_attention`): on an H200,
-Qwen3-8B shape, varlen ran a long-tailed corpus at 1.13x FlexAttention and fixed 2,048-token rows at 0.99x, in one
-run (docs/benchmarks.md). What packing saves is the padding of
+on CUDA where torch has it, else ``"flex_attention"`` on CUDA and ``"sdpa"`` on CPU (:func:`resolve_packed_attention`):
+on an H200, Qwen3-8B shape, varlen ran a long-tailed corpus at 1.13x FlexAttention and fixed 2,048-token rows at
+0.99x, in one run (docs/benchmarks.md). What packing saves is the padding of
 length-grouped batches (long-tailed corpora); ``benchmarks/extract.py --compare-packing`` measures both.
 
 On CUDA the taps are copied on a side stream (non-blocking, ordered by an event) into pinned host buffers that
@@ -122,20 +122,22 @@ def _varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     cu_seq_lens, max_length = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if cu_seq_lens is None or max_length is None or query.shape[0] != 1:
         raise TargetError(f"attention implementation {VARLEN_IMPLEMENTATION!r} needs one packed row with "
-                          "cu_seq_lens_q and max_length_q (TargetRunner's packed forward passes them; a model whose decoder drops "
-                          "its attention kwargs cannot use it: packed_attention=flex_attention)")
+                          "cu_seq_lens_q and max_length_q (TargetRunner's packed forward passes them; a model whose "
+                          "decoder drops its attention kwargs cannot use it: packed_attention=flex_attention)")
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     out = _flash_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_seq_lens,
                         int(max_length), scale)  # fmt: skip
     return out[None], None
 
 
-def _varlen_available() -> bool:
+def _varlen_import_error() -> ImportError | None:
+    """Why this torch has no FlashAttention varlen kernel (``torch.nn.attention.varlen``, torch >= 2.10); ``None``
+    when it has one."""
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (torch >= 2.10)
-    except ImportError:
-        return False
-    return True
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError as error:
+        return error
+    return None
 
 
 def resolve_packed_attention(packed_attention: str, device: str | torch.device) -> str:
@@ -154,15 +156,14 @@ def resolve_packed_attention(packed_attention: str, device: str | torch.device) 
         return packed_attention
     if torch.device(device).type != "cuda":
         return "sdpa"
-    return "varlen" if _varlen_available() else "flex_attention"
+    return "varlen" if _varlen_import_error() is None else "flex_attention"
 
 
 def _check_varlen(device: torch.device) -> None:
     """Refuse ``packed_attention="varlen"`` where it cannot run (ConfigError naming the fix); register it with
     transformers otherwise."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (torch >= 2.10)
-    except ImportError as error:
+    error = _varlen_import_error()
+    if error is not None:
         raise ConfigError(f"packed_attention=varlen needs torch.nn.attention.varlen (torch >= 2.10), which torch "
                           f"{torch.__version__} lacks ({error}); use packed_attention=flex_attention") from error
     if device.type != "cuda":

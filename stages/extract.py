@@ -75,9 +75,10 @@ class ExtractConfig:
         packing: packed forward batches (samples back to back, attention confined to each; no padding) instead of
             right-padded length-grouped ones (``dflash.target_runner``): the same hidden states within bf16.
         packed_attention: the attention kernel of packed batches: ``"auto"`` (default: ``"varlen"`` on GPU workers
-            whose torch has it, else ``"flex_attention"`` on GPU workers and ``"sdpa"`` on CPU workers), ``"flex_attention"`` (a document mask), ``"sdpa"`` (a
-            block-diagonal mask) or ``"varlen"`` (FlashAttention's varlen kernel over the sample boundaries: no fill,
-            GPU workers only, torch >= 2.10); ignored without ``packing``.
+            whose torch has it, else ``"flex_attention"`` on GPU workers and ``"sdpa"`` on CPU workers),
+            ``"flex_attention"`` (a document mask), ``"sdpa"`` (a block-diagonal mask) or ``"varlen"``
+            (FlashAttention's varlen kernel over the sample boundaries: no fill, GPU workers only, torch >= 2.10);
+            ignored without ``packing``.
         storage_dtype: ``"bf16"`` (bit-exact) or ``"fp8"`` (lossy e4m3 with a per-token, per-tap scale).
         codec: ``"auto"`` (default) or a codec preset name (``dflash.cache.CODEC_PRESETS``). ``"auto"``: a new
             cache gets the best-compressing lossless codec whose encode rate keeps up with the measured production

@@ -150,11 +150,11 @@ def test_auto_packed_attention_is_varlen_on_cuda_where_torch_has_it_else_flex_an
     assert runner.packed_attention == "sdpa"  # CPU: no compiled mask or kernel
     flex = TargetRunner(target.model, layer_ids, "cpu", packing=True, packed_attention="flex_attention")
     assert flex.packed_attention == "flex_attention"
-    monkeypatch.setattr(target_runner, "_varlen_available", lambda: True)
+    monkeypatch.setattr(target_runner, "_varlen_import_error", lambda: None)
     assert resolve_packed_attention("auto", "cuda:1") == "varlen"
     assert resolve_packed_attention("auto", "cpu") == "sdpa"
     assert resolve_packed_attention("flex_attention", "cuda") == "flex_attention"  # an explicit choice is kept
-    monkeypatch.setattr(target_runner, "_varlen_available", lambda: False)  # torch < 2.10
+    monkeypatch.setattr(target_runner, "_varlen_import_error", lambda: ImportError("no varlen"))  # torch < 2.10
     assert resolve_packed_attention("auto", "cuda") == "flex_attention"
     with pytest.raises(ConfigError, match="packed_attention must be one of auto, flex_attention, sdpa, varlen"):
         resolve_packed_attention("flash", "cuda")
