@@ -14,6 +14,16 @@ suites excluded):
 Every prompt records its source file (``PromptRecord.document``, ``stdlib:<relative path>``), which ``generate``
 writes as the corpus ``document_id``, so the trainer's validation split also keeps each file whole.
 
+Optionally more training code from installed packages (``packages``, e.g. ``("torch", "transformers")``, which every
+machine running this project has): their ``*.py`` files (test folders left out; found with
+:func:`importlib.util.find_spec`, never imported) give prompts of the same two kinds, documents
+``<package>:<relative path>``. ``package_prompts`` of them join the training split, spread over as many files as
+possible (one prompt per file, files in seeded random order, then a second round, ...), since what limits a small
+drafter here is generalization to files it never saw (docs/training.md). A package file in the held-out hash range
+(of ``<package>/<relative path>``) is left out altogether; the held-out split stays the stdlib's, so held-out tau
+compares across runs and machines whose installed package versions differ (``describe_default_prompts`` records
+them).
+
 Split by source document, never by prompt: a file is held out when ``sha256(relative path)`` falls in the lowest
 ``heldout_permille`` of the hash range, so the held-out files are the same on every machine and Python version that
 has them, training never sees a held-out file's code, and the held-out prompts test generalization to unseen code
@@ -30,6 +40,7 @@ import ast
 import hashlib
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -38,7 +49,7 @@ from dflash.errors import ConfigError
 from dflash.generation.prompts import PromptRecord
 
 __all__ = ["DefaultPromptConfig", "default_prompt_sets", "is_heldout_document", "write_prompts_jsonl",
-           "describe_default_prompts", "INSTRUCTIONS"]
+           "describe_default_prompts", "package_root", "INSTRUCTIONS"]
 
 Split = Literal["train", "heldout"]
 
@@ -65,7 +76,14 @@ class DefaultPromptConfig:
         max_definition_lines: longest function/class (in lines) an instruction prompt quotes.
         max_prompts: cap per split after shuffling (None: all); the held-out split is capped at ``max_heldout``.
         max_heldout: cap of the held-out split (evaluation needs tens, not thousands).
+        packages: installed packages (import names) whose sources add training prompts (module docstring).
+        package_prompts: how many training prompts to take from ``packages`` (None: all they give); added to the
+            stdlib's ``max_prompts``.
         seed: cut points, instruction choice and the shuffle.
+
+    Raises:
+        ConfigError: a setting out of range, a name in ``packages`` that is not an installed package, or
+            ``package_prompts`` without ``packages``.
     """
 
     heldout_permille: int = 50
@@ -75,6 +93,8 @@ class DefaultPromptConfig:
     max_definition_lines: int = 60
     max_prompts: int | None = None
     max_heldout: int = 512
+    packages: tuple[str, ...] = ()
+    package_prompts: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -86,9 +106,23 @@ class DefaultPromptConfig:
             raise ConfigError(f"window_chars must be >= 50, got {self.window_chars}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ConfigError(f"max_prompts must be >= 1 or None, got {self.max_prompts}")
+        if isinstance(self.packages, str) or not all(isinstance(p, str) and p for p in self.packages):
+            raise ConfigError(f"packages must be a list of package names, e.g. [\"torch\"], got {self.packages!r}")
+        object.__setattr__(self, "packages", tuple(self.packages))
+        if len(set(self.packages)) != len(self.packages):
+            raise ConfigError(f"packages names a package twice: {list(self.packages)}")
+        for name in self.packages:
+            package_root(name)  # a wrong name fails with the settings, before any prompt is built
+        if self.package_prompts is not None:
+            if self.package_prompts < 1:
+                raise ConfigError(f"package_prompts must be >= 1 or None, got {self.package_prompts}")
+            if not self.packages:
+                raise ConfigError("package_prompts is set but packages is empty; name packages, e.g. [\"torch\"]")
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__}
+        data = {name: getattr(self, name) for name in self.__slots__}
+        data["packages"] = list(self.packages)
+        return data
 
 
 def is_heldout_document(relative_path: str, heldout_permille: int) -> bool:
@@ -138,13 +172,79 @@ def _instructions(text: str, name: str, config: DefaultPromptConfig, rng: np.ran
     return records
 
 
+def _file_prompts(path: Any, relative: str, sample_id: str, config: DefaultPromptConfig) -> list[PromptRecord]:
+    """One source file's prompts (completions, then instructions), seeded by ``config.seed`` and ``relative``;
+    none for a file that is not UTF-8 or holds under 100 characters."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return []
+    if len(text.strip()) < 100:
+        return []
+    seed = int(hashlib.sha256(f"{config.seed}:{relative}".encode()).hexdigest()[:8], 16)
+    rng = np.random.default_rng(seed)
+    records = _completions(text, sample_id, config, rng)
+    if config.instruct:
+        records += _instructions(text, sample_id, config, rng)
+    return records
+
+
+def package_root(name: str) -> Path:
+    """The source folder of the installed package ``name`` (import name), found without importing it.
+
+    Raises:
+        ConfigError: no such package is installed, or it is a single module rather than a package folder.
+    """
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"packages: {name!r} is not an installed package (a folder of sources) in this Python "
+                          f"({sys.executable}); install it or leave it out")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _package_prompts(config: DefaultPromptConfig) -> list[PromptRecord]:
+    """Training prompts from ``config.packages`` (module docstring): files in seeded random order, one prompt of
+    each file per round, until ``package_prompts`` are taken."""
+    from dflash.default_corpus import _SKIP_DIRS, _TEST_DIRS, collect_text_files
+
+    files = []
+    for name in config.packages:
+        root = package_root(name)
+        for file in collect_text_files(root, patterns=("*.py",), source=name, skip_dirs=_SKIP_DIRS | _TEST_DIRS):
+            relative = f"{name}/{file.path.relative_to(root).as_posix()}"
+            if not is_heldout_document(relative, config.heldout_permille):
+                files.append((file, relative))
+    rng = np.random.default_rng(config.seed)
+    per_file = []
+    for index in rng.permutation(len(files)):
+        file, relative = files[index]
+        records = _file_prompts(file.path, relative, file.sample_id, config)
+        if records:
+            per_file.append([records[i] for i in rng.permutation(len(records))])
+    wanted = config.package_prompts if config.package_prompts is not None else sum(map(len, per_file))
+    taken: list[PromptRecord] = []
+    depth = 0
+    while len(taken) < wanted and per_file:
+        per_file = [records for records in per_file if len(records) > depth]
+        taken.extend(records[depth] for records in per_file[: wanted - len(taken)])
+        depth += 1
+    return taken
+
+
 def default_prompt_sets(config: DefaultPromptConfig | None = None) -> dict[Split, list[PromptRecord]]:
-    """The training and held-out prompt records of this machine's stdlib (module docstring), each shuffled.
+    """The training and held-out prompt records of this machine's stdlib (module docstring), each shuffled; with
+    ``config.packages``, their prompts join the training split (shuffled in with the stdlib's).
 
     Returns:
         ``{"train": [...], "heldout": [...]}``; prompt ids ``stdlib:<path>@<offset>:complete`` and
         ``stdlib:<path>:<line>:instruct``, each with ``document`` ``stdlib:<path>`` (the source file, as the default
-        corpus of ``prepare`` names it), so every row generated from one file has one corpus ``document_id``.
+        corpus of ``prepare`` names it), so every row generated from one file has one corpus ``document_id``
+        (``<package>:<path>`` for package files).
     """
     from dflash.default_corpus import default_corpus_files, stdlib_root
 
@@ -153,21 +253,15 @@ def default_prompt_sets(config: DefaultPromptConfig | None = None) -> dict[Split
     sets: dict[Split, list[PromptRecord]] = {"train": [], "heldout": []}
     for file in default_corpus_files():
         relative = file.path.relative_to(root).as_posix()
-        try:
-            text = file.path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if len(text.strip()) < 100:
-            continue
-        seed = int(hashlib.sha256(f"{config.seed}:{relative}".encode()).hexdigest()[:8], 16)
-        rng = np.random.default_rng(seed)
-        records = _completions(text, file.sample_id, config, rng)
-        if config.instruct:
-            records += _instructions(text, file.sample_id, config, rng)
+        records = _file_prompts(file.path, relative, file.sample_id, config)
         sets["heldout" if is_heldout_document(relative, config.heldout_permille) else "train"].extend(records)
     for split, cap in (("train", config.max_prompts), ("heldout", config.max_heldout)):
         order = np.random.default_rng(config.seed).permutation(len(sets[split]))
         sets[split] = [sets[split][i] for i in order[: cap if cap is not None else len(order)]]
+    if config.packages:
+        train = sets["train"] + _package_prompts(config)
+        order = np.random.default_rng(config.seed + 1).permutation(len(train))
+        sets["train"] = [train[i] for i in order]
     return sets
 
 
@@ -201,5 +295,20 @@ def describe_default_prompts(config: DefaultPromptConfig) -> dict[str, Any]:
     """What the default prompt set was built from, for the corpus metadata."""
     from dflash.default_corpus import stdlib_root
 
-    return {"name": "python-stdlib-prompts", "python_version": sys.version.split()[0], "stdlib": str(stdlib_root()),
-            **config.to_dict()}
+    description = {"name": "python-stdlib-prompts", "python_version": sys.version.split()[0],
+                   "stdlib": str(stdlib_root()), **config.to_dict()}
+    if config.packages:
+        description["package_versions"] = {name: _package_version(name) for name in config.packages}
+    return description
+
+
+def _package_version(name: str) -> str | None:
+    """The installed version of the distribution that provides import name ``name`` (None when unknown)."""
+    import importlib.metadata
+
+    for distribution in importlib.metadata.packages_distributions().get(name, [name]):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
