@@ -60,6 +60,9 @@ __all__ = ["PRESETS", "load_preset", "apply_overrides", "PipelineConfig", "run_p
 
 PRESETS = ("cpu-small", "h200-smollm2")
 _STAGES = ("generate", "prepare", "split", "extract", "train", "evaluate")
+#: The work-folder entry (``paths`` of ``_run_stages``) each stage writes.
+_STAGE_OUTPUT = {"generate": "corpus", "prepare": "corpus-all", "split": "corpus", "extract": "cache", "train": "run",
+                 "evaluate": "eval"}
 _STATE_FILE = "pipeline.json"
 
 
@@ -334,10 +337,16 @@ class _State:
         self.data["config"] = config.to_dict()
         self.data.setdefault("stages", {})
 
-    def check(self, stage: str, settings: dict[str, Any]) -> bool:
-        """True when ``stage`` completed with these settings; raises when it ran with other ones."""
+    def check(self, stage: str, settings: dict[str, Any], output: Path | None = None) -> bool:
+        """True when ``stage`` completed with these settings; raises when it ran with other ones and left something
+        in ``output`` (its folder). A stage that failed before writing anything there (e.g. extract refused by its
+        disk-space check) is forgotten, so the same command with a corrected setting runs it."""
         record = self.data["stages"].get(stage)
         if record is None:
+            return False
+        if (not record.get("done") and output is not None and record["digest"] != _digest(settings)
+                and not (output.exists() and (not output.is_dir() or any(output.iterdir())))):
+            del self.data["stages"][stage]
             return False
         # A stage recorded before its settings moved into nested configs (flat train.lr): compared as today's.
         if record["digest"] != _digest(settings) and \
@@ -456,7 +465,7 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
     heldout_prompts: Path | None = None
 
     def stage(name: str, settings: dict[str, Any], work, **skip_info: Any) -> None:
-        if state.check(name, settings):
+        if state.check(name, settings, paths[_STAGE_OUTPUT[name]]):
             console.rule(f"[dim]{name}: complete, skipped")
             return
         console.rule(f"[bold]{name}")
@@ -547,7 +556,7 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
                       f"held-out prompts ({where})")
 
     done_epochs = {entry["epoch"] for entry in epoch_taus}
-    if per_epoch and not state.check("train", train):
+    if per_epoch and not state.check("train", train, paths["run"]):
         console.rule("[bold]train (epoch by epoch, tau on held-out prompts after each epoch)")
         state.start("train", train)
         started = time.perf_counter()

@@ -234,3 +234,29 @@ def test_a_work_folder_recorded_with_flat_train_keys_still_counts_as_the_same_se
     assert state.check("train", nested) is True
     with pytest.raises(ConfigError, match="other settings"):
         state.check("train", {**nested, "optim": {"lr": 2e-3}})
+
+
+def test_a_stage_that_failed_before_writing_anything_reruns_with_corrected_settings(tmp_path):
+    """extract refused by its disk-space check (the H200 preset run of 2026-12-03) leaves a not-done record and no
+    cache: the same command with ``--set extract.expected_ratio=1.4`` must run it, not demand a new work folder. Once
+    the stage has written into its folder, other settings are refused as before; a finished stage always is."""
+    from pipelines.offline import _digest, _State
+
+    before = {"target": "default", "num_taps": 5}
+    after = {**before, "expected_ratio": 1.4}
+    (tmp_path / "pipeline.json").write_text(json.dumps(
+        {"stages": {"extract": {"digest": _digest(before), "settings": before, "done": False},
+                    "train": {"digest": _digest(before), "settings": before, "done": True}}}))
+    config = PipelineConfig(workdir=tmp_path, split={"heldout_documents": 1})
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    cache.mkdir()  # an empty folder holds nothing either
+    state = _State(tmp_path, config)
+    assert state.check("extract", after, cache) is False
+    assert "extract" not in state.data["stages"]
+    state.start("extract", after)
+    assert state.check("extract", after, cache) is False  # started, not finished
+    (cache / "zarr.json").write_text("{}")
+    with pytest.raises(ConfigError, match="other settings"):
+        state.check("extract", before, cache)  # something written: refused
+    with pytest.raises(ConfigError, match="other settings"):
+        state.check("train", after, run)  # finished: refused even with nothing in the folder
