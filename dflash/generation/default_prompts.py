@@ -77,13 +77,8 @@ class DefaultPromptConfig:
         max_prompts: cap per split after shuffling (None: all); the held-out split is capped at ``max_heldout``.
         max_heldout: cap of the held-out split (evaluation needs tens, not thousands).
         packages: installed packages (import names) whose sources add training prompts (module docstring).
-        package_prompts: how many training prompts to take from ``packages`` (None: all they give); added to the
-            stdlib's ``max_prompts``.
+        package_prompts: training prompts taken from ``packages`` (None: all), on top of ``max_prompts``.
         seed: cut points, instruction choice and the shuffle.
-
-    Raises:
-        ConfigError: a setting out of range, a name in ``packages`` that is not an installed package, or
-            ``package_prompts`` without ``packages``.
     """
 
     heldout_permille: int = 50
@@ -98,6 +93,8 @@ class DefaultPromptConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        """Raises ConfigError: a setting out of range, a name in ``packages`` that is not an installed package, or
+        ``package_prompts`` without ``packages``."""
         if not 0 <= self.heldout_permille <= 999:
             raise ConfigError(f"heldout_permille must be in 0..999, got {self.heldout_permille}")
         if self.chars_per_completion < 50:
