@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -56,6 +57,7 @@ __all__ = [
     "PlannedCursor",
     "validation_rows",
     "validation_split",
+    "read_workers",
     "split_positions",
 ]
 
@@ -88,6 +90,18 @@ class LengthSource(Protocol):
     # def document_keys(self) -> np.ndarray | None: ...
 
 
+def read_workers(config: LoaderConfig) -> int:
+    """The read threads of a loader: ``config.num_read_workers``, or when it is ``None`` half the CPUs this process
+    may run on (``os.sched_getaffinity``, else ``os.cpu_count``), at least 2 and at most 8."""
+    if config.num_read_workers is not None:
+        return int(config.num_read_workers)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 2
+    return min(8, max(2, cpus // 2))
+
+
 @dataclass(kw_only=True, slots=True)
 class LoaderConfig(BucketConfig):
     """What a run reads and how, the user-facing part of a loader's settings (``[train.data]`` of the train stage):
@@ -110,6 +124,13 @@ class LoaderConfig(BucketConfig):
     """Batches read ahead in the background. Memory bound: ``prefetch_batches + 1`` batches of at most
     ``token_budget * n*H * 2`` bytes of hidden states each (pinned host memory; also GPU memory with ``device=``),
     e.g. 5 x 16384 x 20480 x 2 B = 3.4 GB for a Qwen3-8B cache with 5 taps."""
+    num_read_workers: int | None = None
+    """Threads reading, decompressing and packing batches, one batch per thread (chunk decompression and the
+    checksums release the GIL); at most ``prefetch_batches`` of them are busy at once. ``None``: half the CPUs this
+    process may run on, within [2, 8] (:func:`read_workers`). A runtime setting: it never changes the batches, so a
+    resume may change it. A compressed cache read in shuffled order decodes each sample's whole chunks (about 3x
+    the sample's bytes for 500-token samples and 1,024-token chunks), so it needs more threads than an
+    uncompressed one."""
     shard_window: int | None = None
     """``None``: global shuffle, per-sample reads. K: mix within K shards at a time, whole-shard reads, LRU of K
     shards (object storage; a shard may be read twice when read-ahead crosses into the next window; order is
@@ -127,6 +148,10 @@ class LoaderConfig(BucketConfig):
             raise ConfigError(f"prefetch_batches must be >= 1; got {self.prefetch_batches!r}")
         if self.shard_window is not None and (not isinstance(self.shard_window, int) or self.shard_window < 1):
             raise ConfigError(f"shard_window must be >= 1 shards or None; got {self.shard_window!r}")
+        if self.num_read_workers is not None and (not isinstance(self.num_read_workers, int)
+                                                  or isinstance(self.num_read_workers, bool)
+                                                  or self.num_read_workers < 1):
+            raise ConfigError(f"num_read_workers must be >= 1 threads or None (automatic); got {self.num_read_workers!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -147,8 +172,6 @@ class StreamConfig(LoaderConfig):
     split_seed: int = 0
     """Salt of the document (or row) hash that decides the split (independent of ``seed`` so sweeps share one
     split)."""
-    num_read_workers: int = 2
-    """Threads reading and packing batches (Zarr decompression releases the GIL)."""
     pin_memory: bool | None = None
     """Pack into pinned host memory; ``None``: when CUDA is available."""
     pad_to_budget: bool = False
@@ -162,8 +185,6 @@ class StreamConfig(LoaderConfig):
             raise ConfigError(f"split must be 'train', 'validation' or 'all'; got {self.split!r}")
         if self.split == "validation" and self.validation_fraction == 0.0:
             raise ConfigError("split='validation' needs validation_fraction > 0 (e.g. 0.01)")
-        if self.num_read_workers < 1:
-            raise ConfigError(f"num_read_workers must be >= 1; got {self.num_read_workers!r}")
         if self.pad_to_multiple < 1:
             raise ConfigError(f"pad_to_multiple must be >= 1; got {self.pad_to_multiple!r}")
         if not isinstance(self.min_supervised_tokens, int) or self.min_supervised_tokens < 0:
@@ -583,7 +604,7 @@ class PlannedCursor:
             "config": self.config.plan_fields()
             | {
                 "prefetch_batches": self.config.prefetch_batches,
-                "num_read_workers": self.config.num_read_workers,
+                "num_read_workers": read_workers(self.config),
             },
             "boundaries": list(self.boundaries),
             "validation_split": self.split_by,  # what the split went by ("document", "row"; None: no split)

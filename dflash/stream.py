@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from dflash.batch_source import LengthSource, LoaderStats, PlannedCursor, StreamConfig, validation_rows
+from dflash.batch_source import LengthSource, LoaderStats, PlannedCursor, StreamConfig, read_workers, validation_rows
 from dflash.batching import PackedBatch, pack_samples
 from dflash.buckets import PlannedBatch
 from dflash.errors import ConfigError
@@ -196,7 +196,7 @@ class StreamingLoader(PlannedCursor):
     def _fill(self) -> None:
         """Submit reads in plan order (crossing into the next epoch) until ``prefetch_batches`` are pending."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.config.num_read_workers, thread_name_prefix="dflash-stream")
+            self._pool = ThreadPoolExecutor(read_workers(self.config), thread_name_prefix="dflash-stream")
         while len(self._pending) < self.config.prefetch_batches:
             epoch, step = self._next_submit
             if step >= self.plan(epoch).num_steps:

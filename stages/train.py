@@ -77,8 +77,8 @@ class TrainConfig:
     # -- data
     data: LoaderConfig = field(default_factory=lambda: dataclasses.replace(_TRAIN_DATA_DEFAULTS))
     """What the run reads and how (``dflash.batch_source.LoaderConfig``: token_budget, boundaries, num_buckets,
-    max_documents_per_batch, validation_fraction, validation_split_by, prefetch_batches, shard_window);
-    ``[train.data]`` in a config file, ``--set train.data.token_budget=8192``. The train stage holds out 1% of the
+    max_documents_per_batch, validation_fraction, validation_split_by, prefetch_batches, num_read_workers,
+    shard_window); ``[train.data]`` in a config file, ``--set train.data.token_budget=8192``. The train stage holds out 1% of the
     source documents by default (``validation_fraction`` 0.01, ``validation_split_by`` ``"document"``; rows of a
     cache without document keys; 0 disables validation and best-checkpoint tracking)."""
     max_validation_batches: int | None = 50
@@ -297,7 +297,7 @@ _TRAIN_DATA_DEFAULTS = LoaderConfig(validation_fraction=0.01)
 RUNTIME_FIELDS = frozenset({
     "cache", "output", "target", "resume", "allow_config_change", "break_lock", "allow_incomplete", "device", "drafter_gpus", "drafter_processes",
     "stop_at_step", "save_every", "keep_last", "eval_every", "telemetry.log_every", "telemetry.throughput_window",
-    "telemetry.progress", "data.prefetch_batches", "max_validation_batches", "telemetry.report_to", "attention_backend",
+    "telemetry.progress", "data.prefetch_batches", "data.num_read_workers", "max_validation_batches", "telemetry.report_to", "attention_backend",
     "ce_kernel",
 })  # fmt: skip
 

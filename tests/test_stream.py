@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import textwrap
 import threading
 import time
@@ -253,6 +254,35 @@ def test_memory_stays_within_the_prefetch_bound(reader):
     assert stats.batches_in_flight <= config.prefetch_batches
     loader.close()
     assert stats.batches_in_flight == 0 and stats.tokens_in_flight == 0
+
+
+def test_read_threads_change_nothing_but_how_many_reads_overlap(reader, monkeypatch):
+    """``num_read_workers``: the same batches, bit for bit, whatever the thread count; more threads read more
+    batches at once (bounded by ``prefetch_batches``); ``None`` resolves to half the usable CPUs within [2, 8]."""
+    from dflash.batch_source import LoaderConfig, read_workers
+
+    def run(workers):
+        source = _CountingSource(reader)
+        loader = StreamingLoader(source, StreamConfig(token_budget=BUDGET, prefetch_batches=4, seed=3,
+                                                      num_read_workers=workers, boundaries=(40, 120)))
+        batches = [(list(b.corpus_rows), b.input_ids.clone(), b.hidden.clone()) for b in loader]
+        threads = {t.name for t in threading.enumerate() if t.name.startswith("dflash-stream")}
+        loader.close()
+        return batches, source.max_reading, len(threads), loader.describe()["config"]["num_read_workers"]
+
+    one, one_reading, one_threads, one_described = run(1)
+    three, _, three_threads, three_described = run(3)
+    assert len(one) == len(three) > 3
+    for (rows_a, ids_a, hidden_a), (rows_b, ids_b, hidden_b) in zip(one, three, strict=True):
+        assert rows_a == rows_b and torch.equal(ids_a, ids_b) and torch.equal(hidden_a, hidden_b)
+    assert one_threads == one_described == 1 and three_threads <= three_described == 3
+    assert one_reading <= max(len(rows) for rows, _, _ in one)  # one thread: one batch's samples at a time
+    with pytest.raises(ConfigError, match="num_read_workers must be >= 1"):
+        LoaderConfig(num_read_workers=0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert read_workers(LoaderConfig()) == 8
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert read_workers(LoaderConfig()) == 2 and read_workers(LoaderConfig(num_read_workers=5)) == 5
 
 
 def test_shard_window_reads_each_shard_once_and_mixes_inside_windows(reader):
