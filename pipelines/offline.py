@@ -25,7 +25,9 @@ error naming the stage (use another ``--workdir``), since its outputs would no l
 The held-out split is by document (a stdlib file and its length chunks stay together), chosen by a seeded
 permutation of the documents; held-out prompts come only from ``heldout/``. With ``evaluate.per_epoch`` the
 training runs in epoch-long segments (exact resume: same trajectory as one straight run) and tau is measured on
-the held-out prompts after each epoch, starting with the untrained drafter (epoch 0).
+the held-out prompts after each epoch, starting with the untrained drafter (epoch 0); those before the last measure
+tau and acceptance only (``evaluate.per_epoch_references`` also runs the speedup references and lossless checks at
+each), the last one and ``eval/final.json`` everything.
 """
 
 from __future__ import annotations
@@ -248,7 +250,7 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
 DEFAULT_PRESET = "cpu-small"
 
 #: Keys of the ``evaluate`` section that the pipeline reads itself (not EvaluateConfig fields), with their defaults.
-EVALUATE_EXTRAS = {"per_epoch": False, "compare_untrained": False}
+EVALUATE_EXTRAS = {"per_epoch": False, "per_epoch_references": False, "compare_untrained": False}
 
 
 def printable_pipeline(config: PipelineConfig) -> dict[str, Any]:
@@ -515,6 +517,10 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
     evaluate = {"seed": 0, **config.evaluate}
     evaluate.pop("prompts", None)  # where the prompts come from is decided above
     per_epoch = bool(evaluate.pop("per_epoch", EVALUATE_EXTRAS["per_epoch"]))
+    # Per-epoch evaluations before the last measure tau and acceptance only, unless per_epoch_references: the two
+    # references (block size 1, generate()) are ~2/3 of an evaluation and are re-run in every new process (each
+    # call of a job-time-limited host), while the final drafter's report carries the speedups and lossless checks.
+    per_epoch_references = bool(evaluate.pop("per_epoch_references", EVALUATE_EXTRAS["per_epoch_references"]))
     compare_untrained = bool(evaluate.pop("compare_untrained", EVALUATE_EXTRAS["compare_untrained"]))
 
     def train_config(**changes: Any) -> TrainConfig:
@@ -536,12 +542,13 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
         return evaluator
 
     def evaluate_checkpoint(folder: Path, json_path: Path, label: str, *, untrained: bool = False,
-                            compare_untrained: bool = False) -> dict[str, Any]:
+                            compare_untrained: bool = False, references: bool | None = None) -> dict[str, Any]:
         ev = get_evaluator()
         drafter, drafter_config, _ = ev.load_drafter(folder)
         if untrained:
             drafter = ev.untrained(drafter_config)
-        return ev.evaluate(drafter, drafter_config, label=label, json_path=json_path, compare_untrained=compare_untrained)
+        return ev.evaluate(drafter, drafter_config, label=label, json_path=json_path, compare_untrained=compare_untrained,
+                           references=references)
 
     epoch_taus: list[dict[str, Any]] = list(state.data.get("epochs", []))
 
@@ -567,7 +574,7 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
         epochs = float(train.get("epochs", 6.0))
         if compare_untrained and 0 not in done_epochs:
             report = evaluate_checkpoint(folder, paths["eval"] / "epoch_0.json", "untrained drafter (epoch 0)",
-                                         untrained=True)
+                                         untrained=True, references=None if per_epoch_references else False)
             record_epoch({"epoch": 0, "step": 0, "tau": report["tau"], "speedup": report["speedup"]}, report)
         for epoch in range(1, math.ceil(epochs) + 1):
             stop = total_steps if epoch >= epochs else min(total_steps, round(epoch * total_steps / epochs))
@@ -580,7 +587,9 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
             # and the data cursor says which pass over the corpus each one fell in.
             cursor = trainer_state.get("data") or {}
             label = f"epoch {epoch}" if "max_steps" not in train else f"point {epoch} of {math.ceil(epochs)}"
-            report = evaluate_checkpoint(folder, paths["eval"] / f"epoch_{epoch}.json", f"{label} ({folder.name})")
+            last = int(trainer_state["step"]) >= total_steps
+            report = evaluate_checkpoint(folder, paths["eval"] / f"epoch_{epoch}.json", f"{label} ({folder.name})",
+                                         references=None if per_epoch_references or last else False)
             record_epoch({"epoch": epoch, "step": int(trainer_state["step"]), "tau": report["tau"],
                           "speedup": report["speedup"], "checkpoint": str(folder),
                           "data_epoch": cursor.get("epoch"), "steps_fraction": stop / total_steps}, report)
@@ -595,9 +604,11 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
     final_path = paths["eval"] / "final.json"
     final_untrained = compare_untrained and not per_epoch
     def final_work() -> dict[str, Any]:
-        if per_epoch and epoch_taus and epoch_taus[-1]["step"] == int(_latest_checkpoint(paths["run"])[1]["step"]):
-            # The last epoch's report already measured the final drafter.
-            report = json.loads((paths["eval"] / f"epoch_{epoch_taus[-1]['epoch']}.json").read_text())
+        last_report = (paths["eval"] / f"epoch_{epoch_taus[-1]['epoch']}.json") if per_epoch and epoch_taus else None
+        if (last_report is not None and epoch_taus[-1]["step"] == int(_latest_checkpoint(paths["run"])[1]["step"])
+                and json.loads(last_report.read_text()).get("speedup") is not None):
+            # The last epoch's report already measured the final drafter, references included.
+            report = json.loads(last_report.read_text())
             write_json_atomic(final_path, report)
         else:
             report = evaluate_checkpoint(_latest_checkpoint(paths["run"])[0], final_path, "final drafter",

@@ -94,6 +94,36 @@ def test_evaluate_cli_writes_report_with_every_field(export_folder, tmp_path):
     assert report["target"]["content_hash"].startswith("sha256:")
 
 
+def test_no_references_measures_the_same_tau_without_the_references(export_folder, tmp_path):
+    """``--no-references`` decodes with the drafter only: the same tau, acceptance and per-prompt cycles as the full
+    evaluation (greedy drafting does not depend on the references), no speedup and no lossless verdict."""
+    from stages.cli import _register_all, app
+    from stages.evaluate import EvaluateConfig, run_evaluate
+
+    _register_all()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"text": "def fibonacci(n):\n    if n < 2:\n"}) + "\n"
+                       + json.dumps({"prompt": "Name a sorting algorithm."}) + "\n")
+    out = tmp_path / "tau_only.json"
+    result = CliRunner().invoke(app, [
+        "evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--max-new-tokens", "6",
+        "--ignore-eos", "--no-references", "--device", "cpu", "--cpu-threads", "1", "--json-file", str(out),
+    ])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert "not measured (references off: tau only)" in result.output and "speedup vs" not in result.output
+    tau_only = json.loads(out.read_text())
+    assert tau_only["settings"]["references"] is False
+    assert tau_only["speedup"] is None and tau_only["speedup_vs_generate"] is None
+    assert set(tau_only["throughput"]) == {"speculative"}
+    assert not tau_only["lossless"]["checked"] and "references not run" in tau_only["lossless"]["reason"]
+    full = run_evaluate(EvaluateConfig(drafter=export_folder, prompts=str(prompts), max_new_tokens=6, ignore_eos=True,
+                                       device="cpu", cpu_threads=1))
+    assert full["speedup"] > 0 and full["lossless"]["passed"] and full["settings"]["references"] is True
+    assert tau_only["tau"] == full["tau"] and tau_only["acceptance"] == full["acceptance"]
+    assert [p["cycles"] for p in tau_only["per_prompt"]] == [p["cycles"] for p in full["per_prompt"]]
+    assert all("baseline_seconds" not in p for p in tau_only["per_prompt"])
+
+
 def test_lossless_check_catches_a_real_divergence(target, tokenizer):
     from dflash.eval_prompts import EvalPrompt
     from stages.evaluate import _lossless_report, _lossless_vs_generate
