@@ -384,23 +384,19 @@ def evaluate_drafter(
 
     stats = AcceptanceStats.from_lengths([t for r in spec_results for t in r.acceptance_lengths], block_size)
     spec_speed = _throughput(spec_results)
+    per_prompt = [
+        {"source": p.source, "prompt_tokens": len(p.input_ids), "new_tokens": len(s.output_ids),
+         "cycles": s.num_cycles, "tau": (sum(s.acceptance_lengths) / s.num_cycles) if s.num_cycles else None,
+         "finish_reason": s.finish_reason, "seconds": s.seconds}
+        for p, s in zip(prompts, spec_results, strict=True)
+    ]
     if not with_references:
         skipped = {"checked": False, "reason": "references not run (evaluate.references = false): tau only"}
-        return {
-            "tau": stats.mean_tau,
-            "acceptance": stats.to_dict(),
-            "speedup": None,
-            "speedup_vs_generate": None,
-            "throughput": {"speculative": spec_speed},
-            "lossless": skipped,
-            "lossless_vs_generate": skipped,
-            "per_prompt": [
-                {"source": p.source, "prompt_tokens": len(p.input_ids), "new_tokens": len(s.output_ids),
-                 "cycles": s.num_cycles, "tau": (sum(s.acceptance_lengths) / s.num_cycles) if s.num_cycles else None,
-                 "finish_reason": s.finish_reason, "seconds": s.seconds}
-                for p, s in zip(prompts, spec_results, strict=True)
-            ],
-        }, None
+        return {"tau": stats.mean_tau, "acceptance": stats.to_dict(), "speedup": None, "speedup_vs_generate": None,
+                "throughput": {"speculative": spec_speed}, "lossless": skipped, "lossless_vs_generate": skipped,
+                "per_prompt": per_prompt}, None
+    for entry, b, g in zip(per_prompt, base_results, generate_results, strict=True):
+        entry.update(baseline_seconds=b.seconds, generate_new_tokens=len(g.output_ids), generate_seconds=g.seconds)
     sampled = {"checked": False, "reason": "sampled mode: lossless in distribution, not token for token"}
     base_speed, generate_speed = _throughput(base_results), _throughput(generate_results, split=False)
     summary: dict[str, Any] = {
@@ -416,13 +412,7 @@ def evaluate_drafter(
         "lossless_vs_generate": (
             _lossless_vs_generate(model, prompts, spec_results, base_results, generate_results, tolerance)
             if temperature == 0 else sampled),
-        "per_prompt": [
-            {"source": p.source, "prompt_tokens": len(p.input_ids), "new_tokens": len(s.output_ids),
-             "cycles": s.num_cycles, "tau": (sum(s.acceptance_lengths) / s.num_cycles) if s.num_cycles else None,
-             "finish_reason": s.finish_reason, "seconds": s.seconds, "baseline_seconds": b.seconds,
-             "generate_new_tokens": len(g.output_ids), "generate_seconds": g.seconds}
-            for p, s, b, g in zip(prompts, spec_results, base_results, generate_results, strict=True)
-        ],
+        "per_prompt": per_prompt,
     }
     return summary, Baselines(block_size_1=base_results, target_generate=generate_results)
 
@@ -523,10 +513,10 @@ class Evaluator:
 
         ``references``: run (or reuse) the block-size-1 and ``generate()`` references; ``None`` = the config's
         ``references``. ``False``: tau and acceptance only (the pipeline's per-epoch evaluations)."""
-        references = self.config.references if references is None else references
         import torch
 
         config = self.config
+        references = config.references if references is None else references
         started = time.perf_counter()
         threads = torch.get_num_threads()
         if config.cpu_threads is not None and self.device.type == "cpu":
@@ -553,7 +543,8 @@ class Evaluator:
                         "count": len(prompts),
                         "mean_prompt_tokens": sum(len(p.input_ids) for p in prompts) / len(prompts)},
             "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
-                         "references": references, "drafter": label, "block_size": config.block_size or int(drafter_config.block_size),
+                         "references": references, "drafter": label,
+                         "block_size": config.block_size or int(drafter_config.block_size),
                          "mode": "greedy" if config.temperature == 0 else "sampled"},
             **summary,
             "untrained": untrained,
