@@ -604,13 +604,15 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
     final_path = paths["eval"] / "final.json"
     final_untrained = compare_untrained and not per_epoch
     def final_work() -> dict[str, Any]:
-        last_report = (paths["eval"] / f"epoch_{epoch_taus[-1]['epoch']}.json") if per_epoch and epoch_taus else None
-        if (last_report is not None and epoch_taus[-1]["step"] == int(_latest_checkpoint(paths["run"])[1]["step"])
-                and json.loads(last_report.read_text()).get("speedup") is not None):
-            # The last epoch's report already measured the final drafter, references included.
-            report = json.loads(last_report.read_text())
-            write_json_atomic(final_path, report)
-        else:
+        report = None
+        if per_epoch and epoch_taus and epoch_taus[-1]["step"] == int(_latest_checkpoint(paths["run"])[1]["step"]):
+            last = json.loads((paths["eval"] / f"epoch_{epoch_taus[-1]['epoch']}.json").read_text())
+            # The last epoch's report measured the final drafter; reused when it ran the references the final
+            # evaluation would run (reports written before the setting existed always ran them).
+            if last["settings"].get("references", True) == evaluate.get("references", True):
+                report = last
+                write_json_atomic(final_path, report)
+        if report is None:
             report = evaluate_checkpoint(_latest_checkpoint(paths["run"])[0], final_path, "final drafter",
                                          compare_untrained=final_untrained)
         return {"tau": report["tau"]}
