@@ -2,12 +2,17 @@
 
 Subcommands (each prints what it did; run from the repository root with the project importable):
 
-  raw-folder DEST [--max-files N]
+  raw-folder DEST [--max-files N] [--packages NAME ...] [--max-tokens T]
       DEST/stdlib/<relative path>: the default corpus's stdlib *.py files (test suites excluded, as prepare's
       `default` input) MINUS every file the embedded prompt set holds out (dflash.generation.default_prompts.
       is_heldout_document, 50 permille by path hash), and DEST/placeholder/zz_placeholder.txt, one tiny document
       that the pipeline's split stage is made to hold out (see `plan`), so that the training split is exactly the
       training-side stdlib files. DEST/manifest.json lists the held-out files.
+      With --packages (v8 and later: the preset's generate.default_prompts.packages): then DEST/packages/<name>/
+      <relative path>, the package files the prompt set draws its package prompts from, in the prompt set's own
+      order (default_prompts._package_prompts: non-held-out files with prompts, seeded permutation), until the
+      raw text reaches --max-tokens target tokens in all (the regenerated corpus's size, so both arms hold the
+      same number of corpus tokens from the same source files; counted with the target's tokenizer).
   heldout-prompts OUT
       The prompt set's held-out prompts, written exactly as `generate` writes OUTPUT/heldout_prompts.jsonl
       (default_prompt_sets(DefaultPromptConfig()) -> write_prompts_jsonl).
@@ -36,7 +41,7 @@ from pathlib import Path
 PLACEHOLDER_TEXT = "split placeholder: the one document the pipeline's split stage holds out (never trained on).\n" * 4
 
 
-def raw_folder(dest: Path, max_files: int | None) -> None:
+def raw_folder(dest: Path, max_files: int | None, packages: list[str], max_tokens: int | None) -> None:
     from dflash.default_corpus import default_corpus_files, stdlib_root
     from dflash.generation.default_prompts import DefaultPromptConfig, is_heldout_document
 
@@ -61,9 +66,56 @@ def raw_folder(dest: Path, max_files: int | None) -> None:
     (dest / "placeholder" / "zz_placeholder.txt").write_text(PLACEHOLDER_TEXT)
     manifest = {"python": sys.version.split()[0], "stdlib": str(root), "heldout_permille": permille,
                 "kept_files": len(kept), "heldout_files": held, "max_files": max_files}
-    (dest / "manifest.json").write_text(json.dumps(manifest, indent=1))
     print(f"raw-folder: {len(kept)} training-side stdlib files -> {dest / 'stdlib'}; {len(held)} held-out files "
           f"left out (Python {manifest['python']}, {root})")
+    if packages:
+        manifest["packages"] = _package_files(dest / "packages", [dest / "stdlib" / k for k in kept], packages,
+                                              max_tokens)
+    (dest / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+def _package_files(dest: Path, stdlib_files: list[Path], packages: list[str], max_tokens: int | None) -> dict:
+    """Copy the prompt set's package files (its order) under ``dest`` until stdlib + package tokens reach
+    ``max_tokens``; returns what was taken."""
+    import numpy as np
+
+    from dflash.default_corpus import _SKIP_DIRS, _TEST_DIRS, collect_text_files
+    from dflash.generation.default_prompts import (DefaultPromptConfig, _file_prompts, is_heldout_document,
+                                                   package_root)
+    from dflash.target import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+
+    def count(path: Path) -> int:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    stdlib_tokens = sum(count(p) for p in stdlib_files)
+    config = DefaultPromptConfig(packages=tuple(packages))
+    files = []
+    for name in config.packages:  # the same listing and order as default_prompts._package_prompts
+        base = package_root(name)
+        for file in collect_text_files(base, patterns=("*.py",), source=name, skip_dirs=_SKIP_DIRS | _TEST_DIRS):
+            relative = f"{name}/{file.path.relative_to(base).as_posix()}"
+            if not is_heldout_document(relative, config.heldout_permille):
+                files.append((file, relative))
+    rng = np.random.default_rng(config.seed)
+    total, taken = stdlib_tokens, []
+    for index in rng.permutation(len(files)):
+        file, relative = files[index]
+        if max_tokens is not None and total >= max_tokens:
+            break
+        if not _file_prompts(file.path, relative, file.sample_id, config):
+            continue  # the prompt set skips it too (not UTF-8, or under 100 characters)
+        target = dest / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(file.path, target)
+        total += count(target)
+        taken.append(relative)
+    print(f"raw-folder: {stdlib_tokens:,} stdlib tokens + {len(taken)} package files ({', '.join(packages)}) "
+          f"-> {total:,} tokens (cap {max_tokens if max_tokens is not None else 'none'}) -> {dest}")
+    return {"names": list(packages), "files": len(taken), "stdlib_tokens": stdlib_tokens, "tokens": total,
+            "max_tokens": max_tokens, "first_files": taken[:20]}
 
 
 def heldout_prompts(out: Path) -> None:
@@ -203,6 +255,8 @@ def main() -> None:
     p = sub.add_parser("raw-folder")
     p.add_argument("dest", type=Path)
     p.add_argument("--max-files", type=int)
+    p.add_argument("--packages", nargs="*", default=[])
+    p.add_argument("--max-tokens", type=int)
     p = sub.add_parser("heldout-prompts")
     p.add_argument("out", type=Path)
     p = sub.add_parser("plan")
@@ -220,7 +274,7 @@ def main() -> None:
     p.add_argument("out", type=Path)
     args = parser.parse_args()
     if args.command == "raw-folder":
-        raw_folder(args.dest, args.max_files)
+        raw_folder(args.dest, args.max_files, args.packages, args.max_tokens)
     elif args.command == "heldout-prompts":
         heldout_prompts(args.out)
     elif args.command == "plan":

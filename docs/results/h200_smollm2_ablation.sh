@@ -5,12 +5,19 @@
 #      docs/results/h200_smollm2_generated_v2_metrics.jsonl), evaluated on the same held-out prompts
 #      (the prompt set's heldout_prompts.jsonl of this host's stdlib); helper: h200_smollm2_ablation.py.
 #   B: the h200-smollm2 preset on its regenerated corpus with train.epochs=6 (tau after every epoch).
+# Since v8 (2026-12-04) A matches the v8 preset run instead (docs/results/h200_smollm2_v8_*): the raw text of the
+# same source files as v8's prompts (training-side stdlib files, then the torch and transformers files of the
+# package prompts, in the prompt set's order) up to v8's corpus size, 11,780,514 tokens (RAW_MAX_TOKENS), trained
+# for v8's tokens_seen, 34,742,330 (TARGET_TOKENS); run it alone (WHICH=A): B is the v8 run itself.
+# The 2026-12-01 run (h200_smollm2_raw_ablation.md) used TARGET_TOKENS=11405673 RAW_PACKAGES= (stdlib only).
 # Both resume when rerun with the same ROOT (finished stages skipped, train from its last checkpoint); each stops
 # by SIGTERM (checkpoint saved) SECONDS after the start, then what there is goes to $OUT/ablation.tgz.
 # Timings of these concurrent runs are not throughput figures.
 #
 # usage: bash docs/results/h200_smollm2_ablation.sh ROOT SECONDS [tiny] [A|B|AB]
 #   tiny: CPU-sized settings to test the logic (no GPU).  Default pipelines: AB.
+#   A_SETS (environment): extra settings of A, default "--set evaluate.references=false" (tau only: the
+#   speedups against the target alone are v8's business), e.g. A_SETS="" for the full evaluation.
 #   B_SETS (environment): B's settings, default "--set train.epochs=6" (e.g. the data-volume run:
 #   B_SETS="--set generate.max_prompts=16384 --set train.epochs=3").
 set -uo pipefail
@@ -26,24 +33,28 @@ export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-120}
 START=$(date +%s)
 mkdir -p "$ROOT/logs"
 
-TARGET_TOKENS=11405673   # tokens_seen at step 708 of the regenerated run (h200_smollm2_generated_v2_metrics.jsonl)
+TARGET_TOKENS=${TARGET_TOKENS:-34742330}   # tokens_seen at the end of v8 (h200_smollm2_v8_metrics.jsonl, step 2157)
+read -r -a RAW_PACKAGES <<<"${RAW_PACKAGES-torch transformers}"   # v8's generate.default_prompts.packages
+RAW_MAX_TOKENS=${RAW_MAX_TOKENS:-11780514}   # v8's corpus tokens (h200_smollm2_v8_pipeline.json, generate num_tokens)
+read -r -a A_EXTRA <<<"${A_SETS---set evaluate.references=false}"
 PREP_MAX_LENGTH=2048
 MAX_FILES=()
 COMMON=()
 B_ONLY=()
 if [ "$MODE" = tiny ]; then
   TARGET_TOKENS=1500
+  RAW_MAX_TOKENS=8000
   PREP_MAX_LENGTH=256
   MAX_FILES=(--max-files 6)
-  COMMON=(--set extract.target_gpus=null --set extract.workers=1 --set extract.num_taps=1
+  COMMON=(--set extract.target_gpus=null --set extract.target_processes=1 --set extract.num_taps=1
           --set extract.token_budget=2048 --set extract.shard_size=4096
-          --set train.device=cpu --set train.num_draft_layers=1 --set train.block_size=4 --set train.token_budget=1024
-          --set train.max_anchors_per_document=16 --set train.validation_fraction=0.0 --set train.save_every=1
+          --set train.device=cpu --set train.drafter.num_draft_layers=1 --set train.drafter.block_size=4 --set train.data.token_budget=1024
+          --set train.drafter.max_anchors_per_document=16 --set train.data.validation_fraction=0.0 --set train.save_every=1
           --set evaluate.num_prompts=1 --set evaluate.max_new_tokens=8 --set evaluate.prompt_tokens=32
           --set evaluate.device=cpu --set evaluate.cpu_threads=1)
   B_ONLY=(--set generate.max_prompts=8 --set generate.max_new_tokens=8 --set generate.max_length=256
           --set generate.batch_size=8 --set generate.part_size=4 --set generate.target_gpus=null
-          --set generate.workers=1 --set train.max_steps=2)
+          --set generate.target_processes=1 --set train.max_steps=2)
 fi
 
 left() { echo $(( START + SECONDS_GIVEN - $(date +%s) - 25 )); }
@@ -54,13 +65,18 @@ run_A() {
   {
     stamp "A: call start (left $(left) s)"
     if [ ! -e "$ROOT/A_setup.done" ]; then
-      $HELPER raw-folder "$ROOT/raw" "${MAX_FILES[@]}" || return 1
+      local packages=() inputs=("$ROOT/raw/stdlib" "$ROOT/raw/placeholder")
+      if [ ${#RAW_PACKAGES[@]} -gt 0 ]; then
+        packages=(--packages "${RAW_PACKAGES[@]}" --max-tokens "$RAW_MAX_TOKENS")
+        inputs+=("$ROOT/raw/packages")
+      fi
+      $HELPER raw-folder "$ROOT/raw" "${MAX_FILES[@]}" "${packages[@]}" || return 1
       $HELPER heldout-prompts "$ROOT/heldout_prompts.jsonl" || return 1
-      stamp "A: prepare (raw training-side stdlib files + the split placeholder)"
-      timeout -s TERM -k 20 "$(left)" $CLI prepare "$ROOT/raw/stdlib" "$ROOT/raw/placeholder" -o "$ROOT/A_pre" \
+      stamp "A: prepare (raw training-side files + the split placeholder)"
+      timeout -s TERM -k 20 "$(left)" $CLI prepare "${inputs[@]}" -o "$ROOT/A_pre" \
         --max-length "$PREP_MAX_LENGTH" --length-policy split --overwrite || return 1
       $HELPER plan "$ROOT/A_pre" --preset h200-smollm2 --out "$ROOT/A_preset.json" --target-tokens "$TARGET_TOKENS" \
-        --scratch "$ROOT/A_plan" "${COMMON[@]}" || return 1
+        --scratch "$ROOT/A_plan" "${COMMON[@]}" "${A_EXTRA[@]}" || return 1
       rm -rf "$ROOT/A_plan"
       touch "$ROOT/A_setup.done"
     fi
