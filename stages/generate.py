@@ -173,7 +173,7 @@ def _load_prompts(config: GenerateConfig) -> tuple[list[Any], Any, dict[str, Any
     from dflash.generation.prompts import DropCounts, read_prompt_file
 
     if config.prompts == "default":
-        sets = default_prompt_sets(config.default_prompts)
+        sets = default_prompt_sets(config.default_prompts, processes=None)  # the CLI runs under a __main__ guard
         records, heldout = sets["train"], sets["heldout"]
         source = {**describe_default_prompts(config.default_prompts), "heldout_prompts": len(sets["heldout"]),
                   "heldout_file": HELDOUT_PROMPTS_FILE}

@@ -85,3 +85,33 @@ def test_bad_package_settings_are_refused(settings, message):
     with pytest.raises(ConfigError) as raised:
         DefaultPromptConfig(**settings)
     assert message in str(raised.value)
+
+
+def test_definitions_follow_ast_walk_on_every_stdlib_file():
+    """The statement-only walk finds the same definitions in the same order as ast.walk, on real sources."""
+    import ast
+
+    from dflash.default_corpus import default_corpus_files
+    from dflash.generation.default_prompts import _definitions
+
+    kinds = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+    checked = 0
+    for file in default_corpus_files():
+        try:
+            tree = ast.parse(file.path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        expected = [node for node in ast.walk(tree) if isinstance(node, kinds)]
+        assert _definitions(tree) == expected, file.path
+        checked += len(expected)
+    assert checked > 10_000  # the stdlib holds tens of thousands of definitions
+
+
+def test_prompts_built_in_processes_equal_those_built_here():
+    """processes=2 (a spawned pool over the stdlib's files) gives exactly the records of processes=1."""
+    config = DefaultPromptConfig(max_prompts=3000, max_heldout=100)
+    here = default_prompt_sets(config)
+    pooled = default_prompt_sets(config, processes=2)
+    assert [_key(r) for r in pooled["train"]] == [_key(r) for r in here["train"]]
+    assert [_key(r) for r in pooled["heldout"]] == [_key(r) for r in here["heldout"]]
+    assert len(here["train"]) == 3000 and len(here["heldout"]) == 100

@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import re
 import sys
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -129,7 +131,7 @@ def is_heldout_document(relative_path: str, heldout_permille: int) -> bool:
 
 
 def _completions(text: str, name: str, config: DefaultPromptConfig, rng: np.random.Generator) -> list[PromptRecord]:
-    line_ends = [i + 1 for i, ch in enumerate(text) if ch == "\n"]
+    line_ends = [match.end() for match in re.finditer("\n", text)]
     line_ends = [end for end in line_ends if 40 <= end <= len(text) - 40]  # something before, something to continue
     if not line_ends:
         return []
@@ -152,9 +154,7 @@ def _instructions(text: str, name: str, config: DefaultPromptConfig, rng: np.ran
         return []
     lines = text.splitlines()
     records = []
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            continue
+    for node in _definitions(tree):
         first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
         last = node.end_lineno or node.lineno
         if not 3 <= last - first + 1 <= config.max_definition_lines:
@@ -167,6 +167,26 @@ def _instructions(text: str, name: str, config: DefaultPromptConfig, rng: np.ran
                                     messages=[{"role": "user", "content": content},
                                               {"role": "assistant", "content": None}], document=name))
     return records
+
+
+#: The nodes on any path from a module to a definition: statements, ``except`` handlers and ``case`` blocks (a
+#: statement never sits inside an expression).
+_STATEMENT_NODES = (ast.stmt, ast.excepthandler, ast.match_case)
+
+
+def _definitions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef]:
+    """Every function and class definition of ``tree`` in :func:`ast.walk`'s order (breadth first, children in
+    field order), without visiting expressions: the same nodes at the same depths in the same sibling order, so the
+    same sequence; about 5x faster on real sources (``tests/test_default_prompts.py`` checks it against
+    ``ast.walk`` on every stdlib file)."""
+    found = []
+    pending = deque([tree])
+    while pending:
+        node = pending.popleft()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found.append(node)
+        pending.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, _STATEMENT_NODES))
+    return found
 
 
 def _file_prompts(path: Any, relative: str, sample_id: str, config: DefaultPromptConfig) -> list[PromptRecord]:
@@ -184,6 +204,35 @@ def _file_prompts(path: Any, relative: str, sample_id: str, config: DefaultPromp
     if config.instruct:
         records += _instructions(text, sample_id, config, rng)
     return records
+
+
+#: Below this many files the prompts are built in this process (a process pool's start-up would cost more).
+_POOL_MIN_FILES = 256
+
+
+def _file_prompts_task(item: tuple[Path, str, str, DefaultPromptConfig]) -> list[PromptRecord]:
+    return _file_prompts(*item)
+
+
+def _prompts_of_files(items: list[tuple[Path, str, str]], config: DefaultPromptConfig,
+                      processes: int | None) -> list[list[PromptRecord]]:  # fmt: skip
+    """:func:`_file_prompts` of each ``(path, relative, sample_id)``, in order. Parsing every file (``ast.parse``)
+    is most of the cost, and each file's prompts depend on that file alone (seeded by its path), so with many files
+    and ``processes`` other than 1 they are built in a ``concurrent.futures`` process pool (spawned; ``None``: one
+    process per usable core, at most 16): the same records either way. In a daemonic process (which may not start
+    children, e.g. a Dask worker) they are built here."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    if processes is None:
+        processes = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    workers = processes
+    if len(items) < _POOL_MIN_FILES or workers < 2 or multiprocessing.current_process().daemon:
+        return [_file_prompts(path, relative, sample_id, config) for path, relative, sample_id in items]
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_file_prompts_task, [(*item, config) for item in items],
+                             chunksize=max(1, len(items) // (8 * workers))))
 
 
 def package_root(name: str) -> Path:
@@ -204,7 +253,7 @@ def package_root(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _package_prompts(config: DefaultPromptConfig) -> list[PromptRecord]:
+def _package_prompts(config: DefaultPromptConfig, processes: int | None = 1) -> list[PromptRecord]:
     """Training prompts from ``config.packages`` (module docstring): files in seeded random order, one prompt of
     each file per round, until ``package_prompts`` are taken."""
     from dflash.default_corpus import _SKIP_DIRS, _TEST_DIRS, collect_text_files
@@ -217,10 +266,11 @@ def _package_prompts(config: DefaultPromptConfig) -> list[PromptRecord]:
             if not is_heldout_document(relative, config.heldout_permille):
                 files.append((file, relative))
     rng = np.random.default_rng(config.seed)
+    order = rng.permutation(len(files))
+    built = _prompts_of_files([(files[i][0].path, files[i][1], files[i][0].sample_id) for i in order], config,
+                              processes)
     per_file = []
-    for index in rng.permutation(len(files)):
-        file, relative = files[index]
-        records = _file_prompts(file.path, relative, file.sample_id, config)
+    for records in built:
         if records:
             per_file.append([records[i] for i in rng.permutation(len(records))])
     wanted = config.package_prompts if config.package_prompts is not None else sum(map(len, per_file))
@@ -233,9 +283,15 @@ def _package_prompts(config: DefaultPromptConfig) -> list[PromptRecord]:
     return taken
 
 
-def default_prompt_sets(config: DefaultPromptConfig | None = None) -> dict[Split, list[PromptRecord]]:
+def default_prompt_sets(config: DefaultPromptConfig | None = None, *,
+                        processes: int | None = 1) -> dict[Split, list[PromptRecord]]:  # fmt: skip
     """The training and held-out prompt records of this machine's stdlib (module docstring), each shuffled; with
     ``config.packages``, their prompts join the training split (shuffled in with the stdlib's).
+
+    ``processes``: build the files' prompts in this many spawned processes (``None``: one per usable core, at most
+    16; 1: in this process, the default). The records are the same either way; parsing is most of the time (about
+    30 s for the h200-smollm2 preset's 24,576 prompts on one core). Spawned processes re-import the caller's main
+    module: call it with ``processes`` != 1 only from code under ``if __name__ == "__main__":`` (as the CLI is).
 
     Returns:
         ``{"train": [...], "heldout": [...]}``; prompt ids ``stdlib:<path>@<offset>:complete`` and
@@ -248,15 +304,14 @@ def default_prompt_sets(config: DefaultPromptConfig | None = None) -> dict[Split
     config = config or DefaultPromptConfig()
     root = stdlib_root()
     sets: dict[Split, list[PromptRecord]] = {"train": [], "heldout": []}
-    for file in default_corpus_files():
-        relative = file.path.relative_to(root).as_posix()
-        records = _file_prompts(file.path, relative, file.sample_id, config)
+    items = [(file.path, file.path.relative_to(root).as_posix(), file.sample_id) for file in default_corpus_files()]
+    for (_, relative, _), records in zip(items, _prompts_of_files(items, config, processes), strict=True):
         sets["heldout" if is_heldout_document(relative, config.heldout_permille) else "train"].extend(records)
     for split, cap in (("train", config.max_prompts), ("heldout", config.max_heldout)):
         order = np.random.default_rng(config.seed).permutation(len(sets[split]))
         sets[split] = [sets[split][i] for i in order[: cap if cap is not None else len(order)]]
     if config.packages:
-        train = sets["train"] + _package_prompts(config)
+        train = sets["train"] + _package_prompts(config, processes)
         order = np.random.default_rng(config.seed + 1).permutation(len(train))
         sets["train"] = [train[i] for i in order]
     return sets
