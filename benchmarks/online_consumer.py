@@ -1,0 +1,102 @@
+"""The online ring's host-side cost per batch, without any model: what a producer spends writing a batch into its
+slot and what the trainer's side spends taking it out, on this machine.
+
+For one batch of ``--tokens`` real tokens of ``--width`` hidden values (bfloat16) in ``--documents`` documents,
+``--repeats`` times (medians):
+
+* write: :meth:`dflash.online_queue.Ring.write_batch` (the producer: ids, masks and hidden states copied into the
+  shared-memory slot, CRC-32C of the payload), from host tensors (the producer's forward and its device-to-host copy
+  are not included);
+* read: :meth:`dflash.online_queue.Ring.read_batch` (the consumer: a private copy of the slot, its CRC-32C checked);
+* pack: the consumer's packing of that copy into the training batch (``OnlineBatches._pack`` ->
+  :func:`dflash.batching.pack_samples`, padded to the token budget, in pinned memory when CUDA is available, as
+  the trainer does).
+
+:class:`dflash.online.OnlineBatches` does read and pack on the trainer's thread, one batch after another, so
+``tokens / (read + pack)`` bounds what one trainer process can take from the ring, whatever the producers and the
+trainer's GPU do; it prints that bound next to the per-phase times and rates.
+
+    python benchmarks/online_consumer.py                       # SmolLM2, 5 taps: 16,384 x 2,880
+    python benchmarks/online_consumer.py --width 20480 --tokens 8192   # Qwen3-8B, 5 taps, 8,192-token batches
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from dflash.batching import pack_samples
+from dflash.online import _Document
+from dflash.online_queue import Ring, RingGeometry
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=16384, help="real tokens per batch (the token budget)")
+    parser.add_argument("--width", type=int, default=5 * 576, help="n*H hidden values per token (SmolLM2, 5 taps)")
+    parser.add_argument("--documents", type=int, default=16, help="documents per batch, equal lengths")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    args = parser.parse_args()
+
+    pin = torch.cuda.is_available()
+    geometry = RingGeometry(num_slots=2, max_tokens=args.tokens, max_documents=args.documents, width=args.width,
+                            dtype=torch.bfloat16)  # fmt: skip
+    lengths = [args.tokens // args.documents] * args.documents
+    lengths[-1] += args.tokens - sum(lengths)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = [np.arange(n, dtype=np.int64) % 49152 for n in lengths]
+    loss_mask = [np.ones(n, dtype=np.int64) for n in lengths]
+    hidden = [torch.randn(n, args.width, generator=generator).to(torch.bfloat16) for n in lengths]
+    rows = np.arange(args.documents, dtype=np.int64)
+    nbytes = args.tokens * args.width * 2
+    times: dict[str, list[float]] = {"write": [], "read": [], "pack": []}
+    with Ring.create(geometry) as ring:
+        for repeat in range(args.repeats):
+            slot, ticket = ring.acquire()
+            started = time.perf_counter()
+            ring.write_batch(slot, ticket, epoch=0, batch_index=repeat, bucket=0, corpus_rows=rows,
+                             input_ids=input_ids, loss_mask=loss_mask, hidden=hidden)  # fmt: skip
+            written = time.perf_counter()
+            batch = ring.read_batch(slot, ticket, epoch=0, batch_index=repeat)
+            read = time.perf_counter()
+            ring.release(slot)
+            offsets = np.concatenate([[0], np.cumsum(batch.lengths)])
+            documents = [_Document(row, batch.input_ids[a:b], batch.loss_mask[a:b], batch.hidden[a:b])
+                         for row, a, b in zip(batch.corpus_rows.tolist(), offsets[:-1].tolist(), offsets[1:].tolist(),
+                                              strict=True)]  # fmt: skip
+            packed = pack_samples(documents, pad_to=args.tokens, bucket_id=0, pin_memory=pin)
+            packed_at = time.perf_counter()
+            del packed
+            times["write"].append(written - started)
+            times["read"].append(read - written)
+            times["pack"].append(packed_at - read)
+            print(f"repeat {repeat}: write {1e3 * times['write'][-1]:.1f} ms, read {1e3 * times['read'][-1]:.1f} ms, "
+                  f"pack {1e3 * times['pack'][-1]:.1f} ms")
+    medians = {name: float(np.median(values)) for name, values in times.items()}
+    consumer = medians["read"] + medians["pack"]
+    result = {
+        "tokens": args.tokens, "width": args.width, "documents": args.documents, "repeats": args.repeats,
+        "hidden_bytes": nbytes, "pinned": pin,
+        **{f"{name}_ms": 1e3 * value for name, value in medians.items()},
+        **{f"{name}_gb_per_s": nbytes / value / 1e9 for name, value in medians.items()},
+        "consumer_bound_tokens_per_s": args.tokens / consumer,
+        "runs_ms": {name: [round(1e3 * v, 1) for v in values] for name, values in times.items()},
+    }  # fmt: skip
+    print(f"medians of {args.repeats}, {args.tokens:,} tokens x {args.width:,} bf16 ({nbytes / 1e6:,.0f} MB), "
+          f"pinned {pin}: write {result['write_ms']:.1f} ms ({result['write_gb_per_s']:.2f} GB/s), "
+          f"read {result['read_ms']:.1f} ms ({result['read_gb_per_s']:.2f} GB/s), "
+          f"pack {result['pack_ms']:.1f} ms ({result['pack_gb_per_s']:.2f} GB/s); "
+          f"one consumer takes at most {result['consumer_bound_tokens_per_s']:,.0f} tokens/s")
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
