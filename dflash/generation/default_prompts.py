@@ -37,6 +37,7 @@ the training split, 512 (capped) held out. ``generate`` records the counts of th
 from __future__ import annotations
 
 import ast
+import logging
 import hashlib
 import re
 import sys
@@ -54,6 +55,8 @@ __all__ = ["DefaultPromptConfig", "default_prompt_sets", "is_heldout_document", 
            "describe_default_prompts", "package_root", "INSTRUCTIONS"]
 
 Split = Literal["train", "heldout"]
+
+log = logging.getLogger(__name__)
 
 #: The instruction templates of ``instruct`` prompts; ``{kind}`` is "function" or "class".
 INSTRUCTIONS = (
@@ -220,19 +223,24 @@ def _prompts_of_files(items: list[tuple[Path, str, str]], config: DefaultPromptC
     is most of the cost, and each file's prompts depend on that file alone (seeded by its path), so with many files
     and ``processes`` other than 1 they are built in a ``concurrent.futures`` process pool (spawned; ``None``: one
     process per usable core, at most 16): the same records either way. In a daemonic process (which may not start
-    children, e.g. a Dask worker) they are built here."""
+    children, e.g. a Dask worker) they are built here, and here again if the pool breaks (logged)."""
     import multiprocessing
     import os
     from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     if processes is None:
         processes = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     workers = processes
     if len(items) < _POOL_MIN_FILES or workers < 2 or multiprocessing.current_process().daemon:
         return [_file_prompts(path, relative, sample_id, config) for path, relative, sample_id in items]
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(_file_prompts_task, [(*item, config) for item in items],
-                             chunksize=max(1, len(items) // (8 * workers))))
+    try:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return list(pool.map(_file_prompts_task, [(*item, config) for item in items],
+                                 chunksize=max(1, len(items) // (8 * workers))))
+    except (BrokenProcessPool, OSError) as error:  # e.g. a caller's main module without a __main__ guard
+        log.warning("default prompts: the process pool failed (%s); building them in this process instead", error)
+        return [_file_prompts(path, relative, sample_id, config) for path, relative, sample_id in items]
 
 
 def package_root(name: str) -> Path:
