@@ -52,7 +52,7 @@ from dflash.errors import ConfigError
 from dflash.generation.prompts import PromptRecord
 
 __all__ = ["DefaultPromptConfig", "default_prompt_sets", "is_heldout_document", "write_prompts_jsonl",
-           "describe_default_prompts", "package_root", "INSTRUCTIONS"]
+           "describe_default_prompts", "package_root", "package_files", "INSTRUCTIONS"]
 
 Split = Literal["train", "heldout"]
 
@@ -261,9 +261,14 @@ def package_root(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _package_prompts(config: DefaultPromptConfig, processes: int | None = 1) -> list[PromptRecord]:
-    """Training prompts from ``config.packages`` (module docstring): files in seeded random order, one prompt of
-    each file per round, until ``package_prompts`` are taken."""
+def package_files(config: DefaultPromptConfig) -> list[tuple[Any, str]]:
+    """The ``*.py`` files of ``config.packages`` that may give prompts (test folders and held-out files left out),
+    as ``(dflash.default_corpus.TextFile, "<package>/<relative path>")`` in listing order; the prompt set visits
+    them in ``numpy.random.default_rng(config.seed).permutation(len(files))`` order (its first draw).
+
+    Raises:
+        ConfigError: a name in ``packages`` is not an installed package (:func:`package_root`).
+    """
     from dflash.default_corpus import _SKIP_DIRS, _TEST_DIRS, collect_text_files
 
     files = []
@@ -273,6 +278,13 @@ def _package_prompts(config: DefaultPromptConfig, processes: int | None = 1) -> 
             relative = f"{name}/{file.path.relative_to(root).as_posix()}"
             if not is_heldout_document(relative, config.heldout_permille):
                 files.append((file, relative))
+    return files
+
+
+def _package_prompts(config: DefaultPromptConfig, processes: int | None = 1) -> list[PromptRecord]:
+    """Training prompts from ``config.packages`` (module docstring): files in seeded random order, one prompt of
+    each file per round, until ``package_prompts`` are taken."""
+    files = package_files(config)
     rng = np.random.default_rng(config.seed)
     order = rng.permutation(len(files))
     built = _prompts_of_files([(files[i][0].path, files[i][1], files[i][0].sample_id) for i in order], config,

@@ -79,9 +79,7 @@ def _package_files(dest: Path, stdlib_files: list[Path], packages: list[str], ma
     ``max_tokens``; returns what was taken."""
     import numpy as np
 
-    from dflash.default_corpus import _SKIP_DIRS, _TEST_DIRS, collect_text_files
-    from dflash.generation.default_prompts import (DefaultPromptConfig, _file_prompts, is_heldout_document,
-                                                   package_root)
+    from dflash.generation.default_prompts import DefaultPromptConfig, _file_prompts, package_files
     from dflash.target import load_tokenizer
 
     tokenizer = load_tokenizer(None)
@@ -92,13 +90,7 @@ def _package_files(dest: Path, stdlib_files: list[Path], packages: list[str], ma
 
     stdlib_tokens = sum(count(p) for p in stdlib_files)
     config = DefaultPromptConfig(packages=tuple(packages))
-    files = []
-    for name in config.packages:  # the same listing and order as default_prompts._package_prompts
-        base = package_root(name)
-        for file in collect_text_files(base, patterns=("*.py",), source=name, skip_dirs=_SKIP_DIRS | _TEST_DIRS):
-            relative = f"{name}/{file.path.relative_to(base).as_posix()}"
-            if not is_heldout_document(relative, config.heldout_permille):
-                files.append((file, relative))
+    files = package_files(config)  # in the prompt set's order below (its first draw of the seed)
     rng = np.random.default_rng(config.seed)
     total, taken = stdlib_tokens, []
     for index in rng.permutation(len(files)):
