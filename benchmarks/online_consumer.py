@@ -14,7 +14,8 @@ For one batch of ``--tokens`` real tokens of ``--width`` hidden values (bfloat16
 
 :class:`dflash.online.OnlineBatches` does read and pack on the trainer's thread, one batch after another, so
 ``tokens / (read + pack)`` bounds what one trainer process can take from the ring, whatever the producers and the
-trainer's GPU do; it prints that bound next to the per-phase times and rates.
+trainer's GPU do; it prints that bound next to the per-phase times and rates (medians of ``--repeats`` after one
+untimed warm-up).
 
     python benchmarks/online_consumer.py                       # SmolLM2, 5 taps: 16,384 x 2,880
     python benchmarks/online_consumer.py --width 20480 --tokens 8192   # Qwen3-8B, 5 taps, 8,192-token batches
@@ -56,13 +57,13 @@ def main() -> None:
     nbytes = args.tokens * args.width * 2
     times: dict[str, list[float]] = {"write": [], "read": [], "pack": []}
     with Ring.create(geometry) as ring:
-        for repeat in range(args.repeats):
+        for repeat in range(-1, args.repeats):  # repeat -1: an untimed warm-up (first touch of the slot's pages)
             slot, ticket = ring.acquire()
             started = time.perf_counter()
-            ring.write_batch(slot, ticket, epoch=0, batch_index=repeat, bucket=0, corpus_rows=rows,
+            ring.write_batch(slot, ticket, epoch=0, batch_index=repeat + 1, bucket=0, corpus_rows=rows,
                              input_ids=input_ids, loss_mask=loss_mask, hidden=hidden)  # fmt: skip
             written = time.perf_counter()
-            batch = ring.read_batch(slot, ticket, epoch=0, batch_index=repeat)
+            batch = ring.read_batch(slot, ticket, epoch=0, batch_index=repeat + 1)
             read = time.perf_counter()
             ring.release(slot)
             offsets = np.concatenate([[0], np.cumsum(batch.lengths)])
@@ -72,6 +73,8 @@ def main() -> None:
             packed = pack_samples(documents, pad_to=args.tokens, bucket_id=0, pin_memory=pin)
             packed_at = time.perf_counter()
             del packed
+            if repeat < 0:
+                continue
             times["write"].append(written - started)
             times["read"].append(read - written)
             times["pack"].append(packed_at - read)

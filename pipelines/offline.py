@@ -436,8 +436,11 @@ def _excluded_samples_reported_once() -> Iterator[None]:
 
 
 def run_pipeline(config: PipelineConfig, *, console: Console | None = None,
-                 source: Callable[[str, str], str] | None = None) -> dict[str, Any]:
+                 source: Callable[[str, str], str] | None = None,
+                 prompt_processes: int | None = 1) -> dict[str, Any]:  # fmt: skip
     """Run (or resume) the pipeline; returns the final evaluation report (``tau`` and the rest).
+
+    ``prompt_processes``: as :func:`stages.generate.run_generate` (1 by default; the CLI passes ``None``).
 
     Raises:
         ConfigError: a setting fails :func:`validate_sections` (before any work); a stage's settings changed in an
@@ -450,10 +453,11 @@ def run_pipeline(config: PipelineConfig, *, console: Console | None = None,
     # Before anything is written; ``source`` names where a setting came from (the CLI passes --set/preset).
     validate_sections(config, source or (lambda section, key: "pipeline config"))
     with output_lock(config.workdir, what="pipeline work folder"), _excluded_samples_reported_once():
-        return _run_stages(config, console=console)
+        return _run_stages(config, console=console, prompt_processes=prompt_processes)
 
 
-def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> dict[str, Any]:
+def _run_stages(config: PipelineConfig, *, console: Console | None = None,
+                prompt_processes: int | None = 1) -> dict[str, Any]:  # fmt: skip
     from stages.evaluate import EvaluateConfig, Evaluator, write_json_atomic
     from stages.extract import ExtractConfig, run_extract
     from stages.prepare import PrepareConfig, run_prepare
@@ -482,7 +486,8 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None) -> di
 
         generate = config.section("generate")
         stage("generate", generate, lambda: _json_safe(run_generate(
-            GenerateConfig(output=str(paths["corpus"]), **generate), console=console)))
+            GenerateConfig(output=str(paths["corpus"]), **generate), console=console,
+            prompt_processes=prompt_processes)))
         heldout_prompts = Path(config.evaluate.get("prompts") or paths["corpus"] / HELDOUT_PROMPTS_FILE)
     else:
         prepare = config.section("prepare")
@@ -733,7 +738,7 @@ def register(app: typer.Typer) -> None:
 
         console.print(f"preset {preset} -> {workdir}")
         started = time.perf_counter()
-        report = run_pipeline(config, console=console, source=source)
+        report = run_pipeline(config, console=console, source=source, prompt_processes=None)  # under __main__
         print_summary(report, console)
         console.print(f"pipeline finished in {time.perf_counter() - started:.1f} s; results in {workdir}")
         console.print(f"[bold]tau = {report['tau']:.3f}[/] (mean acceptance length, block size "

@@ -168,12 +168,13 @@ class GenerateConfig:
 
 
 # ---------------------------------------------------------------------------------------------------- prompts
-def _load_prompts(config: GenerateConfig) -> tuple[list[Any], Any, dict[str, Any], list[Any] | None]:
+def _load_prompts(config: GenerateConfig,
+                  processes: int | None = 1) -> tuple[list[Any], Any, dict[str, Any], list[Any] | None]:  # fmt: skip
     from dflash.generation.default_prompts import default_prompt_sets, describe_default_prompts
     from dflash.generation.prompts import DropCounts, read_prompt_file
 
     if config.prompts == "default":
-        sets = default_prompt_sets(config.default_prompts, processes=None)  # the CLI runs under a __main__ guard
+        sets = default_prompt_sets(config.default_prompts, processes=processes)
         records, heldout = sets["train"], sets["heldout"]
         source = {**describe_default_prompts(config.default_prompts), "heldout_prompts": len(sets["heldout"]),
                   "heldout_file": HELDOUT_PROMPTS_FILE}
@@ -349,8 +350,13 @@ def _openai_engine(config: GenerateConfig, tokenizer: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- stage
-def run_generate(config: GenerateConfig, console: Console | None = None) -> dict[str, Any]:
+def run_generate(config: GenerateConfig, console: Console | None = None, *,
+                 prompt_processes: int | None = 1) -> dict[str, Any]:
     """Run the stage (module docstring); returns the summary also written into ``corpus.json``.
+
+    ``prompt_processes``: processes that build the embedded default prompt set
+    (:func:`dflash.generation.default_prompts.default_prompt_sets`; ``None``: one per core, at most 16). Spawned
+    processes re-import the caller's main module, so the default is 1 (in this process); the CLI passes ``None``.
 
     The output's lock (``dflash.locks``) is held for the whole run: a second ``generate`` into the same folder is
     refused at once, naming the holder.
@@ -369,10 +375,10 @@ def run_generate(config: GenerateConfig, console: Console | None = None) -> dict
 
         require_local_gpus(config)  # before the lock and any file
     with output_lock(output, what="corpus", break_lock=config.break_lock):
-        return _run_generate(config, console)
+        return _run_generate(config, console, prompt_processes)
 
 
-def _run_generate(config: GenerateConfig, console: Console | None) -> dict[str, Any]:
+def _run_generate(config: GenerateConfig, console: Console | None, prompt_processes: int | None) -> dict[str, Any]:
     from dflash.corpus import METADATA_FILE, open_corpus
     from dflash.generation.parts import PartSpec, committed_parts, plan_parts, summarize_parts
     from dflash.generation.prompts import check_generation_prompt
@@ -382,7 +388,7 @@ def _run_generate(config: GenerateConfig, console: Console | None) -> dict[str, 
     started = time.perf_counter()
     identity = target_identity(resolve_target_path(config.target)).to_dict()
     tokenizer = load_tokenizer(config.target)
-    records, read_drops, source, heldout = _load_prompts(config)
+    records, read_drops, source, heldout = _load_prompts(config, prompt_processes)
     if any(record.messages is not None for record in records):
         check_generation_prompt(tokenizer, config.template_kwargs, where=f"target {config.target}")
     ranges = plan_parts(len(records), config.part_size)
@@ -534,5 +540,5 @@ def register(app: typer.Typer) -> None:
         )
         if print_config:
             print_and_exit("generate", config)
-        run_generate(config)
+        run_generate(config, prompt_processes=None)  # the CLI's entry points run under a __main__ guard
 

@@ -12,7 +12,8 @@ Subcommands (each prints what it did; run from the repository root with the proj
       <relative path>, the package files the prompt set draws its package prompts from, in the prompt set's own
       order (default_prompts._package_prompts: non-held-out files with prompts, seeded permutation), until the
       raw text reaches --max-tokens target tokens in all (the regenerated corpus's size, so both arms hold the
-      same number of corpus tokens from the same source files; counted with the target's tokenizer).
+      same number of corpus tokens, counted with the target's tokenizer; the cap stops before the prompt set's
+      last package files, so the raw arm holds fewer distinct files than the regenerated one).
   heldout-prompts OUT
       The prompt set's held-out prompts, written exactly as `generate` writes OUTPUT/heldout_prompts.jsonl
       (default_prompt_sets(DefaultPromptConfig()) -> write_prompts_jsonl).

@@ -5,11 +5,13 @@
 #      docs/results/h200_smollm2_generated_v2_metrics.jsonl), evaluated on the same held-out prompts
 #      (the prompt set's heldout_prompts.jsonl of this host's stdlib); helper: h200_smollm2_ablation.py.
 #   B: the h200-smollm2 preset on its regenerated corpus with train.epochs=6 (tau after every epoch).
-# Since v8 (2026-12-04) A matches the v8 preset run instead (docs/results/h200_smollm2_v8_*): the raw text of the
-# same source files as v8's prompts (training-side stdlib files, then the torch and transformers files of the
-# package prompts, in the prompt set's order) up to v8's corpus size, 11,780,514 tokens (RAW_MAX_TOKENS), trained
-# for v8's tokens_seen, 34,742,330 (TARGET_TOKENS); run it alone (WHICH=A): B is the v8 run itself.
-# The 2026-12-01 run (h200_smollm2_raw_ablation.md) used TARGET_TOKENS=11405673 RAW_PACKAGES= (stdlib only).
+# Since v8 (2026-12-04) A matches the v8 preset run instead (docs/results/h200_smollm2_v8_*): the raw text of
+# v8's training-side stdlib files, then of the torch and transformers files of the package prompts in the prompt
+# set's order, until v8's corpus size, 11,780,514 tokens (RAW_MAX_TOKENS), trained for v8's tokens_seen, 34,742,330
+# (TARGET_TOKENS). The token cap stops at the first ~1,600 package files, where v8's prompts span ~4,900 files: A
+# holds fewer distinct files than v8 (a confound in v8's favour). Run it alone (4th argument A): B is the v8 run.
+# The 2026-12-01 run (h200_smollm2_raw_ablation.md) used TARGET_TOKENS=11405673 RAW_PACKAGES= A_SETS= (stdlib only,
+# full evaluations).
 # Both resume when rerun with the same ROOT (finished stages skipped, train from its last checkpoint); each stops
 # by SIGTERM (checkpoint saved) SECONDS after the start, then what there is goes to $OUT/ablation.tgz.
 # Timings of these concurrent runs are not throughput figures.
