@@ -37,8 +37,8 @@ the training split, 512 (capped) held out. ``generate`` records the counts of th
 from __future__ import annotations
 
 import ast
-import logging
 import hashlib
+import logging
 import re
 import sys
 from collections import deque
@@ -213,10 +213,6 @@ def _file_prompts(path: Any, relative: str, sample_id: str, config: DefaultPromp
 _POOL_MIN_FILES = 256
 
 
-def _file_prompts_task(item: tuple[Path, str, str, DefaultPromptConfig]) -> list[PromptRecord]:
-    return _file_prompts(*item)
-
-
 def _die_with_parent(parent: int) -> None:
     """Pool initializer: on Linux, ask the kernel to SIGKILL this worker when its parent dies (``prctl
     PR_SET_PDEATHSIG``), so a parent killed with SIGKILL (OOM killer, ``timeout -k``) leaves no orphan; exit at once if
@@ -239,6 +235,7 @@ def _prompts_of_files(items: list[tuple[Path, str, str]], config: DefaultPromptC
     and ``processes`` other than 1 they are built in a ``concurrent.futures`` process pool (spawned; ``None``: one
     process per usable core, at most 16): the same records either way. In a daemonic process (which may not start
     children, e.g. a Dask worker) they are built here, and here again if the pool breaks (logged)."""
+    import itertools
     import multiprocessing
     import os
     from concurrent.futures import ProcessPoolExecutor
@@ -246,14 +243,14 @@ def _prompts_of_files(items: list[tuple[Path, str, str]], config: DefaultPromptC
 
     if processes is None:
         processes = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    workers = processes
-    if len(items) < _POOL_MIN_FILES or workers < 2 or multiprocessing.current_process().daemon:
+    if len(items) < _POOL_MIN_FILES or processes < 2 or multiprocessing.current_process().daemon:
         return [_file_prompts(path, relative, sample_id, config) for path, relative, sample_id in items]
+    paths, relatives, sample_ids = zip(*items, strict=True)
     try:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+        with ProcessPoolExecutor(max_workers=processes, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
-            return list(pool.map(_file_prompts_task, [(*item, config) for item in items],
-                                 chunksize=max(1, len(items) // (8 * workers))))
+            return list(pool.map(_file_prompts, paths, relatives, sample_ids, itertools.repeat(config),
+                                 chunksize=max(1, len(items) // (8 * processes))))
     except (BrokenProcessPool, OSError) as error:  # e.g. a caller's main module without a __main__ guard
         log.warning("default prompts: the process pool failed (%s); building them in this process instead", error)
         return [_file_prompts(path, relative, sample_id, config) for path, relative, sample_id in items]
