@@ -8,8 +8,8 @@ For one batch of ``--tokens`` real tokens of ``--width`` hidden values (bfloat16
   shared-memory slot, CRC-32C of the payload), from host tensors (the producer's forward and its device-to-host copy
   are not included);
 * read: :meth:`dflash.online_queue.Ring.read_batch` (the consumer: a private copy of the slot, its CRC-32C checked);
-* pack: the consumer's packing of that copy into the training batch (``OnlineBatches._pack`` ->
-  :func:`dflash.batching.pack_samples`, padded to the token budget, in pinned memory when CUDA is available, as
+* pack: the consumer's packing of that copy into the training batch (:func:`dflash.online.pack_slot_batch`, as
+  ``OnlineBatches`` calls it, padded to the token budget, in pinned memory when CUDA is available, as
   the trainer does).
 
 :class:`dflash.online.OnlineBatches` does read and pack on the trainer's thread, one batch after another, so
@@ -30,8 +30,7 @@ import time
 import numpy as np
 import torch
 
-from dflash.batching import pack_samples
-from dflash.online import _Document
+from dflash.online import pack_slot_batch
 from dflash.online_queue import Ring, RingGeometry
 
 
@@ -66,11 +65,7 @@ def main() -> None:
             batch = ring.read_batch(slot, ticket, epoch=0, batch_index=repeat + 1)
             read = time.perf_counter()
             ring.release(slot)
-            offsets = np.concatenate([[0], np.cumsum(batch.lengths)])
-            documents = [_Document(row, batch.input_ids[a:b], batch.loss_mask[a:b], batch.hidden[a:b])
-                         for row, a, b in zip(batch.corpus_rows.tolist(), offsets[:-1].tolist(), offsets[1:].tolist(),
-                                              strict=True)]  # fmt: skip
-            packed = pack_samples(documents, pad_to=args.tokens, bucket_id=0, pin_memory=pin)
+            packed = pack_slot_batch(batch, pad_to=args.tokens, bucket=0, pin_memory=pin)
             packed_at = time.perf_counter()
             del packed
             if repeat < 0:

@@ -46,7 +46,7 @@ from dflash.errors import ConfigError, DFlashError, ProducerError
 from dflash.faults import fault_point
 from dflash.online_queue import QueueError, Ring, RingGeometry
 
-__all__ = ["BatchTask", "BatchProducer", "OnlineBatches", "OnlineStats"]
+__all__ = ["BatchTask", "BatchProducer", "OnlineBatches", "OnlineStats", "pack_slot_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -354,15 +354,9 @@ class OnlineBatches(PlannedCursor):
         return ready, self.ring.geometry.num_slots - self.ring.num_free
 
     def _pack(self, slot_batch: Any, bucket: int) -> PackedBatch:
-        """The offline packing (:func:`dflash.batching.pack_samples`) of the slot's documents."""
-        samples = []
-        offsets = np.concatenate([[0], np.cumsum(slot_batch.lengths)])
-        for row, start, stop in zip(slot_batch.corpus_rows.tolist(), offsets[:-1].tolist(), offsets[1:].tolist(),
-                                    strict=True):  # fmt: skip
-            samples.append(_Document(row, slot_batch.input_ids[start:stop], slot_batch.loss_mask[start:stop],
-                                     slot_batch.hidden[start:stop]))  # fmt: skip
-        return pack_samples(samples, pad_to=self._pad_length(int(offsets[-1])), bucket_id=bucket,
-                            pin_memory=self.pin_memory)  # fmt: skip
+        """The offline packing of the slot's documents (:func:`pack_slot_batch`)."""
+        return pack_slot_batch(slot_batch, pad_to=self._pad_length(int(slot_batch.lengths.sum())), bucket=bucket,
+                               pin_memory=self.pin_memory)  # fmt: skip
 
     def _cursor_moved(self) -> None:
         self._stop_dispatcher()  # batches in flight were for the old position
@@ -384,6 +378,22 @@ class OnlineBatches(PlannedCursor):
             "queue": {"num_slots": geometry.num_slots, "slot_bytes": geometry.slot_bytes, "width": geometry.width,
                       "dtype": str(geometry.dtype).removeprefix("torch."), "ring": self.ring.name},
         }  # fmt: skip
+
+
+def pack_slot_batch(slot_batch: Any, *, pad_to: int | None, bucket: int, pin_memory: bool = False) -> PackedBatch:
+    """A batch read from the ring (:class:`dflash.online_queue.SlotBatch`: ``lengths [D]`` int64, ``corpus_rows
+    [D]`` int64, ``input_ids [T]`` int32, ``loss_mask [T]`` uint8, ``hidden [T, n*H]`` of the ring's dtype, documents
+    back to back) packed as the offline loader packs a cache batch (:func:`dflash.batching.pack_samples`, padded to
+    ``pad_to`` tokens, pinned when ``pin_memory``; the tensors are views of the slot batch until copied there).
+
+    Raises:
+        ValueError: as :func:`dflash.batching.pack_samples` (no documents, ``pad_to`` below the real length).
+    """
+    offsets = np.concatenate([[0], np.cumsum(slot_batch.lengths)]).tolist()
+    samples = [_Document(row, slot_batch.input_ids[start:stop], slot_batch.loss_mask[start:stop],
+                         slot_batch.hidden[start:stop])
+               for row, start, stop in zip(slot_batch.corpus_rows.tolist(), offsets[:-1], offsets[1:], strict=True)]
+    return pack_samples(samples, pad_to=pad_to, bucket_id=bucket, pin_memory=pin_memory)
 
 
 def _stage_name(split: str, index: int, rows: tuple[int, ...]) -> str:
