@@ -294,12 +294,15 @@ def generate_part_task(spec: Any) -> dict[str, Any]:
     return record
 
 
-def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: Any, task: Any) -> list[dict[str, Any]]:
+def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: Any, task: Any,
+                 timings: dict[str, float]) -> list[dict[str, Any]]:
     from distributed import as_completed
 
     from stages.cluster import start_cluster
 
+    started = time.perf_counter()
     client, cluster, placement = start_cluster(config)  # extract's cluster: one worker per target GPU, or CPU processes
+    timings["cluster_start"] = time.perf_counter() - started
     records = []
     try:
         plugin = _plugin_class()(
@@ -309,14 +312,18 @@ def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: Any, task: 
             engine_kwargs={"batch_size": config.batch_size, "token_budget": config.token_budget,
                            "cache": config.kv_cache, "deterministic": config.deterministic},
         )
-        client.register_plugin(plugin)
+        started = time.perf_counter()
+        client.register_plugin(plugin)  # runs setup (target load) on every worker
+        timings["target_load"] = time.perf_counter() - started
         resources = placement.get("resources")
+        started = time.perf_counter()
         futures = [client.submit(generate_part_task, spec, key=f"generate-part-{spec.part_id}", pure=False,
                                  resources=resources) for spec in specs]
         for future in as_completed(futures):
             record = future.result()
             records.append(record)
             progress.update(task, advance=record["num_prompts"])
+        timings["parts"] = time.perf_counter() - started
     finally:
         client.close()
         if cluster is not None:
@@ -324,16 +331,19 @@ def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: Any, task: 
     return records
 
 
-def _run_in_process(config: GenerateConfig, specs: list[Any], tokenizer: Any, progress: Any, task: Any) -> list[dict[str, Any]]:
+def _run_in_process(config: GenerateConfig, specs: list[Any], tokenizer: Any, progress: Any, task: Any,
+                    timings: dict[str, float]) -> list[dict[str, Any]]:
     from dflash.generation.parts import generate_part
 
     engine = _openai_engine(config, tokenizer)
     records = []
+    started = time.perf_counter()
     try:
         for spec in specs:
             record = generate_part(engine, tokenizer, spec)
             records.append(record)
             progress.update(task, advance=record["num_prompts"])
+        timings["parts"] = time.perf_counter() - started
     finally:
         engine.close()
     return records
@@ -389,6 +399,7 @@ def _run_generate(config: GenerateConfig, console: Console | None, prompt_proces
     identity = target_identity(resolve_target_path(config.target)).to_dict()
     tokenizer = load_tokenizer(config.target)
     records, read_drops, source, heldout = _load_prompts(config, prompt_processes)
+    timings = {"prompts": time.perf_counter() - started}  # target identity, tokenizer, prompt set
     if any(record.messages is not None for record in records):
         check_generation_prompt(tokenizer, config.template_kwargs, where=f"target {config.target}")
     ranges = plan_parts(len(records), config.part_size)
@@ -420,9 +431,9 @@ def _run_generate(config: GenerateConfig, console: Console | None, prompt_proces
                                  completed=sum(r["num_prompts"] for r in done.values()))
         if specs:
             if config.engine == "openai":
-                _run_in_process(config, specs, tokenizer, progress, task)
+                _run_in_process(config, specs, tokenizer, progress, task, timings)
             else:
-                _run_on_dask(config, specs, progress, task)
+                _run_on_dask(config, specs, progress, task, timings)
     done = committed_parts(output)
     missing = [part_id for part_id in range(len(ranges)) if part_id not in done]
     if missing:
@@ -453,15 +464,27 @@ def _run_generate(config: GenerateConfig, console: Console | None, prompt_proces
                 "target": identity, "generation": generation, "num_rows": len(corpus),
                 "num_tokens": corpus.num_tokens, "fingerprint": corpus.fingerprint}
     atomic_write_text(output / METADATA_FILE, json.dumps(metadata, indent=2, default=str) + "\n")
-    summary = {**totals, "output": str(output), "seconds": round(time.perf_counter() - started, 1),
-               "parts": len(ranges), "rows": len(corpus)}
+    seconds = time.perf_counter() - started
+    timings["other"] = seconds - sum(timings.values())  # output checks, the part plan, the corpus metadata
+    summary = {**totals, "output": str(output), "seconds": round(seconds, 1), "parts": len(ranges),
+               "rows": len(corpus), "timings": {name: round(value, 1) for name, value in timings.items()}}
     console.print(
         f"generate: {totals['num_rows']:,} rows, {totals['generated_tokens']:,} generated tokens "
         f"({totals['num_tokens']:,} in all), finish {totals['finish_reasons']}, left out "
         f"{sum(totals['dropped']['counts'].values())} ({', '.join(f'{k} {v}' for k, v in totals['dropped']['counts'].items()) or 'none'}) "
         f"-> {output}"
     )
+    console.print(_timings_line(summary["timings"], totals), highlight=False, markup=False)
     return summary
+
+
+def _timings_line(timings: dict[str, float], totals: dict[str, Any]) -> str:
+    """Where the stage's wall time went (this run only; parts committed before are not counted)."""
+    names = {"prompts": "prompts", "cluster_start": "cluster start", "target_load": "target load",
+             "parts": "parts", "other": "other"}
+    spent = ", ".join(f"{names[key]} {value:.1f} s" for key, value in timings.items())
+    return (f"generate time: {spent}; inside the parts: engine {totals['engine_seconds']:.1f} s of "
+            f"{totals['part_seconds']:.1f} s (summed over parts)")
 
 
 def register(app: typer.Typer) -> None:

@@ -185,7 +185,9 @@ def plan_parts(num_prompts: int, part_size: int) -> list[tuple[int, int]]:
 
 
 def summarize_parts(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Totals over part records (for the corpus metadata and the report)."""
+    """Totals over part records (for the corpus metadata and the report). ``engine_seconds``: time inside the
+    engine's ``generate`` calls; ``part_seconds``: whole parts (templates, tokenization, the engine, the commit),
+    both summed over parts (parts on different workers overlap, so the sums can exceed the wall time)."""
     drops = DropCounts()
     finish: Counter = Counter()
     sources: Counter = Counter()
@@ -202,4 +204,5 @@ def summarize_parts(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "token_sources": dict(sources),
         "dropped": drops.to_dict(),
         "engine_seconds": round(sum(p["engine_seconds"] for p in parts), 3),
+        "part_seconds": round(sum(p["seconds"] for p in parts), 3),
     }
