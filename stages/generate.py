@@ -398,8 +398,9 @@ def _run_generate(config: GenerateConfig, console: Console | None, prompt_proces
     started = time.perf_counter()
     identity = target_identity(resolve_target_path(config.target)).to_dict()
     tokenizer = load_tokenizer(config.target)
+    timings = {"tokenizer": time.perf_counter() - started}  # with the target's identity
     records, read_drops, source, heldout = _load_prompts(config, prompt_processes)
-    timings = {"prompts": time.perf_counter() - started}  # target identity, tokenizer, prompt set
+    timings["prompts"] = time.perf_counter() - started - timings["tokenizer"]  # read, or built (the default set)
     if any(record.messages is not None for record in records):
         check_generation_prompt(tokenizer, config.template_kwargs, where=f"target {config.target}")
     ranges = plan_parts(len(records), config.part_size)
@@ -480,7 +481,7 @@ def _run_generate(config: GenerateConfig, console: Console | None, prompt_proces
 
 def _timings_line(timings: dict[str, float], totals: dict[str, Any]) -> str:
     """Where the stage's wall time went (this run only; parts committed before are not counted)."""
-    names = {"prompts": "prompts", "cluster_start": "cluster start", "target_load": "target load",
+    names = {"tokenizer": "tokenizer", "prompts": "prompts", "cluster_start": "cluster start", "target_load": "target load",
              "parts": "parts", "other": "other"}
     spent = ", ".join(f"{names[key]} {value:.1f} s" for key, value in timings.items())
     return (f"generate time: {spent}; inside the parts: engine {totals['engine_seconds']:.1f} s of "

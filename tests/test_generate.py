@@ -196,7 +196,7 @@ def test_sigkill_then_rerun_loses_and_duplicates_no_prompt(tmp_path, monkeypatch
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as _generate_cli's environment, for the rerun's Dask worker
     code, stderr = main_in_process(monkeypatch, capsys, *_generate_args(prompts, output))
     assert code == 0, stderr[-3000:]
-    assert re.search(r"generate time: prompts [\d.]+ s, cluster start [\d.]+ s, target load [\d.]+ s, parts", stderr)
+    assert re.search(r"generate time: tokenizer [\d.]+ s, prompts [\d.]+ s, cluster start [\d.]+ s, target load [\d.]+ s, parts", stderr)
     corpus = open_corpus(output)
     assert [corpus.sample_id(i) for i in range(len(corpus))] == [f"p.jsonl line {i + 1}" for i in range(5)]
     for part, inode in before.items():  # committed parts were kept, not redone
@@ -225,7 +225,7 @@ def test_openai_engine_through_the_stage(tmp_path, target):
     corpus = open_corpus(tmp_path / "out")
     assert summary["rows"] == 2 and corpus.metadata["generation"]["token_sources"] == {"engine": 2}
     # Where the wall time went: the named phases add up to it; the engine's time is part of the parts' time.
-    assert set(summary["timings"]) == {"prompts", "parts", "other"}
+    assert set(summary["timings"]) == {"tokenizer", "prompts", "parts", "other"}
     assert sum(summary["timings"].values()) == pytest.approx(summary["seconds"], abs=0.3)
     assert 0 < summary["engine_seconds"] <= summary["part_seconds"] <= summary["timings"]["parts"] + 0.1
     reply = [int(t) for t, m in zip(corpus.row(0).input_ids, corpus.row(0).loss_mask, strict=True) if m]
