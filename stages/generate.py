@@ -430,11 +430,12 @@ def _run_generate(config: GenerateConfig, console: Console | None, prompt_proces
                   disable=not console.is_terminal) as progress:
         task = progress.add_task("generate", total=len(records),
                                  completed=sum(r["num_prompts"] for r in done.values()))
+        this_run: list[dict[str, Any]] = []
         if specs:
             if config.engine == "openai":
-                _run_in_process(config, specs, tokenizer, progress, task, timings)
+                this_run = _run_in_process(config, specs, tokenizer, progress, task, timings)
             else:
-                _run_on_dask(config, specs, progress, task, timings)
+                this_run = _run_on_dask(config, specs, progress, task, timings)
     done = committed_parts(output)
     missing = [part_id for part_id in range(len(ranges)) if part_id not in done]
     if missing:
@@ -469,23 +470,31 @@ def _run_generate(config: GenerateConfig, console: Console | None, prompt_proces
     timings["other"] = seconds - sum(timings.values())  # output checks, the part plan, the corpus metadata
     summary = {**totals, "output": str(output), "seconds": round(seconds, 1), "parts": len(ranges),
                "rows": len(corpus), "timings": {name: round(value, 1) for name, value in timings.items()}}
+    counts = totals["dropped"]["counts"]
+    left_out = {reason: n for reason, n in counts.items() if reason != "turns_cut"}  # a cut chat keeps its row
     console.print(
         f"generate: {totals['num_rows']:,} rows, {totals['generated_tokens']:,} generated tokens "
         f"({totals['num_tokens']:,} in all), finish {totals['finish_reasons']}, left out "
-        f"{sum(totals['dropped']['counts'].values())} ({', '.join(f'{k} {v}' for k, v in totals['dropped']['counts'].items()) or 'none'}) "
-        f"-> {output}"
+        f"{sum(left_out.values())} ({', '.join(f'{k} {v}' for k, v in left_out.items()) or 'none'})"
+        + (f", chats cut short {counts['turns_cut']} (turns_cut: the row keeps its earlier turns)"
+           if counts.get("turns_cut") else "")
+        + f" -> {output}"
     )
-    console.print(_timings_line(summary["timings"], totals), highlight=False, markup=False)
+    console.print(_timings_line(summary["timings"], this_run), highlight=False, markup=False)
     return summary
 
 
-def _timings_line(timings: dict[str, float], totals: dict[str, Any]) -> str:
-    """Where the stage's wall time went (this run only; parts committed before are not counted)."""
+def _timings_line(timings: dict[str, float], parts: list[dict[str, Any]]) -> str:
+    """Where this run's wall time went; ``parts``: the records of the parts this run answered (none on a rerun
+    that found every part committed)."""
     names = {"tokenizer": "tokenizer", "prompts": "prompts", "cluster_start": "cluster start", "target_load": "target load",
              "parts": "parts", "other": "other"}
     spent = ", ".join(f"{names[key]} {value:.1f} s" for key, value in timings.items())
-    return (f"generate time: {spent}; inside the parts: engine {totals['engine_seconds']:.1f} s of "
-            f"{totals['part_seconds']:.1f} s (summed over parts)")
+    if not parts:
+        return f"generate time: {spent}; every part was committed before (no engine run)"
+    engine, whole = sum(p["engine_seconds"] for p in parts), sum(p["seconds"] for p in parts)
+    return (f"generate time: {spent}; inside the parts answered now ({len(parts)}): engine {engine:.1f} s of "
+            f"{whole:.1f} s (summed over parts)")
 
 
 def register(app: typer.Typer) -> None:

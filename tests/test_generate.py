@@ -9,6 +9,7 @@ path writes the same corpus layout.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from rich.console import Console
 
 from dflash.corpus import open_corpus
 from dflash.errors import ConfigError, CorpusError
@@ -218,10 +220,15 @@ def test_openai_engine_through_the_stage(tmp_path, target):
     server = FakeServer(target.tokenizer, kind="vllm")
     try:
         prompts = _write_jsonl(tmp_path / "p.jsonl", PROMPTS[:2])
-        summary = run_generate(GenerateConfig(prompts=str(prompts), output=str(tmp_path / "out"), engine="openai",
-                                              endpoints=[server.url], max_new_tokens=8))
+        config = GenerateConfig(prompts=str(prompts), output=str(tmp_path / "out"), engine="openai",
+                                endpoints=[server.url], max_new_tokens=8)
+        summary = run_generate(config)
+        rerun = io.StringIO()
+        run_generate(config, console=Console(file=rerun, width=300))  # every part committed: nothing to answer
     finally:
         server.stop()
+    assert "generate time: tokenizer" in rerun.getvalue()
+    assert "every part was committed before (no engine run)" in rerun.getvalue()
     corpus = open_corpus(tmp_path / "out")
     assert summary["rows"] == 2 and corpus.metadata["generation"]["token_sources"] == {"engine": 2}
     # Where the wall time went: the named phases add up to it; the engine's time is part of the parts' time.
@@ -232,6 +239,32 @@ def test_openai_engine_through_the_stage(tmp_path, target):
     assert reply[: len(server.reply_ids)] == server.reply_ids
     assert corpus.metadata["generation"]["engine"]["endpoints"] == [server.url]
 
+
+
+def test_the_summary_tells_dropped_prompts_from_chats_cut_short(tmp_path, target):
+    """A first turn with no room is left out (no row); a later turn with no room cuts the chat short (the row keeps its
+    earlier turns): the stage's summary line counts them apart."""
+    from test_generation_openai import FakeServer
+
+    from stages.generate import GenerateConfig, run_generate
+
+    long_text = " ".join(["lorem"] * 200)
+    rows = [{"text": long_text},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
+                          {"role": "user", "content": long_text}]},
+            {"text": "def f(x):\n"}]
+    server = FakeServer(target.tokenizer, kind="vllm")
+    log = io.StringIO()
+    try:
+        run_generate(GenerateConfig(prompts=str(_write_jsonl(tmp_path / "p.jsonl", rows)), output=str(tmp_path / "o"),
+                                    engine="openai", endpoints=[server.url], max_new_tokens=4, max_length=120),
+                     console=Console(file=log, width=400))
+    finally:
+        server.stop()
+    corpus = open_corpus(tmp_path / "o")
+    assert [corpus.sample_id(i) for i in range(len(corpus))] == ["p.jsonl line 2", "p.jsonl line 3"]
+    assert corpus.metadata["generation"]["dropped"]["counts"] == {"too_long": 1, "turns_cut": 1}
+    assert "left out 1 (too_long 1), chats cut short 1 (turns_cut" in log.getvalue()
 
 
 def test_rows_generated_from_one_stdlib_file_share_its_document(tmp_path, target, monkeypatch):
