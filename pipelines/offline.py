@@ -57,6 +57,8 @@ from dflash.errors import ConfigError, ConfigPathNotFoundError
 if TYPE_CHECKING:
     from stages.evaluate import Evaluator
 
+log = logging.getLogger(__name__)
+
 __all__ = ["PRESETS", "load_preset", "apply_overrides", "PipelineConfig", "run_pipeline", "register",
            "validate_sections"]
 
@@ -462,6 +464,7 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
     from stages.extract import ExtractConfig, run_extract
     from stages.prepare import PrepareConfig, run_prepare
     from stages.train import TrainConfig, run_training
+    from stages.trainer import planned_total_steps
 
     console = console or Console()
     workdir = config.workdir
@@ -559,6 +562,7 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
 
     def record_epoch(entry: dict[str, Any], report: dict[str, Any]) -> None:
         epoch_taus.append(entry)
+        epoch_taus.sort(key=lambda e: e["epoch"])  # the untrained drafter (epoch 0) is measured after epoch 1 trains
         state.data["epochs"] = epoch_taus
         state.save()
         where = f"step {entry['step']}"
@@ -572,19 +576,28 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
         console.rule("[bold]train (epoch by epoch, tau on held-out prompts after each epoch)")
         state.start("train", train)
         started = time.perf_counter()
-        if _latest_checkpoint(paths["run"]) is None:  # one step tells the schedule length; resumes continue it exactly
-            _stop_if_interrupted(run_training(train_config(stop_at_step=1)))
-        folder, trainer_state = _latest_checkpoint(paths["run"])
-        total_steps = int(trainer_state["total_steps"])
+        # The schedule's length places the epoch ends: a run under way has it in its checkpoints; a new one plans it
+        # from the cache as the trainer will (checked against the trainer's after the first segment).
+        latest = _latest_checkpoint(paths["run"])
+        total_steps = int(latest[1]["total_steps"]) if latest is not None else planned_total_steps(train_config())
         epochs = float(train.get("epochs", 6.0))
-        if compare_untrained and 0 not in done_epochs:
-            report = evaluate_checkpoint(folder, paths["eval"] / "epoch_0.json", "untrained drafter (epoch 0)",
-                                         untrained=True, references=None if per_epoch_references else False)
-            record_epoch({"epoch": 0, "step": 0, "tau": report["tau"], "speedup": report["speedup"]}, report)
         for epoch in range(1, math.ceil(epochs) + 1):
             stop = total_steps if epoch >= epochs else min(total_steps, round(epoch * total_steps / epochs))
-            if int(_latest_checkpoint(paths["run"])[1]["step"]) < stop:
-                _stop_if_interrupted(run_training(train_config(resume=True, stop_at_step=None if stop == total_steps else stop)))
+            latest = _latest_checkpoint(paths["run"])
+            if latest is None or int(latest[1]["step"]) < stop:
+                _stop_if_interrupted(run_training(train_config(resume=latest is not None,
+                                                               stop_at_step=None if stop == total_steps else stop)))
+                scheduled = int(_latest_checkpoint(paths["run"])[1]["total_steps"])
+                if scheduled != total_steps:  # not expected: the plan is the trainer's own computation
+                    log.warning("the trainer scheduled %d steps where %d were planned; epoch ends follow the trainer's",
+                                scheduled, total_steps)
+                    total_steps = scheduled
+            if compare_untrained and 0 not in done_epochs:  # needs a checkpoint for the drafter's config, not weights
+                report = evaluate_checkpoint(_latest_checkpoint(paths["run"])[0], paths["eval"] / "epoch_0.json",
+                                             "untrained drafter (epoch 0)", untrained=True,
+                                             references=None if per_epoch_references else False)
+                record_epoch({"epoch": 0, "step": 0, "tau": report["tau"], "speedup": report["speedup"]}, report)
+                done_epochs.add(0)
             if epoch in done_epochs:
                 continue
             folder, trainer_state = _latest_checkpoint(paths["run"])

@@ -73,7 +73,8 @@ if TYPE_CHECKING:
     from dflash.batching import PackedBatch
     from stages.train import TrainConfig
 
-__all__ = ["Trainer", "TrainingData", "open_cache_data", "stream_config", "loader_placement", "load_target_embeddings",
+__all__ = ["Trainer", "TrainingData", "open_cache_data", "stream_config", "loader_placement", "schedule_steps",
+           "planned_total_steps", "load_target_embeddings",
            "read_target_tensor", "target_weight_map"]
 
 log = logging.getLogger(__name__)
@@ -243,6 +244,35 @@ def open_cache_data(config: TrainConfig, *, rank: int = 0, world_size: int = 1,
         except ConfigError as error:  # e.g. a tiny cache where 1% of the rows is no row at all
             log.warning("validation disabled (no best checkpoint, no validation loss): %s", error)
     return TrainingData(metadata=reader.metadata, train=train, validation=validation, integrity=integrity)
+
+
+def schedule_steps(config: TrainConfig, micro_batches_per_epoch: int) -> int:
+    """Optimizer steps of a run of ``config`` whose ranks each get ``micro_batches_per_epoch`` batches per epoch:
+    ``max_steps`` when set, else ``ceil(epochs x micro_batches_per_epoch / grad_accum_steps)``, at least 1."""
+    return config.max_steps or max(1, math.ceil(config.epochs * micro_batches_per_epoch / config.grad_accum_steps))
+
+
+def planned_total_steps(config: TrainConfig, *, world_size: int = 1) -> int:
+    """The schedule length (optimizer steps) that a new run of ``config`` on its cache gets, from epoch 0's batch
+    plan alone (sample lengths; no model, no device, nothing written): what :class:`Trainer` computes at its start
+    and saves as ``total_steps`` in every checkpoint, known before step 1 (the pipeline places its per-epoch
+    evaluations with it).
+
+    Raises:
+        CacheError: the cache is missing or unreadable.
+        ConfigError: the training split is empty or a sample is longer than the token budget.
+    """
+    if config.max_steps:
+        return int(config.max_steps)
+    from dflash.cache import CacheReader
+    from dflash.stream import StreamingLoader
+
+    loader = StreamingLoader(CacheReader(config.cache), stream_config(config, "train", torch.device("cpu")),
+                             **loader_placement(0, world_size, torch.device("cpu")))
+    try:
+        return schedule_steps(config, len(loader))
+    finally:
+        loader.close()
 
 
 class _LossModule(nn.Module):
@@ -434,7 +464,7 @@ class Trainer:
                 f"the cache gives no full step per epoch for world_size={self.world_size} (batches per rank: "
                 f"{micro_per_epoch}); lower token_budget or use fewer ranks"
             )
-        self.total_steps = config.max_steps or max(1, math.ceil(config.epochs * micro_per_epoch / config.grad_accum_steps))
+        self.total_steps = schedule_steps(config, micro_per_epoch)
         # Window of the realized bucket shares: one entry per bucket per step, over the throughput window.
         self.buckets = BucketCounter(window=config.telemetry.throughput_window * self.train_loader.num_buckets)
         self.optimizer = build_optimizer(self.drafter.parameters(), config.optim)

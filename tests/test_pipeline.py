@@ -66,6 +66,16 @@ def test_pipeline_runs_every_stage_and_prints_tau(finished_run):
     assert [entry["epoch"] for entry in state["epochs"]] == [0, 1, 2]
     total_steps = state["stages"]["train"]["result"]["total_steps"]
     assert state["epochs"][-1]["step"] == total_steps and 0 < state["epochs"][1]["step"] < total_steps
+    # The epoch ends were placed by planning the schedule from the cache, without a training step to learn it: the
+    # trainer started once per epoch, at step 0 and at epoch 1's end, and planned the length the trainer used.
+    from stages.train import TrainConfig
+    from stages.trainer import planned_total_steps
+
+    starts = [row["step"] for row in map(json.loads, (workdir / "run" / "metrics.jsonl").read_text().splitlines())
+              if row["kind"] == "data"]
+    assert starts == [0, state["epochs"][1]["step"]]
+    run_config = TrainConfig.from_dict({**TINY["train"], "cache": str(workdir / "cache"), "output": str(workdir / "x")})
+    assert planned_total_steps(run_config) == total_steps
     assert report["tau"] == state["epochs"][-1]["tau"]
     for entry in state["epochs"]:
         epoch_report = json.loads((workdir / "eval" / f"epoch_{entry['epoch']}.json").read_text())
