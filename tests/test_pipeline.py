@@ -278,3 +278,30 @@ def test_a_stage_that_failed_before_writing_anything_reruns_with_corrected_setti
         state.check("extract", before, cache)  # something written: refused
     with pytest.raises(ConfigError, match="other settings"):
         state.check("train", after, run)  # finished: refused even with nothing in the folder
+
+
+def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_tau(finished_run, tmp_path):
+    """SIGKILL inside a checkpoint write during epoch 1 (a power cut, no clean stop), then the same command again:
+    the rerun resumes from the last whole checkpoint and ends with the uninterrupted run's epoch ends and taus."""
+    import os
+    import subprocess
+    import sys
+
+    _, preset, reference, _ = finished_run
+    workdir = tmp_path / "work"
+    command = [sys.executable, "-m", "stages.cli", "run", "--preset", str(preset), "--workdir", str(workdir),
+               "--set", "train.save_every=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_FAULT": "checkpoint.write@2=kill"}
+    killed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (workdir / "eval" / "final.json").exists()
+    from pipelines.offline import _latest_checkpoint
+
+    expected = json.loads((reference / "pipeline.json").read_text())
+    assert int(_latest_checkpoint(workdir / "run")[1]["step"]) == 2 < expected["epochs"][1]["step"]  # inside epoch 1
+    env.pop("DFLASH_FAULT")
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    state = json.loads((workdir / "pipeline.json").read_text())
+    assert [(e["epoch"], e["step"], e["tau"]) for e in state["epochs"]] == \
+        [(e["epoch"], e["step"], e["tau"]) for e in expected["epochs"]]
