@@ -41,6 +41,7 @@ import hashlib
 import logging
 import re
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,17 +244,24 @@ def _prompts_of_files(items: list[tuple[Path, str, str]], config: DefaultPromptC
 
     if processes is None:
         processes = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    started = time.perf_counter()
     if len(items) < _POOL_MIN_FILES or processes < 2 or multiprocessing.current_process().daemon:
-        return [_file_prompts(path, relative, sample_id, config) for path, relative, sample_id in items]
-    paths, relatives, sample_ids = zip(*items, strict=True)
-    try:
-        with ProcessPoolExecutor(max_workers=processes, mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
-            return list(pool.map(_file_prompts, paths, relatives, sample_ids, itertools.repeat(config),
-                                 chunksize=max(1, len(items) // (8 * processes))))
-    except (BrokenProcessPool, OSError) as error:  # e.g. a caller's main module without a __main__ guard
-        log.warning("default prompts: the process pool failed (%s); building them in this process instead", error)
-        return [_file_prompts(path, relative, sample_id, config) for path, relative, sample_id in items]
+        processes = 1
+        built = [_file_prompts(path, relative, sample_id, config) for path, relative, sample_id in items]
+    else:
+        paths, relatives, sample_ids = zip(*items, strict=True)
+        try:
+            with ProcessPoolExecutor(max_workers=processes, mp_context=multiprocessing.get_context("spawn"),
+                                     initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
+                built = list(pool.map(_file_prompts, paths, relatives, sample_ids, itertools.repeat(config),
+                                      chunksize=max(1, len(items) // (8 * processes))))
+        except (BrokenProcessPool, OSError) as error:  # e.g. a caller's main module without a __main__ guard
+            log.warning("default prompts: the process pool failed (%s); building them in this process instead", error)
+            processes = 1
+            built = [_file_prompts(path, relative, sample_id, config) for path, relative, sample_id in items]
+    log.info("default prompts: %d files read and parsed in %.1f s (%d process%s)", len(items),
+             time.perf_counter() - started, processes, "" if processes == 1 else "es")
+    return built
 
 
 def package_root(name: str) -> Path:
