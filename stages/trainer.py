@@ -252,11 +252,12 @@ def schedule_steps(config: TrainConfig, micro_batches_per_epoch: int) -> int:
     return config.max_steps or max(1, math.ceil(config.epochs * micro_batches_per_epoch / config.grad_accum_steps))
 
 
-def planned_total_steps(config: TrainConfig, *, world_size: int = 1) -> int:
+def planned_total_steps(config: TrainConfig, *, world_size: int | None = None) -> int:
     """The schedule length (optimizer steps) that a new run of ``config`` on its cache gets, from epoch 0's batch
     plan alone (sample lengths; no model, no device, nothing written): what :class:`Trainer` computes at its start
     and saves as ``total_steps`` in every checkpoint, known before step 1 (the pipeline places its per-epoch
-    evaluations with it).
+    evaluations with it). ``world_size``: the ranks the run trains on (default: ``config.world_size``, i.e.
+    ``drafter_gpus`` or ``drafter_processes``); each rank's epoch is its share of the batches.
 
     Raises:
         CacheError: the cache is missing or unreadable.
@@ -268,7 +269,7 @@ def planned_total_steps(config: TrainConfig, *, world_size: int = 1) -> int:
     from dflash.stream import StreamingLoader
 
     loader = StreamingLoader(CacheReader(config.cache), stream_config(config, "train", torch.device("cpu")),
-                             **loader_placement(0, world_size, torch.device("cpu")))
+                             **loader_placement(0, world_size or config.world_size, torch.device("cpu")))
     try:
         return schedule_steps(config, len(loader))
     finally:

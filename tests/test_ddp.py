@@ -52,3 +52,16 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(tiny_cache,
     assert read_metrics(tmp_path / "ddp", kind="val")[-1]["loss"] == pytest.approx(
         read_metrics(tmp_path / "single", kind="val")[-1]["loss"], rel=1e-5
     )
+
+
+def test_the_planned_schedule_is_the_one_two_ranks_train(tiny_cache, tmp_path):
+    """``planned_total_steps`` (what the pipeline places its epoch ends with, before step 1) counts each rank's share
+    of an epoch's batches, as the ranks themselves do."""
+    from stages.trainer import planned_total_steps
+
+    config = tiny_config(tiny_cache, tmp_path / "ddp", drafter_processes=2, max_steps=None, epochs=1, save_every=100)
+    planned = planned_total_steps(config)
+    assert planned != planned_total_steps(config, world_size=1)  # one rank would take about twice the steps
+    summary = run_training(config)
+    assert summary["step"] == planned
+    assert load_checkpoint(tmp_path / "ddp").trainer_state["total_steps"] == planned
