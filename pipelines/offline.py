@@ -582,7 +582,8 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
         total_steps = int(latest[1]["total_steps"]) if latest is not None else planned_total_steps(train_config())
         epochs = float(train.get("epochs", 6.0))
         for epoch in range(1, math.ceil(epochs) + 1):
-            stop = total_steps if epoch >= epochs else min(total_steps, round(epoch * total_steps / epochs))
+            # At least step 1: a schedule shorter than half the epochs still trains before its first evaluation.
+            stop = total_steps if epoch >= epochs else min(total_steps, max(1, round(epoch * total_steps / epochs)))
             latest = _latest_checkpoint(paths["run"])
             if latest is None or int(latest[1]["step"]) < stop:
                 _stop_if_interrupted(run_training(train_config(resume=latest is not None,

@@ -280,28 +280,52 @@ def test_a_stage_that_failed_before_writing_anything_reruns_with_corrected_setti
         state.check("train", after, run)  # finished: refused even with nothing in the folder
 
 
-def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_tau(finished_run, tmp_path):
+def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(finished_run, tmp_path):
     """SIGKILL inside a checkpoint write during epoch 1 (a power cut, no clean stop), then the same command again:
-    the rerun resumes from the last whole checkpoint and ends with the uninterrupted run's epoch ends and taus."""
+    the rerun resumes from the last whole checkpoint and ends with the epoch ends, taus and bit-identical final
+    drafter of the same command run without a kill (same process settings: one torch thread)."""
     import os
     import subprocess
     import sys
 
-    _, preset, reference, _ = finished_run
-    workdir = tmp_path / "work"
-    command = [sys.executable, "-m", "stages.cli", "run", "--preset", str(preset), "--workdir", str(workdir),
-               "--set", "train.save_every=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_FAULT": "checkpoint.write@2=kill"}
-    killed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert killed.returncode == -9, killed.stderr[-2000:]
-    assert not (workdir / "eval" / "final.json").exists()
+    import torch
+
+    from dflash.checkpoint import load_checkpoint
     from pipelines.offline import _latest_checkpoint
 
+    _, preset, _, _ = finished_run
+
+    def run(workdir, **extra_env):
+        command = [sys.executable, "-m", "stages.cli", "run", "--preset", str(preset), "--workdir", str(workdir),
+                   "--set", "train.save_every=2"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+
+    reference, workdir = tmp_path / "reference", tmp_path / "work"
+    assert run(reference).returncode == 0
     expected = json.loads((reference / "pipeline.json").read_text())
+    killed = run(workdir, DFLASH_FAULT="checkpoint.write@2=kill")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (workdir / "eval" / "final.json").exists()
     assert int(_latest_checkpoint(workdir / "run")[1]["step"]) == 2 < expected["epochs"][1]["step"]  # inside epoch 1
-    env.pop("DFLASH_FAULT")
-    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    rerun = run(workdir)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     state = json.loads((workdir / "pipeline.json").read_text())
     assert [(e["epoch"], e["step"], e["tau"]) for e in state["epochs"]] == \
         [(e["epoch"], e["step"], e["tau"]) for e in expected["epochs"]]
+    resumed, uninterrupted = load_checkpoint(workdir / "run"), load_checkpoint(reference / "run")
+    assert resumed.trainer_state["step"] == uninterrupted.trainer_state["step"]
+    assert resumed.model_state.keys() == uninterrupted.model_state.keys()
+    for name, value in resumed.model_state.items():
+        assert torch.equal(value, uninterrupted.model_state[name]), name
+
+
+def test_a_schedule_shorter_than_half_the_epochs_still_trains_before_its_first_evaluation(finished_run, tmp_path):
+    """train.max_steps=1 with 2 epochs: epoch 1's end rounds to step 0; it trains step 1 and evaluates there."""
+    app, preset, _, _ = finished_run
+    workdir = tmp_path / "work"
+    result = CliRunner().invoke(app, ["run", "--preset", str(preset), "--workdir", str(workdir),
+                                      "--set", "train.max_steps=1"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    state = json.loads((workdir / "pipeline.json").read_text())
+    assert [(e["epoch"], e["step"]) for e in state["epochs"]] == [(0, 0), (1, 1), (2, 1)]

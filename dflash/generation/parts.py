@@ -186,8 +186,9 @@ def plan_parts(num_prompts: int, part_size: int) -> list[tuple[int, int]]:
 
 def summarize_parts(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Totals over part records (for the corpus metadata and the report). ``engine_seconds``: time inside the
-    engine's ``generate`` calls; ``part_seconds``: whole parts (templates, tokenization, the engine, the commit),
-    both summed over parts (parts on different workers overlap, so the sums can exceed the wall time)."""
+    engine's ``generate`` calls; ``part_seconds``: whole parts up to their commit (templates, tokenization, the
+    engine; not the commit: the record is written inside the part), both summed over parts (parts on different
+    workers overlap, so the sums can exceed the wall time)."""
     drops = DropCounts()
     finish: Counter = Counter()
     sources: Counter = Counter()
