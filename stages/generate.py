@@ -487,9 +487,7 @@ def _run_generate(config: GenerateConfig, console: Console | None, prompt_proces
 def _timings_line(timings: dict[str, float], parts: list[dict[str, Any]]) -> str:
     """Where this run's wall time went; ``parts``: the records of the parts this run answered (none on a rerun
     that found every part committed)."""
-    names = {"tokenizer": "tokenizer", "prompts": "prompts", "cluster_start": "cluster start", "target_load": "target load",
-             "parts": "parts", "other": "other"}
-    spent = ", ".join(f"{names[key]} {value:.1f} s" for key, value in timings.items())
+    spent = ", ".join(f"{key.replace('_', ' ')} {value:.1f} s" for key, value in timings.items())
     if not parts:
         return f"generate time: {spent}; every part was committed before (no engine run)"
     engine, whole = sum(p["engine_seconds"] for p in parts), sum(p["seconds"] for p in parts)
