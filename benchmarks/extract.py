@@ -244,6 +244,10 @@ def compare_packing(args: argparse.Namespace, model: Any, identity: Any, device:
                **{f"packed_{name.split('_')[0]}": TargetRunner(model, layer_ids, device, token_budget=args.token_budget,
                                                                packing=True, packed_attention=name)
                   for name in kernels}}  # packed_flex, packed_sdpa, packed_varlen
+    if args.compare_varlen_split and "varlen" in kernels:  # the same kernel with every sample through varlen
+        runners["packed_varlen_nosplit"] = TargetRunner(model, layer_ids, device, token_budget=args.token_budget,
+                                                        packing=True, packed_attention="varlen",
+                                                        varlen_solo_min_length=None)  # fmt: skip
 
     def rate(runner: TargetRunner, rows: list[np.ndarray]) -> tuple[float, int]:
         _sync(device)
@@ -637,6 +641,11 @@ def main() -> None:
     parser.add_argument("--packed-attention", nargs="+", default=[name for name in PACKED_ATTENTION if name != "auto"],
                         choices=[name for name in PACKED_ATTENTION if name != "auto"],
                         help="--compare-packing: the packed kernels to time (default: all)")
+    parser.add_argument("--compare-varlen-split", action="store_true",
+                        help="--compare-packing with varlen: also time varlen with every sample through the varlen "
+                             "kernel (packed_varlen_nosplit), against the runner's default split (samples of "
+                             "VARLEN_SOLO_MIN_LENGTH tokens or more alone through SDPA where the varlen kernel has "
+                             "no native GQA)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="interleaved repeats, figures are medians: the main path's four phases (each repeat runs "
                              "them all, in order; --via-dask runs once after), --compare-packing, --compare-write-paths")

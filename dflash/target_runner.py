@@ -107,12 +107,76 @@ def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     return varlen_attn(query, key, value, cu_seq_lens, cu_seq_lens, max_length, max_length, **kwargs)
 
 
+#: Packed varlen rows on a grouped-query target whose varlen kernel has no native GQA (torch 2.10-2.11): samples of
+#: at least this many tokens run one by one through SDPA's ``is_causal`` FlashAttention kernel with
+#: ``enable_gqa=True`` (the padded path's kernel, no repeated key/value heads), the shorter ones together through
+#: the varlen kernel. On an H200 (Qwen3-8B shape) the varlen kernel with repeated heads ran fixed 2,048-token rows
+#: at 0.977x of SDPA's (docs/benchmarks.md); below ~1,024 tokens one sample's 32 heads x 128-token blocks no
+#: longer fill the GPU's 132 SMs, and the varlen kernel's single call is the better one.
+VARLEN_SOLO_MIN_LENGTH = 1024
+
+#: The attention kwarg through which the runner hands ``(solo_min_length, sample lengths)`` (host ints) of a packed
+#: row to :func:`_varlen_attention_forward`, so that it can split the row without reading ``cu_seq_lens`` back from
+#: the GPU (a synchronization per layer).
+VARLEN_SPLIT_KWARG = "dflash_varlen_split"
+
+
+def _solo_min_length(requested: int | None, num_query_heads: int, num_kv_heads: int) -> int | None:
+    """The sample length from which a packed varlen row's samples run alone through SDPA (``requested``, the
+    runner's ``varlen_solo_min_length``), or ``None`` (every sample through the varlen kernel) where it is ``None``
+    or the varlen kernel needs no repeated heads: equal head counts, or a torch whose ``varlen_attn`` takes
+    ``enable_gqa``."""
+    if requested is None or num_query_heads == num_kv_heads or "enable_gqa" in _varlen_parameters():
+        return None
+    return requested
+
+
+def _packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,
+                             lengths: Sequence[int], scale: float, solo_min_length: int) -> torch.Tensor:  # fmt: skip
+    """Causal attention of each sample of one packed row to itself, the long samples through SDPA alone and each
+    run of consecutive short samples through one varlen call (:data:`VARLEN_SOLO_MIN_LENGTH`).
+
+    Args:
+        query: ``[1, Hq, T, D]`` (transformers' layout), ``key``/``value`` ``[1, Hkv, T, D]``, ``Hq`` a multiple of
+            ``Hkv``.
+        cu_seq_lens: int32 ``[N+1]`` sample starts, on the device.
+        lengths: the N sample lengths on the host (they sum to ``T``).
+        scale: the softmax scale.
+        solo_min_length: samples of at least this many tokens run alone through SDPA.
+
+    Returns:
+        ``[T, Hq, D]``, the same values as :func:`_flash_varlen` over the whole row up to kernel rounding.
+    """
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
+    ends = np.cumsum([0, *lengths]).tolist()
+    first = 0  # the first sample of the current run of short samples
+    for sample in range(len(lengths) + 1):
+        if sample < len(lengths) and lengths[sample] < solo_min_length:
+            continue
+        if first < sample:  # samples first..sample-1: short, consecutive, one varlen call on their slice of the row
+            start, stop = ends[first], ends[sample]
+            starts = cu_seq_lens[first : sample + 1] - start
+            out[start:stop] = _flash_varlen(*(t[0, :, start:stop].transpose(0, 1) for t in (query, key, value)),
+                                            starts, max(lengths[first:sample]), scale)  # fmt: skip
+        if sample < len(lengths):  # a long sample alone: SDPA's is_causal FlashAttention kernel, native GQA
+            start, stop = ends[sample], ends[sample + 1]
+            solo = torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, start:stop], key[:, :, start:stop], value[:, :, start:stop], is_causal=True, scale=scale,
+                enable_gqa=True)  # [1, Hq, L, D]
+            out[start:stop] = solo[0].transpose(0, 1)
+        first = sample + 1
+    return out
+
+
 def _varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                               **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
     """The transformers attention function of :data:`VARLEN_IMPLEMENTATION`: ``query [1, Hq, T, D]``,
     ``key``/``value`` ``[1, Hkv, T, D]`` of one packed row, the sample starts in ``kwargs["cu_seq_lens_q"]``.
-    Returns ``([1, T, Hq, D], None)`` like transformers' own attention functions.
+    Returns ``([1, T, Hq, D], None)`` like transformers' own attention functions. With ``(solo_min_length,
+    sample lengths)`` on the host in ``kwargs[VARLEN_SPLIT_KWARG]`` (the runner passes them) and a varlen kernel
+    without native GQA (:func:`_solo_min_length`), samples of at least ``solo_min_length`` tokens run alone through
+    SDPA (:func:`_packed_causal_attention`).
 
     Raises:
         TargetError: called without ``cu_seq_lens_q``/``max_length_q`` or on more than one row (only the runner's
@@ -125,6 +189,10 @@ def _varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                           "cu_seq_lens_q and max_length_q (TargetRunner's packed forward passes them; a model whose "
                           "decoder drops its attention kwargs cannot use it: packed_attention=flex_attention)")
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    requested, lengths = kwargs.get(VARLEN_SPLIT_KWARG, (None, ()))
+    solo_min_length = _solo_min_length(requested, query.shape[1], key.shape[1])
+    if solo_min_length is not None and max(lengths) >= solo_min_length:
+        return _packed_causal_attention(query, key, value, cu_seq_lens, lengths, scale, solo_min_length)[None], None
     out = _flash_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_seq_lens,
                         int(max_length), scale)  # fmt: skip
     return out[None], None
@@ -360,6 +428,10 @@ class TargetRunner:
         shared_host_buffers: allocate the reusable host buffers in POSIX shared memory (pinned on CUDA), so that
             write processes read the hidden states without a copy (:mod:`dflash.shm`, read by :mod:`dflash.cache.process_writer`); call
             :meth:`close` to free them.
+        varlen_solo_min_length: packed ``varlen`` rows of a grouped-query target on a varlen kernel without native
+            GQA (torch 2.10-2.11): samples of at least this many tokens run alone through SDPA's FlashAttention
+            kernel, the rest through the varlen kernel (:data:`VARLEN_SOLO_MIN_LENGTH`); ``None``: every sample
+            through the varlen kernel.
 
     Raises:
         TargetError: the model has no recognisable decoder layers, or a layer id is out of range.
@@ -382,9 +454,13 @@ class TargetRunner:
         shared_host_buffers: bool = False,
         packing: bool = False,
         packed_attention: str = PACKED_ATTENTION[0],
+        varlen_solo_min_length: int | None = VARLEN_SOLO_MIN_LENGTH,
     ) -> None:
         if token_budget < 1:
             raise ConfigError(f"token_budget must be >= 1, got {token_budget}")
+        if varlen_solo_min_length is not None and varlen_solo_min_length < 1:
+            raise ConfigError(f"varlen_solo_min_length must be >= 1 or None, got {varlen_solo_min_length}")
+        self.varlen_solo_min_length = varlen_solo_min_length
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         packed_attention = resolve_packed_attention(packed_attention, self.device)
         if packing and packed_attention == "flex_attention":
@@ -547,7 +623,8 @@ class TargetRunner:
                     cu_seq_lens = cu_seq_lens.pin_memory()
                 cu_seq_lens = cu_seq_lens.to(self.device, non_blocking=True)
                 attention_kwargs = {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
-                                    "max_length_q": max(lengths), "max_length_k": max(lengths)}  # fmt: skip
+                                    "max_length_q": max(lengths), "max_length_k": max(lengths),
+                                    VARLEN_SPLIT_KWARG: (self.varlen_solo_min_length, tuple(lengths))}  # fmt: skip
             tokens = tokens.to(self.device, non_blocking=True)
             positions = positions.to(self.device, non_blocking=True)
             owner = owner.to(self.device, non_blocking=True)

@@ -89,7 +89,8 @@ def _reference_varlen(query, key, value, cu_seq_lens, max_length, scale):
 
 
 @pytest.mark.parametrize(("token_budget", "packed_attention"),
-                         [(4096, "sdpa"), (24, "sdpa"), (256, "flex_attention"), (4096, "varlen"), (24, "varlen")])
+                         [(4096, "sdpa"), (24, "sdpa"), (256, "flex_attention"), (4096, "varlen"), (24, "varlen"),
+                          (4096, "varlen-solo")])
 def test_packed_batches_equal_each_sample_alone_whatever_they_are_packed_with(target, samples, layer_ids, solo,
                                                                              token_budget, packed_attention,
                                                                              monkeypatch):  # fmt: skip
@@ -101,12 +102,22 @@ def test_packed_batches_equal_each_sample_alone_whatever_they_are_packed_with(ta
     own attention implementation is back after every forward. FlashAttention's varlen kernel is CUDA only: here the
     runner's whole varlen path (registration with transformers, sample boundaries through the decoder's kwargs,
     head layout, GQA, scale) runs with the kernel swapped for :func:`_reference_varlen`; the GPU host checks the
-    kernel itself (``docs/results/extract_packing_check_h200.py``)."""
+    kernel itself (``docs/results/extract_packing_check_h200.py``). ``varlen-solo``: the split a varlen kernel
+    without native GQA gets (torch 2.10-2.11), here from 8 tokens on, so that the row's longer samples (9-16 tokens)
+    run alone through SDPA and its shorter ones (5-8) through the kernel."""
     import dflash.target_runner as target_runner
 
-    if packed_attention == "varlen":
+    request = packed_attention
+    if packed_attention.startswith("varlen"):
         monkeypatch.setattr(target_runner, "_check_varlen", lambda device: target_runner._register_varlen())
         monkeypatch.setattr(target_runner, "_flash_varlen", _reference_varlen)
+        solo_calls = []
+        if packed_attention == "varlen-solo":
+            packed = target_runner._packed_causal_attention
+            monkeypatch.setattr(target_runner, "_varlen_parameters", lambda: frozenset({"is_causal"}))  # torch 2.11
+            monkeypatch.setattr(target_runner, "_packed_causal_attention",
+                                lambda *args: solo_calls.append(args[4]) or packed(*args))
+        packed_attention = "varlen"
     if packed_attention == "flex_attention":
         # transformers compiles both the document BlockMask's construction and the FlexAttention kernel: about 50 s
         # of cold inductor C++ on 2 CPU cores. Here both run eagerly: the same mask and the same attention (compiling
@@ -125,7 +136,8 @@ def test_packed_batches_equal_each_sample_alone_whatever_they_are_packed_with(ta
     shuffled = [samples[i] for i in order]
     before = target.model.config._attn_implementation
     runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=token_budget, packing=True,
-                          packed_attention=packed_attention)
+                          packed_attention=packed_attention,
+                          varlen_solo_min_length=8 if request == "varlen-solo" else None)  # fmt: skip
     rows = plan_packed_batches([len(s) for s in shuffled], token_budget)
     assert (len(rows) == 1) == (token_budget > 24)
     batches = list(runner.iter_batches(shuffled))
@@ -140,6 +152,45 @@ def test_packed_batches_equal_each_sample_alone_whatever_they_are_packed_with(ta
     for position, index in enumerate(order):
         _assert_bf16_close(first[position], solo[index])
         assert torch.equal(first[position], second[position])
+    if packed_attention == "varlen":
+        lengths = sorted((len(s) for s in samples), reverse=True)
+        assert min(lengths) < 8 <= max(lengths)  # the split has both kinds of samples to route
+        # One split call per decoder layer run, in each of the three forwards, with the row's lengths longest first.
+        assert solo_calls in ([], [tuple(lengths)] * (3 * (max(layer_ids) + 1)))
+        assert (solo_calls != []) == (token_budget == 4096 and request == "varlen-solo")
+
+
+def test_packed_causal_attention_routes_long_samples_alone_and_runs_of_short_ones_together(monkeypatch):
+    """The split of a packed row on a varlen kernel without native GQA, in any sample order: samples of at least
+    ``solo_min_length`` tokens through SDPA alone (``enable_gqa``, no repeated heads), each run of consecutive
+    shorter samples through one varlen call on its own slice of the row (starts rebased to 0); the result equals
+    the varlen kernel over the whole row."""
+    import dflash.target_runner as target_runner
+
+    calls = []
+
+    def kernel(query, key, value, cu_seq_lens, max_length, scale):
+        calls.append((cu_seq_lens.tolist(), max_length))
+        return _reference_varlen(query, key, value, cu_seq_lens, max_length, scale)
+
+    monkeypatch.setattr(target_runner, "_flash_varlen", kernel)
+    lengths = [3, 9, 2, 2, 12, 4, 1]
+    generator = torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    query = torch.randn(1, 6, total, 8, generator=generator)
+    key, value = torch.randn(1, 2, total, 8, generator=generator), torch.randn(1, 2, total, 8, generator=generator)
+    cu_seq_lens = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32)
+    out = target_runner._packed_causal_attention(query, key, value, cu_seq_lens, lengths, 0.3, solo_min_length=9)
+    assert calls == [([0, 3], 3), ([0, 2, 4], 2), ([0, 4, 5], 4)]  # 3 | 9 alone | 2 2 | 12 alone | 4 1
+    calls.clear()
+    whole = kernel(*(t[0].transpose(0, 1) for t in (query, key, value)), cu_seq_lens, 12, 0.3)
+    torch.testing.assert_close(out, whole)
+    monkeypatch.setattr(target_runner, "_varlen_parameters", lambda: frozenset({"is_causal"}))  # torch 2.10-2.11
+    assert target_runner._solo_min_length(1024, 32, 8) == 1024
+    assert target_runner._solo_min_length(None, 32, 8) is None  # the runner asked for no split
+    assert target_runner._solo_min_length(1024, 32, 32) is None  # equal head counts: the varlen kernel repeats nothing
+    monkeypatch.setattr(target_runner, "_varlen_parameters", lambda: frozenset({"enable_gqa", "window_size"}))
+    assert target_runner._solo_min_length(1024, 32, 8) is None  # native GQA in the varlen kernel (torch >= 2.12)
 
 
 def test_auto_packed_attention_is_varlen_on_cuda_where_torch_has_it_else_flex_and_sdpa_on_cpu(target, layer_ids, monkeypatch):
@@ -165,6 +216,8 @@ def test_packed_attention_is_checked(target, layer_ids):
         TargetRunner(torch.nn.Module(), [0], "cpu", packing=True, packed_attention="flash")
     with pytest.raises(ConfigError, match="packed_attention=varlen runs FlashAttention, CUDA only .* use packed_attention=flex_attention or sdpa"):
         TargetRunner(target.model, layer_ids, "cpu", packing=True, packed_attention="varlen")
+    with pytest.raises(ConfigError, match="varlen_solo_min_length must be >= 1 or None, got 0"):
+        TargetRunner(target.model, layer_ids, "cpu", packing=True, varlen_solo_min_length=0)
 
 
 @pytest.mark.parametrize("signature", ["is_causal", "window_size"])
