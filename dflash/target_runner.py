@@ -27,7 +27,9 @@ of its own (its outputs are dropped) so that the compiled kernel sees one shape.
 block-diagonal causal mask (SDPA's masked kernels: half the speed of the ``is_causal`` flash kernel on an H200,
 docs/benchmarks.md). ``"varlen"`` (CUDA only) calls torch's FlashAttention varlen kernel
 (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10) with each sample's start in ``cu_seq_lens``: the
-row holds exactly the real tokens (no fill, no compile), every sample attends causally to itself only. It is
+row holds exactly the real tokens (no fill, no compile), every sample attends causally to itself only (where
+that kernel has no native grouped-query attention, torch 2.10-2.11, a GQA target's samples of
+:data:`VARLEN_SOLO_MIN_LENGTH` tokens or more run alone through SDPA's ``is_causal`` kernel instead). It is
 registered as the transformers attention implementation :data:`VARLEN_IMPLEMENTATION` (``AttentionInterface``;
 transformers then builds no mask) and gets the sample boundaries as transformers' ``FlashAttentionKwargs``
 (``cu_seq_lens_q``/``cu_seq_lens_k``, ``max_length_q``/``max_length_k``) through the decoder's ``**kwargs``. The runner switches the model to that implementation (``set_attn_implementation``) for the
@@ -110,9 +112,10 @@ def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
 #: Packed varlen rows on a grouped-query target whose varlen kernel has no native GQA (torch 2.10-2.11): samples of
 #: at least this many tokens run one by one through SDPA's ``is_causal`` FlashAttention kernel with
 #: ``enable_gqa=True`` (the padded path's kernel, no repeated key/value heads), the shorter ones together through
-#: the varlen kernel. On an H200 (Qwen3-8B shape) the varlen kernel with repeated heads ran fixed 2,048-token rows
-#: at 0.977x of SDPA's (docs/benchmarks.md); below ~1,024 tokens one sample's 32 heads x 128-token blocks no
-#: longer fill the GPU's 132 SMs, and the varlen kernel's single call is the better one.
+#: the varlen kernel. On an H200 (Qwen3-8B shape, torch 2.11) the varlen kernel with repeated heads ran fixed
+#: 2,048-token rows at 0.977x of SDPA's, and with this split a long-tailed corpus ran at 0.988-0.989x the fixed-row
+#: rate against 0.938x without it (two machines, docs/benchmarks.md); below ~1,024 tokens one sample's 32 heads x
+#: 128-token blocks no longer fill the GPU's 132 SMs, and the varlen kernel's single call is the better one.
 VARLEN_SOLO_MIN_LENGTH = 1024
 
 #: The attention kwarg through which the runner hands ``(solo_min_length, sample lengths)`` (host ints) of a packed

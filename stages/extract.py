@@ -77,8 +77,9 @@ class ExtractConfig:
         packed_attention: the attention kernel of packed batches: ``"auto"`` (default: ``"varlen"`` on GPU workers
             whose torch has it, else ``"flex_attention"`` on GPU workers and ``"sdpa"`` on CPU workers),
             ``"flex_attention"`` (a document mask), ``"sdpa"`` (a block-diagonal mask) or ``"varlen"``
-            (FlashAttention's varlen kernel over the sample boundaries: no fill, GPU workers only, torch >= 2.10);
-            ignored without ``packing``.
+            (FlashAttention's varlen kernel over the sample boundaries: no fill, GPU workers only, torch >= 2.10;
+            where that kernel has no native GQA, torch 2.10-2.11, a GQA target's samples of 1,024 tokens or more
+            run alone through SDPA); ignored without ``packing``.
         storage_dtype: ``"bf16"`` (bit-exact) or ``"fp8"`` (lossy e4m3 with a per-token, per-tap scale).
         codec: ``"auto"`` (default) or a codec preset name (``dflash.cache.CODEC_PRESETS``). ``"auto"``: a new
             cache gets the best-compressing lossless codec whose encode rate keeps up with the measured production
@@ -723,7 +724,7 @@ def register(app: typer.Typer) -> None:
         scheduler_address: str | None = typer.Option(None, "--scheduler-address", help="Existing Dask scheduler (workers with resource GPU=1 get one task at a time)."),
         shard_size: int = typer.Option(65536, "--shard-size", help="Target tokens per shard (one task, one commit)."),
         token_budget: int = typer.Option(16384, "--token-budget", help="Padded tokens per forward batch (rows x longest); with --packing, tokens per packed row."),
-        packing: bool = typer.Option(False, "--packing/--no-packing", help="Packed forward batches: samples back to back with attention confined to each, no padding. Same hidden states; on an H200 a long-tailed corpus ran at 0.99x (524K tokens) to 1.08x (131K) of padded batches with varlen, 0.95-0.96x with flex_attention (docs/benchmarks.md), so off by default."),
+        packing: bool = typer.Option(False, "--packing/--no-packing", help="Packed forward batches: samples back to back with attention confined to each, no padding. Same hidden states; on an H200 a long-tailed corpus of a GQA target (Qwen3-8B shape, 524K tokens) ran at 1.04x of padded batches with varlen (samples of 1,024+ tokens through SDPA), 0.95-0.96x with flex_attention; short samples such as SmolLM2's replies gain little (docs/benchmarks.md), so off by default."),
         packed_attention: str = typer.Option("auto", "--packed-attention", help="Attention kernel of --packing: auto (varlen on GPU workers whose torch has it, else flex_attention; sdpa on CPU workers) | flex_attention (document mask) | sdpa (block-diagonal mask, half the speed on an H200) | varlen (FlashAttention varlen over the sample boundaries; GPU workers, torch >= 2.10; 1.13x flex_attention on a long-tailed corpus on an H200)."),
         storage_dtype: str = typer.Option("bf16", "--storage-dtype", help="bf16 (bit-exact) or fp8 (lossy e4m3, per-token per-tap scale); bfloat16 and float8_e4m3fn also accepted."),
         codec: str = typer.Option("auto", "--codec", help="auto, or a codec preset of dflash.cache.CODEC_PRESETS, e.g. none, zstd-1, blosc-zstd1-shuffle (an unknown name lists them). auto: measured on the workers before the cache is created, the best-compressing of blosc-zstd1-shuffle, blosc-lz4-shuffle, none that encodes >= 1.25x the rate hidden states are produced (CUDA runners; CPU runners get blosc-zstd1-shuffle unmeasured); recorded in the cache and printed; an existing cache keeps its codec. If even none cannot keep up, use --storage-dtype fp8 or the online mode (docs/cache-format.md)."),
