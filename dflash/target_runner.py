@@ -37,7 +37,8 @@ packed forward only and back afterwards, so a model may be shared with a padded 
 equals its solo forward within bf16 tolerance, whatever it is packed with. ``"auto"`` (the default) is ``"varlen"``
 on CUDA where torch has it, else ``"flex_attention"`` on CUDA and ``"sdpa"`` on CPU (:func:`resolve_packed_attention`):
 on an H200, Qwen3-8B shape, varlen ran a long-tailed corpus at 1.13x FlexAttention and fixed 2,048-token rows at
-0.99x, in one run (docs/benchmarks.md). What packing saves is the padding of
+0.99x, in one run, and with the split of long samples (:data:`VARLEN_SOLO_MIN_LENGTH`) a long-tailed corpus at
+1.04x of padded batches (docs/benchmarks.md). What packing saves is the padding of
 length-grouped batches (long-tailed corpora); ``benchmarks/extract.py --compare-packing`` measures both.
 
 On CUDA the taps are copied on a side stream (non-blocking, ordered by an event) into pinned host buffers that
@@ -110,12 +111,14 @@ def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
 
 
 #: Packed varlen rows on a grouped-query target whose varlen kernel has no native GQA (torch 2.10-2.11): samples of
-#: at least this many tokens run one by one through SDPA's ``is_causal`` FlashAttention kernel with
-#: ``enable_gqa=True`` (the padded path's kernel, no repeated key/value heads), the shorter ones together through
-#: the varlen kernel. On an H200 (Qwen3-8B shape, torch 2.11) the varlen kernel with repeated heads ran fixed
-#: 2,048-token rows at 0.977x of SDPA's, and with this split a long-tailed corpus ran at 0.988-0.989x the fixed-row
-#: rate against 0.938x without it (two machines, docs/benchmarks.md); below ~1,024 tokens one sample's 32 heads x
-#: 128-token blocks no longer fill the GPU's 132 SMs, and the varlen kernel's single call is the better one.
+#: at least this many tokens run one by one through SDPA with ``is_causal=True, enable_gqa=True`` (whatever kernel
+#: SDPA picks for it, as for padded batches; on an H200 with torch 2.11 not FlashAttention, which is slower there:
+#: docs/benchmarks.md), no repeated key/value heads; the shorter ones together through the varlen kernel. On an H200
+#: (Qwen3-8B shape, torch 2.11) the varlen kernel with repeated heads ran fixed 2,048-token rows at 0.977x of SDPA's,
+#: and with this split a long-tailed corpus ran at 0.988-0.989x the fixed-row rate against 0.938x without it (two
+#: machines). 1,024 is the only threshold measured; short samples stay in one varlen call because one call per
+#: sample would launch many small kernels (below ~512 tokens one sample's 32 heads x 128-token blocks no longer
+#: fill the GPU's 132 SMs).
 VARLEN_SOLO_MIN_LENGTH = 1024
 
 #: The attention kwarg through which the runner hands ``(solo_min_length, sample lengths)`` (host ints) of a packed
@@ -161,7 +164,7 @@ def _packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torc
             starts = cu_seq_lens[first : sample + 1] - start
             out[start:stop] = _flash_varlen(*(t[0, :, start:stop].transpose(0, 1) for t in (query, key, value)),
                                             starts, max(lengths[first:sample]), scale)  # fmt: skip
-        if sample < len(lengths):  # a long sample alone: SDPA's is_causal FlashAttention kernel, native GQA
+        if sample < len(lengths):  # a long sample alone: SDPA's causal attention, native GQA
             start, stop = ends[sample], ends[sample + 1]
             solo = torch.nn.functional.scaled_dot_product_attention(
                 query[:, :, start:stop], key[:, :, start:stop], value[:, :, start:stop], is_causal=True, scale=scale,
@@ -432,8 +435,8 @@ class TargetRunner:
             write processes read the hidden states without a copy (:mod:`dflash.shm`, read by :mod:`dflash.cache.process_writer`); call
             :meth:`close` to free them.
         varlen_solo_min_length: packed ``varlen`` rows of a grouped-query target on a varlen kernel without native
-            GQA (torch 2.10-2.11): samples of at least this many tokens run alone through SDPA's FlashAttention
-            kernel, the rest through the varlen kernel (:data:`VARLEN_SOLO_MIN_LENGTH`); ``None``: every sample
+            GQA (torch 2.10-2.11): samples of at least this many tokens run alone through SDPA's causal attention
+            (``enable_gqa``), the rest through the varlen kernel (:data:`VARLEN_SOLO_MIN_LENGTH`); ``None``: every sample
             through the varlen kernel.
 
     Raises:

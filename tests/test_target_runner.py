@@ -185,6 +185,16 @@ def test_packed_causal_attention_routes_long_samples_alone_and_runs_of_short_one
     calls.clear()
     whole = kernel(*(t[0].transpose(0, 1) for t in (query, key, value)), cu_seq_lens, 12, 0.3)
     torch.testing.assert_close(out, whole)
+    # The runner's own order (longest first): two long samples side by side open the row, then the short run.
+    lengths = [12, 10, 9, 3, 2]
+    query = torch.randn(1, 6, sum(lengths), 8, generator=generator)
+    key, value = (torch.randn(1, 2, sum(lengths), 8, generator=generator) for _ in range(2))
+    cu_seq_lens = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32)
+    calls.clear()
+    out = target_runner._packed_causal_attention(query, key, value, cu_seq_lens, lengths, 0.3, solo_min_length=9)
+    assert calls == [([0, 3, 5], 3)]  # 12, 10 and 9 alone; only 3 2 through the varlen kernel
+    calls.clear()
+    torch.testing.assert_close(out, kernel(*(t[0].transpose(0, 1) for t in (query, key, value)), cu_seq_lens, 12, 0.3))
     monkeypatch.setattr(target_runner, "_varlen_parameters", lambda: frozenset({"is_causal"}))  # torch 2.10-2.11
     assert target_runner._solo_min_length(1024, 32, 8) == 1024
     assert target_runner._solo_min_length(None, 32, 8) is None  # the runner asked for no split

@@ -2,9 +2,10 @@
 
 The packed varlen split (dflash/target_runner.py, VARLEN_SOLO_MIN_LENGTH) runs each long sample alone through
 ``scaled_dot_product_attention(..., is_causal=True, enable_gqa=True)``, so a long-tailed corpus calls it with many
-distinct lengths. This times, for 40 lengths never seen before in the process (1,024-8,191 tokens, Qwen3-8B heads:
-32 query, 8 key/value, head dim 128, bf16), the first call and the median of 5 later calls of each length, with the
-default backend choice and with FlashAttention forced, and prints which backends the default order tries first.
+distinct lengths. This times, for 40 lengths never seen before in the process (the 40 smallest of 60 draws from
+1,024-8,191 tokens, so about 1,040-6,070; Qwen3-8B heads: 32 query, 8 key/value, head dim 128, bf16), the first call
+and the median of 5 later calls of each length, with the default backend choice and then, on 40 further lengths,
+with FlashAttention forced, and prints the priority order SDPA reports.
 usage: python docs/results/sdpa_new_length_probe.py
 """
 
