@@ -441,7 +441,7 @@ class TargetRunner:
 
     Raises:
         TargetError: the model has no recognisable decoder layers, or a layer id is out of range.
-        ConfigError: ``token_budget < 1``; an unknown ``packed_attention``, or ``flex_attention`` where this
+        ConfigError: ``token_budget < 1`` or ``varlen_solo_min_length < 1``; an unknown ``packed_attention``, or ``flex_attention`` where this
             torch has no FlexAttention; ``varlen`` off CUDA or where this torch has no ``torch.nn.attention.varlen``.
 
     Source: tap offset as in vLLM ``qwen3_dflash.py`` / SGLang ``models/dflash.py`` (``hidden_states[l + 1]``).

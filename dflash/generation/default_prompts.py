@@ -245,10 +245,8 @@ def _prompts_of_files(items: list[tuple[Path, str, str]], config: DefaultPromptC
     if processes is None:
         processes = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     started = time.perf_counter()
-    if len(items) < _POOL_MIN_FILES or processes < 2 or multiprocessing.current_process().daemon:
-        processes = 1
-        built = [_file_prompts(path, relative, sample_id, config) for path, relative, sample_id in items]
-    else:
+    built = None
+    if len(items) >= _POOL_MIN_FILES and processes >= 2 and not multiprocessing.current_process().daemon:
         paths, relatives, sample_ids = zip(*items, strict=True)
         try:
             with ProcessPoolExecutor(max_workers=processes, mp_context=multiprocessing.get_context("spawn"),
@@ -257,8 +255,9 @@ def _prompts_of_files(items: list[tuple[Path, str, str]], config: DefaultPromptC
                                       chunksize=max(1, len(items) // (8 * processes))))
         except (BrokenProcessPool, OSError) as error:  # e.g. a caller's main module without a __main__ guard
             log.warning("default prompts: the process pool failed (%s); building them in this process instead", error)
-            processes = 1
-            built = [_file_prompts(path, relative, sample_id, config) for path, relative, sample_id in items]
+    if built is None:  # few files, one process asked for, a daemonic process, or a broken pool
+        processes = 1
+        built = [_file_prompts(path, relative, sample_id, config) for path, relative, sample_id in items]
     log.info("default prompts: %d files read and parsed in %.1f s (%d process%s)", len(items),
              time.perf_counter() - started, processes, "" if processes == 1 else "es")
     return built
