@@ -2,7 +2,7 @@
 
 Builds a drafter of the 8B shape (5 layers, hidden 4096, 32 heads, 8 KV heads, head_dim 128, intermediate 12288,
 5 taps; ~1.05B fp32 parameters plus AdamW moments, ~12.6 GB of state), gives it optimizer state with one step,
-then saves ``--saves`` checkpoints through :class:`dflash.checkpoint.Checkpointer` while "training" (an in-place
+then saves ``--saves`` checkpoints through :class:`dflash.training.checkpoint.Checkpointer` while "training" (an in-place
 update of every parameter, as a step would) goes on. Prints, per save, the stall the loop saw (host copy into
 reused pinned buffers) and the background write time. The first save also allocates the pinned buffers.
 
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from dflash.checkpoint import Checkpointer, capture_rng_state
 from dflash.drafter import DFlashConfig, DFlashDrafter
+from dflash.training.checkpoint import Checkpointer, capture_rng_state
 
 
 def drafter_config(smoke: bool) -> DFlashConfig:

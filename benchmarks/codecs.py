@@ -45,8 +45,8 @@ def stdlib_token_chunks(tokenizer: Any, num_tokens: int, sample_tokens: int) -> 
 
 
 def hidden_states(target_spec: str, device: str, num_tokens: int, sample_tokens: int, num_taps: int) -> tuple[Any, list[int], list[np.ndarray], list[torch.Tensor]]:
-    from dflash.target import default_target_layer_ids, load_target
-    from dflash.target_runner import TargetRunner
+    from dflash.target.load import default_target_layer_ids, load_target
+    from dflash.target.runner import TargetRunner
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     target = load_target(target_spec, dtype=dtype, device=device)
@@ -107,7 +107,7 @@ def main(
         HiddenStateCache,
     )
     from dflash.cache.format import default_chunk_tokens, quantize_fp8
-    from dflash.target import LAYER_ID_CONVENTION
+    from dflash.target.load import LAYER_ID_CONVENTION
 
     if smoke:
         tokens, sample_tokens, repeats = 1024, 256, 1
@@ -115,7 +115,7 @@ def main(
     torch.set_num_threads(max(1, torch.get_num_threads()))
     start = time.perf_counter()
     if states is not None and states.is_file():
-        from dflash.target import load_target
+        from dflash.target.load import load_target
 
         saved = torch.load(states, weights_only=True)  # tensors and lists only: never unpickle code
         loaded = load_target(target, device="cpu")

@@ -30,7 +30,7 @@ import torch._dynamo
 from rich.console import Console
 from rich.table import Table
 
-from dflash.batching import PackedBatch
+from dflash.batches.packed import PackedBatch
 from dflash.drafter import DFlashConfig, DFlashDrafter, attention_layout, dflash_loss, fused, sample_anchors
 from dflash.drafter.attention_kernels import (
     attention_backend,

@@ -102,16 +102,16 @@ from dflash.cache.codec_choice import (
     describe_choice,
 )
 from dflash.cache.format import codec_config, default_chunk_tokens, stored_row_bytes, zarr_compressors
-from dflash.corpus import CorpusWriter, open_corpus
-from dflash.target import (
+from dflash.corpus.format import CorpusWriter, open_corpus
+from dflash.target.load import (
     LAYER_ID_CONVENTION,
     TargetIdentity,
     default_target_layer_ids,
     load_target,
 )
-from dflash.target_runner import PACKED_ATTENTION, TargetRunner, plan_batches
-from stages.extract import plan_shards
-from stages.extract_worker import (
+from dflash.target.runner import PACKED_ATTENTION, TargetRunner, plan_batches
+from stages.extract.command import plan_shards
+from stages.extract.worker import (
     ShardExtractor,
     ShardSpec,
     configure_write_threads,
@@ -594,7 +594,7 @@ def choose_codec_here(runner: TargetRunner, rows: list[np.ndarray], lengths: np.
 
 def time_dask_extract(args: argparse.Namespace, device: torch.device, workdir: Path) -> dict:
     """The ``extract`` stage itself (LocalCluster, one worker on GPU 0 or CPU); its summary dict."""
-    from stages.extract import ExtractConfig, run_extract
+    from stages.extract.command import ExtractConfig, run_extract
 
     if args.target == "qwen3-8b-random":
         raise SystemExit("--via-dask needs a target a worker can load by path (default or a folder)")

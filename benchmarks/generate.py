@@ -37,7 +37,7 @@ from dflash.generation.default_prompts import DefaultPromptConfig, default_promp
 from dflash.generation.engine import GenerationRequest, SamplingSettings  # noqa: E402
 from dflash.generation.prompts import ConversationBuilder  # noqa: E402
 from dflash.generation.transformers_engine import TransformersEngine  # noqa: E402
-from dflash.target import load_tokenizer  # noqa: E402
+from dflash.target.load import load_tokenizer  # noqa: E402
 
 
 def requests_of(num_prompts: int, max_new_tokens: int, tokenizer) -> list[GenerationRequest]:

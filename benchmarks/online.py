@@ -2,9 +2,9 @@
 
 Three measurements in one run, on the same corpus, plan and drafter config (the real target, default SmolLM2):
 
-* I, producer alone: the online batch source (a :class:`dflash.online.BatchProducer` thread, the ring, checks and
+* I, producer alone: the online batch source (a :class:`dflash.batches.online.BatchProducer` thread, the ring, checks and
   packing) iterated without training: real tokens per second the target side can supply.
-* T, trainer alone: the training loop (``stages.trainer.Trainer``) on the online batch source whose producer
+* T, trainer alone: the training loop (``stages.train.loop.Trainer``) on the online batch source whose producer
   REPLAYS hidden states computed beforehand (a memcpy into the slot): tokens per second the drafter side can take.
 * achieved: the same training loop fed by the real producer through the ring.
 
@@ -16,7 +16,7 @@ does not flatter a short run). Printed against ``min(I, T)`` (separate devices) 
 ratios are of medians). Producers run as threads of this process here (on one GPU: the target and the drafter
 share it); the multi-GPU layouts go through ``dflash-stages online --target-gpus ... --drafter-gpus ...``, whose
 metrics JSONL logs the same three figures per interval (``producer_capacity_tokens_per_s``,
-``trainer_capacity_tokens_per_s``, ``achieved_tokens_per_s``: ``dflash.telemetry.FeedMeter``).
+``trainer_capacity_tokens_per_s``, ``achieved_tokens_per_s``: ``dflash.training.telemetry.FeedMeter``).
 
 Targets: ``default`` (SmolLM2-135M-Instruct, stdlib snippets) or ``qwen3-8b-random`` (Qwen3-8B's shape, random
 weights, random token ids of 256-2048 tokens: the forward cost does not depend on them; the trainer reads the
@@ -52,11 +52,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash.corpus import CorpusWriter, open_corpus
-from dflash.online import BatchProducer, BatchTask
-from dflash.target import load_target
-from dflash.target_runner import TargetRunner
-from dflash.telemetry import TelemetryConfig, read_metrics
+from dflash.batches.online import BatchProducer, BatchTask
+from dflash.corpus.format import CorpusWriter, open_corpus
+from dflash.target.load import load_target
+from dflash.target.runner import TargetRunner
+from dflash.training.telemetry import TelemetryConfig, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extract import build_target  # noqa: E402  (the benchmarks' shared random-target builder)
@@ -126,7 +126,7 @@ def producer_rate(producer: BatchProducer, config, batches: int, device: torch.d
 def trainer_rate(config, producer: BatchProducer, device: torch.device) -> float:
     """Trains ``config`` with ``producer`` in a thread; the last logged real tokens/s."""
     from pipelines.online import online_training_data
-    from stages.trainer import Trainer
+    from stages.train.loop import Trainer
 
     with ThreadPoolExecutor(1) as pool:
         data = online_training_data(config, submit=lambda task: pool.submit(producer.produce, task),
@@ -143,7 +143,7 @@ def trainer_rate(config, producer: BatchProducer, device: torch.device) -> float
 
 def head_only_target(model, folder: Path) -> Path:
     """A target folder holding the random model's config and only its embedding and LM head: what the trainer
-    reads of a target (``stages.trainer.load_target_embeddings``); the producers use the model in memory."""
+    reads of a target (``stages.train.loop.load_target_embeddings``); the producers use the model in memory."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -181,11 +181,11 @@ def main() -> None:
     num_draft_layers = args.num_draft_layers or (5 if gpu else 1)
     block_size = args.block_size or (16 if gpu else 4)
     anchors = args.anchors or (512 if gpu else 8)
-    from dflash.batch_source import LoaderConfig
+    from dflash.batches.source import LoaderConfig
     from dflash.drafter.config import DrafterTrainingConfig
-    from dflash.target import default_target_layer_ids
+    from dflash.target.load import default_target_layer_ids
     from pipelines.online import ONLINE_CACHE_PREFIX, OnlineConfig
-    from stages.train import TrainConfig
+    from stages.train.command import TrainConfig
 
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-online-"))
     tokenizer = None

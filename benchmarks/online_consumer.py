@@ -4,15 +4,15 @@ slot and what the trainer's side spends taking it out, on this machine.
 For one batch of ``--tokens`` real tokens of ``--width`` hidden values (bfloat16) in ``--documents`` documents,
 ``--repeats`` times (medians):
 
-* write: :meth:`dflash.online_queue.Ring.write_batch` (the producer: ids, masks and hidden states copied into the
+* write: :meth:`dflash.batches.ring.Ring.write_batch` (the producer: ids, masks and hidden states copied into the
   shared-memory slot, CRC-32C of the payload), from host tensors (the producer's forward and its device-to-host copy
   are not included);
-* read: :meth:`dflash.online_queue.Ring.read_batch` (the consumer: a private copy of the slot, its CRC-32C checked);
-* pack: the consumer's packing of that copy into the training batch (:func:`dflash.online.pack_slot_batch`, as
+* read: :meth:`dflash.batches.ring.Ring.read_batch` (the consumer: a private copy of the slot, its CRC-32C checked);
+* pack: the consumer's packing of that copy into the training batch (:func:`dflash.batches.online.pack_slot_batch`, as
   ``OnlineBatches`` calls it, padded to the token budget, in pinned memory when CUDA is available, as
   the trainer does).
 
-:class:`dflash.online.OnlineBatches` does read and pack on the trainer's thread, one batch after another, so
+:class:`dflash.batches.online.OnlineBatches` does read and pack on the trainer's thread, one batch after another, so
 ``tokens / (read + pack)`` bounds what one trainer process can take from the ring, whatever the producers and the
 trainer's GPU do; it prints that bound next to the per-phase times and rates (medians of ``--repeats`` after one
 untimed warm-up).
@@ -30,8 +30,8 @@ import time
 import numpy as np
 import torch
 
-from dflash.online import pack_slot_batch
-from dflash.online_queue import Ring, RingGeometry
+from dflash.batches.online import pack_slot_batch
+from dflash.batches.ring import Ring, RingGeometry
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from dflash.cache.format import dequantize_fp8, quantize_fp8
-from dflash.target import load_target, locate_target
+from dflash.target.load import load_target, locate_target
 
 DEFAULT_FILES = ("argparse.py", "json/decoder.py", "textwrap.py", "heapq.py")
 

@@ -77,7 +77,7 @@ class LockError(DFlashError, RuntimeError):
     """An output (cache, run folder, corpus, export, sweep) is being written by another process.
 
     The message names the output, the holder (pid, host, since when, command), the lock file and the fix
-    (``dflash.locks``). A ``RuntimeError``, not an ``OSError``: the stages' ``except OSError`` handlers for I/O
+    (``dflash.io.locks``). A ``RuntimeError``, not an ``OSError``: the stages' ``except OSError`` handlers for I/O
     failures must not swallow it.
     """
 

@@ -51,8 +51,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dflash.config_check import layer_over, migrate_renamed, override_value
 from dflash.errors import ConfigError, ConfigPathNotFoundError
+from stages.config.check import layer_over, migrate_renamed, override_value
 
 if TYPE_CHECKING:
     from stages.evaluate import Evaluator
@@ -95,7 +95,7 @@ def read_preset_json(name_or_path: str, names: tuple[str, ...]) -> Any:
         text = resources.files("pipelines").joinpath("presets", f"{name_or_path}.json").read_text()
     else:
         raise ConfigError(f"preset {name_or_path!r} is neither one of {', '.join(names)} nor a .json file")
-    from dflash.config_check import DuplicateKeyError, unique_keys
+    from stages.config.check import DuplicateKeyError, unique_keys
 
     try:
         return json.loads(text, object_pairs_hook=unique_keys)
@@ -141,7 +141,7 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
             raise ConfigError(f"--set {override!r}: unknown section {section!r}; expected one of {list(_STAGES)}")
         value = override_value(raw, override)
         if "." in name:  # a nested config's field: train.optim.lr=3e-4
-            from dflash.config_check import set_path
+            from stages.config.check import set_path
 
             set_path(result.setdefault(section, {}), name.strip(), value)
             continue
@@ -207,11 +207,11 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
         ConfigError: the first problem, naming ``section.key`` and its source.
         TargetError: ``config.target`` names no transformers folder or ``.gguf`` file.
     """
-    from dflash.config_check import check_fields
+    from stages.config.check import check_fields
     from stages.evaluate import EvaluateConfig
-    from stages.extract import ExtractConfig
+    from stages.extract.command import ExtractConfig
     from stages.prepare import PrepareConfig
-    from stages.train import TrainConfig
+    from stages.train.command import TrainConfig
 
     placeholder = str(config.workdir / "validate")
     checks: list[tuple[str, type, set[str], dict[str, Any], dict[str, Any]]] = [
@@ -231,7 +231,7 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
                 raise ConfigError(f"split.{key} ({source('split', key)}): unknown key; known: heldout_documents, seed")
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(f"split.{key} ({source('split', key)}): expected int, got {value!r}")
-    from dflash.target import locate_target
+    from dflash.target.load import locate_target
 
     target_path = locate_target(config.target)  # a wrong target path fails now, not when the first stage loads it
     _check_init_target_layers(config, target_path, source)
@@ -262,14 +262,14 @@ def printable_pipeline(config: PipelineConfig) -> dict[str, Any]:
     to the same config. A pipeline without a ``generate`` section cannot mask the default preset's one this way:
     read such a printout back with ``--preset FILE.json``."""
     from stages.evaluate import EvaluateConfig
-    from stages.extract import ExtractConfig
+    from stages.extract.command import ExtractConfig
     from stages.generate import GenerateConfig
-    from stages.train import TrainConfig
+    from stages.train.command import TrainConfig
 
     data = {k: copy.deepcopy(v) for k, v in config.to_dict().items() if k != "workdir" and (v or k == "target")}
     classes = {"generate": GenerateConfig, "extract": ExtractConfig, "train": TrainConfig, "evaluate": EvaluateConfig}
-    from dflash.config_check import EXCLUSIVE_SETTINGS, field_default
-    from stages.stage_config import plain_value
+    from stages.config.check import EXCLUSIVE_SETTINGS, field_default
+    from stages.config.resolve import plain_value
 
     for section, base in load_preset(DEFAULT_PRESET).items():
         if section not in classes or not isinstance(base, dict) or section not in data:
@@ -302,7 +302,7 @@ def _check_init_target_layers(config: PipelineConfig, target_path: Path, source:
     layers = drafter.get("init_target_layers") if isinstance(drafter, dict) else None
     if not isinstance(layers, list) or not layers:
         return
-    from dflash.target import target_num_layers
+    from dflash.target.load import target_num_layers
 
     depth = target_num_layers(target_path)
     if depth is None:
@@ -318,8 +318,8 @@ def _build_for_check(section: str, cls: type, values: dict[str, Any], source: Ca
         cls(**values)
     except (ConfigError, ValueError, TypeError) as error:
         message = str(error)
-        from dflash.config_check import leaf_paths
-        from stages.stage_config import without_key
+        from stages.config.check import leaf_paths
+        from stages.config.resolve import without_key
 
         candidates = sorted({*values, *leaf_paths(values)}, key=len, reverse=True)  # optim.lr: a nested field
         key = next((k for k in candidates if message.startswith((k + " ", k + ":"))), None)
@@ -381,7 +381,7 @@ def _split_corpus(source: Path, train_out: Path, heldout_out: Path, *, heldout_d
     before ``#``) go to one side; rows keep their ``document_id``."""
     import numpy as np
 
-    from dflash.corpus import CorpusWriter, open_corpus
+    from dflash.corpus.format import CorpusWriter, open_corpus
 
     corpus = open_corpus(source)
     documents = [corpus.document_id(i) or corpus.sample_id(i).split("#", 1)[0] for i in range(len(corpus))]
@@ -410,7 +410,7 @@ def _split_corpus(source: Path, train_out: Path, heldout_out: Path, *, heldout_d
 
 
 def _latest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-    from dflash.checkpoint import resolve_checkpoint
+    from dflash.training.checkpoint import resolve_checkpoint
 
     if not (run_dir / "latest").is_file():
         return None
@@ -428,7 +428,7 @@ class _DropTrainerExclusionLog(logging.Filter):
 
 @contextmanager
 def _excluded_samples_reported_once() -> Iterator[None]:
-    trainer_log = logging.getLogger("stages.trainer")
+    trainer_log = logging.getLogger("stages.train.loop")
     drop = _DropTrainerExclusionLog()
     trainer_log.addFilter(drop)
     try:
@@ -447,10 +447,10 @@ def run_pipeline(config: PipelineConfig, *, console: Console | None = None,
     Raises:
         ConfigError: a setting fails :func:`validate_sections` (before any work); a stage's settings changed in an
             existing work folder; any stage's own errors.
-        LockError: another pipeline runs in the same work folder (``dflash.locks``; each stage also locks its own
+        LockError: another pipeline runs in the same work folder (``dflash.io.locks``; each stage also locks its own
             output inside it).
     """
-    from dflash.locks import output_lock
+    from dflash.io.locks import output_lock
 
     # Before anything is written; ``source`` names where a setting came from (the CLI passes --set/preset).
     validate_sections(config, source or (lambda section, key: "pipeline config"))
@@ -461,10 +461,10 @@ def run_pipeline(config: PipelineConfig, *, console: Console | None = None,
 def _run_stages(config: PipelineConfig, *, console: Console | None = None,
                 prompt_processes: int | None = 1) -> dict[str, Any]:  # fmt: skip
     from stages.evaluate import EvaluateConfig, Evaluator, write_json_atomic
-    from stages.extract import ExtractConfig, run_extract
+    from stages.extract.command import ExtractConfig, run_extract
     from stages.prepare import PrepareConfig, run_prepare
-    from stages.train import TrainConfig, run_training
-    from stages.trainer import planned_total_steps
+    from stages.train.command import TrainConfig, run_training
+    from stages.train.loop import planned_total_steps
 
     console = console or Console()
     workdir = config.workdir
@@ -519,7 +519,7 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
     stage("extract", extract, lambda: _json_safe(run_extract(
         ExtractConfig(corpus=str(paths["corpus"]), output=str(paths["cache"]), **extract), console=console)))
 
-    from dflash.config_check import deep_merge
+    from stages.config.check import deep_merge
 
     train = deep_merge({"telemetry": {"progress": True}}, migrate_renamed("train", config.section("train"), saved=True))
     evaluate = {"seed": 0, **config.evaluate}
@@ -649,7 +649,7 @@ def _stop_if_interrupted(summary: dict[str, Any]) -> dict[str, Any]:
     saved): no evaluation of a half-trained drafter, and to a scheduler the run is not finished. Rerunning the same
     ``dflash-stages run`` command continues from the checkpoint (finished stages are skipped)."""
     if summary.get("stopped_by_signal"):
-        from stages.exit_status import ExitCode
+        from stages.config.exit_status import ExitCode
 
         Console(stderr=True).print(f"[bold yellow]interrupted[/] during training at step {summary.get('step')}; the "
                                    "checkpoint is saved. Rerun the same command to continue.")
@@ -700,7 +700,7 @@ def register(app: typer.Typer) -> None:
         preset_config = load_preset(preset)
         from_file: set[tuple[str, str]] = set()
         if config_file is not None:
-            from dflash.config_check import read_config_file
+            from stages.config.check import read_config_file
 
             for section, values in _strip_comments(read_config_file(config_file)).items():
                 if section == "target":
@@ -710,7 +710,7 @@ def register(app: typer.Typer) -> None:
                     close = difflib.get_close_matches(section, _STAGES, n=1)
                     raise ConfigError(f"{section} (--config {config_file}): not a pipeline section; "
                                       + (f"did you mean {close[0]}?" if close else f"sections: {', '.join(_STAGES)}"))
-                from dflash.config_check import leaf_paths
+                from stages.config.check import leaf_paths
 
                 values = migrate_renamed(section, values, f"--config {config_file}")
                 layer_over(preset_config.setdefault(section, {}), values)
@@ -731,7 +731,7 @@ def register(app: typer.Typer) -> None:
             key, _, _ = override.partition("=")
             section, _, name = key.strip().partition(".")
             given[(section, name)] = f"--set {override}"
-            from dflash.config_check import MOVED_KEYS
+            from stages.config.check import MOVED_KEYS
 
             if name in MOVED_KEYS.get(section, {}):  # an old flat key: checked at its new path
                 given[(section, MOVED_KEYS[section][name])] = f"--set {override}"

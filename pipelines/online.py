@@ -9,14 +9,14 @@ Run::
     dflash-stages online --output RUN --resume                                # continue a stopped or killed run
 
 Layout: Dask schedules the producers exactly as ``extract`` does (a LocalCluster, one worker per target GPU or
-``--target-processes`` CPU processes; :class:`stages.online_worker.OnlineProducerPlugin`, a ``TargetReplicaPlugin``, loads
+``--target-processes`` CPU processes; :class:`stages.replicas.online_worker.OnlineProducerPlugin`, a ``TargetReplicaPlugin``, loads
 the target once per worker and runs the extract stage's ``TargetRunner``). The trainer is the ``train`` stage's
-launcher and :class:`stages.trainer.Trainer` (same loop, DDP, checkpoints, telemetry, validation): this process for
+launcher and :class:`stages.train.loop.Trainer` (same loop, DDP, checkpoints, telemetry, validation): this process for
 one rank, one spawned process per rank otherwise; each rank builds its batch sources with :class:`OnlineData`
-(:class:`dflash.online.OnlineBatches`, its own rings, connected to the producers' scheduler) instead of the cache's
-loaders. Batches move through the ring of :mod:`dflash.online_queue` (contract: docs/online-queue.md).
+(:class:`dflash.batches.online.OnlineBatches`, its own rings, connected to the producers' scheduler) instead of the cache's
+loaders. Batches move through the ring of :mod:`dflash.batches.ring` (contract: docs/online-queue.md).
 
-Mixing and order are the offline ones (the plan comes from the corpus lengths, :class:`dflash.corpus.CorpusLengths`):
+Mixing and order are the offline ones (the plan comes from the corpus lengths, :class:`dflash.corpus.format.CorpusLengths`):
 the same corpus, config and seed give the same samples in the same batches as ``extract`` then ``train``.
 
 Resume: ``--resume`` reads RUN/run.json (training config, and the producers' config under
@@ -46,7 +46,7 @@ from typing import Any
 import typer
 
 from dflash.errors import ConfigError
-from stages.train import TrainConfig
+from stages.train.command import TrainConfig
 
 __all__ = ["OnlineConfig", "ONLINE_CACHE_PREFIX", "ONLINE_PRESETS", "OnlineData", "online_metadata", "online_sections",
            "online_training_data", "load_online_preset", "printable_config", "run_online", "register"]
@@ -69,7 +69,7 @@ CACHE_TO_CODEC_REASON = ("online --cache-to: the launcher encodes each shard fro
 
 @dataclass(kw_only=True, slots=True)
 class OnlineConfig:
-    """The producer side of an online run; the trainer side is ``train`` (a :class:`stages.train.TrainConfig`)."""
+    """The producer side of an online run; the trainer side is ``train`` (a :class:`stages.train.command.TrainConfig`)."""
 
     corpus: str
     """Corpus folder (contract 1) the plan is made from and the producers read."""
@@ -139,8 +139,8 @@ def online_metadata(config: OnlineConfig) -> tuple[Any, Any]:
     ``dflash.cache.CacheMetadata`` describing the hidden states the producers compute (what a cache of this corpus
     would record), so the trainer checks the drafter against it before step 1 exactly as offline."""
     from dflash.cache import CacheMetadata
-    from dflash.corpus import open_corpus, validate_corpus
-    from dflash.target import (
+    from dflash.corpus.format import open_corpus, validate_corpus
+    from dflash.target.load import (
         LAYER_ID_CONVENTION,
         default_target_layer_ids,
         resolve_target_path,
@@ -168,14 +168,14 @@ def online_metadata(config: OnlineConfig) -> tuple[Any, Any]:
 def online_training_data(config: OnlineConfig, *, submit: Any, device: Any, corpus: Any = None,
                          metadata: Any = None, rank: int = 0, world_size: int = 1,
                          health_check: Any = None) -> Any:  # fmt: skip
-    """The trainer's :class:`stages.trainer.TrainingData` of an online run: this rank's training (and validation)
-    batches from :class:`dflash.online.OnlineBatches` over ``config.corpus``, computed by
+    """The trainer's :class:`stages.train.loop.TrainingData` of an online run: this rank's training (and validation)
+    batches from :class:`dflash.batches.online.OnlineBatches` over ``config.corpus``, computed by
     ``submit(BatchTask) -> future``. Each rank has its own rings; ranks take disjoint batches of the plan."""
     import torch
 
-    from dflash.corpus import CorpusLengths
-    from dflash.online import OnlineBatches
-    from stages.trainer import TrainingData, stream_config
+    from dflash.batches.online import OnlineBatches
+    from dflash.corpus.format import CorpusLengths
+    from stages.train.loop import TrainingData, stream_config
 
     if metadata is None:
         corpus, metadata = online_metadata(config)
@@ -210,11 +210,11 @@ def _open_cache_to(config: OnlineConfig, metadata: Any) -> Any:
     import torch
     from rich.console import Console
 
-    from dflash.batch_source import PlannedCursor
+    from dflash.batches.source import PlannedCursor
     from dflash.cache.staging import ShardAssembler
-    from dflash.corpus import CorpusLengths
-    from stages.extract import ExtractConfig, prepare_cache
-    from stages.trainer import stream_config
+    from dflash.corpus.format import CorpusLengths
+    from stages.extract.command import ExtractConfig, prepare_cache
+    from stages.train.loop import stream_config
 
     train = config.train
     extract = ExtractConfig(corpus=config.corpus, output=str(config.cache_to), target=config.target,
@@ -285,7 +285,7 @@ class _ProducerFuture:
 
 
 def dask_health(client: Any, grace: float = 180.0) -> Any:
-    """``health_check() -> message | None`` for :class:`dflash.online.OnlineBatches`: a message once no producer
+    """``health_check() -> message | None`` for :class:`dflash.batches.online.OnlineBatches`: a message once no producer
     (Dask worker) has been alive for ``grace`` seconds (a nanny restarting a killed producer reloads the target
     within it; one that gave up never comes back)."""
     state = {"seen": time.monotonic()}
@@ -305,8 +305,8 @@ def dask_health(client: Any, grace: float = 180.0) -> Any:
 
 
 def dask_submit(client: Any, policy: str = "recompute") -> Any:
-    """``submit(BatchTask) -> future`` running :func:`stages.online_worker.produce_batch` on ``client``'s workers."""
-    from stages.online_worker import produce_batch
+    """``submit(BatchTask) -> future`` running :func:`stages.replicas.online_worker.produce_batch` on ``client``'s workers."""
+    from stages.replicas.online_worker import produce_batch
 
     def submit(task: Any) -> Any:
         # Unique per ring and hand-out: Dask returns the existing future for a key it already holds.
@@ -333,7 +333,7 @@ class OnlineData:
         from distributed import Client
 
         from dflash.cache import CacheMetadata
-        from dflash.corpus import open_corpus
+        from dflash.corpus.format import open_corpus
 
         online = OnlineConfig(train=config, **self.producer)
         client = Client(self.scheduler_address, set_as_default=False)
@@ -356,8 +356,8 @@ def _start_cluster(config: OnlineConfig, metadata: Any) -> tuple[Any, Any]:
     import torch
     from distributed import Client, LocalCluster
 
-    from stages.cluster import worker_process_options
-    from stages.online_worker import OnlineProducerPlugin
+    from stages.replicas.cluster import worker_process_options
+    from stages.replicas.online_worker import OnlineProducerPlugin
 
     if not log.isEnabledFor(logging.DEBUG):
         logging.getLogger("distributed").setLevel(logging.WARNING)
@@ -393,7 +393,7 @@ def _check_before_start(config: OnlineConfig) -> None:
         given = "--target-gpus" if config.target_gpus else "--drafter-gpus" if train.drafter_gpus else "--device cuda"
         raise ConfigError(f"{given}: CUDA is not available on this host; use --target-processes N (CPU producers) and "
                           "--device cpu, or the online-cpu preset")
-    from stages.trainer import check_run_folder
+    from stages.train.loop import check_run_folder
 
     run = Path(train.output)
     if run.exists() and not run.is_dir():
@@ -409,8 +409,8 @@ def run_online(config: OnlineConfig) -> dict[str, Any]:
         ConfigError, CorpusError, TargetError, CheckpointError, MismatchError: before any step (one ``error:`` line
             from the CLI); SharedMemoryFull: ``/dev/shm`` too small for the ring (the message gives the fix).
     """
-    from dflash.locks import output_lock
-    from stages.train import _run_training
+    from dflash.io.locks import output_lock
+    from stages.train.command import _run_training
 
     train = config.train
     with contextlib.ExitStack() as locks:
@@ -493,8 +493,8 @@ def online_sections(data: dict[str, Any], where: str) -> tuple[dict[str, Any], d
     Raises:
         ConfigError: as above.
     """
-    from dflash.config_check import check_fields, migrate_renamed
-    from stages.train import TrainConfig
+    from stages.config.check import check_fields, migrate_renamed
+    from stages.train.command import TrainConfig
 
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected an object with the sections 'online' and 'train', got "
@@ -531,9 +531,9 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
     Raises:
         ConfigError: an unknown key or section, a wrong type or a refused value, named with its source.
     """
-    from dflash.config_check import check_fields, read_config_file
-    from stages.stage_config import parse_sets
-    from stages.train import config_from_cli as train_config_from_cli
+    from stages.config.check import check_fields, read_config_file
+    from stages.config.resolve import parse_sets
+    from stages.train.command import config_from_cli as train_config_from_cli
 
     set_online, train_sets = {}, []
     for item in sets:
@@ -557,7 +557,7 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
     given_online = {k: v for k, v in online.items() if v is not None}
     given_train = {k: v for k, v in train_overrides.items() if v is not None}
     online, train_overrides = {}, {}
-    from dflash.config_check import deep_merge
+    from stages.config.check import deep_merge
 
     for layer_online, layer_train in layers:
         online.update(layer_online)
@@ -583,7 +583,7 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
     run_json = Path(output) / "run.json" if output else None
     if train_overrides.get("resume") and run_json is not None and run_json.is_file():
         resolved = json.loads(run_json.read_text()).get("resolved", {})
-        from dflash.config_check import migrate_renamed
+        from stages.config.check import migrate_renamed
 
         saved = migrate_renamed("online", resolved.get("data_source", {}).get("online", {}), str(run_json))
         if not saved:
@@ -607,7 +607,7 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
 
 def register(app: typer.Typer) -> None:
     """Add ``dflash-stages online``."""
-    from stages.train import _csv_ints, exit_if_interrupted
+    from stages.train.command import _csv_ints, exit_if_interrupted
 
     @app.command("online")
     def online_command(

@@ -3,7 +3,7 @@
 Each stage module exposes ``register(app: typer.Typer)``, which adds its command(s). This file only wires them;
 run ``dflash-stages --help`` for the list.
 
-Exit status: one scheme for every command, declared in :mod:`stages.exit_status` (``ExitCode``, printed at the
+Exit status: one scheme for every command, declared in :mod:`stages.config.exit_status` (``ExitCode``, printed at the
 end of ``dflash-stages --help``); :func:`main` maps exceptions onto it.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import typer
 
-from stages.exit_status import EXIT_STATUS_HELP, USER_ERRNOS, ExitCode, os_error_message, print_error
+from stages.config.exit_status import EXIT_STATUS_HELP, USER_ERRNOS, ExitCode, os_error_message, print_error
 
 __all__ = ["app", "main", "ExitCode", "DEPRECATED_OPTIONS", "EXIT_STATUS_HELP", "GLOBAL_FLAGS", "NON_TTY_COLUMNS",
            "PATH_OPTIONS", "USER_ERRNOS", "canonical_options", "refuse_empty_paths", "dask_setup", "hoist_global_flags", "print_error", "os_error_message",
@@ -71,17 +71,17 @@ _COMMAND_MODULES = [
     "pipelines.offline",  # run: the whole offline pipeline on a preset
     "stages.prepare",
     "stages.generate",
-    "stages.extract",
+    "stages.extract.command",
     "stages.cache_cmd",
-    "stages.train",
+    "stages.train.command",
     "pipelines.online",  # online: target replicas feed training through shared memory
     "stages.sweep",
     "stages.evaluate",
     "stages.export",
-    "stages.inspect",
-    "stages.scan",
-    "stages.diff",
-    "stages.report",
+    "stages.forensics.inspect",
+    "stages.forensics.scan",
+    "stages.forensics.diff",
+    "stages.forensics.report",
 ]
 
 
@@ -135,7 +135,7 @@ def hoist_global_flags(args: list[str]) -> list[str]:
 #: Old option spellings, per command -> the one spelling every command now uses (GPUs and CPU processes named by
 #: role: ``--target-gpus``/``--target-processes`` for target replicas, ``--drafter-gpus``/``--drafter-processes``
 #: for the drafter). :func:`main` still accepts them, hidden from ``--help``, with one deprecation warning;
-#: ``dflash.config_check.RENAMED_KEYS`` does the same for config keys.
+#: ``stages.config.check.RENAMED_KEYS`` does the same for config keys.
 DEPRECATED_OPTIONS: dict[str, dict[str, str]] = {
     "extract": {"--workers": "--target-processes"},
     "generate": {"--workers": "--target-processes"},
@@ -167,7 +167,7 @@ def canonical_options(args: list[str]) -> list[str]:
 
 
 #: Options whose value is a path (or URL, or target spec) in some command: an empty value (``-o ''``) is refused
-#: before typer turns it into ``Path('.')``, the current folder (config keys: ``dflash.config_check.PATH_FIELDS``).
+#: before typer turns it into ``Path('.')``, the current folder (config keys: ``stages.config.check.PATH_FIELDS``).
 PATH_OPTIONS = frozenset({"-o", "--output", "--corpus", "--cache", "--cache-to", "--drafter", "--json-file",
                           "--workdir", "--config", "--preset", "--target", "--diff", "--resume-from"})
 

@@ -5,10 +5,10 @@ Run::
     dflash-stages evaluate --drafter RUN [--prompts held-out --corpus CORPUS [--cache CACHE]] [--json OUT]
     dflash-stages evaluate --drafter EXPORT --prompts prompts.jsonl --temperature 0.7
 
-For every prompt the same loop (:func:`dflash.speculative.speculative_generate`) runs twice: with block size 1
+For every prompt the same loop (:func:`dflash.decoding.speculative.speculative_generate`) runs twice: with block size 1
 (plain target decoding, the baseline) and with the drafter's block size; and the target's own transformers
 ``generate()`` (greedy or sampled as the loop, KV cache on, the same stop tokens and ``max_new_tokens``:
-:func:`dflash.speculative.target_generate`) runs once, plain decoding as users run it. Two speedups: the ratio of
+:func:`dflash.decoding.speculative.target_generate`) runs once, plain decoding as users run it. Two speedups: the ratio of
 the speculative loop's throughput (new tokens per second, prefill included) to that of block size 1
 (``speedup``) and to that of ``generate()`` (``speedup_vs_generate``), over the same prompts, measured in the
 same process, on the same model (same device and dtype), the three runs of a prompt one after the other,
@@ -34,15 +34,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from dflash.decoding.eval_prompts import EvalPrompt, held_out_rows, prompts_from_corpus, prompts_from_file
 from dflash.errors import ConfigError
-from dflash.eval_prompts import EvalPrompt, held_out_rows, prompts_from_corpus, prompts_from_file
 
 if TYPE_CHECKING:
     import torch
 
-    from dflash.speculative import GenerationResult, SpeculativeConfig, TappedTarget
+    from dflash.decoding.speculative import GenerationResult, SpeculativeConfig, TappedTarget
 
-# torch and dflash.speculative are imported where they are used: every command's module is imported when the CLI
+# torch and dflash.decoding.speculative are imported where they are used: every command's module is imported when the CLI
 # starts, and importing torch (seconds on a small host) before a config check would delay every `error:` line.
 
 __all__ = ["EvaluateConfig", "Baselines", "Evaluator", "load_drafter_any", "attach_checked", "check_target_identity", "load_prompts", "evaluate_drafter",
@@ -116,7 +116,7 @@ class EvaluateConfig:
             raise ConfigError(f"cpu_threads must be >= 1 (or unset), got {self.cpu_threads}")
         if self.block_size is not None and self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2 to draft anything, got {self.block_size}")
-        from dflash.config_check import dtype_spelling
+        from stages.config.check import dtype_spelling
 
         self.dtype = dtype_spelling(self.dtype, ("auto", "float32", "bfloat16", "float16"))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -124,7 +124,7 @@ class EvaluateConfig:
         if self.prompts == "held-out" and self.corpus is None:
             raise ConfigError("prompts: held-out prompts need --corpus (and --cache to exclude the training rows)")
         if self.prompts != "held-out":
-            from dflash.eval_prompts import check_prompts_file
+            from dflash.decoding.eval_prompts import check_prompts_file
 
             check_prompts_file(self.prompts)  # a wrong path fails here, before the target is loaded
         kind, _, index = str(self.device).partition(":")
@@ -164,19 +164,19 @@ def load_drafter_any(path: Path) -> tuple[Any, Any, dict[str, Any]]:
     Raises:
         CheckpointError / ExportError: nothing loadable at ``path``.
     """
-    from dflash.checkpoint import load_drafter
+    from dflash.training.checkpoint import load_drafter
 
     return load_drafter(path)
 
 
 def attach_checked(drafter: Any, target: Any, target_info: dict[str, Any], where: Path) -> None:
     """Attach the target's embedding/LM head to ``drafter`` after comparing them with the hashes recorded at
-    training time (``dflash.checkpoint.check_target_weights``: bf16-rounded hashes when the dtypes differ).
+    training time (``dflash.training.checkpoint.check_target_weights``: bf16-rounded hashes when the dtypes differ).
 
     Raises:
         MismatchError: the target differs from the one the drafter was trained with.
     """
-    from dflash.checkpoint import check_target_weights
+    from dflash.training.checkpoint import check_target_weights
 
     model = target.model
     embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
@@ -185,13 +185,13 @@ def attach_checked(drafter: Any, target: Any, target_info: dict[str, Any], where
 
 
 def check_target_identity(target_info: dict[str, Any], target: Any, where: Path) -> None:
-    """The drafter's recorded target against the loaded one (:func:`dflash.compat.check_target_identity`).
+    """The drafter's recorded target against the loaded one (:func:`dflash.training.compat.check_target_identity`).
 
     Raises:
         MismatchError: an identity field differs.
     """
-    from dflash.compat import check_target_identity as check
-    from dflash.compat import recorded_identity
+    from dflash.training.compat import check_target_identity as check
+    from dflash.training.compat import recorded_identity
 
     check(target_info, target.identity,
           where=f"the drafter at {where} (trained on target {recorded_identity(target_info).get('name')!r})",
@@ -199,9 +199,9 @@ def check_target_identity(target_info: dict[str, Any], target: Any, where: Path)
 
 
 def load_prompts(config: EvaluateConfig, tokenizer: Any) -> list[EvalPrompt]:
-    """The prompt set ``config.prompts`` names (see :mod:`dflash.eval_prompts`)."""
+    """The prompt set ``config.prompts`` names (see :mod:`dflash.decoding.eval_prompts`)."""
     if config.prompts == "held-out":
-        from dflash.corpus import open_corpus
+        from dflash.corpus.format import open_corpus
 
         corpus = open_corpus(config.corpus)
         rows = held_out_rows(corpus, config.cache)
@@ -225,7 +225,7 @@ class Baselines:
 
     Fields:
         block_size_1: the speculative loop at block size 1 (plain decoding through the same code), per prompt.
-        target_generate: the target's own ``generate()`` (:func:`dflash.speculative.target_generate`), per prompt.
+        target_generate: the target's own ``generate()`` (:func:`dflash.decoding.speculative.target_generate`), per prompt.
     """
 
     block_size_1: list[GenerationResult]
@@ -255,7 +255,7 @@ def _logit_gap(model: Any, prompt: list[int], prefix: list[int], token_a: int, t
 
 def _lossless_report(model: Any, prompts: list[EvalPrompt], spec: list[GenerationResult],
                      base: list[GenerationResult], tolerance: float) -> dict[str, Any]:
-    from dflash.speculative import first_divergence
+    from dflash.decoding.speculative import first_divergence
 
     mismatches = []
     for index, (prompt, s, b) in enumerate(zip(prompts, spec, base, strict=True)):
@@ -282,7 +282,7 @@ def _lossless_vs_generate(model: Any, prompts: list[EvalPrompt], spec: list[Gene
     """The lossless report of the speculative outputs against ``generate()``'s, plus how many block-size-1 loop
     outputs equal ``generate()``'s (``block_size_1_identical``: tells a drafting bug from a loop that decodes
     otherwise than transformers)."""
-    from dflash.speculative import first_divergence
+    from dflash.decoding.speculative import first_divergence
 
     report = _lossless_report(model, prompts, spec, generated, tolerance)
     report["block_size_1_identical"] = sum(
@@ -327,8 +327,8 @@ def evaluate_drafter(
     """
     import torch
 
-    from dflash.speculative import AcceptanceStats, SpeculativeConfig, TappedTarget
-    from dflash.speculative import speculative_generate as _generate
+    from dflash.decoding.speculative import AcceptanceStats, SpeculativeConfig, TappedTarget
+    from dflash.decoding.speculative import speculative_generate as _generate
 
     model = target.model
     device = next(model.parameters()).device
@@ -418,9 +418,9 @@ def evaluate_drafter(
 
 
 def _plain_generate(tapped: TappedTarget, prompt_ids: list[int], config: SpeculativeConfig, seed: int) -> GenerationResult:
-    """:func:`dflash.speculative.target_generate` on the tapped target with its taps off (the hooks stay, as they
+    """:func:`dflash.decoding.speculative.target_generate` on the tapped target with its taps off (the hooks stay, as they
     do for the block-size-1 loop, and keep nothing)."""
-    from dflash.speculative import target_generate
+    from dflash.decoding.speculative import target_generate
 
     tapped.capture = False
     try:
@@ -452,8 +452,8 @@ def _untrained_like(drafter_config: Any, target: Any, seed: int) -> Any:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (:func:`dflash.files.atomic_write_text`), creating its folder."""
-    from dflash.files import atomic_write_text
+    """Write ``data`` as JSON to ``path`` atomically (:func:`dflash.io.files.atomic_write_text`), creating its folder."""
+    from dflash.io.files import atomic_write_text
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -471,7 +471,7 @@ class Evaluator:
     """
 
     def __init__(self, config: EvaluateConfig, target_spec: str, *, console: Console | None = None) -> None:
-        from dflash.target import load_target
+        from dflash.target.load import load_target
 
         self.config = config
         self.console = console or Console()
@@ -624,7 +624,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
 def register(app: typer.Typer) -> None:
     """Add ``dflash-stages evaluate``."""
 
-    from stages.stage_config import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
+    from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
 
     @app.command("evaluate")
     def evaluate_command(
@@ -658,7 +658,7 @@ def register(app: typer.Typer) -> None:
         and new tokens), and the greedy lossless check against both. Exit code 1 when a greedy output differs
         beyond a float near-tie."""
         console = Console()
-        from stages.stage_config import print_and_exit, resolve_stage_config, split_given
+        from stages.config.resolve import print_and_exit, resolve_stage_config, split_given
 
         def text(path: Path | None) -> str | None:
             return None if path is None else str(path)

@@ -1,18 +1,18 @@
 """``dflash-stages export CKPT OUT``: write a trained drafter in the serving format vLLM and SGLang load.
 
 CKPT is a checkpoint folder (``RUN/checkpoints/step_XXXXXXXX``) or a run folder (its ``latest`` checkpoint is used).
-The export is written atomically, then read back with the strict loader (:func:`dflash.export.read_exported`) and
+The export is written atomically, then read back with the strict loader (:func:`dflash.serving.export.read_exported`) and
 compared tensor by tensor with the checkpoint; see ``dflash/export.py`` for the format.
 
     dflash-stages export runs/smol OUT/smol-dflash [--target PATH] [--overwrite]
     dflash-stages export --config export.toml [--set export.overwrite=true] [--print-config]
 
-Settings resolve like every stage's (``stages.stage_config``): defaults < ``--preset`` < ``--config`` (an
+Settings resolve like every stage's (``stages.config.resolve``): defaults < ``--preset`` < ``--config`` (an
 ``[export]`` section or the fields at the top) < CKPT, OUT and the options given < ``--set``.
 
 Exit status: 0 exported and verified; 2 the checkpoint, OUT or target is not usable (one ``error:`` line
 says why and what to pass, or another export writes OUT); 130 interrupted (OUT is left as it was).
-OUT is locked while it is written (``dflash.locks``): a second export into it is refused at once.
+OUT is locked while it is written (``dflash.io.locks``): a second export into it is refused at once.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import typer
 
-from stages.stage_config import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
+from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
 
 __all__ = ["ExportConfig", "register", "export_command"]
 
@@ -70,9 +70,9 @@ def export_command(
     from rich.table import Table
 
     from dflash.errors import DFlashError
-    from dflash.export import export_checkpoint
-    from dflash.locks import output_lock
-    from stages.stage_config import print_and_exit, resolve_stage_config, split_given
+    from dflash.io.locks import output_lock
+    from dflash.serving.export import export_checkpoint
+    from stages.config.resolve import print_and_exit, resolve_stage_config, split_given
 
     console = Console()
     values = dict(checkpoint=None if checkpoint is None else str(checkpoint), out=None if out is None else str(out),
@@ -91,7 +91,7 @@ def export_command(
         for warning in caught:
             console.print(f"[yellow]warning:[/] {escape(str(warning.message))}")
     except DFlashError as error:  # a wrong path, OUT exists, mismatched target...: the user's to fix (exit 2)
-        from stages.exit_status import ExitCode, print_error
+        from stages.config.exit_status import ExitCode, print_error
 
         print_error(error)
         raise typer.Exit(ExitCode.USAGE) from None

@@ -79,11 +79,11 @@ class GenerateConfig:
             break greedy near-ties differently (docs/generate.md). Never changes what a prompt asks for, so a
             resume may change it.
         target_gpus, target_processes, scheduler_address, dashboard_address, tls_ca_file, tls_cert, tls_key: placement, as
-            in ``extract`` (stages.cluster).
+            in ``extract`` (stages.replicas.cluster).
         default_prompts: settings of the embedded default prompt set.
         endpoints, served_model, api_key_env, concurrency: ``openai`` engine settings.
         overwrite: replace an output of other settings (only a generate output or an empty folder).
-        break_lock: take over the output's lock left by a run on another host known dead (dflash.locks).
+        break_lock: take over the output's lock left by a run on another host known dead (dflash.io.locks).
     """
 
     prompts: str = "default"
@@ -120,7 +120,7 @@ class GenerateConfig:
     break_lock: bool = False
 
     def __post_init__(self) -> None:
-        from dflash.config_check import nested_config
+        from stages.config.check import nested_config
 
         self.default_prompts = nested_config(DefaultPromptConfig(), self.default_prompts, "default_prompts")
         if self.prompts != "default":
@@ -137,7 +137,7 @@ class GenerateConfig:
             raise ConfigError(f"part_size must be >= 1, got {self.part_size}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ConfigError(f"max_prompts must be >= 1, got {self.max_prompts}")
-        from stages.cluster import validate_placement
+        from stages.replicas.cluster import validate_placement
 
         validate_placement(self)
         if self.engine == "openai" and not self.endpoints:
@@ -203,8 +203,8 @@ def _records_digest(records: list[Any]) -> str:
 # ---------------------------------------------------------------------------------------------------- output
 def _open_output(config: GenerateConfig, plan: dict[str, Any]) -> None:
     """Create the output folder with its plan, or check an existing one holds the same plan."""
-    from dflash.files import atomic_write_text
     from dflash.generation.parts import PLAN_FILE, clear_uncommitted
+    from dflash.io.files import atomic_write_text
 
     output = Path(config.output)  # run_generate refused an output that is a file before taking the lock
     plan_file = output / PLAN_FILE
@@ -233,7 +233,7 @@ def _open_output(config: GenerateConfig, plan: dict[str, Any]) -> None:
 def _clear_output(output: Path) -> None:
     import shutil
 
-    from dflash.corpus import METADATA_FILE
+    from dflash.corpus.format import METADATA_FILE
     from dflash.generation.parts import PLAN_FILE
 
     for path in [*output.glob("part-*.arrow"), *output.glob(".part-*"), output / PLAN_FILE, output / METADATA_FILE]:
@@ -245,7 +245,7 @@ def _clear_output(output: Path) -> None:
 def _plugin_class() -> type:
     import torch
 
-    from stages.replica import TargetReplicaPlugin
+    from stages.replicas.replica import TargetReplicaPlugin
 
     class GenerateWorkerPlugin(TargetReplicaPlugin):
         """Generate's target replica: the shared lifecycle with a :class:`TransformersEngine` on top."""
@@ -298,7 +298,7 @@ def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: Any, task: 
                  timings: dict[str, float]) -> list[dict[str, Any]]:
     from distributed import as_completed
 
-    from stages.cluster import start_cluster
+    from stages.replicas.cluster import start_cluster
 
     started = time.perf_counter()
     client, cluster, placement = start_cluster(config)  # extract's cluster: one worker per target GPU, or CPU processes
@@ -368,20 +368,20 @@ def run_generate(config: GenerateConfig, console: Console | None = None, *,
     (:func:`dflash.generation.default_prompts.default_prompt_sets`; ``None``: one per core, at most 16). Spawned
     processes re-import the caller's main module, so the default is 1 (in this process); the CLI passes ``None``.
 
-    The output's lock (``dflash.locks``) is held for the whole run: a second ``generate`` into the same folder is
+    The output's lock (``dflash.io.locks``) is held for the whole run: a second ``generate`` into the same folder is
     refused at once, naming the holder.
 
     Raises:
         ConfigError: bad prompts, settings, template or output (one line naming it); TargetError: no target;
         LockError: another process writes into ``config.output``.
     """
-    from dflash.locks import output_lock
+    from dflash.io.locks import output_lock
 
     output = Path(config.output)
     if output.exists() and not output.is_dir():
         raise ConfigError(f"--output {output} is a file; pass a folder")
     if config.engine == "transformers":
-        from stages.cluster import require_local_gpus
+        from stages.replicas.cluster import require_local_gpus
 
         require_local_gpus(config)  # before the lock and any file
     with output_lock(output, what="corpus", break_lock=config.break_lock):
@@ -389,10 +389,10 @@ def run_generate(config: GenerateConfig, console: Console | None = None, *,
 
 
 def _run_generate(config: GenerateConfig, console: Console | None, prompt_processes: int | None) -> dict[str, Any]:
-    from dflash.corpus import METADATA_FILE, open_corpus
+    from dflash.corpus.format import METADATA_FILE, open_corpus
     from dflash.generation.parts import PartSpec, committed_parts, plan_parts, summarize_parts
     from dflash.generation.prompts import check_generation_prompt
-    from dflash.target import load_tokenizer, resolve_target_path, target_identity
+    from dflash.target.load import load_tokenizer, resolve_target_path, target_identity
 
     console = console or Console(stderr=True)
     started = time.perf_counter()
@@ -458,8 +458,8 @@ def _run_generate(config: GenerateConfig, console: Console | None, prompt_proces
         "read_dropped": read_drops.to_dict(),
         **totals,
     }
-    from dflash.corpus import FORMAT_VERSION
-    from dflash.files import atomic_write_text
+    from dflash.corpus.format import FORMAT_VERSION
+    from dflash.io.files import atomic_write_text
 
     corpus = open_corpus(output, allow_unfinished=True)
     metadata = {"format_version": FORMAT_VERSION, "source": "generate", "target_spec": config.target,
@@ -497,8 +497,10 @@ def _timings_line(timings: dict[str, float], parts: list[dict[str, Any]]) -> str
 
 def register(app: typer.Typer) -> None:
     """Add the ``generate`` command to ``app``."""
-    from stages.extract import _int_list  # the GPU-list parsing of extract (same option, same spelling)
-    from stages.stage_config import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
+    from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
+    from stages.extract.command import (
+        _int_list,  # the GPU-list parsing of extract (same option, same spelling)
+    )
 
     @app.command("generate")
     def generate_command(
@@ -545,7 +547,7 @@ def register(app: typer.Typer) -> None:
         print_config: bool = PRINT_CONFIG_OPTION,
     ) -> None:
         """Generate the target's own responses to prompts as a training corpus (the DFlash paper's recipe)."""
-        from stages.stage_config import print_and_exit, resolve_stage_config, split_given
+        from stages.config.resolve import print_and_exit, resolve_stage_config, split_given
 
         try:
             kwargs = json.loads(template_kwargs)

@@ -16,7 +16,7 @@ Run ``dflash-stages prepare [INPUT...] --output DIR``. Inputs (mixed freely):
 Refused with the name of what was found (exit 2): other outputs of this project (a hidden-state cache or a path
 inside one, a run folder, an export, a sweep folder: their JSON files are not text to train on) and a file named
 as an input that is binary (NUL bytes or not UTF-8); binary files found in a folder or glob are dropped and
-counted. The output is locked while it is written (``dflash.locks``; a second ``prepare`` into it is refused).
+counted. The output is locked while it is written (``dflash.io.locks``; a second ``prepare`` into it is refused).
 
 Every row records the source document it came from (the corpus ``document_id``, which the trainer's validation
 split keeps whole): a text file's identity (``<source>:<relative path>``, the ``sample_id`` before any ``#<chunk>``)
@@ -47,9 +47,8 @@ from typing import Any, Literal
 import numpy as np
 import typer
 
-from dflash.chat import ASSISTANT_MASK_MODES, check_assistant_mask, normalize_messages, tokenize_chat
-from dflash.corpus import FORMAT_VERSION, CorpusWriter, open_corpus, validate_corpus
-from dflash.default_corpus import (
+from dflash.corpus.chat import ASSISTANT_MASK_MODES, check_assistant_mask, normalize_messages, tokenize_chat
+from dflash.corpus.default_corpus import (
     DEFAULT_LENGTH_POLICY,
     DEFAULT_MAX_LENGTH,
     TextFile,
@@ -57,6 +56,7 @@ from dflash.default_corpus import (
     default_corpus_description,
     default_corpus_files,
 )
+from dflash.corpus.format import FORMAT_VERSION, CorpusWriter, open_corpus, validate_corpus
 from dflash.errors import ConfigError, CorpusError, CorpusNotFoundError, DFlashError
 
 __all__ = ["PrepareConfig", "PrepareReport", "run_prepare", "register"]
@@ -107,7 +107,7 @@ class PrepareConfig:
     stdlib_tests: bool = False
     #: Replace an existing output folder (atomically).
     overwrite: bool = False
-    #: Take over the output's lock left by a run on another host known dead (``dflash.locks``).
+    #: Take over the output's lock left by a run on another host known dead (``dflash.io.locks``).
     break_lock: bool = False
 
     def __post_init__(self) -> None:
@@ -515,7 +515,7 @@ def _samples(documents: list[_Document], tokenizer: Any, config: PrepareConfig, 
 @functools.lru_cache(maxsize=2)
 def _tokenizer(target_path: Path) -> Any:
     """The target's tokenizer, loaded once per process (several ``run_prepare`` calls share it; never mutated)."""
-    from dflash.target import load_tokenizer
+    from dflash.target.load import load_tokenizer
 
     return load_tokenizer(target_path)
 
@@ -529,7 +529,7 @@ def run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, Pr
         TargetError: the target cannot be loaded.
         LockError: another process writes ``config.output``.
     """
-    from dflash.locks import output_lock
+    from dflash.io.locks import output_lock
 
     with output_lock(config.output, what="corpus", break_lock=config.break_lock):
         return _run_prepare(config, console=console)
@@ -539,7 +539,7 @@ def _run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, P
     from rich.console import Console
     from rich.progress import Progress
 
-    from dflash.target import resolve_target_path, target_identity
+    from dflash.target.load import resolve_target_path, target_identity
 
     console = console or Console(stderr=True)
     target_path = resolve_target_path(config.target)
@@ -604,7 +604,7 @@ def _run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, P
 
 def register(app: Any) -> None:
     """Add ``prepare`` to the typer ``app``."""
-    from stages.stage_config import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
+    from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
 
     @app.command("prepare")
     def prepare_command(
@@ -650,7 +650,7 @@ def register(app: Any) -> None:
 
         console = Console(stderr=True)
         try:
-            from stages.stage_config import print_and_exit, resolve_stage_config, split_given
+            from stages.config.resolve import print_and_exit, resolve_stage_config, split_given
 
             values = dict(
                 inputs=inputs or [], output=None if output is None else str(output), target=target,
@@ -666,7 +666,7 @@ def register(app: Any) -> None:
                 print_and_exit("prepare", config)
             path, report = run_prepare(config, console=console)
         except DFlashError as error:
-            from stages.exit_status import ExitCode, print_error
+            from stages.config.exit_status import ExitCode, print_error
 
             print_error(error, console)
             raise typer.Exit(ExitCode.USAGE) from None

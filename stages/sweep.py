@@ -6,7 +6,7 @@ Run::
     dflash-stages sweep --cache CACHE --output SWEEP --grid lr=3e-4,6e-4 --set train.max_steps=2000 --drafter-gpus 0,1,2,3
     dflash-stages sweep --config sweep.toml --print-config
 
-Each ``--grid FIELD=V1,V2,...`` names a :class:`stages.train.TrainConfig` field and its values (list-valued
+Each ``--grid FIELD=V1,V2,...`` names a :class:`stages.train.command.TrainConfig` field and its values (list-valued
 fields take ``:`` between items: ``--grid betas=0.9:0.95,0.9:0.99``). The runs are the cartesian product of the
 grid, in the order given; run ``k`` trains into ``SWEEP/<field>=<value>_...``. ``--set train.FIELD=VALUE`` (or
 ``FIELD=VALUE``) fixes a train field for every run, ``--set sweep.FIELD=VALUE`` sets one of the sweep's own fields
@@ -25,7 +25,7 @@ At the end a table compares final train loss, validation loss and implied accept
 loss, steps, skipped steps and throughput; it is also written to ``SWEEP/sweep.json``. A failed run is reported
 in the table (and the exit code is 1) without stopping the others. ``--resume`` continues unfinished runs.
 
-The sweep folder is locked for the whole sweep (``dflash.locks``: a second sweep into it is refused at once) and
+The sweep folder is locked for the whole sweep (``dflash.io.locks``: a second sweep into it is refused at once) and
 each run's folder by its own ``train`` (in this process or its subprocess).
 """
 
@@ -48,9 +48,9 @@ from typing import Any
 import typer
 
 from dflash.errors import ConfigError
-from dflash.files import atomic_write_text
-from dflash.telemetry import read_metrics
-from stages.train import TrainConfig, run_training
+from dflash.io.files import atomic_write_text
+from dflash.training.telemetry import read_metrics
+from stages.train.command import TrainConfig, run_training
 
 __all__ = ["SweepConfig", "SweepRun", "grid_path", "parse_grid", "plan_sweep", "resolve_sweep", "run_sweep", "summarize_run",
            "register"]
@@ -129,7 +129,7 @@ def _grid_values(name: str, raw: str, annotation: str) -> list[Any]:
 
     if not raw.lstrip().startswith("["):
         return [_parse_value(name, part, annotation) for part in raw.split(",")]
-    from dflash.config_check import matches_type
+    from stages.config.check import matches_type
 
     try:
         items = json.loads(raw)
@@ -165,7 +165,7 @@ def grid_path(name: str) -> str | None:
     matches = [path for path in types if path.rsplit(".", 1)[-1] == name]
     if len(matches) == 1:
         return matches[0]
-    from dflash.config_check import MOVED_KEYS
+    from stages.config.check import MOVED_KEYS
 
     return MOVED_KEYS["train"].get(name)  # a field's name before it moved (bucket_boundaries: data.boundaries)
 
@@ -201,8 +201,8 @@ class SweepConfig:
 
 def _split_sets(overrides: list[str]) -> tuple[list[str], list[tuple[str, Any, str]]]:
     """``--set`` items -> (``sweep.X=V`` items, ``(train field, value, source)`` of the others, parsed as every
-    stage parses ``--set``: :func:`stages.stage_config.parse_sets`)."""
-    from stages.stage_config import parse_sets
+    stage parses ``--set``: :func:`stages.config.resolve.parse_sets`)."""
+    from stages.config.resolve import parse_sets
 
     sweep_items = [item for item in overrides if item.strip().startswith("sweep.")]
     train_items = parse_sets([item for item in overrides if item not in sweep_items], "train")
@@ -221,8 +221,8 @@ def resolve_sweep(ctx: Any, values: dict[str, Any], *, config_file: str | None, 
         ConfigError: an unknown or mistyped key (named with its source), a missing cache, or a combination
             TrainConfig refuses.
     """
-    from dflash.config_check import check_fields, deep_merge, leaf_paths, migrate_renamed, read_config_file
-    from stages.stage_config import nested, resolve_stage_config, section_of, split_given
+    from stages.config.check import check_fields, deep_merge, leaf_paths, migrate_renamed, read_config_file
+    from stages.config.resolve import nested, resolve_stage_config, section_of, split_given
 
     sweep_sets, train_sets = _split_sets(overrides)
     config = resolve_stage_config(SweepConfig, "sweep", *split_given(ctx, values), config_file=config_file,
@@ -307,7 +307,7 @@ def plan_sweep(cache: str, output: str | Path, values: dict[str, list[Any]], *, 
     Raises:
         ConfigError: an invalid combination (the TrainConfig error, prefixed by the run's name).
     """
-    from dflash.config_check import deep_merge, set_path
+    from stages.config.check import deep_merge, set_path
 
     fixed = deep_merge(fixed or {}, {})  # train fields (nested, as to_dict writes them) the same for every run
     for name, options in values.items():
@@ -458,7 +458,7 @@ def register(app: typer.Typer) -> None:
                                           "train}, which --config reads back) and exit without doing anything."),
     ) -> None:
         """Train one drafter per combination of --grid values over one cache and compare them."""
-        from dflash.locks import output_lock
+        from dflash.io.locks import output_lock
 
         try:
             gpu_ids = [int(g) for g in drafter_gpus.split(",") if g.strip()] if drafter_gpus else None
@@ -470,7 +470,7 @@ def register(app: typer.Typer) -> None:
         folder = Path(config.output) if config.output else Path(time.strftime("sweep-%Y%m%d-%H%M%S"))
         runs = plan_sweep(config.cache, folder, config.grid, resume=config.resume, fixed=fixed)
         if print_config:
-            from stages.stage_config import printable
+            from stages.config.resolve import printable
 
             printed = json.loads(printable("sweep", config))
             printed["sweep"]["output"] = str(folder)
@@ -511,7 +511,7 @@ def register(app: typer.Typer) -> None:
         atomic_write_text(Path(output) / "sweep.json", json.dumps({"runs": rows}, indent=2, default=str))
         Console().print(comparison_table(runs))
         if any(r.interrupted for r in runs):
-            from stages.exit_status import ExitCode
+            from stages.config.exit_status import ExitCode
 
             raise typer.Exit(code=ExitCode.INTERRUPTED)  # a stopped sweep is not a finished one
         if any(r.error for r in runs):

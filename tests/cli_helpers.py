@@ -33,7 +33,7 @@ def main_in_process_out(monkeypatch, capsys, *args: str) -> tuple[int, str, str]
 
 
 # A process that has imported torch and transformers (most of an interpreter's start-up here: the lazily imported
-# transformers.modeling_utils and the tokenizer classes too, as stages.cluster.FORKSERVER_PRELOAD does for Dask
+# transformers.modeling_utils and the tokenizer classes too, as stages.replicas.cluster.FORKSERVER_PRELOAD does for Dask
 # workers), moves those objects out of the collector's reach (gc.freeze: a child's exit takes ~0.5 s instead of
 # ~2.5 s of collecting and copying them) and forks a child per command. The child takes the command's working folder, environment (its PYTHONPATH
 # entries put on sys.path, as an interpreter start would), its own session if asked, and argv, points its

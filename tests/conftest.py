@@ -9,7 +9,7 @@ import os
 from types import SimpleNamespace
 
 # Dask workers of every cluster this session starts (in this process and in the CLI processes it runs) fork from a
-# fork server that imported torch and transformers once (stages.cluster.worker_process_options) instead of each
+# fork server that imported torch and transformers once (stages.replicas.cluster.worker_process_options) instead of each
 # spawned worker importing them again: seconds per worker. A test of the default (spawn) sets it back.
 os.environ["DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD"] = "forkserver"
 
@@ -44,8 +44,8 @@ def dflash_home(tmp_path_factory):
     that.
     """
     from dflash.errors import TargetError
-    from dflash.target import dflash_home as current_home
-    from dflash.target import resolve_target_path
+    from dflash.target.load import dflash_home as current_home
+    from dflash.target.load import resolve_target_path
 
     real_home = current_home()
     try:
@@ -71,7 +71,7 @@ def _start_the_fork_server() -> None:
 
     import dask
 
-    from stages.cluster import worker_process_options
+    from stages.replicas.cluster import worker_process_options
 
     worker_process_options()  # sets the preload list
     # As when a nanny starts it (after setting distributed's pre-spawn variables, e.g. OMP_NUM_THREADS=1, here).
@@ -101,7 +101,7 @@ def _forked_cli_server():
 def target_path(dflash_home):
     """Local transformers folder of the embedded default target (converted once from its GGUF file; reached
     through the session's temporary home, see ``dflash_home``)."""
-    from dflash.target import resolve_target_path
+    from dflash.target.load import resolve_target_path
 
     return resolve_target_path("default")
 
@@ -109,7 +109,7 @@ def target_path(dflash_home):
 @pytest.fixture(scope="session")
 def target(target_path):
     """The real SmolLM2-135M-Instruct as a ``LoadedTarget`` (float32 on CPU, eval, no grads)."""
-    from dflash.target import load_target
+    from dflash.target.load import load_target
 
     return load_target(target_path)
 

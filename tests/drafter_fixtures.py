@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash.batching import PackedBatch
+from dflash.batches.packed import PackedBatch
 from dflash.drafter import DFlashConfig, DFlashDrafter, valid_anchor_mask
 
 __all__ = ["tiny_config", "tiny_drafter", "packed_batch", "random_anchors"]

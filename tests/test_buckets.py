@@ -11,7 +11,7 @@ import inspect
 import numpy as np
 import pytest
 
-from dflash.buckets import (
+from dflash.batches.buckets import (
     BucketConfig,
     RealizedShares,
     assign_buckets,

@@ -7,7 +7,7 @@ import copy
 import numpy as np
 import pytest
 
-from dflash.chat import check_assistant_mask, has_generation_markers, normalize_messages, tokenize_chat
+from dflash.corpus.chat import check_assistant_mask, has_generation_markers, normalize_messages, tokenize_chat
 from dflash.errors import CorpusError
 
 CONVERSATION = [

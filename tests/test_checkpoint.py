@@ -10,8 +10,11 @@ import pytest
 import torch
 from train_helpers import TINY_LAYER_IDS, build_tiny_cache
 
+from dflash.batches.stream import StreamConfig, StreamingLoader
 from dflash.cache import CacheReader
-from dflash.checkpoint import (
+from dflash.drafter import DFlashConfig, DFlashDrafter, dflash_loss, sample_anchors
+from dflash.errors import CheckpointError, MismatchError
+from dflash.training.checkpoint import (
     Checkpointer,
     atomic_write_text,
     capture_rng_state,
@@ -20,9 +23,7 @@ from dflash.checkpoint import (
     resolve_checkpoint,
     target_weight_record,
 )
-from dflash.drafter import DFlashConfig, DFlashDrafter, dflash_loss, sample_anchors
-from dflash.errors import CheckpointError, MismatchError
-from dflash.optim import (
+from dflash.training.optim import (
     DEFAULT_BETAS,
     OptimConfig,
     WarmupCosine,
@@ -31,7 +32,6 @@ from dflash.optim import (
     extend_schedule,
     schedule_segments,
 )
-from dflash.stream import StreamConfig, StreamingLoader
 
 
 class _Training:
@@ -135,9 +135,9 @@ def test_failed_write_keeps_the_previous_checkpoint(training, tmp_path, monkeypa
     def broken_save(*args, **kwargs):
         raise OSError("disk full")
 
-    import dflash.checkpoint
+    import dflash.training.checkpoint
 
-    monkeypatch.setattr(dflash.checkpoint, "save_state_tree", broken_save)
+    monkeypatch.setattr(dflash.training.checkpoint, "save_state_tree", broken_save)
     checkpointer.save(training.snapshot(checkpointer))
     with pytest.raises(OSError, match="disk full"):
         checkpointer.wait()

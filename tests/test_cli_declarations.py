@@ -17,18 +17,18 @@ from stages.sweep import parse_grid
 CONFIGS = {
     "prepare": ("stages.prepare", "PrepareConfig"),
     "generate": ("stages.generate", "GenerateConfig"),
-    "extract": ("stages.extract", "ExtractConfig"),
+    "extract": ("stages.extract.command", "ExtractConfig"),
     "evaluate": ("stages.evaluate", "EvaluateConfig"),
     "export": ("stages.export", "ExportConfig"),
     "sweep": ("stages.sweep", "SweepConfig"),
-    "train": ("stages.train", "TrainConfig"),
+    "train": ("stages.train.command", "TrainConfig"),
 }
 #: Options whose text form the command parses into the field's type.
 PARSED = {("generate", "template_kwargs"): json.loads, ("sweep", "grid"): parse_grid}
 
 
 def _field_default(field: dataclasses.Field):
-    from dflash.config_check import MISSING_DEFAULT, field_default
+    from stages.config.check import MISSING_DEFAULT, field_default
 
     value = field_default(field)
     return None if value is MISSING_DEFAULT else value
@@ -38,7 +38,7 @@ def _field_default(field: dataclasses.Field):
 def test_options_default_to_their_fields_defaults(command):
     import importlib
 
-    from stages.train import OPTION_FIELDS, _default_leaves, _shown
+    from stages.train.command import OPTION_FIELDS, _default_leaves, _shown
 
     _register_all()
     module, name = CONFIGS[command]
@@ -72,8 +72,9 @@ def test_options_default_to_their_fields_defaults(command):
 def test_print_config_reaches_every_field(command, tmp_path, monkeypatch, capsys):
     import importlib
 
+    from tests.test_config_resolve import _args
+
     from tests.cli_helpers import main_in_process_out
-    from tests.test_stage_config import _args
 
     module, name = CONFIGS[command]
     fields = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name)) if f.init}
@@ -85,13 +86,13 @@ def test_print_config_reaches_every_field(command, tmp_path, monkeypatch, capsys
 
 def test_the_configuration_reference_is_generated_from_the_declarations():
     """docs/config-reference.md lists every field of every stage with its type, default and description, exactly as
-    ``python -m stages.config_reference`` writes it from the config dataclasses."""
+    ``python -m stages.config.reference`` writes it from the config dataclasses."""
     from pathlib import Path
 
-    from stages.config_reference import field_descriptions, reference_markdown, sections
+    from stages.config.reference import field_descriptions, reference_markdown, sections
 
     page = Path(__file__).resolve().parents[1] / "docs" / "config-reference.md"
-    assert page.read_text() == reference_markdown(), "regenerate: python -m stages.config_reference > docs/config-reference.md"
+    assert page.read_text() == reference_markdown(), "regenerate: python -m stages.config.reference > docs/config-reference.md"
     for section, cls, _ in sections():  # every field is described in its declaration, nested configs' too
         undescribed = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in field_descriptions(cls)]
         assert not undescribed, (section, undescribed)

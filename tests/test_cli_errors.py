@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from dflash.corpus import CorpusWriter
+from dflash.corpus.format import CorpusWriter
 from dflash.errors import CorpusError
 
 
@@ -144,7 +144,7 @@ def test_train_stopped_by_sigterm_exits_130_with_a_resumable_checkpoint(tmp_path
 
     from train_helpers import build_tiny_cache, tiny_config
 
-    import stages.trainer as trainer_module
+    import stages.train.loop as trainer_module
 
     cache = build_tiny_cache(tmp_path / "tiny.zarr", target, num_samples=12)
     real_loss = trainer_module.dflash_loss
@@ -202,8 +202,8 @@ def test_session_uses_a_temporary_dflash_home(dflash_home, target_path, tmp_path
     import os
     from pathlib import Path
 
-    from dflash.target import dflash_home as current_home
-    from dflash.target import target_identity
+    from dflash.target.load import dflash_home as current_home
+    from dflash.target.load import target_identity
 
     assert current_home() == dflash_home.path and os.environ["DFLASH_STAGES_HOME"] == str(dflash_home.path)
     assert dflash_home.path.parent == tmp_path.parent  # in pytest's temporary folder of this session
@@ -331,7 +331,7 @@ def test_train_config_file_errors_name_the_key_or_position_and_the_file(tmp_path
     ("train.yaml", "optim:\n  lr: 3e-4\n  betas: [0.9, 0.95]\nblock_size: 8\ntarget_layer_ids: [1, 2]\n"),  # 3e-4: a float
 ])
 def test_a_toml_or_yaml_train_config_is_read(tmp_path, name, text):
-    from stages.train import config_from_cli
+    from stages.train.command import config_from_cli
 
     path = tmp_path / name
     path.write_text(text)
@@ -355,7 +355,7 @@ def test_train_print_config_round_trips_through_config(tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from stages.train import register
+    from stages.train.command import register
 
     app = typer.Typer()
     app.callback()(lambda: None)

@@ -22,8 +22,8 @@ from dflash.cache.codec_choice import (
     uncalibrated_choice,
 )
 from dflash.cache.format import stored_row_bytes
-from dflash.target import default_target_layer_ids
-from dflash.target_runner import TargetRunner
+from dflash.target.load import default_target_layer_ids
+from dflash.target.runner import TargetRunner
 
 GB = 1e9
 
@@ -178,14 +178,14 @@ def test_a_calibration_that_fails_on_a_worker_leaves_the_default_codec_and_says_
     from distributed import Client, LocalCluster
     from rich.console import Console
 
-    from stages.extract import ExtractConfig, _choose_codec
+    from stages.extract.command import ExtractConfig, _choose_codec
 
     config = ExtractConfig(corpus=str(tmp_path / "corpus"), output=str(tmp_path / "cache"), codec_calibration="always")
     plan = SimpleNamespace(report=SimpleNamespace(truncate_to=None),
                            metadata=SimpleNamespace(storage_dtype="bfloat16", chunk_tokens=1024))
     console = Console(file=io.StringIO(), width=300)
     with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client, \
-            caplog.at_level(logging.WARNING, logger="stages.extract"):
+            caplog.at_level(logging.WARNING, logger="stages.extract.command"):
         choice = _choose_codec(client, config, plan, [0], None, console)
     assert choice["chosen"] == DEFAULT_CODEC and "candidates" not in choice
     assert choice["reason"] == "calibration failed (RuntimeError): the default codec, unmeasured"

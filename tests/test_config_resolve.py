@@ -208,8 +208,8 @@ def test_run_takes_a_config_file_over_its_preset_and_prints_what_it_would_run(tm
 ])  # fmt: skip
 def test_a_key_given_twice_in_a_yaml_or_json_file_is_refused(name, text, line, tmp_path):
     """As TOML refuses it: last-wins would silently drop one of the two values."""
-    from dflash.config_check import read_config_file
     from dflash.errors import ConfigError
+    from stages.config.check import read_config_file
 
     path = tmp_path / name
     path.write_text(text)
@@ -224,8 +224,8 @@ def test_a_key_given_twice_in_a_yaml_or_json_file_is_refused(name, text, line, t
                                             ("empty.toml", "# nothing\n"), ("empty.json", "{}")])  # fmt: skip
 def test_an_empty_config_file_sets_nothing_in_every_format(name, text, tmp_path):
     """An empty YAML document reads as no settings, like an empty TOML file or ``{}``; a YAML scalar is refused."""
-    from dflash.config_check import read_config_file
     from dflash.errors import ConfigError
+    from stages.config.check import read_config_file
 
     path = tmp_path / name
     path.write_text(text)

@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash.corpus import DATA_FILE, METADATA_FILE, CorpusWriter, open_corpus, validate_corpus
-from dflash.default_corpus import stdlib_root
+from dflash.corpus.default_corpus import stdlib_root
+from dflash.corpus.format import DATA_FILE, METADATA_FILE, CorpusWriter, open_corpus, validate_corpus
 from dflash.errors import CorpusError
 
 VOCAB = 49152
@@ -233,14 +233,14 @@ def test_writer_is_atomic(tmp_path, samples):
 
 
 def _blake2b_key(text: str) -> int:
-    """The contract's document key, computed independently of dflash.corpus."""
+    """The contract's document key, computed independently of dflash.corpus.format."""
     import hashlib
 
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
 
 
 def test_document_ids_round_trip_and_give_equal_keys_for_equal_ids(tmp_path, samples):
-    from dflash.corpus import document_key
+    from dflash.corpus.format import document_key
 
     documents = ["stdlib:os.py", "stdlib:os.py", None, "stdlib:re.py", "7", "stdlib:os.py"]
     with CorpusWriter(tmp_path / "corpus", batch_rows=4) as writer:  # the document spans two record batches
@@ -267,7 +267,7 @@ def test_document_ids_round_trip_and_give_equal_keys_for_equal_ids(tmp_path, sam
 
 
 def test_without_document_ids_every_row_is_its_own_document(tmp_path, samples):
-    from dflash.corpus import CorpusLengths
+    from dflash.corpus.format import CorpusLengths
 
     pq.write_table(_table(samples), tmp_path / "rows.parquet")
     corpus = open_corpus(tmp_path / "rows.parquet")

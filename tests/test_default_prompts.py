@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-import dflash.default_corpus
-from dflash.default_corpus import TextFile, collect_text_files, stdlib_root
+import dflash.corpus.default_corpus
+from dflash.corpus.default_corpus import TextFile, collect_text_files, stdlib_root
 from dflash.errors import ConfigError
 from dflash.generation.default_prompts import (
     DefaultPromptConfig,
@@ -23,7 +23,7 @@ from dflash.generation.default_prompts import (
 def three_stdlib_files(monkeypatch):
     names = ("bisect.py", "colorsys.py", "keyword.py")
     files = [TextFile(stdlib_root() / name, f"stdlib:{name}") for name in names]
-    monkeypatch.setattr(dflash.default_corpus, "default_corpus_files", lambda **_: files)
+    monkeypatch.setattr(dflash.corpus.default_corpus, "default_corpus_files", lambda **_: files)
 
 
 def _key(record):
@@ -91,7 +91,7 @@ def test_definitions_follow_ast_walk_on_every_stdlib_file():
     """The statement-only walk finds the same definitions in the same order as ast.walk, on real sources."""
     import ast
 
-    from dflash.default_corpus import default_corpus_files
+    from dflash.corpus.default_corpus import default_corpus_files
     from dflash.generation.default_prompts import _definitions
 
     kinds = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef

@@ -146,7 +146,7 @@ def test_real_smollm2_target_draft_block_matches_training(target, tokenizer):
     """Real SmolLM2 embedding/LM head, real hidden states of real text, the default mask token."""
     import inspect
 
-    from dflash.batching import PackedBatch
+    from dflash.batches.packed import PackedBatch
     from dflash.drafter import DFlashConfig
 
     config = DFlashConfig.from_target_config(target.model.config, tokenizer=tokenizer, num_draft_layers=1,

@@ -9,7 +9,7 @@ import torch
 from train_helpers import build_tiny_cache, tiny_config
 
 from dflash.errors import ConfigError
-from stages.train import run_training
+from stages.train.command import run_training
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -20,7 +20,7 @@ def tiny_cache(tmp_path_factory, target):
 
 
 def _checkpoint_state(run_dir, step):
-    from dflash.checkpoint import load_checkpoint
+    from dflash.training.checkpoint import load_checkpoint
 
     return load_checkpoint(run_dir / "checkpoints" / f"step_{step:08d}").model_state
 

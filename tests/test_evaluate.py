@@ -1,6 +1,6 @@
 """``dflash-stages evaluate`` on the real SmolLM2 target: CLI report fields, prompt sets, the lossless check.
 
-The drafter is a randomly initialized ``DFlashDrafter`` written in the serving format by ``dflash.export`` (an
+The drafter is a randomly initialized ``DFlashDrafter`` written in the serving format by ``dflash.serving.export`` (an
 export folder is one of the three drafter paths evaluate accepts); its tau is near 1, the mechanics are what is
 checked here. Trained drafters are evaluated in tests/test_pipeline.py.
 """
@@ -14,9 +14,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from dflash.decoding.eval_prompts import prompts_from_corpus, prompts_from_file
+from dflash.decoding.speculative import GenerationResult
 from dflash.errors import ConfigError
-from dflash.eval_prompts import prompts_from_corpus, prompts_from_file
-from dflash.speculative import GenerationResult
 
 BLOCK = 4
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def export_folder(tmp_path_factory, target, tokenizer):
     from dflash.drafter import DFlashConfig, DFlashDrafter
-    from dflash.export import export_drafter
+    from dflash.serving.export import export_drafter
 
     config = DFlashConfig.from_target_config(target.model.config, tokenizer=tokenizer, num_draft_layers=1,
                                              block_size=BLOCK, target_layer_ids=[15])
@@ -125,7 +125,7 @@ def test_no_references_measures_the_same_tau_without_the_references(export_folde
 
 
 def test_lossless_check_catches_a_real_divergence(target, tokenizer):
-    from dflash.eval_prompts import EvalPrompt
+    from dflash.decoding.eval_prompts import EvalPrompt
     from stages.evaluate import _lossless_report, _lossless_vs_generate
 
     prompt = EvalPrompt(tokenizer.encode("def add(a, b):\n    return"), "inline")
@@ -154,7 +154,7 @@ class _RowsCorpus:
     """Two real rows: a chat row (prompt = the tokens before the reply) and a plain code row."""
 
     def __init__(self, tokenizer):
-        from dflash.corpus import CorpusRow
+        from dflash.corpus.format import CorpusRow
 
         chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False)
@@ -211,7 +211,7 @@ def test_progress_bar_over_prompts_on_a_terminal(export_folder, target, tokenize
 
     from rich.console import Console
 
-    from dflash.eval_prompts import EvalPrompt
+    from dflash.decoding.eval_prompts import EvalPrompt
     from stages.evaluate import evaluate_drafter, load_drafter_any
 
     drafter, config, _ = load_drafter_any(export_folder)

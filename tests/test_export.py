@@ -21,10 +21,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from dflash.batching import PackedBatch
+from dflash.batches.packed import PackedBatch
 from dflash.drafter import DFlashConfig, DFlashDrafter
 from dflash.errors import ExportError, MismatchError
-from dflash.export import (
+from dflash.serving.export import (
     CONFIG_FILE,
     PROVENANCE_FILE,
     WEIGHTS_FILE,
@@ -81,8 +81,8 @@ def context(target, drafter_config):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, target, drafter_config, context):
     """A run folder written by the trainer's Checkpointer after one AdamW step on the real batch."""
-    from dflash.checkpoint import Checkpointer, capture_rng_state, target_weight_record
     from dflash.drafter import dflash_loss
+    from dflash.training.checkpoint import Checkpointer, capture_rng_state, target_weight_record
 
     torch.manual_seed(0)
     drafter = _attach(DFlashDrafter(drafter_config), target)
@@ -100,7 +100,7 @@ def run_dir(tmp_path_factory, target, drafter_config, context):
             trainer_state={"epoch": 0},
             rng_state=capture_rng_state(),
             drafter_config=drafter_config.to_dict(),
-            # What the trainer records: hashes as attached (fp32 here) and bf16-rounded (dflash.checkpoint).
+            # What the trainer records: hashes as attached (fp32 here) and bf16-rounded (dflash.training.checkpoint).
             target_info={
                 **target.identity.to_dict(), "target_spec": "default",
                 **target_weight_record(target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight),
@@ -602,7 +602,7 @@ def test_export_checkpoint_warns_when_the_recorded_target_is_unavailable(run_dir
 
 
 def test_checkpoint_load_drafter_reads_exports_through_the_strict_loader(exported, reloaded, target, context):
-    from dflash.checkpoint import load_drafter
+    from dflash.training.checkpoint import load_drafter
 
     drafter, config, target_info = load_drafter(exported, target=target)
     assert config == reloaded.config and target_info["content_hash"] == target.identity.content_hash

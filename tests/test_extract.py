@@ -24,14 +24,14 @@ import torch
 from rich.console import Console
 
 from dflash.cache import CacheReader, HiddenStateCache, verify_cache
-from dflash.corpus import CorpusWriter, open_corpus
+from dflash.corpus.format import CorpusWriter, open_corpus
 from dflash.errors import CacheError, ConfigError, CorpusError
-from dflash.target import default_target_layer_ids
-from dflash.target_runner import TargetRunner
-from stages import extract as extract_stage
-from stages.cluster import security_of, start_cluster
-from stages.extract import ExtractConfig, plan_shards, prepare_cache, run_extract
-from stages.extract_worker import ShardExtractor, ShardSpec, default_write_processes
+from dflash.target.load import default_target_layer_ids
+from dflash.target.runner import TargetRunner
+from stages.extract import command as extract_stage
+from stages.extract.command import ExtractConfig, plan_shards, prepare_cache, run_extract
+from stages.extract.worker import ShardExtractor, ShardSpec, default_write_processes
+from stages.replicas.cluster import security_of, start_cluster
 
 TEXTS = [
     json.dumps.__doc__[:50],
@@ -601,12 +601,12 @@ def test_tls_options_build_a_security_for_the_scheduler_and_are_checked(tmp_path
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_local_workers_start_by_the_configured_method_with_this_process_environment(tmp_path, monkeypatch, method):
-    """distributed's default (spawn) and the forkserver this suite runs with (stages.cluster.worker_process_options):
+    """distributed's default (spawn) and the forkserver this suite runs with (stages.replicas.cluster.worker_process_options):
     either way a worker sees a variable set here after the fork server started (the session started it) and
     distributed's own pre-spawn settings (OMP_NUM_THREADS=1 by default), and its process started by that method."""
     import dask
 
-    from stages.cluster import FORKSERVER_PRELOAD, worker_process_options
+    from stages.replicas.cluster import FORKSERVER_PRELOAD, worker_process_options
 
     monkeypatch.setenv("DFLASH_TEST_WORKER_MARKER", f"set-after-start-{method}")
     config = ExtractConfig(corpus=str(tmp_path), output=str(tmp_path / "cache"), target_processes=1, write_processes=0,
@@ -652,7 +652,7 @@ def _same_batches_bit_exact(output: Path, target, token_budget: int) -> None:
     corpus = open_corpus(reader.metadata.corpus_path)
     runner = TargetRunner(target.model, reader.metadata.target_layer_ids, "cpu", token_budget=token_budget)
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))  # stages.cluster gives a lone CPU worker every core
+    torch.set_num_threads(max(1, os.cpu_count() or 1))  # stages.replicas.cluster gives a lone CPU worker every core
     try:
         for shard in reader.shards:
             start, stop = reader.metadata.shard_rows[shard]
@@ -753,7 +753,7 @@ def test_a_chosen_codec_is_applied_to_the_new_cache_and_reads_back_bit_exact(tmp
     makes the cache with that codec and records the choice; shards written with it read back bit for bit."""
     from dflash.cache import codec_config
     from dflash.cache.codec_choice import CODEC_CANDIDATES, choose_codec
-    from stages.extract import create_cache, plan_cache
+    from stages.extract.command import create_cache, plan_cache
 
     output = tmp_path / "cache"
     config = ExtractConfig(corpus=str(short_corpus_dir), output=str(output), target_processes=1, shard_size=1000)

@@ -22,9 +22,9 @@ from train_helpers import build_tiny_cache, tiny_config
 
 from dflash import faults
 from dflash.cache import CacheReader, HiddenStateCache, verify_cache
-from dflash.checkpoint import load_checkpoint
 from dflash.errors import CacheError
-from stages.train import run_training
+from dflash.training.checkpoint import load_checkpoint
+from stages.train.command import run_training
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -148,7 +148,7 @@ def test_full_disk_under_extract_stops_cleanly_keeping_the_committed_shards(tmp_
     exit 2, no traceback, no retry round; the committed shard is sound."""
     import numpy as np
 
-    from dflash.corpus import CorpusWriter
+    from dflash.corpus.format import CorpusWriter
 
     corpus = tmp_path / "corpus"
     with CorpusWriter(corpus) as writer:
@@ -223,7 +223,7 @@ def test_deleted_commit_record_is_refused_unless_allow_incomplete(cache, tmp_pat
 def test_sigkill_mid_checkpoint_write_then_resume_is_bit_exact(cache, straight_run, tmp_path):
     output = tmp_path / "run"
     config = tiny_config(cache, output, **RUN)
-    script = ("import json, sys, torch; torch.set_num_threads(1); from stages.train import TrainConfig, run_training; "
+    script = ("import json, sys, torch; torch.set_num_threads(1); from stages.train.command import TrainConfig, run_training; "
               "run_training(TrainConfig.from_dict(json.loads(sys.argv[1])))")  # one thread, as here: same float sums
     killed = forked_python(script, json.dumps(config.to_dict()), timeout=240,
                            env={**os.environ, faults.ENV: "checkpoint.write@2"})  # as above

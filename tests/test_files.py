@@ -1,10 +1,10 @@
-"""The single homes of two cross-cutting concerns: atomic file replacement (``dflash.files``) and the target-identity check (``dflash.compat``)."""
+"""The single homes of two cross-cutting concerns: atomic file replacement (``dflash.io.files``) and the target-identity check (``dflash.training.compat``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dflash.files import atomic_output, atomic_write_bytes, atomic_write_text
+from dflash.io.files import atomic_output, atomic_write_bytes, atomic_write_text
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
@@ -22,10 +22,10 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
 
 
 def test_one_target_identity_check_reads_every_recorded_form():
-    """``dflash.compat.check_target_identity``: the check behind cache, checkpoint, export and evaluate, whatever
+    """``dflash.training.compat.check_target_identity``: the check behind cache, checkpoint, export and evaluate, whatever
     form the artefact recorded its target in."""
-    from dflash.compat import check_target_identity, recorded_identity
     from dflash.errors import MismatchError
+    from dflash.training.compat import check_target_identity, recorded_identity
 
     identity = {"name": "smol", "content_hash": "sha256:aa", "num_hidden_layers": 30, "hidden_size": 576,
                 "vocab_size": 49152, "model_type": "llama"}
@@ -43,11 +43,11 @@ def test_a_path_that_does_not_exist_is_the_familys_error_and_a_file_not_found_er
     """dflash/errors.py: every error for a user's input also inherits the matching builtin; a missing path is a
     ``FileNotFoundError`` as well as its family's error, at each place that looks one up."""
     from dflash.cache import HiddenStateCache
-    from dflash.checkpoint import resolve_checkpoint
-    from dflash.config_check import read_config_file
-    from dflash.corpus import open_corpus
+    from dflash.corpus.format import open_corpus
     from dflash.errors import CacheError, CheckpointError, ConfigError, CorpusError, TargetError
-    from dflash.target import resolve_target_path
+    from dflash.target.load import resolve_target_path
+    from dflash.training.checkpoint import resolve_checkpoint
+    from stages.config.check import read_config_file
 
     missing = tmp_path / "nothing-here"
     for call, family in [(lambda: read_config_file(missing), ConfigError), (lambda: open_corpus(missing), CorpusError),

@@ -12,14 +12,14 @@ import typer
 from train_helpers import build_tiny_cache, tiny_config
 from typer.testing import CliRunner
 
-from dflash import checkpoint as checkpoint_module
-from dflash.checkpoint import PARAM_NAMES_KEY
-from dflash.state_files import load_state_tree, save_state_tree
-from dflash.weights_io import open_safetensors
-from stages import diff as diff_stage
-from stages import inspect as inspect_stage
-from stages import scan as scan_stage
-from stages.train import run_training
+from dflash.io.weights import open_safetensors
+from dflash.training import checkpoint as checkpoint_module
+from dflash.training.checkpoint import PARAM_NAMES_KEY
+from dflash.training.state_files import load_state_tree, save_state_tree
+from stages.forensics import diff as diff_stage
+from stages.forensics import inspect as inspect_stage
+from stages.forensics import scan as scan_stage
+from stages.train.command import run_training
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def tiny_cache(tmp_path_factory, target):
 
 @pytest.fixture(scope="module")
 def code_repo(tmp_path_factory):
-    """A real git checkout standing in for the code (``dflash.checkpoint.CODE_DIR``), committed and clean."""
+    """A real git checkout standing in for the code (``dflash.training.checkpoint.CODE_DIR``), committed and clean."""
     repo = tmp_path_factory.mktemp("code")
     (repo / "trainer.py").write_text("STEP = 1\n")
     for command in (["init", "-q"], ["add", "trainer.py"],
@@ -127,7 +127,7 @@ def test_scan_reads_every_checkpoint_and_names_a_nan_in_an_older_optimizer_state
     assert chunked.to_dict() == scans[1].to_dict()
 
     # The old entry point is an alias of the same scan.
-    from stages import inspect as inspect_stage
+    from stages.forensics import inspect as inspect_stage
 
     alias = _invoke(inspect_stage.register, "inspect", run, "--scan")
     assert alias.exit_code == 1 and "layers.0.mlp.up_proj.weight.exp_avg_sq" in alias.output
@@ -219,7 +219,7 @@ def test_diff_lists_exactly_the_batch_environment_and_code_changes_and_the_throu
 def test_train_records_convention_warnings_and_the_hyperparameter_table_shows_effective_values(run_a, tiny_cache):
     from rich.console import Console
 
-    from stages.hyperparameters import convention_warnings, hyperparameter_rows, render_hyperparameters
+    from stages.train.hyperparameters import convention_warnings, hyperparameter_rows, render_hyperparameters
 
     resolved = json.loads((run_a / "run.json").read_text())["resolved"]
     # The tiny run: 2 anchors x block 4 cannot cover its longest sample; gamma and betas are the defaults.
@@ -252,7 +252,7 @@ def test_report_writes_pngs_and_a_self_contained_html_page_for_overlaid_runs(run
     import shutil
 
     pytest.importorskip("matplotlib")
-    from stages import report as report_stage
+    from stages.forensics import report as report_stage
 
     workdir = tmp_path / "work"  # a pipeline work folder: evaluated tau per epoch comes from its pipeline.json
     shutil.copytree(run_a, workdir / "run")

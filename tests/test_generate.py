@@ -22,7 +22,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from dflash.corpus import open_corpus
+from dflash.corpus.format import open_corpus
 from dflash.errors import ConfigError, CorpusError
 from dflash.generation.engine import SamplingSettings
 from dflash.generation.parts import PartSpec, committed_parts, generate_part
@@ -273,14 +273,14 @@ def test_rows_generated_from_one_stdlib_file_share_its_document(tmp_path, target
     engine on a loopback server: the replies do not matter here, the rows do.)"""
     from test_generation_openai import FakeServer
 
-    import dflash.default_corpus
-    from dflash.default_corpus import TextFile, stdlib_root
+    import dflash.corpus.default_corpus
+    from dflash.corpus.default_corpus import TextFile, stdlib_root
     from dflash.generation.default_prompts import DefaultPromptConfig
     from stages.generate import HELDOUT_PROMPTS_FILE, GenerateConfig, run_generate
 
     names = ("bisect.py", "colorsys.py", "keyword.py")
     files = [TextFile(stdlib_root() / name, f"stdlib:{name}") for name in names]
-    monkeypatch.setattr(dflash.default_corpus, "default_corpus_files", lambda **_: files)  # 3 files, not 600
+    monkeypatch.setattr(dflash.corpus.default_corpus, "default_corpus_files", lambda **_: files)  # 3 files, not 600
     server = FakeServer(target.tokenizer, kind="vllm")
     try:
         run_generate(GenerateConfig(output=str(tmp_path / "default"), engine="openai", endpoints=[server.url],

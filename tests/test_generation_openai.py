@@ -32,7 +32,7 @@ FAST_RETRIES = {"backoff_base_s": 0.001, "backoff_max_s": 0.01}
 
 @pytest.fixture(scope="module")
 def smol_tokenizer(target_path):
-    from dflash.target import load_tokenizer
+    from dflash.target.load import load_tokenizer
 
     return load_tokenizer(target_path)
 
@@ -453,7 +453,7 @@ def llama_server(tmp_path_factory):
     """``python -m llama_cpp.server`` on a free 127.0.0.1 port over the embedded GGUF, with an API key; stopped (and
     killed if it does not stop) when the module's tests end."""
     from dflash.errors import TargetError
-    from dflash.target import default_gguf_path
+    from dflash.target.load import default_gguf_path
 
     python = os.environ.get("DFLASH_LLAMA_CPP_PYTHON", sys.executable)
     check = subprocess.run([python, "-c", "import llama_cpp.server.app"], capture_output=True, timeout=120)

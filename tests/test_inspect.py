@@ -17,15 +17,20 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from dflash.drafter import DFlashConfig, DFlashDrafter
-from dflash.export import WEIGHTS_FILE, export_checkpoint
-from dflash.state_files import load_state_tree, save_state_tree
-from stages import inspect as inspect_stage
-from stages.diff import compare, load_side
-from stages.inspect import describe, diff_facts, scan_tensors
+from dflash.serving.export import WEIGHTS_FILE, export_checkpoint
+from dflash.training.state_files import load_state_tree, save_state_tree
+from stages.forensics import inspect as inspect_stage
+from stages.forensics.diff import compare, load_side
+from stages.forensics.inspect import describe, diff_facts, scan_tensors
 
 
 def _write_run(run: Path, target, *, block_size: int) -> Path:
-    from dflash.checkpoint import Checkpointer, capture_rng_state, collect_environment, write_run_json
+    from dflash.training.checkpoint import (
+        Checkpointer,
+        capture_rng_state,
+        collect_environment,
+        write_run_json,
+    )
 
     config = DFlashConfig.from_target_config(
         target.model.config, tokenizer=target.tokenizer, num_draft_layers=1, block_size=block_size

@@ -1,4 +1,4 @@
-"""``dflash.locks``: one writer per output, with real processes contending.
+"""``dflash.io.locks``: one writer per output, with real processes contending.
 
 A holder is a real second Python process (``python -c``) that takes the lock and waits; the contender is this
 process (or a real ``dflash-stages`` command in ``test_stage_locks.py``). Covered: refusal at once naming the holder,
@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 
 from dflash.errors import DFlashError, LockError
-from dflash.locks import lock_path_of, output_lock
+from dflash.io.locks import lock_path_of, output_lock
 
 REPO = Path(__file__).resolve().parents[1]
 
 _HOLDER = """
 import sys, time
-from dflash.locks import output_lock
+from dflash.io.locks import output_lock
 lock = output_lock(sys.argv[1], what="cache").acquire()
 print("held", flush=True)
 time.sleep(120)
@@ -68,7 +68,7 @@ def test_sigkilled_holder_is_taken_over_with_a_warning(tmp_path, holder, caplog)
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     assert lock_path_of(tmp_path / "cache").exists()  # a SIGKILL leaves the record behind
-    with caplog.at_level(logging.WARNING, logger="dflash.locks"):
+    with caplog.at_level(logging.WARNING, logger="dflash.io.locks"):
         with output_lock(tmp_path / "cache") as lock:
             assert lock.held
             assert json.loads(lock_path_of(tmp_path / "cache").read_text())["pid"] == os.getpid()
@@ -83,7 +83,7 @@ def test_lock_is_released_on_error_and_on_exit(tmp_path):
     assert not lock_path_of(tmp_path / "run").exists()
     # A real process that takes the lock and exits normally (no release call) leaves nothing that blocks.
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    code = "import sys; from dflash.locks import output_lock; output_lock(sys.argv[1]).acquire()"
+    code = "import sys; from dflash.io.locks import output_lock; output_lock(sys.argv[1]).acquire()"
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], check=True, env=env)
     with output_lock(tmp_path / "run"):
         pass
@@ -95,7 +95,7 @@ def test_record_of_another_host_needs_break_lock(tmp_path, caplog):
     lock_file.write_text(json.dumps(record))
     with pytest.raises(LockError, match=r"pid 4242 on host gpu-node-7 since 2026-01-01T00:00:00Z .*--break-lock"):
         output_lock(tmp_path / "run").acquire()
-    with caplog.at_level(logging.WARNING, logger="dflash.locks"):
+    with caplog.at_level(logging.WARNING, logger="dflash.io.locks"):
         with output_lock(tmp_path / "run", break_lock=True):
             assert json.loads(lock_file.read_text())["host"] == socket.gethostname()
     assert "was broken by --break-lock" in caplog.text
@@ -115,7 +115,7 @@ def test_nested_lock_in_one_process_is_granted(tmp_path):
 
 
 def test_object_store_urls_are_not_locked_and_say_so(caplog):
-    with caplog.at_level(logging.WARNING, logger="dflash.locks"):
+    with caplog.at_level(logging.WARNING, logger="dflash.io.locks"):
         with output_lock("s3://bucket/cache") as lock:
             assert not lock.held
     assert "no lock is possible" in caplog.text

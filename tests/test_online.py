@@ -18,13 +18,13 @@ import pytest
 import torch
 from rich.console import Console
 
-from dflash.batch_source import StreamConfig
+from dflash.batches.online import BatchProducer, OnlineBatches
+from dflash.batches.shm import list_segments, remove_orphaned_segments
+from dflash.batches.source import StreamConfig
+from dflash.batches.stream import StreamingLoader
 from dflash.cache import CacheReader
-from dflash.corpus import CorpusLengths, CorpusWriter, open_corpus
-from dflash.online import BatchProducer, OnlineBatches
-from dflash.shm import list_segments, remove_orphaned_segments
-from dflash.stream import StreamingLoader
-from dflash.target_runner import TargetRunner
+from dflash.corpus.format import CorpusLengths, CorpusWriter, open_corpus
+from dflash.target.runner import TargetRunner
 from tests.train_helpers import TINY_LAYER_IDS, stdlib_snippets
 
 WIDTH_TAPS = len(TINY_LAYER_IDS)
@@ -70,8 +70,8 @@ def offline_cache(tmp_path_factory, corpus_dir, target_path, target):
     """``extract`` of the corpus (its prepare + shard tasks, in this process): 3 shards."""
     import os
 
-    from stages.extract import ExtractConfig, prepare_cache
-    from stages.extract_worker import ShardExtractor, ShardSpec
+    from stages.extract.command import ExtractConfig, prepare_cache
+    from stages.extract.worker import ShardExtractor, ShardSpec
 
     output = tmp_path_factory.mktemp("online-offline") / "cache"
     config = ExtractConfig(corpus=str(corpus_dir), output=str(output), target=str(target_path),
@@ -138,7 +138,7 @@ def _online_config(corpus_dir, target_path, output, **train_overrides):
 def _train_online_in_process(config, target) -> dict:
     """``run_online`` with the producer in a thread of this process instead of a Dask worker."""
     from pipelines.online import online_training_data
-    from stages.trainer import Trainer
+    from stages.train.loop import Trainer
 
     producer = BatchProducer(TargetRunner(target.model, TINY_LAYER_IDS, "cpu", token_budget=256),
                              open_corpus(config.corpus))
@@ -154,7 +154,7 @@ def _train_online_in_process(config, target) -> dict:
 
 
 def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir, target_path, target, tmp_path):
-    from dflash.checkpoint import load_checkpoint
+    from dflash.training.checkpoint import load_checkpoint
 
     before = _live_segments()
     common = dict(max_steps=4, grad_accum_steps=3, save_every=2)  # 12 micro-batches: crosses an epoch (9)
@@ -175,7 +175,7 @@ def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir
     run = json.loads((tmp_path / "straight" / "run.json").read_text())
     assert run["resolved"]["data_source"]["kind"] == "online"
     assert run["resolved"]["train_loader"]["queue"]["num_slots"] == 3
-    from dflash.telemetry import read_metrics
+    from dflash.training.telemetry import read_metrics
 
     last = read_metrics(tmp_path / "straight", kind="train")[-1]
     assert last["data_wait_total_s"] >= 0 and last["queue_full_wait_total_s"] >= 0  # both waits measured
@@ -191,8 +191,8 @@ def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir
 def _expected_rows(config, steps: int, world_size: int) -> tuple[str, int]:
     """Rank 0's data digest (the trainer chains the corpus rows of every batch it trained on) and the global token
     count of the first ``steps`` steps of the plan, ``world_size`` ranks taking disjoint batches of each step."""
-    from dflash.batch_source import PlannedCursor
-    from stages.trainer import stream_config
+    from dflash.batches.source import PlannedCursor
+    from stages.train.loop import stream_config
 
     lengths = CorpusLengths(open_corpus(config.corpus))
     cursors = [PlannedCursor(lengths, stream_config(config.train, "train", torch.device("cpu")), rank=rank,
@@ -210,7 +210,7 @@ def test_online_trains_end_to_end_with_ddp_on_exactly_the_planned_batches(corpus
     launcher; each rank connects to the producers' scheduler and hands out its own batches through its own rings):
     the ranks train on exactly the first 4 global steps of the plan, disjoint batches, validate through the queue,
     log each side's capacity, and leave no ring behind."""
-    from dflash.telemetry import read_metrics
+    from dflash.training.telemetry import read_metrics
     from pipelines.online import run_online
 
     run = tmp_path / "run"
@@ -277,7 +277,7 @@ def test_cache_to_writes_while_training_the_cache_extract_would_and_train_reuses
     computes (too few supervised tokens) as skipped; staging is empty after; ``train --cache`` trains on it."""
     from dflash.cache import verify_cache
     from pipelines.online import run_online
-    from stages.train import run_training
+    from stages.train.command import run_training
     from tests.train_helpers import tiny_config
 
     cache = tmp_path / "cache"
@@ -440,7 +440,7 @@ def test_extract_finishing_a_cache_to_commits_what_was_staged_and_removes_stagin
 
     from dflash.cache import verify_cache
     from dflash.cache.staging import commit_staged_shards, stage_batch
-    from stages.extract import ExtractConfig, prepare_cache, run_extract
+    from stages.extract.command import ExtractConfig, prepare_cache, run_extract
 
     config = ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), target=str(target_path),
                            target_layer_ids=TINY_LAYER_IDS, shard_size=600, target_processes=1, write_processes=0)

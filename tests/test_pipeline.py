@@ -68,8 +68,8 @@ def test_pipeline_runs_every_stage_and_prints_tau(finished_run):
     assert state["epochs"][-1]["step"] == total_steps and 0 < state["epochs"][1]["step"] < total_steps
     # The epoch ends were placed by planning the schedule from the cache, without a training step to learn it: the
     # trainer started once per epoch, at step 0 and at epoch 1's end, and planned the length the trainer used.
-    from stages.train import TrainConfig
-    from stages.trainer import planned_total_steps
+    from stages.train.command import TrainConfig
+    from stages.train.loop import planned_total_steps
 
     starts = [row["step"] for row in map(json.loads, (workdir / "run" / "metrics.jsonl").read_text().splitlines())
               if row["kind"] == "data"]
@@ -91,8 +91,8 @@ def test_pipeline_runs_every_stage_and_prints_tau(finished_run):
 
 
 def test_heldout_documents_never_reach_the_cache(finished_run):
-    from dflash.corpus import open_corpus
-    from dflash.eval_prompts import held_out_rows
+    from dflash.corpus.format import open_corpus
+    from dflash.decoding.eval_prompts import held_out_rows
 
     _, _, workdir, _ = finished_run
     train, heldout = open_corpus(workdir / "corpus"), open_corpus(workdir / "heldout")
@@ -146,7 +146,7 @@ def test_pipeline_on_generated_responses(tmp_path, target):
     assert result.exit_code == 0, result.output + repr(result.exception)
     state = json.loads((workdir / "pipeline.json").read_text())
     assert set(state["stages"]) == {"generate", "extract", "train", "evaluate"}
-    from dflash.corpus import open_corpus
+    from dflash.corpus.format import open_corpus
 
     corpus = open_corpus(workdir / "corpus")
     assert len(corpus) == 6 and corpus.metadata["generation"]["max_new_tokens"] == 12
@@ -211,7 +211,7 @@ def test_interrupted_training_ends_the_pipeline_with_130():
     import typer
 
     from pipelines.offline import _stop_if_interrupted
-    from stages.exit_status import ExitCode
+    from stages.config.exit_status import ExitCode
 
     finished = {"stopped_by_signal": False, "step": 10}
     assert _stop_if_interrupted(finished) is finished
@@ -226,13 +226,13 @@ def test_excluded_samples_are_reported_once_during_the_pipeline(caplog):
 
     from pipelines.offline import _excluded_samples_reported_once
 
-    trainer_log = logging.getLogger("stages.trainer")
+    trainer_log = logging.getLogger("stages.train.loop")
     caplog.set_level(logging.INFO)
     with _excluded_samples_reported_once():
         trainer_log.info("excluded %d of %d samples with fewer than %d supervised tokens", 0, 29, 4)
         trainer_log.info("resumed from step %d", 3)
     trainer_log.info("excluded %d of %d samples with fewer than %d supervised tokens", 0, 29, 4)
-    messages = [record.getMessage() for record in caplog.records if record.name == "stages.trainer"]
+    messages = [record.getMessage() for record in caplog.records if record.name == "stages.train.loop"]
     assert messages == ["resumed from step 3", "excluded 0 of 29 samples with fewer than 4 supervised tokens"]
 
 
@@ -290,7 +290,7 @@ def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(fini
 
     import torch
 
-    from dflash.checkpoint import load_checkpoint
+    from dflash.training.checkpoint import load_checkpoint
     from pipelines.offline import _latest_checkpoint
 
     _, preset, _, _ = finished_run

@@ -11,8 +11,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from dflash.corpus import open_corpus
-from dflash.default_corpus import stdlib_root
+from dflash.corpus.default_corpus import stdlib_root
+from dflash.corpus.format import open_corpus
 from dflash.errors import CorpusError
 from stages.prepare import PrepareConfig, register, run_prepare
 

@@ -1,4 +1,4 @@
-"""Contract tests of the online queue's ring (dflash.online_queue; docs/online-queue.md).
+"""Contract tests of the online queue's ring (dflash.batches.ring; docs/online-queue.md).
 
 Checksums, version refusal, tickets (a slot is reused only after its release), backpressure, and cleanup of the
 shared-memory segments when a producer or the owner is SIGKILLed (``/dev/shm`` listed before and after).
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from dflash import online_queue
-from dflash.online_queue import QUEUE_FORMAT_VERSION, QueueError, Ring, RingGeometry
-from dflash.shm import SharedMemoryFull, list_segments
+from dflash.batches import ring as online_queue
+from dflash.batches.ring import QUEUE_FORMAT_VERSION, QueueError, Ring, RingGeometry
+from dflash.batches.shm import SharedMemoryFull, list_segments
 
 
 def _batch(dtype: torch.dtype, width: int = 8, lengths=(3, 5), seed: int = 0):
@@ -143,7 +143,7 @@ def test_sigkilled_producer_leaves_no_segment_and_the_slot_stays_readable():
 
 
 def test_segments_of_a_sigkilled_owner_are_swept_at_the_next_start():
-    code = ("import sys, threading; from dflash.online_queue import Ring, RingGeometry; "
+    code = ("import sys, threading; from dflash.batches.ring import Ring, RingGeometry; "
             "r = Ring.create(RingGeometry(num_slots=2, max_tokens=8, max_documents=2, width=4)); "
             "print(r.name, flush=True); threading.Event().wait()")
     # Its own session, so that SIGKILL of the group also takes its resource tracker (which would otherwise unlink

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.errors import ConfigError
-from dflash.speculative import (
+from dflash.decoding.speculative import (
     AcceptanceStats,
     SpeculativeConfig,
     TappedTarget,
@@ -21,6 +20,7 @@ from dflash.speculative import (
     verify_greedy,
     verify_sampled,
 )
+from dflash.errors import ConfigError
 
 TAPS = [1, 14, 27]
 BLOCK = 4

@@ -1,4 +1,4 @@
-"""Every stage locks its output before writing anything (``dflash.locks``), through the real CLI entry point.
+"""Every stage locks its output before writing anything (``dflash.io.locks``), through the real CLI entry point.
 
 A second real process holds the output's lock (``python -c``, or a real ``dflash-stages train``); the stage command
 must exit 2 at once with one ``error:`` line naming the holder's pid and host, and leave the output untouched. A
@@ -21,15 +21,15 @@ import pytest
 from cli_helpers import forked_cli, forked_cli_start, main_in_process
 from train_helpers import build_tiny_cache
 
-from dflash.locks import lock_path_of
-from dflash.telemetry import read_metrics
+from dflash.io.locks import lock_path_of
+from dflash.training.telemetry import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 _ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 _HOLDER = """
 import sys, time
-from dflash.locks import output_lock
+from dflash.io.locks import output_lock
 output_lock(sys.argv[1], what=sys.argv[2]).acquire()
 print("held", flush=True)
 time.sleep(120)

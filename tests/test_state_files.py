@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state
 from dflash.errors import CheckpointError
-from dflash.state_files import load_legacy_torch_file, load_state_tree, save_state_tree
+from dflash.training.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state
+from dflash.training.state_files import load_legacy_torch_file, load_state_tree, save_state_tree
 
 
 class _Planted:
@@ -108,7 +108,7 @@ def run_b8(tmp_path_factory, target):
     """A real short training run (tiny drafter on a tiny real cache) whose checkpoint the tests tamper with."""
     from train_helpers import build_tiny_cache, tiny_config
 
-    from stages.train import run_training
+    from stages.train.command import run_training
 
     root = tmp_path_factory.mktemp("state_files")
     cache = build_tiny_cache(root / "cache.zarr", target, num_samples=8, num_shards=1)

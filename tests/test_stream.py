@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.batching import pack_samples
+from dflash.batches.packed import pack_samples
+from dflash.batches.stream import StreamConfig, StreamingLoader, _ShardCache, validation_rows
 from dflash.cache import CacheMetadata, CacheReader, HiddenSample, HiddenStateCache
 from dflash.errors import CacheCorruptError, CheckpointError, ConfigError
-from dflash.stream import StreamConfig, StreamingLoader, _ShardCache, validation_rows
-from dflash.target import LAYER_ID_CONVENTION
-from dflash.target_runner import TargetRunner
+from dflash.target.load import LAYER_ID_CONVENTION
+from dflash.target.runner import TargetRunner
 
 NUM_SHARDS = 4
 ROWS_PER_SHARD = 9
@@ -259,7 +259,7 @@ def test_memory_stays_within_the_prefetch_bound(reader):
 def test_read_threads_change_nothing_but_how_many_reads_overlap(reader, monkeypatch):
     """``num_read_workers``: the same batches, bit for bit, whatever the thread count; more threads read more
     batches at once (bounded by ``prefetch_batches``); ``None`` resolves to half the usable CPUs within [2, 8]."""
-    from dflash.batch_source import LoaderConfig, read_workers
+    from dflash.batches.source import LoaderConfig, read_workers
 
     def run(workers):
         source = _CountingSource(reader)
@@ -445,7 +445,7 @@ NUM_DOCUMENTS = 12
 def document_cache(cache_path, tmp_path_factory):
     """The fixture cache's samples again, in a cache that also stores document keys: row r comes from document
     ``file-{r % 12}``, so every document has rows in three different shards. Returns (path, keys)."""
-    from dflash.corpus import document_key
+    from dflash.corpus.format import document_key
 
     source = CacheReader(cache_path)
     keys = np.array([document_key(f"file-{row % NUM_DOCUMENTS}") for row in range(NUM_SHARDS * ROWS_PER_SHARD)],
@@ -493,8 +493,8 @@ def test_validation_by_document_holds_out_whole_documents_stably(document_cache,
 def test_online_and_offline_sources_split_the_same_documents(document_cache, tmp_path):
     """The online mode plans from the corpus (CorpusLengths), the offline loader from the cache: same keys, same
     validation rows."""
-    from dflash.batch_source import PlannedCursor
-    from dflash.corpus import CorpusLengths, CorpusWriter, open_corpus
+    from dflash.batches.source import PlannedCursor
+    from dflash.corpus.format import CorpusLengths, CorpusWriter, open_corpus
 
     path, keys = document_cache
     documents = CacheReader(path)
@@ -516,7 +516,7 @@ def test_a_cache_without_document_keys_splits_by_row_and_says_so_once(reader, ca
     import logging
 
     split = dict(token_budget=BUDGET, validation_fraction=0.25)
-    with caplog.at_level(logging.INFO, logger="dflash.batch_source"):
+    with caplog.at_level(logging.INFO, logger="dflash.batches.source"):
         train = StreamingLoader(reader, StreamConfig(**split))
         valid = StreamingLoader(reader, StreamConfig(split="validation", **split))
     lines = [r.getMessage() for r in caplog.records if "validation split by corpus row" in r.getMessage()]
@@ -546,7 +546,7 @@ def test_resume_refuses_a_changed_split_and_reads_old_cursors_as_the_row_split(d
 def test_a_fraction_too_small_for_the_documents_still_holds_out_one_whole_document(document_cache):
     """1% of 12 documents is none: rather than an empty validation split (a ConfigError at start), the document
     nearest to the fraction is held out alone, all its rows, and training keeps the other 11."""
-    from dflash.batch_source import split_positions, validation_split
+    from dflash.batches.source import split_positions, validation_split
 
     path, keys = document_cache
     documents = CacheReader(path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from huggingface_hub import utils as hub_utils
 from transformers.utils import logging as hf_logging
 
-from dflash.target import load_target
+from dflash.target.load import load_target
 
 
 def test_load_target_prints_no_transformers_progress_bar_and_restores_the_switch(capfd):
@@ -21,7 +21,7 @@ def test_load_target_prints_no_transformers_progress_bar_and_restores_the_switch
 
 
 def test_target_num_layers_reads_folders_and_gguf_headers_without_loading(tmp_path, target_path):
-    from dflash.target import default_gguf_path, target_num_layers
+    from dflash.target.load import default_gguf_path, target_num_layers
 
     assert target_num_layers(default_gguf_path()) == 30  # the GGUF header's llama.block_count
     assert target_num_layers(target_path) == 30  # the converted folder's config.json

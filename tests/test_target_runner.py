@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dflash.errors import ConfigError, TargetError
-from dflash.target import default_target_layer_ids
-from dflash.target_runner import TargetRunner, plan_batches, plan_packed_batches
+from dflash.target.load import default_target_layer_ids
+from dflash.target.runner import TargetRunner, plan_batches, plan_packed_batches
 
 # Short real stdlib text of mixed lengths (5-16 tokens): enough to exercise padding, cheap on 2 CPU cores.
 SNIPPETS = [
@@ -74,7 +74,7 @@ def test_solo_vs_shuffled_mixed_batch_vs_repeat(target, samples, layer_ids, solo
 
 
 def _reference_varlen(query, key, value, cu_seq_lens, max_length, scale):
-    """What FlashAttention's varlen kernel computes (``dflash.target_runner._flash_varlen``'s contract), one sample at
+    """What FlashAttention's varlen kernel computes (``dflash.target.runner._flash_varlen``'s contract), one sample at
     a time through SDPA's causal attention: ``[T, Hq, D]`` from ``[T, H, D]`` inputs and int32 sample starts."""
     bounds = cu_seq_lens.tolist()
     assert cu_seq_lens.dtype == torch.int32 and bounds[0] == 0 and bounds[-1] == query.shape[0]
@@ -105,7 +105,7 @@ def test_packed_batches_equal_each_sample_alone_whatever_they_are_packed_with(ta
     kernel itself (``docs/results/extract_packing_check_h200.py``). ``varlen-solo``: the split a varlen kernel
     without native GQA gets (torch 2.10-2.11), here from 8 tokens on, so that the row's longer samples (9-16 tokens)
     run alone through SDPA and its shorter ones (5-8) through the kernel."""
-    import dflash.target_runner as target_runner
+    import dflash.target.runner as target_runner
 
     request = packed_attention
     if packed_attention.startswith("varlen"):
@@ -165,7 +165,7 @@ def test_packed_causal_attention_routes_long_samples_alone_and_runs_of_short_one
     ``solo_min_length`` tokens through SDPA alone (``enable_gqa``, no repeated heads), each run of consecutive
     shorter samples through one varlen call on its own slice of the row (starts rebased to 0); the result equals
     the varlen kernel over the whole row."""
-    import dflash.target_runner as target_runner
+    import dflash.target.runner as target_runner
 
     calls = []
 
@@ -204,8 +204,8 @@ def test_packed_causal_attention_routes_long_samples_alone_and_runs_of_short_one
 
 
 def test_auto_packed_attention_is_varlen_on_cuda_where_torch_has_it_else_flex_and_sdpa_on_cpu(target, layer_ids, monkeypatch):
-    import dflash.target_runner as target_runner
-    from dflash.target_runner import resolve_packed_attention
+    import dflash.target.runner as target_runner
+    from dflash.target.runner import resolve_packed_attention
 
     runner = TargetRunner(target.model, layer_ids, "cpu", packing=True)  # the default is "auto"
     assert runner.packed_attention == "sdpa"  # CPU: no compiled mask or kernel
@@ -237,7 +237,7 @@ def test_flash_varlen_calls_either_torch_signature(monkeypatch, signature):
     both (each fake checks what it is called with, then computes the reference)."""
     import torch.nn.attention.varlen as varlen
 
-    import dflash.target_runner as target_runner
+    import dflash.target.runner as target_runner
 
     def old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
         assert is_causal and key.shape[1] == query.shape[1] and cu_seq_k is cu_seq_q and max_k == max_q
@@ -323,7 +323,7 @@ def test_rejects_bad_layer_ids_and_budget(target):
 
 @pytest.mark.gpu
 def test_cuda_bf16_runner_matches_plain_forward_and_batches(samples, layer_ids):
-    from dflash.target import load_target
+    from dflash.target.load import load_target
 
     loaded = load_target("default", device="cuda")  # bf16 on CUDA
     runner = TargetRunner(loaded.model, layer_ids, "cuda", token_budget=4096)

@@ -1,10 +1,10 @@
-"""``dflash.telemetry``: the step-time window gives medians (not one step's split) and per-bucket figures."""
+"""``dflash.training.telemetry``: the step-time window gives medians (not one step's split) and per-bucket figures."""
 
 from __future__ import annotations
 
 import pytest
 
-from dflash.telemetry import StepTimeWindow
+from dflash.training.telemetry import StepTimeWindow
 
 
 def _seconds(step: float, forward: float) -> dict[str, float]:
@@ -38,12 +38,12 @@ def test_report_to_skips_an_absent_tracker_with_a_warning_and_keeps_the_jsonl(tm
     import importlib.util
     import logging
 
-    from dflash.telemetry import MetricsWriter, read_metrics
+    from dflash.training.telemetry import MetricsWriter, read_metrics
 
     absent = next((name for name in ("wandb", "mlflow", "trackio") if importlib.util.find_spec(name) is None), None)
     if absent is None:
         pytest.skip("wandb, mlflow and trackio are all installed")
-    with caplog.at_level(logging.WARNING, logger="dflash.trackers"):
+    with caplog.at_level(logging.WARNING, logger="dflash.training.trackers"):
         writer = MetricsWriter(tmp_path, trackers=["tensorboard", absent])
     try:
         writer.log("train", 1, {"loss": 2.0, "accuracy_per_position": [0.5, 0.25], "bucket_step_s": {"0": 0.1}})
@@ -56,9 +56,9 @@ def test_report_to_skips_an_absent_tracker_with_a_warning_and_keeps_the_jsonl(tm
 
 def test_report_to_names_are_checked_and_none_means_jsonl_only(tmp_path):
     from dflash.errors import ConfigError
-    from dflash.telemetry import TelemetryConfig
-    from dflash.trackers import numeric_fields
-    from stages.train import RUNTIME_FIELDS, TrainConfig
+    from dflash.training.telemetry import TelemetryConfig
+    from dflash.training.trackers import numeric_fields
+    from stages.train.command import RUNTIME_FIELDS, TrainConfig
 
     assert TrainConfig(cache="c", output="o").telemetry.report_to == ["tensorboard"]
     assert TrainConfig(cache="c", output="o", telemetry={"report_to": ["none"]}).telemetry.report_to == []
@@ -80,7 +80,7 @@ def test_feed_meter_gives_each_side_its_capacity_over_the_interval(monkeypatch):
     Two producers computed 3,000 tokens in 4 s and 2,000 in 5 s: I = 750 + 400. Ring: 3 samples of (ready, taken)."""
     from types import SimpleNamespace
 
-    from dflash import telemetry
+    from dflash.training import telemetry
 
     clock = iter([100.0, 110.0, 110.0])
     monkeypatch.setattr(telemetry.time, "perf_counter", lambda: next(clock))

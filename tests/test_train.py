@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import load_file
 from train_helpers import build_tiny_cache, tiny_config
 
-from dflash.checkpoint import load_checkpoint
 from dflash.drafter.config import DrafterTrainingConfig
 from dflash.errors import CheckpointError, ConfigError, MismatchError
-from dflash.optim import OptimConfig
-from dflash.telemetry import read_metrics
-from stages.train import TrainConfig, run_training
+from dflash.training.checkpoint import load_checkpoint
+from dflash.training.optim import OptimConfig
+from dflash.training.telemetry import read_metrics
+from stages.train.command import TrainConfig, run_training
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_resume_with_more_steps_rewarms_and_resumes_bit_exactly_inside_the_exten
     shutil.copytree(finished, interrupted)
 
     extend = dict(max_steps=8, resume=True, allow_config_change=True, **common)
-    with caplog.at_level(logging.INFO, logger="stages.trainer"):
+    with caplog.at_level(logging.INFO, logger="stages.train.loop"):
         extended = run_training(tiny_config(tiny_cache, straight, **extend))
     assert extended["step"] == extended["total_steps"] == 8
     (line,) = [r.getMessage() for r in caplog.records if "lr schedule extended" in r.getMessage()]
@@ -210,7 +210,7 @@ def test_output_folder_of_other_files_is_refused_and_left_untouched(tiny_cache, 
 
 @pytest.mark.parametrize("where", ["loss", "gradient"])
 def test_nonfinite_step_is_skipped_and_counted(tiny_cache, tmp_path, monkeypatch, where):
-    import stages.trainer as trainer_module
+    import stages.train.loop as trainer_module
 
     real_loss = trainer_module.dflash_loss
     calls = {"n": 0, "poison_grad": False}
@@ -256,7 +256,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tiny_cache, tmp_path, mo
     import os
     import signal
 
-    import stages.trainer as trainer_module
+    import stages.train.loop as trainer_module
 
     real_loss = trainer_module.dflash_loss
     calls = {"n": 0}
@@ -291,7 +291,7 @@ def test_samples_with_too_few_supervised_tokens_are_excluded_counted_and_reporte
     expected = sum(c < minimum for c in counts)
     assert expected > 0
     assert tiny_config(tiny_cache, tmp_path / "x").resolved_min_supervised_tokens() == 2 * 4  # default 2 * B
-    with caplog.at_level(logging.INFO, logger="stages.trainer"):
+    with caplog.at_level(logging.INFO, logger="stages.train.loop"):
         summary = run_training(
             tiny_config(tiny_cache, tmp_path / "run", max_steps=1, min_supervised_tokens=minimum, validation_fraction=0.2)
         )
@@ -310,7 +310,7 @@ def test_samples_with_too_few_supervised_tokens_are_excluded_counted_and_reporte
 
 
 def test_loaders_copy_to_the_gpu_on_their_side_stream_when_training_on_cuda(tiny_cache, tmp_path):
-    from stages.trainer import Trainer
+    from stages.train.loop import Trainer
 
     config = tiny_config(tiny_cache, tmp_path / "run")
     # Construction touches no device: the placement the loaders get is checked without a GPU.
@@ -322,7 +322,7 @@ def test_loaders_copy_to_the_gpu_on_their_side_stream_when_training_on_cuda(tiny
 
 @pytest.mark.gpu
 def test_gpu_loader_streams_batches_onto_the_device(tiny_cache, tmp_path):
-    from stages.trainer import Trainer
+    from stages.train.loop import Trainer
 
     trainer = Trainer(tiny_config(tiny_cache, tmp_path / "run", device="cuda"), device=torch.device("cuda", 0))
     try:
@@ -340,7 +340,7 @@ def test_compile_flag_wires_compiled_layers_and_fixed_shape_anchors(tiny_cache, 
     """--compile: drafter.compile_layers(), every micro-batch padded to token_budget, sample_anchors(num_anchors=
     anchor_slots) in training and validation; eager (dynamic shapes) by default. compile_layers is recorded, not
     run: torch.compile itself is exercised on the GPU (test_gpu_compiled_fixed_shape_path)."""
-    import stages.trainer as trainer_module
+    import stages.train.loop as trainer_module
     from dflash.drafter import DFlashDrafter
 
     calls = {"compile": 0, "shapes": []}
@@ -445,7 +445,7 @@ def test_gpu_compiled_fixed_shape_path(tiny_cache, tmp_path):
 def test_runs_saved_before_residual_dtype_resume_with_a_float32_residual(tmp_path):
     """A run.json written before ``residual_dtype`` existed resumes with the float32 residual it trained with, and a
     request for another one is reported as a trajectory change."""
-    from stages.train import config_from_cli, trajectory_changes
+    from stages.train.command import config_from_cli, trajectory_changes
 
     run = tmp_path / "run"
     run.mkdir()
@@ -466,7 +466,7 @@ def test_runs_saved_before_the_document_split_resume_with_the_row_split(tmp_path
     row split it validated on; asking for the document split on resume is refused like a changed
     validation_fraction (the validation set, hence the best checkpoint, would change)."""
     from dflash.errors import CheckpointError
-    from stages.train import check_resume_changes, config_from_cli, trajectory_changes
+    from stages.train.command import check_resume_changes, config_from_cli, trajectory_changes
 
     run = tmp_path / "run"
     run.mkdir()
@@ -493,7 +493,7 @@ def test_runs_saved_before_the_document_split_resume_with_the_row_split(tmp_path
 
 def _flat(config: dict) -> dict:
     """A nested run config as runs before the nesting saved it (``lr`` at the top, not ``optim.lr``)."""
-    from dflash.config_check import MOVED_KEYS, get_path
+    from stages.config.check import MOVED_KEYS, get_path
 
     flat = {key: value for key, value in config.items() if not isinstance(value, dict)}
     flat.update({old: get_path(config, new) for old, new in MOVED_KEYS["train"].items()})
@@ -506,7 +506,7 @@ def test_a_run_saved_with_flat_keys_resumes_bit_exactly_without_a_trajectory_cha
     straight run's result bit for bit."""
     import logging
 
-    from stages.train import config_from_cli
+    from stages.train.command import config_from_cli
 
     # Runs that old validated on rows (data.validation_split_by did not exist: a saved run without it means "row").
     common = dict(max_steps=4, save_every=2, validation_fraction=0.0, lr=2e-3, token_budget=256,
@@ -540,8 +540,8 @@ def test_flat_keys_of_files_and_overrides_are_read_with_one_deprecation_warning(
     ``--set train.optim.lr=``) set it silently."""
     import logging
 
-    import dflash.config_check as config_check
-    from stages.train import config_from_cli
+    import stages.config.check as config_check
+    from stages.train.command import config_from_cli
 
     paths = {"cache": "c", "output": str(tmp_path / "run"), "device": "cpu"}
     (tmp_path / "flat.toml").write_text("[train]\nlr = 3e-4\nblock_size = 8\n")
@@ -567,7 +567,7 @@ def test_flat_keys_of_files_and_overrides_are_read_with_one_deprecation_warning(
 def test_a_partial_nested_section_keeps_the_train_stages_other_defaults(tmp_path):
     """``[train.data] token_budget = 512`` changes that field only: the rest of ``data`` keeps the train stage's
     defaults (1% held out for validation, not the loader class's 0), and ``print-config`` prints it nested."""
-    from stages.train import config_from_cli
+    from stages.train.command import config_from_cli
 
     (tmp_path / "cfg.toml").write_text("[train.data]\ntoken_budget = 512\n")
     config = config_from_cli({"cache": "c", "output": str(tmp_path / "run")}, tmp_path / "cfg.toml")
@@ -612,7 +612,7 @@ def test_cpu_runs_get_cpu_sized_batches_unless_a_setting_says_otherwise(tmp_path
     """``train`` with its defaults on a CPU host (issue 15): the GPU-sized token budget and anchors per document are
     replaced by the cpu-small preset's, so the first step is not OOM-killed minutes later; anything set wins, and a
     CUDA run keeps the paper's sizes."""
-    from stages.train import CPU_SIZED_DEFAULTS, config_from_cli
+    from stages.train.command import CPU_SIZED_DEFAULTS, config_from_cli
 
     paths = {"cache": str(tmp_path / "c"), "output": str(tmp_path / "o")}
     assert not torch.cuda.is_available()  # the CPU-only suite

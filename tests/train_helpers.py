@@ -1,7 +1,7 @@
 """Shared helpers of the train / checkpoint / DDP / sweep tests: a tiny REAL hidden-state cache and a tiny config.
 
 The cache holds short snippets of the Python standard library, tokenized by the real SmolLM2 target, with the
-target's own hidden states at two tapped layers (``dflash.target_runner.TargetRunner``, the extract stage's
+target's own hidden states at two tapped layers (``dflash.target.runner.TargetRunner``, the extract stage's
 runner), written through the real cache writer. A "prompt" prefix of each snippet is unsupervised (loss_mask 0), like chat data.
 """
 
@@ -50,8 +50,8 @@ def build_tiny_cache(
     """Write a real cache of ``num_samples`` stdlib snippets at ``path`` (see module docstring); ``chunk_tokens``
     (0: the format's default, one chunk per shard here) makes shards of several same-shaped chunks."""
     from dflash.cache import CacheMetadata, HiddenSample, HiddenStateCache
-    from dflash.target import LAYER_ID_CONVENTION
-    from dflash.target_runner import TargetRunner
+    from dflash.target.load import LAYER_ID_CONVENTION
+    from dflash.target.runner import TargetRunner
 
     layer_ids = list(layer_ids or TINY_LAYER_IDS)
     tokenizer, model = target.tokenizer, target.model
@@ -94,7 +94,7 @@ def build_tiny_cache(
 
 def tiny_config(cache: Path, output: Path, **overrides: Any):
     """A TrainConfig for a 1-layer, block-4 drafter on the tiny cache; a few seconds per run on CPU."""
-    from stages.train import TrainConfig
+    from stages.train.command import TrainConfig
 
     values: dict[str, Any] = dict(
         cache=str(cache),

@@ -1,7 +1,7 @@
 """Online batches: the trainer's batch source fed by target replicas through the shared-memory ring.
 
-:class:`OnlineBatches` is a :class:`dflash.batch_source.BatchSource`. Its epoch plan is the offline one
-(:class:`dflash.batch_source.PlannedCursor` over :class:`dflash.corpus.CorpusLengths`: same lengths, split (the
+:class:`OnlineBatches` is a :class:`dflash.batches.source.BatchSource`. Its epoch plan is the offline one
+(:class:`dflash.batches.source.PlannedCursor` over :class:`dflash.corpus.format.CorpusLengths`: same lengths, split (the
 corpus's document keys, which extract stores in a cache), buckets, token budget and seed as a cache of the same
 corpus), so it yields the same samples in the same batches in the same
 order as ``extract`` then ``train``; only the hidden states come from producers instead of the cache (equal within
@@ -19,7 +19,7 @@ Flow (one rank)::
 
 ``submit`` is anything returning a future (``concurrent.futures`` or Dask's ``Client.submit``, as
 ``pipelines/online.py`` wires it); the producers run :class:`BatchProducer` (the same
-:class:`dflash.target_runner.TargetRunner` as extract). Slots are handed out in plan order, so the batch the
+:class:`dflash.target.runner.TargetRunner` as extract). Slots are handed out in plan order, so the batch the
 consumer needs next always holds a slot: the reorder window is the ring, never a deadlock.
 
 Resume: the cursor (``state_dict``) is the offline one; after ``load_state_dict`` the dispatcher starts at the
@@ -39,12 +39,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.batch_source import LengthSource, PlannedCursor, StreamConfig
-from dflash.batching import PackedBatch, pack_samples
-from dflash.buckets import EpochPlan
+from dflash.batches.buckets import EpochPlan
+from dflash.batches.packed import PackedBatch, pack_samples
+from dflash.batches.ring import QueueError, Ring, RingGeometry
+from dflash.batches.source import LengthSource, PlannedCursor, StreamConfig
 from dflash.errors import ConfigError, DFlashError, ProducerError
 from dflash.faults import fault_point
-from dflash.online_queue import QueueError, Ring, RingGeometry
 
 __all__ = ["BatchTask", "BatchProducer", "OnlineBatches", "OnlineStats", "pack_slot_batch"]
 
@@ -76,8 +76,8 @@ class BatchProducer:
     """Producer side: runs the target on a task's corpus rows and writes the batch into the ring.
 
     Args:
-        runner: a :class:`dflash.target_runner.TargetRunner` (the extract stage's runner).
-        corpus: the opened corpus (``dflash.corpus.Corpus``) the plan was made from.
+        runner: a :class:`dflash.target.runner.TargetRunner` (the extract stage's runner).
+        corpus: the opened corpus (``dflash.corpus.format.Corpus``) the plan was made from.
     """
 
     def __init__(self, runner: Any, corpus: Any) -> None:
@@ -149,7 +149,7 @@ class OnlineStats:
     """Producer compute time summed over the batches consumed."""
     producer_work: dict[str, tuple[int, float]] = field(default_factory=dict)
     """Per producer (Dask worker name; ``"local"`` in-process): ``(tokens, compute seconds)`` of the batches consumed;
-    tokens / seconds is that producer's capacity (:class:`dflash.telemetry.FeedMeter`)."""
+    tokens / seconds is that producer's capacity (:class:`dflash.training.telemetry.FeedMeter`)."""
     occupancy_sums: tuple[float, float, int] = (0.0, 0.0, 0)
     """Sums, over the batches consumed, of the batches computed and waiting and of the ring slots in use, seen as the
     trainer asks for the next batch, and the number of samples (means: sum / samples)."""
@@ -165,8 +165,8 @@ class OnlineBatches(PlannedCursor):
     """Packed batches for one rank, computed by producers into a shared-memory ring, yielded in plan order.
 
     Args:
-        source: a :class:`dflash.batch_source.LengthSource` of the corpus (``dflash.corpus.CorpusLengths``).
-        config: :class:`dflash.batch_source.StreamConfig` (``shard_window`` must be ``None``: the plan is global).
+        source: a :class:`dflash.batches.source.LengthSource` of the corpus (``dflash.corpus.format.CorpusLengths``).
+        config: :class:`dflash.batches.source.StreamConfig` (``shard_window`` must be ``None``: the plan is global).
         submit: ``submit(BatchTask) -> future`` (``.result()``, ``.add_done_callback()``, ``.cancel()``).
         width: ``n*H`` of the hidden states; ``dtype``: bfloat16 or float32 (the runner's output dtype).
         num_slots: ring slots (>= 2): batches in flight between producers and trainer.
@@ -381,13 +381,13 @@ class OnlineBatches(PlannedCursor):
 
 
 def pack_slot_batch(slot_batch: Any, *, pad_to: int | None, bucket: int, pin_memory: bool = False) -> PackedBatch:
-    """A batch read from the ring (:class:`dflash.online_queue.SlotBatch`: ``lengths [D]`` int64, ``corpus_rows
+    """A batch read from the ring (:class:`dflash.batches.ring.SlotBatch`: ``lengths [D]`` int64, ``corpus_rows
     [D]`` int64, ``input_ids [T]`` int32, ``loss_mask [T]`` uint8, ``hidden [T, n*H]`` of the ring's dtype, documents
-    back to back) packed as the offline loader packs a cache batch (:func:`dflash.batching.pack_samples`, padded to
+    back to back) packed as the offline loader packs a cache batch (:func:`dflash.batches.packed.pack_samples`, padded to
     ``pad_to`` tokens, pinned when ``pin_memory``; the tensors are views of the slot batch until copied there).
 
     Raises:
-        ValueError: as :func:`dflash.batching.pack_samples` (no documents, ``pad_to`` below the real length).
+        ValueError: as :func:`dflash.batches.packed.pack_samples` (no documents, ``pad_to`` below the real length).
     """
     offsets = np.concatenate([[0], np.cumsum(slot_batch.lengths)]).tolist()
     samples = [_Document(row, slot_batch.input_ids[start:stop], slot_batch.loss_mask[start:stop],
@@ -406,7 +406,7 @@ def _stage_name(split: str, index: int, rows: tuple[int, ...]) -> str:
 
 @dataclass(slots=True)
 class _Document:
-    """One document as :func:`dflash.batching.pack_samples` reads it (views into the slot's private copy)."""
+    """One document as :func:`dflash.batches.packed.pack_samples` reads it (views into the slot's private copy)."""
 
     corpus_row: int
     input_ids: torch.Tensor

@@ -2,7 +2,7 @@
 
 :class:`PackedBatch` is the one container every consumer sees; :func:`pack_samples` builds it from cache samples
 (``HiddenSample``: ``input_ids [L]``, ``loss_mask [L]``, ``hidden [L, n*H]``, ``corpus_row``). Which samples go
-together is decided by :mod:`dflash.buckets`; streaming them from a cache is :mod:`dflash.stream`.
+together is decided by :mod:`dflash.batches.buckets`; streaming them from a cache is :mod:`dflash.batches.stream`.
 Legend: T = tokens in the packed batch, D = documents, L = one document's length, n*H = concatenated taps.
 """
 
@@ -32,7 +32,7 @@ class PackedBatch:
         cu_seqlens: ``[D+1]`` int64, cumulative document lengths (document d spans cu[d]:cu[d+1]).
         num_real_tokens: number of non-padding tokens (= ``cu_seqlens[-1]``).
         corpus_rows: the corpus row of each document, in order.
-        bucket_id: the length bucket the batch was drawn from (:mod:`dflash.buckets`), -1 when unknown.
+        bucket_id: the length bucket the batch was drawn from (:mod:`dflash.batches.buckets`), -1 when unknown.
     """
 
     input_ids: torch.Tensor

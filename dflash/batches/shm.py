@@ -1,7 +1,7 @@
 """POSIX shared-memory segments of dflash-stages and their cleanup (one neutral home for both users).
 
 Users: the extract write processes (:mod:`dflash.cache.process_writer`, host buffers of the target runner) and
-the online queue (:mod:`dflash.online_queue`, the ring of slots). Every segment is named
+the online queue (:mod:`dflash.batches.ring`, the ring of slots). Every segment is named
 ``dflash_<creator pid>_<random>`` (under ``/dev/shm`` on Linux), so the segments of a killed process can be found
 and removed: :func:`remove_segments_of` (by the dead process's pid) and :func:`remove_orphaned_segments` (every
 creator that no longer exists), which each creator of long-lived segments calls at start.

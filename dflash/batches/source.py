@@ -1,17 +1,17 @@
 """The batch-source seam of training: what the trainer consumes, and the epoch plan both sources share.
 
-The trainer (``stages.trainer``) reads packed batches (:class:`dflash.batching.PackedBatch`) through one interface,
-:class:`BatchSource`, implemented by the Zarr streaming loader (:class:`dflash.stream.StreamingLoader`, offline) and
-by the online queue consumer (:class:`dflash.online_queue.OnlineBatches`, target replicas feeding training through
+The trainer (``stages.train.loop``) reads packed batches (:class:`dflash.batches.packed.PackedBatch`) through one interface,
+:class:`BatchSource`, implemented by the Zarr streaming loader (:class:`dflash.batches.stream.StreamingLoader`, offline) and
+by the online queue consumer (:class:`dflash.batches.ring.OnlineBatches`, target replicas feeding training through
 shared memory). Both derive from :class:`PlannedCursor`, which owns what makes their batches the SAME:
 
 * the sample table, built from a :class:`LengthSource`: per shard, sample lengths, corpus rows and (with
   ``min_supervised_tokens``) supervised-token counts; no hidden state. A cache (``CacheReader``) is one length
-  source, a corpus (``dflash.corpus.CorpusLengths``: Arrow offsets and loss masks) another;
+  source, a corpus (``dflash.corpus.format.CorpusLengths``: Arrow offsets and loss masks) another;
 * the validation split (whole source documents by default, from the source's document keys: the cache's
   ``document_keys`` array, the corpus's ``document_id`` column; else by corpus row; stable either way), the
   exclusion of samples with too few supervised tokens, the length buckets and the epoch plan
-  (:func:`dflash.buckets.plan_epoch`: same seed, buckets, token budget);
+  (:func:`dflash.batches.buckets.plan_epoch`: same seed, buckets, token budget);
 * the data cursor (``epoch``, ``step_in_epoch``) and its checkpoint form (:meth:`PlannedCursor.state_dict` /
   :meth:`PlannedCursor.load_state_dict`), which refuses a plan config or sample table that changed.
 
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from dflash.buckets import (
+from dflash.batches.buckets import (
     BucketConfig,
     BucketRow,
     EpochPlan,
@@ -46,7 +46,7 @@ from dflash.buckets import (
 from dflash.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
-    from dflash.batching import PackedBatch
+    from dflash.batches.packed import PackedBatch
 
 __all__ = [
     "LoaderConfig",
@@ -105,7 +105,7 @@ def read_workers(config: LoaderConfig) -> int:
 @dataclass(kw_only=True, slots=True)
 class LoaderConfig(BucketConfig):
     """What a run reads and how, the user-facing part of a loader's settings (``[train.data]`` of the train stage):
-    the batching of :class:`dflash.buckets.BucketConfig` (token budget, buckets, documents per batch), the held-out
+    the batching of :class:`dflash.batches.buckets.BucketConfig` (token budget, buckets, documents per batch), the held-out
     split and the read-ahead. :class:`StreamConfig` adds what the trainer sets per loader (seed, split, padding)."""
 
     validation_fraction: float = 0.0

@@ -1,6 +1,6 @@
 """Stream a hidden-state cache into training as packed, bucket-balanced batches, with exact resume.
 
-The loader plans every epoch from sample lengths alone (:mod:`dflash.buckets`; no hidden state is touched), then
+The loader plans every epoch from sample lengths alone (:mod:`dflash.batches.buckets`; no hidden state is touched), then
 reads only the samples of the coming batches, in plan order, with background prefetch: a
 :class:`concurrent.futures.ThreadPoolExecutor` keeps at most ``prefetch_batches`` batches being read or waiting,
 each packed straight into pinned host memory (on CUDA hosts); with ``device=`` the next batch is also copied to
@@ -44,9 +44,16 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from dflash.batch_source import LengthSource, LoaderStats, PlannedCursor, StreamConfig, read_workers, validation_rows
-from dflash.batching import PackedBatch, pack_samples
-from dflash.buckets import PlannedBatch
+from dflash.batches.buckets import PlannedBatch
+from dflash.batches.packed import PackedBatch, pack_samples
+from dflash.batches.source import (
+    LengthSource,
+    LoaderStats,
+    PlannedCursor,
+    StreamConfig,
+    read_workers,
+    validation_rows,
+)
 from dflash.errors import ConfigError
 
 __all__ = ["HiddenSource", "StreamConfig", "LoaderStats", "StreamingLoader", "validation_rows"]
@@ -54,7 +61,7 @@ __all__ = ["HiddenSource", "StreamConfig", "LoaderStats", "StreamingLoader", "va
 
 class HiddenSource(LengthSource, Protocol):
     """What the loader needs from a cache (``dflash.cache.CacheReader`` implements it): the lengths of
-    :class:`dflash.batch_source.LengthSource` plus the samples themselves."""
+    :class:`dflash.batches.source.LengthSource` plus the samples themselves."""
 
     def read_shard(self, shard: int, indices: Any = None) -> list[Any]: ...
 
@@ -118,7 +125,7 @@ class StreamingLoader(PlannedCursor):
         )
         self.shard_cache = _ShardCache(self.source.read_shard, max_shards=config.shard_window or 1)
 
-    # ---- reading (the sample table, plans and cursor are dflash.batch_source.PlannedCursor's) ---------------------------------------------------------------------------------------------
+    # ---- reading (the sample table, plans and cursor are dflash.batches.source.PlannedCursor's) ---------------------------------------------------------------------------------------------
 
     def _read_samples(self, planned: PlannedBatch) -> list[Any]:
         shards = self.sample_shard[planned.samples]

@@ -82,7 +82,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def measure_production(runner: Any, input_ids_list: Sequence[Any], storage_dtype: str) -> tuple[torch.Tensor, dict[str, float]]:
-    """Time ``runner`` (a :class:`dflash.target_runner.TargetRunner`) on ``input_ids_list``: one warm-up pass, then
+    """Time ``runner`` (a :class:`dflash.target.runner.TargetRunner`) on ``input_ids_list``: one warm-up pass, then
     one timed pass of ``iter_batches`` (device work and the copies to host, CUDA synchronized).
 
     Args:

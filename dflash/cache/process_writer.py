@@ -4,7 +4,7 @@ Why: in one process, the chunk-write threads (compression, checksums, stores) sh
 scheduler with the thread that feeds the GPU. On one H200 (8B-shaped target, 16 cores) that slowed the extract
 loop's compute by 15% against the same batches without writes; with 2 write processes by 0.6%, and end-to-end
 extract reached 0.95 of the bare truncated forward (docs/benchmarks.md). With ``write_processes > 0`` (the default
-on GPU workers: ``stages.extract_worker.default_write_processes``) each shard write
+on GPU workers: ``stages.extract.worker.default_write_processes``) each shard write
 (``HiddenStateCache.write_shard``, unchanged) runs in a worker process of a
 ``concurrent.futures.ProcessPoolExecutor`` instead: its own interpreter, its own chunk-write threads, niced below
 the GPU process.
@@ -33,8 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.errors import ConfigError
-from dflash.shm import (
+from dflash.batches.shm import (
     SEGMENT_PREFIX,
     SharedHostBuffer,
     SharedMemoryFull,
@@ -42,6 +41,7 @@ from dflash.shm import (
     remove_segments_of,
     shared_location,
 )
+from dflash.errors import ConfigError
 
 __all__ = [
     "SEGMENT_PREFIX",
@@ -55,7 +55,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The segments themselves (naming, page reservation, cleanup of killed processes) live in dflash.shm, shared with
+# The segments themselves (naming, page reservation, cleanup of killed processes) live in dflash.batches.shm, shared with
 # the online queue; re-exported here for the callers that imported them from this module.
 
 
@@ -102,7 +102,7 @@ def _init_write_process(write_threads: int, nice: int, parent_pid: int | None = 
     if parent_pid is not None:
         _exit_when_orphaned(parent_pid)
 
-    # As stages.extract_worker.configure_write_threads: the chunk pool and zarr's pool get ``write_threads``.
+    # As stages.extract.worker.configure_write_threads: the chunk pool and zarr's pool get ``write_threads``.
     zarr.config.set({"threading.max_workers": int(write_threads), "async.concurrency": max(int(write_threads), 4)})
     keep_chunk_buffers_mapped()
     if nice and hasattr(os, "nice"):

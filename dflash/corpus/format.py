@@ -9,7 +9,7 @@ A corpus is an Arrow table with one row per sample:
 - ``document_id`` (optional): a string (integers accepted, read as their decimal text) naming the source document
   the row comes from: rows with the same ``document_id`` come from the same document (the chunks of one split
   file, the prompts cut from one source file). The trainer's validation split takes whole documents
-  (``dflash.batch_source.LoaderConfig.validation_split_by``). A row without one (null, or a file without the
+  (``dflash.batches.source.LoaderConfig.validation_split_by``). A row without one (null, or a file without the
   column) is its own document. :attr:`Corpus.document_keys` gives one uint64 key per row.
 
 It is stored as Arrow IPC files (``*.arrow``, file or stream format), Parquet files (``*.parquet``), or a
@@ -405,7 +405,7 @@ class Corpus:
 
 
 class CorpusLengths:
-    """A :class:`dflash.batch_source.LengthSource` over a corpus: what the epoch plan needs, without hidden states.
+    """A :class:`dflash.batches.source.LengthSource` over a corpus: what the epoch plan needs, without hidden states.
 
     The online mode plans its epochs from it exactly as the streaming loader plans them from a cache of the same
     corpus (same rows, lengths, supervised counts and document keys, in corpus-row order): same seed -> same

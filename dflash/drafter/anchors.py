@@ -26,7 +26,7 @@ import torch
 from dflash.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dflash.batching import PackedBatch
+    from dflash.batches.packed import PackedBatch
 
 __all__ = ["sample_anchors", "valid_anchor_mask"]
 

@@ -157,7 +157,7 @@ class DFlashConfig:
         Raises:
             ConfigError: a field is invalid, or no mask token can be chosen (pass ``mask_token_id``).
         """
-        from dflash.target import default_target_layer_ids, validate_target_layer_ids
+        from dflash.target.load import default_target_layer_ids, validate_target_layer_ids
 
         text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         num_target_layers = int(text_config.num_hidden_layers)

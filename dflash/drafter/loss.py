@@ -34,7 +34,7 @@ from dflash.drafter.ce_triton import ce_chunk_triton, triton_available
 from dflash.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dflash.batching import PackedBatch
+    from dflash.batches.packed import PackedBatch
     from dflash.drafter.model import DFlashDrafter
 
 __all__ = [

@@ -39,7 +39,7 @@ from dflash.drafter.masks import AttentionLayout, attention_layout, dense_attent
 from dflash.errors import ConfigError, MismatchError
 
 if TYPE_CHECKING:
-    from dflash.batching import PackedBatch
+    from dflash.batches.packed import PackedBatch
 
 __all__ = [
     "DFlashDrafter",

@@ -1,6 +1,6 @@
 """The embedded default prompt set: prompts built from the Python standard library, on every machine with Python.
 
-Two kinds of prompt, both from the stdlib's ``*.py`` files (the documents of :mod:`dflash.default_corpus`, test
+Two kinds of prompt, both from the stdlib's ``*.py`` files (the documents of :mod:`dflash.corpus.default_corpus`, test
 suites excluded):
 
 - ``complete``: code completion, raw text (no chat template): a window of source ending at a line boundary, at most
@@ -283,13 +283,13 @@ def package_root(name: str) -> Path:
 
 def package_files(config: DefaultPromptConfig) -> list[tuple[Any, str]]:
     """The ``*.py`` files of ``config.packages`` that may give prompts (test folders and held-out files left out),
-    as ``(dflash.default_corpus.TextFile, "<package>/<relative path>")`` in listing order; the prompt set visits
+    as ``(dflash.corpus.default_corpus.TextFile, "<package>/<relative path>")`` in listing order; the prompt set visits
     them in ``numpy.random.default_rng(config.seed).permutation(len(files))`` order (its first draw).
 
     Raises:
         ConfigError: a name in ``packages`` is not an installed package (:func:`package_root`).
     """
-    from dflash.default_corpus import _SKIP_DIRS, _TEST_DIRS, collect_text_files
+    from dflash.corpus.default_corpus import _SKIP_DIRS, _TEST_DIRS, collect_text_files
 
     files = []
     for name in config.packages:
@@ -339,7 +339,7 @@ def default_prompt_sets(config: DefaultPromptConfig | None = None, *,
         corpus of ``prepare`` names it), so every row generated from one file has one corpus ``document_id``
         (``<package>:<path>`` for package files).
     """
-    from dflash.default_corpus import default_corpus_files, stdlib_root
+    from dflash.corpus.default_corpus import default_corpus_files, stdlib_root
 
     config = config or DefaultPromptConfig()
     root = stdlib_root()
@@ -364,7 +364,7 @@ def write_prompts_jsonl(records: list[PromptRecord], path: Any) -> int:
     import json
     from pathlib import Path
 
-    from dflash.files import atomic_output
+    from dflash.io.files import atomic_output
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -385,7 +385,7 @@ def write_prompts_jsonl(records: list[PromptRecord], path: Any) -> int:
 
 def describe_default_prompts(config: DefaultPromptConfig) -> dict[str, Any]:
     """What the default prompt set was built from, for the corpus metadata."""
-    from dflash.default_corpus import stdlib_root
+    from dflash.corpus.default_corpus import stdlib_root
 
     description = {"name": "python-stdlib-prompts", "python_version": sys.version.split()[0],
                    "stdlib": str(stdlib_root()), **config.to_dict()}

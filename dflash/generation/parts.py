@@ -10,7 +10,7 @@ Layout of ``OUTPUT/``::
 A part counts only once its ``.arrow`` file exists: it is written to a hidden temporary name, synced, its record
 written, then renamed (atomic on POSIX), so a killed run leaves at most a temporary file, which the rerun removes
 and redoes. One task writes one part, so there are never two writers on one part. Until ``corpus.json`` exists the
-folder is refused as a corpus (``dflash.corpus.open_corpus``: "unfinished generate output").
+folder is refused as a corpus (``dflash.corpus.format.open_corpus``: "unfinished generate output").
 
 A part's rows keep the prompt order; each row's ``sample_id`` is its prompt's id and its ``document_id`` the
 prompt's source document (``PromptRecord.document_id``). Prompts dropped (too long for ``max_length``) and turns cut short are counted
@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dflash.files import atomic_write_text
 from dflash.generation.engine import GenerationEngine, GenerationRequest, SamplingSettings
 from dflash.generation.prompts import ConversationBuilder, DropCounts, PromptRecord
+from dflash.io.files import atomic_write_text
 
 __all__ = ["PLAN_FILE", "PartSpec", "part_path", "part_record_path", "committed_parts", "generate_part",
            "clear_uncommitted"]
@@ -87,7 +87,7 @@ def clear_uncommitted(output: str | Path) -> int:
 def _write_part(output: Path, part_id: int, rows: list[tuple[list[int], list[int], str, str]], record: dict[str, Any]) -> None:
     """Commit one part: ``rows`` of ``(input_ids, loss_mask, sample_id, document_id)`` as an Arrow IPC file of the
     corpus schema (temporary name, fsync, record, rename)."""
-    from dflash.corpus import SCHEMA
+    from dflash.corpus.format import SCHEMA
 
     final = part_path(output, part_id)
     temporary = output / f".part-{part_id:06d}.tmp-{os.getpid()}"

@@ -120,7 +120,7 @@ def _messages_of(record: dict[str, Any], where: str, turns: TurnMode) -> list[di
     raw = record.get("messages") if record.get("messages") is not None else record.get("conversations")
     if not isinstance(raw, list) or not raw:
         return None
-    from dflash.chat import normalize_messages
+    from dflash.corpus.chat import normalize_messages
 
     messages: list[dict[str, Any]] = normalize_messages(record, where=where)  # ShareGPT from/value mapped here
     if turns == "all":

@@ -7,7 +7,7 @@ Windows) puts it in place. Used for run records (``run.json``, ``latest``), comm
 metrics rewrites, evaluation reports and the embedded prompt files.
 
 Not for: the cache (contract 2, Zarr through its store: ``dflash.cache``), checkpoints (a folder renamed into
-place, ``dflash.checkpoint``) and lock files (``dflash.locks`` keeps the new file's descriptor open).
+place, ``dflash.training.checkpoint``) and lock files (``dflash.io.locks`` keeps the new file's descriptor open).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Export a trained drafter in the serving format that vLLM, SGLang and z-lab's loader read, and load it back strictly.
 
-An export folder holds ``config.json`` and ``model.safetensors`` (bfloat16) as :mod:`dflash.serving_format` defines
+An export folder holds ``config.json`` and ``model.safetensors`` (bfloat16) as :mod:`dflash.serving.format` defines
 them (DFLASH.md "Serving format"), plus ``dflash_export.json``: provenance (source checkpoint, target identity and
 embedding/LM-head hashes, the tap convention, sha256 of the two files). Serving engines ignore it;
 :func:`load_exported` checks it.
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash.errors import ExportError, MismatchError
-from dflash.serving_format import (
+from dflash.serving.format import (
     CONFIG_FILE,
     EXPORT_FORMAT_VERSION,
     PROVENANCE_FILE,
@@ -39,7 +39,7 @@ from dflash.serving_format import (
     serving_config,
     validate_serving_config,
 )
-from dflash.target import LAYER_ID_CONVENTION
+from dflash.target.load import LAYER_ID_CONVENTION
 
 if TYPE_CHECKING:
     import torch
@@ -323,7 +323,7 @@ def load_exported(
 
     config, provenance, state_dict = read_exported(path, verify_hashes=verify_hashes, check_finite=check_finite)
     if expected_target is not None and provenance.get("target"):
-        from dflash.compat import check_target_identity
+        from dflash.training.compat import check_target_identity
 
         check_target_identity(provenance["target"], expected_target,
                               where=f"{path} (exported for target {provenance['target'].get('name')!r})",
@@ -338,7 +338,7 @@ def load_exported(
 def load_exported_drafter(
     path: str | os.PathLike[str], *, target: Any = None
 ) -> tuple[Any, DFlashConfig, dict[str, Any]]:
-    """A ``DFlashDrafter`` built from an export through the strict loader (what ``dflash.checkpoint.load_drafter``
+    """A ``DFlashDrafter`` built from an export through the strict loader (what ``dflash.training.checkpoint.load_drafter``
     returns for export folders).
 
     Args:
@@ -364,7 +364,7 @@ def load_exported_drafter(
     provenance_path = Path(path) / PROVENANCE_FILE
     target_info = (json.loads(provenance_path.read_text()).get("target") or {}) if provenance_path.is_file() else {}
     if target is not None:
-        from dflash.checkpoint import check_target_weights
+        from dflash.training.checkpoint import check_target_weights
 
         model = getattr(target, "model", target)
         embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
@@ -421,7 +421,7 @@ def _check_target(
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash.errors import TargetError
-    from dflash.target import resolve_target_path, target_identity
+    from dflash.target.load import resolve_target_path, target_identity
 
     spec = target if target is not None else target_info.get("target_spec")
     skipped = "RoPE/width/identity checks against the target and dflash_config.mask_token are skipped"
@@ -437,7 +437,7 @@ def _check_target(
         return None
     check_against_target(config, AutoConfig.from_pretrained(target_path), where=where)
     if target_info.get("content_hash"):
-        from dflash.compat import check_target_identity
+        from dflash.training.compat import check_target_identity
 
         check_target_identity(target_info, target_identity(target_path),
                               where=f"{where}: trained on target {target_info.get('name')!r}",
@@ -467,12 +467,12 @@ def export_checkpoint(
         ``(export_dir, provenance)``.
 
     Raises:
-        CheckpointError, ExportError, MismatchError: see ``dflash.checkpoint.load_checkpoint``,
+        CheckpointError, ExportError, MismatchError: see ``dflash.training.checkpoint.load_checkpoint``,
             :func:`export_drafter`, :func:`check_against_target`.
     """
     import torch
 
-    from dflash.checkpoint import load_checkpoint
+    from dflash.training.checkpoint import load_checkpoint
 
     loaded = load_checkpoint(checkpoint, with_training_state=False)
     checkpoint_dir, config, state_dict = loaded.path, loaded.drafter_config, loaded.model_state

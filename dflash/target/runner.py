@@ -1,6 +1,6 @@
 """Run a target causal LM only as far as its last tapped layer and collect the tapped hidden states.
 
-Tap convention (DFLASH.md, :data:`dflash.target.LAYER_ID_CONVENTION`): tapped id ``l`` is the OUTPUT of decoder
+Tap convention (DFLASH.md, :data:`dflash.target.load.LAYER_ID_CONVENTION`): tapped id ``l`` is the OUTPUT of decoder
 layer ``l`` (0-based), i.e. transformers' ``hidden_states[l + 1]``; the same offset vLLM ``qwen3_dflash.py`` and
 SGLang ``models/dflash.py`` add when they read ``target_layer_ids``.
 
@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from dflash.errors import ConfigError, TargetError
-from dflash.target import LAYER_ID_CONVENTION, PACKED_ATTENTION, validate_target_layer_ids
+from dflash.target.load import LAYER_ID_CONVENTION, PACKED_ATTENTION, validate_target_layer_ids
 
 __all__ = ["TargetRunner", "RunnerBatch", "PendingBatch", "plan_batches", "plan_packed_batches", "find_decoder_layers",
            "resolve_packed_attention",
@@ -432,7 +432,7 @@ class TargetRunner:
             (module docstring; ``"auto"``: :func:`resolve_packed_attention`); ignored without ``packing``. The
             attribute ``packed_attention`` holds the kernel resolved for ``device``.
         shared_host_buffers: allocate the reusable host buffers in POSIX shared memory (pinned on CUDA), so that
-            write processes read the hidden states without a copy (:mod:`dflash.shm`, read by :mod:`dflash.cache.process_writer`); call
+            write processes read the hidden states without a copy (:mod:`dflash.batches.shm`, read by :mod:`dflash.cache.process_writer`); call
             :meth:`close` to free them.
         varlen_solo_min_length: packed ``varlen`` rows of a grouped-query target on a varlen kernel without native
             GQA (torch 2.10-2.11): samples of at least this many tokens run alone through SDPA's causal attention
@@ -512,7 +512,7 @@ class TargetRunner:
                 return buffer
         size = max(numel, self.token_budget * self.feature_size)
         if self.shared_host_buffers:
-            from dflash.shm import SharedHostBuffer, SharedMemoryFull
+            from dflash.batches.shm import SharedHostBuffer, SharedMemoryFull
 
             try:
                 shared = SharedHostBuffer(size, pin=self.device.type == "cuda")
@@ -717,7 +717,7 @@ class TargetRunner:
         """Like :meth:`iter_batches`, but yields each batch unfinished (:class:`PendingBatch`): batch k is yielded
         once batch k+1's forward is queued; the last one is yielded with ``last`` set and nothing queued behind it,
         so a caller that does not finish it at once keeps the device busy with its own next work
-        (``stages.extract_worker.ShardExtractor`` queues the next shard's first forward before it waits for it).
+        (``stages.extract.worker.ShardExtractor`` queues the next shard's first forward before it waits for it).
         Finish batch k before asking for batch k+2: at most two batches then hold device and host buffers."""
         planner = plan_packed_batches if self.packing else plan_batches
         plan = planner([len(ids) for ids in input_ids_list], self.token_budget)

@@ -3,7 +3,7 @@
 Layout of a run folder::
 
     RUN/run.json                      resolved config + environment (written at start, atomically)
-    RUN/metrics.jsonl, RUN/tb/        telemetry (dflash.telemetry)
+    RUN/metrics.jsonl, RUN/tb/        telemetry (dflash.training.telemetry)
     RUN/checkpoints/step_00000100/    one checkpoint (below)
     RUN/latest                        text: the newest complete checkpoint's folder name (written last)
     RUN/best, RUN/best.json           the checkpoint with the lowest validation loss, and that loss
@@ -13,7 +13,7 @@ embedding / LM head), ``drafter_config.json`` (``DFlashConfig.to_dict()``), ``ta
 ``target_spec``, embedding/LM-head hashes), ``optimizer.safetensors`` (the optimizer's state), ``trainer_state.json``
 (step, epoch, data cursor, scheduler, counters, resolved config) and ``rng.safetensors`` (torch/CUDA/numpy/python
 generator states). Nothing is pickled: the two state files are safetensors with their structure as JSON metadata
-(:mod:`dflash.state_files`), so loading a checkpoint, anyone's, cannot execute code. Checkpoints of older versions
+(:mod:`dflash.training.state_files`), so loading a checkpoint, anyone's, cannot execute code. Checkpoints of older versions
 hold ``optimizer.pt`` / ``rng.pt`` instead; they are read with ``torch.load(weights_only=True)`` and refused with
 a one-line error if they need more than tensors and plain values.
 
@@ -47,8 +47,8 @@ import torch
 
 from dflash.errors import CheckpointError, CheckpointNotFoundError, MismatchError
 from dflash.faults import fault_point
-from dflash.files import atomic_write_text  # re-exported: callers import it from here too
-from dflash.state_files import load_legacy_torch_file, load_state_tree, save_state_tree
+from dflash.io.files import atomic_write_text  # re-exported: callers import it from here too
+from dflash.training.state_files import load_legacy_torch_file, load_state_tree, save_state_tree
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -81,7 +81,7 @@ __all__ = [
 CHECKPOINT_FORMAT_VERSION = 2
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
-#: What format-1 checkpoints hold instead (read without unpickling code, see dflash.state_files).
+#: What format-1 checkpoints hold instead (read without unpickling code, see dflash.training.state_files).
 LEGACY_OPTIMIZER_FILE = "optimizer.pt"
 LEGACY_RNG_FILE = "rng.pt"
 #: Metadata key of ``optimizer.safetensors``: JSON list, the parameter name of each optimizer parameter index.
@@ -261,7 +261,7 @@ def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimiz
 
     ``Optimizer.state_dict()`` numbers the parameters of its param groups consecutively, group after group, in the
     order each group lists them; this walks the same order and names each parameter by identity, so the map is
-    exact whatever filtering built the optimizer's list (``dflash.optim.build_optimizer`` keeps the parameters
+    exact whatever filtering built the optimizer's list (``dflash.training.optim.build_optimizer`` keeps the parameters
     that require grad, in ``parameters()`` order). A parameter the model does not own is named ``<unnamed N>``.
     """
     names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
@@ -531,7 +531,7 @@ def load_checkpoint(path: str | Path, *, with_training_state: bool = True) -> Lo
         CheckpointError: missing, truncated or unreadable files (named), a state file that would need code to load,
             or a newer format version.
     """
-    from dflash.weights_io import load_safetensors
+    from dflash.io.weights import load_safetensors
 
     folder = resolve_checkpoint(path)
     try:
@@ -598,9 +598,9 @@ def load_drafter(path: str | Path, *, target: Any = None) -> tuple[Any, Any, dic
     path = Path(path)
     if _is_export_folder(path):
         try:
-            from dflash.export import load_exported_drafter
+            from dflash.serving.export import load_exported_drafter
         except ImportError as error:
-            raise CheckpointError(f"{path} is an export folder, but dflash.export is not available: {error}") from error
+            raise CheckpointError(f"{path} is an export folder, but dflash.serving.export is not available: {error}") from error
         return load_exported_drafter(path, target=target)
 
     checkpoint = load_checkpoint(path, with_training_state=False)

@@ -17,7 +17,7 @@ from dflash.errors import MismatchError
 if TYPE_CHECKING:
     from dflash.cache.format import CacheMetadata
     from dflash.drafter import DFlashConfig
-    from dflash.target import TargetIdentity
+    from dflash.target.load import TargetIdentity
 
 __all__ = ["IDENTITY_FIELDS", "check_training_inputs", "check_target_identity", "recorded_identity"]
 
@@ -73,9 +73,9 @@ def check_training_inputs(
     Args:
         metadata: the cache's root metadata (``CacheReader.metadata``).
         drafter_config: the config the drafter is (or was) built with.
-        target_identity: identity of the loaded target (``dflash.target.target_identity``).
+        target_identity: identity of the loaded target (``dflash.target.load.target_identity``).
         embedding_rows: rows of the loaded target's input embedding (the real token rows).
-        layer_id_convention: this code's convention (``dflash.target.LAYER_ID_CONVENTION``).
+        layer_id_convention: this code's convention (``dflash.target.load.LAYER_ID_CONVENTION``).
         cache_path: for messages.
 
     Raises:

@@ -1,6 +1,6 @@
 """Training state on disk without pickle: nests of tensors and plain values as one safetensors file.
 
-The optimizer's ``state_dict()`` and the RNG states (:func:`dflash.checkpoint.capture_rng_state`) are nests of dicts,
+The optimizer's ``state_dict()`` and the RNG states (:func:`dflash.training.checkpoint.capture_rng_state`) are nests of dicts,
 lists and tuples holding tensors, numpy arrays and plain Python values. :func:`save_state_tree` writes one
 ``.safetensors`` file: every tensor (and numpy array) is a safetensors tensor named by its path in the nest, and the
 nest itself, with each tensor replaced by its name, is JSON in the file's metadata (key ``dflash_state_tree``).

@@ -2,7 +2,7 @@
 
 - :class:`MetricsWriter` appends one JSON object per record to ``metrics.jsonl`` (flushed, so ``tail -f`` works and
   a killed run keeps every logged step) and mirrors numeric fields to the trackers of ``--report-to``
-  (:mod:`dflash.trackers`: TensorBoard ``tb/`` by default; W&B, MLflow, Trackio offline).
+  (:mod:`dflash.training.trackers`: TensorBoard ``tb/`` by default; W&B, MLflow, Trackio offline).
 - :class:`ThroughputWindow` gives rates over the last ``window`` steps (not cumulative since start, which hides
   slow-downs): real tokens/s (documents' tokens), padded tokens/s (tokens including padding), supervised tokens/s
   (tokens with loss_mask = 1) and drafted block tokens/s (anchors x block_size, what the drafter actually computes).
@@ -70,11 +70,11 @@ class TelemetryConfig:
     progress: bool = True
     """Show the rich progress bar (rank 0)."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
-    """Experiment trackers the metrics also go to (``dflash.trackers``): tensorboard, wandb, mlflow, trackio (offline
+    """Experiment trackers the metrics also go to (``dflash.training.trackers``): tensorboard, wandb, mlflow, trackio (offline
     modes; an absent package is skipped with a warning); empty (``--report-to none``) for ``metrics.jsonl`` only."""
 
     def __post_init__(self) -> None:
-        from dflash.trackers import TRACKERS
+        from dflash.training.trackers import TRACKERS
 
         for name in ("log_every", "throughput_window"):
             value = getattr(self, name)
@@ -100,7 +100,7 @@ def _jsonable(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Append-only metrics: ``<run>/metrics.jsonl``, mirrored to experiment trackers (:mod:`dflash.trackers`;
+    """Append-only metrics: ``<run>/metrics.jsonl``, mirrored to experiment trackers (:mod:`dflash.training.trackers`;
     TensorBoard under ``<run>/tb`` by default).
 
     Each record is ``{"kind": ..., "step": ..., "time": unix seconds, **fields}``. Numeric fields go to the trackers
@@ -117,10 +117,10 @@ class MetricsWriter:
         ``start_step``: the step this process starts from (the resumed checkpoint's, 0 for a fresh start). Records
         a crashed or killed earlier attempt wrote beyond it are dropped first (and TensorBoard purges its events
         from ``start_step + 1`` on), so every step is recorded once; ``None`` keeps the file as is. ``trackers``:
-        names of :data:`dflash.trackers.TRACKERS` (default: TensorBoard when ``tensorboard``); ``config`` is
+        names of :data:`dflash.training.trackers.TRACKERS` (default: TensorBoard when ``tensorboard``); ``config`` is
         given to the trackers that record one (W&B, MLflow, Trackio).
         """
-        from dflash.trackers import open_trackers
+        from dflash.training.trackers import open_trackers
 
         self.enabled = enabled
         self._file = None
@@ -140,7 +140,7 @@ class MetricsWriter:
         """Write one record (no-op when disabled)."""
         if not self.enabled or self._file is None:
             return
-        from dflash.trackers import numeric_fields
+        from dflash.training.trackers import numeric_fields
 
         record = {"kind": kind, "step": int(step), "time": time.time(), **_jsonable(dict(fields))}
         self._file.write(json.dumps(record) + "\n")
@@ -193,7 +193,7 @@ def drop_records_after(path: str | Path, step: int) -> int:
             continue
         kept.append(line)
     if dropped:
-        from dflash.files import atomic_write_text
+        from dflash.io.files import atomic_write_text
 
         atomic_write_text(path, "".join(line + "\n" for line in kept))
     return dropped
@@ -415,7 +415,7 @@ class FeedMeter:
     ``stats`` is the training batch source's ``stats``: ``wait_seconds`` (seconds the trainer waited for a batch),
     and optionally ``producer_work`` (``{producer: (tokens, compute_seconds)}``, cumulative) and
     ``occupancy_sums`` (``(sum of ready batches, sum of taken slots, samples)``, cumulative, one sample per batch
-    consumed), as :class:`dflash.online.OnlineStats` has. ``tokens`` is the trainer's cumulative real-token count.
+    consumed), as :class:`dflash.batches.online.OnlineStats` has. ``tokens`` is the trainer's cumulative real-token count.
 
     :meth:`interval` returns, since the previous :meth:`mark` or :meth:`interval` (all rates in real tokens per
     second of wall time; a field is absent when its interval holds no data):

@@ -28,7 +28,7 @@ __all__ = ["DTYPE_NAMES", "CONFIG_SECTIONS", "DuplicateKeyError", "unique_keys",
            "matches_type", "migrate_renamed", "MOVED_KEYS", "nest_moved", "nested_config", "set_path", "get_path", "leaf_paths",
            "deep_merge", "override_value", "read_config_file"]
 
-#: The stage sections a config file may hold (``[train]``, ``extract:``); ``stages.stage_config.KNOWN_SECTIONS``.
+#: The stage sections a config file may hold (``[train]``, ``extract:``); ``stages.config.resolve.KNOWN_SECTIONS``.
 CONFIG_SECTIONS = ("generate", "prepare", "split", "extract", "train", "evaluate", "online", "export", "sweep")
 
 #: What :func:`field_default` returns for a field without a default (a required field).
@@ -84,10 +84,10 @@ def migrate_renamed(section: str, values: Mapping[str, Any], source: str = "", *
 
 
 #: Settings that moved into a nested config (STYLE.md 15: bigger configs nest smaller ones; ``train.lr`` is now
-#: ``train.optim.lr``, declared once in ``dflash.optim.OptimConfig``; ``train.token_budget`` is ``train.data.token_budget``,
-#: ``dflash.batch_source.LoaderConfig``; ``train.block_size`` is ``train.drafter.block_size``,
+#: ``train.optim.lr``, declared once in ``dflash.training.optim.OptimConfig``; ``train.token_budget`` is ``train.data.token_budget``,
+#: ``dflash.batches.source.LoaderConfig``; ``train.block_size`` is ``train.drafter.block_size``,
 #: ``dflash.drafter.config.DrafterTrainingConfig``; ``train.log_every`` is ``train.telemetry.log_every``,
-#: ``dflash.telemetry.TelemetryConfig``): section -> {old flat key: new dotted path}.
+#: ``dflash.training.telemetry.TelemetryConfig``): section -> {old flat key: new dotted path}.
 #: A config file, preset, ``--set`` or ``--grid`` with the old key is read as the new path with one deprecation
 #: warning per key; a saved run (``run.json``, a checkpoint) written before the move is read silently.
 MOVED_KEYS: dict[str, dict[str, str]] = {

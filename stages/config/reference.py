@@ -5,7 +5,7 @@ Each stage's settings are the fields of its config dataclass; this reads them (n
 ``Fields:`` section of the class docstring), so the reference cannot drift from the code:
 ``tests/test_cli_declarations.py`` regenerates it and compares. Run::
 
-    python -m stages.config_reference > docs/config-reference.md
+    python -m stages.config.reference > docs/config-reference.md
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ __all__ = ["STAGE_CONFIGS", "field_descriptions", "reference_markdown", "section
 STAGE_CONFIGS = {
     "prepare": ("stages.prepare", "PrepareConfig"),
     "generate": ("stages.generate", "GenerateConfig"),
-    "extract": ("stages.extract", "ExtractConfig"),
-    "train": ("stages.train", "TrainConfig"),
+    "extract": ("stages.extract.command", "ExtractConfig"),
+    "train": ("stages.train.command", "TrainConfig"),
     "online": ("pipelines.online", "OnlineConfig"),
     "evaluate": ("stages.evaluate", "EvaluateConfig"),
     "export": ("stages.export", "ExportConfig"),
@@ -82,7 +82,7 @@ def _type_name(annotation: Any) -> str:
 
 
 def _default(field: dataclasses.Field) -> str:
-    from dflash.config_check import MISSING_DEFAULT, field_default
+    from stages.config.check import MISSING_DEFAULT, field_default
 
     value = field_default(field)
     if value is MISSING_DEFAULT:
@@ -96,7 +96,7 @@ def sections() -> list[tuple[str, type, Any]]:
     """``(section, config dataclass, default)`` of every stage and of every nested config they hold (``train.optim``:
     ``OptimConfig``), each nested one after its parent, in field order. ``default``: the instance the parent's field
     defaults to (its values are the defaults there: train's ``data.validation_fraction`` is 0.01), or None."""
-    from dflash.config_check import MISSING_DEFAULT, field_default
+    from stages.config.check import MISSING_DEFAULT, field_default
 
     found: list[tuple[str, type, Any]] = []
     stages = {getattr(importlib.import_module(module), name) for module, name in STAGE_CONFIGS.values()}
@@ -121,7 +121,7 @@ def reference_markdown() -> str:
     out = [
         "# Configuration reference",
         "",
-        "Every setting of every stage, generated from the config dataclasses (`python -m stages.config_reference >",
+        "Every setting of every stage, generated from the config dataclasses (`python -m stages.config.reference >",
         "docs/config-reference.md`; a test fails when this page and the code disagree). A field `F` of section `S`",
         "is `S.F` everywhere: `--set S.F=VALUE`, key `F` under `[S]` in a `--config` file or a preset, and (for most",
         "fields) the option `--f-name` of the stage's command. Precedence, lowest first: the default below <",

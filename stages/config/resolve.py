@@ -2,11 +2,11 @@
 
 Precedence, lowest first: the command's defaults < the preset's section for this stage < the config file < the
 options given on the command line < ``--set`` overrides. Each layer is checked against the stage's config
-dataclass before any work (``dflash.config_check.check_fields``: unknown keys with a did-you-mean, wrong types),
+dataclass before any work (``stages.config.check.check_fields``: unknown keys with a did-you-mean, wrong types),
 and a value the dataclass refuses names its key and where it came from. ``--print-config`` prints the resolved
 config as ``{"STAGE": {...}}`` JSON, which ``--config`` reads back.
 
-A config file (``.toml``, ``.yaml``/``.yml`` or ``.json``, ``dflash.config_check.read_config_file``) holds either this
+A config file (``.toml``, ``.yaml``/``.yml`` or ``.json``, ``stages.config.check.read_config_file``) holds either this
 stage's fields at the top or a section named after the stage (``[extract]`` in TOML): a pipeline preset, or a
 ``--print-config`` of several stages, configures each stage from its own section (other stages' sections are
 ignored; a top-level ``target`` applies to every stage that has one).
@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash.config_check import CONFIG_SECTIONS, check_not_empty_path, migrate_renamed, override_value
 from dflash.errors import ConfigError
+from stages.config.check import CONFIG_SECTIONS, check_not_empty_path, migrate_renamed, override_value
 
 __all__ = ["CONFIG_OPTION", "PRESET_OPTION", "PRINT_CONFIG_OPTION", "SET_OPTION", "given_options", "print_and_exit",
            "nested", "parse_sets", "plain_value", "printable", "resolve_stage_config", "section_of", "split_given", "without_key"]
@@ -80,8 +80,8 @@ def section_of(data: Mapping[str, Any], section: str, fields: set[str], source: 
 def parse_sets(overrides: Sequence[str], section: str) -> list[tuple[str, Any, str]]:
     """``--set KEY=VALUE`` or ``--set SECTION.KEY=VALUE`` (JSON value, else a string) -> (key, value, source). A key
     of a nested config is its dotted path (``train.optim.lr=3e-4`` -> ``("optim.lr", 3e-4, ...)``); an old flat key
-    (``train.lr``) is read as its path with a deprecation warning (``dflash.config_check.MOVED_KEYS``)."""
-    from dflash.config_check import MOVED_KEYS, RENAMED_KEYS, nest_moved
+    (``train.lr``) is read as its path with a deprecation warning (``stages.config.check.MOVED_KEYS``)."""
+    from stages.config.check import MOVED_KEYS, RENAMED_KEYS, nest_moved
 
     parsed = []
     for item in overrides:
@@ -105,7 +105,7 @@ def parse_sets(overrides: Sequence[str], section: str) -> list[tuple[str, Any, s
 
 def nested(key: str, value: Any) -> dict[str, Any]:
     """``("optim.lr", 3e-4)`` -> ``{"optim": {"lr": 3e-4}}``: a dotted ``--set`` key as the section dict it sets."""
-    from dflash.config_check import set_path
+    from stages.config.check import set_path
 
     values: dict[str, Any] = {}
     set_path(values, key, value)
@@ -146,7 +146,7 @@ def resolve_stage_config(
         ConfigError: a missing or unreadable file, an unknown preset, an unknown key, a wrong type, a value the
             config refuses, or a required field without a value; the message names the key and its source.
     """
-    from dflash.config_check import check_fields, layer_over, read_config_file
+    from stages.config.check import check_fields, layer_over, read_config_file
 
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     option_names = dict(option_names or {})

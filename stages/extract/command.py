@@ -6,7 +6,7 @@ Run::
     dflash-stages extract --corpus data/corpus --output data/cache --target-processes 2    # CPU processes
     dflash-stages extract --corpus data/corpus --output data/cache --scheduler-address tcp://host:8786
 
-Order of work: lock the output (``dflash.locks``: one extract per cache; the driver holds the lock until it returns
+Order of work: lock the output (``dflash.io.locks``: one extract per cache; the driver holds the lock until it returns
 and the workers write under it), open and validate the corpus against the target's vocabulary (no GPU touched), plan shards
 (contiguous row ranges of about ``--shard-size`` tokens), reopen an existing cache (a rerun resumes: committed
 shards are skipped; it keeps its own codec), print the size estimate and refuse when it exceeds the free space
@@ -45,7 +45,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dflash.errors import CacheError, ConfigError, DFlashError
-from stages.cluster import cluster_workers, start_cluster, validate_placement
+from stages.replicas.cluster import cluster_workers, start_cluster, validate_placement
 
 __all__ = ["ExtractConfig", "CachePlan", "run_extract", "plan_cache", "create_cache", "prepare_cache", "plan_shards",
            "estimate_cache_bytes", "register"]
@@ -73,7 +73,7 @@ class ExtractConfig:
         shard_size: target tokens per shard (rows are grouped contiguously; a longer row is a shard of its own).
         token_budget: padded tokens per forward batch (rows x longest); with ``packing``, tokens per packed row.
         packing: packed forward batches (samples back to back, attention confined to each; no padding) instead of
-            right-padded length-grouped ones (``dflash.target_runner``): the same hidden states within bf16.
+            right-padded length-grouped ones (``dflash.target.runner``): the same hidden states within bf16.
         packed_attention: the attention kernel of packed batches: ``"auto"`` (default: ``"varlen"`` on GPU workers
             whose torch has it, else ``"flex_attention"`` on GPU workers and ``"sdpa"`` on CPU workers),
             ``"flex_attention"`` (a document mask), ``"sdpa"`` (a block-diagonal mask) or ``"varlen"``
@@ -100,13 +100,13 @@ class ExtractConfig:
             ``require_encryption=True``); all three together. Without them distributed's own config
             (``distributed.comm.tls.*``) applies.
         break_lock: take over the output's lock although its owner record names another host (that run must be
-            known dead; ``dflash.locks``).
+            known dead; ``dflash.io.locks``).
         write_threads: chunk-compression threads per worker; ``None``: CPUs per worker - 1 (at most 32).
         writes_in_flight: shard writes per worker running beside its compute (each holds a shard in host memory).
             3: on an H200 (Qwen3-8B shape, 1M tokens) 2 left the device blocked on writes 2.3 s of 33 s, 3 for 2 ms.
         write_processes: 0: each worker writes its shards in its own threads. N > 0: in N write processes per
             worker reading the hidden states from shared host memory (``dflash.cache.process_writer``). ``None``
-            (default): 2 on GPU workers, 0 on CPU workers (``stages.extract_worker.default_write_processes``).
+            (default): 2 on GPU workers, 0 on CPU workers (``stages.extract.worker.default_write_processes``).
             LocalCluster workers are then started non-daemonic; an external cluster (``--scheduler-address``) needs
             ``distributed.worker.daemon: false`` in its config (else its workers fall back to threads, or fail
             for an explicit N > 0).
@@ -147,12 +147,12 @@ class ExtractConfig:
         for name in ("num_taps", "shard_size", "token_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: expected >= 1, got {getattr(self, name)}")
-        from dflash.config_check import dtype_spelling
+        from stages.config.check import dtype_spelling
 
         self.storage_dtype = dtype_spelling(self.storage_dtype, tuple(_STORAGE_DTYPES))
         if self.storage_dtype not in _STORAGE_DTYPES:
             raise ConfigError(f"storage_dtype: expected one of {sorted(_STORAGE_DTYPES)}, got {self.storage_dtype!r}")
-        from dflash.target import PACKED_ATTENTION
+        from dflash.target.load import PACKED_ATTENTION
 
         if self.packed_attention not in PACKED_ATTENTION:
             raise ConfigError(f"packed_attention: expected one of {'|'.join(PACKED_ATTENTION)}, "
@@ -239,7 +239,7 @@ def _default_write_threads(placement: dict[str, Any]) -> int | None:
     workers = placement.get("num_workers")
     if not workers:
         return None
-    from stages.extract_worker import default_write_threads
+    from stages.extract.worker import default_write_threads
 
     return default_write_threads(max(1, (os.cpu_count() or 1) // workers))
 
@@ -277,8 +277,8 @@ def plan_cache(config: ExtractConfig, console: Console) -> CachePlan:
     from dflash.cache import DEFAULT_CODEC, CacheMetadata, HiddenStateCache
     from dflash.cache.codec_choice import AUTO_CODEC
     from dflash.cache.format import codec_preset_name
-    from dflash.corpus import open_corpus, validate_corpus
-    from dflash.target import (
+    from dflash.corpus.format import open_corpus, validate_corpus
+    from dflash.target.load import (
         LAYER_ID_CONVENTION,
         default_target_layer_ids,
         resolve_target_path,
@@ -411,10 +411,10 @@ def run_extract(config: ExtractConfig, console: Console | None = None) -> dict[s
         TargetError: the target cannot be found or the layer ids are out of range.
         CacheError: the output holds another cache or not enough free space; shards still uncommitted at the
             end (rerun the same command to finish them).
-        LockError: another extract writes the same output (``dflash.locks``; this run holds the lock from before
+        LockError: another extract writes the same output (``dflash.io.locks``; this run holds the lock from before
             the cache is opened until it returns, its Dask workers write under it).
     """
-    from dflash.locks import output_lock
+    from dflash.io.locks import output_lock
 
     with output_lock(config.output, what="cache", break_lock=config.break_lock):
         return _run_extract_locked(config, console)
@@ -434,10 +434,10 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
     from dflash.cache.codec_choice import AUTO_CODEC
     from dflash.cache.format import codec_preset_name
     from dflash.cache.store import remove_partial_files
-    from stages.extract_worker import ShardSpec, TargetWorkerPlugin, extract_shard, flush_worker
+    from stages.extract.worker import ShardSpec, TargetWorkerPlugin, extract_shard, flush_worker
 
     console = console or Console()
-    from stages.cluster import require_local_gpus
+    from stages.replicas.cluster import require_local_gpus
 
     require_local_gpus(config)  # local GPU workers on a host without CUDA: refused before any file exists
     plan = plan_cache(config, console)
@@ -564,7 +564,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
     counts = cache.finalize()
     summary.update(counts)
     # Quarantined samples of every committed shard, from the commit records (a shard's last batch is finished by
-    # its write, after the shard's task returned: stages.extract_worker.ShardExtractor.process).
+    # its write, after the shard's task returned: stages.extract.worker.ShardExtractor.process).
     quarantined = [{**entry, "shard": shard} for shard in sorted(cache.committed_shards())
                    for entry in (cache.commit_record(shard) or {}).get("quarantined", [])]  # fmt: skip
     summary["codec"] = codec_preset_name(cache.metadata.codec)
@@ -623,7 +623,7 @@ def _choose_codec(client: Any, config: ExtractConfig, plan: CachePlan, rows: lis
         describe_choice,
         uncalibrated_choice,
     )
-    from stages.extract_worker import CalibrationSpec, calibrate_worker_codecs
+    from stages.extract.worker import CalibrationSpec, calibrate_worker_codecs
 
     if config.codec_calibration == "never":
         choice = uncalibrated_choice("codec_calibration=never: the default codec, not measured")
@@ -709,7 +709,7 @@ def _int_list(value: str | None, name: str) -> list[int] | None:
 def register(app: typer.Typer) -> None:
     """Add the ``extract`` command to the CLI."""
 
-    from stages.stage_config import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
+    from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
 
     @app.command("extract")
     def extract_command(
@@ -754,7 +754,7 @@ def register(app: typer.Typer) -> None:
         """
         console = Console()
         try:
-            from stages.stage_config import print_and_exit, resolve_stage_config, split_given
+            from stages.config.resolve import print_and_exit, resolve_stage_config, split_given
 
             values = dict(
                 corpus=corpus, output=output, target=target,
@@ -774,7 +774,7 @@ def register(app: typer.Typer) -> None:
                 print_and_exit("extract", config)
             run_extract(config, console)
         except DFlashError as error:
-            from stages.exit_status import ExitCode, print_error
+            from stages.config.exit_status import ExitCode, print_error
 
             print_error(error)
             raise typer.Exit(ExitCode.USAGE) from None

@@ -39,10 +39,10 @@ from dflash.cache import HiddenSample, HiddenStateCache, quarantine_record
 from dflash.cache.chunks import keep_chunk_buffers_mapped
 from dflash.cache.codec_choice import calibrate_codecs
 from dflash.cache.writer import chunk_write_threads
-from dflash.corpus import open_corpus
+from dflash.corpus.format import open_corpus
 from dflash.errors import ConfigError, DFlashError
-from dflash.target_runner import TargetRunner
-from stages.replica import TargetReplicaPlugin
+from dflash.target.runner import TargetRunner
+from stages.replicas.replica import TargetReplicaPlugin
 
 __all__ = [
     "ShardSpec",
@@ -391,11 +391,11 @@ class ShardExtractor:
 
 
 class TargetWorkerPlugin(TargetReplicaPlugin):
-    """Extract's target replica: the shared lifecycle of :class:`stages.replica.TargetReplicaPlugin` (target loaded
+    """Extract's target replica: the shared lifecycle of :class:`stages.replicas.replica.TargetReplicaPlugin` (target loaded
     once per worker in ``setup``, freed in ``teardown``) with a :class:`ShardExtractor` on top.
 
     Args:
-        target_spec: ``"default"``, a transformers folder or a ``.gguf`` file (see ``dflash.target``).
+        target_spec: ``"default"``, a transformers folder or a ``.gguf`` file (see ``dflash.target.load``).
         target_layer_ids: tapped decoder layers.
         token_budget: padded tokens per forward batch.
         gpu_by_worker: worker name -> physical GPU index (LocalCluster from ``--target-gpus``); the worker pins it
@@ -408,7 +408,7 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
         writes_in_flight: shard writes per worker running beside compute (bounded backpressure).
         write_processes: write processes per worker (0: threads; ``None``: :func:`default_write_processes`; see
             :class:`ShardExtractor`).
-        packing: packed forward batches instead of right-padded ones (:class:`dflash.target_runner.TargetRunner`).
+        packing: packed forward batches instead of right-padded ones (:class:`dflash.target.runner.TargetRunner`).
         packed_attention: the attention kernel of packed batches (``TargetRunner``'s ``packed_attention``).
     """
 

@@ -7,7 +7,7 @@ A and B are run folders, checkpoint folders or serving-format exports. Three com
   listed under the first section that has it (``config.block_size``, not again as ``drafter.block_size``); left
   out: the output folder (the path being compared), the bucket table's batch counts (a consequence of the batch
   settings) and the cache metadata (its fingerprint is in the environment).
-- environment (``run.json`` ``environment``, :func:`dflash.checkpoint.collect_environment`): Python, library
+- environment (``run.json`` ``environment``, :func:`dflash.training.checkpoint.collect_environment`): Python, library
   versions, CUDA build, GPUs and driver, CPU model and thread counts, behaviour-changing environment variables,
   code commit / dirty flag / diff hash, cache and corpus fingerprints, compile. The command line is not compared
   (the config is what it resolved to).
@@ -110,7 +110,7 @@ def _median_performance(records: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _metrics_of(folder: Path, up_to_step: int | None) -> list[dict[str, Any]]:
-    from dflash.telemetry import read_metrics
+    from dflash.training.telemetry import read_metrics
 
     if not (folder / "metrics.jsonl").is_file():
         return []
@@ -124,7 +124,7 @@ def load_side(path: str | Path) -> Side:
     Raises:
         CheckpointError: ``path`` is none of the three.
     """
-    from stages.inspect import _read_json, describe, flatten
+    from stages.forensics.inspect import _read_json, describe, flatten
 
     artefact = describe(path)
     side = Side(path=artefact.path, kind=artefact.kind)
@@ -147,7 +147,7 @@ def load_side(path: str | Path) -> Side:
             if section == "resolved":
                 content.pop("drafter_config", None)  # the drafter section has it
             if section == "config":  # a run saved with flat keys (lr, token_budget) compares at today's paths
-                from dflash.config_check import migrate_renamed
+                from stages.config.check import migrate_renamed
 
                 content = migrate_renamed("train", content, saved=True)
             side.sections[section] = flatten(content, "")
@@ -249,7 +249,7 @@ def print_comparison(console: Any, comparison: Comparison) -> None:
     """The three tables (only non-empty ones) and the verdict line."""
     from rich.table import Table
 
-    from stages.inspect import _add_key_column, _format
+    from stages.forensics.inspect import _add_key_column, _format
 
     left, right = comparison.left, comparison.right
     console.print(f"A = {left.kind} {_format(str(left.path))}\nB = {right.kind} {_format(str(right.path))}",
@@ -295,7 +295,7 @@ def diff_command(
     try:
         comparison = compare(load_side(a), load_side(b))
     except DFlashError as error:
-        from stages.exit_status import ExitCode, print_error
+        from stages.config.exit_status import ExitCode, print_error
 
         print_error(error)
         raise typer.Exit(code=ExitCode.USAGE) from None

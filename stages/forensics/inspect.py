@@ -73,7 +73,7 @@ def tensor_statistics(path: Path) -> list[dict[str, Any]]:
     """
     import torch
 
-    from stages.scan import file_tensors
+    from stages.forensics.scan import file_tensors
 
     rows = []
     for name, dtype, shape, chunks in file_tensors(path):
@@ -127,7 +127,7 @@ def _read_json(path: Path) -> Any:
 
 def _weights_summary(path: Path) -> dict[str, Any]:
     """Tensor count, parameters, dtypes and bytes of a safetensors file (header only, no data read)."""
-    from dflash.weights_io import open_safetensors
+    from dflash.io.weights import open_safetensors
 
     count, parameters, dtypes = 0, 0, set()
     with open_safetensors(path) as handle:
@@ -143,7 +143,7 @@ def _weights_summary(path: Path) -> dict[str, Any]:
 
 
 def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    from dflash.weights_io import open_safetensors
+    from dflash.io.weights import open_safetensors
 
     with open_safetensors(path) as handle:
         return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
@@ -151,7 +151,12 @@ def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 def _describe_checkpoint(folder: Path, artefact: Artefact) -> None:
     from dflash.errors import DFlashError
-    from dflash.export import CHECKPOINT_CONFIG_FILE, CHECKPOINT_TARGET_FILE, WEIGHTS_FILE, check_state_dict
+    from dflash.serving.export import (
+        CHECKPOINT_CONFIG_FILE,
+        CHECKPOINT_TARGET_FILE,
+        WEIGHTS_FILE,
+        check_state_dict,
+    )
 
     config = _read_json(folder / CHECKPOINT_CONFIG_FILE)
     artefact.facts.update(flatten(config, "drafter"))
@@ -176,7 +181,7 @@ def _describe_checkpoint(folder: Path, artefact: Artefact) -> None:
     for state_file in ("optimizer.safetensors", "optimizer.pt", "rng.safetensors"):  # format 2, or format 1's file
         if (folder / state_file).is_file() and state_file != "rng.safetensors":
             artefact.weight_files.append(folder / state_file)
-    from stages.scan import step_problems
+    from stages.forensics.scan import step_problems
 
     recorded = [folder / name for name in (WEIGHTS_FILE, "optimizer.safetensors", "rng.safetensors")
                 if (folder / name).is_file()]
@@ -186,7 +191,7 @@ def _describe_checkpoint(folder: Path, artefact: Artefact) -> None:
 
 def _describe_export(folder: Path, artefact: Artefact) -> None:
     from dflash.errors import DFlashError
-    from dflash.export import (
+    from dflash.serving.export import (
         CONFIG_FILE,
         PROVENANCE_FILE,
         WEIGHTS_FILE,
@@ -226,9 +231,9 @@ def describe(path: str | Path) -> Artefact:
     Raises:
         CheckpointError: the path is none of the three, or a recorded pointer/JSON file is broken.
     """
-    from dflash.checkpoint import resolve_checkpoint
     from dflash.errors import CheckpointError
-    from dflash.export import CHECKPOINT_CONFIG_FILE, CONFIG_FILE, PROVENANCE_FILE
+    from dflash.serving.export import CHECKPOINT_CONFIG_FILE, CONFIG_FILE, PROVENANCE_FILE
+    from dflash.training.checkpoint import resolve_checkpoint
 
     folder = Path(path).expanduser()
     if not folder.is_dir():
@@ -299,13 +304,13 @@ def _named_tensors(path: Path) -> Iterator[tuple[str, Any]]:
     import torch
 
     if path.suffix == ".safetensors":
-        from dflash.weights_io import open_safetensors
+        from dflash.io.weights import open_safetensors
 
         with open_safetensors(path) as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
         return
-    from dflash.state_files import load_legacy_torch_file
+    from dflash.training.state_files import load_legacy_torch_file
 
     stack: list[tuple[str, Any]] = [("", load_legacy_torch_file(path))]  # a format-1 optimizer.pt: never unpickled
     while stack:
@@ -436,13 +441,13 @@ def inspect_command(
         artefact = describe(path)
         other = describe(diff) if diff is not None else None  # both refused here, before any output
     except DFlashError as error:
-        from stages.exit_status import ExitCode, print_error
+        from stages.config.exit_status import ExitCode, print_error
 
         print_error(error)
         raise typer.Exit(code=ExitCode.USAGE) from None
 
     if as_json and (other is not None or scan):
-        from stages.exit_status import ExitCode, print_error
+        from stages.config.exit_status import ExitCode, print_error
 
         print_error("--json prints one artefact: use it without --diff and --scan (`dflash-stages diff` and "
                     "`dflash-stages scan` have their own --json)")
@@ -460,14 +465,14 @@ def inspect_command(
             _print_tensors(console, statistics, artefact.model_file)
         failed = any(verdict != "ok" for verdict in artefact.checks.values())
     else:  # the same comparison as ``dflash-stages diff PATH OTHER``
-        from stages.diff import compare, load_side, print_comparison
+        from stages.forensics.diff import compare, load_side, print_comparison
 
         comparison = compare(load_side(path), load_side(diff))
         print_comparison(console, comparison)
         failed = comparison.differs
 
     if scan:  # the same scan as ``dflash-stages scan PATH`` (every checkpoint of a run)
-        from stages.scan import DEFAULT_MAX_ABS, print_scans, scan_paths
+        from stages.forensics.scan import DEFAULT_MAX_ABS, print_scans, scan_paths
 
         scans = scan_paths([path], max_abs=DEFAULT_MAX_ABS)
         print_scans(console, scans, max_abs=DEFAULT_MAX_ABS)

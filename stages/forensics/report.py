@@ -1,6 +1,6 @@
 """``dflash-stages report RUN [RUN...]``: PNG plots of training runs and one self-contained HTML page.
 
-Reads each run's ``metrics.jsonl`` (``dflash.telemetry``: ``train``, ``val`` and ``checkpoint`` records) and, when the
+Reads each run's ``metrics.jsonl`` (``dflash.training.telemetry``: ``train``, ``val`` and ``checkpoint`` records) and, when the
 run is a pipeline's (``WORKDIR/run`` beside ``WORKDIR/pipeline.json``, or the WORKDIR itself), the tau measured by
 ``evaluate`` after each epoch. Several runs are overlaid, one colour each. Plots (``--output``, default
 ``RUN/report``):
@@ -35,7 +35,7 @@ from typing import Any
 
 import typer
 
-from dflash.files import atomic_write_text
+from dflash.io.files import atomic_write_text
 
 __all__ = ["register", "report_command", "RunSeries", "load_series", "write_report", "PLOTS"]
 
@@ -74,7 +74,7 @@ def load_series(path: str | Path) -> RunSeries:
         CheckpointError: no ``metrics.jsonl`` there.
     """
     from dflash.errors import CheckpointError
-    from dflash.telemetry import read_metrics
+    from dflash.training.telemetry import read_metrics
 
     folder = Path(path).expanduser()
     run = folder / "run" if (folder / "pipeline.json").is_file() and (folder / "run").is_dir() else folder
@@ -285,7 +285,7 @@ def report_command(
     try:
         series = [load_series(run) for run in runs]
     except DFlashError as error:
-        from stages.exit_status import ExitCode, print_error
+        from stages.config.exit_status import ExitCode, print_error
 
         print_error(error)
         raise typer.Exit(code=ExitCode.USAGE) from None

@@ -6,8 +6,8 @@ folder or a serving-format export. Per checkpoint, ``model.safetensors`` and the
 safetensors' ``safe_open`` (large tensors in row chunks), so memory stays bounded by one chunk whatever the file's
 size. Optimizer state is named by parameter (``layers.0.mlp.up_proj.weight.exp_avg``, stored as
 ``state.7.exp_avg``): the index -> name map is the one the checkpoint recorded (``dflash_param_names`` in the
-file's metadata, :func:`dflash.checkpoint.optimizer_param_names`); for older checkpoints it is rebuilt from
-``drafter_config.json`` in the order ``dflash.optim.build_optimizer`` lists the parameters (and said so).
+file's metadata, :func:`dflash.training.checkpoint.optimizer_param_names`); for older checkpoints it is rebuilt from
+``drafter_config.json`` in the order ``dflash.training.optim.build_optimizer`` lists the parameters (and said so).
 
     dflash-stages scan runs/smol                         # every checkpoint of the run
     dflash-stages scan runs/a runs/b/checkpoints/step_00000100 --max-abs 1e3 --json
@@ -81,7 +81,7 @@ def checkpoints_to_scan(path: str | Path) -> list[Path]:
         CheckpointError: ``path`` is no run, checkpoint or export, or a run without any checkpoint.
     """
     from dflash.errors import CheckpointError
-    from stages.inspect import describe
+    from stages.forensics.inspect import describe
 
     folder = Path(path).expanduser()
     if (folder / "checkpoints").is_dir() and not (folder / "model.safetensors").is_file():
@@ -114,7 +114,7 @@ def _chunks(handle: Any, name: str) -> Iterator[Any]:
 def file_tensors(path: Path) -> Iterator[tuple[str, str, list[int], Iterator[Any]]]:
     """``(stored name, dtype, shape, chunks)`` of every tensor of a safetensors or format-1 torch file."""
     if path.suffix == ".safetensors":
-        from dflash.weights_io import open_safetensors
+        from dflash.io.weights import open_safetensors
 
         with open_safetensors(path) as handle:
             for name in handle.keys():
@@ -122,7 +122,7 @@ def file_tensors(path: Path) -> Iterator[tuple[str, str, list[int], Iterator[Any
                 yield name, str(tensor_slice.get_dtype()), list(tensor_slice.get_shape()), _chunks(handle, name)
         return
     # A format-1 optimizer.pt: loaded whole (weights only, never unpickled), so this one is not streamed.
-    from stages.inspect import _named_tensors
+    from stages.forensics.inspect import _named_tensors
 
     for name, tensor in _named_tensors(path):
         yield name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), iter([tensor])
@@ -130,10 +130,10 @@ def file_tensors(path: Path) -> Iterator[tuple[str, str, list[int], Iterator[Any
 
 def _param_names(folder: Path, optimizer_file: Path, scan: CheckpointScan) -> list[str] | None:
     """Parameter name per optimizer index: recorded in the file, else rebuilt from ``drafter_config.json``."""
-    from dflash.checkpoint import PARAM_NAMES_KEY
+    from dflash.training.checkpoint import PARAM_NAMES_KEY
 
     if optimizer_file.suffix == ".safetensors":
-        from dflash.weights_io import open_safetensors
+        from dflash.io.weights import open_safetensors
 
         with open_safetensors(optimizer_file) as handle:
             recorded = (handle.metadata() or {}).get(PARAM_NAMES_KEY)
@@ -191,7 +191,7 @@ def _scan_file(path: Path, names: list[str] | None, max_abs: float, scan: Checkp
 
 def step_problems(folder: Path, files: list[Path]) -> list[str]:
     """Disagreements between the steps a checkpoint records (folder name, trainer state, files' metadata)."""
-    from dflash.weights_io import open_safetensors
+    from dflash.io.weights import open_safetensors
 
     steps: dict[str, int] = {}
     match = re.fullmatch(r"step_(\d+)", folder.name)
@@ -283,7 +283,7 @@ def scan_command(
     try:
         scans = scan_paths(paths, max_abs=max_abs)
     except DFlashError as error:
-        from stages.exit_status import ExitCode, print_error
+        from stages.config.exit_status import ExitCode, print_error
 
         print_error(error)
         raise typer.Exit(code=ExitCode.USAGE) from None

@@ -29,7 +29,7 @@ __all__ = ["require_local_gpus", "PlacementSettings", "validate_placement", "sta
 # import, e.g. dflash.faults) are imported by each worker under its own environment.
 FORKSERVER_PRELOAD = ("distributed", "numpy", "torch", "transformers", "transformers.modeling_utils")
 
-log = logging.getLogger("stages.extract")
+log = logging.getLogger("stages.extract.command")
 
 
 class PlacementSettings(Protocol):

@@ -1,9 +1,9 @@
 """Worker side of ``dflash-stages online``: the Dask WorkerPlugin of an online producer and its task.
 
-:class:`OnlineProducerPlugin` is a :class:`stages.replica.TargetReplicaPlugin` (target loaded once per worker in
-``setup``, its GPU pinned; freed in ``teardown``), with a :class:`dflash.online.BatchProducer` on top: the same
-:class:`dflash.target_runner.TargetRunner` as ``extract``. A task is pure in Dask's sense: a
-:class:`dflash.online.BatchTask` in (a planned batch, a ring slot and its ticket), a small dict out; the hidden
+:class:`OnlineProducerPlugin` is a :class:`stages.replicas.replica.TargetReplicaPlugin` (target loaded once per worker in
+``setup``, its GPU pinned; freed in ``teardown``), with a :class:`dflash.batches.online.BatchProducer` on top: the same
+:class:`dflash.target.runner.TargetRunner` as ``extract``. A task is pure in Dask's sense: a
+:class:`dflash.batches.online.BatchTask` in (a planned batch, a ring slot and its ticket), a small dict out; the hidden
 states go into the shared-memory slot, never through Dask. A task whose worker dies is rerun by Dask on another
 worker (same slot and ticket; the slot is rewritten whole).
 """
@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from distributed import get_worker
 
-from dflash.corpus import open_corpus
-from dflash.online import BatchProducer, BatchTask
-from dflash.target_runner import TargetRunner
-from stages.replica import TargetReplicaPlugin
+from dflash.batches.online import BatchProducer, BatchTask
+from dflash.corpus.format import open_corpus
+from dflash.target.runner import TargetRunner
+from stages.replicas.replica import TargetReplicaPlugin
 
 __all__ = ["OnlineProducerPlugin", "produce_batch", "PLUGIN_NAME"]
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from distributed import WorkerPlugin
 
-from dflash.target import LoadedTarget, load_target
+from dflash.target.load import LoadedTarget, load_target
 
 __all__ = ["TargetReplicaPlugin", "die_with_parent"]
 
@@ -42,7 +42,7 @@ class TargetReplicaPlugin(WorkerPlugin):
     """Loads the target once per Dask worker and hands it to :meth:`build`.
 
     Args:
-        target_spec: ``"default"``, a transformers folder or a ``.gguf`` file (see ``dflash.target``).
+        target_spec: ``"default"``, a transformers folder or a ``.gguf`` file (see ``dflash.target.load``).
         gpu_by_worker: worker name -> physical GPU index; the worker pins it with ``torch.cuda.set_device``.
             ``None``: ``device``.
         device: ``"cuda"`` (the worker's current GPU), ``"cpu"`` or ``"auto"`` (CUDA when present).

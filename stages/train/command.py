@@ -4,7 +4,7 @@ Run::
 
     dflash-stages train --cache CACHE --output RUN                      # one process (GPU 0, or CPU)
     dflash-stages train --cache CACHE --output RUN --drafter-gpus 5,6,7 # DDP, one process per listed GPU
-    torchrun --nproc-per-node 3 -m stages.train --cache CACHE --output RUN   # same, launched by torchrun
+    torchrun --nproc-per-node 3 -m stages.train.command --cache CACHE --output RUN   # same, launched by torchrun
     dflash-stages train --cache CACHE --output RUN --resume             # continue RUN from its latest checkpoint
 
 With ``--drafter-gpus`` listing several GPUs (or ``--drafter-processes N`` on CPU, gloo backend) the command launches
@@ -18,7 +18,7 @@ Resume: ``--resume`` starts from the saved configuration of RUN; options given o
 An override that changes the training trajectory (learning rate, batch, seed, schedule length...) is refused,
 naming the fields, unless ``--allow-config-change``: exact resume reproduces the straight run bit for bit on CPU.
 More steps or epochs on resume extend the lr schedule: the added steps re-warm to the peak lr and decay again
-(``dflash.optim.extend_schedule``; docs/training.md, Resume), never train on at the finished schedule's floor.
+(``dflash.training.optim.extend_schedule``; docs/training.md, Resume), never train on at the finished schedule's floor.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from typing import Any, Literal
 
 import typer
 
-from dflash.batch_source import LoaderConfig
-from dflash.config_check import nested_config
+from dflash.batches.source import LoaderConfig
 from dflash.drafter.config import DrafterTrainingConfig
 from dflash.errors import ConfigError, ConfigPathNotFoundError
-from dflash.optim import OptimConfig
-from dflash.telemetry import TelemetryConfig
+from dflash.training.optim import OptimConfig
+from dflash.training.telemetry import TelemetryConfig
+from stages.config.check import nested_config
 
 __all__ = ["TrainConfig", "RUNTIME_FIELDS", "trajectory_changes", "check_resume_changes", "run_training", "exit_if_interrupted", "register"]
 
@@ -65,7 +65,7 @@ class TrainConfig:
     """Resume even when trajectory fields changed (the result then differs from a straight run)."""
     break_lock: bool = False
     """Take over the run folder's lock although its owner record names another host (that run must be known
-    dead; ``dflash.locks``). A same-host stale lock (a killed run) is taken over without it."""
+    dead; ``dflash.io.locks``). A same-host stale lock (a killed run) is taken over without it."""
     allow_incomplete: bool = False
     """Train on a cache whose planned shards are not all committed (the run then logs how many samples of how many
     planned rows it trains on); without it such a cache is refused before step 1."""
@@ -76,7 +76,7 @@ class TrainConfig:
     ``--set train.drafter.block_size=8``."""
     # -- data
     data: LoaderConfig = field(default_factory=lambda: dataclasses.replace(_TRAIN_DATA_DEFAULTS))
-    """What the run reads and how (``dflash.batch_source.LoaderConfig``: token_budget, boundaries, num_buckets,
+    """What the run reads and how (``dflash.batches.source.LoaderConfig``: token_budget, boundaries, num_buckets,
     max_documents_per_batch, validation_fraction, validation_split_by, prefetch_batches, num_read_workers,
     shard_window); ``[train.data]`` in a config file, ``--set train.data.token_budget=8192``. The train stage holds out 1% of the
     source documents by default (``validation_fraction`` 0.01, ``validation_split_by`` ``"document"``; rows of a
@@ -86,7 +86,7 @@ class TrainConfig:
     min_supervised_tokens: int | None = None
     """Samples with fewer supervised (loss_mask = 1) tokens are excluded, counted and reported (run.json, metrics,
     log); default ``2 * drafter.block_size`` (DFLASH.md: shorter samples give no useful anchors); 0 keeps every sample."""
-    # -- optimization (defaults: the paper's recipe; betas from SpecForge, see dflash.optim)
+    # -- optimization (defaults: the paper's recipe; betas from SpecForge, see dflash.training.optim)
     epochs: float = 6.0
     """Passes over the training split (paper: 6); ignored when ``max_steps`` is set."""
     max_steps: int | None = None
@@ -94,7 +94,7 @@ class TrainConfig:
     grad_accum_steps: int = 1
     """Micro-batches per rank per optimizer step."""
     optim: OptimConfig = field(default_factory=OptimConfig)
-    """Optimizer, lr schedule and clipping (``dflash.optim.OptimConfig``: lr, betas, eps, weight_decay,
+    """Optimizer, lr schedule and clipping (``dflash.training.optim.OptimConfig``: lr, betas, eps, weight_decay,
     warmup_ratio, min_lr_ratio, grad_clip); ``[train.optim]`` in a config file, ``--set train.optim.lr=3e-4``."""
     seed: int = 0
     """Seed of initial weights, data order and anchors."""
@@ -127,9 +127,9 @@ class TrainConfig:
     # save_every, eval_every and keep_last stay here rather than in a nested config: the cadence of checkpoints and
     # validation is the trainer's own loop (which steps save, which validate, eval_every defaulting to save_every so
     # that the best-by-validation checkpoint has a loss at each one); the checkpointer only takes keep_last, and
-    # ``dflash.checkpoint`` loads torch, which a config declared there would load for every CLI call.
+    # ``dflash.training.checkpoint`` loads torch, which a config declared there would load for every CLI call.
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
-    """What the run reports and how often (``dflash.telemetry.TelemetryConfig``: log_every, throughput_window,
+    """What the run reports and how often (``dflash.training.telemetry.TelemetryConfig``: log_every, throughput_window,
     progress, report_to); ``[train.telemetry]`` in a config file, ``--set train.telemetry.log_every=50``."""
     attention_backend: Literal["auto", "flash", "triton"] | None = None
     """Kernels of the drafter's FlexAttention on GPU (``dflash.drafter.attention_kernels``): ``auto`` (flash-attn-4's
@@ -165,7 +165,7 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
         if self.max_steps is None and not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ConfigError(f"epochs must be > 0 (or give max_steps), got {self.epochs!r}")
-        from dflash.config_check import dtype_spelling
+        from stages.config.check import dtype_spelling
 
         self.mixed_precision = dtype_spelling(self.mixed_precision, ("bf16", "none"))
         if self.mixed_precision not in ("bf16", "none"):
@@ -252,8 +252,8 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """Build from :meth:`to_dict`'s form; the flat keys of runs saved before the nesting (``lr`` for
-        ``optim.lr``, ``dflash.config_check.MOVED_KEYS``) are read at their new paths."""
-        from dflash.config_check import migrate_renamed
+        ``optim.lr``, ``stages.config.check.MOVED_KEYS``) are read at their new paths."""
+        from stages.config.check import migrate_renamed
 
         data = migrate_renamed("train", data, saved=True)
         known = {f.name for f in fields(cls)}
@@ -312,7 +312,7 @@ ABSENT_IN_OLD_RUNS: dict[str, Any] = {"residual_dtype": "float32", "data": {"val
 def _default_leaves() -> dict[str, Any]:
     """Dotted path -> default of every field with one (nested configs' leaves: ``optim.lr``, from the default
     instance the field makes: ``data.validation_fraction`` is train's 0.01, not the loader's 0.0)."""
-    from dflash.config_check import MISSING_DEFAULT, field_default, leaf_paths
+    from stages.config.check import MISSING_DEFAULT, field_default, leaf_paths
 
     values: dict[str, Any] = {}
     for f in fields(TrainConfig):
@@ -332,7 +332,7 @@ def trajectory_changes(saved: dict[str, Any], current: dict[str, Any], *, saved_
 
     # A field missing from an older checkpoint had its default then (fields are only ever added with defaults),
     # except where ABSENT_IN_OLD_RUNS says otherwise.
-    from dflash.config_check import deep_merge, leaf_paths, migrate_renamed
+    from stages.config.check import deep_merge, leaf_paths, migrate_renamed
 
     defaults = _default_leaves()
     saved = leaf_paths(deep_merge(ABSENT_IN_OLD_RUNS, migrate_renamed("train", saved, saved=True)))
@@ -382,13 +382,13 @@ def _pick_device(config: TrainConfig, local_rank: int):
 def _train_worker(config_dict: dict[str, Any], data_factory: Any = None) -> dict[str, Any]:
     """One rank: join the process group (if any), train, close. Picklable entry point of the launcher.
 
-    ``data_factory(config, rank=, world_size=, device=) -> stages.trainer.TrainingData`` builds the rank's batch
-    sources (picklable: it travels to spawned ranks); ``None``: the cache's (:func:`stages.trainer.open_cache_data`).
+    ``data_factory(config, rank=, world_size=, device=) -> stages.train.loop.TrainingData`` builds the rank's batch
+    sources (picklable: it travels to spawned ranks); ``None``: the cache's (:func:`stages.train.loop.open_cache_data`).
     ``pipelines/online.py`` passes the online queue's."""
     import torch
     import torch.distributed as dist
 
-    from stages.trainer import Trainer, open_cache_data
+    from stages.train.loop import Trainer, open_cache_data
 
     config = TrainConfig.from_dict(config_dict)
     config.apply_kernel_choices()
@@ -419,14 +419,14 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     """Run the train stage: in this process, under an existing ``torchrun``, or by launching one process per
     rank (``torch.distributed.run``'s elastic launcher, spawn start method). Returns rank 0's summary.
 
-    The run folder's lock (``dflash.locks``) is held for the whole run by this process (the launcher, or rank 0
+    The run folder's lock (``dflash.io.locks``) is held for the whole run by this process (the launcher, or rank 0
     under ``torchrun``), taken before anything is read or written.
 
     Raises:
         ConfigError: ``output`` exists and is not a folder.
         LockError: another process trains into ``config.output``; the message names it.
     """
-    from dflash.locks import output_lock
+    from dflash.io.locks import output_lock
 
     output = Path(config.output)
     if output.exists() and not output.is_dir():
@@ -442,10 +442,10 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
 
 def _cursor_fields() -> frozenset[str]:
     """TrainConfig paths that make the loaders' batch plan: ``StreamConfig.plan_fields`` that come from
-    ``train.data``, plus the train fields ``stages.trainer.stream_config`` derives the others from (``seed``,
+    ``train.data``, plus the train fields ``stages.train.loop.stream_config`` derives the others from (``seed``,
     ``compile`` -> ``pad_to_budget``, ``min_supervised_tokens``). A checkpoint's data cursor refuses to continue on
     another value, so a resume refuses them up front."""
-    from dflash.batch_source import StreamConfig
+    from dflash.batches.source import StreamConfig
 
     loader = {f.name for f in fields(LoaderConfig)}
     return frozenset({f"data.{key}" for key in StreamConfig().plan_fields() if key in loader}
@@ -483,7 +483,7 @@ def check_resume_changes(checkpoint_path: Path, trainer_state: dict[str, Any], c
 def _refuse_changed_resume(config: TrainConfig) -> None:
     """Before ranks are spawned: :func:`check_resume_changes` against the ``latest`` checkpoint, from its
     ``trainer_state.json`` alone (each rank's trainer checks again when it loads the checkpoint)."""
-    from dflash.checkpoint import resolve_checkpoint
+    from dflash.training.checkpoint import resolve_checkpoint
 
     run = Path(config.output)
     if not config.resume or config.allow_config_change or not (run / "latest").is_file():
@@ -548,13 +548,13 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
                     sets: Sequence[str] = (), announce: bool = True) -> TrainConfig:
     """Build the config, lowest first: the saved run config (with --resume) < the preset's ``train`` section < the
     --config file (its ``train`` section, or its top level: a run.json too) < the options given < ``--set``
-    (``stages.stage_config``). Every layer is checked before anything runs.
+    (``stages.config.resolve``). Every layer is checked before anything runs.
 
     Raises:
         ConfigError: an unknown key, a wrong type or a refused value, named with its source; --resume of a folder
             that holds no run.
     """
-    from dflash.config_check import (
+    from stages.config.check import (
         MOVED_KEYS,
         check_fields,
         deep_merge,
@@ -562,7 +562,7 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
         migrate_renamed,
         read_config_file,
     )
-    from stages.stage_config import nested, parse_sets, section_of, without_key
+    from stages.config.resolve import nested, parse_sets, section_of, without_key
 
     known = {f.name for f in fields(TrainConfig)}
     base: dict[str, Any] = {}
@@ -648,7 +648,7 @@ def _size_defaults_for_cpu(merged: dict[str, Any]) -> dict[str, Any]:
 
         if torch.cuda.is_available():
             return {}
-    from dflash.config_check import get_path, set_path
+    from stages.config.check import get_path, set_path
 
     absent = object()
     sized = {path: value for path, value in CPU_SIZED_DEFAULTS.items() if get_path(merged, path, absent) is absent}
@@ -665,7 +665,7 @@ def exit_if_interrupted(summary: dict[str, Any], config: TrainConfig, command: s
     Raises:
         typer.Exit: code 130 when ``summary["stopped_by_signal"]``; returns otherwise.
     """
-    from stages.exit_status import ExitCode
+    from stages.config.exit_status import ExitCode
 
     if not summary.get("stopped_by_signal"):
         return
@@ -828,7 +828,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _torchrun_main() -> None:
-    """``torchrun ... -m stages.train --cache C --output RUN``: every rank runs the same command."""
+    """``torchrun ... -m stages.train.command --cache C --output RUN``: every rank runs the same command."""
     app = typer.Typer(add_completion=False)
     register(app)
     app()

@@ -5,7 +5,7 @@ betas / epsilon / weight decay, gradient clipping, loss decay gamma, block size,
 micro-batch and per optimizer step, length buckets, compile and the attention backend. Where DFLASH.md (the paper's
 recipe, arXiv 2602.06036) documents a convention, it is shown, and departures that silently cost acceptance length
 are logged as warnings (:func:`convention_warnings`): gamma other than the paper's for B = 16 / 10 / 8 (7 / 5 / 4),
-betas other than the documented default (torch's AdamW defaults, as SpecForge trains DFlash: ``dflash.optim``), and
+betas other than the documented default (torch's AdamW defaults, as SpecForge trains DFlash: ``dflash.training.optim``), and
 an anchor budget whose blocks cannot cover the longest documents (``max_anchors_per_document * block_size`` below
 the longest sample; the paper's 512 anchors x 16 at length 3072 cover it 2.7 times). Other departures from the
 paper's recipe (lr 6e-4, clip 1.0, 4% warmup) are marked in the table, not warned about: they are usual choices.
@@ -38,7 +38,7 @@ def convention_warnings(*, block_size: int, gamma: float, betas: tuple[float, fl
                         longest_sample: int | None) -> list[str]:
     """Departures from DFLASH.md's conventions that cap acceptance length without any error (module docstring)."""
     from dflash.drafter.loss import default_gamma
-    from dflash.optim import DEFAULT_BETAS
+    from dflash.training.optim import DEFAULT_BETAS
 
     warnings = []
     paper_gamma = {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size)
@@ -64,7 +64,7 @@ def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: l
                         attention_backend: str) -> list[HyperparameterRow]:
     """The table's rows from the ``TrainConfig``, the trainer's ``resolved`` record and the schedule segments."""
     from dflash.drafter.loss import default_gamma
-    from dflash.optim import DEFAULT_BETAS
+    from dflash.training.optim import DEFAULT_BETAS
 
     drafter = resolved["drafter_config"]
     block_size = int(drafter["block_size"])

@@ -1,8 +1,8 @@
 """The drafter training loop of the ``train`` stage (one process = one data-parallel rank).
 
 :meth:`Trainer.fit` reads top-down: load (cache, target, drafter, optimizer, loaders, checks, resume) -> step ->
-save -> evaluate -> log. Details live in :meth:`Trainer.train_step` and in the components (``dflash.stream``,
-``dflash.drafter``, ``dflash.optim``, ``dflash.checkpoint``, ``dflash.telemetry``).
+save -> evaluate -> log. Details live in :meth:`Trainer.train_step` and in the components (``dflash.batches.stream``,
+``dflash.drafter``, ``dflash.training.optim``, ``dflash.training.checkpoint``, ``dflash.training.telemetry``).
 
 Loss normalization (DFLASH.md; the per-rank normalization bug it warns about): every micro-batch's backward runs on
 the UNnormalized ``weighted_ce_sum``; after the last micro-batch, the weight sums of all micro-batches of all
@@ -33,18 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dflash.batch_source import BatchSource, StreamConfig
-from dflash.checkpoint import (
-    Checkpointer,
-    capture_rng_state,
-    check_target_weights,
-    collect_environment,
-    load_checkpoint,
-    restore_rng_state,
-    target_weight_record,
-    write_run_json,
-)
-from dflash.compat import check_target_identity, check_training_inputs
+from dflash.batches.source import BatchSource, StreamConfig
 from dflash.drafter import (
     DFlashConfig,
     DFlashDrafter,
@@ -57,9 +46,26 @@ from dflash.drafter import (
 )
 from dflash.drafter.attention_kernels import flash_attention_applies
 from dflash.errors import CheckpointError, ConfigError
-from dflash.optim import build_optimizer, build_scheduler, clip_grad_norm, extend_schedule, schedule_segments
-from dflash.target import LAYER_ID_CONVENTION, resolve_target_path, target_identity
-from dflash.telemetry import (
+from dflash.target.load import LAYER_ID_CONVENTION, resolve_target_path, target_identity
+from dflash.training.checkpoint import (
+    Checkpointer,
+    capture_rng_state,
+    check_target_weights,
+    collect_environment,
+    load_checkpoint,
+    restore_rng_state,
+    target_weight_record,
+    write_run_json,
+)
+from dflash.training.compat import check_target_identity, check_training_inputs
+from dflash.training.optim import (
+    build_optimizer,
+    build_scheduler,
+    clip_grad_norm,
+    extend_schedule,
+    schedule_segments,
+)
+from dflash.training.telemetry import (
     BucketCounter,
     FeedMeter,
     MetricsWriter,
@@ -70,8 +76,8 @@ from dflash.telemetry import (
 )
 
 if TYPE_CHECKING:
-    from dflash.batching import PackedBatch
-    from stages.train import TrainConfig
+    from dflash.batches.packed import PackedBatch
+    from stages.train.command import TrainConfig
 
 __all__ = ["Trainer", "TrainingData", "open_cache_data", "stream_config", "loader_placement", "schedule_steps",
            "planned_total_steps", "load_target_embeddings",
@@ -93,7 +99,7 @@ def target_weight_map(target_path: Path) -> dict[str, Path]:
     import json
 
     from dflash.errors import TargetError
-    from dflash.weights_io import open_safetensors
+    from dflash.io.weights import open_safetensors
 
     index = target_path / "model.safetensors.index.json"
     if index.is_file():
@@ -116,7 +122,7 @@ def read_target_tensor(weight_map: dict[str, Path], name: str) -> torch.Tensor:
         KeyError: ``name`` is not in ``weight_map``.
         TargetError: the file is missing or damaged (naming it)."""
     from dflash.errors import TargetError
-    from dflash.weights_io import open_safetensors
+    from dflash.io.weights import open_safetensors
 
     with open_safetensors(weight_map[name], error_type=TargetError, fix=_TARGET_WEIGHTS_FIX) as handle:
         return handle.get_tensor(name)
@@ -136,7 +142,7 @@ def load_target_embeddings(target_path: Path) -> tuple[torch.Tensor, torch.Tenso
     if len(embed_names) == 1 and (tied or len(head_names) == 1):
         embed = read_target_tensor(weight_map, embed_names[0])
         return embed, (None if tied or not head_names else read_target_tensor(weight_map, head_names[0]))
-    from dflash.target import load_target
+    from dflash.target.load import load_target
 
     model = load_target(target_path).model
     embed = model.get_input_embeddings().weight.detach()
@@ -216,15 +222,15 @@ def stream_config(config: TrainConfig, split: str, device: torch.device) -> Stre
 def open_cache_data(config: TrainConfig, *, rank: int = 0, world_size: int = 1,
                     device: torch.device) -> TrainingData:  # fmt: skip
     """The offline batch sources: ``config.cache`` checked (every commit record against its chunks, completeness;
-    before anything is written) and streamed by :class:`dflash.stream.StreamingLoader`.
+    before anything is written) and streamed by :class:`dflash.batches.stream.StreamingLoader`.
 
     Raises:
         CacheError: the cache is missing, incomplete (without ``allow_incomplete``) or corrupt.
         ConfigError: the training split is empty or a sample is longer than the token budget.
     """
+    from dflash.batches.stream import StreamingLoader
     from dflash.cache import CacheReader
     from dflash.cache.integrity import check_cache
-    from dflash.stream import StreamingLoader
 
     reader = CacheReader(config.cache)
     integrity = check_cache(reader, allow_incomplete=config.allow_incomplete)
@@ -265,8 +271,8 @@ def planned_total_steps(config: TrainConfig, *, world_size: int | None = None) -
     """
     if config.max_steps:
         return int(config.max_steps)
+    from dflash.batches.stream import StreamingLoader
     from dflash.cache import CacheReader
-    from dflash.stream import StreamingLoader
 
     loader = StreamingLoader(CacheReader(config.cache), stream_config(config, "train", torch.device("cpu")),
                              **loader_placement(0, world_size or config.world_size, torch.device("cpu")))
@@ -302,7 +308,7 @@ class Trainer:
     """Trains one drafter on one cache. Construct on every rank (process group already initialized).
 
     Args:
-        config: the resolved :class:`stages.train.TrainConfig`.
+        config: the resolved :class:`stages.train.command.TrainConfig`.
         rank, world_size: this process's data-parallel rank.
         device: the torch device of this rank.
         data: the batch sources to train on (:class:`TrainingData`: the offline cache's loaders from
@@ -563,7 +569,7 @@ class Trainer:
             log.warning("--resume: %s has no checkpoint yet; starting from step 0", self.run_dir)
             return None
         checkpoint = load_checkpoint(self.run_dir)
-        from stages.train import check_resume_changes
+        from stages.train.command import check_resume_changes
 
         check_resume_changes(checkpoint.path, checkpoint.trainer_state, config, self.world_size)
         return checkpoint
@@ -629,7 +635,7 @@ class Trainer:
 
     def _continue_schedule(self) -> None:
         """After a resume with more steps (or epochs) than the saved schedule spans: the added steps re-warm and
-        decay again (``dflash.optim.extend_schedule``) instead of training on at the schedule's floor (lr 0 by
+        decay again (``dflash.training.optim.extend_schedule``) instead of training on at the schedule's floor (lr 0 by
         default). The saved schedule, extensions included, is what the checkpoint restored; an unchanged config
         leaves it as it is."""
         planned = self.scheduler.lr_lambdas[0].end_step
@@ -941,8 +947,12 @@ class Trainer:
     def _write_run_json(self) -> None:
         from rich.console import Console
 
-        from dflash.buckets import render_bucket_table
-        from stages.hyperparameters import convention_warnings, hyperparameter_rows, render_hyperparameters
+        from dflash.batches.buckets import render_bucket_table
+        from stages.train.hyperparameters import (
+            convention_warnings,
+            hyperparameter_rows,
+            render_hyperparameters,
+        )
 
         rows = self.train_loader.bucket_table()
         console = Console(stderr=True)

@@ -1,0 +1,1 @@
+"""Files on disk: atomic writes and readable errors (files), advisory locks (locks), safetensors weights (weights)."""

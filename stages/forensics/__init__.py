@@ -1,0 +1,1 @@
+"""Reading finished runs, checkpoints and exports: inspect, scan, diff and report."""

@@ -1,0 +1,1 @@
+"""The train command: its config and command line (command), the training loop (loop) and hyperparameter derivation (hyperparameters)."""
