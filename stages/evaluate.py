@@ -164,7 +164,7 @@ def load_drafter_any(path: Path) -> tuple[Any, Any, dict[str, Any]]:
     Raises:
         CheckpointError / ExportError: nothing loadable at ``path``.
     """
-    from dflash.training.checkpoint import load_drafter
+    from dflash.serving.export import load_drafter
 
     return load_drafter(path)
 

@@ -14,12 +14,12 @@ from dflash.batches.stream import StreamConfig, StreamingLoader
 from dflash.cache import CacheReader
 from dflash.drafter import DFlashConfig, DFlashDrafter, dflash_loss, sample_anchors
 from dflash.errors import CheckpointError, MismatchError
+from dflash.serving.export import load_drafter
 from dflash.training.checkpoint import (
     Checkpointer,
     atomic_write_text,
     capture_rng_state,
     load_checkpoint,
-    load_drafter,
     resolve_checkpoint,
     target_weight_record,
 )

@@ -602,7 +602,7 @@ def test_export_checkpoint_warns_when_the_recorded_target_is_unavailable(run_dir
 
 
 def test_checkpoint_load_drafter_reads_exports_through_the_strict_loader(exported, reloaded, target, context):
-    from dflash.training.checkpoint import load_drafter
+    from dflash.serving.export import load_drafter
 
     drafter, config, target_info = load_drafter(exported, target=target)
     assert config == reloaded.config and target_info["content_hash"] == target.identity.content_hash

@@ -442,16 +442,6 @@ class HiddenStateCache:
         self._store.delete_dir(shard_group_key(shard_id))
         return existed
 
-    def verify(self, **kwargs: Any) -> dict[str, Any]:
-        """Check the whole cache; see :func:`dflash.cache.verify.verify_cache`.
-
-        Raises:
-            CacheCorruptError: naming the shard (and array) that fails.
-        """
-        from dflash.cache.verify import verify_cache
-
-        return verify_cache(self.url, **kwargs)
-
     def finalize(self) -> dict[str, Any]:
         """Aggregate the commit records into totals and store them as the root attribute ``dflash_cache_counts``.
 

@@ -51,7 +51,7 @@ _EXPORTS = {
     "LossOutput": "dflash.drafter.loss",
     "ce_kernel": "dflash.drafter.loss",
     "chunked_linear_cross_entropy": "dflash.drafter.loss",
-    "default_gamma": "dflash.drafter.loss",
+    "default_gamma": "dflash.drafter.config",
     "dflash_loss": "dflash.drafter.loss",
     "expected_acceptance_length": "dflash.drafter.loss",
     "position_weights": "dflash.drafter.loss",

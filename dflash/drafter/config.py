@@ -13,7 +13,19 @@ from typing import Any, Literal
 
 from dflash.errors import ConfigError
 
-__all__ = ["DFlashConfig", "DrafterTrainingConfig", "select_mask_token_id", "rope_settings_from_target"]
+__all__ = ["DFlashConfig", "DrafterTrainingConfig", "PAPER_GAMMA", "default_gamma", "select_mask_token_id",
+           "rope_settings_from_target"]
+
+#: The paper's loss decay gamma per block size.
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay gamma: the paper's 7 for B=16, 5 for B=10, 4 for B=8; other sizes interpolate ``1 + 3B/8``
+    (the line through the B=8 and B=16 values)."""
+    if block_size < 2:
+        raise ConfigError(f"block_size must be >= 2, got {block_size}")
+    return PAPER_GAMMA.get(block_size, 1.0 + 0.375 * block_size)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -249,9 +261,7 @@ class DrafterTrainingConfig:
             raise ConfigError(f"gamma must be a positive finite number, got {self.gamma!r}")
 
     def resolved_gamma(self) -> float:
-        """``gamma``, or the default for ``block_size`` (``dflash.drafter.loss.default_gamma``)."""
-        from dflash.drafter.loss import default_gamma
-
+        """``gamma``, or the default for ``block_size`` (:func:`default_gamma`)."""
         return float(self.gamma) if self.gamma is not None else default_gamma(self.block_size)
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dflash.drafter.ce_triton import ce_chunk_triton, triton_available
+from dflash.drafter.config import default_gamma
 from dflash.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -49,21 +50,12 @@ __all__ = [
     "set_ce_kernel",
 ]
 
-_PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 #: Logits budget of one chunk (elements) off CUDA: 2**28 = 1 GiB of float32.
 DEFAULT_CHUNK_ELEMENTS = 1 << 28
 #: On CUDA: just under 2**31 elements (int32 indexing in the fused kernel), 4 GiB of bf16 logits plus as much for their
 #: gradient. Few, large, equal chunks: the grad-hidden GEMM ``[C, V] @ [V, H]`` has only C/128 x H/128 output tiles,
 #: so small chunks leave the GPU's last wave mostly idle (C=1766 rows: 448 tiles = 3.4 waves of 132 SMs).
 DEFAULT_CUDA_CHUNK_ELEMENTS = (1 << 31) - (1 << 20)
-
-
-def default_gamma(block_size: int) -> float:
-    """Loss decay gamma: the paper's 7 for B=16, 5 for B=10, 4 for B=8; other sizes interpolate ``1 + 3B/8``
-    (the line through the B=8 and B=16 values)."""
-    if block_size < 2:
-        raise ConfigError(f"block_size must be >= 2, got {block_size}")
-    return _PAPER_GAMMA.get(block_size, 1.0 + 0.375 * block_size)
 
 
 def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:

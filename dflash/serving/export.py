@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash.errors import ExportError, MismatchError
+from dflash.errors import CheckpointError, ExportError, MismatchError
 from dflash.serving.format import (
     CONFIG_FILE,
     EXPORT_FORMAT_VERSION,
@@ -60,6 +60,7 @@ __all__ = [
     "check_state_dict",
     "export_drafter",
     "read_exported",
+    "load_drafter",
     "load_exported",
     "load_exported_drafter",
     "check_against_target",
@@ -338,7 +339,7 @@ def load_exported(
 def load_exported_drafter(
     path: str | os.PathLike[str], *, target: Any = None
 ) -> tuple[Any, DFlashConfig, dict[str, Any]]:
-    """A ``DFlashDrafter`` built from an export through the strict loader (what ``dflash.training.checkpoint.load_drafter``
+    """A ``DFlashDrafter`` built from an export through the strict loader (what :func:`load_drafter`
     returns for export folders).
 
     Args:
@@ -373,6 +374,62 @@ def load_exported_drafter(
         check_target_weights(target_info, embed, head, where=str(path))
         drafter.attach_target(embed, head)
     return drafter, config, target_info
+
+
+def _is_export_folder(path: Path) -> bool:
+    config = path / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return "DFlashDraftModel" in json.loads(config.read_text()).get("architectures", [])
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def _target_weights(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding weight [V, H], LM head weight [V, H]) of a ``LoadedTarget`` or a transformers causal LM."""
+    model = getattr(target, "model", target)
+    return model.get_input_embeddings().weight, model.get_output_embeddings().weight
+
+
+def load_drafter(path: str | Path, *, target: Any = None) -> tuple[Any, Any, dict[str, Any]]:
+    """Load a drafter from a run folder (its ``latest``), a checkpoint folder or an exported serving folder.
+
+    Args:
+        path: see above.
+        target: a ``LoadedTarget`` or transformers causal LM whose embedding and LM head are attached to the
+            drafter (checked against the hashes recorded at training time); ``None`` leaves them unattached.
+
+    Returns:
+        ``(drafter, config, target_info)``: a ``DFlashDrafter`` in eval mode on CPU (fp32 for checkpoints), its
+        ``DFlashConfig``, and the recorded target information (identity, ``target_spec``, hashes).
+
+    Raises:
+        CheckpointError: nothing loadable at ``path``; MismatchError: ``target`` is not the training target.
+    """
+    from dflash.drafter import DFlashConfig, DFlashDrafter
+    from dflash.training.checkpoint import check_target_weights, load_checkpoint
+
+    path = Path(path)
+    if _is_export_folder(path):
+        return load_exported_drafter(path, target=target)
+
+    checkpoint = load_checkpoint(path, with_training_state=False)
+    config = DFlashConfig.from_dict(checkpoint.drafter_config)
+    drafter = DFlashDrafter(config)
+    missing, unexpected = drafter.load_state_dict(checkpoint.model_state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{checkpoint.path / 'model.safetensors'} does not match the drafter built from drafter_config.json: "
+            f"missing {sorted(missing)}, unexpected {sorted(unexpected)}; the checkpoint is from another version"
+        )
+    if target is not None:
+        embed_weight, lm_head_weight = _target_weights(target)
+        tied = lm_head_weight is None or lm_head_weight.data_ptr() == embed_weight.data_ptr()
+        drafter.attach_target(embed_weight, None if tied else lm_head_weight)
+        check_target_weights(checkpoint.target_info, embed_weight, None if tied else lm_head_weight, where=str(checkpoint.path))
+    drafter.eval()
+    return drafter, config, checkpoint.target_info
 
 
 # --------------------------------------------------------------------------------------------------------------

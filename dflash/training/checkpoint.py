@@ -72,7 +72,6 @@ __all__ = [
     "write_run_json",
     "resolve_checkpoint",
     "load_checkpoint",
-    "load_drafter",
     "target_weight_record",
     "check_target_weights",
 ]
@@ -479,16 +478,6 @@ class LoadedCheckpoint:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _is_export_folder(path: Path) -> bool:
-    config = path / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        return "DFlashDraftModel" in json.loads(config.read_text()).get("architectures", [])
-    except (OSError, json.JSONDecodeError):
-        return False
-
-
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder from a run folder (follows ``latest``), a checkpoint folder, or ``RUN/best``-style names.
 
@@ -570,55 +559,6 @@ def _load_training_state(folder: Path, name: str, legacy_name: str) -> Any:
         f"{folder} has no {name} (nor a {legacy_name} of older versions): the checkpoint cannot be resumed; "
         "resume from another checkpoint, or evaluate/export it (they need only the weights)"
     )
-
-
-def _target_weights(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embedding weight [V, H], LM head weight [V, H]) of a ``LoadedTarget`` or a transformers causal LM."""
-    model = getattr(target, "model", target)
-    return model.get_input_embeddings().weight, model.get_output_embeddings().weight
-
-
-def load_drafter(path: str | Path, *, target: Any = None) -> tuple[Any, Any, dict[str, Any]]:
-    """Load a drafter from a run folder (its ``latest``), a checkpoint folder or an exported serving folder.
-
-    Args:
-        path: see above.
-        target: a ``LoadedTarget`` or transformers causal LM whose embedding and LM head are attached to the
-            drafter (checked against the hashes recorded at training time); ``None`` leaves them unattached.
-
-    Returns:
-        ``(drafter, config, target_info)``: a ``DFlashDrafter`` in eval mode on CPU (fp32 for checkpoints), its
-        ``DFlashConfig``, and the recorded target information (identity, ``target_spec``, hashes).
-
-    Raises:
-        CheckpointError: nothing loadable at ``path``; MismatchError: ``target`` is not the training target.
-    """
-    from dflash.drafter import DFlashConfig, DFlashDrafter
-
-    path = Path(path)
-    if _is_export_folder(path):
-        try:
-            from dflash.serving.export import load_exported_drafter
-        except ImportError as error:
-            raise CheckpointError(f"{path} is an export folder, but dflash.serving.export is not available: {error}") from error
-        return load_exported_drafter(path, target=target)
-
-    checkpoint = load_checkpoint(path, with_training_state=False)
-    config = DFlashConfig.from_dict(checkpoint.drafter_config)
-    drafter = DFlashDrafter(config)
-    missing, unexpected = drafter.load_state_dict(checkpoint.model_state, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{checkpoint.path / 'model.safetensors'} does not match the drafter built from drafter_config.json: "
-            f"missing {sorted(missing)}, unexpected {sorted(unexpected)}; the checkpoint is from another version"
-        )
-    if target is not None:
-        embed_weight, lm_head_weight = _target_weights(target)
-        tied = lm_head_weight is None or lm_head_weight.data_ptr() == embed_weight.data_ptr()
-        drafter.attach_target(embed_weight, None if tied else lm_head_weight)
-        check_target_weights(checkpoint.target_info, embed_weight, None if tied else lm_head_weight, where=str(checkpoint.path))
-    drafter.eval()
-    return drafter, config, checkpoint.target_info
 
 
 def target_weight_record(

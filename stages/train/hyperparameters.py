@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dflash.drafter.config import PAPER_GAMMA, default_gamma
+
 __all__ = ["HyperparameterRow", "hyperparameter_rows", "convention_warnings", "render_hyperparameters"]
 
 #: The paper's recipe (DFLASH.md "Paper recipe") for the values it states.
@@ -37,11 +39,10 @@ class HyperparameterRow:
 def convention_warnings(*, block_size: int, gamma: float, betas: tuple[float, float], max_anchors_per_document: int,
                         longest_sample: int | None) -> list[str]:
     """Departures from DFLASH.md's conventions that cap acceptance length without any error (module docstring)."""
-    from dflash.drafter.loss import default_gamma
     from dflash.training.optim import DEFAULT_BETAS
 
     warnings = []
-    paper_gamma = {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size)
+    paper_gamma = PAPER_GAMMA.get(block_size)
     if paper_gamma is not None and gamma != paper_gamma:
         warnings.append(f"gamma {gamma:g} at block size {block_size}: the paper uses {paper_gamma:g} "
                         f"(DFLASH.md: 7 for B=16, 5 for B=10, 4 for B=8); omit --gamma to use it")
@@ -63,14 +64,13 @@ def convention_warnings(*, block_size: int, gamma: float, betas: tuple[float, fl
 def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: list[Mapping[str, Any]],
                         attention_backend: str) -> list[HyperparameterRow]:
     """The table's rows from the ``TrainConfig``, the trainer's ``resolved`` record and the schedule segments."""
-    from dflash.drafter.loss import default_gamma
     from dflash.training.optim import DEFAULT_BETAS
 
     drafter = resolved["drafter_config"]
     block_size = int(drafter["block_size"])
     world = int(resolved.get("world_size", 1))
     first = schedule[0] if schedule else {}
-    paper_gamma = {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size)
+    paper_gamma = PAPER_GAMMA.get(block_size)
     on_cuda = str(resolved.get("device", "")).startswith("cuda")
 
     def row(name: str, value: Any, convention: Any = None, departs: bool | None = None) -> HyperparameterRow:
