@@ -185,7 +185,7 @@ def main() -> None:
     from dflash.drafter.config import DrafterTrainingConfig
     from dflash.target.load import default_target_layer_ids
     from pipelines.online import ONLINE_CACHE_PREFIX, OnlineConfig
-    from stages.train.command import TrainConfig
+    from stages.train.config import TrainConfig
 
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-online-"))
     tokenizer = None

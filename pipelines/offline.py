@@ -43,7 +43,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,78 +50,22 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dflash.errors import ConfigError, ConfigPathNotFoundError
+from dflash.errors import ConfigError
 from stages.config.check import layer_over, migrate_renamed, override_value
+from stages.config.presets import PIPELINE_SECTIONS, PRESETS, load_preset, strip_comments
 
 if TYPE_CHECKING:
     from stages.evaluate import Evaluator
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PRESETS", "load_preset", "apply_overrides", "PipelineConfig", "run_pipeline", "register",
+__all__ = ["apply_overrides", "PipelineConfig", "run_pipeline", "register",
            "validate_sections"]
 
-PRESETS = ("cpu-small", "h200-smollm2")
-_STAGES = ("generate", "prepare", "split", "extract", "train", "evaluate")
 #: The work-folder entry (``paths`` of ``_run_stages``) each stage writes.
 _STAGE_OUTPUT = {"generate": "corpus", "prepare": "corpus-all", "split": "corpus", "extract": "cache", "train": "run",
                  "evaluate": "eval"}
 _STATE_FILE = "pipeline.json"
-
-
-def _strip_comments(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _strip_comments(v) for k, v in data.items() if not k.startswith("_")}
-    return data
-
-
-def read_preset_json(name_or_path: str, names: tuple[str, ...]) -> Any:
-    """The parsed JSON of a shipped preset (``pipelines/presets/NAME.json``, ``NAME`` in ``names``) or of a
-    ``.json`` file path; the caller checks its shape.
-
-    Raises:
-        ConfigError: a missing file, a name that is not in ``names``, or invalid JSON.
-    """
-    path = Path(name_or_path)
-    if path.suffix == ".json" and not path.is_file():
-        raise ConfigPathNotFoundError(f"preset {name_or_path}: no such file")
-    if path.suffix == ".json":
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as error:
-            raise ConfigError(f"preset {name_or_path}: unreadable ({error})") from None
-    elif name_or_path in names:
-        text = resources.files("pipelines").joinpath("presets", f"{name_or_path}.json").read_text()
-    else:
-        raise ConfigError(f"preset {name_or_path!r} is neither one of {', '.join(names)} nor a .json file")
-    from stages.config.check import DuplicateKeyError, unique_keys
-
-    try:
-        return json.loads(text, object_pairs_hook=unique_keys)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"preset {name_or_path}: invalid JSON ({error})") from None
-    except DuplicateKeyError as error:
-        raise ConfigError(f"preset {name_or_path}: key {error.key!r} given twice; keep one") from None
-    except (ValueError, RecursionError) as error:  # a 5,000-digit integer, nesting thousands deep
-        raise ConfigError(f"preset {name_or_path}: unreadable ({type(error).__name__}: {str(error)[:120]})") from None
-
-
-def load_preset(name_or_path: str) -> dict[str, Any]:
-    """A preset's config: a name in :data:`PRESETS` (``pipelines/presets/NAME.json``) or a JSON file path.
-
-    Keys starting with ``_`` (``_why`` comments) are dropped.
-
-    Raises:
-        ConfigError: unknown preset or unreadable JSON.
-    """
-    data = read_preset_json(name_or_path, PRESETS)
-    if not isinstance(data, dict):
-        raise ConfigError(f"preset {name_or_path}: expected an object of sections, got {type(data).__name__}")
-    unknown = sorted(set(_strip_comments(data)) - set(_STAGES) - {"target"})
-    if unknown:
-        raise ConfigError(f"preset {name_or_path}: unknown sections {unknown}; expected {list(_STAGES)} and 'target'")
-    return {name: migrate_renamed(name, values, f"preset {name_or_path}") if isinstance(values, dict) else values
-            for name, values in _strip_comments(data).items()}
 
 
 def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -137,8 +80,8 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
         section, dot, name = key.strip().partition(".")
         if not sep or not dot or not name:
             raise ConfigError(f"--set {override!r}: expected section.field=value, e.g. train.optim.lr=3e-4")
-        if section not in _STAGES:
-            raise ConfigError(f"--set {override!r}: unknown section {section!r}; expected one of {list(_STAGES)}")
+        if section not in PIPELINE_SECTIONS:
+            raise ConfigError(f"--set {override!r}: unknown section {section!r}; expected one of {list(PIPELINE_SECTIONS)}")
         value = override_value(raw, override)
         if "." in name:  # a nested config's field: train.optim.lr=3e-4
             from stages.config.check import set_path
@@ -191,7 +134,7 @@ class PipelineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"workdir": str(self.workdir), "target": self.target,
-                **{name: getattr(self, name) for name in _STAGES}}
+                **{name: getattr(self, name) for name in PIPELINE_SECTIONS}}
 
 
 
@@ -211,7 +154,7 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
     from stages.evaluate import EvaluateConfig
     from stages.extract.command import ExtractConfig
     from stages.prepare import PrepareConfig
-    from stages.train.command import TrainConfig
+    from stages.train.config import TrainConfig
 
     placeholder = str(config.workdir / "validate")
     checks: list[tuple[str, type, set[str], dict[str, Any], dict[str, Any]]] = [
@@ -264,7 +207,7 @@ def printable_pipeline(config: PipelineConfig) -> dict[str, Any]:
     from stages.evaluate import EvaluateConfig
     from stages.extract.command import ExtractConfig
     from stages.generate import GenerateConfig
-    from stages.train.command import TrainConfig
+    from stages.train.config import TrainConfig
 
     data = {k: copy.deepcopy(v) for k, v in config.to_dict().items() if k != "workdir" and (v or k == "target")}
     classes = {"generate": GenerateConfig, "extract": ExtractConfig, "train": TrainConfig, "evaluate": EvaluateConfig}
@@ -463,7 +406,8 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
     from stages.evaluate import EvaluateConfig, Evaluator, write_json_atomic
     from stages.extract.command import ExtractConfig, run_extract
     from stages.prepare import PrepareConfig, run_prepare
-    from stages.train.command import TrainConfig, run_training
+    from stages.train.config import TrainConfig
+    from stages.train.launch import run_training
     from stages.train.loop import planned_total_steps
 
     console = console or Console()
@@ -702,14 +646,14 @@ def register(app: typer.Typer) -> None:
         if config_file is not None:
             from stages.config.check import read_config_file
 
-            for section, values in _strip_comments(read_config_file(config_file)).items():
+            for section, values in strip_comments(read_config_file(config_file)).items():
                 if section == "target":
                     preset_config["target"] = values
                     continue
-                if section not in _STAGES or not isinstance(values, dict):
-                    close = difflib.get_close_matches(section, _STAGES, n=1)
+                if section not in PIPELINE_SECTIONS or not isinstance(values, dict):
+                    close = difflib.get_close_matches(section, PIPELINE_SECTIONS, n=1)
                     raise ConfigError(f"{section} (--config {config_file}): not a pipeline section; "
-                                      + (f"did you mean {close[0]}?" if close else f"sections: {', '.join(_STAGES)}"))
+                                      + (f"did you mean {close[0]}?" if close else f"sections: {', '.join(PIPELINE_SECTIONS)}"))
                 from stages.config.check import leaf_paths
 
                 values = migrate_renamed(section, values, f"--config {config_file}")

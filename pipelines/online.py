@@ -46,7 +46,7 @@ from typing import Any
 import typer
 
 from dflash.errors import ConfigError
-from stages.train.command import TrainConfig
+from stages.train.config import TrainConfig
 
 __all__ = ["OnlineConfig", "ONLINE_CACHE_PREFIX", "ONLINE_PRESETS", "OnlineData", "online_metadata", "online_sections",
            "online_training_data", "load_online_preset", "printable_config", "run_online", "register"]
@@ -69,7 +69,7 @@ CACHE_TO_CODEC_REASON = ("online --cache-to: the launcher encodes each shard fro
 
 @dataclass(kw_only=True, slots=True)
 class OnlineConfig:
-    """The producer side of an online run; the trainer side is ``train`` (a :class:`stages.train.command.TrainConfig`)."""
+    """The producer side of an online run; the trainer side is ``train`` (a :class:`stages.train.config.TrainConfig`)."""
 
     corpus: str
     """Corpus folder (contract 1) the plan is made from and the producers read."""
@@ -410,7 +410,7 @@ def run_online(config: OnlineConfig) -> dict[str, Any]:
             from the CLI); SharedMemoryFull: ``/dev/shm`` too small for the ring (the message gives the fix).
     """
     from dflash.io.locks import output_lock
-    from stages.train.command import _run_training
+    from stages.train.launch import _run_training
 
     train = config.train
     with contextlib.ExitStack() as locks:
@@ -481,7 +481,7 @@ def load_online_preset(name_or_path: str) -> tuple[dict[str, Any], dict[str, Any
         ConfigError: unknown preset, unreadable JSON, or a section or key that is not an online or train setting
             (the message names it).
     """
-    from pipelines.offline import read_preset_json
+    from stages.config.presets import read_preset_json
 
     return online_sections(read_preset_json(name_or_path, ONLINE_PRESETS), f"preset {name_or_path}")
 
@@ -494,7 +494,7 @@ def online_sections(data: dict[str, Any], where: str) -> tuple[dict[str, Any], d
         ConfigError: as above.
     """
     from stages.config.check import check_fields, migrate_renamed
-    from stages.train.command import TrainConfig
+    from stages.train.config import TrainConfig
 
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected an object with the sections 'online' and 'train', got "

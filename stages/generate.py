@@ -497,10 +497,7 @@ def _timings_line(timings: dict[str, float], parts: list[dict[str, Any]]) -> str
 
 def register(app: typer.Typer) -> None:
     """Add the ``generate`` command to ``app``."""
-    from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
-    from stages.extract.command import (
-        _int_list,  # the GPU-list parsing of extract (same option, same spelling)
-    )
+    from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION, int_list
 
     @app.command("generate")
     def generate_command(
@@ -558,7 +555,7 @@ def register(app: typer.Typer) -> None:
             turns=turns, chat_template=chat_template, template_kwargs=kwargs, temperature=temperature, top_p=top_p,
             max_new_tokens=max_new_tokens, seed=seed, max_length=max_length, max_prompts=max_prompts,
             part_size=part_size, batch_size=batch_size, token_budget=token_budget, kv_cache=kv_cache,
-            deterministic=deterministic, target_gpus=_int_list(target_gpus, "--target-gpus"),
+            deterministic=deterministic, target_gpus=int_list(target_gpus, "--target-gpus"),
             target_processes=target_processes,
             scheduler_address=scheduler_address, dashboard_address=dashboard_address, endpoints=list(endpoint),
             served_model=served_model, api_key_env=api_key_env, concurrency=concurrency,

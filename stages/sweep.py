@@ -6,7 +6,7 @@ Run::
     dflash-stages sweep --cache CACHE --output SWEEP --grid lr=3e-4,6e-4 --set train.max_steps=2000 --drafter-gpus 0,1,2,3
     dflash-stages sweep --config sweep.toml --print-config
 
-Each ``--grid FIELD=V1,V2,...`` names a :class:`stages.train.command.TrainConfig` field and its values (list-valued
+Each ``--grid FIELD=V1,V2,...`` names a :class:`stages.train.config.TrainConfig` field and its values (list-valued
 fields take ``:`` between items: ``--grid betas=0.9:0.95,0.9:0.99``). The runs are the cartesian product of the
 grid, in the order given; run ``k`` trains into ``SWEEP/<field>=<value>_...``. ``--set train.FIELD=VALUE`` (or
 ``FIELD=VALUE``) fixes a train field for every run, ``--set sweep.FIELD=VALUE`` sets one of the sweep's own fields
@@ -50,7 +50,8 @@ import typer
 from dflash.errors import ConfigError
 from dflash.io.files import atomic_write_text
 from dflash.training.telemetry import read_metrics
-from stages.train.command import TrainConfig, run_training
+from stages.train.config import TrainConfig
+from stages.train.launch import run_training
 
 __all__ = ["SweepConfig", "SweepRun", "grid_path", "parse_grid", "plan_sweep", "resolve_sweep", "run_sweep", "summarize_run",
            "register"]
@@ -231,7 +232,7 @@ def resolve_sweep(ctx: Any, values: dict[str, Any], *, config_file: str | None, 
     fixed: dict[str, Any] = {}
     layers = []
     if preset is not None:
-        from pipelines.offline import load_preset
+        from stages.config.presets import load_preset
 
         layers.append((section_of(load_preset(preset), "train", known, f"preset {preset}"), f"preset {preset}"))
     if config_file is not None:

@@ -21,7 +21,7 @@ CONFIGS = {
     "evaluate": ("stages.evaluate", "EvaluateConfig"),
     "export": ("stages.export", "ExportConfig"),
     "sweep": ("stages.sweep", "SweepConfig"),
-    "train": ("stages.train.command", "TrainConfig"),
+    "train": ("stages.train.config", "TrainConfig"),
 }
 #: Options whose text form the command parses into the field's type.
 PARSED = {("generate", "template_kwargs"): json.loads, ("sweep", "grid"): parse_grid}
@@ -38,7 +38,8 @@ def _field_default(field: dataclasses.Field):
 def test_options_default_to_their_fields_defaults(command):
     import importlib
 
-    from stages.train.command import OPTION_FIELDS, _default_leaves, _shown
+    from stages.train.command import OPTION_FIELDS, _shown
+    from stages.train.config import default_leaves
 
     _register_all()
     module, name = CONFIGS[command]
@@ -48,9 +49,9 @@ def test_options_default_to_their_fields_defaults(command):
     for param in params:
         if command == "train":  # an option of a nested config's field (--lr: optim.lr) by its dotted path
             field_name = OPTION_FIELDS.get(param.name, param.name)
-            if field_name not in _default_leaves():
+            if field_name not in default_leaves():
                 continue
-            default = _default_leaves()[field_name]
+            default = default_leaves()[field_name]
         else:
             field_name = param.name
             if field_name not in fields:
@@ -72,9 +73,8 @@ def test_options_default_to_their_fields_defaults(command):
 def test_print_config_reaches_every_field(command, tmp_path, monkeypatch, capsys):
     import importlib
 
-    from tests.test_config_resolve import _args
-
     from tests.cli_helpers import main_in_process_out
+    from tests.test_config_resolve import _args
 
     module, name = CONFIGS[command]
     fields = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name)) if f.init}

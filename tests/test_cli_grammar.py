@@ -160,7 +160,8 @@ def test_old_placement_spellings_still_work_with_one_deprecation_warning(tmp_pat
 
 
 def test_an_old_run_json_with_renamed_keys_compares_equal_on_resume():
-    from stages.train.command import TrainConfig, trajectory_changes
+    from stages.train.config import TrainConfig
+    from stages.train.resume import trajectory_changes
 
     current = TrainConfig(cache="c", output="o", drafter_processes=2).to_dict()
     saved = {**{k: v for k, v in current.items() if k != "drafter_processes"}, "cpu_processes": 2}
@@ -173,7 +174,8 @@ def test_kernel_environment_variables_are_also_train_config_fields(tmp_path, mon
     before any work."""
     from dflash.drafter import attention_kernels
     from dflash.drafter.loss import CE_KERNEL_ENV
-    from stages.train.command import TrainConfig, trajectory_changes
+    from stages.train.config import TrainConfig
+    from stages.train.resume import trajectory_changes
 
     monkeypatch.delenv(CE_KERNEL_ENV, raising=False)
     monkeypatch.setenv(attention_kernels.ENV_VAR, attention_kernels.attention_backend())

@@ -9,7 +9,7 @@ from train_helpers import build_tiny_cache, tiny_config
 
 from dflash.training.checkpoint import load_checkpoint
 from dflash.training.telemetry import read_metrics
-from stages.train.command import run_training
+from stages.train.launch import run_training
 
 
 @pytest.fixture(scope="module")

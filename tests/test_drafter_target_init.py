@@ -9,7 +9,7 @@ import torch
 from train_helpers import build_tiny_cache, tiny_config
 
 from dflash.errors import ConfigError
-from stages.train.command import run_training
+from stages.train.launch import run_training
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -24,7 +24,7 @@ from dflash import faults
 from dflash.cache import CacheReader, HiddenStateCache, verify_cache
 from dflash.errors import CacheError
 from dflash.training.checkpoint import load_checkpoint
-from stages.train.command import run_training
+from stages.train.launch import run_training
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -223,7 +223,7 @@ def test_deleted_commit_record_is_refused_unless_allow_incomplete(cache, tmp_pat
 def test_sigkill_mid_checkpoint_write_then_resume_is_bit_exact(cache, straight_run, tmp_path):
     output = tmp_path / "run"
     config = tiny_config(cache, output, **RUN)
-    script = ("import json, sys, torch; torch.set_num_threads(1); from stages.train.command import TrainConfig, run_training; "
+    script = ("import json, sys, torch; torch.set_num_threads(1); from stages.train.config import TrainConfig; from stages.train.launch import run_training; "
               "run_training(TrainConfig.from_dict(json.loads(sys.argv[1])))")  # one thread, as here: same float sums
     killed = forked_python(script, json.dumps(config.to_dict()), timeout=240,
                            env={**os.environ, faults.ENV: "checkpoint.write@2"})  # as above

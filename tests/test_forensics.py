@@ -19,7 +19,7 @@ from dflash.training.state_files import load_state_tree, save_state_tree
 from stages.forensics import diff as diff_stage
 from stages.forensics import inspect as inspect_stage
 from stages.forensics import scan as scan_stage
-from stages.train.command import run_training
+from stages.train.launch import run_training
 
 
 @pytest.fixture(scope="module")

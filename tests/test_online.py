@@ -277,7 +277,7 @@ def test_cache_to_writes_while_training_the_cache_extract_would_and_train_reuses
     computes (too few supervised tokens) as skipped; staging is empty after; ``train --cache`` trains on it."""
     from dflash.cache import verify_cache
     from pipelines.online import run_online
-    from stages.train.command import run_training
+    from stages.train.launch import run_training
     from tests.train_helpers import tiny_config
 
     cache = tmp_path / "cache"

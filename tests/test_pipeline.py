@@ -15,7 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash.errors import ConfigError, MismatchError
-from pipelines.offline import PRESETS, PipelineConfig, apply_overrides, load_preset, validate_sections
+from pipelines.offline import PipelineConfig, apply_overrides, validate_sections
+from stages.config.presets import PRESETS, load_preset
 
 TINY = {
     "_why": "test-sized: seconds per stage",
@@ -68,7 +69,7 @@ def test_pipeline_runs_every_stage_and_prints_tau(finished_run):
     assert state["epochs"][-1]["step"] == total_steps and 0 < state["epochs"][1]["step"] < total_steps
     # The epoch ends were placed by planning the schedule from the cache, without a training step to learn it: the
     # trainer started once per epoch, at step 0 and at epoch 1's end, and planned the length the trainer used.
-    from stages.train.command import TrainConfig
+    from stages.train.config import TrainConfig
     from stages.train.loop import planned_total_steps
 
     starts = [row["step"] for row in map(json.loads, (workdir / "run" / "metrics.jsonl").read_text().splitlines())

@@ -108,7 +108,7 @@ def run_b8(tmp_path_factory, target):
     """A real short training run (tiny drafter on a tiny real cache) whose checkpoint the tests tamper with."""
     from train_helpers import build_tiny_cache, tiny_config
 
-    from stages.train.command import run_training
+    from stages.train.launch import run_training
 
     root = tmp_path_factory.mktemp("state_files")
     cache = build_tiny_cache(root / "cache.zarr", target, num_samples=8, num_shards=1)

@@ -58,7 +58,7 @@ def test_report_to_names_are_checked_and_none_means_jsonl_only(tmp_path):
     from dflash.errors import ConfigError
     from dflash.training.telemetry import TelemetryConfig
     from dflash.training.trackers import numeric_fields
-    from stages.train.command import RUNTIME_FIELDS, TrainConfig
+    from stages.train.config import RUNTIME_FIELDS, TrainConfig
 
     assert TrainConfig(cache="c", output="o").telemetry.report_to == ["tensorboard"]
     assert TrainConfig(cache="c", output="o", telemetry={"report_to": ["none"]}).telemetry.report_to == []

@@ -16,7 +16,8 @@ from dflash.errors import CheckpointError, ConfigError, MismatchError
 from dflash.training.checkpoint import load_checkpoint
 from dflash.training.optim import OptimConfig
 from dflash.training.telemetry import read_metrics
-from stages.train.command import TrainConfig, run_training
+from stages.train.config import TrainConfig
+from stages.train.launch import run_training
 
 
 @pytest.fixture(scope="module")
@@ -445,7 +446,8 @@ def test_gpu_compiled_fixed_shape_path(tiny_cache, tmp_path):
 def test_runs_saved_before_residual_dtype_resume_with_a_float32_residual(tmp_path):
     """A run.json written before ``residual_dtype`` existed resumes with the float32 residual it trained with, and a
     request for another one is reported as a trajectory change."""
-    from stages.train.command import config_from_cli, trajectory_changes
+    from stages.train.command import config_from_cli
+    from stages.train.resume import trajectory_changes
 
     run = tmp_path / "run"
     run.mkdir()
@@ -466,7 +468,8 @@ def test_runs_saved_before_the_document_split_resume_with_the_row_split(tmp_path
     row split it validated on; asking for the document split on resume is refused like a changed
     validation_fraction (the validation set, hence the best checkpoint, would change)."""
     from dflash.errors import CheckpointError
-    from stages.train.command import check_resume_changes, config_from_cli, trajectory_changes
+    from stages.train.command import config_from_cli
+    from stages.train.resume import check_resume_changes, trajectory_changes
 
     run = tmp_path / "run"
     run.mkdir()

@@ -94,7 +94,7 @@ def build_tiny_cache(
 
 def tiny_config(cache: Path, output: Path, **overrides: Any):
     """A TrainConfig for a 1-layer, block-4 drafter on the tiny cache; a few seconds per run on CPU."""
-    from stages.train.command import TrainConfig
+    from stages.train.config import TrainConfig
 
     values: dict[str, Any] = dict(
         cache=str(cache),

@@ -27,7 +27,7 @@ STAGE_CONFIGS = {
     "prepare": ("stages.prepare", "PrepareConfig"),
     "generate": ("stages.generate", "GenerateConfig"),
     "extract": ("stages.extract.command", "ExtractConfig"),
-    "train": ("stages.train.command", "TrainConfig"),
+    "train": ("stages.train.config", "TrainConfig"),
     "online": ("pipelines.online", "OnlineConfig"),
     "evaluate": ("stages.evaluate", "EvaluateConfig"),
     "export": ("stages.export", "ExportConfig"),

@@ -26,7 +26,7 @@ from typing import Any
 from dflash.errors import ConfigError
 from stages.config.check import CONFIG_SECTIONS, check_not_empty_path, migrate_renamed, override_value
 
-__all__ = ["CONFIG_OPTION", "PRESET_OPTION", "PRINT_CONFIG_OPTION", "SET_OPTION", "given_options", "print_and_exit",
+__all__ = ["CONFIG_OPTION", "PRESET_OPTION", "PRINT_CONFIG_OPTION", "SET_OPTION", "given_options", "int_list", "print_and_exit",
            "nested", "parse_sets", "plain_value", "printable", "resolve_stage_config", "section_of", "split_given", "without_key"]
 
 #: Stage sections a config file may hold besides this stage's own (ignored by the other stages).
@@ -152,7 +152,7 @@ def resolve_stage_config(
     option_names = dict(option_names or {})
     layers: list[tuple[dict[str, Any], Callable[[str], str]]] = []
     if preset is not None:
-        from pipelines.offline import load_preset
+        from stages.config.presets import load_preset
 
         layers.append((section_of(load_preset(preset), section, fields, f"preset {preset}"),
                        lambda key: f"preset {preset}"))
@@ -259,3 +259,15 @@ def _options() -> dict[str, Any]:
 
 #: The four options every stage command takes, declared once (``typer.Option`` defaults, shared by the commands).
 CONFIG_OPTION, PRESET_OPTION, SET_OPTION, PRINT_CONFIG_OPTION = _options().values()
+
+
+def int_list(value: str | None, name: str) -> list[int] | None:
+    """A comma-separated option value (``--target-gpus 0,1``) as integers; ``None`` when the option is not given."""
+    import typer
+
+    if value is None:
+        return None
+    try:
+        return [int(part) for part in value.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=name) from None

@@ -697,19 +697,10 @@ def _print_summary(console: Console, config: ExtractConfig, summary: dict[str, A
         console.print(f"[yellow]quarantined: sample {entry['sample_id']} (corpus row {entry['corpus_row']}), non-finite at tapped layers {entry['layers']}")
 
 
-def _int_list(value: str | None, name: str) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        return [int(part) for part in value.replace(" ", "").split(",") if part]
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=name) from None
-
-
 def register(app: typer.Typer) -> None:
     """Add the ``extract`` command to the CLI."""
 
-    from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
+    from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION, int_list
 
     @app.command("extract")
     def extract_command(
@@ -758,8 +749,8 @@ def register(app: typer.Typer) -> None:
 
             values = dict(
                 corpus=corpus, output=output, target=target,
-                target_layer_ids=_int_list(target_layer_ids, "--target-layer-ids"), num_taps=num_taps,
-                target_gpus=_int_list(target_gpus, "--target-gpus"), target_processes=target_processes,
+                target_layer_ids=int_list(target_layer_ids, "--target-layer-ids"), num_taps=num_taps,
+                target_gpus=int_list(target_gpus, "--target-gpus"), target_processes=target_processes,
                 scheduler_address=scheduler_address, shard_size=shard_size, token_budget=token_budget, packing=packing,
                 packed_attention=packed_attention,
                 storage_dtype=storage_dtype, codec=codec, codec_calibration=codec_calibration, max_length=max_length,

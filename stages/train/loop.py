@@ -74,10 +74,11 @@ from dflash.training.telemetry import (
     ThroughputWindow,
     training_progress,
 )
+from stages.train.resume import check_resume_changes
 
 if TYPE_CHECKING:
     from dflash.batches.packed import PackedBatch
-    from stages.train.command import TrainConfig
+    from stages.train.config import TrainConfig
 
 __all__ = ["Trainer", "TrainingData", "open_cache_data", "stream_config", "loader_placement", "schedule_steps",
            "planned_total_steps", "load_target_embeddings",
@@ -308,7 +309,7 @@ class Trainer:
     """Trains one drafter on one cache. Construct on every rank (process group already initialized).
 
     Args:
-        config: the resolved :class:`stages.train.command.TrainConfig`.
+        config: the resolved :class:`stages.train.config.TrainConfig`.
         rank, world_size: this process's data-parallel rank.
         device: the torch device of this rank.
         data: the batch sources to train on (:class:`TrainingData`: the offline cache's loaders from
@@ -569,8 +570,6 @@ class Trainer:
             log.warning("--resume: %s has no checkpoint yet; starting from step 0", self.run_dir)
             return None
         checkpoint = load_checkpoint(self.run_dir)
-        from stages.train.command import check_resume_changes
-
         check_resume_changes(checkpoint.path, checkpoint.trainer_state, config, self.world_size)
         return checkpoint
 
