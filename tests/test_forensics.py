@@ -18,6 +18,7 @@ from dflash.training.checkpoint import PARAM_NAMES_KEY
 from dflash.training.state_files import load_state_tree, save_state_tree
 from stages.forensics import diff as diff_stage
 from stages.forensics import inspect as inspect_stage
+from stages.forensics import runs
 from stages.forensics import scan as scan_stage
 from stages.train.launch import run_training
 
@@ -122,7 +123,7 @@ def test_scan_reads_every_checkpoint_and_names_a_nan_in_an_older_optimizer_state
     assert all(scan.files == ["model.safetensors", "optimizer.safetensors"] for scan in scans)
     assert scans[0].tensors > 2 * len(names)  # weights + exp_avg, exp_avg_sq and step per parameter
     # Streamed in row chunks (bounded memory), a tensor counts the same as read whole.
-    monkeypatch.setattr(scan_stage, "_CHUNK_ELEMENTS", 1 << 16)  # the MLP weights: several row chunks each
+    monkeypatch.setattr(runs, "_CHUNK_ELEMENTS", 1 << 16)  # the MLP weights: several row chunks each
     chunked = scan_stage.scan_checkpoint(older)
     assert chunked.to_dict() == scans[1].to_dict()
 

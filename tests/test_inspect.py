@@ -21,7 +21,7 @@ from dflash.serving.export import WEIGHTS_FILE, export_checkpoint
 from dflash.training.state_files import load_state_tree, save_state_tree
 from stages.forensics import inspect as inspect_stage
 from stages.forensics.diff import compare, load_side
-from stages.forensics.inspect import describe, diff_facts, scan_tensors
+from stages.forensics.runs import describe, diff_facts, scan_tensors
 
 
 def _write_run(run: Path, target, *, block_size: int) -> Path:

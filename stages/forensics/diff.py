@@ -35,6 +35,8 @@ from typing import Any
 
 import typer
 
+from stages.forensics.runs import add_key_column, describe, flatten, format_value, read_json
+
 __all__ = ["register", "diff_command", "Side", "Comparison", "load_side", "compare", "print_comparison",
            "PERFORMANCE_KEYS"]
 
@@ -124,8 +126,6 @@ def load_side(path: str | Path) -> Side:
     Raises:
         CheckpointError: ``path`` is none of the three.
     """
-    from stages.forensics.inspect import _read_json, describe, flatten
-
     artefact = describe(path)
     side = Side(path=artefact.path, kind=artefact.kind)
     for key, value in artefact.facts.items():  # drafter/target/serving/provenance as ``inspect`` reads them
@@ -135,10 +135,10 @@ def load_side(path: str | Path) -> Side:
     recorded: dict[str, Any] = {}
     metrics_folder, up_to = None, None
     if artefact.kind == "run" and (artefact.path / "run.json").is_file():
-        recorded = _read_json(artefact.path / "run.json")
+        recorded = read_json(artefact.path / "run.json")
         metrics_folder = artefact.path
     elif artefact.kind == "checkpoint" and (artefact.path / "trainer_state.json").is_file():
-        recorded = _read_json(artefact.path / "trainer_state.json")
+        recorded = read_json(artefact.path / "trainer_state.json")
         if artefact.path.parent.name == "checkpoints":  # inside its run: that run's metrics up to this step
             metrics_folder, up_to = artefact.path.parent.parent, int(recorded.get("step", 0))
     for section in ("config", "resolved", "environment"):
@@ -249,21 +249,19 @@ def print_comparison(console: Any, comparison: Comparison) -> None:
     """The three tables (only non-empty ones) and the verdict line."""
     from rich.table import Table
 
-    from stages.forensics.inspect import _add_key_column, _format
-
     left, right = comparison.left, comparison.right
-    console.print(f"A = {left.kind} {_format(str(left.path))}\nB = {right.kind} {_format(str(right.path))}",
+    console.print(f"A = {left.kind} {format_value(str(left.path))}\nB = {right.kind} {format_value(str(right.path))}",
                   soft_wrap=True)
     for title, rows in (("config", comparison.config), ("environment", comparison.environment)):
         if not rows:
             console.print(f"[green]no {title} differences[/]")
             continue
         table = Table(title=f"{title} differences")
-        _add_key_column(table, console, [key for key, _, _ in rows], value_columns=2)
+        add_key_column(table, console, [key for key, _, _ in rows], value_columns=2)
         table.add_column("A", overflow="fold")
         table.add_column("B", overflow="fold")
         for key, a, b in rows:
-            table.add_row(_format(key), _format(a), _format(b))
+            table.add_row(format_value(key), format_value(a), format_value(b))
         console.print(table)
     if comparison.performance:
         table = Table(title=f"performance (medians over {left.records} / {right.records} train records)")
@@ -275,7 +273,7 @@ def print_comparison(console: Any, comparison: Comparison) -> None:
         console.print(table)
     if comparison.skipped:
         console.print(f"[yellow]not compared[/] (only one side has them): {', '.join(comparison.skipped)}")
-    console.print(f"[bold]verdict:[/] {_format(comparison.verdict)}", soft_wrap=True)
+    console.print(f"[bold]verdict:[/] {format_value(comparison.verdict)}", soft_wrap=True)
 
 
 def diff_command(

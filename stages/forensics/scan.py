@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import typer
+
+from stages.forensics.runs import describe, file_tensors, step_problems
 
 __all__ = ["register", "scan_command", "TensorFinding", "CheckpointScan", "checkpoints_to_scan", "scan_checkpoint",
            "scan_paths", "print_scans", "DEFAULT_MAX_ABS"]
@@ -34,7 +35,6 @@ __all__ = ["register", "scan_command", "TensorFinding", "CheckpointScan", "check
 #: Finite values above this magnitude count as extreme (drafter weights and Adam moments stay far below it).
 DEFAULT_MAX_ABS = 1e4
 #: Tensors read whole up to this many elements; larger ones in row chunks of about this size.
-_CHUNK_ELEMENTS = 1 << 24
 _STATE_NAME = re.compile(r"^state\.(\d+)\.(.+)$")
 
 
@@ -81,8 +81,6 @@ def checkpoints_to_scan(path: str | Path) -> list[Path]:
         CheckpointError: ``path`` is no run, checkpoint or export, or a run without any checkpoint.
     """
     from dflash.errors import CheckpointError
-    from stages.forensics.inspect import describe
-
     folder = Path(path).expanduser()
     if (folder / "checkpoints").is_dir() and not (folder / "model.safetensors").is_file():
         # A run: listed directly, so a damaged run (a dangling `latest`, a broken run.json) is still scanned.
@@ -94,38 +92,6 @@ def checkpoints_to_scan(path: str | Path) -> list[Path]:
     if artefact.kind == "run":
         raise CheckpointError(f"run folder {folder} has no checkpoint under checkpoints/; nothing to scan")
     return [artefact.path]
-
-
-def _chunks(handle: Any, name: str) -> Iterator[Any]:
-    """A safetensors tensor as row chunks of about ``_CHUNK_ELEMENTS`` elements (whole when small or 0-d)."""
-    tensor_slice = handle.get_slice(name)
-    shape = [int(size) for size in tensor_slice.get_shape()]
-    numel = 1
-    for size in shape:
-        numel *= size
-    if not shape or numel <= _CHUNK_ELEMENTS or shape[0] <= 1:
-        yield handle.get_tensor(name)
-        return
-    rows = max(1, _CHUNK_ELEMENTS // max(1, numel // shape[0]))
-    for start in range(0, shape[0], rows):
-        yield tensor_slice[start : start + rows]
-
-
-def file_tensors(path: Path) -> Iterator[tuple[str, str, list[int], Iterator[Any]]]:
-    """``(stored name, dtype, shape, chunks)`` of every tensor of a safetensors or format-1 torch file."""
-    if path.suffix == ".safetensors":
-        from dflash.io.weights import open_safetensors
-
-        with open_safetensors(path) as handle:
-            for name in handle.keys():
-                tensor_slice = handle.get_slice(name)
-                yield name, str(tensor_slice.get_dtype()), list(tensor_slice.get_shape()), _chunks(handle, name)
-        return
-    # A format-1 optimizer.pt: loaded whole (weights only, never unpickled), so this one is not streamed.
-    from stages.forensics.inspect import _named_tensors
-
-    for name, tensor in _named_tensors(path):
-        yield name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), iter([tensor])
 
 
 def _param_names(folder: Path, optimizer_file: Path, scan: CheckpointScan) -> list[str] | None:
@@ -187,29 +153,6 @@ def _scan_file(path: Path, names: list[str] | None, max_abs: float, scan: Checkp
                 file=path.name, tensor=_readable_name(stored, names), stored_as=stored, dtype=dtype, shape=shape,
                 nan=nan, inf=inf, extreme=extreme, max_abs=largest,
             ))
-
-
-def step_problems(folder: Path, files: list[Path]) -> list[str]:
-    """Disagreements between the steps a checkpoint records (folder name, trainer state, files' metadata)."""
-    from dflash.io.weights import open_safetensors
-
-    steps: dict[str, int] = {}
-    match = re.fullmatch(r"step_(\d+)", folder.name)
-    if match:
-        steps["folder name"] = int(match.group(1))
-    if (folder / "trainer_state.json").is_file():
-        recorded = json.loads((folder / "trainer_state.json").read_text()).get("step")
-        if recorded is not None:
-            steps["trainer_state.json"] = int(recorded)
-    for path in files:
-        if path.suffix == ".safetensors":
-            with open_safetensors(path) as handle:
-                recorded = (handle.metadata() or {}).get("step")
-            if recorded is not None:
-                steps[path.name] = int(recorded)
-    if len(set(steps.values())) <= 1:
-        return []
-    return ["steps disagree: " + ", ".join(f"{where} {step}" for where, step in steps.items())]
 
 
 def scan_checkpoint(folder: str | Path, *, max_abs: float = DEFAULT_MAX_ABS) -> CheckpointScan:

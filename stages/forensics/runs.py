@@ -1,0 +1,408 @@
+"""One reader of the artefacts the forensics commands look at: run folders, checkpoint folders and exports.
+
+:func:`describe` reduces each to an :class:`Artefact` of flat ``section.key -> value`` facts, checks and weight
+files; :func:`file_tensors` streams the tensors of a weights or optimizer file in bounded chunks. ``inspect``,
+``scan``, ``diff`` and ``report`` read through these.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["Artefact", "describe", "diff_facts", "scan_tensors", "flatten", "tensor_statistics", "parameter_groups",
+           "file_tensors", "step_problems", "named_tensors", "read_json", "format_value", "add_key_column"]
+
+#: Elements per chunk when a large tensor is streamed.
+_CHUNK_ELEMENTS = 1 << 24
+
+ArtefactKind = Literal["run", "checkpoint", "export"]
+
+
+def flatten(data: Any, prefix: str) -> dict[str, Any]:
+    """Nested mappings -> ``{"prefix.a.b": value}``; lists and scalars are leaves."""
+    if isinstance(data, Mapping):
+        flat: dict[str, Any] = {}
+        for key, value in data.items():
+            flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    return {prefix: data}
+
+
+@dataclass(slots=True)
+class Artefact:
+    """What ``inspect`` knows about one path: its kind, flat facts, the weight files to scan, loader verdicts."""
+
+    path: Path
+    kind: ArtefactKind
+    facts: dict[str, Any] = field(default_factory=dict)
+    weight_files: list[Path] = field(default_factory=list)
+    checks: dict[str, str] = field(default_factory=dict)  # name -> "ok" or the error message
+    notes: list[str] = field(default_factory=list)
+    #: The safetensors file of the drafter's weights (checkpoint or export), for per-tensor statistics.
+    model_file: Path | None = None
+
+    def to_dict(self, tensors: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """JSON form (``inspect --json``): facts by key, checks, notes, parameter counts, per-tensor statistics."""
+        data: dict[str, Any] = {"path": str(self.path), "kind": self.kind, "facts": self.facts, "checks": self.checks,
+                                "notes": self.notes, "model_file": str(self.model_file) if self.model_file else None}
+        if tensors is not None:
+            data["parameters"] = parameter_groups(tensors)
+            data["tensors"] = tensors
+        return data
+
+
+def tensor_statistics(path: Path) -> list[dict[str, Any]]:
+    """Per tensor of a safetensors (or format-1 torch) file, streamed in row chunks (bounded memory).
+
+    Returns:
+        One dict per tensor, in file order: ``name``, ``dtype``, ``shape``, ``numel``; for floating-point tensors
+        also ``min``, ``max``, ``mean``, ``std`` (population), ``abs_max`` over the finite values (float64
+        accumulation; None when no value is finite) and ``nonfinite`` (NaN + Inf count).
+    """
+    import torch
+
+    rows = []
+    for name, dtype, shape, chunks in file_tensors(path):
+        count = nonfinite = 0
+        total = squares = 0.0
+        low, high = float("inf"), float("-inf")
+        numel = 0
+        floating = False
+        for chunk in chunks:
+            numel += chunk.numel()
+            if not chunk.is_floating_point() or chunk.numel() == 0:
+                continue
+            floating = True
+            values = chunk.double().flatten()
+            finite = torch.isfinite(values)
+            nonfinite += int((~finite).sum())
+            values = values[finite]
+            if values.numel():
+                count += values.numel()
+                total += float(values.sum())
+                squares += float((values * values).sum())
+                low, high = min(low, float(values.min())), max(high, float(values.max()))
+        row: dict[str, Any] = {"name": name, "dtype": dtype, "shape": [int(n) for n in shape], "numel": numel}
+        if floating:
+            mean = total / count if count else None
+            row.update(min=low if count else None, max=high if count else None, mean=mean,
+                       std=max(0.0, squares / count - mean * mean) ** 0.5 if count else None,
+                       abs_max=max(abs(low), abs(high)) if count else None, nonfinite=nonfinite)
+        rows.append(row)
+    return rows
+
+
+def parameter_groups(tensors: list[dict[str, Any]]) -> dict[str, Any]:
+    """Parameter counts: ``total`` and per group (``layers.N`` per draft layer, else the name's first part)."""
+    groups: dict[str, int] = {}
+    for row in tensors:
+        parts = row["name"].split(".")
+        key = ".".join(parts[:2]) if len(parts) > 2 and parts[1].isdigit() else parts[0]
+        groups[key] = groups.get(key, 0) + int(row["numel"])
+    return {"total": sum(groups.values()), "groups": groups}
+
+
+def read_json(path: Path) -> Any:
+    from dflash.errors import CheckpointError
+
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: unreadable JSON ({error})") from None
+
+
+def _weights_summary(path: Path) -> dict[str, Any]:
+    """Tensor count, parameters, dtypes and bytes of a safetensors file (header only, no data read)."""
+    from dflash.io.weights import open_safetensors
+
+    count, parameters, dtypes = 0, 0, set()
+    with open_safetensors(path) as handle:
+        for name in handle.keys():
+            tensor_slice = handle.get_slice(name)
+            numel = 1
+            for size in tensor_slice.get_shape():
+                numel *= int(size)
+            count += 1
+            parameters += numel
+            dtypes.add(str(tensor_slice.get_dtype()))
+    return {"file": path.name, "tensors": count, "parameters": parameters, "dtypes": sorted(dtypes), "bytes": path.stat().st_size}
+
+
+def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    from dflash.io.weights import open_safetensors
+
+    with open_safetensors(path) as handle:
+        return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+
+
+def _describe_checkpoint(folder: Path, artefact: Artefact) -> None:
+    from dflash.errors import DFlashError
+    from dflash.serving.export import (
+        CHECKPOINT_CONFIG_FILE,
+        CHECKPOINT_TARGET_FILE,
+        WEIGHTS_FILE,
+        check_state_dict,
+    )
+
+    config = read_json(folder / CHECKPOINT_CONFIG_FILE)
+    artefact.facts.update(flatten(config, "drafter"))
+    if (folder / CHECKPOINT_TARGET_FILE).is_file():
+        artefact.facts.update(flatten(read_json(folder / CHECKPOINT_TARGET_FILE), "target"))
+    else:
+        artefact.notes.append(f"{folder / CHECKPOINT_TARGET_FILE} is missing: the target cannot be checked")
+    if (folder / "trainer_state.json").is_file():
+        artefact.facts.update(flatten(read_json(folder / "trainer_state.json"), "trainer"))
+    weights = folder / WEIGHTS_FILE
+    if weights.is_file():
+        artefact.weight_files.append(weights)
+        artefact.model_file = weights
+        artefact.facts.update(flatten(_weights_summary(weights), "weights"))
+        try:
+            check_state_dict(_shapes(weights), config, where=str(weights))
+            artefact.checks["weight names and shapes"] = "ok"
+        except (DFlashError, KeyError) as error:
+            artefact.checks["weight names and shapes"] = str(error)
+    else:
+        artefact.checks["weights"] = f"{weights} is missing"
+    for state_file in ("optimizer.safetensors", "optimizer.pt", "rng.safetensors"):  # format 2, or format 1's file
+        if (folder / state_file).is_file() and state_file != "rng.safetensors":
+            artefact.weight_files.append(folder / state_file)
+    recorded = [folder / name for name in (WEIGHTS_FILE, "optimizer.safetensors", "rng.safetensors")
+                if (folder / name).is_file()]
+    problems = step_problems(folder, recorded)
+    artefact.checks["steps agree (folder, trainer state, weights, optimizer, RNG)"] = "; ".join(problems) or "ok"
+
+
+def _describe_export(folder: Path, artefact: Artefact) -> None:
+    from dflash.errors import DFlashError
+    from dflash.serving.export import (
+        CONFIG_FILE,
+        PROVENANCE_FILE,
+        WEIGHTS_FILE,
+        drafter_config_dict_from_serving,
+        read_exported,
+    )
+
+    config = read_json(folder / CONFIG_FILE)
+    artefact.facts.update(flatten(config, "serving"))
+    try:
+        artefact.facts.update(flatten(drafter_config_dict_from_serving(config), "drafter"))
+    except (KeyError, TypeError) as error:
+        artefact.notes.append(f"config.json does not map onto a drafter config: missing {error}")
+    if (folder / PROVENANCE_FILE).is_file():
+        provenance = read_json(folder / PROVENANCE_FILE)
+        target = provenance.pop("target", None) or {}
+        provenance.pop("drafter_config", None)  # same facts as drafter.* above
+        artefact.facts.update(flatten(target, "target"))
+        artefact.facts.update(flatten(provenance, "provenance"))
+    else:
+        artefact.notes.append(f"no {PROVENANCE_FILE}: target and source are unknown")
+    weights = folder / WEIGHTS_FILE
+    if weights.is_file():
+        artefact.weight_files.append(weights)
+        artefact.model_file = weights
+        artefact.facts.update(flatten(_weights_summary(weights), "weights"))
+    try:
+        read_exported(folder, check_finite=False)
+        artefact.checks["strict serving-format loader"] = "ok"
+    except DFlashError as error:
+        artefact.checks["strict serving-format loader"] = str(error)
+
+
+def describe(path: str | Path) -> Artefact:
+    """Facts about a run, checkpoint or export folder.
+
+    Raises:
+        CheckpointError: the path is none of the three, or a recorded pointer/JSON file is broken.
+    """
+    from dflash.errors import CheckpointError
+    from dflash.serving.export import CHECKPOINT_CONFIG_FILE, CONFIG_FILE, PROVENANCE_FILE
+    from dflash.training.checkpoint import resolve_checkpoint
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a folder; pass a run, checkpoint or export folder")
+    if (folder / CHECKPOINT_CONFIG_FILE).is_file():
+        artefact = Artefact(path=folder, kind="checkpoint")
+        _describe_checkpoint(folder, artefact)
+        return artefact
+    config_path = folder / CONFIG_FILE
+    if (folder / PROVENANCE_FILE).is_file() or (
+        config_path.is_file() and "DFlashDraftModel" in (read_json(config_path).get("architectures") or [])
+    ):
+        artefact = Artefact(path=folder, kind="export")
+        _describe_export(folder, artefact)
+        return artefact
+    if (folder / "run.json").is_file() or (folder / "latest").is_file() or (folder / "checkpoints").is_dir():
+        artefact = Artefact(path=folder, kind="run")
+        if (folder / "run.json").is_file():
+            artefact.facts.update(flatten(read_json(folder / "run.json"), "run"))
+        checkpoints = sorted(p.name for p in (folder / "checkpoints").glob("*") if p.is_dir())
+        artefact.facts["run.checkpoints"] = checkpoints
+        for pointer in ("latest", "best"):
+            if (folder / pointer).is_file():
+                artefact.facts[f"run.{pointer}"] = (folder / pointer).read_text().strip()
+        if (folder / "latest").is_file():
+            latest = resolve_checkpoint(folder)
+            artefact.notes.append(f"drafter/target/weights facts are from the latest checkpoint {latest}")
+            _describe_checkpoint(latest, artefact)
+        else:
+            artefact.notes.append("no `latest` pointer: the run has no complete checkpoint yet")
+        return artefact
+    raise CheckpointError(
+        f"{folder} is not a run (run.json/latest), checkpoint ({CHECKPOINT_CONFIG_FILE}) or export "
+        f"({CONFIG_FILE} with architectures DFlashDraftModel) folder"
+    )
+
+
+def diff_facts(left: Artefact, right: Artefact) -> tuple[list[tuple[str, Any, Any]], list[str]]:
+    """Config differences between two artefacts over the sections both have (the ``weights`` summary excluded).
+
+    Returns:
+        ``(rows, skipped_sections)``: rows ``(key, left value, right value)`` (``<absent>`` when one side lacks the
+        key), sorted by key; and the sections only one side has (not compared).
+    """
+    absent = "<absent>"
+
+    def sections(facts: Mapping[str, Any]) -> set[str]:
+        return {key.split(".", 1)[0] for key in facts}
+
+    # A config diff: the weights summary (dtype, bytes) is not config, and export timestamps always differ.
+    common = (sections(left.facts) & sections(right.facts)) - {"weights"}
+    skipped = sorted((sections(left.facts) | sections(right.facts)) - common - {"weights"})
+    keys = sorted(
+        key
+        for key in set(left.facts) | set(right.facts)
+        if key.split(".", 1)[0] in common and key != "provenance.created_at"
+    )
+    rows = [
+        (key, left.facts.get(key, absent), right.facts.get(key, absent))
+        for key in keys
+        if left.facts.get(key, absent) != right.facts.get(key, absent)
+    ]
+    return rows, skipped
+
+
+def named_tensors(path: Path) -> Iterator[tuple[str, Any]]:
+    """Every tensor in a safetensors file or a ``torch.save`` file (nested dicts/lists walked, named by path)."""
+    import torch
+
+    if path.suffix == ".safetensors":
+        from dflash.io.weights import open_safetensors
+
+        with open_safetensors(path) as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+        return
+    from dflash.training.state_files import load_legacy_torch_file
+
+    stack: list[tuple[str, Any]] = [("", load_legacy_torch_file(path))]  # a format-1 optimizer.pt: never unpickled
+    while stack:
+        name, value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            yield name, value
+        elif isinstance(value, Mapping):
+            stack.extend((f"{name}.{key}" if name else str(key), item) for key, item in reversed(list(value.items())))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((f"{name}.{index}" if name else str(index), item) for index, item in reversed(list(enumerate(value))))
+
+
+def scan_tensors(files: list[Path]) -> tuple[int, int, list[dict[str, Any]]]:
+    """Count NaN and Inf values in every floating-point tensor of ``files``, one tensor at a time.
+
+    Returns:
+        ``(tensors_scanned, elements_scanned, bad)`` where ``bad`` lists ``{file, tensor, dtype, shape, nan, inf}``.
+    """
+    import torch
+
+    scanned, elements, bad = 0, 0, []
+    for path in files:
+        for name, tensor in named_tensors(path):
+            scanned += 1
+            elements += tensor.numel()
+            if not tensor.is_floating_point():
+                continue
+            nan = int(torch.isnan(tensor).sum())
+            inf = int(torch.isinf(tensor).sum())
+            if nan or inf:
+                bad.append({"file": path.name, "tensor": name, "dtype": str(tensor.dtype), "shape": list(tensor.shape), "nan": nan, "inf": inf})
+    return scanned, elements, bad
+
+
+def format_value(value: Any) -> str:
+    """A fact as table text, with rich markup escaped (``hidden_states[l + 1]`` must print as is)."""
+    from rich.markup import escape
+
+    return escape(value if isinstance(value, str) else json.dumps(value))
+
+
+#: Narrowest a value column gets before long keys are shortened (with an ellipsis) on a narrow terminal.
+_VALUE_MIN_WIDTH = 10
+
+
+def add_key_column(table: Any, console: Any, keys: list[str], value_columns: int) -> None:
+    """The key column: each key on one line, never split mid-word (a folded ``..._samples`` / ``_train`` read like
+    two keys). It is as wide as the longest key; the value columns fold into the rest. Only a terminal too narrow
+    to leave ``_VALUE_MIN_WIDTH`` columns per value shortens keys, with an ellipsis."""
+    borders_and_padding = (value_columns + 2) + 2 * (value_columns + 1)
+    room = console.width - borders_and_padding - value_columns * _VALUE_MIN_WIDTH
+    longest = max((len(key) for key in keys), default=3)
+    table.add_column("key", style="bold", no_wrap=True, overflow="ellipsis", width=max(8, min(longest, room)))
+
+
+def _chunks(handle: Any, name: str) -> Iterator[Any]:
+    """A safetensors tensor as row chunks of about ``_CHUNK_ELEMENTS`` elements (whole when small or 0-d)."""
+    tensor_slice = handle.get_slice(name)
+    shape = [int(size) for size in tensor_slice.get_shape()]
+    numel = 1
+    for size in shape:
+        numel *= size
+    if not shape or numel <= _CHUNK_ELEMENTS or shape[0] <= 1:
+        yield handle.get_tensor(name)
+        return
+    rows = max(1, _CHUNK_ELEMENTS // max(1, numel // shape[0]))
+    for start in range(0, shape[0], rows):
+        yield tensor_slice[start : start + rows]
+
+
+def file_tensors(path: Path) -> Iterator[tuple[str, str, list[int], Iterator[Any]]]:
+    """``(stored name, dtype, shape, chunks)`` of every tensor of a safetensors or format-1 torch file."""
+    if path.suffix == ".safetensors":
+        from dflash.io.weights import open_safetensors
+
+        with open_safetensors(path) as handle:
+            for name in handle.keys():
+                tensor_slice = handle.get_slice(name)
+                yield name, str(tensor_slice.get_dtype()), list(tensor_slice.get_shape()), _chunks(handle, name)
+        return
+    # A format-1 optimizer.pt: loaded whole (weights only, never unpickled), so this one is not streamed.
+    for name, tensor in named_tensors(path):
+        yield name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), iter([tensor])
+
+
+def step_problems(folder: Path, files: list[Path]) -> list[str]:
+    """Disagreements between the steps a checkpoint records (folder name, trainer state, files' metadata)."""
+    from dflash.io.weights import open_safetensors
+
+    steps: dict[str, int] = {}
+    match = re.fullmatch(r"step_(\d+)", folder.name)
+    if match:
+        steps["folder name"] = int(match.group(1))
+    if (folder / "trainer_state.json").is_file():
+        recorded = json.loads((folder / "trainer_state.json").read_text()).get("step")
+        if recorded is not None:
+            steps["trainer_state.json"] = int(recorded)
+    for path in files:
+        if path.suffix == ".safetensors":
+            with open_safetensors(path) as handle:
+                recorded = (handle.metadata() or {}).get("step")
+            if recorded is not None:
+                steps[path.name] = int(recorded)
+    if len(set(steps.values())) <= 1:
+        return []
+    return ["steps disagree: " + ", ".join(f"{where} {step}" for where, step in steps.items())]
