@@ -26,7 +26,7 @@ import torch
 
 from dflash.cache import CacheMetadata, CacheReader, HiddenSample, HiddenStateCache
 from dflash.cache.integrity import check_cache
-from dflash.target.load import LAYER_ID_CONVENTION
+from dflash.target.taps import LAYER_ID_CONVENTION
 
 
 def build(path: Path, *, num_samples: int, mean_tokens: int, shard_tokens: int, chunk_tokens: int, hidden_size: int,

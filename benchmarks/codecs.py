@@ -45,8 +45,9 @@ def stdlib_token_chunks(tokenizer: Any, num_tokens: int, sample_tokens: int) -> 
 
 
 def hidden_states(target_spec: str, device: str, num_tokens: int, sample_tokens: int, num_taps: int) -> tuple[Any, list[int], list[np.ndarray], list[torch.Tensor]]:
-    from dflash.target.load import default_target_layer_ids, load_target
+    from dflash.target.load import load_target
     from dflash.target.runner import TargetRunner
+    from dflash.target.taps import default_target_layer_ids
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     target = load_target(target_spec, dtype=dtype, device=device)
@@ -107,7 +108,7 @@ def main(
         HiddenStateCache,
     )
     from dflash.cache.format import default_chunk_tokens, quantize_fp8
-    from dflash.target.load import LAYER_ID_CONVENTION
+    from dflash.target.taps import LAYER_ID_CONVENTION
 
     if smoke:
         tokens, sample_tokens, repeats = 1024, 256, 1

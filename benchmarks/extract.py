@@ -103,13 +103,9 @@ from dflash.cache.codec_choice import (
 )
 from dflash.cache.format import codec_config, default_chunk_tokens, stored_row_bytes, zarr_compressors
 from dflash.corpus.format import CorpusWriter, open_corpus
-from dflash.target.load import (
-    LAYER_ID_CONVENTION,
-    TargetIdentity,
-    default_target_layer_ids,
-    load_target,
-)
+from dflash.target.load import TargetIdentity, load_target
 from dflash.target.runner import PACKED_ATTENTION, TargetRunner, plan_batches
+from dflash.target.taps import LAYER_ID_CONVENTION, default_target_layer_ids
 from stages.extract.command import plan_shards
 from stages.extract.worker import (
     ShardExtractor,

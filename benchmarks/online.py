@@ -183,7 +183,7 @@ def main() -> None:
     anchors = args.anchors or (512 if gpu else 8)
     from dflash.batches.source import LoaderConfig
     from dflash.drafter.config import DrafterTrainingConfig
-    from dflash.target.load import default_target_layer_ids
+    from dflash.target.taps import default_target_layer_ids
     from pipelines.online import ONLINE_CACHE_PREFIX, OnlineConfig
     from stages.train.config import TrainConfig
 

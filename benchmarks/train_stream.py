@@ -39,7 +39,7 @@ import torch
 from dflash.batches.stream import StreamConfig, StreamingLoader
 from dflash.cache import CacheMetadata, CacheReader, HiddenSample, HiddenStateCache
 from dflash.drafter import DFlashConfig, DFlashDrafter, dflash_loss, sample_anchors
-from dflash.target.load import LAYER_ID_CONVENTION, default_target_layer_ids
+from dflash.target.taps import LAYER_ID_CONVENTION, default_target_layer_ids
 
 # Qwen3-8B (config.json of Qwen/Qwen3-8B): the shapes the cache and drafter are sized for.
 QWEN3_8B = dict(

@@ -50,6 +50,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from dflash.drafter.config import DEFAULT_NUM_DRAFT_LAYERS
 from dflash.errors import ConfigError
 from stages.config.check import layer_over, migrate_renamed, override_value
 from stages.config.presets import PIPELINE_SECTIONS, PRESETS, load_preset, strip_comments
@@ -116,6 +117,10 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir).expanduser()
+        if self.extract.get("num_taps") is None and self.extract.get("target_layer_ids") is None:
+            # One tap per draft layer (dflash.target.taps): the cache holds the layers the trained drafter reads.
+            drafter = self.train.get("drafter") if isinstance(self.train.get("drafter"), dict) else {}
+            self.extract["num_taps"] = drafter.get("num_draft_layers", DEFAULT_NUM_DRAFT_LAYERS)
         held = self.split.get("heldout_documents", 0)
         if not self.generate and (not isinstance(held, int) or held < 1):
             raise ConfigError(f"split.heldout_documents must be a positive integer, got {held!r}")

@@ -140,22 +140,14 @@ def online_metadata(config: OnlineConfig) -> tuple[Any, Any]:
     would record), so the trainer checks the drafter against it before step 1 exactly as offline."""
     from dflash.cache import CacheMetadata
     from dflash.corpus.format import open_corpus, validate_corpus
-    from dflash.target.load import (
-        LAYER_ID_CONVENTION,
-        default_target_layer_ids,
-        resolve_target_path,
-        target_identity,
-        validate_target_layer_ids,
-    )
+    from dflash.target.load import resolve_target_path, target_identity
+    from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
 
     corpus = open_corpus(config.corpus)
     identity = target_identity(resolve_target_path(config.target))
     validate_corpus(corpus, vocab_size=identity.vocab_size)
-    layer_ids = (
-        validate_target_layer_ids(config.target_layer_ids, identity.num_hidden_layers)
-        if config.target_layer_ids is not None
-        else default_target_layer_ids(identity.num_hidden_layers, config.train.drafter.num_draft_layers)
-    )
+    layer_ids = tapped_layer_ids(identity.num_hidden_layers, config.train.drafter.num_draft_layers,
+                                 config.target_layer_ids)
     metadata = CacheMetadata(
         target=identity.to_dict(), target_spec=str(config.target), target_layer_ids=layer_ids,
         layer_id_convention=LAYER_ID_CONVENTION, hidden_size=identity.hidden_size, num_taps=len(layer_ids),

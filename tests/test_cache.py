@@ -31,7 +31,7 @@ from dflash.cache import (
     verify_cache,
 )
 from dflash.errors import CacheCorruptError, CacheError, ConfigError
-from dflash.target.load import LAYER_ID_CONVENTION, default_target_layer_ids
+from dflash.target.taps import LAYER_ID_CONVENTION, default_target_layer_ids
 
 NUM_TAPS = 3
 

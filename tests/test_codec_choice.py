@@ -22,8 +22,8 @@ from dflash.cache.codec_choice import (
     uncalibrated_choice,
 )
 from dflash.cache.format import stored_row_bytes
-from dflash.target.load import default_target_layer_ids
 from dflash.target.runner import TargetRunner
+from dflash.target.taps import default_target_layer_ids
 
 GB = 1e9
 

@@ -26,8 +26,8 @@ from rich.console import Console
 from dflash.cache import CacheReader, HiddenStateCache, verify_cache
 from dflash.corpus.format import CorpusWriter, open_corpus
 from dflash.errors import CacheError, ConfigError, CorpusError
-from dflash.target.load import default_target_layer_ids
 from dflash.target.runner import TargetRunner
+from dflash.target.taps import default_target_layer_ids
 from stages.extract import command as extract_stage
 from stages.extract.command import ExtractConfig, plan_shards, prepare_cache, run_extract
 from stages.extract.worker import ShardExtractor, ShardSpec, default_write_processes

@@ -22,8 +22,8 @@ from dflash.batches.packed import pack_samples
 from dflash.batches.stream import StreamConfig, StreamingLoader, _ShardCache, validation_rows
 from dflash.cache import CacheMetadata, CacheReader, HiddenSample, HiddenStateCache
 from dflash.errors import CacheCorruptError, CheckpointError, ConfigError
-from dflash.target.load import LAYER_ID_CONVENTION
 from dflash.target.runner import TargetRunner
+from dflash.target.taps import LAYER_ID_CONVENTION
 
 NUM_SHARDS = 4
 ROWS_PER_SHARD = 9

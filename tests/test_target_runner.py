@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dflash.errors import ConfigError, TargetError
-from dflash.target.load import default_target_layer_ids
 from dflash.target.runner import TargetRunner, plan_batches, plan_packed_batches
+from dflash.target.taps import default_target_layer_ids
 
 # Short real stdlib text of mixed lengths (5-16 tokens): enough to exercise padding, cheap on 2 CPU cores.
 SNIPPETS = [

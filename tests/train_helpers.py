@@ -50,8 +50,8 @@ def build_tiny_cache(
     """Write a real cache of ``num_samples`` stdlib snippets at ``path`` (see module docstring); ``chunk_tokens``
     (0: the format's default, one chunk per shard here) makes shards of several same-shaped chunks."""
     from dflash.cache import CacheMetadata, HiddenSample, HiddenStateCache
-    from dflash.target.load import LAYER_ID_CONVENTION
     from dflash.target.runner import TargetRunner
+    from dflash.target.taps import LAYER_ID_CONVENTION
 
     layer_ids = list(layer_ids or TINY_LAYER_IDS)
     tokenizer, model = target.tokenizer, target.model

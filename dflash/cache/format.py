@@ -178,7 +178,7 @@ class CacheMetadata:
         target_spec: the spec string the target was loaded from (``"default"``, a path), so later stages can
             reload it without a flag.
         target_layer_ids: tapped decoder layers, strictly increasing.
-        layer_id_convention: ``dflash.target.load.LAYER_ID_CONVENTION`` (tap l = output of decoder layer l).
+        layer_id_convention: ``dflash.target.taps.LAYER_ID_CONVENTION`` (tap l = output of decoder layer l).
         hidden_size: H of the target.
         num_taps: n = len(target_layer_ids); hidden rows are n*H wide, taps concatenated in id order.
         storage_dtype: ``"bfloat16"`` (bit-exact) or ``"float8_e4m3fn"`` (lossy, per-token per-tap scale).

@@ -13,9 +13,12 @@ from typing import Any, Literal
 
 from dflash.errors import ConfigError
 
-__all__ = ["DFlashConfig", "DrafterTrainingConfig", "PAPER_GAMMA", "default_gamma", "select_mask_token_id",
+__all__ = ["DFlashConfig", "DrafterTrainingConfig", "DEFAULT_NUM_DRAFT_LAYERS", "PAPER_GAMMA", "default_gamma", "select_mask_token_id",
            "rope_settings_from_target"]
 
+#: Draft decoder layers when nothing sets them (the paper's 5); also the number of tapped target layers
+#: (``dflash.target.taps``) when no command sets that.
+DEFAULT_NUM_DRAFT_LAYERS = 5
 #: The paper's loss decay gamma per block size.
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -150,7 +153,7 @@ class DFlashConfig:
         target_config: Any,
         *,
         tokenizer: Any = None,
-        num_draft_layers: int = 5,
+        num_draft_layers: int = DEFAULT_NUM_DRAFT_LAYERS,
         block_size: int = 16,
         mask_token_id: int | None = None,
         target_layer_ids: list[int] | None = None,
@@ -164,21 +167,19 @@ class DFlashConfig:
             num_draft_layers: draft decoder layers (paper default 5).
             block_size: tokens per draft block.
             mask_token_id: explicit mask token id; default from :func:`select_mask_token_id`.
-            target_layer_ids: tapped layers; default ``default_target_layer_ids(N, num_draft_layers)``.
+            target_layer_ids: tapped layers; default one per draft layer (:func:`dflash.target.taps.tapped_layer_ids`).
 
         Raises:
             ConfigError: a field is invalid, or no mask token can be chosen (pass ``mask_token_id``).
         """
-        from dflash.target.load import default_target_layer_ids, validate_target_layer_ids
+        from dflash.target.taps import tapped_layer_ids
 
         text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         num_target_layers = int(text_config.num_hidden_layers)
         heads = int(text_config.num_attention_heads)
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
         vocab_size = int(text_config.vocab_size)
-        if target_layer_ids is None:
-            target_layer_ids = default_target_layer_ids(num_target_layers, num_draft_layers)
-        target_layer_ids = validate_target_layer_ids(list(target_layer_ids), num_target_layers)
+        target_layer_ids = tapped_layer_ids(num_target_layers, num_draft_layers, target_layer_ids)
         if mask_token_id is None:
             if tokenizer is None:
                 raise ConfigError(
@@ -214,7 +215,7 @@ class DrafterTrainingConfig:
     vocabulary) is the target's; the trainer derives it from these settings and the target
     (:meth:`DFlashConfig.from_target_config`)."""
 
-    num_draft_layers: int = 5
+    num_draft_layers: int = DEFAULT_NUM_DRAFT_LAYERS
     """Draft decoder layers (paper: 5)."""
     block_size: int = 16
     """Draft block size B (paper: 16)."""

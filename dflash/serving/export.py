@@ -39,7 +39,7 @@ from dflash.serving.format import (
     serving_config,
     validate_serving_config,
 )
-from dflash.target.load import LAYER_ID_CONVENTION
+from dflash.target.taps import LAYER_ID_CONVENTION
 
 if TYPE_CHECKING:
     import torch

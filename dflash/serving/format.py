@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash.errors import ExportError, TargetError
-from dflash.target.load import validate_target_layer_ids
+from dflash.target.taps import validate_target_layer_ids
 
 if TYPE_CHECKING:
     from dflash.drafter import DFlashConfig

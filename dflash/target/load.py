@@ -34,7 +34,6 @@ __all__ = [
     "target_num_layers",
     "PACKED_ATTENTION",
     "DEFAULT_TARGET",
-    "LAYER_ID_CONVENTION",
     "TargetIdentity",
     "LoadedTarget",
     "dflash_home",
@@ -43,13 +42,9 @@ __all__ = [
     "target_identity",
     "load_target",
     "load_tokenizer",
-    "default_target_layer_ids",
-    "validate_target_layer_ids",
 ]
 
 DEFAULT_TARGET = "default"
-#: Recorded in every cache and export: tap ``l`` is the output of decoder layer ``l`` = ``hidden_states[l + 1]``.
-LAYER_ID_CONVENTION = "decoder_layer_output"
 #: Attention kernels of packed target forwards (``dflash.target.runner.TargetRunner(packed_attention=...)``), the
 #: first the default: ``"auto"`` is ``"varlen"`` on CUDA where torch has it, else ``"flex_attention"`` on CUDA and
 #: ``"sdpa"`` on CPU (``dflash.target.runner.resolve_packed_attention``). Declared here, away from torch, so that a
@@ -343,43 +338,3 @@ def load_target(
     model.to(device).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedTarget(model=model, tokenizer=tokenizer, identity=target_identity(path), path=path)
-
-
-def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """DFlash's default tapped layers (z-lab/dflash reference; DFLASH.md "What the drafter is").
-
-    ``num_taps == 1`` -> ``[N // 2]``; otherwise ``round(1 + i * (N - 4) / (n - 1))`` for ``i`` in ``0..n-1``.
-    Ids follow :data:`LAYER_ID_CONVENTION` (output of decoder layer ``l``).
-
-    Raises:
-        TargetError: fewer than 4 target layers with several taps, or a non-positive tap count.
-    """
-    if num_taps < 1:
-        raise TargetError(f"number of tapped layers must be >= 1, got {num_taps}")
-    if num_taps == 1:
-        return [num_target_layers // 2]
-    if num_target_layers < 4:
-        raise TargetError(f"a target with {num_target_layers} layers is too shallow for {num_taps} taps")
-    return [round(1 + i * (num_target_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
-
-
-def validate_target_layer_ids(layer_ids: list[int], num_target_layers: int) -> list[int]:
-    """Check tapped ids: strictly increasing, each in ``[0, N - 2]`` (never the last layer, whose transformers
-    hidden state is taken after the final norm). Returns the ids as a list of ints.
-
-    Raises:
-        TargetError: naming the offending id and the valid range.
-    """
-    ids = [int(i) for i in layer_ids]
-    if not ids:
-        raise TargetError("target_layer_ids is empty; give at least one layer id")
-    for previous, current in zip(ids, ids[1:], strict=False):
-        if current <= previous:
-            raise TargetError(f"target_layer_ids must be strictly increasing, got {ids}")
-    for layer_id in ids:
-        if not 0 <= layer_id <= num_target_layers - 2:
-            raise TargetError(
-                f"target layer id {layer_id} is outside [0, {num_target_layers - 2}] for a {num_target_layers}-layer "
-                "target (ids are 0-based decoder layers whose output is tapped; the last layer is never tapped)"
-            )
-    return ids

@@ -1,6 +1,6 @@
 """Run a target causal LM only as far as its last tapped layer and collect the tapped hidden states.
 
-Tap convention (DFLASH.md, :data:`dflash.target.load.LAYER_ID_CONVENTION`): tapped id ``l`` is the OUTPUT of decoder
+Tap convention (DFLASH.md, :data:`dflash.target.taps.LAYER_ID_CONVENTION`): tapped id ``l`` is the OUTPUT of decoder
 layer ``l`` (0-based), i.e. transformers' ``hidden_states[l + 1]``; the same offset vLLM ``qwen3_dflash.py`` and
 SGLang ``models/dflash.py`` add when they read ``target_layer_ids``.
 
@@ -61,7 +61,8 @@ import numpy as np
 import torch
 
 from dflash.errors import ConfigError, TargetError
-from dflash.target.load import LAYER_ID_CONVENTION, PACKED_ATTENTION, validate_target_layer_ids
+from dflash.target.load import PACKED_ATTENTION
+from dflash.target.taps import LAYER_ID_CONVENTION, validate_target_layer_ids
 
 __all__ = ["TargetRunner", "RunnerBatch", "PendingBatch", "plan_batches", "plan_packed_batches", "find_decoder_layers",
            "resolve_packed_attention",

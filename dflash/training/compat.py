@@ -75,7 +75,7 @@ def check_training_inputs(
         drafter_config: the config the drafter is (or was) built with.
         target_identity: identity of the loaded target (``dflash.target.load.target_identity``).
         embedding_rows: rows of the loaded target's input embedding (the real token rows).
-        layer_id_convention: this code's convention (``dflash.target.load.LAYER_ID_CONVENTION``).
+        layer_id_convention: this code's convention (``dflash.target.taps.LAYER_ID_CONVENTION``).
         cache_path: for messages.
 
     Raises:

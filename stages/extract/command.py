@@ -44,6 +44,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from dflash.drafter.config import DEFAULT_NUM_DRAFT_LAYERS
 from dflash.errors import CacheError, ConfigError, DFlashError
 from stages.replicas.cluster import cluster_workers, start_cluster, validate_placement
 
@@ -65,8 +66,10 @@ class ExtractConfig:
         corpus: corpus folder (contract 1).
         output: cache path or fsspec URL (contract 2); an existing cache of the same plan is resumed.
         target: ``"default"`` (embedded SmolLM2-135M-Instruct), a transformers folder or a ``.gguf`` file.
-        target_layer_ids: tapped decoder layers; ``None``: DFlash's default rule with ``num_taps`` taps.
-        num_taps: number of taps for the default rule (DFlash default: one per draft layer, 5).
+        target_layer_ids: tapped decoder layers; ``None``: DFlash's default rule with ``num_taps`` taps
+            (``dflash.target.taps.tapped_layer_ids``).
+        num_taps: number of taps for the default rule: one per draft layer, so by default the drafter's default
+            number of draft layers (``dflash.drafter.config.DEFAULT_NUM_DRAFT_LAYERS``).
         target_gpus: physical GPU indices, one worker each (LocalCluster).
         target_processes: CPU worker processes (LocalCluster).
         scheduler_address: an existing Dask scheduler; its workers must reach ``corpus`` and ``output``.
@@ -117,7 +120,7 @@ class ExtractConfig:
     output: str
     target: str = "default"
     target_layer_ids: list[int] | None = None
-    num_taps: int = 5
+    num_taps: int = DEFAULT_NUM_DRAFT_LAYERS
     target_gpus: list[int] | None = None
     target_processes: int | None = None
     scheduler_address: str | None = None
@@ -278,13 +281,8 @@ def plan_cache(config: ExtractConfig, console: Console) -> CachePlan:
     from dflash.cache.codec_choice import AUTO_CODEC
     from dflash.cache.format import codec_preset_name
     from dflash.corpus.format import open_corpus, validate_corpus
-    from dflash.target.load import (
-        LAYER_ID_CONVENTION,
-        default_target_layer_ids,
-        resolve_target_path,
-        target_identity,
-        validate_target_layer_ids,
-    )
+    from dflash.target.load import resolve_target_path, target_identity
+    from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
 
     output = config.output[len("file://"):] if config.output.startswith("file://") else config.output
     if "://" not in output and os.path.exists(output) and not os.path.isdir(output):
@@ -297,11 +295,7 @@ def plan_cache(config: ExtractConfig, console: Console) -> CachePlan:
     report = validate_corpus(
         corpus, vocab_size=identity.vocab_size, max_length=config.max_length, length_policy=config.length_policy
     )
-    layer_ids = (
-        validate_target_layer_ids(config.target_layer_ids, identity.num_hidden_layers)
-        if config.target_layer_ids is not None
-        else default_target_layer_ids(identity.num_hidden_layers, config.num_taps)
-    )
+    layer_ids = tapped_layer_ids(identity.num_hidden_layers, config.num_taps, config.target_layer_ids)
     lengths = _stored_lengths(corpus, report)
     shard_rows = plan_shards(lengths, config.shard_size)
     try:
@@ -709,7 +703,7 @@ def register(app: typer.Typer) -> None:
         output: str = typer.Option(None, "--output", "-o", help="Cache path or fsspec URL; an existing cache of the same plan is resumed. Required (here or in --config/--preset/--set)."),
         target: str = typer.Option("default", "--target", help="'default' (SmolLM2-135M-Instruct), a transformers folder or a .gguf file."),
         target_layer_ids: str | None = typer.Option(None, "--target-layer-ids", help="Tapped decoder layers, e.g. 1,9,17,25,33 (output of decoder layer l = hidden_states\\[l+1])."),
-        num_taps: int = typer.Option(5, "--num-taps", help="Taps for DFlash's default layer rule when --target-layer-ids is not given."),
+        num_taps: int = typer.Option(DEFAULT_NUM_DRAFT_LAYERS, "--num-taps", help="Taps for DFlash's default layer rule when --target-layer-ids is not given: one per draft layer of the drafter to train."),
         target_gpus: str | None = typer.Option(None, "--target-gpus", help="GPUs, one Dask worker each, e.g. 0,1,2,3 (default: all visible GPUs, else --target-processes 1)."),
         target_processes: int | None = typer.Option(None, "--target-processes", help="CPU processes for target replicas, one Dask worker each."),
         scheduler_address: str | None = typer.Option(None, "--scheduler-address", help="Existing Dask scheduler (workers with resource GPU=1 get one task at a time)."),

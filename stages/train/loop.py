@@ -46,7 +46,8 @@ from dflash.drafter import (
 )
 from dflash.drafter.attention_kernels import flash_attention_applies
 from dflash.errors import CheckpointError, ConfigError
-from dflash.target.load import LAYER_ID_CONVENTION, resolve_target_path, target_identity
+from dflash.target.load import resolve_target_path, target_identity
+from dflash.target.taps import LAYER_ID_CONVENTION
 from dflash.training.checkpoint import (
     Checkpointer,
     capture_rng_state,
