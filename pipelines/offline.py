@@ -52,7 +52,7 @@ from rich.table import Table
 
 from dflash.drafter.config import DEFAULT_NUM_DRAFT_LAYERS
 from dflash.errors import ConfigError
-from stages.config.check import layer_over, migrate_renamed, override_value
+from stages.config.check import layer_over, override_value
 from stages.config.presets import PIPELINE_SECTIONS, PRESETS, load_preset, strip_comments
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
 
             set_path(result.setdefault(section, {}), name.strip(), value)
             continue
-        layer_over(result.setdefault(section, {}), migrate_renamed(section, {name: value}, f"--set {override}"))
+        layer_over(result.setdefault(section, {}), {name: value})
     return result
 
 
@@ -300,9 +300,7 @@ class _State:
                 and not (output.exists() and (not output.is_dir() or any(output.iterdir())))):
             del self.data["stages"][stage]
             return False
-        # A stage recorded before its settings moved into nested configs (flat train.lr): compared as today's.
-        if record["digest"] != _digest(settings) and \
-                _digest(migrate_renamed(stage, record["settings"], saved=True)) != _digest(settings):
+        if record["digest"] != _digest(settings):
             raise ConfigError(
                 f"{stage}: {self.path.parent} holds outputs of this stage made with other settings "
                 f"({record['settings']} vs now {settings}); use a new --workdir"
@@ -470,7 +468,7 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
 
     from stages.config.check import deep_merge
 
-    train = deep_merge({"telemetry": {"progress": True}}, migrate_renamed("train", config.section("train"), saved=True))
+    train = deep_merge({"telemetry": {"progress": True}}, config.section("train"))
     evaluate = {"seed": 0, **config.evaluate}
     evaluate.pop("prompts", None)  # where the prompts come from is decided above
     per_epoch = bool(evaluate.pop("per_epoch", EVALUATE_EXTRAS["per_epoch"]))
@@ -661,7 +659,6 @@ def register(app: typer.Typer) -> None:
                                       + (f"did you mean {close[0]}?" if close else f"sections: {', '.join(PIPELINE_SECTIONS)}"))
                 from stages.config.check import leaf_paths
 
-                values = migrate_renamed(section, values, f"--config {config_file}")
                 layer_over(preset_config.setdefault(section, {}), values)
                 from_file.update((section, key) for key in {*values, *leaf_paths(values)})
         preset_config = apply_overrides(preset_config, overrides)
@@ -680,10 +677,6 @@ def register(app: typer.Typer) -> None:
             key, _, _ = override.partition("=")
             section, _, name = key.strip().partition(".")
             given[(section, name)] = f"--set {override}"
-            from stages.config.check import MOVED_KEYS
-
-            if name in MOVED_KEYS.get(section, {}):  # an old flat key: checked at its new path
-                given[(section, MOVED_KEYS[section][name])] = f"--set {override}"
 
         def source(section: str, key: str) -> str:
             if (section, key) in given:

@@ -485,7 +485,7 @@ def online_sections(data: dict[str, Any], where: str) -> tuple[dict[str, Any], d
     Raises:
         ConfigError: as above.
     """
-    from stages.config.check import check_fields, migrate_renamed
+    from stages.config.check import check_fields
     from stages.train.config import TrainConfig
 
     if not isinstance(data, dict):
@@ -495,10 +495,8 @@ def online_sections(data: dict[str, Any], where: str) -> tuple[dict[str, Any], d
     if set(sections) - {"online", "train"} or not all(isinstance(v, dict) for v in sections.values()):
         raise ConfigError(f"{where}: expected the sections 'online' and 'train' (tables of settings), got "
                           f"{sorted(sections)}")
-    online = migrate_renamed("online", {k: v for k, v in sections.get("online", {}).items() if not k.startswith("_")},
-                             where)
-    train = migrate_renamed("train", {k: v for k, v in sections.get("train", {}).items() if not k.startswith("_")},
-                            where)
+    online = {k: v for k, v in sections.get("online", {}).items() if not k.startswith("_")}
+    train = {k: v for k, v in sections.get("train", {}).items() if not k.startswith("_")}
     check_fields(OnlineConfig, online, section="online", source=lambda key: where, reserved={"train"})
     # cache is online:<corpus>; resume is an option (--resume), never a saved setting
     check_fields(TrainConfig, train, section="train", source=lambda key: where, reserved={"cache", "resume"})
@@ -575,9 +573,7 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
     run_json = Path(output) / "run.json" if output else None
     if train_overrides.get("resume") and run_json is not None and run_json.is_file():
         resolved = json.loads(run_json.read_text()).get("resolved", {})
-        from stages.config.check import migrate_renamed
-
-        saved = migrate_renamed("online", resolved.get("data_source", {}).get("online", {}), str(run_json))
+        saved = dict(resolved.get("data_source", {}).get("online", {}))
         if not saved:
             raise ConfigError(f"--resume: {output} is not an online run (run.json has no online data source); "
                               "resume it with `dflash-stages train --output ... --resume`")

@@ -20,8 +20,8 @@ import typer
 
 from stages.config.exit_status import EXIT_STATUS_HELP, USER_ERRNOS, ExitCode, os_error_message, print_error
 
-__all__ = ["app", "main", "ExitCode", "DEPRECATED_OPTIONS", "EXIT_STATUS_HELP", "GLOBAL_FLAGS", "NON_TTY_COLUMNS",
-           "PATH_OPTIONS", "USER_ERRNOS", "canonical_options", "refuse_empty_paths", "dask_setup", "hoist_global_flags", "print_error", "os_error_message",
+__all__ = ["app", "main", "ExitCode", "EXIT_STATUS_HELP", "GLOBAL_FLAGS", "NON_TTY_COLUMNS",
+           "PATH_OPTIONS", "USER_ERRNOS", "refuse_empty_paths", "dask_setup", "hoist_global_flags", "print_error", "os_error_message",
            "usage_error_message"]
 
 
@@ -130,40 +130,6 @@ def hoist_global_flags(args: list[str]) -> list[str]:
             head.append(arg)
     flags = [a for a in head if a in GLOBAL_FLAGS]
     return [*flags, *[a for a in head if a not in GLOBAL_FLAGS], *args[stop:]]
-
-
-#: Old option spellings, per command -> the one spelling every command now uses (GPUs and CPU processes named by
-#: role: ``--target-gpus``/``--target-processes`` for target replicas, ``--drafter-gpus``/``--drafter-processes``
-#: for the drafter). :func:`main` still accepts them, hidden from ``--help``, with one deprecation warning;
-#: ``stages.config.check.RENAMED_KEYS`` does the same for config keys.
-DEPRECATED_OPTIONS: dict[str, dict[str, str]] = {
-    "extract": {"--workers": "--target-processes"},
-    "generate": {"--workers": "--target-processes"},
-    "online": {"--workers": "--target-processes", "--cpu-processes": "--drafter-processes"},
-    "train": {"--cpu-processes": "--drafter-processes"},
-    "sweep": {"--gpus": "--drafter-gpus"},
-}
-
-
-def canonical_options(args: list[str]) -> list[str]:
-    """``args`` (after :func:`hoist_global_flags`) with the command's :data:`DEPRECATED_OPTIONS` spellings (also
-    ``--old=VALUE``) before a ``--`` replaced by the current ones; one warning on stderr per old spelling."""
-    command = next((a for a in args if not a.startswith("-")), None)
-    renames = DEPRECATED_OPTIONS.get(command or "", {})
-    if not renames:
-        return args
-    stop = args.index("--") if "--" in args else len(args)
-    result, warned = [], set()
-    for arg in args[:stop]:
-        name, eq, value = arg.partition("=")
-        new = renames.get(name)
-        if new is not None:
-            if name not in warned:
-                warned.add(name)
-                print(f"warning: {command} {name} is deprecated; use {new}", file=sys.stderr)
-            arg = new + eq + value
-        result.append(arg)
-    return [*result, *args[stop:]]
 
 
 #: Options whose value is a path (or URL, or target spec) in some command: an empty value (``-o ''``) is refused
@@ -291,7 +257,7 @@ def main() -> None:
     _set_output_width()
     _preload_quiet_dask_workers()
     _register_all()
-    sys.argv[1:] = canonical_options(hoist_global_flags(sys.argv[1:]))
+    sys.argv[1:] = hoist_global_flags(sys.argv[1:])
     try:
         refuse_empty_paths(sys.argv[1:])
         # standalone_mode=False: click's own usage errors (unknown option, missing or bad value, no such command)

@@ -164,11 +164,7 @@ def grid_path(name: str) -> str | None:
     if name in types:
         return name
     matches = [path for path in types if path.rsplit(".", 1)[-1] == name]
-    if len(matches) == 1:
-        return matches[0]
-    from stages.config.check import MOVED_KEYS
-
-    return MOVED_KEYS["train"].get(name)  # a field's name before it moved (bucket_boundaries: data.boundaries)
+    return matches[0] if len(matches) == 1 else None
 
 
 @dataclass(kw_only=True)
@@ -222,7 +218,7 @@ def resolve_sweep(ctx: Any, values: dict[str, Any], *, config_file: str | None, 
         ConfigError: an unknown or mistyped key (named with its source), a missing cache, or a combination
             TrainConfig refuses.
     """
-    from stages.config.check import check_fields, deep_merge, leaf_paths, migrate_renamed, read_config_file
+    from stages.config.check import check_fields, deep_merge, leaf_paths, read_config_file
     from stages.config.resolve import nested, resolve_stage_config, section_of, split_given
 
     sweep_sets, train_sets = _split_sets(overrides)
@@ -243,7 +239,7 @@ def resolve_sweep(ctx: Any, values: dict[str, Any], *, config_file: str | None, 
         if "sweep" in data and not isinstance(data["sweep"], dict):
             raise ConfigError(f"sweep (--config {config_file}): expected a table of sweep fields, got "
                               f"{type(data['sweep']).__name__}")
-        part = migrate_renamed("train", data.get("train") or {}, f"--config {config_file}")
+        part = dict(data.get("train") or {})
         if isinstance(data.get("target"), str):  # a top-level target applies to every stage that has one
             part.setdefault("target", data["target"])
         layers.append((part, f"--config {config_file}"))

@@ -112,12 +112,8 @@ def _visible_options():
 
 
 def test_gpu_lists_and_cpu_processes_have_one_spelling_per_role_in_every_command():
-    from stages.cli import DEPRECATED_OPTIONS
-
     options = _visible_options()
-    deprecated = {old for renames in DEPRECATED_OPTIONS.values() for old in renames}
     for command, name, param in options:
-        assert name not in deprecated, (command, name)
         if name.endswith(("-gpus", "-gpu", "-workers")) or (name.endswith("-processes") and name != "--write-processes"):
             assert name in PLACEMENT_OPTIONS, (command, name)
         if name in PLACEMENT_OPTIONS:  # the config field is named as the option
@@ -130,42 +126,6 @@ def test_gpu_lists_and_cpu_processes_have_one_spelling_per_role_in_every_command
     for command in ("train", "online"):
         assert {"--drafter-gpus", "--drafter-processes"} <= by_command[command], command
     assert "--drafter-gpus" in by_command["sweep"]
-
-
-def test_old_placement_spellings_still_work_with_one_deprecation_warning(tmp_path, monkeypatch, capsys):
-    extract = ["extract", "--corpus", str(tmp_path / "c"), "-o", str(tmp_path / "o"), "--print-config"]
-    code, out, err = main_in_process_out(monkeypatch, capsys, *extract, "--workers", "2")
-    assert code == 0, err
-    assert json.loads(out)["extract"]["target_processes"] == 2
-    assert err.count("deprecated") == 1 and "use --target-processes" in err
-    code, out, err = main_in_process_out(monkeypatch, capsys, *extract, "--workers=3")
-    assert code == 0 and json.loads(out)["extract"]["target_processes"] == 3, err
-    code, out, err = main_in_process_out(monkeypatch, capsys, "sweep", "--cache", str(tmp_path / "cache"), "--grid",
-                                         "lr=1e-3,2e-3", "--gpus", "0,1", "--print-config")
-    assert code == 0, err
-    assert json.loads(out)["sweep"]["drafter_gpus"] == [0, 1] and "use --drafter-gpus" in err
-    code, out, err = main_in_process_out(monkeypatch, capsys, "train", "--cache", str(tmp_path / "cache"), "-o",
-                                         str(tmp_path / "r"), "--cpu-processes", "2", "--print-config")
-    assert code == 0, err
-    assert json.loads(out)["train"]["drafter_processes"] == 2 and "use --drafter-processes" in err
-    # The old config keys too: in --set, in a config file (a run.json of an older version), in a preset.
-    code, out, err = main_in_process_out(monkeypatch, capsys, *extract, "--set", "extract.workers=4")
-    assert code == 0 and json.loads(out)["extract"]["target_processes"] == 4, err
-    old_run = tmp_path / "run.json"
-    old_run.write_text(json.dumps({"config": {"cache": str(tmp_path / "cache"), "output": str(tmp_path / "r"),
-                                              "cpu_processes": 3}}))
-    code, out, err = main_in_process_out(monkeypatch, capsys, "train", "--config", str(old_run), "--print-config")
-    assert code == 0, err
-    assert json.loads(out)["train"]["drafter_processes"] == 3 and "cpu_processes" not in json.loads(out)["train"]
-
-
-def test_an_old_run_json_with_renamed_keys_compares_equal_on_resume():
-    from stages.train.config import TrainConfig
-    from stages.train.resume import trajectory_changes
-
-    current = TrainConfig(cache="c", output="o", drafter_processes=2).to_dict()
-    saved = {**{k: v for k, v in current.items() if k != "drafter_processes"}, "cpu_processes": 2}
-    assert trajectory_changes(saved, current, saved_world_size=2, world_size=2) == []
 
 
 def test_kernel_environment_variables_are_also_train_config_fields(tmp_path, monkeypatch, capsys):
@@ -258,11 +218,13 @@ def test_a_higher_layer_replaces_the_placement_a_lower_one_chose(tmp_path, monke
     # One layer naming two choices is still a contradiction.
     code, err = main_in_process(monkeypatch, capsys, *extract, "--target-gpus", "0", "--target-processes", "2")
     assert code == 2 and "give only one of" in err, err
-    # An old and a new spelling of one key with different values: refused, not last-wins.
-    config = tmp_path / "both.toml"
-    config.write_text("workers = 2\ntarget_processes = 3\n")
+    # A removed pre-release spelling is an unknown key, named with the file.
+    config = tmp_path / "old.toml"
+    config.write_text("workers = 2\n")
     code, err = main_in_process(monkeypatch, capsys, *extract, "--config", str(config))
-    assert code == 2 and "given twice" in err and "workers = 2" in err, err
+    assert code == 2 and "workers" in err and str(config) in err, err
+    code, err = main_in_process(monkeypatch, capsys, *extract, "--workers", "2")
+    assert code == 2 and "--workers" in err, err
 
 
 def test_run_print_config_reads_back_with_config_over_the_default_preset(tmp_path, monkeypatch, capsys):
@@ -274,17 +236,6 @@ def test_run_print_config_reads_back_with_config_over_the_default_preset(tmp_pat
         code, again, err = main_in_process_out(monkeypatch, capsys, "run", option, str(saved), "--print-config")
         assert code == 0, err
         assert json.loads(again) == json.loads(printed), option
-
-
-def test_log_lines_go_to_stderr_so_printed_json_stays_parseable(tmp_path):
-    from cli_helpers import forked_cli  # a real process: pytest's log capture would hide where logs go
-
-    config = tmp_path / "old.toml"
-    config.write_text("workers = 2\n")
-    done = forked_cli("generate", "-o", str(tmp_path / "g"), "--config", str(config), "--print-config", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert "deprecated" in done.stderr and "deprecated" not in done.stdout
-    assert json.loads(done.stdout)["generate"]["target_processes"] == 2
 
 
 def test_devices_and_gpu_ids_are_checked_before_any_work(tmp_path, monkeypatch, capsys):

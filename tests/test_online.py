@@ -389,7 +389,7 @@ def test_online_print_config_reads_back_with_config_and_files_sit_between_preset
     (tmp_path / "cfg.json").write_text(json.dumps(printed))
     again = config_from_cli({}, {}, None, tmp_path / "cfg.json")
     assert printable_config(again) == printed
-    (tmp_path / "cfg.yaml").write_text("online:\n  ring_slots: 7\ntrain:\n  optim:\n    lr: 1e-3\n  block_size: 8\n")
+    (tmp_path / "cfg.yaml").write_text("online:\n  ring_slots: 7\ntrain:\n  optim:\n    lr: 1e-3\n  drafter:\n    block_size: 8\n")
     layered = config_from_cli({"corpus": str(tmp_path / "c")}, {"output": str(tmp_path / "r"), "drafter.block_size": 2},
                               "online-cpu", tmp_path / "cfg.yaml")  # fmt: skip
     assert (layered.ring_slots, layered.train.optim.lr, layered.train.drafter.block_size, layered.train.data.token_budget) == \

@@ -121,7 +121,7 @@ def test_rerun_skips_complete_stages_and_refuses_changed_settings(finished_run):
     assert again.output.count("complete, skipped") == 5
     assert (workdir / "eval" / "final.json").stat().st_mtime_ns == before
     changed = CliRunner().invoke(
-        app, ["run", "--preset", str(preset), "--workdir", str(workdir), "--set", "train.lr=0.01"]
+        app, ["run", "--preset", str(preset), "--workdir", str(workdir), "--set", "train.optim.lr=0.01"]
     )
     assert changed.exit_code != 0
     assert isinstance(changed.exception, ConfigError) and "train" in str(changed.exception)
@@ -165,9 +165,7 @@ def test_presets_load_and_overrides_apply():
         validate_sections(PipelineConfig.from_preset(preset, workdir="unused"), lambda section, key, name=name: name)
     preset = apply_overrides(load_preset("cpu-small"), ["train.optim.lr=3e-4", "evaluate.device=cuda", "train.drafter.target_layer_ids=[3]"])
     assert preset["train"]["optim"]["lr"] == 3e-4 and preset["evaluate"]["device"] == "cuda"
-    assert apply_overrides(preset, ["train.lr=5e-4"])["train"]["optim"]["lr"] == 5e-4  # the old flat key (deprecated)
     assert preset["train"]["drafter"]["target_layer_ids"] == [3]
-    assert apply_overrides(preset, ["train.block_size=8"])["train"]["drafter"]["block_size"] == 8  # old flat key
     with pytest.raises(ConfigError, match="section.field=value"):
         apply_overrides(preset, ["lr=3"])
     with pytest.raises(ConfigError, match="unknown section"):
@@ -178,11 +176,10 @@ def test_presets_load_and_overrides_apply():
 
 @pytest.mark.parametrize(("override", "message"), [
     ("train.optim.lr=abc", "train.optim.lr (--set train.optim.lr=abc): expected float, got 'abc'"),
-    ("train.lr=abc", "train.optim.lr (--set train.lr=abc): expected float, got 'abc'"),  # the old flat key
     ("train.lrr=0.1", "train.lrr (--set train.lrr=0.1): unknown key; did you mean train.optim.lr?"),
     ("generate.max_new_tokenz=3", "did you mean generate.max_new_tokens?"),
     ("train.drafter.block_size=1", "train.drafter.block_size (--set train.drafter.block_size=1): must be an integer >= 2"),
-    ("train.block_size=1", "train.drafter.block_size (--set train.block_size=1): must be an integer >= 2"),  # old key
+    ("train.block_size=1", "train.block_size (--set train.block_size=1): unknown key; did you mean train.drafter.block_size?"),
     ("extract.num_taps=[1]", "extract.num_taps (--set extract.num_taps=[1]): expected int"),
     ("evaluate.per_epoch=2", "evaluate.per_epoch (--set evaluate.per_epoch=2): expected bool"),
     ("evaluate.num_promts=4", "did you mean evaluate.num_prompts?"),

@@ -494,74 +494,12 @@ def test_runs_saved_before_the_document_split_resume_with_the_row_split(tmp_path
         config_from_cli({"output": str(tmp_path / "new"), "cache": "c", "data.validation_split_by": "doc"})
 
 
-def _flat(config: dict) -> dict:
-    """A nested run config as runs before the nesting saved it (``lr`` at the top, not ``optim.lr``)."""
-    from stages.config.check import MOVED_KEYS, get_path
-
-    flat = {key: value for key, value in config.items() if not isinstance(value, dict)}
-    flat.update({old: get_path(config, new) for old, new in MOVED_KEYS["train"].items()})
-    return flat
-
-
-def test_a_run_saved_with_flat_keys_resumes_bit_exactly_without_a_trajectory_change(tiny_cache, tmp_path, caplog):
-    """A run.json and checkpoints written before the settings moved into nested configs (flat ``lr``,
-    ``token_budget``, ``block_size``...) resume through ``--resume`` with no trajectory change, no deprecation warning, and the
-    straight run's result bit for bit."""
-    import logging
-
-    from stages.train.command import config_from_cli
-
-    # Runs that old validated on rows (data.validation_split_by did not exist: a saved run without it means "row").
-    common = dict(max_steps=4, save_every=2, validation_fraction=0.0, lr=2e-3, token_budget=256,
-                  data={"validation_split_by": "row"})
-    straight = run_training(tiny_config(tiny_cache, tmp_path / "straight", **common))
-    run = tmp_path / "old"
-    run_training(tiny_config(tiny_cache, run, stop_at_step=2, **common))
-    record = json.loads((run / "run.json").read_text())
-    record["config"] = _flat(record["config"])
-    assert {"lr", "token_budget", "block_size", "max_anchors_per_document", "log_every", "report_to"} <= set(record["config"])
-    assert not {"optim", "data", "drafter", "telemetry"} & set(record["config"])
-    (run / "run.json").write_text(json.dumps(record))
-    for state_file in run.glob("checkpoints/*/trainer_state.json"):
-        state = json.loads(state_file.read_text())
-        state["config"] = _flat(state["config"])
-        del state["data"]["plan_config"]["validation_split_by"]  # as old as the flat keys: before the document split
-        state_file.write_text(json.dumps(state))
-    with caplog.at_level(logging.WARNING):
-        config = config_from_cli({"output": str(run), "resume": True})
-        resumed = run_training(config)
-    assert not [r for r in caplog.records if "deprecated" in r.getMessage() or "changed config" in r.getMessage()]
-    assert config.optim.lr == 2e-3 and resumed["step"] == straight["step"] == 4
-    assert (config.drafter.block_size, config.drafter.max_anchors_per_document) == (4, 2)
-    assert (config.telemetry.log_every, config.telemetry.progress) == (1, False)
-    _assert_same_state(_checkpoint_state(tmp_path / "straight", 4), _checkpoint_state(run, 4))
-
-
-def test_flat_keys_of_files_and_overrides_are_read_with_one_deprecation_warning(tmp_path, caplog):
-    """``lr = 3e-4`` under ``[train]`` (and ``--set train.lr=``) still sets ``train.optim.lr`` (``block_size``:
-    ``train.drafter.block_size``), warning once per key with the new path; the nested spellings (``[train.optim]``,
-    ``--set train.optim.lr=``) set it silently."""
-    import logging
-
-    import stages.config.check as config_check
+def test_a_nested_section_of_a_file_under_an_option_and_set(tmp_path):
+    """An option or ``--set`` over a file's nested section (``[train.optim]``) replaces that field only."""
     from stages.train.command import config_from_cli
 
     paths = {"cache": "c", "output": str(tmp_path / "run"), "device": "cpu"}
-    (tmp_path / "flat.toml").write_text("[train]\nlr = 3e-4\nblock_size = 8\n")
     (tmp_path / "nested.toml").write_text("[train.drafter]\nblock_size = 8\n[train.optim]\nlr = 3e-4\n")
-    config_check._warned_moves.clear()
-    with caplog.at_level(logging.WARNING, logger="dflash.config"):
-        flat = config_from_cli(paths, tmp_path / "flat.toml", sets=["train.grad_clip=0.5"])
-    warnings = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
-    assert len(warnings) == 3 and any("train.lr" in w and "train.optim.lr" in w for w in warnings), warnings
-    assert any("train.block_size" in w and "train.drafter.block_size" in w for w in warnings), warnings
-    assert any("train.grad_clip" in w and "train.optim.grad_clip" in w for w in warnings), warnings
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="dflash.config"):
-        nested = config_from_cli(paths, tmp_path / "nested.toml", sets=["train.optim.grad_clip=0.5"])
-    assert not [r for r in caplog.records if "deprecated" in r.getMessage()]
-    assert nested == flat and nested.optim.lr == 3e-4 and nested.optim.grad_clip == 0.5 and nested.drafter.block_size == 8
-    # An option or --set over a file's nested section replaces that field only.
     layered = config_from_cli({**paths, "optim.warmup_ratio": 0.1}, tmp_path / "nested.toml",
                               sets=["train.optim.eps=1e-6"])
     assert (layered.optim.lr, layered.optim.warmup_ratio, layered.optim.eps) == (3e-4, 0.1, 1e-6)
@@ -575,7 +513,7 @@ def test_a_partial_nested_section_keeps_the_train_stages_other_defaults(tmp_path
     (tmp_path / "cfg.toml").write_text("[train.data]\ntoken_budget = 512\n")
     config = config_from_cli({"cache": "c", "output": str(tmp_path / "run")}, tmp_path / "cfg.toml")
     assert (config.data.token_budget, config.data.validation_fraction) == (512, 0.01)
-    assert config.data == TrainConfig.from_dict({"cache": "c", "output": "o", "token_budget": 512}).data
+    assert config.data == TrainConfig.from_dict({"cache": "c", "output": "o", "data": {"token_budget": 512}}).data
     assert config.to_dict()["data"]["token_budget"] == 512 and "token_budget" not in config.to_dict()
 
 
@@ -622,7 +560,7 @@ def test_cpu_runs_get_cpu_sized_batches_unless_a_setting_says_otherwise(tmp_path
     sized = config_from_cli({**paths, "device": "cpu"})
     assert (sized.data.token_budget, sized.drafter.max_anchors_per_document) == tuple(CPU_SIZED_DEFAULTS.values())
     assert config_from_cli(paths).data.token_budget == CPU_SIZED_DEFAULTS["data.token_budget"]  # auto without CUDA: CPU
-    given = config_from_cli({**paths, "token_budget": 4096})
+    given = config_from_cli({**paths, "data.token_budget": 4096})
     assert (given.data.token_budget, given.drafter.max_anchors_per_document) == (4096, CPU_SIZED_DEFAULTS["drafter.max_anchors_per_document"])
     (tmp_path / "cfg.toml").write_text("[train.drafter]\nmax_anchors_per_document = 64\n")
     assert config_from_cli(paths, tmp_path / "cfg.toml").drafter.max_anchors_per_document == 64

@@ -93,7 +93,13 @@ def build_tiny_cache(
 
 
 def tiny_config(cache: Path, output: Path, **overrides: Any):
-    """A TrainConfig for a 1-layer, block-4 drafter on the tiny cache; a few seconds per run on CPU."""
+    """A TrainConfig for a 1-layer, block-4 drafter on the tiny cache; a few seconds per run on CPU.
+
+    A keyword names a field by its path's last part where only one field ends so (``lr`` sets ``optim.lr``), as
+    ``sweep --grid`` keys do; a nested config's dict (``data={...}``) merges into that config."""
+    from stages.config.check import deep_merge
+    from stages.config.resolve import nested
+    from stages.sweep import grid_path
     from stages.train.config import TrainConfig
 
     values: dict[str, Any] = dict(
@@ -116,7 +122,10 @@ def tiny_config(cache: Path, output: Path, **overrides: Any):
         prefetch_batches=2,
     )
     values.update(overrides)
-    return TrainConfig.from_dict(values)
+    tree: dict[str, Any] = {}
+    for key, value in values.items():
+        tree = deep_merge(tree, nested(key if isinstance(value, dict) else grid_path(key) or key, value))
+    return TrainConfig.from_dict(tree)
 
 
 def replace_config(config, **changes: Any):

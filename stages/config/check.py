@@ -24,8 +24,8 @@ from typing import Any
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 
-__all__ = ["DTYPE_NAMES", "CONFIG_SECTIONS", "DuplicateKeyError", "unique_keys", "MISSING_DEFAULT", "PATH_FIELDS", "RENAMED_KEYS", "EXCLUSIVE_SETTINGS", "layer_over", "check_fields", "check_not_empty_path", "dtype_spelling", "field_default",
-           "matches_type", "migrate_renamed", "MOVED_KEYS", "nest_moved", "nested_config", "set_path", "get_path", "leaf_paths",
+__all__ = ["DTYPE_NAMES", "CONFIG_SECTIONS", "DuplicateKeyError", "unique_keys", "MISSING_DEFAULT", "PATH_FIELDS", "EXCLUSIVE_SETTINGS", "layer_over", "check_fields", "check_not_empty_path", "dtype_spelling", "field_default",
+           "matches_type", "nested_config", "set_path", "get_path", "leaf_paths",
            "deep_merge", "override_value", "read_config_file"]
 
 #: The stage sections a config file may hold (``[train]``, ``extract:``); ``stages.config.resolve.KNOWN_SECTIONS``.
@@ -33,77 +33,6 @@ CONFIG_SECTIONS = ("generate", "prepare", "split", "extract", "train", "evaluate
 
 #: What :func:`field_default` returns for a field without a default (a required field).
 MISSING_DEFAULT = dataclasses.MISSING
-
-
-#: Settings renamed for one CLI grammar (``--target-gpus``/``--target-processes`` for target replicas,
-#: ``--drafter-gpus``/``--drafter-processes`` for the drafter, in every command): section -> {old key: new key}. A
-#: config file, preset, ``--set`` or saved run (``run.json``) with an old key is read as the new one, with one
-#: deprecation warning per key; ``stages.cli.DEPRECATED_OPTIONS`` does the same for the old option spellings.
-RENAMED_KEYS: dict[str, dict[str, str]] = {
-    "extract": {"workers": "target_processes"},
-    "generate": {"workers": "target_processes"},
-    "online": {"workers": "target_processes"},
-    "train": {"cpu_processes": "drafter_processes"},
-    "sweep": {"gpus": "drafter_gpus"},
-}
-
-_warned_renames: set[tuple[str, str]] = set()
-
-
-def migrate_renamed(section: str, values: Mapping[str, Any], source: str = "", *, saved: bool = False) -> dict[str, Any]:
-    """``values`` (a section's settings) with the old keys of :data:`RENAMED_KEYS` under their new names, and the
-    flat keys of :data:`MOVED_KEYS` at their nested paths (:func:`nest_moved`).
-
-    Logs one deprecation warning per old key and process (for a moved key only when not ``saved``: a run record
-    written before the move is not the user's to fix). A mapping that holds both the old and the new key keeps the
-    new one's value.
-    """
-    renames = RENAMED_KEYS.get(section, {})
-    if not any(key in renames for key in values):
-        return nest_moved(section, values, source, warn=not saved)
-    import logging
-
-    result: dict[str, Any] = {}
-    for key, value in values.items():
-        new = renames.get(key)
-        if new is None:
-            result[key] = value
-            continue
-        if (section, key) not in _warned_renames:
-            _warned_renames.add((section, key))
-            where = f" ({source})" if source else ""
-            logging.getLogger("dflash.config").warning("%s.%s%s is deprecated: it is now %s.%s; rename it", section,
-                                                       key, where, section, new)
-        if new in values and values[new] != value:
-            where = f" ({source})" if source else ""
-            raise ConfigError(f"{section}.{new}{where}: given twice, as {new} = {values[new]!r} and as its deprecated "
-                              f"spelling {key} = {value!r}; keep {new} only")
-        if new not in values:
-            result[new] = value
-    return nest_moved(section, result, source, warn=not saved)
-
-
-#: Settings that moved into a nested config (STYLE.md 15: bigger configs nest smaller ones; ``train.lr`` is now
-#: ``train.optim.lr``, declared once in ``dflash.training.optim.OptimConfig``; ``train.token_budget`` is ``train.data.token_budget``,
-#: ``dflash.batches.source.LoaderConfig``; ``train.block_size`` is ``train.drafter.block_size``,
-#: ``dflash.drafter.config.DrafterTrainingConfig``; ``train.log_every`` is ``train.telemetry.log_every``,
-#: ``dflash.training.telemetry.TelemetryConfig``): section -> {old flat key: new dotted path}.
-#: A config file, preset, ``--set`` or ``--grid`` with the old key is read as the new path with one deprecation
-#: warning per key; a saved run (``run.json``, a checkpoint) written before the move is read silently.
-MOVED_KEYS: dict[str, dict[str, str]] = {
-    "train": {
-        **{name: f"optim.{name}" for name in ("lr", "betas", "eps", "weight_decay", "warmup_ratio", "min_lr_ratio",
-                                              "grad_clip")},
-        **{name: f"data.{name}" for name in ("token_budget", "num_buckets", "max_documents_per_batch",
-                                             "validation_fraction", "prefetch_batches", "shard_window")},
-        "bucket_boundaries": "data.boundaries",
-        **{name: f"drafter.{name}" for name in ("num_draft_layers", "block_size", "mask_token_id", "target_layer_ids",
-                                                "gamma", "max_anchors_per_document")},
-        **{name: f"telemetry.{name}" for name in ("log_every", "throughput_window", "progress", "report_to")},
-    },
-}
-
-_warned_moves: set[tuple[str, str]] = set()
 
 
 def set_path(values: dict[str, Any], path: str, value: Any, *, keep_existing: bool = False) -> None:
@@ -153,32 +82,6 @@ def deep_merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any
         else:
             merged[key] = dict(value) if isinstance(value, Mapping) else value
     return merged
-
-
-def nest_moved(section: str, values: Mapping[str, Any], source: str = "", *, warn: bool = True) -> dict[str, Any]:
-    """``values`` (a section's settings) with the flat keys of :data:`MOVED_KEYS` moved to their nested paths
-    (``{"lr": 3e-4}`` -> ``{"optim": {"lr": 3e-4}}``). A value given at the new path too wins over the old key's.
-
-    Logs one deprecation warning per old key and process when ``warn`` (files, presets, overrides); a saved run
-    passes ``warn=False`` (it was written correctly by the version that wrote it).
-    """
-    moves = MOVED_KEYS.get(section, {})
-    if not any(key in moves for key in values):
-        return dict(values)
-    import logging
-
-    result = {key: value for key, value in values.items() if key not in moves}
-    for key, value in values.items():
-        path = moves.get(key)
-        if path is None:
-            continue
-        if warn and (section, key) not in _warned_moves:
-            _warned_moves.add((section, key))
-            where = f" ({source})" if source else ""
-            logging.getLogger("dflash.config").warning("%s.%s%s is deprecated: it is now %s.%s; move it", section,
-                                                       key, where, section, path)
-        set_path(result, path, value, keep_existing=True)
-    return result
 
 
 #: Settings where one choice excludes the others (where target replicas or drafter ranks run). A layer that sets

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError
-from stages.config.check import DuplicateKeyError, migrate_renamed, unique_keys
+from stages.config.check import DuplicateKeyError, unique_keys
 
 __all__ = ["PRESETS", "PIPELINE_SECTIONS", "read_preset_json", "load_preset", "strip_comments"]
 
@@ -72,5 +72,5 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     unknown = sorted(set(strip_comments(data)) - set(PIPELINE_SECTIONS) - {"target"})
     if unknown:
         raise ConfigError(f"preset {name_or_path}: unknown sections {unknown}; expected {list(PIPELINE_SECTIONS)} and 'target'")
-    return {name: migrate_renamed(name, values, f"preset {name_or_path}") if isinstance(values, dict) else values
+    return {name: dict(values) if isinstance(values, dict) else values
             for name, values in strip_comments(data).items()}

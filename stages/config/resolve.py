@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.errors import ConfigError
-from stages.config.check import CONFIG_SECTIONS, check_not_empty_path, migrate_renamed, override_value
+from stages.config.check import CONFIG_SECTIONS, check_not_empty_path, override_value
 
 __all__ = ["CONFIG_OPTION", "PRESET_OPTION", "PRINT_CONFIG_OPTION", "SET_OPTION", "given_options", "int_list", "print_and_exit",
            "nested", "parse_sets", "plain_value", "printable", "resolve_stage_config", "section_of", "split_given", "without_key"]
@@ -71,18 +71,15 @@ def section_of(data: Mapping[str, Any], section: str, fields: set[str], source: 
         picked = {k: v for k, v in data[section].items() if k not in PIPELINE_ONLY.get(section, ())}
         if "target" in fields and "target" in data and not isinstance(data["target"], Mapping):
             picked.setdefault("target", data["target"])
-        return migrate_renamed(section, picked, source)
+        return picked
     if any(isinstance(data.get(name), Mapping) for name in KNOWN_SECTIONS):
         return {"target": data["target"]} if "target" in fields and isinstance(data.get("target"), str) else {}
-    return migrate_renamed(section, data, source)
+    return dict(data)
 
 
 def parse_sets(overrides: Sequence[str], section: str) -> list[tuple[str, Any, str]]:
     """``--set KEY=VALUE`` or ``--set SECTION.KEY=VALUE`` (JSON value, else a string) -> (key, value, source). A key
-    of a nested config is its dotted path (``train.optim.lr=3e-4`` -> ``("optim.lr", 3e-4, ...)``); an old flat key
-    (``train.lr``) is read as its path with a deprecation warning (``stages.config.check.MOVED_KEYS``)."""
-    from stages.config.check import MOVED_KEYS, RENAMED_KEYS, nest_moved
-
+    of a nested config is its dotted path (``train.optim.lr=3e-4`` -> ``("optim.lr", 3e-4, ...)``)."""
     parsed = []
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -92,13 +89,6 @@ def parse_sets(overrides: Sequence[str], section: str) -> list[tuple[str, Any, s
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"--set {item!r}: expected {section}.field=value (or field=value), e.g. "
                               f"{section}.target=default")
-        head, dot, rest = key.partition(".")
-        if head in RENAMED_KEYS.get(section, {}):  # the new name, with the deprecation warning
-            head = next(iter(migrate_renamed(section, {head: None}, f"--set {item}")))
-        if not dot and head in MOVED_KEYS.get(section, {}):  # an old flat key: its nested path, with the warning
-            nest_moved(section, {head: None}, f"--set {item}")
-            head = MOVED_KEYS[section][head]
-        key = f"{head}.{rest}" if dot else head
         parsed.append((key, override_value(raw, item), f"--set {item}"))
     return parsed
 

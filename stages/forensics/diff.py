@@ -146,10 +146,6 @@ def load_side(path: str | Path) -> Side:
             content = dict(recorded[section])
             if section == "resolved":
                 content.pop("drafter_config", None)  # the drafter section has it
-            if section == "config":  # a run saved with flat keys (lr, token_budget) compares at today's paths
-                from stages.config.check import migrate_renamed
-
-                content = migrate_renamed("train", content, saved=True)
             side.sections[section] = flatten(content, "")
     if metrics_folder is not None:
         records = _metrics_of(metrics_folder, up_to)

@@ -65,11 +65,9 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
             that holds no run.
     """
     from stages.config.check import (
-        MOVED_KEYS,
         check_fields,
         deep_merge,
         leaf_paths,
-        migrate_renamed,
         read_config_file,
     )
     from stages.config.resolve import nested, parse_sets, section_of, without_key
@@ -93,8 +91,8 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
         check_fields(TrainConfig, nested(key, value), section="train", source=lambda _key, s=source: s)
     given: dict[str, Any] = {}  # the options given, at their field paths (``lr`` -> ``optim.lr``)
     for key, value in overrides.items():
-        if value is not None:  # a caller's flat key (code, not a user file) at its nested path, without a warning
-            given = deep_merge(given, nested(MOVED_KEYS["train"].get(key, key), value))
+        if value is not None:
+            given = deep_merge(given, nested(key, value))
     output = overrides.get("output") or base.get("output")
     run_json = Path(output) / "run.json" if output else None
     if overrides.get("resume") and run_json is not None and not run_json.is_file() and not overrides.get("cache") \
@@ -108,8 +106,6 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
             saved = json.loads(run_json.read_text())["config"]
             if not isinstance(saved, dict):
                 raise TypeError("config is not an object")
-            # A run saved before a setting was renamed or moved into a nested config (flat ``lr``): read as today's.
-            saved = migrate_renamed("train", saved, str(run_json), saved=True)
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
             raise ConfigError(f"--resume: {run_json} is not a readable run record ({error}); it is damaged: restore "
                               "it, or start a new run in another --output") from None

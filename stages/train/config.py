@@ -225,11 +225,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """Build from :meth:`to_dict`'s form; the flat keys of runs saved before the nesting (``lr`` for
-        ``optim.lr``, ``stages.config.check.MOVED_KEYS``) are read at their new paths."""
-        from stages.config.check import migrate_renamed
-
-        data = migrate_renamed("train", data, saved=True)
+        """Build from :meth:`to_dict`'s form."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

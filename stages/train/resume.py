@@ -31,11 +31,11 @@ def trajectory_changes(saved: dict[str, Any], current: dict[str, Any], *, saved_
 
     # A field missing from an older checkpoint had its default then (fields are only ever added with defaults),
     # except where ABSENT_IN_OLD_RUNS says otherwise.
-    from stages.config.check import deep_merge, leaf_paths, migrate_renamed
+    from stages.config.check import deep_merge, leaf_paths
 
     defaults = default_leaves()
-    saved = leaf_paths(deep_merge(ABSENT_IN_OLD_RUNS, migrate_renamed("train", saved, saved=True)))
-    current = leaf_paths(migrate_renamed("train", current, saved=True))
+    saved = leaf_paths(deep_merge(ABSENT_IN_OLD_RUNS, saved))
+    current = leaf_paths(current)
     changes = []
     for name in sorted(set(saved) | set(current)):
         if name in RUNTIME_FIELDS or name == "grad_accum_steps":
