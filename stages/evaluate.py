@@ -70,8 +70,7 @@ class EvaluateConfig:
         compare_untrained: also measure a randomly initialized drafter of the same config (the floor tau).
         references: also decode every prompt with the two references (block size 1 in the same loop, the target's
             own ``generate()``): the speedups and the greedy lossless check need them. ``False``: tau and
-            per-position acceptance only, about a third of the time (16 prompts x 128 tokens on an H200, v8: 39-40 s
-            against 120 s with the references, 175 s in v7 with the target's start-up); the report's ``speedup``,
+            per-position acceptance only, about a third of the time (docs/benchmarks.md); the report's ``speedup``,
             ``speedup_vs_generate`` are then ``None`` and the lossless checks say ``checked: false``.
         seed: prompt selection, sampling and the untrained drafter's init.
         device: ``"auto"`` (cuda if available), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.

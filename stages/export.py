@@ -64,7 +64,7 @@ def export_command(
     overrides: list[str] = SET_OPTION,
     print_config: bool = PRINT_CONFIG_OPTION,
 ) -> None:
-    """Export a drafter checkpoint in the serving format (DFLASH.md) and verify it with the strict loader."""
+    """Export a drafter checkpoint in the serving format (docs/dflash.md) and verify it with the strict loader."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table

@@ -1,5 +1,4 @@
-"""Each setting is declared once, in its stage's config dataclass; the CLI options cannot drift from it (issue 15,
-item 1): an option named after a field defaults to the field's default (train's options default to ``None`` so a
+"""Each setting is declared once, in its stage's config dataclass; the CLI options cannot drift from it: an option named after a field defaults to the field's default (train's options default to ``None`` so a
 saved run can fill them, and show the field's default in ``--help``), and ``--print-config`` reaches every field."""
 
 from __future__ import annotations

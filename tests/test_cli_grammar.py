@@ -1,4 +1,4 @@
-"""One CLI grammar (issue 15, item 5): -v/-q anywhere on the line, --version, shell completion."""
+"""One CLI grammar: -v/-q anywhere on the line, --version, shell completion."""
 
 from __future__ import annotations
 

@@ -304,7 +304,7 @@ def test_export_trained_with_an_fp32_target_loads_with_the_target_in_bf16(export
         load_exported_drafter(exported, target=_TargetInDtype(target.model, torch.bfloat16, scale=1.01))
 
 
-# ------------------------------------------------------------------- config facts of DFLASH.md, one per key
+# ------------------------------------------------------------------- config facts of docs/dflash.md, one per key
 
 
 def _facts(target, config: DFlashConfig) -> dict[str, object]:

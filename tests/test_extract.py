@@ -632,7 +632,7 @@ def test_local_workers_start_by_the_configured_method_with_this_process_environm
         assert multiprocessing.forkserver._forkserver._preload_modules == list(FORKSERVER_PRELOAD)
 
 
-# ----------------------------------------------------------------------------- codec "auto" (issue 16, item 3)
+# ----------------------------------------------------------------------------- codec "auto"
 @pytest.fixture(scope="module")
 def short_corpus_dir(tmp_path_factory, tokenizer):
     """Three short rows (few forwards: this suite's CPU forwards are slow when the cores are shared)."""

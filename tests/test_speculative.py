@@ -24,7 +24,7 @@ from dflash.errors import ConfigError
 
 TAPS = [1, 14, 27]
 BLOCK = 4
-MASK = 0  # <|endoftext|> row: an existing embedding row, as DFLASH.md requires
+MASK = 0  # <|endoftext|> row: an existing embedding row, as docs/dflash.md requires
 
 
 # Token-by-token decoding gains nothing from a second thread (conftest's one_torch_thread).

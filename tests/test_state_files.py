@@ -19,7 +19,7 @@ from dflash.training.state_files import load_legacy_torch_file, load_state_tree,
 
 
 class _Planted:
-    """Unpickling this runs ``touch MARKER``: the attack of issue 19 on ``rng.pt``."""
+    """Unpickling this runs ``touch MARKER``: a pickle attack on ``rng.pt``."""
 
     def __init__(self, marker):
         self.marker = str(marker)
@@ -159,7 +159,7 @@ def test_legacy_reader_refuses_planted_pickles_directly(tmp_path):
 
 
 def test_train_resume_with_a_planted_rng_file_exits_2_and_runs_nothing(run_b8, tmp_path):
-    """The attack of issue 19 end to end: `train --resume` on a run whose rng state was replaced by a pickle."""
+    """A pickle attack on the rng state end to end: `train --resume` on a run whose rng state was replaced by a pickle."""
     run = tmp_path / "run"
     shutil.copytree(run_b8, run)
     checkpoint = load_checkpoint(run).path

@@ -413,7 +413,7 @@ def test_samples_with_too_few_supervised_tokens_are_excluded_and_counted(reader)
         counts.update(zip(rows, reader.shard_supervised_counts(shard).tolist(), strict=True))
     assert counts == {row: int(sample.loss_mask.sum()) for row, sample in everything.items()}
 
-    minimum = 32  # 2 * B for B = 16 (DFLASH.md)
+    minimum = 32  # 2 * B for B = 16 (docs/dflash.md)
     short = {row for row, count in counts.items() if count < minimum}
     assert 0 < len(short) < len(counts)  # the fixture has both kinds
     loader = StreamingLoader(reader, StreamConfig(token_budget=BUDGET, seed=3, min_supervised_tokens=minimum))

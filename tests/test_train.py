@@ -550,7 +550,7 @@ def test_an_attempt_killed_after_its_checkpoint_leaves_each_step_once_in_the_met
 
 
 def test_cpu_runs_get_cpu_sized_batches_unless_a_setting_says_otherwise(tmp_path):
-    """``train`` with its defaults on a CPU host (issue 15): the GPU-sized token budget and anchors per document are
+    """``train`` with its defaults on a CPU host: the GPU-sized token budget and anchors per document are
     replaced by the cpu-small preset's, so the first step is not OOM-killed minutes later; anything set wins, and a
     CUDA run keeps the paper's sizes."""
     from stages.train.command import CPU_SIZED_DEFAULTS, config_from_cli

@@ -161,7 +161,7 @@ class StreamConfig(LoaderConfig):
 
     min_supervised_tokens: int = 0
     """Samples with fewer supervised tokens (``loss_mask == 1``) are excluded before planning, counted in
-    :attr:`StreamingLoader.num_excluded_short` (DFLASH.md: fewer than ``2 * block_size`` are not useful). Read
+    :attr:`StreamingLoader.num_excluded_short` (docs/dflash.md: fewer than ``2 * block_size`` are not useful). Read
     from the cache's loss masks (1 byte per token, no hidden state). 0: keep every sample."""
     seed: int = 0
     """Shuffle seed; the plan of epoch e is a pure function of (seed, e)."""
@@ -384,7 +384,7 @@ class PlannedCursor:
         else:
             is_validation = validation_split(self._split_keys(all_rows), cfg.validation_fraction, cfg.split_seed)
             keep = is_validation if cfg.split == "validation" else ~is_validation
-        # Samples of this split with too few supervised tokens to give useful anchors (DFLASH.md): excluded, counted.
+        # Samples of this split with too few supervised tokens to give useful anchors (docs/dflash.md): excluded, counted.
         all_supervised = np.concatenate(supervised) if supervised else empty
         short = keep & (all_supervised < cfg.min_supervised_tokens)
         self.num_excluded_short = int(short.sum())

@@ -1,4 +1,4 @@
-"""The hidden-state cache (ARCHITECTURE.md contract 2): Zarr v3 shards of ragged samples in CSR form.
+"""The hidden-state cache (docs/architecture.md, "Contracts": the cache): Zarr v3 shards of ragged samples in CSR form.
 
 See docs/cache-format.md for the layout, the exactly-once rules and the codec measurements.
 ``HiddenStateCache`` writes (extract stage), ``CacheReader`` reads (trainer), ``verify_cache`` checks.

@@ -10,7 +10,7 @@ its own thread: ``bytes`` (little endian, C order) -> the compressor (numcodecs,
 
 The result is exactly what zarr writes for the same array metadata (``tests/test_cache.py`` compares the stored
 bytes of every codec preset), so the cache stays a plain Zarr v3 group that zarr (and any Zarr v3 reader) reads
-and checksums as before. Codec chains outside what this module knows return ``None`` from :func:`chunk_encoder`
+and checksums. Codec chains outside what this module knows return ``None`` from :func:`chunk_encoder`
 and the caller falls back to zarr's own write.
 """
 

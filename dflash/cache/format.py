@@ -1,4 +1,4 @@
-"""The hidden-state cache format (ARCHITECTURE.md contract 2): metadata, samples, layout, codecs, fp8 scaling.
+"""The hidden-state cache format (docs/architecture.md, "Contracts": the cache): metadata, samples, layout, codecs, fp8 scaling.
 
 Layout of one Zarr v3 hierarchy (a local folder or any fsspec URL)::
 
@@ -164,7 +164,7 @@ def shard_group_key(shard_id: int) -> str:
 
 def commit_key(shard_id: int) -> str:
     """Store key of shard ``shard_id``'s commit record, written last and atomically; the shard counts only once
-    it exists (ARCHITECTURE.md contract 2)."""
+    it exists (docs/architecture.md, "Contracts": the cache)."""
     return f"commits/shard-{shard_id:06d}.json"
 
 

@@ -13,7 +13,7 @@ No copy: the target runner allocates its reusable host buffers as :class:`Shared
 registered with ``cudaHostRegister`` on CUDA so the device-to-host copies stay pinned and asynchronous). A sample's
 hidden states are then a view into one of them; :meth:`ProcessShardWriter.submit` sends only ``(buffer name, byte
 offset, rows, width)`` per sample, and the write process maps the same memory. The buffer must not be reused until
-the write's future is done (the extract worker releases batches in the future's done-callback, as before).
+the write's future is done (the extract worker releases batches in the future's done-callback).
 
 Tested on CPU for bit-exact equality with the in-process write (directly and through Dask).
 """

@@ -1,6 +1,6 @@
 """Writing the hidden-state cache: create a cache, write a shard (arrays first, commit record last), finalize.
 
-Exactly-once rules (issue 4, item 4): a shard is written by exactly one task; its arrays go to
+Exactly-once rules: a shard is written by exactly one task; its arrays go to
 ``shards/NNNNNN/`` and its commit record to ``commits/shard-NNNNNN.json`` last, with the store's atomic put.
 Only shards with a commit record count. Writing an uncommitted shard first deletes whatever a killed earlier
 attempt left there; writing an already committed shard is a no-op that returns the existing record, so a rerun
@@ -74,8 +74,8 @@ DIGEST_VERSION = 3
 serial stream over each array's name then raw bytes. 2: ``sha256-tree:`` root over per-array lists of sha256
 digests of ``digest_segment_bytes`` segments of the raw bytes (``arrays[name]["sha256_segments"]``). 3: as 2, except
 that ``hidden``'s leaves are the crc32c checksums its stored chunks already carry (``arrays["hidden"]
-["crc32c_chunks"]``, 8 hex digits each, chunk order): the write path no longer hashes the ~1.4 GB/s of hidden
-states a second time (sha256 cost ~0.7 CPU-s per GB on the H200 host), yet a chunk that is altered, swapped or
+["crc32c_chunks"]``, 8 hex digits each, chunk order): the write path does not hash the hidden states a second time
+(docs/benchmarks.md has the cost of a sha256 pass), yet a chunk that is altered, swapped or
 replaced by another valid chunk still changes a leaf and the root. ``verify`` reads all three."""
 
 

@@ -1,6 +1,6 @@
 """Speculative decoding with a DFlash drafter and a transformers target: greedy and sampled, both lossless.
 
-One draft-verify cycle, as the serving engines run it (DFLASH.md "How it is used at inference"; z-lab/dflash
+One draft-verify cycle, as the serving engines run it (docs/dflash.md, "Inference"; z-lab/dflash
 ``spec_generate``, vLLM ``qwen3_dflash.py``, SGLang ``models/dflash.py``; arXiv 2602.06036 section 3):
 
 1. Prefill: the target runs the prompt with a KV cache (transformers ``DynamicCache``); forward hooks on the tapped

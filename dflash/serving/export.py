@@ -1,7 +1,7 @@
 """Export a trained drafter in the serving format that vLLM, SGLang and z-lab's loader read, and load it back strictly.
 
 An export folder holds ``config.json`` and ``model.safetensors`` (bfloat16) as :mod:`dflash.serving.format` defines
-them (DFLASH.md "Serving format"), plus ``dflash_export.json``: provenance (source checkpoint, target identity and
+them (docs/dflash.md, "Serving format"), plus ``dflash_export.json``: provenance (source checkpoint, target identity and
 embedding/LM-head hashes, the tap convention, sha256 of the two files). Serving engines ignore it;
 :func:`load_exported` checks it.
 
@@ -297,7 +297,7 @@ def load_exported(
     verify_hashes: bool = True,
     check_finite: bool = True,
 ) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
-    """Strict loader of a serving-format export: the proof an export is loadable (DFLASH.md: one engine skips
+    """Strict loader of a serving-format export: the proof an export is loadable (docs/dflash.md: one engine skips
     names it does not know without a word, so this loader fails on them).
 
     Checks: every fixed key of the format (architectures, model_type, dtype, tie_word_embeddings, layer_types,
@@ -446,7 +446,7 @@ def _rope_of_target_config(target_config: Any) -> dict[str, Any]:
 
 def check_against_target(config: DFlashConfig | Mapping[str, Any], target_config: Any, *, where: str) -> None:
     """The drafter config agrees with the target's transformers config: hidden size, vocabulary, layer count,
-    RoPE (theta and scaling) and positions (DFLASH.md "Known ways to get it silently wrong").
+    RoPE (theta and scaling) and positions (docs/dflash.md, "Ways to get it silently wrong").
 
     Raises:
         MismatchError: naming the field, both values and the fix.

@@ -1,4 +1,4 @@
-"""The serving format of a DFlash drafter: what vLLM, SGLang and z-lab's loader read (DFLASH.md "Serving format").
+"""The serving format of a DFlash drafter: what vLLM, SGLang and z-lab's loader read (docs/dflash.md, "Serving format").
 
 Pure rules, no I/O: the ``config.json`` derived from a ``DFlashConfig`` (:func:`serving_config`), its validation
 (:func:`validate_serving_config`), the inverse mapping (:func:`drafter_config_dict_from_serving`), the expected
@@ -13,7 +13,7 @@ Writing and strict loading live in :mod:`dflash.serving.export`.
 ``dflash_config.target_layer_ids`` and applies no +1 shift to it). Weights: ``model.safetensors`` in bfloat16,
 names without a ``model.`` prefix, no ``embed_tokens`` and no ``lm_head``.
 
-Additive keys beyond DFLASH.md, each for a reader seen in the engines' code (vLLM ``qwen3_dflash.py``, SGLang
+Additive keys beyond docs/dflash.md, each for a reader seen in the engines' code (vLLM ``qwen3_dflash.py``, SGLang
 ``models/dflash.py`` + ``speculative/dflash_utils.py``, z-lab ``dflash/model.py``):
 ``dflash_config.block_size`` (z-lab and SGLang read ``dflash_config`` before the top level), ``dflash_config.mask_token``
 (SGLang versions that resolve the mask token by its string, default ``"<|MASK|>"``, and otherwise ADD a new token
@@ -57,7 +57,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 PROVENANCE_FILE = "dflash_export.json"
 
-# Keys whose values are fixed by the serving format (DFLASH.md); load_exported rejects anything else.
+# Keys whose values are fixed by the serving format (docs/dflash.md); load_exported rejects anything else.
 _FIXED_KEYS: dict[str, Any] = {
     "architectures": [SERVING_ARCHITECTURE],
     "model_type": "qwen3",
@@ -144,7 +144,7 @@ def config_dict(config: DFlashConfig | Mapping[str, Any]) -> dict[str, Any]:
 
 
 def serving_config(config: DFlashConfig | Mapping[str, Any], *, mask_token: str | None = None) -> dict[str, Any]:
-    """The ``config.json`` of an export, from a drafter config (DFLASH.md "Serving format").
+    """The ``config.json`` of an export, from a drafter config (docs/dflash.md, "Serving format").
 
     Args:
         config: a ``DFlashConfig`` or its ``to_dict()``; fields used: hidden_size, intermediate_size,
@@ -333,7 +333,7 @@ def drafter_config_dict_from_serving(config: Mapping[str, Any]) -> dict[str, Any
 
 
 def expected_weight_shapes(config: DFlashConfig | Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every weight name of the serving format with its shape (DFLASH.md; transformers Qwen3 names).
+    """Every weight name of the serving format with its shape (docs/dflash.md; transformers Qwen3 names).
 
     ``fc.weight [H, n*H]``, ``hidden_norm.weight [H]``, ``norm.weight [H]``, per layer ``i``: norms ``[H]``,
     ``q_proj [Nq*hd, H]``, ``k_proj``/``v_proj [Nkv*hd, H]``, ``o_proj [H, Nq*hd]``, ``q_norm``/``k_norm [hd]``,

@@ -6,7 +6,7 @@ SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package ``llm-smol
 imported. A GGUF file is dequantized once (~15 s) into a plain transformers folder under the local cache
 (``$DFLASH_STAGES_HOME``, default ``~/.cache/dflash-stages``) so later loads take ~2 s.
 
-Layer-id convention (DFLASH.md): a tapped id ``l`` is the OUTPUT of decoder layer ``l`` (0-based), i.e.
+Layer-id convention (docs/dflash.md): a tapped id ``l`` is the OUTPUT of decoder layer ``l`` (0-based), i.e.
 transformers' ``hidden_states[l + 1]``; index 0 of ``hidden_states`` is the embedding output.
 """
 

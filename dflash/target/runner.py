@@ -1,6 +1,6 @@
 """Run a target causal LM only as far as its last tapped layer and collect the tapped hidden states.
 
-Tap convention (DFLASH.md, :data:`dflash.target.taps.LAYER_ID_CONVENTION`): tapped id ``l`` is the OUTPUT of decoder
+Tap convention (docs/dflash.md, :data:`dflash.target.taps.LAYER_ID_CONVENTION`): tapped id ``l`` is the OUTPUT of decoder
 layer ``l`` (0-based), i.e. transformers' ``hidden_states[l + 1]``; the same offset vLLM ``qwen3_dflash.py`` and
 SGLang ``models/dflash.py`` add when they read ``target_layer_ids``.
 

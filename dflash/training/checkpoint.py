@@ -1,4 +1,4 @@
-"""Run folders and checkpoints (ARCHITECTURE.md contract 3): consistent snapshots written in the background.
+"""Run folders and checkpoints (docs/architecture.md, "Contracts": the run folder): consistent snapshots written in the background.
 
 Layout of a run folder::
 

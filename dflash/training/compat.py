@@ -3,7 +3,7 @@
 A hidden-state cache, a drafter config (new, or read from a checkpoint) and the loaded target must describe the
 same thing: the same target weights, the same tapped layers under the same indexing convention, the same hidden
 size and vocabulary, and a mask token that is a real row of the target's embedding. Each disagreement is a
-:class:`~dflash.errors.MismatchError` naming the field, both values and the fix (DFLASH.md, "Known ways to get it
+:class:`~dflash.errors.MismatchError` naming the field, both values and the fix (docs/dflash.md, "Ways to get it
 silently wrong": tapped ids off by one or a different set with the same count; mask token outside the real rows).
 """
 

@@ -1,6 +1,6 @@
 """Optimizer and learning-rate schedule of drafter training: AdamW with a warmup-then-cosine schedule.
 
-Recipe (DFLASH.md, paper arXiv 2602.06036 section 4.2 / appendix A.1): AdamW, lr 6e-4, gradient clipping at 1.0,
+Recipe (docs/dflash.md, paper arXiv 2602.06036 section 4.2 / appendix A.1): AdamW, lr 6e-4, gradient clipping at 1.0,
 cosine schedule with 4% linear warmup. The paper does not state AdamW's betas, epsilon or weight decay; the
 defaults here are those of SGLang's SpecForge trainer (``specforge/optimizer.py: BF16Optimizer``, which trains
 DFlash and EAGLE-3 drafters): ``torch.optim.AdamW`` with its own defaults ``betas=(0.9, 0.999)``, ``eps=1e-8``,
@@ -132,7 +132,7 @@ class WarmupCosine:
 
     def __call__(self, step: int) -> float:
         segment = next((e for e in reversed(self.extensions) if step >= e["start_step"]), None)
-        if segment is None:  # the original schedule, computed exactly as before extensions existed
+        if segment is None:  # the original schedule: no extension reaches this step
             if step < self.warmup_steps:
                 return (step + 1) / (self.warmup_steps + 1)
             decay_steps = max(1, self.total_steps - self.warmup_steps)

@@ -141,7 +141,7 @@ def default_write_processes(device: torch.device | str) -> int:
 
     Why 2 on a GPU: with the writes in threads of the worker process, the thread feeding the GPU competes with them
     for the interpreter, and on one H200 (8B-shaped target, 16 cores) the loop's compute took 15% longer than
-    the same batches without writes; with 2 write processes it took 0.6% longer (docs/benchmarks.md, issue 4).
+    the same batches without writes; with 2 write processes it took 0.6% longer (docs/benchmarks.md).
     A CPU runner uses the cores itself, so the writes stay in its threads.
     """
     if torch.device(device).type != "cuda":

@@ -59,7 +59,7 @@ class TrainConfig:
     """Validation batches per rank per evaluation (None: the whole held-out split)."""
     min_supervised_tokens: int | None = None
     """Samples with fewer supervised (loss_mask = 1) tokens are excluded, counted and reported (run.json, metrics,
-    log); default ``2 * drafter.block_size`` (DFLASH.md: shorter samples give no useful anchors); 0 keeps every sample."""
+    log); default ``2 * drafter.block_size`` (docs/dflash.md: shorter samples give no useful anchors); 0 keeps every sample."""
     # -- optimization (defaults: the paper's recipe; betas from SpecForge, see dflash.training.optim)
     epochs: float = 6.0
     """Passes over the training split (paper: 6); ignored when ``max_steps`` is set."""

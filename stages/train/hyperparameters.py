@@ -2,7 +2,7 @@
 
 ``train`` prints one table (main rank, stderr) of what the run will actually use: learning rate and schedule, AdamW
 betas / epsilon / weight decay, gradient clipping, loss decay gamma, block size, anchors, token budget per
-micro-batch and per optimizer step, length buckets, compile and the attention backend. Where DFLASH.md (the paper's
+micro-batch and per optimizer step, length buckets, compile and the attention backend. Where docs/dflash.md (the paper's
 recipe, arXiv 2602.06036) documents a convention, it is shown, and departures that silently cost acceptance length
 are logged as warnings (:func:`convention_warnings`): gamma other than the paper's for B = 16 / 10 / 8 (7 / 5 / 4),
 betas other than the documented default (torch's AdamW defaults, as SpecForge trains DFlash: ``dflash.training.optim``), and
@@ -22,7 +22,7 @@ from dflash.drafter.config import PAPER_GAMMA, default_gamma
 
 __all__ = ["HyperparameterRow", "hyperparameter_rows", "convention_warnings", "render_hyperparameters"]
 
-#: The paper's recipe (DFLASH.md "Paper recipe") for the values it states.
+#: The paper's recipe (docs/dflash.md, "Training examples") for the values it states.
 _PAPER = {"lr": 6e-4, "grad_clip": 1.0, "warmup_ratio": 0.04, "max_anchors_per_document": 512, "block_size": 16}
 
 
@@ -38,14 +38,14 @@ class HyperparameterRow:
 
 def convention_warnings(*, block_size: int, gamma: float, betas: tuple[float, float], max_anchors_per_document: int,
                         longest_sample: int | None) -> list[str]:
-    """Departures from DFLASH.md's conventions that cap acceptance length without any error (module docstring)."""
+    """Departures from the method's conventions (docs/dflash.md) that cap acceptance length without any error (module docstring)."""
     from dflash.training.optim import DEFAULT_BETAS
 
     warnings = []
     paper_gamma = PAPER_GAMMA.get(block_size)
     if paper_gamma is not None and gamma != paper_gamma:
         warnings.append(f"gamma {gamma:g} at block size {block_size}: the paper uses {paper_gamma:g} "
-                        f"(DFLASH.md: 7 for B=16, 5 for B=10, 4 for B=8); omit --gamma to use it")
+                        f"(the paper: 7 for B=16, 5 for B=10, 4 for B=8); omit --gamma to use it")
     elif paper_gamma is None and gamma != default_gamma(block_size):
         warnings.append(f"gamma {gamma:g} at block size {block_size}: no paper value for this size; the default "
                         f"interpolates {default_gamma(block_size):g} (1 + 3B/8)")
@@ -131,7 +131,7 @@ def render_hyperparameters(rows: list[HyperparameterRow]) -> Any:
     table = Table(title="effective hyperparameters")
     table.add_column("setting", style="bold", no_wrap=True)
     table.add_column("value", overflow="fold")
-    table.add_column("convention (DFLASH.md)", overflow="fold")
+    table.add_column("convention (docs/dflash.md)", overflow="fold")
     for item in rows:
         style = "yellow" if item.departs else ""
         table.add_row(escape(item.name), Text(item.value, style=style), escape(item.convention))

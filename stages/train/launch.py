@@ -59,7 +59,7 @@ def _train_worker(config_dict: dict[str, Any], data_factory: Any = None) -> dict
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     trainer = None
     try:
-        # The trainer gets its batch sources (STYLE.md 16): the cache's, or (pipelines/online.py) the queue's.
+        # The trainer gets its batch sources: the cache's, or (pipelines/online.py) the queue's.
         data = (data_factory or open_cache_data)(config, rank=rank, world_size=world_size, device=device)
         trainer = Trainer(config, rank=rank, world_size=world_size, device=device, data=data)
         return trainer.fit()

@@ -4,7 +4,7 @@
 save -> evaluate -> log. Details live in :meth:`Trainer.train_step` and in the components (``dflash.batches.stream``,
 ``dflash.drafter``, ``dflash.training.optim``, ``dflash.training.checkpoint``, ``dflash.training.telemetry``).
 
-Loss normalization (DFLASH.md; the per-rank normalization bug it warns about): every micro-batch's backward runs on
+Loss normalization (docs/dflash.md; the per-rank normalization bug it warns about): every micro-batch's backward runs on
 the UNnormalized ``weighted_ce_sum``; after the last micro-batch, the weight sums of all micro-batches of all
 ranks are all-reduced and the gradients multiplied by ``world_size / global_weight_sum`` (``world_size`` undoes
 DDP's gradient averaging). The update is the gradient of ``sum_ranks sum_micro ce / global weight sum``, the same
@@ -154,7 +154,7 @@ def load_target_embeddings(target_path: Path) -> tuple[torch.Tensor, torch.Tenso
 
 @dataclass(kw_only=True, slots=True)
 class TrainingData:
-    """What the training loop consumes, built outside it (STYLE.md 16) and handed to :class:`Trainer`."""
+    """What the training loop consumes, built outside it and handed to :class:`Trainer`."""
 
     metadata: Any
     """``dflash.cache.CacheMetadata`` of the hidden states: the cache's, or (online) the one the producers compute
@@ -537,7 +537,7 @@ class Trainer:
             self.metrics.log("data", self.step, self.excluded)
 
     def _excluded_samples(self) -> dict[str, Any]:
-        """Samples left out for too few supervised tokens (DFLASH.md), per split; logged once at start."""
+        """Samples left out for too few supervised tokens (docs/dflash.md), per split; logged once at start."""
         minimum = self.config.resolved_min_supervised_tokens()
         loaders = {"train": self.train_loader, "validation": self.val_loader}
         record: dict[str, Any] = {"min_supervised_tokens": minimum}
