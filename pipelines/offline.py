@@ -52,8 +52,18 @@ from rich.table import Table
 
 from dflash.drafter.config import DEFAULT_NUM_DRAFT_LAYERS
 from dflash.errors import ConfigError
-from stages.config.check import layer_over, override_value
+from dflash.io.locks import output_lock
+from dflash.target.load import locate_target, target_num_layers
+from stages.config.check import (
+    EXCLUSIVE_SETTINGS,
+    check_fields,
+    deep_merge,
+    field_default,
+    layer_over,
+    override_value,
+)
 from stages.config.presets import PIPELINE_SECTIONS, PRESETS, load_preset, strip_comments
+from stages.config.resolve import plain_value
 
 if TYPE_CHECKING:
     from stages.evaluate import Evaluator
@@ -155,7 +165,6 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
         ConfigError: the first problem, naming ``section.key`` and its source.
         TargetError: ``config.target`` names no transformers folder or ``.gguf`` file.
     """
-    from stages.config.check import check_fields
     from stages.evaluate import EvaluateConfig
     from stages.extract.command import ExtractConfig
     from stages.prepare import PrepareConfig
@@ -179,7 +188,6 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
                 raise ConfigError(f"split.{key} ({source('split', key)}): unknown key; known: heldout_documents, seed")
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(f"split.{key} ({source('split', key)}): expected int, got {value!r}")
-    from dflash.target.load import locate_target
 
     target_path = locate_target(config.target)  # a wrong target path fails now, not when the first stage loads it
     _check_init_target_layers(config, target_path, source)
@@ -216,8 +224,6 @@ def printable_pipeline(config: PipelineConfig) -> dict[str, Any]:
 
     data = {k: copy.deepcopy(v) for k, v in config.to_dict().items() if k != "workdir" and (v or k == "target")}
     classes = {"generate": GenerateConfig, "extract": ExtractConfig, "train": TrainConfig, "evaluate": EvaluateConfig}
-    from stages.config.check import EXCLUSIVE_SETTINGS, field_default
-    from stages.config.resolve import plain_value
 
     for section, base in load_preset(DEFAULT_PRESET).items():
         if section not in classes or not isinstance(base, dict) or section not in data:
@@ -250,7 +256,6 @@ def _check_init_target_layers(config: PipelineConfig, target_path: Path, source:
     layers = drafter.get("init_target_layers") if isinstance(drafter, dict) else None
     if not isinstance(layers, list) or not layers:
         return
-    from dflash.target.load import target_num_layers
 
     depth = target_num_layers(target_path)
     if depth is None:
@@ -396,8 +401,6 @@ def run_pipeline(config: PipelineConfig, *, console: Console | None = None,
         LockError: another pipeline runs in the same work folder (``dflash.io.locks``; each stage also locks its own
             output inside it).
     """
-    from dflash.io.locks import output_lock
-
     # Before anything is written; ``source`` names where a setting came from (the CLI passes --set/preset).
     validate_sections(config, source or (lambda section, key: "pipeline config"))
     with output_lock(config.workdir, what="pipeline work folder"), _excluded_samples_reported_once():
@@ -465,8 +468,6 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
     extract = config.section("extract")
     stage("extract", extract, lambda: _json_safe(run_extract(
         ExtractConfig(corpus=str(paths["corpus"]), output=str(paths["cache"]), **extract), console=console)))
-
-    from stages.config.check import deep_merge
 
     train = deep_merge({"telemetry": {"progress": True}}, config.section("train"))
     evaluate = {"seed": 0, **config.evaluate}

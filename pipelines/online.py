@@ -33,20 +33,32 @@ with non-finite hidden states stops the run (offline extract quarantines it).
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from dflash.errors import ConfigError
+from dflash.batches.source import PlannedCursor
+from dflash.errors import ConfigError, ProducerError
+from dflash.io.locks import output_lock
+from dflash.target.load import resolve_target_path, target_identity
+from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
+from stages.config.check import check_fields, deep_merge, read_config_file
+from stages.config.presets import read_preset_json
+from stages.config.resolve import parse_sets
+from stages.replicas.cluster import worker_process_options
+from stages.train.command import _csv_ints, exit_if_interrupted
+from stages.train.command import config_from_cli as train_config_from_cli
 from stages.train.config import TrainConfig
+from stages.train.launch import _run_training
 
 __all__ = ["OnlineConfig", "ONLINE_CACHE_PREFIX", "ONLINE_PRESETS", "OnlineData", "online_metadata", "online_sections",
            "online_training_data", "load_online_preset", "printable_config", "run_online", "register"]
@@ -140,8 +152,6 @@ def online_metadata(config: OnlineConfig) -> tuple[Any, Any]:
     would record), so the trainer checks the drafter against it before step 1 exactly as offline."""
     from dflash.cache import CacheMetadata
     from dflash.corpus.format import open_corpus, validate_corpus
-    from dflash.target.load import resolve_target_path, target_identity
-    from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
 
     corpus = open_corpus(config.corpus)
     identity = target_identity(resolve_target_path(config.target))
@@ -197,12 +207,9 @@ def staging_dir(config: OnlineConfig) -> str | None:
 def _open_cache_to(config: OnlineConfig, metadata: Any) -> Any:
     """``--cache-to``: the cache (created, or reopened with its committed shards: it must be of the same corpus,
     target and taps) and a :class:`dflash.cache.staging.ShardAssembler` over it."""
-    import io
-
     import torch
     from rich.console import Console
 
-    from dflash.batches.source import PlannedCursor
     from dflash.cache.staging import ShardAssembler
     from dflash.corpus.format import CorpusLengths
     from stages.extract.command import ExtractConfig, prepare_cache
@@ -252,8 +259,6 @@ class _ProducerFuture:
 
     def result(self, timeout: float | None = None) -> Any:
         from distributed import KilledWorker
-
-        from dflash.errors import ProducerError
 
         try:
             return self._future.result(timeout=timeout)
@@ -348,7 +353,6 @@ def _start_cluster(config: OnlineConfig, metadata: Any) -> tuple[Any, Any]:
     import torch
     from distributed import Client, LocalCluster
 
-    from stages.replicas.cluster import worker_process_options
     from stages.replicas.online_worker import OnlineProducerPlugin
 
     if not log.isEnabledFor(logging.DEBUG):
@@ -401,9 +405,6 @@ def run_online(config: OnlineConfig) -> dict[str, Any]:
         ConfigError, CorpusError, TargetError, CheckpointError, MismatchError: before any step (one ``error:`` line
             from the CLI); SharedMemoryFull: ``/dev/shm`` too small for the ring (the message gives the fix).
     """
-    from dflash.io.locks import output_lock
-    from stages.train.launch import _run_training
-
     train = config.train
     with contextlib.ExitStack() as locks:
         locks.enter_context(output_lock(train.output, what="run", break_lock=train.break_lock))
@@ -473,8 +474,6 @@ def load_online_preset(name_or_path: str) -> tuple[dict[str, Any], dict[str, Any
         ConfigError: unknown preset, unreadable JSON, or a section or key that is not an online or train setting
             (the message names it).
     """
-    from stages.config.presets import read_preset_json
-
     return online_sections(read_preset_json(name_or_path, ONLINE_PRESETS), f"preset {name_or_path}")
 
 
@@ -485,9 +484,6 @@ def online_sections(data: dict[str, Any], where: str) -> tuple[dict[str, Any], d
     Raises:
         ConfigError: as above.
     """
-    from stages.config.check import check_fields
-    from stages.train.config import TrainConfig
-
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected an object with the sections 'online' and 'train', got "
                           f"{type(data).__name__}")
@@ -521,10 +517,6 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
     Raises:
         ConfigError: an unknown key or section, a wrong type or a refused value, named with its source.
     """
-    from stages.config.check import check_fields, read_config_file
-    from stages.config.resolve import parse_sets
-    from stages.train.command import config_from_cli as train_config_from_cli
-
     set_online, train_sets = {}, []
     for item in sets:
         section = item.partition("=")[0].strip().partition(".")[0]
@@ -547,7 +539,6 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
     given_online = {k: v for k, v in online.items() if v is not None}
     given_train = {k: v for k, v in train_overrides.items() if v is not None}
     online, train_overrides = {}, {}
-    from stages.config.check import deep_merge
 
     for layer_online, layer_train in layers:
         online.update(layer_online)
@@ -584,7 +575,6 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
     train_overrides = {**train_overrides, "cache": train_overrides.get("cache") or f"{ONLINE_CACHE_PREFIX}{corpus}"}
     train = train_config_from_cli(train_overrides, announce=announce, sets=train_sets)
     merged.pop("train", None)
-    from dataclasses import fields
 
     unknown = sorted(set(merged) - {f.name for f in fields(OnlineConfig)})
     if unknown:
@@ -595,8 +585,6 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
 
 def register(app: typer.Typer) -> None:
     """Add ``dflash-stages online``."""
-    from stages.train.command import _csv_ints, exit_if_interrupted
-
     @app.command("online")
     def online_command(
         corpus: str = typer.Option(None, "--corpus", help="Corpus folder (contract 1)."),

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from dflash.errors import CacheCorruptError, CacheError, DFlashError
 from stages.config.exit_status import ExitCode
 
 __all__ = ["register", "cache_app", "cache_info"]
@@ -115,8 +116,6 @@ def info_command(
     max_quarantined: int = typer.Option(20, help="Quarantined samples to list in the table."),
 ) -> None:
     """Show a cache's metadata, counts, quarantined samples, size on disk and compression ratio."""
-    from dflash.errors import CacheError
-
     console = Console()
     try:
         info = cache_info(cache)
@@ -144,7 +143,6 @@ def verify_command(
     --allow-incomplete); 2 no readable cache at CACHE.
     """
     from dflash.cache import CacheReader, HiddenStateCache, verify_cache
-    from dflash.errors import CacheCorruptError, CacheError, DFlashError
 
     console = Console(stderr=as_json)
     try:

@@ -13,11 +13,14 @@ import importlib
 import importlib.util
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
 import typer
+from typer import core
 
+from dflash.errors import ConfigError, DFlashError
 from stages.config.exit_status import EXIT_STATUS_HELP, USER_ERRNOS, ExitCode, os_error_message, print_error
 
 __all__ = ["app", "main", "ExitCode", "EXIT_STATUS_HELP", "GLOBAL_FLAGS", "NON_TTY_COLUMNS",
@@ -38,8 +41,6 @@ def _flags_without_type_placeholder() -> None:
     same in the rich panel: no type for a flag or a count option without an explicit metavar. Typer releases
     without that method (older ones derive the column from click's metavar, which skips flags) are left as is.
     """
-    from typer import core
-
     option = getattr(core, "TyperOption", None)
     original = getattr(option, "display_type_rich", None)
     if original is None or getattr(original, "_dflash_flags_plain", False):
@@ -141,8 +142,6 @@ PATH_OPTIONS = frozenset({"-o", "--output", "--corpus", "--cache", "--cache-to",
 def refuse_empty_paths(args: list[str]) -> None:
     """Raise ``ConfigError`` for a :data:`PATH_OPTIONS` option given an empty value (``-o ''``, ``--output=``) and
     for an empty positional argument (``export RUN ''``: typer would read it as the current folder)."""
-    from dflash.errors import ConfigError
-
     stop = args.index("--") if "--" in args else len(args)
     flags = _flag_names(args[:stop])
     for index, arg in enumerate(args[:stop]):
@@ -208,8 +207,6 @@ def dask_setup(worker) -> None:
     already handles it (cancels the tasks, closes the cluster, exits 130); left alone, each worker would print a
     ``KeyboardInterrupt`` traceback from its event loop and a warning for every cancelled task.
     """
-    import signal
-
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     except ValueError:  # not the process's main thread (an in-process worker): nothing to quiet
@@ -238,10 +235,6 @@ def main() -> None:
     line too (:func:`usage_error_message`), exit 2. Ctrl-C and SIGTERM unwind (``finally`` blocks clean up)
     and exit 130. See :class:`ExitCode`.
     """
-    import signal
-
-    from dflash.errors import DFlashError
-
     def _interrupt(signum, frame):
         # SIGTERM unwinds like Ctrl-C does, so `finally` blocks remove temporary folders (the default SIGTERM action
         # kills the process without running them); typer turns the KeyboardInterrupt into exit status 130.

@@ -36,6 +36,21 @@ from rich.table import Table
 
 from dflash.decoding.eval_prompts import EvalPrompt, held_out_rows, prompts_from_corpus, prompts_from_file
 from dflash.errors import ConfigError
+from dflash.io.files import atomic_write_text
+from dflash.serving.export import load_drafter
+from dflash.target.load import load_target
+from dflash.training.compat import check_target_identity as check
+from dflash.training.compat import recorded_identity
+from stages.config.check import dtype_spelling
+from stages.config.resolve import (
+    CONFIG_OPTION,
+    PRESET_OPTION,
+    PRINT_CONFIG_OPTION,
+    SET_OPTION,
+    print_and_exit,
+    resolve_stage_config,
+    split_given,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -115,7 +130,6 @@ class EvaluateConfig:
             raise ConfigError(f"cpu_threads must be >= 1 (or unset), got {self.cpu_threads}")
         if self.block_size is not None and self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2 to draft anything, got {self.block_size}")
-        from stages.config.check import dtype_spelling
 
         self.dtype = dtype_spelling(self.dtype, ("auto", "float32", "bfloat16", "float16"))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -163,8 +177,6 @@ def load_drafter_any(path: Path) -> tuple[Any, Any, dict[str, Any]]:
     Raises:
         CheckpointError / ExportError: nothing loadable at ``path``.
     """
-    from dflash.serving.export import load_drafter
-
     return load_drafter(path)
 
 
@@ -189,9 +201,6 @@ def check_target_identity(target_info: dict[str, Any], target: Any, where: Path)
     Raises:
         MismatchError: an identity field differs.
     """
-    from dflash.training.compat import check_target_identity as check
-    from dflash.training.compat import recorded_identity
-
     check(target_info, target.identity,
           where=f"the drafter at {where} (trained on target {recorded_identity(target_info).get('name')!r})",
           fix=f"pass --target {target_info.get('target_spec')!r} (the recorded target)")
@@ -452,8 +461,6 @@ def _untrained_like(drafter_config: Any, target: Any, seed: int) -> Any:
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as JSON to ``path`` atomically (:func:`dflash.io.files.atomic_write_text`), creating its folder."""
-    from dflash.io.files import atomic_write_text
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
@@ -470,8 +477,6 @@ class Evaluator:
     """
 
     def __init__(self, config: EvaluateConfig, target_spec: str, *, console: Console | None = None) -> None:
-        from dflash.target.load import load_target
-
         self.config = config
         self.console = console or Console()
         self.target_spec = str(target_spec)
@@ -623,8 +628,6 @@ def print_report(report: dict[str, Any], console: Console) -> None:
 def register(app: typer.Typer) -> None:
     """Add ``dflash-stages evaluate``."""
 
-    from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
-
     @app.command("evaluate")
     def evaluate_command(
         ctx: typer.Context,
@@ -657,7 +660,6 @@ def register(app: typer.Typer) -> None:
         and new tokens), and the greedy lossless check against both. Exit code 1 when a greedy output differs
         beyond a float near-tie."""
         console = Console()
-        from stages.config.resolve import print_and_exit, resolve_stage_config, split_given
 
         def text(path: Path | None) -> str | None:
             return None if path is None else str(path)

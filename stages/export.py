@@ -23,7 +23,18 @@ from pathlib import Path
 
 import typer
 
-from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
+from dflash.errors import DFlashError
+from dflash.io.locks import output_lock
+from dflash.serving.export import export_checkpoint
+from stages.config.resolve import (
+    CONFIG_OPTION,
+    PRESET_OPTION,
+    PRINT_CONFIG_OPTION,
+    SET_OPTION,
+    print_and_exit,
+    resolve_stage_config,
+    split_given,
+)
 
 __all__ = ["ExportConfig", "register", "export_command"]
 
@@ -68,11 +79,6 @@ def export_command(
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
-
-    from dflash.errors import DFlashError
-    from dflash.io.locks import output_lock
-    from dflash.serving.export import export_checkpoint
-    from stages.config.resolve import print_and_exit, resolve_stage_config, split_given
 
     console = Console()
     values = dict(checkpoint=None if checkpoint is None else str(checkpoint), out=None if out is None else str(out),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,8 +44,28 @@ from rich.progress import (
 )
 
 from dflash.errors import ConfigError, DFlashError
-from dflash.generation.default_prompts import DefaultPromptConfig
-from dflash.generation.prompts import TurnMode
+from dflash.generation.default_prompts import (
+    DefaultPromptConfig,
+    default_prompt_sets,
+    describe_default_prompts,
+)
+from dflash.generation.engine import SamplingSettings
+from dflash.generation.prompts import DropCounts, TurnMode, check_generation_prompt, read_prompt_file
+from dflash.io.files import atomic_write_text
+from dflash.io.locks import output_lock
+from dflash.target.load import load_tokenizer, resolve_target_path, target_identity
+from stages.config.check import nested_config
+from stages.config.resolve import (
+    CONFIG_OPTION,
+    PRESET_OPTION,
+    PRINT_CONFIG_OPTION,
+    SET_OPTION,
+    int_list,
+    print_and_exit,
+    resolve_stage_config,
+    split_given,
+)
+from stages.replicas.cluster import start_cluster, validate_placement
 
 __all__ = ["GenerateConfig", "run_generate", "register", "HELDOUT_PROMPTS_FILE"]
 
@@ -120,8 +141,6 @@ class GenerateConfig:
     break_lock: bool = False
 
     def __post_init__(self) -> None:
-        from stages.config.check import nested_config
-
         self.default_prompts = nested_config(DefaultPromptConfig(), self.default_prompts, "default_prompts")
         if self.prompts != "default":
             from dflash.generation.prompts import check_prompt_file
@@ -137,7 +156,6 @@ class GenerateConfig:
             raise ConfigError(f"part_size must be >= 1, got {self.part_size}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ConfigError(f"max_prompts must be >= 1, got {self.max_prompts}")
-        from stages.replicas.cluster import validate_placement
 
         validate_placement(self)
         if self.engine == "openai" and not self.endpoints:
@@ -147,8 +165,6 @@ class GenerateConfig:
         self.sampling()  # validates temperature, top_p, max_new_tokens
 
     def sampling(self) -> Any:
-        from dflash.generation.engine import SamplingSettings
-
         return SamplingSettings(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
                                 seed=self.seed)
 
@@ -170,8 +186,6 @@ class GenerateConfig:
 # ---------------------------------------------------------------------------------------------------- prompts
 def _load_prompts(config: GenerateConfig,
                   processes: int | None = 1) -> tuple[list[Any], Any, dict[str, Any], list[Any] | None]:  # fmt: skip
-    from dflash.generation.default_prompts import default_prompt_sets, describe_default_prompts
-    from dflash.generation.prompts import DropCounts, read_prompt_file
 
     if config.prompts == "default":
         sets = default_prompt_sets(config.default_prompts, processes=processes)
@@ -204,7 +218,6 @@ def _records_digest(records: list[Any]) -> str:
 def _open_output(config: GenerateConfig, plan: dict[str, Any]) -> None:
     """Create the output folder with its plan, or check an existing one holds the same plan."""
     from dflash.generation.parts import PLAN_FILE, clear_uncommitted
-    from dflash.io.files import atomic_write_text
 
     output = Path(config.output)  # run_generate refused an output that is a file before taking the lock
     plan_file = output / PLAN_FILE
@@ -231,8 +244,6 @@ def _open_output(config: GenerateConfig, plan: dict[str, Any]) -> None:
 
 
 def _clear_output(output: Path) -> None:
-    import shutil
-
     from dflash.corpus.format import METADATA_FILE
     from dflash.generation.parts import PLAN_FILE
 
@@ -297,8 +308,6 @@ def generate_part_task(spec: Any) -> dict[str, Any]:
 def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: Any, task: Any,
                  timings: dict[str, float]) -> list[dict[str, Any]]:
     from distributed import as_completed
-
-    from stages.replicas.cluster import start_cluster
 
     started = time.perf_counter()
     client, cluster, placement = start_cluster(config)  # extract's cluster: one worker per target GPU, or CPU processes
@@ -375,8 +384,6 @@ def run_generate(config: GenerateConfig, console: Console | None = None, *,
         ConfigError: bad prompts, settings, template or output (one line naming it); TargetError: no target;
         LockError: another process writes into ``config.output``.
     """
-    from dflash.io.locks import output_lock
-
     output = Path(config.output)
     if output.exists() and not output.is_dir():
         raise ConfigError(f"--output {output} is a file; pass a folder")
@@ -391,8 +398,6 @@ def run_generate(config: GenerateConfig, console: Console | None = None, *,
 def _run_generate(config: GenerateConfig, console: Console | None, prompt_processes: int | None) -> dict[str, Any]:
     from dflash.corpus.format import METADATA_FILE, open_corpus
     from dflash.generation.parts import PartSpec, committed_parts, plan_parts, summarize_parts
-    from dflash.generation.prompts import check_generation_prompt
-    from dflash.target.load import load_tokenizer, resolve_target_path, target_identity
 
     console = console or Console(stderr=True)
     started = time.perf_counter()
@@ -459,7 +464,6 @@ def _run_generate(config: GenerateConfig, console: Console | None, prompt_proces
         **totals,
     }
     from dflash.corpus.format import FORMAT_VERSION
-    from dflash.io.files import atomic_write_text
 
     corpus = open_corpus(output, allow_unfinished=True)
     metadata = {"format_version": FORMAT_VERSION, "source": "generate", "target_spec": config.target,
@@ -497,8 +501,6 @@ def _timings_line(timings: dict[str, float], parts: list[dict[str, Any]]) -> str
 
 def register(app: typer.Typer) -> None:
     """Add the ``generate`` command to ``app``."""
-    from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION, int_list
-
     @app.command("generate")
     def generate_command(
         ctx: typer.Context,
@@ -544,8 +546,6 @@ def register(app: typer.Typer) -> None:
         print_config: bool = PRINT_CONFIG_OPTION,
     ) -> None:
         """Generate the target's own responses to prompts as a training corpus (the DFlash paper's recipe)."""
-        from stages.config.resolve import print_and_exit, resolve_stage_config, split_given
-
         try:
             kwargs = json.loads(template_kwargs)
         except json.JSONDecodeError as error:

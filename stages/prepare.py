@@ -58,6 +58,9 @@ from dflash.corpus.default_corpus import (
 )
 from dflash.corpus.format import FORMAT_VERSION, CorpusWriter, open_corpus, validate_corpus
 from dflash.errors import ConfigError, CorpusError, CorpusNotFoundError, DFlashError
+from dflash.io.locks import output_lock
+from dflash.target.load import load_tokenizer, resolve_target_path, target_identity
+from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
 
 __all__ = ["PrepareConfig", "PrepareReport", "run_prepare", "register"]
 
@@ -515,8 +518,6 @@ def _samples(documents: list[_Document], tokenizer: Any, config: PrepareConfig, 
 @functools.lru_cache(maxsize=2)
 def _tokenizer(target_path: Path) -> Any:
     """The target's tokenizer, loaded once per process (several ``run_prepare`` calls share it; never mutated)."""
-    from dflash.target.load import load_tokenizer
-
     return load_tokenizer(target_path)
 
 
@@ -529,8 +530,6 @@ def run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, Pr
         TargetError: the target cannot be loaded.
         LockError: another process writes ``config.output``.
     """
-    from dflash.io.locks import output_lock
-
     with output_lock(config.output, what="corpus", break_lock=config.break_lock):
         return _run_prepare(config, console=console)
 
@@ -538,8 +537,6 @@ def run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, Pr
 def _run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, PrepareReport]:
     from rich.console import Console
     from rich.progress import Progress
-
-    from dflash.target.load import resolve_target_path, target_identity
 
     console = console or Console(stderr=True)
     target_path = resolve_target_path(config.target)
@@ -604,8 +601,6 @@ def _run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, P
 
 def register(app: Any) -> None:
     """Add ``prepare`` to the typer ``app``."""
-    from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
-
     @app.command("prepare")
     def prepare_command(
         ctx: typer.Context,

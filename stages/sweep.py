@@ -32,6 +32,7 @@ each run's folder by its own ``train`` (in this process or its subprocess).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import json
 import logging
@@ -40,6 +41,7 @@ import re
 import subprocess
 import sys
 import time
+import typing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +51,10 @@ import typer
 
 from dflash.errors import ConfigError
 from dflash.io.files import atomic_write_text
+from dflash.io.locks import output_lock
 from dflash.training.telemetry import read_metrics
+from stages.config.check import check_fields, deep_merge, leaf_paths, matches_type, read_config_file, set_path
+from stages.config.resolve import nested, parse_sets, resolve_stage_config, section_of, split_given
 from stages.train.config import TrainConfig
 from stages.train.launch import run_training
 
@@ -94,8 +99,6 @@ def parse_grid(options: list[str]) -> dict[str, list[Any]]:
         ConfigError: malformed item, unknown field (with a did-you-mean), a field the sweep sets itself, or a field
             given twice.
     """
-    import difflib
-
     types = TrainConfig.field_types()
     values: dict[str, list[Any]] = {}
     for option in options:
@@ -126,11 +129,8 @@ def _grid_values(name: str, raw: str, annotation: str) -> list[Any]:
     Raises:
         ConfigError: an unreadable value, a JSON value that is not a non-empty array, or a value of the wrong type.
     """
-    import json
-
     if not raw.lstrip().startswith("["):
         return [_parse_value(name, part, annotation) for part in raw.split(",")]
-    from stages.config.check import matches_type
 
     try:
         items = json.loads(raw)
@@ -148,8 +148,6 @@ def _grid_values(name: str, raw: str, annotation: str) -> list[Any]:
 
 def _field_hint(path: str) -> Any:
     """The type annotation of the :class:`TrainConfig` field at dotted ``path`` (``optim.lr`` -> ``float``)."""
-    import typing
-
     klass: Any = TrainConfig
     *parents, leaf = path.split(".")
     for part in parents:
@@ -199,8 +197,6 @@ class SweepConfig:
 def _split_sets(overrides: list[str]) -> tuple[list[str], list[tuple[str, Any, str]]]:
     """``--set`` items -> (``sweep.X=V`` items, ``(train field, value, source)`` of the others, parsed as every
     stage parses ``--set``: :func:`stages.config.resolve.parse_sets`)."""
-    from stages.config.resolve import parse_sets
-
     sweep_items = [item for item in overrides if item.strip().startswith("sweep.")]
     train_items = parse_sets([item for item in overrides if item not in sweep_items], "train")
     for key, value, source in train_items:
@@ -218,9 +214,6 @@ def resolve_sweep(ctx: Any, values: dict[str, Any], *, config_file: str | None, 
         ConfigError: an unknown or mistyped key (named with its source), a missing cache, or a combination
             TrainConfig refuses.
     """
-    from stages.config.check import check_fields, deep_merge, leaf_paths, read_config_file
-    from stages.config.resolve import nested, resolve_stage_config, section_of, split_given
-
     sweep_sets, train_sets = _split_sets(overrides)
     config = resolve_stage_config(SweepConfig, "sweep", *split_given(ctx, values), config_file=config_file,
                                   preset=preset, overrides=sweep_sets, required=("cache",))  # fmt: skip
@@ -304,8 +297,6 @@ def plan_sweep(cache: str, output: str | Path, values: dict[str, list[Any]], *, 
     Raises:
         ConfigError: an invalid combination (the TrainConfig error, prefixed by the run's name).
     """
-    from stages.config.check import deep_merge, set_path
-
     fixed = deep_merge(fixed or {}, {})  # train fields (nested, as to_dict writes them) the same for every run
     for name, options in values.items():
         if len(options) == 1:
@@ -455,8 +446,6 @@ def register(app: typer.Typer) -> None:
                                           "train}, which --config reads back) and exit without doing anything."),
     ) -> None:
         """Train one drafter per combination of --grid values over one cache and compare them."""
-        from dflash.io.locks import output_lock
-
         try:
             gpu_ids = [int(g) for g in drafter_gpus.split(",") if g.strip()] if drafter_gpus else None
         except ValueError:

@@ -28,6 +28,7 @@ cursor and producers recompute the remaining batches of the plan. Nothing of the
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -399,8 +400,6 @@ def pack_slot_batch(slot_batch: Any, *, pad_to: int | None, bucket: int, pin_mem
 def _stage_name(split: str, index: int, rows: tuple[int, ...]) -> str:
     """A staged batch's name: split, global batch index and a digest of its rows, so that the batches of another
     plan (another seed or token budget writing into the same ``--cache-to``) never pass for this plan's."""
-    import hashlib
-
     return f"{split}-b{index:08d}-{hashlib.sha256(repr(rows).encode()).hexdigest()[:12]}"
 
 

@@ -21,7 +21,7 @@ import os
 import secrets
 import sys
 import threading
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 import psutil
 import torch
@@ -155,7 +155,6 @@ def attach_segment(name: str) -> shared_memory.SharedMemory:
     """
     if sys.version_info >= (3, 13):
         return shared_memory.SharedMemory(name=name, track=False)
-    from multiprocessing import resource_tracker
 
     with _REGISTRATION:
         register = resource_tracker.register

@@ -28,6 +28,7 @@ data, so a deleted, truncated or altered chunk is detected by ``verify`` and by 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -111,8 +112,6 @@ def codec_config(codec: str | dict[str, Any]) -> dict[str, Any]:
 def codec_preset_name(codec: dict[str, Any]) -> str:
     """The :data:`CODEC_PRESETS` name of a codec dict (as a cache records it), or its JSON text when no preset
     matches (a hand-made dict)."""
-    import json
-
     resolved = codec_config(codec)
     return next((name for name, preset in CODEC_PRESETS.items() if preset == resolved), json.dumps(resolved))
 

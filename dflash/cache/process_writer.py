@@ -41,6 +41,8 @@ from dflash.batches.shm import (
     remove_segments_of,
     shared_location,
 )
+from dflash.cache import HiddenSample, HiddenStateCache
+from dflash.cache.chunks import keep_chunk_buffers_mapped
 from dflash.errors import ConfigError
 
 __all__ = [
@@ -97,8 +99,6 @@ def _exit_when_orphaned(parent_pid: int, poll_seconds: float = 0.05) -> None:
 def _init_write_process(write_threads: int, nice: int, parent_pid: int | None = None) -> None:
     import zarr
 
-    from dflash.cache.chunks import keep_chunk_buffers_mapped
-
     if parent_pid is not None:
         _exit_when_orphaned(parent_pid)
 
@@ -125,7 +125,6 @@ def _attach(name: str) -> shared_memory.SharedMemory:
 
 def _write_in_process(cache_path: str, shard_id: int, specs: list[_SampleSpec], quarantined: list[dict],
                       skipped: list[dict]) -> dict:  # fmt: skip
-    from dflash.cache import HiddenSample, HiddenStateCache
 
     def view(spec: _SampleSpec) -> HiddenSample:
         hidden = torch.frombuffer(_attach(spec.shm_name).buf, dtype=torch.bfloat16, count=spec.rows * spec.width,

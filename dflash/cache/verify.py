@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash.cache.chunks import crc32c_trailer, stored_chunk
 from dflash.cache.format import CORRUPT_SHARD_REPAIR
 from dflash.cache.reader import CacheReader
 from dflash.cache.store import partial_files
@@ -61,8 +62,6 @@ def _verify_chunk_crcs(reader: CacheReader, shard: int, array: Any, layout: dict
     """Version-3 ``hidden`` leaves: each stored chunk's crc32c trailer must match its body (zarr's check, done here
     on the stored bytes) and the commit record's leaf; every chunk is also decoded. Returns (leaves, raw bytes)."""
     import google_crc32c
-
-    from dflash.cache.chunks import crc32c_trailer, stored_chunk
 
     expected = layout.get("crc32c_chunks") or []
     leaves: list[str] = []

@@ -18,6 +18,7 @@ to 476.8 ms (another H200, one process: 490.6 to 482.9 ms).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from typing import Literal
 
@@ -105,8 +106,6 @@ def flex_kernel_options() -> dict | None:
 def flash_attention_available() -> bool:
     """True when torch's FlexAttention has the FLASH backend and flash-attn-4's CuTe DSL (``flash_attn.cute``) really
     imports (a half-installed one, e.g. CUDA 13 wheels under a CUDA 12 torch, counts as absent). Imported once."""
-    import importlib.util
-
     try:
         if importlib.util.find_spec("torch._inductor.kernel.flex.flex_flash_attention") is None:
             return False

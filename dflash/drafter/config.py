@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from dflash.errors import ConfigError
+from dflash.target.taps import tapped_layer_ids
 
 __all__ = ["DFlashConfig", "DrafterTrainingConfig", "DEFAULT_NUM_DRAFT_LAYERS", "PAPER_GAMMA", "default_gamma", "select_mask_token_id",
            "rope_settings_from_target"]
@@ -172,8 +173,6 @@ class DFlashConfig:
         Raises:
             ConfigError: a field is invalid, or no mask token can be chosen (pass ``mask_token_id``).
         """
-        from dflash.target.taps import tapped_layer_ids
-
         text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         num_target_layers = int(text_config.num_hidden_layers)
         heads = int(text_config.num_attention_heads)

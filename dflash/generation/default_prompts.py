@@ -38,19 +38,29 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib.util
+import itertools
+import json
 import logging
+import multiprocessing
+import os
 import re
+import signal
 import sys
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
+from dflash.corpus.default_corpus import _SKIP_DIRS, _TEST_DIRS, collect_text_files, stdlib_root
 from dflash.errors import ConfigError
 from dflash.generation.prompts import PromptRecord
+from dflash.io.files import atomic_output
 
 __all__ = ["DefaultPromptConfig", "default_prompt_sets", "is_heldout_document", "write_prompts_jsonl",
            "describe_default_prompts", "package_root", "package_files", "INSTRUCTIONS"]
@@ -218,9 +228,6 @@ def _die_with_parent(parent: int) -> None:
     """Pool initializer: on Linux, ask the kernel to SIGKILL this worker when its parent dies (``prctl
     PR_SET_PDEATHSIG``), so a parent killed with SIGKILL (OOM killer, ``timeout -k``) leaves no orphan; exit at once if
     the parent is already gone."""
-    import os
-    import signal
-
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -236,12 +243,6 @@ def _prompts_of_files(items: list[tuple[Path, str, str]], config: DefaultPromptC
     and ``processes`` other than 1 they are built in a ``concurrent.futures`` process pool (spawned; ``None``: one
     process per usable core, at most 16): the same records either way. In a daemonic process (which may not start
     children, e.g. a Dask worker) they are built here, and here again if the pool breaks (logged)."""
-    import itertools
-    import multiprocessing
-    import os
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-
     if processes is None:
         processes = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     started = time.perf_counter()
@@ -269,8 +270,6 @@ def package_root(name: str) -> Path:
     Raises:
         ConfigError: no such package is installed, or it is a single module rather than a package folder.
     """
-    import importlib.util
-
     try:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
@@ -289,8 +288,6 @@ def package_files(config: DefaultPromptConfig) -> list[tuple[Any, str]]:
     Raises:
         ConfigError: a name in ``packages`` is not an installed package (:func:`package_root`).
     """
-    from dflash.corpus.default_corpus import _SKIP_DIRS, _TEST_DIRS, collect_text_files
-
     files = []
     for name in config.packages:
         root = package_root(name)
@@ -361,11 +358,6 @@ def write_prompts_jsonl(records: list[PromptRecord], path: Any) -> int:
     """Write prompt records as a prompts file that ``evaluate --prompts`` and ``generate`` read: ``text`` lines
     for raw completions, ``prompt`` lines for single user messages, ``messages`` otherwise (the replies to generate
     left out). Returns the number of lines."""
-    import json
-    from pathlib import Path
-
-    from dflash.io.files import atomic_output
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output(path) as handle:
@@ -385,8 +377,6 @@ def write_prompts_jsonl(records: list[PromptRecord], path: Any) -> int:
 
 def describe_default_prompts(config: DefaultPromptConfig) -> dict[str, Any]:
     """What the default prompt set was built from, for the corpus metadata."""
-    from dflash.corpus.default_corpus import stdlib_root
-
     description = {"name": "python-stdlib-prompts", "python_version": sys.version.split()[0],
                    "stdlib": str(stdlib_root()), **config.to_dict()}
     if config.packages:

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from dflash.corpus.format import SCHEMA
 from dflash.generation.engine import GenerationEngine, GenerationRequest, SamplingSettings
 from dflash.generation.prompts import ConversationBuilder, DropCounts, PromptRecord
 from dflash.io.files import atomic_write_text
@@ -87,8 +88,6 @@ def clear_uncommitted(output: str | Path) -> int:
 def _write_part(output: Path, part_id: int, rows: list[tuple[list[int], list[int], str, str]], record: dict[str, Any]) -> None:
     """Commit one part: ``rows`` of ``(input_ids, loss_mask, sample_id, document_id)`` as an Arrow IPC file of the
     corpus schema (temporary name, fsync, record, rename)."""
-    from dflash.corpus.format import SCHEMA
-
     final = part_path(output, part_id)
     temporary = output / f".part-{part_id:06d}.tmp-{os.getpid()}"
     try:

@@ -24,7 +24,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash.errors import CheckpointError, ExportError, MismatchError
+import dflash
+from dflash.drafter.config import rope_settings_from_target
+from dflash.errors import CheckpointError, ExportError, MismatchError, TargetError
 from dflash.serving.format import (
     CONFIG_FILE,
     EXPORT_FORMAT_VERSION,
@@ -39,6 +41,7 @@ from dflash.serving.format import (
     serving_config,
     validate_serving_config,
 )
+from dflash.target.load import resolve_target_path, target_identity
 from dflash.target.taps import LAYER_ID_CONVENTION
 
 if TYPE_CHECKING:
@@ -167,8 +170,6 @@ def export_drafter(
     """
     import torch
     from safetensors.torch import save_file
-
-    import dflash
 
     destination = Path(out_dir).expanduser().absolute()
     _check_replaceable(destination, overwrite=overwrite)
@@ -438,8 +439,6 @@ def load_drafter(path: str | Path, *, target: Any = None) -> tuple[Any, Any, dic
 
 
 def _rope_of_target_config(target_config: Any) -> dict[str, Any]:
-    from dflash.drafter.config import rope_settings_from_target
-
     text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     return rope_parameters_from_legacy(*rope_settings_from_target(text_config))
 
@@ -476,9 +475,6 @@ def _check_target(
     tokenizer's string for ``mask_token_id``. The target is ``target`` or the ``target_spec`` recorded at training;
     a recorded spec that does not resolve on this machine only warns (an explicit ``target`` must resolve)."""
     from transformers import AutoConfig, AutoTokenizer
-
-    from dflash.errors import TargetError
-    from dflash.target.load import resolve_target_path, target_identity
 
     spec = target if target is not None else target_info.get("target_spec")
     skipped = "RoPE/width/identity checks against the target and dflash_config.mask_token are skipped"

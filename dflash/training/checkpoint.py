@@ -29,11 +29,14 @@ Retention keeps the last ``keep_last`` checkpoints plus the best by validation l
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.metadata
 import json
 import os
 import platform
 import random
 import shutil
+import shutil as _shutil
 import socket
 import subprocess
 import sys
@@ -45,9 +48,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflash.drafter.model import tensor_hash
 from dflash.errors import CheckpointError, CheckpointNotFoundError, MismatchError
 from dflash.faults import fault_point
 from dflash.io.files import atomic_write_text  # re-exported: callers import it from here too
+from dflash.io.weights import load_safetensors
 from dflash.training.state_files import load_legacy_torch_file, load_state_tree, save_state_tree
 
 if TYPE_CHECKING:
@@ -167,8 +172,6 @@ def code_version(code_dir: Path | None = None) -> dict[str, Any]:
     """Git state of the code: commit, whether the working tree differs from it, a hash of ``git diff HEAD`` and the
     untracked files (so two runs of the same commit with different edits are told apart). ``None`` values outside
     a git checkout."""
-    import hashlib
-
     top = (_run(["git", "rev-parse", "--show-toplevel"], code_dir or CODE_DIR) or "").strip()
     code_dir = Path(top) if top else (code_dir or CODE_DIR)  # the whole checkout, not only this package's folder
     commit = (_run(["git", "rev-parse", "HEAD"], code_dir) or "").strip() or None
@@ -197,8 +200,6 @@ def _cpu_model() -> str:
 
 
 def _gpu_driver() -> str | None:
-    import shutil as _shutil
-
     if _shutil.which("nvidia-smi") is None:
         return None
     output = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
@@ -210,8 +211,6 @@ def collect_environment() -> dict[str, Any]:
     and core/thread counts, Python, library versions (torch with its CUDA build, triton, flash-attn), GPUs and
     driver, the behaviour-changing environment variables (:data:`BEHAVIOUR_ENV_PREFIXES`), the code version
     (:func:`code_version`) and the command line."""
-    import importlib.metadata
-
     versions = {}
     for package in ("torch", "triton", "flash-attn", "flash-attn-4", "transformers", "safetensors", "zarr",
                     "numcodecs", "numpy", "dflash-stages"):
@@ -520,8 +519,6 @@ def load_checkpoint(path: str | Path, *, with_training_state: bool = True) -> Lo
         CheckpointError: missing, truncated or unreadable files (named), a state file that would need code to load,
             or a newer format version.
     """
-    from dflash.io.weights import load_safetensors
-
     folder = resolve_checkpoint(path)
     try:
         trainer_state = json.loads((folder / "trainer_state.json").read_text())
@@ -570,8 +567,6 @@ def target_weight_record(
     bfloat16, so a target loaded in another dtype (fp32 on CPU, bf16 on GPU) is still recognised. A tied LM head
     (``None`` or the embedding itself) is hashed once.
     """
-    from dflash.drafter.model import tensor_hash
-
     tied = lm_head_weight is None or lm_head_weight is embed_weight
     record: dict[str, Any] = {"weight_dtype": str(embed_weight.dtype).removeprefix("torch.")}
     for kind in kinds:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash.errors import ConfigError
+from dflash.training.trackers import TRACKERS, numeric_fields, open_trackers
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
@@ -74,8 +75,6 @@ class TelemetryConfig:
     modes; an absent package is skipped with a warning); empty (``--report-to none``) for ``metrics.jsonl`` only."""
 
     def __post_init__(self) -> None:
-        from dflash.training.trackers import TRACKERS
-
         for name in ("log_every", "throughput_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -120,8 +119,6 @@ class MetricsWriter:
         names of :data:`dflash.training.trackers.TRACKERS` (default: TensorBoard when ``tensorboard``); ``config`` is
         given to the trackers that record one (W&B, MLflow, Trackio).
         """
-        from dflash.training.trackers import open_trackers
-
         self.enabled = enabled
         self._file = None
         self._trackers: list[Any] = []
@@ -140,7 +137,6 @@ class MetricsWriter:
         """Write one record (no-op when disabled)."""
         if not self.enabled or self._file is None:
             return
-        from dflash.training.trackers import numeric_fields
 
         record = {"kind": kind, "step": int(step), "time": time.time(), **_jsonable(dict(fields))}
         self._file.write(json.dumps(record) + "\n")

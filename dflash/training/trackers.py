@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from dflash.errors import ConfigError
+
 __all__ = ["TRACKERS", "TrackerName", "Tracker", "open_trackers", "numeric_fields"]
 
 TrackerName = Literal["tensorboard", "wandb", "mlflow", "trackio"]
@@ -145,8 +147,6 @@ def open_trackers(names: Sequence[str], run_dir: str | Path, *, start_step: int 
     Raises:
         ConfigError: an unknown name.
     """
-    from dflash.errors import ConfigError
-
     run_dir = Path(run_dir)
     trackers: list[Tracker] = []
     for name in names:

@@ -15,7 +15,10 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
+import json
 import math
+import re
+import tomllib
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -238,8 +241,6 @@ def check_fields(cls: type, values: Mapping[str, Any], *, section: str, source: 
 def _yaml_loader() -> Any:
     """PyYAML's SafeLoader (plain data only) that also reads ``3e-4`` as a float, as TOML and JSON do (YAML 1.1's
     float pattern wants a dot: ``lr: 3e-4`` would otherwise be the string ``"3e-4"``)."""
-    import re
-
     import yaml
 
     class Loader(yaml.SafeLoader):
@@ -286,8 +287,6 @@ def override_value(raw: str, item: str) -> Any:
     Raises:
         ConfigError: JSON that Python cannot hold (a 5,000-digit integer, nesting thousands deep), naming ``item``.
     """
-    import json
-
     try:
         return json.loads(raw)
     except json.JSONDecodeError:
@@ -335,9 +334,6 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def _parse(file: Path, suffix: str, text: str) -> Any:
-    import json
-    import tomllib
-
     if suffix == ".toml":
         try:
             data: Any = tomllib.loads(text)

@@ -19,6 +19,8 @@ import textwrap
 import typing
 from typing import Any
 
+from stages.config.check import MISSING_DEFAULT, field_default
+
 __all__ = ["STAGE_CONFIGS", "field_descriptions", "reference_markdown", "sections"]
 
 #: Section (the ``--config`` section and ``--set`` prefix) -> (module, config dataclass), in pipeline order. A field
@@ -82,8 +84,6 @@ def _type_name(annotation: Any) -> str:
 
 
 def _default(field: dataclasses.Field) -> str:
-    from stages.config.check import MISSING_DEFAULT, field_default
-
     value = field_default(field)
     if value is MISSING_DEFAULT:
         return "required"
@@ -96,8 +96,6 @@ def sections() -> list[tuple[str, type, Any]]:
     """``(section, config dataclass, default)`` of every stage and of every nested config they hold (``train.optim``:
     ``OptimConfig``), each nested one after its parent, in field order. ``default``: the instance the parent's field
     defaults to (its values are the defaults there: train's ``data.validation_fraction`` is 0.01), or None."""
-    from stages.config.check import MISSING_DEFAULT, field_default
-
     found: list[tuple[str, type, Any]] = []
     stages = {getattr(importlib.import_module(module), name) for module, name in STAGE_CONFIGS.values()}
 

@@ -18,13 +18,22 @@ its default does not hide what the preset or the file say.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from dflash.errors import ConfigError
-from stages.config.check import CONFIG_SECTIONS, check_not_empty_path, override_value
+from stages.config.check import (
+    CONFIG_SECTIONS,
+    check_fields,
+    check_not_empty_path,
+    layer_over,
+    override_value,
+    read_config_file,
+    set_path,
+)
 
 __all__ = ["CONFIG_OPTION", "PRESET_OPTION", "PRINT_CONFIG_OPTION", "SET_OPTION", "given_options", "int_list", "print_and_exit",
            "nested", "parse_sets", "plain_value", "printable", "resolve_stage_config", "section_of", "split_given", "without_key"]
@@ -51,8 +60,6 @@ def section_of(data: Mapping[str, Any], section: str, fields: set[str], source: 
         ConfigError: a file with stage sections that also holds an unknown section or key at its top, or a flat
             file with a table whose name is close to a stage's (a misspelt section), named with ``source``.
     """
-    import difflib
-
     sectioned = any(isinstance(data.get(name), Mapping) for name in KNOWN_SECTIONS)
     where = f" ({source})" if source else ""
     for key, value in data.items():
@@ -95,8 +102,6 @@ def parse_sets(overrides: Sequence[str], section: str) -> list[tuple[str, Any, s
 
 def nested(key: str, value: Any) -> dict[str, Any]:
     """``("optim.lr", 3e-4)`` -> ``{"optim": {"lr": 3e-4}}``: a dotted ``--set`` key as the section dict it sets."""
-    from stages.config.check import set_path
-
     values: dict[str, Any] = {}
     set_path(values, key, value)
     return values
@@ -136,8 +141,6 @@ def resolve_stage_config(
         ConfigError: a missing or unreadable file, an unknown preset, an unknown key, a wrong type, a value the
             config refuses, or a required field without a value; the message names the key and its source.
     """
-    from stages.config.check import check_fields, layer_over, read_config_file
-
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     option_names = dict(option_names or {})
     layers: list[tuple[dict[str, Any], Callable[[str], str]]] = []

@@ -46,7 +46,12 @@ from rich.text import Text
 
 from dflash.drafter.config import DEFAULT_NUM_DRAFT_LAYERS
 from dflash.errors import CacheError, ConfigError, DFlashError
-from stages.replicas.cluster import cluster_workers, start_cluster, validate_placement
+from dflash.io.locks import output_lock
+from dflash.target.load import PACKED_ATTENTION, resolve_target_path, target_identity
+from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
+from stages.config.check import dtype_spelling
+from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION, int_list
+from stages.replicas.cluster import cluster_workers, require_local_gpus, start_cluster, validate_placement
 
 __all__ = ["ExtractConfig", "CachePlan", "run_extract", "plan_cache", "create_cache", "prepare_cache", "plan_shards",
            "estimate_cache_bytes", "register"]
@@ -150,12 +155,10 @@ class ExtractConfig:
         for name in ("num_taps", "shard_size", "token_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: expected >= 1, got {getattr(self, name)}")
-        from stages.config.check import dtype_spelling
 
         self.storage_dtype = dtype_spelling(self.storage_dtype, tuple(_STORAGE_DTYPES))
         if self.storage_dtype not in _STORAGE_DTYPES:
             raise ConfigError(f"storage_dtype: expected one of {sorted(_STORAGE_DTYPES)}, got {self.storage_dtype!r}")
-        from dflash.target.load import PACKED_ATTENTION
 
         if self.packed_attention not in PACKED_ATTENTION:
             raise ConfigError(f"packed_attention: expected one of {'|'.join(PACKED_ATTENTION)}, "
@@ -281,8 +284,6 @@ def plan_cache(config: ExtractConfig, console: Console) -> CachePlan:
     from dflash.cache.codec_choice import AUTO_CODEC
     from dflash.cache.format import codec_preset_name
     from dflash.corpus.format import open_corpus, validate_corpus
-    from dflash.target.load import resolve_target_path, target_identity
-    from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
 
     output = config.output[len("file://"):] if config.output.startswith("file://") else config.output
     if "://" not in output and os.path.exists(output) and not os.path.isdir(output):
@@ -408,8 +409,6 @@ def run_extract(config: ExtractConfig, console: Console | None = None) -> dict[s
         LockError: another extract writes the same output (``dflash.io.locks``; this run holds the lock from before
             the cache is opened until it returns, its Dask workers write under it).
     """
-    from dflash.io.locks import output_lock
-
     with output_lock(config.output, what="cache", break_lock=config.break_lock):
         return _run_extract_locked(config, console)
 
@@ -431,7 +430,6 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
     from stages.extract.worker import ShardSpec, TargetWorkerPlugin, extract_shard, flush_worker
 
     console = console or Console()
-    from stages.replicas.cluster import require_local_gpus
 
     require_local_gpus(config)  # local GPU workers on a host without CUDA: refused before any file exists
     plan = plan_cache(config, console)
@@ -693,8 +691,6 @@ def _print_summary(console: Console, config: ExtractConfig, summary: dict[str, A
 
 def register(app: typer.Typer) -> None:
     """Add the ``extract`` command to the CLI."""
-
-    from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION, int_list
 
     @app.command("extract")
     def extract_command(

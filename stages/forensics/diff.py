@@ -35,6 +35,8 @@ from typing import Any
 
 import typer
 
+from dflash.errors import DFlashError
+from dflash.training.telemetry import read_metrics
 from stages.forensics.runs import add_key_column, describe, flatten, format_value, read_json
 
 __all__ = ["register", "diff_command", "Side", "Comparison", "load_side", "compare", "print_comparison",
@@ -112,8 +114,6 @@ def _median_performance(records: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _metrics_of(folder: Path, up_to_step: int | None) -> list[dict[str, Any]]:
-    from dflash.training.telemetry import read_metrics
-
     if not (folder / "metrics.jsonl").is_file():
         return []
     records = read_metrics(folder, kind="train")
@@ -282,8 +282,6 @@ def diff_command(
     Exit codes: 0 config and environment agree; 1 they differ; 2 A or B is not a run, checkpoint or export.
     """
     from rich.console import Console
-
-    from dflash.errors import DFlashError
 
     console = Console()
     try:

@@ -22,6 +22,7 @@ from typing import Any
 
 import typer
 
+from dflash.errors import DFlashError
 from stages.forensics.diff import compare, load_side, print_comparison
 from stages.forensics.runs import (
     Artefact,
@@ -103,8 +104,6 @@ def inspect_command(
     2 PATH is not a run, checkpoint or export.
     """
     from rich.console import Console
-
-    from dflash.errors import DFlashError
 
     console = Console()
     try:

@@ -35,7 +35,9 @@ from typing import Any
 
 import typer
 
+from dflash.errors import CheckpointError, DFlashError
 from dflash.io.files import atomic_write_text
+from dflash.training.telemetry import read_metrics
 
 __all__ = ["register", "report_command", "RunSeries", "load_series", "write_report", "PLOTS"]
 
@@ -73,9 +75,6 @@ def load_series(path: str | Path) -> RunSeries:
     Raises:
         CheckpointError: no ``metrics.jsonl`` there.
     """
-    from dflash.errors import CheckpointError
-    from dflash.training.telemetry import read_metrics
-
     folder = Path(path).expanduser()
     run = folder / "run" if (folder / "pipeline.json").is_file() and (folder / "run").is_dir() else folder
     if not (run / "metrics.jsonl").is_file():
@@ -279,8 +278,6 @@ def report_command(
     Exit codes: 0 written; 2 a RUN has no metrics.jsonl.
     """
     from rich.console import Console
-
-    from dflash.errors import DFlashError
 
     try:
         series = [load_series(run) for run in runs]

@@ -14,6 +14,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dflash.errors import CheckpointError, DFlashError
+from dflash.serving.export import (
+    CHECKPOINT_CONFIG_FILE,
+    CHECKPOINT_TARGET_FILE,
+    CONFIG_FILE,
+    PROVENANCE_FILE,
+    WEIGHTS_FILE,
+    check_state_dict,
+    drafter_config_dict_from_serving,
+    read_exported,
+)
+
 __all__ = ["Artefact", "describe", "diff_facts", "scan_tensors", "flatten", "tensor_statistics", "parameter_groups",
            "file_tensors", "step_problems", "named_tensors", "read_json", "format_value", "add_key_column"]
 
@@ -108,8 +120,6 @@ def parameter_groups(tensors: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def read_json(path: Path) -> Any:
-    from dflash.errors import CheckpointError
-
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
@@ -141,14 +151,6 @@ def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def _describe_checkpoint(folder: Path, artefact: Artefact) -> None:
-    from dflash.errors import DFlashError
-    from dflash.serving.export import (
-        CHECKPOINT_CONFIG_FILE,
-        CHECKPOINT_TARGET_FILE,
-        WEIGHTS_FILE,
-        check_state_dict,
-    )
-
     config = read_json(folder / CHECKPOINT_CONFIG_FILE)
     artefact.facts.update(flatten(config, "drafter"))
     if (folder / CHECKPOINT_TARGET_FILE).is_file():
@@ -179,15 +181,6 @@ def _describe_checkpoint(folder: Path, artefact: Artefact) -> None:
 
 
 def _describe_export(folder: Path, artefact: Artefact) -> None:
-    from dflash.errors import DFlashError
-    from dflash.serving.export import (
-        CONFIG_FILE,
-        PROVENANCE_FILE,
-        WEIGHTS_FILE,
-        drafter_config_dict_from_serving,
-        read_exported,
-    )
-
     config = read_json(folder / CONFIG_FILE)
     artefact.facts.update(flatten(config, "serving"))
     try:
@@ -220,8 +213,6 @@ def describe(path: str | Path) -> Artefact:
     Raises:
         CheckpointError: the path is none of the three, or a recorded pointer/JSON file is broken.
     """
-    from dflash.errors import CheckpointError
-    from dflash.serving.export import CHECKPOINT_CONFIG_FILE, CONFIG_FILE, PROVENANCE_FILE
     from dflash.training.checkpoint import resolve_checkpoint
 
     folder = Path(path).expanduser()

@@ -27,6 +27,7 @@ from typing import Any
 
 import typer
 
+from dflash.errors import CheckpointError, DFlashError
 from stages.forensics.runs import describe, file_tensors, step_problems
 
 __all__ = ["register", "scan_command", "TensorFinding", "CheckpointScan", "checkpoints_to_scan", "scan_checkpoint",
@@ -80,7 +81,6 @@ def checkpoints_to_scan(path: str | Path) -> list[Path]:
     Raises:
         CheckpointError: ``path`` is no run, checkpoint or export, or a run without any checkpoint.
     """
-    from dflash.errors import CheckpointError
     folder = Path(path).expanduser()
     if (folder / "checkpoints").is_dir() and not (folder / "model.safetensors").is_file():
         # A run: listed directly, so a damaged run (a dangling `latest`, a broken run.json) is still scanned.
@@ -219,8 +219,6 @@ def scan_command(
     checkpoint or export.
     """
     from rich.console import Console
-
-    from dflash.errors import DFlashError
 
     console = Console()
     try:

@@ -14,7 +14,9 @@ the environment it started with, each worker is also handed this process's envir
 
 from __future__ import annotations
 
+import inspect
 import logging
+import multiprocessing
 import os
 from pathlib import Path
 from typing import Any, Protocol
@@ -155,7 +157,6 @@ def worker_process_options() -> dict[str, Any]:
 
     if dask.config.get("distributed.worker.multiprocessing-method") != "forkserver":
         return {}
-    import multiprocessing
 
     from distributed.utils import get_mp_context
 
@@ -198,6 +199,4 @@ def cluster_workers(client: Any) -> dict[str, dict[str, Any]]:
 
 
 def _accepts_n_workers(client: Any) -> bool:
-    import inspect
-
     return "n_workers" in inspect.signature(client.scheduler_info).parameters

@@ -34,6 +34,16 @@ from typing import Any
 import typer
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError
+from stages.config.check import (
+    check_fields,
+    deep_merge,
+    get_path,
+    leaf_paths,
+    read_config_file,
+    set_path,
+)
+from stages.config.exit_status import ExitCode
+from stages.config.resolve import nested, parse_sets, section_of, without_key
 from stages.train.config import ABSENT_IN_OLD_RUNS, TrainConfig, default_leaves
 from stages.train.launch import run_training
 
@@ -64,14 +74,6 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
         ConfigError: an unknown key, a wrong type or a refused value, named with its source; --resume of a folder
             that holds no run.
     """
-    from stages.config.check import (
-        check_fields,
-        deep_merge,
-        leaf_paths,
-        read_config_file,
-    )
-    from stages.config.resolve import nested, parse_sets, section_of, without_key
-
     known = {f.name for f in fields(TrainConfig)}
     base: dict[str, Any] = {}
     origin: dict[str, str] = {}  # key -> where its value came from, for the messages
@@ -154,7 +156,6 @@ def _size_defaults_for_cpu(merged: dict[str, Any]) -> dict[str, Any]:
 
         if torch.cuda.is_available():
             return {}
-    from stages.config.check import get_path, set_path
 
     absent = object()
     sized = {path: value for path, value in CPU_SIZED_DEFAULTS.items() if get_path(merged, path, absent) is absent}
@@ -171,8 +172,6 @@ def exit_if_interrupted(summary: dict[str, Any], config: TrainConfig, command: s
     Raises:
         typer.Exit: code 130 when ``summary["stopped_by_signal"]``; returns otherwise.
     """
-    from stages.config.exit_status import ExitCode
-
     if not summary.get("stopped_by_signal"):
         return
     if int(os.environ.get("RANK", "0")) == 0:

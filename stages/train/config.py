@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
@@ -15,7 +16,7 @@ from dflash.drafter.config import DrafterTrainingConfig
 from dflash.errors import ConfigError
 from dflash.training.optim import OptimConfig
 from dflash.training.telemetry import TelemetryConfig
-from stages.config.check import nested_config
+from stages.config.check import MISSING_DEFAULT, dtype_spelling, field_default, leaf_paths, nested_config
 
 __all__ = ["TrainConfig", "RUNTIME_FIELDS", "ABSENT_IN_OLD_RUNS", "default_leaves"]
 
@@ -139,7 +140,6 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
         if self.max_steps is None and not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ConfigError(f"epochs must be > 0 (or give max_steps), got {self.epochs!r}")
-        from stages.config.check import dtype_spelling
 
         self.mixed_precision = dtype_spelling(self.mixed_precision, ("bf16", "none"))
         if self.mixed_precision not in ("bf16", "none"):
@@ -242,8 +242,6 @@ class TrainConfig:
     def field_types(cls) -> dict[str, str]:
         """Dotted field path -> annotation string, nested configs' leaves included (``optim.lr``), for ``sweep
         --grid name=v1,v2`` parsing."""
-        import typing
-
         def walk(klass: type, prefix: str) -> dict[str, str]:
             hints = typing.get_type_hints(klass)
             types: dict[str, str] = {}
@@ -282,8 +280,6 @@ ABSENT_IN_OLD_RUNS: dict[str, Any] = {"residual_dtype": "float32", "data": {"val
 def default_leaves() -> dict[str, Any]:
     """Dotted path -> default of every field with one (nested configs' leaves: ``optim.lr``, from the default
     instance the field makes: ``data.validation_fraction`` is train's 0.01, not the loader's 0.0)."""
-    from stages.config.check import MISSING_DEFAULT, field_default, leaf_paths
-
     values: dict[str, Any] = {}
     for f in fields(TrainConfig):
         default = field_default(f)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash.drafter.config import PAPER_GAMMA, default_gamma
+from dflash.training.optim import DEFAULT_BETAS
 
 __all__ = ["HyperparameterRow", "hyperparameter_rows", "convention_warnings", "render_hyperparameters"]
 
@@ -39,8 +40,6 @@ class HyperparameterRow:
 def convention_warnings(*, block_size: int, gamma: float, betas: tuple[float, float], max_anchors_per_document: int,
                         longest_sample: int | None) -> list[str]:
     """Departures from the method's conventions (docs/dflash.md) that cap acceptance length without any error (module docstring)."""
-    from dflash.training.optim import DEFAULT_BETAS
-
     warnings = []
     paper_gamma = PAPER_GAMMA.get(block_size)
     if paper_gamma is not None and gamma != paper_gamma:
@@ -64,8 +63,6 @@ def convention_warnings(*, block_size: int, gamma: float, betas: tuple[float, fl
 def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: list[Mapping[str, Any]],
                         attention_backend: str) -> list[HyperparameterRow]:
     """The table's rows from the ``TrainConfig``, the trainer's ``resolved`` record and the schedule segments."""
-    from dflash.training.optim import DEFAULT_BETAS
-
     drafter = resolved["drafter_config"]
     block_size = int(drafter["block_size"])
     world = int(resolved.get("world_size", 1))

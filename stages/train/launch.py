@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.errors import ConfigError
+from dflash.io.locks import output_lock
 from stages.train.config import TrainConfig
 from stages.train.resume import refuse_changed_resume
 
@@ -81,8 +82,6 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
         ConfigError: ``output`` exists and is not a folder.
         LockError: another process trains into ``config.output``; the message names it.
     """
-    from dflash.io.locks import output_lock
-
     output = Path(config.output)
     if output.exists() and not output.is_dir():
         raise ConfigError(

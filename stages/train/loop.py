@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import math
+import signal
+import threading
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +36,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from dflash.batches.buckets import render_bucket_table
 from dflash.batches.source import BatchSource, StreamConfig
+from dflash.batches.stream import StreamingLoader
+from dflash.cache.integrity import check_cache
 from dflash.drafter import (
     DFlashConfig,
     DFlashDrafter,
@@ -45,8 +51,10 @@ from dflash.drafter import (
     sample_anchors,
 )
 from dflash.drafter.attention_kernels import flash_attention_applies
-from dflash.errors import CheckpointError, ConfigError
-from dflash.target.load import resolve_target_path, target_identity
+from dflash.drafter.target_init import default_init_layers, init_from_target_layers
+from dflash.errors import CheckpointError, ConfigError, TargetError
+from dflash.io.weights import open_safetensors
+from dflash.target.load import load_target, resolve_target_path, target_identity
 from dflash.target.taps import LAYER_ID_CONVENTION
 from dflash.training.checkpoint import (
     Checkpointer,
@@ -75,6 +83,11 @@ from dflash.training.telemetry import (
     ThroughputWindow,
     training_progress,
 )
+from stages.train.hyperparameters import (
+    convention_warnings,
+    hyperparameter_rows,
+    render_hyperparameters,
+)
 from stages.train.resume import check_resume_changes
 
 if TYPE_CHECKING:
@@ -98,11 +111,6 @@ def target_weight_map(target_path: Path) -> dict[str, Path]:
     Raises:
         TargetError: a damaged index or safetensors file (naming it).
     """
-    import json
-
-    from dflash.errors import TargetError
-    from dflash.io.weights import open_safetensors
-
     index = target_path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -123,9 +131,6 @@ def read_target_tensor(weight_map: dict[str, Path], name: str) -> torch.Tensor:
     Raises:
         KeyError: ``name`` is not in ``weight_map``.
         TargetError: the file is missing or damaged (naming it)."""
-    from dflash.errors import TargetError
-    from dflash.io.weights import open_safetensors
-
     with open_safetensors(weight_map[name], error_type=TargetError, fix=_TARGET_WEIGHTS_FIX) as handle:
         return handle.get_tensor(name)
 
@@ -144,7 +149,6 @@ def load_target_embeddings(target_path: Path) -> tuple[torch.Tensor, torch.Tenso
     if len(embed_names) == 1 and (tied or len(head_names) == 1):
         embed = read_target_tensor(weight_map, embed_names[0])
         return embed, (None if tied or not head_names else read_target_tensor(weight_map, head_names[0]))
-    from dflash.target.load import load_target
 
     model = load_target(target_path).model
     embed = model.get_input_embeddings().weight.detach()
@@ -230,9 +234,7 @@ def open_cache_data(config: TrainConfig, *, rank: int = 0, world_size: int = 1,
         CacheError: the cache is missing, incomplete (without ``allow_incomplete``) or corrupt.
         ConfigError: the training split is empty or a sample is longer than the token budget.
     """
-    from dflash.batches.stream import StreamingLoader
     from dflash.cache import CacheReader
-    from dflash.cache.integrity import check_cache
 
     reader = CacheReader(config.cache)
     integrity = check_cache(reader, allow_incomplete=config.allow_incomplete)
@@ -273,7 +275,6 @@ def planned_total_steps(config: TrainConfig, *, world_size: int | None = None) -
     """
     if config.max_steps:
         return int(config.max_steps)
-    from dflash.batches.stream import StreamingLoader
     from dflash.cache import CacheReader
 
     loader = StreamingLoader(CacheReader(config.cache), stream_config(config, "train", torch.device("cpu")),
@@ -391,9 +392,6 @@ class Trainer:
         """While training, SIGTERM (a preemption; torchrun forwards it to every rank) or a first Ctrl-C (SIGINT) asks
         for a clean stop: the ranks agree on it through the step's all-reduce, finish that step, checkpoint it and
         return. A second Ctrl-C aborts at once."""
-        import signal
-        import threading
-
         self._stop_requested = False
         if threading.current_thread() is not threading.main_thread():
             yield
@@ -591,8 +589,6 @@ class Trainer:
 
     def _previous_drafter_init(self) -> dict[str, Any]:
         """A resumed run's record of how its drafter was initialized (run.json ``resolved.drafter_init``)."""
-        import json
-
         try:
             record = json.loads((self.run_dir / "run.json").read_text())["resolved"]["drafter_init"]
         except (OSError, ValueError, KeyError, TypeError):
@@ -601,9 +597,6 @@ class Trainer:
 
     def _init_from_target(self, drafter: DFlashDrafter, target_path: Path) -> dict[str, Any]:
         """``train.drafter.init = "target"``: draft layers copied from target layers (``dflash.drafter.target_init``)."""
-        from dflash.drafter.target_init import default_init_layers, init_from_target_layers
-        from dflash.errors import TargetError
-
         layers = self.config.drafter.init_target_layers or default_init_layers(
             self.drafter_config.num_target_layers, self.drafter_config.num_hidden_layers)
         weight_map = target_weight_map(target_path)
@@ -947,13 +940,6 @@ class Trainer:
     def _write_run_json(self) -> None:
         from rich.console import Console
 
-        from dflash.batches.buckets import render_bucket_table
-        from stages.train.hyperparameters import (
-            convention_warnings,
-            hyperparameter_rows,
-            render_hyperparameters,
-        )
-
         rows = self.train_loader.bucket_table()
         console = Console(stderr=True)
         config = self.config
@@ -1013,14 +999,10 @@ class Trainer:
 def _data_fingerprints(data: Any) -> dict[str, Any]:
     """What identifies the training data in the environment record: the corpus fingerprint and a hash of the cache's
     metadata (target, taps, dtype, shard plan), so ``dflash-stages diff`` tells runs on other data apart."""
-    import json
-
     metadata = data.metadata.to_dict()
     digest = hashlib.sha256(json.dumps(metadata, sort_keys=True, default=str).encode()).hexdigest()
     return {"cache_fingerprint": f"sha256:{digest}", "corpus_fingerprint": metadata.get("corpus_fingerprint")}
 
 
 def _row_dict(row: Any) -> dict[str, Any]:
-    from dataclasses import asdict, is_dataclass
-
     return asdict(row) if is_dataclass(row) else {"row": repr(row)}

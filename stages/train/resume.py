@@ -13,7 +13,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from dflash.batches.source import LoaderConfig
+from dflash.batches.source import LoaderConfig, StreamConfig
+from dflash.errors import CheckpointError
+from stages.config.check import deep_merge, leaf_paths
 from stages.train.config import ABSENT_IN_OLD_RUNS, RUNTIME_FIELDS, TrainConfig, default_leaves
 
 __all__ = ["trajectory_changes", "check_resume_changes", "refuse_changed_resume"]
@@ -31,7 +33,6 @@ def trajectory_changes(saved: dict[str, Any], current: dict[str, Any], *, saved_
 
     # A field missing from an older checkpoint had its default then (fields are only ever added with defaults),
     # except where ABSENT_IN_OLD_RUNS says otherwise.
-    from stages.config.check import deep_merge, leaf_paths
 
     defaults = default_leaves()
     saved = leaf_paths(deep_merge(ABSENT_IN_OLD_RUNS, saved))
@@ -65,8 +66,6 @@ def _cursor_fields() -> frozenset[str]:
     ``train.data``, plus the train fields ``stages.train.loop.stream_config`` derives the others from (``seed``,
     ``compile`` -> ``pad_to_budget``, ``min_supervised_tokens``). A checkpoint's data cursor refuses to continue on
     another value, so a resume refuses them up front."""
-    from dflash.batches.source import StreamConfig
-
     loader = {f.name for f in fields(LoaderConfig)}
     return frozenset({f"data.{key}" for key in StreamConfig().plan_fields() if key in loader}
                      | {"seed", "compile", "min_supervised_tokens"})
@@ -80,8 +79,6 @@ def check_resume_changes(checkpoint_path: Path, trainer_state: dict[str, Any], c
     Raises:
         CheckpointError: the changes, and the fix (restore them or pass ``--allow-config-change``).
     """
-    from dflash.errors import CheckpointError
-
     changes = trajectory_changes(trainer_state.get("config", {}), config.to_dict(),
                                  saved_world_size=int(trainer_state.get("world_size", 1)), world_size=world_size)
     if not changes:
