@@ -327,8 +327,8 @@ def test_train_config_file_errors_name_the_key_or_position_and_the_file(tmp_path
 
 
 @pytest.mark.parametrize(("name", "text"), [
-    ("train.toml", 'block_size = 8\ntarget_layer_ids = [1, 2]\n[optim]\nlr = 3e-4\nbetas = [0.9, 0.95]\n'),
-    ("train.yaml", "optim:\n  lr: 3e-4\n  betas: [0.9, 0.95]\nblock_size: 8\ntarget_layer_ids: [1, 2]\n"),  # 3e-4: a float
+    ("train.toml", '[drafter]\nblock_size = 8\ntarget_layer_ids = [1, 2]\n[optim]\nlr = 3e-4\nbetas = [0.9, 0.95]\n'),
+    ("train.yaml", "optim:\n  lr: 3e-4\n  betas: [0.9, 0.95]\ndrafter:\n  block_size: 8\n  target_layer_ids: [1, 2]\n"),  # 3e-4: a float
 ])
 def test_a_toml_or_yaml_train_config_is_read(tmp_path, name, text):
     from stages.train.command import config_from_cli

@@ -35,7 +35,8 @@ def _write_run(run: Path, target, *, block_size: int) -> Path:
     config = DFlashConfig.from_target_config(
         target.model.config, tokenizer=target.tokenizer, num_draft_layers=1, block_size=block_size
     )
-    write_run_json(run, {"block_size": block_size, "lr": 6e-4, "num_draft_layers": 1}, collect_environment())
+    write_run_json(run, {"drafter": {"block_size": block_size, "num_draft_layers": 1}, "optim": {"lr": 6e-4}},
+                   collect_environment())
     torch.manual_seed(block_size)
     drafter = DFlashDrafter(config)
     model = target.model
@@ -92,7 +93,7 @@ def cli():
 def test_run_shows_resolved_config_target_and_latest_checkpoint(run_b8, target, cli):
     result = cli(run_b8)
     assert result.exit_code == 0, result.output
-    for expected in ("run.config.lr", "run.latest", "step_00000002", "drafter.block_size", "drafter.target_layer_ids",
+    for expected in ("run.config.optim.lr", "run.latest", "step_00000002", "drafter.block_size", "drafter.target_layer_ids",
                      "target.content_hash", target.identity.content_hash, "trainer.step", "weights.parameters",
                      "weight names and shapes: ok"):
         assert expected in result.output, expected
@@ -142,11 +143,11 @@ def test_diff_names_the_differing_keys(run_b8, run_b16, cli):
     rows, skipped = diff_facts(describe(run_b8), describe(run_b16))
     differing = {key: (left, right) for key, left, right in rows}
     assert differing["drafter.block_size"] == (8, 16)
-    assert differing["run.config.block_size"] == (8, 16)
+    assert differing["run.config.drafter.block_size"] == (8, 16)
     assert "drafter.hidden_size" not in differing and skipped == []
     result = cli(run_b8, "--diff", run_b16)  # the alias of `dflash-stages diff`: each change once
     assert result.exit_code == 1
-    assert "config.drafter.block_size" in result.output  # the train config's (drafter.block_size since the nesting)
+    assert "config.drafter.block_size" in result.output  # the train config's
     assert not re.search(r"(?<!config\.)drafter\.block_size", result.output)  # not again as the drafter config's
 
 

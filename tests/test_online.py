@@ -350,7 +350,7 @@ def test_online_presets_give_each_layout_and_options_override_them(tmp_path):
     assert layouts == {"online-cpu": (1, None, None, 1), "online-1gpu": (None, [0], [0], 1),
                        "online-2gpu": (None, [0], [1], 1), "online-8gpu": (None, [0, 1, 2, 3, 4], [5, 6, 7], 3)}
     config = config_from_cli({"corpus": str(tmp_path), "ring_slots": 6},
-                             {"output": str(tmp_path / "o"), "token_budget": 2048}, "online-cpu")  # fmt: skip
+                             {"output": str(tmp_path / "o"), "data.token_budget": 2048}, "online-cpu")  # fmt: skip
     assert config.ring_slots == 6 and config.train.data.token_budget == 2048 and config.train.drafter.block_size == 4
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"online": {"ring_slot": 3}}))

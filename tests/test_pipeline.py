@@ -234,24 +234,6 @@ def test_excluded_samples_are_reported_once_during_the_pipeline(caplog):
     assert messages == ["resumed from step 3", "excluded 0 of 29 samples with fewer than 4 supervised tokens"]
 
 
-def test_a_work_folder_recorded_with_flat_train_keys_still_counts_as_the_same_settings(tmp_path):
-    """A stage recorded in pipeline.json before the train settings moved into nested configs (flat ``lr``,
-    ``token_budget``) is the same stage as today's nested spelling of those settings: a rerun skips it, and a real
-    change is still refused."""
-    from pipelines.offline import _digest, _State
-
-    nested = {"target": "default", "telemetry": {"progress": True}, "drafter": {"block_size": 4}, "optim": {"lr": 1e-3},
-              "data": {"token_budget": 1024, "validation_fraction": 0.0}}
-    flat = {"target": "default", "progress": True, "block_size": 4, "lr": 1e-3, "token_budget": 1024,
-            "validation_fraction": 0.0}
-    (tmp_path / "pipeline.json").write_text(json.dumps(
-        {"stages": {"train": {"digest": _digest(flat), "settings": flat, "done": True}}}))
-    state = _State(tmp_path, PipelineConfig(workdir=tmp_path, train=nested, split={"heldout_documents": 1}))
-    assert state.check("train", nested) is True
-    with pytest.raises(ConfigError, match="other settings"):
-        state.check("train", {**nested, "optim": {"lr": 2e-3}})
-
-
 def test_a_stage_that_failed_before_writing_anything_reruns_with_corrected_settings(tmp_path):
     """extract refused by its disk-space check (the H200 preset run of 2026-12-03) leaves a not-done record and no
     cache: the same command with ``--set extract.expected_ratio=1.4`` must run it, not demand a new work folder. Once
