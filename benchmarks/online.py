@@ -143,7 +143,7 @@ def trainer_rate(config, producer: BatchProducer, device: torch.device) -> float
 
 def head_only_target(model, folder: Path) -> Path:
     """A target folder holding the random model's config and only its embedding and LM head: what the trainer
-    reads of a target (``stages.train.loop.load_target_embeddings``); the producers use the model in memory."""
+    reads of a target (``stages.train.target_weights.load_target_embeddings``); the producers use the model in memory."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)

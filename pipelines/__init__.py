@@ -1,1 +1,2 @@
-"""pipelines: compositions of stages (offline: prepare -> extract -> train -> evaluate; sweep) and their presets."""
+"""pipelines: commands composed of stages (offline: generate or prepare -> extract -> train -> evaluate; online:
+target replicas feeding training through shared memory) and their presets (``pipelines/presets``)."""

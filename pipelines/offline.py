@@ -413,8 +413,8 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
     from stages.extract.command import ExtractConfig, run_extract
     from stages.prepare import PrepareConfig, run_prepare
     from stages.train.config import TrainConfig
+    from stages.train.data import planned_total_steps
     from stages.train.launch import run_training
-    from stages.train.loop import planned_total_steps
 
     console = console or Console()
     workdir = config.workdir

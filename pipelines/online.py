@@ -170,14 +170,14 @@ def online_metadata(config: OnlineConfig) -> tuple[Any, Any]:
 def online_training_data(config: OnlineConfig, *, submit: Any, device: Any, corpus: Any = None,
                          metadata: Any = None, rank: int = 0, world_size: int = 1,
                          health_check: Any = None) -> Any:  # fmt: skip
-    """The trainer's :class:`stages.train.loop.TrainingData` of an online run: this rank's training (and validation)
+    """The trainer's :class:`stages.train.data.TrainingData` of an online run: this rank's training (and validation)
     batches from :class:`dflash.batches.online.OnlineBatches` over ``config.corpus``, computed by
     ``submit(BatchTask) -> future``. Each rank has its own rings; ranks take disjoint batches of the plan."""
     import torch
 
     from dflash.batches.online import OnlineBatches
     from dflash.corpus.format import CorpusLengths
-    from stages.train.loop import TrainingData, stream_config
+    from stages.train.data import TrainingData, stream_config
 
     if metadata is None:
         corpus, metadata = online_metadata(config)
@@ -213,7 +213,7 @@ def _open_cache_to(config: OnlineConfig, metadata: Any) -> Any:
     from dflash.cache.staging import ShardAssembler
     from dflash.corpus.format import CorpusLengths
     from stages.extract.command import ExtractConfig, prepare_cache
-    from stages.train.loop import stream_config
+    from stages.train.data import stream_config
 
     train = config.train
     extract = ExtractConfig(corpus=config.corpus, output=str(config.cache_to), target=config.target,

@@ -57,7 +57,7 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(tiny_cache,
 def test_the_planned_schedule_is_the_one_two_ranks_train(tiny_cache, tmp_path):
     """``planned_total_steps`` (what the pipeline places its epoch ends with, before step 1) counts each rank's share
     of an epoch's batches, as the ranks themselves do."""
-    from stages.train.loop import planned_total_steps
+    from stages.train.data import planned_total_steps
 
     config = tiny_config(tiny_cache, tmp_path / "ddp", drafter_processes=2, max_steps=None, epochs=1, save_every=100)
     planned = planned_total_steps(config)

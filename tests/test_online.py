@@ -192,7 +192,7 @@ def _expected_rows(config, steps: int, world_size: int) -> tuple[str, int]:
     """Rank 0's data digest (the trainer chains the corpus rows of every batch it trained on) and the global token
     count of the first ``steps`` steps of the plan, ``world_size`` ranks taking disjoint batches of each step."""
     from dflash.batches.source import PlannedCursor
-    from stages.train.loop import stream_config
+    from stages.train.data import stream_config
 
     lengths = CorpusLengths(open_corpus(config.corpus))
     cursors = [PlannedCursor(lengths, stream_config(config.train, "train", torch.device("cpu")), rank=rank,

@@ -70,7 +70,7 @@ def test_pipeline_runs_every_stage_and_prints_tau(finished_run):
     # The epoch ends were placed by planning the schedule from the cache, without a training step to learn it: the
     # trainer started once per epoch, at step 0 and at epoch 1's end, and planned the length the trainer used.
     from stages.train.config import TrainConfig
-    from stages.train.loop import planned_total_steps
+    from stages.train.data import planned_total_steps
 
     starts = [row["step"] for row in map(json.loads, (workdir / "run" / "metrics.jsonl").read_text().splitlines())
               if row["kind"] == "data"]

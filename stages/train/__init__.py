@@ -1,1 +1,3 @@
-"""The train command: its config and command line (command), the training loop (loop) and hyperparameter derivation (hyperparameters)."""
+"""The train command: its configuration (config), resume policy (resume), rank launcher (launch) and command line
+(command); the training loop (loop), the batches it consumes (data), the target weights a rank reads
+(target_weights) and the hyperparameter table (hyperparameters)."""

@@ -38,13 +38,14 @@ def _pick_device(config: TrainConfig, local_rank: int):
 def _train_worker(config_dict: dict[str, Any], data_factory: Any = None) -> dict[str, Any]:
     """One rank: join the process group (if any), train, close. Picklable entry point of the launcher.
 
-    ``data_factory(config, rank=, world_size=, device=) -> stages.train.loop.TrainingData`` builds the rank's batch
-    sources (picklable: it travels to spawned ranks); ``None``: the cache's (:func:`stages.train.loop.open_cache_data`).
+    ``data_factory(config, rank=, world_size=, device=) -> stages.train.data.TrainingData`` builds the rank's batch
+    sources (picklable: it travels to spawned ranks); ``None``: the cache's (:func:`stages.train.data.open_cache_data`).
     ``pipelines/online.py`` passes the online queue's."""
     import torch
     import torch.distributed as dist
 
-    from stages.train.loop import Trainer, open_cache_data
+    from stages.train.data import open_cache_data
+    from stages.train.loop import Trainer
 
     config = TrainConfig.from_dict(config_dict)
     config.apply_kernel_choices()

@@ -28,7 +28,7 @@ import signal
 import threading
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,9 +37,6 @@ import torch
 from torch import nn
 
 from dflash.batches.buckets import render_bucket_table
-from dflash.batches.source import BatchSource, StreamConfig
-from dflash.batches.stream import StreamingLoader
-from dflash.cache.integrity import check_cache
 from dflash.drafter import (
     DFlashConfig,
     DFlashDrafter,
@@ -53,8 +50,7 @@ from dflash.drafter import (
 from dflash.drafter.attention_kernels import flash_attention_applies
 from dflash.drafter.target_init import default_init_layers, init_from_target_layers
 from dflash.errors import CheckpointError, ConfigError, TargetError
-from dflash.io.weights import open_safetensors
-from dflash.target.load import load_target, resolve_target_path, target_identity
+from dflash.target.load import resolve_target_path, target_identity
 from dflash.target.taps import LAYER_ID_CONVENTION
 from dflash.training.checkpoint import (
     Checkpointer,
@@ -83,110 +79,23 @@ from dflash.training.telemetry import (
     ThroughputWindow,
     training_progress,
 )
+from stages.train.data import TrainingData, loader_placement, open_cache_data, schedule_steps
 from stages.train.hyperparameters import (
     convention_warnings,
     hyperparameter_rows,
     render_hyperparameters,
 )
 from stages.train.resume import check_resume_changes
+from stages.train.target_weights import load_target_embeddings, read_target_tensor, target_weight_map
 
 if TYPE_CHECKING:
     from dflash.batches.packed import PackedBatch
     from stages.train.config import TrainConfig
 
-__all__ = ["Trainer", "TrainingData", "open_cache_data", "stream_config", "loader_placement", "schedule_steps",
-           "planned_total_steps", "load_target_embeddings",
-           "read_target_tensor", "target_weight_map"]
+__all__ = ["Trainer", "check_run_folder"]
 
 log = logging.getLogger(__name__)
 
-
-_TARGET_WEIGHTS_FIX = "the target's weights are truncated or damaged: restore or re-download the target"
-
-
-def target_weight_map(target_path: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file of a local transformers folder (its ``model.safetensors.index.json``, or
-    the names in every ``*.safetensors`` file); ``{}`` when it has no safetensors.
-
-    Raises:
-        TargetError: a damaged index or safetensors file (naming it).
-    """
-    index = target_path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            return {name: target_path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
-        except (ValueError, KeyError, AttributeError) as error:
-            raise TargetError(f"{index}: not a safetensors index ({error}); {_TARGET_WEIGHTS_FIX}") from error
-    weight_map: dict[str, Path] = {}
-    for file in sorted(target_path.glob("*.safetensors")):
-        with open_safetensors(file, error_type=TargetError, fix=_TARGET_WEIGHTS_FIX) as handle:
-            weight_map.update(dict.fromkeys(handle.keys(), file))
-    return weight_map
-
-
-def read_target_tensor(weight_map: dict[str, Path], name: str) -> torch.Tensor:
-    """One named tensor of the target, on CPU, in its stored dtype and shape, from its safetensors file
-    (``target_weight_map``).
-
-    Raises:
-        KeyError: ``name`` is not in ``weight_map``.
-        TargetError: the file is missing or damaged (naming it)."""
-    with open_safetensors(weight_map[name], error_type=TargetError, fix=_TARGET_WEIGHTS_FIX) as handle:
-        return handle.get_tensor(name)
-
-
-def load_target_embeddings(target_path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's input embedding ``[V, H]`` and LM head ``[V, H]`` (``None`` when tied), read from its
-    safetensors files alone, so a drafter rank never loads the whole target. Falls back to loading the model.
-    """
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(target_path)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    weight_map = target_weight_map(target_path)
-    embed_names = [n for n in weight_map if n.endswith("embed_tokens.weight")]
-    head_names = [n for n in weight_map if n.endswith("lm_head.weight")]
-    if len(embed_names) == 1 and (tied or len(head_names) == 1):
-        embed = read_target_tensor(weight_map, embed_names[0])
-        return embed, (None if tied or not head_names else read_target_tensor(weight_map, head_names[0]))
-
-    model = load_target(target_path).model
-    embed = model.get_input_embeddings().weight.detach()
-    head = model.get_output_embeddings().weight.detach()
-    return embed, (None if head.data_ptr() == embed.data_ptr() else head)
-
-
-@dataclass(kw_only=True, slots=True)
-class TrainingData:
-    """What the training loop consumes, built outside it and handed to :class:`Trainer`."""
-
-    metadata: Any
-    """``dflash.cache.CacheMetadata`` of the hidden states: the cache's, or (online) the one the producers compute
-    to (target identity, taps, hidden size, corpus fingerprint); checked against the drafter before step 1."""
-    train: BatchSource
-    """This rank's training batches (shuffled, plan order); its state is the checkpoint's data cursor."""
-    validation: BatchSource | None = None
-    """This rank's held-out batches (fixed order), or ``None`` (no validation, no best checkpoint)."""
-    integrity: dict[str, Any] = field(default_factory=dict)
-    """The cache check's record (``dflash.cache.integrity.check_cache``); ``{}`` when there is no cache."""
-    kind: str = "cache"
-    """Where the hidden states come from: ``"cache"`` (offline) or ``"online"`` (target replicas), for run.json."""
-    provenance: dict[str, Any] = field(default_factory=dict)
-    """What built the sources (e.g. the online producers' config), saved in run.json under ``data_source``."""
-    on_close: list[Any] = field(default_factory=list)
-    """Callables run after the sources are closed (e.g. the online mode's Dask client)."""
-
-    def close(self) -> None:
-        """Close both sources (threads, processes, shared memory), then run ``on_close``; idempotent."""
-        try:
-            self.train.close()
-        finally:
-            try:
-                if self.validation is not None:
-                    self.validation.close()
-            finally:
-                while self.on_close:
-                    self.on_close.pop()()
 
 
 def check_run_folder(run_dir: Path, *, resume: bool) -> None:
@@ -202,87 +111,6 @@ def check_run_folder(run_dir: Path, *, resume: bool) -> None:
             f"--output {run_dir} exists and holds files that are not a dflash run (no run.json); pass a new or empty "
             "folder so nothing of yours is mixed with the run" + (", or the folder of the run to resume" if resume else "")
         )
-
-
-def loader_placement(rank: int, world_size: int, device: torch.device) -> dict[str, Any]:
-    """Rank, world size and device of a rank's loaders. On CUDA the loader gets ``device=``: it packs into
-    pinned memory and copies the next batch to the GPU on its side stream while the current one trains
-    (what ``benchmarks/train_stream.py`` measures), instead of a copy on the default stream in the step. On
-    CPU batches stay where they are read (``device=None``)."""
-    return {"rank": rank, "world_size": world_size, "device": device if device.type == "cuda" else None}
-
-
-def stream_config(config: TrainConfig, split: str, device: torch.device) -> StreamConfig:
-    """The :class:`StreamConfig` of ``split`` (``"train"``: shuffled; ``"validation"``: fixed order) for a run."""
-    return StreamConfig(
-        **asdict(config.data),  # the run's LoaderConfig: budget, buckets, split fraction, read-ahead
-        seed=config.seed,
-        shuffle=split == "train",
-        split=split,  # type: ignore[arg-type]
-        min_supervised_tokens=config.resolved_min_supervised_tokens(),
-        pad_to_budget=config.compile,  # fixed shapes: one compiled graph for every step
-        pin_memory=device.type == "cuda",
-    )
-
-
-def open_cache_data(config: TrainConfig, *, rank: int = 0, world_size: int = 1,
-                    device: torch.device) -> TrainingData:  # fmt: skip
-    """The offline batch sources: ``config.cache`` checked (every commit record against its chunks, completeness;
-    before anything is written) and streamed by :class:`dflash.batches.stream.StreamingLoader`.
-
-    Raises:
-        CacheError: the cache is missing, incomplete (without ``allow_incomplete``) or corrupt.
-        ConfigError: the training split is empty or a sample is longer than the token budget.
-    """
-    from dflash.cache import CacheReader
-
-    reader = CacheReader(config.cache)
-    integrity = check_cache(reader, allow_incomplete=config.allow_incomplete)
-    if rank == 0 and integrity["uncommitted_shards"]:
-        log.warning(
-            "--allow-incomplete: training on %d samples of %d planned corpus rows (%d of %d shards committed; "
-            "not committed: %s); finish the cache with `dflash-stages extract` to train on all of them",
-            integrity["num_samples"], integrity["planned_rows"], integrity["committed_shards"],
-            integrity["planned_shards"], integrity["uncommitted_shards"][:10],
-        )
-    placement = loader_placement(rank, world_size, device)
-    train = StreamingLoader(reader, stream_config(config, "train", device), **placement)
-    validation = None
-    if config.data.validation_fraction > 0:
-        try:
-            validation = StreamingLoader(reader, stream_config(config, "validation", device), **placement)
-        except ConfigError as error:  # e.g. a tiny cache where 1% of the rows is no row at all
-            log.warning("validation disabled (no best checkpoint, no validation loss): %s", error)
-    return TrainingData(metadata=reader.metadata, train=train, validation=validation, integrity=integrity)
-
-
-def schedule_steps(config: TrainConfig, micro_batches_per_epoch: int) -> int:
-    """Optimizer steps of a run of ``config`` whose ranks each get ``micro_batches_per_epoch`` batches per epoch:
-    ``max_steps`` when set, else ``ceil(epochs x micro_batches_per_epoch / grad_accum_steps)``, at least 1."""
-    return config.max_steps or max(1, math.ceil(config.epochs * micro_batches_per_epoch / config.grad_accum_steps))
-
-
-def planned_total_steps(config: TrainConfig, *, world_size: int | None = None) -> int:
-    """The schedule length (optimizer steps) that a new run of ``config`` on its cache gets, from epoch 0's batch
-    plan alone (sample lengths; no model, no device, nothing written): what :class:`Trainer` computes at its start
-    and saves as ``total_steps`` in every checkpoint, known before step 1 (the pipeline places its per-epoch
-    evaluations with it). ``world_size``: the ranks the run trains on (default: ``config.world_size``, i.e.
-    ``drafter_gpus`` or ``drafter_processes``); each rank's epoch is its share of the batches.
-
-    Raises:
-        CacheError: the cache is missing or unreadable.
-        ConfigError: the training split is empty or a sample is longer than the token budget.
-    """
-    if config.max_steps:
-        return int(config.max_steps)
-    from dflash.cache import CacheReader
-
-    loader = StreamingLoader(CacheReader(config.cache), stream_config(config, "train", torch.device("cpu")),
-                             **loader_placement(0, world_size or config.world_size, torch.device("cpu")))
-    try:
-        return schedule_steps(config, len(loader))
-    finally:
-        loader.close()
 
 
 class _LossModule(nn.Module):

@@ -63,7 +63,7 @@ def trajectory_changes(saved: dict[str, Any], current: dict[str, Any], *, saved_
 
 def _cursor_fields() -> frozenset[str]:
     """TrainConfig paths that make the loaders' batch plan: ``StreamConfig.plan_fields`` that come from
-    ``train.data``, plus the train fields ``stages.train.loop.stream_config`` derives the others from (``seed``,
+    ``train.data``, plus the train fields ``stages.train.data.stream_config`` derives the others from (``seed``,
     ``compile`` -> ``pad_to_budget``, ``min_supervised_tokens``). A checkpoint's data cursor refuses to continue on
     another value, so a resume refuses them up front."""
     loader = {f.name for f in fields(LoaderConfig)}
