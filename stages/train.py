@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import uuid
 from collections.abc import Sequence
@@ -163,9 +162,11 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
-        if self.max_steps is None and not (self.epochs > 0 and math.isfinite(self.epochs)):
-            raise ConfigError(f"epochs must be > 0 (or give max_steps), got {self.epochs!r}")
-        from dflash.config_check import dtype_spelling
+        from dflash.config_check import check_seed, dtype_spelling, finite_number
+
+        if not finite_number(self.epochs) or (self.max_steps is None and not self.epochs > 0):
+            raise ConfigError(f"epochs must be a finite number > 0 (or give max_steps), got {str(self.epochs)[:40]}")
+        check_seed("seed", self.seed)
 
         self.mixed_precision = dtype_spelling(self.mixed_precision, ("bf16", "none"))
         if self.mixed_precision not in ("bf16", "none"):
