@@ -484,15 +484,15 @@ def check_resume_changes(checkpoint_path: Path, trainer_state: dict[str, Any], c
 def _refuse_changed_resume(config: TrainConfig) -> None:
     """Before ranks are spawned: :func:`check_resume_changes` against the ``latest`` checkpoint, from its
     ``trainer_state.json`` alone (each rank's trainer checks again when it loads the checkpoint)."""
-    from dflash.checkpoint import resolve_checkpoint
+    from dflash.checkpoint import read_trainer_state, resolve_checkpoint
 
     run = Path(config.output)
     if not config.resume or config.allow_config_change or not (run / "latest").is_file():
         return
     folder = resolve_checkpoint(run)
     try:
-        state = json.loads((folder / "trainer_state.json").read_text())
-    except (OSError, ValueError):
+        state = read_trainer_state(folder)
+    except OSError:
         return  # unreadable: the rank's own load names the file
     check_resume_changes(folder, state, config, config.world_size)
 
@@ -595,8 +595,10 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
             "with --cache"
         )
     if overrides.get("resume") and run_json is not None and run_json.is_file():
+        from dflash.checkpoint import read_run_record
+
         try:
-            saved = json.loads(run_json.read_text())["config"]
+            saved = read_run_record(run_json.parent)["config"]
             if not isinstance(saved, dict):
                 raise TypeError("config is not an object")
             # A run saved before a setting was renamed or moved into a nested config (flat ``lr``): read as today's.
