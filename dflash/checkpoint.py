@@ -47,7 +47,11 @@ import torch
 
 from dflash.errors import CheckpointError, CheckpointNotFoundError, MismatchError
 from dflash.faults import fault_point
-from dflash.files import atomic_write_text  # re-exported: callers import it from here too
+from dflash.files import (
+    atomic_write_text,  # re-exported: callers import it from here too
+    load_json,
+    read_bounded,
+)
 from dflash.state_files import load_legacy_torch_file, load_state_tree, save_state_tree
 
 if TYPE_CHECKING:
@@ -72,6 +76,10 @@ __all__ = [
     "write_run_json",
     "resolve_checkpoint",
     "load_checkpoint",
+    "read_best_record",
+    "read_latest",
+    "read_run_record",
+    "read_trainer_state",
     "load_drafter",
     "target_weight_record",
     "check_target_weights",
@@ -324,7 +332,7 @@ class Checkpointer:
         self.last_write_seconds: float | None = None
         best_json = self.run_dir / "best.json"
         if best_json.is_file():
-            self._best = json.loads(best_json.read_text())
+            self._best = read_best_record(self.run_dir)
         if enabled:  # leftovers of a writer killed mid-write never count; the one writer of this run clears them
             for leftover in [*self.checkpoint_dir.glob(".tmp-*"), *self.checkpoint_dir.glob(".old-*")]:
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -479,13 +487,97 @@ class LoadedCheckpoint:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+#: The fix of a damaged JSON record of a checkpoint or run folder.
+_DAMAGED = ("the file is damaged or was edited: restore it, resume from another checkpoint (write its folder name "
+            "into RUN/latest), or start a new run")
+
+#: Fields of ``trainer_state.json`` a resume reads, with their types (``step`` is required).
+_TRAINER_STATE_TYPES: dict[str, type | tuple[type, ...]] = {
+    "step": int, "format_version": int, "world_size": int, "epoch": (int, float), "config": dict, "scheduler": dict,
+    "data": dict, "buckets": dict, "counters": dict,
+}
+
+
+def _checked_fields(path: Path, record: dict[str, Any], types: dict[str, type | tuple[type, ...]],
+                    required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``record`` after checking the type of each field of ``types`` it holds (integers >= 0, never a bool).
+
+    Raises:
+        CheckpointError: a required field missing or a field of the wrong type, naming the file and the key.
+    """
+    for key, kind in types.items():
+        if key not in record:
+            if key in required:
+                raise CheckpointError(f"{path}: no '{key}' field; {_DAMAGED}")
+            continue
+        value = record[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if (not isinstance(value, kinds) or isinstance(value, bool)
+                or (isinstance(value, int) and int in kinds and value < 0)):
+            expected = " or ".join({"int": "an integer >= 0", "float": "a number", "dict": "an object",
+                                    "str": "a string"}[k.__name__] for k in kinds)
+            raise CheckpointError(f"{path}: '{key}' is {json.dumps(value)[:40]}, expected {expected}; {_DAMAGED}")
+    return record
+
+
+def read_trainer_state(folder: Path) -> dict[str, Any]:
+    """A checkpoint's ``trainer_state.json`` (``dflash.files.load_json``), its resume fields type-checked.
+
+    Raises:
+        CheckpointError: unreadable, not JSON, not an object, or a field of the wrong type; naming the file and key.
+        OSError: from the filesystem.
+    """
+    path = Path(folder) / "trainer_state.json"
+    return _checked_fields(path, load_json(path, error=CheckpointError, fix=_DAMAGED), _TRAINER_STATE_TYPES,
+                           required=("step",))
+
+
+def read_run_record(run_dir: Path) -> dict[str, Any]:
+    """A run folder's ``run.json`` (``dflash.files.load_json``); ``config`` and ``resolved`` checked to be objects.
+
+    Raises:
+        CheckpointError: unreadable, not JSON, not an object, or those fields not objects; naming the file.
+        OSError: from the filesystem.
+    """
+    path = Path(run_dir) / "run.json"
+    return _checked_fields(path, load_json(path, error=CheckpointError, fix=_DAMAGED),
+                           {"config": dict, "resolved": dict})
+
+
+def read_best_record(run_dir: Path) -> dict[str, Any]:
+    """A run folder's ``best.json``: ``checkpoint`` (a name), ``step`` and ``val_loss`` checked.
+
+    Raises:
+        CheckpointError: unreadable or a field missing or of the wrong type; naming the file and key.
+    """
+    path = Path(run_dir) / "best.json"
+    return _checked_fields(path, load_json(path, error=CheckpointError, fix=_DAMAGED),
+                           {"checkpoint": str, "step": int, "val_loss": (int, float)},
+                           required=("checkpoint", "step", "val_loss"))
+
+
+def read_latest(run_dir: Path) -> str:
+    """The checkpoint name in a run folder's ``latest`` file (``dflash.files.read_bounded``: a regular file of at
+    most 4 KiB).
+
+    Raises:
+        CheckpointError: not a regular file, too large or not text; naming the file. OSError: from the filesystem.
+    """
+    path = Path(run_dir) / "latest"
+    try:
+        return read_bounded(path, limit=4096, error=CheckpointError, fix=_DAMAGED).decode().strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not text; {_DAMAGED}") from None
+
+
 def _is_export_folder(path: Path) -> bool:
     config = path / "config.json"
     if not config.is_file():
         return False
     try:
-        return "DFlashDraftModel" in json.loads(config.read_text()).get("architectures", [])
-    except (OSError, json.JSONDecodeError):
+        architectures = load_json(config, error=CheckpointError, fix="").get("architectures", [])
+        return isinstance(architectures, list) and "DFlashDraftModel" in architectures
+    except (OSError, CheckpointError):
         return False
 
 
@@ -497,7 +589,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """
     path = Path(path)
     if (path / "latest").is_file():
-        name = (path / "latest").read_text().strip()
+        name = read_latest(path)
         candidate = path / "checkpoints" / name
         if not candidate.is_dir():
             raise CheckpointError(
@@ -535,14 +627,14 @@ def load_checkpoint(path: str | Path, *, with_training_state: bool = True) -> Lo
 
     folder = resolve_checkpoint(path)
     try:
-        trainer_state = json.loads((folder / "trainer_state.json").read_text())
+        trainer_state = read_trainer_state(folder)
         loaded = LoadedCheckpoint(
             path=folder,
             step=int(trainer_state["step"]),
             model_state=load_safetensors(folder / "model.safetensors"),
             trainer_state=trainer_state,
-            drafter_config=json.loads((folder / "drafter_config.json").read_text()),
-            target_info=json.loads((folder / "target.json").read_text()),
+            drafter_config=load_json(folder / "drafter_config.json", error=CheckpointError, fix=_DAMAGED),
+            target_info=load_json(folder / "target.json", error=CheckpointError, fix=_DAMAGED),
         )
         if with_training_state:
             loaded.optimizer_state = _load_training_state(folder, OPTIMIZER_FILE, LEGACY_OPTIMIZER_FILE)

@@ -1,4 +1,5 @@
-"""The one way dflash-stages replaces a small local file atomically (JSON records, reports, prompt files).
+"""The one way dflash-stages replaces a small local file atomically (JSON records, reports, prompt files), and the
+one way it reads a state or config file back: bounded, from a regular file, parsed with a bounded nesting depth.
 
 A reader sees the old file or the new one, never a partly written one, and a crash leaves at most a hidden
 temporary next to it (``.NAME.tmp-PID``, removed on any error in this process): the data goes to a temporary file
@@ -6,19 +7,39 @@ in the same folder, is flushed and ``fsync``-ed, then ``os.replace`` (atomic wit
 Windows) puts it in place. Used for run records (``run.json``, ``latest``), commit records of generated parts,
 metrics rewrites, evaluation reports and the embedded prompt files.
 
+Reading (:func:`read_bounded`, :func:`load_json`, :func:`parse_json`, :func:`check_depth`): every JSON/TOML/YAML
+record and config file dflash-stages reads (run records, checkpoints' JSON, commit records, cache metadata, lock
+records, ``metrics.jsonl``, ``--config`` files) is opened without blocking, refused unless it is a regular file (a
+device such as ``/dev/zero``, a FIFO or a socket, directly or through a symlink, would be read forever or block),
+refused when larger than a cap checked before reading, and its parsed value refused when nested deeper than
+:data:`MAX_DEPTH` (a parser's ``RecursionError`` becomes the same refusal). Each refusal is the caller's
+:class:`~dflash.errors.DFlashError` subclass, one line naming the file and the fix (exit status 2).
+
 Not for: the cache (contract 2, Zarr through its store: ``dflash.cache``), checkpoints (a folder renamed into
 place, ``dflash.checkpoint``) and lock files (``dflash.locks`` keeps the new file's descriptor open).
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterator
+import stat
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_output", "atomic_write_bytes", "atomic_write_text"]
+from dflash.errors import DFlashError
+
+__all__ = ["atomic_output", "atomic_write_bytes", "atomic_write_text", "MAX_DEPTH", "MAX_RECORD_BYTES",
+           "check_depth", "load_json", "open_regular", "parse_json", "read_bounded"]
+
+#: Deepest nesting of lists/objects accepted in any JSON/TOML/YAML file read back (the deepest record written is a
+#: handful of levels).
+MAX_DEPTH = 64
+
+#: Size cap of a JSON record (run records, checkpoint JSON, commit records, cache metadata), checked before reading.
+MAX_RECORD_BYTES = 64 * 2**20
 
 
 @contextmanager
@@ -65,3 +86,113 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool
     """Replace ``path`` with ``data`` atomically (:func:`atomic_output`)."""
     with atomic_output(path, "wb", fsync=fsync) as handle:
         handle.write(data)
+
+
+def _refuse(error: type[DFlashError], path: str | os.PathLike[str], problem: str, fix: str) -> DFlashError:
+    return error(f"{os.fspath(path)}: {problem}; {fix}")
+
+
+@contextmanager
+def open_regular(path: str | os.PathLike[str], *, limit: int, error: type[DFlashError], fix: str) -> Iterator[IO[bytes]]:
+    """Open ``path`` for binary reading, only if it is a regular file (symlinks followed) of at most ``limit`` bytes.
+
+    Opened with ``O_NONBLOCK`` so that a FIFO does not block the open; the type and size come from ``fstat`` of the
+    opened file (no race with a swap after a check).
+
+    Raises:
+        ``error``: a device, FIFO, socket or folder, or a file over ``limit``; the message names the file and ends
+            with ``fix``.
+        OSError: from the filesystem (``FileNotFoundError``, ``PermissionError``...), for the caller's handler.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = ("a folder" if stat.S_ISDIR(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode)
+                    else "a socket" if stat.S_ISSOCK(info.st_mode) else "a device")
+            raise _refuse(error, path, f"is {kind}, not a regular file", fix)
+        if info.st_size > limit:
+            raise _refuse(error, path, f"is {info.st_size:,} bytes, over the {limit:,}-byte limit of such a file", fix)
+        handle = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with handle:
+        yield handle
+
+
+def read_bounded(path: str | os.PathLike[str], *, limit: int = MAX_RECORD_BYTES, error: type[DFlashError],
+                 fix: str) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_regular`), never more than ``limit`` (a file that grew
+    past it while read is refused too).
+
+    Raises:
+        ``error``: not a regular file, or over ``limit``. OSError: from the filesystem.
+    """
+    with open_regular(path, limit=limit, error=error, fix=fix) as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise _refuse(error, path, f"is over the {limit:,}-byte limit of such a file", fix)
+    return data
+
+
+def check_depth(value: Any, *, where: str | os.PathLike[str], error: type[DFlashError], fix: str,
+                limit: int = MAX_DEPTH) -> Any:
+    """``value`` (parsed JSON/TOML/YAML) unchanged, after checking without recursion that its lists and dicts nest at
+    most ``limit`` deep.
+
+    Raises:
+        ``error``: nested deeper, naming ``where``.
+    """
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list | tuple) else ()
+        for child in children:
+            if isinstance(child, dict | list | tuple):
+                if depth + 1 > limit:
+                    raise _refuse(error, where, f"nested more than {limit} levels deep", fix)
+                stack.append((child, depth + 1))
+    return value
+
+
+def parse_json(text: str | bytes, *, where: str | os.PathLike[str], error: type[DFlashError], fix: str,
+               object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
+    """``text`` parsed as JSON, with its nesting bounded (:func:`check_depth`).
+
+    Raises:
+        ``error``: not UTF-8, not JSON (with line and column), nesting too deep (also the parser's own
+            ``RecursionError``), or a number Python refuses (an integer of thousands of digits); naming ``where``.
+    """
+    try:
+        value = json.loads(text, object_pairs_hook=object_pairs_hook)
+    except json.JSONDecodeError as problem:
+        raise _refuse(error, where, f"not valid JSON at line {problem.lineno} column {problem.colno} ({problem.msg})",
+                      fix) from None
+    except UnicodeDecodeError:
+        raise _refuse(error, where, "not UTF-8 text", fix) from None
+    except RecursionError:
+        raise _refuse(error, where, f"nested more than {MAX_DEPTH} levels deep", fix) from None
+    except ValueError as problem:
+        if isinstance(problem, DFlashError) or type(problem).__module__ != "builtins":
+            raise  # the caller's hook refused a value (a key given twice): its own message
+        raise _refuse(error, where, f"unreadable value ({str(problem)[:80]})", fix) from None
+    return check_depth(value, where=where, error=error, fix=fix)
+
+
+def load_json(path: str | os.PathLike[str], *, error: type[DFlashError], fix: str, limit: int = MAX_RECORD_BYTES,
+              expect: type | tuple[type, ...] | None = dict) -> Any:
+    """The JSON value of the regular file ``path``: :func:`read_bounded`, then :func:`parse_json`; with ``expect``
+    (a dict by default) the top-level value must be of that type.
+
+    Raises:
+        ``error``: not a regular file, over ``limit``, not JSON, nested too deep, or not ``expect`` at the top;
+            one line naming the file and ending with ``fix``. OSError: from the filesystem
+            (``FileNotFoundError`` for a missing file).
+    """
+    value = parse_json(read_bounded(path, limit=limit, error=error, fix=fix), where=path, error=error, fix=fix)
+    if expect is not None and not isinstance(value, expect):
+        names = " or ".join(t.__name__ for t in (expect if isinstance(expect, tuple) else (expect,)))
+        names = names.replace("dict", "a JSON object").replace("list", "a JSON array")
+        raise _refuse(error, path, f"expected {names} at the top, got {type(value).__name__}", fix)
+    return value

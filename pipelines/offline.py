@@ -39,6 +39,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,6 +54,7 @@ from rich.table import Table
 
 from dflash.config_check import layer_over, migrate_renamed, override_value
 from dflash.errors import ConfigError, ConfigPathNotFoundError
+from dflash.files import load_json
 
 if TYPE_CHECKING:
     from stages.evaluate import Evaluator
@@ -80,31 +82,34 @@ def read_preset_json(name_or_path: str, names: tuple[str, ...]) -> Any:
     """The parsed JSON of a shipped preset (``pipelines/presets/NAME.json``, ``NAME`` in ``names``) or of a
     ``.json`` file path; the caller checks its shape.
 
-    Raises:
-        ConfigError: a missing file, a name that is not in ``names``, or invalid JSON.
-    """
-    path = Path(name_or_path)
-    if path.suffix == ".json" and not path.is_file():
-        raise ConfigPathNotFoundError(f"preset {name_or_path}: no such file")
-    if path.suffix == ".json":
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as error:
-            raise ConfigError(f"preset {name_or_path}: unreadable ({error})") from None
-    elif name_or_path in names:
-        text = resources.files("pipelines").joinpath("presets", f"{name_or_path}.json").read_text()
-    else:
-        raise ConfigError(f"preset {name_or_path!r} is neither one of {', '.join(names)} nor a .json file")
-    from dflash.config_check import DuplicateKeyError, unique_keys
+    A file is read through ``dflash.files`` (a regular file of at most ``dflash.config_check.MAX_CONFIG_BYTES``,
+    nesting bounded).
 
+    Raises:
+        ConfigError: a missing file, a name that is not in ``names``, a device or FIFO, too large, invalid JSON,
+            nested too deep.
+    """
+    from dflash.config_check import MAX_CONFIG_BYTES, DuplicateKeyError, unique_keys
+    from dflash.files import parse_json, read_bounded
+
+    path = Path(name_or_path)
+    fix = "give a preset name or a .json preset file"
+    if path.suffix == ".json" and not os.path.lexists(path):
+        raise ConfigPathNotFoundError(f"preset {name_or_path}: no such file")
+    if path.suffix != ".json" and name_or_path not in names:
+        raise ConfigError(f"preset {name_or_path!r} is neither one of {', '.join(names)} nor a .json file")
     try:
-        return json.loads(text, object_pairs_hook=unique_keys)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"preset {name_or_path}: invalid JSON ({error})") from None
+        if path.suffix == ".json":
+            text = read_bounded(path, limit=MAX_CONFIG_BYTES, error=ConfigError, fix=fix)
+        else:
+            text = resources.files("pipelines").joinpath("presets", f"{name_or_path}.json").read_bytes()
+        return parse_json(text, where=name_or_path, error=ConfigError, fix=fix, object_pairs_hook=unique_keys)
     except DuplicateKeyError as error:
         raise ConfigError(f"preset {name_or_path}: key {error.key!r} given twice; keep one") from None
-    except (ValueError, RecursionError) as error:  # a 5,000-digit integer, nesting thousands deep
-        raise ConfigError(f"preset {name_or_path}: unreadable ({type(error).__name__}: {str(error)[:120]})") from None
+    except ConfigError as error:
+        raise ConfigError(f"preset {error}") from None
+    except OSError as error:
+        raise ConfigError(f"preset {name_or_path}: unreadable ({error.strerror or error})") from None
 
 
 def load_preset(name_or_path: str) -> dict[str, Any]:
@@ -337,7 +342,8 @@ class _State:
 
     def __init__(self, workdir: Path, config: PipelineConfig) -> None:
         self.path = workdir / _STATE_FILE
-        self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.data: dict[str, Any] = load_json(self.path, error=ConfigError, fix=f"remove it to rerun every stage of "
+                                              f"{workdir}") if os.path.lexists(self.path) else {}
         self.data["config"] = config.to_dict()
         self.data.setdefault("stages", {})
 

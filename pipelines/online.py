@@ -582,7 +582,9 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
     saved: dict[str, Any] = {}
     run_json = Path(output) / "run.json" if output else None
     if train_overrides.get("resume") and run_json is not None and run_json.is_file():
-        resolved = json.loads(run_json.read_text()).get("resolved", {})
+        from dflash.checkpoint import read_run_record
+
+        resolved = read_run_record(run_json.parent).get("resolved", {})
         from dflash.config_check import migrate_renamed
 
         saved = migrate_renamed("online", resolved.get("data_source", {}).get("online", {}), str(run_json))

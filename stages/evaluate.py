@@ -104,6 +104,9 @@ class EvaluateConfig:
     json_path: Path | None = None
 
     def __post_init__(self) -> None:
+        from dflash.config_check import check_seed
+
+        check_seed("seed", self.seed)
         for name in ("drafter", "corpus", "cache", "json_path"):  # strings from a config file or --set
             if getattr(self, name) is not None:
                 setattr(self, name, Path(getattr(self, name)))

@@ -120,9 +120,11 @@ class GenerateConfig:
     break_lock: bool = False
 
     def __post_init__(self) -> None:
-        from dflash.config_check import nested_config
+        from dflash.config_check import check_seed, nested_config
 
+        check_seed("seed", self.seed)
         self.default_prompts = nested_config(DefaultPromptConfig(), self.default_prompts, "default_prompts")
+        check_seed("default_prompts.seed", self.default_prompts.seed)
         if self.prompts != "default":
             from dflash.generation.prompts import check_prompt_file
 

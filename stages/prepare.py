@@ -111,6 +111,9 @@ class PrepareConfig:
     break_lock: bool = False
 
     def __post_init__(self) -> None:
+        from dflash.config_check import check_seed
+
+        check_seed("seed", self.seed)
         self.inputs = list(self.inputs) or ["default"]
         self.output = Path(self.output)
         if self.max_length < 1:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import uuid
 from collections.abc import Sequence
@@ -163,9 +162,11 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
-        if self.max_steps is None and not (self.epochs > 0 and math.isfinite(self.epochs)):
-            raise ConfigError(f"epochs must be > 0 (or give max_steps), got {self.epochs!r}")
-        from dflash.config_check import dtype_spelling
+        from dflash.config_check import check_seed, dtype_spelling, finite_number
+
+        if not finite_number(self.epochs) or (self.max_steps is None and not self.epochs > 0):
+            raise ConfigError(f"epochs must be a finite number > 0 (or give max_steps), got {str(self.epochs)[:40]}")
+        check_seed("seed", self.seed)
 
         self.mixed_precision = dtype_spelling(self.mixed_precision, ("bf16", "none"))
         if self.mixed_precision not in ("bf16", "none"):
@@ -483,15 +484,15 @@ def check_resume_changes(checkpoint_path: Path, trainer_state: dict[str, Any], c
 def _refuse_changed_resume(config: TrainConfig) -> None:
     """Before ranks are spawned: :func:`check_resume_changes` against the ``latest`` checkpoint, from its
     ``trainer_state.json`` alone (each rank's trainer checks again when it loads the checkpoint)."""
-    from dflash.checkpoint import resolve_checkpoint
+    from dflash.checkpoint import read_trainer_state, resolve_checkpoint
 
     run = Path(config.output)
     if not config.resume or config.allow_config_change or not (run / "latest").is_file():
         return
     folder = resolve_checkpoint(run)
     try:
-        state = json.loads((folder / "trainer_state.json").read_text())
-    except (OSError, ValueError):
+        state = read_trainer_state(folder)
+    except OSError:
         return  # unreadable: the rank's own load names the file
     check_resume_changes(folder, state, config, config.world_size)
 
@@ -594,8 +595,10 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
             "with --cache"
         )
     if overrides.get("resume") and run_json is not None and run_json.is_file():
+        from dflash.checkpoint import read_run_record
+
         try:
-            saved = json.loads(run_json.read_text())["config"]
+            saved = read_run_record(run_json.parent)["config"]
             if not isinstance(saved, dict):
                 raise TypeError("config is not an object")
             # A run saved before a setting was renamed or moved into a nested config (flat ``lr``): read as today's.

@@ -40,6 +40,7 @@ from dflash.checkpoint import (
     check_target_weights,
     collect_environment,
     load_checkpoint,
+    read_latest,
     restore_rng_state,
     target_weight_record,
     write_run_json,
@@ -56,7 +57,7 @@ from dflash.drafter import (
     sample_anchors,
 )
 from dflash.drafter.attention_kernels import flash_attention_applies
-from dflash.errors import CheckpointError, ConfigError
+from dflash.errors import CheckpointError, ConfigError, DFlashError
 from dflash.optim import build_optimizer, build_scheduler, clip_grad_norm, extend_schedule, schedule_segments
 from dflash.target import LAYER_ID_CONVENTION, resolve_target_path, target_identity
 from dflash.telemetry import (
@@ -555,7 +556,7 @@ class Trainer:
         if not config.resume:
             if (self.run_dir / "latest").is_file():
                 raise CheckpointError(
-                    f"{self.run_dir} already holds a run (latest -> {(self.run_dir / 'latest').read_text().strip()}); "
+                    f"{self.run_dir} already holds a run (latest -> {read_latest(self.run_dir)}); "
                     "pass --resume to continue it, or another --output"
                 )
             return None
@@ -585,11 +586,11 @@ class Trainer:
 
     def _previous_drafter_init(self) -> dict[str, Any]:
         """A resumed run's record of how its drafter was initialized (run.json ``resolved.drafter_init``)."""
-        import json
+        from dflash.checkpoint import read_run_record
 
         try:
-            record = json.loads((self.run_dir / "run.json").read_text())["resolved"]["drafter_init"]
-        except (OSError, ValueError, KeyError, TypeError):
+            record = read_run_record(self.run_dir).get("resolved", {}).get("drafter_init")
+        except (OSError, ValueError):
             record = None
         return record if isinstance(record, dict) else {"init": "unknown (resumed from a checkpoint)"}
 
@@ -616,10 +617,19 @@ class Trainer:
         state = checkpoint.trainer_state
         self.drafter.load_state_dict(checkpoint.model_state)
         self.optimizer.load_state_dict(checkpoint.optimizer_state)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.train_loader.load_state_dict(state["data"])
-        self.buckets.load_state_dict(state["buckets"])
-        self.counters.update(state["counters"])
+        try:
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.train_loader.load_state_dict(state["data"])
+            self.buckets.load_state_dict(state["buckets"])
+            self.counters.update(state["counters"])
+        except DFlashError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as error:  # a field of a wrong type
+            raise CheckpointError(
+                f"{checkpoint.path / 'trainer_state.json'}: cannot resume from it ({type(error).__name__}: "
+                f"{str(error)[:120]}); the file is damaged or was edited: resume from another checkpoint (write its "
+                "folder name into RUN/latest), or start a new run"
+            ) from None
         self.step = checkpoint.step
         if checkpoint.rng_state is not None:
             restore_rng_state(checkpoint.rng_state)

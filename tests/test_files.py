@@ -62,3 +62,50 @@ def test_a_path_that_does_not_exist_is_the_familys_error_and_a_file_not_found_er
     with pytest.raises(CheckpointError, match="is not a folder") as caught:
         resolve_checkpoint(tmp_path / "a-file")
     assert not isinstance(caught.value, FileNotFoundError)
+
+
+def test_the_bounded_reader_refuses_devices_fifos_oversize_files_and_deep_nesting(tmp_path):
+    """``dflash.files.load_json``: the one way a JSON record is read back; each refusal is the caller's error class,
+    one line naming the file and the fix."""
+    import os
+
+    from dflash.errors import CheckpointError
+    from dflash.files import MAX_DEPTH, load_json, parse_json, read_bounded
+
+    def refusal(path, **kwargs):
+        with pytest.raises(CheckpointError) as caught:
+            load_json(path, error=CheckpointError, fix="the fix", **kwargs)
+        assert str(caught.value).startswith(f"{path}: ") and str(caught.value).endswith("; the fix")
+        return str(caught.value)
+
+    good = tmp_path / "good.json"
+    good.write_text('{"a": [1, {"b": 2}]}')
+    assert load_json(good, error=CheckpointError, fix="") == {"a": [1, {"b": 2}]}
+    zero = tmp_path / "zero.json"
+    zero.symlink_to("/dev/zero")
+    assert "is a device, not a regular file" in refusal(zero)
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    assert "is a FIFO, not a regular file" in refusal(fifo)  # and the open did not block
+    assert "is a folder" in refusal(tmp_path)
+    assert "over the 10-byte limit" in refusal(good, limit=10)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)  # RecursionError in the parser
+    assert f"nested more than {MAX_DEPTH} levels deep" in refusal(deep)
+    deep.write_text('{"a": ' * (MAX_DEPTH + 1) + "1" + "}" * (MAX_DEPTH + 1))  # parses, then the depth check
+    assert f"nested more than {MAX_DEPTH} levels deep" in refusal(deep)
+    deep.write_text('{"a": ' * (MAX_DEPTH - 1) + "1" + "}" * (MAX_DEPTH - 1))
+    assert load_json(deep, error=CheckpointError, fix="") is not None
+    garbage = tmp_path / "garbage.json"
+    garbage.write_bytes(b"\xff\xfe{")
+    assert "not UTF-8" in refusal(garbage) or "not valid JSON" in refusal(garbage)
+    garbage.write_text('{"a": 1,')
+    assert "not valid JSON at line 1" in refusal(garbage)
+    garbage.write_text("9" * 5000)
+    assert "unreadable value" in refusal(garbage, expect=None)
+    garbage.write_text("[1]")
+    assert "expected a JSON object at the top, got list" in refusal(garbage)
+    with pytest.raises(FileNotFoundError):
+        read_bounded(tmp_path / "missing.json", error=CheckpointError, fix="")
+    with pytest.raises(CheckpointError, match=r"^here: nested more than"):
+        parse_json("[" * 5000 + "]" * 5000, where="here", error=CheckpointError, fix="f")
