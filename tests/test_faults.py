@@ -230,6 +230,23 @@ def test_swapped_shards_or_edited_array_metadata_are_refused_before_step_1(cache
         verify_cache(tampered)
 
 
+def test_a_bit_flip_found_during_training_leaves_no_run_folder(cache, tmp_path, monkeypatch, capsys):
+    """A bit flipped inside a hidden chunk keeps its trailer (the check before step 1 passes); the reader's decode
+    refuses it once training reads it: exit 2, one line naming the chunk, and the run folder this run created (no
+    checkpoint in it) is removed."""
+    tampered = tmp_path / "cache"
+    shutil.copytree(cache, tampered)
+    chunk = tampered / "shards" / "000001" / "hidden" / "c" / "2" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 1
+    chunk.write_bytes(bytes(data))
+    code, stderr = main_in_process(monkeypatch, capsys, *_train_args(tampered, tmp_path / "run"))
+    line = _one_error_line(stderr)
+    assert code == 2
+    assert f"shard 1 of {tampered}: array 'hidden' chunk 2 (c/2/0, rows 64..96) fails its crc32c checksum" in line
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("tamper", ["swap", "truncate"])
 def test_swapped_or_truncated_chunk_is_refused_before_step_1(cache, tmp_path, monkeypatch, capsys, tamper):
     """A chunk of the other shard copied over one of shard 1 (valid crc32c, valid codec frame, wrong data: it trains
