@@ -390,6 +390,7 @@ def _split_corpus(source: Path, train_out: Path, heldout_out: Path, *, heldout_d
     from dflash.corpus import CorpusWriter, open_corpus
 
     corpus = open_corpus(source)
+    corpus.check_fingerprint()  # its fingerprint is recorded as the split's source
     documents = [corpus.document_id(i) or corpus.sample_id(i).split("#", 1)[0] for i in range(len(corpus))]
     unique = sorted(set(documents))
     if len(unique) <= heldout_documents:

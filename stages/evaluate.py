@@ -207,6 +207,7 @@ def load_prompts(config: EvaluateConfig, tokenizer: Any) -> list[EvalPrompt]:
         from dflash.corpus import open_corpus
 
         corpus = open_corpus(config.corpus)
+        corpus.check_fingerprint()
         rows = held_out_rows(corpus, config.cache)
         return prompts_from_corpus(
             corpus, rows, num_prompts=config.num_prompts, prompt_tokens=config.prompt_tokens,

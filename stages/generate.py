@@ -44,13 +44,13 @@ from rich.progress import (
 
 from dflash.errors import ConfigError, DFlashError
 from dflash.generation.default_prompts import DefaultPromptConfig
+from dflash.generation.parts import HELDOUT_PROMPTS_FILE
 from dflash.generation.prompts import TurnMode
 
 __all__ = ["GenerateConfig", "run_generate", "register", "HELDOUT_PROMPTS_FILE"]
 
 log = logging.getLogger(__name__)
 
-HELDOUT_PROMPTS_FILE = "heldout_prompts.jsonl"
 _PLUGIN_NAME = "dflash-generate-target"
 EngineName = Literal["transformers", "openai"]
 
@@ -222,7 +222,7 @@ def _open_output(config: GenerateConfig, plan: dict[str, Any]) -> None:
                     "--overwrite to start over, or another --output"
                 )
             _clear_output(output)
-    elif output.is_dir() and any(p.name != "heldout_prompts.jsonl" for p in output.iterdir()):
+    elif output.is_dir() and any(p.name != HELDOUT_PROMPTS_FILE for p in output.iterdir()):
         raise ConfigError(f"--output {output} exists and is not a generate output; pass a new or empty folder")
     output.mkdir(parents=True, exist_ok=True)
     removed = clear_uncommitted(output)

@@ -38,7 +38,7 @@ import typer
 from dflash.batch_source import LoaderConfig
 from dflash.config_check import nested_config
 from dflash.drafter.config import DrafterTrainingConfig
-from dflash.errors import ConfigError, ConfigPathNotFoundError
+from dflash.errors import ConfigError, ConfigPathNotFoundError, DFlashError
 from dflash.optim import OptimConfig
 from dflash.telemetry import TelemetryConfig
 
@@ -421,7 +421,8 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     rank (``torch.distributed.run``'s elastic launcher, spawn start method). Returns rank 0's summary.
 
     The run folder's lock (``dflash.locks``) is held for the whole run by this process (the launcher, or rank 0
-    under ``torchrun``), taken before anything is read or written.
+    under ``torchrun``), taken before anything is read or written. A run that creates its folder and fails with a
+    :class:`DFlashError` before its first checkpoint (a cache chunk that fails to decode) removes that folder.
 
     Raises:
         ConfigError: ``output`` exists and is not a folder.
@@ -438,7 +439,17 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("RANK", "0")) != 0:
         return _run_training(config)  # under torchrun: rank 0 holds the lock for the run
     with output_lock(config.output, what="run", break_lock=config.break_lock):
-        return _run_training(config)
+        created = not output.exists()
+        try:
+            return _run_training(config)
+        except DFlashError:
+            # Refused input found once the run had started (a chunk that fails to decode): a folder this run
+            # created and left without a checkpoint holds nothing to resume, so it goes; anything else is kept.
+            if created and output.is_dir() and not (output / "latest").exists():
+                import shutil
+
+                shutil.rmtree(output, ignore_errors=True)
+            raise
 
 
 def _cursor_fields() -> frozenset[str]:

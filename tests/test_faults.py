@@ -181,6 +181,72 @@ def _train_args(cache: Path, output: Path, *extra: str) -> list[str]:
             "0.2", "--max-steps", "2", "--save-every", "2", "--no-progress", "--device", "cpu", *extra]  # fmt: skip
 
 
+def _swap(a: Path, b: Path) -> None:
+    parked = a.with_name(a.name + ".parked")
+    a.rename(parked)
+    b.rename(a)
+    parked.rename(b)
+
+
+def _edit_json(path: Path, edit) -> None:
+    document = json.loads(path.read_text())
+    edit(document)
+    path.write_text(json.dumps(document))
+
+
+@pytest.mark.parametrize("tamper, message", [
+    ("swap-shards", "shard 0 of {cache}: its commit record is shard 1's (corpus rows [12, 24]), but the plan gives "
+                    "shard 0 the rows [0, 12]: shard folders or commit records were moved or swapped"),
+    ("zarr-shape", "shard 1 of {cache}: shards/000001/hidden/zarr.json has shape [{rows}, 1152], but the commit record "
+                   "and the cache's root metadata give [{recorded}, 1152]: the array's metadata was edited"),
+    ("zarr-codec", "shard 1 of {cache}: shards/000001/hidden/zarr.json has codecs "),
+    ("zarr-dtype", "shard 0 of {cache}: shards/000000/input_ids/zarr.json has data_type \"uint32\", but the commit "
+                   "record and the cache's root metadata give \"int32\""),
+])
+def test_swapped_shards_or_edited_array_metadata_are_refused_before_step_1(cache, tmp_path, monkeypatch, capsys,
+                                                                           tamper, message):
+    """Shard folders swapped together with their commit records (every checksum still valid), or a shard array's
+    zarr.json with another shape, codec or dtype: what `cache verify` calls corrupt, train refuses before step 1
+    (exit 2, one line naming the shard and the file), writing no run folder."""
+    tampered = tmp_path / "cache"
+    shutil.copytree(cache, tampered)
+    recorded = json.loads((tampered / "commits" / "shard-000001.json").read_text())["arrays"]["hidden"]["shape"][0]
+    if tamper == "swap-shards":
+        _swap(tampered / "shards" / "000000", tampered / "shards" / "000001")
+        _swap(tampered / "commits" / "shard-000000.json", tampered / "commits" / "shard-000001.json")
+    elif tamper == "zarr-shape":
+        _edit_json(tampered / "shards" / "000001" / "hidden" / "zarr.json", lambda d: d["shape"].__setitem__(0, recorded - 1))
+    elif tamper == "zarr-codec":
+        _edit_json(tampered / "shards" / "000001" / "hidden" / "zarr.json", lambda d: d["codecs"].pop(1))
+    else:
+        _edit_json(tampered / "shards" / "000000" / "input_ids" / "zarr.json", lambda d: d.__setitem__("data_type", "uint32"))
+    code, stderr = main_in_process(monkeypatch, capsys, *_train_args(tampered, tmp_path / "run"))
+    line = _one_error_line(stderr)
+    assert code == 2
+    assert message.format(cache=tampered, rows=recorded - 1, recorded=recorded) in line, line
+    assert line.endswith("withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(CacheError, match="moved or swapped" if tamper == "swap-shards" else "metadata was edited"):
+        verify_cache(tampered)
+
+
+def test_a_bit_flip_found_during_training_leaves_no_run_folder(cache, tmp_path, monkeypatch, capsys):
+    """A bit flipped inside a hidden chunk keeps its trailer (the check before step 1 passes); the reader's decode
+    refuses it once training reads it: exit 2, one line naming the chunk, and the run folder this run created (no
+    checkpoint in it) is removed."""
+    tampered = tmp_path / "cache"
+    shutil.copytree(cache, tampered)
+    chunk = tampered / "shards" / "000001" / "hidden" / "c" / "2" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 1
+    chunk.write_bytes(bytes(data))
+    code, stderr = main_in_process(monkeypatch, capsys, *_train_args(tampered, tmp_path / "run"))
+    line = _one_error_line(stderr)
+    assert code == 2
+    assert f"shard 1 of {tampered}: array 'hidden' chunk 2 (c/2/0, rows 64..96) fails its crc32c checksum" in line
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("tamper", ["swap", "truncate"])
 def test_swapped_or_truncated_chunk_is_refused_before_step_1(cache, tmp_path, monkeypatch, capsys, tamper):
     """A chunk of the other shard copied over one of shard 1 (valid crc32c, valid codec frame, wrong data: it trains

@@ -5,6 +5,7 @@ Layout of ``OUTPUT/``::
     generate.json            the plan: settings, engine, target identity, prompt source digest, part ranges (first)
     parts/part-000042.json   one part's record: prompt range, rows, tokens, drops, finish reasons, seconds
     part-000042.arrow        one part's rows (Arrow IPC, the corpus schema), renamed into place last
+    heldout_prompts.jsonl    prompts held out of the corpus for ``evaluate --prompts`` (never trained on)
     corpus.json              the corpus metadata (``dflash.corpus/1`` + ``generation``), written when all parts are
 
 A part counts only once its ``.arrow`` file exists: it is written to a hidden temporary name, synced, its record
@@ -35,10 +36,11 @@ from dflash.files import atomic_write_text
 from dflash.generation.engine import GenerationEngine, GenerationRequest, SamplingSettings
 from dflash.generation.prompts import ConversationBuilder, DropCounts, PromptRecord
 
-__all__ = ["PLAN_FILE", "PartSpec", "part_path", "part_record_path", "committed_parts", "generate_part",
+__all__ = ["PLAN_FILE", "HELDOUT_PROMPTS_FILE", "PartSpec", "part_path", "part_record_path", "committed_parts", "generate_part",
            "clear_uncommitted"]
 
 PLAN_FILE = "generate.json"
+HELDOUT_PROMPTS_FILE = "heldout_prompts.jsonl"
 _PARTS_DIR = "parts"
 
 
