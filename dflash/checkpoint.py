@@ -398,7 +398,7 @@ class Checkpointer:
 
     # -- background side ------------------------------------------------------------------------------------
     def _write(self, snapshot: TrainingSnapshot) -> Path:
-        from safetensors.torch import save_file
+        from dflash.weights_io import save_safetensors
 
         started = time.perf_counter()
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -407,9 +407,9 @@ class Checkpointer:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         try:
-            save_file(
+            save_safetensors(
                 {name: t.contiguous() for name, t in snapshot.model_state.items()},
-                str(staging / "model.safetensors"),
+                staging / "model.safetensors",
                 metadata={"format": "pt", "step": str(snapshot.step)},
             )
             fault_point("checkpoint.write", staging / OPTIMIZER_FILE)
