@@ -62,3 +62,20 @@ def test_a_path_that_does_not_exist_is_the_familys_error_and_a_file_not_found_er
     with pytest.raises(CheckpointError, match="is not a folder") as caught:
         resolve_checkpoint(tmp_path / "a-file")
     assert not isinstance(caught.value, FileNotFoundError)
+
+
+def test_atomic_writes_follow_no_link_at_the_path_or_at_the_temporary(tmp_path):
+    """A link planted at the file replaced, or at its temporary's name: the link goes, its target is untouched."""
+    import os
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    path = tmp_path / "loss.png"
+    path.symlink_to(victim)
+    atomic_write_bytes(path, b"png")
+    assert not path.is_symlink() and path.read_bytes() == b"png" and victim.read_text() == "keep me"
+    temporary = tmp_path / f".report.html.tmp-{os.getpid()}"
+    temporary.symlink_to(victim)
+    atomic_write_text(tmp_path / "report.html", "<html>")
+    assert (tmp_path / "report.html").read_text() == "<html>" and victim.read_text() == "keep me"
+    assert not temporary.exists() and not temporary.is_symlink()

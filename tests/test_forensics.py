@@ -317,3 +317,50 @@ def test_report_writes_pngs_and_a_self_contained_html_page_for_overlaid_runs(run
     assert "evaluated tau per epoch" in page and "2, 4, 6" in page
     assert "<img" in page and 'src="data:image/png;base64,' in page and "src=\"http" not in page
     assert _invoke(report_stage.register, "report", tmp_path / "nothing").exit_code == 2
+
+
+def test_report_writes_only_into_its_own_folder_and_follows_no_link(run_a, tiny_cache, tmp_path):
+    """A link planted as RUN/report or as one of its files, or an output that is a run, a cache or the user's
+    folder: one error line, exit 2, nothing written anywhere. A report folder is rewritten."""
+    import shutil
+
+    pytest.importorskip("matplotlib")
+    from stages import report as report_stage
+
+    run = tmp_path / "run"
+    shutil.copytree(run_a, run, ignore=shutil.ignore_patterns("report"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("mine")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+
+    def refused(*args, says: str) -> None:
+        result = _invoke(report_stage.register, "report", *args)
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith("error: ") and says in " ".join(result.output.split()), result.output
+
+    (run / "report").symlink_to(elsewhere)
+    refused(run, says=f"--output {run / 'report'} is a symbolic link (to {elsewhere})")
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["notes.txt"] and not (tmp_path / "elsewhere.lock").exists()
+    (run / "report").unlink()
+
+    (run / "report").mkdir()
+    (run / "report" / "loss.png").symlink_to(victim)
+    refused(run, says=f"--output {run / 'report'}: loss.png is a symbolic link (to {victim})")
+    assert victim.read_text() == "keep me" and sorted(p.name for p in (run / "report").iterdir()) == ["loss.png"]
+    (run / "report" / "loss.png").unlink()
+
+    before = sorted(p.name for p in run.iterdir())
+    for foreign in (run, tiny_cache, elsewhere):  # the error names the first entry that is no report file
+        found = min(p.name for p in foreign.iterdir())
+        refused(run, "--output", foreign, says=f"--output {foreign} exists and holds files that are not a "
+                                               f"dflash-stages report ({found};")
+    assert sorted(p.name for p in run.iterdir()) == before and not (tiny_cache / "report.html").exists()
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["notes.txt"]
+
+    for _ in range(2):  # written, then rewritten in place
+        result = _invoke(report_stage.register, "report", run)
+        assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (run / "report").iterdir()) == sorted(report_stage.REPORT_FILES)
+    assert not (run / "report.lock").exists()
