@@ -406,7 +406,7 @@ class Checkpointer:
 
     # -- background side ------------------------------------------------------------------------------------
     def _write(self, snapshot: TrainingSnapshot) -> Path:
-        from safetensors.torch import save_file
+        from dflash.weights_io import save_safetensors
 
         started = time.perf_counter()
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -415,9 +415,9 @@ class Checkpointer:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         try:
-            save_file(
+            save_safetensors(
                 {name: t.contiguous() for name, t in snapshot.model_state.items()},
-                str(staging / "model.safetensors"),
+                staging / "model.safetensors",
                 metadata={"format": "pt", "step": str(snapshot.step)},
             )
             fault_point("checkpoint.write", staging / OPTIMIZER_FILE)
@@ -620,8 +620,8 @@ def load_checkpoint(path: str | Path, *, with_training_state: bool = True) -> Lo
             ``torch.load(weights_only=True)`` (never a full unpickle).
 
     Raises:
-        CheckpointError: missing, truncated or unreadable files (named), a state file that would need code to load,
-            or a newer format version.
+        CheckpointError: missing, truncated or unreadable files (named), a state file that would need code to load
+            or that holds no optimizer / RNG state the run could restore, or a newer format version.
     """
     from dflash.weights_io import load_safetensors
 
@@ -638,7 +638,9 @@ def load_checkpoint(path: str | Path, *, with_training_state: bool = True) -> Lo
         )
         if with_training_state:
             loaded.optimizer_state = _load_training_state(folder, OPTIMIZER_FILE, LEGACY_OPTIMIZER_FILE)
+            _check_optimizer_state(loaded.optimizer_state, folder)
             loaded.rng_state = _load_training_state(folder, RNG_FILE, LEGACY_RNG_FILE)
+            _check_rng_state(loaded.rng_state, folder)
     except CheckpointError:
         raise
     except (OSError, KeyError, json.JSONDecodeError, RuntimeError) as error:
@@ -662,6 +664,59 @@ def _load_training_state(folder: Path, name: str, legacy_name: str) -> Any:
         f"{folder} has no {name} (nor a {legacy_name} of older versions): the checkpoint cannot be resumed; "
         "resume from another checkpoint, or evaluate/export it (they need only the weights)"
     )
+
+
+def _state_file_name(folder: Path, name: str, legacy_name: str) -> Path:
+    return folder / (name if (folder / name).is_file() else legacy_name)
+
+
+def _check_optimizer_state(state: Any, folder: Path) -> None:
+    """An optimizer state has the two parts ``Optimizer.load_state_dict`` reads.
+
+    Raises:
+        CheckpointError: naming the file.
+    """
+    if not (isinstance(state, dict) and isinstance(state.get("state"), dict)
+            and isinstance(state.get("param_groups"), list)):
+        raise CheckpointError(
+            f"{_state_file_name(folder, OPTIMIZER_FILE, LEGACY_OPTIMIZER_FILE)} is not an optimizer state (no 'state' "
+            "and 'param_groups'); the file was not written by dflash-stages or was replaced: resume from another "
+            "checkpoint"
+        )
+
+
+def _check_rng_state(state: Any, folder: Path) -> None:
+    """An RNG state that :func:`restore_rng_state` can restore, tried on throwaway generators (the global ones are
+    left alone).
+
+    Raises:
+        CheckpointError: naming the file and the part that does not restore.
+    """
+    import numpy as np
+
+    part = "the whole file (not a mapping)"
+    try:
+        if not isinstance(state, dict):
+            raise TypeError(type(state).__name__)
+        part = "torch"
+        torch.Generator().set_state(state["torch"])
+        part = "numpy"
+        np.random.RandomState().set_state(state["numpy"])
+        part = "python"
+        random.Random().setstate(state["python"])
+        part = "generators"
+        for name, generator_state in dict(state.get("generators", {})).items():
+            part = f"generators.{name}"
+            torch.Generator().set_state(generator_state)
+        part = "cuda"
+        if not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in state.get("cuda", [])):
+            raise TypeError("not a list of uint8 tensors")
+    except Exception as error:  # noqa: BLE001 - each generator rejects a bad state with its own exception type
+        raise CheckpointError(
+            f"{_state_file_name(folder, RNG_FILE, LEGACY_RNG_FILE)}: its '{part}' entry is not a random generator state "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else '-'}); the file was not "
+            "written by dflash-stages or was replaced: resume from another checkpoint"
+        ) from None
 
 
 def _target_weights(target: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -163,11 +163,12 @@ def export_drafter(
     Raises:
         ExportError: names/shapes do not match the config, a tensor is not floating point or not finite, or
             ``out_dir`` exists without ``overwrite``.
+        OSError: a write was refused (a full disk, no permission...), naming the file; nothing is left behind.
     """
     import torch
-    from safetensors.torch import save_file
 
     import dflash
+    from dflash.weights_io import save_safetensors
 
     destination = Path(out_dir).expanduser().absolute()
     _check_replaceable(destination, overwrite=overwrite)
@@ -189,7 +190,7 @@ def export_drafter(
     destination.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
     try:
-        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_safetensors(tensors, staging / WEIGHTS_FILE, metadata={"format": "pt"})
         _write_json(staging / CONFIG_FILE, config_json)
         provenance = {
             "format": "dflash-serving",

@@ -4,7 +4,9 @@ one way it reads a state or config file back: bounded, from a regular file, pars
 A reader sees the old file or the new one, never a partly written one, and a crash leaves at most a hidden
 temporary next to it (``.NAME.tmp-PID``, removed on any error in this process): the data goes to a temporary file
 in the same folder, is flushed and ``fsync``-ed, then ``os.replace`` (atomic within one filesystem, POSIX and
-Windows) puts it in place. Used for run records (``run.json``, ``latest``), commit records of generated parts,
+Windows) puts it in place. No symbolic link is followed: the temporary is created new (``O_EXCL | O_NOFOLLOW``,
+after removing whatever had its name), and ``os.replace`` replaces a link at ``path`` instead of writing where it
+points. Used for run records (``run.json``, ``latest``), commit records of generated parts,
 metrics rewrites, evaluation reports and the embedded prompt files.
 
 Reading (:func:`read_bounded`, :func:`load_json`, :func:`parse_json`, :func:`check_depth`): every JSON/TOML/YAML
@@ -64,8 +66,11 @@ def atomic_output(path: str | os.PathLike[str], mode: str = "w", *, fsync: bool 
         raise ValueError(f"atomic_output: mode must be 'w' or 'wb', got {mode!r}")
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.unlink(missing_ok=True)  # a leftover of a killed process with this pid, or a planted link: not followed
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        with open(temporary, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as handle:
+        fd = os.open(temporary, flags, 0o666)
+        with open(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as handle:
             yield handle
             handle.flush()
             if fsync:

@@ -176,12 +176,13 @@ def _describe_checkpoint(folder: Path, artefact: Artefact) -> None:
     for state_file in ("optimizer.safetensors", "optimizer.pt", "rng.safetensors"):  # format 2, or format 1's file
         if (folder / state_file).is_file() and state_file != "rng.safetensors":
             artefact.weight_files.append(folder / state_file)
-    from stages.scan import step_problems
+    from stages.scan import resume_problem, step_problems
 
     recorded = [folder / name for name in (WEIGHTS_FILE, "optimizer.safetensors", "rng.safetensors")
                 if (folder / name).is_file()]
     problems = step_problems(folder, recorded)
     artefact.checks["steps agree (folder, trainer state, weights, optimizer, RNG)"] = "; ".join(problems) or "ok"
+    artefact.checks["resumable (every file train --resume reads, read as it reads them)"] = resume_problem(folder) or "ok"
 
 
 def _describe_export(folder: Path, artefact: Artefact) -> None:

@@ -13,7 +13,9 @@ file's metadata, :func:`dflash.checkpoint.optimizer_param_names`); for older che
     dflash-stages scan runs/a runs/b/checkpoints/step_00000100 --max-abs 1e3 --json
 
 Also checked: the step recorded in the folder name, ``trainer_state.json`` and the weights' and optimizer's
-metadata agree. Exit codes: 0 all clean; 1 a NaN/Inf/extreme value or a step mismatch was found; 2 a PATH is not a
+metadata agree, and a training checkpoint reads back as ``train --resume`` reads it (:func:`resume_problem`: every
+file resume loads, the RNG state included, through the same :func:`dflash.checkpoint.load_checkpoint`; this check
+holds one checkpoint in memory, as resuming does). Exit codes: 0 all clean; 1 a NaN/Inf/extreme value or a step mismatch was found; 2 a PATH is not a
 run, checkpoint or export (one ``error:`` line). ``inspect PATH --scan`` runs the same scan.
 """
 
@@ -29,7 +31,7 @@ from typing import Any
 import typer
 
 __all__ = ["register", "scan_command", "TensorFinding", "CheckpointScan", "checkpoints_to_scan", "scan_checkpoint",
-           "scan_paths", "print_scans", "DEFAULT_MAX_ABS"]
+           "resume_problem", "scan_paths", "print_scans", "DEFAULT_MAX_ABS"]
 
 #: Finite values above this magnitude count as extreme (drafter weights and Adam moments stay far below it).
 DEFAULT_MAX_ABS = 1e4
@@ -62,7 +64,7 @@ class CheckpointScan:
     tensors: int = 0
     values: int = 0
     findings: list[TensorFinding] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)  # step disagreements
+    problems: list[str] = field(default_factory=list)  # step disagreements, what resume would refuse
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -212,6 +214,19 @@ def step_problems(folder: Path, files: list[Path]) -> list[str]:
     return ["steps disagree: " + ", ".join(f"{where} {step}" for where, step in steps.items())]
 
 
+def resume_problem(folder: Path) -> str | None:
+    """Why ``train --resume`` would refuse the training checkpoint ``folder``, or None: the read resume does
+    (:func:`dflash.checkpoint.load_checkpoint`: weights, JSON files, optimizer and RNG state, never unpickled)."""
+    from dflash.checkpoint import load_checkpoint
+    from dflash.errors import DFlashError
+
+    try:
+        load_checkpoint(folder)
+    except DFlashError as error:
+        return f"train --resume would refuse it: {error}"
+    return None
+
+
 def scan_checkpoint(folder: str | Path, *, max_abs: float = DEFAULT_MAX_ABS) -> CheckpointScan:
     """Scan one checkpoint or export folder: weights and optimizer state, one tensor (chunk) at a time."""
     folder = Path(folder)
@@ -225,10 +240,12 @@ def scan_checkpoint(folder: str | Path, *, max_abs: float = DEFAULT_MAX_ABS) -> 
     if optimizer is not None:
         files.append(optimizer)
         _scan_file(optimizer, _param_names(folder, optimizer, scan), max_abs, scan)
-    elif (folder / "trainer_state.json").is_file():
-        scan.notes.append("no optimizer state in this checkpoint")
     scan.files = [path.name for path in files]
     scan.problems.extend(step_problems(folder, files))
+    if (folder / "trainer_state.json").is_file() or (folder / "drafter_config.json").is_file():  # not an export
+        problem = resume_problem(folder)
+        if problem is not None:
+            scan.problems.append(problem)
     return scan
 
 

@@ -301,12 +301,17 @@ def test_sigkill_mid_checkpoint_write_then_resume_is_bit_exact(cache, straight_r
     _assert_same_run_state(straight_run, output, 4)
 
 
+@pytest.mark.parametrize("spec", [
+    "checkpoint.write@2=enospc",  # between the weights and the state files of step 4
+    "safetensors.write@4=enospc",  # step 4's model.safetensors (3 safetensors files a checkpoint)
+    "safetensors.write@6=enospc",  # step 4's rng.safetensors (through dflash.state_files)
+])  # fmt: skip
 def test_full_disk_at_a_checkpoint_is_one_error_line_and_the_resume_is_bit_exact(cache, straight_run, tmp_path,
-                                                                                   monkeypatch, capsys, fault):  # fmt: skip
+                                                                                   monkeypatch, capsys, fault, spec):  # fmt: skip
     output = tmp_path / "run"
     config_file = tmp_path / "config.json"
     config_file.write_text(json.dumps(tiny_config(cache, output, **RUN).to_dict()))
-    fault("checkpoint.write@2=enospc")
+    fault(spec)
     code, stderr = main_in_process(monkeypatch, capsys, "train", "--config", str(config_file))
     assert code == 2
     line = _one_error_line(stderr)
@@ -318,6 +323,22 @@ def test_full_disk_at_a_checkpoint_is_one_error_line_and_the_resume_is_bit_exact
     code, stderr = main_in_process(monkeypatch, capsys, "train", "--config", str(config_file), "--resume")
     assert code == 0, stderr
     _assert_same_run_state(straight_run, output, 4)
+
+
+def test_full_disk_under_export_is_one_error_line_and_leaves_nothing(straight_run, tmp_path, monkeypatch, capsys, fault):
+    out = tmp_path / "export"
+    fault("safetensors.write=enospc")
+    code, stderr = main_in_process(monkeypatch, capsys, "export", str(straight_run), str(out))
+    assert code == 2
+    line = _one_error_line(stderr)
+    assert line.startswith(f"error: No space left on device (ENOSPC) at {tmp_path}/.export.")
+    assert line.endswith("/model.safetensors; free space there (or write elsewhere) and rerun the same command; "
+                         "committed work is kept")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no export, no staging folder, no lock file
+    fault(None)
+    code, stderr = main_in_process(monkeypatch, capsys, "export", str(straight_run), str(out))
+    assert code == 0, stderr
+    assert (out / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("command", ["inspect", "inspect --scan", "export", "evaluate", "train --resume"])

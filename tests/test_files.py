@@ -109,3 +109,20 @@ def test_the_bounded_reader_refuses_devices_fifos_oversize_files_and_deep_nestin
         read_bounded(tmp_path / "missing.json", error=CheckpointError, fix="")
     with pytest.raises(CheckpointError, match=r"^here: nested more than"):
         parse_json("[" * 5000 + "]" * 5000, where="here", error=CheckpointError, fix="f")
+
+
+def test_atomic_writes_follow_no_link_at_the_path_or_at_the_temporary(tmp_path):
+    """A link planted at the file replaced, or at its temporary's name: the link goes, its target is untouched."""
+    import os
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    path = tmp_path / "loss.png"
+    path.symlink_to(victim)
+    atomic_write_bytes(path, b"png")
+    assert not path.is_symlink() and path.read_bytes() == b"png" and victim.read_text() == "keep me"
+    temporary = tmp_path / f".report.html.tmp-{os.getpid()}"
+    temporary.symlink_to(victim)
+    atomic_write_text(tmp_path / "report.html", "<html>")
+    assert (tmp_path / "report.html").read_text() == "<html>" and victim.read_text() == "keep me"
+    assert not temporary.exists() and not temporary.is_symlink()
