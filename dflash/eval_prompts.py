@@ -145,9 +145,13 @@ def prompts_from_file(
 ) -> list[EvalPrompt]:
     """Prompts from a ``.jsonl`` (``messages`` / ``prompt`` / ``text`` per line) or ``.txt`` file (a line each).
 
+    Lines are read one at a time up to :data:`dflash.bounded_input.DEFAULT_MAX_LINE_BYTES` each.
+
     Raises:
-        ConfigError: missing file, unknown suffix, a line without a usable field (named by line number), or no
-            prompt at all.
+        ConfigError: missing file, unknown suffix, a line that is too long, not UTF-8, not a JSON object
+            (:func:`dflash.bounded_input.load_json`) or without a usable field (named by line number), or no prompt
+            at all.
+        CorpusError: a ``messages`` list with a message that is not ``{role, content}`` (named by line number).
     """
     path = check_prompts_file(path)
     use_template = chat_template and getattr(tokenizer, "chat_template", None) is not None

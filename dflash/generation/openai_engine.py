@@ -17,11 +17,20 @@ result as ``token_source="retokenized"`` (it may differ from what the model gene
 capabilities are probed once per endpoint when the engine starts (a one-token request) and recorded by
 :meth:`OpenAIEngine.describe`.
 
+Replies are checked, not trusted. A reply is read up to a size bound (1 MiB plus 4 KiB per requested token) and
+within ``request_timeout_s`` in all before it is parsed (:func:`dflash.bounded_input.load_json`: deep nesting,
+unconvertible numbers and lone surrogates are refused). Its token ids must lie in the target tokenizer's
+vocabulary, number at most the request's ``max_tokens``, and decode with the target tokenizer to the text the server
+returned, up to what detokenizers legitimately change (:meth:`OpenAIEngine._decodes_to`); re-tokenized text must
+fit ``max_tokens`` too. A reply that fails is a :class:`dflash.errors.GenerationError` naming the endpoint, the
+request and its prompt (``GenerationRequest.source``) and what was wrong; it is not retried.
+
 Stop tokens. The corpus must supervise the stop: a response that ended on the end-of-sequence token ends with that
 token in ``token_ids`` (see ``GenerationResult``). Servers drop it from the text, and some from the ids, so when the
 finish reason is ``"stop"`` and the ids do not end with a stop token, the engine appends the one the server names
 (vLLM ``stop_reason`` / SGLang ``matched_stop`` when an int) or else the tokenizer's ``eos_token_id``, and records
-``info["appended_stop_token"] = True``. No ``stop`` strings are sent, so "stop" means a stop token.
+``info["appended_stop_token"] = True``; when the ids already fill ``max_tokens`` there is no room for it (nor for
+the row under ``max_length``), so nothing is appended and the reply counts as cut (finish reason ``"length"``). No ``stop`` strings are sent, so "stop" means a stop token.
 
 Sampling. Greedy is ``temperature: 0``; ``top_p``, ``max_tokens`` and ``seed`` (``settings.seed + request_id``)
 are sent with every request, and so are neutral values for the sampling extras that servers default differently
