@@ -42,6 +42,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from dflash.bounded_input import DEFAULT_MAX_LINE_BYTES
 from dflash.errors import ConfigError, DFlashError
 from dflash.generation.default_prompts import DefaultPromptConfig
 from dflash.generation.parts import HELDOUT_PROMPTS_FILE
@@ -82,6 +83,13 @@ class GenerateConfig:
             in ``extract`` (stages.cluster).
         default_prompts: settings of the embedded default prompt set.
         endpoints, served_model, api_key_env, concurrency: ``openai`` engine settings.
+        request_timeout_s: ``openai`` engine: seconds one request may take, its whole reply included (a longer one is
+            a timeout, retried); with ``max_retries`` it bounds how long a hung endpoint stalls the run (about
+            ``(max_retries + 1) * request_timeout_s``).
+        max_retries: ``openai`` engine: retries of a request after a connection error, a timeout, HTTP 5xx, 408 or
+            429 (0 = try once).
+        max_prompt_bytes: most bytes of one line of a prompts file (.jsonl/.json/.txt) or of the text of one row
+            (.parquet); a longer one is refused, naming it.
         overwrite: replace an output of other settings (only a generate output or an empty folder).
         break_lock: take over the output's lock left by a run on another host known dead (dflash.locks).
     """
@@ -116,6 +124,9 @@ class GenerateConfig:
     served_model: str | None = None
     api_key_env: str | None = None
     concurrency: int = 8
+    request_timeout_s: float = 120.0
+    max_retries: int = 3
+    max_prompt_bytes: int = DEFAULT_MAX_LINE_BYTES
     overwrite: bool = False
     break_lock: bool = False
 
@@ -139,11 +150,15 @@ class GenerateConfig:
             raise ConfigError(f"part_size must be >= 1, got {self.part_size}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ConfigError(f"max_prompts must be >= 1, got {self.max_prompts}")
+        if self.max_prompt_bytes < 1:
+            raise ConfigError(f"max_prompt_bytes must be >= 1, got {self.max_prompt_bytes}")
         from stages.cluster import validate_placement
 
         validate_placement(self)
         if self.engine == "openai" and not self.endpoints:
             raise ConfigError("engine openai needs at least one --endpoint URL (e.g. http://127.0.0.1:8000/v1)")
+        if self.engine == "openai":
+            self.openai_config()  # validates endpoints, concurrency, request_timeout_s, max_retries
         if not isinstance(self.template_kwargs, dict):
             raise ConfigError(f"template_kwargs must be a JSON object, got {self.template_kwargs!r}")
         self.sampling()  # validates temperature, top_p, max_new_tokens
@@ -153,6 +168,14 @@ class GenerateConfig:
 
         return SamplingSettings(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
                                 seed=self.seed)
+
+    def openai_config(self) -> Any:
+        """The ``openai`` engine's settings (:class:`dflash.generation.openai_engine.OpenAIEngineConfig`)."""
+        from dflash.generation.openai_engine import OpenAIEngineConfig
+
+        return OpenAIEngineConfig(endpoints=list(self.endpoints), model=self.served_model,
+                                  api_key_env=self.api_key_env, concurrency=self.concurrency,
+                                  request_timeout_s=self.request_timeout_s, max_retries=self.max_retries)
 
     def to_dict(self) -> dict[str, Any]:
         data = {name: getattr(self, name) for name in self.__slots__}
@@ -164,7 +187,8 @@ class GenerateConfig:
         data = self.to_dict()
         for key in ("output", "target_gpus", "target_processes", "scheduler_address", "dashboard_address", "tls_ca_file",
                     "tls_cert", "tls_key", "break_lock", "overwrite",
-                    "batch_size", "token_budget", "kv_cache", "deterministic", "concurrency", "endpoints", "api_key_env"):
+                    "batch_size", "token_budget", "kv_cache", "deterministic", "concurrency", "endpoints", "api_key_env",
+                    "request_timeout_s", "max_retries", "max_prompt_bytes"):
             data.pop(key)
         return data
 
@@ -182,7 +206,8 @@ def _load_prompts(config: GenerateConfig,
                   "heldout_file": HELDOUT_PROMPTS_FILE}
         drops = DropCounts()
     else:
-        records, drops = read_prompt_file(config.prompts, chat_template=config.chat_template, turns=config.turns)
+        records, drops = read_prompt_file(config.prompts, chat_template=config.chat_template, turns=config.turns,
+                                          max_prompt_bytes=config.max_prompt_bytes)
         source = {"path": str(Path(config.prompts).resolve()), "sha256": _sha256(Path(config.prompts))}
         heldout = None
     if config.max_prompts is not None:
@@ -352,13 +377,9 @@ def _run_in_process(config: GenerateConfig, specs: list[Any], tokenizer: Any, pr
 
 
 def _openai_engine(config: GenerateConfig, tokenizer: Any) -> Any:
-    try:
-        from dflash.generation.openai_engine import OpenAIEngine, OpenAIEngineConfig
-    except ImportError as error:  # pragma: no cover - the module ships with the package
-        raise ConfigError(f"engine openai is not available: {error}") from error
-    engine_config = OpenAIEngineConfig(endpoints=list(config.endpoints), model=config.served_model,
-                                       api_key_env=config.api_key_env, concurrency=config.concurrency)
-    return OpenAIEngine(engine_config, tokenizer=tokenizer)
+    from dflash.generation.openai_engine import OpenAIEngine
+
+    return OpenAIEngine(config.openai_config(), tokenizer=tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------------- stage
@@ -538,6 +559,9 @@ def register(app: typer.Typer) -> None:
         served_model: str | None = typer.Option(None, help="openai engine: model name on the servers (default: the only one served)."),
         api_key_env: str | None = typer.Option(None, help="openai engine: environment variable holding the API key."),
         concurrency: int = typer.Option(8, help="openai engine: requests in flight per endpoint."),
+        request_timeout_s: float = typer.Option(120.0, help="openai engine: seconds one request may take, its whole reply included (then retried)."),
+        max_retries: int = typer.Option(3, help="openai engine: retries after a connection error, timeout, HTTP 5xx/408/429 (0 = try once)."),
+        max_prompt_bytes: int = typer.Option(DEFAULT_MAX_LINE_BYTES, help="Most bytes of one prompts-file line (or .parquet row's text); a longer one is an error."),
         heldout_permille: int = typer.Option(50, help="Default prompt set: share of stdlib files held out, in 1/1000."),
         overwrite: bool = typer.Option(False, help="Replace an output generated with other settings."),
         break_lock: bool = typer.Option(False, "--break-lock", help="Take over OUTPUT's lock left by a run on another host known dead."),
@@ -562,6 +586,7 @@ def register(app: typer.Typer) -> None:
             target_processes=target_processes,
             scheduler_address=scheduler_address, dashboard_address=dashboard_address, endpoints=list(endpoint),
             served_model=served_model, api_key_env=api_key_env, concurrency=concurrency,
+            request_timeout_s=request_timeout_s, max_retries=max_retries, max_prompt_bytes=max_prompt_bytes,
             default_prompts={"heldout_permille": heldout_permille}, overwrite=overwrite,
             tls_ca_file=tls_ca_file, tls_cert=tls_cert, tls_key=tls_key, break_lock=break_lock,
         )  # fmt: skip

@@ -149,7 +149,8 @@ def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec) -> d
             prompts[index] = prompt
             # No prompt_text: an engine that needs text decodes the ids itself, only when it must.
             requests.append(GenerationRequest(request_id=spec.first_prompt + index, prompt_ids=prompt,
-                                              max_new_tokens=min(settings.max_new_tokens, room)))
+                                              max_new_tokens=min(settings.max_new_tokens, room),
+                                              source=f"{builder.record.prompt_id}, turn {builder.num_turns_done + 1}"))
         if not requests:
             break
         engine_started = time.perf_counter()
