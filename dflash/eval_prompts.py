@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from dflash.bounded_input import DEFAULT_MAX_LINE_BYTES, JSONInputError, load_json, read_lines
 from dflash.chat import normalize_messages
 from dflash.errors import ConfigError, ConfigPathNotFoundError, MismatchError
+from dflash.files import DEFAULT_MAX_LINE_BYTES, JSONInputError, decode_json, read_lines
 
 __all__ = ["EvalPrompt", "check_prompts_file", "held_out_rows", "prompts_from_corpus", "prompts_from_file"]
 
@@ -145,11 +145,11 @@ def prompts_from_file(
 ) -> list[EvalPrompt]:
     """Prompts from a ``.jsonl`` (``messages`` / ``prompt`` / ``text`` per line) or ``.txt`` file (a line each).
 
-    Lines are read one at a time up to :data:`dflash.bounded_input.DEFAULT_MAX_LINE_BYTES` each.
+    Lines are read one at a time up to :data:`dflash.files.DEFAULT_MAX_LINE_BYTES` each.
 
     Raises:
         ConfigError: missing file, unknown suffix, a line that is too long, not UTF-8, not a JSON object
-            (:func:`dflash.bounded_input.load_json`) or without a usable field (named by line number), or no prompt
+            (:func:`dflash.files.decode_json`) or without a usable field (named by line number), or no prompt
             at all.
         CorpusError: a ``messages`` list with a message that is not ``{role, content}`` (named by line number).
     """
@@ -170,7 +170,7 @@ def prompts_from_file(
         record: Any = {"prompt": line}
         if path.suffix == ".jsonl":
             try:
-                record = load_json(line)
+                record = decode_json(line)
             except JSONInputError as error:
                 raise ConfigError(f"prompts: {where}: {error}; write one JSON object per line") from None
             if not isinstance(record, dict):

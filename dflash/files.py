@@ -17,6 +17,14 @@ refused when larger than a cap checked before reading, and its parsed value refu
 :data:`MAX_DEPTH` (a parser's ``RecursionError`` becomes the same refusal). Each refusal is the caller's
 :class:`~dflash.errors.DFlashError` subclass, one line naming the file and the fix (exit status 2).
 
+Lines and JSON from outside (:func:`read_lines`, :func:`decode_json`): a user's JSONL or one-prompt-per-line file
+is read one line at a time, never more than ``max_line_bytes`` of it at once (memory and time per line bounded, a
+signal answered between lines), and JSON that came from outside (a file line, a server's reply) is parsed by
+:func:`decode_json`, whose every refusal is a :class:`JSONInputError` with a one-line reason: invalid JSON, nesting
+deeper than :data:`MAX_DEPTH`, an integer of more digits than Python converts, bytes that are not UTF-8, or a lone
+surrogate (``"\\ud800"``: valid JSON, but no text a tokenizer or file takes). :func:`parse_json` is the same parse
+with the refusal as the caller's error class, naming the file.
+
 Not for: the cache (contract 2, Zarr through its store: ``dflash.cache``), checkpoints (a folder renamed into
 place, ``dflash.checkpoint``) and lock files (``dflash.locks`` keeps the new file's descriptor open).
 """
@@ -25,16 +33,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from dflash.errors import DFlashError
+from dflash.errors import ConfigError, DFlashError
 
 __all__ = ["atomic_output", "atomic_write_bytes", "atomic_write_text", "MAX_DEPTH", "MAX_RECORD_BYTES",
-           "check_depth", "load_json", "open_regular", "parse_json", "read_bounded"]
+           "DEFAULT_MAX_LINE_BYTES", "JSONInputError", "check_depth", "decode_json", "has_lone_surrogate", "load_json",
+           "open_regular", "parse_json", "read_bounded", "read_lines"]
 
 #: Deepest nesting of lists/objects accepted in any JSON/TOML/YAML file read back (the deepest record written is a
 #: handful of levels).
@@ -42,6 +52,16 @@ MAX_DEPTH = 64
 
 #: Size cap of a JSON record (run records, checkpoint JSON, commit records, cache metadata), checked before reading.
 MAX_RECORD_BYTES = 64 * 2**20
+
+#: Default bound on one line of a prompts or chat file: 4 MiB, about a million tokens of text (far past any
+#: target's context), read and parsed in well under a second.
+DEFAULT_MAX_LINE_BYTES = 4 * 2**20
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class JSONInputError(ValueError):
+    """JSON from outside that cannot be used; ``str()`` is the one-line reason (no location: the caller adds it)."""
 
 
 @contextmanager
@@ -141,48 +161,81 @@ def read_bounded(path: str | os.PathLike[str], *, limit: int = MAX_RECORD_BYTES,
     return data
 
 
-def check_depth(value: Any, *, where: str | os.PathLike[str], error: type[DFlashError], fix: str,
-                limit: int = MAX_DEPTH) -> Any:
-    """``value`` (parsed JSON/TOML/YAML) unchanged, after checking without recursion that its lists and dicts nest at
-    most ``limit`` deep.
-
-    Raises:
-        ``error``: nested deeper, naming ``where``.
-    """
+def _depth_problem(value: Any, limit: int) -> str | None:
+    """Why ``value`` nests too deep or holds a lone surrogate, checked without recursion; None when it does not."""
     stack = [(value, 1)]
     while stack:
         node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list | tuple) else ()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                return ("a string holds a lone surrogate escape (e.g. \\ud800), which is not text; write the character "
+                        "itself or drop it")
+            continue
+        children = (list(node.keys()) + list(node.values()) if isinstance(node, dict)
+                    else node if isinstance(node, list | tuple) else ())
         for child in children:
             if isinstance(child, dict | list | tuple):
                 if depth + 1 > limit:
-                    raise _refuse(error, where, f"nested more than {limit} levels deep", fix)
+                    return f"nested more than {limit} levels deep"
                 stack.append((child, depth + 1))
+            elif isinstance(child, str):
+                stack.append((child, depth))
+    return None
+
+
+def has_lone_surrogate(text: str) -> bool:
+    """True when ``text`` holds a surrogate code point (only JSON ``\\ud800``-style escapes make one)."""
+    return _SURROGATE.search(text) is not None
+
+
+def check_depth(value: Any, *, where: str | os.PathLike[str], error: type[DFlashError], fix: str,
+                limit: int = MAX_DEPTH) -> Any:
+    """``value`` (parsed JSON/TOML/YAML) unchanged, after checking without recursion that its lists and dicts nest at
+    most ``limit`` deep and no string holds a lone surrogate.
+
+    Raises:
+        ``error``: nested deeper (or a lone surrogate), naming ``where``.
+    """
+    problem = _depth_problem(value, limit)
+    if problem is not None:
+        raise _refuse(error, where, problem, fix)
+    return value
+
+
+def decode_json(text: str | bytes, *, object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
+    """``json.loads(text)``, with every way it refuses, or accepts what no later step can use, as one
+    :class:`JSONInputError` whose message is the reason alone (the caller names the source).
+
+    Raises:
+        JSONInputError: not UTF-8, not JSON (with line and column), nesting deeper than :data:`MAX_DEPTH` (also the
+            parser's own ``RecursionError``), an integer too long to convert, or a lone surrogate in a string.
+        Whatever ``object_pairs_hook`` raises (a key given twice), unchanged.
+    """
+    try:
+        value = json.loads(text, object_pairs_hook=object_pairs_hook)
+    except json.JSONDecodeError as problem:
+        raise JSONInputError(f"not valid JSON at line {problem.lineno} column {problem.colno} ({problem.msg})") from None
+    except UnicodeDecodeError:
+        raise JSONInputError("not UTF-8 text") from None
+    except RecursionError:
+        raise JSONInputError(f"nested more than {MAX_DEPTH} levels deep") from None
+    except ValueError as problem:
+        if isinstance(problem, DFlashError) or type(problem).__module__ != "builtins":
+            raise  # the caller's hook refused a value (a key given twice): its own message
+        raise JSONInputError(f"unreadable value ({str(problem)[:80]})") from None
+    problem = _depth_problem(value, MAX_DEPTH)
+    if problem is not None:
+        raise JSONInputError(problem)
     return value
 
 
 def parse_json(text: str | bytes, *, where: str | os.PathLike[str], error: type[DFlashError], fix: str,
                object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
-    """``text`` parsed as JSON, with its nesting bounded (:func:`check_depth`).
-
-    Raises:
-        ``error``: not UTF-8, not JSON (with line and column), nesting too deep (also the parser's own
-            ``RecursionError``), or a number Python refuses (an integer of thousands of digits); naming ``where``.
-    """
+    """:func:`decode_json` with its refusal as ``error``, one line naming ``where`` and ending with ``fix``."""
     try:
-        value = json.loads(text, object_pairs_hook=object_pairs_hook)
-    except json.JSONDecodeError as problem:
-        raise _refuse(error, where, f"not valid JSON at line {problem.lineno} column {problem.colno} ({problem.msg})",
-                      fix) from None
-    except UnicodeDecodeError:
-        raise _refuse(error, where, "not UTF-8 text", fix) from None
-    except RecursionError:
-        raise _refuse(error, where, f"nested more than {MAX_DEPTH} levels deep", fix) from None
-    except ValueError as problem:
-        if isinstance(problem, DFlashError) or type(problem).__module__ != "builtins":
-            raise  # the caller's hook refused a value (a key given twice): its own message
-        raise _refuse(error, where, f"unreadable value ({str(problem)[:80]})", fix) from None
-    return check_depth(value, where=where, error=error, fix=fix)
+        return decode_json(text, object_pairs_hook=object_pairs_hook)
+    except JSONInputError as problem:
+        raise _refuse(error, where, str(problem), fix) from None
 
 
 def load_json(path: str | os.PathLike[str], *, error: type[DFlashError], fix: str, limit: int = MAX_RECORD_BYTES,
@@ -201,3 +254,33 @@ def load_json(path: str | os.PathLike[str], *, error: type[DFlashError], fix: st
         names = names.replace("dict", "a JSON object").replace("list", "a JSON array")
         raise _refuse(error, path, f"expected {names} at the top, got {type(value).__name__}", fix)
     return value
+
+
+def read_lines(path: str | os.PathLike[str], *, max_line_bytes: int, what: str,
+               raise_with: str | None = None) -> Iterator[tuple[int, bytes]]:
+    """``(line number, line)`` of the file at ``path``, from 1, the line break removed; never holds more than one
+    line (of at most ``max_line_bytes`` bytes) in memory.
+
+    Args:
+        what: how messages name the input (``"prompts"``).
+        raise_with: the setting that raises the limit, named in the refusal (``"--max-prompt-bytes"``); None: the
+            limit is fixed.
+
+    Raises:
+        ConfigError: a line longer than ``max_line_bytes`` (named by file and line number).
+        OSError: from the filesystem.
+    """
+    with open(path, "rb") as handle:
+        number = 0
+        while True:
+            # Two bytes more than the limit: a line of exactly the limit still fits with its "\r\n".
+            line = handle.readline(max_line_bytes + 2)
+            if not line:
+                return
+            number += 1
+            content = line.rstrip(b"\r\n")
+            if len(content) > max_line_bytes:
+                fix = "shorten or split it" + (f", or raise the limit with {raise_with}" if raise_with else "")
+                raise ConfigError(f"{what}: {os.fspath(path)} line {number} is longer than {max_line_bytes:,} bytes "
+                                  f"(the limit per line); {fix}")
+            yield number, content

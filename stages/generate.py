@@ -42,8 +42,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from dflash.bounded_input import DEFAULT_MAX_LINE_BYTES
 from dflash.errors import ConfigError, DFlashError
+from dflash.files import DEFAULT_MAX_LINE_BYTES
 from dflash.generation.default_prompts import DefaultPromptConfig
 from dflash.generation.parts import HELDOUT_PROMPTS_FILE
 from dflash.generation.prompts import TurnMode

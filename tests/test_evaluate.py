@@ -208,11 +208,11 @@ def test_file_prompts_txt_and_errors(tokenizer, tmp_path):
 def test_file_prompts_refuse_what_no_step_can_use_naming_the_line(tokenizer, tmp_path):
     """Deep nesting, a non-object line, a message without content, bytes that are not UTF-8 and a line past the
     limit are each one ConfigError/CorpusError naming the file and line (never a RecursionError or AttributeError)."""
-    from dflash.bounded_input import DEFAULT_MAX_LINE_BYTES
     from dflash.errors import CorpusError
+    from dflash.files import DEFAULT_MAX_LINE_BYTES
 
     cases = [
-        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", ConfigError, "JSON nested too deep"),
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", ConfigError, "nested more than 64 levels deep"),
         (b'["a list"]', ConfigError, "expected a JSON object, got list"),
         (b'{"messages": [{"role": "user"}]}', CorpusError, "message 0: content is NoneType"),
         (b'{"messages": ["hi"]}', CorpusError, "message 0: expected an object with role and content"),

@@ -18,7 +18,7 @@ capabilities are probed once per endpoint when the engine starts (a one-token re
 :meth:`OpenAIEngine.describe`.
 
 Replies are checked, not trusted. A reply is read up to a size bound (1 MiB plus 4 KiB per requested token) and
-within ``request_timeout_s`` in all before it is parsed (:func:`dflash.bounded_input.load_json`: deep nesting,
+within ``request_timeout_s`` in all before it is parsed (:func:`dflash.files.decode_json`: deep nesting,
 unconvertible numbers and lone surrogates are refused). Its token ids must lie in the target tokenizer's
 vocabulary, number at most the request's ``max_tokens``, and decode with the target tokenizer to the text the server
 returned, up to what detokenizers legitimately change (:meth:`OpenAIEngine._decodes_to`); re-tokenized text must
@@ -66,8 +66,8 @@ from urllib.parse import urlsplit
 
 import httpx2 as httpx
 
-from dflash.bounded_input import JSONInputError, load_json
 from dflash.errors import ConfigError, GenerationError
+from dflash.files import JSONInputError, decode_json
 from dflash.generation.engine import (
     FinishReason,
     GenerationRequest,
@@ -482,7 +482,7 @@ class OpenAIEngine:
                 text = data.decode("utf-8", "replace")
                 if 200 <= status < 300:
                     try:
-                        payload = load_json(data)
+                        payload = decode_json(data)
                     except JSONInputError as error:
                         payload = error
                     if not isinstance(payload, dict):
@@ -600,7 +600,7 @@ class OpenAIEngine:
             try:
                 status, _, data = self._send("GET", root + path, None, _REPLY_BASE_BYTES,
                                              timeout_s=min(5.0, self.config.request_timeout_s))
-                payload = load_json(data) if status == 200 else None
+                payload = decode_json(data) if status == 200 else None
             except (httpx.HTTPError, _TooLarge, JSONInputError):
                 payload = None
             if not isinstance(payload, dict):

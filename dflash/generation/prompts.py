@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash.bounded_input import DEFAULT_MAX_LINE_BYTES, JSONInputError, load_json, read_lines
 from dflash.errors import ConfigError, ConfigPathNotFoundError, CorpusError
+from dflash.files import DEFAULT_MAX_LINE_BYTES, JSONInputError, decode_json, read_lines
 
 __all__ = [
     "check_prompt_file",
@@ -173,7 +173,7 @@ def _records_from_rows(rows: Iterator[tuple[str, bytes | dict[str, Any]]], *, ch
                 record: dict[str, Any] = {"prompt": line.rstrip("\r\n")}
             else:
                 try:
-                    record = load_json(line)
+                    record = decode_json(line)
                 except JSONInputError:  # invalid, nested too deep, an unconvertible number, a lone surrogate
                     drops.add("bad_json", where)
                     continue
@@ -261,7 +261,7 @@ def read_prompt_file(path: str | Path, *, chat_template: bool = True, turns: Tur
     """Prompt records of a chat or prompts file (module docstring); unusable lines are counted in ``drops``.
 
     ``max_prompt_bytes`` bounds one line (.jsonl/.json/.txt, read a line at a time:
-    :func:`dflash.bounded_input.read_lines`) or the text of one row (.parquet).
+    :func:`dflash.files.read_lines`) or the text of one row (.parquet).
 
     Raises:
         ConfigError: the file is missing, of an unknown kind, holds a line or row over ``max_prompt_bytes`` (named,
