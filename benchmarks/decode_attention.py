@@ -74,6 +74,10 @@ def kernels(rows: int, length: int, query_heads: int, kv_heads: int, head_dim: i
         starts = torch.zeros(rows, dtype=torch.int32, device=device)
         ends = torch.full((rows,), length // 2 + 10, dtype=torch.int32, device=device)
         candidates["ranged"] = lambda: ranged_decode_attention(query, key, value, starts, ends)
+        for block, warps, stages in ((128, 4, 2), (64, 8, 2), (128, 8, 3), (64, 4, 3), (32, 4, 2)):
+            candidates[f"ranged-b{block}w{warps}s{stages}"] = (
+                lambda b=block, w=warps, st=stages: ranged_decode_attention(query, key, value, starts, ends, block=b,
+                                                                            num_warps=w, num_stages=st))
         difference = (candidates["ranged"]().float() - candidates["sdpa-gqa"]().float()).abs().max().item()
         print(f"rows {rows} length {length} ranged vs sdpa-gqa: max abs difference {difference:.3g}")
     for name, fn in candidates.items():

@@ -105,8 +105,10 @@ def main() -> None:
     parser.add_argument("--decode-attention", nargs="+", default=["ranged"], choices=["ranged", "fast", "deterministic"],
                         help="static cache: the ranged kernel (each row's own key range; the default on CUDA), "
                              "SDPA's grouped-query kernel over the padded cache (fast), the bitwise-repeatable matmuls")
-    parser.add_argument("--compile", nargs="+", default=["off"], choices=["off", "on"],
-                        help="static cache: also time the decode step's forward through torch.compile (inductor)")
+    parser.add_argument("--compile", nargs="+", default=["parts"], choices=["off", "on", "parts"],
+                        help="static cache: the model through torch.compile (inductor): parts = its MLP and RMSNorm "
+                             "modules (the engine's default on CUDA), on = the whole forward (recompiles for every new "
+                             "prompt width and cache length), off = none")
     parser.add_argument("--repeats", type=int, default=3, help="warm passes per setting (median reported)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--smoke", action="store_true")
@@ -139,12 +141,14 @@ def main() -> None:
                      for compiled in (args.compile if kv == "static" else ["off"])]
     eager_forward = model.forward
     for kv_cache, attention, compiled in settings_list:
+        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
         model.forward = torch.compile(eager_forward, dynamic=False) if compiled == "on" else eager_forward
-        attention = attention if compiled == "off" else f"{attention}+compile"
+        attention = attention if compiled == "off" else f"{attention}+compile-{compiled}"
         for batch_size in args.batch_size:
             engine = TransformersEngine(model, tokenizer, batch_size=batch_size, token_budget=batch_size * 4096,
                                         cache=kv_cache, stop_token_ids=stop, deterministic=attention.startswith("deterministic"),
-                                        ranged=attention.startswith("ranged") if kv_cache == "static" else None)
+                                        ranged=attention.startswith("ranged") if kv_cache == "static" else None,
+                                        compile_parts=compiled == "parts")
             warm = []
             own_cold: list[list[int]] | None = None
             for attempt in ["cold"] + [f"warm{k}" for k in range(1, args.repeats + 1)]:

@@ -108,7 +108,8 @@ if triton is not None:
 
 
 def ranged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor,
-                            ends: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                            ends: torch.Tensor, scale: float | None = None, *, block: int = 64, num_warps: int = 4,
+                            num_stages: int = 2) -> torch.Tensor:
     """Softmax attention of one query token per row over the cache positions ``[starts[b], ends[b])`` of its row.
 
     Args:
@@ -119,6 +120,8 @@ def ranged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         starts, ends: (batch,) int32 on the same device, ``0 <= start <= end <= cache_length``; an empty range gives
             zeros.
         scale: the softmax scale (default ``head_dim ** -0.5``).
+        block, num_warps, num_stages: the first kernel's tile of cache positions (a power of two dividing
+            :data:`CHUNK`) and its launch settings (``benchmarks/decode_attention.py`` compares them).
 
     Returns:
         (batch, 1, query_heads, head_dim) in the query's dtype (transformers' attention-function output layout).
@@ -138,7 +141,7 @@ def ranged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         num_kv_heads=kv_heads, group=group, group_pad=max(16, triton.next_power_of_2(group)), num_chunks=num_chunks,
-        chunk=CHUNK, block=64, head_dim=head_dim, num_warps=4, num_stages=2)
+        chunk=CHUNK, block=block, head_dim=head_dim, num_warps=num_warps, num_stages=num_stages)
     result = torch.empty((batch, 1, query_heads, head_dim), dtype=query.dtype, device=query.device)
     _merge_kernel[(batch * query_heads,)](partial, maxima, sums, result, num_chunks=num_chunks,
                                           chunks_pad=triton.next_power_of_2(num_chunks), head_dim=head_dim)

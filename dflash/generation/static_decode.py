@@ -212,6 +212,10 @@ class StaticDecoder:
         ranged: with ``grouped_attention`` and not ``deterministic``, decode with :func:`ranged_attention`, which
             reads only the cache positions each row attends (its prompt and its tokens so far; nothing once it has
             stopped) instead of the whole padded cache. None: where it can run (CUDA with Triton).
+        compile_parts: while this decoder is open, the model's MLP and RMSNorm modules (what touches no KV cache)
+            run through ``torch.compile``, which fuses their elementwise kernels: a decode step of a small target is
+            hundreds of tiny kernels. Their forwards come back on :meth:`close`. None: on CUDA with Triton.
+        compile_backend: the ``torch.compile`` backend of ``compile_parts`` (``"inductor"``; tests use ``"eager"``).
 
     Raises:
         ConfigError: the model runs another attention (e.g. flash-attention, which takes no 4-D mask).
@@ -220,7 +224,8 @@ class StaticDecoder:
 
     def __init__(self, model: Any, *, rows: int, pad_token_id: int, stop_token_ids: Sequence[int],
                  cuda_graphs: bool = True, length_bucket: int = 128, max_slots: int = 2, check_every: int = 16,
-                 grouped_attention: bool = True, deterministic: bool = False, ranged: bool | None = None) -> None:
+                 grouped_attention: bool = True, deterministic: bool = False, ranged: bool | None = None,
+                 compile_parts: bool | None = None, compile_backend: str = "inductor") -> None:
         self.model = model
         self.rows = rows
         self.pad_token_id = int(pad_token_id)
@@ -258,6 +263,17 @@ class StaticDecoder:
             model.set_attn_implementation(DETERMINISTIC_ATTENTION_NAME if deterministic
                                           else RANGED_ATTENTION_NAME if self.ranged else ATTENTION_NAME)
             self._restore_attention = previous
+        from dflash.generation.ranged_attention import ranged_attention_available
+
+        if compile_parts is None:
+            compile_parts = self.device.type == "cuda" and ranged_attention_available(self.device)
+        #: The modules whose forward runs compiled while the decoder is open.
+        self._compiled: list[torch.nn.Module] = []
+        if compile_parts:
+            for module in model.modules():
+                if type(module).__name__.endswith(("MLP", "RMSNorm")) and "forward" not in vars(module):
+                    self._compiled.append(module)
+                    module.forward = torch.compile(module.forward, dynamic=False, backend=compile_backend)
 
     # -- buffers ---------------------------------------------------------------------------------------------------
 
@@ -437,8 +453,12 @@ class StaticDecoder:
         return (scores + gumbel_noise(keys, step, scores.shape[-1])).argmax(-1)
 
     def close(self) -> None:
-        """Free the caches and graphs; give the model its previous attention implementation back."""
+        """Free the caches and graphs; give the model its previous attention implementation and its modules' own
+        forwards back."""
         self._slots.clear()
+        for module in self._compiled:
+            del module.forward  # the instance attribute set in __init__: the class's forward again
+        self._compiled = []
         if self.model is not None and self._restore_attention is not None:
             self.model.set_attn_implementation(self._restore_attention)
         self._restore_attention = None
