@@ -95,6 +95,36 @@ def bound_seconds(model, engine, requests, results, bandwidth: float) -> float:
     return total / bandwidth
 
 
+def agreement(model, tokenizer, requests, settings, setting, stop, batched, batch_size) -> dict:
+    """Decode ``requests`` one at a time with ``setting`` and compare with their batched replies ``batched``."""
+    kv_cache, attention, compiled = setting
+    model.forward = torch.compile(model.forward, dynamic=False) if compiled == "on" else model.forward
+    engine = TransformersEngine(model, tokenizer, batch_size=1, cache=kv_cache, stop_token_ids=stop,
+                                deterministic=attention.startswith("deterministic"),
+                                ranged=attention.startswith("ranged") if kv_cache == "static" else None,
+                                compile_parts=compiled == "parts")
+    alone = [r.token_ids for r in engine.generate(requests, settings)]
+    engine.close()
+    identical = sum(a == b for a, b in zip(alone, batched, strict=False))
+    compared = agreeing = 0
+    first_divergence = []
+    for a, b in zip(alone, batched, strict=False):
+        common = min(len(a), len(b))
+        compared += common
+        same = [x == y for x, y in zip(a[:common], b[:common], strict=True)]
+        agreeing += sum(same)
+        if a != b:
+            first_divergence.append(same.index(False) if False in same else common)
+    row = {"agreement_prompts": len(requests), "batch_size": batch_size, "setting": "/".join(setting),
+           "replies_identical": round(identical / len(requests), 4),
+           "tokens_agreeing": round(agreeing / max(1, compared), 4),
+           "median_first_divergence": statistics.median(first_divergence) if first_divergence else None}
+    print(f"  one prompt at a time vs batch {batch_size} ({'/'.join(setting)}), {len(requests)} prompts: "
+          f"{row['replies_identical']:.1%} of replies identical, {row['tokens_agreeing']:.1%} of tokens agree position "
+          f"by position; where a reply departs, at token {row['median_first_divergence']} (median)", flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="default", help="default (SmolLM2), qwen3-8b-random or a local path")
@@ -109,6 +139,9 @@ def main() -> None:
                         help="static cache: the model through torch.compile (inductor): parts = its MLP and RMSNorm "
                              "modules (the engine's default on CUDA), on = the whole forward (recompiles for every new "
                              "prompt width and cache length), off = none")
+    parser.add_argument("--agreement", type=int, default=0, metavar="N",
+                        help="also decode the first N prompts one at a time (batch 1, the first setting) and report how "
+                             "often the batched replies of the first setting depart from them")
     parser.add_argument("--repeats", type=int, default=3, help="warm passes per setting (median reported)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--smoke", action="store_true")
@@ -182,6 +215,9 @@ def main() -> None:
                 print(f"  kv {kv_cache:7s} attention {attention:13s} batch {batch_size:4d} median of {len(warm)} warm passes: "
                       f"{statistics.median(warm):,.0f} generated tok/s", flush=True)
             engine.close()
+    if args.agreement:
+        figures.append(agreement(model, tokenizer, requests[: args.agreement], settings, settings_list[0], stop,
+                                 reference[args.batch_size[0]], args.batch_size[0]))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 
