@@ -75,10 +75,10 @@ class GenerateConfig:
         part_size: prompts per part (one task, one committed file).
         batch_size, token_budget, kv_cache: transformers engine batching (rows per call, padded prompt tokens per
             call, ``auto``/``static``/``dynamic`` KV cache).
-        deterministic: static KV cache: bitwise-repeatable decode attention (grouped matmuls; 1.34-1.42x slower on
-            an H200) instead of SDPA's grouped-query kernel, whose bits differ from run to run on CUDA, so a rerun may
-            break greedy near-ties differently (docs/generate.md). Never changes what a prompt asks for, so a
-            resume may change it.
+        deterministic: static KV cache: decode attention by grouped matmuls over the whole padded cache (bitwise
+            repeatable, slower) instead of the default: on CUDA with Triton the ranged kernel (only the positions
+            each row attends; repeats bit for bit too), elsewhere SDPA's grouped-query kernel, whose bits may differ
+            from run to run (docs/generate.md). Never changes what a prompt asks for, so a resume may change it.
         target_gpus, target_processes, scheduler_address, dashboard_address, tls_ca_file, tls_cert, tls_key: placement, as
             in ``extract`` (stages.cluster).
         default_prompts: settings of the embedded default prompt set.
@@ -546,8 +546,9 @@ def register(app: typer.Typer) -> None:
                                      "cache, CUDA graphs on CUDA), dynamic (transformers generate()), auto (static on "
                                      "CUDA, dynamic elsewhere)."),
         deterministic: bool = typer.Option(False, "--deterministic/--no-deterministic", help="Static KV cache: "
-                                           "bitwise-repeatable decode attention (slower) instead of SDPA's grouped-"
-                                           "query kernel, whose bits vary from run to run on CUDA."),
+                                           "decode attention by grouped matmuls over the padded cache (bitwise "
+                                           "repeatable, slower) instead of the default (CUDA with Triton: the ranged "
+                                           "kernel, repeatable too; else SDPA's, whose bits may vary)."),
         target_gpus: str | None = typer.Option(None, help="GPUs for target replicas, e.g. 0,1,2 (one Dask worker each)."),
         target_processes: int | None = typer.Option(None, "--target-processes", help="CPU processes for target replicas (no GPU), one Dask worker each."),
         scheduler_address: str | None = typer.Option(None, help="An existing Dask scheduler (tcp://host:8786)."),
