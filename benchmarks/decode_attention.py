@@ -13,7 +13,7 @@ Kernels, one query token per row against a cache of ``--lengths`` with half of i
 heads, the copy made once outside the timing). Printed per kernel: microseconds per call (one layer; mean of 50
 after 3 warm-up calls) and whether 20 calls on the same inputs gave identical bits. ``--profile`` builds the
 random-weight SmolLM2-shaped model (bf16, sdpa) and profiles 3 eager decode steps of the static decoder at
-``--rows`` rows and cache length 640 (the earlier grouped-matmul kernel, as measured on 2026-12-01).
+``--rows`` rows and cache length 640, 330 positions attended, for each decode attention (deterministic, fast, ranged).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dflash.generation.ranged_attention import ranged_attention_available, ranged_decode_attention
 from dflash.generation.static_decode import (
     StaticDecoder,
     deterministic_decode_attention,
@@ -69,6 +70,16 @@ def kernels(rows: int, length: int, query_heads: int, kv_heads: int, head_dim: i
         "sdpa-gqa-math": sdpa(SDPBackend.MATH),
         "sdpa-expanded": lambda: F.scaled_dot_product_attention(query, expanded_key, expanded_value, attn_mask=mask),
     }
+    if ranged_attention_available(device):
+        starts = torch.zeros(rows, dtype=torch.int32, device=device)
+        ends = torch.full((rows,), length // 2 + 10, dtype=torch.int32, device=device)
+        candidates["ranged"] = lambda: ranged_decode_attention(query, key, value, starts, ends)
+        for block, warps, stages in ((128, 4, 2), (64, 8, 2), (128, 8, 3), (64, 4, 3), (32, 4, 2)):
+            candidates[f"ranged-b{block}w{warps}s{stages}"] = (
+                lambda b=block, w=warps, st=stages: ranged_decode_attention(query, key, value, starts, ends, block=b,
+                                                                            num_warps=w, num_stages=st))
+        difference = (candidates["ranged"]().float() - candidates["sdpa-gqa"]().float()).abs().max().item()
+        print(f"rows {rows} length {length} ranged vs sdpa-gqa: max abs difference {difference:.3g}")
     for name, fn in candidates.items():
         try:
             microseconds, repeatable = timed(fn)
@@ -91,18 +102,21 @@ def profile(rows: int) -> None:
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.eval().requires_grad_(False)
-    for deterministic in (True, False):
-        decoder = StaticDecoder(model, rows=rows, pad_token_id=0, stop_token_ids=[0], deterministic=deterministic)
+    for kind in ("deterministic", "fast", "ranged"):
+        decoder = StaticDecoder(model, rows=rows, pad_token_id=0, stop_token_ids=[0],
+                                deterministic=kind == "deterministic", ranged=kind == "ranged")
         slot = decoder._slot(rows, 640)
+        slot.mask[..., :330] = 0  # about half of the cache attended, as the ranged kernel's rows below
+        slot.ends.fill_(330)
         with torch.inference_mode():
             for _ in range(2):
-                decoder._forward(slot.tokens, slot.mask, slot.positions, slot.cache)
+                decoder._step(slot)
             torch.cuda.synchronize()
             with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
-                    decoder._forward(slot.tokens, slot.mask, slot.positions, slot.cache)
+                    decoder._step(slot)
                 torch.cuda.synchronize()
-        print(f"== one eager decode step x3, {rows} rows, cache 640, deterministic={deterministic}")
+        print(f"== one eager decode step x3, {rows} rows, cache 640 (330 attended), decode attention {kind}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
         decoder.close()
 

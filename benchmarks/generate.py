@@ -56,6 +56,75 @@ class _PadOnly:
     eos_token_id = 0
 
 
+def hbm_bandwidth(device: torch.device, gigabytes: float = 4.0) -> float:
+    """Bytes per second of a device-to-device copy (read + written), median of 5 after a warm-up."""
+    source = torch.empty(int(gigabytes * 2**30), dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    times = []
+    for attempt in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source)
+        end.record()
+        torch.cuda.synchronize(device)
+        if attempt:
+            times.append(start.elapsed_time(end) / 1e3)
+    del source, target
+    torch.cuda.empty_cache()
+    return 2 * gigabytes * 2**30 / statistics.median(times)
+
+
+def bound_seconds(model, engine, requests, results, bandwidth: float) -> float:
+    """The least time a pass could take at ``bandwidth`` bytes/s: every forward reads the weights once, and each
+    decode step reads the keys and values of the positions its still-running rows attend (prompt + tokens so far);
+    the prefill writes its rows' keys and values. Compute, launches and the host are taken as free."""
+    config = model.config
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype_bytes = next(model.parameters()).element_size()
+    kv_per_token = config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = 0.0
+    for batch in engine._batches(requests):
+        prompt = [len(requests[i].prompt_ids) for i in batch]
+        reply = [len(results[i].token_ids) for i in batch]
+        total += weights + sum(prompt) * kv_per_token  # prefill
+        for step in range(max(reply) - 1):  # decode forward `step` feeds token `step` of each running row
+            running = [p + step + 1 for p, r in zip(prompt, reply, strict=True) if r > step + 1]
+            total += weights + sum(running) * kv_per_token
+    return total / bandwidth
+
+
+def agreement(model, tokenizer, requests, settings, setting, stop, batched, batch_size) -> dict:
+    """Decode ``requests`` one at a time with ``setting`` and compare with their batched replies ``batched``."""
+    kv_cache, attention, compiled = setting
+    model.forward = torch.compile(model.forward, dynamic=False) if compiled == "on" else model.forward
+    engine = TransformersEngine(model, tokenizer, batch_size=1, cache=kv_cache, stop_token_ids=stop,
+                                deterministic=attention.startswith("deterministic"),
+                                ranged=attention.startswith("ranged") if kv_cache == "static" else None,
+                                compile_parts=compiled == "parts")
+    alone = [r.token_ids for r in engine.generate(requests, settings)]
+    engine.close()
+    identical = sum(a == b for a, b in zip(alone, batched, strict=False))
+    compared = agreeing = 0
+    first_divergence = []
+    for a, b in zip(alone, batched, strict=False):
+        common = min(len(a), len(b))
+        compared += common
+        same = [x == y for x, y in zip(a[:common], b[:common], strict=True)]
+        agreeing += sum(same)
+        if a != b:
+            first_divergence.append(same.index(False) if False in same else common)
+    row = {"agreement_prompts": len(requests), "batch_size": batch_size, "setting": "/".join(setting),
+           "replies_identical": round(identical / len(requests), 4),
+           "tokens_agreeing": round(agreeing / max(1, compared), 4),
+           "median_first_divergence": statistics.median(first_divergence) if first_divergence else None}
+    print(f"  one prompt at a time vs batch {batch_size} ({'/'.join(setting)}), {len(requests)} prompts: "
+          f"{row['replies_identical']:.1%} of replies identical, {row['tokens_agreeing']:.1%} of tokens agree position "
+          f"by position; where a reply departs, at token {row['median_first_divergence']} (median)", flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="default", help="default (SmolLM2), qwen3-8b-random or a local path")
@@ -63,8 +132,16 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, nargs="+", default=[512])
     parser.add_argument("--kv-cache", nargs="+", default=["static"], choices=["static", "dynamic"])
-    parser.add_argument("--decode-attention", nargs="+", default=["fast"], choices=["fast", "deterministic"],
-                        help="static cache: SDPA's grouped-query kernel (fast) and/or the bitwise-repeatable one")
+    parser.add_argument("--decode-attention", nargs="+", default=["ranged"], choices=["ranged", "fast", "deterministic"],
+                        help="static cache: the ranged kernel (each row's own key range; the default on CUDA), "
+                             "SDPA's grouped-query kernel over the padded cache (fast), the bitwise-repeatable matmuls")
+    parser.add_argument("--compile", nargs="+", default=["parts"], choices=["off", "on", "parts"],
+                        help="static cache: the model through torch.compile (inductor): parts = its MLP and RMSNorm "
+                             "modules (the engine's default on CUDA), on = the whole forward (recompiles for every new "
+                             "prompt width and cache length), off = none")
+    parser.add_argument("--agreement", type=int, default=0, metavar="N",
+                        help="also decode the first N prompts one at a time (batch 1, the first setting) and report how "
+                             "often the batched replies of the first setting depart from them")
     parser.add_argument("--repeats", type=int, default=3, help="warm passes per setting (median reported)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--smoke", action="store_true")
@@ -87,14 +164,24 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {name}, target {identity.name}, {len(requests)} prompts (mean {sum(len(r.prompt_ids) for r in requests) / len(requests):.0f} tokens), "
           f"max_new_tokens {args.max_new_tokens}, torch {torch.__version__}")
+    bandwidth = hbm_bandwidth(device) if device.type == "cuda" else None
+    if bandwidth:
+        print(f"measured HBM bandwidth (device-to-device copy, bytes read + written): {bandwidth / 1e12:.2f} TB/s")
     figures = []
     reference: dict[int, list[list[int]]] = {}
-    settings_list = [(kv, attention) for kv in args.kv_cache
-                     for attention in (args.decode_attention if kv == "static" else ["-"])]
-    for kv_cache, attention in settings_list:
+    settings_list = [(kv, attention, compiled) for kv in args.kv_cache
+                     for attention in (args.decode_attention if kv == "static" else ["-"])
+                     for compiled in (args.compile if kv == "static" else ["off"])]
+    eager_forward = model.forward
+    for kv_cache, attention, compiled in settings_list:
+        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+        model.forward = torch.compile(eager_forward, dynamic=False) if compiled == "on" else eager_forward
+        attention = attention if compiled == "off" else f"{attention}+compile-{compiled}"
         for batch_size in args.batch_size:
             engine = TransformersEngine(model, tokenizer, batch_size=batch_size, token_budget=batch_size * 4096,
-                                        cache=kv_cache, stop_token_ids=stop, deterministic=attention == "deterministic")
+                                        cache=kv_cache, stop_token_ids=stop, deterministic=attention.startswith("deterministic"),
+                                        ranged=attention.startswith("ranged") if kv_cache == "static" else None,
+                                        compile_parts=compiled == "parts")
             warm = []
             own_cold: list[list[int]] | None = None
             for attempt in ["cold"] + [f"warm{k}" for k in range(1, args.repeats + 1)]:
@@ -108,7 +195,8 @@ def main() -> None:
                 agree = sum(a == r.token_ids for a, r in zip(same, results, strict=True)) / len(results)
                 own_cold = own_cold or [r.token_ids for r in results]
                 repeat = sum(a == r.token_ids for a, r in zip(own_cold, results, strict=True)) / len(results)
-                row = {"kv_cache": kv_cache, "decode_attention": attention, "batch_size": batch_size, "pass": attempt, "seconds": round(seconds, 2),
+                bound = bound_seconds(model, engine, requests, results, bandwidth) if bandwidth else None
+                row = {"bound_seconds": bound and round(bound, 3), "kv_cache": kv_cache, "decode_attention": attention, "batch_size": batch_size, "pass": attempt, "seconds": round(seconds, 2),
                        "generated_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
                        "rows_per_s": round(len(results) / seconds, 2), "stopped_early": round(stopped, 3),
                        "decode_step": mode, "identical_to_first_kind": round(agree, 4),
@@ -117,14 +205,19 @@ def main() -> None:
                 figures.append(row)
                 if attempt != "cold":
                     warm.append(tokens / seconds)
+                bound_text = (f" [memory bound {tokens / bound:,.0f} tok/s, {bound / seconds:.0%} of it reached]"
+                              if bound else "")
                 print(f"  kv {kv_cache:7s} attention {attention:13s} batch {batch_size:4d} {attempt}: {tokens:,} tokens "
-                      f"in {seconds:.1f} s = {tokens / seconds:,.0f} generated tok/s ({stopped:.0%} stopped early; "
+                      f"in {seconds:.1f} s = {tokens / seconds:,.0f} generated tok/s{bound_text} ({stopped:.0%} stopped early; "
                       f"decode step {mode}; {agree:.1%} identical to the first setting, {repeat:.1%} to this "
                       "setting's cold pass)", flush=True)
             if warm:
                 print(f"  kv {kv_cache:7s} attention {attention:13s} batch {batch_size:4d} median of {len(warm)} warm passes: "
                       f"{statistics.median(warm):,.0f} generated tok/s", flush=True)
             engine.close()
+    if args.agreement:
+        figures.append(agreement(model, tokenizer, requests[: args.agreement], settings, settings_list[0], stop,
+                                 reference[args.batch_size[0]], args.batch_size[0]))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

@@ -15,6 +15,8 @@ inherited by Dask workers and write processes):
 ``cache.before-commit``     a shard's arrays are written, its commit record not yet (mid-commit)
 ``cache.after-commit``      a shard's commit record was just written (``@N``: after N shards committed)
 ``checkpoint.write``        a checkpoint's weights are in its temporary folder, the rest not yet (mid-write)
+``safetensors.write``       before each safetensors file is written (``dflash/weights_io.py``): a checkpoint's
+                            weights, optimizer and RNG state (3 a checkpoint), an export's weights
 ``online.produce``          an online producer computed a batch and is about to write it into its ring slot
 ==========================  ================================================================================
 
@@ -32,7 +34,8 @@ import threading
 __all__ = ["ENV", "POINTS", "fault_point", "reload"]
 
 ENV = "DFLASH_FAULT"
-POINTS = ("cache.chunk-write", "cache.before-commit", "cache.after-commit", "checkpoint.write", "online.produce")
+POINTS = ("cache.chunk-write", "cache.before-commit", "cache.after-commit", "checkpoint.write", "safetensors.write",
+          "online.produce")
 
 _spec: tuple[str, int, str] | None = None
 _seen = 0

@@ -39,6 +39,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -52,6 +53,7 @@ from rich.table import Table
 
 from dflash.drafter.config import DEFAULT_NUM_DRAFT_LAYERS
 from dflash.errors import ConfigError
+from dflash.io.files import load_json
 from dflash.io.locks import output_lock
 from dflash.target.load import locate_target, target_num_layers
 from stages.config.check import (
@@ -290,7 +292,8 @@ class _State:
 
     def __init__(self, workdir: Path, config: PipelineConfig) -> None:
         self.path = workdir / _STATE_FILE
-        self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.data: dict[str, Any] = load_json(self.path, error=ConfigError, fix=f"remove it to rerun every stage of "
+                                              f"{workdir}") if os.path.lexists(self.path) else {}
         self.data["config"] = config.to_dict()
         self.data.setdefault("stages", {})
 
@@ -335,6 +338,7 @@ def _split_corpus(source: Path, train_out: Path, heldout_out: Path, *, heldout_d
     from dflash.corpus.format import CorpusWriter, open_corpus
 
     corpus = open_corpus(source)
+    corpus.check_fingerprint()  # its fingerprint is recorded as the split's source
     documents = [corpus.document_id(i) or corpus.sample_id(i).split("#", 1)[0] for i in range(len(corpus))]
     unique = sorted(set(documents))
     if len(unique) <= heldout_documents:

@@ -51,6 +51,7 @@ from dflash.errors import ConfigError, ProducerError
 from dflash.io.locks import output_lock
 from dflash.target.load import resolve_target_path, target_identity
 from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
+from dflash.training.checkpoint import read_run_record
 from stages.config.check import check_fields, deep_merge, read_config_file
 from stages.config.presets import read_preset_json
 from stages.config.resolve import parse_sets
@@ -563,7 +564,7 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
     saved: dict[str, Any] = {}
     run_json = Path(output) / "run.json" if output else None
     if train_overrides.get("resume") and run_json is not None and run_json.is_file():
-        resolved = json.loads(run_json.read_text()).get("resolved", {})
+        resolved = read_run_record(run_json.parent).get("resolved", {})
         saved = dict(resolved.get("data_source", {}).get("online", {}))
         if not saved:
             raise ConfigError(f"--resume: {output} is not an online run (run.json has no online data source); "

@@ -118,6 +118,9 @@ class EvaluateConfig:
     json_path: Path | None = None
 
     def __post_init__(self) -> None:
+        from dflash.values import check_seed
+
+        check_seed("seed", self.seed)
         for name in ("drafter", "corpus", "cache", "json_path"):  # strings from a config file or --set
             if getattr(self, name) is not None:
                 setattr(self, name, Path(getattr(self, name)))
@@ -212,6 +215,7 @@ def load_prompts(config: EvaluateConfig, tokenizer: Any) -> list[EvalPrompt]:
         from dflash.corpus.format import open_corpus
 
         corpus = open_corpus(config.corpus)
+        corpus.check_fingerprint()
         rows = held_out_rows(corpus, config.cache)
         return prompts_from_corpus(
             corpus, rows, num_prompts=config.num_prompts, prompt_tokens=config.prompt_tokens,

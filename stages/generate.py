@@ -50,10 +50,12 @@ from dflash.generation.default_prompts import (
     describe_default_prompts,
 )
 from dflash.generation.engine import SamplingSettings
+from dflash.generation.parts import HELDOUT_PROMPTS_FILE
 from dflash.generation.prompts import DropCounts, TurnMode, check_generation_prompt, read_prompt_file
-from dflash.io.files import atomic_write_text
+from dflash.io.files import DEFAULT_MAX_LINE_BYTES, atomic_write_text
 from dflash.io.locks import output_lock
 from dflash.target.load import load_tokenizer, resolve_target_path, target_identity
+from dflash.values import check_seed
 from stages.config.check import nested_config
 from stages.config.resolve import (
     CONFIG_OPTION,
@@ -71,7 +73,6 @@ __all__ = ["GenerateConfig", "run_generate", "register", "HELDOUT_PROMPTS_FILE"]
 
 log = logging.getLogger(__name__)
 
-HELDOUT_PROMPTS_FILE = "heldout_prompts.jsonl"
 _PLUGIN_NAME = "dflash-generate-target"
 EngineName = Literal["transformers", "openai"]
 
@@ -95,14 +96,21 @@ class GenerateConfig:
         part_size: prompts per part (one task, one committed file).
         batch_size, token_budget, kv_cache: transformers engine batching (rows per call, padded prompt tokens per
             call, ``auto``/``static``/``dynamic`` KV cache).
-        deterministic: static KV cache: bitwise-repeatable decode attention (grouped matmuls; 1.34-1.42x slower on
-            an H200) instead of SDPA's grouped-query kernel, whose bits differ from run to run on CUDA, so a rerun may
-            break greedy near-ties differently (docs/generate.md). Never changes what a prompt asks for, so a
-            resume may change it.
+        deterministic: static KV cache: decode attention by grouped matmuls over the whole padded cache (bitwise
+            repeatable, slower) instead of the default: on CUDA with Triton the ranged kernel (only the positions
+            each row attends; repeats bit for bit too), elsewhere SDPA's grouped-query kernel, whose bits may differ
+            from run to run (docs/generate.md). Never changes what a prompt asks for, so a resume may change it.
         target_gpus, target_processes, scheduler_address, dashboard_address, tls_ca_file, tls_cert, tls_key: placement, as
             in ``extract`` (stages.replicas.cluster).
         default_prompts: settings of the embedded default prompt set.
         endpoints, served_model, api_key_env, concurrency: ``openai`` engine settings.
+        request_timeout_s: ``openai`` engine: seconds one request may take, its whole reply included (a longer one is
+            a timeout, retried); with ``max_retries`` it bounds how long a hung endpoint stalls the run (about
+            ``(max_retries + 1) * request_timeout_s``).
+        max_retries: ``openai`` engine: retries of a request after a connection error, a timeout, HTTP 5xx, 408 or
+            429 (0 = try once).
+        max_prompt_bytes: most bytes of one line of a prompts file (.jsonl/.json/.txt) or of the text of one row
+            (.parquet); a longer one is refused, naming it.
         overwrite: replace an output of other settings (only a generate output or an empty folder).
         break_lock: take over the output's lock left by a run on another host known dead (dflash.io.locks).
     """
@@ -137,11 +145,16 @@ class GenerateConfig:
     served_model: str | None = None
     api_key_env: str | None = None
     concurrency: int = 8
+    request_timeout_s: float = 120.0
+    max_retries: int = 3
+    max_prompt_bytes: int = DEFAULT_MAX_LINE_BYTES
     overwrite: bool = False
     break_lock: bool = False
 
     def __post_init__(self) -> None:
+        check_seed("seed", self.seed)
         self.default_prompts = nested_config(DefaultPromptConfig(), self.default_prompts, "default_prompts")
+        check_seed("default_prompts.seed", self.default_prompts.seed)
         if self.prompts != "default":
             from dflash.generation.prompts import check_prompt_file
 
@@ -156,10 +169,14 @@ class GenerateConfig:
             raise ConfigError(f"part_size must be >= 1, got {self.part_size}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ConfigError(f"max_prompts must be >= 1, got {self.max_prompts}")
+        if self.max_prompt_bytes < 1:
+            raise ConfigError(f"max_prompt_bytes must be >= 1, got {self.max_prompt_bytes}")
 
         validate_placement(self)
         if self.engine == "openai" and not self.endpoints:
             raise ConfigError("engine openai needs at least one --endpoint URL (e.g. http://127.0.0.1:8000/v1)")
+        if self.engine == "openai":
+            self.openai_config()  # validates endpoints, concurrency, request_timeout_s, max_retries
         if not isinstance(self.template_kwargs, dict):
             raise ConfigError(f"template_kwargs must be a JSON object, got {self.template_kwargs!r}")
         self.sampling()  # validates temperature, top_p, max_new_tokens
@@ -167,6 +184,14 @@ class GenerateConfig:
     def sampling(self) -> Any:
         return SamplingSettings(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
                                 seed=self.seed)
+
+    def openai_config(self) -> Any:
+        """The ``openai`` engine's settings (:class:`dflash.generation.openai_engine.OpenAIEngineConfig`)."""
+        from dflash.generation.openai_engine import OpenAIEngineConfig
+
+        return OpenAIEngineConfig(endpoints=list(self.endpoints), model=self.served_model,
+                                  api_key_env=self.api_key_env, concurrency=self.concurrency,
+                                  request_timeout_s=self.request_timeout_s, max_retries=self.max_retries)
 
     def to_dict(self) -> dict[str, Any]:
         data = {name: getattr(self, name) for name in self.__slots__}
@@ -178,7 +203,8 @@ class GenerateConfig:
         data = self.to_dict()
         for key in ("output", "target_gpus", "target_processes", "scheduler_address", "dashboard_address", "tls_ca_file",
                     "tls_cert", "tls_key", "break_lock", "overwrite",
-                    "batch_size", "token_budget", "kv_cache", "deterministic", "concurrency", "endpoints", "api_key_env"):
+                    "batch_size", "token_budget", "kv_cache", "deterministic", "concurrency", "endpoints", "api_key_env",
+                    "request_timeout_s", "max_retries", "max_prompt_bytes"):
             data.pop(key)
         return data
 
@@ -194,7 +220,8 @@ def _load_prompts(config: GenerateConfig,
                   "heldout_file": HELDOUT_PROMPTS_FILE}
         drops = DropCounts()
     else:
-        records, drops = read_prompt_file(config.prompts, chat_template=config.chat_template, turns=config.turns)
+        records, drops = read_prompt_file(config.prompts, chat_template=config.chat_template, turns=config.turns,
+                                          max_prompt_bytes=config.max_prompt_bytes)
         source = {"path": str(Path(config.prompts).resolve()), "sha256": _sha256(Path(config.prompts))}
         heldout = None
     if config.max_prompts is not None:
@@ -233,7 +260,7 @@ def _open_output(config: GenerateConfig, plan: dict[str, Any]) -> None:
                     "--overwrite to start over, or another --output"
                 )
             _clear_output(output)
-    elif output.is_dir() and any(p.name != "heldout_prompts.jsonl" for p in output.iterdir()):
+    elif output.is_dir() and any(p.name != HELDOUT_PROMPTS_FILE for p in output.iterdir()):
         raise ConfigError(f"--output {output} exists and is not a generate output; pass a new or empty folder")
     output.mkdir(parents=True, exist_ok=True)
     removed = clear_uncommitted(output)
@@ -359,13 +386,9 @@ def _run_in_process(config: GenerateConfig, specs: list[Any], tokenizer: Any, pr
 
 
 def _openai_engine(config: GenerateConfig, tokenizer: Any) -> Any:
-    try:
-        from dflash.generation.openai_engine import OpenAIEngine, OpenAIEngineConfig
-    except ImportError as error:  # pragma: no cover - the module ships with the package
-        raise ConfigError(f"engine openai is not available: {error}") from error
-    engine_config = OpenAIEngineConfig(endpoints=list(config.endpoints), model=config.served_model,
-                                       api_key_env=config.api_key_env, concurrency=config.concurrency)
-    return OpenAIEngine(engine_config, tokenizer=tokenizer)
+    from dflash.generation.openai_engine import OpenAIEngine
+
+    return OpenAIEngine(config.openai_config(), tokenizer=tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------------- stage
@@ -524,8 +547,9 @@ def register(app: typer.Typer) -> None:
                                      "cache, CUDA graphs on CUDA), dynamic (transformers generate()), auto (static on "
                                      "CUDA, dynamic elsewhere)."),
         deterministic: bool = typer.Option(False, "--deterministic/--no-deterministic", help="Static KV cache: "
-                                           "bitwise-repeatable decode attention (slower) instead of SDPA's grouped-"
-                                           "query kernel, whose bits vary from run to run on CUDA."),
+                                           "decode attention by grouped matmuls over the padded cache (bitwise "
+                                           "repeatable, slower) instead of the default (CUDA with Triton: the ranged "
+                                           "kernel, repeatable too; else SDPA's, whose bits may vary)."),
         target_gpus: str | None = typer.Option(None, help="GPUs for target replicas, e.g. 0,1,2 (one Dask worker each)."),
         target_processes: int | None = typer.Option(None, "--target-processes", help="CPU processes for target replicas (no GPU), one Dask worker each."),
         scheduler_address: str | None = typer.Option(None, help="An existing Dask scheduler (tcp://host:8786)."),
@@ -537,6 +561,9 @@ def register(app: typer.Typer) -> None:
         served_model: str | None = typer.Option(None, help="openai engine: model name on the servers (default: the only one served)."),
         api_key_env: str | None = typer.Option(None, help="openai engine: environment variable holding the API key."),
         concurrency: int = typer.Option(8, help="openai engine: requests in flight per endpoint."),
+        request_timeout_s: float = typer.Option(120.0, help="openai engine: seconds one request may take, its whole reply included (then retried)."),
+        max_retries: int = typer.Option(3, help="openai engine: retries after a connection error, timeout, HTTP 5xx/408/429 (0 = try once)."),
+        max_prompt_bytes: int = typer.Option(DEFAULT_MAX_LINE_BYTES, help="Most bytes of one prompts-file line (or .parquet row's text); a longer one is an error."),
         heldout_permille: int = typer.Option(50, help="Default prompt set: share of stdlib files held out, in 1/1000."),
         overwrite: bool = typer.Option(False, help="Replace an output generated with other settings."),
         break_lock: bool = typer.Option(False, "--break-lock", help="Take over OUTPUT's lock left by a run on another host known dead."),
@@ -559,6 +586,7 @@ def register(app: typer.Typer) -> None:
             target_processes=target_processes,
             scheduler_address=scheduler_address, dashboard_address=dashboard_address, endpoints=list(endpoint),
             served_model=served_model, api_key_env=api_key_env, concurrency=concurrency,
+            request_timeout_s=request_timeout_s, max_retries=max_retries, max_prompt_bytes=max_prompt_bytes,
             default_prompts={"heldout_permille": heldout_permille}, overwrite=overwrite,
             tls_ca_file=tls_ca_file, tls_cert=tls_cert, tls_key=tls_key, break_lock=break_lock,
         )  # fmt: skip

@@ -13,10 +13,12 @@ Run ``dflash-stages prepare [INPUT...] --output DIR``. Inputs (mixed freely):
   ``loss_mask`` (or transformers-style ``labels``, -100 = not supervised); validated against the target's
   vocabulary and rewritten (a corpus written by ``prepare`` is such data: it is re-validated and rewritten).
 
-Refused with the name of what was found (exit 2): other outputs of this project (a hidden-state cache or a path
-inside one, a run folder, an export, a sweep folder: their JSON files are not text to train on) and a file named
-as an input that is binary (NUL bytes or not UTF-8); binary files found in a folder or glob are dropped and
-counted. The output is locked while it is written (``dflash.io.locks``; a second ``prepare`` into it is refused).
+Refused with the name of what was found and what to do instead (exit 2): other outputs of this project, or a path
+inside one (a generate output: already a corpus, for ``extract --corpus``; its ``heldout_prompts.jsonl``, wherever
+it lies; a hidden-state cache, a run folder, an export, a sweep folder; a prepared corpus's files other than its
+data files; a folder holding any of them), since their JSON files are not text to train on; and a file named as an
+input that is binary (NUL bytes or not UTF-8). Binary files found in a folder or glob are dropped and counted. The
+output is locked while it is written (``dflash.io.locks``; a second ``prepare`` into it is refused).
 
 Every row records the source document it came from (the corpus ``document_id``, which the trainer's validation
 split keeps whole): a text file's identity (``<source>:<relative path>``, the ``sample_id`` before any ``#<chunk>``)
@@ -56,8 +58,9 @@ from dflash.corpus.default_corpus import (
     default_corpus_description,
     default_corpus_files,
 )
-from dflash.corpus.format import FORMAT_VERSION, CorpusWriter, open_corpus, validate_corpus
+from dflash.corpus.format import FORMAT_VERSION, METADATA_FILE, CorpusWriter, open_corpus, validate_corpus
 from dflash.errors import ConfigError, CorpusError, CorpusNotFoundError, DFlashError
+from dflash.generation.parts import HELDOUT_PROMPTS_FILE, PLAN_FILE
 from dflash.io.locks import output_lock
 from dflash.target.load import load_tokenizer, resolve_target_path, target_identity
 from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
@@ -114,6 +117,9 @@ class PrepareConfig:
     break_lock: bool = False
 
     def __post_init__(self) -> None:
+        from dflash.values import check_seed
+
+        check_seed("seed", self.seed)
         self.inputs = list(self.inputs) or ["default"]
         self.output = Path(self.output)
         if self.max_length < 1:
@@ -221,7 +227,8 @@ def _is_tabular_folder(path: Path) -> bool:
     if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
         return True
     entries = [p for p in path.iterdir() if not p.name.startswith(".")]
-    return bool(entries) and all(p.is_file() and (p.suffix in _TABLE_SUFFIXES or p.name == "corpus.json") for p in entries)
+    return (any(p.suffix in _TABLE_SUFFIXES for p in entries)
+            and all(p.is_file() and (p.suffix in _TABLE_SUFFIXES or p.name == METADATA_FILE) for p in entries))
 
 
 def _table_documents(path: Path) -> list[_Document]:
@@ -329,25 +336,49 @@ def _file_documents(path: Path, *, named: bool = False) -> list[_Document]:
     return [_Document("text", sample_id, str(path), TextFile(path, path.name), sample_id)]
 
 
-#: Marker files of this project's outputs -> what the folder holding them is and what to do instead.
+#: Marker files of this project's outputs -> what the folder holding them is and what to do instead. A generate
+#: output is checked before a prepared corpus (it holds ``corpus.json`` too once finished).
 _ARTIFACT_MARKERS = {
     "zarr.json": "a Zarr store (extract's hidden-state cache): pass it to `train --cache`, not to prepare",
     "run.json": "a training run folder (train's output): pass it to `evaluate --drafter` or `export`",
     "trainer_state.json": "a training checkpoint (train's output): pass it to `evaluate --drafter` or `export`",
     "dflash_export.json": "a drafter export (export's output): serve it with vLLM/SGLang, or check it with `inspect`",
     "sweep.json": "a sweep folder (sweep's output): its runs go to `evaluate --drafter` or `export`",
+    PLAN_FILE: "a generate output (the target's replies, already a tokenized corpus): pass the folder to "
+                     "`extract --corpus`, and its heldout_prompts.jsonl to `evaluate --prompts` (never train on them)",
+    HELDOUT_PROMPTS_FILE: "generate's held-out evaluation prompts: pass them to `evaluate --prompts`; training on "
+                          "them makes the evaluation meaningless",
+    METADATA_FILE: "a prepared corpus (prepare's output): pass the corpus folder itself (it is re-validated as "
+                   "tokenized data) or give it to `extract --corpus`",
 }
+_CORPUS = _ARTIFACT_MARKERS[METADATA_FILE]
+
+
+def _is_marker(folder: Path, marker: str) -> bool:
+    """Whether ``folder/marker`` is this project's file: present, and for ``corpus.json`` (a common name) a
+    ``dflash.corpus.format`` sidecar."""
+    file = folder / marker
+    if not file.is_file():
+        return False
+    if marker != METADATA_FILE:
+        return True
+    try:
+        return str(json.loads(file.read_text(encoding="utf-8")).get("format_version", "")).startswith("dflash.corpus/")
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _project_artifact(path: Path) -> tuple[Path, str] | None:
-    """``(folder, what it is)`` when ``path`` is, or lies inside, an output of this project other than a corpus."""
+    """``(folder, what it is)`` when ``path`` is, or lies inside, an output of this project."""
     path = path.resolve()
+    if path.is_file() and path.name == HELDOUT_PROMPTS_FILE:
+        return path, _ARTIFACT_MARKERS[HELDOUT_PROMPTS_FILE]
     folders = [path, *path.parents] if path.is_dir() else list(path.parents)
     for depth, folder in enumerate(folders):
         # A Zarr store has zarr.json at every level; other outputs are at most 3 levels deep (a run's checkpoint
         # files), so an unrelated run.json higher up (a home folder) is not mistaken for one.
         for marker, what in _ARTIFACT_MARKERS.items():
-            if (marker == "zarr.json" or depth < 3) and (folder / marker).is_file():
+            if marker != HELDOUT_PROMPTS_FILE and (marker == "zarr.json" or depth < 3) and _is_marker(folder, marker):
                 while marker == "zarr.json" and (folder.parent / marker).is_file():  # name the store's root
                     folder = folder.parent
                 return folder, what
@@ -357,18 +388,22 @@ def _project_artifact(path: Path) -> tuple[Path, str] | None:
 
 
 def _refuse_artifact(spec: str, path: Path, *, below: bool = False) -> None:
-    """Raise naming what ``path`` is (or, ``below``: what the input folder ``spec`` holds at ``path``)."""
+    """Raise naming what ``path`` is (or, ``below``: what the input folder ``spec`` holds at ``path``). A prepared
+    corpus named itself (its folder, or one of its data files) is tokenized data and passes."""
     found = _project_artifact(path)
-    if found is not None:
-        folder, what = found
-        if below:
-            where = f"holds {what.split(':')[0]} at {folder}; pass a folder of text files only"
-        else:
-            where = f"is {what}" + ("" if folder == path.resolve() else f" (it lies inside {folder})")
-        raise CorpusError(
-            f"input {spec!r} {where}; prepare reads chat data, text or tokenized data (a prepared corpus folder "
-            "included)"
-        )
+    if found is None:
+        return
+    folder, what = found
+    if what == _CORPUS and not below and (path.resolve() == folder or path.suffix in _TABLE_SUFFIXES):
+        return
+    if below:
+        where = f"holds {what.split(':')[0]} at {folder}; pass a folder of text files only"
+    else:
+        where = f"is {what}" + ("" if folder == path.resolve() else f" (it lies inside {folder})")
+    raise CorpusError(
+        f"input {spec!r} {where}; prepare reads chat data, text or tokenized data (a prepared corpus folder "
+        "included)"
+    )
 
 
 def _refuse_binary(path: Path) -> None:

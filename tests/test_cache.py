@@ -632,3 +632,20 @@ def test_document_keys_are_stored_checked_on_resume_and_optional(tmp_path, targe
     # ... and a resume with a corpus that has them adds them, before the next shard.
     HiddenStateCache.create(tmp_path / "old", metadata, document_keys=keys)
     assert CacheReader(tmp_path / "old").document_keys().tolist() == keys.tolist()
+
+
+def test_a_damaged_commit_record_or_metadata_is_one_cache_error_naming_it(written, target):
+    """A commit record nested 100k deep (a ``RecursionError`` in the parser) or garbled is a ``CacheCorruptError``
+    naming its key and the fix; metadata with a field of the wrong type is a ``CacheError``, not a ``TypeError``."""
+    path, _ = written
+    record = Path(path) / "commits" / "shard-000001.json"
+    for text, needle in (("[" * 100_000 + "]" * 100_000, "nested more than 64 levels deep"),
+                         ('{"rows": ', "not valid JSON at line 1")):
+        record.write_text(text)
+        with pytest.raises(CacheCorruptError, match=r"commits/shard-000001.json: ") as caught:
+            verify_cache(path)
+        assert needle in str(caught.value) and "delete it so the shard is redone" in str(caught.value)
+    good = _metadata(target, [1, 2], [[0, 3]]).to_dict()
+    for damaged in ({**good, "hidden_size": "576"}, {**good, "shard_rows": 7}, [good]):
+        with pytest.raises(CacheError, match="dflash_cache.*re-extract the cache"):
+            CacheMetadata.from_dict(damaged)

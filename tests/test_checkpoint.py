@@ -265,3 +265,64 @@ def test_extended_schedule_rewarms_from_the_current_lr_and_round_trips_as_json()
     fresh.load_state_dict(state)
     assert extend_schedule(fresh, config, total_steps=20) is None  # resuming the extended run changes nothing
     assert [fresh.lr_lambdas[0](s) for s in range(25)] == [extended(s) for s in range(25)]
+
+
+def test_damaged_json_records_of_a_checkpoint_are_refused_naming_the_file_and_key(training, tmp_path):
+    """``trainer_state.json``, ``drafter_config.json``, ``best.json``, ``latest`` and ``run.json`` are read through
+    ``dflash.io.files`` (bounded, regular files only) and their fields type-checked: a damaged one is a
+    ``CheckpointError`` naming the file and the key, never a ``RecursionError``/``TypeError`` later."""
+    import os
+
+    from dflash.io.files import load_json
+    from dflash.training.checkpoint import read_run_record
+
+    run = tmp_path / "run"
+    checkpointer = Checkpointer(run, keep_last=2)
+    training.train_step()
+    training.step = 1
+    checkpointer.save(training.snapshot(checkpointer))
+    checkpointer.report_validation(1, 2.5)
+    checkpointer.close()
+    folder = resolve_checkpoint(run)
+    state_file = folder / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert load_checkpoint(run, with_training_state=False).step == 1
+    for damaged, needle in (
+        ({**state, "step": "1"}, "'step' is \"1\", expected an integer >= 0"),
+        ({**state, "step": True}, "'step' is true"),
+        ({**state, "step": -1}, "'step' is -1"),
+        ({**state, "scheduler": [1]}, "'scheduler' is [1], expected an object"),
+        ({k: v for k, v in state.items() if k != "step"}, "no 'step' field"),
+        ([state], "expected a JSON object at the top, got list"),
+    ):
+        state_file.write_text(json.dumps(damaged))
+        with pytest.raises(CheckpointError, match="^" + str(state_file) + ": ") as refused:
+            load_checkpoint(run, with_training_state=False)
+        assert needle in str(refused.value) and "resume from another checkpoint" in str(refused.value)
+    state_file.write_text('{"step": ' * 100_000)
+    with pytest.raises(CheckpointError, match="nested more than 64 levels deep|not valid JSON"):
+        load_checkpoint(run, with_training_state=False)
+    state_file.write_text(json.dumps(state))
+    (folder / "drafter_config.json").unlink()
+    (folder / "drafter_config.json").symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match="missing drafter_config.json"):  # not a regular file: never read
+        load_checkpoint(run, with_training_state=False)
+    with pytest.raises(CheckpointError, match="drafter_config.json: is a device, not a regular file"):
+        load_json(folder / "drafter_config.json", error=CheckpointError, fix="")
+    (folder / "drafter_config.json").unlink()
+    (folder / "drafter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="drafter_config.json: nested more than 64 levels deep"):
+        load_checkpoint(run, with_training_state=False)
+    (run / "best.json").write_text('{"checkpoint": "step_00000001", "step": 1, "val_loss": "low"}')
+    with pytest.raises(CheckpointError, match=r"best.json: 'val_loss' is \"low\", expected an integer >= 0 or a number"):
+        Checkpointer(run)
+    (run / "latest").write_text("step_00000001" * 1000)
+    with pytest.raises(CheckpointError, match="latest: is 13,000 bytes, over the 4,096-byte limit"):
+        resolve_checkpoint(run)
+    (run / "run.json").write_text('{"config": 5}')
+    with pytest.raises(CheckpointError, match=r"run.json: 'config' is 5, expected an object"):
+        read_run_record(run)
+    os.unlink(run / "run.json")
+    os.mkfifo(run / "run.json")
+    with pytest.raises(CheckpointError, match="run.json: is a FIFO"):
+        read_run_record(run)

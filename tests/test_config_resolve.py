@@ -4,6 +4,7 @@ any work, printed by --print-config in a form --config reads back (stages/stage_
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -151,11 +152,31 @@ def test_hostile_config_files_and_values_are_one_error_line(tmp_path, monkeypatc
     (tmp_path / "typo_section.json").write_text('{"extract": {"target_processes": 1}, "trian": {"lr": 5}}')
     (tmp_path / "lr.toml").write_text("[train.optim]\nlr = -1.0\n")
     (tmp_path / "inf.json").write_text('{"extract": {"expected_ratio": 1e999}}')
+    (tmp_path / "epochs.toml").write_text("[train]\nepochs = 1" + "0" * 400 + "\n")  # overflows a float
+    (tmp_path / "seed.toml").write_text(f"[train]\nseed = {2**63}\n")
+    (tmp_path / "flow.yaml").write_text("train:\n  x: " + "[" * 20000 + "]" * 20000 + "\n")  # quadratic in PyYAML
+    (tmp_path / "dashes.yaml").write_text("- " * 20000 + "x\n")
+    (tmp_path / "deep.toml").write_text("x = " + "[" * 20000 + "]" * 20000 + "\n")
+    (tmp_path / "zero.toml").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo.yaml")
+    os.mkfifo(tmp_path / "fifo.json")
     out = str(tmp_path / "out")
+    train = ["train", "--cache", "c", "-o", out]
     cases = [
         (["extract", "--corpus", "c", "-o", out, "--config", str(tmp_path / "huge.json")], "huge.json: unreadable"),
-        (["extract", "--corpus", "c", "-o", out, "--config", str(tmp_path / "deep.json")], "deep.json: unreadable"),
-        (["extract", "--corpus", "c", "-o", out, "--preset", str(tmp_path / "bin.json")], "bin.json: unreadable"),
+        (["extract", "--corpus", "c", "-o", out, "--config", str(tmp_path / "deep.json")], "deep.json: nested more than 64"),
+        (["extract", "--corpus", "c", "-o", out, "--preset", str(tmp_path / "bin.json")], "bin.json: not valid JSON"),
+        (["extract", "--corpus", "c", "-o", out, "--preset", str(tmp_path / "fifo.json")], "fifo.json: is a FIFO"),
+        ([*train, "--config", str(tmp_path / "epochs.toml")], "train.epochs (--config "),
+        ([*train, "--config", str(tmp_path / "seed.toml")], "train.seed (--config "),
+        ([*train, "--seed", str(2**63), "--print-config"], "train.seed (--seed): must be an integer from 0 to 2**63-1"),
+        ([*train, "--set", "seed=-1", "--print-config"], "must be an integer from 0 to 2**63-1"),
+        (["generate", "-o", out, "--set", f"default_prompts.seed={2**64}", "--print-config"], "default_prompts.seed"),
+        ([*train, "--config", str(tmp_path / "flow.yaml")], "flow.yaml: nested more than 64 levels deep"),
+        ([*train, "--config", str(tmp_path / "dashes.yaml")], "dashes.yaml: nested more than 64 levels deep"),
+        ([*train, "--config", str(tmp_path / "deep.toml")], "deep.toml: nested more than 64 levels deep"),
+        ([*train, "--config", str(tmp_path / "zero.toml")], "zero.toml: is a device, not a regular file"),
+        ([*train, "--config", str(tmp_path / "fifo.yaml")], "fifo.yaml: is a FIFO, not a regular file"),
         (["extract", "--corpus", "c", "-o", out, "--config", str(tmp_path / "laughs.yaml")], "YAML aliases"),
         (["extract", "--corpus", "c", "-o", out, "--set", "shard_size=" + "1" * 5000], "unreadable value"),
         (["extract", "--corpus", "c", "-o", out, "--config", str(tmp_path)], "is a folder"),

@@ -137,6 +137,41 @@ def test_fingerprint_is_stable_and_content_sensitive(tmp_path, samples):
     assert len(prints) == 4 and first.fingerprint not in prints
 
 
+def edit_one_token(file, position=5):
+    """Rewrite the Arrow IPC file ``file`` with token ``position`` (of the flat input_ids) changed by one, as an
+    editor would: same schema, same rows, a valid file."""
+    table = pa.ipc.open_file(pa.BufferReader(file.read_bytes())).read_all()
+    ids = table.column("input_ids").combine_chunks()
+    values = ids.values.to_numpy().copy()
+    values[position] += 1
+    columns = [pa.ListArray.from_arrays(ids.offsets, pa.array(values, pa.int32())), *table.columns[1:]]
+    edited = pa.Table.from_arrays(columns, schema=table.schema)
+    with pa.OSFile(str(file), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(edited)
+
+
+def test_data_changed_after_writing_is_refused_against_corpus_json(tmp_path, samples):
+    """One token edited in the data file: the fingerprint recomputed from the data differs from corpus.json's, so
+    validation (what extract and online run first) refuses the corpus; an unedited one and a corpus without a
+    recorded fingerprint pass."""
+    folder = _write(tmp_path / "c", samples)
+    recorded = json.loads((folder / METADATA_FILE).read_text())["fingerprint"]
+    validate_corpus(open_corpus(folder), vocab_size=49152)
+    edit_one_token(folder / DATA_FILE)
+    corpus = open_corpus(folder)
+    assert corpus.fingerprint != recorded and len(corpus) == len(samples)
+    with pytest.raises(CorpusError) as raised:
+        validate_corpus(corpus, vocab_size=49152)
+    message = str(raised.value)
+    assert message.startswith(f"corpus {folder}: its data (corpus.arrow) has fingerprint {corpus.fingerprint}, but "
+                              f"{folder / METADATA_FILE} records {recorded}: the data was changed after the corpus "
+                              "was written; restore the original files, or rebuild the corpus")
+    with pytest.raises(CorpusError, match="the data was changed after the corpus was written"):
+        open_corpus(folder / DATA_FILE).check_fingerprint()  # the data file named directly reads the sidecar too
+    pq.write_table(_table(samples), tmp_path / "plain.parquet")
+    open_corpus(tmp_path / "plain.parquet").check_fingerprint()  # nothing recorded: nothing to compare
+
+
 def _bad_parquet(tmp_path, samples, edit, **table_kwargs):
     rows = [(s, ids.copy(), mask.copy()) for s, ids, mask in samples]
     edit(rows)

@@ -205,6 +205,28 @@ def test_file_prompts_txt_and_errors(tokenizer, tmp_path):
         prompts_from_file(tmp_path / "prompts.csv", tokenizer, num_prompts=1)
 
 
+def test_file_prompts_refuse_what_no_step_can_use_naming_the_line(tokenizer, tmp_path):
+    """Deep nesting, a non-object line, a message without content, bytes that are not UTF-8 and a line past the
+    limit are each one ConfigError/CorpusError naming the file and line (never a RecursionError or AttributeError)."""
+    from dflash.errors import CorpusError
+    from dflash.io.files import DEFAULT_MAX_LINE_BYTES
+
+    cases = [
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", ConfigError, "nested more than 64 levels deep"),
+        (b'["a list"]', ConfigError, "expected a JSON object, got list"),
+        (b'{"messages": [{"role": "user"}]}', CorpusError, "message 0: content is NoneType"),
+        (b'{"messages": ["hi"]}', CorpusError, "message 0: expected an object with role and content"),
+        (b'{"prompt": "caf\xe9"}', ConfigError, r"is not UTF-8 text \(it holds the byte b'\\xe9'\)"),
+        (b'{"prompt": "' + b"x" * DEFAULT_MAX_LINE_BYTES + b'"}', ConfigError,
+         f"line 2 is longer than {DEFAULT_MAX_LINE_BYTES:,} bytes"),
+    ]
+    for index, (line, error, message) in enumerate(cases):
+        path = tmp_path / f"p{index}.jsonl"
+        path.write_bytes(b'{"prompt": "fine"}\n' + line + b"\n")
+        with pytest.raises(error, match=f"{path.name} line 2.*{message}" if "line 2" not in message else message):
+            prompts_from_file(path, tokenizer, num_prompts=5)
+
+
 def test_progress_bar_over_prompts_on_a_terminal(export_folder, target, tokenizer):
     """On a terminal, evaluate draws a transient bar counting prompts (with the running tau) from the warm-up on."""
     import io

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -201,6 +202,21 @@ def test_corpus_outside_the_vocab_fails_before_any_worker_starts(tmp_path, token
         writer.commit({})
     config = ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "cache"), target_processes=1)
     with pytest.raises(CorpusError, match="60000"):
+        run_extract(config, _quiet())
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_corpus_edited_after_prepare_fails_before_any_worker_starts(tmp_path, corpus_dir):
+    """One token id changed in the corpus's Arrow file: extract recomputes the fingerprint and refuses the corpus
+    instead of recording the new one; nothing is written."""
+    from test_corpus import edit_one_token
+
+    edited = tmp_path / "corpus"
+    shutil.copytree(corpus_dir, edited)
+    edit_one_token(edited / "corpus.arrow")
+    config = ExtractConfig(corpus=str(edited), output=str(tmp_path / "cache"), target_processes=1)
+    with pytest.raises(CorpusError, match=f"corpus {edited}: its data \\(corpus.arrow\\) has fingerprint .* but "
+                                          f"{edited / 'corpus.json'} records .*: the data was changed"):
         run_extract(config, _quiet())
     assert not (tmp_path / "cache").exists()
 

@@ -181,6 +181,72 @@ def _train_args(cache: Path, output: Path, *extra: str) -> list[str]:
             "0.2", "--max-steps", "2", "--save-every", "2", "--no-progress", "--device", "cpu", *extra]  # fmt: skip
 
 
+def _swap(a: Path, b: Path) -> None:
+    parked = a.with_name(a.name + ".parked")
+    a.rename(parked)
+    b.rename(a)
+    parked.rename(b)
+
+
+def _edit_json(path: Path, edit) -> None:
+    document = json.loads(path.read_text())
+    edit(document)
+    path.write_text(json.dumps(document))
+
+
+@pytest.mark.parametrize("tamper, message", [
+    ("swap-shards", "shard 0 of {cache}: its commit record is shard 1's (corpus rows [12, 24]), but the plan gives "
+                    "shard 0 the rows [0, 12]: shard folders or commit records were moved or swapped"),
+    ("zarr-shape", "shard 1 of {cache}: shards/000001/hidden/zarr.json has shape [{rows}, 1152], but the commit record "
+                   "and the cache's root metadata give [{recorded}, 1152]: the array's metadata was edited"),
+    ("zarr-codec", "shard 1 of {cache}: shards/000001/hidden/zarr.json has codecs "),
+    ("zarr-dtype", "shard 0 of {cache}: shards/000000/input_ids/zarr.json has data_type \"uint32\", but the commit "
+                   "record and the cache's root metadata give \"int32\""),
+])
+def test_swapped_shards_or_edited_array_metadata_are_refused_before_step_1(cache, tmp_path, monkeypatch, capsys,
+                                                                           tamper, message):
+    """Shard folders swapped together with their commit records (every checksum still valid), or a shard array's
+    zarr.json with another shape, codec or dtype: what `cache verify` calls corrupt, train refuses before step 1
+    (exit 2, one line naming the shard and the file), writing no run folder."""
+    tampered = tmp_path / "cache"
+    shutil.copytree(cache, tampered)
+    recorded = json.loads((tampered / "commits" / "shard-000001.json").read_text())["arrays"]["hidden"]["shape"][0]
+    if tamper == "swap-shards":
+        _swap(tampered / "shards" / "000000", tampered / "shards" / "000001")
+        _swap(tampered / "commits" / "shard-000000.json", tampered / "commits" / "shard-000001.json")
+    elif tamper == "zarr-shape":
+        _edit_json(tampered / "shards" / "000001" / "hidden" / "zarr.json", lambda d: d["shape"].__setitem__(0, recorded - 1))
+    elif tamper == "zarr-codec":
+        _edit_json(tampered / "shards" / "000001" / "hidden" / "zarr.json", lambda d: d["codecs"].pop(1))
+    else:
+        _edit_json(tampered / "shards" / "000000" / "input_ids" / "zarr.json", lambda d: d.__setitem__("data_type", "uint32"))
+    code, stderr = main_in_process(monkeypatch, capsys, *_train_args(tampered, tmp_path / "run"))
+    line = _one_error_line(stderr)
+    assert code == 2
+    assert message.format(cache=tampered, rows=recorded - 1, recorded=recorded) in line, line
+    assert line.endswith("withdraw the shard (`dflash-stages cache verify CACHE --uncommit-corrupt`) and rerun extract")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(CacheError, match="moved or swapped" if tamper == "swap-shards" else "metadata was edited"):
+        verify_cache(tampered)
+
+
+def test_a_bit_flip_found_during_training_leaves_no_run_folder(cache, tmp_path, monkeypatch, capsys):
+    """A bit flipped inside a hidden chunk keeps its trailer (the check before step 1 passes); the reader's decode
+    refuses it once training reads it: exit 2, one line naming the chunk, and the run folder this run created (no
+    checkpoint in it) is removed."""
+    tampered = tmp_path / "cache"
+    shutil.copytree(cache, tampered)
+    chunk = tampered / "shards" / "000001" / "hidden" / "c" / "2" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 1
+    chunk.write_bytes(bytes(data))
+    code, stderr = main_in_process(monkeypatch, capsys, *_train_args(tampered, tmp_path / "run"))
+    line = _one_error_line(stderr)
+    assert code == 2
+    assert f"shard 1 of {tampered}: array 'hidden' chunk 2 (c/2/0, rows 64..96) fails its crc32c checksum" in line
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("tamper", ["swap", "truncate"])
 def test_swapped_or_truncated_chunk_is_refused_before_step_1(cache, tmp_path, monkeypatch, capsys, tamper):
     """A chunk of the other shard copied over one of shard 1 (valid crc32c, valid codec frame, wrong data: it trains
@@ -235,12 +301,17 @@ def test_sigkill_mid_checkpoint_write_then_resume_is_bit_exact(cache, straight_r
     _assert_same_run_state(straight_run, output, 4)
 
 
+@pytest.mark.parametrize("spec", [
+    "checkpoint.write@2=enospc",  # between the weights and the state files of step 4
+    "safetensors.write@4=enospc",  # step 4's model.safetensors (3 safetensors files a checkpoint)
+    "safetensors.write@6=enospc",  # step 4's rng.safetensors (through dflash.training.state_files)
+])  # fmt: skip
 def test_full_disk_at_a_checkpoint_is_one_error_line_and_the_resume_is_bit_exact(cache, straight_run, tmp_path,
-                                                                                   monkeypatch, capsys, fault):  # fmt: skip
+                                                                                   monkeypatch, capsys, fault, spec):  # fmt: skip
     output = tmp_path / "run"
     config_file = tmp_path / "config.json"
     config_file.write_text(json.dumps(tiny_config(cache, output, **RUN).to_dict()))
-    fault("checkpoint.write@2=enospc")
+    fault(spec)
     code, stderr = main_in_process(monkeypatch, capsys, "train", "--config", str(config_file))
     assert code == 2
     line = _one_error_line(stderr)
@@ -252,6 +323,22 @@ def test_full_disk_at_a_checkpoint_is_one_error_line_and_the_resume_is_bit_exact
     code, stderr = main_in_process(monkeypatch, capsys, "train", "--config", str(config_file), "--resume")
     assert code == 0, stderr
     _assert_same_run_state(straight_run, output, 4)
+
+
+def test_full_disk_under_export_is_one_error_line_and_leaves_nothing(straight_run, tmp_path, monkeypatch, capsys, fault):
+    out = tmp_path / "export"
+    fault("safetensors.write=enospc")
+    code, stderr = main_in_process(monkeypatch, capsys, "export", str(straight_run), str(out))
+    assert code == 2
+    line = _one_error_line(stderr)
+    assert line.startswith(f"error: No space left on device (ENOSPC) at {tmp_path}/.export.")
+    assert line.endswith("/model.safetensors; free space there (or write elsewhere) and rerun the same command; "
+                         "committed work is kept")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no export, no staging folder, no lock file
+    fault(None)
+    code, stderr = main_in_process(monkeypatch, capsys, "export", str(straight_run), str(out))
+    assert code == 0, stderr
+    assert (out / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("command", ["inspect", "inspect --scan", "export", "evaluate", "train --resume"])

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from dflash.io.files import atomic_output, atomic_write_bytes, atomic_write_text
+from dflash.errors import ConfigError
+from dflash.io.files import (
+    JSONInputError,
+    atomic_output,
+    atomic_write_bytes,
+    atomic_write_text,
+    decode_json,
+    read_lines,
+)
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
@@ -62,3 +70,102 @@ def test_a_path_that_does_not_exist_is_the_familys_error_and_a_file_not_found_er
     with pytest.raises(CheckpointError, match="is not a folder") as caught:
         resolve_checkpoint(tmp_path / "a-file")
     assert not isinstance(caught.value, FileNotFoundError)
+
+
+def test_the_bounded_reader_refuses_devices_fifos_oversize_files_and_deep_nesting(tmp_path):
+    """``dflash.io.files.load_json``: the one way a JSON record is read back; each refusal is the caller's error class,
+    one line naming the file and the fix."""
+    import os
+
+    from dflash.errors import CheckpointError
+    from dflash.io.files import MAX_DEPTH, load_json, parse_json, read_bounded
+
+    def refusal(path, **kwargs):
+        with pytest.raises(CheckpointError) as caught:
+            load_json(path, error=CheckpointError, fix="the fix", **kwargs)
+        assert str(caught.value).startswith(f"{path}: ") and str(caught.value).endswith("; the fix")
+        return str(caught.value)
+
+    good = tmp_path / "good.json"
+    good.write_text('{"a": [1, {"b": 2}]}')
+    assert load_json(good, error=CheckpointError, fix="") == {"a": [1, {"b": 2}]}
+    zero = tmp_path / "zero.json"
+    zero.symlink_to("/dev/zero")
+    assert "is a device, not a regular file" in refusal(zero)
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    assert "is a FIFO, not a regular file" in refusal(fifo)  # and the open did not block
+    assert "is a folder" in refusal(tmp_path)
+    assert "over the 10-byte limit" in refusal(good, limit=10)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)  # RecursionError in the parser
+    assert f"nested more than {MAX_DEPTH} levels deep" in refusal(deep)
+    deep.write_text('{"a": ' * (MAX_DEPTH + 1) + "1" + "}" * (MAX_DEPTH + 1))  # parses, then the depth check
+    assert f"nested more than {MAX_DEPTH} levels deep" in refusal(deep)
+    deep.write_text('{"a": ' * (MAX_DEPTH - 1) + "1" + "}" * (MAX_DEPTH - 1))
+    assert load_json(deep, error=CheckpointError, fix="") is not None
+    garbage = tmp_path / "garbage.json"
+    garbage.write_bytes(b"\xff\xfe{")
+    assert "not UTF-8" in refusal(garbage) or "not valid JSON" in refusal(garbage)
+    garbage.write_text('{"a": 1,')
+    assert "not valid JSON at line 1" in refusal(garbage)
+    garbage.write_text("9" * 5000)
+    assert "unreadable value" in refusal(garbage, expect=None)
+    garbage.write_text("[1]")
+    assert "expected a JSON object at the top, got list" in refusal(garbage)
+    with pytest.raises(FileNotFoundError):
+        read_bounded(tmp_path / "missing.json", error=CheckpointError, fix="")
+    with pytest.raises(CheckpointError, match=r"^here: nested more than"):
+        parse_json("[" * 5000 + "]" * 5000, where="here", error=CheckpointError, fix="f")
+
+
+def test_atomic_writes_follow_no_link_at_the_path_or_at_the_temporary(tmp_path):
+    """A link planted at the file replaced, or at its temporary's name: the link goes, its target is untouched."""
+    import os
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    path = tmp_path / "loss.png"
+    path.symlink_to(victim)
+    atomic_write_bytes(path, b"png")
+    assert not path.is_symlink() and path.read_bytes() == b"png" and victim.read_text() == "keep me"
+    temporary = tmp_path / f".report.html.tmp-{os.getpid()}"
+    temporary.symlink_to(victim)
+    atomic_write_text(tmp_path / "report.html", "<html>")
+    assert (tmp_path / "report.html").read_text() == "<html>" and victim.read_text() == "keep me"
+    assert not temporary.exists() and not temporary.is_symlink()
+
+
+# Lines and JSON from outside: a line-based file is read a bounded line at a time, and JSON from outside is refused
+# with one reason (never a RecursionError or a string no tokenizer takes).
+
+def test_lines_up_to_the_limit_are_read_with_their_numbers_and_a_longer_one_is_refused(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(b"a" * 8 + b"\r\n" + b"\n" + b"b" * 8 + b"\n" + b"c" * 9)
+    assert list(read_lines(path, max_line_bytes=9, what="prompts")) == [
+        (1, b"a" * 8), (2, b""), (3, b"b" * 8), (4, b"c" * 9)]
+    lines = read_lines(path, max_line_bytes=8, what="prompts", raise_with="--max-prompt-bytes")
+    assert [next(lines) for _ in range(3)] == [(1, b"a" * 8), (2, b""), (3, b"b" * 8)]
+    with pytest.raises(ConfigError) as raised:
+        next(lines)
+    assert str(raised.value) == (f"prompts: {path} line 4 is longer than 8 bytes (the limit per line); shorten or "
+                                 "split it, or raise the limit with --max-prompt-bytes")
+    with pytest.raises(ConfigError, match=r"line 4 is longer than 8 bytes \(the limit per line\); shorten or split it$"):
+        list(read_lines(path, max_line_bytes=8, what="prompts"))
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("[" * 100_000 + "]" * 100_000, "nested more than 64 levels deep"),
+    ('{"a": ' + "9" * 5000 + "}", "unreadable value"),
+    ('{"a": ["ok", {"b": "\\udc80"}]}', "lone surrogate"),
+    ('{"a": 1,}', "not valid JSON at line 1 column 9 (Expecting property name enclosed in double quotes)"),
+    (b'{"a": "\xff"}', "not UTF-8 text"),
+])
+def test_json_that_no_later_step_can_use_is_one_reason(text, reason):
+    with pytest.raises(JSONInputError) as raised:
+        decode_json(text)
+    assert reason in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_json_with_a_surrogate_pair_is_text():
+    assert decode_json('{"a": "\\ud83d\\ude00", "n": 1000000000000}') == {"a": "\U0001F600", "n": 10**12}

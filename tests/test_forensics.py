@@ -185,6 +185,51 @@ def test_inspect_json_gives_parameter_counts_tensor_statistics_and_checks_steps(
     assert result.exit_code == 2 and result.output.startswith("error: ")
 
 
+def test_scan_and_inspect_fail_a_checkpoint_resume_would_refuse(run_a, tmp_path, monkeypatch, capsys):
+    """A foreign RNG file (a pickle of anything but tensors; a state file holding no generator state) or a missing
+    optimizer state: ``train --resume`` refuses the checkpoint, so scan and inspect say so (exit 1) with the same
+    message, naming the file."""
+    import os
+    import pickle
+    import shutil
+
+    import torch
+    from cli_helpers import main_in_process
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    run = tmp_path / "run"
+    shutil.copytree(run_a, run)
+    latest, older, oldest = (run / "checkpoints" / f"step_{step:08d}" for step in (6, 4, 2))
+    (latest / "rng.safetensors").unlink()
+    (latest / "rng.pt").write_bytes(pickle.dumps({"torch": Payload()}))  # a format-1 name, a foreign pickle
+    save_state_tree({"torch": torch.zeros(3)}, older / "rng.safetensors")  # readable, but no generator state
+    (oldest / "optimizer.safetensors").unlink()
+
+    result = _invoke(scan_stage.register, "scan", run)
+    assert result.exit_code == 1, result.output
+    assert "3 of 3 with problems" in result.output
+    text = " ".join(result.output.split())
+    assert f"train --resume would refuse it: refused to load {latest / 'rng.pt'}: it is a pickle" in text
+    assert f"{older / 'rng.safetensors'}: its 'torch' entry is not a random generator state" in text
+    assert f"{oldest} has no optimizer.safetensors" in text
+    resumable = "resumable (every file train --resume reads, read as it reads them)"
+    data = json.loads(_invoke(inspect_stage.register, "inspect", run, "--json", "--no-tensors").output)
+    assert data["checks"][resumable].startswith(f"train --resume would refuse it: refused to load {latest / 'rng.pt'}")
+    result = _invoke(inspect_stage.register, "inspect", older, "--no-tensors")
+    assert result.exit_code == 1 and f"{resumable}: FAILED" in result.output
+
+    code, stderr = main_in_process(monkeypatch, capsys, "train", "--output", str(run), "--resume", "--no-progress")
+    assert code == 2 and "Traceback" not in stderr
+    assert f"refused to load {latest / 'rng.pt'}: it is a pickle" in stderr  # the message scan and inspect gave
+    assert not (tmp_path / "ran").exists()
+
+    clean = _invoke(inspect_stage.register, "inspect", run_a, "--json", "--no-tensors")
+    assert clean.exit_code == 0 and json.loads(clean.output)["checks"][resumable] == "ok"
+
+
 def test_scan_of_no_artefact_is_a_usage_error(tmp_path):
     result = _invoke(scan_stage.register, "scan", tmp_path)
     assert result.exit_code == 2
@@ -273,3 +318,50 @@ def test_report_writes_pngs_and_a_self_contained_html_page_for_overlaid_runs(run
     assert "evaluated tau per epoch" in page and "2, 4, 6" in page
     assert "<img" in page and 'src="data:image/png;base64,' in page and "src=\"http" not in page
     assert _invoke(report_stage.register, "report", tmp_path / "nothing").exit_code == 2
+
+
+def test_report_writes_only_into_its_own_folder_and_follows_no_link(run_a, tiny_cache, tmp_path):
+    """A link planted as RUN/report or as one of its files, or an output that is a run, a cache or the user's
+    folder: one error line, exit 2, nothing written anywhere. A report folder is rewritten."""
+    import shutil
+
+    pytest.importorskip("matplotlib")
+    from stages.forensics import report as report_stage
+
+    run = tmp_path / "run"
+    shutil.copytree(run_a, run, ignore=shutil.ignore_patterns("report"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("mine")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+
+    def refused(*args, says: str) -> None:
+        result = _invoke(report_stage.register, "report", *args)
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith("error: ") and says in " ".join(result.output.split()), result.output
+
+    (run / "report").symlink_to(elsewhere)
+    refused(run, says=f"--output {run / 'report'} is a symbolic link (to {elsewhere})")
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["notes.txt"] and not (tmp_path / "elsewhere.lock").exists()
+    (run / "report").unlink()
+
+    (run / "report").mkdir()
+    (run / "report" / "loss.png").symlink_to(victim)
+    refused(run, says=f"--output {run / 'report'}: loss.png is a symbolic link (to {victim})")
+    assert victim.read_text() == "keep me" and sorted(p.name for p in (run / "report").iterdir()) == ["loss.png"]
+    (run / "report" / "loss.png").unlink()
+
+    before = sorted(p.name for p in run.iterdir())
+    for foreign in (run, tiny_cache, elsewhere):  # the error names the first entry that is no report file
+        found = min(p.name for p in foreign.iterdir())
+        refused(run, "--output", foreign, says=f"--output {foreign} exists and holds files that are not a "
+                                               f"dflash-stages report ({found};")
+    assert sorted(p.name for p in run.iterdir()) == before and not (tiny_cache / "report.html").exists()
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["notes.txt"]
+
+    for _ in range(2):  # written, then rewritten in place
+        result = _invoke(report_stage.register, "report", run)
+        assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (run / "report").iterdir()) == sorted(report_stage.REPORT_FILES)
+    assert not (run / "report.lock").exists()

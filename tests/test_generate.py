@@ -108,6 +108,38 @@ def test_prompt_and_template_tokens_are_unsupervised(generated, target):
     assert "What is 2+2?" in between and between.rstrip().endswith("assistant")
 
 
+def test_json_no_step_can_use_is_a_bad_line_and_a_line_over_the_limit_an_error(tmp_path):
+    """Nesting 100,000 deep, a 5,000-digit integer and a lone surrogate are lines left out as bad_json (no
+    RecursionError, no crash later in the tokenizer); a line longer than max_prompt_bytes is refused naming the
+    file, the line, the limit and the option that raises it, and so is a .txt line or a .parquet row's text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    path = _write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "fine"}, deep + b"\n", b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}\n",
+        b'{"prompt": "\\ud800 lone"}\n', {"prompt": "fine again"},
+    ])
+    records, drops = read_prompt_file(path)
+    assert [r.prompt_id for r in records] == ["p.jsonl line 1", "p.jsonl line 5"]
+    assert drops.examples == {"bad_json": ["p.jsonl line 2", "p.jsonl line 3", "p.jsonl line 4"]}
+    assert len(read_prompt_file(path, max_prompt_bytes=len(deep))[0]) == 2  # a line of exactly the limit is read
+    with pytest.raises(ConfigError) as raised:
+        read_prompt_file(path, max_prompt_bytes=len(deep) - 1)
+    assert str(raised.value) == (f"prompts: {path} line 2 is longer than {len(deep) - 1:,} bytes (the limit per "
+                                 "line); shorten or split it, or raise the limit with --max-prompt-bytes")
+    txt = tmp_path / "p.txt"
+    txt.write_bytes(b"short\r\n" + b"y" * 101 + b"\r\n")
+    assert [r.messages[0]["content"] for r in read_prompt_file(txt, max_prompt_bytes=101)[0]] == ["short", "y" * 101]
+    with pytest.raises(ConfigError, match=r"p.txt line 2 is longer than 100 bytes"):
+        read_prompt_file(txt, max_prompt_bytes=100)
+    table = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": "hi"}],
+                                          [{"role": "user", "content": "z" * 300}]]}), table)
+    with pytest.raises(ConfigError, match=r"p.parquet row 1 holds 304 bytes of text, more than 200 .*--max-prompt-bytes"):
+        read_prompt_file(table, max_prompt_bytes=200)
+
+
 def test_last_turn_mode_keeps_the_history_unsupervised(tmp_path, target):
     records, _ = read_prompt_file(_write_jsonl(tmp_path / "p.jsonl", PROMPTS[2:]), turns="last")
     builder = ConversationBuilder(records[0], target.tokenizer, {})
@@ -239,6 +271,45 @@ def test_openai_engine_through_the_stage(tmp_path, target):
     assert reply[: len(server.reply_ids)] == server.reply_ids
     assert corpus.metadata["generation"]["engine"]["endpoints"] == [server.url]
 
+
+
+def test_a_lying_server_stops_the_run_with_one_error_and_the_committed_parts_stay(tmp_path, target, monkeypatch,
+                                                                                  capsys):
+    """A server whose reply for the third prompt cannot be the target's (ids that decode to other text than it
+    returned): exit 2, one error line naming the endpoint, the prompt and the problem; parts 0 and 1 stay
+    committed and a rerun against an honest server keeps them and finishes. A hung server fails within
+    --request-timeout-s and --max-retries."""
+    from cli_helpers import main_in_process
+    from test_generation_openai import FakeServer
+
+    def lie(body, choice):
+        if body["seed"] == 2:  # request 2: the prompt of line 3
+            choice.update(token_ids=[2, 2, 2, 2], text="completely different text")
+
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Say hello {i}"} for i in range(4)])
+    output = tmp_path / "out"
+    server = FakeServer(target.tokenizer, kind="vllm", lie=lie)
+    try:
+        openai = ["--engine", "openai", "--endpoint", server.url, "--part-size", "1", "--max-new-tokens", "4"]
+        args = ["generate", str(prompts), "--output", str(output), *openai]
+        code, stderr = main_in_process(monkeypatch, capsys, *args)
+        assert code == 2 and stderr.count("error:") == 1 and "Traceback" not in stderr
+        error = stderr[stderr.index("error:"):]
+        assert f"endpoint {server.url}: completion of request 2 (p.jsonl line 3, turn 1)" in error
+        assert "decode to '' but its text is 'completely different text'" in error
+        assert sorted(committed_parts(output)) == [0, 1]
+        inodes = {part: (output / f"part-{part:06d}.arrow").stat().st_ino for part in (0, 1)}
+        server.lie = None
+        code, stderr = main_in_process(monkeypatch, capsys, *args)
+        assert code == 0, stderr[-2000:]
+        assert {part: (output / f"part-{part:06d}.arrow").stat().st_ino for part in (0, 1)} == inodes
+        assert len(open_corpus(output)) == 4
+        server.delay_s = 5.0
+        code, stderr = main_in_process(monkeypatch, capsys, "generate", str(prompts), "--output", str(tmp_path / "hung"),
+                                       *openai, "--request-timeout-s", "0.3", "--max-retries", "0")
+        assert code == 2 and "failed after 1 attempt(s), last: ReadTimeout" in stderr
+    finally:
+        server.stop()
 
 
 def test_the_summary_tells_dropped_prompts_from_chats_cut_short(tmp_path, target):

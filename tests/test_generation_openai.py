@@ -44,11 +44,19 @@ class FakeServer:
     """A loopback OpenAI-compatible server answering as ``kind``: ``"vllm"`` takes token-id prompts and returns
     ``token_ids`` (with ``return_token_ids``); ``"llamacpp"`` takes token-id prompts, returns no ``token_ids`` but
     each token's ``id`` under ``logprobs.content`` when asked for logprobs; ``"text"`` rejects token-id prompts with
-    422 and returns text only (as llama-cpp-python). Each response is ``reply_ids`` with ``finish_reason``."""
+    422 and returns text only (as llama-cpp-python). Each response is ``reply_ids`` with ``finish_reason``.
+
+    A server that lies or misbehaves, on the completions after the start-up probe (``max_tokens > 1``): ``lie``
+    edits each choice in place before it is sent; ``raw_reply`` is sent as the whole body instead; ``delay_s``
+    holds each reply that long first."""
 
     def __init__(self, tokenizer: Any, *, models: tuple[str, ...] = ("smol",), kind: str = "vllm",
                  reply_ids: list[int] | None = None, finish_reason: str = "stop", extra_choice: dict | None = None,
-                 hold_until_inflight: int = 0, added_prompt_tokens: int = 0) -> None:
+                 hold_until_inflight: int = 0, added_prompt_tokens: int = 0, lie: Any = None,
+                 raw_reply: bytes | None = None, delay_s: float = 0.0) -> None:
+        self.lie = lie
+        self.raw_reply = raw_reply
+        self.delay_s = delay_s
         self.tokenizer = tokenizer
         self.models = models
         self.kind = kind
@@ -96,6 +104,8 @@ class FakeServer:
             choice["logprobs"] = {"content": [{"id": token, "token": self.tokenizer.decode([token]), "logprob": -0.1,
                                                "bytes": [], "top_logprobs": []} for token in ids]}
         choice.update(self.extra_choice)
+        if self.lie is not None and body["max_tokens"] > 1:
+            self.lie(body, choice)
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(
             self.tokenizer.encode(prompt, add_special_tokens=False))
         prompt_tokens += self.added_prompt_tokens
@@ -110,8 +120,8 @@ class FakeServer:
             def log_message(self, *args: object) -> None:
                 pass
 
-            def _send(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
-                data = json.dumps(payload).encode()
+            def _send(self, status: int, payload: dict | bytes, headers: dict[str, str] | None = None) -> None:
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -149,6 +159,11 @@ class FakeServer:
                         self._send(status, {"error": {"message": "scripted failure"}}, headers)
                         return
                 status, payload = server._completion(body)
+                if body["max_tokens"] > 1:
+                    if server.delay_s:
+                        time.sleep(server.delay_s)
+                    if server.raw_reply is not None:
+                        payload = server.raw_reply
                 with server._condition:
                     server.inflight -= 1
                     server.served += status == 200 and body["max_tokens"] > 1
@@ -603,3 +618,110 @@ def test_real_server_greedy_against_transformers_fp32(llama_greedy, target):
     print(f"identical: {sum(r[4] for r in rows)}/{len(rows)}; mean common prefix "
           f"{sum(r[1] for r in rows) / len(rows):.1f} tokens")
     assert first_token_agrees >= len(rows) // 2
+
+
+# ---------------------------------------------------------------- replies are checked, not trusted
+
+
+def _say_hi(tokenizer, max_new_tokens: int = 6) -> GenerationRequest:
+    request = _requests(tokenizer, 1, max_new_tokens=max_new_tokens)[0]
+    return GenerationRequest(request_id=7, prompt_ids=request.prompt_ids, max_new_tokens=max_new_tokens,
+                             source="chats.jsonl line 3, turn 1")
+
+
+def _set(**fields: Any):
+    def lie(body: dict, choice: dict) -> None:
+        choice.update({key: value(body, choice) if callable(value) else value for key, value in fields.items()})
+    return lie
+
+
+@pytest.mark.parametrize("kind, lie, problem", [
+    ("vllm", _set(token_ids=[1000, 49157]), "token id 49157 at position 1 is outside the target tokenizer's vocabulary"),
+    ("vllm", _set(token_ids=[10**12]), "token id 1000000000000 at position 0 is outside"),
+    ("vllm", _set(token_ids=[5, -1]), "token id -1 at position 1"),
+    ("vllm", _set(token_ids=[1000] * 5000), "it returned 5,000 tokens for max_tokens=6"),
+    ("vllm", _set(token_ids=[2, 2, 2, 2], text="completely different text"), "decode to '' but its text is"),
+    ("vllm", _set(token_ids=lambda body, choice: choice["token_ids"][1:]), "decode to"),  # the first id dropped
+    ("vllm", _set(token_ids=None), "no list of integer token ids in token_ids, as it did when probed"),
+    ("vllm", _set(token_ids=[True, 3]), "no list of integer token ids"),
+    ("vllm", _set(text=None), "its choice has no text"),
+    ("vllm", _set(stop_reason=10**12), "it names stop token 1000000000000, outside"),
+    ("llamacpp", _set(logprobs={"content": [{"id": 49999}]}), "token id 49999 at position 0"),
+    ("text", _set(text=" word" * 50), "it returned 50 tokens (its text re-tokenized) for max_tokens=6"),
+])
+def test_a_reply_that_cannot_be_the_targets_is_refused_naming_endpoint_prompt_and_problem(
+        make_server, smol_tokenizer, kind, lie, problem):
+    reply = smol_tokenizer.encode(" Hi there", add_special_tokens=False) + [smol_tokenizer.eos_token_id]
+    server = make_server(kind=kind, reply_ids=reply, lie=lie)
+    with OpenAIEngine(OpenAIEngineConfig(endpoints=[server.url], **FAST_RETRIES), smol_tokenizer) as engine:
+        with pytest.raises(GenerationError) as raised:
+            engine.generate([_say_hi(smol_tokenizer)], SamplingSettings())
+    message = str(raised.value)
+    assert message.startswith(f"endpoint {server.url}: completion of request 7 (chats.jsonl line 3, turn 1): ")
+    assert problem in message and "fix:" in message and "\n" not in message
+
+
+def test_what_detokenization_legitimately_changes_is_accepted(make_server, smol_tokenizer):
+    """Special tokens left out of the text (the EOS the ids end with), spaces a detokenizer adds or cleans up, and
+    an incomplete UTF-8 character at the end held back (not written as U+FFFD): the server's ids are kept as sent."""
+    eos = smol_tokenizer.eos_token_id
+    emoji = smol_tokenizer.encode(" ok \U0001F600", add_special_tokens=False)
+    assert "\ufffd" in smol_tokenizer.decode(emoji[:-1])  # the last id completes the emoji: cut before it
+    cases = [
+        (smol_tokenizer.encode(" Hi there.", add_special_tokens=False) + [eos], "stop", None),
+        (smol_tokenizer.encode(" Hi there .", add_special_tokens=False) + [eos], "stop", _set(text="Hi there.")),
+        (emoji[:-1], "length", _set(text=lambda body, choice: choice["text"].replace("\ufffd", ""))),
+    ]
+    for reply, finish, lie in cases:
+        server = make_server(reply_ids=reply, lie=lie)
+        with OpenAIEngine(OpenAIEngineConfig(endpoints=[server.url], **FAST_RETRIES), smol_tokenizer) as engine:
+            result = engine.generate([_say_hi(smol_tokenizer, max_new_tokens=len(reply))], SamplingSettings())[0]
+        assert result.token_ids == reply and result.finish_reason == finish and result.token_source == "engine"
+
+
+def test_a_stop_token_past_max_tokens_is_not_appended(make_server, smol_tokenizer):
+    """A server that says it stopped after max_tokens ids without the stop token: the reply is cut (finish
+    "length"), never one token longer than asked for (the row would pass max_length)."""
+    reply = smol_tokenizer.encode(" Hi there", add_special_tokens=False)
+    server = make_server(reply_ids=reply)
+    with OpenAIEngine(OpenAIEngineConfig(endpoints=[server.url], **FAST_RETRIES), smol_tokenizer) as engine:
+        result = engine.generate([_say_hi(smol_tokenizer, max_new_tokens=len(reply))], SamplingSettings())[0]
+    assert result.token_ids == reply and result.finish_reason == "length"
+    assert result.info["appended_stop_token"] is False
+
+
+@pytest.mark.parametrize("raw, reason", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested more than 64 levels deep"),
+    (b'{"choices": [{"text": "\\ud800", "finish_reason": "stop", "token_ids": [5]}]}', "lone surrogate"),
+    (b'{"choices": [{"text": "", "finish_reason": "stop", "token_ids": [' + b"9" * 5000 + b"]}]}",
+     "unreadable value"),
+    (b"not json", "not valid JSON"),
+    (b"[1, 2]", "not a JSON object"),
+])
+def test_a_reply_body_that_is_not_usable_json_is_one_error(make_server, smol_tokenizer, raw, reason):
+    server = make_server(raw_reply=raw)
+    with OpenAIEngine(OpenAIEngineConfig(endpoints=[server.url], **FAST_RETRIES), smol_tokenizer) as engine:
+        with pytest.raises(GenerationError) as raised:
+            engine.generate([_say_hi(smol_tokenizer)], SamplingSettings())
+    message = str(raised.value)
+    assert message.startswith(f"endpoint {server.url}: completion of request 7") and reason in message
+    assert "\n" not in message and len(message) < 800
+
+
+def test_a_reply_over_its_size_bound_is_refused_before_parsing(make_server, smol_tokenizer):
+    server = make_server(lie=_set(text="x" * (3 * 2**20)))  # 3 MiB of text for 6 tokens
+    with OpenAIEngine(OpenAIEngineConfig(endpoints=[server.url], **FAST_RETRIES), smol_tokenizer) as engine:
+        with pytest.raises(GenerationError, match=r"returned a reply of more than 1,073,152 bytes \(Content-Length"):
+            engine.generate([_say_hi(smol_tokenizer)], SamplingSettings())
+
+
+def test_a_hung_endpoint_fails_after_request_timeout_and_retries(make_server, smol_tokenizer):
+    server = make_server(delay_s=5.0)
+    config = OpenAIEngineConfig(endpoints=[server.url], request_timeout_s=0.3, max_retries=1, **FAST_RETRIES)
+    with OpenAIEngine(config, smol_tokenizer) as engine:
+        before = len(server.completions)
+        with pytest.raises(GenerationError) as raised:
+            engine.generate([_say_hi(smol_tokenizer)], SamplingSettings())
+    message = str(raised.value)
+    assert len(server.completions) - before == 2 and "2 attempt(s)" in message and "ReadTimeout" in message
+    assert "request_timeout_s" in message

@@ -101,6 +101,35 @@ def test_record_of_another_host_needs_break_lock(tmp_path, caplog):
     assert "was broken by --break-lock" in caplog.text
 
 
+def test_a_damaged_record_is_described_as_damaged_and_a_device_or_fifo_is_refused(tmp_path, caplog):
+    """A lock file whose record is garbage, nested 100k deep, huge, or has fields of the wrong type is called
+    damaged (not another host's) with how to clear it; ``--break-lock`` takes it over. A lock file that is a device
+    (a link to ``/dev/zero``, which would be read forever) or a FIFO is refused, naming it, without reading it."""
+    lock_file = lock_path_of(tmp_path / "run")
+    host = socket.gethostname()
+    for text in ("garbage", "[" * 100_000 + "]" * 100_000, "", json.dumps({"pid": "12", "host": host}),
+                 json.dumps({"pid": True, "host": host}), json.dumps({"pid": 12, "host": ["h"]}),
+                 json.dumps({"pid": 12, "host": host, "process_started": "yesterday"}),
+                 json.dumps({"pid": 12, "host": host, "command": "x" * 70_000})):
+        lock_file.write_text(text)
+        with pytest.raises(LockError) as refused:
+            output_lock(tmp_path / "run").acquire()
+        message = str(refused.value)
+        assert message.startswith(f"the lock file {lock_file} of ") and "is damaged" in message, (text[:40], message)
+        assert f"rm {lock_file}" in message and "--break-lock" in message and "a lock from another host" not in message
+    with caplog.at_level(logging.WARNING, logger="dflash.io.locks"):
+        with output_lock(tmp_path / "run", break_lock=True):
+            assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+    assert "an unreadable owner record" in caplog.text and not lock_file.exists()
+    lock_file.symlink_to("/dev/zero")
+    with pytest.raises(LockError, match=rf"^the lock file {lock_file} of .* is not a regular file .*rm {lock_file}"):
+        output_lock(tmp_path / "run", break_lock=True).acquire()
+    lock_file.unlink()
+    os.mkfifo(lock_file)
+    with pytest.raises(LockError, match="is not a regular file"):
+        output_lock(tmp_path / "run").acquire()
+
+
 def test_break_lock_never_breaks_a_live_holder(tmp_path, holder):
     with pytest.raises(LockError, match=f"pid {holder.pid}"):
         output_lock(tmp_path / "cache", break_lock=True).acquire()

@@ -290,9 +290,38 @@ def _run_folder(tmp):
     return tmp / "run"
 
 
+def _prepared_corpus(tmp, name="c1"):
+    (tmp / f"{name}.txt").write_text("def f(x):\n    return x + 1\n")
+    return run_prepare(PrepareConfig(inputs=[str(tmp / f"{name}.txt")], output=tmp / name))[0]
+
+
+def _generate_output(tmp):
+    """A finished generate output's layout around a real corpus part: plan, part record, part, corpus.json and the
+    held-out prompts."""
+    folder = _prepared_corpus(tmp, "gen")
+    (folder / "corpus.arrow").rename(folder / "part-000000.arrow")
+    (folder / "generate.json").write_text('{"settings": {}, "parts": [[0, 1]]}')
+    (folder / "parts").mkdir()
+    (folder / "parts" / "part-000000.json").write_text('{"part_id": 0, "num_rows": 1}')
+    (folder / "heldout_prompts.jsonl").write_text('{"id": "h0", "prompt": "a held-out question"}\n')
+    return folder
+
+
 @pytest.mark.parametrize(
     "make_input, message",
     [
+        (_generate_output, r"is a generate output \(the target's replies, already a tokenized corpus\): pass the folder "
+                           r"to `extract --corpus`, and its heldout_prompts.jsonl to `evaluate --prompts`"),
+        (lambda tmp: _generate_output(tmp) / "heldout_prompts.jsonl",
+         r"is generate's held-out evaluation prompts: pass them to `evaluate --prompts`"),
+        (lambda tmp: _generate_output(tmp) / "parts" / "part-000000.json", r"is a generate output .*\(it lies inside .*gen\)"),
+        (lambda tmp: _generate_output(tmp) / "part-000000.arrow", r"is a generate output .*\(it lies inside .*gen\)"),
+        (lambda tmp: _generate_output(tmp).parent, r"holds a generate output \(the target's replies, already a tokenized "
+                                                   r"corpus\) at .*gen; pass a folder of text files only"),
+        (lambda tmp: _prepared_corpus(tmp) / "corpus.json", r"is a prepared corpus \(prepare's output\): pass the corpus "
+                                                            r"folder itself .*\(it lies inside .*c1\)"),
+        (lambda tmp: _prepared_corpus(tmp).parent, r"holds a prepared corpus \(prepare's output\) at .*c1; pass a folder"),
+        (lambda tmp: str(_prepared_corpus(tmp)) + "/*", r"is a prepared corpus .*\(it lies inside .*c1\)"),
         (_zarr_cache, r"is a Zarr store \(extract's hidden-state cache\): pass it to `train --cache`"),
         (lambda tmp: _zarr_cache(tmp) / "commits" / "shard-000000.json", r"is a Zarr store .*\(it lies inside .*cache\)"),
         (lambda tmp: _zarr_cache(tmp) / "shards", r"is a Zarr store .*\(it lies inside .*cache\)"),
@@ -308,7 +337,8 @@ def _run_folder(tmp):
         (lambda tmp: (tmp / "c.jsonl").write_bytes('{"text": "café"}\n'.encode("latin-1")) and tmp / "c.jsonl",
          r"c.jsonl: not UTF-8 text \(it holds the byte b'\\xe9'\); a JSON/JSONL input must be UTF-8"),
     ],
-    ids=["cache", "cache-commit-record", "cache-subfolder", "run", "checkpoint", "folder-holding-a-run", "export",
+    ids=["generate-output", "heldout-prompts", "generate-part-record", "generate-part", "folder-holding-a-generate-output",
+         "corpus-json", "folder-holding-a-corpus", "glob-into-a-corpus", "cache", "cache-commit-record", "cache-subfolder", "run", "checkpoint", "folder-holding-a-run", "export",
          "nul-bytes", "not-utf8", "not-utf8-jsonl"],
 )
 def test_outputs_of_this_project_and_binary_files_are_refused(tmp_path, cli, make_input, message):
@@ -335,6 +365,17 @@ def test_a_prepared_corpus_is_accepted_as_tokenized_data(tmp_path):
     second, report = run_prepare(PrepareConfig(inputs=[str(first)], output=tmp_path / "c2"))
     assert report.documents_by_kind == {"tokens": 1}
     assert open_corpus(second).fingerprint == open_corpus(first).fingerprint
+    _, from_file = run_prepare(PrepareConfig(inputs=[str(first / "corpus.arrow")], output=tmp_path / "c3"))
+    assert from_file.documents_by_kind == {"tokens": 1}
+
+
+def test_a_corpus_json_of_the_users_own_is_text(tmp_path):
+    """Only a dflash corpus sidecar marks a corpus: a user's file that happens to be named corpus.json is text."""
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "corpus.json").write_text('{"title": "my notes"}\n')
+    _, report = run_prepare(PrepareConfig(inputs=[str(folder)], output=tmp_path / "out"))
+    assert report.documents_by_kind == {"text": 1} and report.samples_kept == 1
 
 
 def test_every_row_of_one_file_is_one_document_and_chats_name_theirs(tmp_path):

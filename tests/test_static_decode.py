@@ -3,6 +3,11 @@ real SmolLM2 target in float32 on CPU (the same loop without CUDA graphs)."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -157,3 +162,117 @@ def test_cuda_graph_replay_equals_eager_decoding_and_generate():
         output = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=limit, do_sample=False,
                                 eos_token_id=[511], pad_token_id=0)
         assert tokens == output[0, len(prompt):].tolist()
+
+
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture
+def interpreted_ranged():
+    """``dflash.generation.ranged_attention`` with its Triton kernels (the ones CUDA runs) executed by Triton's
+    interpreter on the CPU, program by program; the interpreter must be on before Triton is imported, so these
+    tests run in the subprocess of :func:`test_the_ranged_kernels_under_tritons_interpreter` (or on CUDA)."""
+    if not _INTERPRETING:
+        pytest.skip("runs with TRITON_INTERPRET=1 (see test_the_ranged_kernels_under_tritons_interpreter)")
+    pytest.importorskip("triton")
+    import dflash.generation.ranged_attention as module
+
+    return module
+
+
+def test_the_ranged_kernels_under_tritons_interpreter():
+    """The ``interpreted`` tests below, in a fresh interpreter with ``TRITON_INTERPRET=1`` (Triton on CPU)."""
+    pytest.importorskip("triton")
+    if _INTERPRETING:
+        pytest.skip("this process interprets: the tests ran here")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                             "interpreted"], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0 and re.search(r"\b2 passed", result.stdout), result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_interpreted_ranged_attention_reads_exactly_each_rows_range(interpreted_ranged):
+    """Against softmax attention over the row's own positions: ranges inside one chunk, across chunk boundaries,
+    of one position, empty (a finished row: zeros), and the whole cache; 3 query heads per KV head."""
+    generator = torch.Generator().manual_seed(0)
+    chunk = interpreted_ranged.CHUNK
+    length = 2 * chunk + 88
+    query = torch.randn(6, 6, 1, 16, generator=generator)
+    key, value = torch.randn(6, 2, length, 16, generator=generator), torch.randn(6, 2, length, 16, generator=generator)
+    key[:, :, 200:260] += 50.0  # outside some rows' ranges: any leak would dominate their softmax
+    ranges = [(0, length), (10, 11), (chunk - 5, 2 * chunk + 3), (300, 300), (5, 200), (260, length)]
+    starts = torch.tensor([s for s, _ in ranges], dtype=torch.int32)
+    ends = torch.tensor([e for _, e in ranges], dtype=torch.int32)
+    got = interpreted_ranged.ranged_decode_attention(query, key, value, starts, ends, scale=0.3)
+    assert got.shape == (6, 1, 6, 16)
+    for row, (start, end) in enumerate(ranges):
+        if start == end:
+            assert torch.equal(got[row], torch.zeros(1, 6, 16))
+            continue
+        keys = key[row, :, start:end].repeat_interleave(3, 0)
+        values = value[row, :, start:end].repeat_interleave(3, 0)
+        expected = torch.softmax(query[row] @ keys.transpose(-1, -2) * 0.3, -1) @ values  # (6, 1, 16)
+        torch.testing.assert_close(got[row, 0], expected[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval()
+
+
+def test_interpreted_ranged_decoder_gives_the_padded_decoders_tokens(interpreted_ranged):
+    """The decode loop with ranged attention (rows of different prompt lengths, one stopping early)
+    gives the tokens of the loop over the whole padded cache."""
+    model = _tiny_llama()
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 256, (n,), generator=generator).tolist() for n in (3, 17, 9)]
+    limits = [12, 12, 7]
+    padded = StaticDecoder(model, rows=4, pad_token_id=0, stop_token_ids=[255], length_bucket=16, ranged=False)
+    expected = padded.decode(prompts, limits)
+    padded.close()
+    stop = expected[1][4]  # row 1 stops at its 5th token, the others run on (or stop where that token comes)
+    padded = StaticDecoder(model, rows=4, pad_token_id=0, stop_token_ids=[stop], length_bucket=16, ranged=False)
+    expected = padded.decode(prompts, limits)
+    padded.close()
+    ranged = StaticDecoder(model, rows=4, pad_token_id=0, stop_token_ids=[stop], length_bucket=16, ranged=True)
+    assert ranged.ranged and model.config._attn_implementation == "grouped_decode_ranged"
+    assert ranged.decode(prompts, limits) == expected
+    assert len(expected[1]) == 5
+    slot = next(iter(ranged._slots.values()))
+    # Each row's range starts at its prompt's first position; a finished row's range is empty.
+    assert slot.starts.tolist() == [17 - 3, 0, 17 - 9]  # eagerly a batch has only its own rows (no filler rows)
+    assert slot.ends[1] == slot.starts[1] and slot.ends[0] > slot.starts[0]
+    ranged.close()
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_ranged_attention_where_it_cannot_run_is_refused():
+    from dflash.errors import ConfigError
+    from dflash.generation.ranged_attention import ranged_attention_available
+
+    if ranged_attention_available(torch.device("cpu")):
+        pytest.skip("Triton's interpreter is on in this process")
+    with pytest.raises(ConfigError, match="ranged decode attention needs CUDA and Triton"):
+        StaticDecoder(_tiny_llama(), rows=2, pad_token_id=0, stop_token_ids=[1], ranged=True)
+
+
+def test_compiled_parts_are_the_models_own_modules_again_after_close():
+    model = _tiny_llama()
+    prompts, limits = [[5, 6, 7], [9]], [6, 6]
+    plain = StaticDecoder(model, rows=2, pad_token_id=0, stop_token_ids=[255], ranged=False, compile_parts=False)
+    expected = plain.decode(prompts, limits)
+    plain.close()
+    compiled = StaticDecoder(model, rows=2, pad_token_id=0, stop_token_ids=[255], ranged=False, compile_parts=True,
+                             compile_backend="eager")
+    names = sorted({type(module).__name__ for module in compiled._compiled})
+    assert names == ["LlamaMLP", "LlamaRMSNorm"] and len(compiled._compiled) == 2 + 2 * 2 + 1  # MLPs, norms, final
+    assert all("forward" in vars(module) for module in compiled._compiled)
+    assert compiled.decode(prompts, limits) == expected
+    modules = compiled._compiled
+    compiled.close()
+    assert not any("forward" in vars(module) for module in modules)

@@ -33,3 +33,47 @@ def test_target_num_layers_reads_folders_and_gguf_headers_without_loading(tmp_pa
     assert target_num_layers(tmp_path / "broken") is None
     (tmp_path / "fake.gguf").write_bytes(b"GGUF but not really")
     assert target_num_layers(tmp_path / "fake.gguf") is None
+
+
+def _target_folder_with_a_pickle(tmp_path, target_path, *, with_safetensors: bool):
+    """A transformers folder of the real target (config, tokenizer) whose ``pytorch_model.bin`` is a pickle that
+    would write ``tmp_path / "ran"`` if it were ever unpickled."""
+    import os
+    import pickle
+    import shutil
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    folder = tmp_path / "target"
+    folder.mkdir()
+    for file in target_path.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, folder / file.name)
+        elif with_safetensors:
+            (folder / file.name).symlink_to(file)
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps({"model.embed_tokens.weight": Payload()}))
+    return folder
+
+
+def test_a_target_folder_with_pickled_weights_only_is_refused_before_any_model_loads(tmp_path, target_path,
+                                                                                     monkeypatch, capsys):  # fmt: skip
+    from cli_helpers import main_in_process
+
+    folder = _target_folder_with_a_pickle(tmp_path, target_path, with_safetensors=False)
+    code, stderr = main_in_process(monkeypatch, capsys, "generate", "default", "--target", str(folder),
+                                   "--output", str(tmp_path / "out"), "--max-prompts", "2")  # fmt: skip
+    assert code == 2 and "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert lines == [f"error: target folder {folder} holds its weights as pickles (pytorch_model.bin), which are never "
+                     "loaded (a pickle can run code); provide the weights as safetensors (model.safetensors, or the "
+                     "sharded model-*.safetensors with their index), or a .gguf file"]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ran").exists()
+
+
+def test_a_target_folder_with_safetensors_loads_them_and_never_its_pickle(tmp_path, target_path):
+    folder = _target_folder_with_a_pickle(tmp_path, target_path, with_safetensors=True)
+    loaded = load_target(folder)
+    assert loaded.identity.num_hidden_layers == 30
+    assert not (tmp_path / "ran").exists()

@@ -180,7 +180,11 @@ class StreamConfig(LoaderConfig):
     """Pad each batch's length up to a multiple of this (ignored with ``pad_to_budget``)."""
 
     def __post_init__(self) -> None:
+        from dflash.values import check_seed
+
         LoaderConfig.__post_init__(self)
+        check_seed("seed", self.seed)
+        check_seed("split_seed", self.split_seed)
         if self.split not in ("train", "validation", "all"):
             raise ConfigError(f"split must be 'train', 'validation' or 'all'; got {self.split!r}")
         if self.split == "validation" and self.validation_fraction == 0.0:

@@ -36,7 +36,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from dflash.errors import CacheError, ConfigError
+from dflash.errors import CacheError, ConfigError, DFlashError
 
 __all__ = [
     "CORRUPT_SHARD_REPAIR",
@@ -259,9 +259,25 @@ class CacheMetadata:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CacheMetadata:
+        """The metadata recorded in a cache's root attribute ``dflash_cache``.
+
+        Raises:
+            CacheError: not an object, another format, a required field missing or of the wrong type (e.g.
+                ``hidden_size`` a string), naming the attribute and the fix; ``ConfigError`` for a value out of range.
+        """
+        if not isinstance(data, dict):
+            raise CacheError(f"root attribute dflash_cache is a {type(data).__name__}, not an object; the cache's "
+                             "metadata is damaged: re-extract the cache")
         if data.get("format", FORMAT_NAME) != FORMAT_NAME:
             raise CacheError(f"root attribute dflash_cache.format is {data.get('format')!r}, expected {FORMAT_NAME!r}")
-        return cls(**{key: data[key] for key in cls.__dataclass_fields__ if key in data})
+        try:
+            return cls(**{key: data[key] for key in cls.__dataclass_fields__ if key in data})
+        except DFlashError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as error:  # a field of a wrong type
+            raise CacheError(f"root attribute dflash_cache: a field is missing or of the wrong type "
+                             f"({type(error).__name__}: {str(error)[:120]}); the cache's metadata is damaged: "
+                             "re-extract the cache") from None
 
 
 @dataclass(slots=True)

@@ -3,8 +3,10 @@ decompressed (the trainer runs :func:`check_cache` before step 1; ``benchmarks/c
 
 Per committed shard, against its commit record (``digest_version`` 3, docs/cache-format.md):
 
-1. the record itself: the digest root recomputed from the record's own leaves equals its ``digest`` (an edited
-   record fails);
+1. the record itself: it is the shard's (its ``shard`` and ``row_range`` are the plan's for that shard: shard folders
+   swapped together with their records fail), and the digest root recomputed from the record's own leaves equals
+   its ``digest`` (an edited record fails); every array's ``zarr.json`` is what the writer makes from the record's
+   shape and chunks and the root metadata's dtype and codec (an edited shape, dtype or codec fails);
 2. ``hidden``: every chunk the record lists is stored and its stored crc32c trailer (the last 4 bytes of the stored
    chunk: the chunk is neither read whole nor decompressed) equals the record's leaf for that chunk. A missing
    chunk, a chunk swapped in from another shard or another cache (valid crc32c of its own, wrong data), a truncated,
@@ -41,8 +43,8 @@ from dflash.errors import CacheCorruptError, CacheError
 if TYPE_CHECKING:
     from dflash.cache.reader import CacheReader
 
-__all__ = ["check_cache", "check_shard", "check_record_digest", "check_hidden_trailers", "segment_leaves",
-           "check_array_segments"]
+__all__ = ["check_cache", "check_shard", "check_record_placement", "check_record_digest", "check_array_metadata",
+           "check_hidden_trailers", "segment_leaves", "check_array_segments"]
 
 
 def segment_leaves(values: np.ndarray, segment_bytes: int) -> list[str]:
@@ -98,6 +100,62 @@ def check_record_digest(reader: CacheReader, shard: int) -> None:
         )
 
 
+def check_record_placement(reader: CacheReader, shard: int) -> None:
+    """The commit record stored under ``shard`` is that shard's: its ``shard`` field is ``shard`` and its
+    ``row_range`` the plan's range for it (root metadata ``shard_rows``). Shard folders moved or swapped together
+    with their records keep every checksum valid and fail here.
+
+    Raises:
+        CacheCorruptError: naming the shard, what the record says and what the plan says.
+    """
+    record = reader.commit_record(shard)
+    planned = list(reader.metadata.shard_rows[shard])
+    recorded_shard, recorded_rows = record.get("shard", shard), record.get("row_range")
+    if recorded_shard != shard or recorded_rows != planned:
+        raise CacheCorruptError(
+            f"shard {shard} of {reader.url}: its commit record is shard {recorded_shard}'s (corpus rows {recorded_rows}), "
+            f"but the plan gives shard {shard} the rows {planned}: shard folders or commit records were moved or "
+            f"swapped; {CORRUPT_SHARD_REPAIR}"
+        )
+
+
+def check_array_metadata(reader: CacheReader, shard: int) -> None:
+    """Every array's stored ``zarr.json`` of ``shard`` is what the writer makes for it: shape and chunks from the
+    commit record, dtype, codecs, fill value and the rest from the cache's root metadata
+    (:func:`dflash.cache.writer.expected_array_metadata`; ``attributes`` are not compared). One small read per array,
+    no chunk read.
+
+    Raises:
+        CacheCorruptError: a ``zarr.json`` is missing, unreadable or differs; names the file, the field and both values.
+    """
+    import json
+
+    from dflash.cache.writer import expected_array_metadata, shard_arrays
+
+    record = reader.commit_record(shard)
+    names = list(shard_arrays(reader.metadata))
+    keys = [f"{shard_group_key(shard)}/{name}/zarr.json" for name in names]
+    for name, key, data in zip(names, keys, reader._store.get_many(keys), strict=True):
+        try:
+            stored = json.loads(data) if data is not None else None
+        except ValueError:
+            stored = None
+        if not isinstance(stored, dict):
+            raise CacheCorruptError(
+                f"shard {shard} of {reader.url}: {key} is {'missing' if data is None else 'not a JSON object'}; "
+                f"{CORRUPT_SHARD_REPAIR}"
+            )
+        layout = record["arrays"][name]
+        expected = expected_array_metadata(reader.metadata, name, layout["shape"], layout["chunks"])
+        for field, value in expected.items():
+            if stored.get(field) != value:
+                raise CacheCorruptError(
+                    f"shard {shard} of {reader.url}: {key} has {field} {json.dumps(stored.get(field))}, but the commit "
+                    f"record and the cache's root metadata give {json.dumps(value)}: the array's metadata was edited; "
+                    f"{CORRUPT_SHARD_REPAIR}"
+                )
+
+
 def check_hidden_trailers(reader: CacheReader, shard: int) -> int:
     """Every ``hidden`` chunk of ``shard`` is stored and its crc32c trailer equals the commit record's leaf
     (digest_version 3; returns 0 without reading for older records). Returns the chunks checked.
@@ -142,7 +200,9 @@ def check_shard(reader: CacheReader, shard: int) -> dict[str, Any]:
         CacheCorruptError: the shard fails a check; the message names the shard, the array and the repair.
     """
     record = reader.commit_record(shard)
+    check_record_placement(reader, shard)
     check_record_digest(reader, shard)
+    check_array_metadata(reader, shard)
     chunks = check_hidden_trailers(reader, shard)
     names = ["input_ids"] + (["hidden_scale"] if reader.metadata.lossy else [])
     for name in names:

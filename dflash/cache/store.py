@@ -28,6 +28,10 @@ from zarr.buffer import default_buffer_prototype
 from zarr.storage import LocalStore
 
 from dflash.errors import CacheCorruptError
+from dflash.io.files import MAX_RECORD_BYTES, parse_json
+
+#: The fix of an unreadable JSON record in the cache.
+_REDO = "if it is a commit record, delete it so the shard is redone by the next extract run"
 
 __all__ = ["CacheStore", "KeyIO", "key_io", "partial_files", "remove_partial_files"]
 
@@ -258,13 +262,10 @@ class CacheStore:
         raw = self.get_bytes(relative)
         if raw is None:
             return None
-        try:
-            return json.loads(raw)
-        except ValueError as error:
-            raise CacheCorruptError(
-                f"{self.url}: {relative} is not valid JSON ({error}); if it is a commit record, delete it so the "
-                "shard is redone by the next extract run"
-            ) from error
+        if len(raw) > MAX_RECORD_BYTES:
+            raise CacheCorruptError(f"{self.url}: {relative} is {len(raw):,} bytes, over the {MAX_RECORD_BYTES:,}-byte "
+                                    f"limit of a record; {_REDO}")
+        return parse_json(raw, where=f"{self.url}: {relative}", error=CacheCorruptError, fix=_REDO)
 
     def put_json(self, relative: str, value: Any, *, exclusive: bool = False) -> None:
         """Write JSON atomically; with ``exclusive`` an existing object is left untouched."""

@@ -52,6 +52,8 @@ __all__ = [
     "SMALL_ARRAY_CHUNK_ROWS",
     "HiddenStateCache",
     "array_chunk_keys",
+    "array_settings",
+    "expected_array_metadata",
     "chunk_write_threads",
     "digest_root",
     "document_keys_record",
@@ -137,6 +139,51 @@ def shard_arrays(metadata: CacheMetadata) -> dict[str, tuple[str, int]]:
         arrays["hidden"] = ("uint8", metadata.row_width)
         arrays["hidden_scale"] = ("float32", metadata.num_taps)
     return arrays
+
+
+def array_settings(metadata: CacheMetadata, name: str) -> dict[str, Any]:
+    """The settings every shard's array ``name`` is created with, besides its shape and chunks (``create_array``
+    keyword arguments): dtype (:func:`shard_arrays`), the cache's codec, fill value 0, every chunk written."""
+    return _array_settings(metadata.codec, shard_arrays(metadata)[name][0])
+
+
+def _array_settings(codec: dict[str, Any], dtype: str) -> dict[str, Any]:
+    return {"dtype": dtype, "compressors": zarr_compressors(codec), "fill_value": 0,
+            "config": {"write_empty_chunks": True}}
+
+
+#: ``zarr.json`` fields that decide how a shard's array is read, besides shape and chunk grid (the record's).
+_COMPARED_ARRAY_FIELDS = ("zarr_format", "node_type", "data_type", "chunk_key_encoding", "fill_value", "codecs",
+                          "storage_transformers")
+
+
+@functools.lru_cache(maxsize=64)
+def _array_metadata_fields(codec_json: str, dtype: str, width: int) -> tuple[tuple[str, Any], ...]:
+    """The :data:`_COMPARED_ARRAY_FIELDS` of the ``zarr.json`` of an array of these settings, as zarr writes them
+    (an array created in memory)."""
+    import json
+
+    import zarr
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.storage import MemoryStore
+
+    shape = [1] + ([width] if width else [])
+    array = zarr.create_array(store=MemoryStore(), name="a", shape=shape, chunks=shape,
+                              **_array_settings(json.loads(codec_json), dtype))
+    document = json.loads(array.metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
+    return tuple((key, document.get(key)) for key in _COMPARED_ARRAY_FIELDS)
+
+
+def expected_array_metadata(metadata: CacheMetadata, name: str, shape: list[int], chunks: list[int]) -> dict[str, Any]:
+    """The ``zarr.json`` fields (shape, chunk grid, :data:`_COMPARED_ARRAY_FIELDS`; not ``attributes``) that
+    :meth:`HiddenStateCache.write_shard` writes for a shard's array ``name`` of ``shape`` in ``chunks``, from the
+    cache's root metadata: what a check compares a stored one with."""
+    import json
+
+    dtype, width = shard_arrays(metadata)[name]
+    fields = dict(_array_metadata_fields(json.dumps(metadata.codec, sort_keys=True), dtype, width))
+    return {"shape": list(shape), "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+            **fields}
 
 
 def array_chunk_keys(shape: list[int], chunks: list[int]) -> set[str]:
@@ -334,19 +381,17 @@ class HiddenStateCache:
         group_key = shard_group_key(shard_id)
         self._store.delete_dir(group_key)  # leftovers of a killed attempt never mix with this one
         group = self._store.group.create_group(group_key, overwrite=True)
-        compressors = zarr_compressors(meta.codec)
         arrays: dict[str, Any] = {}
         segments: dict[str, list[str]] = {}
 
         def create(name: str, shape: list[int]) -> Any:
-            dtype, width = layout[name]
+            width = layout[name][1]
             # hidden: chunk_tokens rows (~8 MiB). The small arrays (1 to 8 bytes a row): 65,536-row chunks, so a
             # shard's input_ids or loss_mask is one or two chunks to read and check, not hundreds of 1 KiB ones
             # (per-chunk overhead dominated the trainer's planning and its integrity check before step 1).
             chunk_rows = meta.chunk_tokens if name == "hidden" else SMALL_ARRAY_CHUNK_ROWS
             chunks = [max(1, min(chunk_rows, shape[0]))] + ([width] if width else [])
-            array = group.create_array(name, shape=shape, dtype=dtype, chunks=chunks, compressors=compressors,
-                                       fill_value=0, config={"write_empty_chunks": True})
+            array = group.create_array(name, shape=shape, chunks=chunks, **array_settings(meta, name))
             arrays[name] = {"shape": shape, "chunks": chunks, "num_chunks": len(array_chunk_keys(shape, chunks))}
             return array
 

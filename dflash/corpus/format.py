@@ -329,6 +329,30 @@ class Corpus:
             combined.update(digest.digest())
         return f"sha256:{combined.hexdigest()}"
 
+    def check_fingerprint(self) -> None:
+        """Recompute :attr:`fingerprint` from the data and compare it with the one ``corpus.json`` records (a corpus
+        written by ``prepare`` or ``generate``; nothing to compare without one). One pass of sha256 over the tokens
+        and mask values: what a consumer that records the fingerprint (extract, online, evaluate) calls first, so it
+        never records the fingerprint of data that is not what ``corpus.json`` describes.
+
+        Raises:
+            CorpusError: the fingerprints differ; names the corpus, its data files and the fix.
+        """
+        recorded = self.metadata.get("fingerprint")
+        if recorded is None or recorded == self.fingerprint:
+            return
+        sidecar = (self.path if self.path.is_dir() else self.path.parent) / METADATA_FILE
+        files = ", ".join(f.name for f in self.files[:3]) + (f" (+{len(self.files) - 3} more)" if len(self.files) > 3 else "")
+        counts = ""
+        if (self.metadata.get("num_rows"), self.metadata.get("num_tokens")) != (len(self), self.num_tokens):
+            counts = (f" ({len(self)} rows, {self.num_tokens} tokens against {self.metadata.get('num_rows')} rows, "
+                      f"{self.metadata.get('num_tokens')} tokens recorded)")
+        raise CorpusError(
+            f"corpus {self.path}: its data ({files}) has fingerprint {self.fingerprint}{counts}, but {sidecar} records "
+            f"{recorded}: the data was changed after the corpus was written; restore the original files, or rebuild the "
+            "corpus (`dflash-stages prepare`, or `dflash-stages generate` for a generate output) into a new folder"
+        )
+
     @cached_property
     def has_document_ids(self) -> bool:
         """Whether any row has a ``document_id`` (a column of nulls, as :class:`CorpusWriter` writes for rows added
@@ -539,9 +563,9 @@ def validate_corpus(
 ) -> CorpusReport:
     """Check every row of ``corpus`` against contract 1 and a target vocabulary; vectorized (no per-row loop).
 
-    Checks, in order: empty rows; ``loss_mask`` length != ``input_ids`` length; token ids outside
-    ``[0, vocab_size)``; mask values other than 0/1; rows with no supervised token; rows longer than
-    ``max_length`` (``length_policy``: ``"error"`` raises, ``"drop"`` leaves them out of ``kept_rows``,
+    Checks, in order: the fingerprint ``corpus.json`` records (:meth:`Corpus.check_fingerprint`); empty rows;
+    ``loss_mask`` length != ``input_ids`` length; token ids outside ``[0, vocab_size)``; mask values other than
+    0/1; rows with no supervised token; rows longer than ``max_length`` (``length_policy``: ``"error"`` raises, ``"drop"`` leaves them out of ``kept_rows``,
     ``"truncate"`` keeps them with ``truncate_to = max_length``, and drops those with no supervised token in
     their first ``max_length`` tokens).
 
@@ -556,6 +580,7 @@ def validate_corpus(
         raise ValueError(f"length_policy must be one of {_LENGTH_POLICIES}, got {length_policy!r}")
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
+    corpus.check_fingerprint()
     lengths, mask_lengths = corpus.lengths, corpus.mask_lengths
     if len(corpus) == 0:
         raise CorpusError(f"corpus {corpus.path} has 0 rows; {_FIX_PREPARE} from non-empty data")

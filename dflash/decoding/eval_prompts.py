@@ -17,7 +17,6 @@ generation prompt is applied), ``prompt`` (a user message through the chat templ
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from dflash.corpus.chat import normalize_messages
 from dflash.errors import ConfigError, ConfigPathNotFoundError, MismatchError
+from dflash.io.files import DEFAULT_MAX_LINE_BYTES, JSONInputError, decode_json, read_lines
 
 __all__ = ["EvalPrompt", "check_prompts_file", "held_out_rows", "prompts_from_corpus", "prompts_from_file"]
 
@@ -144,45 +145,55 @@ def prompts_from_file(
 ) -> list[EvalPrompt]:
     """Prompts from a ``.jsonl`` (``messages`` / ``prompt`` / ``text`` per line) or ``.txt`` file (a line each).
 
+    Lines are read one at a time up to :data:`dflash.io.files.DEFAULT_MAX_LINE_BYTES` each.
+
     Raises:
-        ConfigError: missing file, unknown suffix, a line without a usable field (named by line number), or no
-            prompt at all.
+        ConfigError: missing file, unknown suffix, a line that is too long, not UTF-8, not a JSON object
+            (:func:`dflash.io.files.decode_json`) or without a usable field (named by line number), or no prompt
+            at all.
+        CorpusError: a ``messages`` list with a message that is not ``{role, content}`` (named by line number).
     """
     path = check_prompts_file(path)
     use_template = chat_template and getattr(tokenizer, "chat_template", None) is not None
     prompts: list[EvalPrompt] = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if len(prompts) >= num_prompts:
-                break
-            if not line.strip():
-                continue
-            where = f"{path} line {line_number}"
-            record: dict[str, Any] = {"prompt": line.rstrip("\n")}
-            if path.suffix == ".jsonl":
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ConfigError(f"prompts: {where} is not valid JSON ({error.msg})") from None
-            if isinstance(record.get("messages"), list) and record["messages"]:
-                messages = list(record["messages"])
-                while messages and messages[-1].get("role") == "assistant":
-                    messages.pop()
-                if not messages:
-                    raise ConfigError(f"prompts: {where} has only assistant turns; nothing to prompt with")
-                if getattr(tokenizer, "chat_template", None) is None:
-                    raise ConfigError(f"prompts: {where} has chat messages but the tokenizer has no chat template")
-                ids = _chat_ids(tokenizer, messages)
-            elif isinstance(record.get("prompt"), str):
-                text = record["prompt"]
-                ids = _chat_ids(tokenizer, [{"role": "user", "content": text}]) if use_template else tokenizer.encode(text)
-            elif isinstance(record.get("text"), str):
-                ids = tokenizer.encode(record["text"])
-            else:
-                raise ConfigError(f"prompts: {where} has none of 'messages' (list), 'prompt' or 'text' (strings)")
-            if not ids:
-                raise ConfigError(f"prompts: {where} tokenizes to no token")
-            prompts.append(EvalPrompt([int(t) for t in ids], where))
+    for line_number, raw in read_lines(path, max_line_bytes=DEFAULT_MAX_LINE_BYTES, what="prompts"):
+        if len(prompts) >= num_prompts:
+            break
+        where = f"{path} line {line_number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"prompts: {where} is not UTF-8 text (it holds the byte "
+                              f"{raw[error.start:error.start + 1]!r}); convert the file to UTF-8") from None
+        if not line.strip():
+            continue
+        record: Any = {"prompt": line}
+        if path.suffix == ".jsonl":
+            try:
+                record = decode_json(line)
+            except JSONInputError as error:
+                raise ConfigError(f"prompts: {where}: {error}; write one JSON object per line") from None
+            if not isinstance(record, dict):
+                raise ConfigError(f"prompts: {where}: expected a JSON object, got {type(record).__name__}")
+        if isinstance(record.get("messages"), list) and record["messages"]:
+            messages = normalize_messages(record, where=f"prompts: {where}")
+            while messages and messages[-1]["role"] == "assistant":
+                messages.pop()
+            if not messages:
+                raise ConfigError(f"prompts: {where} has only assistant turns; nothing to prompt with")
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise ConfigError(f"prompts: {where} has chat messages but the tokenizer has no chat template")
+            ids = _chat_ids(tokenizer, messages)
+        elif isinstance(record.get("prompt"), str):
+            text = record["prompt"]
+            ids = _chat_ids(tokenizer, [{"role": "user", "content": text}]) if use_template else tokenizer.encode(text)
+        elif isinstance(record.get("text"), str):
+            ids = tokenizer.encode(record["text"])
+        else:
+            raise ConfigError(f"prompts: {where} has none of 'messages' (list), 'prompt' or 'text' (strings)")
+        if not ids:
+            raise ConfigError(f"prompts: {where} tokenizes to no token")
+        prompts.append(EvalPrompt([int(t) for t in ids], where))
     if not prompts:
         raise ConfigError(f"prompts: {path} holds no prompt")
     return prompts

@@ -69,12 +69,14 @@ class GenerationRequest:
         max_new_tokens: this request's limit (<= the settings' ``max_new_tokens``; the caller lowers it so that
             prompt + response fits the target's context).
         prompt_text: the same prompt as text, for engines that cannot take token ids (None if unknown).
+        source: where the prompt comes from, for messages (``"chats.jsonl line 7, turn 2"``; None if unknown).
     """
 
     request_id: int
     prompt_ids: Sequence[int]
     max_new_tokens: int
     prompt_text: str | None = None
+    source: str | None = None
 
 
 @dataclass(kw_only=True, slots=True)

@@ -17,11 +17,20 @@ result as ``token_source="retokenized"`` (it may differ from what the model gene
 capabilities are probed once per endpoint when the engine starts (a one-token request) and recorded by
 :meth:`OpenAIEngine.describe`.
 
+Replies are checked, not trusted. A reply is read up to a size bound (1 MiB plus 4 KiB per requested token) and
+within ``request_timeout_s`` in all before it is parsed (:func:`dflash.io.files.decode_json`: deep nesting,
+unconvertible numbers and lone surrogates are refused). Its token ids must lie in the target tokenizer's
+vocabulary, number at most the request's ``max_tokens``, and decode with the target tokenizer to the text the server
+returned, up to what detokenizers legitimately change (:meth:`OpenAIEngine._decodes_to`); re-tokenized text must
+fit ``max_tokens`` too. A reply that fails is a :class:`dflash.errors.GenerationError` naming the endpoint, the
+request and its prompt (``GenerationRequest.source``) and what was wrong; it is not retried.
+
 Stop tokens. The corpus must supervise the stop: a response that ended on the end-of-sequence token ends with that
 token in ``token_ids`` (see ``GenerationResult``). Servers drop it from the text, and some from the ids, so when the
 finish reason is ``"stop"`` and the ids do not end with a stop token, the engine appends the one the server names
 (vLLM ``stop_reason`` / SGLang ``matched_stop`` when an int) or else the tokenizer's ``eos_token_id``, and records
-``info["appended_stop_token"] = True``. No ``stop`` strings are sent, so "stop" means a stop token.
+``info["appended_stop_token"] = True``; when the ids already fill ``max_tokens`` there is no room for it (nor for
+the row under ``max_length``), so nothing is appended and the reply counts as cut (finish reason ``"length"``). No ``stop`` strings are sent, so "stop" means a stop token.
 
 Sampling. Greedy is ``temperature: 0``; ``top_p``, ``max_tokens`` and ``seed`` (``settings.seed + request_id``)
 are sent with every request, and so are neutral values for the sampling extras that servers default differently
@@ -47,27 +56,41 @@ import queue
 import random
 import re
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import httpx2 as httpx
 
 from dflash.errors import ConfigError, GenerationError
-from dflash.generation.engine import FinishReason, GenerationRequest, GenerationResult, SamplingSettings
+from dflash.generation.engine import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    SamplingSettings,
+    TokenSource,
+)
+from dflash.io.files import JSONInputError, decode_json
 
 __all__ = ["OpenAIEngineConfig", "OpenAIEngine"]
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: What a reply's text and its decoded ids may differ in (see OpenAIEngine._decodes_to).
+_NOT_COMPARED = re.compile(r"[\s\ufffd]+")
 #: Status codes retried with backoff: rate limiting and server-side failures (a restarting or overloaded server).
 _RETRY_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
 #: Status codes that mean "this server does not take token-id prompts" in the capability probe: any error, since
 #: llama-cpp-python answers its validation error with HTTP 500 (a real failure shows again in the text probe).
 _REJECTED_STATUS = frozenset(range(400, 600))
 _BODY_SNIPPET_CHARS = 200
+#: Bound on a reply's size before it is parsed: this much for any reply, plus ``_REPLY_BYTES_PER_TOKEN`` per token
+#: a completion may hold (its text as JSON escapes, its id, and with ``logprobs`` the per-token entry).
+_REPLY_BASE_BYTES = 2**20
+_REPLY_BYTES_PER_TOKEN = 4096
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,7 +105,8 @@ class OpenAIEngineConfig:
         api_key_env: name of an environment variable holding the API key sent as ``Authorization: Bearer``; None =
             no key. Only the variable's name is stored and recorded, never the key.
         concurrency: most requests in flight on each endpoint (the server batches them), >= 1.
-        request_timeout_s: seconds one HTTP request may take (a long generation included), > 0.
+        request_timeout_s: seconds one HTTP request may take, its whole reply included (a long generation too), > 0;
+            a request past it is a timeout, retried.
         max_retries: retries of a request after a connection error, timeout, HTTP 5xx, 408 or 429 (0 = try once),
             >= 0.
         backoff_base_s: delay before the first retry; doubles on each retry, with jitter (x0.5 to x1), > 0.
@@ -95,8 +119,8 @@ class OpenAIEngineConfig:
     model: str | None = None
     api_key_env: str | None = None
     concurrency: int = 16
-    request_timeout_s: float = 600.0
-    max_retries: int = 5
+    request_timeout_s: float = 120.0
+    max_retries: int = 3
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
     use_token_ids: bool = True
@@ -168,6 +192,10 @@ class _Aborted(Exception):
     """Another request failed; this one stops retrying (never leaves ``generate``)."""
 
 
+class _TooLarge(Exception):
+    """A reply over its byte bound (never leaves ``_call``)."""
+
+
 class OpenAIEngine:
     """Generation through OpenAI-compatible ``/v1/completions`` endpoints (see the module docstring).
 
@@ -208,6 +236,7 @@ class OpenAIEngine:
         # Fast tokenizers are not safe to call from several threads at once ("Already borrowed").
         self._tokenizer_lock = threading.Lock()
         self._warned_prompt_mismatch = False
+        self._vocab_size = len(tokenizer)  # added tokens included
         self._abort = threading.Event()
         try:
             self._servers = [self._probe_models(endpoint) for endpoint in config.endpoints]
@@ -322,8 +351,9 @@ class OpenAIEngine:
 
     def _complete(self, server: _Server, request: GenerationRequest, settings: SamplingSettings) -> GenerationResult:
         body = self._request_body(server, request, settings)
-        what = f"completion of request {request.request_id}"
-        payload = self._call(server.endpoint, "POST", "/completions", what, body=body)
+        what = f"completion of request {request.request_id}" + (f" ({request.source})" if request.source else "")
+        payload = self._call(server.endpoint, "POST", "/completions", what, body=body,
+                             max_bytes=_REPLY_BASE_BYTES + _REPLY_BYTES_PER_TOKEN * int(request.max_new_tokens))
         choice = _first_choice(payload, server.endpoint, what)
         raw_finish = choice.get("finish_reason")
         if raw_finish not in ("stop", "length"):
@@ -331,25 +361,20 @@ class OpenAIEngine:
                                   "(expected 'stop' or 'length'); fix: check the server log (an aborted request or a "
                                   "content filter), then rerun")
         finish: FinishReason = raw_finish
-        engine_ids = _engine_ids(choice)
-        if engine_ids is not None:
-            token_ids = engine_ids
-            token_source = "engine"
-        else:
-            text = choice.get("text")
-            if not isinstance(text, str):
-                raise GenerationError(f"endpoint {server.endpoint}: {what} returned neither token_ids nor text; fix: "
-                                      "point endpoints at an OpenAI-compatible /v1 completions server")
-            with self._tokenizer_lock:
-                token_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-            token_source = "retokenized"
+        token_ids, token_source = self._reply_ids(server, request, choice, what)
         appended = False
         if finish == "stop":
             named = choice.get("stop_reason", choice.get("matched_stop"))
             stop_id = named if isinstance(named, int) and not isinstance(named, bool) else self.tokenizer.eos_token_id
+            if not 0 <= stop_id < self._vocab_size:
+                self._refuse(server, what, f"it names stop token {stop_id}, outside the target tokenizer's "
+                                           f"vocabulary [0, {self._vocab_size})")
             if not token_ids or token_ids[-1] not in {stop_id, self.tokenizer.eos_token_id}:
-                token_ids.append(int(stop_id))
-                appended = True
+                if len(token_ids) < request.max_new_tokens:
+                    token_ids.append(int(stop_id))
+                    appended = True
+                else:  # the stop token does not fit under max_tokens (nor the row under max_length): a cut reply
+                    finish = "length"
         info: dict[str, Any] = {"endpoint": server.endpoint,
                                 "prompt_as": "token_ids" if isinstance(body["prompt"], list) else "text",
                                 "appended_stop_token": appended}
@@ -367,12 +392,77 @@ class OpenAIEngine:
         return GenerationResult(request_id=request.request_id, token_ids=token_ids, finish_reason=finish,
                                 token_source=token_source, info=info)
 
+    def _reply_ids(self, server: _Server, request: GenerationRequest, choice: dict[str, Any],
+                   what: str) -> tuple[list[int], TokenSource]:
+        """The reply's token ids, checked (never trusted): from the server where it returns them (every id in the
+        target tokenizer's vocabulary, at most ``max_tokens`` of them, decoding to the text it returned), else its
+        text re-tokenized (at most ``max_tokens`` tokens).
+
+        Raises:
+            GenerationError: naming the endpoint, the request (its prompt) and what the reply got wrong.
+        """
+        text = choice.get("text")
+        if not isinstance(text, str):
+            self._refuse(server, what, "its choice has no text")
+        limit = int(request.max_new_tokens)
+        if server.token_ids_from is not None:
+            ids = _engine_ids(choice, server.token_ids_from)
+            if ids is None:
+                where = "token_ids" if server.token_ids_from == "token_ids" else "logprobs.content[].id"
+                self._refuse(server, what, f"it returned no list of integer token ids in {where}, as it did when "
+                                           "probed")
+            source: TokenSource = "engine"
+        else:
+            with self._tokenizer_lock:
+                ids = [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+            source = "retokenized"
+        if len(ids) > limit:
+            self._refuse(server, what, f"it returned {len(ids):,} tokens"
+                         + (" (its text re-tokenized)" if source == "retokenized" else "")
+                         + f" for max_tokens={limit}")
+        bad = next((i for i, token in enumerate(ids) if not 0 <= token < self._vocab_size), None)
+        if bad is not None:
+            self._refuse(server, what, f"token id {ids[bad]} at position {bad} is outside the target tokenizer's "
+                                       f"vocabulary [0, {self._vocab_size})")
+        if source == "engine" and not self._decodes_to(ids, text):
+            with self._tokenizer_lock:
+                decoded = self.tokenizer.decode(ids, skip_special_tokens=True)
+            self._refuse(server, what, f"its token ids decode to {_snippet(decoded)[:80]!r} but its text is "
+                                       f"{_snippet(text)[:80]!r}")
+        return ids, source
+
+    def _decodes_to(self, ids: list[int], text: str) -> bool:
+        """Whether ``ids`` decode with the target tokenizer to the server's ``text``, up to what detokenizers
+        legitimately change: special tokens shown or left out, whitespace (a SentencePiece word start at the reply's
+        start, spaces around added tokens, spaces before punctuation cleaned up) and an incomplete UTF-8 character
+        (held back, or written as U+FFFD). One or two decodes of at most ``max_tokens`` ids."""
+        wanted = None
+        for skip_special in (True, False):
+            with self._tokenizer_lock:
+                decoded = self.tokenizer.decode(ids, skip_special_tokens=skip_special,
+                                                clean_up_tokenization_spaces=False)
+            if decoded == text:
+                return True
+            wanted = _comparable(text) if wanted is None else wanted
+            if _comparable(decoded) == wanted:
+                return True
+        return False
+
+    def _refuse(self, server: _Server, what: str, problem: str) -> NoReturn:
+        raise GenerationError(f"endpoint {server.endpoint}: {what}: the reply cannot be what the target generated: "
+                              f"{problem}; fix: serve the target (with its own tokenizer) on that endpoint, or "
+                              "remove it from endpoints; the parts committed so far are kept, rerun the same command "
+                              "to continue")
+
     # ---------------------------------------------------------------- HTTP with retries
 
     def _call(self, endpoint: str, method: str, path: str, what: str, *, body: dict[str, Any] | None = None,
-              retry: bool = True, accept: frozenset[int] = frozenset()) -> dict[str, Any]:
+              retry: bool = True, accept: frozenset[int] = frozenset(),
+              max_bytes: int = _REPLY_BASE_BYTES) -> dict[str, Any]:
         """One JSON request with retries. Returns the decoded JSON object, or ``{"_status": code}`` for a status in
-        ``accept``. Raises GenerationError (one line: endpoint, what failed, the fix)."""
+        ``accept``. A reply is read up to ``max_bytes`` (a longer one is refused before it is parsed) and within
+        ``request_timeout_s`` from the request's start (a server trickling bytes is a timeout). Raises
+        GenerationError (one line: endpoint, what failed, the fix)."""
         url = endpoint + path
         attempts = self.config.max_retries + 1 if retry else 1
         failure = ""
@@ -381,31 +471,36 @@ class OpenAIEngine:
                 raise _Aborted()
             retry_after: float | None = None
             try:
-                response = self._client.request(method, url, content=None if body is None else json.dumps(body))
+                status, headers, data = self._send(method, url, body, max_bytes)
             except httpx.TransportError as error:
                 failure = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+            except _TooLarge as error:
+                raise GenerationError(f"endpoint {endpoint}: {what} returned a reply of more than {max_bytes:,} bytes "
+                                      f"({error}); fix: point endpoints at an OpenAI-compatible server serving the "
+                                      "target (its replies are far smaller)") from None
             else:
-                status = response.status_code
+                text = data.decode("utf-8", "replace")
                 if 200 <= status < 300:
                     try:
-                        payload = response.json()
-                    except ValueError:
-                        payload = None
+                        payload = decode_json(data)
+                    except JSONInputError as error:
+                        payload = error
                     if not isinstance(payload, dict):
-                        raise GenerationError(f"endpoint {endpoint}: {what} returned a body that is not a JSON "
-                                              f"object ({_snippet(response.text)!r}); fix: point endpoints at an "
+                        reason = str(payload) if isinstance(payload, JSONInputError) else "not a JSON object"
+                        raise GenerationError(f"endpoint {endpoint}: {what} returned a body that is not usable: "
+                                              f"{reason} ({_snippet(text)!r}); fix: point endpoints at an "
                                               "OpenAI-compatible server's /v1 base URL")
                     return payload
                 if status in accept:
-                    return {"_status": status, "_text": _snippet(response.text)}
+                    return {"_status": status, "_text": _snippet(text)}
                 if status not in _RETRY_STATUS:
                     hint = ("check api_key_env" if status in (401, 403) else
                             "check the endpoint's /v1 path and the model name" if status == 404 else
                             "check the request against the server's limits (context length, max_tokens)")
                     raise GenerationError(f"endpoint {endpoint}: {what} was rejected with HTTP {status} "
-                                          f"({_snippet(response.text)!r}); fix: {hint}")
-                failure = f"HTTP {status} ({_snippet(response.text)!r})"
-                retry_after = _retry_after_s(response.headers.get("Retry-After"))
+                                          f"({_snippet(text)!r}); fix: {hint}")
+                failure = f"HTTP {status} ({_snippet(text)!r})"
+                retry_after = _retry_after_s(headers.get("Retry-After"))
             if attempt + 1 < attempts:
                 delay = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** attempt)
                 delay *= 0.5 + 0.5 * self._random.random()
@@ -416,6 +511,34 @@ class OpenAIEngine:
         raise GenerationError(f"endpoint {endpoint}: {what} failed after {attempts} attempt(s), last: {failure}; "
                               f"fix: check that the server is running and reachable (curl {endpoint}/models), raise "
                               "max_retries or request_timeout_s if it is overloaded, or remove it from endpoints")
+
+    def _send(self, method: str, url: str, body: dict[str, Any] | None, max_bytes: int,
+              timeout_s: float | None = None) -> tuple[int, httpx.Headers, bytes]:
+        """One HTTP exchange: status, headers and at most ``max_bytes`` of the body, within ``timeout_s`` (default
+        ``request_timeout_s``).
+
+        Raises:
+            httpx.TransportError: connection failures and timeouts, the whole exchange past ``request_timeout_s``
+                included (``httpx.ReadTimeout``).
+            _TooLarge: a declared or received body over ``max_bytes``.
+        """
+        timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        content = None if body is None else json.dumps(body)
+        timeout = httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))
+        with self._client.stream(method, url, content=content, timeout=timeout) as response:
+            declared = response.headers.get("Content-Length")
+            if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+                raise _TooLarge(f"Content-Length {int(declared):,}")
+            chunks, size = [], 0
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise _TooLarge(f"{size:,} bytes received and more coming")
+                chunks.append(chunk)
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout(f"the reply took more than {timeout_s:g} s (request_timeout_s)")
+            return response.status_code, response.headers, b"".join(chunks)
 
     # ---------------------------------------------------------------- start-up probes
 
@@ -475,9 +598,10 @@ class OpenAIEngine:
         root = endpoint[: -len("/v1")] if endpoint.endswith("/v1") else endpoint
         for path in ("/version", "/props", "/openapi.json"):
             try:
-                response = self._client.get(root + path, timeout=min(5.0, self.config.request_timeout_s))
-                payload = response.json() if response.status_code == 200 else None
-            except (httpx.HTTPError, ValueError):
+                status, _, data = self._send("GET", root + path, None, _REPLY_BASE_BYTES,
+                                             timeout_s=min(5.0, self.config.request_timeout_s))
+                payload = decode_json(data) if status == 200 else None
+            except (httpx.HTTPError, _TooLarge, JSONInputError):
                 payload = None
             if not isinstance(payload, dict):
                 continue
@@ -491,18 +615,24 @@ class OpenAIEngine:
         return None
 
 
-def _engine_ids(choice: dict[str, Any]) -> list[int] | None:
-    """The generated ids in a choice: vLLM/SGLang ``token_ids``, else llama.cpp's ``logprobs.content[j].id``."""
-    ids = choice.get("token_ids")
-    if not isinstance(ids, list):
+def _engine_ids(choice: dict[str, Any], where: str | None = None) -> list[int] | None:
+    """The generated ids in a choice: vLLM/SGLang ``token_ids``, else llama.cpp's ``logprobs.content[j].id``
+    (``where``: only that place, as probed); None when there is no list of integers there."""
+    ids = choice.get("token_ids") if where in (None, "token_ids") else None
+    if not isinstance(ids, list) and where in (None, "logprobs"):
         logprobs = choice.get("logprobs")
         content = logprobs.get("content") if isinstance(logprobs, dict) else None
         ids = [entry.get("id") for entry in content if isinstance(entry, dict)] if isinstance(content, list) else None
         if ids is not None and len(ids) != len(content):
             return None
-    if ids is None or not all(isinstance(token, int) and not isinstance(token, bool) for token in ids):
+    if not isinstance(ids, list) or not all(isinstance(token, int) and not isinstance(token, bool) for token in ids):
         return None
     return [int(token) for token in ids]
+
+
+def _comparable(text: str) -> str:
+    """``text`` without whitespace and U+FFFD, for :meth:`OpenAIEngine._decodes_to`."""
+    return _NOT_COMPARED.sub("", text)
 
 
 def _first_choice(payload: dict[str, Any], endpoint: str, what: str) -> dict[str, Any]:

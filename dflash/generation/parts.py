@@ -5,6 +5,7 @@ Layout of ``OUTPUT/``::
     generate.json            the plan: settings, engine, target identity, prompt source digest, part ranges (first)
     parts/part-000042.json   one part's record: prompt range, rows, tokens, drops, finish reasons, seconds
     part-000042.arrow        one part's rows (Arrow IPC, the corpus schema), renamed into place last
+    heldout_prompts.jsonl    prompts held out of the corpus for ``evaluate --prompts`` (never trained on)
     corpus.json              the corpus metadata (``dflash.corpus/1`` + ``generation``), written when all parts are
 
 A part counts only once its ``.arrow`` file exists: it is written to a hidden temporary name, synced, its record
@@ -36,10 +37,11 @@ from dflash.generation.engine import GenerationEngine, GenerationRequest, Sampli
 from dflash.generation.prompts import ConversationBuilder, DropCounts, PromptRecord
 from dflash.io.files import atomic_write_text
 
-__all__ = ["PLAN_FILE", "PartSpec", "part_path", "part_record_path", "committed_parts", "generate_part",
+__all__ = ["PLAN_FILE", "HELDOUT_PROMPTS_FILE", "PartSpec", "part_path", "part_record_path", "committed_parts", "generate_part",
            "clear_uncommitted"]
 
 PLAN_FILE = "generate.json"
+HELDOUT_PROMPTS_FILE = "heldout_prompts.jsonl"
 _PARTS_DIR = "parts"
 
 
@@ -146,7 +148,8 @@ def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec) -> d
             prompts[index] = prompt
             # No prompt_text: an engine that needs text decodes the ids itself, only when it must.
             requests.append(GenerationRequest(request_id=spec.first_prompt + index, prompt_ids=prompt,
-                                              max_new_tokens=min(settings.max_new_tokens, room)))
+                                              max_new_tokens=min(settings.max_new_tokens, room),
+                                              source=f"{builder.record.prompt_id}, turn {builder.num_turns_done + 1}"))
         if not requests:
             break
         engine_started = time.perf_counter()

@@ -27,7 +27,6 @@ Bad input is counted, never silently dropped: :class:`DropCounts` names each rea
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError, CorpusError
+from dflash.io.files import DEFAULT_MAX_LINE_BYTES, JSONInputError, decode_json, read_lines
 
 __all__ = [
     "check_prompt_file",
@@ -173,8 +173,8 @@ def _records_from_rows(rows: Iterator[tuple[str, bytes | dict[str, Any]]], *, ch
                 record: dict[str, Any] = {"prompt": line.rstrip("\r\n")}
             else:
                 try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
+                    record = decode_json(line)
+                except JSONInputError:  # invalid, nested too deep, an unconvertible number, a lone surrogate
                     drops.add("bad_json", where)
                     continue
                 if not isinstance(record, dict):
@@ -210,6 +210,28 @@ def _records_from_rows(rows: Iterator[tuple[str, bytes | dict[str, Any]]], *, ch
     return records
 
 
+def _bounded_row(row: dict[str, Any], path: Path, index: int, limit: int) -> dict[str, Any]:
+    """``row`` of a table file when the text it gives (its string cells, and the strings of list/struct cells such
+    as ``messages``) is at most ``limit`` UTF-8 bytes, as a line of a JSONL file is.
+
+    Raises:
+        ConfigError: naming the file, the row, the limit and ``--max-prompt-bytes``.
+    """
+    size, stack = 0, list(row.values())
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            size += len(item.encode("utf-8", "surrogatepass"))
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    if size > limit:
+        raise ConfigError(f"prompts: {path} row {index} holds {size:,} bytes of text, more than {limit:,} (the limit per "
+                          "prompt); shorten or split it, or raise the limit with --max-prompt-bytes")
+    return row
+
+
 _PROMPT_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet", ".pq")
 
 
@@ -234,26 +256,32 @@ def check_prompt_file(path: str | Path) -> Path:
 
 
 def read_prompt_file(path: str | Path, *, chat_template: bool = True, turns: TurnMode = "all",
-                     drops: DropCounts | None = None) -> tuple[list[PromptRecord], DropCounts]:
+                     drops: DropCounts | None = None,
+                     max_prompt_bytes: int = DEFAULT_MAX_LINE_BYTES) -> tuple[list[PromptRecord], DropCounts]:
     """Prompt records of a chat or prompts file (module docstring); unusable lines are counted in ``drops``.
 
+    ``max_prompt_bytes`` bounds one line (.jsonl/.json/.txt, read a line at a time:
+    :func:`dflash.io.files.read_lines`) or the text of one row (.parquet).
+
     Raises:
-        ConfigError: the file is missing, of an unknown kind, or holds no usable prompt (the drop counts named).
+        ConfigError: the file is missing, of an unknown kind, holds a line or row over ``max_prompt_bytes`` (named,
+            with the limit and ``--max-prompt-bytes``), or holds no usable prompt (the drop counts named).
     """
     path = check_prompt_file(path)
     drops = drops if drops is not None else DropCounts()
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".txt"):
-        with open(path, "rb") as handle:
-            lines = [(f"{path.name} line {number}", line) for number, line in enumerate(handle, start=1)]
-        records = _records_from_rows(iter(lines), chat_template=chat_template, turns=turns, drops=drops,
+        lines = ((f"{path.name} line {number}", line) for number, line in
+                 read_lines(path, max_line_bytes=max_prompt_bytes, what="prompts", raise_with="--max-prompt-bytes"))
+        records = _records_from_rows(lines, chat_template=chat_template, turns=turns, drops=drops,
                                      plain_lines=suffix == ".txt")
     elif suffix in (".parquet", ".pq"):
         import pyarrow.parquet as pq
 
         table = pq.read_table(path)
-        records = _records_from_rows(((f"{path.name} row {i}", row) for i, row in enumerate(table.to_pylist())),
-                                     chat_template=chat_template, turns=turns, drops=drops)
+        rows = ((f"{path.name} row {i}", _bounded_row(row, path, i, max_prompt_bytes))
+                for i, row in enumerate(table.to_pylist()))
+        records = _records_from_rows(rows, chat_template=chat_template, turns=turns, drops=drops)
     if not records:
         raise ConfigError(f"prompts: {path} holds no usable prompt (left out: {drops.describe()})")
     return records, drops

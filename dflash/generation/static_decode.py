@@ -37,12 +37,17 @@ from typing import Any
 import torch
 
 __all__ = ["StaticDecoder", "gumbel_noise", "grouped_decode_attention", "deterministic_decode_attention",
-           "ATTENTION_NAME", "DETERMINISTIC_ATTENTION_NAME"]
+           "ranged_attention", "ATTENTION_NAME", "DETERMINISTIC_ATTENTION_NAME", "RANGED_ATTENTION_NAME",
+           "RANGES_KWARG"]
 
 #: The name under which :func:`grouped_decode_attention` is registered with transformers' ``AttentionInterface``.
 ATTENTION_NAME = "grouped_decode_gqa"  # no "flash" in it: transformers reads that as a flash-attention kernel request
 #: The name of :func:`deterministic_decode_attention` (``StaticDecoder(deterministic=True)``).
 DETERMINISTIC_ATTENTION_NAME = "grouped_decode_gqa_repeatable"
+#: The name of :func:`ranged_attention` (the default on CUDA with Triton).
+RANGED_ATTENTION_NAME = "grouped_decode_ranged"
+#: The forward keyword that carries each row's key range, ``(starts, ends)``, to :func:`ranged_attention`.
+RANGES_KWARG = "dflash_decode_ranges"
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +150,30 @@ def deterministic_decode_attention(module: Any, query: torch.Tensor, key: torch.
     return out.reshape(batch, query_heads, 1, head_dim).transpose(1, 2).contiguous(), None
 
 
+def ranged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Decode attention that reads only each row's own key range
+    (:func:`dflash.generation.ranged_attention.ranged_decode_attention`), given as ``(starts, ends)`` in the forward
+    keyword :data:`RANGES_KWARG`; the mask is then not read. Prefill, and calls without ranges, go to
+    :func:`grouped_decode_attention`. Same arguments, shapes and result as that function.
+    """
+    ranges = kwargs.pop(RANGES_KWARG, None)
+    if query.shape[2] != 1 or dropout or ranges is None:
+        return grouped_decode_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        **kwargs)
+    from dflash.generation.ranged_attention import ranged_decode_attention
+
+    starts, ends = ranges
+    return ranged_decode_attention(query, key, value, starts, ends, scale=scaling), None
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, grouped_decode_attention)
     AttentionInterface.register(DETERMINISTIC_ATTENTION_NAME, deterministic_decode_attention)
+    AttentionInterface.register(RANGED_ATTENTION_NAME, ranged_attention)
 
 
 @dataclass
@@ -160,6 +184,8 @@ class _Slot:
     tokens: torch.Tensor  # (rows, 1) int64: the token each row feeds this step
     positions: torch.Tensor  # (rows, 1) int64: its position id (left padding excluded)
     mask: torch.Tensor  # (rows, 1, 1, length) model dtype: 0 where a row may attend, dtype min elsewhere
+    starts: torch.Tensor  # (rows,) int32: first cache position each row attends (ranged attention)
+    ends: torch.Tensor  # (rows,) int32: one past the last; equal to starts for a finished row
     logits: torch.Tensor | None = None  # (rows, vocab) the captured step's output
     graph: torch.cuda.CUDAGraph | None = None
     graph_failed: bool = False
@@ -183,6 +209,13 @@ class StaticDecoder:
             ``sdpa`` or ``eager`` attention are switched.
         deterministic: with ``grouped_attention``, decode with :func:`deterministic_decode_attention` (bitwise
             repeatable from run to run, slower) instead of SDPA's grouped-query kernel.
+        ranged: with ``grouped_attention`` and not ``deterministic``, decode with :func:`ranged_attention`, which
+            reads only the cache positions each row attends (its prompt and its tokens so far; nothing once it has
+            stopped) instead of the whole padded cache. None: where it can run (CUDA with Triton).
+        compile_parts: while this decoder is open, the model's MLP and RMSNorm modules (what touches no KV cache)
+            run through ``torch.compile``, which fuses their elementwise kernels: a decode step of a small target is
+            hundreds of tiny kernels. Their forwards come back on :meth:`close`. None: on CUDA with Triton.
+        compile_backend: the ``torch.compile`` backend of ``compile_parts`` (``"inductor"``; tests use ``"eager"``).
 
     Raises:
         ConfigError: the model runs another attention (e.g. flash-attention, which takes no 4-D mask).
@@ -191,7 +224,8 @@ class StaticDecoder:
 
     def __init__(self, model: Any, *, rows: int, pad_token_id: int, stop_token_ids: Sequence[int],
                  cuda_graphs: bool = True, length_bucket: int = 128, max_slots: int = 2, check_every: int = 16,
-                 grouped_attention: bool = True, deterministic: bool = False) -> None:
+                 grouped_attention: bool = True, deterministic: bool = False, ranged: bool | None = None,
+                 compile_parts: bool | None = None, compile_backend: str = "inductor") -> None:
         self.model = model
         self.rows = rows
         self.pad_token_id = int(pad_token_id)
@@ -210,15 +244,36 @@ class StaticDecoder:
         self.last_mode = "eager"
         self._restore_attention: str | None = None
         previous = getattr(model.config, "_attn_implementation", None)
-        if previous not in ("sdpa", "eager", ATTENTION_NAME, DETERMINISTIC_ATTENTION_NAME, None):
+        if previous not in ("sdpa", "eager", ATTENTION_NAME, DETERMINISTIC_ATTENTION_NAME, RANGED_ATTENTION_NAME, None):
             from dflash.errors import ConfigError
 
             raise ConfigError(f"the static decoder passes a 4-D padding mask, which attention {previous!r} does not "
                               "take; load the target with attn_implementation='sdpa' or use kv_cache=dynamic")
+        self.ranged = False
         if grouped_attention and previous in ("sdpa", "eager"):
+            from dflash.generation.ranged_attention import ranged_attention_available
+
+            available = ranged_attention_available(self.device)
+            if ranged and not available:
+                from dflash.errors import ConfigError
+
+                raise ConfigError(f"ranged decode attention needs CUDA and Triton; the target is on {self.device}")
+            self.ranged = not deterministic and (available if ranged is None else bool(ranged))
             _register_attention()
-            model.set_attn_implementation(DETERMINISTIC_ATTENTION_NAME if deterministic else ATTENTION_NAME)
+            model.set_attn_implementation(DETERMINISTIC_ATTENTION_NAME if deterministic
+                                          else RANGED_ATTENTION_NAME if self.ranged else ATTENTION_NAME)
             self._restore_attention = previous
+        from dflash.generation.ranged_attention import ranged_attention_available
+
+        if compile_parts is None:
+            compile_parts = self.device.type == "cuda" and ranged_attention_available(self.device)
+        #: The modules whose forward runs compiled while the decoder is open.
+        self._compiled: list[torch.nn.Module] = []
+        if compile_parts:
+            for module in model.modules():
+                if type(module).__name__.endswith(("MLP", "RMSNorm")) and "forward" not in vars(module):
+                    self._compiled.append(module)
+                    module.forward = torch.compile(module.forward, dynamic=False, backend=compile_backend)
 
     # -- buffers ---------------------------------------------------------------------------------------------------
 
@@ -238,14 +293,21 @@ class StaticDecoder:
             slot = _Slot(cache=cache,
                          tokens=torch.full((rows, 1), self.pad_token_id, dtype=torch.long, device=self.device),
                          positions=torch.zeros((rows, 1), dtype=torch.long, device=self.device),
-                         mask=torch.full((rows, 1, 1, length), self._min, dtype=self.dtype, device=self.device))
+                         mask=torch.full((rows, 1, 1, length), self._min, dtype=self.dtype, device=self.device),
+                         starts=torch.zeros(rows, dtype=torch.int32, device=self.device),
+                         ends=torch.zeros(rows, dtype=torch.int32, device=self.device))
         self._slots[(rows, length)] = slot
         return slot
 
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
+                 ranges: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        extra = {RANGES_KWARG: ranges} if ranges is not None and self.ranged else {}
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **{self._cache_argument: cache})
+                         logits_to_keep=1, **{self._cache_argument: cache}, **extra)
         return out.logits[:, -1]
+
+    def _step(self, slot: _Slot) -> torch.Tensor:
+        return self._forward(slot.tokens, slot.mask, slot.positions, slot.cache, (slot.starts, slot.ends))
 
     def _capture(self, slot: _Slot) -> None:
         """Capture the decode step of ``slot``; on failure (an op that cannot be captured) fall back to eager."""
@@ -256,11 +318,11 @@ class StaticDecoder:
         try:
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up (allocator, lazy kernels) outside the capture
-                    self._forward(slot.tokens, slot.mask, slot.positions, slot.cache)
+                    self._step(slot)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                slot.logits = self._forward(slot.tokens, slot.mask, slot.positions, slot.cache)
+                slot.logits = self._step(slot)
             slot.graph = graph
         except RuntimeError as exc:  # pragma: no cover - depends on the model's ops and the CUDA build
             log.warning("CUDA graph capture of the decode step failed (%s); decoding eagerly", exc)
@@ -328,6 +390,7 @@ class StaticDecoder:
         slot.mask.fill_(self._min)
         slot.mask[:, 0, 0, :width].masked_fill_(valid, 0.0)
         slot.positions.copy_(positions[:, -1:])
+        slot.starts.copy_(width - valid.sum(-1))  # left padding: a row's prompt ends at width - 1
         limits = torch.tensor(list(max_new_tokens) + [1] * (rows - count), dtype=torch.long, device=self.device)
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)
         done[count:] = True
@@ -351,6 +414,8 @@ class StaticDecoder:
             slot.positions.add_(1)
             slot.mask.index_fill_(3, write, 0.0)  # the fed token's own key becomes visible
             write.add_(1)
+            if self.ranged:  # the fed token is written at write - 1; a finished row reads nothing
+                torch.where(done, slot.starts, write.to(torch.int32), out=slot.ends)
             if use_graph:
                 if slot.graph is None:
                     self._capture(slot)
@@ -359,7 +424,7 @@ class StaticDecoder:
                 slot.graph.replay()
                 logits = slot.logits
             else:
-                logits = self._forward(slot.tokens, slot.mask, slot.positions, slot.cache)
+                logits = self._step(slot)
         self.last_mode = "graph" if use_graph else "eager"
 
         rows = out[:count].cpu().tolist()
@@ -388,8 +453,12 @@ class StaticDecoder:
         return (scores + gumbel_noise(keys, step, scores.shape[-1])).argmax(-1)
 
     def close(self) -> None:
-        """Free the caches and graphs; give the model its previous attention implementation back."""
+        """Free the caches and graphs; give the model its previous attention implementation and its modules' own
+        forwards back."""
         self._slots.clear()
+        for module in self._compiled:
+            del module.forward  # the instance attribute set in __init__: the class's forward again
+        self._compiled = []
         if self.model is not None and self._restore_attention is not None:
             self.model.set_attn_implementation(self._restore_attention)
         self._restore_attention = None

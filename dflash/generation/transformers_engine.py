@@ -49,6 +49,11 @@ class TransformersEngine:
         deterministic: static cache: bitwise-repeatable decode attention
             (:func:`dflash.generation.static_decode.deterministic_decode_attention`), slower; default SDPA's
             grouped-query kernel, whose bits may differ from run to run on CUDA (near-ties then break differently).
+        ranged: static cache, not deterministic: decode attention that reads only the cache positions each row
+            attends (:func:`dflash.generation.static_decode.ranged_attention`); None: where it can run (CUDA with
+            Triton), False: SDPA's grouped-query kernel over the whole padded cache.
+        compile_parts: static cache: the target's MLP and RMSNorm modules run through ``torch.compile`` while the
+            engine is open (:class:`dflash.generation.static_decode.StaticDecoder`); None: on CUDA with Triton.
         prompt_bucket: prompts are left-padded to a multiple of this many tokens (fewer compiled shapes).
         stop_token_ids: tokens that end a reply (default: the tokenizer's EOS and, for chat models, the end of turn).
         description: extra facts for :meth:`describe` (the target identity).
@@ -57,7 +62,9 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 256, token_budget: int = 262_144,
-                 cache: CacheKind = "auto", deterministic: bool = False, prompt_bucket: int = 64, stop_token_ids: Sequence[int] | None = None,
+                 cache: CacheKind = "auto", deterministic: bool = False, ranged: bool | None = None,
+                 compile_parts: bool | None = None, prompt_bucket: int = 64,
+                 stop_token_ids: Sequence[int] | None = None,
                  description: dict[str, Any] | None = None) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -86,14 +93,17 @@ class TransformersEngine:
             from dflash.generation.static_decode import StaticDecoder
 
             self._decoder = StaticDecoder(model, rows=batch_size, pad_token_id=self.pad_token_id,
-                                          stop_token_ids=self.stop_token_ids, deterministic=deterministic)
+                                          stop_token_ids=self.stop_token_ids, deterministic=deterministic,
+                                          ranged=ranged, compile_parts=compile_parts)
 
     def describe(self) -> dict[str, Any]:
         import transformers
 
         return {"engine": self.name, "transformers": transformers.__version__, "torch": torch.__version__,
                 "device": str(self.device), "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
-                "kv_cache": self.cache, "deterministic": self.deterministic, "batch_size": self.batch_size, "stop_token_ids": self.stop_token_ids,
+                "kv_cache": self.cache, "deterministic": self.deterministic,
+                "ranged_attention": bool(self._decoder is not None and self._decoder.ranged),
+                "compiled_modules": len(self._decoder._compiled) if self._decoder is not None else 0, "batch_size": self.batch_size, "stop_token_ids": self.stop_token_ids,
                 **self.description}
 
     @property

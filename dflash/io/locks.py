@@ -52,9 +52,11 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import shlex
 import socket
+import stat
 import sys
 import time
 import uuid
@@ -63,6 +65,7 @@ from pathlib import Path
 from types import TracebackType
 
 from dflash.errors import LockError
+from dflash.io.files import parse_json
 
 __all__ = ["OutputLock", "LockHolder", "output_lock", "lock_path_of", "LOCK_SUFFIX"]
 
@@ -73,6 +76,9 @@ LOCK_SUFFIX = ".lock"
 
 #: errno values of ``flock`` on a filesystem without OS locks (the owner record alone then decides).
 _NO_OS_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
+
+#: Size cap of an owner record (a few hundred bytes are written): a larger lock file is not ours.
+_MAX_RECORD_BYTES = 65536
 
 #: Attempts at publishing our record when the lock file changes under us (released or taken over meanwhile).
 _ATTEMPTS = 5
@@ -99,15 +105,31 @@ class LockHolder:
         return f"pid {self.pid} on host {self.host} since {self.started_at} ({self.command})"
 
     @classmethod
-    def from_json(cls, text: str) -> LockHolder:
-        data = json.loads(text)
+    def from_json(cls, text: str | bytes) -> LockHolder:
+        """The record of a lock file's contents (``dflash.io.files.parse_json``: nesting bounded).
+
+        Raises:
+            LockError: not JSON, not an object, or a field of the wrong type (``pid`` a positive integer, ``host``
+                a string, ``process_started`` a number or null).
+        """
+        data = parse_json(text, where="the lock's owner record", error=LockError, fix="the record is damaged")
+        if not isinstance(data, dict):
+            raise LockError(f"the lock's owner record is a {type(data).__name__}, not an object")
+        pid, host, started = data.get("pid"), data.get("host"), data.get("process_started")
+        if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:
+            raise LockError(f"the lock's owner record has pid {str(pid)[:40]}, not a process id")
+        if not isinstance(host, str) or not host:
+            raise LockError(f"the lock's owner record has host {str(host)[:40]}, not a host name")
+        if started is not None and (not isinstance(started, int | float) or isinstance(started, bool)
+                                    or not math.isfinite(started)):
+            raise LockError(f"the lock's owner record has process_started {str(started)[:40]}, not a time")
         return cls(
-            pid=int(data["pid"]),
-            host=str(data["host"]),
-            started_at=str(data.get("started_at", "?")),
-            process_started=data.get("process_started"),
-            command=str(data.get("command", "?")),
-            what=str(data.get("what", "output")),
+            pid=pid,
+            host=host,
+            started_at=str(data.get("started_at", "?"))[:100],
+            process_started=None if started is None else float(started),
+            command=str(data.get("command", "?"))[:1000],
+            what=str(data.get("what", "output"))[:100],
         )
 
 
@@ -305,10 +327,15 @@ class OutputLock:
         changed under us (released or replaced); the caller tries again."""
         assert self.path is not None
         try:
-            fd = os.open(self.path, os.O_RDWR)
+            fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
         except FileNotFoundError:
             return False  # released meanwhile
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a device, FIFO or socket (or a symlink to one)
+                raise LockError(
+                    f"the lock file {self.path} of {self.output} is not a regular file (a device, FIFO or a link to "
+                    f"one), so it was not written by dflash-stages: remove it (rm {self.path}) and rerun"
+                )
             os_lock = _try_os_lock(fd)
             holder = self._read_holder(fd)
             if os_lock is False:
@@ -323,8 +350,15 @@ class OutputLock:
                 # Without OS locks the pid decides (our own pid is a leftover: this process holds no such lock).
                 if os_lock is None and holder.pid != os.getpid() and _pid_alive(holder):
                     raise LockError(self._held_message(holder))
+            elif not self.break_lock and holder is None:
+                raise LockError(
+                    f"the lock file {self.path} of {self.output} is damaged: it holds no readable owner record (empty, "
+                    f"garbled or not written by dflash-stages) and no process holds it here; if no other run writes "
+                    f"{self.output} (on this or another host), remove it (rm {self.path}) or rerun with --break-lock"
+                )
             elif not self.break_lock:
-                found = holder.describe() if holder is not None else "an unreadable owner record"
+                assert holder is not None
+                found = holder.describe()
                 raise LockError(
                     f"{self.output} is locked by {found} (lock file {self.path}); a lock from another host is never "
                     f"taken over by itself: if that run is dead (host down, job gone), rerun with --break-lock, else "
@@ -351,13 +385,17 @@ class OutputLock:
 
     @staticmethod
     def _read_holder(fd: int) -> LockHolder | None:
+        """The owner record in the open lock file ``fd`` (a regular file), or None when it is unreadable: empty,
+        over :data:`_MAX_RECORD_BYTES`, not JSON or with fields of the wrong type."""
+        os.lseek(fd, 0, os.SEEK_SET)
+        data = b""
+        while len(data) <= _MAX_RECORD_BYTES and (chunk := os.read(fd, _MAX_RECORD_BYTES + 1 - len(data))):
+            data += chunk
+        if len(data) > _MAX_RECORD_BYTES:
+            return None
         try:
-            os.lseek(fd, 0, os.SEEK_SET)
-            chunks = []
-            while chunk := os.read(fd, 65536):
-                chunks.append(chunk)
-            return LockHolder.from_json(b"".join(chunks).decode())
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return LockHolder.from_json(data)
+        except LockError:
             return None
 
     def _held_message(self, holder: LockHolder | None) -> str:

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 import dflash
 from dflash.drafter.config import rope_settings_from_target
 from dflash.errors import CheckpointError, ExportError, MismatchError, TargetError
+from dflash.io.files import load_json
+from dflash.io.weights import save_safetensors
 from dflash.serving.format import (
     CONFIG_FILE,
     EXPORT_FORMAT_VERSION,
@@ -167,9 +169,9 @@ def export_drafter(
     Raises:
         ExportError: names/shapes do not match the config, a tensor is not floating point or not finite, or
             ``out_dir`` exists without ``overwrite``.
+        OSError: a write was refused (a full disk, no permission...), naming the file; nothing is left behind.
     """
     import torch
-    from safetensors.torch import save_file
 
     destination = Path(out_dir).expanduser().absolute()
     _check_replaceable(destination, overwrite=overwrite)
@@ -191,7 +193,7 @@ def export_drafter(
     destination.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
     try:
-        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_safetensors(tensors, staging / WEIGHTS_FILE, metadata={"format": "pt"})
         _write_json(staging / CONFIG_FILE, config_json)
         provenance = {
             "format": "dflash-serving",
@@ -382,8 +384,9 @@ def _is_export_folder(path: Path) -> bool:
     if not config.is_file():
         return False
     try:
-        return "DFlashDraftModel" in json.loads(config.read_text()).get("architectures", [])
-    except (OSError, json.JSONDecodeError):
+        architectures = load_json(config, error=CheckpointError, fix="").get("architectures", [])
+        return isinstance(architectures, list) and "DFlashDraftModel" in architectures
+    except (OSError, CheckpointError):
         return False
 
 

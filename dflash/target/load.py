@@ -180,8 +180,8 @@ def locate_target(target: str | os.PathLike[str] | None) -> Path:
     anything (milliseconds): what a config check calls before any work.
 
     Raises:
-        TargetNotFoundError: nothing at the path; TargetError: a path that holds no model (the message says what
-            was found and what to pass).
+        TargetNotFoundError: nothing at the path; TargetError: a path that holds no model, or a folder whose
+            weights are only pickles (the message says what was found and what to pass).
     """
     if target is None or str(target) == DEFAULT_TARGET:
         return default_gguf_path()
@@ -189,6 +189,7 @@ def locate_target(target: str | os.PathLike[str] | None) -> Path:
     if path.is_file() and path.suffix == ".gguf":
         return path
     if path.is_dir() and (path / "config.json").is_file():
+        _refuse_pickled_weights(path)
         return path
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
@@ -202,6 +203,29 @@ def locate_target(target: str | os.PathLike[str] | None) -> Path:
         f"target {str(target)!r} is neither a transformers folder nor a .gguf file (model hubs are never contacted); "
         "pass a local path, or 'default' for the embedded SmolLM2-135M-Instruct"
     )
+
+
+#: Weight files of a transformers folder that are Python pickles (``torch.save``): never loaded.
+_PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+def _refuse_pickled_weights(folder: Path) -> None:
+    """Refuse a transformers folder whose weights are only pickles (``pytorch_model.bin``...): loading one could
+    run code, so targets are loaded from safetensors only (:func:`load_target` passes ``use_safetensors=True``).
+
+    Raises:
+        TargetError: naming the pickle and what to provide instead.
+    """
+    if any(folder.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for pattern in _PICKLED_WEIGHTS for p in folder.glob(pattern))
+    if pickles:
+        raise TargetError(
+            f"target folder {folder} holds its weights as pickles ({', '.join(pickles[:3])}"
+            f"{', ...' if len(pickles) > 3 else ''}), which are never loaded (a pickle can run code); provide the "
+            "weights as safetensors (model.safetensors, or the sharded model-*.safetensors with their index), or a "
+            ".gguf file"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -273,7 +297,7 @@ def target_identity(path: Path) -> TargetIdentity:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    weight_files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    weight_files = sorted(path.glob("*.safetensors"))  # the only weights load_target reads
     stamp = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in weight_files]
     memo = dflash_home() / "identity" / (hashlib.sha256(json.dumps([str(path.resolve()), stamp]).encode()).hexdigest() + ".json")
     if memo.is_file():
@@ -332,7 +356,8 @@ def load_target(
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
         with _quiet_transformers_progress():
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                         use_safetensors=True)  # never a pickle (.bin)
     except (OSError, ValueError) as error:
         raise TargetError(f"cannot load target from {path}: {error}") from error
     model.to(device).eval().requires_grad_(False)

@@ -51,8 +51,12 @@ import torch
 from dflash.drafter.model import tensor_hash
 from dflash.errors import CheckpointError, CheckpointNotFoundError, MismatchError
 from dflash.faults import fault_point
-from dflash.io.files import atomic_write_text  # re-exported: callers import it from here too
-from dflash.io.weights import load_safetensors
+from dflash.io.files import (  # atomic_write_text re-exported: callers import it from here too
+    atomic_write_text,
+    load_json,
+    read_bounded,
+)
+from dflash.io.weights import load_safetensors, save_safetensors
 from dflash.training.state_files import load_legacy_torch_file, load_state_tree, save_state_tree
 
 if TYPE_CHECKING:
@@ -77,6 +81,10 @@ __all__ = [
     "write_run_json",
     "resolve_checkpoint",
     "load_checkpoint",
+    "read_best_record",
+    "read_latest",
+    "read_run_record",
+    "read_trainer_state",
     "target_weight_record",
     "check_target_weights",
 ]
@@ -322,7 +330,7 @@ class Checkpointer:
         self.last_write_seconds: float | None = None
         best_json = self.run_dir / "best.json"
         if best_json.is_file():
-            self._best = json.loads(best_json.read_text())
+            self._best = read_best_record(self.run_dir)
         if enabled:  # leftovers of a writer killed mid-write never count; the one writer of this run clears them
             for leftover in [*self.checkpoint_dir.glob(".tmp-*"), *self.checkpoint_dir.glob(".old-*")]:
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -396,8 +404,6 @@ class Checkpointer:
 
     # -- background side ------------------------------------------------------------------------------------
     def _write(self, snapshot: TrainingSnapshot) -> Path:
-        from safetensors.torch import save_file
-
         started = time.perf_counter()
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         final = self.checkpoint_dir / snapshot.name
@@ -405,9 +411,9 @@ class Checkpointer:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         try:
-            save_file(
+            save_safetensors(
                 {name: t.contiguous() for name, t in snapshot.model_state.items()},
-                str(staging / "model.safetensors"),
+                staging / "model.safetensors",
                 metadata={"format": "pt", "step": str(snapshot.step)},
             )
             fault_point("checkpoint.write", staging / OPTIMIZER_FILE)
@@ -477,6 +483,90 @@ class LoadedCheckpoint:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+#: The fix of a damaged JSON record of a checkpoint or run folder.
+_DAMAGED = ("the file is damaged or was edited: restore it, resume from another checkpoint (write its folder name "
+            "into RUN/latest), or start a new run")
+
+#: Fields of ``trainer_state.json`` a resume reads, with their types (``step`` is required).
+_TRAINER_STATE_TYPES: dict[str, type | tuple[type, ...]] = {
+    "step": int, "format_version": int, "world_size": int, "epoch": (int, float), "config": dict, "scheduler": dict,
+    "data": dict, "buckets": dict, "counters": dict,
+}
+
+
+def _checked_fields(path: Path, record: dict[str, Any], types: dict[str, type | tuple[type, ...]],
+                    required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``record`` after checking the type of each field of ``types`` it holds (integers >= 0, never a bool).
+
+    Raises:
+        CheckpointError: a required field missing or a field of the wrong type, naming the file and the key.
+    """
+    for key, kind in types.items():
+        if key not in record:
+            if key in required:
+                raise CheckpointError(f"{path}: no '{key}' field; {_DAMAGED}")
+            continue
+        value = record[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if (not isinstance(value, kinds) or isinstance(value, bool)
+                or (isinstance(value, int) and int in kinds and value < 0)):
+            expected = " or ".join({"int": "an integer >= 0", "float": "a number", "dict": "an object",
+                                    "str": "a string"}[k.__name__] for k in kinds)
+            raise CheckpointError(f"{path}: '{key}' is {json.dumps(value)[:40]}, expected {expected}; {_DAMAGED}")
+    return record
+
+
+def read_trainer_state(folder: Path) -> dict[str, Any]:
+    """A checkpoint's ``trainer_state.json`` (``dflash.io.files.load_json``), its resume fields type-checked.
+
+    Raises:
+        CheckpointError: unreadable, not JSON, not an object, or a field of the wrong type; naming the file and key.
+        OSError: from the filesystem.
+    """
+    path = Path(folder) / "trainer_state.json"
+    return _checked_fields(path, load_json(path, error=CheckpointError, fix=_DAMAGED), _TRAINER_STATE_TYPES,
+                           required=("step",))
+
+
+def read_run_record(run_dir: Path) -> dict[str, Any]:
+    """A run folder's ``run.json`` (``dflash.io.files.load_json``); ``config`` and ``resolved`` checked to be objects.
+
+    Raises:
+        CheckpointError: unreadable, not JSON, not an object, or those fields not objects; naming the file.
+        OSError: from the filesystem.
+    """
+    path = Path(run_dir) / "run.json"
+    return _checked_fields(path, load_json(path, error=CheckpointError, fix=_DAMAGED),
+                           {"config": dict, "resolved": dict})
+
+
+def read_best_record(run_dir: Path) -> dict[str, Any]:
+    """A run folder's ``best.json``: ``checkpoint`` (a name), ``step`` and ``val_loss`` checked.
+
+    Raises:
+        CheckpointError: unreadable or a field missing or of the wrong type; naming the file and key.
+    """
+    path = Path(run_dir) / "best.json"
+    return _checked_fields(path, load_json(path, error=CheckpointError, fix=_DAMAGED),
+                           {"checkpoint": str, "step": int, "val_loss": (int, float)},
+                           required=("checkpoint", "step", "val_loss"))
+
+
+def read_latest(run_dir: Path) -> str:
+    """The checkpoint name in a run folder's ``latest`` file (``dflash.io.files.read_bounded``: a regular file of at
+    most 4 KiB).
+
+    Raises:
+        CheckpointError: not a regular file, too large or not text; naming the file. OSError: from the filesystem.
+    """
+    path = Path(run_dir) / "latest"
+    try:
+        return read_bounded(path, limit=4096, error=CheckpointError, fix=_DAMAGED).decode().strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not text; {_DAMAGED}") from None
+
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder from a run folder (follows ``latest``), a checkpoint folder, or ``RUN/best``-style names.
 
@@ -485,7 +575,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """
     path = Path(path)
     if (path / "latest").is_file():
-        name = (path / "latest").read_text().strip()
+        name = read_latest(path)
         candidate = path / "checkpoints" / name
         if not candidate.is_dir():
             raise CheckpointError(
@@ -516,23 +606,25 @@ def load_checkpoint(path: str | Path, *, with_training_state: bool = True) -> Lo
             ``torch.load(weights_only=True)`` (never a full unpickle).
 
     Raises:
-        CheckpointError: missing, truncated or unreadable files (named), a state file that would need code to load,
-            or a newer format version.
+        CheckpointError: missing, truncated or unreadable files (named), a state file that would need code to load
+            or that holds no optimizer / RNG state the run could restore, or a newer format version.
     """
     folder = resolve_checkpoint(path)
     try:
-        trainer_state = json.loads((folder / "trainer_state.json").read_text())
+        trainer_state = read_trainer_state(folder)
         loaded = LoadedCheckpoint(
             path=folder,
             step=int(trainer_state["step"]),
             model_state=load_safetensors(folder / "model.safetensors"),
             trainer_state=trainer_state,
-            drafter_config=json.loads((folder / "drafter_config.json").read_text()),
-            target_info=json.loads((folder / "target.json").read_text()),
+            drafter_config=load_json(folder / "drafter_config.json", error=CheckpointError, fix=_DAMAGED),
+            target_info=load_json(folder / "target.json", error=CheckpointError, fix=_DAMAGED),
         )
         if with_training_state:
             loaded.optimizer_state = _load_training_state(folder, OPTIMIZER_FILE, LEGACY_OPTIMIZER_FILE)
+            _check_optimizer_state(loaded.optimizer_state, folder)
             loaded.rng_state = _load_training_state(folder, RNG_FILE, LEGACY_RNG_FILE)
+            _check_rng_state(loaded.rng_state, folder)
     except CheckpointError:
         raise
     except (OSError, KeyError, json.JSONDecodeError, RuntimeError) as error:
@@ -556,6 +648,61 @@ def _load_training_state(folder: Path, name: str, legacy_name: str) -> Any:
         f"{folder} has no {name} (nor a {legacy_name} of older versions): the checkpoint cannot be resumed; "
         "resume from another checkpoint, or evaluate/export it (they need only the weights)"
     )
+
+
+def _state_file_name(folder: Path, name: str, legacy_name: str) -> Path:
+    return folder / (name if (folder / name).is_file() else legacy_name)
+
+
+def _check_optimizer_state(state: Any, folder: Path) -> None:
+    """An optimizer state has the two parts ``Optimizer.load_state_dict`` reads.
+
+    Raises:
+        CheckpointError: naming the file.
+    """
+    if not (isinstance(state, dict) and isinstance(state.get("state"), dict)
+            and isinstance(state.get("param_groups"), list)):
+        raise CheckpointError(
+            f"{_state_file_name(folder, OPTIMIZER_FILE, LEGACY_OPTIMIZER_FILE)} is not an optimizer state (no 'state' "
+            "and 'param_groups'); the file was not written by dflash-stages or was replaced: resume from another "
+            "checkpoint"
+        )
+
+
+def _check_rng_state(state: Any, folder: Path) -> None:
+    """An RNG state that :func:`restore_rng_state` can restore, tried on throwaway generators (the global ones are
+    left alone).
+
+    Raises:
+        CheckpointError: naming the file and the part that does not restore.
+    """
+    import numpy as np
+
+    part = "the whole file (not a mapping)"
+    try:
+        if not isinstance(state, dict):
+            raise TypeError(type(state).__name__)
+        part = "torch"
+        torch.Generator().set_state(state["torch"])
+        part = "numpy"
+        np.random.RandomState().set_state(state["numpy"])
+        part = "python"
+        random.Random().setstate(state["python"])
+        part = "generators"
+        for name, generator_state in dict(state.get("generators", {})).items():
+            part = f"generators.{name}"
+            torch.Generator().set_state(generator_state)
+        part = "cuda"
+        if not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in state.get("cuda", [])):
+            raise TypeError("not a list of uint8 tensors")
+    except Exception as error:  # noqa: BLE001 - each generator rejects a bad state with its own exception type
+        raise CheckpointError(
+            f"{_state_file_name(folder, RNG_FILE, LEGACY_RNG_FILE)}: its '{part}' entry is not a random generator state "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else '-'}); the file was not "
+            "written by dflash-stages or was replaced: resume from another checkpoint"
+        ) from None
+
+
 
 
 def target_weight_record(

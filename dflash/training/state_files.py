@@ -88,13 +88,14 @@ def save_state_tree(tree: Any, path: str | Path, *, metadata: Mapping[str, str] 
 
     Raises:
         TypeError: a value that has no pickle-free encoding (a bug in the caller: training state is plain).
+        OSError: the write was refused (a full disk...), naming ``path`` (:func:`dflash.io.weights.save_safetensors`).
     """
-    from safetensors.torch import save_file
+    from dflash.io.weights import save_safetensors
 
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _encode(tree, tensors, "")
     header = {_FORMAT_KEY: str(STATE_TREE_FORMAT), _TREE_KEY: json.dumps(skeleton), **dict(metadata or {})}
-    save_file({name: t.cpu() for name, t in tensors.items()}, str(path), metadata=header)
+    save_safetensors({name: t.cpu() for name, t in tensors.items()}, path, metadata=header)
 
 
 def _decode(node: Any, tensors: Mapping[str, torch.Tensor], where: Path) -> Any:

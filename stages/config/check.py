@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import re
 import tomllib
 import types
@@ -26,13 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError
+from dflash.io.files import MAX_DEPTH
+from dflash.values import shown
 
 __all__ = ["DTYPE_NAMES", "CONFIG_SECTIONS", "DuplicateKeyError", "unique_keys", "MISSING_DEFAULT", "PATH_FIELDS", "EXCLUSIVE_SETTINGS", "layer_over", "check_fields", "check_not_empty_path", "dtype_spelling", "field_default",
            "matches_type", "nested_config", "set_path", "get_path", "leaf_paths",
-           "deep_merge", "override_value", "read_config_file"]
+           "deep_merge", "override_value", "read_config_file", "MAX_CONFIG_BYTES"]
 
 #: The stage sections a config file may hold (``[train]``, ``extract:``); ``stages.config.resolve.KNOWN_SECTIONS``.
 CONFIG_SECTIONS = ("generate", "prepare", "split", "extract", "train", "evaluate", "online", "export", "sweep")
+
+#: Size cap of a ``--config`` file (``dflash.io.files.read_bounded``): a config is a few kilobytes.
+MAX_CONFIG_BYTES = 2**20
 
 #: What :func:`field_default` returns for a field without a default (a required field).
 MISSING_DEFAULT = dataclasses.MISSING
@@ -233,6 +239,8 @@ def check_fields(cls: type, values: Mapping[str, Any], *, section: str, source: 
         check_not_empty_path(key, value, where)
         if isinstance(value, float) and not math.isfinite(value):  # 1e999 parses as inf; JSON cannot print it back
             raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**64:
+            raise ConfigError(f"{where}: {shown(value)} is out of range: give an integer that fits in 64 bits")
         nested = hints.get(key)
         if isinstance(nested, type) and dataclasses.is_dataclass(nested) and isinstance(value, dict):
             check_fields(nested, value, section=f"{section}.{key}", source=lambda inner, k=key: source(f"{k}.{inner}"))
@@ -299,26 +307,38 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     """Settings from a ``.toml`` (``tomllib``), ``.yaml``/``.yml`` (PyYAML's safe loader: plain data only, never
     objects; ``3e-4`` is a float) or ``.json`` file; a JSON ``run.json`` gives its ``config`` object.
 
+    Read through ``dflash.io.files.read_bounded`` (a regular file of at most :data:`MAX_CONFIG_BYTES`); its nesting is
+    bounded (``dflash.io.files.MAX_DEPTH``; YAML's before anything is built, as PyYAML's scanner is quadratic in depth).
+
     Raises:
-        ConfigError: the file is missing or unreadable, not valid TOML/YAML/JSON (with line and column), of another
-            extension, or not a table/mapping/object at the top.
+        ConfigError: the file is missing or unreadable, not a regular file (a device, a FIFO), too large, not valid
+            TOML/YAML/JSON (with line and column), nested too deep, of another extension, or not a
+            table/mapping/object at the top.
     """
+    from dflash.io.files import check_depth, read_bounded
+
     file = Path(path).expanduser()
-    if file.is_dir():
-        raise ConfigError(f"--config {file}: is a folder; give a .toml, .yaml or .json config file")
-    if not file.is_file():
-        raise ConfigPathNotFoundError(f"--config {file}: no such file; give a .toml, .yaml or .json config file")
+    fix = "give a .toml, .yaml or .json config file"
+    if not os.path.lexists(file):
+        raise ConfigPathNotFoundError(f"--config {file}: no such file; {fix}")
     suffix = file.suffix.lower()
     try:
-        text = file.read_text()
+        text = read_bounded(file, limit=MAX_CONFIG_BYTES, error=ConfigError, fix=fix).decode()
+    except ConfigError as error:
+        raise ConfigError(f"--config {error}") from None
+    except FileNotFoundError:  # a symlink to nothing
+        raise ConfigPathNotFoundError(f"--config {file}: no such file (a broken link); {fix}") from None
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"--config {file}: unreadable ({error})") from None
     try:
-        data: Any = _parse(file, suffix, text)
+        data: Any = check_depth(_parse(file, suffix, text), where=f"--config {file}", error=ConfigError,
+                           fix=_FLATTER)
     except DuplicateKeyError as error:
         at = f" (line {error.line})" if error.line is not None else ""
         raise ConfigError(f"--config {file}: key {error.key!r} given twice{at}; keep one") from None
-    except (ValueError, RecursionError) as error:  # e.g. a 5,000-digit integer, nesting thousands deep
+    except RecursionError:  # tomllib and json recurse per level of nesting
+        raise ConfigError(f"--config {file}: nested more than {MAX_DEPTH} levels deep; {_FLATTER}") from None
+    except ValueError as error:  # e.g. a 5,000-digit integer
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(f"--config {file}: unreadable ({type(error).__name__}: {str(error)[:120]})") from None
@@ -333,6 +353,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+#: The fix of a config file nested too deep.
+_FLATTER = "a config nests a few levels ([section] and its tables): write the values out flat"
+
+
 def _parse(file: Path, suffix: str, text: str) -> Any:
     if suffix == ".toml":
         try:
@@ -343,10 +367,17 @@ def _parse(file: Path, suffix: str, text: str) -> Any:
         import yaml
 
         try:
-            # Anchors/aliases refused before anything is built: nested aliases expand exponentially ("billion laughs").
-            if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=_yaml_loader())):
-                raise ConfigError(f"--config {file}: YAML aliases (*name) are not accepted in config files; write the "
-                                  "values out")
+            # Before anything is built, from the event stream (which stops at the first refusal): anchors/aliases
+            # refused, as nested aliases expand exponentially ("billion laughs"), and nesting bounded, as PyYAML's
+            # scanner takes time quadratic in it.
+            depth = 0
+            for event in yaml.parse(text, Loader=_yaml_loader()):
+                if isinstance(event, yaml.AliasEvent):
+                    raise ConfigError(f"--config {file}: YAML aliases (*name) are not accepted in config files; write "
+                                      "the values out")
+                depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
+                if depth > MAX_DEPTH:
+                    raise ConfigError(f"--config {file}: nested more than {MAX_DEPTH} levels deep; {_FLATTER}")
             data = yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
         except yaml.YAMLError as error:
             mark = getattr(error, "problem_mark", None)

@@ -6,13 +6,14 @@ A preset is an object of sections (one per step of ``run``, plus ``target``); ev
 
 from __future__ import annotations
 
-import json
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError
-from stages.config.check import DuplicateKeyError, unique_keys
+from dflash.io.files import parse_json, read_bounded
+from stages.config.check import MAX_CONFIG_BYTES, DuplicateKeyError, unique_keys
 
 __all__ = ["PRESETS", "PIPELINE_SECTIONS", "read_preset_json", "load_preset", "strip_comments"]
 
@@ -33,29 +34,31 @@ def read_preset_json(name_or_path: str, names: tuple[str, ...]) -> Any:
     """The parsed JSON of a shipped preset (``pipelines/presets/NAME.json``, ``NAME`` in ``names``) or of a
     ``.json`` file path; the caller checks its shape.
 
+    A file is read through ``dflash.io.files`` (a regular file of at most
+    :data:`stages.config.check.MAX_CONFIG_BYTES`, nesting bounded).
+
     Raises:
-        ConfigError: a missing file, a name that is not in ``names``, or invalid JSON.
+        ConfigError: a missing file, a name that is not in ``names``, a device or FIFO, too large, invalid JSON,
+            nested too deep, a key given twice.
     """
     path = Path(name_or_path)
-    if path.suffix == ".json" and not path.is_file():
+    fix = "give a preset name or a .json preset file"
+    if path.suffix == ".json" and not os.path.lexists(path):
         raise ConfigPathNotFoundError(f"preset {name_or_path}: no such file")
-    if path.suffix == ".json":
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as error:
-            raise ConfigError(f"preset {name_or_path}: unreadable ({error})") from None
-    elif name_or_path in names:
-        text = resources.files("pipelines").joinpath("presets", f"{name_or_path}.json").read_text()
-    else:
+    if path.suffix != ".json" and name_or_path not in names:
         raise ConfigError(f"preset {name_or_path!r} is neither one of {', '.join(names)} nor a .json file")
     try:
-        return json.loads(text, object_pairs_hook=unique_keys)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"preset {name_or_path}: invalid JSON ({error})") from None
+        if path.suffix == ".json":
+            text = read_bounded(path, limit=MAX_CONFIG_BYTES, error=ConfigError, fix=fix)
+        else:
+            text = resources.files("pipelines").joinpath("presets", f"{name_or_path}.json").read_bytes()
+        return parse_json(text, where=name_or_path, error=ConfigError, fix=fix, object_pairs_hook=unique_keys)
     except DuplicateKeyError as error:
         raise ConfigError(f"preset {name_or_path}: key {error.key!r} given twice; keep one") from None
-    except (ValueError, RecursionError) as error:  # a 5,000-digit integer, nesting thousands deep
-        raise ConfigError(f"preset {name_or_path}: unreadable ({type(error).__name__}: {str(error)[:120]})") from None
+    except ConfigError as error:
+        raise ConfigError(f"preset {error}") from None
+    except OSError as error:
+        raise ConfigError(f"preset {name_or_path}: unreadable ({error.strerror or error})") from None
 
 
 def load_preset(name_or_path: str) -> dict[str, Any]:

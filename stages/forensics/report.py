@@ -17,17 +17,25 @@ run is a pipeline's (``WORKDIR/run`` beside ``WORKDIR/pipeline.json``, or the WO
 
 ``report.html`` embeds every image (base64) with a summary table per run, so it can be mailed or attached as is.
 
+The output folder holds only what ``report`` writes (:func:`check_report_output`): it is refused when it is a
+symbolic link, a file, or a folder holding anything else (a run, a cache, an export, the user's files) or a link
+in place of one of the report's files; a report folder is rewritten in place. It is locked while it is written
+(``dflash.io.locks``, as every stage's output), and each file is replaced atomically without following links
+(``dflash.io.files``), so nothing is ever written outside the named folder.
+
     dflash-stages report runs/smol
     dflash-stages report runs/last-week runs/today --output /tmp/compare
 
-Exit codes: 0 written; 2 a RUN has no ``metrics.jsonl`` (one ``error:`` line).
+Exit codes: 0 written; 2 a RUN has no ``metrics.jsonl``, or the output is refused (one ``error:`` line).
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import io
 import json
+import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,13 +44,17 @@ from typing import Any
 import typer
 
 from dflash.errors import CheckpointError, DFlashError
-from dflash.io.files import atomic_write_text
+from dflash.io.files import atomic_write_bytes, atomic_write_text
+from dflash.io.locks import output_lock
 from dflash.training.telemetry import read_metrics
 
-__all__ = ["register", "report_command", "RunSeries", "load_series", "write_report", "PLOTS"]
+__all__ = ["register", "report_command", "RunSeries", "load_series", "write_report", "check_report_output", "PLOTS",
+           "REPORT_FILES"]
 
 #: File names of the plots, in the order the HTML page shows them.
 PLOTS = ("loss", "accuracy", "tau", "throughput", "time_split", "data_wait", "buckets")
+#: Everything a report folder holds.
+REPORT_FILES = (*(f"{name}.png" for name in PLOTS), "report.html")
 _PHASES = ("data_wait", "forward", "backward", "optimizer")
 
 
@@ -239,23 +251,59 @@ def _summary_rows(run: RunSeries) -> list[tuple[str, str]]:
     return rows
 
 
+def check_report_output(output: str | Path) -> None:
+    """Refuse an output that is not a new folder, an empty one or a report folder: a symbolic link (it would send
+    the report elsewhere), a file, a folder holding anything :data:`REPORT_FILES` does not name (a run, a cache,
+    the user's files), or a link or folder in place of one of the report's files.
+
+    Raises:
+        ConfigError: naming the path, what is there and the fix.
+    """
+    from dflash.errors import ConfigError
+
+    output = Path(output)
+    if output.is_symlink():
+        raise ConfigError(f"--output {output} is a symbolic link (to {os.readlink(output)}); the report is written "
+                          "only into a real folder: remove the link or pass another --output")
+    if not output.exists():
+        return
+    if not output.is_dir():
+        raise ConfigError(f"--output {output} exists and is not a folder; pass a new or empty folder")
+    for entry in sorted(output.iterdir()):
+        temporary = entry.name.startswith(".") and entry.name.split(".tmp-")[0][1:] in REPORT_FILES
+        if entry.name not in REPORT_FILES and not temporary:
+            raise ConfigError(
+                f"--output {output} exists and holds files that are not a dflash-stages report ({entry.name}; a "
+                f"report folder holds only {', '.join(REPORT_FILES)}); pass a new or empty folder"
+            )
+        if entry.is_symlink() or not entry.is_file():
+            what = f"a symbolic link (to {os.readlink(entry)})" if entry.is_symlink() else "not a regular file"
+            raise ConfigError(f"--output {output}: {entry.name} is {what}; a report folder holds only the files "
+                              "report writes: remove it or pass another --output")
+
+
 def write_report(runs: list[RunSeries], output: str | Path) -> dict[str, Path]:
-    """Write the PNGs and ``report.html`` into ``output``; returns ``{plot name or "html": path}``."""
+    """Write the PNGs and ``report.html`` into ``output`` (each replaced atomically, no link followed); returns
+    ``{plot name or "html": path}``. The caller checks ``output`` first (:func:`check_report_output`)."""
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     colors = _colors(len(runs))
     written: dict[str, Path] = {}
+    pngs: dict[str, bytes] = {}
     for name in PLOTS:
         figure = _PLOTTERS[name](runs, colors)
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png")
+        pngs[name] = buffer.getvalue()
         path = output / f"{name}.png"
-        figure.savefig(path, format="png")
+        atomic_write_bytes(path, pngs[name])
         written[name] = path
     sections = []
     for run in runs:
         cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in _summary_rows(run))
         sections.append(f"<h2>{html.escape(run.label)}</h2><table>{cells}</table>")
     images = "".join(
-        f'<figure><img alt="{name}" src="data:image/png;base64,{base64.b64encode(written[name].read_bytes()).decode()}">'
+        f'<figure><img alt="{name}" src="data:image/png;base64,{base64.b64encode(pngs[name]).decode()}">'
         f"<figcaption>{name}.png</figcaption></figure>" for name in PLOTS
     )
     page = ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>dflash-stages report</title><style>"
@@ -270,23 +318,28 @@ def write_report(runs: list[RunSeries], output: str | Path) -> dict[str, Path]:
 
 def report_command(
     runs: list[Path] = typer.Argument(..., metavar="RUN", help="Run folders (or pipeline work folders) to plot, overlaid."),
-    output: Path | None = typer.Option(None, "--output", "-o", help="Folder for the PNGs and report.html (default: FIRST_RUN/report)."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Folder for the PNGs and report.html (default: FIRST_RUN/report); a new or empty folder, or an earlier report's."),
 ) -> None:
     """PNG plots (loss with checkpoint saves, accuracy, tau, throughput, time split, data wait, buckets) and one
     self-contained HTML page for one or more runs.
 
-    Exit codes: 0 written; 2 a RUN has no metrics.jsonl.
+    Exit codes: 0 written; 2 a RUN has no metrics.jsonl, or the output is a link, a file or a folder holding
+    anything but a report.
     """
     from rich.console import Console
 
     try:
         series = [load_series(run) for run in runs]
+        folder = output or series[0].path / "report"
+        check_report_output(folder)  # before the lock too: a link would put the lock file where it points
+        with output_lock(folder, what="report"):
+            check_report_output(folder)
+            written = write_report(series, folder)
     except DFlashError as error:
         from stages.config.exit_status import ExitCode, print_error
 
         print_error(error)
         raise typer.Exit(code=ExitCode.USAGE) from None
-    written = write_report(series, output or series[0].path / "report")
     Console().print(f"wrote {len(written) - 1} plots and {written['html']}", soft_wrap=True)
 
 

@@ -27,7 +27,7 @@ from dflash.serving.export import (
 )
 
 __all__ = ["Artefact", "describe", "diff_facts", "scan_tensors", "flatten", "tensor_statistics", "parameter_groups",
-           "file_tensors", "step_problems", "named_tensors", "read_json", "format_value", "add_key_column"]
+           "file_tensors", "resume_problem", "step_problems", "named_tensors", "read_json", "format_value", "add_key_column"]
 
 #: Elements per chunk when a large tensor is streamed.
 _CHUNK_ELEMENTS = 1 << 24
@@ -178,6 +178,7 @@ def _describe_checkpoint(folder: Path, artefact: Artefact) -> None:
                 if (folder / name).is_file()]
     problems = step_problems(folder, recorded)
     artefact.checks["steps agree (folder, trainer state, weights, optimizer, RNG)"] = "; ".join(problems) or "ok"
+    artefact.checks["resumable (every file train --resume reads, read as it reads them)"] = resume_problem(folder) or "ok"
 
 
 def _describe_export(folder: Path, artefact: Artefact) -> None:
@@ -397,3 +398,16 @@ def step_problems(folder: Path, files: list[Path]) -> list[str]:
     if len(set(steps.values())) <= 1:
         return []
     return ["steps disagree: " + ", ".join(f"{where} {step}" for where, step in steps.items())]
+
+
+def resume_problem(folder: Path) -> str | None:
+    """Why ``train --resume`` would refuse the training checkpoint ``folder``, or None: the read resume does
+    (:func:`dflash.training.checkpoint.load_checkpoint`: weights, JSON files, optimizer and RNG state, never
+    unpickled)."""
+    from dflash.training.checkpoint import load_checkpoint  # loads torch
+
+    try:
+        load_checkpoint(folder)
+    except DFlashError as error:
+        return f"train --resume would refuse it: {error}"
+    return None

@@ -13,7 +13,9 @@ file's metadata, :func:`dflash.training.checkpoint.optimizer_param_names`); for 
     dflash-stages scan runs/a runs/b/checkpoints/step_00000100 --max-abs 1e3 --json
 
 Also checked: the step recorded in the folder name, ``trainer_state.json`` and the weights' and optimizer's
-metadata agree. Exit codes: 0 all clean; 1 a NaN/Inf/extreme value or a step mismatch was found; 2 a PATH is not a
+metadata agree, and a training checkpoint reads back as ``train --resume`` reads it (:func:`resume_problem`: every
+file resume loads, the RNG state included, through the same :func:`dflash.training.checkpoint.load_checkpoint`; this check
+holds one checkpoint in memory, as resuming does). Exit codes: 0 all clean; 1 a NaN/Inf/extreme value or a step mismatch was found; 2 a PATH is not a
 run, checkpoint or export (one ``error:`` line). ``inspect PATH --scan`` runs the same scan.
 """
 
@@ -28,10 +30,10 @@ from typing import Any
 import typer
 
 from dflash.errors import CheckpointError, DFlashError
-from stages.forensics.runs import describe, file_tensors, step_problems
+from stages.forensics.runs import describe, file_tensors, resume_problem, step_problems
 
 __all__ = ["register", "scan_command", "TensorFinding", "CheckpointScan", "checkpoints_to_scan", "scan_checkpoint",
-           "scan_paths", "print_scans", "DEFAULT_MAX_ABS"]
+           "resume_problem", "scan_paths", "print_scans", "DEFAULT_MAX_ABS"]
 
 #: Finite values above this magnitude count as extreme (drafter weights and Adam moments stay far below it).
 DEFAULT_MAX_ABS = 1e4
@@ -63,7 +65,7 @@ class CheckpointScan:
     tensors: int = 0
     values: int = 0
     findings: list[TensorFinding] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)  # step disagreements
+    problems: list[str] = field(default_factory=list)  # step disagreements, what resume would refuse
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -168,10 +170,12 @@ def scan_checkpoint(folder: str | Path, *, max_abs: float = DEFAULT_MAX_ABS) -> 
     if optimizer is not None:
         files.append(optimizer)
         _scan_file(optimizer, _param_names(folder, optimizer, scan), max_abs, scan)
-    elif (folder / "trainer_state.json").is_file():
-        scan.notes.append("no optimizer state in this checkpoint")
     scan.files = [path.name for path in files]
     scan.problems.extend(step_problems(folder, files))
+    if (folder / "trainer_state.json").is_file() or (folder / "drafter_config.json").is_file():  # not an export
+        problem = resume_problem(folder)
+        if problem is not None:
+            scan.problems.append(problem)
     return scan
 
 

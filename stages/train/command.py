@@ -104,8 +104,10 @@ def config_from_cli(overrides: dict[str, Any], config_file: Path | None = None, 
             "with --cache"
         )
     if overrides.get("resume") and run_json is not None and run_json.is_file():
+        from dflash.training.checkpoint import read_run_record  # loads torch: only for a resume
+
         try:
-            saved = json.loads(run_json.read_text())["config"]
+            saved = read_run_record(run_json.parent)["config"]
             if not isinstance(saved, dict):
                 raise TypeError("config is not an object")
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:

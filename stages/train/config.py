@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Literal
@@ -16,6 +15,7 @@ from dflash.drafter.config import DrafterTrainingConfig
 from dflash.errors import ConfigError
 from dflash.training.optim import OptimConfig
 from dflash.training.telemetry import TelemetryConfig
+from dflash.values import check_seed, finite_number
 from stages.config.check import MISSING_DEFAULT, dtype_spelling, field_default, leaf_paths, nested_config
 
 __all__ = ["TrainConfig", "RUNTIME_FIELDS", "ABSENT_IN_OLD_RUNS", "default_leaves"]
@@ -138,8 +138,9 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
-        if self.max_steps is None and not (self.epochs > 0 and math.isfinite(self.epochs)):
-            raise ConfigError(f"epochs must be > 0 (or give max_steps), got {self.epochs!r}")
+        if not finite_number(self.epochs) or (self.max_steps is None and not self.epochs > 0):
+            raise ConfigError(f"epochs must be a finite number > 0 (or give max_steps), got {str(self.epochs)[:40]}")
+        check_seed("seed", self.seed)
 
         self.mixed_precision = dtype_spelling(self.mixed_precision, ("bf16", "none"))
         if self.mixed_precision not in ("bf16", "none"):

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
 
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, DFlashError
 from dflash.io.locks import output_lock
 from stages.train.config import TrainConfig
 from stages.train.resume import refuse_changed_resume
@@ -77,7 +78,8 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     rank (``torch.distributed.run``'s elastic launcher, spawn start method). Returns rank 0's summary.
 
     The run folder's lock (``dflash.io.locks``) is held for the whole run by this process (the launcher, or rank 0
-    under ``torchrun``), taken before anything is read or written.
+    under ``torchrun``), taken before anything is read or written. A run that creates its folder and fails with a
+    :class:`DFlashError` before its first checkpoint (a cache chunk that fails to decode) removes that folder.
 
     Raises:
         ConfigError: ``output`` exists and is not a folder.
@@ -92,7 +94,15 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("RANK", "0")) != 0:
         return _run_training(config)  # under torchrun: rank 0 holds the lock for the run
     with output_lock(config.output, what="run", break_lock=config.break_lock):
-        return _run_training(config)
+        created = not output.exists()
+        try:
+            return _run_training(config)
+        except DFlashError:
+            # Refused input found once the run had started (a chunk that fails to decode): a folder this run
+            # created and left without a checkpoint holds nothing to resume, so it goes; anything else is kept.
+            if created and output.is_dir() and not (output / "latest").exists():
+                shutil.rmtree(output, ignore_errors=True)
+            raise
 
 
 def _run_training(config: TrainConfig, data_factory: Any = None) -> dict[str, Any]:

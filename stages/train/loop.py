@@ -49,7 +49,7 @@ from dflash.drafter import (
 )
 from dflash.drafter.attention_kernels import flash_attention_applies
 from dflash.drafter.target_init import default_init_layers, init_from_target_layers
-from dflash.errors import CheckpointError, ConfigError, TargetError
+from dflash.errors import CheckpointError, ConfigError, DFlashError, TargetError
 from dflash.target.load import resolve_target_path, target_identity
 from dflash.target.taps import LAYER_ID_CONVENTION
 from dflash.training.checkpoint import (
@@ -58,6 +58,8 @@ from dflash.training.checkpoint import (
     check_target_weights,
     collect_environment,
     load_checkpoint,
+    read_latest,
+    read_run_record,
     restore_rng_state,
     target_weight_record,
     write_run_json,
@@ -389,7 +391,7 @@ class Trainer:
         if not config.resume:
             if (self.run_dir / "latest").is_file():
                 raise CheckpointError(
-                    f"{self.run_dir} already holds a run (latest -> {(self.run_dir / 'latest').read_text().strip()}); "
+                    f"{self.run_dir} already holds a run (latest -> {read_latest(self.run_dir)}); "
                     "pass --resume to continue it, or another --output"
                 )
             return None
@@ -418,8 +420,8 @@ class Trainer:
     def _previous_drafter_init(self) -> dict[str, Any]:
         """A resumed run's record of how its drafter was initialized (run.json ``resolved.drafter_init``)."""
         try:
-            record = json.loads((self.run_dir / "run.json").read_text())["resolved"]["drafter_init"]
-        except (OSError, ValueError, KeyError, TypeError):
+            record = read_run_record(self.run_dir).get("resolved", {}).get("drafter_init")
+        except (OSError, ValueError):
             record = None
         return record if isinstance(record, dict) else {"init": "unknown (resumed from a checkpoint)"}
 
@@ -443,10 +445,19 @@ class Trainer:
         state = checkpoint.trainer_state
         self.drafter.load_state_dict(checkpoint.model_state)
         self.optimizer.load_state_dict(checkpoint.optimizer_state)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.train_loader.load_state_dict(state["data"])
-        self.buckets.load_state_dict(state["buckets"])
-        self.counters.update(state["counters"])
+        try:
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.train_loader.load_state_dict(state["data"])
+            self.buckets.load_state_dict(state["buckets"])
+            self.counters.update(state["counters"])
+        except DFlashError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as error:  # a field of a wrong type
+            raise CheckpointError(
+                f"{checkpoint.path / 'trainer_state.json'}: cannot resume from it ({type(error).__name__}: "
+                f"{str(error)[:120]}); the file is damaged or was edited: resume from another checkpoint (write its "
+                "folder name into RUN/latest), or start a new run"
+            ) from None
         self.step = checkpoint.step
         if checkpoint.rng_state is not None:
             restore_rng_state(checkpoint.rng_state)

@@ -7,7 +7,6 @@ whatever that flag says (the saved data cursor cannot continue on another plan).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import fields
 from pathlib import Path
@@ -100,14 +99,14 @@ def check_resume_changes(checkpoint_path: Path, trainer_state: dict[str, Any], c
 def refuse_changed_resume(config: TrainConfig) -> None:
     """Before ranks are spawned: :func:`check_resume_changes` against the ``latest`` checkpoint, from its
     ``trainer_state.json`` alone (each rank's trainer checks again when it loads the checkpoint)."""
-    from dflash.training.checkpoint import resolve_checkpoint
+    from dflash.training.checkpoint import read_trainer_state, resolve_checkpoint
 
     run = Path(config.output)
     if not config.resume or config.allow_config_change or not (run / "latest").is_file():
         return
     folder = resolve_checkpoint(run)
     try:
-        state = json.loads((folder / "trainer_state.json").read_text())
-    except (OSError, ValueError):
+        state = read_trainer_state(folder)
+    except OSError:
         return  # unreadable: the rank's own load names the file
     check_resume_changes(folder, state, config, config.world_size)
