@@ -6,7 +6,7 @@ Run ``dflash-stages prepare [INPUT...] --output DIR``. Inputs (mixed freely):
   (``dflash/default_corpus.py``);
 - chat data: ``*.jsonl``/``*.json`` lines, or Parquet/Arrow tables, with ``messages: [{role, content}]``
   (ShareGPT ``conversations: [{from, value}]`` too); ``loss_mask`` is 1 exactly on assistant replies
-  (``dflash/chat.py``; ``--assistant-mask``, ``--last-turn-only``);
+  (``dflash/corpus/chat.py``; ``--assistant-mask``, ``--last-turn-only``);
 - plain text: a ``text`` field/column, any other file, a folder (files matching ``--pattern``) or a glob; one
   document per file or row, every token supervised;
 - tokenized data: an Arrow/Parquet file or folder (``datasets.save_to_disk`` too) with ``input_ids`` and
@@ -95,7 +95,7 @@ class PrepareConfig:
     max_length: int = DEFAULT_MAX_LENGTH
     #: What to do with longer rows (module docstring).
     length_policy: PrepareLengthPolicy = "auto"
-    #: How assistant replies are found in chat data (``dflash/chat.py``).
+    #: How assistant replies are found in chat data (``dflash/corpus/chat.py``).
     assistant_mask: Literal["template", "prefix-diff"] = "template"
     #: Supervise only the last assistant reply of each conversation.
     last_turn_only: bool = False

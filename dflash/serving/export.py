@@ -73,7 +73,7 @@ __all__ = [
     "sha256_file",
 ]
 
-#: Files of a training checkpoint folder (docs/INTERFACES.md "Checkpoints").
+#: Files of a training checkpoint folder (docs/training.md "Run folder").
 CHECKPOINT_CONFIG_FILE = "drafter_config.json"
 CHECKPOINT_TARGET_FILE = "target.json"
 
@@ -437,7 +437,7 @@ def load_drafter(path: str | Path, *, target: Any = None) -> tuple[Any, Any, dic
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Checkpoints (docs/INTERFACES.md "Checkpoints") -> export
+# Checkpoints (docs/training.md "Run folder") -> export
 # --------------------------------------------------------------------------------------------------------------
 
 
