@@ -51,7 +51,6 @@ from dflash.errors import ConfigError, ProducerError
 from dflash.io.locks import output_lock
 from dflash.target.load import resolve_target_path, target_identity
 from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
-from dflash.training.checkpoint import read_run_record
 from stages.config.check import check_fields, deep_merge, read_config_file
 from stages.config.presets import read_preset_json
 from stages.config.resolve import parse_sets
@@ -564,6 +563,8 @@ def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], pre
     saved: dict[str, Any] = {}
     run_json = Path(output) / "run.json" if output else None
     if train_overrides.get("resume") and run_json is not None and run_json.is_file():
+        from dflash.training.checkpoint import read_run_record  # loads torch: only for a resume
+
         resolved = read_run_record(run_json.parent).get("resolved", {})
         saved = dict(resolved.get("data_source", {}).get("online", {}))
         if not saved:
