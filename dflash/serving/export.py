@@ -28,7 +28,6 @@ import dflash
 from dflash.drafter.config import rope_settings_from_target
 from dflash.errors import CheckpointError, ExportError, MismatchError, TargetError
 from dflash.io.files import load_json
-from dflash.io.weights import save_safetensors
 from dflash.serving.format import (
     CONFIG_FILE,
     EXPORT_FORMAT_VERSION,
@@ -172,6 +171,8 @@ def export_drafter(
         OSError: a write was refused (a full disk, no permission...), naming the file; nothing is left behind.
     """
     import torch
+
+    from dflash.io.weights import save_safetensors  # loads torch
 
     destination = Path(out_dir).expanduser().absolute()
     _check_replaceable(destination, overwrite=overwrite)
