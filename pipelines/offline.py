@@ -75,6 +75,9 @@ log = logging.getLogger(__name__)
 __all__ = ["apply_overrides", "PipelineConfig", "run_pipeline", "register",
            "validate_sections"]
 
+#: The fix named when an evaluation report of the work folder cannot be read.
+_EVAL_FIX = "the evaluation report is damaged: remove it and rerun the same command (that evaluation runs again)"
+
 #: The work-folder entry (``paths`` of ``_run_stages``) each stage writes.
 _STAGE_OUTPUT = {"generate": "corpus", "prepare": "corpus-all", "split": "corpus", "extract": "cache", "train": "run",
                  "evaluate": "eval"}
@@ -365,12 +368,12 @@ def _split_corpus(source: Path, train_out: Path, heldout_out: Path, *, heldout_d
 
 
 def _latest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-    from dflash.training.checkpoint import resolve_checkpoint
+    from dflash.training.checkpoint import read_trainer_state, resolve_checkpoint
 
     if not (run_dir / "latest").is_file():
         return None
     folder = resolve_checkpoint(run_dir)
-    return folder, json.loads((folder / "trainer_state.json").read_text())
+    return folder, read_trainer_state(folder)
 
 
 class _DropTrainerExclusionLog(logging.Filter):
@@ -577,7 +580,7 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
     def final_work() -> dict[str, Any]:
         report = None
         if per_epoch and epoch_taus and epoch_taus[-1]["step"] == int(_latest_checkpoint(paths["run"])[1]["step"]):
-            last = json.loads((paths["eval"] / f"epoch_{epoch_taus[-1]['epoch']}.json").read_text())
+            last = load_json(paths["eval"] / f"epoch_{epoch_taus[-1]['epoch']}.json", error=ConfigError, fix=_EVAL_FIX)
             # The last epoch's report measured the final drafter; reused when it ran the references the final
             # evaluation would run (reports written before the setting existed always ran them).
             if last["settings"].get("references", True) == evaluate.get("references", True):
@@ -589,7 +592,7 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
         return {"tau": report["tau"]}
 
     stage("evaluate", {**evaluate, "compare_untrained": final_untrained}, final_work)
-    report = json.loads(final_path.read_text())
+    report = load_json(final_path, error=ConfigError, fix=_EVAL_FIX)
     state.data["tau"] = report["tau"]
     state.save()
     return {**report, "epochs": epoch_taus, "stage_seconds": {

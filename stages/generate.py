@@ -52,7 +52,7 @@ from dflash.generation.default_prompts import (
 from dflash.generation.engine import SamplingSettings
 from dflash.generation.parts import HELDOUT_PROMPTS_FILE
 from dflash.generation.prompts import DropCounts, TurnMode, check_generation_prompt, read_prompt_file
-from dflash.io.files import DEFAULT_MAX_LINE_BYTES, atomic_write_text
+from dflash.io.files import DEFAULT_MAX_LINE_BYTES, atomic_write_text, load_json
 from dflash.io.locks import output_lock
 from dflash.target.load import load_tokenizer, resolve_target_path, target_identity
 from dflash.values import check_seed
@@ -249,7 +249,10 @@ def _open_output(config: GenerateConfig, plan: dict[str, Any]) -> None:
     output = Path(config.output)  # run_generate refused an output that is a file before taking the lock
     plan_file = output / PLAN_FILE
     if plan_file.is_file():
-        existing = json.loads(plan_file.read_text())
+        existing = load_json(plan_file, error=ConfigError, fix=f"the plan of {output} is damaged: generate into a "
+                             "new --output, or pass --overwrite to start this one again")
+        if not isinstance(existing.get("settings"), dict):
+            raise ConfigError(f"{plan_file}: no settings object; generate into a new --output, or pass --overwrite")
         if existing.get("plan_digest") != plan["plan_digest"]:
             if not config.overwrite:
                 changed = sorted(k for k in set(existing["settings"]) | set(plan["settings"])

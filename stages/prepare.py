@@ -39,7 +39,6 @@ from __future__ import annotations
 import enum
 import functools
 import glob
-import json
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -61,6 +60,14 @@ from dflash.corpus.default_corpus import (
 from dflash.corpus.format import FORMAT_VERSION, METADATA_FILE, CorpusWriter, open_corpus, validate_corpus
 from dflash.errors import ConfigError, CorpusError, CorpusNotFoundError, DFlashError
 from dflash.generation.parts import HELDOUT_PROMPTS_FILE, PLAN_FILE
+from dflash.io.files import (
+    DEFAULT_MAX_LINE_BYTES,
+    MAX_RECORD_BYTES,
+    JSONInputError,
+    decode_json,
+    load_json,
+    read_lines,
+)
 from dflash.io.locks import output_lock
 from dflash.target.load import load_tokenizer, resolve_target_path, target_identity
 from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
@@ -294,30 +301,32 @@ def _json_documents(path: Path) -> list[_Document]:
 
 
 def _parse_json_documents(path: Path) -> list[_Document]:
+    """Documents of a JSON-lines file, read a bounded line at a time (``dflash.io.files.read_lines``: at most
+    :data:`~dflash.io.files.DEFAULT_MAX_LINE_BYTES` a line, a regular file only)."""
     documents = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {line_number}"
-            try:
-                record = json.loads(line.rstrip("\r\n"))  # the line break is not part of the record
-            except json.JSONDecodeError as error:
-                raise CorpusError(f"{where}: not valid JSON ({error.msg.removesuffix(' at')} at column {min(error.pos, len(line.rstrip()) - 1) + 1}); write one JSON object per line") from error
-            if not isinstance(record, dict):
-                raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            sample_id = str(record.get("id", record.get("sample_id", f"{path.stem}:{line_number}")))
-            name = next((n for n in _DOCUMENT_FIELDS if record.get(n) is not None), None)
-            document_id = (_document_field(record[name], where, name) if name else None) or sample_id
-            if "messages" in record or "conversations" in record:
-                documents.append(_Document("chat", sample_id, where, normalize_messages(record, where=where), document_id))
-            elif isinstance(record.get("text"), str):
-                documents.append(_Document("text", sample_id, where, record["text"], document_id))
-            else:
-                raise CorpusError(
-                    f"{where}: no 'messages', 'conversations' or 'text' field (keys: {sorted(record)}); "
-                    "give chat rows (messages: [{role, content}]) or plain text rows ({\"text\": ...})"
-                )
+    for line_number, raw in read_lines(path, max_line_bytes=DEFAULT_MAX_LINE_BYTES, what="input"):
+        line = raw.decode("utf-8")
+        if not line.strip():
+            continue
+        where = f"{path} line {line_number}"
+        try:
+            record = decode_json(line)
+        except JSONInputError as error:
+            raise CorpusError(f"{where}: {error}; write one JSON object per line") from None
+        if not isinstance(record, dict):
+            raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        sample_id = str(record.get("id", record.get("sample_id", f"{path.stem}:{line_number}")))
+        name = next((n for n in _DOCUMENT_FIELDS if record.get(n) is not None), None)
+        document_id = (_document_field(record[name], where, name) if name else None) or sample_id
+        if "messages" in record or "conversations" in record:
+            documents.append(_Document("chat", sample_id, where, normalize_messages(record, where=where), document_id))
+        elif isinstance(record.get("text"), str):
+            documents.append(_Document("text", sample_id, where, record["text"], document_id))
+        else:
+            raise CorpusError(
+                f"{where}: no 'messages', 'conversations' or 'text' field (keys: {sorted(record)}); "
+                "give chat rows (messages: [{role, content}]) or plain text rows ({\"text\": ...})"
+            )
     if not documents:
         raise CorpusError(f"{path}: no JSON rows (the file is empty); write one JSON object per line")
     return documents
@@ -363,8 +372,9 @@ def _is_marker(folder: Path, marker: str) -> bool:
     if marker != METADATA_FILE:
         return True
     try:
-        return str(json.loads(file.read_text(encoding="utf-8")).get("format_version", "")).startswith("dflash.corpus/")
-    except (OSError, ValueError, AttributeError):
+        record = load_json(file, error=CorpusError, fix="", limit=MAX_RECORD_BYTES)
+        return str(record.get("format_version", "")).startswith("dflash.corpus/")
+    except (OSError, ValueError):
         return False
 
 

@@ -336,7 +336,9 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
         if val:
             summary.update(val_loss=val[-1]["loss"], val_tau=val[-1]["expected_acceptance_length"])
     if (run_dir / "best.json").is_file():
-        summary["best_val_loss"] = json.loads((run_dir / "best.json").read_text())["val_loss"]
+        from dflash.training.checkpoint import read_best_record  # loads torch
+
+        summary["best_val_loss"] = read_best_record(run_dir).get("val_loss")
     return summary
 
 

@@ -645,6 +645,13 @@ def test_a_damaged_commit_record_or_metadata_is_one_cache_error_naming_it(writte
         with pytest.raises(CacheCorruptError, match=r"commits/shard-000001.json: ") as caught:
             verify_cache(path)
         assert needle in str(caught.value) and "delete it so the shard is redone" in str(caught.value)
+    import os
+
+    for make in (lambda p: p.symlink_to("/dev/zero"), lambda p: os.mkfifo(p)):  # neither is read (nor blocks)
+        record.unlink()
+        make(record)
+        with pytest.raises(CacheCorruptError, match=r"shard-000001.json is not a regular file .* re-extract it"):
+            verify_cache(path)
     good = _metadata(target, [1, 2], [[0, 3]]).to_dict()
     for damaged in ({**good, "hidden_size": "576"}, {**good, "shard_rows": 7}, [good]):
         with pytest.raises(CacheError, match="dflash_cache.*re-extract the cache"):

@@ -135,7 +135,7 @@ def _set(row, key, value):
          r"c.jsonl line 2: not valid JSON .*one JSON object per line"),
         # A line cut off mid-string, not the last line: the line break is not blamed as a control character.
         (lambda tmp, tok: (tmp / "c.jsonl").write_text('{"messages": []}\n{"text": "cut of\n{"text": "x"}\n') and tmp / "c.jsonl",
-         r"c.jsonl line 2: not valid JSON \(Unterminated string starting at column 10\)"),
+         r"c.jsonl line 2: not valid JSON at line 1 column 10 \(Unterminated string starting at\)"),
         (lambda tmp, tok: _write_jsonl(tmp / "c.jsonl", [{"prompt": "x", "completion": "y"}]),
          r"c.jsonl line 1: no 'messages', 'conversations' or 'text' field"),
         (lambda tmp, tok: _write_jsonl(tmp / "c.jsonl", [{"messages": CHATS[0]["messages"][:2]}]),
@@ -406,3 +406,20 @@ def test_every_row_of_one_file_is_one_document_and_chats_name_theirs(tmp_path):
                                           r"integer naming the row's source document"):
         run_prepare(PrepareConfig(inputs=[str(_write_jsonl(tmp_path / "c2.jsonl", [dict(CHATS[0], document=["a"])]))],
                                   output=tmp_path / "bad", assistant_mask="prefix-diff"))
+
+
+@pytest.mark.parametrize("line, message", [
+    (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested more than 64 levels deep"),
+    (b'{"text": "a", "id": ' + b"9" * 5000 + b"}", "unreadable value"),
+    (b'{"text": "\\ud800"}', "lone surrogate"),
+    (b'{"text": "' + b"x" * (4 * 2**20 + 10) + b'"}', "is longer than 4,194,304 bytes"),
+])
+def test_hostile_jsonl_lines_are_one_error_naming_the_line(tmp_path, cli, line, message):
+    """Chat/text JSONL is read a bounded line at a time and parsed by ``dflash.io.files.decode_json``: deep nesting,
+    a number Python refuses, a lone surrogate and an endless line are each one error line (exit 2), nothing written."""
+    source = tmp_path / "c.jsonl"
+    source.write_bytes(b'{"text": "def f():\\n    return 1\\n"}\n' + line + b"\n")
+    result = cli(source, "--output", tmp_path / "out", "--assistant-mask", "prefix-diff")
+    assert result.exit_code == 2, result.output
+    assert "c.jsonl line 2" in result.output and message in " ".join(result.output.split()), result.output
+    assert _nothing_written(tmp_path, "out")

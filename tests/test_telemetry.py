@@ -98,3 +98,31 @@ def test_feed_meter_gives_each_side_its_capacity_over_the_interval(monkeypatch):
     assert rates["ring_ready_mean"] == pytest.approx(1.0) and rates["ring_taken_mean"] == pytest.approx(3.0)
     # An offline loader's stats (no producers): achieved and T only; an empty interval gives nothing.
     assert set(meter.interval(15_000, SimpleNamespace(wait_seconds=3.0))) == set()
+
+
+def test_metrics_are_read_a_bounded_line_at_a_time_and_a_torn_line_is_skipped(tmp_path, caplog):
+    """``metrics.jsonl`` through ``dflash.io.files.read_json_lines``: a torn last line (a kill mid-write) is skipped
+    by the readers and dropped by ``drop_records``; a device, a FIFO or an endless line is refused naming the file."""
+    import os
+
+    from dflash.errors import CheckpointError
+    from dflash.training.telemetry import drop_records_after, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1, "loss": 2.0}\n{"kind": "train", "step": 2, "loss": 1.5}\n'
+                    '{"kind": "data", "step": 3}\n{"kind": "train", "ste')
+    assert [r["step"] for r in read_metrics(path, "train")] == [1, 2]
+    assert "skipped 1 line(s)" in caplog.text
+    assert drop_records_after(path, 2) == 2  # the torn line and step 3's record
+    assert path.read_text() == '{"kind": "train", "step": 1, "loss": 2.0}\n{"kind": "train", "step": 2, "loss": 1.5}\n'
+    for name, make in (("zero", lambda p: p.symlink_to("/dev/zero")), ("fifo", lambda p: os.mkfifo(p))):
+        bad = tmp_path / name / "metrics.jsonl"
+        bad.parent.mkdir()
+        make(bad)
+        with pytest.raises(CheckpointError, match=r"not a regular file; metrics.jsonl is a run's metrics log"):
+            read_metrics(bad.parent)
+    endless = tmp_path / "endless" / "metrics.jsonl"
+    endless.parent.mkdir()
+    endless.write_bytes(b"9" * (5 * 2**20))
+    with pytest.raises(CheckpointError, match=r"line 1 is longer than 4,194,304 bytes"):
+        read_metrics(endless)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import uuid
 from typing import Any
 
@@ -329,12 +330,22 @@ def remove_partial_files(url: str | os.PathLike[str]) -> list[str]:
 
 
 def _read_file(path: str, suffix: int | None) -> bytes | None:
+    """The bytes of a regular file (its last ``suffix`` bytes), None when absent; never more than its size.
+
+    Raises:
+        CacheCorruptError: a device, FIFO, socket or folder where a key's file belongs (opened without blocking:
+            a FIFO would block the open, a device never end).
+    """
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CacheCorruptError(f"{path} is not a regular file (a device, FIFO or folder in its place): the cache "
+                                    "was tampered with; re-extract it")
+        size = info.st_size
         if suffix is None:
             return os.pread(fd, size, 0)
         return os.pread(fd, min(suffix, size), max(0, size - suffix))

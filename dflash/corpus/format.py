@@ -42,6 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash.errors import CorpusError, CorpusNotFoundError
+from dflash.io.files import load_json
 
 __all__ = [
     "FORMAT_VERSION",
@@ -57,6 +58,9 @@ __all__ = [
     "open_corpus",
     "validate_corpus",
 ]
+
+#: The fix named when a ``datasets`` folder's own JSON files cannot be read.
+_DATASET_FIX = "the folder's datasets metadata is damaged: save the dataset again (datasets' save_to_disk)"
 
 FORMAT_VERSION = "dflash.corpus/1"
 DATA_FILE = "corpus.arrow"
@@ -207,13 +211,17 @@ def _data_files(path: Path, *, allow_unfinished: bool = False) -> list[Path]:
     if not path.is_dir():
         raise CorpusNotFoundError(f"corpus {path} does not exist; pass a corpus folder or an .arrow/.parquet file")
     if (path / "dataset_dict.json").is_file():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        splits = load_json(path / "dataset_dict.json", error=CorpusError, fix=_DATASET_FIX).get("splits", [])
         raise CorpusError(
             f"{path} is a datasets DatasetDict with splits {splits}; pass one split's folder, e.g. {path / (splits or ['train'])[0]}"
         )
     state = path / "state.json"
     if state.is_file():
-        names = [entry["filename"] for entry in json.loads(state.read_text()).get("_data_files", [])]
+        try:
+            names = [entry["filename"] for entry in load_json(state, error=CorpusError, fix=_DATASET_FIX)
+                     .get("_data_files", [])]
+        except (KeyError, TypeError):
+            raise CorpusError(f"{state}: _data_files is not a list of {{filename}} entries; {_DATASET_FIX}") from None
         files = [path / name for name in names]
     else:
         files = sorted(
@@ -494,7 +502,8 @@ def open_corpus(path: str | os.PathLike[str], *, labels_as_mask: bool = False, a
     metadata: dict[str, Any] = {}
     sidecar = (path if path.is_dir() else path.parent) / METADATA_FILE
     if sidecar.is_file() and (path.is_dir() or path.name == DATA_FILE):
-        metadata = json.loads(sidecar.read_text())
+        metadata = load_json(sidecar, error=CorpusError, fix="corpus.json is written by prepare and generate: rerun "
+                             "the command that made this corpus, or remove the file to read the data alone")
     elif _SCHEMA_KEY in first_schema_metadata:
         metadata = json.loads(first_schema_metadata[_SCHEMA_KEY])
     return Corpus(path, files, chunks, metadata)

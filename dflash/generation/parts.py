@@ -33,9 +33,10 @@ import numpy as np
 import pyarrow as pa
 
 from dflash.corpus.format import SCHEMA
+from dflash.errors import CorpusError
 from dflash.generation.engine import GenerationEngine, GenerationRequest, SamplingSettings
 from dflash.generation.prompts import ConversationBuilder, DropCounts, PromptRecord
-from dflash.io.files import atomic_write_text
+from dflash.io.files import MAX_RECORD_BYTES, atomic_write_text, load_json
 
 __all__ = ["PLAN_FILE", "HELDOUT_PROMPTS_FILE", "PartSpec", "part_path", "part_record_path", "committed_parts", "generate_part",
            "clear_uncommitted"]
@@ -73,8 +74,9 @@ def committed_parts(output: str | Path) -> dict[int, dict[str, Any]]:
     for path in output.glob("part-*.arrow"):
         try:
             part_id = int(path.stem.removeprefix("part-"))
-            found[part_id] = json.loads(part_record_path(output, part_id).read_text())
-        except (ValueError, OSError, json.JSONDecodeError):
+            found[part_id] = load_json(part_record_path(output, part_id), error=CorpusError, fix="",
+                                       limit=MAX_RECORD_BYTES)
+        except (ValueError, OSError):
             continue  # not ours, or a record lost with the disk: redone
     return found
 

@@ -44,7 +44,7 @@ from dflash.errors import ConfigError, DFlashError
 
 __all__ = ["atomic_output", "atomic_write_bytes", "atomic_write_text", "MAX_DEPTH", "MAX_RECORD_BYTES",
            "DEFAULT_MAX_LINE_BYTES", "JSONInputError", "check_depth", "decode_json", "has_lone_surrogate", "load_json",
-           "open_regular", "parse_json", "read_bounded", "read_lines"]
+           "open_regular", "parse_json", "read_bounded", "read_json_lines", "read_lines"]
 
 #: Deepest nesting of lists/objects accepted in any JSON/TOML/YAML file read back (the deepest record written is a
 #: handful of levels).
@@ -256,8 +256,8 @@ def load_json(path: str | os.PathLike[str], *, error: type[DFlashError], fix: st
     return value
 
 
-def read_lines(path: str | os.PathLike[str], *, max_line_bytes: int, what: str,
-               raise_with: str | None = None) -> Iterator[tuple[int, bytes]]:
+def read_lines(path: str | os.PathLike[str], *, max_line_bytes: int, what: str, raise_with: str | None = None,
+               error: type[DFlashError] = ConfigError, fix: str | None = None) -> Iterator[tuple[int, bytes]]:
     """``(line number, line)`` of the file at ``path``, from 1, the line break removed; never holds more than one
     line (of at most ``max_line_bytes`` bytes) in memory.
 
@@ -265,12 +265,14 @@ def read_lines(path: str | os.PathLike[str], *, max_line_bytes: int, what: str,
         what: how messages name the input (``"prompts"``).
         raise_with: the setting that raises the limit, named in the refusal (``"--max-prompt-bytes"``); None: the
             limit is fixed.
+        error, fix: the refusal's class and fix (default: :class:`ConfigError`, and a fix naming the limit).
 
     Raises:
-        ConfigError: a line longer than ``max_line_bytes`` (named by file and line number).
+        ``error``: a line longer than ``max_line_bytes`` (named by file and line number); not a regular file
+            (a FIFO would block, a device never end).
         OSError: from the filesystem.
     """
-    with open(path, "rb") as handle:
+    with open_regular(path, limit=2**62, error=error, fix=fix or f"give {what} as a regular file") as handle:
         number = 0
         while True:
             # Two bytes more than the limit: a line of exactly the limit still fits with its "\r\n".
@@ -280,7 +282,27 @@ def read_lines(path: str | os.PathLike[str], *, max_line_bytes: int, what: str,
             number += 1
             content = line.rstrip(b"\r\n")
             if len(content) > max_line_bytes:
-                fix = "shorten or split it" + (f", or raise the limit with {raise_with}" if raise_with else "")
-                raise ConfigError(f"{what}: {os.fspath(path)} line {number} is longer than {max_line_bytes:,} bytes "
-                                  f"(the limit per line); {fix}")
+                remedy = fix or ("shorten or split it" + (f", or raise the limit with {raise_with}" if raise_with else ""))
+                raise error(f"{what}: {os.fspath(path)} line {number} is longer than {max_line_bytes:,} bytes "
+                            f"(the limit per line); {remedy}")
             yield number, content
+
+
+def read_json_lines(path: str | os.PathLike[str], *, error: type[DFlashError], fix: str,
+                    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[tuple[int, bytes, Any]]:
+    """``(line number, line, value)`` of each non-blank line of the JSON-lines file ``path`` (``metrics.jsonl``),
+    read a bounded line at a time (:func:`read_lines`); a line that is not usable JSON gives the
+    :class:`JSONInputError` as its value, for the caller to refuse or skip (a torn last line after a kill).
+
+    Raises:
+        ``error``: not a regular file, or a line longer than ``max_line_bytes``; naming the file and ending with
+            ``fix``. OSError: from the filesystem.
+    """
+    for number, line in read_lines(path, max_line_bytes=max_line_bytes, what="JSON lines", error=error, fix=fix):
+        if not line.strip():
+            continue
+        try:
+            value = decode_json(line)
+        except JSONInputError as problem:
+            value = problem
+        yield number, line, value

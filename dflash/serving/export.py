@@ -72,6 +72,9 @@ __all__ = [
     "sha256_file",
 ]
 
+#: The fix named when an export's own JSON files cannot be read.
+_REEXPORT = "the export is damaged or was edited: export the drafter again (dflash-stages export RUN OUT)"
+
 #: Files of a training checkpoint folder (docs/training.md "Run folder").
 CHECKPOINT_CONFIG_FILE = "drafter_config.json"
 CHECKPOINT_TARGET_FILE = "target.json"
@@ -118,8 +121,9 @@ def _check_replaceable(destination: Path, *, overwrite: bool) -> None:
 
 def _is_serving_dir(folder: Path) -> bool:
     try:
-        return "DFlashDraftModel" in json.loads((folder / CONFIG_FILE).read_text()).get("architectures", [])
-    except (OSError, ValueError, AttributeError):
+        architectures = load_json(folder / CONFIG_FILE, error=ExportError, fix="").get("architectures", [])
+        return isinstance(architectures, list) and "DFlashDraftModel" in architectures
+    except (OSError, ValueError):
         return False
 
 
@@ -257,7 +261,7 @@ def read_exported(
     provenance: dict[str, Any] = {}
     provenance_path = folder / PROVENANCE_FILE
     if provenance_path.is_file():
-        provenance = json.loads(provenance_path.read_text())
+        provenance = load_json(provenance_path, error=ExportError, fix=_REEXPORT)
         if verify_hashes:
             for name, record in provenance.get("files", {}).items():
                 actual = sha256_file(folder / name)
@@ -268,11 +272,9 @@ def read_exported(
                     )
 
     try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as error:
-        raise ExportError(f"{config_path}: not valid JSON ({error})") from None
-    if not isinstance(config, dict):
-        raise ExportError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+        config = load_json(config_path, error=ExportError, fix=_REEXPORT)
+    except FileNotFoundError:
+        raise ExportError(f"{config_path}: missing; {_REEXPORT}") from None
     validate_serving_config(config, config_path)
 
     try:
@@ -367,7 +369,8 @@ def load_exported_drafter(
     drafter.load_state_dict(state_dict, strict=True)
     drafter.eval()
     provenance_path = Path(path) / PROVENANCE_FILE
-    target_info = (json.loads(provenance_path.read_text()).get("target") or {}) if provenance_path.is_file() else {}
+    target_info = ((load_json(provenance_path, error=ExportError, fix=_REEXPORT).get("target") or {})
+                   if provenance_path.is_file() else {})
     if target is not None:
         from dflash.training.checkpoint import check_target_weights
 

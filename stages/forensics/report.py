@@ -34,7 +34,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from typing import Any
 import typer
 
 from dflash.errors import CheckpointError, DFlashError
-from dflash.io.files import atomic_write_bytes, atomic_write_text
+from dflash.io.files import atomic_write_bytes, atomic_write_text, load_json
 from dflash.io.locks import output_lock
 from dflash.training.telemetry import read_metrics
 
@@ -74,8 +73,8 @@ def _pipeline_epochs(run: Path) -> list[dict[str, Any]]:
     for candidate in (run / "pipeline.json", run.parent / "pipeline.json"):
         if candidate.is_file():
             try:
-                epochs = json.loads(candidate.read_text()).get("epochs") or []
-            except (OSError, json.JSONDecodeError):
+                epochs = load_json(candidate, error=CheckpointError, fix="").get("epochs") or []
+            except (OSError, CheckpointError):
                 return []
             return [e for e in epochs if isinstance(e, dict) and isinstance(e.get("tau"), int | float)]
     return []

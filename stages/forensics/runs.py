@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash.errors import CheckpointError, DFlashError
+from dflash.io.files import load_json
 from dflash.serving.export import (
     CHECKPOINT_CONFIG_FILE,
     CHECKPOINT_TARGET_FILE,
@@ -121,9 +122,9 @@ def parameter_groups(tensors: list[dict[str, Any]]) -> dict[str, Any]:
 
 def read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path}: unreadable JSON ({error})") from None
+        return load_json(path, error=CheckpointError, fix="the file is damaged or was edited", expect=None)
+    except OSError as error:
+        raise CheckpointError(f"{path}: unreadable ({error.strerror or error})") from None
 
 
 def _weights_summary(path: Path) -> dict[str, Any]:
@@ -386,7 +387,7 @@ def step_problems(folder: Path, files: list[Path]) -> list[str]:
     if match:
         steps["folder name"] = int(match.group(1))
     if (folder / "trainer_state.json").is_file():
-        recorded = json.loads((folder / "trainer_state.json").read_text()).get("step")
+        recorded = read_json(folder / "trainer_state.json").get("step")
         if recorded is not None:
             steps["trainer_state.json"] = int(recorded)
     for path in files:

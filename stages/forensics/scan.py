@@ -30,7 +30,7 @@ from typing import Any
 import typer
 
 from dflash.errors import CheckpointError, DFlashError
-from stages.forensics.runs import describe, file_tensors, resume_problem, step_problems
+from stages.forensics.runs import describe, file_tensors, read_json, resume_problem, step_problems
 
 __all__ = ["register", "scan_command", "TensorFinding", "CheckpointScan", "checkpoints_to_scan", "scan_checkpoint",
            "resume_problem", "scan_paths", "print_scans", "DEFAULT_MAX_ABS"]
@@ -117,7 +117,7 @@ def _param_names(folder: Path, optimizer_file: Path, scan: CheckpointScan) -> li
     from dflash.drafter import DFlashConfig, DFlashDrafter
 
     with torch.device("meta"):  # names and order only: no memory for the weights
-        drafter = DFlashDrafter(DFlashConfig.from_dict(json.loads(config_file.read_text())))
+        drafter = DFlashDrafter(DFlashConfig.from_dict(read_json(config_file)))
     scan.notes.append(f"{optimizer_file.name} records no parameter names (written by an older version): names "
                       "rebuilt from drafter_config.json in build_optimizer's order")
     return [name for name, param in drafter.named_parameters() if param.requires_grad]

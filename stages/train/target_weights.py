@@ -3,13 +3,13 @@ whole target (:func:`load_target_embeddings`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from dflash.errors import TargetError
+from dflash.io.files import load_json
 from dflash.io.weights import open_safetensors
 from dflash.target.load import load_target
 
@@ -31,8 +31,9 @@ def target_weight_map(target_path: Path) -> dict[str, Path]:
     index = target_path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            return {name: target_path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
-        except (ValueError, KeyError, AttributeError) as error:
+            weight_map = load_json(index, error=TargetError, fix=_TARGET_WEIGHTS_FIX)["weight_map"]
+            return {name: target_path / file for name, file in weight_map.items()}
+        except (ValueError, KeyError, AttributeError, TypeError) as error:
             raise TargetError(f"{index}: not a safetensors index ({error}); {_TARGET_WEIGHTS_FIX}") from error
     weight_map: dict[str, Path] = {}
     for file in sorted(target_path.glob("*.safetensors")):
