@@ -89,7 +89,7 @@ def test_empty_or_malformed_jsonl_is_named_with_its_position(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n' + bad + "\n")
     result = _cli("prepare", "bad.jsonl", "-o", "out", "--assistant-mask", "prefix-diff", cwd=tmp_path)
     assert result.returncode == 2 and "bad.jsonl line 2: not valid JSON" in result.stderr
-    assert f"at column {len(bad)})" in result.stderr
+    assert f"at line 1 column {len(bad) + 1} (" in result.stderr  # where the parser wanted more
     assert not (tmp_path / "out").exists()
 
 
