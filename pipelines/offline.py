@@ -108,6 +108,28 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
     return result
 
 
+def stages_run(config: dict[str, Any]) -> list[str]:
+    """The stage sections a pipeline config runs: with a ``generate`` section the corpus is the target's own
+    responses and ``prepare`` and ``split`` are not run; without one, ``generate`` is not run."""
+    first = ["generate"] if config.get("generate") else ["prepare", "split"]
+    return [*first, "extract", "train", "evaluate"]
+
+
+def _refuse_sections_not_run(config: dict[str, Any], overrides: list[str], preset: str) -> None:
+    """Refuse a ``--set`` for a section the preset does not run, which would otherwise be silently dropped (or,
+    for ``generate``, would silently replace the preset's prepare and split).
+
+    Raises:
+        ConfigError: naming the override, its section and the stages the preset runs.
+    """
+    run = stages_run(config)
+    for override in overrides:
+        section = override.partition("=")[0].strip().partition(".")[0]
+        if section in PIPELINE_SECTIONS and section not in run:
+            raise ConfigError(f"--set {override!r}: preset {preset} runs no {section} stage (it runs "
+                              f"{', '.join(run)}); drop it, or use a preset with a {section} section")
+
+
 @dataclass(kw_only=True, slots=True)
 class PipelineConfig:
     """The resolved pipeline: one dict of stage settings per stage (the stage configs validate the fields).
@@ -644,7 +666,7 @@ def register(app: typer.Typer) -> None:
     def run_command(
         preset: str = typer.Option("cpu-small", "--preset", help=f"One of {', '.join(PRESETS)}, or a preset .json file."),
         workdir: Path = typer.Option(Path("dflash-work"), "--workdir", help="Work folder of every stage (resumable)."),
-        overrides: list[str] = typer.Option([], "--set", help="Override a preset field: section.field=value (repeatable; value parsed as JSON, else a string). Every setting is checked before the first stage runs."),
+        overrides: list[str] = typer.Option([], "--set", help="Override a preset field: section.field=value (repeatable; value parsed as JSON, else a string). Every setting is checked before the first stage runs; a section the preset does not run (prepare or split beside generate, generate beside prepare) is refused."),
         docs: list[Path] = typer.Option([], "--docs", help="Extra text folders for the corpus, e.g. the Python docs' reST sources."),
         target: str | None = typer.Option(None, "--target", help="Target spec (default: the preset's, 'default' = SmolLM2)."),
         config_file: str | None = typer.Option(None, "--config", help="Sections (generate, prepare, split, extract, train, evaluate; target) in a .toml, .yaml or .json file, merged field by field over the preset, under --set."),
@@ -669,6 +691,7 @@ def register(app: typer.Typer) -> None:
 
                 layer_over(preset_config.setdefault(section, {}), values)
                 from_file.update((section, key) for key in {*values, *leaf_paths(values)})
+        _refuse_sections_not_run(preset_config, overrides, preset)
         preset_config = apply_overrides(preset_config, overrides)
         if docs and preset_config.get("generate"):
             raise ConfigError(f"--docs adds text folders to prepare's inputs, but preset {preset} generates its corpus "

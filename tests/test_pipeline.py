@@ -203,6 +203,32 @@ def test_run_refuses_a_bad_setting_before_any_stage_writes(tmp_path, monkeypatch
     assert not workdir.exists()
 
 
+@pytest.mark.parametrize(("preset_sections", "override", "section"), [
+    (None, "prepare.max_length=64", "prepare"),
+    (None, "split.heldout_documents=2", "split"),
+    ({"generate": None}, "generate.max_new_tokens=8", "generate"),
+])
+def test_run_refuses_a_setting_for_a_section_the_preset_does_not_run(tmp_path, monkeypatch, capsys,
+                                                                     preset_sections, override, section):
+    """cpu-small generates its corpus, so prepare and split never run; a preset with prepare runs no generate. A
+    --set for a stage that is not run exits 2 naming the section and the stages the preset runs."""
+    from cli_helpers import main_in_process
+
+    preset = "cpu-small"
+    if preset_sections is not None:
+        config = {key: value for key, value in load_preset("cpu-small").items() if key != "generate"}
+        config.update({"prepare": {"inputs": ["default"]}, "split": {"heldout_documents": 2}})
+        preset = str(tmp_path / "prepared.json")
+        (tmp_path / "prepared.json").write_text(json.dumps(config))
+    workdir = tmp_path / "work"
+    code, err = main_in_process(monkeypatch, capsys, "run", "--workdir", str(workdir), "--preset", preset,
+                                "--set", override)
+    assert code == 2, err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert f"runs no {section} stage" in err and "extract, train, evaluate" in err, err
+    assert not workdir.exists()
+
+
 def test_interrupted_training_ends_the_pipeline_with_130():
     """Training stopped by a signal ends ``dflash-stages run`` with exit status 130 (no evaluation of a
     half-trained drafter); a finished training passes through."""
