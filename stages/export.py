@@ -109,7 +109,9 @@ def export_command(
     source = provenance.get("source") or {}
     target_info = provenance.get("target") or {}
     table.add_row("source checkpoint", f"{source.get('checkpoint')} (step {source.get('step')})")
-    table.add_row("target", f"{target_info.get('name')} {target_info.get('content_hash', '')}".strip() or "unknown")
+    serve_target = _served_target(target if target is not None else target_info.get("target_spec"))
+    identity = " ".join(str(part) for part in (target_info.get("name"), target_info.get("content_hash")) if part)
+    table.add_row("target", escape(f"{serve_target} ({identity})" if identity else serve_target))
     table.add_row("draft layers", str(config["num_hidden_layers"]))
     table.add_row("block_size", str(config["block_size"]))
     table.add_row(
@@ -125,12 +127,25 @@ def export_command(
     block_size = int(config["block_size"])
     console.print(
         escape("Serve it (the target must be the one it was trained on):\n"
-        f"  vLLM:   vllm serve TARGET --speculative-config "
+        f"  vLLM:   vllm serve {serve_target} --speculative-config "
         f"'{{\"method\": \"dflash\", \"model\": \"{destination}\", \"num_speculative_tokens\": {block_size - 1}}}'\n"
-        f"  SGLang: python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH "
+        f"  SGLang: python -m sglang.launch_server --model-path {serve_target} --speculative-algorithm DFLASH "
         f"--speculative-draft-model-path {destination} --speculative-num-draft-tokens {block_size}"),
         soft_wrap=True,
     )
+
+
+def _served_target(spec: str | None) -> str:
+    """The local path of the target the drafter was trained with (``spec`` resolved, the embedded default named by
+    its folder); the spec itself when it does not resolve on this machine, ``TARGET`` when none is recorded."""
+    if not spec:
+        return "TARGET"
+    from dflash.target.load import resolve_target_path
+
+    try:
+        return str(resolve_target_path(spec))
+    except DFlashError:
+        return str(spec)
 
 
 def register(app: typer.Typer) -> None:

@@ -34,6 +34,7 @@ from dflash.serving.export import (
     load_exported_drafter,
     sha256_file,
 )
+from dflash.target.load import resolve_target_path
 
 NUM_DRAFT_LAYERS = 2
 BLOCK_SIZE = 8
@@ -571,6 +572,11 @@ def test_cli_export(run_dir, tmp_path):
     result = runner.invoke(app, ["export", str(run_dir), str(out)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "strict reload" in result.output and "num_speculative_tokens\": 7" in result.output
+    spec = json.loads((run_dir / "checkpoints" / "step_00000001" / "target.json").read_text())["target_spec"]
+    served = str(resolve_target_path(spec))  # the target it was trained with, named in the serve commands
+    assert f"vllm serve {served} " in result.output and f"--model-path {served} " in result.output
+    target_row = next(line for line in result.output.splitlines() if " target " in line)
+    assert served in target_row and "None" not in target_row and "TARGET" not in result.output
     config, _ = load_exported(out)
     assert config.block_size == BLOCK_SIZE
     again = runner.invoke(app, ["export", str(run_dir), str(out)], env={"COLUMNS": "200"})

@@ -567,3 +567,17 @@ def test_cpu_runs_get_cpu_sized_batches_unless_a_setting_says_otherwise(tmp_path
     gpu = TrainConfig(cache="c", output="o")
     assert (gpu.data.token_budget, gpu.drafter.max_anchors_per_document) == (16384, 512)  # the paper's, kept for CUDA
     assert config_from_cli({**paths, "device": "cuda"}).data.token_budget == 16384
+
+
+def test_progress_line_spells_out_the_online_feed():
+    """The online figures on the progress line say what they are: each side's capacity alone, the ring's fill."""
+    from types import SimpleNamespace
+
+    from dflash.training.telemetry import ThroughputWindow
+    from stages.train.loop import Trainer
+
+    state = SimpleNamespace(throughput=ThroughputWindow(), counters={"skipped_steps": 0},
+                            _feed={"producer_capacity_tokens_per_s": 55.0, "trainer_capacity_tokens_per_s": 28.0,
+                                   "ring_ready_mean": 4.0})
+    line = Trainer._status(state, {"loss": 1.5, "lr": 1e-4}, {})
+    assert "(inference alone 55 training alone 28 tok/s, ring 4.0 batches ready)" in line

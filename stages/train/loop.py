@@ -767,9 +767,9 @@ class Trainer:
             status += f"  {rates['real_tokens_per_s']:,.0f} tok/s"
         feed = self._feed
         if "producer_capacity_tokens_per_s" in feed:  # online: what each side could do alone, and the ring's fill
-            status += (f" (I {feed['producer_capacity_tokens_per_s']:,.0f}"
-                       f" T {feed.get('trainer_capacity_tokens_per_s', float('nan')):,.0f}"
-                       f" ring {feed.get('ring_ready_mean', 0.0):.1f} ready)")
+            status += (f" (inference alone {feed['producer_capacity_tokens_per_s']:,.0f}"
+                       f" training alone {feed.get('trainer_capacity_tokens_per_s', float('nan')):,.0f} tok/s,"
+                       f" ring {feed.get('ring_ready_mean', 0.0):.1f} batches ready)")
         if last_eval:
             status += f"  val {last_eval['loss']:.3f} tau {last_eval['expected_acceptance_length']:.2f}"
         if self.counters["skipped_steps"]:
