@@ -12,6 +12,9 @@ and only name types for annotations.
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -112,15 +115,22 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def fresh_import_graph() -> dict[str, set[str]]:
+    """:func:`import_graph` built in a new interpreter: CPython 3.11's ``ast`` can fail with "AST constructor
+    recursion depth mismatch" in a process where an earlier test hit a ``RecursionError`` (deep JSON, deep YAML)."""
+    done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=120, check=True)
+    return {module: set(imported) for module, imported in json.loads(done.stdout).items()}
+
+
 def test_no_module_imports_a_higher_floor():
-    graph = import_graph()
+    graph = fresh_import_graph()
     upward = [f"{module} imports {target}" for module, targets in sorted(graph.items()) for target in sorted(targets)
               if FLOORS[target.split(".")[0]] > FLOORS[module.split(".")[0]]]
     assert not upward, "the import rule is pipelines -> stages -> dflash; move the shared code down:\n" + "\n".join(upward)
 
 
 def test_there_is_no_import_circle():
-    graph = import_graph()
+    graph = fresh_import_graph()
     found = circles(graph)
     described = ["; ".join(f"{a} -> {b}" for a in circle for b in sorted(graph[a]) if b in circle) for circle in found]
     assert not found, "import circles (break each by moving the shared code into a module both can import):\n" + \
@@ -136,5 +146,9 @@ def test_the_checks_see_a_circle_and_an_upward_import(tmp_path):
     names = set(_imported_names(tree, "dflash.target.load", is_package=False))
     assert {"dflash.batches", "dflash.batches.ring", "pipelines.offline"} <= names
     assert not any(name.startswith("stages") for name in names)
-    real = import_graph()
+    real = fresh_import_graph()
     assert "dflash.cache.format" in real["dflash.cache.reader"]  # the real tree is read, function bodies included
+
+
+if __name__ == "__main__":  # fresh_import_graph's subprocess
+    print(json.dumps({module: sorted(imported) for module, imported in import_graph().items()}))
