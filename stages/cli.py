@@ -175,6 +175,10 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug
         # stderr: standard output is for results (--print-config, --json, tables), which must stay parseable.
         handlers=[RichHandler(console=Console(stderr=True), show_path=False, rich_tracebacks=True)],
     )
+    if not verbose:
+        # matplotlib, when a dependency imports it, logs routine housekeeping such as "generated new
+        # fontManager" at INFO; only its warnings belong in a run's log.
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)
 
 
 def _set_output_width() -> None:

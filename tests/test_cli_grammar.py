@@ -263,3 +263,18 @@ def test_h_is_help_in_every_command(monkeypatch, capsys):
     for args in (["-h"], ["train", "-h"], ["cache", "verify", "-h"], ["generate", "-h"]):
         code, out, err = main_in_process_out(monkeypatch, capsys, *args)
         assert code == 0 and "Usage: dflash-stages" in out, (args, err)
+
+
+@pytest.mark.parametrize(("verbose", "shown"), [(False, False), (True, True)])
+def test_matplotlib_font_cache_message_only_with_verbose(tmp_path, verbose, shown):
+    """A fresh matplotlib font cache (first run, empty MPLCONFIGDIR) logs "generated new fontManager" at INFO; the
+    CLI's logging keeps it out of a run's log unless --verbose asks for debug output."""
+    import subprocess
+    import sys
+
+    code = (f"from stages.cli import _root; _root(verbose={verbose}, quiet=False, version=False); "
+            "import matplotlib.font_manager")
+    env = {**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert ("generated new fontManager" in done.stderr) is shown

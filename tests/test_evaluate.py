@@ -107,17 +107,19 @@ def test_no_references_measures_the_same_tau_without_the_references(export_folde
     out = tmp_path / "tau_only.json"
     result = CliRunner().invoke(app, [
         "evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--max-new-tokens", "6",
-        "--ignore-eos", "--no-references", "--device", "cpu", "--cpu-threads", "1", "--json-file", str(out),
+        "--ignore-eos", "--no-references", "--device", "cpu", "--json-file", str(out),
     ])
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert "not measured (references off: tau only)" in result.output and "speedup vs" not in result.output
     tau_only = json.loads(out.read_text())
     assert tau_only["settings"]["references"] is False
+    assert tau_only["settings"]["cpu_threads"] == 1  # the CPU default: one thread, whatever the core count
     assert tau_only["speedup"] is None and tau_only["speedup_vs_generate"] is None
     assert set(tau_only["throughput"]) == {"speculative"}
     assert not tau_only["lossless"]["checked"] and "references not run" in tau_only["lossless"]["reason"]
     full = run_evaluate(EvaluateConfig(drafter=export_folder, prompts=str(prompts), max_new_tokens=6, ignore_eos=True,
-                                       device="cpu", cpu_threads=1))
+                                       device="cpu", cpu_threads=2))
+    assert full["settings"]["cpu_threads"] == 2
     assert full["speedup"] > 0 and full["lossless"]["passed"] and full["settings"]["references"] is True
     assert tau_only["tau"] == full["tau"] and tau_only["acceptance"] == full["acceptance"]
     assert [p["cycles"] for p in tau_only["per_prompt"]] == [p["cycles"] for p in full["per_prompt"]]

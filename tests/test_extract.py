@@ -595,6 +595,31 @@ def test_local_cluster_listens_on_localhost_only_and_prints_its_dashboard(tmp_pa
             cluster.close()
 
 
+def test_default_dashboard_takes_a_free_port_without_a_warning_when_8787_is_busy(tmp_path):
+    import socket
+    import warnings
+
+    busy = socket.socket()
+    try:
+        busy.bind(("127.0.0.1", 8787))  # already taken by someone else is just as good
+        busy.listen()
+    except OSError:
+        pass
+    config = ExtractConfig(corpus=str(tmp_path), output=str(tmp_path / "cache"), target_processes=1, write_processes=0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            client, cluster, _ = start_cluster(config)
+        try:
+            assert cluster.scheduler.http_server.port != 8787
+            assert not [w for w in caught if "already in use" in str(w.message)], [str(w.message) for w in caught]
+        finally:
+            client.close()
+            cluster.close()
+    finally:
+        busy.close()
+
+
 def test_tls_options_build_a_security_for_the_scheduler_and_are_checked(tmp_path):
     files = {name: tmp_path / f"{name}.pem" for name in ("ca", "cert", "key")}
     for path in files.values():

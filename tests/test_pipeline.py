@@ -335,3 +335,17 @@ def test_a_schedule_shorter_than_half_the_epochs_still_trains_before_its_first_e
     assert result.exit_code == 0, result.output + repr(result.exception)
     state = json.loads((workdir / "pipeline.json").read_text())
     assert [(e["epoch"], e["step"]) for e in state["epochs"]] == [(0, 0), (1, 1), (2, 1)]
+
+
+def test_cpu_small_preset_departs_from_no_convention_within_its_own_lengths():
+    """The shipped CPU preset draws no convention warning from train: its anchors x block size cover the longest
+    sample its own generate section can write (``generate.max_length``)."""
+    from stages.train.config import TrainConfig
+    from stages.train.hyperparameters import convention_warnings
+
+    preset = load_preset("cpu-small")
+    train = TrainConfig.from_dict({**{k: v for k, v in preset["train"].items() if not k.startswith("_")},
+                                   "cache": "unused", "output": "unused"})
+    assert convention_warnings(block_size=train.drafter.block_size, gamma=train.resolved_gamma(),
+                               betas=train.optim.betas, max_anchors_per_document=train.drafter.max_anchors_per_document,
+                               longest_sample=preset["generate"]["max_length"]) == []

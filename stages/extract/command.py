@@ -100,8 +100,9 @@ class ExtractConfig:
             (``"drop"``) or cut (``"truncate"``); skipped rows are recorded in the commit records.
         force_space: start even when the size estimate exceeds the free space.
         expected_ratio: compression ratio assumed by the size estimate (1.0 = none, the safe bound).
-        dashboard_address: where a LocalCluster serves its dashboard: ``host:port`` (default ``127.0.0.1:8787``,
-            this machine only; a bare ``:port`` also means 127.0.0.1; port 0 picks a free one). Other hosts reach
+        dashboard_address: where a LocalCluster serves its dashboard: ``host:port`` (default ``127.0.0.1:0``:
+            this machine only, on a free port, so a busy 8787 draws no warning; its link is printed; a bare ``:port``
+            also means 127.0.0.1). Other hosts reach
             it only through an explicit address such as ``0.0.0.0:8787`` (all interfaces; no authentication).
         tls_ca_file, tls_cert, tls_key: TLS for ``scheduler_address`` (``tls://...``): the CA that signed the
             scheduler's certificate and this client's certificate and key (``distributed.security.Security``,
@@ -140,7 +141,7 @@ class ExtractConfig:
     length_policy: Literal["error", "drop", "truncate"] = "error"
     force_space: bool = False
     expected_ratio: float = 1.0
-    dashboard_address: str = "127.0.0.1:8787"
+    dashboard_address: str = "127.0.0.1:0"
     tls_ca_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -714,7 +715,7 @@ def register(app: typer.Typer) -> None:
         length_policy: str = typer.Option("error", "--length-policy", help="Rows over --max-length: error, drop or truncate."),
         expected_ratio: float = typer.Option(1.0, "--expected-ratio", help="Compression ratio assumed by the size estimate."),
         force_space: bool = typer.Option(False, "--force-space", help="Start even if the estimate exceeds the free space."),
-        dashboard_address: str = typer.Option("127.0.0.1:8787", "--dashboard-address", help="Dashboard of a local cluster, HOST:PORT; the default and a bare :PORT bind 127.0.0.1 (this machine only), 0.0.0.0:PORT serves every interface, unauthenticated; port 0 = any free port."),
+        dashboard_address: str = typer.Option("127.0.0.1:0", "--dashboard-address", help="Dashboard of a local cluster, HOST:PORT (its link is printed); the default (a free port) and a bare :PORT bind 127.0.0.1 (this machine only), 0.0.0.0:PORT serves every interface, unauthenticated; port 0 = any free port."),
         tls_ca_file: str | None = typer.Option(None, "--tls-ca-file", help="With --scheduler-address tls://...: CA certificate of the cluster (with --tls-cert, --tls-key; docs/cache-format.md)."),
         tls_cert: str | None = typer.Option(None, "--tls-cert", help="Client certificate for a TLS scheduler."),
         tls_key: str | None = typer.Option(None, "--tls-key", help="Client private key for a TLS scheduler."),
