@@ -27,6 +27,7 @@ after in-place updates of the captured inputs); transformers' ``StaticCache`` an
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections import OrderedDict
@@ -384,7 +385,10 @@ class StaticDecoder:
         for layer in slot.cache.layers:  # reuse the cache: write from position 0 again (stale entries stay masked)
             if getattr(layer, "is_initialized", False):
                 layer.cumulative_length.zero_()
-        logits = self._forward(input_ids, prefill_mask, positions, slot.cache)
+        # The prefill runs the modules eagerly: its width changes from batch to batch, and compiling every width
+        # would recompile past dynamo's limit; the decode step (one shape per row count) is what compile_parts is for.
+        with torch.compiler.set_stance("force_eager") if self._compiled else contextlib.nullcontext():
+            logits = self._forward(input_ids, prefill_mask, positions, slot.cache)
         del prefill_mask, allowed
 
         slot.mask.fill_(self._min)
