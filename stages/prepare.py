@@ -66,6 +66,7 @@ from dflash.io.files import (
     JSONInputError,
     decode_json,
     load_json,
+    read_bounded,
     read_lines,
 )
 from dflash.io.locks import output_lock
@@ -482,11 +483,16 @@ def _resolve_policy(config: PrepareConfig, documents: list[_Document]) -> str:
     return DEFAULT_LENGTH_POLICY if all(d.kind == "text" for d in documents) else "error"
 
 
+#: Largest single text file prepare reads (read whole: a device or FIFO in its place is refused unread).
+_MAX_TEXT_FILE_BYTES = 4 * 2**30
+
+
 def _read_text(document: _Document, report: PrepareReport) -> str | None:
     if isinstance(document.payload, str):
         return document.payload
     try:
-        data = document.payload.path.read_bytes()
+        data = read_bounded(document.payload.path, limit=_MAX_TEXT_FILE_BYTES, error=CorpusError,
+                            fix="pass regular text files (split a text file over 4 GiB)")
         if b"\0" in data[:8192]:
             raise UnicodeDecodeError("utf-8", data[:1], 0, 1, "binary")
         return data.decode("utf-8")

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from dflash.errors import CheckpointError
+from dflash.io.files import parse_json
 
 __all__ = ["STATE_TREE_FORMAT", "save_state_tree", "load_state_tree", "load_legacy_torch_file"]
 
@@ -140,15 +141,17 @@ def load_state_tree(path: str | Path) -> Any:
         ) from error
     if _TREE_KEY not in header:
         raise CheckpointError(f"{path} holds no '{_TREE_KEY}' metadata: not a dflash-stages state file")
-    version = int(header.get(_FORMAT_KEY, "0"))
+    try:
+        version = int(header.get(_FORMAT_KEY, "0"))
+    except ValueError:
+        raise CheckpointError(f"{path}: its state format {header.get(_FORMAT_KEY)[:20]!r} is not a number; the file "
+                              "was edited") from None
     if version > STATE_TREE_FORMAT:
         raise CheckpointError(
             f"{path} has state format {version}, newer than this code's {STATE_TREE_FORMAT}; upgrade dflash-stages"
         )
-    try:
-        skeleton = json.loads(header[_TREE_KEY])
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path}: its state tree is not valid JSON ({error}); the file was edited") from error
+    skeleton = parse_json(header[_TREE_KEY], where=f"{path} (its state tree)", error=CheckpointError,
+                          fix="the file was edited")
     return _decode(skeleton, tensors, path)
 
 
