@@ -3,6 +3,7 @@ are atomic with ``latest`` last; retention keeps the last K and the best; load_d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
@@ -13,7 +14,7 @@ from train_helpers import TINY_LAYER_IDS, build_tiny_cache
 from dflash.batches.stream import StreamConfig, StreamingLoader
 from dflash.cache import CacheReader
 from dflash.drafter import DFlashConfig, DFlashDrafter, dflash_loss, sample_anchors
-from dflash.errors import CheckpointError, MismatchError
+from dflash.errors import CheckpointError, ConfigError, MismatchError
 from dflash.serving.export import load_drafter
 from dflash.training.checkpoint import (
     Checkpointer,
@@ -25,11 +26,12 @@ from dflash.training.checkpoint import (
 )
 from dflash.training.optim import (
     DEFAULT_BETAS,
+    LRMultiplier,
     OptimConfig,
-    WarmupCosine,
     build_optimizer,
     build_scheduler,
     extend_schedule,
+    restore_scheduler,
     schedule_segments,
 )
 
@@ -212,7 +214,7 @@ def test_incomplete_folders_are_refused_by_name(tmp_path):
 
 def test_warmup_cosine_schedule_and_defaults():
     assert DEFAULT_BETAS == (0.9, 0.999) and OptimConfig().lr == 6e-4 and OptimConfig().warmup_ratio == 0.04
-    schedule = WarmupCosine(total_steps=100, warmup_steps=4, min_lr_ratio=0.1)
+    schedule = LRMultiplier(total_steps=100, warmup_steps=4, min_lr_ratio=0.1)
     assert [schedule(s) for s in range(4)] == [0.2, 0.4, 0.6, 0.8]
     assert schedule(4) == 1.0
     assert schedule(52) == pytest.approx(0.1 + 0.9 * 0.5)
@@ -258,13 +260,71 @@ def test_extended_schedule_rewarms_from_the_current_lr_and_round_trips_as_json()
     assert [extended(s) for s in range(6, 21)] == pytest.approx(expected)
     assert extended(25) == pytest.approx(0.1)
     assert scheduler.get_last_lr() == [extended(6)] == [optimizer.param_groups[0]["lr"]]
-    assert schedule_segments(scheduler)[-1] == {"start_step": 6, "total_steps": 20, "warmup_steps": 4,
-                                                "start_lr": at_resume, "peak_lr": 1.0, "end_lr": 0.1}
+    assert schedule_segments(scheduler)[-1] == {"schedule": "cosine", "start_step": 6, "total_steps": 20,
+                                                "warmup_steps": 4, "decay_steps": 0, "start_lr": at_resume,
+                                                "peak_lr": 1.0, "end_lr": 0.1}
     state = json.loads(json.dumps(scheduler.state_dict()))  # as a checkpoint stores it
     fresh = build_scheduler(build_optimizer([parameter], config), config, total_steps=20)
     fresh.load_state_dict(state)
     assert extend_schedule(fresh, config, total_steps=20) is None  # resuming the extended run changes nothing
     assert [fresh.lr_lambdas[0](s) for s in range(25)] == [extended(s) for s in range(25)]
+
+
+def test_wsd_and_constant_schedules_at_their_key_steps():
+    """wsd over 100 steps (warmup 4, decay_ratio 0.2): warmup 0.2..0.8, the peak through step 80, then linear (or
+    1-sqrt) down to the floor at step 100; constant: the peak after the warmup, whatever min_lr_ratio says."""
+    import math
+
+    wsd = OptimConfig(lr=1.0, warmup_ratio=0.04, min_lr_ratio=0.1, schedule="wsd", decay_ratio=0.2)
+    parameter = torch.nn.Parameter(torch.zeros(2))
+    multiplier = build_scheduler(build_optimizer([parameter], wsd), wsd, total_steps=100).lr_lambdas[0]
+    assert (multiplier.schedule, multiplier.warmup_steps, multiplier.decay_steps) == ("wsd", 4, 20)
+    assert [multiplier(s) for s in range(4)] == [0.2, 0.4, 0.6, 0.8]
+    assert multiplier(4) == multiplier(50) == multiplier(79) == multiplier(80) == 1.0
+    assert multiplier(90) == pytest.approx(0.1 + 0.9 * 0.5) and multiplier(95) == pytest.approx(0.1 + 0.9 * 0.25)
+    assert multiplier(100) == pytest.approx(0.1) and multiplier(130) == pytest.approx(0.1)
+    sqrt = dataclasses.replace(multiplier, decay_shape="1-sqrt")
+    assert sqrt(80) == 1.0 and sqrt(85) == pytest.approx(0.1 + 0.9 * (1 - math.sqrt(0.25)))
+    assert sqrt(100) == pytest.approx(0.1)
+    constant = OptimConfig(lr=1.0, warmup_ratio=0.04, min_lr_ratio=0.1, schedule="constant")
+    flat = build_scheduler(build_optimizer([parameter], constant), constant, total_steps=100).lr_lambdas[0]
+    assert [flat(s) for s in (0, 3, 4, 50, 99, 100, 200)] == [0.2, 0.8, 1.0, 1.0, 1.0, 1.0, 1.0]
+    cosine = build_scheduler(build_optimizer([parameter], OptimConfig()), OptimConfig(), total_steps=100)
+    assert cosine.lr_lambdas[0].schedule == "cosine" and cosine.lr_lambdas[0].decay_steps == 0
+    for bad, match in (({"schedule": "linear"}, "schedule must be one of cosine, wsd, constant"),
+                       ({"decay_ratio": 0.0}, "decay_ratio must be in"), ({"decay_shape": "cos"}, "decay_shape")):
+        with pytest.raises(ConfigError, match=match):
+            OptimConfig(**bad)
+
+
+def test_wsd_extension_and_a_saved_state_without_a_schedule_restores_as_cosine():
+    """A wsd run of 10 steps extended at step 10 to 20: the added 10 steps re-warm over round(0.2 * 10) = 2 steps,
+    hold the peak, and decay over their last round(0.2 * 10) = 2 steps. A scheduler state saved before the
+    schedule had a name (no ``schedule`` key) restores as cosine into a scheduler built for wsd."""
+    config = OptimConfig(lr=1.0, warmup_ratio=0.2, schedule="wsd", decay_ratio=0.2)
+    parameter = torch.nn.Parameter(torch.zeros(2))
+    optimizer = build_optimizer([parameter], config)
+    scheduler = build_scheduler(optimizer, config, total_steps=10)
+    for _ in range(10):
+        optimizer.step()
+        scheduler.step()
+    assert scheduler.get_last_lr() == [0.0]
+    extended = extend_schedule(scheduler, config, total_steps=20)
+    assert [extended(s) for s in range(10, 21)] == pytest.approx([1 / 3, 2 / 3, 1, 1, 1, 1, 1, 1, 1, 0.5, 0.0])
+    state = json.loads(json.dumps(scheduler.state_dict()))
+    fresh = build_scheduler(build_optimizer([parameter], config), config, total_steps=20)
+    restore_scheduler(fresh, state)
+    assert [fresh.lr_lambdas[0](s) for s in range(25)] == [extended(s) for s in range(25)]
+
+    cosine = OptimConfig(lr=1.0, warmup_ratio=0.2)
+    old = build_scheduler(build_optimizer([parameter], cosine), cosine, total_steps=10)
+    old_state = json.loads(json.dumps(old.state_dict()))
+    for key in ("schedule", "decay_steps", "decay_shape"):
+        del old_state["lr_lambdas"][0][key]
+    into_wsd = build_scheduler(build_optimizer([parameter], config), config, total_steps=10)
+    restore_scheduler(into_wsd, old_state)
+    assert into_wsd.lr_lambdas[0].schedule == "cosine"
+    assert [into_wsd.lr_lambdas[0](s) for s in range(12)] == [old.lr_lambdas[0](s) for s in range(12)]
 
 
 def test_damaged_json_records_of_a_checkpoint_are_refused_naming_the_file_and_key(training, tmp_path):

@@ -129,7 +129,8 @@ def test_resume_with_more_steps_rewarms_and_resumes_bit_exactly_inside_the_exten
     end = load_checkpoint(straight)
     (base, extension) = end.trainer_state["schedule"]
     assert base["total_steps"] == 4 and extension == {
-        "start_step": 4, "total_steps": 8, "warmup_steps": 1, "start_lr": 0.0, "peak_lr": 1e-3, "end_lr": 0.0}
+        "schedule": "cosine", "start_step": 4, "total_steps": 8, "warmup_steps": 1, "decay_steps": 0, "start_lr": 0.0,
+        "peak_lr": 1e-3, "end_lr": 0.0}
 
     # Killed inside the extension, then resumed with the now saved config (no --allow-config-change needed): the
     # same weights, optimizer state, schedule, data order and losses as the uninterrupted extension.
@@ -141,6 +142,23 @@ def test_resume_with_more_steps_rewarms_and_resumes_bit_exactly_inside_the_exten
     again = {r["step"]: r for r in read_metrics(interrupted, kind="train")}
     assert [again[s]["loss"] for s in range(5, 9)] == [records[s]["loss"] for s in range(5, 9)]
     assert [again[s]["lr"] for s in range(5, 9)] == [records[s]["lr"] for s in range(5, 9)]
+
+
+def test_wsd_run_resumes_bit_exactly_across_a_checkpoint(tiny_cache, tmp_path):
+    """``optim.schedule = "wsd"``: a run stopped at step 3 of 6 and resumed ends in the state of the straight run,
+    and its lr follows warmup (1 step), the peak, then the linear decay over the last round(0.5 * 6) = 3 steps."""
+    common = dict(max_steps=6, save_every=3, validation_fraction=0.0, schedule="wsd", decay_ratio=0.5)
+    straight = run_training(tiny_config(tiny_cache, tmp_path / "straight", **common))
+    stopped = run_training(tiny_config(tiny_cache, tmp_path / "resumed", stop_at_step=3, **common))
+    assert stopped["step"] == 3
+    resumed = run_training(tiny_config(tiny_cache, tmp_path / "resumed", resume=True, **common))
+    assert resumed["step"] == straight["step"] == 6 and resumed["data_digest"] == straight["data_digest"]
+    _assert_same_state(_checkpoint_state(tmp_path / "straight", 6), _checkpoint_state(tmp_path / "resumed", 6))
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "resumed", kind="train")]
+    assert lrs == pytest.approx([1e-3 * m for m in (0.5, 1.0, 1.0, 1.0, 2 / 3, 1 / 3)])
+    assert lrs == [r["lr"] for r in read_metrics(tmp_path / "straight", kind="train")]
+    (segment,) = _checkpoint_state(tmp_path / "resumed", 6).trainer_state["schedule"]
+    assert (segment["schedule"], segment["warmup_steps"], segment["decay_steps"]) == ("wsd", 1, 3)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """Write ``docs/config-reference.md``: every setting of every stage, from its one declaration.
 
 Each stage's settings are the fields of its config dataclass; this reads them (name, type, default) with
-``dataclasses`` and their descriptions from the class source (attribute docstrings, ``#:`` comments or a
-``Fields:`` section of the class docstring), so the reference cannot drift from the code:
+``dataclasses`` and their descriptions from the field's ``metadata["help"]`` or the class source (attribute
+docstrings, ``#:`` comments or a ``Fields:`` section of the class docstring), so the reference cannot drift from the code:
 ``tests/test_cli_declarations.py`` regenerates it and compares. Run::
 
     python -m stages.config.reference > docs/config-reference.md
@@ -46,6 +46,9 @@ def field_descriptions(cls: type) -> dict[str, str]:
     for base in reversed(cls.__mro__[1:]):
         if dataclasses.is_dataclass(base):
             described.update(field_descriptions(base))
+    for f in dataclasses.fields(cls):  # ``field(metadata={"help": ...})``
+        if isinstance(f.metadata.get("help"), str):
+            described[f.name] = " ".join(f.metadata["help"].split())
     doc = inspect.getdoc(cls) or ""
     header = next((h for h in ("Fields:", "Attributes:") if h in doc), None)
     if header is not None:

@@ -75,8 +75,11 @@ def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: l
         differs = departs if departs is not None else (convention is not None and value != convention)
         return HyperparameterRow(name, str(value), shown, bool(differs))
 
-    schedule_text = (f"warmup {first.get('warmup_steps', '?')} steps ({config.optim.warmup_ratio:.0%}), cosine to "
-                     f"{config.optim.lr * config.optim.min_lr_ratio:.3g} at step {first.get('total_steps', '?')}")
+    shape = first.get("schedule", "cosine")
+    floor = f"{config.optim.lr * config.optim.min_lr_ratio:.3g} at step {first.get('total_steps', '?')}"
+    schedule_text = f"warmup {first.get('warmup_steps', '?')} steps ({config.optim.warmup_ratio:.0%}), " + (
+        f"cosine to {floor}" if shape == "cosine" else "constant" if shape == "constant" else
+        f"constant, then {config.optim.decay_shape} decay over the last {first.get('decay_steps', '?')} steps to {floor}")
     if len(schedule) > 1:
         schedule_text += f"; {len(schedule) - 1} extension(s) (resumed with more steps)"
     tokens_per_step = config.data.token_budget * config.grad_accum_steps * world
@@ -85,7 +88,7 @@ def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: l
     init = resolved.get("drafter_init") or {}
     return [
         row("lr (peak)", f"{config.optim.lr:.3g}", f"{_PAPER['lr']:.3g}"),
-        row("schedule", schedule_text, "4% warmup, cosine", departs=config.optim.warmup_ratio != _PAPER["warmup_ratio"]),
+        row("schedule", schedule_text, "4% warmup, cosine", departs=config.optim.warmup_ratio != _PAPER["warmup_ratio"] or shape != "cosine"),
         row("AdamW betas", tuple(config.optim.betas), tuple(DEFAULT_BETAS)),
         row("AdamW eps / weight decay", f"{config.optim.eps:g} / {config.optim.weight_decay:g}"),
         row("grad clip", f"{config.optim.grad_clip:g}", f"{_PAPER['grad_clip']:g}"),

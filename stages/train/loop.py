@@ -70,6 +70,7 @@ from dflash.training.optim import (
     build_scheduler,
     clip_grad_norm,
     extend_schedule,
+    restore_scheduler,
     schedule_segments,
 )
 from dflash.training.telemetry import (
@@ -446,7 +447,7 @@ class Trainer:
         self.drafter.load_state_dict(checkpoint.model_state)
         self.optimizer.load_state_dict(checkpoint.optimizer_state)
         try:
-            self.scheduler.load_state_dict(state["scheduler"])
+            restore_scheduler(self.scheduler, state["scheduler"])
             self.train_loader.load_state_dict(state["data"])
             self.buckets.load_state_dict(state["buckets"])
             self.counters.update(state["counters"])
@@ -480,9 +481,9 @@ class Trainer:
             if self.is_main:
                 log.info(
                     "lr schedule extended at step %d: total steps %d -> %d; the added steps re-warm linearly from "
-                    "lr %.3g to %.3g over %d steps, then cosine-decay to %.3g at step %d", self.step, planned,
+                    "lr %.3g to %.3g over %d steps, then follow the %s schedule to %.3g at step %d", self.step, planned,
                     self.total_steps, segment["start_lr"], segment["peak_lr"], segment["warmup_steps"],
-                    segment["end_lr"], self.total_steps,
+                    segment["schedule"], segment["end_lr"], self.total_steps,
                 )
         elif self.total_steps < planned and self.step < self.total_steps and self.is_main:
             log.warning(
