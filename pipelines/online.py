@@ -138,6 +138,12 @@ class OnlineConfig:
                               f"{self.on_producer_death!r}")
         if self.train.data.shard_window is not None:
             raise ConfigError("data.shard_window: the online mode plans globally (no cache shards); leave it unset")
+        if self.train.drafter.distill != "none":
+            raise ConfigError(
+                f"drafter.distill: the online mode trains on the CE alone (its producers send no final tap), got "
+                f"{self.train.drafter.distill!r}; set train.drafter.distill = none here, or run extract --final-tap "
+                "then train"
+            )
 
     def producer_dict(self) -> dict[str, Any]:
         """The producer fields (saved in run.json under ``resolved.data_source``, read back by ``--resume``)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -17,6 +18,7 @@ from dflash.drafter import (
     position_weights,
     sample_anchors,
 )
+from dflash.errors import MismatchError
 
 
 def test_default_gamma_and_position_weights():
@@ -165,3 +167,77 @@ def test_bf16_autocast_matches_float32():
     torch.testing.assert_close(mixed.loss().detach(), reference.loss().detach(), rtol=2e-2, atol=2e-2)
     cosine = F.cosine_similarity(drafter.fc.weight.grad.flatten(), reference_grad.flatten(), dim=0)
     assert cosine > 0.99
+
+
+def _plain_distill(hidden, weight, teacher, row_weights, kind):
+    """Full-logits reference: forward KL(p || q) or TV(p, q), ``p`` the teacher's softmax, ``q`` the drafter's."""
+    log_q = torch.log_softmax(hidden @ weight.T, dim=-1)
+    log_p = torch.log_softmax(teacher @ weight.T, dim=-1)
+    if kind == "kl":
+        per_row = (log_p.exp() * (log_p - log_q)).sum(-1)
+    else:
+        per_row = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    return (per_row * row_weights).sum()
+
+
+@pytest.mark.parametrize("kind", ["kl", "tv"])
+@pytest.mark.parametrize("chunk_rows", [1, 7, None])
+def test_chunked_linear_distill_matches_plain(kind, chunk_rows):
+    from dflash.drafter.loss import chunked_linear_distill
+
+    torch.manual_seed(0)
+    hidden = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(300, 16, dtype=torch.float64)
+    teacher = torch.randn(40, 16, dtype=torch.float64)
+    row_weights = torch.rand(40, dtype=torch.float64) * (torch.rand(40) > 0.3)
+    total = chunked_linear_distill(hidden, weight, teacher, row_weights, kind=kind, chunk_rows=chunk_rows)
+    (3.0 * total).backward()
+    grad = hidden.grad.clone()
+    hidden.grad = None
+    reference = _plain_distill(hidden, weight, teacher, row_weights, kind)
+    (3.0 * reference).backward()
+    torch.testing.assert_close(total.double(), reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, hidden.grad, rtol=1e-5, atol=1e-8)
+    assert float(reference.detach()) > 0.1
+    # Against itself the term is 0, and so is its gradient.
+    same = chunked_linear_distill(teacher.clone().requires_grad_(), weight, teacher, row_weights, kind=kind)
+    assert float(same.detach()) == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["kl", "tv"])
+def test_dflash_loss_with_a_distill_term_matches_reference(kind):
+    """The batch carries the final tap after the taps; block position k of anchor a is compared with the target's
+    distribution at a+k-1, weighted like the CE; objective = ce_weight * CE + distill_weight * term."""
+    drafter = tiny_drafter(3).train()
+    taps = packed_batch([30, 22], width=64, vocab=97, seed=3, supervised_fraction=0.7)
+    final = torch.randn(taps.hidden.shape[0], 32, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    batch = dataclasses.replace(taps, hidden=torch.cat([taps.hidden, final], dim=1))
+    anchors = random_anchors(taps, 4, count=9, seed=3)
+    out = dflash_loss(drafter, batch, anchors, gamma=3.0, chunk_rows=5, distill=kind, distill_weight=0.7,
+                      ce_weight=0.2)
+    (out.objective_sum / out.weight_sum).backward()
+    grads = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    drafter.zero_grad()
+
+    ce_total, weight_sum = _reference_loss(drafter, taps, anchors, 3.0)
+    states = drafter.forward_train(taps, anchors)
+    rows, teachers, row_weights = [], [], []
+    for j, anchor in enumerate(anchors.tolist()):
+        for k in range(1, 4):
+            rows.append(states[j, k])
+            teachers.append(final[anchor + k - 1])
+            row_weights.append(math.exp(-(k - 1) / 3.0) * float(batch.loss_mask[anchor + k]))
+    term = _plain_distill(torch.stack(rows), drafter.lm_head_weight, torch.stack(teachers),
+                          torch.tensor(row_weights, dtype=torch.float64), kind)
+    ((0.2 * ce_total + 0.7 * term) / weight_sum).backward()
+    torch.testing.assert_close(out.weighted_ce_sum.double(), ce_total.double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.distill_sum.double(), term.double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.objective_sum.double(), (0.2 * ce_total + 0.7 * term).double(), rtol=1e-5,
+                               atol=1e-6)
+    for name, parameter in drafter.named_parameters():
+        torch.testing.assert_close(grads[name], parameter.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+    plain = dflash_loss(drafter, taps, anchors, gamma=3.0, chunk_rows=5)
+    assert float(plain.distill_sum) == 0.0 and plain.objective_sum is plain.weighted_ce_sum
+    with pytest.raises(MismatchError, match="extract --final-tap"):
+        dflash_loss(drafter, taps, anchors, gamma=3.0, distill=kind)

@@ -287,6 +287,37 @@ def test_stops_after_last_tapped_layer(target, samples, layer_ids):
     assert called == list(range(6)) and not norm_calls
 
 
+def test_final_tap_is_the_final_normed_hidden_state_after_the_taps(target, samples, layer_ids):
+    """``final_tap``: the whole decoder runs and its output after the final norm (transformers'
+    ``hidden_states[-1]``, what the LM head reads) is one more slot after the taps, padded or packed; a
+    non-finite one is named by the last layer's id."""
+    hidden_size = target.model.config.hidden_size
+    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=64, final_tap=True)
+    assert (runner.num_slots, runner.feature_size) == (len(layer_ids) + 1, (len(layer_ids) + 1) * hidden_size)
+    packed = TargetRunner(target.model, layer_ids, "cpu", token_budget=64, final_tap=True, packing=True)
+    for states in (runner.run(samples[:2]), packed.run(samples[:2])):
+        for input_ids, hidden in zip(samples[:2], states, strict=True):
+            with torch.inference_mode():
+                ids = torch.as_tensor(input_ids, dtype=torch.int64)[None]
+                final = target.model(ids, output_hidden_states=True).hidden_states[-1][0].to(torch.bfloat16)
+            _assert_bf16_close(hidden[:, : len(layer_ids) * hidden_size], _plain_forward(target.model, input_ids,
+                                                                                          layer_ids))
+            _assert_bf16_close(hidden[:, len(layer_ids) * hidden_size :], final)
+
+    def poison(module, args, output):
+        output = output.clone()
+        output[0, 1] = float("inf")
+        return output
+
+    handle = target.model.get_decoder().norm.register_forward_hook(poison)
+    try:
+        batch = next(TargetRunner(target.model, layer_ids, "cpu", token_budget=1, final_tap=True)
+                     .iter_batches(samples[:1]))
+    finally:
+        handle.remove()
+    assert batch.nonfinite_layers == [[target.model.config.num_hidden_layers - 1]]
+
+
 def test_plan_batches_respects_budget_and_covers_every_sample():
     lengths = np.array([5, 70, 12, 12, 3, 40, 200, 9])
     batches = plan_batches(lengths, token_budget=64)

@@ -161,6 +161,31 @@ def test_wsd_run_resumes_bit_exactly_across_a_checkpoint(tiny_cache, tmp_path):
     assert (segment["schedule"], segment["warmup_steps"], segment["decay_steps"]) == ("wsd", 1, 3)
 
 
+def test_distill_kl_trains_on_the_final_tap_and_logs_the_loss_parts(target, tmp_path):
+    """A cache with the final tap (real target states, fp8 storage); 3 steps with ``drafter.distill = "kl"``: the
+    metrics carry ``ce_loss`` and ``distill_loss`` beside ``loss`` = ce_weight * CE + distill_weight * KL, all
+    finite and positive, on the training and the validation split."""
+    cache = build_tiny_cache(tmp_path / "final.zarr", target, num_samples=12, final_tap=True,
+                             storage_dtype="float8_e4m3fn")
+    summary = run_training(tiny_config(cache, tmp_path / "run", max_steps=3, save_every=3, eval_every=3,
+                                       drafter={"distill": "kl", "distill_weight": 0.5, "ce_weight": 0.25}))
+    assert summary["step"] == 3
+    records = read_metrics(tmp_path / "run", kind="train")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert record["ce_loss"] > 0 and record["distill_loss"] > 0
+        assert record["loss"] == pytest.approx(0.25 * record["ce_loss"] + 0.5 * record["distill_loss"], rel=1e-6)
+    (validation,) = read_metrics(tmp_path / "run", kind="val")
+    assert validation["distill_loss"] > 0
+    assert validation["loss"] == pytest.approx(0.25 * validation["ce_loss"] + 0.5 * validation["distill_loss"])
+
+
+def test_distill_on_a_cache_without_the_final_tap_is_refused_before_training(tiny_cache, tmp_path):
+    with pytest.raises(ConfigError, match=r"has no final tap .*extract --final-tap.*drafter.distill = none"):
+        run_training(tiny_config(tiny_cache, tmp_path / "run", drafter={"distill": "tv"}))
+    assert not (tmp_path / "run" / "run.json").exists()
+
+
 @pytest.fixture(scope="module")
 def preempted_run(tiny_cache, tmp_path_factory):
     """A run of a 2-step schedule stopped after step 1 (as a preemption would), shared read-only."""

@@ -46,9 +46,12 @@ def build_tiny_cache(
     target_identity_override: dict[str, Any] | None = None,
     max_tokens: int = 96,
     chunk_tokens: int = 0,
+    final_tap: bool = False,
+    storage_dtype: str = "bfloat16",
 ) -> Path:
     """Write a real cache of ``num_samples`` stdlib snippets at ``path`` (see module docstring); ``chunk_tokens``
-    (0: the format's default, one chunk per shard here) makes shards of several same-shaped chunks."""
+    (0: the format's default, one chunk per shard here) makes shards of several same-shaped chunks; ``final_tap``
+    adds the target's final normed hidden state (the whole target then runs)."""
     from dflash.cache import CacheMetadata, HiddenSample, HiddenStateCache
     from dflash.target.runner import TargetRunner
     from dflash.target.taps import LAYER_ID_CONVENTION
@@ -57,7 +60,7 @@ def build_tiny_cache(
     tokenizer, model = target.tokenizer, target.model
     encoded = [tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens] for text in stdlib_snippets(num_samples)]
     # The real extract path: tapped states, the forward stopping after the last tapped layer.
-    hidden_states = TargetRunner(model, layer_ids, "cpu").run([torch.tensor(ids) for ids in encoded])
+    hidden_states = TargetRunner(model, layer_ids, "cpu", final_tap=final_tap).run([torch.tensor(ids) for ids in encoded])
     samples = []
     for row, ids in enumerate(encoded):
         loss_mask = torch.ones(len(ids), dtype=torch.uint8)
@@ -85,6 +88,8 @@ def build_tiny_cache(
         num_shards=num_shards,
         shard_rows=shard_rows,
         chunk_tokens=chunk_tokens,
+        final_tap=final_tap,
+        storage_dtype=storage_dtype,
     )
     cache = HiddenStateCache.create(path, metadata)
     for shard, (start, stop) in enumerate(shard_rows):

@@ -115,7 +115,7 @@ def measure_production(runner: Any, input_ids_list: Sequence[Any], storage_dtype
         batch.release()
     hidden = torch.cat(per_sample)  # type: ignore[arg-type]
     tokens = int(hidden.shape[0])
-    row_bytes = stored_row_bytes(storage_dtype, runner.num_taps, runner.hidden_size)
+    row_bytes = stored_row_bytes(storage_dtype, runner.num_slots, runner.hidden_size)
     return hidden, {"tokens": tokens, "seconds": seconds, "production_bytes_per_s": tokens * row_bytes / max(seconds, 1e-9)}
 
 
@@ -184,7 +184,7 @@ def calibrate_codecs(runner: Any, input_ids_list: Sequence[Any], *, storage_dtyp
         ValueError: ``input_ids_list`` is empty; ConfigError: an unknown candidate name.
     """
     hidden, production = measure_production(runner, input_ids_list, storage_dtype)
-    measured = {name: measure_encode(hidden, name, storage_dtype=storage_dtype, num_taps=runner.num_taps,
+    measured = {name: measure_encode(hidden, name, storage_dtype=storage_dtype, num_taps=runner.num_slots,
                                      chunk_tokens=chunk_tokens, threads=write_threads) for name in candidates}  # fmt: skip
     return {"device": str(runner.device), **production, "write_threads": int(write_threads), "candidates": measured}
 

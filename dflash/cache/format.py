@@ -179,7 +179,11 @@ class CacheMetadata:
         target_layer_ids: tapped decoder layers, strictly increasing.
         layer_id_convention: ``dflash.target.taps.LAYER_ID_CONVENTION`` (tap l = output of decoder layer l).
         hidden_size: H of the target.
-        num_taps: n = len(target_layer_ids); hidden rows are n*H wide, taps concatenated in id order.
+        num_taps: n = len(target_layer_ids); hidden rows hold n taps of H values, concatenated in id order.
+        final_tap: the rows hold one more slot after the n taps: the target's final normed hidden state
+            (transformers' ``hidden_states[-1]``, the input of its LM head), for training against the target's
+            own next-token distribution (``drafter.distill``). Rows are then (n+1)*H wide (:attr:`stored_taps`).
+            Recorded only when true: a cache without it reads as before.
         storage_dtype: ``"bfloat16"`` (bit-exact) or ``"float8_e4m3fn"`` (lossy, per-token per-tap scale).
         codec: codec dict (see :data:`CODEC_PRESETS`); crc32c is always appended.
         corpus_fingerprint: ``Corpus.fingerprint`` of the corpus the cache was extracted from.
@@ -206,8 +210,11 @@ class CacheMetadata:
     chunk_tokens: int = 0
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    final_tap: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.final_tap, bool):
+            raise ConfigError(f"final_tap: expected true or false, got {self.final_tap!r}")
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         self.shard_rows = [[int(a), int(b)] for a, b in self.shard_rows]
         if self.format_version != FORMAT_VERSION:
@@ -238,14 +245,19 @@ class CacheMetadata:
         self.codec = codec_config(self.codec)
 
     @property
+    def stored_taps(self) -> int:
+        """Slots of H values in a stored row: the n taps, plus the final normed hidden state with ``final_tap``."""
+        return self.num_taps + int(self.final_tap)
+
+    @property
     def row_width(self) -> int:
-        """n*H: width of one token's hidden row."""
-        return self.num_taps * self.hidden_size
+        """Width of one token's stored hidden row: ``stored_taps * H`` (n*H without the final tap)."""
+        return self.stored_taps * self.hidden_size
 
     @property
     def row_bytes(self) -> int:
         """Stored bytes of one token's hidden row before compression (scales included for fp8)."""
-        return stored_row_bytes(self.storage_dtype, self.num_taps, self.hidden_size)
+        return stored_row_bytes(self.storage_dtype, self.stored_taps, self.hidden_size)
 
     @property
     def lossy(self) -> bool:
@@ -253,6 +265,8 @@ class CacheMetadata:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        if not self.final_tap:
+            del data["final_tap"]  # recorded only when true: caches without it keep their metadata as it was
         data["format"] = FORMAT_NAME
         data["lossy"] = self.lossy
         return data

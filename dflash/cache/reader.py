@@ -40,7 +40,7 @@ from dflash.cache.writer import (
     document_keys_record,
     shard_arrays,
 )
-from dflash.errors import CacheCorruptError, CacheError
+from dflash.errors import CacheCorruptError, CacheError, ConfigError
 
 __all__ = ["CacheReader", "VERIFIED_SHARDS_KEPT"]
 
@@ -57,10 +57,19 @@ class CacheReader:
         shards: committed shard ids, sorted (snapshot taken at open; call :meth:`refresh` to re-list).
     """
 
-    def __init__(self, path_or_url: str | os.PathLike[str]) -> None:
+    def __init__(self, path_or_url: str | os.PathLike[str], *, final_tap: bool = False) -> None:
         self.url = os.fspath(path_or_url)
         self._store: CacheStore = _open_store(path_or_url, "r")
         self.metadata: CacheMetadata = _read_metadata(self._store)
+        if final_tap and not self.metadata.final_tap:
+            raise ConfigError(
+                f"{self.url}: the cache has no final tap (the target's final normed hidden state), which "
+                "drafter.distill needs; re-extract it with `extract --final-tap` (extract.final_tap = true), or "
+                "train with drafter.distill = none"
+            )
+        #: Samples come with the final tap as one more slot after the n taps (``[L, (n+1)*H]``); without it the
+        #: reader returns the n taps alone (``[L, n*H]``) whatever the cache stores.
+        self.final_tap = bool(final_tap)
         self._records: dict[int, dict[str, Any]] = {}
         self._index: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._arrays: dict[tuple[int, str], Any] = {}
@@ -334,7 +343,8 @@ class CacheReader:
         decodes each chunk once.
 
         Returns:
-            ``HiddenSample``s: input_ids ``int32 [L]``, loss_mask ``uint8 [L]``, hidden ``bfloat16 [L, n*H]``.
+            ``HiddenSample``s: input_ids ``int32 [L]``, loss_mask ``uint8 [L]``, hidden ``bfloat16 [L, n*H]``
+            (``[L, (n+1)*H]``, the final tap last, for a reader opened with ``final_tap=True``).
 
         Raises:
             CacheError: ``shard`` is not committed or an index is out of range.
@@ -361,9 +371,11 @@ class CacheReader:
             span = {name: self.verified_array(shard, name)[lo:hi] for name in names if name != "hidden"}
             span["hidden"] = self._decoded_rows(shard, "hidden", lo, hi)
             if self.metadata.lossy:
-                hidden = dequantize_fp8(span["hidden"], span["hidden_scale"], self.metadata.num_taps)
+                hidden = dequantize_fp8(span["hidden"], span["hidden_scale"], self.metadata.stored_taps)
             else:
                 hidden = torch.from_numpy(np.ascontiguousarray(span["hidden"])).view(torch.bfloat16)
+            if self.metadata.final_tap and not self.final_tap:  # the n taps alone
+                hidden = hidden[:, : self.metadata.num_taps * self.metadata.hidden_size].contiguous()
             input_ids = torch.from_numpy(np.ascontiguousarray(span["input_ids"]))
             loss_mask = torch.from_numpy(np.ascontiguousarray(span["loss_mask"]))
             for index in range(first, last):

@@ -137,7 +137,7 @@ def shard_arrays(metadata: CacheMetadata) -> dict[str, tuple[str, int]]:
         arrays["hidden"] = ("uint16", metadata.row_width)
     else:
         arrays["hidden"] = ("uint8", metadata.row_width)
-        arrays["hidden_scale"] = ("float32", metadata.num_taps)
+        arrays["hidden_scale"] = ("float32", metadata.stored_taps)
     return arrays
 
 
@@ -374,7 +374,7 @@ class HiddenStateCache:
         layout = shard_arrays(meta)
         hidden_dtype = np.dtype(layout["hidden"][0])
         if fp8:
-            data["hidden_scale"] = np.zeros((num_tokens, meta.num_taps), dtype=np.float32)  # filled chunk by chunk
+            data["hidden_scale"] = np.zeros((num_tokens, meta.stored_taps), dtype=np.float32)  # filled chunk by chunk
         segment_bytes = DIGEST_SEGMENT_BYTES
         raw_bytes = int(sum(values.nbytes for values in data.values())) + num_tokens * meta.row_width * hidden_dtype.itemsize
 
@@ -403,7 +403,7 @@ class HiddenStateCache:
             encode = chunk_encoder(hidden) if num_tokens and _direct_chunks() else None
             chunk_starts = range(0, num_tokens, hidden.chunks[0])
             jobs = [pool.submit(_write_hidden_chunk, hidden, encode, parts, offsets, start,
-                                min(num_tokens, start + hidden.chunks[0]), fp8, meta.num_taps,
+                                min(num_tokens, start + hidden.chunks[0]), fp8, meta.stored_taps,
                                 data.get("hidden_scale")) for start in chunk_starts]  # fmt: skip
             submitted += jobs
             small = [name for name in layout if name != "hidden"]
@@ -540,7 +540,8 @@ def _has_content(path: str) -> bool:
 
 
 def _check_resumable(path: str, existing: CacheMetadata, wanted: CacheMetadata) -> None:
-    for name in ("target", "target_layer_ids", "storage_dtype", "codec", "corpus_fingerprint", "shard_rows", "chunk_tokens"):
+    for name in ("target", "target_layer_ids", "final_tap", "storage_dtype", "codec", "corpus_fingerprint",
+                 "shard_rows", "chunk_tokens"):
         have, want = getattr(existing, name), getattr(wanted, name)
         if have != want:
             if name == "codec":  # named as the --codec presets are
@@ -647,7 +648,7 @@ def _hidden_parts(samples: list[HiddenSample], width: int, shard_id: int) -> lis
         if shape != (len(sample), width) or shape[0] != sample.loss_mask.shape[0]:
             raise CacheError(
                 f"shard {shard_id}, corpus row {sample.corpus_row}: hidden has shape {shape}, expected "
-                f"({len(sample)}, {width}) = (tokens, num_taps * hidden_size), with loss_mask of the same length"
+                f"({len(sample)}, {width}) = (tokens, stored taps * hidden_size), with loss_mask of the same length"
             )
         hidden = sample.hidden.detach()
         if hidden.device.type != "cpu" or hidden.dtype != torch.bfloat16:

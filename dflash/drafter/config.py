@@ -207,6 +207,10 @@ class DFlashConfig:
         )
 
 
+#: ``DrafterTrainingConfig.distill`` choices (``dflash.drafter.loss.distill_loss``).
+DISTILL_KINDS = ("none", "kl", "tv")
+
+
 @dataclass(kw_only=True, slots=True)
 class DrafterTrainingConfig:
     """The drafter and objective a training run chooses (``train.drafter``; ``[train.drafter]`` in a config file,
@@ -234,8 +238,26 @@ class DrafterTrainingConfig:
     init_target_layers: list[int] | None = None
     """With ``init = "target"``: the 0-based target decoder layer copied into each draft layer (one per draft
     layer, repeats allowed); default the target's last ``num_draft_layers`` layers."""
+    distill: Literal["none", "kl", "tv"] = field(default="none", metadata={"help": (
+        "A loss term against the target's own next-token distribution, weighted like the CE by block position: "
+        "none, kl (forward KL(p_target || q_drafter)) or tv (total variation); needs a cache extracted with "
+        "final_tap.")})
+    distill_weight: float = field(default=1.0, metadata={"help": (
+        "Weight of the distill term in the loss (ignored with distill = none).")})
+    ce_weight: float = field(default=1.0, metadata={"help": (
+        "Weight of the cross-entropy on the target's tokens in the loss; 0 with a distill term trains on it alone.")})
 
     def __post_init__(self) -> None:
+        if self.distill not in DISTILL_KINDS:
+            raise ConfigError(f"distill must be one of {'|'.join(DISTILL_KINDS)}, got {self.distill!r}")
+        for name in ("distill_weight", "ce_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.ce_weight == 0 and (self.distill == "none" or self.distill_weight == 0):
+            raise ConfigError("ce_weight is 0 and there is no distill term: the loss would be 0; set ce_weight > 0, "
+                              "or drafter.distill = kl|tv with distill_weight > 0")
         for name in ("num_draft_layers", "max_anchors_per_document"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -17,10 +17,21 @@ falls back to the next (Triton -> compiled -> eager) with a warning if it fails 
 forces one, for benchmarking: ``triton`` (an error if Triton cannot run), ``inductor`` (the compiled chunk), ``eager``
 (:func:`_ce_chunk_inplace`), or ``auto`` (unset: the choice above). ``fused=False`` always runs the eager chunk. Read
 at every chunk, so it can be changed between steps.
+
+Distillation term (``distill="kl"`` or ``"tv"``, :func:`chunked_linear_distill`): against the target's own
+next-token distribution ``p = softmax(lm_head(f))``, ``f`` the target's final normed hidden state at the position
+before the label (the target's prediction of the token the drafter predicts there; the cache's final tap), with
+the drafter's ``q = softmax(lm_head(h))``: forward ``KL(p || q) = sum p (log p - log q)`` or total variation
+``TV = 1/2 sum |p - q|``, weighted per row like the CE (position decay times the label's loss mask). Eager
+PyTorch, the softmax math in at least float32, in row chunks of at most :data:`DISTILL_CHUNK_ELEMENTS` logits, the gradient w.r.t. the
+drafter's hidden states computed in the forward as for the CE (``q - p`` for KL; ``q * (s - sum q s) / 2`` with
+``s = sign(q - p)`` for TV). The objective is ``ce_weight * CE + distill_weight * term``, both sums over the same
+row weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -32,14 +43,16 @@ import torch
 
 from dflash.drafter.ce_triton import ce_chunk_triton, triton_available
 from dflash.drafter.config import default_gamma
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, MismatchError
 
 if TYPE_CHECKING:
     from dflash.batches.packed import PackedBatch
     from dflash.drafter.model import DFlashDrafter
 
 __all__ = [
+    "DISTILL_CHUNK_ELEMENTS",
     "LossOutput",
+    "chunked_linear_distill",
     "default_gamma",
     "position_weights",
     "dflash_loss",
@@ -56,6 +69,9 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 28
 #: gradient. Few, large, equal chunks: the grad-hidden GEMM ``[C, V] @ [V, H]`` has only C/128 x H/128 output tiles,
 #: so small chunks leave the GPU's last wave mostly idle (C=1766 rows: 448 tiles = 3.4 waves of 132 SMs).
 DEFAULT_CUDA_CHUNK_ELEMENTS = (1 << 31) - (1 << 20)
+#: Logits per chunk of the distillation term (both devices): 2**27 elements, 512 MiB per float32 buffer; a chunk
+#: holds about six such buffers (the drafter's and the target's logits, their log-softmax, the gradient).
+DISTILL_CHUNK_ELEMENTS = 1 << 27
 
 
 def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
@@ -75,12 +91,24 @@ class LossOutput:
         weight_sum: scalar float32, ``sum w_k * loss_mask`` (the normalizer; all-reduce it before dividing).
         correct_per_position: ``[B-1]`` int64, argmax hits at block positions 1..B-1 over supervised targets.
         count_per_position: ``[B-1]`` int64, supervised targets at each position.
+        distill_sum: scalar float32 with grad, ``sum w_k * loss_mask * term`` of the distillation term; 0 (no
+            grad) without one.
+        objective_sum: what the backward runs on: ``ce_weight * weighted_ce_sum + distill_weight * distill_sum``
+            (``weighted_ce_sum`` itself with the defaults).
     """
 
     weighted_ce_sum: torch.Tensor
     weight_sum: torch.Tensor
     correct_per_position: torch.Tensor
     count_per_position: torch.Tensor
+    distill_sum: torch.Tensor | None = None
+    objective_sum: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.distill_sum is None:
+            self.distill_sum = torch.zeros((), dtype=torch.float32, device=self.weighted_ce_sum.device)
+        if self.objective_sum is None:
+            self.objective_sum = self.weighted_ce_sum
 
     def loss(self, global_weight_sum: torch.Tensor | float | None = None) -> torch.Tensor:
         """``weighted_ce_sum / global_weight_sum`` (default: this batch's weight sum); 0 when nothing is supervised."""
@@ -312,6 +340,98 @@ def chunked_linear_cross_entropy(
                                                 compute_dtype, bool(fused))
 
 
+class _ChunkedLinearDistill(torch.autograd.Function):
+    """sum_i row_weight_i * D(p_i, q_i), ``q_i = softmax(hidden_i @ weight.T)``, ``p_i = softmax(teacher_i @
+    weight.T)`` (a constant), D = forward KL or total variation; the gradient w.r.t. ``hidden`` is computed in the
+    forward, chunk by chunk (module docstring). The LM head must be frozen (no gradient for it)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher, row_weights, chunk_rows, compute_dtype, kind):
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.detach().to(compute_dtype)
+            h = hidden.detach().to(compute_dtype)
+            f = teacher.detach().to(compute_dtype)
+            softmax_dtype = torch.promote_types(compute_dtype, torch.float32)  # at least float32
+            weights = row_weights.detach().to(softmax_dtype)
+            total = torch.zeros((), dtype=softmax_dtype, device=h.device)
+            grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
+            for start in range(0, h.shape[0], chunk_rows):
+                stop = min(start + chunk_rows, h.shape[0])
+                log_q = torch.log_softmax((h[start:stop] @ w.T).to(softmax_dtype), dim=-1)  # [C, V] drafter
+                log_p = torch.log_softmax((f[start:stop] @ w.T).to(softmax_dtype), dim=-1)  # [C, V] target
+                q = log_q.exp()
+                p = log_p.exp()
+                rows_w = weights[start:stop]
+                if kind == "kl":
+                    per_row = (p * (log_p - log_q)).sum(-1)
+                    del log_p, log_q
+                    grad = q.sub_(p) if grad_hidden is not None else None
+                else:  # tv
+                    del log_p, log_q
+                    sign = torch.sign(q - p)
+                    per_row = 0.5 * (q - p).abs().sum(-1)
+                    grad = (0.5 * q * (sign - (sign * q).sum(-1, keepdim=True))) if grad_hidden is not None else None
+                    del sign
+                total += (per_row * rows_w).sum()
+                del p
+                if grad is not None:
+                    grad.mul_(rows_w[:, None])
+                    grad_hidden[start:stop] = (grad.to(compute_dtype) @ w).to(hidden.dtype)
+                del grad, q
+        ctx.save_for_backward(grad_hidden)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        (grad_hidden,) = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+        return grad_hidden, None, None, None, None, None, None
+
+
+def chunked_linear_distill(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher: torch.Tensor,
+    row_weights: torch.Tensor,
+    *,
+    kind: str,
+    chunk_rows: int | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Weighted distillation term of the drafter's ``hidden @ weight.T`` against the target's ``teacher @
+    weight.T`` without materializing all logits (module docstring).
+
+    Args:
+        hidden: ``[N, H]`` the drafter's final states (with grad). weight: ``[V, H]`` the frozen LM head.
+        teacher: ``[N, H]`` the target's final normed hidden states whose logits give ``p`` (no grad).
+        row_weights: ``[N]`` float. kind: ``"kl"`` (forward KL(p || q)) or ``"tv"`` (total variation).
+        chunk_rows: rows per chunk (default: at most ``DISTILL_CHUNK_ELEMENTS // V``, equal chunks).
+        compute_dtype: matmul dtype (default: the autocast dtype when autocast is on, else ``hidden.dtype``);
+            the softmax math is float32.
+
+    Returns:
+        ``sum row_weight * D`` scalar float32 with grad w.r.t. ``hidden``.
+
+    Raises:
+        ConfigError: an unknown ``kind``, or an LM head that requires grad.
+    """
+    if kind not in ("kl", "tv"):
+        raise ConfigError(f"distill must be kl or tv here, got {kind!r}")
+    if weight.requires_grad:
+        raise ConfigError("the distillation term needs a frozen LM head (the target's); it has requires_grad set")
+    if chunk_rows is None:
+        max_rows = max(1, DISTILL_CHUNK_ELEMENTS // weight.shape[0])
+        num_chunks = max(1, -(-hidden.shape[0] // max_rows))
+        chunk_rows = max(1, -(-hidden.shape[0] // num_chunks))
+    if compute_dtype is None:
+        device_type = hidden.device.type
+        compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                         else hidden.dtype)
+    with torch.profiler.record_function("dflash:lm_head_distill"):
+        return _ChunkedLinearDistill.apply(hidden, weight, teacher, row_weights, int(chunk_rows), compute_dtype, kind)
+
+
 def dflash_loss(
     drafter: DFlashDrafter,
     batch: PackedBatch,
@@ -321,8 +441,11 @@ def dflash_loss(
     chunk_rows: int | None = None,
     mask: object = None,
     fused: bool | None = None,
+    distill: str = "none",
+    distill_weight: float = 1.0,
+    ce_weight: float = 1.0,
 ) -> LossOutput:
-    """Forward + weighted CE for every block of a packed batch.
+    """Forward + weighted CE (and, with ``distill``, the distillation term) for every block of a packed batch.
 
     Args:
         drafter: the drafter with the target attached.
@@ -332,10 +455,27 @@ def dflash_loss(
         chunk_rows: LM-head chunk rows (see :func:`chunked_linear_cross_entropy`).
         mask: optional precomputed attention mask (:meth:`DFlashDrafter.build_mask`).
         fused: compiled per-chunk CE (see :func:`chunked_linear_cross_entropy`; default on CUDA).
+        distill: ``"none"``, ``"kl"`` or ``"tv"`` (module docstring). With a term, ``batch.hidden`` holds the
+            final tap after the taps (``[T, (n+1)*H]``, a cache read with ``final_tap=True``).
+        distill_weight, ce_weight: the objective's weights (``LossOutput.objective_sum``).
 
     Returns:
         :class:`LossOutput` (sums; divide by the all-reduced ``weight_sum``).
+
+    Raises:
+        MismatchError: ``distill`` is set but ``batch.hidden`` has no final tap after the drafter's taps.
     """
+    teacher_states = None
+    if distill != "none":
+        taps_width = drafter.fc.in_features
+        if batch.hidden.shape[-1] != taps_width + drafter.config.hidden_size:
+            raise MismatchError(
+                f"distill={distill} needs the target's final tap after the {taps_width} tap values of each token "
+                f"(width {taps_width + drafter.config.hidden_size}), the batch has width {batch.hidden.shape[-1]}; "
+                "read the cache with its final tap (extract --final-tap)"
+            )
+        teacher_states = batch.hidden[:, taps_width:]
+        batch = dataclasses.replace(batch, hidden=batch.hidden[:, :taps_width])
     block_size = drafter.config.block_size
     gamma = default_gamma(block_size) if gamma is None else float(gamma)
     weights_k = position_weights(block_size, gamma, device=anchors.device)  # [B-1]
@@ -361,9 +501,21 @@ def dflash_loss(
         fused=fused,
     )
     correct = correct.view(num_anchors, block_size - 1) & supervised
+    objective = ce_sum if ce_weight == 1.0 else ce_sum * ce_weight
+    distill_sum = None
+    if teacher_states is not None:
+        # The target's prediction of x_{a+k} is its output at a+k-1 (>= the anchor, inside the batch).
+        teacher = teacher_states[target_index - 1].reshape(num_anchors * (block_size - 1), -1)
+        distill_sum = chunked_linear_distill(
+            hidden.reshape(num_anchors * (block_size - 1), -1), drafter.lm_head_weight, teacher,
+            row_weights.reshape(-1), kind=distill,
+        )
+        objective = objective + distill_sum * distill_weight
     return LossOutput(
         weighted_ce_sum=ce_sum,
         weight_sum=row_weights.sum(),
         correct_per_position=correct.sum(0),
         count_per_position=supervised.sum(0),
+        distill_sum=distill_sum,
+        objective_sum=objective,
     )

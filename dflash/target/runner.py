@@ -4,6 +4,10 @@ Tap convention (docs/dflash.md, :data:`dflash.target.taps.LAYER_ID_CONVENTION`):
 layer ``l`` (0-based), i.e. transformers' ``hidden_states[l + 1]``; the same offset vLLM ``qwen3_dflash.py`` and
 SGLang ``models/dflash.py`` add when they read ``target_layer_ids``.
 
+With ``final_tap`` the forward runs the whole decoder instead, and its output after the final norm (transformers'
+``hidden_states[-1]``, the input of the LM head; the LM head itself never runs) becomes one more slot after the
+taps: rows are ``(n+1)*H`` wide (``dflash.cache.CacheMetadata.final_tap``).
+
 How the truncation works, without relying on transformers internals that move between releases (5.17 on the
 GPU host, 5.24 here): forward hooks on the tapped decoder layers record their outputs, and the hook of the last
 tapped layer raises a private exception that ends the forward. Layers after it, the final norm and the LM head
@@ -359,7 +363,8 @@ class RunnerBatch:
     Fields:
         indices: positions of the batch's samples in the input list.
         hidden: per sample, ``Tensor[L, n*H]`` bfloat16 on CPU (taps concatenated in ``target_layer_ids`` order).
-        nonfinite_layers: per sample, the tapped layer ids whose output holds a NaN or +-inf (empty if none).
+        nonfinite_layers: per sample, the tapped layer ids whose output holds a NaN or +-inf (empty if none); the
+            final tap is named by the last layer's id.
         num_tokens: real (unpadded) tokens in the batch.
         num_padded_tokens: ``rows x padded length``.
     """
@@ -435,6 +440,7 @@ class TargetRunner:
         shared_host_buffers: allocate the reusable host buffers in POSIX shared memory (pinned on CUDA), so that
             write processes read the hidden states without a copy (:mod:`dflash.batches.shm`, read by :mod:`dflash.cache.process_writer`); call
             :meth:`close` to free them.
+        final_tap: also collect the final normed hidden state, as one more slot after the taps (module docstring).
         varlen_solo_min_length: packed ``varlen`` rows of a grouped-query target on a varlen kernel without native
             GQA (torch 2.10-2.11): samples of at least this many tokens run alone through SDPA's causal attention
             (``enable_gqa``), the rest through the varlen kernel (:data:`VARLEN_SOLO_MIN_LENGTH`); ``None``: every sample
@@ -462,6 +468,7 @@ class TargetRunner:
         packing: bool = False,
         packed_attention: str = PACKED_ATTENTION[0],
         varlen_solo_min_length: int | None = VARLEN_SOLO_MIN_LENGTH,
+        final_tap: bool = False,
     ) -> None:
         if token_budget < 1:
             raise ConfigError(f"token_budget must be >= 1, got {token_budget}")
@@ -481,6 +488,7 @@ class TargetRunner:
         self.num_target_layers = int(config.num_hidden_layers)
         self.hidden_size = int(config.hidden_size)
         self.target_layer_ids = validate_target_layer_ids(list(target_layer_ids), self.num_target_layers)
+        self.final_tap = bool(final_tap)
         self.token_budget = int(token_budget)
         self.pad_token_id = int(pad_token_id)
         self.packing = bool(packing)
@@ -543,9 +551,19 @@ class TargetRunner:
         return len(self.target_layer_ids)
 
     @property
+    def num_slots(self) -> int:
+        """Slots of H values per token: the taps, plus the final normed hidden state with ``final_tap``."""
+        return self.num_taps + int(self.final_tap)
+
+    @property
+    def slot_layer_ids(self) -> list[int]:
+        """The layer id naming each slot (the final tap: the last layer's)."""
+        return self.target_layer_ids + ([self.num_target_layers - 1] if self.final_tap else [])
+
+    @property
     def feature_size(self) -> int:
-        """``n * H``: width of one token's concatenated taps."""
-        return self.num_taps * self.hidden_size
+        """``num_slots * H``: width of one token's concatenated taps (and final tap)."""
+        return self.num_slots * self.hidden_size
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                 position_ids: torch.Tensor | None = None,
@@ -563,11 +581,12 @@ class TargetRunner:
                 device, ``max_length_q``/``max_length_k`` ints).
 
         Returns:
-            ``Tensor[b, P, n*H]`` bfloat16 on the device; padding positions hold unspecified values.
+            ``Tensor[b, P, n*H]`` bfloat16 on the device (``[b, P, (n+1)*H]`` with ``final_tap``, the final normed
+            hidden state last); padding positions hold unspecified values.
         """
         del attention_mask  # right padding + causal attention: no mask needed, SDPA takes its is_causal kernel
         captured: list[torch.Tensor | None] = [None] * self.num_taps
-        last_slot = self.num_taps - 1
+        last_slot = -1 if self.final_tap else self.num_taps - 1  # with the final tap the whole decoder runs
 
         def make_hook(slot: int):
             def hook(module, args, output):
@@ -590,8 +609,10 @@ class TargetRunner:
                 self.model.set_attn_implementation(self._packed_implementation)
         try:
             with torch.inference_mode():
-                self._decoder(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False,
-                              **(attention_kwargs or {}))  # fmt: skip
+                output = self._decoder(input_ids=input_ids, attention_mask=None, position_ids=position_ids,
+                                       use_cache=False, **(attention_kwargs or {}))  # fmt: skip
+            if self.final_tap:  # the decoder's output: after the final norm, what its LM head reads
+                captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
         except _StopForward:
             pass
         finally:
@@ -637,8 +658,8 @@ class TargetRunner:
             owner = owner.to(self.device, non_blocking=True)
             hidden = self.forward(tokens, position_ids=positions, attention_kwargs=attention_kwargs)  # [1, T, n*H]
             with torch.inference_mode():  # [T, n] -> per sample [D, n]
-                bad = ~torch.isfinite(hidden[0, :real_tokens].view(real_tokens, self.num_taps, self.hidden_size)).all(-1)
-                nonfinite = torch.zeros(len(lengths), self.num_taps, dtype=torch.int32, device=self.device)
+                bad = ~torch.isfinite(hidden[0, :real_tokens].view(real_tokens, self.num_slots, self.hidden_size)).all(-1)
+                nonfinite = torch.zeros(len(lengths), self.num_slots, dtype=torch.int32, device=self.device)
                 nonfinite = nonfinite.index_add_(0, owner, bad.to(torch.int32)) > 0
         else:
             padded_length = max(lengths)
@@ -654,7 +675,7 @@ class TargetRunner:
             hidden = self.forward(tokens)  # [b, P, n*H]
             with torch.inference_mode():
                 # Non-finite check on the stored (bf16) values, real tokens only: [b, P, n] -> [b, n].
-                finite = torch.isfinite(hidden.view(rows, padded_length, self.num_taps, self.hidden_size)).all(-1)
+                finite = torch.isfinite(hidden.view(rows, padded_length, self.num_slots, self.hidden_size)).all(-1)
                 nonfinite = (~finite & real[:, :, None]).any(1)
         if not on_cuda and not self.shared_host_buffers:
             return _InFlight(list(map(int, indices)), lengths, hidden, nonfinite, padded=rows * padded_length,
@@ -692,7 +713,7 @@ class TargetRunner:
             else [flight.host[0, start : start + length] for start, length in zip(flight.offsets, flight.lengths,
                                                                                   strict=True)],  # fmt: skip
             nonfinite_layers=[
-                [layer_id for layer_id, bad in zip(self.target_layer_ids, row_flags, strict=True) if bad]
+                [layer_id for layer_id, bad in zip(self.slot_layer_ids, row_flags, strict=True) if bad]
                 for row_flags in flags
             ],
             num_tokens=sum(flight.lengths),

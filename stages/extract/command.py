@@ -149,6 +149,9 @@ class ExtractConfig:
     write_threads: int | None = None
     writes_in_flight: int = 3
     write_processes: int | None = None
+    final_tap: bool = field(default=False, metadata={"help": (
+        "Also store the target's final normed hidden state (the input of its LM head) as one more slot per token, "
+        "which train's drafter.distill needs; the cache grows by one tap's share.")})
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -321,6 +324,7 @@ def plan_cache(config: ExtractConfig, console: Console) -> CachePlan:
         corpus_path=str(config.corpus),
         num_shards=len(shard_rows),
         shard_rows=shard_rows,
+        final_tap=config.final_tap,
         extra={"extract_config": {**asdict(config), "extra": None}, "corpus_report": report.to_dict(), **config.extra},
     )
     console.print(
@@ -334,7 +338,7 @@ def plan_cache(config: ExtractConfig, console: Console) -> CachePlan:
     estimate = estimate_cache_bytes(pending_tokens, metadata.row_bytes, config.expected_ratio)
     free = _free_bytes(config.output)
     console.print(
-        f"size estimate: {pending_tokens:,} tokens x {metadata.num_taps} taps x {metadata.hidden_size} x "
+        f"size estimate: {pending_tokens:,} tokens x {metadata.stored_taps} taps x {metadata.hidden_size} x "
         f"{metadata.row_bytes // metadata.row_width} B / ratio {config.expected_ratio:g} = {_human(estimate)}"
         + (f"; free at destination: {_human(free)}" if free is not None else "; free space unknown (remote store)")
     )
@@ -498,6 +502,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
             write_processes=config.write_processes,
             packing=config.packing,
             packed_attention=config.packed_attention,
+            final_tap=config.final_tap,
         )
         loading = time.perf_counter()
         client.register_plugin(plugin)  # runs setup on every worker; re-raises a worker's loading error here
@@ -722,6 +727,7 @@ def register(app: typer.Typer) -> None:
         break_lock: bool = typer.Option(False, "--break-lock", help="Take over the cache's lock left by a run on another host that is known dead (docs/cache-format.md)."),
         write_threads: int | None = typer.Option(None, "--write-threads", help="Chunk-write threads per worker: gather, compress, checksum, store (default: CPU cores per worker - 1, at most 32)."),
         writes_in_flight: int = typer.Option(3, "--writes-in-flight", help="Shard writes per worker overlapping its compute (each holds one shard in host memory)."),
+        final_tap: bool = typer.Option(False, "--final-tap/--no-final-tap", help="Also store the target's final normed hidden state (the input of its LM head), one more tap per token, for train's drafter.distill."),
         write_processes: int | None = typer.Option(None, "--write-processes", help="Write shards in N processes per worker that read the hidden states from shared memory (/dev/shm; if it is too small, threads are used with a warning); 0: in threads of the worker (default: 2 on GPU workers, 0 on CPU workers)."),
         config_file: str | None = CONFIG_OPTION,
         preset: str | None = PRESET_OPTION,
@@ -749,6 +755,7 @@ def register(app: typer.Typer) -> None:
                 expected_ratio=expected_ratio, force_space=force_space, dashboard_address=dashboard_address,
                 tls_ca_file=tls_ca_file, tls_cert=tls_cert, tls_key=tls_key, break_lock=break_lock,
                 write_threads=write_threads, writes_in_flight=writes_in_flight, write_processes=write_processes,
+                final_tap=final_tap,
             )  # fmt: skip
             config = resolve_stage_config(ExtractConfig, "extract", *split_given(ctx, values), config_file=config_file,
                                           preset=preset, overrides=overrides, required=("corpus", "output"))  # fmt: skip

@@ -410,6 +410,7 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
             :class:`ShardExtractor`).
         packing: packed forward batches instead of right-padded ones (:class:`dflash.target.runner.TargetRunner`).
         packed_attention: the attention kernel of packed batches (``TargetRunner``'s ``packed_attention``).
+        final_tap: also collect the final normed hidden state (``TargetRunner``'s ``final_tap``).
     """
 
     name = PLUGIN_NAME
@@ -430,6 +431,7 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
         write_processes: int | None = None,
         packing: bool = False,
         packed_attention: str = "auto",
+        final_tap: bool = False,
     ) -> None:
         super().__init__(target_spec=target_spec, gpu_by_worker=gpu_by_worker, device=device,
                          torch_threads=torch_threads, die_with_parent=die_with_parent)
@@ -437,6 +439,7 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
         self.token_budget = token_budget
         self.packing = packing
         self.packed_attention = packed_attention
+        self.final_tap = final_tap
         self.write_threads = write_threads
         self.writes_in_flight = writes_in_flight
         self.write_processes = write_processes
@@ -447,7 +450,7 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
         runner = TargetRunner(
             loaded.model, self.target_layer_ids, device, token_budget=self.token_budget, pad_token_id=pad_token_id,
             packing=self.packing,
-            packed_attention=self.packed_attention,
+            packed_attention=self.packed_attention, final_tap=self.final_tap,
         )
         write_threads = self.write_threads or default_write_threads(self.torch_threads)
         self.extractor = ShardExtractor(runner, writes_in_flight=self.writes_in_flight, write_threads=write_threads,

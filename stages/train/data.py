@@ -86,11 +86,13 @@ def open_cache_data(config: TrainConfig, *, rank: int = 0, world_size: int = 1,
 
     Raises:
         CacheError: the cache is missing, incomplete (without ``allow_incomplete``) or corrupt.
-        ConfigError: the training split is empty or a sample is longer than the token budget.
+        ConfigError: the training split is empty or a sample is longer than the token budget; ``drafter.distill``
+            on a cache without the final tap.
     """
     from dflash.cache import CacheReader
 
-    reader = CacheReader(config.cache)
+    # A distillation term reads the cache's final tap (refused here, before anything loads, when it has none).
+    reader = CacheReader(config.cache, final_tap=config.drafter.distill != "none")
     integrity = check_cache(reader, allow_incomplete=config.allow_incomplete)
     if rank == 0 and integrity["uncommitted_shards"]:
         log.warning(

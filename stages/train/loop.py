@@ -5,7 +5,8 @@ save -> evaluate -> log. Details live in :meth:`Trainer.train_step` and in the c
 ``dflash.drafter``, ``dflash.training.optim``, ``dflash.training.checkpoint``, ``dflash.training.telemetry``).
 
 Loss normalization (docs/dflash.md; the per-rank normalization bug it warns about): every micro-batch's backward runs on
-the UNnormalized ``weighted_ce_sum``; after the last micro-batch, the weight sums of all micro-batches of all
+the UNnormalized objective sum (``weighted_ce_sum``, or ``ce_weight * CE + distill_weight * distill`` with a
+distillation term, ``drafter.distill``); after the last micro-batch, the weight sums of all micro-batches of all
 ranks are all-reduced and the gradients multiplied by ``world_size / global_weight_sum`` (``world_size`` undoes
 DDP's gradient averaging). The update is the gradient of ``sum_ranks sum_micro ce / global weight sum``, the same
 for one process with gradient accumulation over the same global batch as for DDP.
@@ -117,19 +118,22 @@ def check_run_folder(run_dir: Path, *, resume: bool) -> None:
 
 
 class _LossModule(nn.Module):
-    """``forward(batch, anchors) -> (weighted_ce_sum, weight_sum, correct[B-1], count[B-1])`` so DDP wraps it."""
+    """``forward(batch, anchors) -> (objective_sum, weight_sum, correct[B-1], count[B-1], weighted_ce_sum,
+    distill_sum)`` so DDP wraps it."""
 
-    def __init__(self, drafter: DFlashDrafter, gamma: float) -> None:
+    def __init__(self, drafter: DFlashDrafter, gamma: float, objective: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.drafter = drafter
         self.gamma = gamma
+        self.objective = objective or {}  # dflash_loss's distill, distill_weight, ce_weight
 
     def forward(self, batch: PackedBatch, anchors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = dflash_loss(self.drafter, batch, anchors, gamma=self.gamma)
-        ce_sum = out.weighted_ce_sum
-        if not ce_sum.requires_grad:  # keep every parameter in the graph (DDP waits for all of them)
-            ce_sum = ce_sum + sum(p.reshape(-1)[0] * 0.0 for p in self.drafter.parameters())
-        return ce_sum, out.weight_sum, out.correct_per_position, out.count_per_position
+        out = dflash_loss(self.drafter, batch, anchors, gamma=self.gamma, **self.objective)
+        objective = out.objective_sum
+        if not objective.requires_grad:  # keep every parameter in the graph (DDP waits for all of them)
+            objective = objective + sum(p.reshape(-1)[0] * 0.0 for p in self.drafter.parameters())
+        return (objective, out.weight_sum, out.correct_per_position, out.count_per_position,
+                out.weighted_ce_sum.detach(), out.distill_sum.detach())
 
 
 def _anchor_seed(seed: int, split: str, epoch: int, batch_index: int) -> int:
@@ -310,7 +314,7 @@ class Trainer:
         if resume_from is not None:
             self._restore(resume_from)
 
-        self.loss_module: nn.Module = _LossModule(self.drafter, config.resolved_gamma())
+        self.loss_module: nn.Module = _LossModule(self.drafter, config.resolved_gamma(), self._objective())
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -530,7 +534,7 @@ class Trainer:
                 with self.timer.phase("forward"), self.autocast:
                     outputs = self.loss_module(batch, anchors)
                 with self.timer.phase("backward"):
-                    outputs[0].backward()  # the UNnormalized weighted CE sum; see the module docstring
+                    outputs[0].backward()  # the UNnormalized objective sum; see the module docstring
             self._accumulate(sums, batch, anchors, outputs)
         with self.timer.phase("optimizer"):
             values, grad_norm, finite, lr = self._apply_update(sums)
@@ -541,7 +545,7 @@ class Trainer:
         self.step_times.update(time_split, split=self.device.type != "cuda" or log_step,
                                bucket=buckets[0] if len(buckets) == 1 else None, real_tokens=int(values["real_tokens"]))
         return {
-            "loss": values["ce_sum"] / values["weight_sum"] if values["weight_sum"] > 0 else float("nan"),
+            "loss": values["objective_sum"] / values["weight_sum"] if values["weight_sum"] > 0 else float("nan"),
             "grad_norm": grad_norm,
             "lr": lr,
             "skipped": not finite,
@@ -550,28 +554,33 @@ class Trainer:
         }
 
     # Layout of the per-step sums (one float64 vector, so ranks all-reduce it in one call).
-    _SCALARS = ("ce_sum", "weight_sum", "real_tokens", "padded_tokens", "supervised_tokens", "block_tokens")
+    _SCALARS = ("ce_sum", "weight_sum", "real_tokens", "padded_tokens", "supervised_tokens", "block_tokens",
+                "distill_sum", "objective_sum")
 
     def _new_step_sums(self) -> torch.Tensor:
-        """``[6 scalars, correct[B-1], count[B-1], bucket tokens[K], bucket batches[K], stop]`` zeros on the device."""
+        """``[8 scalars, correct[B-1], count[B-1], bucket tokens[K], bucket batches[K], stop]`` zeros on the
+        device."""
         # the last slot is the stop vote (SIGTERM seen by any rank)
         size = len(self._SCALARS) + 2 * (self.drafter_config.block_size - 1) + 2 * self.train_loader.num_buckets + 1
         return torch.zeros(size, dtype=torch.float64, device=self.device)
 
     def _accumulate(self, sums: torch.Tensor, batch: PackedBatch, anchors: torch.Tensor, outputs) -> None:
         """Add one micro-batch's loss sums and token counts to ``sums`` (device ops only, no host sync)."""
-        ce_sum, weight_sum, correct, count = outputs
+        objective, weight_sum, correct, count, ce_sum, distill_sum = outputs
         positions = self.drafter_config.block_size - 1
-        sums[0] += ce_sum.detach().double()
+        sums[0] += ce_sum.double()
         sums[1] += weight_sum.detach().double()
         sums[2] += batch.num_real_tokens
         sums[3] += batch.num_tokens
         sums[4] += batch.loss_mask.sum()
         sums[5] += (anchors >= 0).sum() * (positions + 1)  # drafted block tokens (padding anchor slots excluded)
-        sums[6 : 6 + positions] += correct.double()
-        sums[6 + positions : 6 + 2 * positions] += count.double()
+        sums[6] += distill_sum.double()
+        sums[7] += objective.detach().double()
+        at = len(self._SCALARS)
+        sums[at : at + positions] += correct.double()
+        sums[at + positions : at + 2 * positions] += count.double()
         if batch.bucket_id >= 0:
-            bucket_at = 6 + 2 * positions
+            bucket_at = at + 2 * positions
             sums[bucket_at + batch.bucket_id] += batch.num_real_tokens
             sums[bucket_at + self.train_loader.num_buckets + batch.bucket_id] += 1
 
@@ -599,12 +608,13 @@ class Trainer:
             values[name] = flat[cursor : cursor + width]
             cursor += width
         self._stopped = flat[-1] > 0
-        finite = math.isfinite(values["ce_sum"]) and math.isfinite(grad_norm)
+        finite = math.isfinite(values["objective_sum"]) and math.isfinite(grad_norm)
         if not finite:
             self.counters["skipped_steps"] += 1
             log.warning(
                 "step %d: non-finite %s; update skipped (%d skipped so far)", self.step + 1,
-                "loss" if not math.isfinite(values["ce_sum"]) else "gradient norm", self.counters["skipped_steps"],
+                "loss" if not math.isfinite(values["objective_sum"]) else "gradient norm",
+                self.counters["skipped_steps"],
             )
         elif values["weight_sum"] <= 0:
             self.counters["empty_steps"] += 1  # nothing supervised in the whole global batch
@@ -629,6 +639,8 @@ class Trainer:
         interval["steps"] += 1
         if finite:  # a skipped step contributes nothing to the interval's loss and accuracy
             interval["ce_sum"] += values["ce_sum"]
+            interval["distill_sum"] += values["distill_sum"]
+            interval["objective_sum"] += values["objective_sum"]
             interval["weight_sum"] += values["weight_sum"]
             interval["correct"] = np.add(interval["correct"], values["correct"])
             interval["count"] = np.add(interval["count"], values["count"])
@@ -676,7 +688,7 @@ class Trainer:
         block = self.drafter_config.block_size
         loader = self.val_loader
         loader.load_state_dict(self._val_start)
-        sums = torch.zeros(2 + 2 * (block - 1), dtype=torch.float64, device=self.device)
+        sums = torch.zeros(4 + 2 * (block - 1), dtype=torch.float64, device=self.device)
         iterator = iter(loader)
         try:
             for index, batch in enumerate(iterator):
@@ -690,27 +702,44 @@ class Trainer:
                 )
                 batch, anchors = batch.to(self.device), anchors.to(self.device)
                 with self.autocast:
-                    out = dflash_loss(self.drafter, batch, anchors, gamma=self.config.resolved_gamma())
-                sums[0] += out.weighted_ce_sum.double()
+                    out = dflash_loss(self.drafter, batch, anchors, gamma=self.config.resolved_gamma(),
+                                      **self._objective())
+                sums[0] += out.objective_sum.double()
                 sums[1] += out.weight_sum.double()
-                sums[2 : 2 + block - 1] += out.correct_per_position.double()
-                sums[2 + block - 1 :] += out.count_per_position.double()
+                sums[2] += out.weighted_ce_sum.double()
+                sums[3] += out.distill_sum.double()
+                sums[4 : 4 + block - 1] += out.correct_per_position.double()
+                sums[4 + block - 1 :] += out.count_per_position.double()
         finally:
             iterator.close()
         if self.world_size > 1:
             torch.distributed.all_reduce(sums)
         values = sums.tolist()
-        accuracy = [c / n if n else 0.0 for c, n in zip(values[2 : 1 + block], values[1 + block :], strict=True)]
-        return {
+        accuracy = [c / n if n else 0.0 for c, n in zip(values[4 : 3 + block], values[3 + block :], strict=True)]
+        result = {
             "loss": values[0] / values[1] if values[1] > 0 else float("nan"),
             "accuracy_per_position": accuracy,
             "expected_acceptance_length": expected_acceptance_length(accuracy),
-            "supervised_targets": sum(values[1 + block :]),
+            "supervised_targets": sum(values[3 + block :]),
         }
+        if self._objective_parts():
+            result["ce_loss"] = values[2] / values[1] if values[1] > 0 else float("nan")
+            result["distill_loss"] = values[3] / values[1] if values[1] > 0 else float("nan")
+        return result
 
     # ================================================================== log
     def _zero_interval(self) -> dict[str, Any]:
-        return {"steps": 0, "ce_sum": 0.0, "weight_sum": 0.0, "correct": 0.0, "count": 0.0, "grad_norm_max": 0.0}
+        return {"steps": 0, "ce_sum": 0.0, "distill_sum": 0.0, "objective_sum": 0.0, "weight_sum": 0.0, "correct": 0.0,
+                "count": 0.0, "grad_norm_max": 0.0}
+
+    def _objective(self) -> dict[str, Any]:
+        """``dflash_loss``'s objective settings from ``drafter.distill``, ``distill_weight`` and ``ce_weight``."""
+        drafter = self.config.drafter
+        return {"distill": drafter.distill, "distill_weight": drafter.distill_weight, "ce_weight": drafter.ce_weight}
+
+    def _objective_parts(self) -> bool:
+        """The loss is more than the plain CE: the metrics then log its parts, ``ce_loss`` and ``distill_loss``."""
+        return self.config.drafter.distill != "none" or self.config.drafter.ce_weight != 1.0
 
     def _log_due(self) -> bool:
         return self.step % self.config.telemetry.log_every == 0 or self.step == self.total_steps
@@ -724,9 +753,15 @@ class Trainer:
         correct = np.broadcast_to(np.asarray(interval["correct"], dtype=np.float64), (positions,))
         count = np.broadcast_to(np.asarray(interval["count"], dtype=np.float64), (positions,))
         accuracy = [float(c / n) if n else 0.0 for c, n in zip(correct, count, strict=True)]
-        loss = interval["ce_sum"] / interval["weight_sum"] if interval["weight_sum"] > 0 else step_metrics["loss"]
+        weight_sum = interval["weight_sum"]
+        loss = interval["objective_sum"] / weight_sum if weight_sum > 0 else step_metrics["loss"]
+        parts = {}
+        if self._objective_parts():
+            parts = {"ce_loss": interval["ce_sum"] / weight_sum if weight_sum > 0 else float("nan"),
+                     "distill_loss": interval["distill_sum"] / weight_sum if weight_sum > 0 else float("nan")}
         record: dict[str, Any] = {
             "loss": loss,
+            **parts,
             "accuracy_per_position": accuracy,
             "expected_acceptance_length": expected_acceptance_length(accuracy),
             "lr": step_metrics["lr"],
