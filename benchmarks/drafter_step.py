@@ -49,7 +49,8 @@ MFU_FORMULA = (
     "(query,key) pairs of the sparse mask, n taps, V vocab. Factors: 3 = fwd+bwd (input and weight grads), "
     "3.5 = attention fwd + 2.5x bwd, 2 = fc (no input grad: data) and LM head (frozen: no weight grad). "
     "F_step is the plain step's work; the training shortcuts (dflash.drafter.model.set_train_shortcuts) skip part "
-    "of it, and MFU stays on F_step so that settings compare by time."
+    "of it, and MFU stays on F_step so that settings compare by time. With --distill kl|tv F_step adds "
+    "3*(2*A*(B-1)*H*V): the target's logits, the drafter's again, and the gradient of the distillation term."
 )
 
 
@@ -79,8 +80,9 @@ def smoke_config(block_size: int) -> DFlashConfig:
 
 
 def make_batch(lengths: list[int], config: DFlashConfig, device: torch.device, *, pad_to: int | None = None,
-               seed: int = 0) -> PackedBatch:
-    """Documents of ``lengths`` (first 10% of each unsupervised, like a prompt), padded to ``pad_to``."""
+               seed: int = 0, final_tap: bool = False) -> PackedBatch:
+    """Documents of ``lengths`` (first 10% of each unsupervised, like a prompt), padded to ``pad_to``; with
+    ``final_tap`` the hidden states carry one more random slot (the target's final state, for ``--distill``)."""
     generator = torch.Generator().manual_seed(seed)
     real = sum(lengths)
     total = pad_to or real
@@ -89,7 +91,7 @@ def make_batch(lengths: list[int], config: DFlashConfig, device: torch.device, *
     for length in lengths:
         loss_mask[start + max(1, length // 10): start + length] = 1
         start += length
-    width = config.num_taps * config.hidden_size
+    width = (config.num_taps + int(final_tap)) * config.hidden_size
     batch = PackedBatch(
         input_ids=torch.randint(0, config.vocab_size, (total,), generator=generator),
         loss_mask=loss_mask,
@@ -104,7 +106,7 @@ def make_batch(lengths: list[int], config: DFlashConfig, device: torch.device, *
     return batch.to(device, non_blocking=False)
 
 
-def step_flops(config: DFlashConfig, batch: PackedBatch, anchors: torch.Tensor) -> float:
+def step_flops(config: DFlashConfig, batch: PackedBatch, anchors: torch.Tensor, distill: str = "none") -> float:
     """F_step of MFU_FORMULA for the real (non-padding) anchors of this step."""
     real = anchors[anchors >= 0]
     layout = attention_layout(real, batch.position_ids, config.block_size)
@@ -119,7 +121,7 @@ def step_flops(config: DFlashConfig, batch: PackedBatch, anchors: torch.Tensor) 
     attention = layers * 4 * hq * visible
     fc = 2 * num_tokens * config.num_taps * hidden * hidden
     lm_head = 2 * num_anchors * (config.block_size - 1) * hidden * vocab
-    return 3 * linear + 3.5 * attention + 2 * fc + 2 * lm_head
+    return 3 * linear + 3.5 * attention + 2 * fc + (2 if distill == "none" else 5) * lm_head
 
 
 def build_drafter(config: DFlashConfig, device: torch.device, compiled: bool, backend: str) -> DFlashDrafter:
@@ -142,6 +144,7 @@ class Stepper:
         self.budget = budget
         self.gamma = gamma
         self.ce_chunk_rows: int | None = None  # None: the loss's default
+        self.distill = "none"  # --distill: the loss's distillation term (the batch then carries a final tap)
         self.generator = torch.Generator(device=device).manual_seed(0)
         self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-5, fused=device.type == "cuda")
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -155,7 +158,8 @@ class Stepper:
         with torch.profiler.record_function("phase:anchors"):
             anchors = self.anchors(batch, num_anchors)
         with torch.profiler.record_function("phase:forward+loss"), self.autocast:
-            out = dflash_loss(self.drafter, batch, anchors, gamma=self.gamma, chunk_rows=self.ce_chunk_rows)
+            out = dflash_loss(self.drafter, batch, anchors, gamma=self.gamma, chunk_rows=self.ce_chunk_rows,
+                              distill=self.distill)
             loss = out.loss()
         with torch.profiler.record_function("phase:backward"):
             loss.backward()
@@ -332,7 +336,7 @@ def count_compiles(stepper: Stepper, config: DFlashConfig, args, device: torch.d
     shapes = set()
     for i, length in enumerate(lengths):
         pad_to = min(b for b in buckets if b >= length) if fixed else None
-        batch = make_batch([length], config, device, pad_to=pad_to, seed=100 + i)
+        batch = make_batch([length], config, device, pad_to=pad_to, seed=100 + i, final_tap=stepper.distill != "none")
         num_anchors = args.anchors if fixed else None
         anchors_shape = num_anchors if fixed else int(stepper.anchors(batch, None).numel())
         shapes.add((length, anchors_shape))
@@ -363,6 +367,8 @@ def main() -> None:
                         help="FlexAttention kernel_options for every attention call, e.g. '{\"ROWS_GUARANTEED_SAFE\": true}' "
                              "(default or '{}': inductor's defaults)")
     parser.add_argument("--ce-chunk-rows", type=int, default=None, help="LM-head + CE chunk rows (default: the loss's)")
+    parser.add_argument("--distill", default="none", choices=["none", "kl", "tv"],
+                        help="add the loss's distillation term (train.drafter.distill) against a random final tap")
     parser.add_argument("--inductor", default=None, metavar="JSON",
                         help="torch._inductor.config overrides, e.g. '{\"coordinate_descent_tuning\": true}'")
     parser.add_argument("--shortcuts", nargs="+", default=["all"], metavar="SET",
@@ -421,14 +427,15 @@ def main() -> None:
         drafter.residual_in_compute_dtype = residual == "compute"
         stepper = Stepper(drafter, device, args.anchors, args.gamma)
         stepper.ce_chunk_rows = args.ce_chunk_rows
+        stepper.distill = args.distill
         fixed = compiled  # eager: dynamic anchors (nonzero); compiled: fixed shape, no host sync
         for batch_size in args.batch_sizes:
-            batch = make_batch([args.seq_len] * batch_size, config, device)
+            batch = make_batch([args.seq_len] * batch_size, config, device, final_tap=args.distill != "none")
             num_anchors = args.anchors * batch_size if fixed else None
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             seconds = time_steps(stepper, batch, num_anchors, args.warmup, args.steps)
-            flops = step_flops(config, batch, stepper.anchors(batch, num_anchors))
+            flops = step_flops(config, batch, stepper.anchors(batch, num_anchors), args.distill)
             tokens = batch_size * args.seq_len
             mfu = flops / seconds / (args.peak_tflops * 1e12)
             memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")

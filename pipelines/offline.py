@@ -158,6 +158,10 @@ class PipelineConfig:
             # One tap per draft layer (dflash.target.taps): the cache holds the layers the trained drafter reads.
             drafter = self.train.get("drafter") if isinstance(self.train.get("drafter"), dict) else {}
             self.extract["num_taps"] = drafter.get("num_draft_layers", DEFAULT_NUM_DRAFT_LAYERS)
+        drafter = self.train.get("drafter") if isinstance(self.train.get("drafter"), dict) else {}
+        if drafter.get("distill", "none") != "none" and self.extract.get("final_tap") is None:
+            # A distilling drafter reads the target's final normed hidden state, so the cache stores it.
+            self.extract["final_tap"] = True
         held = self.split.get("heldout_documents", 0)
         if not self.generate and (not isinstance(held, int) or held < 1):
             raise ConfigError(f"split.heldout_documents must be a positive integer, got {held!r}")

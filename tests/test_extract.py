@@ -819,6 +819,33 @@ def test_a_chosen_codec_is_applied_to_the_new_cache_and_reads_back_bit_exact(tmp
         assert torch.equal(sample.hidden, expected[sample.corpus_row - start])
 
 
+def test_final_tap_is_stored_in_fp8_read_only_when_asked_and_kept_on_resume(tmp_path, target, short_corpus_dir):
+    """``final_tap``: the cache records it and stores the final normed hidden state as one more slot (fp8 with its
+    own per-token scale); a reader without ``final_tap`` sees the taps alone, as for any cache; a resume without
+    it is refused as a config change."""
+    from dataclasses import replace
+
+    output = tmp_path / "cache"
+    config = ExtractConfig(corpus=str(short_corpus_dir), output=str(output), target_processes=1, shard_size=1000,
+                           storage_dtype="fp8", final_tap=True, dashboard_address=":0")  # fmt: skip
+    run_extract(config, _quiet())
+    assert verify_cache(output, require_complete=True)["corrupt_shards"] == {}
+    plain, with_final = CacheReader(output), CacheReader(output, final_tap=True)
+    metadata = plain.metadata
+    assert metadata.final_tap and metadata.stored_taps == metadata.num_taps + 1 and metadata.lossy
+    width = metadata.num_taps * metadata.hidden_size
+    runner = TargetRunner(target.model, metadata.target_layer_ids, "cpu", token_budget=1, final_tap=True)
+    corpus = open_corpus(short_corpus_dir)
+    for taps, full in zip(plain.read_shard(0), with_final.read_shard(0), strict=True):
+        assert taps.hidden.shape == (len(taps), width) and full.hidden.shape == (len(taps), width + metadata.hidden_size)
+        assert torch.equal(full.hidden[:, :width], taps.hidden)
+        (expected,) = runner.run([corpus.row(taps.corpus_row).input_ids])
+        final, reference = full.hidden[:, width:].float(), expected[:, width:].float()
+        assert float((final - reference).norm() / reference.norm()) < 0.05  # fp8: 3 mantissa bits
+    with pytest.raises(CacheError, match="its final_tap is True but this run wants False"):
+        run_extract(replace(config, final_tap=False), _quiet())
+
+
 def test_codec_settings_are_checked_and_the_codec_help_states_the_rule(tmp_path):
     import typer
 
