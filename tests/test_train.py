@@ -180,10 +180,18 @@ def test_distill_kl_trains_on_the_final_tap_and_logs_the_loss_parts(target, tmp_
     assert validation["loss"] == pytest.approx(0.25 * validation["ce_loss"] + 0.5 * validation["distill_loss"])
 
 
-def test_distill_on_a_cache_without_the_final_tap_is_refused_before_training(tiny_cache, tmp_path):
+def test_distill_on_a_cache_without_the_final_tap_is_refused_before_training(tiny_cache, tmp_path, monkeypatch,
+                                                                             capsys):
+    from cli_helpers import main_in_process
+
     with pytest.raises(ConfigError, match=r"has no final tap .*extract --final-tap.*drafter.distill = none"):
         run_training(tiny_config(tiny_cache, tmp_path / "run", drafter={"distill": "tv"}))
-    assert not (tmp_path / "run" / "run.json").exists()
+    code, err = main_in_process(monkeypatch, capsys, "train", "--cache", str(tiny_cache), "--output",
+                                str(tmp_path / "cli-run"), "--device", "cpu", "--set", "train.drafter.distill=kl")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "extract --final-tap" in lines[0], err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "run.json").exists() and not (tmp_path / "cli-run" / "run.json").exists()
 
 
 @pytest.fixture(scope="module")
