@@ -494,6 +494,10 @@ def test_online_refuses_up_front_what_would_fail_after_the_producers_loaded(tmp_
     assert (config.target_processes, config.target_gpus, config.train.drafter_gpus, config.train.device) == (None, [0], [1],
                                                                                                       "auto")
     assert Path(config.corpus).is_absolute()  # saved in run.json: a resume from another folder finds it
+    code, err = main_in_process(monkeypatch, capsys, "online", "--preset", "online-cpu", "--corpus", str(corpus_dir),
+                                "--output", str(tmp_path / "d"), "--set", "train.drafter.distill=kl")
+    assert code == 2 and err.count("error:") == 1 and "online mode trains on the CE alone" in err
+    assert not (tmp_path / "d").exists()
 
 
 def test_online_set_overrides_both_sections_over_options_and_names_bad_ones(tmp_path):
