@@ -93,8 +93,7 @@ class LossOutput:
         count_per_position: ``[B-1]`` int64, supervised targets at each position.
         distill_sum: scalar float32 with grad, ``sum w_k * loss_mask * term`` of the distillation term; 0 (no
             grad) without one.
-        objective_sum: what the backward runs on: ``ce_weight * weighted_ce_sum + distill_weight * distill_sum``
-            (``weighted_ce_sum`` itself with the defaults).
+        ce_weight, distill_weight: the objective's weights (:attr:`objective_sum`; distill_weight 0 without a term).
     """
 
     weighted_ce_sum: torch.Tensor
@@ -102,13 +101,21 @@ class LossOutput:
     correct_per_position: torch.Tensor
     count_per_position: torch.Tensor
     distill_sum: torch.Tensor | None = None
-    objective_sum: torch.Tensor | None = None
+    ce_weight: float = 1.0
+    distill_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.distill_sum is None:
             self.distill_sum = torch.zeros((), dtype=torch.float32, device=self.weighted_ce_sum.device)
-        if self.objective_sum is None:
-            self.objective_sum = self.weighted_ce_sum
+
+    @property
+    def objective_sum(self) -> torch.Tensor:
+        """What the backward runs on: ``ce_weight * weighted_ce_sum + distill_weight * distill_sum``
+        (``weighted_ce_sum`` itself with the defaults)."""
+        objective = self.weighted_ce_sum if self.ce_weight == 1.0 else self.weighted_ce_sum * self.ce_weight
+        if self.distill_weight:
+            objective = objective + self.distill_sum * self.distill_weight
+        return objective
 
     def loss(self, global_weight_sum: torch.Tensor | float | None = None) -> torch.Tensor:
         """``weighted_ce_sum / global_weight_sum`` (default: this batch's weight sum); 0 when nothing is supervised."""
@@ -501,7 +508,6 @@ def dflash_loss(
         fused=fused,
     )
     correct = correct.view(num_anchors, block_size - 1) & supervised
-    objective = ce_sum if ce_weight == 1.0 else ce_sum * ce_weight
     distill_sum = None
     if teacher_states is not None:
         # The target's prediction of x_{a+k} is its output at a+k-1 (>= the anchor, inside the batch).
@@ -510,12 +516,12 @@ def dflash_loss(
             hidden.reshape(num_anchors * (block_size - 1), -1), drafter.lm_head_weight, teacher,
             row_weights.reshape(-1), kind=distill,
         )
-        objective = objective + distill_sum * distill_weight
     return LossOutput(
         weighted_ce_sum=ce_sum,
         weight_sum=row_weights.sum(),
         correct_per_position=correct.sum(0),
         count_per_position=supervised.sum(0),
         distill_sum=distill_sum,
-        objective_sum=objective,
+        ce_weight=float(ce_weight),
+        distill_weight=float(distill_weight) if distill_sum is not None else 0.0,
     )
