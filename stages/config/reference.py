@@ -1,8 +1,8 @@
 """Write ``docs/config-reference.md``: every setting of every stage, from its one declaration.
 
 Each stage's settings are the fields of its config dataclass; this reads them (name, type, default) with
-``dataclasses`` and their descriptions from the class source (attribute docstrings, ``#:`` comments or a
-``Fields:`` section of the class docstring), so the reference cannot drift from the code:
+``dataclasses`` and their descriptions from the field's ``metadata["help"]`` or the class source (attribute
+docstrings, ``#:`` comments or a ``Fields:`` section of the class docstring), so the reference cannot drift from the code:
 ``tests/test_cli_declarations.py`` regenerates it and compares. Run::
 
     python -m stages.config.reference > docs/config-reference.md
@@ -57,6 +57,9 @@ def field_descriptions(cls: type) -> dict[str, str]:
                 text = " ".join(match.group(2).split())
                 for name in match.group(1).split(","):
                     described.setdefault(name.strip(), text)
+    for declared in dataclasses.fields(cls):  # field(metadata={"help": ...})
+        if declared.metadata.get("help"):
+            described[declared.name] = declared.metadata["help"]
     source = textwrap.dedent(inspect.getsource(cls))
     lines = source.splitlines()
     body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
