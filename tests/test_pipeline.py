@@ -29,7 +29,7 @@ TINY = {
               "device": "cpu", "telemetry": {"progress": False}},
     "evaluate": {"num_prompts": 1, "prompt_tokens": 16, "max_new_tokens": 4, "ignore_eos": True, "device": "cpu",
                  "cpu_threads": 1,
-                 "per_epoch": True, "compare_untrained": True},
+                 "per_epoch": True, "compare_untrained": True, "extra_prompts": ["numpy-questions"]},
 }
 
 
@@ -63,6 +63,15 @@ def test_pipeline_runs_every_stage_and_prints_tau(finished_run):
     assert float(tau_lines[0].split()[2]) == pytest.approx(report["tau"], abs=5e-4)
     assert report["lossless"]["checked"] and report["lossless"]["passed"]
     assert report["prompts"]["count"] == 1
+    # The final drafter on both prompt sets, each with its own tau and lossless check; the last line names both.
+    held_out, numpy_questions = report["prompt_sets"]
+    assert (held_out["name"], numpy_questions["name"]) == ("held-out", "numpy-questions")
+    assert held_out["tau"] == report["tau"] and numpy_questions["lossless"]["passed"]
+    assert numpy_questions["fingerprint"].startswith("sha256:") and numpy_questions["count"] == 1
+    assert tau_lines[0].startswith(f"tau = {report['tau']:.3f} (held-out) / {numpy_questions['tau']:.3f} "
+                                   "(numpy-questions) (mean acceptance length")
+    assert state["stages"]["evaluate"]["result"]["prompt_sets"] == {"held-out": report["tau"],
+                                                                   "numpy-questions": numpy_questions["tau"]}
     # Epoch by epoch: the untrained floor (epoch 0), then each epoch's checkpoint; the last one is the final drafter.
     assert [entry["epoch"] for entry in state["epochs"]] == [0, 1, 2]
     total_steps = state["stages"]["train"]["result"]["total_steps"]
@@ -88,6 +97,7 @@ def test_pipeline_runs_every_stage_and_prints_tau(finished_run):
             assert epoch_report["speedup"] is None and entry["speedup"] is None
             assert not epoch_report["lossless"]["checked"] and epoch_report["settings"]["references"] is False
             assert set(epoch_report["throughput"]) == {"speculative"}
+            assert [entry["name"] for entry in epoch_report["prompt_sets"]] == ["held-out"]  # the first set only
             assert sum(p["cycles"] for p in epoch_report["per_prompt"]) == epoch_report["acceptance"]["num_cycles"]
 
 
@@ -349,3 +359,13 @@ def test_cpu_small_preset_departs_from_no_convention_within_its_own_lengths():
     assert convention_warnings(block_size=train.drafter.block_size, gamma=train.resolved_gamma(),
                                betas=train.optim.betas, max_anchors_per_document=train.drafter.max_anchors_per_document,
                                longest_sample=preset["generate"]["max_length"]) == []
+
+
+def test_numpy_questions_refused_beside_a_prompt_set_that_trains_on_numpy(tmp_path):
+    """The second prompt set is held out only while training never reads numpy's sources."""
+    preset = {k: v for k, v in load_preset("h200-smollm2").items() if k != "_why"}
+    assert preset["evaluate"]["extra_prompts"] == ["numpy-questions"]
+    PipelineConfig.from_preset(preset, workdir=tmp_path)
+    preset["generate"]["default_prompts"]["packages"] = ["torch", "numpy"]
+    with pytest.raises(ConfigError, match="numpy-questions asks about numpy, which generate.default_prompts.packages"):
+        PipelineConfig.from_preset(preset, workdir=tmp_path)
