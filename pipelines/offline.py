@@ -225,7 +225,7 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
 
     target_path = locate_target(config.target)  # a wrong target path fails now, not when the first stage loads it
     _check_init_target_layers(config, target_path, source)
-    evaluate_extra = {key: type(value) for key, value in EVALUATE_EXTRAS.items()}
+    evaluate_extra = {key: _EVALUATE_EXTRA_TYPES.get(key, type(value)) for key, value in EVALUATE_EXTRAS.items()}
     for section, cls, reserved, extra, paths in checks:
         values = getattr(config, section)
         check_fields(cls, values, section=section, source=lambda key, s=section: source(s, key),
@@ -236,13 +236,21 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
                  reserved={"drafter", "target", "corpus", "cache", "json"}, extra=evaluate_extra)
     _build_for_check("evaluate", EvaluateConfig, {"prompts": "held-out", **evaluate, "drafter": placeholder,
                                                   "target": config.target, "corpus": placeholder}, source)
+    subset = config.evaluate.get("per_epoch_num_prompts")
+    if subset is not None and subset < 1:
+        raise ConfigError(f"evaluate.per_epoch_num_prompts ({source('evaluate', 'per_epoch_num_prompts')}): must be "
+                          f">= 1 (or null: every prompt), got {subset}")
 
 
 #: The preset ``run`` uses when none is given; ``run --config FILE`` is merged over it.
 DEFAULT_PRESET = "cpu-small"
 
 #: Keys of the ``evaluate`` section that the pipeline reads itself (not EvaluateConfig fields), with their defaults.
-EVALUATE_EXTRAS = {"per_epoch": False, "per_epoch_references": False, "compare_untrained": False}
+EVALUATE_EXTRAS = {"per_epoch": False, "per_epoch_references": False, "compare_untrained": False,
+                   "per_epoch_num_prompts": None}
+
+#: The annotations of :data:`EVALUATE_EXTRAS` whose default does not tell their type.
+_EVALUATE_EXTRA_TYPES = {"per_epoch_num_prompts": int | None}
 
 
 def printable_pipeline(config: PipelineConfig) -> dict[str, Any]:
@@ -517,6 +525,9 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
     # call of a job-time-limited host), while the final drafter's report carries the speedups and lossless checks.
     per_epoch_references = bool(evaluate.pop("per_epoch_references", EVALUATE_EXTRAS["per_epoch_references"]))
     compare_untrained = bool(evaluate.pop("compare_untrained", EVALUATE_EXTRAS["compare_untrained"]))
+    # The epochs before the last may measure tau on the first prompts of the first set only (each such evaluation
+    # costs in proportion); the last epoch, the final drafter, is measured on every prompt of every set.
+    per_epoch_num_prompts = evaluate.pop("per_epoch_num_prompts", EVALUATE_EXTRAS["per_epoch_num_prompts"])
 
     def train_config(**changes: Any) -> TrainConfig:
         return TrainConfig.from_dict(deep_merge({**train, "cache": str(paths["cache"]), "output": str(paths["run"])},
@@ -538,13 +549,13 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
 
     def evaluate_checkpoint(folder: Path, json_path: Path, label: str, *, untrained: bool = False,
                             compare_untrained: bool = False, references: bool | None = None,
-                            all_sets: bool = True) -> dict[str, Any]:
+                            all_sets: bool = True, num_prompts: int | None = None) -> dict[str, Any]:
         ev = get_evaluator()
         drafter, drafter_config, _ = ev.load_drafter(folder)
         if untrained:
             drafter = ev.untrained(drafter_config)
         return ev.evaluate(drafter, drafter_config, label=label, json_path=json_path, compare_untrained=compare_untrained,
-                           references=references, all_sets=all_sets)
+                           references=references, all_sets=all_sets, num_prompts=num_prompts)
 
     epoch_taus: list[dict[str, Any]] = list(state.data.get("epochs", []))
 
@@ -586,7 +597,8 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
             if compare_untrained and 0 not in done_epochs:  # needs a checkpoint for the drafter's config, not weights
                 report = evaluate_checkpoint(_latest_checkpoint(paths["run"])[0], paths["eval"] / "epoch_0.json",
                                              "untrained drafter (epoch 0)", untrained=True,
-                                             references=None if per_epoch_references else False, all_sets=False)
+                                             references=None if per_epoch_references else False, all_sets=False,
+                                             num_prompts=per_epoch_num_prompts)
                 record_epoch({"epoch": 0, "step": 0, "tau": report["tau"], "speedup": report["speedup"]}, report)
                 done_epochs.add(0)
             if epoch in done_epochs:
@@ -599,7 +611,8 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
             last = int(trainer_state["step"]) >= total_steps
             # The learning curve is the first prompt set's; the final drafter (last) is measured on every set.
             report = evaluate_checkpoint(folder, paths["eval"] / f"epoch_{epoch}.json", f"{label} ({folder.name})",
-                                         references=None if per_epoch_references or last else False, all_sets=last)
+                                         references=None if per_epoch_references or last else False, all_sets=last,
+                                         num_prompts=None if last else per_epoch_num_prompts)
             record_epoch({"epoch": epoch, "step": int(trainer_state["step"]), "tau": report["tau"],
                           "speedup": report["speedup"], "checkpoint": str(folder),
                           "data_epoch": cursor.get("epoch"), "steps_fraction": stop / total_steps}, report)

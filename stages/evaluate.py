@@ -536,12 +536,12 @@ class Evaluator:
         if len(set(names)) != len(names):
             raise ConfigError(f"extra_prompts: two prompt sets have one name ({names}); rename a prompts file")
         self.prompts = self.prompt_sets[0].prompts
-        self.baselines: dict[str, Baselines] = {}
+        self.baselines: dict[tuple[str, int], Baselines] = {}  # by (set name, prompts evaluated)
 
     @property
     def baseline(self) -> Baselines | None:
         """The first prompt set's references, once measured."""
-        return self.baselines.get(self.prompt_sets[0].name)
+        return self.baselines.get(_baseline_key(self.prompt_sets[0]))
 
     def load_drafter(self, path: Path, loaded: tuple[Any, Any, dict[str, Any]] | None = None) -> tuple[Any, Any, dict[str, Any]]:
         """A drafter from ``path`` (or the already read ``loaded = load_drafter_any(path)``) on the target's device
@@ -566,17 +566,17 @@ class Evaluator:
             max_new_tokens=config.max_new_tokens, temperature=config.temperature,
             stop_token_ids=_stop_tokens(self.target.tokenizer, config.ignore_eos), seed=config.seed,
             near_tie_tolerance=config.near_tie_tolerance,
-            baseline=self.baselines.get(prompt_set.name) if references else None,
+            baseline=self.baselines.get(_baseline_key(prompt_set)) if references else None,
             references=references, console=self.console,
             label=label if len(self.prompt_sets) == 1 else f"{label} on {prompt_set.name}",
         )
         if baseline is not None:
-            self.baselines[prompt_set.name] = baseline
+            self.baselines[_baseline_key(prompt_set)] = baseline
         return summary
 
     def evaluate(self, drafter: Any, drafter_config: Any, *, label: str, compare_untrained: bool = False,
                  json_path: Path | None = None, references: bool | None = None,
-                 all_sets: bool = True) -> dict[str, Any]:
+                 all_sets: bool = True, num_prompts: int | None = None) -> dict[str, Any]:
         """Evaluate one drafter; returns the JSON report (also written atomically to ``json_path``).
 
         The report's top-level figures (``tau``, ``acceptance``, ``speedup``, ``lossless``, ...) are those of the
@@ -585,6 +585,8 @@ class Evaluator:
         ``references``: run (or reuse) the block-size-1 and ``generate()`` references; ``None`` = the config's
         ``references``. ``False``: tau and acceptance only (the pipeline's per-epoch evaluations).
         ``all_sets``: ``False`` evaluates the first prompt set only (the pipeline's per-epoch evaluations).
+        ``num_prompts``: evaluate only the first this many prompts of each set (the pipeline's per-epoch
+        evaluations, ``evaluate.per_epoch_num_prompts``); ``None``: all of them.
         ``compare_untrained`` measures the untrained drafter on the first set."""
         import torch
 
@@ -596,6 +598,9 @@ class Evaluator:
         if cpu_threads is not None:
             torch.set_num_threads(cpu_threads)
         evaluated = self.prompt_sets if all_sets else self.prompt_sets[:1]
+        if num_prompts is not None:  # the first prompts of each set: a subset, another fingerprint, own references
+            evaluated = [dataclasses.replace(prompt_set, prompts=prompt_set.prompts[:num_prompts])
+                         for prompt_set in evaluated]
         try:
             summaries = [self._summary(prompt_set, drafter, drafter_config, label, references=references)
                          for prompt_set in evaluated]
@@ -615,7 +620,7 @@ class Evaluator:
             "target": {"spec": self.target_spec, **self.target.identity.to_dict()},
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
-            "prompts": _describe_set(self.prompt_sets[0]),
+            "prompts": _describe_set(evaluated[0]),
             "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
                          "references": references, "drafter": label, "cpu_threads": cpu_threads,
                          "block_size": config.block_size or int(drafter_config.block_size),
@@ -628,6 +633,11 @@ class Evaluator:
         if json_path is not None:
             write_json_atomic(Path(json_path), report)
         return report
+
+
+def _baseline_key(prompt_set: PromptSet) -> tuple[str, int]:
+    """The references of a set's first N prompts are those of that set and N."""
+    return prompt_set.name, len(prompt_set.prompts)
 
 
 def _describe_set(prompt_set: PromptSet) -> dict[str, Any]:

@@ -323,3 +323,26 @@ def test_extra_prompts_refused_before_the_target_loads(export_folder, tmp_path, 
     code, err = main_in_process(monkeypatch, capsys, "evaluate", "--drafter", str(export_folder), "--prompts",
                                 "numpy-questions", "--extra-prompts", "held-out")
     assert code == 2 and "held-out is allowed only as the first prompt set" in err, err
+
+
+def test_the_first_prompts_of_a_set_have_their_own_references(export_folder, tmp_path):
+    """``Evaluator.evaluate(num_prompts=N)`` measures the first N prompts of the first set (another fingerprint);
+    references measured on them are not reused for the whole set."""
+    from stages.evaluate import EvaluateConfig, Evaluator
+
+    prompts = tmp_path / "code.jsonl"
+    prompts.write_text("".join(json.dumps({"text": text}) + "\n" for text in
+                               ("def fibonacci(n):\n    if n < 2:\n", "import os\n\ndef walk(top):\n")))
+    config = EvaluateConfig(drafter=export_folder, prompts=str(prompts), num_prompts=2, max_new_tokens=3,
+                            ignore_eos=True, device="cpu")
+    evaluator = Evaluator(config, "default")
+    drafter, drafter_config, _ = evaluator.load_drafter(export_folder)
+    first = evaluator.evaluate(drafter, drafter_config, label="subset", all_sets=False, num_prompts=1)
+    whole = evaluator.evaluate(drafter, drafter_config, label="whole")
+    assert [(s["name"], s["count"]) for s in first["prompt_sets"]] == [("code", 1)]
+    assert [(s["name"], s["count"]) for s in whole["prompt_sets"]] == [("code", 2)]
+    assert first["prompts"]["fingerprint"] != whole["prompts"]["fingerprint"]
+    same = ("source", "new_tokens", "cycles", "tau")
+    assert [first["per_prompt"][0][k] for k in same] == [whole["per_prompt"][0][k] for k in same]
+    assert whole["lossless"]["identical"] == 2 and len(whole["per_prompt"]) == 2
+    assert all("baseline_seconds" in p for p in whole["per_prompt"])

@@ -337,14 +337,22 @@ def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(fini
 
 
 def test_a_schedule_shorter_than_half_the_epochs_still_trains_before_its_first_evaluation(finished_run, tmp_path):
-    """train.max_steps=1 with 2 epochs: epoch 1's end rounds to step 0; it trains step 1 and evaluates there."""
+    """train.max_steps=1 with 2 epochs: epoch 1's end rounds to step 0; it trains step 1 and evaluates there.
+    With evaluate.per_epoch_num_prompts the evaluations before the last take the first prompts of the first set
+    only; the last one (the final drafter) every prompt of every set."""
     app, preset, _, _ = finished_run
     workdir = tmp_path / "work"
     result = CliRunner().invoke(app, ["run", "--preset", str(preset), "--workdir", str(workdir),
-                                      "--set", "train.max_steps=1"])
+                                      "--set", "train.max_steps=1", "--set", "evaluate.num_prompts=2",
+                                      "--set", "evaluate.per_epoch_num_prompts=1"])
     assert result.exit_code == 0, result.output + repr(result.exception)
     state = json.loads((workdir / "pipeline.json").read_text())
     assert [(e["epoch"], e["step"]) for e in state["epochs"]] == [(0, 0), (1, 1), (2, 1)]
+    counts = [[(s["name"], s["count"]) for s in json.loads((workdir / "eval" / f"epoch_{e}.json").read_text())
+               ["prompt_sets"]] for e in (0, 1, 2)]
+    assert counts[:2] == [[("held-out", 1)]] * 2 and counts[2] == [("held-out", 2), ("numpy-questions", 2)]
+    final = json.loads((workdir / "eval" / "final.json").read_text())
+    assert final["prompts"]["count"] == 2 and final["lossless"]["identical"] == 2
 
 
 def test_cpu_small_preset_departs_from_no_convention_within_its_own_lengths():
