@@ -27,7 +27,10 @@ permutation of the documents; held-out prompts come only from ``heldout/``. With
 training runs in epoch-long segments (exact resume: same trajectory as one straight run) and tau is measured on
 the held-out prompts after each epoch, starting with the untrained drafter (epoch 0); those before the last measure
 tau and acceptance only (``evaluate.per_epoch_references`` also runs the speedup references and lossless checks at
-each), the last one and ``eval/final.json`` everything.
+each), on the first ``evaluate.per_epoch_num_prompts`` prompts when set, the last one and ``eval/final.json``
+everything. The held-out prompts are the first prompt set; ``evaluate.extra_prompts`` (the presets:
+``numpy-questions``, another kind of prompt from a package no preset trains on) are measured on the final drafter
+only, each reported beside the first, and the last line names each set's tau.
 """
 
 from __future__ import annotations
