@@ -27,7 +27,10 @@ permutation of the documents; held-out prompts come only from ``heldout/``. With
 training runs in epoch-long segments (exact resume: same trajectory as one straight run) and tau is measured on
 the held-out prompts after each epoch, starting with the untrained drafter (epoch 0); those before the last measure
 tau and acceptance only (``evaluate.per_epoch_references`` also runs the speedup references and lossless checks at
-each), the last one and ``eval/final.json`` everything.
+each), on the first ``evaluate.per_epoch_num_prompts`` prompts when set, the last one and ``eval/final.json``
+everything. The held-out prompts are the first prompt set; ``evaluate.extra_prompts`` (the presets:
+``numpy-questions``, another kind of prompt from a package no preset trains on) are measured on the final drafter
+only, each reported beside the first, and the last line names each set's tau.
 """
 
 from __future__ import annotations
@@ -154,6 +157,13 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir).expanduser()
+        extra = self.evaluate.get("extra_prompts")
+        default_prompts = self.generate.get("default_prompts")
+        packages = default_prompts.get("packages") if isinstance(default_prompts, dict) else None
+        if isinstance(extra, list) and "numpy-questions" in extra and isinstance(packages, list) and "numpy" in packages:
+            raise ConfigError("evaluate.extra_prompts: numpy-questions asks about numpy, which "
+                              "generate.default_prompts.packages trains on, so it tests nothing held out; drop numpy "
+                              "from the packages or numpy-questions from evaluate.extra_prompts")
         if self.extract.get("num_taps") is None and self.extract.get("target_layer_ids") is None:
             # One tap per draft layer (dflash.target.taps): the cache holds the layers the trained drafter reads.
             drafter = self.train.get("drafter") if isinstance(self.train.get("drafter"), dict) else {}
@@ -222,7 +232,7 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
 
     target_path = locate_target(config.target)  # a wrong target path fails now, not when the first stage loads it
     _check_init_target_layers(config, target_path, source)
-    evaluate_extra = {key: type(value) for key, value in EVALUATE_EXTRAS.items()}
+    evaluate_extra = {key: _EVALUATE_EXTRA_TYPES.get(key, type(value)) for key, value in EVALUATE_EXTRAS.items()}
     for section, cls, reserved, extra, paths in checks:
         values = getattr(config, section)
         check_fields(cls, values, section=section, source=lambda key, s=section: source(s, key),
@@ -233,13 +243,21 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
                  reserved={"drafter", "target", "corpus", "cache", "json"}, extra=evaluate_extra)
     _build_for_check("evaluate", EvaluateConfig, {"prompts": "held-out", **evaluate, "drafter": placeholder,
                                                   "target": config.target, "corpus": placeholder}, source)
+    subset = config.evaluate.get("per_epoch_num_prompts")
+    if subset is not None and subset < 1:
+        raise ConfigError(f"evaluate.per_epoch_num_prompts ({source('evaluate', 'per_epoch_num_prompts')}): must be "
+                          f">= 1 (or null: every prompt), got {subset}")
 
 
 #: The preset ``run`` uses when none is given; ``run --config FILE`` is merged over it.
 DEFAULT_PRESET = "cpu-small"
 
 #: Keys of the ``evaluate`` section that the pipeline reads itself (not EvaluateConfig fields), with their defaults.
-EVALUATE_EXTRAS = {"per_epoch": False, "per_epoch_references": False, "compare_untrained": False}
+EVALUATE_EXTRAS = {"per_epoch": False, "per_epoch_references": False, "compare_untrained": False,
+                   "per_epoch_num_prompts": None}
+
+#: The annotations of :data:`EVALUATE_EXTRAS` whose default does not tell their type.
+_EVALUATE_EXTRA_TYPES = {"per_epoch_num_prompts": int | None}
 
 
 def printable_pipeline(config: PipelineConfig) -> dict[str, Any]:
@@ -455,6 +473,7 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
     state = _State(workdir, config)
     paths = {name: workdir / name for name in ("corpus-all", "corpus", "heldout", "cache", "run", "eval")}
     heldout_prompts: Path | None = None
+    primary_name: str | None = None  # the first prompt set's name in reports (None: the evaluate stage's default)
 
     def stage(name: str, settings: dict[str, Any], work, **skip_info: Any) -> None:
         if state.check(name, settings, paths[_STAGE_OUTPUT[name]]):
@@ -475,6 +494,8 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
             GenerateConfig(output=str(paths["corpus"]), **generate), console=console,
             prompt_processes=prompt_processes)))
         heldout_prompts = Path(config.evaluate.get("prompts") or paths["corpus"] / HELDOUT_PROMPTS_FILE)
+        if not config.evaluate.get("prompts") and generate.get("prompts", "default") == "default":
+            primary_name = "held-out stdlib files"
     else:
         prepare = config.section("prepare")
 
@@ -511,6 +532,9 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
     # call of a job-time-limited host), while the final drafter's report carries the speedups and lossless checks.
     per_epoch_references = bool(evaluate.pop("per_epoch_references", EVALUATE_EXTRAS["per_epoch_references"]))
     compare_untrained = bool(evaluate.pop("compare_untrained", EVALUATE_EXTRAS["compare_untrained"]))
+    # The epochs before the last may measure tau on the first prompts of the first set only (each such evaluation
+    # costs in proportion); the last epoch, the final drafter, is measured on every prompt of every set.
+    per_epoch_num_prompts = evaluate.pop("per_epoch_num_prompts", EVALUATE_EXTRAS["per_epoch_num_prompts"])
 
     def train_config(**changes: Any) -> TrainConfig:
         return TrainConfig.from_dict(deep_merge({**train, "cache": str(paths["cache"]), "output": str(paths["run"])},
@@ -527,17 +551,18 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
             else:
                 settings = EvaluateConfig(drafter=paths["run"], target=config.target, prompts="held-out",
                                           corpus=paths["heldout"], **evaluate)
-            evaluator = Evaluator(settings, config.target, console=console)
+            evaluator = Evaluator(settings, config.target, console=console, primary_name=primary_name)
         return evaluator
 
     def evaluate_checkpoint(folder: Path, json_path: Path, label: str, *, untrained: bool = False,
-                            compare_untrained: bool = False, references: bool | None = None) -> dict[str, Any]:
+                            compare_untrained: bool = False, references: bool | None = None,
+                            all_sets: bool = True, num_prompts: int | None = None) -> dict[str, Any]:
         ev = get_evaluator()
         drafter, drafter_config, _ = ev.load_drafter(folder)
         if untrained:
             drafter = ev.untrained(drafter_config)
         return ev.evaluate(drafter, drafter_config, label=label, json_path=json_path, compare_untrained=compare_untrained,
-                           references=references)
+                           references=references, all_sets=all_sets, num_prompts=num_prompts)
 
     epoch_taus: list[dict[str, Any]] = list(state.data.get("epochs", []))
 
@@ -549,8 +574,10 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
         where = f"step {entry['step']}"
         if entry.get("data_epoch") is not None and "max_steps" in train:  # the points are not epoch ends
             where += f", {entry['steps_fraction']:.0%} of the steps, data cursor in epoch {entry['data_epoch']}"
+        others = "".join(f"; {other['tau']:.3f} on {other['count']} {other['name']} prompts"
+                         for other in report.get("prompt_sets", [])[1:])
         console.print(f"[bold]epoch {entry['epoch']}: tau = {entry['tau']:.3f}[/] on {report['prompts']['count']} "
-                      f"held-out prompts ({where})")
+                      f"held-out prompts{others} ({where})")
 
     done_epochs = {entry["epoch"] for entry in epoch_taus}
     if per_epoch and not state.check("train", train, paths["run"]):
@@ -577,7 +604,8 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
             if compare_untrained and 0 not in done_epochs:  # needs a checkpoint for the drafter's config, not weights
                 report = evaluate_checkpoint(_latest_checkpoint(paths["run"])[0], paths["eval"] / "epoch_0.json",
                                              "untrained drafter (epoch 0)", untrained=True,
-                                             references=None if per_epoch_references else False)
+                                             references=None if per_epoch_references else False, all_sets=False,
+                                             num_prompts=per_epoch_num_prompts)
                 record_epoch({"epoch": 0, "step": 0, "tau": report["tau"], "speedup": report["speedup"]}, report)
                 done_epochs.add(0)
             if epoch in done_epochs:
@@ -588,8 +616,10 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
             cursor = trainer_state.get("data") or {}
             label = f"epoch {epoch}" if "max_steps" not in train else f"point {epoch} of {math.ceil(epochs)}"
             last = int(trainer_state["step"]) >= total_steps
+            # The learning curve is the first prompt set's; the final drafter (last) is measured on every set.
             report = evaluate_checkpoint(folder, paths["eval"] / f"epoch_{epoch}.json", f"{label} ({folder.name})",
-                                         references=None if per_epoch_references or last else False)
+                                         references=None if per_epoch_references or last else False, all_sets=last,
+                                         num_prompts=None if last else per_epoch_num_prompts)
             record_epoch({"epoch": epoch, "step": int(trainer_state["step"]), "tau": report["tau"],
                           "speedup": report["speedup"], "checkpoint": str(folder),
                           "data_epoch": cursor.get("epoch"), "steps_fraction": stop / total_steps}, report)
@@ -608,14 +638,17 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
         if per_epoch and epoch_taus and epoch_taus[-1]["step"] == int(_latest_checkpoint(paths["run"])[1]["step"]):
             last = load_json(paths["eval"] / f"epoch_{epoch_taus[-1]['epoch']}.json", error=ConfigError, fix=_EVAL_FIX)
             # The last epoch's report measured the final drafter; reused when it ran the references the final
-            # evaluation would run (reports written before the setting existed always ran them).
-            if last["settings"].get("references", True) == evaluate.get("references", True):
+            # evaluation would run (reports written before the setting existed always ran them), on every set.
+            extra = [entry.get("spec") for entry in last.get("prompt_sets", [{}])[1:]]
+            if (last["settings"].get("references", True) == evaluate.get("references", True)
+                    and extra == list(evaluate.get("extra_prompts", []))):
                 report = last
                 write_json_atomic(final_path, report)
         if report is None:
             report = evaluate_checkpoint(_latest_checkpoint(paths["run"])[0], final_path, "final drafter",
                                          compare_untrained=final_untrained)
-        return {"tau": report["tau"]}
+        return {"tau": report["tau"], "prompt_sets": {entry["name"]: entry["tau"]
+                                                      for entry in report.get("prompt_sets", [])}}
 
     stage("evaluate", {**evaluate, "compare_untrained": final_untrained}, final_work)
     report = load_json(final_path, error=ConfigError, fix=_EVAL_FIX)
@@ -727,10 +760,13 @@ def register(app: typer.Typer) -> None:
             print(json.dumps(printable_pipeline(config), indent=2))
             raise typer.Exit(0)
 
+        from stages.evaluate import tau_line
+
         console.print(f"preset {preset} -> {workdir}")
         started = time.perf_counter()
         report = run_pipeline(config, console=console, source=source, prompt_processes=None)  # under __main__
         print_summary(report, console)
         console.print(f"pipeline finished in {time.perf_counter() - started:.1f} s; results in {workdir}")
-        console.print(f"[bold]tau = {report['tau']:.3f}[/] (mean acceptance length, block size "
-                      f"{report['acceptance']['block_size']}, {report['prompts']['count']} held-out prompts)")
+        counts = " + ".join(str(entry["count"]) for entry in report.get("prompt_sets") or [report["prompts"]])
+        console.print(f"[bold]{tau_line(report)}[/] (mean acceptance length, block size "
+                      f"{report['acceptance']['block_size']}, {counts} held-out prompts)")

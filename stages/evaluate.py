@@ -4,6 +4,12 @@ Run::
 
     dflash-stages evaluate --drafter RUN [--prompts held-out --corpus CORPUS [--cache CACHE]] [--json OUT]
     dflash-stages evaluate --drafter EXPORT --prompts prompts.jsonl --temperature 0.7
+    dflash-stages evaluate --drafter RUN --prompts heldout_prompts.jsonl --extra-prompts numpy-questions
+
+Several prompt sets (``prompts``, then each of ``extra_prompts``) are evaluated one after the other in one run,
+each with its own tau, per-position acceptance, speedups and lossless checks (references measured per set); the
+report's top-level figures are the first set's, ``prompt_sets`` lists every set with its fingerprint, the tables
+show them side by side and the last line names each (``tau = 2.614 (heldout_prompts) / 2.101 (numpy-questions)``).
 
 For every prompt the same loop (:func:`dflash.decoding.speculative.speculative_generate`) runs twice: with block size 1
 (plain target decoding, the baseline) and with the drafter's block size; and the target's own transformers
@@ -22,10 +28,11 @@ for a 1-token and a B-token forward round differently, mostly in bf16), anything
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +41,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dflash.decoding.eval_prompts import EvalPrompt, held_out_rows, prompts_from_corpus, prompts_from_file
+from dflash.decoding.eval_prompts import (
+    EMBEDDED_PROMPT_SETS,
+    EvalPrompt,
+    PromptSet,
+    embedded_prompts,
+    held_out_rows,
+    prompts_from_corpus,
+    prompts_from_file,
+)
 from dflash.errors import ConfigError
 from dflash.io.files import atomic_write_text
 from dflash.serving.export import load_drafter
@@ -60,8 +75,8 @@ if TYPE_CHECKING:
 # torch and dflash.decoding.speculative are imported where they are used: every command's module is imported when the CLI
 # starts, and importing torch (seconds on a small host) before a config check would delay every `error:` line.
 
-__all__ = ["EvaluateConfig", "Baselines", "Evaluator", "load_drafter_any", "attach_checked", "check_target_identity", "load_prompts", "evaluate_drafter",
-           "run_evaluate", "print_report", "write_json_atomic", "register"]
+__all__ = ["EvaluateConfig", "Baselines", "Evaluator", "load_drafter_any", "attach_checked", "check_target_identity", "load_prompts", "load_prompt_set", "evaluate_drafter",
+           "run_evaluate", "print_report", "tau_line", "write_json_atomic", "register"]
 
 log = logging.getLogger(__name__)
 REPORT_FORMAT = "dflash-stages.evaluate/1"
@@ -74,9 +89,10 @@ class EvaluateConfig:
     Fields:
         drafter: a run folder (its ``latest`` checkpoint), a checkpoint folder or an exported serving folder.
         target: target spec; ``None`` = the spec recorded with the drafter (else the embedded default).
-        prompts: ``"held-out"`` (rows of ``corpus`` outside ``cache``'s shards), or a ``.jsonl`` / ``.txt`` file.
+        prompts: ``"held-out"`` (rows of ``corpus`` outside ``cache``'s shards), an embedded set
+            (``numpy-questions``, :mod:`dflash.decoding.eval_prompts`), or a ``.jsonl`` / ``.txt`` file.
         corpus, cache: for ``held-out`` prompts.
-        num_prompts: prompts evaluated.
+        num_prompts: prompts evaluated (of each prompt set).
         prompt_tokens: prompt window taken from a plain (all-supervised) corpus row.
         max_new_tokens: tokens generated per prompt.
         temperature: 0 = greedy (lossless check on), > 0 = lossless speculative sampling.
@@ -102,6 +118,9 @@ class EvaluateConfig:
     drafter: Path
     target: str | None = None
     prompts: str = "held-out"
+    extra_prompts: list[str] = field(default_factory=list, metadata={"help": (
+        "More prompt sets evaluated beside prompts, each reported on its own: .jsonl/.txt files or embedded sets "
+        "(numpy-questions: questions about documented NumPy functions).")})
     corpus: Path | None = None
     cache: Path | None = None
     num_prompts: int = 16
@@ -141,10 +160,17 @@ class EvaluateConfig:
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.prompts == "held-out" and self.corpus is None:
             raise ConfigError("prompts: held-out prompts need --corpus (and --cache to exclude the training rows)")
-        if self.prompts != "held-out":
-            from dflash.decoding.eval_prompts import check_prompts_file
+        from dflash.decoding.eval_prompts import check_prompt_source
 
-            check_prompts_file(self.prompts)  # a wrong path fails here, before the target is loaded
+        check_prompt_source(self.prompts)  # a wrong path fails here, before the target is loaded
+        if isinstance(self.extra_prompts, str):
+            self.extra_prompts = [self.extra_prompts]
+        self.extra_prompts = [str(spec) for spec in self.extra_prompts]
+        for spec in self.extra_prompts:
+            check_prompt_source(spec, what="extra_prompts", held_out=False)
+        specs = [self.prompts, *self.extra_prompts]
+        if len(set(specs)) != len(specs):
+            raise ConfigError(f"extra_prompts: a prompt set is named twice ({specs}); drop the repeat")
         kind, _, index = str(self.device).partition(":")
         if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N (N a GPU index >= 0), got {self.device!r}")
@@ -213,17 +239,30 @@ def check_target_identity(target_info: dict[str, Any], target: Any, where: Path)
 
 def load_prompts(config: EvaluateConfig, tokenizer: Any) -> list[EvalPrompt]:
     """The prompt set ``config.prompts`` names (see :mod:`dflash.decoding.eval_prompts`)."""
-    if config.prompts == "held-out":
+    return load_prompt_set(config.prompts, config, tokenizer).prompts
+
+
+def load_prompt_set(spec: str, config: EvaluateConfig, tokenizer: Any, *, name: str | None = None) -> PromptSet:
+    """The prompt set ``spec`` names (``held-out``, an embedded set or a prompts file), ``config.num_prompts`` of
+    it; named ``name``, else ``held-out``, the embedded set's name or the file's stem."""
+    if spec == "held-out":
         from dflash.corpus.format import open_corpus
 
         corpus = open_corpus(config.corpus)
         corpus.check_fingerprint()
         rows = held_out_rows(corpus, config.cache)
-        return prompts_from_corpus(
+        prompts = prompts_from_corpus(
             corpus, rows, num_prompts=config.num_prompts, prompt_tokens=config.prompt_tokens,
             continuation_tokens=config.max_new_tokens, seed=config.seed,
         )
-    return prompts_from_file(config.prompts, tokenizer, num_prompts=config.num_prompts)
+        source = f"held-out rows of {config.corpus}" + (f" not in {config.cache}" if config.cache else "")
+        return PromptSet(name=name or "held-out", spec=spec, source=source, prompts=prompts,
+                         details={"corpus_fingerprint": corpus.fingerprint})
+    if spec in EMBEDDED_PROMPT_SETS:
+        embedded = embedded_prompts(spec, tokenizer, num_prompts=config.num_prompts, seed=config.seed)
+        return dataclasses.replace(embedded, name=name or embedded.name)
+    prompts = prompts_from_file(spec, tokenizer, num_prompts=config.num_prompts)
+    return PromptSet(name=name or Path(spec).stem, spec=spec, source=spec, prompts=prompts)
 
 
 def _stop_tokens(tokenizer: Any, ignore_eos: bool) -> tuple[int, ...]:
@@ -473,23 +512,36 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 
 
 class Evaluator:
-    """The target, the prompt set and the block-size-1 baseline, loaded/measured once; evaluates any number of
-    drafters on them (the pipeline measures every epoch's checkpoint against one baseline).
+    """The target, the prompt sets and their references, loaded/measured once; evaluates any number of drafters on
+    them (the pipeline measures every epoch's checkpoint, and each set's references are measured once).
 
     Args:
         config: evaluation settings (``config.drafter`` is not read here).
         target_spec: the target to load.
         console: where progress goes.
+        primary_name: the name of ``config.prompts``'s set in reports (default: :func:`load_prompt_set`'s).
     """
 
-    def __init__(self, config: EvaluateConfig, target_spec: str, *, console: Console | None = None) -> None:
+    def __init__(self, config: EvaluateConfig, target_spec: str, *, console: Console | None = None,
+                 primary_name: str | None = None) -> None:
         self.config = config
         self.console = console or Console()
         self.target_spec = str(target_spec)
         self.device, self.dtype = config.resolved_device(), config.resolved_dtype()
         self.target = load_target(self.target_spec, dtype=self.dtype, device=self.device)
-        self.prompts = load_prompts(config, self.target.tokenizer)
-        self.baseline: Baselines | None = None
+        tokenizer = self.target.tokenizer
+        self.prompt_sets = [load_prompt_set(config.prompts, config, tokenizer, name=primary_name),
+                            *(load_prompt_set(spec, config, tokenizer) for spec in config.extra_prompts)]
+        names = [prompt_set.name for prompt_set in self.prompt_sets]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"extra_prompts: two prompt sets have one name ({names}); rename a prompts file")
+        self.prompts = self.prompt_sets[0].prompts
+        self.baselines: dict[tuple[str, int], Baselines] = {}  # by (set name, prompts evaluated)
+
+    @property
+    def baseline(self) -> Baselines | None:
+        """The first prompt set's references, once measured."""
+        return self.baselines.get(_baseline_key(self.prompt_sets[0]))
 
     def load_drafter(self, path: Path, loaded: tuple[Any, Any, dict[str, Any]] | None = None) -> tuple[Any, Any, dict[str, Any]]:
         """A drafter from ``path`` (or the already read ``loaded = load_drafter_any(path)``) on the target's device
@@ -504,25 +556,38 @@ class Evaluator:
         """A randomly initialized drafter of ``drafter_config`` (seeded by ``config.seed``), target attached."""
         return _untrained_like(drafter_config, self.target, self.config.seed)
 
-    def _summary(self, drafter: Any, drafter_config: Any, label: str, *, references: bool = True) -> dict[str, Any]:
+    def _summary(self, prompt_set: PromptSet, drafter: Any, drafter_config: Any, label: str, *,
+                 references: bool = True) -> dict[str, Any]:
         config = self.config
         summary, baseline = evaluate_drafter(
-            self.target, drafter, self.prompts, block_size=config.block_size or int(drafter_config.block_size),
+            self.target, drafter, prompt_set.prompts,
+            block_size=config.block_size or int(drafter_config.block_size),
             mask_token_id=int(drafter_config.mask_token_id), target_layer_ids=list(drafter_config.target_layer_ids),
             max_new_tokens=config.max_new_tokens, temperature=config.temperature,
             stop_token_ids=_stop_tokens(self.target.tokenizer, config.ignore_eos), seed=config.seed,
-            near_tie_tolerance=config.near_tie_tolerance, baseline=self.baseline if references else None,
-            references=references, console=self.console, label=label,
+            near_tie_tolerance=config.near_tie_tolerance,
+            baseline=self.baselines.get(_baseline_key(prompt_set)) if references else None,
+            references=references, console=self.console,
+            label=label if len(self.prompt_sets) == 1 else f"{label} on {prompt_set.name}",
         )
-        self.baseline = baseline or self.baseline
+        if baseline is not None:
+            self.baselines[_baseline_key(prompt_set)] = baseline
         return summary
 
     def evaluate(self, drafter: Any, drafter_config: Any, *, label: str, compare_untrained: bool = False,
-                 json_path: Path | None = None, references: bool | None = None) -> dict[str, Any]:
+                 json_path: Path | None = None, references: bool | None = None,
+                 all_sets: bool = True, num_prompts: int | None = None) -> dict[str, Any]:
         """Evaluate one drafter; returns the JSON report (also written atomically to ``json_path``).
 
+        The report's top-level figures (``tau``, ``acceptance``, ``speedup``, ``lossless``, ...) are those of the
+        first prompt set (``config.prompts``); ``prompt_sets`` holds every set evaluated, each with its own.
+
         ``references``: run (or reuse) the block-size-1 and ``generate()`` references; ``None`` = the config's
-        ``references``. ``False``: tau and acceptance only (the pipeline's per-epoch evaluations)."""
+        ``references``. ``False``: tau and acceptance only (the pipeline's per-epoch evaluations).
+        ``all_sets``: ``False`` evaluates the first prompt set only (the pipeline's per-epoch evaluations).
+        ``num_prompts``: evaluate only the first this many prompts of each set (the pipeline's per-epoch
+        evaluations, ``evaluate.per_epoch_num_prompts``); ``None``: all of them.
+        ``compare_untrained`` measures the untrained drafter on the first set."""
         import torch
 
         config = self.config
@@ -532,38 +597,55 @@ class Evaluator:
         cpu_threads = (config.cpu_threads or 1) if self.device.type == "cpu" else None
         if cpu_threads is not None:
             torch.set_num_threads(cpu_threads)
+        evaluated = self.prompt_sets if all_sets else self.prompt_sets[:1]
+        if num_prompts is not None:  # the first prompts of each set: a subset, another fingerprint, own references
+            evaluated = [dataclasses.replace(prompt_set, prompts=prompt_set.prompts[:num_prompts])
+                         for prompt_set in evaluated]
         try:
-            summary = self._summary(drafter, drafter_config, label, references=references)
+            summaries = [self._summary(prompt_set, drafter, drafter_config, label, references=references)
+                         for prompt_set in evaluated]
             untrained = None
             if compare_untrained:
-                floor = self._summary(self.untrained(drafter_config), drafter_config, "untrained",
-                                      references=references)
+                floor = self._summary(self.prompt_sets[0], self.untrained(drafter_config), drafter_config,
+                                      "untrained", references=references)
                 untrained = {key: floor[key] for key in ("tau", "acceptance", "speedup", "speedup_vs_generate",
                                                          "lossless", "lossless_vs_generate")}
         finally:
             torch.set_num_threads(threads)
-        prompts = self.prompts
+        sets = [{**_describe_set(prompt_set), **summary} for prompt_set, summary in zip(evaluated, summaries,
+                                                                                        strict=True)]
         report = {
             "format": REPORT_FORMAT,
             "drafter": label,
             "target": {"spec": self.target_spec, **self.target.identity.to_dict()},
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
-            "prompts": {"source": config.prompts if config.prompts != "held-out" else
-                        f"held-out rows of {config.corpus}" + (f" not in {config.cache}" if config.cache else ""),
-                        "count": len(prompts),
-                        "mean_prompt_tokens": sum(len(p.input_ids) for p in prompts) / len(prompts)},
+            "prompts": _describe_set(evaluated[0]),
             "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
                          "references": references, "drafter": label, "cpu_threads": cpu_threads,
                          "block_size": config.block_size or int(drafter_config.block_size),
                          "mode": "greedy" if config.temperature == 0 else "sampled"},
-            **summary,
+            **summaries[0],
+            "prompt_sets": sets,
             "untrained": untrained,
             "seconds": time.perf_counter() - started,
         }
         if json_path is not None:
             write_json_atomic(Path(json_path), report)
         return report
+
+
+def _baseline_key(prompt_set: PromptSet) -> tuple[str, int]:
+    """The references of a set's first N prompts are those of that set and N."""
+    return prompt_set.name, len(prompt_set.prompts)
+
+
+def _describe_set(prompt_set: PromptSet) -> dict[str, Any]:
+    """A prompt set as reports name it: name, setting, what it is, size and fingerprint."""
+    prompts = prompt_set.prompts
+    return {"name": prompt_set.name, "spec": prompt_set.spec, "source": prompt_set.source, "count": len(prompts),
+            "mean_prompt_tokens": sum(len(p.input_ids) for p in prompts) / len(prompts),
+            "fingerprint": prompt_set.fingerprint, **prompt_set.details}
 
 
 def run_evaluate(config: EvaluateConfig, *, console: Console | None = None) -> dict[str, Any]:
@@ -580,8 +662,37 @@ def run_evaluate(config: EvaluateConfig, *, console: Console | None = None) -> d
                               compare_untrained=config.compare_untrained, json_path=config.json_path)
 
 
+def _lossless_text(lossless: dict[str, Any] | None, measured: bool) -> str | None:
+    """A lossless entry as the tables show it; ``None`` when there is nothing to show."""
+    if lossless is None:
+        return None
+    if lossless.get("checked"):
+        verdict = "[green]passed[/]" if lossless["passed"] else "[red]FAILED[/]"
+        ties = f", {lossless['near_ties']} diverge at float near-ties" if lossless["near_ties"] else ""
+        return f"{verdict}: {lossless['identical']}/{lossless['prompts']} identical{ties}"
+    return "n/a (sampled)" if measured else None
+
+
+def _prompt_sets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every prompt set of ``report`` (reports written before ``prompt_sets`` existed: the one set)."""
+    return report.get("prompt_sets") or [{**report["prompts"], "name": report["prompts"].get("name", "prompts"),
+                                          **{key: report.get(key) for key in ("tau", "acceptance", "speedup",
+                                                                              "speedup_vs_generate", "lossless",
+                                                                              "lossless_vs_generate")}}]
+
+
+def tau_line(report: dict[str, Any]) -> str:
+    """``tau = 2.614`` for one prompt set; ``tau = 2.614 (held-out stdlib files) / 2.101 (numpy-questions)`` for
+    several."""
+    sets = _prompt_sets(report)
+    if len(sets) == 1:
+        return f"tau = {report['tau']:.3f}"
+    return "tau = " + " / ".join(f"{entry['tau']:.3f} ({entry['name']})" for entry in sets)
+
+
 def print_report(report: dict[str, Any], console: Console) -> None:
-    """The report as rich tables: summary, tau histogram, per-position acceptance."""
+    """The report as rich tables: summary, the prompt sets side by side (when several), tau histogram,
+    per-position acceptance."""
     acceptance = report["acceptance"]
     block_size = acceptance["block_size"]
     summary = Table(title=f"DFlash evaluation ({report['settings']['mode']}, block size {block_size})")
@@ -604,25 +715,40 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         summary.add_row("target generate() tokens/s", f"{generate['tokens_per_second']:.1f}")
         summary.add_row("speedup vs generate()", f"{report['speedup_vs_generate']:.2f}x")
     for name, key in (("greedy lossless check", "lossless"), ("lossless vs generate()", "lossless_vs_generate")):
-        lossless = report.get(key)
-        if lossless is None:
-            continue
-        if lossless.get("checked"):
-            verdict = "[green]passed[/]" if lossless["passed"] else "[red]FAILED[/]"
-            ties = f", {lossless['near_ties']} diverge at float near-ties" if lossless["near_ties"] else ""
-            summary.add_row(name, f"{verdict}: {lossless['identical']}/{lossless['prompts']} identical{ties}")
-        elif report.get("speedup") is not None:
-            summary.add_row(name, "n/a (sampled)")
+        text = _lossless_text(report.get(key), report.get("speedup") is not None)
+        if text is not None:
+            summary.add_row(name, text)
     console.print(summary)
+    sets = _prompt_sets(report)
+    if len(sets) > 1:
+        side = Table(title="prompt sets side by side")
+        side.add_column("metric")
+        for entry in sets:
+            side.add_column(entry["name"], justify="right")
+        side.add_row("what", *(entry["source"] for entry in sets))
+        side.add_row("prompts", *(str(entry["count"]) for entry in sets))
+        side.add_row("fingerprint", *(entry["fingerprint"].removeprefix("sha256:")[:12] for entry in sets))
+        side.add_row("draft-verify cycles", *(str(entry["acceptance"]["num_cycles"]) for entry in sets))
+        side.add_row("tau", *(f"[bold]{entry['tau']:.3f}[/]" for entry in sets))
+        for name, key in (("speedup vs block size 1", "speedup"), ("speedup vs generate()", "speedup_vs_generate")):
+            side.add_row(name, *("-" if entry[key] is None else f"{entry[key]:.2f}x" for entry in sets))
+        for name, key in (("greedy lossless check", "lossless"), ("lossless vs generate()", "lossless_vs_generate")):
+            side.add_row(name, *(_lossless_text(entry[key], entry["speedup"] is not None) or "-" for entry in sets))
+        console.print(side)
     positions = Table(title="per-position acceptance")
     positions.add_column("draft position k", justify="right")
-    positions.add_column("P(accept k | reached k)", justify="right")
-    positions.add_column("P(>= k accepted)", justify="right")
-    for k, (rate, reach) in enumerate(zip(acceptance["acceptance_per_position"], acceptance["reach_per_position"],
-                                          strict=True), start=1):
-        positions.add_row(str(k), "-" if rate is None else f"{rate:.3f}", f"{reach:.3f}")
+    for entry in sets:
+        suffix = "" if len(sets) == 1 else f" {entry['name']}"
+        positions.add_column(f"P(accept k | reached k){suffix}", justify="right")
+        positions.add_column(f"P(>= k accepted){suffix}", justify="right")
+    for k in range(1, block_size):
+        cells = []
+        for entry in sets:
+            rate = entry["acceptance"]["acceptance_per_position"][k - 1]
+            cells += ["-" if rate is None else f"{rate:.3f}", f"{entry['acceptance']['reach_per_position'][k - 1]:.3f}"]
+        positions.add_row(str(k), *cells)
     console.print(positions)
-    histogram = Table(title="tau histogram")
+    histogram = Table(title="tau histogram" + ("" if len(sets) == 1 else f" ({sets[0]['name']})"))
     histogram.add_column("tau", justify="right")
     histogram.add_column("cycles", justify="right")
     histogram.add_column("share", justify="right")
@@ -630,6 +756,11 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     for tau, count in acceptance["histogram"].items():
         histogram.add_row(tau, str(count), f"{count / total:.1%} " + "#" * round(40 * count / total))
     console.print(histogram)
+
+
+def _field_help(name: str) -> str:
+    """The help of ``EvaluateConfig``'s field ``name`` (its ``metadata["help"]``)."""
+    return next(f.metadata["help"] for f in dataclasses.fields(EvaluateConfig) if f.name == name)
 
 
 def register(app: typer.Typer) -> None:
@@ -640,7 +771,8 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context,
         drafter: Path = typer.Option(None, "--drafter", help="Run folder (latest checkpoint), checkpoint folder or exported folder. Required (here or in --config/--preset/--set)."),
         target: str | None = typer.Option(None, "--target", help="Target spec; default: the one recorded with the drafter."),
-        prompts: str = typer.Option("held-out", "--prompts", help="held-out | FILE.jsonl (messages/prompt/text) | FILE.txt (one per line)."),
+        prompts: str = typer.Option("held-out", "--prompts", help="held-out | numpy-questions | FILE.jsonl (messages/prompt/text) | FILE.txt (one per line)."),
+        extra_prompts: list[str] | None = typer.Option(None, "--extra-prompts", help=_field_help("extra_prompts") + " Repeatable."),
         corpus: Path | None = typer.Option(None, "--corpus", help="Corpus for held-out prompts."),
         cache: Path | None = typer.Option(None, "--cache", help="Cache the drafter trained on: its rows are excluded from held-out prompts."),
         num_prompts: int = typer.Option(16, "--num-prompts", help="Prompts to evaluate."),
@@ -672,7 +804,8 @@ def register(app: typer.Typer) -> None:
             return None if path is None else str(path)
 
         values = dict(
-            drafter=text(drafter), target=target, prompts=prompts, corpus=text(corpus), cache=text(cache),
+            drafter=text(drafter), target=target, prompts=prompts, extra_prompts=extra_prompts or [],
+            corpus=text(corpus), cache=text(cache),
             num_prompts=num_prompts, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
             temperature=temperature, block_size=block_size, ignore_eos=ignore_eos,
             compare_untrained=compare_untrained, references=references, seed=seed, device=device, dtype=dtype,
@@ -693,9 +826,9 @@ def register(app: typer.Typer) -> None:
             print_report(report, console)
         if json_out is not None:
             console.print(f"report written to {json_out}")
-        console.print(f"tau = {report['tau']:.3f}")
-        failed = [key for key in ("lossless", "lossless_vs_generate")
-                  if report[key].get("checked") and not report[key]["passed"]]
+        console.print(tau_line(report))
+        failed = [key for key in ("lossless", "lossless_vs_generate") for entry in report["prompt_sets"]
+                  if entry[key].get("checked") and not entry[key]["passed"]]
         if "lossless" in failed:
             console.print("[red]greedy speculative output differs from the target's own greedy output[/]")
         if "lossless_vs_generate" in failed:

@@ -252,3 +252,97 @@ def test_progress_bar_over_prompts_on_a_terminal(export_folder, target, tokenize
     assert "evaluate my-drafter" in drawn and "warm-up" in drawn
     assert "2/2 prompts" in drawn and f"tau {summary['tau']:.2f}" in drawn
     assert "tau so far" not in drawn  # the plain per-prompt lines are for logs only
+
+
+def test_two_prompt_sets_are_reported_side_by_side(export_folder, tmp_path, tokenizer):
+    """``--extra-prompts numpy-questions`` evaluates a second set, of another kind, in the same run: each set has
+    its own tau, acceptance per position, lossless counts and fingerprint, in the JSON and in the tables, and the
+    last line names both."""
+    from dflash.decoding.eval_prompts import NUMPY_QUESTIONS, embedded_prompts
+    from stages.cli import _register_all, app
+
+    _register_all()
+    prompts = tmp_path / "code.jsonl"
+    prompts.write_text(json.dumps({"text": "def fibonacci(n):\n    if n < 2:\n"}) + "\n"
+                       + json.dumps({"text": "import os\n\ndef walk(top):\n"}) + "\n")
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, [
+        "evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--extra-prompts", NUMPY_QUESTIONS,
+        "--num-prompts", "2", "--max-new-tokens", "4", "--ignore-eos", "--device", "cpu", "--json-file", str(out),
+    ], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    report = json.loads(out.read_text())
+    first, second = report["prompt_sets"]
+    assert (first["name"], second["name"]) == ("code", NUMPY_QUESTIONS)
+    assert first["tau"] == report["tau"] and first["acceptance"] == report["acceptance"]  # the top level: set 1
+    expected = embedded_prompts(NUMPY_QUESTIONS, tokenizer, num_prompts=2, seed=0)
+    assert second["fingerprint"] == expected.fingerprint != first["fingerprint"]
+    assert second["package"] == "numpy" and second["package_version"] == np.__version__
+    assert [p["source"] for p in second["per_prompt"]] == [p.source for p in expected.prompts]
+    for entry in (first, second):
+        assert entry["count"] == 2 and 1.0 <= entry["tau"] <= BLOCK
+        assert len(entry["acceptance"]["acceptance_per_position"]) == BLOCK - 1
+        assert entry["lossless"]["checked"] and entry["lossless"]["identical"] == 2
+        assert entry["lossless_vs_generate"]["passed"] and entry["speedup"] > 0
+        assert sum(p["cycles"] for p in entry["per_prompt"]) == entry["acceptance"]["num_cycles"]
+    assert "prompt sets side by side" in result.output and f"P(>= k accepted) {NUMPY_QUESTIONS}" in result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last == f"tau = {first['tau']:.3f} (code) / {second['tau']:.3f} ({NUMPY_QUESTIONS})"
+
+
+def test_numpy_questions_are_chat_questions_about_documented_functions(tokenizer):
+    """The embedded second set: the same prompts for the same seed, other ones for another seed; each a user turn
+    through the chat template quoting a numpy function's documentation, no code."""
+    from dflash.decoding.eval_prompts import NUMPY_QUESTIONS, embedded_prompts
+
+    first = embedded_prompts(NUMPY_QUESTIONS, tokenizer, num_prompts=3, seed=0)
+    assert embedded_prompts(NUMPY_QUESTIONS, tokenizer, num_prompts=3, seed=0).fingerprint == first.fingerprint
+    assert embedded_prompts(NUMPY_QUESTIONS, tokenizer, num_prompts=3, seed=1).fingerprint != first.fingerprint
+    assert len(first.prompts) == 3 and first.details["candidates"] > 100
+    for prompt in first.prompts:
+        text = tokenizer.decode(prompt.input_ids)
+        assert "<|im_start|>user" in text and text.rstrip().endswith("<|im_start|>assistant")
+        assert "I am using NumPy's `" in text and "Its documentation says:" in text and "```" not in text
+        assert prompt.source.startswith(f"{NUMPY_QUESTIONS}:numpy.")
+
+
+def test_extra_prompts_refused_before_the_target_loads(export_folder, tmp_path, monkeypatch, capsys):
+    """A missing file, held-out (which needs the corpus rows of the first set) or a set named twice: one error line
+    naming the setting, exit status 2."""
+    from cli_helpers import main_in_process
+
+    missing = tmp_path / "nope.jsonl"
+    code, err = main_in_process(monkeypatch, capsys, "evaluate", "--drafter", str(export_folder), "--prompts",
+                                "numpy-questions", "--extra-prompts", str(missing))
+    assert code == 2 and err.count("error: ") == 1 and "Traceback" not in err, err
+    assert f"evaluate.extra_prompts (--extra-prompts): {missing} does not exist" in err, err
+    assert "an embedded set (numpy-questions), a .jsonl or a .txt file" in err and "held-out" not in err
+    code, err = main_in_process(monkeypatch, capsys, "evaluate", "--drafter", str(export_folder), "--prompts",
+                                "numpy-questions", "--extra-prompts", "numpy-questions")
+    assert code == 2 and "named twice" in err, err
+    code, err = main_in_process(monkeypatch, capsys, "evaluate", "--drafter", str(export_folder), "--prompts",
+                                "numpy-questions", "--extra-prompts", "held-out")
+    assert code == 2 and "held-out is allowed only as the first prompt set" in err, err
+
+
+def test_the_first_prompts_of_a_set_have_their_own_references(export_folder, tmp_path):
+    """``Evaluator.evaluate(num_prompts=N)`` measures the first N prompts of the first set (another fingerprint);
+    references measured on them are not reused for the whole set."""
+    from stages.evaluate import EvaluateConfig, Evaluator
+
+    prompts = tmp_path / "code.jsonl"
+    prompts.write_text("".join(json.dumps({"text": text}) + "\n" for text in
+                               ("def fibonacci(n):\n    if n < 2:\n", "import os\n\ndef walk(top):\n")))
+    config = EvaluateConfig(drafter=export_folder, prompts=str(prompts), num_prompts=2, max_new_tokens=3,
+                            ignore_eos=True, device="cpu")
+    evaluator = Evaluator(config, "default")
+    drafter, drafter_config, _ = evaluator.load_drafter(export_folder)
+    first = evaluator.evaluate(drafter, drafter_config, label="subset", all_sets=False, num_prompts=1)
+    whole = evaluator.evaluate(drafter, drafter_config, label="whole")
+    assert [(s["name"], s["count"]) for s in first["prompt_sets"]] == [("code", 1)]
+    assert [(s["name"], s["count"]) for s in whole["prompt_sets"]] == [("code", 2)]
+    assert first["prompts"]["fingerprint"] != whole["prompts"]["fingerprint"]
+    same = ("source", "new_tokens", "cycles", "tau")
+    assert [first["per_prompt"][0][k] for k in same] == [whole["per_prompt"][0][k] for k in same]
+    assert whole["lossless"]["identical"] == 2 and len(whole["per_prompt"]) == 2
+    assert all("baseline_seconds" in p for p in whole["per_prompt"])

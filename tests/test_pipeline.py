@@ -29,7 +29,7 @@ TINY = {
               "device": "cpu", "telemetry": {"progress": False}},
     "evaluate": {"num_prompts": 1, "prompt_tokens": 16, "max_new_tokens": 4, "ignore_eos": True, "device": "cpu",
                  "cpu_threads": 1,
-                 "per_epoch": True, "compare_untrained": True},
+                 "per_epoch": True, "compare_untrained": True, "extra_prompts": ["numpy-questions"]},
 }
 
 
@@ -63,6 +63,15 @@ def test_pipeline_runs_every_stage_and_prints_tau(finished_run):
     assert float(tau_lines[0].split()[2]) == pytest.approx(report["tau"], abs=5e-4)
     assert report["lossless"]["checked"] and report["lossless"]["passed"]
     assert report["prompts"]["count"] == 1
+    # The final drafter on both prompt sets, each with its own tau and lossless check; the last line names both.
+    held_out, numpy_questions = report["prompt_sets"]
+    assert (held_out["name"], numpy_questions["name"]) == ("held-out", "numpy-questions")
+    assert held_out["tau"] == report["tau"] and numpy_questions["lossless"]["passed"]
+    assert numpy_questions["fingerprint"].startswith("sha256:") and numpy_questions["count"] == 1
+    assert tau_lines[0].startswith(f"tau = {report['tau']:.3f} (held-out) / {numpy_questions['tau']:.3f} "
+                                   "(numpy-questions) (mean acceptance length")
+    assert state["stages"]["evaluate"]["result"]["prompt_sets"] == {"held-out": report["tau"],
+                                                                   "numpy-questions": numpy_questions["tau"]}
     # Epoch by epoch: the untrained floor (epoch 0), then each epoch's checkpoint; the last one is the final drafter.
     assert [entry["epoch"] for entry in state["epochs"]] == [0, 1, 2]
     total_steps = state["stages"]["train"]["result"]["total_steps"]
@@ -88,6 +97,7 @@ def test_pipeline_runs_every_stage_and_prints_tau(finished_run):
             assert epoch_report["speedup"] is None and entry["speedup"] is None
             assert not epoch_report["lossless"]["checked"] and epoch_report["settings"]["references"] is False
             assert set(epoch_report["throughput"]) == {"speculative"}
+            assert [entry["name"] for entry in epoch_report["prompt_sets"]] == ["held-out"]  # the first set only
             assert sum(p["cycles"] for p in epoch_report["per_prompt"]) == epoch_report["acceptance"]["num_cycles"]
 
 
@@ -327,14 +337,22 @@ def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(fini
 
 
 def test_a_schedule_shorter_than_half_the_epochs_still_trains_before_its_first_evaluation(finished_run, tmp_path):
-    """train.max_steps=1 with 2 epochs: epoch 1's end rounds to step 0; it trains step 1 and evaluates there."""
+    """train.max_steps=1 with 2 epochs: epoch 1's end rounds to step 0; it trains step 1 and evaluates there.
+    With evaluate.per_epoch_num_prompts the evaluations before the last take the first prompts of the first set
+    only; the last one (the final drafter) every prompt of every set."""
     app, preset, _, _ = finished_run
     workdir = tmp_path / "work"
     result = CliRunner().invoke(app, ["run", "--preset", str(preset), "--workdir", str(workdir),
-                                      "--set", "train.max_steps=1"])
+                                      "--set", "train.max_steps=1", "--set", "evaluate.num_prompts=2",
+                                      "--set", "evaluate.per_epoch_num_prompts=1"])
     assert result.exit_code == 0, result.output + repr(result.exception)
     state = json.loads((workdir / "pipeline.json").read_text())
     assert [(e["epoch"], e["step"]) for e in state["epochs"]] == [(0, 0), (1, 1), (2, 1)]
+    counts = [[(s["name"], s["count"]) for s in json.loads((workdir / "eval" / f"epoch_{e}.json").read_text())
+               ["prompt_sets"]] for e in (0, 1, 2)]
+    assert counts[:2] == [[("held-out", 1)]] * 2 and counts[2] == [("held-out", 2), ("numpy-questions", 2)]
+    final = json.loads((workdir / "eval" / "final.json").read_text())
+    assert final["prompts"]["count"] == 2 and final["lossless"]["identical"] == 2
 
 
 def test_cpu_small_preset_departs_from_no_convention_within_its_own_lengths():
@@ -349,3 +367,13 @@ def test_cpu_small_preset_departs_from_no_convention_within_its_own_lengths():
     assert convention_warnings(block_size=train.drafter.block_size, gamma=train.resolved_gamma(),
                                betas=train.optim.betas, max_anchors_per_document=train.drafter.max_anchors_per_document,
                                longest_sample=preset["generate"]["max_length"]) == []
+
+
+def test_numpy_questions_refused_beside_a_prompt_set_that_trains_on_numpy(tmp_path):
+    """The second prompt set is held out only while training never reads numpy's sources."""
+    preset = {k: v for k, v in load_preset("h200-smollm2").items() if k != "_why"}
+    assert preset["evaluate"]["extra_prompts"] == ["numpy-questions"]
+    PipelineConfig.from_preset(preset, workdir=tmp_path)
+    preset["generate"]["default_prompts"]["packages"] = ["torch", "numpy"]
+    with pytest.raises(ConfigError, match="numpy-questions asks about numpy, which generate.default_prompts.packages"):
+        PipelineConfig.from_preset(preset, workdir=tmp_path)

@@ -13,12 +13,28 @@ File prompts: ``.jsonl`` lines with ``messages`` (a trailing assistant turn is d
 generation prompt is applied), ``prompt`` (a user message through the chat template, or raw with
 ``chat_template=False``) or ``text`` (raw text, no template); ``.txt``: one prompt per non-empty line, as
 ``prompt``.
+
+Embedded sets (:data:`EMBEDDED_PROMPT_SETS`), built on every machine from what this project installs:
+
+- ``numpy-questions``: instruction-style questions about documented NumPy functions, through the chat template:
+  the function's name, module and signature and the first paragraph of its docstring, then one question ("explain
+  it and show an example", "what do its parameters mean", ...). No code is quoted. The functions are numpy's public
+  module-level functions whose docstring has a ``Parameters`` section, read from the installed numpy's sources
+  with :mod:`ast` (never imported, test folders left out), picked in a seeded order. They test a drafter on prompts
+  of another kind than the code and code instructions the presets train on, from a package they never train on.
+  The set depends on the installed numpy version, which the report records beside the set's fingerprint.
+
+Every set has a fingerprint (:func:`prompts_fingerprint`): the SHA-256 of its prompts' token ids, so two reports
+name the same prompts exactly when their fingerprints agree.
 """
 
 from __future__ import annotations
 
+import ast
+import hashlib
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +44,9 @@ from dflash.corpus.chat import normalize_messages
 from dflash.errors import ConfigError, ConfigPathNotFoundError, MismatchError
 from dflash.io.files import DEFAULT_MAX_LINE_BYTES, JSONInputError, decode_json, read_lines
 
-__all__ = ["EvalPrompt", "check_prompts_file", "held_out_rows", "prompts_from_corpus", "prompts_from_file"]
+__all__ = ["EvalPrompt", "PromptSet", "EMBEDDED_PROMPT_SETS", "NUMPY_QUESTIONS", "check_prompt_source",
+           "check_prompts_file", "embedded_prompts", "held_out_rows", "prompts_fingerprint", "prompts_from_corpus",
+           "prompts_from_file"]
 
 _MIN_PLAIN_PROMPT = 16
 
@@ -39,6 +57,136 @@ class EvalPrompt:
 
     input_ids: list[int]
     source: str
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSet:
+    """A named prompt set of one evaluation.
+
+    Fields:
+        name: how reports and tables name it.
+        spec: the setting it came from (``held-out``, a file path, an embedded set's name).
+        source: what it is, in words.
+        prompts: its prompts.
+        details: what else identifies it (an embedded set's package version).
+    """
+
+    name: str
+    spec: str
+    source: str
+    prompts: list[EvalPrompt]
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fingerprint(self) -> str:
+        return prompts_fingerprint(self.prompts)
+
+
+def prompts_fingerprint(prompts: list[EvalPrompt]) -> str:
+    """``sha256:<hex>`` of the prompts' token ids, in order."""
+    digest = hashlib.sha256(json.dumps([p.input_ids for p in prompts], separators=(",", ":")).encode())
+    return f"sha256:{digest.hexdigest()}"
+
+
+#: The name of the embedded set of questions about NumPy's documented functions (module docstring).
+NUMPY_QUESTIONS = "numpy-questions"
+
+#: Embedded prompt sets by name, with what each one is.
+EMBEDDED_PROMPT_SETS = {
+    NUMPY_QUESTIONS: "instruction-style questions about documented NumPy functions (docstring summaries from the "
+                     "installed numpy's sources, no code quoted)",
+}
+
+#: The questions of ``numpy-questions``, one per prompt (seeded).
+NUMPY_QUESTION_TEMPLATES = (
+    "Explain in plain words what it does, then show a short example of calling it.",
+    "What do its parameters mean, and what does it return?",
+    "Write a small Python function that uses it for a practical task, and explain the code.",
+    "How does it behave on edge cases such as empty arrays or NaN values?",
+    "Compare it with a plain Python loop that does the same job.",
+)
+
+#: Longest docstring summary quoted, in characters (cut at a word boundary).
+_MAX_SUMMARY_CHARS = 400
+
+
+def check_prompt_source(spec: str, *, what: str = "prompts", held_out: bool = True) -> None:
+    """Refuse a prompt set setting that names neither ``held-out`` (when ``held_out``), an embedded set nor a
+    prompts file (:func:`check_prompts_file`); the message names ``what``, the setting.
+
+    Raises:
+        ConfigPathNotFoundError: no file at ``spec``.
+        ConfigError: ``held-out`` where it is not allowed; a file suffix other than .jsonl or .txt.
+    """
+    choices = ("held-out, " if held_out else "") + f"an embedded set ({', '.join(EMBEDDED_PROMPT_SETS)}), " \
+        "a .jsonl or a .txt file"
+    if spec in EMBEDDED_PROMPT_SETS or (held_out and spec == "held-out"):
+        return
+    if spec == "held-out":
+        raise ConfigError(f"{what}: held-out is allowed only as the first prompt set (prompts); pass {choices}")
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ConfigPathNotFoundError(f"{what}: {path} does not exist; pass {choices}")
+    try:
+        check_prompts_file(path)
+    except ConfigError as error:
+        raise ConfigError(str(error).replace("prompts: ", f"{what}: ", 1)) from None
+
+
+def _numpy_candidates() -> tuple[list[tuple[str, str, str, str]], str | None]:
+    """``(module, name, signature, summary)`` of every public module-level function of the installed numpy whose
+    docstring has a ``Parameters`` section, sorted; and numpy's version."""
+    from dflash.corpus.default_corpus import _SKIP_DIRS, _TEST_DIRS, collect_text_files
+    from dflash.generation.default_prompts import package_root, package_version
+
+    root = package_root("numpy")
+    found = []
+    for file in collect_text_files(root, patterns=("*.py",), source="numpy", skip_dirs=_SKIP_DIRS | _TEST_DIRS):
+        relative = file.path.relative_to(root).with_suffix("")
+        try:
+            tree = ast.parse(file.path.read_text(encoding="utf-8"))
+        except (SyntaxError, ValueError, UnicodeDecodeError, OSError):
+            continue
+        module = ".".join(["numpy", *relative.parts]).removesuffix(".__init__")
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or "\nParameters\n" not in doc:
+                continue
+            summary = " ".join(doc.strip().split("\n\n", 1)[0].split())
+            if len(summary) < 20:
+                continue
+            if len(summary) > _MAX_SUMMARY_CHARS:
+                summary = summary[:_MAX_SUMMARY_CHARS].rsplit(" ", 1)[0] + " ..."
+            found.append((module, node.name, ast.unparse(node.args), summary))
+    return sorted(found), package_version("numpy")
+
+
+def embedded_prompts(name: str, tokenizer: Any, *, num_prompts: int, seed: int = 0) -> PromptSet:
+    """The embedded set ``name`` (:data:`EMBEDDED_PROMPT_SETS`), ``num_prompts`` prompts picked in a seeded order.
+
+    Raises:
+        ConfigError: an unknown name; a tokenizer without a chat template.
+    """
+    if name not in EMBEDDED_PROMPT_SETS:
+        raise ConfigError(f"prompts: {name!r} is not an embedded prompt set; embedded: {', '.join(EMBEDDED_PROMPT_SETS)}")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError(f"prompts: {name} holds chat questions but the target's tokenizer has no chat template; "
+                          "pass a .jsonl file of 'text' prompts instead")
+    candidates, version = _numpy_candidates()
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for index in rng.permutation(len(candidates))[:num_prompts]:
+        module, function, signature, summary = candidates[int(index)]
+        question = NUMPY_QUESTION_TEMPLATES[int(rng.integers(len(NUMPY_QUESTION_TEMPLATES)))]
+        content = (f"I am using NumPy's `{function}` function (module `{module}`), called as "
+                   f"`{function}({signature})`. Its documentation says: \"{summary}\"\n\n{question}")
+        prompts.append(EvalPrompt(_chat_ids(tokenizer, [{"role": "user", "content": content}]),
+                                  f"{name}:{module}.{function}"))
+    return PromptSet(name=name, spec=name, source=EMBEDDED_PROMPT_SETS[name], prompts=prompts,
+                     details={"package": "numpy", "package_version": version, "candidates": len(candidates),
+                              "seed": seed})
 
 
 def held_out_rows(corpus: Any, cache_path: str | os.PathLike[str] | None = None) -> np.ndarray:

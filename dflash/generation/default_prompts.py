@@ -63,7 +63,7 @@ from dflash.generation.prompts import PromptRecord
 from dflash.io.files import atomic_output
 
 __all__ = ["DefaultPromptConfig", "default_prompt_sets", "is_heldout_document", "write_prompts_jsonl",
-           "describe_default_prompts", "package_root", "package_files", "INSTRUCTIONS"]
+           "describe_default_prompts", "package_root", "package_files", "package_version", "INSTRUCTIONS"]
 
 Split = Literal["train", "heldout"]
 
@@ -380,11 +380,11 @@ def describe_default_prompts(config: DefaultPromptConfig) -> dict[str, Any]:
     description = {"name": "python-stdlib-prompts", "python_version": sys.version.split()[0],
                    "stdlib": str(stdlib_root()), **config.to_dict()}
     if config.packages:
-        description["package_versions"] = {name: _package_version(name) for name in config.packages}
+        description["package_versions"] = {name: package_version(name) for name in config.packages}
     return description
 
 
-def _package_version(name: str) -> str | None:
+def package_version(name: str) -> str | None:
     """The installed version of the distribution that provides import name ``name`` (None when unknown)."""
     import importlib.metadata
 

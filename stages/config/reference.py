@@ -60,6 +60,9 @@ def field_descriptions(cls: type) -> dict[str, str]:
                 text = " ".join(match.group(2).split())
                 for name in match.group(1).split(","):
                     described.setdefault(name.strip(), text)
+    for declared in dataclasses.fields(cls):  # field(metadata={"help": ...})
+        if declared.metadata.get("help"):
+            described[declared.name] = declared.metadata["help"]
     source = textwrap.dedent(inspect.getsource(cls))
     lines = source.splitlines()
     body = ast.parse(source).body[0].body  # type: ignore[attr-defined]

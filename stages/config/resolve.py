@@ -50,7 +50,7 @@ def given_options(ctx: Any, names: Sequence[str]) -> set[str]:
 
 
 #: Keys of a pipeline preset's stage section that only ``run`` reads (``pipelines.offline``); a stage skips them.
-PIPELINE_ONLY = {"evaluate": frozenset({"per_epoch", "per_epoch_references"})}
+PIPELINE_ONLY = {"evaluate": frozenset({"per_epoch", "per_epoch_references", "per_epoch_num_prompts"})}
 
 
 def section_of(data: Mapping[str, Any], section: str, fields: set[str], source: str = "") -> dict[str, Any]:
