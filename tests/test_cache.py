@@ -139,6 +139,18 @@ def test_real_hidden_states_round_trip_and_lengths(written, target, real_samples
     assert report["num_tokens"] == sum(len(s) for s in samples)
 
 
+def test_a_cache_without_the_final_tap_records_nothing_of_it_and_refuses_a_final_tap_reader(written, target):
+    """The metadata of a cache without the final tap is what it was before the final tap existed (no key), its
+    rows stay n*H wide, and a reader asking for the final tap is refused naming the extract setting."""
+    path, samples = written
+    reader = CacheReader(path)
+    assert "final_tap" not in reader.metadata.to_dict() and not reader.metadata.final_tap
+    assert reader.metadata.row_width == reader.metadata.num_taps * reader.metadata.hidden_size
+    assert torch.equal(reader.read_shard(0)[0].hidden, samples[0].hidden)
+    with pytest.raises(ConfigError, match=r"has no final tap .*extract --final-tap"):
+        CacheReader(path, final_tap=True)
+
+
 def test_fp8_round_trip_within_tolerance_and_marked(tmp_path, target, real_samples):
     layer_ids, samples = real_samples
     meta = _metadata(target, layer_ids, [[0, 6]], storage_dtype="float8_e4m3fn")

@@ -165,7 +165,7 @@ def test_distill_kl_trains_on_the_final_tap_and_logs_the_loss_parts(target, tmp_
     """A cache with the final tap (real target states, fp8 storage); 3 steps with ``drafter.distill = "kl"``: the
     metrics carry ``ce_loss`` and ``distill_loss`` beside ``loss`` = ce_weight * CE + distill_weight * KL, all
     finite and positive, on the training and the validation split."""
-    cache = build_tiny_cache(tmp_path / "final.zarr", target, num_samples=12, final_tap=True,
+    cache = build_tiny_cache(tmp_path / "final.zarr", target, num_samples=8, max_tokens=64, final_tap=True,
                              storage_dtype="float8_e4m3fn")
     summary = run_training(tiny_config(cache, tmp_path / "run", max_steps=3, save_every=3, eval_every=3,
                                        drafter={"distill": "kl", "distill_weight": 0.5, "ce_weight": 0.25}))

@@ -92,6 +92,8 @@ def hyperparameter_rows(config: Any, resolved: Mapping[str, Any], *, schedule: l
         row("AdamW betas", tuple(config.optim.betas), tuple(DEFAULT_BETAS)),
         row("AdamW eps / weight decay", f"{config.optim.eps:g} / {config.optim.weight_decay:g}"),
         row("grad clip", f"{config.optim.grad_clip:g}", f"{_PAPER['grad_clip']:g}"),
+        row("objective", _objective_text(config.drafter), "CE",
+            departs=config.drafter.distill != "none" or config.drafter.ce_weight != 1.0),
         row("gamma", f"{resolved['gamma']:g}", f"{paper_gamma:g}" if paper_gamma is not None else
             f"{default_gamma(block_size):g} (no paper value; 1 + 3B/8)",
             departs=float(resolved["gamma"]) != (paper_gamma or default_gamma(block_size))),
@@ -136,3 +138,12 @@ def render_hyperparameters(rows: list[HyperparameterRow]) -> Any:
         style = "yellow" if item.departs else ""
         table.add_row(escape(item.name), Text(item.value, style=style), escape(item.convention))
     return table
+
+
+def _objective_text(drafter: Any) -> str:
+    """The loss: ``CE``, or its weighted parts with a distillation term (``dflash.drafter.loss``)."""
+    ce = "CE" if drafter.ce_weight == 1.0 else f"{drafter.ce_weight:g} x CE"
+    if drafter.distill == "none":
+        return ce
+    term = "KL(target || drafter)" if drafter.distill == "kl" else "TV(target, drafter)"
+    return f"{ce} + {drafter.distill_weight:g} x {term}"
