@@ -578,6 +578,10 @@ def test_progress_line_spells_out_the_online_feed():
 
     state = SimpleNamespace(throughput=ThroughputWindow(), counters={"skipped_steps": 0},
                             _feed={"producer_capacity_tokens_per_s": 55.0, "trainer_capacity_tokens_per_s": 28.0,
-                                   "ring_ready_mean": 4.0})
+                                   "ring_ready_mean": 4.0}, _logged_loss=None)
     line = Trainer._status(state, {"loss": 1.5, "lr": 1e-4}, {})
     assert "(inference alone 55 training alone 28 tok/s, ring 4.0 batches ready)" in line
+    # The loss shown is the last train record's (final_losses), not the step's: none before the first record.
+    assert line.startswith("loss -  lr")
+    state._logged_loss = 0.8043
+    assert Trainer._status(state, {"loss": 1.226, "lr": 1e-4}, {}).startswith("loss 0.804  lr")

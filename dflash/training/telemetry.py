@@ -18,6 +18,7 @@
   source reports producer work (the online queue), the producers' capacity I (each producer's tokens per second
   of its compute time, summed over producers) and the ring's occupancy.
 - :func:`training_progress` is a rich progress bar with ETA.
+- :func:`final_losses` is the one definition of a run's final train and validation loss.
 - :class:`TelemetryConfig` holds what a run chooses of all this (``train.telemetry``): the log interval, the
   throughput window, the progress bar and the trackers.
 
@@ -57,6 +58,8 @@ __all__ = [
     "training_progress",
     "read_metrics",
     "drop_records_after",
+    "final_losses",
+    "record_number",
 ]
 
 log = logging.getLogger(__name__)
@@ -217,6 +220,40 @@ def read_metrics(path: str | Path, kind: str | None = None) -> list[dict[str, An
     if skipped:
         log.warning("%s: skipped %d line(s) that are not JSON records (first: line %d)", path, len(skipped), skipped[0])
     return [r for r in records if kind is None or r.get("kind") == kind]
+
+
+def record_number(value: Any) -> float | None:
+    """A metrics field as a float: non-finite values are stored as strings (``"nan"``) and read back as floats;
+    None when absent or not a number."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def final_losses(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A run's final losses, the one definition the progress bar, ``report``, ``sweep``, ``diff`` and ``inspect``
+    show:
+
+    - ``train_loss``: the ``loss`` of the last ``train`` record, the token-weighted mean training loss over the
+      last log interval (``telemetry.log_every`` steps, skipped steps left out), at step ``train_step``, with the
+      tau its accuracies imply (``train_tau``);
+    - ``val_loss``: the ``loss`` of the last ``val`` record (the whole validation split), at ``val_step``, with its
+      implied tau ``val_tau``.
+
+    Keys whose record is absent are None.
+    """
+    train = [r for r in records if r.get("kind") == "train"]
+    val = [r for r in records if r.get("kind") == "val"]
+    out: dict[str, Any] = dict.fromkeys(("train_loss", "train_tau", "train_step", "val_loss", "val_tau", "val_step"))
+    for name, kept in (("train", train), ("val", val)):
+        if kept:
+            out[f"{name}_loss"] = record_number(kept[-1].get("loss"))
+            out[f"{name}_tau"] = record_number(kept[-1].get("expected_acceptance_length"))
+            out[f"{name}_step"] = int(kept[-1]["step"])
+    return out
 
 
 @dataclass(slots=True)

@@ -168,6 +168,7 @@ class Trainer:
         self.timer = StepTimer()
         self.step_times = StepTimeWindow(config.telemetry.throughput_window)
         self._interval = self._zero_interval()
+        self._logged_loss: float | None = None  # the last train record's loss (the progress line shows it)
         self._train_iter = None
         self._stop_requested = False  # set by SIGTERM
         self._stopped = False  # the ranks agreed to stop after the current step
@@ -759,10 +760,14 @@ class Trainer:
                     "; still rising after the first epoch: new batch shapes recompile" if late else "")
                 self._compiled_graphs_logged = graphs
         self.metrics.log("train", self.step, record)
+        self._logged_loss = record["loss"]
 
     def _status(self, step_metrics: dict[str, Any], last_eval: dict[str, float]) -> str:
         rates = self.throughput.rates()
-        status = f"loss {step_metrics['loss']:.3f}  lr {step_metrics['lr']:.2e}"
+        # The loss shown is the last train record's (dflash.training.telemetry.final_losses): the mean over the last
+        # log interval, the figure report, sweep, diff and inspect call the final train loss.
+        loss = "-" if self._logged_loss is None else f"{self._logged_loss:.3f}"
+        status = f"loss {loss}  lr {step_metrics['lr']:.2e}"
         if rates:
             status += f"  {rates['real_tokens_per_s']:,.0f} tok/s"
         feed = self._feed
