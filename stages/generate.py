@@ -23,10 +23,12 @@ With the default prompt set, the held-out prompts (documents training never sees
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +39,6 @@ from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
-    Progress,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -54,6 +55,7 @@ from dflash.generation.parts import HELDOUT_PROMPTS_FILE
 from dflash.generation.prompts import DropCounts, TurnMode, check_generation_prompt, read_prompt_file
 from dflash.io.files import DEFAULT_MAX_LINE_BYTES, atomic_write_text, load_json
 from dflash.io.locks import output_lock
+from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progress_interval
 from dflash.target.load import load_tokenizer, resolve_target_path, target_identity
 from dflash.values import check_seed
 from stages.config.check import nested_config
@@ -150,9 +152,12 @@ class GenerateConfig:
     max_prompt_bytes: int = DEFAULT_MAX_LINE_BYTES
     overwrite: bool = False
     break_lock: bool = False
+    progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={
+        "help": "Seconds between two progress lines (prompts, tokens, rates, ETA) when output is not a terminal; 0: none."})
 
     def __post_init__(self) -> None:
         check_seed("seed", self.seed)
+        check_progress_interval(self.progress_interval)
         self.default_prompts = nested_config(DefaultPromptConfig(), self.default_prompts, "default_prompts")
         check_seed("default_prompts.seed", self.default_prompts.seed)
         if self.prompts != "default":
@@ -204,7 +209,7 @@ class GenerateConfig:
         for key in ("output", "target_gpus", "target_processes", "scheduler_address", "dashboard_address", "tls_ca_file",
                     "tls_cert", "tls_key", "break_lock", "overwrite",
                     "batch_size", "token_budget", "kv_cache", "deterministic", "concurrency", "endpoints", "api_key_env",
-                    "request_timeout_s", "max_retries", "max_prompt_bytes"):
+                    "request_timeout_s", "max_retries", "max_prompt_bytes", "progress_interval"):
             data.pop(key)
         return data
 
@@ -317,6 +322,42 @@ def _plugin_class() -> type:
     return GenerateWorkerPlugin
 
 
+#: The Dask event topic a worker's in-part progress goes to (``Worker.log_event`` -> ``Client.subscribe_topic``).
+_PROGRESS_TOPIC = "dflash-generate-progress"
+
+
+class _PromptProgress:
+    """The bar's prompts and tokens: committed parts, plus the first-turn replies of parts still running (a prompt
+    counts once its first reply is back; its part's commit makes the count exact), so a part taking minutes shows
+    progress and an ETA before it commits."""
+
+    def __init__(self, progress: Any, task: Any, *, prompts: int, tokens: int) -> None:
+        self.progress, self.task = progress, task
+        self.committed, self.tokens = prompts, tokens
+        self.running: dict[int, list[int]] = {}  # part -> [first-turn replies, tokens reported]
+        self.lock = threading.Lock()
+
+    def _show(self) -> None:
+        in_flight = sum(replies for replies, _ in self.running.values())
+        self.progress.update(self.task, completed=self.committed + in_flight, tokens=self.tokens)
+
+    def batch(self, part_id: int, part_size: int, turn: int, replies: int, tokens: int) -> None:
+        with self.lock:
+            counts = self.running.setdefault(part_id, [0, 0])
+            if turn == 0:
+                counts[0] = min(part_size, counts[0] + replies)
+            counts[1] += tokens
+            self.tokens += tokens
+            self._show()
+
+    def part_done(self, record: dict[str, Any]) -> None:
+        with self.lock:
+            _, reported = self.running.pop(int(record["part_id"]), [0, 0])
+            self.committed += int(record["num_prompts"])
+            self.tokens += max(0, int(record["generated_tokens"]) - reported)
+            self._show()
+
+
 def generate_part_task(spec: Any) -> dict[str, Any]:
     """Dask task: answer one part on this worker's target replica and commit it; returns the part's record."""
     from distributed import get_worker
@@ -330,12 +371,16 @@ def generate_part_task(spec: Any) -> dict[str, Any]:
     plugin = worker.plugins.get(_PLUGIN_NAME)
     if plugin is None or plugin.engine is None:
         raise RuntimeError(f"worker {worker.address} has no target loaded (plugin {_PLUGIN_NAME} missing)")
-    record = generate_part(plugin.engine, plugin.tokenizer, spec)
+    def progress(turn: int, replies: int, tokens: int) -> None:
+        worker.log_event(_PROGRESS_TOPIC, {"part": spec.part_id, "size": len(spec.records), "turn": turn,
+                                           "replies": replies, "tokens": tokens})
+
+    record = generate_part(plugin.engine, plugin.tokenizer, spec, progress=progress)
     record["worker"] = str(worker.name)
     return record
 
 
-def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: Any, task: Any,
+def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: _PromptProgress,
                  timings: dict[str, float]) -> list[dict[str, Any]]:
     from distributed import as_completed
 
@@ -356,12 +401,18 @@ def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: Any, task: 
         timings["target_load"] = time.perf_counter() - started
         resources = placement.get("resources")
         started = time.perf_counter()
+
+        def on_batch(event: tuple[float, dict[str, Any]]) -> None:
+            message = event[1]
+            progress.batch(message["part"], message["size"], message["turn"], message["replies"], message["tokens"])
+
+        client.subscribe_topic(_PROGRESS_TOPIC, on_batch)
         futures = [client.submit(generate_part_task, spec, key=f"generate-part-{spec.part_id}", pure=False,
                                  resources=resources) for spec in specs]
         for future in as_completed(futures):
             record = future.result()
             records.append(record)
-            progress.update(task, advance=record["num_prompts"])
+            progress.part_done(record)
         timings["parts"] = time.perf_counter() - started
     finally:
         client.close()
@@ -370,7 +421,7 @@ def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: Any, task: 
     return records
 
 
-def _run_in_process(config: GenerateConfig, specs: list[Any], tokenizer: Any, progress: Any, task: Any,
+def _run_in_process(config: GenerateConfig, specs: list[Any], tokenizer: Any, progress: _PromptProgress,
                     timings: dict[str, float]) -> list[dict[str, Any]]:
     from dflash.generation.parts import generate_part
 
@@ -379,9 +430,10 @@ def _run_in_process(config: GenerateConfig, specs: list[Any], tokenizer: Any, pr
     started = time.perf_counter()
     try:
         for spec in specs:
-            record = generate_part(engine, tokenizer, spec)
+            record = generate_part(engine, tokenizer, spec, progress=functools.partial(
+                progress.batch, spec.part_id, len(spec.records)))
             records.append(record)
-            progress.update(task, advance=record["num_prompts"])
+            progress.part_done(record)
         timings["parts"] = time.perf_counter() - started
     finally:
         engine.close()
@@ -456,17 +508,21 @@ def _run_generate(config: GenerateConfig, console: Console | None, prompt_proces
     console.print(f"generate: {len(records):,} prompts in {len(ranges)} parts ({len(done)} committed before), "
                   f"engine {config.engine}, target {identity.get('name')}; left out while reading: "
                   f"{read_drops.describe()}")
-    with Progress(TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False,
-                  disable=not console.is_terminal) as progress:
-        task = progress.add_task("generate", total=len(records),
-                                 completed=sum(r["num_prompts"] for r in done.values()))
+    # On a terminal a bar; in a log a line every progress_interval seconds (dflash.progress).
+    with LogProgress(TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
+                     TextColumn("{task.fields[tokens]:,} tokens"), TimeElapsedColumn(), TimeRemainingColumn(),
+                     console=console, transient=False, unit="prompts", interval=config.progress_interval,
+                     speed_estimate_period=300) as progress:
+        committed = sum(r["num_prompts"] for r in done.values())
+        tokens = sum(int(r["generated_tokens"]) for r in done.values())
+        task = progress.add_task("generate", total=len(records), completed=committed, tokens=tokens)
+        counts = _PromptProgress(progress, task, prompts=committed, tokens=tokens)
         this_run: list[dict[str, Any]] = []
         if specs:
             if config.engine == "openai":
-                this_run = _run_in_process(config, specs, tokenizer, progress, task, timings)
+                this_run = _run_in_process(config, specs, tokenizer, counts, timings)
             else:
-                this_run = _run_on_dask(config, specs, progress, task, timings)
+                this_run = _run_on_dask(config, specs, counts, timings)
     done = committed_parts(output)
     missing = [part_id for part_id in range(len(ranges)) if part_id not in done]
     if missing:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash.errors import CheckpointError, ConfigError
 from dflash.io.files import read_json_lines
+from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progress_interval
 from dflash.training.trackers import TRACKERS, numeric_fields, open_trackers
 
 if TYPE_CHECKING:
@@ -80,11 +81,15 @@ class TelemetryConfig:
     """Steps in the throughput window (:class:`ThroughputWindow`, :class:`StepTimeWindow`)."""
     progress: bool = True
     """Show the rich progress bar (rank 0)."""
+    progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={
+        "help": "Seconds between two progress lines (steps, tokens, rates, ETA, loss) when output is not a terminal; "
+                "0: none."})
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     """Experiment trackers the metrics also go to (``dflash.training.trackers``): tensorboard, wandb, mlflow, trackio (offline
     modes; an absent package is skipped with a warning); empty (``--report-to none``) for ``metrics.jsonl`` only."""
 
     def __post_init__(self) -> None:
+        check_progress_interval(self.progress_interval, "telemetry.progress_interval")
         for name in ("log_every", "throughput_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -522,22 +527,22 @@ class FeedMeter:
         return out
 
 
-def training_progress(*, enabled: bool = True) -> Progress:
-    """A rich progress bar for the training loop: steps, rate, elapsed, ETA and a free-text status field.
+def training_progress(*, enabled: bool = True, interval: float = DEFAULT_PROGRESS_INTERVAL) -> Progress:
+    """A rich progress bar for the training loop: steps, rate, elapsed, ETA and a free-text status field; where
+    stdout is not a terminal, a line every ``interval`` seconds instead (:class:`dflash.progress.LogProgress`).
 
-    Use ``task = progress.add_task("train", total=num_steps, status="")`` and
-    ``progress.update(task, completed=step, status="loss 2.31 ...")``.
+    Use ``task = progress.add_task("train", total=num_steps, status="", tokens=0)`` and
+    ``progress.update(task, completed=step, tokens=tokens_seen, status="loss 2.31 ...")``.
     """
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
-        Progress,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
 
-    return Progress(
+    return LogProgress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -547,4 +552,6 @@ def training_progress(*, enabled: bool = True) -> Progress:
         TextColumn("{task.fields[status]}"),
         disable=not enabled,
         transient=False,
+        unit="steps",
+        interval=interval if enabled else 0,
     )

@@ -1,8 +1,8 @@
 """Write ``docs/config-reference.md``: every setting of every stage, from its one declaration.
 
 Each stage's settings are the fields of its config dataclass; this reads them (name, type, default) with
-``dataclasses`` and their descriptions from the class source (attribute docstrings, ``#:`` comments or a
-``Fields:`` section of the class docstring), so the reference cannot drift from the code:
+``dataclasses`` and their descriptions from the field's ``metadata={"help": ...}`` or the class source (attribute
+docstrings, ``#:`` comments or a ``Fields:`` section of the class docstring), so the reference cannot drift from the code:
 ``tests/test_cli_declarations.py`` regenerates it and compares. Run::
 
     python -m stages.config.reference > docs/config-reference.md
@@ -75,6 +75,9 @@ def field_descriptions(cls: type) -> dict[str, str]:
             row -= 1
         if comments:
             described[name] = " ".join(comments)
+    for field in dataclasses.fields(cls):  # ``field(metadata={"help": ...})``: the field's own one-line help
+        if field.metadata.get("help"):
+            described[field.name] = str(field.metadata["help"])
     return described
 
 

@@ -191,7 +191,8 @@ class Trainer:
         self.throughput.reset_clock()  # setup time is not training throughput
         self.feed.mark(self.counters["tokens_seen"], self.train_loader.stats)
         with self.progress, self._stop_on_sigterm():
-            task = self.progress.add_task("train", total=self.total_steps, completed=self.step, status="")
+            task = self.progress.add_task("train", total=self.total_steps, completed=self.step, status="",
+                                          tokens=self.counters["tokens_seen"])
             while self.step < self.total_steps and self.step != config.stop_at_step and not self._stopped:
                 step_metrics = self.train_step()
                 log_due = self._log_due()
@@ -212,7 +213,8 @@ class Trainer:
                     self.throughput.reset_clock()  # evaluation time is not training throughput
                 if evaluated or log_due:  # the next feed interval starts after this step's checkpoint and evaluation
                     self.feed.mark(self.counters["tokens_seen"], self.train_loader.stats)
-                self.progress.update(task, completed=self.step, status=self._status(step_metrics, last_eval))
+                self.progress.update(task, completed=self.step, tokens=self.counters["tokens_seen"],
+                                     status=self._status(step_metrics, last_eval))
                 if stopping:
                     log.warning("stopped at step %d on SIGTERM or Ctrl-C, with a checkpoint; --resume continues it", self.step)
         self.checkpointer.wait()
@@ -327,7 +329,8 @@ class Trainer:
             else contextlib.nullcontext()
         )
         self.timer = StepTimer()
-        self.progress = training_progress(enabled=self.is_main and config.telemetry.progress)
+        self.progress = training_progress(enabled=self.is_main and config.telemetry.progress,
+                                          interval=config.telemetry.progress_interval)
         self.environment = collect_environment() | {"world_size": self.world_size, "device": str(self.device),
                                                     "compile": config.compile, **_data_fingerprints(self.data)}
         compute_dtype = torch.bfloat16 if isinstance(self.autocast, torch.autocast) else torch.float32
