@@ -8,8 +8,8 @@ console is not a terminal (output to a log file or a pipe) it draws nothing and 
 
 Rates are over the time since the bar started (what this process did, so work committed by an earlier run does
 not inflate them); the ETA is what is left at that rate. A task's ``tokens`` field (``progress.update(task,
-tokens=N)``) adds the token count and rate, and its ``status`` field (free text, e.g. the training loss) is
-appended. Every long stage (generate, extract, train, evaluate, online) reports through it.
+tokens=N)``) adds the token count and rate, and its text fields (``status="loss 2.31 ..."``, ``shards="3/8
+shards"``) are appended. Every long stage (generate, extract, train, evaluate, online) reports through it.
 """
 
 from __future__ import annotations
@@ -70,9 +70,8 @@ def progress_line(task: Task, *, unit: str, started: float, start_completed: flo
         parts.append(f"ETA {short_duration((total - completed) / rate)}")
     else:
         parts.append(f"ETA unknown ({short_duration(elapsed)} so far)")
-    status = task.fields.get("status")
-    line = f"{task.description}: " + ", ".join(parts)
-    return f"{line}, {status}" if status else line
+    parts += [value for value in task.fields.values() if isinstance(value, str) and value]
+    return f"{task.description}: " + ", ".join(parts)
 
 
 class LogProgress(Progress):

@@ -25,18 +25,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from dflash.decoding.eval_prompts import EvalPrompt, held_out_rows, prompts_from_corpus, prompts_from_file
 from dflash.errors import ConfigError
 from dflash.io.files import atomic_write_text
+from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progress_interval
 from dflash.serving.export import load_drafter
 from dflash.target.load import load_target
 from dflash.training.compat import check_target_identity as check
@@ -118,11 +119,15 @@ class EvaluateConfig:
     cpu_threads: int | None = None
     near_tie_tolerance: float | None = None
     json_path: Path | None = None
+    progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={
+        "help": "Seconds between two progress lines (prompts, tokens, rates, ETA, tau so far) when output is not a "
+                "terminal; 0: none."})
 
     def __post_init__(self) -> None:
         from dflash.values import check_seed
 
         check_seed("seed", self.seed)
+        check_progress_interval(self.progress_interval)
         for name in ("drafter", "corpus", "cache", "json_path"):  # strings from a config file or --set
             if getattr(self, name) is not None:
                 setattr(self, name, Path(getattr(self, name)))
@@ -321,6 +326,7 @@ def evaluate_drafter(
     references: bool = True,
     console: Console | None = None,
     label: str = "drafter",
+    progress_interval: float = DEFAULT_PROGRESS_INTERVAL,
 ) -> tuple[dict[str, Any], Baselines | None]:
     """Speculative decoding of every prompt with ``drafter`` and (unless ``baseline`` is given) the two references:
     block size 1 in the same loop, and the target's own ``generate()``.
@@ -331,6 +337,7 @@ def evaluate_drafter(
         baseline: both references' results on the same prompts and settings, to reuse (the pipeline evaluates
             several checkpoints against one baseline). Runs are interleaved per prompt when measured here.
         references: ``False`` (and no ``baseline``): decode with the drafter only; no speedup, no lossless check.
+        progress_interval: seconds between two progress lines where ``console`` is not a terminal (0: none).
 
     Returns:
         ``(summary, baselines)``: summary with ``tau``, ``acceptance``, ``speedup`` (vs block size 1),
@@ -362,14 +369,14 @@ def evaluate_drafter(
         return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
 
     console = console or Console()
-    # Transient bar over the prompts, shown from the warm-up on; on a non-terminal console (piped output, logs) it
-    # is off, since rich would leave a blank line there per bar instead of drawing it.
-    progress = Progress(TextColumn(f"[bold]evaluate[/] {label}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("prompts, tau {task.fields[tau]}"), TextColumn("[dim]{task.description}"),
-                        TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
-    started = time.perf_counter()
+    # Transient bar over the prompts, shown from the warm-up on; on a non-terminal console (piped output, logs) a
+    # line every progress_interval seconds instead, with the rate, ETA and tau so far (dflash.progress).
+    progress = LogProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                           TextColumn("prompts, {task.fields[tau]}"), TextColumn("[dim]{task.fields[phase]}"),
+                           TimeElapsedColumn(), console=console, transient=True, unit="prompts",
+                           interval=progress_interval)
     with TappedTarget(model, target_layer_ids) as tapped, progress:
-        task = progress.add_task("warm-up", total=len(prompts), tau="-")
+        task = progress.add_task(f"evaluate {label}", total=len(prompts), tau="tau -", phase="warm-up", tokens=0)
         warm = SpeculativeConfig(block_size=block_size, max_new_tokens=min(8, max_new_tokens), temperature=temperature,
                                  mask_token_id=mask_token_id)
         _generate(tapped, drafter, prompts[0].input_ids, warm, generator=generator(0))  # kernels, allocator
@@ -379,22 +386,19 @@ def evaluate_drafter(
             _plain_generate(tapped, prompts[0].input_ids, SpeculativeConfig(block_size=1, max_new_tokens=4), seed)
         for index, prompt in enumerate(prompts):
             if measure_baseline:
-                progress.update(task, description="block size 1 baseline")
+                progress.update(task, phase="block size 1 baseline")
                 base_results.append(_generate(tapped, None, prompt.input_ids, base_config,
                                               generator=generator(index)))
-                progress.update(task, description="target generate()")
+                progress.update(task, phase="target generate()")
                 generate_results.append(_plain_generate(tapped, prompt.input_ids, base_config,
                                                         seed * 1_000_003 + index))
-            progress.update(task, description=f"block size {block_size}")
+            progress.update(task, phase=f"block size {block_size}")
             spec_results.append(_generate(tapped, drafter, prompt.input_ids, spec_config,
                                           generator=generator(index)))
             lengths = [t for r in spec_results for t in r.acceptance_lengths]
             tau_so_far = sum(lengths) / max(len(lengths), 1)
-            progress.update(task, advance=1, tau=f"{tau_so_far:.2f}")
-            if not console.is_terminal:  # logs and batch jobs: one plain line per prompt instead of the bar
-                console.print(f"evaluate {label}: prompt {index + 1}/{len(prompts)}, tau so far "
-                              f"{tau_so_far:.3f} ({time.perf_counter() - started:.0f} s)",
-                              highlight=False, markup=False)
+            progress.update(task, advance=1, tau=f"tau {tau_so_far:.2f}",
+                            tokens=sum(len(r.output_ids) for r in spec_results))
 
     stats = AcceptanceStats.from_lengths([t for r in spec_results for t in r.acceptance_lengths], block_size)
     spec_speed = _throughput(spec_results)
@@ -512,7 +516,7 @@ class Evaluator:
             max_new_tokens=config.max_new_tokens, temperature=config.temperature,
             stop_token_ids=_stop_tokens(self.target.tokenizer, config.ignore_eos), seed=config.seed,
             near_tie_tolerance=config.near_tie_tolerance, baseline=self.baseline if references else None,
-            references=references, console=self.console, label=label,
+            references=references, console=self.console, label=label, progress_interval=config.progress_interval,
         )
         self.baseline = baseline or self.baseline
         return summary

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -724,6 +725,9 @@ def test_codec_auto_on_a_cpu_runner_is_the_default_unmeasured_and_a_resume_keeps
     assert metadata.codec == codec_config(DEFAULT_CODEC) and metadata.extra["codec_choice"] == expected
     assert summary["codec"] == DEFAULT_CODEC and summary["codec_choice"] == expected
     assert f"codec auto -> {DEFAULT_CODEC} ({CPU_RUNNER_REASON})" in console.file.getvalue()
+    # Not a terminal: no bar; progress lines (dflash.progress.LogProgress), the last one where it ended.
+    assert re.search(r"^extract: ([\d,]+)/\1 tokens, [\d.]+K? tokens/s, done in \d+s, (\d+)/\2 shards computed$",
+                     console.file.getvalue(), re.M), console.file.getvalue()
     from tests.test_cache import _cli
 
     shown = _cli(["cache", "info", str(output)])

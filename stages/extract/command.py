@@ -35,7 +35,6 @@ import typer
 from rich.console import Console
 from rich.progress import (
     BarColumn,
-    Progress,
     ProgressColumn,
     TextColumn,
     TimeElapsedColumn,
@@ -47,6 +46,7 @@ from rich.text import Text
 from dflash.drafter.config import DEFAULT_NUM_DRAFT_LAYERS
 from dflash.errors import CacheError, ConfigError, DFlashError
 from dflash.io.locks import output_lock
+from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progress_interval
 from dflash.target.load import PACKED_ATTENTION, resolve_target_path, target_identity
 from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
 from stages.config.check import dtype_spelling
@@ -150,8 +150,11 @@ class ExtractConfig:
     writes_in_flight: int = 3
     write_processes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={
+        "help": "Seconds between two progress lines (tokens, shards, rate, ETA) when output is not a terminal; 0: none."})
 
     def __post_init__(self) -> None:
+        check_progress_interval(self.progress_interval)
         validate_placement(self)
         for name in ("num_taps", "shard_size", "token_budget"):
             if getattr(self, name) < 1:
@@ -512,7 +515,9 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
         started = time.perf_counter()
         columns = [TextColumn("[bold]extract"), BarColumn(), TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"),
                    _TokensPerSecond(), TextColumn("{task.fields[shards]}"), TimeElapsedColumn(), TimeRemainingColumn()]
-        with Progress(*columns, console=console, transient=False) as progress:
+        # On a terminal a bar; in a log a line every progress_interval seconds (dflash.progress).
+        with LogProgress(*columns, console=console, transient=False, unit="tokens",
+                         interval=config.progress_interval) as progress:
             todo = pending
             for attempt in range(_MAX_ROUNDS):
                 specs = [spec_of(k) for k in todo]
