@@ -39,7 +39,7 @@ from dflash.errors import ConfigError
 from dflash.io.files import atomic_write_text
 from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progress_interval
 from dflash.serving.export import load_drafter
-from dflash.target.load import load_target
+from dflash.target.load import load_target, load_tokenizer
 from dflash.training.compat import check_target_identity as check
 from dflash.training.compat import recorded_identity
 from stages.config.check import dtype_spelling
@@ -491,8 +491,11 @@ class Evaluator:
         self.console = console or Console()
         self.target_spec = str(target_spec)
         self.device, self.dtype = config.resolved_device(), config.resolved_dtype()
+        # The prompts first: a bad prompts file, a corpus without held-out rows... are refused before the model
+        # loads (held-out prompts are corpus rows, already tokens; a file needs only the tokenizer).
+        tokenizer = load_tokenizer(self.target_spec) if config.prompts != "held-out" else None
+        self.prompts = load_prompts(config, tokenizer)
         self.target = load_target(self.target_spec, dtype=self.dtype, device=self.device)
-        self.prompts = load_prompts(config, self.target.tokenizer)
         self.baseline: Baselines | None = None
 
     def load_drafter(self, path: Path, loaded: tuple[Any, Any, dict[str, Any]] | None = None) -> tuple[Any, Any, dict[str, Any]]:
@@ -577,6 +580,9 @@ def run_evaluate(config: EvaluateConfig, *, console: Console | None = None) -> d
         ConfigError / CheckpointError / MismatchError: bad settings, unloadable drafter, wrong target.
     """
     drafter_path = Path(config.drafter)
+    if config.json_path is not None and (Path(config.json_path).is_dir() or Path(config.json_path).parent.is_file()):
+        raise ConfigError(f"--json-file {config.json_path}: a folder is there, or its parent is a file; pass a file "
+                          "path in a folder")  # refused now, not after the evaluation
     loaded = load_drafter_any(drafter_path)
     evaluator = Evaluator(config, config.target or loaded[2].get("target_spec") or "default", console=console)
     drafter, drafter_config, _ = evaluator.load_drafter(drafter_path, loaded)

@@ -247,29 +247,52 @@ def _records_digest(records: list[Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- output
-def _open_output(config: GenerateConfig, plan: dict[str, Any]) -> None:
-    """Create the output folder with its plan, or check an existing one holds the same plan."""
-    from dflash.generation.parts import PLAN_FILE, clear_uncommitted
+def _existing_plan(output: Path) -> dict[str, Any] | None:
+    """The plan of an existing generate output, None where there is none; refuses a folder of other files."""
+    from dflash.generation.parts import PLAN_FILE
 
-    output = Path(config.output)  # run_generate refused an output that is a file before taking the lock
     plan_file = output / PLAN_FILE
     if plan_file.is_file():
         existing = load_json(plan_file, error=ConfigError, fix=f"the plan of {output} is damaged: generate into a "
                              "new --output, or pass --overwrite to start this one again")
         if not isinstance(existing.get("settings"), dict):
             raise ConfigError(f"{plan_file}: no settings object; generate into a new --output, or pass --overwrite")
-        if existing.get("plan_digest") != plan["plan_digest"]:
-            if not config.overwrite:
-                changed = sorted(k for k in set(existing["settings"]) | set(plan["settings"])
-                                 if existing["settings"].get(k) != plan["settings"].get(k))
-                raise ConfigError(
-                    f"{output} holds a generate run with other settings or prompts (differs in: "
-                    f"{', '.join(changed) or 'the prompts'}); rerun with the same settings to resume, or pass "
-                    "--overwrite to start over, or another --output"
-                )
-            _clear_output(output)
-    elif output.is_dir() and any(p.name != HELDOUT_PROMPTS_FILE for p in output.iterdir()):
+        return existing
+    if output.is_dir() and any(p.name != HELDOUT_PROMPTS_FILE for p in output.iterdir()):
         raise ConfigError(f"--output {output} exists and is not a generate output; pass a new or empty folder")
+    return None
+
+
+def _refuse_other_settings(output: Path, existing: dict[str, Any], settings: dict[str, Any]) -> None:
+    changed = sorted(k for k in set(existing["settings"]) | set(settings) if existing["settings"].get(k) != settings.get(k))
+    raise ConfigError(
+        f"{output} holds a generate run with other settings or prompts (differs in: "
+        f"{', '.join(changed) or 'the prompts'}); rerun with the same settings to resume, or pass "
+        "--overwrite to start over, or another --output"
+    )
+
+
+def _check_output_settings(config: GenerateConfig) -> None:
+    """What can be told of the output before any work: a folder of other files, or (without --overwrite) a
+    generate output of other settings. Its prompts and target are compared once they are read (:func:`_open_output`)."""
+    output = Path(config.output)
+    existing = _existing_plan(output)
+    settings = json.loads(json.dumps(config.plan_settings()))  # as the plan file holds them
+    if existing is not None and not config.overwrite and existing["settings"] != settings:
+        _refuse_other_settings(output, existing, settings)
+
+
+def _open_output(config: GenerateConfig, plan: dict[str, Any]) -> None:
+    """Create the output folder with its plan, or check an existing one holds the same plan."""
+    from dflash.generation.parts import PLAN_FILE, clear_uncommitted
+
+    output = Path(config.output)  # run_generate refused an output that is a file before taking the lock
+    plan_file = output / PLAN_FILE
+    existing = _existing_plan(output)
+    if existing is not None and existing.get("plan_digest") != plan["plan_digest"]:
+        if not config.overwrite:
+            _refuse_other_settings(output, existing, plan["settings"])
+        _clear_output(output)
     output.mkdir(parents=True, exist_ok=True)
     removed = clear_uncommitted(output)
     if removed:
@@ -465,6 +488,7 @@ def run_generate(config: GenerateConfig, console: Console | None = None, *,
     output = Path(config.output)
     if output.exists() and not output.is_dir():
         raise ConfigError(f"--output {output} is a file; pass a folder")
+    _check_output_settings(config)  # before the tokenizer, the prompts and the target load
     if config.engine == "transformers":
         from stages.replicas.cluster import require_local_gpus
 

@@ -259,3 +259,22 @@ def test_progress_bar_over_prompts_on_a_terminal(export_folder, target, tokenize
     assert "evaluate my-drafter" in drawn and "warm-up" in drawn
     assert "2/2 prompts" in drawn and f"tau {summary['tau']:.2f}" in drawn
     assert "prompts/s" not in drawn  # the plain progress lines are for logs only
+
+
+def test_bad_prompts_and_a_bad_json_file_are_refused_before_the_model_loads(export_folder, target_path, tmp_path,
+                                                                             monkeypatch, capsys):
+    """The prompts are read (a file through the tokenizer alone) and --json-file checked before the target's
+    weights load: with a target whose weights cannot load, the refusal names the prompts file or the JSON path."""
+    from cli_helpers import main_in_process, unloadable_target
+
+    broken = unloadable_target(tmp_path / "target", target_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Say hello"}) + "\n" + json.dumps({"neither": 1}) + "\n")
+    args = ["evaluate", "--drafter", str(export_folder), "--target", str(broken), "--device", "cpu"]
+    code, err = main_in_process(monkeypatch, capsys, *args, "--prompts", str(prompts))
+    assert code == 2 and err.count("error:") == 1 and "prompts.jsonl" in err and "line 2" in err, err
+    assert "safetensors" not in err  # the weights were never read
+    (tmp_path / "report").mkdir()
+    code, err = main_in_process(monkeypatch, capsys, *args, "--prompts", str(prompts), "--json-file",
+                                str(tmp_path / "report"))
+    assert code == 2 and err.count("error:") == 1 and f"--json-file {tmp_path / 'report'}" in err, err

@@ -858,3 +858,19 @@ def test_the_cache_records_the_corpus_document_keys_before_any_shard(tmp_path, t
     # A corpus without document ids: no keys stored (train splits by row, and says so).
     prepare_cache(ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "plain")), _quiet())
     assert CacheReader(tmp_path / "plain").document_keys() is None
+
+
+def test_an_output_of_other_files_is_refused_before_any_worker_loads_the_target(tmp_path, corpus_dir, target_path,
+                                                                                 monkeypatch, capsys):
+    """The output is checked before the cluster starts: with a target whose weights cannot load, a folder of
+    other files as --output is refused by name (exit 2), no worker started, nothing written into it."""
+    from tests.cli_helpers import main_in_process, unloadable_target
+
+    broken = unloadable_target(tmp_path / "target", target_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    code, err = main_in_process(monkeypatch, capsys, "extract", "--corpus", str(corpus_dir), "--output",
+                                str(tmp_path / "mine"), "--target", str(broken), "--target-processes", "1")
+    assert code == 2 and err.count("error:") == 1 and str(tmp_path / "mine") in err, err
+    assert "target loaded" not in err and "dashboard" not in err.lower()
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]

@@ -422,3 +422,28 @@ def test_a_part_reports_each_batch_before_it_commits(tmp_path, target):
     assert [turn for turn, _, _ in calls] == [0, 0, 0, 1]  # batch size 1: three first turns, the chat's second
     assert all(replies == 1 and 0 < tokens <= 6 for _, replies, tokens in calls)
     assert engine.progress is None and record["num_prompts"] == 3
+
+
+def test_an_output_of_other_files_or_settings_is_refused_before_the_target_is_read(tmp_path, monkeypatch, capsys):
+    """The output is checked before the tokenizer, the prompts and the target: with a target folder holding only a
+    config.json (reading it would fail), a folder of other files and a generate output of other settings are
+    refused by name, exit 2."""
+    from cli_helpers import main_in_process
+
+    from dflash.generation.parts import PLAN_FILE
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hello"}])
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    args = ["generate", str(prompts), "--target", str(target), "--target-processes", "1"]
+    code, err = main_in_process(monkeypatch, capsys, *args, "--output", str(tmp_path / "mine"))
+    assert code == 2 and err.count("error:") == 1 and "exists and is not a generate output" in err, err
+
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / PLAN_FILE).write_text(json.dumps({"plan_digest": "x", "settings": {"temperature": 0.7}}))
+    code, err = main_in_process(monkeypatch, capsys, *args, "--output", str(earlier))
+    assert code == 2 and err.count("error:") == 1 and "differs in: " in err and "temperature" in err, err
