@@ -69,7 +69,7 @@ from stages.config.resolve import (
     resolve_stage_config,
     split_given,
 )
-from stages.replicas.cluster import start_cluster, validate_placement
+from stages.replicas.cluster import close_cluster, start_cluster, validate_placement
 
 __all__ = ["GenerateConfig", "run_generate", "register", "HELDOUT_PROMPTS_FILE"]
 
@@ -438,9 +438,7 @@ def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: _PromptProg
             progress.part_done(record)
         timings["parts"] = time.perf_counter() - started
     finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
+        close_cluster(client, cluster)
     return records
 
 

@@ -874,3 +874,27 @@ def test_an_output_of_other_files_is_refused_before_any_worker_loads_the_target(
     assert code == 2 and err.count("error:") == 1 and str(tmp_path / "mine") in err, err
     assert "target loaded" not in err and "dashboard" not in err.lower()
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
+def test_closing_the_cluster_after_a_run_prints_no_kill_warning(tmp_path, caplog):
+    """A worker that takes longer than the nanny's 4 s to stop (here its plugin's teardown) is killed at the end of
+    a run without the nanny's ``Worker process still alive`` warning (stages.replicas.cluster.close_cluster)."""
+    import logging
+
+    from distributed import WorkerPlugin
+
+    from stages.replicas.cluster import close_cluster
+
+    class SlowToStop(WorkerPlugin):
+        name = "slow-to-stop"
+
+        def teardown(self, worker):
+            time.sleep(6)
+
+    config = ExtractConfig(corpus=str(tmp_path), output=str(tmp_path / "cache"), target_processes=1, write_processes=0)
+    client, cluster, _ = start_cluster(config)
+    client.register_plugin(SlowToStop())
+    with caplog.at_level(logging.WARNING, logger="distributed"):
+        close_cluster(client, cluster)
+    assert cluster.status.name == "closed"
+    assert not [r for r in caplog.records if "still alive" in r.getMessage()], caplog.text

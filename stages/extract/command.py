@@ -51,7 +51,13 @@ from dflash.target.load import PACKED_ATTENTION, resolve_target_path, target_ide
 from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
 from stages.config.check import dtype_spelling
 from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION, int_list
-from stages.replicas.cluster import cluster_workers, require_local_gpus, start_cluster, validate_placement
+from stages.replicas.cluster import (
+    close_cluster,
+    cluster_workers,
+    require_local_gpus,
+    start_cluster,
+    validate_placement,
+)
 
 __all__ = ["ExtractConfig", "CachePlan", "run_extract", "plan_cache", "create_cache", "prepare_cache", "plan_shards",
            "estimate_cache_bytes", "register"]
@@ -555,9 +561,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
                 console.print(f"[yellow]{len(todo)} shards not committed after round {attempt + 1}: {todo[:10]}; retrying")
         elapsed = time.perf_counter() - started
     finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
+        close_cluster(client, cluster)
 
     counts = cache.finalize()
     summary.update(counts)
