@@ -5,6 +5,7 @@ every checkpoint with optimizer state named by parameter, ``diff`` of config/env
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -410,3 +411,32 @@ def test_report_diff_and_sweep_show_one_final_loss_and_the_evaluated_tau(run_a, 
     assert "quality: evaluated tau 1.106 -> 1.250 (better), validation loss" in comparison.verdict
     result = _invoke(diff_stage.register, "diff", workdir / "run", other)
     assert "quality" in result.output and "evaluated_tau" in result.output and "1.1060" in result.output
+
+
+def test_inspect_leads_with_a_summary_of_the_run(run_a, tmp_path):
+    """inspect's first lines say what the path is, its target, steps, final losses (final_losses, as report and
+    diff), the evaluated tau and the checks' verdicts; the details follow."""
+    import shutil
+
+    from dflash.training.telemetry import final_losses, read_metrics
+
+    workdir = tmp_path / "work"
+    shutil.copytree(run_a, workdir / "run")
+    (workdir / "pipeline.json").write_text("{}")
+    (workdir / "eval").mkdir()
+    (workdir / "eval" / "final.json").write_text(json.dumps({"tau": 1.106}))
+    final = final_losses(read_metrics(run_a))
+    result = _invoke(inspect_stage.register, "inspect", workdir / "run", "--no-tensors")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == f"what: run {workdir / 'run'}"
+    assert lines[1].startswith("target: SmolLM2-135M-Instruct")
+    assert lines[2] == "steps: 6 of 6"
+    assert lines[3] == (f"final loss: validation {final['val_loss']:.4f} (step {final['val_step']}), "
+                        f"train {final['train_loss']:.4f} (step 6) (last log interval)")
+    assert lines[4] == f"evaluated tau: 1.106 ({workdir / 'eval' / 'final.json'})"
+    assert re.fullmatch(r"checks: (\d+) of \1 ok", lines[5])
+    assert lines[6].startswith("details follow") and "drafter.block_size" in result.output
+
+    summary = json.loads(_invoke(inspect_stage.register, "inspect", run_a, "--json", "--no-tensors").output)["summary"]
+    assert summary["evaluated tau"] == "not evaluated (no eval/final.json)" and summary["steps"] == "6 of 6"
