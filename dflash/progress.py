@@ -101,6 +101,11 @@ class LogProgress(Progress):
         self._marks[task_id] = (self.get_time(), float(task.completed), float(task.fields.get("tokens") or 0))
         return task_id
 
+    def reset_clock(self, task_id: Any) -> None:
+        """Rates and ETA from now on: the work done so far (a target load, a warm-up) is not the task's rate."""
+        task = self._tasks[task_id]
+        self._marks[task_id] = (self.get_time(), float(task.completed), float(task.fields.get("tokens") or 0))
+
     def log_lines(self) -> list[str]:
         """The current line of every visible task (what the log gets every ``interval``)."""
         now = self.get_time()

@@ -360,6 +360,10 @@ class _PromptProgress:
         self.running: dict[int, list[int]] = {}  # part -> [first-turn replies, tokens reported]
         self.lock = threading.Lock()
 
+    def start(self) -> None:
+        """The parts start now: rates and ETA count from here, not from before the target loaded."""
+        self.progress.reset_clock(self.task)
+
     def _show(self) -> None:
         in_flight = sum(replies for replies, _ in self.running.values())
         self.progress.update(self.task, completed=self.committed + in_flight, tokens=self.tokens)
@@ -430,6 +434,7 @@ def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: _PromptProg
             progress.batch(message["part"], message["size"], message["turn"], message["replies"], message["tokens"])
 
         client.subscribe_topic(_PROGRESS_TOPIC, on_batch)
+        progress.start()
         futures = [client.submit(generate_part_task, spec, key=f"generate-part-{spec.part_id}", pure=False,
                                  resources=resources) for spec in specs]
         for future in as_completed(futures):
@@ -447,6 +452,7 @@ def _run_in_process(config: GenerateConfig, specs: list[Any], tokenizer: Any, pr
     from dflash.generation.parts import generate_part
 
     engine = _openai_engine(config, tokenizer)
+    progress.start()
     records = []
     started = time.perf_counter()
     try:
