@@ -492,12 +492,12 @@ def run_generate(config: GenerateConfig, console: Console | None = None, *,
     output = Path(config.output)
     if output.exists() and not output.is_dir():
         raise ConfigError(f"--output {output} is a file; pass a folder")
-    _check_output_settings(config)  # before the tokenizer, the prompts and the target load
     if config.engine == "transformers":
         from stages.replicas.cluster import require_local_gpus
 
         require_local_gpus(config)  # before the lock and any file
     with output_lock(output, what="corpus", break_lock=config.break_lock):
+        _check_output_settings(config)  # before the tokenizer, the prompts and the target load
         return _run_generate(config, console, prompt_processes)
 
 
