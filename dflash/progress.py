@@ -35,10 +35,11 @@ def check_progress_interval(value: Any, name: str = "progress_interval") -> None
 
 
 def short_count(value: float) -> str:
-    """``1234`` -> ``1.2K``, ``1_200_000`` -> ``1.2M``; below 10,000 the number with thousands separators."""
-    for size, suffix in ((1e9, "G"), (1e6, "M"), (1e4, "K")):
-        if abs(value) >= size:
-            return f"{value / size:.1f}{suffix}" if abs(value) < 100 * size else f"{value / size:,.0f}{suffix}"
+    """``52_000`` -> ``52K``, ``1_234_567`` -> ``1.2M``; below 10,000 the number with thousands separators (two
+    significant digits below 100)."""
+    for threshold, size, suffix in ((1e9, 1e9, "G"), (1e6, 1e6, "M"), (1e4, 1e3, "K")):
+        if abs(value) >= threshold:
+            return f"{value / size:.1f}{suffix}" if abs(value) < 10 * size else f"{value / size:,.0f}{suffix}"
     return f"{value:,.0f}" if value == int(value) or abs(value) >= 100 else f"{value:.2g}"
 
 
@@ -94,6 +95,7 @@ class LogProgress(Progress):
         self._stop_lines = threading.Event()
         self._thread: threading.Thread | None = None
         self._marks: dict[Any, tuple[float, float, float]] = {}  # task -> (start time, completed, tokens)
+        self._last_lines: list[str] = []
 
     def add_task(self, description: str, *args: Any, **kwargs: Any) -> Any:
         task_id = super().add_task(description, *args, **kwargs)
@@ -115,8 +117,12 @@ class LogProgress(Progress):
                                   now=now)
                     for task in self._tasks.values() if task.visible and task.id in self._marks]
 
-    def _print_lines(self) -> None:
-        for line in self.log_lines():
+    def _print_lines(self, *, unless_repeated: bool = False) -> None:
+        lines = self.log_lines()
+        if unless_repeated and lines == self._last_lines:
+            return
+        self._last_lines = lines
+        for line in lines:
             self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def _run(self) -> None:
@@ -135,5 +141,5 @@ class LogProgress(Progress):
             self._stop_lines.set()
             self._thread.join()
             self._thread = None
-            self._print_lines()  # where it ended
+            self._print_lines(unless_repeated=True)  # where it ended (unless the last line just said it)
         super().stop()

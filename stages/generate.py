@@ -362,6 +362,7 @@ class _PromptProgress:
 
     def start(self) -> None:
         """The parts start now: rates and ETA count from here, not from before the target loaded."""
+        self.progress.update(self.task, status="")
         self.progress.reset_clock(self.task)
 
     def _show(self) -> None:
@@ -543,7 +544,8 @@ def _run_generate(config: GenerateConfig, console: Console | None, prompt_proces
                      speed_estimate_period=300) as progress:
         committed = sum(r["num_prompts"] for r in done.values())
         tokens = sum(int(r["generated_tokens"]) for r in done.values())
-        task = progress.add_task("generate", total=len(records), completed=committed, tokens=tokens)
+        task = progress.add_task("generate", total=len(records), completed=committed, tokens=tokens,
+                                 status="starting the target" if specs else "")
         counts = _PromptProgress(progress, task, prompts=committed, tokens=tokens)
         this_run: list[dict[str, Any]] = []
         if specs:

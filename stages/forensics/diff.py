@@ -212,7 +212,8 @@ def _verdict(comparison: Comparison) -> str:
             parts.append(f"bucket {bucket} {what} {_change(left[key], right[key]) or 0.0:+.0%}")
     else:
         parts.append("no throughput to compare (no train records on one side)")
-    parts.append(_quality_verdict(comparison.quality))
+    if comparison.quality:
+        parts.append(_quality_verdict(comparison.quality))
     environment = {key.removeprefix("environment."): (a, b) for key, a, b in comparison.environment}
     ranked = sorted(environment, key=lambda k: next((i for i, p in enumerate(_ENV_PRIORITY) if k.startswith(p)),
                                                    len(_ENV_PRIORITY)))
@@ -244,7 +245,7 @@ def _quality_verdict(rows: list[tuple[str, float | None, float | None]]) -> str:
         shown.append(text)
     if not any(key == "evaluated_tau" for key, _, _ in rows):
         shown.append("evaluated tau unknown (no eval report)")
-    return "quality: " + ", ".join(shown) if shown else "quality: no losses or evaluated tau on either side"
+    return "quality: " + ", ".join(shown)
 
 
 def _short(value: Any) -> str:
