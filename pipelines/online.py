@@ -54,7 +54,7 @@ from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
 from stages.config.check import check_fields, deep_merge, read_config_file
 from stages.config.presets import read_preset_json
 from stages.config.resolve import parse_sets
-from stages.replicas.cluster import worker_process_options
+from stages.replicas.cluster import close_cluster, worker_process_options
 from stages.train.command import _csv_ints, exit_if_interrupted
 from stages.train.command import config_from_cli as train_config_from_cli
 from stages.train.config import TrainConfig
@@ -436,8 +436,7 @@ def run_online(config: OnlineConfig) -> dict[str, Any]:
             stop.set()
             if writer is not None:
                 writer.join()
-            client.close()
-            cluster.close()
+            close_cluster(client, cluster)
         if assembler is not None:
             summary["cache_to"] = _finish_cache_to(config, assembler)
         return summary

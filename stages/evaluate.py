@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from dflash.decoding.eval_prompts import (
@@ -52,8 +52,9 @@ from dflash.decoding.eval_prompts import (
 )
 from dflash.errors import ConfigError
 from dflash.io.files import atomic_write_text
+from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progress_interval
 from dflash.serving.export import load_drafter
-from dflash.target.load import load_target
+from dflash.target.load import load_target, load_tokenizer
 from dflash.training.compat import check_target_identity as check
 from dflash.training.compat import recorded_identity
 from stages.config.check import dtype_spelling
@@ -137,11 +138,15 @@ class EvaluateConfig:
     cpu_threads: int | None = None
     near_tie_tolerance: float | None = None
     json_path: Path | None = None
+    progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={
+        "help": "Seconds between two progress lines (prompts, tokens, rates, ETA, tau so far) when output is not a "
+                "terminal; 0: none."})
 
     def __post_init__(self) -> None:
         from dflash.values import check_seed
 
         check_seed("seed", self.seed)
+        check_progress_interval(self.progress_interval)
         for name in ("drafter", "corpus", "cache", "json_path"):  # strings from a config file or --set
             if getattr(self, name) is not None:
                 setattr(self, name, Path(getattr(self, name)))
@@ -360,6 +365,7 @@ def evaluate_drafter(
     references: bool = True,
     console: Console | None = None,
     label: str = "drafter",
+    progress_interval: float = DEFAULT_PROGRESS_INTERVAL,
 ) -> tuple[dict[str, Any], Baselines | None]:
     """Speculative decoding of every prompt with ``drafter`` and (unless ``baseline`` is given) the two references:
     block size 1 in the same loop, and the target's own ``generate()``.
@@ -370,6 +376,7 @@ def evaluate_drafter(
         baseline: both references' results on the same prompts and settings, to reuse (the pipeline evaluates
             several checkpoints against one baseline). Runs are interleaved per prompt when measured here.
         references: ``False`` (and no ``baseline``): decode with the drafter only; no speedup, no lossless check.
+        progress_interval: seconds between two progress lines where ``console`` is not a terminal (0: none).
 
     Returns:
         ``(summary, baselines)``: summary with ``tau``, ``acceptance``, ``speedup`` (vs block size 1),
@@ -401,14 +408,14 @@ def evaluate_drafter(
         return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
 
     console = console or Console()
-    # Transient bar over the prompts, shown from the warm-up on; on a non-terminal console (piped output, logs) it
-    # is off, since rich would leave a blank line there per bar instead of drawing it.
-    progress = Progress(TextColumn(f"[bold]evaluate[/] {label}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("prompts, tau {task.fields[tau]}"), TextColumn("[dim]{task.description}"),
-                        TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
-    started = time.perf_counter()
+    # Transient bar over the prompts, shown from the warm-up on; on a non-terminal console (piped output, logs) a
+    # line every progress_interval seconds instead, with the rate, ETA and tau so far (dflash.progress).
+    progress = LogProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                           TextColumn("prompts, {task.fields[tau]}"), TextColumn("[dim]{task.fields[phase]}"),
+                           TimeElapsedColumn(), console=console, transient=True, unit="prompts",
+                           interval=progress_interval)
     with TappedTarget(model, target_layer_ids) as tapped, progress:
-        task = progress.add_task("warm-up", total=len(prompts), tau="-")
+        task = progress.add_task(f"evaluate {label}", total=len(prompts), tau="tau -", phase="warm-up", tokens=0)
         warm = SpeculativeConfig(block_size=block_size, max_new_tokens=min(8, max_new_tokens), temperature=temperature,
                                  mask_token_id=mask_token_id)
         _generate(tapped, drafter, prompts[0].input_ids, warm, generator=generator(0))  # kernels, allocator
@@ -418,22 +425,19 @@ def evaluate_drafter(
             _plain_generate(tapped, prompts[0].input_ids, SpeculativeConfig(block_size=1, max_new_tokens=4), seed)
         for index, prompt in enumerate(prompts):
             if measure_baseline:
-                progress.update(task, description="block size 1 baseline")
+                progress.update(task, phase="block size 1 baseline")
                 base_results.append(_generate(tapped, None, prompt.input_ids, base_config,
                                               generator=generator(index)))
-                progress.update(task, description="target generate()")
+                progress.update(task, phase="target generate()")
                 generate_results.append(_plain_generate(tapped, prompt.input_ids, base_config,
                                                         seed * 1_000_003 + index))
-            progress.update(task, description=f"block size {block_size}")
+            progress.update(task, phase=f"block size {block_size}")
             spec_results.append(_generate(tapped, drafter, prompt.input_ids, spec_config,
                                           generator=generator(index)))
             lengths = [t for r in spec_results for t in r.acceptance_lengths]
             tau_so_far = sum(lengths) / max(len(lengths), 1)
-            progress.update(task, advance=1, tau=f"{tau_so_far:.2f}")
-            if not console.is_terminal:  # logs and batch jobs: one plain line per prompt instead of the bar
-                console.print(f"evaluate {label}: prompt {index + 1}/{len(prompts)}, tau so far "
-                              f"{tau_so_far:.3f} ({time.perf_counter() - started:.0f} s)",
-                              highlight=False, markup=False)
+            progress.update(task, advance=1, tau=f"tau {tau_so_far:.2f}",
+                            tokens=sum(len(r.output_ids) for r in spec_results))
 
     stats = AcceptanceStats.from_lengths([t for r in spec_results for t in r.acceptance_lengths], block_size)
     spec_speed = _throughput(spec_results)
@@ -528,14 +532,17 @@ class Evaluator:
         self.console = console or Console()
         self.target_spec = str(target_spec)
         self.device, self.dtype = config.resolved_device(), config.resolved_dtype()
-        self.target = load_target(self.target_spec, dtype=self.dtype, device=self.device)
-        tokenizer = self.target.tokenizer
+        # The prompts first: a bad prompts file, a corpus without held-out rows... are refused before the model
+        # loads (held-out prompts are corpus rows, already tokens; a file or an embedded set needs only the tokenizer).
+        needs_tokenizer = config.prompts != "held-out" or bool(config.extra_prompts)
+        tokenizer = load_tokenizer(self.target_spec) if needs_tokenizer else None
         self.prompt_sets = [load_prompt_set(config.prompts, config, tokenizer, name=primary_name),
                             *(load_prompt_set(spec, config, tokenizer) for spec in config.extra_prompts)]
         names = [prompt_set.name for prompt_set in self.prompt_sets]
         if len(set(names)) != len(names):
             raise ConfigError(f"extra_prompts: two prompt sets have one name ({names}); rename a prompts file")
         self.prompts = self.prompt_sets[0].prompts
+        self.target = load_target(self.target_spec, dtype=self.dtype, device=self.device)
         self.baselines: dict[tuple[str, int], Baselines] = {}  # by (set name, prompts evaluated)
 
     @property
@@ -569,6 +576,7 @@ class Evaluator:
             baseline=self.baselines.get(_baseline_key(prompt_set)) if references else None,
             references=references, console=self.console,
             label=label if len(self.prompt_sets) == 1 else f"{label} on {prompt_set.name}",
+            progress_interval=config.progress_interval,
         )
         if baseline is not None:
             self.baselines[_baseline_key(prompt_set)] = baseline
@@ -655,6 +663,9 @@ def run_evaluate(config: EvaluateConfig, *, console: Console | None = None) -> d
         ConfigError / CheckpointError / MismatchError: bad settings, unloadable drafter, wrong target.
     """
     drafter_path = Path(config.drafter)
+    if config.json_path is not None and (Path(config.json_path).is_dir() or Path(config.json_path).parent.is_file()):
+        raise ConfigError(f"--json-file {config.json_path}: a folder is there, or its parent is a file; pass a file "
+                          "path in a folder")  # refused now, not after the evaluation
     loaded = load_drafter_any(drafter_path)
     evaluator = Evaluator(config, config.target or loaded[2].get("target_spec") or "default", console=console)
     drafter, drafter_config, _ = evaluator.load_drafter(drafter_path, loaded)

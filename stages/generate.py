@@ -23,10 +23,12 @@ With the default prompt set, the held-out prompts (documents training never sees
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +39,6 @@ from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
-    Progress,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -54,6 +55,7 @@ from dflash.generation.parts import HELDOUT_PROMPTS_FILE
 from dflash.generation.prompts import DropCounts, TurnMode, check_generation_prompt, read_prompt_file
 from dflash.io.files import DEFAULT_MAX_LINE_BYTES, atomic_write_text, load_json
 from dflash.io.locks import output_lock
+from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progress_interval
 from dflash.target.load import load_tokenizer, resolve_target_path, target_identity
 from dflash.values import check_seed
 from stages.config.check import nested_config
@@ -67,7 +69,7 @@ from stages.config.resolve import (
     resolve_stage_config,
     split_given,
 )
-from stages.replicas.cluster import start_cluster, validate_placement
+from stages.replicas.cluster import close_cluster, start_cluster, validate_placement
 
 __all__ = ["GenerateConfig", "run_generate", "register", "HELDOUT_PROMPTS_FILE"]
 
@@ -150,9 +152,12 @@ class GenerateConfig:
     max_prompt_bytes: int = DEFAULT_MAX_LINE_BYTES
     overwrite: bool = False
     break_lock: bool = False
+    progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={
+        "help": "Seconds between two progress lines (prompts, tokens, rates, ETA) when output is not a terminal; 0: none."})
 
     def __post_init__(self) -> None:
         check_seed("seed", self.seed)
+        check_progress_interval(self.progress_interval)
         self.default_prompts = nested_config(DefaultPromptConfig(), self.default_prompts, "default_prompts")
         check_seed("default_prompts.seed", self.default_prompts.seed)
         if self.prompts != "default":
@@ -204,7 +209,7 @@ class GenerateConfig:
         for key in ("output", "target_gpus", "target_processes", "scheduler_address", "dashboard_address", "tls_ca_file",
                     "tls_cert", "tls_key", "break_lock", "overwrite",
                     "batch_size", "token_budget", "kv_cache", "deterministic", "concurrency", "endpoints", "api_key_env",
-                    "request_timeout_s", "max_retries", "max_prompt_bytes"):
+                    "request_timeout_s", "max_retries", "max_prompt_bytes", "progress_interval"):
             data.pop(key)
         return data
 
@@ -242,29 +247,52 @@ def _records_digest(records: list[Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- output
-def _open_output(config: GenerateConfig, plan: dict[str, Any]) -> None:
-    """Create the output folder with its plan, or check an existing one holds the same plan."""
-    from dflash.generation.parts import PLAN_FILE, clear_uncommitted
+def _existing_plan(output: Path) -> dict[str, Any] | None:
+    """The plan of an existing generate output, None where there is none; refuses a folder of other files."""
+    from dflash.generation.parts import PLAN_FILE
 
-    output = Path(config.output)  # run_generate refused an output that is a file before taking the lock
     plan_file = output / PLAN_FILE
     if plan_file.is_file():
         existing = load_json(plan_file, error=ConfigError, fix=f"the plan of {output} is damaged: generate into a "
                              "new --output, or pass --overwrite to start this one again")
         if not isinstance(existing.get("settings"), dict):
             raise ConfigError(f"{plan_file}: no settings object; generate into a new --output, or pass --overwrite")
-        if existing.get("plan_digest") != plan["plan_digest"]:
-            if not config.overwrite:
-                changed = sorted(k for k in set(existing["settings"]) | set(plan["settings"])
-                                 if existing["settings"].get(k) != plan["settings"].get(k))
-                raise ConfigError(
-                    f"{output} holds a generate run with other settings or prompts (differs in: "
-                    f"{', '.join(changed) or 'the prompts'}); rerun with the same settings to resume, or pass "
-                    "--overwrite to start over, or another --output"
-                )
-            _clear_output(output)
-    elif output.is_dir() and any(p.name != HELDOUT_PROMPTS_FILE for p in output.iterdir()):
+        return existing
+    if output.is_dir() and any(p.name != HELDOUT_PROMPTS_FILE for p in output.iterdir()):
         raise ConfigError(f"--output {output} exists and is not a generate output; pass a new or empty folder")
+    return None
+
+
+def _refuse_other_settings(output: Path, existing: dict[str, Any], settings: dict[str, Any]) -> None:
+    changed = sorted(k for k in set(existing["settings"]) | set(settings) if existing["settings"].get(k) != settings.get(k))
+    raise ConfigError(
+        f"{output} holds a generate run with other settings or prompts (differs in: "
+        f"{', '.join(changed) or 'the prompts'}); rerun with the same settings to resume, or pass "
+        "--overwrite to start over, or another --output"
+    )
+
+
+def _check_output_settings(config: GenerateConfig) -> None:
+    """What can be told of the output before any work: a folder of other files, or (without --overwrite) a
+    generate output of other settings. Its prompts and target are compared once they are read (:func:`_open_output`)."""
+    output = Path(config.output)
+    existing = _existing_plan(output)
+    settings = json.loads(json.dumps(config.plan_settings()))  # as the plan file holds them
+    if existing is not None and not config.overwrite and existing["settings"] != settings:
+        _refuse_other_settings(output, existing, settings)
+
+
+def _open_output(config: GenerateConfig, plan: dict[str, Any]) -> None:
+    """Create the output folder with its plan, or check an existing one holds the same plan."""
+    from dflash.generation.parts import PLAN_FILE, clear_uncommitted
+
+    output = Path(config.output)  # run_generate refused an output that is a file before taking the lock
+    plan_file = output / PLAN_FILE
+    existing = _existing_plan(output)
+    if existing is not None and existing.get("plan_digest") != plan["plan_digest"]:
+        if not config.overwrite:
+            _refuse_other_settings(output, existing, plan["settings"])
+        _clear_output(output)
     output.mkdir(parents=True, exist_ok=True)
     removed = clear_uncommitted(output)
     if removed:
@@ -317,6 +345,47 @@ def _plugin_class() -> type:
     return GenerateWorkerPlugin
 
 
+#: The Dask event topic a worker's in-part progress goes to (``Worker.log_event`` -> ``Client.subscribe_topic``).
+_PROGRESS_TOPIC = "dflash-generate-progress"
+
+
+class _PromptProgress:
+    """The bar's prompts and tokens: committed parts, plus the first-turn replies of parts still running (a prompt
+    counts once its first reply is back; its part's commit makes the count exact), so a part taking minutes shows
+    progress and an ETA before it commits."""
+
+    def __init__(self, progress: Any, task: Any, *, prompts: int, tokens: int) -> None:
+        self.progress, self.task = progress, task
+        self.committed, self.tokens = prompts, tokens
+        self.running: dict[int, list[int]] = {}  # part -> [first-turn replies, tokens reported]
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        """The parts start now: rates and ETA count from here, not from before the target loaded."""
+        self.progress.update(self.task, status="")
+        self.progress.reset_clock(self.task)
+
+    def _show(self) -> None:
+        in_flight = sum(replies for replies, _ in self.running.values())
+        self.progress.update(self.task, completed=self.committed + in_flight, tokens=self.tokens)
+
+    def batch(self, part_id: int, part_size: int, turn: int, replies: int, tokens: int) -> None:
+        with self.lock:
+            counts = self.running.setdefault(part_id, [0, 0])
+            if turn == 0:
+                counts[0] = min(part_size, counts[0] + replies)
+            counts[1] += tokens
+            self.tokens += tokens
+            self._show()
+
+    def part_done(self, record: dict[str, Any]) -> None:
+        with self.lock:
+            _, reported = self.running.pop(int(record["part_id"]), [0, 0])
+            self.committed += int(record["num_prompts"])
+            self.tokens += max(0, int(record["generated_tokens"]) - reported)
+            self._show()
+
+
 def generate_part_task(spec: Any) -> dict[str, Any]:
     """Dask task: answer one part on this worker's target replica and commit it; returns the part's record."""
     from distributed import get_worker
@@ -330,12 +399,16 @@ def generate_part_task(spec: Any) -> dict[str, Any]:
     plugin = worker.plugins.get(_PLUGIN_NAME)
     if plugin is None or plugin.engine is None:
         raise RuntimeError(f"worker {worker.address} has no target loaded (plugin {_PLUGIN_NAME} missing)")
-    record = generate_part(plugin.engine, plugin.tokenizer, spec)
+    def progress(turn: int, replies: int, tokens: int) -> None:
+        worker.log_event(_PROGRESS_TOPIC, {"part": spec.part_id, "size": len(spec.records), "turn": turn,
+                                           "replies": replies, "tokens": tokens})
+
+    record = generate_part(plugin.engine, plugin.tokenizer, spec, progress=progress)
     record["worker"] = str(worker.name)
     return record
 
 
-def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: Any, task: Any,
+def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: _PromptProgress,
                  timings: dict[str, float]) -> list[dict[str, Any]]:
     from distributed import as_completed
 
@@ -356,32 +429,39 @@ def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: Any, task: 
         timings["target_load"] = time.perf_counter() - started
         resources = placement.get("resources")
         started = time.perf_counter()
+
+        def on_batch(event: tuple[float, dict[str, Any]]) -> None:
+            message = event[1]
+            progress.batch(message["part"], message["size"], message["turn"], message["replies"], message["tokens"])
+
+        client.subscribe_topic(_PROGRESS_TOPIC, on_batch)
+        progress.start()
         futures = [client.submit(generate_part_task, spec, key=f"generate-part-{spec.part_id}", pure=False,
                                  resources=resources) for spec in specs]
         for future in as_completed(futures):
             record = future.result()
             records.append(record)
-            progress.update(task, advance=record["num_prompts"])
+            progress.part_done(record)
         timings["parts"] = time.perf_counter() - started
     finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
+        close_cluster(client, cluster)
     return records
 
 
-def _run_in_process(config: GenerateConfig, specs: list[Any], tokenizer: Any, progress: Any, task: Any,
+def _run_in_process(config: GenerateConfig, specs: list[Any], tokenizer: Any, progress: _PromptProgress,
                     timings: dict[str, float]) -> list[dict[str, Any]]:
     from dflash.generation.parts import generate_part
 
     engine = _openai_engine(config, tokenizer)
+    progress.start()
     records = []
     started = time.perf_counter()
     try:
         for spec in specs:
-            record = generate_part(engine, tokenizer, spec)
+            record = generate_part(engine, tokenizer, spec, progress=functools.partial(
+                progress.batch, spec.part_id, len(spec.records)))
             records.append(record)
-            progress.update(task, advance=record["num_prompts"])
+            progress.part_done(record)
         timings["parts"] = time.perf_counter() - started
     finally:
         engine.close()
@@ -418,6 +498,7 @@ def run_generate(config: GenerateConfig, console: Console | None = None, *,
 
         require_local_gpus(config)  # before the lock and any file
     with output_lock(output, what="corpus", break_lock=config.break_lock):
+        _check_output_settings(config)  # before the tokenizer, the prompts and the target load
         return _run_generate(config, console, prompt_processes)
 
 
@@ -456,17 +537,22 @@ def _run_generate(config: GenerateConfig, console: Console | None, prompt_proces
     console.print(f"generate: {len(records):,} prompts in {len(ranges)} parts ({len(done)} committed before), "
                   f"engine {config.engine}, target {identity.get('name')}; left out while reading: "
                   f"{read_drops.describe()}")
-    with Progress(TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False,
-                  disable=not console.is_terminal) as progress:
-        task = progress.add_task("generate", total=len(records),
-                                 completed=sum(r["num_prompts"] for r in done.values()))
+    # On a terminal a bar; in a log a line every progress_interval seconds (dflash.progress).
+    with LogProgress(TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
+                     TextColumn("{task.fields[tokens]:,} tokens"), TimeElapsedColumn(), TimeRemainingColumn(),
+                     console=console, transient=False, unit="prompts", interval=config.progress_interval,
+                     speed_estimate_period=300) as progress:
+        committed = sum(r["num_prompts"] for r in done.values())
+        tokens = sum(int(r["generated_tokens"]) for r in done.values())
+        task = progress.add_task("generate", total=len(records), completed=committed, tokens=tokens,
+                                 status="starting the target" if specs else "")
+        counts = _PromptProgress(progress, task, prompts=committed, tokens=tokens)
         this_run: list[dict[str, Any]] = []
         if specs:
             if config.engine == "openai":
-                this_run = _run_in_process(config, specs, tokenizer, progress, task, timings)
+                this_run = _run_in_process(config, specs, tokenizer, counts, timings)
             else:
-                this_run = _run_on_dask(config, specs, progress, task, timings)
+                this_run = _run_on_dask(config, specs, counts, timings)
     done = committed_parts(output)
     missing = [part_id for part_id in range(len(ranges)) if part_id not in done]
     if missing:

@@ -57,7 +57,14 @@ from dflash.corpus.default_corpus import (
     default_corpus_description,
     default_corpus_files,
 )
-from dflash.corpus.format import FORMAT_VERSION, METADATA_FILE, CorpusWriter, open_corpus, validate_corpus
+from dflash.corpus.format import (
+    FORMAT_VERSION,
+    METADATA_FILE,
+    CorpusWriter,
+    check_corpus_output,
+    open_corpus,
+    validate_corpus,
+)
 from dflash.errors import ConfigError, CorpusError, CorpusNotFoundError, DFlashError
 from dflash.generation.parts import HELDOUT_PROMPTS_FILE, PLAN_FILE
 from dflash.io.files import (
@@ -590,10 +597,13 @@ def _run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, P
     from rich.progress import Progress
 
     console = console or Console(stderr=True)
+    # The output and the input files are checked before the target is resolved (a GGUF target converted) and its
+    # tokenizer loaded.
+    check_corpus_output(config.output, overwrite=config.overwrite)
+    documents = collect_documents(config)
     target_path = resolve_target_path(config.target)
     identity = target_identity(target_path)
     tokenizer = _tokenizer(target_path)
-    documents = collect_documents(config)
     if any(d.kind == "chat" for d in documents):
         check_assistant_mask(tokenizer, config.assistant_mask, where=f"target {config.target!r}")
     tokenized_sources = {id(d.payload[0]): d.payload[0] for d in documents if d.kind == "tokens"}

@@ -52,7 +52,7 @@ import typer
 from dflash.errors import ConfigError
 from dflash.io.files import atomic_write_text
 from dflash.io.locks import output_lock
-from dflash.training.telemetry import read_metrics
+from dflash.training.telemetry import final_losses, read_metrics
 from stages.config.check import check_fields, deep_merge, leaf_paths, matches_type, read_config_file, set_path
 from stages.config.resolve import nested, parse_sets, resolve_stage_config, section_of, split_given
 from stages.train.config import TrainConfig
@@ -321,20 +321,20 @@ def plan_sweep(cache: str, output: str | Path, values: dict[str, list[Any]], *, 
 
 
 def summarize_run(run_dir: str | Path) -> dict[str, Any]:
-    """Final figures of a run folder: last train record, last validation record, best checkpoint."""
+    """Final figures of a run folder: the final train and validation losses (:func:`final_losses`), the last train
+    record's step, skips and throughput, the best checkpoint."""
     run_dir = Path(run_dir)
     summary: dict[str, Any] = {}
     if (run_dir / "metrics.jsonl").is_file():
-        train = read_metrics(run_dir, kind="train")
-        val = read_metrics(run_dir, kind="val")
+        records = read_metrics(run_dir)
+        train = [r for r in records if r.get("kind") == "train"]
+        final = final_losses(records)
         if train:
             last = train[-1]
-            summary.update(
-                step=last["step"], train_loss=last["loss"], train_tau=last["expected_acceptance_length"],
-                skipped_steps=last["skipped_steps"], tokens_per_s=last.get("real_tokens_per_s"),
-            )
-        if val:
-            summary.update(val_loss=val[-1]["loss"], val_tau=val[-1]["expected_acceptance_length"])
+            summary.update(step=final["train_step"], train_loss=final["train_loss"], train_tau=final["train_tau"],
+                           skipped_steps=last["skipped_steps"], tokens_per_s=last.get("real_tokens_per_s"))
+        if final["val_loss"] is not None:
+            summary.update(val_loss=final["val_loss"], val_tau=final["val_tau"])
     if (run_dir / "best.json").is_file():
         from dflash.training.checkpoint import read_best_record  # loads torch
 

@@ -251,3 +251,19 @@ def forked_python_start(code: str, *args: str, cwd=None, env: dict[str, str] | N
 def close_forked_cli() -> None:
     while _SHARED:
         _SHARED.pop().close()
+
+
+def unloadable_target(folder, source):
+    """A target folder that is found and whose config, identity and tokenizer read (copied from the real target
+    folder ``source``), but whose weights cannot load (``model.safetensors`` is not a safetensors file): a command
+    refusing its input with this target refused it before any model load, whatever the time it took."""
+    import shutil
+    from pathlib import Path
+
+    folder = Path(folder)
+    folder.mkdir(parents=True)
+    for path in Path(source).iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name != "dflash_target_identity.json":
+            shutil.copy(path, folder / path.name)
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file: loading these weights fails" * 4)
+    return folder

@@ -8,6 +8,7 @@ checked here. Trained drafters are evaluated in tests/test_pipeline.py.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -55,14 +56,20 @@ def test_evaluate_cli_writes_report_with_every_field(export_folder, tmp_path):
     result = CliRunner().invoke(app, [
         "evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--max-new-tokens", "4",
         "--ignore-eos", "--compare-untrained", "--device", "cpu", "--cpu-threads", "1", "--json-file", str(out),
+        "--set", "progress_interval=0.001",
     ])
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert "tau = " in result.output and "per-position acceptance" in result.output
-    # Output that is not a terminal gets no progress bar, and no blank line where one would have been drawn: one
-    # plain line per prompt instead (batch-job logs), for the trained and the untrained drafter.
+    # Output that is not a terminal gets no progress bar, and no blank line where one would have been drawn: a
+    # line every progress_interval seconds instead (batch-job logs), with rate, ETA and tau so far, and one at the
+    # end, for the trained and the untrained drafter.
     assert "" not in result.output.splitlines()
-    progress_lines = [line for line in result.output.splitlines() if ", tau so far " in line]
-    assert len(progress_lines) == 4 and [line.split(": prompt ")[1][:3] for line in progress_lines] == ["1/2", "2/2"] * 2
+    rates = r"\d+ tokens, [\d.]+K? tok/s, [\d.]+ prompts/s"
+    ends = [line for line in result.output.splitlines()
+            if re.fullmatch(rf"evaluate .+: 2/2 prompts, {rates}, done in \d+s, tau [\d.]+, block size \d+", line)]
+    assert len(ends) == 2, result.output
+    assert any(re.fullmatch(rf"evaluate .+: 1/2 prompts, {rates}, ETA \d+s, tau [\d.]+, .+", line)
+               for line in result.output.splitlines()), result.output
     report = json.loads(out.read_text())
     for key in ("tau", "acceptance", "speedup", "throughput", "lossless", "per_prompt", "untrained", "target",
                 "settings", "prompts"):
@@ -251,7 +258,7 @@ def test_progress_bar_over_prompts_on_a_terminal(export_folder, target, tokenize
     drawn = stream.getvalue()
     assert "evaluate my-drafter" in drawn and "warm-up" in drawn
     assert "2/2 prompts" in drawn and f"tau {summary['tau']:.2f}" in drawn
-    assert "tau so far" not in drawn  # the plain per-prompt lines are for logs only
+    assert "prompts/s" not in drawn  # the plain progress lines are for logs only
 
 
 def test_two_prompt_sets_are_reported_side_by_side(export_folder, tmp_path, tokenizer):
@@ -346,3 +353,22 @@ def test_the_first_prompts_of_a_set_have_their_own_references(export_folder, tmp
     assert [first["per_prompt"][0][k] for k in same] == [whole["per_prompt"][0][k] for k in same]
     assert whole["lossless"]["identical"] == 2 and len(whole["per_prompt"]) == 2
     assert all("baseline_seconds" in p for p in whole["per_prompt"])
+
+
+def test_bad_prompts_and_a_bad_json_file_are_refused_before_the_model_loads(export_folder, target_path, tmp_path,
+                                                                             monkeypatch, capsys):
+    """The prompts are read (a file through the tokenizer alone) and --json-file checked before the target's
+    weights load: with a target whose weights cannot load, the refusal names the prompts file or the JSON path."""
+    from cli_helpers import main_in_process, unloadable_target
+
+    broken = unloadable_target(tmp_path / "target", target_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Say hello"}) + "\n" + json.dumps({"neither": 1}) + "\n")
+    args = ["evaluate", "--drafter", str(export_folder), "--target", str(broken), "--device", "cpu"]
+    code, err = main_in_process(monkeypatch, capsys, *args, "--prompts", str(prompts))
+    assert code == 2 and err.count("error:") == 1 and "prompts.jsonl" in err and "line 2" in err, err
+    assert "safetensors" not in err  # the weights were never read
+    (tmp_path / "report").mkdir()
+    code, err = main_in_process(monkeypatch, capsys, *args, "--prompts", str(prompts), "--json-file",
+                                str(tmp_path / "report"))
+    assert code == 2 and err.count("error:") == 1 and f"--json-file {tmp_path / 'report'}" in err, err

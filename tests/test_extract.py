@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -724,6 +725,9 @@ def test_codec_auto_on_a_cpu_runner_is_the_default_unmeasured_and_a_resume_keeps
     assert metadata.codec == codec_config(DEFAULT_CODEC) and metadata.extra["codec_choice"] == expected
     assert summary["codec"] == DEFAULT_CODEC and summary["codec_choice"] == expected
     assert f"codec auto -> {DEFAULT_CODEC} ({CPU_RUNNER_REASON})" in console.file.getvalue()
+    # Not a terminal: no bar; progress lines (dflash.progress.LogProgress), the last one where it ended.
+    assert re.search(r"^extract: ([\d,]+)/\1 tokens, [\d.]+K? tokens/s, done in \d+s, (\d+)/\2 shards computed$",
+                     console.file.getvalue(), re.M), console.file.getvalue()
     from tests.test_cache import _cli
 
     shown = _cli(["cache", "info", str(output)])
@@ -881,3 +885,43 @@ def test_the_cache_records_the_corpus_document_keys_before_any_shard(tmp_path, t
     # A corpus without document ids: no keys stored (train splits by row, and says so).
     prepare_cache(ExtractConfig(corpus=str(corpus_dir), output=str(tmp_path / "plain")), _quiet())
     assert CacheReader(tmp_path / "plain").document_keys() is None
+
+
+def test_an_output_of_other_files_is_refused_before_any_worker_loads_the_target(tmp_path, corpus_dir, target_path,
+                                                                                 monkeypatch, capsys):
+    """The output is checked before the cluster starts: with a target whose weights cannot load, a folder of
+    other files as --output is refused by name (exit 2), no worker started, nothing written into it."""
+    from tests.cli_helpers import main_in_process, unloadable_target
+
+    broken = unloadable_target(tmp_path / "target", target_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    code, err = main_in_process(monkeypatch, capsys, "extract", "--corpus", str(corpus_dir), "--output",
+                                str(tmp_path / "mine"), "--target", str(broken), "--target-processes", "1")
+    assert code == 2 and err.count("error:") == 1 and str(tmp_path / "mine") in err, err
+    assert "target loaded" not in err and "dashboard" not in err.lower()
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
+def test_closing_the_cluster_after_a_run_prints_no_kill_warning(tmp_path, caplog):
+    """A worker that takes longer than the nanny's 4 s to stop (here its plugin's teardown) is killed at the end of
+    a run without the nanny's ``Worker process still alive`` warning (stages.replicas.cluster.close_cluster)."""
+    import logging
+
+    from distributed import WorkerPlugin
+
+    from stages.replicas.cluster import close_cluster
+
+    class SlowToStop(WorkerPlugin):
+        name = "slow-to-stop"
+
+        def teardown(self, worker):
+            time.sleep(6)
+
+    config = ExtractConfig(corpus=str(tmp_path), output=str(tmp_path / "cache"), target_processes=1, write_processes=0)
+    client, cluster, _ = start_cluster(config)
+    client.register_plugin(SlowToStop())
+    with caplog.at_level(logging.WARNING, logger="distributed"):
+        close_cluster(client, cluster)
+    assert cluster.status.name == "closed"
+    assert not [r for r in caplog.records if "still alive" in r.getMessage()], caplog.text

@@ -5,6 +5,7 @@ every checkpoint with optimizer state named by parameter, ``diff`` of config/env
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -365,3 +366,77 @@ def test_report_writes_only_into_its_own_folder_and_follows_no_link(run_a, tiny_
         assert result.exit_code == 0, result.output
     assert sorted(p.name for p in (run / "report").iterdir()) == sorted(report_stage.REPORT_FILES)
     assert not (run / "report.lock").exists()
+
+
+def test_report_diff_and_sweep_show_one_final_loss_and_the_evaluated_tau(run_a, run_b, tmp_path):
+    """The final losses are ``final_losses``'s everywhere (the last train record's interval loss, the last val
+    record's loss); the evaluated tau comes from the work folder's ``eval/final.json`` (a pipeline's run) or the
+    run's own ``eval/final.json``, and report and diff show it beside speed."""
+    import shutil
+
+    pytest.importorskip("matplotlib")
+    from dflash.training.telemetry import final_losses, read_metrics
+    from stages.forensics import report as report_stage
+    from stages.sweep import summarize_run
+
+    workdir = tmp_path / "work"  # the main job's layout: WORKDIR/run, WORKDIR/eval/final.json, WORKDIR/pipeline.json
+    shutil.copytree(run_a, workdir / "run")
+    (workdir / "pipeline.json").write_text(json.dumps({"tau": 1.106}))
+    (workdir / "eval").mkdir()
+    (workdir / "eval" / "final.json").write_text(json.dumps({"tau": 1.106, "drafter": "final drafter"}))
+    other = tmp_path / "b"
+    shutil.copytree(run_b, other)
+    (other / "eval").mkdir()
+    (other / "eval" / "epoch_1.json").write_text(json.dumps({"tau": 1.25}))  # no final.json: the last epoch's
+
+    final = final_losses(read_metrics(run_a))
+    train = read_metrics(run_a, kind="train")
+    val = read_metrics(run_a, kind="val")
+    assert final["train_loss"] == train[-1]["loss"] and final["val_loss"] == val[-1]["loss"]
+    summary = summarize_run(run_a)
+    assert (summary["train_loss"], summary["val_loss"]) == (final["train_loss"], final["val_loss"])
+    assert runs.evaluated_tau(workdir / "run")["tau"] == 1.106 and runs.evaluated_tau(run_a)["tau"] is None
+
+    output = tmp_path / "report"
+    result = _invoke(report_stage.register, "report", workdir, other, "--output", output)
+    assert result.exit_code == 0, result.output
+    page = (output / "report.html").read_text()
+    assert "evaluated tau (final drafter)</th><td>1.106" in page and "</th><td>1.250" in page
+    assert f"final validation loss / implied tau</th><td>{final['val_loss']:.4f}" in page
+    assert f"final train loss (last log interval)</th><td>{final['train_loss']:.4f}" in page
+
+    comparison = diff_stage.compare(diff_stage.load_side(workdir / "run"), diff_stage.load_side(other))
+    quality = {key: (a, b) for key, a, b in comparison.quality}
+    assert quality["evaluated_tau"] == (1.106, 1.25) and quality["val_loss"][0] == final["val_loss"]
+    assert "quality: evaluated tau 1.106 -> 1.250 (better), validation loss" in comparison.verdict
+    result = _invoke(diff_stage.register, "diff", workdir / "run", other)
+    assert "quality" in result.output and "evaluated_tau" in result.output and "1.1060" in result.output
+
+
+def test_inspect_leads_with_a_summary_of_the_run(run_a, tmp_path):
+    """inspect's first lines say what the path is, its target, steps, final losses (final_losses, as report and
+    diff), the evaluated tau and the checks' verdicts; the details follow."""
+    import shutil
+
+    from dflash.training.telemetry import final_losses, read_metrics
+
+    workdir = tmp_path / "work"
+    shutil.copytree(run_a, workdir / "run")
+    (workdir / "pipeline.json").write_text("{}")
+    (workdir / "eval").mkdir()
+    (workdir / "eval" / "final.json").write_text(json.dumps({"tau": 1.106}))
+    final = final_losses(read_metrics(run_a))
+    result = _invoke(inspect_stage.register, "inspect", workdir / "run", "--no-tensors")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == f"what: run {workdir / 'run'}"
+    assert lines[1].startswith("target: SmolLM2-135M-Instruct")
+    assert lines[2] == "steps: 6 of 6"
+    assert lines[3] == (f"final loss: validation {final['val_loss']:.4f} (step {final['val_step']}), "
+                        f"train {final['train_loss']:.4f} (step 6) (last log interval)")
+    assert lines[4] == f"evaluated tau: 1.106 ({workdir / 'eval' / 'final.json'})"
+    assert re.fullmatch(r"checks: (\d+) of \1 ok", lines[5])
+    assert lines[6].startswith("details follow") and "drafter.block_size" in result.output
+
+    summary = json.loads(_invoke(inspect_stage.register, "inspect", run_a, "--json", "--no-tensors").output)["summary"]
+    assert summary["evaluated tau"] == "not evaluated (no eval/final.json)" and summary["steps"] == "6 of 6"

@@ -385,3 +385,65 @@ def test_rows_generated_from_one_stdlib_file_share_its_document(tmp_path, target
     bad = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "hi", "document": {"path": "a"}}])
     with pytest.raises(ConfigError, match=r"bad.jsonl line 1: 'document' is dict .*expected a string or an integer"):
         read_prompt_file(bad)
+
+
+def test_progress_in_a_log_gives_prompts_tokens_rate_and_eta(tmp_path, target, monkeypatch, capsys):
+    """Output not on a terminal (captured, as in a log file): no bar, but a line every ``progress_interval``
+    seconds with prompts done, tokens, rates and the ETA, and one when it ends; the real command, parts answered by
+    a (slow) server."""
+    from cli_helpers import main_in_process
+    from test_generation_openai import FakeServer
+
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Say hello {i}"} for i in range(4)])
+    server = FakeServer(target.tokenizer, kind="vllm", delay_s=0.3)  # each part outlasts many intervals
+    try:
+        code, stderr = main_in_process(monkeypatch, capsys, "generate", str(prompts), "--output", str(tmp_path / "out"),
+                                       "--engine", "openai", "--endpoint", server.url, "--part-size", "1",
+                                       "--max-new-tokens", "4", "--set", "progress_interval=0.02")
+    finally:
+        server.stop()
+    assert code == 0, stderr
+    lines = [line for line in stderr.splitlines() if re.match(r"generate: \d/4 prompts, ", line)]
+    assert re.fullmatch(r"generate: 4/4 prompts, \d+ tokens, [\d.]+K? tok/s, [\d.]+ prompts/s, done in \d+s", lines[-1])
+    mid = [line for line in lines if re.fullmatch(r"generate: [123]/4 prompts, \d+ tokens, [\d.]+K? tok/s, "
+                                                   r"[\d.]+ prompts/s, ETA \d+s", line)]
+    assert mid, lines
+    assert "━" not in stderr  # no bar drawn into the log
+
+
+def test_a_part_reports_each_batch_before_it_commits(tmp_path, target):
+    """generate_part passes the engine's per-batch progress on (turn, replies, tokens): a long part shows progress
+    before its commit."""
+    records, _ = read_prompt_file(_write_jsonl(tmp_path / "prompts.jsonl", PROMPTS))
+    engine = TransformersEngine(target.model, target.tokenizer, batch_size=1)
+    calls = []
+    record = generate_part(engine, target.tokenizer, _part(tmp_path, target.tokenizer, records),
+                           progress=lambda turn, replies, tokens: calls.append((turn, replies, tokens)))
+    assert [turn for turn, _, _ in calls] == [0, 0, 0, 1]  # batch size 1: three first turns, the chat's second
+    assert all(replies == 1 and 0 < tokens <= 6 for _, replies, tokens in calls)
+    assert engine.progress is None and record["num_prompts"] == 3
+
+
+def test_an_output_of_other_files_or_settings_is_refused_before_the_target_is_read(tmp_path, monkeypatch, capsys):
+    """The output is checked before the tokenizer, the prompts and the target: with a target folder holding only a
+    config.json (reading it would fail), a folder of other files and a generate output of other settings are
+    refused by name, exit 2."""
+    from cli_helpers import main_in_process
+
+    from dflash.generation.parts import PLAN_FILE
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hello"}])
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    args = ["generate", str(prompts), "--target", str(target), "--target-processes", "1"]
+    code, err = main_in_process(monkeypatch, capsys, *args, "--output", str(tmp_path / "mine"))
+    assert code == 2 and err.count("error:") == 1 and "exists and is not a generate output" in err, err
+
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / PLAN_FILE).write_text(json.dumps({"plan_digest": "x", "settings": {"temperature": 0.7}}))
+    code, err = main_in_process(monkeypatch, capsys, *args, "--output", str(earlier))
+    assert code == 2 and err.count("error:") == 1 and "differs in: " in err and "temperature" in err, err

@@ -500,6 +500,22 @@ def test_online_refuses_up_front_what_would_fail_after_the_producers_loaded(tmp_
     assert not (tmp_path / "d").exists()
 
 
+def test_online_refuses_a_folder_of_other_files_before_the_target_loads(tmp_path, monkeypatch, capsys, corpus_dir,
+                                                                        target_path):
+    """With a target whose weights cannot load, a folder of the user's files as --output is refused by name (exit
+    2): the check ran before any producer loaded the target."""
+    from cli_helpers import main_in_process, unloadable_target
+
+    broken = unloadable_target(tmp_path / "target", target_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    code, err = main_in_process(monkeypatch, capsys, "online", "--preset", "online-cpu", "--corpus", str(corpus_dir),
+                                "--target", str(broken), "--output", str(mine))
+    assert code == 2 and err.count("error:") == 1 and str(mine) in err and "safetensors" not in err, err
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
 def test_online_set_overrides_both_sections_over_options_and_names_bad_ones(tmp_path):
     from dflash.errors import ConfigError
     from pipelines.online import config_from_cli

@@ -423,3 +423,24 @@ def test_hostile_jsonl_lines_are_one_error_naming_the_line(tmp_path, cli, line, 
     assert result.exit_code == 2, result.output
     assert "c.jsonl line 2" in result.output and message in " ".join(result.output.split()), result.output
     assert _nothing_written(tmp_path, "out")
+
+
+def test_an_existing_output_and_a_missing_input_are_refused_before_the_target_is_read(tmp_path, monkeypatch, capsys):
+    """The output and the input files are checked first: with a target folder holding only a config.json (no
+    tokenizer, no weights: reading it would fail), the refusal names the output or the input, exit 2."""
+    from cli_helpers import main_in_process
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    chat = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                                {"role": "assistant", "content": "hello"}]}])
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    code, err = main_in_process(monkeypatch, capsys, "prepare", str(chat), "-o", str(tmp_path / "out"),
+                                "--target", str(target))
+    assert code == 2 and err.count("error:") == 1 and f"output {tmp_path / 'out'} already exists" in err, err
+    code, err = main_in_process(monkeypatch, capsys, "prepare", str(tmp_path / "missing.jsonl"),
+                                "-o", str(tmp_path / "new"), "--target", str(target))
+    assert code == 2 and err.count("error:") == 1 and "missing.jsonl" in err and "Traceback" not in err, err
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine" and not (tmp_path / "new").exists()

@@ -77,3 +77,24 @@ def test_a_target_folder_with_safetensors_loads_them_and_never_its_pickle(tmp_pa
     loaded = load_target(folder)
     assert loaded.identity.num_hidden_layers == 30
     assert not (tmp_path / "ran").exists()
+
+
+def test_the_gguf_conversion_bar_becomes_log_lines_where_stderr_is_not_a_terminal(capsys, caplog):
+    """transformers' GGUF loader draws its bar with plain tqdm (its progress-bar switch does not reach it): on a
+    stderr that is not a terminal its redraws are left out, a line before and after says what runs, and every other
+    write (a warning) still goes through."""
+    import logging
+    import sys
+
+    from tqdm.auto import tqdm
+
+    from dflash.target.load import _conversion_bar_as_log_lines
+
+    with caplog.at_level(logging.INFO, logger="dflash.target.load"), _conversion_bar_as_log_lines("x.gguf"):
+        for _ in tqdm(range(300), desc="Converting and de-quantizing GGUF tensors...", mininterval=0):
+            pass
+        print("a warning of the loader", file=sys.stderr)
+    err = capsys.readouterr().err
+    assert "Converting" not in err and "\r" not in err and err == "a warning of the loader\n"
+    assert [r.getMessage() for r in caplog.records] == [
+        "converting x.gguf into a transformers folder (once; ~15 s for the default target)", "converted x.gguf"]

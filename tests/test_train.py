@@ -4,6 +4,7 @@ mismatched inputs before step 1, non-finite steps skipped and counted, telemetry
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -629,6 +630,24 @@ def test_progress_line_spells_out_the_online_feed():
 
     state = SimpleNamespace(throughput=ThroughputWindow(), counters={"skipped_steps": 0},
                             _feed={"producer_capacity_tokens_per_s": 55.0, "trainer_capacity_tokens_per_s": 28.0,
-                                   "ring_ready_mean": 4.0})
+                                   "ring_ready_mean": 4.0}, _logged_loss=None)
     line = Trainer._status(state, {"loss": 1.5, "lr": 1e-4}, {})
     assert "(inference alone 55 training alone 28 tok/s, ring 4.0 batches ready)" in line
+    # The loss shown is the last train record's (final_losses), not the step's: none before the first record.
+    assert line.startswith("loss -  lr")
+    state._logged_loss = 0.8043
+    assert Trainer._status(state, {"loss": 1.226, "lr": 1e-4}, {}).startswith("loss 0.804  lr")
+
+
+def test_progress_in_a_log_gives_steps_tokens_rate_eta_and_the_loss(tiny_cache, tmp_path, capsys):
+    """stdout not a terminal (captured, as a log file): no bar, a line every ``telemetry.progress_interval`` seconds
+    with steps, tokens, rates, the ETA and the bar's status (the last train record's loss), and one at the end."""
+    from stages.train.launch import run_training
+
+    run_training(tiny_config(tiny_cache, tmp_path / "run", progress=True, progress_interval=0.001, max_steps=4))
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("train: ")]
+    step = r"[\d.]+K? tokens, [\d.]+K? tok/s, [\d.]+ steps/s"
+    assert any(re.match(rf"train: [123]/4 steps, {step}, ETA \d+s, loss \d+\.\d{{3}}  lr ", line) for line in lines), lines
+    assert re.match(rf"train: 4/4 steps, {step}, done in \d+s, loss \d+\.\d{{3}}  lr ", lines[-1]), lines[-1]
+    assert "━" not in out

@@ -53,6 +53,7 @@ __all__ = [
     "document_key",
     "Corpus",
     "CorpusLengths",
+    "check_corpus_output",
     "CorpusReport",
     "CorpusWriter",
     "open_corpus",
@@ -677,6 +678,23 @@ def _is_replaceable_corpus(path: Path) -> bool:
     return False
 
 
+def check_corpus_output(path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+    """The rule :class:`CorpusWriter` applies to its output, for a stage to check before any work: a new path, or
+    with ``overwrite`` an earlier corpus or an empty folder (never a folder of other files: a typo in --output).
+
+    Raises:
+        CorpusError: naming the output and the fix.
+    """
+    path = Path(path).expanduser()
+    if path.exists() and not overwrite:
+        raise CorpusError(f"output {path} already exists; pass another --output or --overwrite")
+    if overwrite and path.exists() and not _is_replaceable_corpus(path):
+        raise CorpusError(
+            f"output {path} exists and is not a dflash corpus (no {METADATA_FILE}); --overwrite only replaces "
+            "a corpus or an empty folder: pass another --output"
+        )
+
+
 class CorpusWriter:
     """Write a corpus folder atomically: rows go to a temporary sibling folder, renamed onto ``path`` by
     :meth:`commit`; an exception (or leaving the ``with`` block without commit) removes it, so a killed or
@@ -694,14 +712,7 @@ class CorpusWriter:
 
     def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = False, batch_rows: int = 1024) -> None:
         self.path = Path(path).expanduser()
-        if self.path.exists() and not overwrite:
-            raise CorpusError(f"output {self.path} already exists; pass another --output or --overwrite")
-        if overwrite and self.path.exists() and not _is_replaceable_corpus(self.path):
-            # --overwrite replaces an earlier corpus, never a folder of other files (a typo in --output).
-            raise CorpusError(
-                f"output {self.path} exists and is not a dflash corpus (no {METADATA_FILE}); --overwrite only replaces "
-                "a corpus or an empty folder: pass another --output"
-            )
+        check_corpus_output(self.path, overwrite=overwrite)
         self.overwrite = overwrite
         self.batch_rows = batch_rows
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -20,11 +20,12 @@ in its record, never silently.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,12 +120,17 @@ def _write_part(output: Path, part_id: int, rows: list[tuple[list[int], list[int
         raise
 
 
-def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec) -> dict[str, Any]:
+def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec,
+                  progress: Callable[[int, int, int], None] | None = None) -> dict[str, Any]:
     """Answer every prompt of ``spec`` turn by turn with ``engine`` and commit the part (module docstring).
 
     Turn ``t`` of every conversation of the part goes to the engine in one call (the engine batches by length);
     a turn whose prompt leaves no room under ``max_length`` ends its conversation (``turns_cut``), a first turn
     drops the prompt (``too_long``). Returns the part's record (small: counts, not tokens).
+
+    ``progress(turn, replies, generated tokens)`` is called after each batch the engine answers, where the engine
+    reports batches (a ``progress`` attribute, as :class:`~dflash.generation.transformers_engine.TransformersEngine`
+    has), so a long part shows progress before it commits.
     """
     started = time.perf_counter()
     settings = SamplingSettings(**spec.settings)
@@ -155,7 +161,14 @@ def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec) -> d
         if not requests:
             break
         engine_started = time.perf_counter()
-        results = engine.generate(requests, settings)
+        reports = progress is not None and hasattr(engine, "progress")
+        if reports:
+            engine.progress = functools.partial(progress, turn)
+        try:
+            results = engine.generate(requests, settings)
+        finally:
+            if reports:
+                engine.progress = None
         engine_seconds += time.perf_counter() - engine_started
         for request, result in zip(requests, results, strict=True):
             index = request.request_id - spec.first_prompt

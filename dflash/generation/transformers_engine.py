@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -86,6 +86,8 @@ class TransformersEngine:
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.stop_token_ids[0])
         self.description = dict(description or {})
+        #: Called after each batch with (replies, generated tokens) when set (:func:`dflash.generation.parts.generate_part`).
+        self.progress: Callable[[int, int], None] | None = None
         #: Seconds and generated tokens of the last :meth:`generate` call (for the stage's report and benchmarks).
         self.last_stats: dict[str, float] = {}
         self._decoder: Any = None
@@ -138,6 +140,8 @@ class TransformersEngine:
             for index, result in zip(batch, outputs, strict=True):
                 results[index] = result
                 generated += len(result.token_ids)
+            if self.progress is not None:
+                self.progress(len(outputs), sum(len(result.token_ids) for result in outputs))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_stats = {"seconds": time.perf_counter() - started, "generated_tokens": float(generated)}

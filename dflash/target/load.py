@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import io
 import json
+import logging
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from dflash.errors import TargetError, TargetNotFoundError
 from dflash.io.files import load_json
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -109,6 +114,49 @@ def _quiet_transformers_progress() -> Iterator[None]:
             hub_utils.enable_progress_bars()
 
 
+class _WithoutBarRedraws(io.TextIOBase):
+    """A text stream passing everything on to ``stream`` but a tqdm bar's redraws: on a stream that is no terminal
+    tqdm writes each redraw as ``"\r" + bar`` and a newline when it closes, one ever longer carriage-return line in
+    a log."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self._in_bar = False
+
+    def write(self, text: str) -> int:
+        if text.startswith("\r"):
+            self._in_bar = True
+            return len(text)
+        if self._in_bar and text == "\n":  # the bar's closing newline
+            self._in_bar = False
+            return len(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+@contextmanager
+def _conversion_bar_as_log_lines(what: str) -> Iterator[None]:
+    """transformers' GGUF loader draws a plain tqdm bar (``Converting and de-quantizing GGUF tensors...``; its
+    progress-bar switch does not reach it): on a terminal it stays; where stderr is not a terminal (a log) its
+    redraws are left out and a line before and after says what runs. Every other write to stderr goes through."""
+    if sys.stderr.isatty():
+        yield
+        return
+    log.info("converting %s into a transformers folder (once; ~15 s for the default target)", what)
+    original = sys.stderr
+    sys.stderr = _WithoutBarRedraws(original)
+    try:
+        yield
+    finally:
+        sys.stderr = original
+    log.info("converted %s", what)
+
+
 # sha256 of a file, remembered in this process while its inode, size and mtime stay the same: resolving a GGUF target
 # (each check and load of a stage does) read the whole file again every time (0.12 s for the 98 MB default; seconds
 # for a multi-GB target), as target_identity's memo already avoids for weight files.
@@ -140,7 +188,9 @@ def _convert_gguf(gguf_path: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        with _quiet_transformers_progress():  # transformers' GGUF dequantization bar (plain tqdm) stays: ~15 s, once
+        # transformers' own bars are off; its GGUF dequantization bar (plain tqdm, ~15 s, once) stays on a
+        # terminal and becomes two log lines elsewhere.
+        with _quiet_transformers_progress(), _conversion_bar_as_log_lines(gguf_path.name):
             model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         # The dequantized weights are plain float32 tensors; drop the GGUF marker so reloading reads them as is.
         if hasattr(model.config, "quantization_config"):

@@ -18,6 +18,7 @@
   source reports producer work (the online queue), the producers' capacity I (each producer's tokens per second
   of its compute time, summed over producers) and the ring's occupancy.
 - :func:`training_progress` is a rich progress bar with ETA.
+- :func:`final_losses` is the one definition of a run's final train and validation loss.
 - :class:`TelemetryConfig` holds what a run chooses of all this (``train.telemetry``): the log interval, the
   throughput window, the progress bar and the trackers.
 
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash.errors import CheckpointError, ConfigError
 from dflash.io.files import read_json_lines
+from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progress_interval
 from dflash.training.trackers import TRACKERS, numeric_fields, open_trackers
 
 if TYPE_CHECKING:
@@ -57,6 +59,8 @@ __all__ = [
     "training_progress",
     "read_metrics",
     "drop_records_after",
+    "final_losses",
+    "record_number",
 ]
 
 log = logging.getLogger(__name__)
@@ -77,11 +81,15 @@ class TelemetryConfig:
     """Steps in the throughput window (:class:`ThroughputWindow`, :class:`StepTimeWindow`)."""
     progress: bool = True
     """Show the rich progress bar (rank 0)."""
+    progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={
+        "help": "Seconds between two progress lines (steps, tokens, rates, ETA, loss) when output is not a terminal; "
+                "0: none."})
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     """Experiment trackers the metrics also go to (``dflash.training.trackers``): tensorboard, wandb, mlflow, trackio (offline
     modes; an absent package is skipped with a warning); empty (``--report-to none``) for ``metrics.jsonl`` only."""
 
     def __post_init__(self) -> None:
+        check_progress_interval(self.progress_interval, "telemetry.progress_interval")
         for name in ("log_every", "throughput_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -217,6 +225,40 @@ def read_metrics(path: str | Path, kind: str | None = None) -> list[dict[str, An
     if skipped:
         log.warning("%s: skipped %d line(s) that are not JSON records (first: line %d)", path, len(skipped), skipped[0])
     return [r for r in records if kind is None or r.get("kind") == kind]
+
+
+def record_number(value: Any) -> float | None:
+    """A metrics field as a float: non-finite values are stored as strings (``"nan"``) and read back as floats;
+    None when absent or not a number."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def final_losses(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A run's final losses, the one definition the progress bar, ``report``, ``sweep``, ``diff`` and ``inspect``
+    show:
+
+    - ``train_loss``: the ``loss`` of the last ``train`` record, the token-weighted mean training loss over the
+      last log interval (``telemetry.log_every`` steps, skipped steps left out), at step ``train_step``, with the
+      tau its accuracies imply (``train_tau``);
+    - ``val_loss``: the ``loss`` of the last ``val`` record (the whole validation split), at ``val_step``, with its
+      implied tau ``val_tau``.
+
+    Keys whose record is absent are None.
+    """
+    train = [r for r in records if r.get("kind") == "train"]
+    val = [r for r in records if r.get("kind") == "val"]
+    out: dict[str, Any] = dict.fromkeys(("train_loss", "train_tau", "train_step", "val_loss", "val_tau", "val_step"))
+    for name, kept in (("train", train), ("val", val)):
+        if kept:
+            out[f"{name}_loss"] = record_number(kept[-1].get("loss"))
+            out[f"{name}_tau"] = record_number(kept[-1].get("expected_acceptance_length"))
+            out[f"{name}_step"] = int(kept[-1]["step"])
+    return out
 
 
 @dataclass(slots=True)
@@ -485,22 +527,22 @@ class FeedMeter:
         return out
 
 
-def training_progress(*, enabled: bool = True) -> Progress:
-    """A rich progress bar for the training loop: steps, rate, elapsed, ETA and a free-text status field.
+def training_progress(*, enabled: bool = True, interval: float = DEFAULT_PROGRESS_INTERVAL) -> Progress:
+    """A rich progress bar for the training loop: steps, rate, elapsed, ETA and a free-text status field; where
+    stdout is not a terminal, a line every ``interval`` seconds instead (:class:`dflash.progress.LogProgress`).
 
-    Use ``task = progress.add_task("train", total=num_steps, status="")`` and
-    ``progress.update(task, completed=step, status="loss 2.31 ...")``.
+    Use ``task = progress.add_task("train", total=num_steps, status="", tokens=0)`` and
+    ``progress.update(task, completed=step, tokens=tokens_seen, status="loss 2.31 ...")``.
     """
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
-        Progress,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
 
-    return Progress(
+    return LogProgress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -510,4 +552,6 @@ def training_progress(*, enabled: bool = True) -> Progress:
         TextColumn("{task.fields[status]}"),
         disable=not enabled,
         transient=False,
+        unit="steps",
+        interval=interval if enabled else 0,
     )

@@ -81,6 +81,9 @@ def field_descriptions(cls: type) -> dict[str, str]:
             row -= 1
         if comments:
             described[name] = " ".join(comments)
+    for field in dataclasses.fields(cls):  # ``field(metadata={"help": ...})``: the field's own one-line help
+        if field.metadata.get("help"):
+            described[field.name] = str(field.metadata["help"])
     return described
 
 

@@ -35,7 +35,6 @@ import typer
 from rich.console import Console
 from rich.progress import (
     BarColumn,
-    Progress,
     ProgressColumn,
     TextColumn,
     TimeElapsedColumn,
@@ -47,11 +46,18 @@ from rich.text import Text
 from dflash.drafter.config import DEFAULT_NUM_DRAFT_LAYERS
 from dflash.errors import CacheError, ConfigError, DFlashError
 from dflash.io.locks import output_lock
+from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progress_interval
 from dflash.target.load import PACKED_ATTENTION, resolve_target_path, target_identity
 from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
 from stages.config.check import dtype_spelling
 from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION, int_list
-from stages.replicas.cluster import cluster_workers, require_local_gpus, start_cluster, validate_placement
+from stages.replicas.cluster import (
+    close_cluster,
+    cluster_workers,
+    require_local_gpus,
+    start_cluster,
+    validate_placement,
+)
 
 __all__ = ["ExtractConfig", "CachePlan", "run_extract", "plan_cache", "create_cache", "prepare_cache", "plan_shards",
            "estimate_cache_bytes", "register"]
@@ -153,8 +159,11 @@ class ExtractConfig:
         "Also store the target's final normed hidden state (the input of its LM head) as one more slot per token, "
         "which train's drafter.distill needs; the cache grows by one tap's share.")})
     extra: dict[str, Any] = field(default_factory=dict)
+    progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={
+        "help": "Seconds between two progress lines (tokens, shards, rate, ETA) when output is not a terminal; 0: none."})
 
     def __post_init__(self) -> None:
+        check_progress_interval(self.progress_interval)
         validate_placement(self)
         for name in ("num_taps", "shard_size", "token_budget"):
             if getattr(self, name) < 1:
@@ -517,7 +526,9 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
         started = time.perf_counter()
         columns = [TextColumn("[bold]extract"), BarColumn(), TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"),
                    _TokensPerSecond(), TextColumn("{task.fields[shards]}"), TimeElapsedColumn(), TimeRemainingColumn()]
-        with Progress(*columns, console=console, transient=False) as progress:
+        # On a terminal a bar; in a log a line every progress_interval seconds (dflash.progress).
+        with LogProgress(*columns, console=console, transient=False, unit="tokens",
+                         interval=config.progress_interval) as progress:
             todo = pending
             for attempt in range(_MAX_ROUNDS):
                 specs = [spec_of(k) for k in todo]
@@ -555,9 +566,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
                 console.print(f"[yellow]{len(todo)} shards not committed after round {attempt + 1}: {todo[:10]}; retrying")
         elapsed = time.perf_counter() - started
     finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
+        close_cluster(client, cluster)
 
     counts = cache.finalize()
     summary.update(counts)

@@ -15,8 +15,12 @@ A and B are run folders, checkpoint folders or serving-format exports. Three com
   left out when there are three or more): medians of real/padded/supervised tokens/s, of the step time and its
   split (data wait / forward / backward / optimizer), and per length bucket.
 
-The last line is a verdict pointing at the largest change, e.g. ``B is 41% slower (real tokens/s 9,800 -> 5,780);
-forward +58%; bucket 3 forward +70%; environment: versions.torch 2.11.0+cu130 -> 2.11.0+cu128``.
+- quality: the evaluated tau of a run (:func:`stages.forensics.runs.evaluated_tau`), the final validation and train
+  loss (:func:`dflash.training.telemetry.final_losses`; a checkpoint's up to its step).
+
+The last line is a verdict pointing at the largest change and the quality beside it, e.g. ``B is 41% slower (real
+tokens/s 9,800 -> 5,780); forward +58%; bucket 3 forward +70%; quality: evaluated tau 1.106 -> 1.214 (better),
+validation loss 4.100 -> 3.910 (better); environment: versions.torch 2.11.0+cu130 -> 2.11.0+cu128``.
 
     dflash-stages diff runs/last-week runs/today
     dflash-stages diff runs/a/checkpoints/step_00000100 exports/a --json
@@ -36,11 +40,11 @@ from typing import Any
 import typer
 
 from dflash.errors import DFlashError
-from dflash.training.telemetry import read_metrics
-from stages.forensics.runs import add_key_column, describe, flatten, format_value, read_json
+from dflash.training.telemetry import final_losses, read_metrics
+from stages.forensics.runs import add_key_column, describe, evaluated_tau, flatten, format_value, read_json
 
 __all__ = ["register", "diff_command", "Side", "Comparison", "load_side", "compare", "print_comparison",
-           "PERFORMANCE_KEYS"]
+           "PERFORMANCE_KEYS", "QUALITY_KEYS"]
 
 #: Config-like sections in the order a change is attributed to them (a key is listed under the first).
 _CONFIG_SECTIONS = ("config", "drafter", "target", "resolved", "serving", "provenance")
@@ -53,6 +57,8 @@ _IGNORED = {"config.output", "provenance.created_at", "environment.argv", "resol
 PERFORMANCE_KEYS = ("real_tokens_per_s", "padded_tokens_per_s", "supervised_tokens_per_s", "steps_per_s",
                     "time_step_s", "time_data_wait_s", "time_forward_s", "time_backward_s", "time_optimizer_s",
                     "time_data_wait_fraction")
+#: The quality figures compared: evaluated tau (higher is better), final validation and train loss (lower is better).
+QUALITY_KEYS = ("evaluated_tau", "val_loss", "train_loss")
 _PER_BUCKET = ("bucket_real_tokens_per_s", "bucket_step_s", "bucket_forward_s")
 _PHASES = ("data_wait", "forward", "backward", "optimizer")
 #: Environment keys in the order the verdict names them (most often the cause of a speed change first).
@@ -71,6 +77,9 @@ class Side:
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)  # section -> {key: value}
     performance: dict[str, float] = field(default_factory=dict)  # PERFORMANCE_KEYS and "<bucket key>.<id>"
     records: int = 0
+    #: QUALITY_KEYS: final losses (:func:`dflash.training.telemetry.final_losses`) and the evaluated tau
+    #: (:func:`stages.forensics.runs.evaluated_tau`); a key is absent when the side does not have it.
+    quality: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -84,6 +93,7 @@ class Comparison:
     performance: list[tuple[str, float | None, float | None, float | None]]  # key, a, b, relative change b/a - 1
     skipped: list[str]
     verdict: str
+    quality: list[tuple[str, float | None, float | None]] = field(default_factory=list)  # key, a, b
 
     @property
     def differs(self) -> bool:
@@ -94,6 +104,7 @@ class Comparison:
             "a": str(self.left.path), "b": str(self.right.path),
             "config": [{"key": k, "a": a, "b": b} for k, a, b in self.config],
             "environment": [{"key": k, "a": a, "b": b} for k, a, b in self.environment],
+            "quality": [{"key": k, "a": a, "b": b} for k, a, b in self.quality],
             "performance": [{"key": k, "a": a, "b": b, "change": c} for k, a, b, c in self.performance],
             "not_compared": self.skipped, "verdict": self.verdict,
         }
@@ -114,9 +125,10 @@ def _median_performance(records: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _metrics_of(folder: Path, up_to_step: int | None) -> list[dict[str, Any]]:
+    """The train and val records of ``folder``'s metrics up to ``up_to_step``."""
     if not (folder / "metrics.jsonl").is_file():
         return []
-    records = read_metrics(folder, kind="train")
+    records = [r for r in read_metrics(folder) if r.get("kind") in ("train", "val")]
     return [r for r in records if up_to_step is None or int(r["step"]) <= up_to_step]
 
 
@@ -149,8 +161,15 @@ def load_side(path: str | Path) -> Side:
             side.sections[section] = flatten(content, "")
     if metrics_folder is not None:
         records = _metrics_of(metrics_folder, up_to)
-        side.records = len(records)
-        side.performance = _median_performance(records)
+        train = [r for r in records if r.get("kind") == "train"]
+        side.records = len(train)
+        side.performance = _median_performance(train)
+        final = final_losses(records)
+        side.quality = {key: final[key] for key in ("val_loss", "train_loss") if final[key] is not None}
+    if artefact.kind == "run":  # the evaluated tau is the final drafter's: a run's, not an earlier checkpoint's
+        tau = evaluated_tau(artefact.path)["tau"]
+        if tau is not None:
+            side.quality["evaluated_tau"] = tau
     return side
 
 
@@ -193,6 +212,8 @@ def _verdict(comparison: Comparison) -> str:
             parts.append(f"bucket {bucket} {what} {_change(left[key], right[key]) or 0.0:+.0%}")
     else:
         parts.append("no throughput to compare (no train records on one side)")
+    if comparison.quality:
+        parts.append(_quality_verdict(comparison.quality))
     environment = {key.removeprefix("environment."): (a, b) for key, a, b in comparison.environment}
     ranked = sorted(environment, key=lambda k: next((i for i, p in enumerate(_ENV_PRIORITY) if k.startswith(p)),
                                                    len(_ENV_PRIORITY)))
@@ -207,6 +228,24 @@ def _verdict(comparison: Comparison) -> str:
     if not comparison.differs:
         parts.append("no config or environment differences in the compared sections")
     return "; ".join(parts)
+
+
+def _quality_verdict(rows: list[tuple[str, float | None, float | None]]) -> str:
+    """``quality: evaluated tau 1.106 -> 1.214 (better), validation loss 4.10 -> 3.91 (better)``; the train loss
+    only where neither has a validation loss."""
+    names = {"evaluated_tau": "evaluated tau", "val_loss": "validation loss", "train_loss": "final train loss"}
+    shown = []
+    for key, a, b in rows:
+        if key == "train_loss" and any(k == "val_loss" and (x is not None or y is not None) for k, x, y in rows):
+            continue
+        text = f"{names[key]} {'-' if a is None else f'{a:.3f}'} -> {'-' if b is None else f'{b:.3f}'}"
+        if a is not None and b is not None and a != b:
+            better = b > a if key == "evaluated_tau" else b < a
+            text += " (better)" if better else " (worse)"
+        shown.append(text)
+    if not any(key == "evaluated_tau" for key, _, _ in rows):
+        shown.append("evaluated tau unknown (no eval report)")
+    return "quality: " + ", ".join(shown)
 
 
 def _short(value: Any) -> str:
@@ -236,7 +275,10 @@ def compare(left: Side, right: Side) -> Comparison:
     keys += sorted(k for k in {*left.performance, *right.performance} if k not in PERFORMANCE_KEYS)
     performance = [(k, left.performance.get(k), right.performance.get(k),
                     _change(left.performance.get(k), right.performance.get(k))) for k in keys]
-    comparison = Comparison(left, right, config_rows, environment_rows, performance, skipped, verdict="")
+    quality = [(k, left.quality.get(k), right.quality.get(k)) for k in QUALITY_KEYS
+               if k in left.quality or k in right.quality]
+    comparison = Comparison(left, right, config_rows, environment_rows, performance, skipped, verdict="",
+                            quality=quality)
     comparison.verdict = _verdict(comparison)
     return comparison
 
@@ -258,6 +300,14 @@ def print_comparison(console: Any, comparison: Comparison) -> None:
         table.add_column("B", overflow="fold")
         for key, a, b in rows:
             table.add_row(format_value(key), format_value(a), format_value(b))
+        console.print(table)
+    if comparison.quality:
+        table = Table(title="quality (final losses: last train record and last validation; evaluated tau: "
+                      "eval/final.json)")
+        for column in ("metric", "A", "B"):
+            table.add_column(column, justify="left" if column == "metric" else "right")
+        for key, a, b in comparison.quality:
+            table.add_row(key, "-" if a is None else f"{a:.4f}", "-" if b is None else f"{b:.4f}")
         console.print(table)
     if comparison.performance:
         table = Table(title=f"performance (medians over {left.records} / {right.records} train records)")

@@ -9,7 +9,9 @@ PATH is a run folder (``run.json``, ``latest``, ``checkpoints/``), a checkpoint 
     dflash-stages inspect runs/smol --scan                # = dflash-stages scan runs/smol (stages/scan.py)
     dflash-stages inspect runs/smol --json > smol.json    # the same facts, checks and per-tensor statistics as JSON
 
-Every artefact is reduced to flat ``section.key -> value`` facts (sections: ``drafter`` = the DFlashConfig fields,
+The output leads with a summary (what the path is, its target, steps, final validation and train loss, evaluated
+tau, the checks' verdicts; :func:`summary`), then the details. Every artefact is reduced to flat
+``section.key -> value`` facts (sections: ``drafter`` = the DFlashConfig fields,
 ``target``, ``run``, ``trainer``, ``serving``, ``provenance``, ``weights``); the diff compares the sections both sides
 have, so a checkpoint and its export compare by drafter config and target.
 """
@@ -28,13 +30,58 @@ from stages.forensics.runs import (
     Artefact,
     add_key_column,
     describe,
+    evaluated_tau,
     format_value,
     parameter_groups,
     tensor_statistics,
 )
 from stages.forensics.scan import DEFAULT_MAX_ABS, print_scans, scan_paths
 
-__all__ = ["register", "inspect_command"]
+__all__ = ["register", "inspect_command", "summary"]
+
+
+def summary(artefact: Artefact) -> list[tuple[str, str]]:
+    """What ``inspect`` says first, one line each: what the path is, its target, its steps, its final losses
+    (:func:`dflash.training.telemetry.final_losses`; a checkpoint's up to its step), the evaluated tau
+    (:func:`stages.forensics.runs.evaluated_tau`, a run's) and the checks' verdicts."""
+    from dflash.training.telemetry import final_losses, read_metrics
+
+    facts = artefact.facts
+    rows = [("what", f"{artefact.kind} {artefact.path}")]
+    target = facts.get("target.identity.name") or facts.get("target.target_spec")
+    rows.append(("target", str(target) if target is not None else "unknown (not recorded)"))
+    step, total = facts.get("trainer.step"), facts.get("trainer.total_steps")
+    if step is not None:
+        rows.append(("steps", f"{step} of {total}" if total is not None else str(step)))
+    run = artefact.path if artefact.kind == "run" else (
+        artefact.path.parent.parent if artefact.kind == "checkpoint" and artefact.path.parent.name == "checkpoints"
+        else None)
+    if run is not None and (run / "metrics.jsonl").is_file():
+        records = read_metrics(run)
+        if artefact.kind == "checkpoint" and step is not None:
+            records = [r for r in records if int(r.get("step", 0)) <= int(step)]
+        final = final_losses(records)
+
+        def loss(name: str) -> str:
+            value = final[f"{name}_loss"]
+            return "-" if value is None else f"{value:.4f} (step {final[f'{name}_step']})"
+
+        rows.append(("final loss", f"validation {loss('val')}, train {loss('train')} (last log interval)"))
+    if artefact.kind == "run":
+        evaluated = evaluated_tau(artefact.path)
+        rows.append(("evaluated tau", f"{evaluated['tau']:.3f} ({evaluated['source']})" if evaluated["tau"] is not None
+                     else "not evaluated (no eval/final.json)"))
+    failed = [name for name, verdict in artefact.checks.items() if verdict != "ok"]
+    rows.append(("checks", f"{len(artefact.checks) - len(failed)} of {len(artefact.checks)} ok"
+                 + (f"; FAILED: {', '.join(failed)}" if failed else "")))
+    return rows
+
+
+def _print_summary(console: Any, artefact: Artefact) -> None:
+    for name, value in summary(artefact):
+        console.print(f"[bold]{name}:[/] {format_value(value)}")
+    console.print("details follow: every recorded fact, then the checks and notes"
+                  + (", then per-tensor statistics" if artefact.model_file is not None else ""), style="dim")
 
 
 def _print_artefact(console: Any, artefact: Artefact) -> None:
@@ -124,11 +171,12 @@ def inspect_command(
     failed = False
     statistics = tensor_statistics(artefact.model_file) if tensors and artefact.model_file is not None else None
     if as_json:
-        print(json.dumps(artefact.to_dict(statistics), indent=2, default=str))
+        print(json.dumps({"summary": dict(summary(artefact)), **artefact.to_dict(statistics)}, indent=2, default=str))
         if any(verdict != "ok" for verdict in artefact.checks.values()):
             raise typer.Exit(code=1)
         return
     if other is None:
+        _print_summary(console, artefact)
         _print_artefact(console, artefact)
         if statistics is not None and artefact.model_file is not None:
             _print_tensors(console, statistics, artefact.model_file)

@@ -1,15 +1,17 @@
 """``dflash-stages report RUN [RUN...]``: PNG plots of training runs and one self-contained HTML page.
 
-Reads each run's ``metrics.jsonl`` (``dflash.training.telemetry``: ``train``, ``val`` and ``checkpoint`` records) and, when the
-run is a pipeline's (``WORKDIR/run`` beside ``WORKDIR/pipeline.json``, or the WORKDIR itself), the tau measured by
-``evaluate`` after each epoch. Several runs are overlaid, one colour each. Plots (``--output``, default
+Reads each run's ``metrics.jsonl`` (``dflash.training.telemetry``: ``train``, ``val`` and ``checkpoint`` records) and
+the tau ``evaluate`` measured (:func:`stages.forensics.runs.evaluated_tau`: ``WORKDIR/eval/final.json`` when the run
+is a pipeline's, ``WORKDIR/run`` beside ``WORKDIR/pipeline.json`` or the WORKDIR itself, with the per-epoch taus of
+``pipeline.json``; else ``RUN/eval/final.json``). Final losses are :func:`dflash.training.telemetry.final_losses`'s. Several runs are overlaid, one colour each. Plots (``--output``, default
 ``RUN/report``):
 
 - ``loss.png``: train loss (solid) and validation loss (dashed) per step, checkpoint saves marked (dotted lines,
   so a loss cliff after a save shows);
 - ``accuracy.png``: per-position accuracy of the last validation (else train) record;
 - ``tau.png``: implied acceptance length (``expected_acceptance_length`` from the per-position accuracies; train
-  solid, validation dashed) and the evaluated tau per epoch (squares) where the pipeline measured it;
+  solid, validation dashed), the evaluated tau per epoch (squares) where the pipeline measured it and the final
+  drafter's evaluated tau (a star at the last step);
 - ``throughput.png``: real (solid) and supervised (dashed) tokens/s over the throughput window;
 - ``time_split.png``: median step time split into data wait / forward / backward / optimizer, per run;
 - ``data_wait.png``: data-wait share of the step time per step;
@@ -43,9 +45,10 @@ from typing import Any
 import typer
 
 from dflash.errors import CheckpointError, DFlashError
-from dflash.io.files import atomic_write_bytes, atomic_write_text, load_json
+from dflash.io.files import atomic_write_bytes, atomic_write_text
 from dflash.io.locks import output_lock
-from dflash.training.telemetry import read_metrics
+from dflash.training.telemetry import final_losses, read_metrics, record_number
+from stages.forensics.runs import evaluated_tau
 
 __all__ = ["register", "report_command", "RunSeries", "load_series", "write_report", "check_report_output", "PLOTS",
            "REPORT_FILES"]
@@ -67,17 +70,11 @@ class RunSeries:
     val: list[dict[str, Any]] = field(default_factory=list)
     saves: list[int] = field(default_factory=list)  # steps of checkpoint records
     evaluated: list[dict[str, Any]] = field(default_factory=list)  # pipeline.json epochs: {epoch, step, tau}
-
-
-def _pipeline_epochs(run: Path) -> list[dict[str, Any]]:
-    for candidate in (run / "pipeline.json", run.parent / "pipeline.json"):
-        if candidate.is_file():
-            try:
-                epochs = load_json(candidate, error=CheckpointError, fix="").get("epochs") or []
-            except (OSError, CheckpointError):
-                return []
-            return [e for e in epochs if isinstance(e, dict) and isinstance(e.get("tau"), int | float)]
-    return []
+    #: :func:`stages.forensics.runs.evaluated_tau`: the final drafter's evaluated tau and its report file.
+    evaluated_tau: float | None = None
+    evaluated_source: str | None = None
+    #: :func:`dflash.training.telemetry.final_losses` of the run's records.
+    final: dict[str, Any] = field(default_factory=dict)
 
 
 def load_series(path: str | Path) -> RunSeries:
@@ -96,16 +93,14 @@ def load_series(path: str | Path) -> RunSeries:
     series.train = [r for r in records if r.get("kind") == "train"]
     series.val = [r for r in records if r.get("kind") == "val"]
     series.saves = sorted({int(r["step"]) for r in records if r.get("kind") == "checkpoint"})
-    series.evaluated = _pipeline_epochs(folder if folder != run else run)
+    evaluated = evaluated_tau(run)
+    series.evaluated = evaluated["epochs"]
+    series.evaluated_tau, series.evaluated_source = evaluated["tau"], evaluated["source"]
+    series.final = final_losses(records)
     return series
 
 
-def _number(value: Any) -> float | None:
-    """A record field as a float (non-finite values are stored as strings: ``"nan"``)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
+_number = record_number
 
 
 def _xy(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -164,7 +159,7 @@ def _plot_accuracy(runs: list[RunSeries], colors: list[Any]) -> Any:
 
 
 def _plot_tau(runs: list[RunSeries], colors: list[Any]) -> Any:
-    figure, axes = _figure("acceptance length tau: implied (train solid, val dashed), evaluated per epoch (squares)",
+    figure, axes = _figure("tau: implied by accuracies (train solid, val dashed); evaluated (squares, star: final)",
                            "step", "tau (tokens per draft-verify cycle)")
     for run, color in zip(runs, colors, strict=True):
         axes.plot(*_xy(run.train, "expected_acceptance_length"), color=color, label=f"{run.label} implied (train)")
@@ -173,7 +168,10 @@ def _plot_tau(runs: list[RunSeries], colors: list[Any]) -> Any:
                       label=f"{run.label} implied (val)")
         if run.evaluated:
             axes.plot([int(e.get("step", 0)) for e in run.evaluated], [float(e["tau"]) for e in run.evaluated],
-                      color=color, marker="s", markersize=8, linestyle="-.", label=f"{run.label} evaluated")
+                      color=color, marker="s", markersize=8, linestyle="-.", label=f"{run.label} evaluated per epoch")
+        if run.evaluated_tau is not None and run.train:  # the final drafter's: the run's last step
+            axes.plot([int(run.train[-1]["step"])], [run.evaluated_tau], color=color, marker="*", markersize=14,
+                      linestyle="none", label=f"{run.label} evaluated (final) {run.evaluated_tau:.3f}")
     axes.legend(fontsize="small")
     return figure
 
@@ -236,15 +234,22 @@ _PLOTTERS = {"loss": _plot_loss, "accuracy": _plot_accuracy, "tau": _plot_tau, "
 
 
 def _summary_rows(run: RunSeries) -> list[tuple[str, str]]:
-    last = run.train[-1] if run.train else {}
+    final = run.final
+
+    def figure(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
     rows = [("run folder", str(run.path)), ("train records", str(len(run.train))),
-            ("last step", str(last.get("step", "-"))), ("last train loss", f"{_number(last.get('loss')) or 0:.4f}"),
+            ("last step", str(final.get("train_step") or "-")),
+            ("evaluated tau (final drafter)", figure(run.evaluated_tau, ".3f")
+             + (f" ({run.evaluated_source})" if run.evaluated_source else " (not evaluated)")),
+            ("final validation loss / implied tau", f"{figure(final.get('val_loss'), '.4f')} / "
+             f"{figure(final.get('val_tau'), '.3f')}"
+             + (f" (step {final['val_step']})" if final.get("val_step") is not None else "")),
+            ("final train loss (last log interval)", figure(final.get("train_loss"), ".4f")),
             ("median real tokens/s", f"{_median(run.train, 'real_tokens_per_s'):,.1f}"),
             ("median step time (s)", f"{_median(run.train, 'time_step_s'):.4f}"),
             ("checkpoint saves at steps", ", ".join(map(str, run.saves)) or "-")]
-    if run.val:
-        rows.append(("last val loss / implied tau", f"{_number(run.val[-1].get('loss')) or 0:.4f} / "
-                     f"{_number(run.val[-1].get('expected_acceptance_length')) or 0:.3f}"))
     if run.evaluated:
         rows.append(("evaluated tau per epoch", ", ".join(f"{e.get('epoch')}: {float(e['tau']):.3f}" for e in run.evaluated)))
     return rows

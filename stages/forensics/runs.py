@@ -28,7 +28,7 @@ from dflash.serving.export import (
 )
 
 __all__ = ["Artefact", "describe", "diff_facts", "scan_tensors", "flatten", "tensor_statistics", "parameter_groups",
-           "file_tensors", "resume_problem", "step_problems", "named_tensors", "read_json", "format_value", "add_key_column"]
+           "file_tensors", "resume_problem", "evaluated_tau", "step_problems", "named_tensors", "read_json", "format_value", "add_key_column"]
 
 #: Elements per chunk when a large tensor is streamed.
 _CHUNK_ELEMENTS = 1 << 24
@@ -325,6 +325,56 @@ def scan_tensors(files: list[Path]) -> tuple[int, int, list[dict[str, Any]]]:
             if nan or inf:
                 bad.append({"file": path.name, "tensor": name, "dtype": str(tensor.dtype), "shape": list(tensor.shape), "nan": nan, "inf": inf})
     return scanned, elements, bad
+
+
+def _eval_folder(run: Path) -> Path | None:
+    """Where the evaluation reports of ``run`` are: ``WORKDIR/eval`` for a pipeline's run (``WORKDIR/run`` beside
+    ``WORKDIR/pipeline.json``), else ``RUN/eval`` (``evaluate --json-file RUN/eval/final.json``)."""
+    for folder in ((run.parent / "eval") if (run.parent / "pipeline.json").is_file() else None, run / "eval"):
+        if folder is not None and folder.is_dir():
+            return folder
+    return None
+
+
+def _tau_of(path: Path) -> float | None:
+    try:
+        report = read_json(path)
+    except CheckpointError:
+        return None
+    tau = report.get("tau") if isinstance(report, dict) else None
+    return float(tau) if isinstance(tau, int | float) and not isinstance(tau, bool) else None
+
+
+def evaluated_tau(run: str | Path) -> dict[str, Any]:
+    """The tau ``evaluate`` measured on held-out prompts for the drafters of ``run``, the one definition ``report``,
+    ``diff`` and ``inspect`` show as "evaluated tau" (the mean accepted tokens per draft-verify cycle, not the tau
+    the training accuracies imply).
+
+    Returns:
+        ``{"tau", "source", "epochs"}``: ``tau`` is the final drafter's (``eval/final.json``), else the last
+        per-epoch report's, None when nothing was evaluated; ``source`` the report file it came from; ``epochs`` the
+        per-epoch measurements ``[{"epoch", "step", "tau"}]`` the pipeline recorded in ``pipeline.json``.
+    """
+    run = Path(run)
+    epochs: list[dict[str, Any]] = []
+    pipeline = run.parent / "pipeline.json"
+    if pipeline.is_file():
+        try:
+            recorded = read_json(pipeline).get("epochs") or []
+        except (CheckpointError, AttributeError):
+            recorded = []
+        epochs = [e for e in recorded if isinstance(e, dict) and isinstance(e.get("tau"), int | float)]
+    out: dict[str, Any] = {"tau": None, "source": None, "epochs": epochs}
+    folder = _eval_folder(run)
+    if folder is None:
+        return out
+    numbered = sorted((int(m.group(1)), p) for p in folder.glob("epoch_*.json")
+                      if (m := re.fullmatch(r"epoch_(\d+)\.json", p.name)))
+    for path in [folder / "final.json", *(p for _, p in reversed(numbered))]:
+        if path.is_file() and (tau := _tau_of(path)) is not None:
+            out.update(tau=tau, source=str(path))
+            break
+    return out
 
 
 def format_value(value: Any) -> str:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from dflash.errors import ConfigError, ConfigPathNotFoundError
 
 __all__ = ["require_local_gpus", "PlacementSettings", "validate_placement", "start_cluster", "cluster_workers", "security_of",
-           "dashboard_address_of", "worker_process_options", "FORKSERVER_PRELOAD"]
+           "dashboard_address_of", "worker_process_options", "close_cluster", "FORKSERVER_PRELOAD"]
 
 # Imported once by distributed's fork server when workers start by ``forkserver``: what every target worker imports
 # (most of a worker's start-up). Third-party modules only: this project's modules (some read the environment at
@@ -141,6 +141,32 @@ def start_cluster(config: PlacementSettings, *, daemonic_workers: bool = True) -
         placement = {"device": "cpu", "torch_threads": threads, "resources": None, "num_workers": num_workers}
     placement["die_with_parent"] = True
     return Client(cluster), cluster, placement
+
+
+class _QuietWorkerKill(logging.Filter):
+    """Drops the nanny's ``Worker process still alive after N seconds, killing`` while :func:`close_cluster` closes
+    a finished run's workers: a process holding a target may take longer than the nanny's fixed 4 s to exit, and
+    killing it then loses nothing (its work is committed). Logged at debug level instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "still alive after" in record.getMessage():
+            log.debug("closing the cluster: %s", record.getMessage())
+            return False
+        return True
+
+
+def close_cluster(client: Any, cluster: Any) -> None:
+    """Close a stage's client and its local cluster (``None`` for an external scheduler, which stays up) without
+    the nanny's kill warning, which at this point means nothing (:class:`_QuietWorkerKill`)."""
+    quiet = _QuietWorkerKill()
+    nanny = logging.getLogger("distributed.nanny")
+    nanny.addFilter(quiet)
+    try:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+    finally:
+        nanny.removeFilter(quiet)
 
 
 def worker_process_options() -> dict[str, Any]:

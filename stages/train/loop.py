@@ -173,6 +173,7 @@ class Trainer:
         self.timer = StepTimer()
         self.step_times = StepTimeWindow(config.telemetry.throughput_window)
         self._interval = self._zero_interval()
+        self._logged_loss: float | None = None  # the last train record's loss (the progress line shows it)
         self._train_iter = None
         self._stop_requested = False  # set by SIGTERM
         self._stopped = False  # the ranks agreed to stop after the current step
@@ -195,7 +196,8 @@ class Trainer:
         self.throughput.reset_clock()  # setup time is not training throughput
         self.feed.mark(self.counters["tokens_seen"], self.train_loader.stats)
         with self.progress, self._stop_on_sigterm():
-            task = self.progress.add_task("train", total=self.total_steps, completed=self.step, status="")
+            task = self.progress.add_task("train", total=self.total_steps, completed=self.step, status="",
+                                          tokens=self.counters["tokens_seen"])
             while self.step < self.total_steps and self.step != config.stop_at_step and not self._stopped:
                 step_metrics = self.train_step()
                 log_due = self._log_due()
@@ -216,7 +218,8 @@ class Trainer:
                     self.throughput.reset_clock()  # evaluation time is not training throughput
                 if evaluated or log_due:  # the next feed interval starts after this step's checkpoint and evaluation
                     self.feed.mark(self.counters["tokens_seen"], self.train_loader.stats)
-                self.progress.update(task, completed=self.step, status=self._status(step_metrics, last_eval))
+                self.progress.update(task, completed=self.step, tokens=self.counters["tokens_seen"],
+                                     status=self._status(step_metrics, last_eval))
                 if stopping:
                     log.warning("stopped at step %d on SIGTERM or Ctrl-C, with a checkpoint; --resume continues it", self.step)
         self.checkpointer.wait()
@@ -331,7 +334,8 @@ class Trainer:
             else contextlib.nullcontext()
         )
         self.timer = StepTimer()
-        self.progress = training_progress(enabled=self.is_main and config.telemetry.progress)
+        self.progress = training_progress(enabled=self.is_main and config.telemetry.progress,
+                                          interval=config.telemetry.progress_interval)
         self.environment = collect_environment() | {"world_size": self.world_size, "device": str(self.device),
                                                     "compile": config.compile, **_data_fingerprints(self.data)}
         compute_dtype = torch.bfloat16 if isinstance(self.autocast, torch.autocast) else torch.float32
@@ -795,10 +799,14 @@ class Trainer:
                     "; still rising after the first epoch: new batch shapes recompile" if late else "")
                 self._compiled_graphs_logged = graphs
         self.metrics.log("train", self.step, record)
+        self._logged_loss = record["loss"]
 
     def _status(self, step_metrics: dict[str, Any], last_eval: dict[str, float]) -> str:
         rates = self.throughput.rates()
-        status = f"loss {step_metrics['loss']:.3f}  lr {step_metrics['lr']:.2e}"
+        # The loss shown is the last train record's (dflash.training.telemetry.final_losses): the mean over the last
+        # log interval, the figure report, sweep, diff and inspect call the final train loss.
+        loss = "-" if self._logged_loss is None else f"{self._logged_loss:.3f}"
+        status = f"loss {loss}  lr {step_metrics['lr']:.2e}"
         if rates:
             status += f"  {rates['real_tokens_per_s']:,.0f} tok/s"
         feed = self._feed
