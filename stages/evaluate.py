@@ -215,10 +215,14 @@ def load_prompts(config: EvaluateConfig, tokenizer: Any) -> list[EvalPrompt]:
     """The prompt set ``config.prompts`` names (see :mod:`dflash.decoding.eval_prompts`)."""
     if config.prompts == "held-out":
         from dflash.corpus.format import open_corpus
+        from dflash.corpus.split import heldout_corpus
 
         corpus = open_corpus(config.corpus)
         corpus.check_fingerprint()
-        rows = held_out_rows(corpus, config.cache)
+        heldout = heldout_corpus(corpus)  # a training corpus of a split (prepare): its held-out rows
+        rows = held_out_rows(corpus, config.cache, heldout=heldout)
+        if heldout is not None:
+            corpus = heldout
         return prompts_from_corpus(
             corpus, rows, num_prompts=config.num_prompts, prompt_tokens=config.prompt_tokens,
             continuation_tokens=config.max_new_tokens, seed=config.seed,
