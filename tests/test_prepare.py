@@ -14,7 +14,14 @@ from typer.testing import CliRunner
 from dflash.corpus.default_corpus import stdlib_root
 from dflash.corpus.format import open_corpus
 from dflash.errors import CorpusError
-from stages.prepare import PrepareConfig, register, run_prepare
+from stages.prepare import PrepareConfig as _PrepareConfig
+from stages.prepare import register, run_prepare
+
+
+def PrepareConfig(**values):  # noqa: N802
+    """The tests below check the rows prepare writes, so every row stays in OUTPUT unless a test asks for the
+    held-out split (tested on its own)."""
+    return _PrepareConfig(**{"heldout_documents": 0, **values})
 
 CHATS = [
     {"id": "fr-gen", "messages": [
@@ -51,7 +58,8 @@ def cli():
     runner = CliRunner()
 
     def invoke(*args: str):
-        return runner.invoke(app, ["prepare", *map(str, args)])
+        split = [] if "--heldout-documents" in args else ["--heldout-documents", "0"]  # as PrepareConfig above
+        return runner.invoke(app, ["prepare", *map(str, args), *split])
 
     return invoke
 
