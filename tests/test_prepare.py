@@ -57,8 +57,8 @@ def cli():
 
     runner = CliRunner()
 
-    def invoke(*args: str):
-        split = [] if "--heldout-documents" in args else ["--heldout-documents", "0"]  # as PrepareConfig above
+    def invoke(*args: str, every_row: bool = True):
+        split = ["--heldout-documents", "0"] if every_row else []  # as PrepareConfig above
         return runner.invoke(app, ["prepare", *map(str, args), *split])
 
     return invoke
@@ -431,3 +431,41 @@ def test_hostile_jsonl_lines_are_one_error_naming_the_line(tmp_path, cli, line, 
     assert result.exit_code == 2, result.output
     assert "c.jsonl line 2" in result.output and message in " ".join(result.output.split()), result.output
     assert _nothing_written(tmp_path, "out")
+
+
+def test_prepare_holds_whole_documents_out_seeded_and_refuses_one_document(tmp_path, cli):
+    """By default prepare holds out 5% of the documents (at least one) in OUTPUT/heldout, chosen by the seed: a
+    conversation's rows and a document_id's rows stay on one side; the training corpus records the split, and one
+    document is refused (exit 2, one error line, nothing written)."""
+    from dflash.corpus.split import heldout_corpus
+
+    chats = [dict(CHATS[0], document_id="thread-1"), dict(CHATS[1], document_id="thread-1"), CHATS[2],
+             dict(CHATS[1], id="de-sort-2"), dict(CHATS[2], id="no-system-2")]
+    source = _write_jsonl(tmp_path / "chats.jsonl", chats)
+    sides = {}
+    for name, extra in (("a", ()), ("b", ()), ("two", ("--heldout-documents", "2"))):
+        result = cli(source, "-o", tmp_path / name, "--assistant-mask", "prefix-diff", *extra, every_row=False)
+        assert result.exit_code == 0, result.output
+        train = open_corpus(tmp_path / name)
+        held = heldout_corpus(train)
+        assert held is not None and held.path == (tmp_path / name / "heldout").resolve()
+        train_docs = {train.document_id(i) for i in range(len(train))}
+        held_docs = {held.document_id(i) for i in range(len(held))}
+        assert not train_docs & held_docs and train_docs | held_docs == {"thread-1", "no-system", "de-sort-2",
+                                                                         "no-system-2"}
+        assert len(train) + len(held) == 5
+        assert f"held out {len(held_docs)} documents" in " ".join(result.output.split())
+        sides[name] = sorted(held_docs)
+    assert sides["a"] == sides["b"] and len(sides["a"]) == 1 and len(sides["two"]) == 2
+    # no hold-out: every row stays in OUTPUT
+    result = cli(source, "-o", tmp_path / "all", "--assistant-mask", "prefix-diff", "--heldout-documents", "0",
+                 every_row=False)
+    assert result.exit_code == 0 and len(open_corpus(tmp_path / "all")) == 5
+    assert not (tmp_path / "all" / "heldout").exists() and heldout_corpus(open_corpus(tmp_path / "all")) is None
+
+    one = _write_jsonl(tmp_path / "one.jsonl", CHATS[:1])
+    result = cli(one, "-o", tmp_path / "one", "--assistant-mask", "prefix-diff", every_row=False)
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.split())
+    assert message.startswith("error: ") and "has only 1 document" in message and "--heldout-documents" in message
+    assert _nothing_written(tmp_path, "one")
