@@ -212,7 +212,8 @@ def check_target_identity(target_info: dict[str, Any], target: Any, where: Path)
 
 
 def load_prompts(config: EvaluateConfig, tokenizer: Any) -> list[EvalPrompt]:
-    """The prompt set ``config.prompts`` names (see :mod:`dflash.decoding.eval_prompts`)."""
+    """The prompt set ``config.prompts`` names (see :mod:`dflash.decoding.eval_prompts`); :func:`prompts_source`
+    describes it."""
     if config.prompts == "held-out":
         from dflash.corpus.format import open_corpus
         from dflash.corpus.split import heldout_corpus
@@ -228,6 +229,19 @@ def load_prompts(config: EvaluateConfig, tokenizer: Any) -> list[EvalPrompt]:
             continuation_tokens=config.max_new_tokens, seed=config.seed,
         )
     return prompts_from_file(config.prompts, tokenizer, num_prompts=config.num_prompts)
+
+
+def prompts_source(config: EvaluateConfig) -> str:
+    """Where :func:`load_prompts` takes the prompts from, in words (the report's ``prompts.source``)."""
+    if config.prompts != "held-out":
+        return config.prompts
+    from dflash.corpus.format import open_corpus
+    from dflash.corpus.split import heldout_corpus
+
+    heldout = heldout_corpus(open_corpus(config.corpus))
+    if heldout is not None:
+        return f"held-out rows of {config.corpus} (its split's {heldout.path})"
+    return f"held-out rows of {config.corpus}" + (f" not in {config.cache}" if config.cache else "")
 
 
 def _stop_tokens(tokenizer: Any, ignore_eos: bool) -> tuple[int, ...]:
@@ -553,8 +567,7 @@ class Evaluator:
             "target": {"spec": self.target_spec, **self.target.identity.to_dict()},
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
-            "prompts": {"source": config.prompts if config.prompts != "held-out" else
-                        f"held-out rows of {config.corpus}" + (f" not in {config.cache}" if config.cache else ""),
+            "prompts": {"source": prompts_source(config),
                         "count": len(prompts),
                         "mean_prompt_tokens": sum(len(p.input_ids) for p in prompts) / len(prompts)},
             "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},

@@ -32,6 +32,11 @@ Rows longer than ``--max-length`` follow ``--length-policy``: ``error``, ``drop`
 corpus, ``error`` otherwise (chat and tokenized data: choose explicitly). The output is written to a temporary
 sibling folder and renamed when complete; any error leaves nothing at ``--output``. 0 kept samples is an error.
 A report of kept and dropped rows by reason is printed and stored in ``corpus.json``.
+
+Whole documents are held out for evaluation (``dflash.corpus.split``): ``--heldout-documents`` of them (unset: 5%,
+at least one; 0: none), chosen by ``--seed``, go to the corpus ``OUTPUT/heldout``, the rest to ``OUTPUT``, which
+records the split. extract and train read ``OUTPUT`` alone; ``evaluate --corpus OUTPUT`` takes its prompts from
+``OUTPUT/heldout``. Input of one document is refused unless ``--heldout-documents 0``.
 """
 
 from __future__ import annotations
