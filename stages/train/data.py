@@ -175,9 +175,10 @@ def check_training_samples(config: TrainConfig) -> dict[str, int]:
     validation = (f"{counts['validation']} held out for validation (--validation-fraction "
                   f"{config.data.validation_fraction:g})" if config.data.validation_fraction > 0 else
                   "none held out for validation")
+    fewer_held = "set --validation-fraction 0, " if counts["validation"] else ""
     raise ConfigError(
         f"cache {config.cache} has {samples} samples: {excluded} excluded for fewer than {minimum} supervised tokens "
         f"(--min-supervised-tokens), {validation}, {train} left for training; training needs at least "
         f"{config.min_train_samples} (--min-train-samples): add data (more conversations or files to prepare and "
-        "extract), lower --min-supervised-tokens, set --validation-fraction 0, or lower --min-train-samples"
+        f"extract), lower --min-supervised-tokens, {fewer_held}or lower --min-train-samples"
     )
