@@ -222,8 +222,8 @@ def validate_sections(config: PipelineConfig, source: Callable[[str, str], str])
 
         checks.insert(0, ("generate", GenerateConfig, {"output"}, {}, {"output": placeholder}))
     else:
-        checks.insert(0, ("prepare", PrepareConfig, {"output", "overwrite"}, {},
-                          {"output": placeholder, "overwrite": True}))
+        checks.insert(0, ("prepare", PrepareConfig, {"output", "overwrite", "heldout_documents"}, {},
+                          {"output": placeholder, "overwrite": True, "heldout_documents": 0}))
         for key, value in config.split.items():
             if key not in ("heldout_documents", "seed"):
                 raise ConfigError(f"split.{key} ({source('split', key)}): unknown key; known: heldout_documents, seed")
@@ -378,37 +378,19 @@ class _State:
 
 
 def _split_corpus(source: Path, train_out: Path, heldout_out: Path, *, heldout_documents: int, seed: int) -> dict[str, Any]:
-    """Write the training and held-out corpora: whole documents (a row's ``document_id``, else its ``sample_id``
-    before ``#``) go to one side; rows keep their ``document_id``."""
-    import numpy as np
+    """Write the training and held-out corpora of ``source`` by document (``dflash.corpus.split``)."""
+    import os
 
     from dflash.corpus.format import CorpusWriter, open_corpus
+    from dflash.corpus.split import heldout_count, row_documents, split_corpus
 
     corpus = open_corpus(source)
     corpus.check_fingerprint()  # its fingerprint is recorded as the split's source
-    documents = [corpus.document_id(i) or corpus.sample_id(i).split("#", 1)[0] for i in range(len(corpus))]
-    unique = sorted(set(documents))
-    if len(unique) <= heldout_documents:
-        raise ConfigError(
-            f"split.heldout_documents={heldout_documents} but the corpus {source} has only {len(unique)} documents; "
-            "lower it or prepare more data"
-        )
-    held = {unique[i] for i in np.random.default_rng(seed).permutation(len(unique))[:heldout_documents]}
-    metadata = {k: v for k, v in corpus.metadata.items() if k not in ("fingerprint", "num_rows", "num_tokens")}
-    counts = {"train_rows": 0, "heldout_rows": 0, "train_tokens": 0, "heldout_tokens": 0}
+    heldout_count(len(set(row_documents(corpus))), heldout_documents, where=f"the corpus {source}",
+                  setting="split.heldout_documents")
     with CorpusWriter(train_out, overwrite=True) as train, CorpusWriter(heldout_out, overwrite=True) as heldout:
-        for index, document in enumerate(documents):
-            row = corpus.row(index)
-            side = heldout if document in held else train
-            side.add(row.input_ids, row.loss_mask, row.sample_id, corpus.document_id(index))
-            side_name = "heldout" if document in held else "train"
-            counts[f"{side_name}_rows"] += 1
-            counts[f"{side_name}_tokens"] += len(row.input_ids)
-        split_info = {"source": str(source), "source_fingerprint": corpus.fingerprint, "seed": seed,
-                      "heldout_documents": sorted(held)}
-        heldout.commit({**metadata, "split": {**split_info, "side": "heldout"}})
-        train.commit({**metadata, "split": {**split_info, "side": "train"}})
-    return {**counts, "heldout_documents": len(held), "train_documents": len(unique) - len(held)}
+        return split_corpus(corpus, train, heldout, heldout_documents=heldout_documents, seed=seed,
+                            heldout_path=os.path.relpath(heldout_out, train_out))
 
 
 def _latest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
@@ -500,7 +482,9 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
         prepare = config.section("prepare")
 
         def prepare_work() -> dict[str, Any]:
-            output, report = run_prepare(PrepareConfig(output=paths["corpus-all"], overwrite=True, **prepare),
+            # The split stage holds documents out (split.heldout_documents); prepare writes every row.
+            output, report = run_prepare(PrepareConfig(output=paths["corpus-all"], overwrite=True, heldout_documents=0,
+                                                       **prepare),
                                          console=console)
             console.print(report.table())
             return {"corpus": str(output), "samples": report.samples_kept, "tokens": report.tokens_kept}

@@ -252,15 +252,21 @@ def load_prompt_set(spec: str, config: EvaluateConfig, tokenizer: Any, *, name: 
     it; named ``name``, else ``held-out``, the embedded set's name or the file's stem."""
     if spec == "held-out":
         from dflash.corpus.format import open_corpus
+        from dflash.corpus.split import heldout_corpus
 
         corpus = open_corpus(config.corpus)
         corpus.check_fingerprint()
-        rows = held_out_rows(corpus, config.cache)
+        heldout = heldout_corpus(corpus)  # a training corpus of a split (prepare): its held-out rows
+        rows = held_out_rows(corpus, config.cache, heldout=heldout)
+        if heldout is not None:
+            source = f"held-out rows of {config.corpus} (its split's {heldout.path})"
+            corpus = heldout
+        else:
+            source = f"held-out rows of {config.corpus}" + (f" not in {config.cache}" if config.cache else "")
         prompts = prompts_from_corpus(
             corpus, rows, num_prompts=config.num_prompts, prompt_tokens=config.prompt_tokens,
             continuation_tokens=config.max_new_tokens, seed=config.seed,
         )
-        source = f"held-out rows of {config.corpus}" + (f" not in {config.cache}" if config.cache else "")
         return PromptSet(name=name or "held-out", spec=spec, source=source, prompts=prompts,
                          details={"corpus_fingerprint": corpus.fingerprint})
     if spec in EMBEDDED_PROMPT_SETS:

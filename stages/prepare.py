@@ -32,14 +32,22 @@ Rows longer than ``--max-length`` follow ``--length-policy``: ``error``, ``drop`
 corpus, ``error`` otherwise (chat and tokenized data: choose explicitly). The output is written to a temporary
 sibling folder and renamed when complete; any error leaves nothing at ``--output``. 0 kept samples is an error.
 A report of kept and dropped rows by reason is printed and stored in ``corpus.json``.
+
+Whole documents are held out for evaluation (``dflash.corpus.split``): ``--heldout-documents`` of them (unset: 5%,
+at least one; 0: none), chosen by ``--seed``, go to the corpus ``OUTPUT/heldout``, the rest to ``OUTPUT``, which
+records the split. extract and train read ``OUTPUT`` alone; ``evaluate --corpus OUTPUT`` takes its prompts from
+``OUTPUT/heldout``. Input of one document is refused unless ``--heldout-documents 0``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import enum
 import functools
 import glob
 import sys
+import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,6 +73,7 @@ from dflash.corpus.format import (
     open_corpus,
     validate_corpus,
 )
+from dflash.corpus.split import HELDOUT_DIR, choose_heldout, heldout_count, row_documents, split_corpus
 from dflash.errors import ConfigError, CorpusError, CorpusNotFoundError, DFlashError
 from dflash.generation.parts import HELDOUT_PROMPTS_FILE, PLAN_FILE
 from dflash.io.files import (
@@ -120,7 +129,7 @@ class PrepareConfig:
     max_samples: int | None = None
     #: Stop once this many tokens are kept (the sample reaching it is kept whole).
     max_tokens: int | None = None
-    #: Seed of the document order when a limit is set.
+    #: Seed of the document order when a limit is set, and of the held-out documents.
     seed: int = 0
     #: Drop samples (or chunks) with fewer supervised tokens than this.
     min_supervised_tokens: int = 1
@@ -130,6 +139,9 @@ class PrepareConfig:
     overwrite: bool = False
     #: Take over the output's lock left by a run on another host known dead (``dflash.io.locks``).
     break_lock: bool = False
+    heldout_documents: int | None = field(default=None, metadata={"help": (
+        "Documents (conversations, files) held out for evaluation in OUTPUT/heldout, chosen by --seed; unset: 5% "
+        "of the documents, at least 1; 0: none.")})
 
     def __post_init__(self) -> None:
         from dflash.values import check_seed
@@ -149,6 +161,8 @@ class PrepareConfig:
                 raise ConfigError(f"{name} must be >= 1 (or unset), got {value}")
         if self.min_supervised_tokens < 1:
             raise ConfigError(f"min_supervised_tokens must be >= 1, got {self.min_supervised_tokens}")
+        if self.heldout_documents is not None and self.heldout_documents < 0:
+            raise ConfigError(f"heldout_documents must be >= 0 (or unset), got {self.heldout_documents}")
         if not self.patterns:
             raise ConfigError("patterns must name at least one file pattern, e.g. '*'")
 
@@ -202,6 +216,10 @@ class PrepareReport:
     max_length: int = DEFAULT_MAX_LENGTH
     length_policy: str = "error"
     longest_kept: int = 0
+    #: The held-out split (``dflash.corpus.split``): documents, samples and tokens written to ``OUTPUT/heldout``.
+    heldout_documents: int = 0
+    heldout_samples: int = 0
+    heldout_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -233,6 +251,9 @@ class PrepareReport:
             table.add_row("chunks made", f"{self.split_chunks:,}")
         if self.truncated:
             table.add_row(f"samples truncated to {self.max_length}", f"{self.truncated:,}")
+        if self.heldout_documents:
+            table.add_row(f"held out for evaluation ({HELDOUT_DIR}/): documents", f"{self.heldout_documents:,}")
+            table.add_row(f"held out for evaluation ({HELDOUT_DIR}/): samples", f"{self.heldout_samples:,}")
         for reason, count in sorted(self.dropped.items()):
             table.add_row(f"[yellow]dropped: {reason}[/]", f"{count:,}")
         return table
@@ -243,7 +264,9 @@ def _is_tabular_folder(path: Path) -> bool:
         return True
     entries = [p for p in path.iterdir() if not p.name.startswith(".")]
     return (any(p.suffix in _TABLE_SUFFIXES for p in entries)
-            and all(p.is_file() and (p.suffix in _TABLE_SUFFIXES or p.name == METADATA_FILE) for p in entries))
+            and all(p.is_file() and (p.suffix in _TABLE_SUFFIXES or p.name == METADATA_FILE)
+                    or p.is_dir() and p.name == HELDOUT_DIR and (p / METADATA_FILE).is_file()  # a split's held-out rows
+                    for p in entries))
 
 
 def _table_documents(path: Path) -> list[_Document]:
@@ -594,7 +617,6 @@ def run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, Pr
 
 def _run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, PrepareReport]:
     from rich.console import Console
-    from rich.progress import Progress
 
     console = console or Console(stderr=True)
     # The output and the input files are checked before the target is resolved (a GGUF target converted) and its
@@ -616,8 +638,46 @@ def _run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, P
         order = np.random.default_rng(config.seed).permutation(len(documents))
         documents = [documents[i] for i in order]
 
+    with contextlib.ExitStack() as stack:
+        if config.heldout_documents == 0:
+            writer = stack.enter_context(CorpusWriter(config.output, overwrite=config.overwrite))
+            train = None
+        else:  # every row goes to a scratch corpus first, then by document to OUTPUT and OUTPUT/heldout
+            train = stack.enter_context(CorpusWriter(config.output, overwrite=config.overwrite))
+            scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix=f".{config.output.name}.all-",
+                                                                      dir=config.output.parent))
+            writer = stack.enter_context(CorpusWriter(Path(scratch) / "corpus"))
+        output = _write_rows(config, writer, documents, tokenizer, policy, report, console, identity, target_path)
+        if train is not None:
+            output = _write_split(config, open_corpus(output), train, report)
+    return output, report
+
+
+def _write_split(config: PrepareConfig, corpus: Any, train: CorpusWriter, report: PrepareReport) -> Path:
+    """Split the prepared ``corpus`` by document into ``train`` (OUTPUT) and OUTPUT/heldout; counts go to ``report``."""
+    count = heldout_count(len(set(row_documents(corpus))), config.heldout_documents,
+                          where=f"the prepared data ({report.samples_kept} samples kept)",
+                          setting="--heldout-documents")
+    report.heldout_documents = count
+    with CorpusWriter(train.inner_path(HELDOUT_DIR)) as heldout:
+        # the report is final once the split is known: both corpora record it
+        metadata = {k: v for k, v in corpus.metadata.items() if k not in ("fingerprint", "num_rows", "num_tokens")}
+        rows = row_documents(corpus)
+        held = choose_heldout(rows, count, config.seed)
+        report.heldout_samples = sum(document in held for document in rows)
+        report.heldout_tokens = int(sum(int(corpus.lengths[i]) for i, document in enumerate(rows) if document in held))
+        metadata["report"] = report.to_dict()
+        split_corpus(corpus, train, heldout, heldout_documents=count, seed=config.seed, heldout_path=HELDOUT_DIR,
+                     metadata=metadata)
+    return config.output
+
+
+def _write_rows(config: PrepareConfig, writer: CorpusWriter, documents: list[_Document], tokenizer: Any, policy: str,
+                report: PrepareReport, console: Any, identity: Any, target_path: Path) -> Path:
+    from rich.progress import Progress
+
     read = 0
-    with CorpusWriter(config.output, overwrite=config.overwrite) as writer, Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("tokenizing", total=len(documents))
         for read, sample_id, document_id, input_ids, loss_mask in _samples(documents, tokenizer, config, policy, report):
             writer.add(input_ids, loss_mask, sample_id, document_id)
@@ -656,8 +716,11 @@ def _run_prepare(config: PrepareConfig, *, console: Any = None) -> tuple[Path, P
         }
         if "default" in config.inputs:
             metadata["default_corpus"] = default_corpus_description(include_tests=config.stdlib_tests)
-        output = writer.commit(metadata)
-    return output, report
+        return writer.commit(metadata)
+
+
+def _field_help(name: str) -> str:
+    return next(f.metadata["help"] for f in dataclasses.fields(PrepareConfig) if f.name == name)
 
 
 def register(app: Any) -> None:
@@ -683,11 +746,12 @@ def register(app: Any) -> None:
         pattern: list[str] = typer.Option(["*"], help="File-name pattern for files in folder inputs (repeatable)."),
         max_samples: int = typer.Option(None, help="Keep at most this many samples (documents in seeded random order)."),
         max_tokens: int = typer.Option(None, help="Stop once this many tokens are kept (documents in seeded random order)."),
-        seed: int = typer.Option(0, help="Seed of the document order when --max-samples/--max-tokens is set."),
+        seed: int = typer.Option(0, help="Seed of the held-out documents, and of the document order when --max-samples/--max-tokens is set."),
         min_supervised_tokens: int = typer.Option(1, help="Drop samples with fewer supervised tokens (DFlash: < 2 x block_size is of little use)."),
         stdlib_tests: bool = typer.Option(False, "--stdlib-tests", help="Default corpus: include the stdlib test suites (~3x tokens)."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --output folder."),
         break_lock: bool = typer.Option(False, "--break-lock", help="Take over --output's lock left by a run on another host known dead."),
+        heldout_documents: int | None = typer.Option(None, "--heldout-documents", help=_field_help("heldout_documents")),
         config_file: str | None = CONFIG_OPTION,
         preset: str | None = PRESET_OPTION,
         overrides: list[str] = SET_OPTION,
@@ -714,6 +778,7 @@ def register(app: Any) -> None:
                 last_turn_only=last_turn_only, patterns=list(pattern), max_samples=max_samples,
                 max_tokens=max_tokens, seed=seed, min_supervised_tokens=min_supervised_tokens,
                 stdlib_tests=stdlib_tests, overwrite=overwrite, break_lock=break_lock,
+                heldout_documents=heldout_documents,
             )  # fmt: skip
             config = resolve_stage_config(PrepareConfig, "prepare", *split_given(ctx, values, {"patterns": "pattern"}),
                                           config_file=config_file, preset=preset, overrides=overrides,
@@ -730,6 +795,10 @@ def register(app: Any) -> None:
         corpus = open_corpus(path)
         console.print(f"wrote {path}: {len(corpus):,} samples, {corpus.num_tokens:,} tokens, {corpus.fingerprint}",
                       soft_wrap=True, markup=False)
+        if report.heldout_documents:
+            console.print(f"held out {report.heldout_documents:,} documents ({report.heldout_samples:,} samples) for "
+                          f"evaluation in {path / HELDOUT_DIR}: evaluate --corpus {path} uses them, extract and "
+                          "train never see them", soft_wrap=True, markup=False)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -26,7 +26,8 @@ TINY = {
     "extract": {"target_processes": 1, "num_taps": 1, "token_budget": 2048, "shard_size": 2048, "dashboard_address": ":0"},
     "train": {"drafter": {"num_draft_layers": 1, "block_size": 4, "max_anchors_per_document": 8}, "epochs": 2,
               "data": {"token_budget": 512, "validation_fraction": 0.0}, "save_every": 100, "keep_last": 1,
-              "device": "cpu", "telemetry": {"progress": False}},
+              "device": "cpu", "telemetry": {"progress": False},
+              "min_train_samples": 1},  # test-sized data: a few samples train the mechanics
     "evaluate": {"num_prompts": 1, "prompt_tokens": 16, "max_new_tokens": 4, "ignore_eos": True, "device": "cpu",
                  "cpu_threads": 1,
                  "per_epoch": True, "compare_untrained": True, "extra_prompts": ["numpy-questions"]},
@@ -121,6 +122,11 @@ def test_heldout_documents_never_reach_the_cache(finished_run):
         held_out_rows(train, workdir / "cache")  # the cache covers the whole training split
     with pytest.raises(MismatchError, match="corpus_fingerprint"):
         held_out_rows(heldout, workdir / "cache")
+    # The training corpus records its held-out side as prepare's does: evaluate --corpus corpus/ finds heldout/.
+    from dflash.corpus.split import heldout_corpus
+
+    assert heldout_corpus(train).path == (workdir / "heldout").resolve()
+    assert held_out_rows(train, workdir / "cache", heldout=heldout).tolist() == list(range(len(heldout)))
 
 
 def test_rerun_skips_complete_stages_and_refuses_changed_settings(finished_run):

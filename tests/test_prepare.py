@@ -14,7 +14,14 @@ from typer.testing import CliRunner
 from dflash.corpus.default_corpus import stdlib_root
 from dflash.corpus.format import open_corpus
 from dflash.errors import CorpusError
-from stages.prepare import PrepareConfig, register, run_prepare
+from stages.prepare import PrepareConfig as _PrepareConfig
+from stages.prepare import register, run_prepare
+
+
+def PrepareConfig(**values):  # noqa: N802
+    """The tests below check the rows prepare writes, so every row stays in OUTPUT unless a test asks for the
+    held-out split (tested on its own)."""
+    return _PrepareConfig(**{"heldout_documents": 0, **values})
 
 CHATS = [
     {"id": "fr-gen", "messages": [
@@ -50,8 +57,9 @@ def cli():
 
     runner = CliRunner()
 
-    def invoke(*args: str):
-        return runner.invoke(app, ["prepare", *map(str, args)])
+    def invoke(*args: str, every_row: bool = True):
+        split = ["--heldout-documents", "0"] if every_row else []  # as PrepareConfig above
+        return runner.invoke(app, ["prepare", *map(str, args), *split])
 
     return invoke
 
@@ -444,3 +452,41 @@ def test_an_existing_output_and_a_missing_input_are_refused_before_the_target_is
                                 "-o", str(tmp_path / "new"), "--target", str(target))
     assert code == 2 and err.count("error:") == 1 and "missing.jsonl" in err and "Traceback" not in err, err
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine" and not (tmp_path / "new").exists()
+
+
+def test_prepare_holds_whole_documents_out_seeded_and_refuses_one_document(tmp_path, cli):
+    """By default prepare holds out 5% of the documents (at least one) in OUTPUT/heldout, chosen by the seed: a
+    conversation's rows and a document_id's rows stay on one side; the training corpus records the split, and one
+    document is refused (exit 2, one error line, nothing written)."""
+    from dflash.corpus.split import heldout_corpus
+
+    chats = [dict(CHATS[0], document_id="thread-1"), dict(CHATS[1], document_id="thread-1"), CHATS[2],
+             dict(CHATS[1], id="de-sort-2"), dict(CHATS[2], id="no-system-2")]
+    source = _write_jsonl(tmp_path / "chats.jsonl", chats)
+    sides = {}
+    for name, extra in (("a", ()), ("b", ()), ("two", ("--heldout-documents", "2"))):
+        result = cli(source, "-o", tmp_path / name, "--assistant-mask", "prefix-diff", *extra, every_row=False)
+        assert result.exit_code == 0, result.output
+        train = open_corpus(tmp_path / name)
+        held = heldout_corpus(train)
+        assert held is not None and held.path == (tmp_path / name / "heldout").resolve()
+        train_docs = {train.document_id(i) for i in range(len(train))}
+        held_docs = {held.document_id(i) for i in range(len(held))}
+        assert not train_docs & held_docs and train_docs | held_docs == {"thread-1", "no-system", "de-sort-2",
+                                                                         "no-system-2"}
+        assert len(train) + len(held) == 5
+        assert f"held out {len(held_docs)} documents" in " ".join(result.output.split())
+        sides[name] = sorted(held_docs)
+    assert sides["a"] == sides["b"] and len(sides["a"]) == 1 and len(sides["two"]) == 2
+    # no hold-out: every row stays in OUTPUT
+    result = cli(source, "-o", tmp_path / "all", "--assistant-mask", "prefix-diff", "--heldout-documents", "0",
+                 every_row=False)
+    assert result.exit_code == 0 and len(open_corpus(tmp_path / "all")) == 5
+    assert not (tmp_path / "all" / "heldout").exists() and heldout_corpus(open_corpus(tmp_path / "all")) is None
+
+    one = _write_jsonl(tmp_path / "one.jsonl", CHATS[:1])
+    result = cli(one, "-o", tmp_path / "one", "--assistant-mask", "prefix-diff", every_row=False)
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.split())
+    assert message.startswith("error: ") and "has only 1 document" in message and "--heldout-documents" in message
+    assert _nothing_written(tmp_path, "one")

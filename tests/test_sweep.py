@@ -14,6 +14,7 @@ TINY = [
     "drafter.num_draft_layers=1", "drafter.block_size=4", "drafter.max_anchors_per_document=2",
     "data.token_budget=192", "data.num_buckets=2", "data.validation_fraction=0.2", "max_validation_batches=1",
     "max_steps=2", "telemetry.log_every=1", "device=cpu", "telemetry.progress=false", "data.prefetch_batches=2",
+    "min_train_samples=1",  # a tiny cache tests the mechanics, not a useful training set
 ]  # fmt: skip
 
 

@@ -651,3 +651,32 @@ def test_progress_in_a_log_gives_steps_tokens_rate_eta_and_the_loss(tiny_cache, 
     assert any(re.match(rf"train: [123]/4 steps, {step}, ETA \d+s, loss \d+\.\d{{3}}  lr ", line) for line in lines), lines
     assert re.match(rf"train: 4/4 steps, {step}, done in \d+s, loss \d+\.\d{{3}}  lr ", lines[-1]), lines[-1]
     assert "━" not in out
+
+
+def test_too_few_training_samples_are_refused_before_any_model_loads(tiny_cache, tmp_path, monkeypatch, capsys):
+    """The real CLI on a real cache that leaves fewer than --min-train-samples (default 8) samples for training once
+    the short ones are excluded and validation holds its share out: exit 2, one error line naming every count and
+    the settings that change them, and no run folder (the drafter and the target were never loaded)."""
+    from cli_helpers import main_in_process
+
+    from dflash.cache import CacheReader
+
+    reader = CacheReader(tiny_cache)
+    counts = sorted(int(c) for shard in reader.shards for c in reader.shard_supervised_counts(shard))
+    minimum = counts[-6]  # about six samples keep enough supervised tokens
+    excluded = sum(c < minimum for c in counts)
+    assert len(counts) - excluded < 8
+    config = tiny_config(tiny_cache, tmp_path / "run", min_supervised_tokens=minimum, validation_fraction=0.2).to_dict()
+    del config["min_train_samples"]  # the default
+    (tmp_path / "config.json").write_text(json.dumps({"train": config}))
+    code, err = main_in_process(monkeypatch, capsys, "train", "--config", str(tmp_path / "config.json"))
+    assert code == 2, err
+    lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    message = lines[0]
+    assert f"has {len(counts)} samples: {excluded} excluded for fewer than {minimum} supervised tokens" in message
+    assert "held out for validation (--validation-fraction 0.2)" in message
+    assert "training needs at least 8 (--min-train-samples)" in message
+    for fix in ("add data", "lower --min-supervised-tokens", "--validation-fraction 0", "lower --min-train-samples"):
+        assert fix in message
+    assert not (tmp_path / "run").exists()

@@ -125,6 +125,7 @@ def tiny_config(cache: Path, output: Path, **overrides: Any):
         progress=False,
         device="cpu",
         prefetch_batches=2,
+        min_train_samples=1,  # the tiny caches test the mechanics, not a useful training set
     )
     values.update(overrides)
     tree: dict[str, Any] = {}

@@ -763,6 +763,11 @@ class CorpusWriter:
         self._writer.write_batch(batch)
         self._pending.clear()
 
+    def inner_path(self, name: str) -> Path:
+        """A path inside the folder being written, for a companion written before :meth:`commit` (the held-out
+        corpus of a split): it is renamed onto ``path`` with the corpus, or removed with it."""
+        return self._staging / name
+
     def commit(self, metadata: dict[str, Any]) -> Path:
         """Finish the data file, write ``corpus.json`` (``metadata`` + format version, counts, fingerprint) and
         rename the folder onto ``path``. Returns ``path``.

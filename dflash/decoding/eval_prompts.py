@@ -189,14 +189,17 @@ def embedded_prompts(name: str, tokenizer: Any, *, num_prompts: int, seed: int =
                               "seed": seed})
 
 
-def held_out_rows(corpus: Any, cache_path: str | os.PathLike[str] | None = None) -> np.ndarray:
+def held_out_rows(corpus: Any, cache_path: str | os.PathLike[str] | None = None, *, heldout: Any = None) -> np.ndarray:
     """Corpus rows outside the cache's shard ranges (all rows when ``cache_path`` is None), int64 ascending.
+
+    With ``heldout``, the held-out corpus of ``corpus``'s split (``dflash.corpus.split.heldout_corpus``): every row
+    of ``heldout``, once the cache is checked to come from ``corpus``.
 
     Raises:
         MismatchError: the cache was extracted from another corpus (fingerprints differ).
         ConfigError: the cache covers every row, so nothing is held out.
     """
-    rows = np.arange(len(corpus), dtype=np.int64)
+    rows = np.arange(len(corpus if heldout is None else heldout), dtype=np.int64)
     if cache_path is None:
         return rows
     from dflash.cache import CacheReader
@@ -208,14 +211,16 @@ def held_out_rows(corpus: Any, cache_path: str | os.PathLike[str] | None = None)
             f"({metadata.corpus_path or 'unknown path'}), but corpus {corpus.path} is {corpus.fingerprint}; "
             "pass the corpus the cache was built from"
         )
+    if heldout is not None:
+        return rows
     covered = np.zeros(len(corpus), dtype=bool)
     for start, stop in metadata.shard_rows:
         covered[start:stop] = True
     held = rows[~covered]
     if held.size == 0:
         raise ConfigError(
-            f"cache {cache_path} covers all {len(corpus)} rows of {corpus.path}: no row is held out; extract from a "
-            "training split (`dflash-stages run` writes one) or pass --prompts FILE"
+            f"cache {cache_path} covers all {len(corpus)} rows of {corpus.path}: no row is held out; prepare "
+            "holds documents out (--heldout-documents, OUTPUT/heldout), `dflash-stages run` too; or pass --prompts FILE"
         )
     return held
 

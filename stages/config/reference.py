@@ -38,8 +38,8 @@ STAGE_CONFIGS = {
 
 
 def field_descriptions(cls: type) -> dict[str, str]:
-    """Field -> its description in the class source: the string literal after the field (attribute docstring), the
-    ``#:`` comment lines above it, or its entry in a ``Fields:`` / ``Attributes:`` section of the class docstring
+    """Field -> its description: its ``metadata["help"]``, else in the class source: the string literal after the
+    field (attribute docstring), the ``#:`` comment lines above it, or its entry in a ``Fields:`` / ``Attributes:`` section of the class docstring
     (an entry may name several fields: ``temperature, top_p: ...``). Fields inherited from a base config
     (``LoaderConfig`` extends ``BucketConfig``) are described where the base declares them."""
     described: dict[str, str] = {}
@@ -81,9 +81,9 @@ def field_descriptions(cls: type) -> dict[str, str]:
             row -= 1
         if comments:
             described[name] = " ".join(comments)
-    for field in dataclasses.fields(cls):  # ``field(metadata={"help": ...})``: the field's own one-line help
+    for field in dataclasses.fields(cls):  # a field's declared help, where it has one, describes it
         if field.metadata.get("help"):
-            described[field.name] = str(field.metadata["help"])
+            described[field.name] = " ".join(str(field.metadata["help"]).split())
     return described
 
 

@@ -206,6 +206,11 @@ OPTION_FIELDS = {
 OPTION_SPELLINGS = {"data.boundaries": "--bucket-boundaries"}
 
 
+def _field_help(name: str) -> str:
+    """A TrainConfig field's one line of help (its ``metadata["help"]``)."""
+    return next(f.metadata["help"] for f in fields(TrainConfig) if f.name == name)
+
+
 def _shown(name: str) -> str:
     """``--help``'s ``[default: ...]`` of a train option: its :class:`TrainConfig` field's default (options default
     to ``None`` so that a saved run, preset or file fills what the command line leaves out). ``name``: the field's
@@ -273,6 +278,7 @@ def register(app: typer.Typer) -> None:
             None, "--min-supervised-tokens",
             help="Exclude (and count) samples with fewer supervised tokens (default 2 x block size; 0 keeps all).",
         ),
+        min_train_samples: int = typer.Option(None, "--min-train-samples", show_default=_shown("min_train_samples"), help=_field_help("min_train_samples")),
         save_every: int = typer.Option(None, "--save-every", show_default=_shown("save_every"), help="Checkpoint every N steps."),
         keep_last: int = typer.Option(None, "--keep-last", show_default=_shown("keep_last"), help="Checkpoints to keep, plus the best."),
         eval_every: int = typer.Option(None, "--eval-every", help="Validate every N steps."),
@@ -318,7 +324,7 @@ def register(app: typer.Typer) -> None:
             "optim.warmup_ratio": warmup_ratio, "optim.grad_clip": grad_clip, "seed": seed, "mixed_precision": mixed_precision,
             "residual_dtype": residual_dtype, "compile": compile_layers, "anchor_slots": anchor_slots,
             "data.max_documents_per_batch": max_documents,
-            "min_supervised_tokens": min_supervised_tokens,
+            "min_supervised_tokens": min_supervised_tokens, "min_train_samples": min_train_samples,
             "save_every": save_every, "keep_last": keep_last, "eval_every": eval_every, "telemetry.log_every": log_every,
             "allow_config_change": allow_config_change, "break_lock": break_lock, "allow_incomplete": allow_incomplete, "telemetry.progress": progress,
             "telemetry.report_to": report_to.split(",") if report_to else None,

@@ -61,6 +61,9 @@ class TrainConfig:
     min_supervised_tokens: int | None = None
     """Samples with fewer supervised (loss_mask = 1) tokens are excluded, counted and reported (run.json, metrics,
     log); default ``2 * drafter.block_size`` (docs/dflash.md: shorter samples give no useful anchors); 0 keeps every sample."""
+    min_train_samples: int = field(default=8, metadata={"help": (
+        "Refuse to train (before any model loads) when fewer samples than this are left for training, after the "
+        "samples excluded by min_supervised_tokens and those held out for validation.")})
     # -- optimization (defaults: the paper's recipe; betas from SpecForge, see dflash.training.optim)
     epochs: float = 6.0
     """Passes over the training split (paper: 6); ignored when ``max_steps`` is set."""
@@ -158,6 +161,9 @@ class TrainConfig:
             or self.min_supervised_tokens < 0
         ):
             raise ConfigError(f"min_supervised_tokens must be an integer >= 0 or None, got {self.min_supervised_tokens!r}")
+        if not isinstance(self.min_train_samples, int) or isinstance(self.min_train_samples, bool) \
+                or self.min_train_samples < 1:
+            raise ConfigError(f"min_train_samples must be an integer >= 1, got {self.min_train_samples!r}")
         if self.compile and self.anchor_slots is None and self.data.max_documents_per_batch is None:
             raise ConfigError(
                 "anchor_slots: --compile needs a fixed anchor count; give anchor_slots, or data.max_documents_per_batch "

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from stages.train.config import TrainConfig
 
 __all__ = ["TrainingData", "open_cache_data", "stream_config", "loader_placement", "schedule_steps",
-           "planned_total_steps"]
+           "planned_total_steps", "check_training_samples"]
 
 log = logging.getLogger(__name__)
 
@@ -139,3 +139,48 @@ def planned_total_steps(config: TrainConfig, *, world_size: int | None = None) -
         return schedule_steps(config, len(loader))
     finally:
         loader.close()
+
+
+def check_training_samples(config: TrainConfig) -> dict[str, int]:
+    """Count the cache's samples as the run will split them (lengths only: no hidden state, no model) and refuse a
+    run left with fewer than ``config.min_train_samples`` training samples. Returns the counts: ``samples``,
+    ``excluded`` (fewer than min_supervised_tokens supervised tokens), ``validation`` and ``train``.
+
+    Raises:
+        CacheError: the cache is missing or unreadable.
+        ConfigError: too few training samples; the message names every count and the settings that change them.
+    """
+    from dataclasses import replace
+
+    from dflash.cache import CacheReader
+
+    reader = CacheReader(config.cache)
+    cpu = torch.device("cpu")
+
+    def count(stream: StreamConfig) -> tuple[int, int]:
+        try:
+            loader = StreamingLoader(reader, stream)
+        except ConfigError:  # an empty split: counted as 0 here, named in the message below
+            return 0, 0
+        try:
+            return loader.num_samples, loader.num_excluded_short
+        finally:
+            loader.close()
+
+    everything = replace(stream_config(config, "train", cpu), split="all")
+    samples, excluded = count(replace(everything, min_supervised_tokens=0))[0], count(everything)[1]
+    train = count(stream_config(config, "train", cpu))[0]
+    counts = {"samples": samples, "excluded": excluded, "validation": samples - excluded - train, "train": train}
+    if train >= config.min_train_samples:
+        return counts
+    minimum = config.resolved_min_supervised_tokens()
+    validation = (f"{counts['validation']} held out for validation (--validation-fraction "
+                  f"{config.data.validation_fraction:g})" if config.data.validation_fraction > 0 else
+                  "none held out for validation")
+    fewer_held = "set --validation-fraction 0, " if counts["validation"] else ""
+    raise ConfigError(
+        f"cache {config.cache} has {samples} samples: {excluded} excluded for fewer than {minimum} supervised tokens "
+        f"(--min-supervised-tokens), {validation}, {train} left for training; training needs at least "
+        f"{config.min_train_samples} (--min-train-samples): add data (more conversations or files to prepare and "
+        f"extract), lower --min-supervised-tokens, {fewer_held}or lower --min-train-samples"
+    )

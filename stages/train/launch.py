@@ -93,7 +93,10 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
         )
     if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("RANK", "0")) != 0:
         return _run_training(config)  # under torchrun: rank 0 holds the lock for the run
+    from stages.train.data import check_training_samples
+
     with output_lock(config.output, what="run", break_lock=config.break_lock):
+        check_training_samples(config)  # degenerate data is refused before anything loads or is written
         created = not output.exists()
         try:
             return _run_training(config)
