@@ -53,10 +53,10 @@ from dflash.target.load import resolve_target_path, target_identity
 from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
 from stages.config.check import check_fields, deep_merge, read_config_file
 from stages.config.presets import read_preset_json
-from stages.config.resolve import parse_sets
+from stages.config.resolve import int_list, parse_sets
 from stages.replicas.cluster import worker_process_options
-from stages.train.command import _csv_ints, exit_if_interrupted
 from stages.train.command import config_from_cli as train_config_from_cli
+from stages.train.command import exit_if_interrupted
 from stages.train.config import TrainConfig
 from stages.train.launch import _run_training
 
@@ -643,12 +643,12 @@ def register(app: typer.Typer) -> None:
         """
         from rich.console import Console
 
-        online = {"corpus": corpus, "target": target, "target_layer_ids": _csv_ints(target_layer_ids),
-                  "target_processes": target_processes, "target_gpus": _csv_ints(target_gpus), "ring_slots": ring_slots,
+        online = {"corpus": corpus, "target": target, "target_layer_ids": int_list(target_layer_ids, "--target_layer_ids"),
+                  "target_processes": target_processes, "target_gpus": int_list(target_gpus, "--target_gpus"), "ring_slots": ring_slots,
                   "on_producer_death": on_producer_death, "cache_to": cache_to,
                   "cache_shard_size": cache_shard_size}  # fmt: skip
         train_overrides = {
-            "output": output, "resume": resume, "drafter_gpus": _csv_ints(drafter_gpus),
+            "output": output, "resume": resume, "drafter_gpus": int_list(drafter_gpus, "--drafter_gpus"),
             "drafter_processes": drafter_processes, "device": device,
             "drafter.num_draft_layers": num_draft_layers, "drafter.block_size": block_size,
             "drafter.max_anchors_per_document": max_anchors,

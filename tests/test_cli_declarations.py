@@ -33,34 +33,35 @@ def _field_default(field: dataclasses.Field):
     return None if value is MISSING_DEFAULT else value
 
 
+#: Commands whose options are derived from their config dataclass (``stages.config.options``).
+DERIVED = {"train"}
+
+
 @pytest.mark.parametrize("command", sorted(CONFIGS))
 def test_options_default_to_their_fields_defaults(command):
     import importlib
 
-    from stages.train.command import OPTION_FIELDS, _shown
-    from stages.train.config import default_leaves
+    from stages.config.options import option_specs
 
     _register_all()
     module, name = CONFIGS[command]
-    fields = {f.name: f for f in dataclasses.fields(getattr(importlib.import_module(module), name)) if f.init}
+    cls = getattr(importlib.import_module(module), name)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    specs = {spec.name: spec for spec in option_specs(cls)}
     params = typer.main.get_command(app).commands[command].params
     checked = 0
     for param in params:
-        if command == "train":  # an option of a nested config's field (--lr: optim.lr) by its dotted path
-            field_name = OPTION_FIELDS.get(param.name, param.name)
-            if field_name not in default_leaves():
+        if command in DERIVED:  # None on the command line; the field's default shown in --help
+            if param.name not in specs:
                 continue
-            default = default_leaves()[field_name]
+            assert param.default is None, param.name
+            assert param.show_default == (specs[param.name].shown_default or False), param.name
+            assert param.opts[0] == specs[param.name].decls[0].split("/")[0], param.name
         else:
             field_name = param.name
             if field_name not in fields:
                 continue
             default = _field_default(fields[field_name])
-        if command == "train":  # None on the command line; the field's default shown in --help
-            assert param.default is None, param.name
-            if default is not None:
-                assert param.show_default == _shown(field_name), param.name
-        else:
             value = PARSED.get((command, field_name), lambda v: v)(param.default)
             empty = (None, (), [], {})  # "nothing given" spelled by click or by the field
             assert value == default or (value in empty and default in empty), (command, param.name, value, default)

@@ -30,6 +30,7 @@ from stages.config.check import (
     check_fields,
     check_not_empty_path,
     layer_over,
+    leaf_paths,
     override_value,
     read_config_file,
     set_path,
@@ -110,8 +111,8 @@ def nested(key: str, value: Any) -> dict[str, Any]:
 def resolve_stage_config(
     cls: type,
     section: str,
-    defaults: Mapping[str, Any],
-    given: Mapping[str, Any],
+    defaults: Mapping[str, Any] | None = None,
+    given: Mapping[str, Any] | None = None,
     *,
     config_file: str | Path | None = None,
     preset: str | None = None,
@@ -119,23 +120,30 @@ def resolve_stage_config(
     required: Sequence[str] = (),
     option_names: Mapping[str, str] | None = None,
     build: Callable[[dict[str, Any]], Any] | None = None,
+    base: Callable[[dict[str, Any]], tuple[Mapping[str, Any], str] | None] | None = None,
+    fill: Callable[[dict[str, Any]], Any] | None = None,
 ) -> Any:
     """Resolve and build a stage's config (precedence in the module docstring).
 
     Args:
         cls: the stage's config dataclass (its fields are the keys of every layer).
         section: the stage's name (``extract``): messages, sections of files and presets, ``--set`` prefixes.
-        defaults: field -> the command's value for options left at their default.
-        given: field -> value of options given on the command line (converted to the field's type).
+        defaults: field -> the command's value where nothing else sets it (none: the dataclass's defaults).
+        given: field (a nested config's leaf by its dotted path, ``optim.lr``) -> value of each option given on
+            the command line (converted to the field's type).
         config_file: ``--config`` path, or None.
         preset: ``--preset`` name (``pipelines/presets``) or JSON path, or None.
         overrides: ``--set`` items.
         required: fields that must have a value in the end (``--output``...).
-        option_names: field -> its option's spelling, for messages (default ``--field-name``).
+        option_names: field (dotted path) -> its option's spelling, for messages (default ``--`` + its last part).
         build: makes the config from the merged dict (default ``cls(**merged)``).
+        base: the lowest layer above ``defaults``, chosen from the merged layers above it (train's saved run with
+            ``--resume``): returns ``(values, source)`` or None. Its values are checked by the config when built.
+        fill: called with the merged dict before the config is built, to fill what no layer set (train's CPU-sized
+            defaults); what it returns is handed back with the config when given.
 
     Returns:
-        The built config.
+        The built config; ``(config, what fill returned)`` when ``fill`` is given.
 
     Raises:
         ConfigError: a missing or unreadable file, an unknown preset, an unknown key, a wrong type, a value the
@@ -143,49 +151,70 @@ def resolve_stage_config(
     """
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     option_names = dict(option_names or {})
-    layers: list[tuple[dict[str, Any], Callable[[str], str]]] = []
+    layers: list[tuple[dict[str, Any], str]] = []
     if preset is not None:
         from stages.config.presets import load_preset
 
-        layers.append((section_of(load_preset(preset), section, fields, f"preset {preset}"),
-                       lambda key: f"preset {preset}"))
+        layers.append((section_of(load_preset(preset), section, fields, f"preset {preset}"), f"preset {preset}"))
     if config_file is not None:
         data = read_config_file(config_file)
-        layers.append((section_of(data, section, fields, f"--config {config_file}"),
-                       lambda key: f"--config {config_file}"))
+        layers.append((section_of(data, section, fields, f"--config {config_file}"), f"--config {config_file}"))
     for values, source in layers:
-        check_fields(cls, values, section=section, source=source)
+        check_fields(cls, values, section=section, source=lambda key, s=source: s)
     sets = parse_sets(overrides, section)
     for key, value, source in sets:
         check_fields(cls, nested(key, value), section=section, source=lambda _key, s=source: s)
-    merged: dict[str, Any] = dict(defaults)
-    origin: dict[str, str] = {key: "default" for key in merged}
+    upper: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # dotted path -> where its value came from, for the messages
     for values, source in layers:
-        layer_over(merged, values)
-        origin.update({key: source(key) for key in values})
-    layer_over(merged, given)
-    origin.update({key: option_names.get(key, "--" + key.replace("_", "-")) for key in given})
+        layer_over(upper, values)
+        origin.update({key: source for key in leaf_paths(values)})
+    options: dict[str, Any] = {}
+    for key, value in (given or {}).items():
+        set_path(options, key, value)
+        origin[key] = option_names.get(key, "--" + key.rsplit(".", 1)[-1].replace("_", "-"))
+    layer_over(upper, options)
     for key, value, source in sets:
-        layer_over(merged, nested(key, value))
-        origin[key.split(".")[0]] = source
+        layer_over(upper, nested(key, value))
+        origin.update({path: source for path in leaf_paths(nested(key, value))})
+    merged: dict[str, Any] = dict(defaults or {})
+    lowest = base(upper) if base is not None else None
+    if lowest is not None:
+        values, source = lowest
+        layer_over(merged, values)
+        origin.update({key: source for key in leaf_paths(values) if key not in origin})
+    layer_over(merged, upper)
     for key, value in merged.items():  # the options given too (`-o ''`)
-        check_not_empty_path(key, value, f"{section}.{key} ({origin.get(key, 'default')})")
+        check_not_empty_path(key, value, f"{section}.{key} ({_source(origin, key)})")
     for key in required:
         if merged.get(key) is None:
             option = option_names.get(key, "--" + key.replace("_", "-"))
             raise ConfigError(f"{section}: {option} is required (on the command line, or {key} in --config/--preset/--set)")
+    filled = fill(merged) if fill is not None else None
     try:
-        return build(merged) if build is not None else cls(**merged)
+        config = build(merged) if build is not None else cls(**merged)
     except (ConfigError, ValueError, TypeError) as error:
         message = str(error)
-        key = next((k for k in merged if message.startswith((k + " ", k + ":", k + ".", "--" + k.replace("_", "-")))),
+        known = sorted(set(origin) | set(merged), key=len, reverse=True)
+        key = next((k for k in known if message.startswith((k + " ", k + ":", k + ".", "--" + k.replace("_", "-")))),
                    None)  # fmt: skip
         if key is None:
             raise ConfigError(f"{section}: {message}") from None
         # A nested config's refusal names its leaf (``default_prompts.heldout_permille must be ...``): the message
-        # names that whole path, the source is the nested config's.
+        # names that whole path, the source is the leaf's (else the nearest enclosing key's).
         path = message.split(" ", 1)[0].rstrip(":") if message.startswith(key + ".") else key
-        raise ConfigError(f"{section}.{path} ({origin.get(key, 'default')}): {without_key(message, path)}") from None
+        raise ConfigError(f"{section}.{path} ({_source(origin, path)}): {without_key(message, path)}") from None
+    return (config, filled) if fill is not None else config
+
+
+def _source(origin: Mapping[str, str], path: str) -> str:
+    """Where the value at the dotted ``path`` came from: its own entry, else its nearest enclosing key's, else a
+    leaf under it (a nested config set by one layer), else ``default``."""
+    parts = path.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in origin:
+            return origin[".".join(parts[:end])]
+    return next((source for key, source in origin.items() if key.startswith(path + ".")), "default")
 
 
 def without_key(message: str, key: str) -> str:
