@@ -94,7 +94,7 @@ class GenerateConfig:
         max_length: most tokens of a whole row (prompt + replies); longer prompts are dropped and counted.
         max_prompts: use only the first N prompts (None: all).
         part_size: prompts per part (one task, one committed file).
-        batch_size, token_budget, kv_cache: transformers engine batching (rows per call, padded prompt tokens per
+        batch_size, prefill_tokens, kv_cache: transformers engine batching (rows per call, padded prompt tokens per
             call, ``auto``/``static``/``dynamic`` KV cache).
         deterministic: static KV cache: decode attention by grouped matmuls over the whole padded cache (bitwise
             repeatable, slower) instead of the default: on CUDA with Triton the ranged kernel (only the positions
@@ -130,7 +130,7 @@ class GenerateConfig:
     max_prompts: int | None = None
     part_size: int = 1024
     batch_size: int = 256
-    token_budget: int = 262_144
+    prefill_tokens: int = 262_144
     kv_cache: Literal["auto", "static", "dynamic"] = "auto"
     deterministic: bool = False
     target_gpus: list[int] | None = None
@@ -203,7 +203,7 @@ class GenerateConfig:
         data = self.to_dict()
         for key in ("output", "target_gpus", "target_processes", "scheduler_address", "dashboard_address", "tls_ca_file",
                     "tls_cert", "tls_key", "break_lock", "overwrite",
-                    "batch_size", "token_budget", "kv_cache", "deterministic", "concurrency", "endpoints", "api_key_env",
+                    "batch_size", "prefill_tokens", "kv_cache", "deterministic", "concurrency", "endpoints", "api_key_env",
                     "request_timeout_s", "max_retries", "max_prompt_bytes"):
             data.pop(key)
         return data
@@ -348,7 +348,7 @@ def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: Any, task: 
             target_spec=config.target, gpu_by_worker=placement.get("gpu_by_worker"),
             device=placement.get("device", "auto"), torch_threads=placement.get("torch_threads"),
             die_with_parent=placement.get("die_with_parent", False),
-            engine_kwargs={"batch_size": config.batch_size, "token_budget": config.token_budget,
+            engine_kwargs={"batch_size": config.batch_size, "token_budget": config.prefill_tokens,
                            "cache": config.kv_cache, "deterministic": config.deterministic},
         )
         started = time.perf_counter()
@@ -545,7 +545,7 @@ def register(app: typer.Typer) -> None:
         max_prompts: int | None = typer.Option(None, help="Only the first N prompts."),
         part_size: int = typer.Option(1024, help="Prompts per committed part."),
         batch_size: int = typer.Option(256, help="transformers engine: rows per generate() call."),
-        token_budget: int = typer.Option(262_144, help="transformers engine: padded prompt tokens per call."),
+        prefill_tokens: int = typer.Option(262_144, help="transformers engine: padded prompt tokens per call."),
         kv_cache: str = typer.Option("auto", help="transformers engine: static (own decode loop over a static KV "
                                      "cache, CUDA graphs on CUDA), dynamic (transformers generate()), auto (static on "
                                      "CUDA, dynamic elsewhere)."),
@@ -584,7 +584,7 @@ def register(app: typer.Typer) -> None:
             prompts=prompts, output=None if output is None else str(output), target=target, engine=engine,
             turns=turns, chat_template=chat_template, template_kwargs=kwargs, temperature=temperature, top_p=top_p,
             max_new_tokens=max_new_tokens, seed=seed, max_length=max_length, max_prompts=max_prompts,
-            part_size=part_size, batch_size=batch_size, token_budget=token_budget, kv_cache=kv_cache,
+            part_size=part_size, batch_size=batch_size, prefill_tokens=prefill_tokens, kv_cache=kv_cache,
             deterministic=deterministic, target_gpus=int_list(target_gpus, "--target-gpus"),
             target_processes=target_processes,
             scheduler_address=scheduler_address, dashboard_address=dashboard_address, endpoints=list(endpoint),

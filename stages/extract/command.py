@@ -79,7 +79,7 @@ class ExtractConfig:
         target_processes: CPU worker processes (LocalCluster).
         scheduler_address: an existing Dask scheduler; its workers must reach ``corpus`` and ``output``.
         shard_size: target tokens per shard (rows are grouped contiguously; a longer row is a shard of its own).
-        token_budget: padded tokens per forward batch (rows x longest); with ``packing``, tokens per packed row.
+        forward_tokens: padded tokens per forward batch (rows x longest); with ``packing``, tokens per packed row.
         packing: packed forward batches (samples back to back, attention confined to each; no padding) instead of
             right-padded length-grouped ones (``dflash.target.runner``): the same hidden states within bf16.
         packed_attention: the attention kernel of packed batches: ``"auto"`` (default: ``"varlen"`` on GPU workers
@@ -131,7 +131,7 @@ class ExtractConfig:
     target_processes: int | None = None
     scheduler_address: str | None = None
     shard_size: int = 65536
-    token_budget: int = 16384
+    forward_tokens: int = 16384
     packing: bool = False
     packed_attention: Literal["auto", "flex_attention", "sdpa", "varlen"] = "auto"
     storage_dtype: Literal["bf16", "fp8"] = "bf16"
@@ -153,7 +153,7 @@ class ExtractConfig:
 
     def __post_init__(self) -> None:
         validate_placement(self)
-        for name in ("num_taps", "shard_size", "token_budget"):
+        for name in ("num_taps", "shard_size", "forward_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: expected >= 1, got {getattr(self, name)}")
 
@@ -488,7 +488,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
         plugin = TargetWorkerPlugin(
             target_spec=str(config.target),
             target_layer_ids=plan.metadata.target_layer_ids,
-            token_budget=config.token_budget,
+            forward_tokens=config.forward_tokens,
             gpu_by_worker=placement.get("gpu_by_worker"),
             device=placement["device"],
             torch_threads=placement.get("torch_threads"),
@@ -505,7 +505,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
         if cache is None:  # a new cache: its codec is chosen now (nothing is written before it is created)
             choice = None
             if config.codec == AUTO_CODEC:
-                rows = _calibration_rows(pending, shard_rows, lengths, kept, config.token_budget, config.packing)
+                rows = _calibration_rows(pending, shard_rows, lengths, kept, config.forward_tokens, config.packing)
                 choice = _choose_codec(client, config, plan, rows, placement["resources"], console)
             cache = create_cache(config, plan, choice)
 
@@ -590,19 +590,19 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
 
 
 def _calibration_rows(pending: list[int], shard_rows: list[list[int]], lengths: np.ndarray, kept: np.ndarray,
-                      token_budget: int, packing: bool) -> list[int]:  # fmt: skip
+                      forward_tokens: int, packing: bool) -> list[int]:  # fmt: skip
     """The corpus rows the codec calibration runs: the first kept rows of the first pending shard that make one
     forward batch (``dflash.cache.codec_choice.calibration_row_count``), continued into the next pending shards
     when a shard is smaller than a batch."""
     from dflash.cache.codec_choice import calibration_row_count
 
     rows: list[int] = []
-    for shard_id in pending:  # each row holds a token, so token_budget rows are always enough
+    for shard_id in pending:  # each row holds a token, so forward_tokens rows are always enough
         start, stop = shard_rows[shard_id]
-        rows += [row for row in range(start, stop) if kept[row]][: token_budget - len(rows)]
-        if len(rows) >= token_budget:
+        rows += [row for row in range(start, stop) if kept[row]][: forward_tokens - len(rows)]
+        if len(rows) >= forward_tokens:
             break
-    return rows[: calibration_row_count(lengths[rows], token_budget, packing)]
+    return rows[: calibration_row_count(lengths[rows], forward_tokens, packing)]
 
 
 def _choose_codec(client: Any, config: ExtractConfig, plan: CachePlan, rows: list[int], resources: Any,
@@ -705,7 +705,7 @@ def register(app: typer.Typer) -> None:
         target_processes: int | None = typer.Option(None, "--target-processes", help="CPU processes for target replicas, one Dask worker each."),
         scheduler_address: str | None = typer.Option(None, "--scheduler-address", help="Existing Dask scheduler (workers with resource GPU=1 get one task at a time)."),
         shard_size: int = typer.Option(65536, "--shard-size", help="Target tokens per shard (one task, one commit)."),
-        token_budget: int = typer.Option(16384, "--token-budget", help="Padded tokens per forward batch (rows x longest); with --packing, tokens per packed row."),
+        forward_tokens: int = typer.Option(16384, "--forward-tokens", help="Padded tokens per forward batch (rows x longest); with --packing, tokens per packed row."),
         packing: bool = typer.Option(False, "--packing/--no-packing", help="Packed forward batches: samples back to back with attention confined to each, no padding. Same hidden states; on an H200 a long-tailed corpus of a GQA target (Qwen3-8B shape, 524K tokens) ran at 1.04x of padded batches with varlen (samples of 1,024+ tokens through SDPA), 0.95-0.96x with flex_attention; short samples such as SmolLM2's replies gain little (docs/benchmarks.md), so off by default."),
         packed_attention: str = typer.Option("auto", "--packed-attention", help="Attention kernel of --packing: auto (varlen on GPU workers whose torch has it, else flex_attention; sdpa on CPU workers) | flex_attention (document mask) | sdpa (block-diagonal mask, half the speed on an H200) | varlen (FlashAttention varlen over the sample boundaries; GPU workers, torch >= 2.10; 1.13x flex_attention on a long-tailed corpus on an H200)."),
         storage_dtype: str = typer.Option("bf16", "--storage-dtype", help="bf16 (bit-exact) or fp8 (lossy e4m3, per-token per-tap scale); bfloat16 and float8_e4m3fn also accepted."),
@@ -742,7 +742,7 @@ def register(app: typer.Typer) -> None:
                 corpus=corpus, output=output, target=target,
                 target_layer_ids=int_list(target_layer_ids, "--target-layer-ids"), num_taps=num_taps,
                 target_gpus=int_list(target_gpus, "--target-gpus"), target_processes=target_processes,
-                scheduler_address=scheduler_address, shard_size=shard_size, token_budget=token_budget, packing=packing,
+                scheduler_address=scheduler_address, shard_size=shard_size, forward_tokens=forward_tokens, packing=packing,
                 packed_attention=packed_attention,
                 storage_dtype=storage_dtype, codec=codec, codec_calibration=codec_calibration, max_length=max_length,
                 length_policy=length_policy,
