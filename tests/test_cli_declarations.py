@@ -10,7 +10,6 @@ import pytest
 import typer
 
 from stages.cli import _register_all, app
-from stages.sweep import parse_grid
 
 #: command -> (module, config dataclass).
 CONFIGS = {
@@ -23,7 +22,7 @@ CONFIGS = {
     "train": ("stages.train.config", "TrainConfig"),
 }
 #: Options whose text form the command parses into the field's type.
-PARSED = {("generate", "template_kwargs"): json.loads, ("sweep", "grid"): parse_grid}
+PARSED = {("generate", "template_kwargs"): json.loads}
 
 
 def _field_default(field: dataclasses.Field):
@@ -34,7 +33,7 @@ def _field_default(field: dataclasses.Field):
 
 
 #: Commands whose options are derived from their config dataclass (``stages.config.options``).
-DERIVED = {"train"}
+DERIVED = {"train", "sweep"}
 
 
 @pytest.mark.parametrize("command", sorted(CONFIGS))

@@ -14,6 +14,8 @@ Metadata keys:
 ``parse``
     A callable turning the option's text into the field's value, for a type the command line cannot hold as is;
     lists (``list[int]``, ``tuple[float, ...]``, ``list[str]``) are comma-separated without one.
+``repeat``
+    The option is given once per value (``--grid a=1,2 --grid b=3``); ``parse`` gets the list of them.
 ``cli``
     ``False``: not an option even with a help text.
 
@@ -32,7 +34,7 @@ import functools
 import inspect
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +44,8 @@ __all__ = ["CommandSettings", "OptionSpec", "config_options", "option_specs", "s
 
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, option: str | None = None,  # noqa: A002
-            short: str | None = None, parse: Callable[[str], Any] | None = None, cli: bool = True,
-            default_factory: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+            short: str | None = None, parse: Callable[[Any], Any] | None = None, repeat: bool = False,
+            cli: bool = True, default_factory: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
     """A config dataclass field with its option's declaration in its metadata (see the module docstring):
     ``lr: float = setting(6e-4, help="Peak learning rate.", option="--lr")``. ``kwargs`` go to
     :func:`dataclasses.field`."""
@@ -51,6 +53,8 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, option: str | None
     for key, value in (("option", option), ("short", short), ("parse", parse)):
         if value is not None:
             metadata[key] = value
+    if repeat:
+        metadata["repeat"] = True
     if not cli:
         metadata["cli"] = False
     if default_factory is not dataclasses.MISSING:
@@ -145,7 +149,7 @@ def option_specs(cls: type, *, prefix: str = "", defaults: Any = None) -> list[O
             continue
         if "help" not in f.metadata or not f.metadata.get("cli", True):
             continue
-        annotation, parse = _cli_type(hint)
+        annotation, parse = (list[str], None) if f.metadata.get("repeat") else _cli_type(hint)
         parse = f.metadata.get("parse", parse)
         option = f.metadata.get("option", "--" + f.name.replace("_", "-"))
         if annotation is bool and "option" not in f.metadata:
@@ -170,37 +174,39 @@ class CommandSettings:
     spellings: dict[str, str]
 
 
-def _shared(section: str, print_help: str | None) -> list[inspect.Parameter]:
+def _shared(section: str, shared_help: Mapping[str, str]) -> list[inspect.Parameter]:
     import typer
 
     options = {
         "config_file": (str | None, typer.Option(
-            None, "--config", help="Settings in a .toml, .yaml or .json file: this stage's fields, or a section "
-            "named after the stage. Options given override it.")),
+            None, "--config", help=shared_help.get("config") or "Settings in a .toml, .yaml or .json file: this "
+            "stage's fields, or a section named after the stage. Options given override it.")),
         "preset": (str | None, typer.Option(
-            None, "--preset", help="A pipeline preset of `run` (cpu-small, h200-smollm2) or a .json file of "
-            "sections: its section for this stage (and its target), under the config file.")),
+            None, "--preset", help=shared_help.get("preset") or "A pipeline preset of `run` (cpu-small, "
+            "h200-smollm2) or a .json file of sections: its section for this stage (and its target), under the "
+            "config file.")),
         "sets": (list[str], typer.Option(
-            [], "--set", help=f"{section}.FIELD=VALUE or FIELD=VALUE (JSON value, else a string), over everything "
-            "else. Repeatable.")),
+            [], "--set", help=shared_help.get("set") or f"{section}.FIELD=VALUE or FIELD=VALUE (JSON value, else a "
+            "string), over everything else. Repeatable.")),
         "print_config": (bool, typer.Option(
-            False, "--print-config", help=print_help or "Print the resolved config as JSON (which --config reads "
-            "back) and exit without doing anything.")),
+            False, "--print-config", help=shared_help.get("print_config") or "Print the resolved config as JSON "
+            "(which --config reads back) and exit without doing anything.")),
     }
     return [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
             for name, (annotation, default) in options.items()]
 
 
-def config_options(cls: type, section: str, *, skip: tuple[str, ...] = (), extra: tuple[OptionSpec, ...] = (),
-                   print_help: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def config_options(cls: type, section: str, *, include: Collection[str] | None = None,
+                   shared_help: Mapping[str, str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate a command function whose parameter ``settings`` receives a :class:`CommandSettings`: the result
-    takes ``cls``'s options (:func:`option_specs`, less the dotted paths in ``skip``, plus ``extra``), the four
-    shared options and the function's other parameters (command-only ones, declared with ``typer.Option`` as
+    takes ``cls``'s options (:func:`option_specs`; only the dotted paths in ``include`` where given), the four
+    shared options (``shared_help``: the help of ``config``, ``preset``, ``set`` or ``print_config`` where the
+    command's differs) and the function's other parameters (command-only ones, declared with ``typer.Option`` as
     usual), for ``app.command(...)``."""
     import typer
 
     def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
-        specs = [s for s in option_specs(cls) if s.path not in skip] + list(extra)
+        specs = [s for s in option_specs(cls) if include is None or s.path in include]
         own = [p for p in inspect.signature(function).parameters.values() if p.name != "settings"]
         own_hints = typing.get_type_hints(function)
         derived = [
@@ -210,7 +216,7 @@ def config_options(cls: type, section: str, *, skip: tuple[str, ...] = (), extra
             for spec in specs
         ]
         parameters = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + derived + _shared(
-            section, print_help)
+            section, shared_help or {})
         names = [p.name for p in parameters]
         if len(set(names)) != len(names):
             raise TypeError(f"{function.__name__}: two parameters share a name: {names}")
@@ -220,7 +226,7 @@ def config_options(cls: type, section: str, *, skip: tuple[str, ...] = (), extra
             given = {}
             for spec in specs:
                 value = values.pop(spec.name)
-                if value is not None:
+                if value is not None and value != []:  # a repeatable option not given: typer's empty list
                     given[spec.path] = spec.parse(value) if spec.parse is not None else value
             settings = CommandSettings(
                 given=given, config_file=values.pop("config_file"), preset=values.pop("preset"),

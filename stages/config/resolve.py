@@ -122,6 +122,8 @@ def resolve_stage_config(
     build: Callable[[dict[str, Any]], Any] | None = None,
     base: Callable[[dict[str, Any]], tuple[Mapping[str, Any], str] | None] | None = None,
     fill: Callable[[dict[str, Any]], Any] | None = None,
+    read_preset: Callable[[str], Mapping[str, Any]] | None = None,
+    reserved: Sequence[str] = (),
 ) -> Any:
     """Resolve and build a stage's config (precedence in the module docstring).
 
@@ -141,6 +143,9 @@ def resolve_stage_config(
             ``--resume``): returns ``(values, source)`` or None. Its values are checked by the config when built.
         fill: called with the merged dict before the config is built, to fill what no layer set (train's CPU-sized
             defaults); what it returns is handed back with the config when given.
+        read_preset: reads ``preset`` into its sections (default ``stages.config.presets.load_preset``: the
+            pipeline presets; online's layouts have their own).
+        reserved: fields no layer may set (online's ``train``: its own section).
 
     Returns:
         The built config; ``(config, what fill returned)`` when ``fill`` is given.
@@ -153,17 +158,17 @@ def resolve_stage_config(
     option_names = dict(option_names or {})
     layers: list[tuple[dict[str, Any], str]] = []
     if preset is not None:
-        from stages.config.presets import load_preset
-
-        layers.append((section_of(load_preset(preset), section, fields, f"preset {preset}"), f"preset {preset}"))
+        if read_preset is None:
+            from stages.config.presets import load_preset as read_preset
+        layers.append((section_of(read_preset(preset), section, fields, f"preset {preset}"), f"preset {preset}"))
     if config_file is not None:
         data = read_config_file(config_file)
         layers.append((section_of(data, section, fields, f"--config {config_file}"), f"--config {config_file}"))
     for values, source in layers:
-        check_fields(cls, values, section=section, source=lambda key, s=source: s)
+        check_fields(cls, values, section=section, source=lambda key, s=source: s, reserved=reserved)
     sets = parse_sets(overrides, section)
     for key, value, source in sets:
-        check_fields(cls, nested(key, value), section=section, source=lambda _key, s=source: s)
+        check_fields(cls, nested(key, value), section=section, source=lambda _key, s=source: s, reserved=reserved)
     upper: dict[str, Any] = {}
     origin: dict[str, str] = {}  # dotted path -> where its value came from, for the messages
     for values, source in layers:

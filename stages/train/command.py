@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +50,13 @@ log = logging.getLogger(__name__)
 
 def config_from_cli(given: dict[str, Any], config_file: str | Path | None = None, *, preset: str | None = None,
                     sets: Sequence[str] = (), announce: bool = True,
-                    option_names: dict[str, str] | None = None) -> TrainConfig:
+                    option_names: dict[str, str] | None = None,
+                    read_preset: Callable[[str], dict[str, Any]] | None = None) -> TrainConfig:
     """Build the config with ``stages.config.resolve.resolve_stage_config``, lowest first: the saved run config
     (with --resume) < the preset's ``train`` section < the --config file (its ``train`` section, or its top level: a
     run.json too) < the options given (``given``: dotted field path -> value, None for an option not given) <
     ``--set``; what none of them sets on a CPU host gets :data:`CPU_SIZED_DEFAULTS`. Every layer is checked before
-    anything runs.
+    anything runs. ``read_preset``: the presets' reader where they are not the pipeline presets (online's).
 
     Raises:
         ConfigError: an unknown key, a wrong type or a refused value, named with its source; --resume of a folder
@@ -64,7 +65,8 @@ def config_from_cli(given: dict[str, Any], config_file: str | Path | None = None
     given = {key: value for key, value in given.items() if value is not None}
     config, sized = resolve_stage_config(
         TrainConfig, "train", config_file=config_file, preset=preset, overrides=sets, given=given,
-        option_names=option_names, base=_saved_run, fill=_size_defaults_for_cpu, build=TrainConfig.from_dict)
+        option_names=option_names, base=_saved_run, fill=_size_defaults_for_cpu, build=TrainConfig.from_dict,
+        read_preset=read_preset)
     if sized and announce:
         log.info("training on CPU: %s (the GPU-sized defaults would need tens of GB per step here; set them to "
                  "override)", ", ".join(f"{key} {value}" for key, value in sized.items()))
@@ -158,9 +160,12 @@ def register(app: typer.Typer) -> None:
     """Add the ``train`` command to the ``dflash-stages`` app: its options are :class:`TrainConfig`'s fields
     (``stages.config.options``)."""
     @app.command("train")
-    @config_options(TrainConfig, "train", print_help=(
-        "Print the resolved config (defaults < saved run with --resume < --preset < --config file < options < --set) "
-        "as JSON, which --config reads back, and exit without training."))
+    @config_options(TrainConfig, "train", shared_help={
+        "config": "TrainConfig fields in a .toml, .yaml or .json file (its train section, or at the top; a run.json "
+                  "too) to start from; options given override it.",
+        "preset": "A shipped preset (pipelines/presets) or a .json file: its train section, under --config.",
+        "print_config": "Print the resolved config (defaults < saved run with --resume < --preset < --config file < "
+                        "options < --set) as JSON, which --config reads back, and exit without training."})
     def train_command(settings: CommandSettings) -> None:
         """Train a DFlash drafter on a hidden-state cache (the stage after extract).
 
