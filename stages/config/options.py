@@ -14,6 +14,8 @@ Metadata keys:
 ``parse``
     A callable turning the option's text into the field's value, for a type the command line cannot hold as is;
     lists (``list[int]``, ``tuple[float, ...]``, ``list[str]``) are comma-separated without one.
+``argument``
+    A positional argument (its metavar, ``"CKPT"``) instead of an option.
 ``repeat``
     The option is given once per value (``--grid a=1,2 --grid b=3``); ``parse`` gets the list of them.
 ``cli``
@@ -45,12 +47,13 @@ __all__ = ["CommandSettings", "OptionSpec", "config_options", "option_specs", "s
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, option: str | None = None,  # noqa: A002
             short: str | None = None, parse: Callable[[Any], Any] | None = None, repeat: bool = False,
-            cli: bool = True, default_factory: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+            argument: str | None = None, cli: bool = True, default_factory: Any = dataclasses.MISSING,
+            **kwargs: Any) -> Any:
     """A config dataclass field with its option's declaration in its metadata (see the module docstring):
     ``lr: float = setting(6e-4, help="Peak learning rate.", option="--lr")``. ``kwargs`` go to
     :func:`dataclasses.field`."""
     metadata: dict[str, Any] = {"help": help}
-    for key, value in (("option", option), ("short", short), ("parse", parse)):
+    for key, value in (("option", option), ("short", short), ("parse", parse), ("argument", argument)):
         if value is not None:
             metadata[key] = value
     if repeat:
@@ -74,11 +77,12 @@ class OptionSpec:
     help: str
     shown_default: str | None
     parse: Callable[[Any], Any] | None
+    argument: str | None = None
 
     @property
     def spelling(self) -> str:
-        """The option as messages name it (``--lr``; a switch by its first form)."""
-        return self.decls[0].split("/")[0]
+        """The option as messages name it (``--lr``; a switch by its first form; an argument by its metavar)."""
+        return self.argument or self.decls[0].split("/")[0]
 
 
 def _strip_optional(hint: Any) -> Any:
@@ -157,7 +161,7 @@ def option_specs(cls: type, *, prefix: str = "", defaults: Any = None) -> list[O
         decls = (option, f.metadata["short"]) if "short" in f.metadata else (option,)
         specs.append(OptionSpec(path=f"{prefix}{f.name}", name=f"{prefix}{f.name}".replace(".", "__"), decls=decls,
                                 annotation=annotation, help=f.metadata["help"], shown_default=_shown(default),
-                                parse=parse))
+                                parse=parse, argument=f.metadata.get("argument")))
     return specs
 
 
@@ -211,8 +215,9 @@ def config_options(cls: type, section: str, *, include: Collection[str] | None =
         own_hints = typing.get_type_hints(function)
         derived = [
             inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, annotation=spec.annotation | None,
-                              default=typer.Option(None, *spec.decls, help=spec.help,
-                                                   show_default=spec.shown_default or False))
+                              default=typer.Argument(None, metavar=spec.argument, help=spec.help, show_default=False)
+                              if spec.argument else typer.Option(None, *spec.decls, help=spec.help,
+                                                                 show_default=spec.shown_default or False))
             for spec in specs
         ]
         parameters = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + derived + _shared(
