@@ -55,7 +55,7 @@ def test_options_default_to_their_fields_defaults(command):
                 continue
             assert param.default is None, param.name
             assert param.show_default == (specs[param.name].shown_default or False), param.name
-            assert param.opts[0] == specs[param.name].decls[0].split("/")[0], param.name
+            assert param.opts[0] == (param.name if specs[param.name].argument else specs[param.name].spelling), param.name
         else:
             field_name = param.name
             if field_name not in fields:
