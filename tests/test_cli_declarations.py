@@ -33,7 +33,7 @@ def _field_default(field: dataclasses.Field):
 
 
 #: Commands whose options are derived from their config dataclass (``stages.config.options``).
-DERIVED = {"train", "sweep", "export", "extract"}
+DERIVED = {"train", "sweep", "export", "extract", "prepare"}
 
 
 @pytest.mark.parametrize("command", sorted(CONFIGS))

@@ -16,6 +16,8 @@ Metadata keys:
     lists (``list[int]``, ``tuple[float, ...]``, ``list[str]``) are comma-separated without one.
 ``argument``
     A positional argument (its metavar, ``"CKPT"``) instead of an option.
+``choices``
+    ``True`` for a ``Literal`` field: the option lists its choices and refuses others (else the dataclass checks).
 ``repeat``
     The option is given once per value (``--grid a=1,2 --grid b=3``); ``parse`` gets the list of them.
 ``cli``
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import enum
 import functools
 import inspect
 import types
@@ -47,7 +50,8 @@ __all__ = ["CommandSettings", "OptionSpec", "config_options", "option_specs", "s
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, option: str | None = None,  # noqa: A002
             short: str | None = None, parse: Callable[[Any], Any] | None = None, repeat: bool = False,
-            argument: str | None = None, cli: bool = True, default_factory: Any = dataclasses.MISSING,
+            argument: str | None = None, choices: bool = False, cli: bool = True,
+            default_factory: Any = dataclasses.MISSING,
             **kwargs: Any) -> Any:
     """A config dataclass field with its option's declaration in its metadata (see the module docstring):
     ``lr: float = setting(6e-4, help="Peak learning rate.", option="--lr")``. ``kwargs`` go to
@@ -58,6 +62,8 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, option: str | None
             metadata[key] = value
     if repeat:
         metadata["repeat"] = True
+    if choices:
+        metadata["choices"] = True
     if not cli:
         metadata["cli"] = False
     if default_factory is not dataclasses.MISSING:
@@ -82,7 +88,7 @@ class OptionSpec:
     @property
     def spelling(self) -> str:
         """The option as messages name it (``--lr``; a switch by its first form; an argument by its metavar)."""
-        return self.argument or self.decls[0].split("/")[0]
+        return self.argument.rstrip(".") if self.argument else self.decls[0].split("/")[0]
 
 
 def _strip_optional(hint: Any) -> Any:
@@ -125,6 +131,10 @@ def _cli_type(hint: Any) -> tuple[Any, Callable[[Any], Any] | None]:
     return str, None  # str, Literal choices (the dataclass checks them) and anything else: the text
 
 
+def _enum_value(member: Any) -> Any:
+    return member.value
+
+
 def _shown(value: Any) -> str | None:
     if value is None or value is MISSING_DEFAULT:
         return None
@@ -154,6 +164,10 @@ def option_specs(cls: type, *, prefix: str = "", defaults: Any = None) -> list[O
         if "help" not in f.metadata or not f.metadata.get("cli", True):
             continue
         annotation, parse = (list[str], None) if f.metadata.get("repeat") else _cli_type(hint)
+        if f.metadata.get("choices"):  # typer lists an Enum's members and refuses other values
+            annotation = enum.Enum(f"{cls.__name__}_{f.name}", {str(v): str(v) for v in typing.get_args(hint)},
+                                   type=str)
+            parse = _enum_value
         parse = f.metadata.get("parse", parse)
         option = f.metadata.get("option", "--" + f.name.replace("_", "-"))
         if annotation is bool and "option" not in f.metadata:
