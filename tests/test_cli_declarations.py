@@ -33,7 +33,7 @@ def _field_default(field: dataclasses.Field):
 
 
 #: Commands whose options are derived from their config dataclass (``stages.config.options``).
-DERIVED = {"train", "sweep", "export", "extract", "prepare", "generate"}
+DERIVED = set(CONFIGS)
 
 
 @pytest.mark.parametrize("command", sorted(CONFIGS))
