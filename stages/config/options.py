@@ -73,8 +73,9 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, option: str | None
 
 @dataclasses.dataclass(frozen=True)
 class OptionSpec:
-    """One derived option: the field's dotted ``path`` (``optim.lr``), the command parameter's ``name``, its
-    spellings, the annotation typer sees, its help and shown default, and the parser of its text."""
+    """One derived option: the field's dotted ``path`` (``optim.lr``), the command parameter's ``name`` (the
+    field's own name, or its path with ``__`` for dots where two leaves share a name), its spellings, the
+    annotation typer sees, its help and shown default, and the parser of its text."""
 
     path: str
     name: str
@@ -176,7 +177,12 @@ def option_specs(cls: type, *, prefix: str = "", defaults: Any = None) -> list[O
         specs.append(OptionSpec(path=f"{prefix}{f.name}", name=f"{prefix}{f.name}".replace(".", "__"), decls=decls,
                                 annotation=annotation, help=f.metadata["help"], shown_default=_shown(default),
                                 parse=parse, argument=f.metadata.get("argument")))
-    return specs
+    if prefix:
+        return specs
+    # The command's parameter: the field's own name (``lr`` for optim.lr) where no other leaf has it.
+    leaves = [spec.path.rsplit(".", 1)[-1] for spec in specs]
+    return [dataclasses.replace(spec, name=leaf) if leaves.count(leaf) == 1 else spec
+            for spec, leaf in zip(specs, leaves, strict=True)]
 
 
 @dataclasses.dataclass
@@ -229,7 +235,8 @@ def config_options(cls: type, section: str, *, include: Collection[str] | None =
         own_hints = typing.get_type_hints(function)
         derived = [
             inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, annotation=spec.annotation | None,
-                              default=typer.Argument(None, metavar=spec.argument, help=spec.help, show_default=False)
+                              default=typer.Argument(None, metavar=spec.argument, help=spec.help,
+                                                     show_default=spec.shown_default or False)
                               if spec.argument else typer.Option(None, *spec.decls, help=spec.help,
                                                                  show_default=spec.shown_default or False))
             for spec in specs

@@ -11,8 +11,8 @@ stage's fields at the top or a section named after the stage (``[extract]`` in T
 ``--print-config`` of several stages, configures each stage from its own section (other stages' sections are
 ignored; a top-level ``target`` applies to every stage that has one).
 
-Which options were given is read from click's ``Context.get_parameter_source`` (public API): an option left at
-its default does not hide what the preset or the file say.
+The commands' options are derived from the config dataclasses (``stages.config.options``) and default to None, so
+an option given is one that is not None: an option left out does not hide what the preset or the file say.
 """
 
 from __future__ import annotations
@@ -36,18 +36,11 @@ from stages.config.check import (
     set_path,
 )
 
-__all__ = ["CONFIG_OPTION", "PRESET_OPTION", "PRINT_CONFIG_OPTION", "SET_OPTION", "given_options", "int_list", "print_and_exit",
-           "nested", "parse_sets", "plain_value", "printable", "resolve_stage_config", "section_of", "split_given", "without_key"]
+__all__ = ["nested", "parse_sets", "plain_value", "print_and_exit", "printable", "resolve_stage_config", "section_of",
+           "without_key"]
 
 #: Stage sections a config file may hold besides this stage's own (ignored by the other stages).
 KNOWN_SECTIONS = CONFIG_SECTIONS
-
-
-def given_options(ctx: Any, names: Sequence[str]) -> set[str]:
-    """The parameter names of ``ctx``'s command that the command line (or an environment variable) set."""
-    # By the enum member's name: typer bundles its own click, whose ParameterSource is not click's class.
-    return {name for name in names
-            if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
 
 
 #: Keys of a pipeline preset's stage section that only ``run`` reads (``pipelines.offline``); a stage skips them.
@@ -250,51 +243,9 @@ def printable(section: str, config: Any) -> str:
     return json.dumps({section: plain_value(config)}, indent=2, default=str)  # dates etc. of free-form `extra` as text
 
 
-def split_given(ctx: Any, values: Mapping[str, Any],
-                params: Mapping[str, str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``values`` (field -> the command's value) split into the options left at their default and those given: the
-    ``defaults`` and ``given`` of :func:`resolve_stage_config`. ``params``: field -> the command's parameter name
-    where they differ."""
-    params = dict(params or {})
-    given = given_options(ctx, [params.get(k, k) for k in values])
-    chosen = {k for k in values if params.get(k, k) in given}
-    return ({k: v for k, v in values.items() if k not in chosen}, {k: v for k, v in values.items() if k in chosen})
-
-
 def print_and_exit(section: str, config: Any) -> None:
     """``--print-config``: print :func:`printable` and end the command (exit 0)."""
     import typer
 
     print(printable(section, config))
     raise typer.Exit(0)
-
-
-def _options() -> dict[str, Any]:
-    import typer
-
-    return {
-        "config": typer.Option(None, "--config", help="Settings in a .toml, .yaml or .json file: this stage's fields, "
-                               "or a section named after the stage. Options given override it."),
-        "preset": typer.Option(None, "--preset", help="A pipeline preset of `run` (cpu-small, h200-smollm2) or a .json "
-                               "file of sections: its section for this stage (and its target), under the config file."),
-        "set": typer.Option([], "--set", help="STAGE.FIELD=VALUE or FIELD=VALUE (JSON value, else a string), "
-                            "over everything else. Repeatable."),
-        "print_config": typer.Option(False, "--print-config", help="Print the resolved config as JSON (which "
-                                     "--config reads back) and exit without doing anything."),
-    }
-
-
-#: The four options every stage command takes, declared once (``typer.Option`` defaults, shared by the commands).
-CONFIG_OPTION, PRESET_OPTION, SET_OPTION, PRINT_CONFIG_OPTION = _options().values()
-
-
-def int_list(value: str | None, name: str) -> list[int] | None:
-    """A comma-separated option value (``--target-gpus 0,1``) as integers; ``None`` when the option is not given."""
-    import typer
-
-    if value is None:
-        return None
-    try:
-        return [int(part) for part in value.replace(" ", "").split(",") if part]
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=name) from None
