@@ -219,7 +219,7 @@ def _open_cache_to(config: OnlineConfig, metadata: Any) -> Any:
     train = config.train
     extract = ExtractConfig(corpus=config.corpus, output=str(config.cache_to), target=config.target,
                             target_layer_ids=list(metadata.target_layer_ids), shard_size=config.cache_shard_size,
-                            token_budget=config.runner_token_budget or train.data.token_budget,
+                            forward_tokens=config.runner_token_budget or train.data.token_budget,
                             extra={"written_by": "online --cache-to"})  # fmt: skip
     console = Console(file=io.StringIO())  # prepare_cache's size report: logged below instead
     # The codec: an existing cache keeps its own; a new one gets the default, unmeasured. Nothing waits on these
