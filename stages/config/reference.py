@@ -1,7 +1,8 @@
 """Write ``docs/config-reference.md``: every setting of every stage, from its one declaration.
 
 Each stage's settings are the fields of its config dataclass; this reads them (name, type, default) with
-``dataclasses`` and their descriptions from the class source (attribute docstrings, ``#:`` comments or a
+``dataclasses``, their options from the fields' metadata (``stages.config.options``) and their descriptions from the
+class source (attribute docstrings, ``#:`` comments or a
 ``Fields:`` section of the class docstring), so the reference cannot drift from the code:
 ``tests/test_cli_declarations.py`` regenerates it and compares. Run::
 
@@ -20,6 +21,7 @@ import typing
 from typing import Any
 
 from stages.config.check import MISSING_DEFAULT, field_default
+from stages.config.options import option_specs
 
 __all__ = ["STAGE_CONFIGS", "field_descriptions", "reference_markdown", "sections"]
 
@@ -121,8 +123,9 @@ def reference_markdown() -> str:
         "",
         "Every setting of every stage, generated from the config dataclasses (`python -m stages.config.reference >",
         "docs/config-reference.md`; a test fails when this page and the code disagree). A field `F` of section `S`",
-        "is `S.F` everywhere: `--set S.F=VALUE`, key `F` under `[S]` in a `--config` file or a preset, and (for most",
-        "fields) the option `--f-name` of the stage's command. Precedence, lowest first: the default below <",
+        "is `S.F` everywhere: `--set S.F=VALUE`, key `F` under `[S]` in a `--config` file or a preset, and the option",
+        "of the stage's command in the option column (none: files, presets and `--set` only; a nested section's",
+        "options belong to the command of its stage). Precedence, lowest first: the default below <",
         "`--preset` < `--config` < options given < `--set` (README, \"Config files, presets and overrides\").",
         "",
     ]
@@ -132,14 +135,18 @@ def reference_markdown() -> str:
         bases = [base for base in cls.__mro__[1:] if dataclasses.is_dataclass(base)]
         extends = "".join(f" (extends `{base.__name__}` of `{base.__module__.replace('.', '/')}.py`)" for base in bases)
         out += [f"## `{section}`", "", f"Declared in `{cls.__module__.replace('.', '/')}.py`: `{cls.__name__}`{extends}.", "",
-                "| field | type | default | description |", "|---|---|---|---|"]
+                "| field | option | type | default | description |", "|---|---|---|---|---|"]
+        options = {spec.path: spec for spec in option_specs(cls)}
         for field in dataclasses.fields(cls):
             if not field.init:
                 continue
             text = described.get(field.name, "").replace("|", "\\|")
             kind = _type_name(hints.get(field.name, field.type)).replace("|", "\\|")
             default = (_default(field) if instance is None else f"`{getattr(instance, field.name)!r}`").replace("|", "\\|")
-            out.append(f"| `{field.name}` | `{kind}` | {default} | {text} |")
+            spec = options.get(field.name)
+            option = "" if spec is None else f"`{spec.argument}`" if spec.argument else ", ".join(
+                f"`{decl}`" for decl in spec.decls)
+            out.append(f"| `{field.name}` | {option} | `{kind}` | {default} | {text} |")
         out.append("")
     return "\n".join(out)
 
