@@ -40,12 +40,11 @@ import inspect
 import types
 import typing
 from collections.abc import Callable, Collection, Mapping
-from pathlib import Path
 from typing import Any
 
 from stages.config.check import MISSING_DEFAULT, field_default
 
-__all__ = ["CommandSettings", "OptionSpec", "config_options", "option_specs", "setting", "spelling_of"]
+__all__ = ["CommandSettings", "OptionSpec", "config_options", "option_specs", "setting"]
 
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, option: str | None = None,  # noqa: A002
@@ -127,9 +126,7 @@ def _cli_type(hint: Any) -> tuple[Any, Callable[[Any], Any] | None]:
         return str, _comma_list(str, "names")
     if hint in (bool, int, float):
         return hint, None
-    if hint is Path:
-        return str, None
-    return str, None  # str, Literal choices (the dataclass checks them) and anything else: the text
+    return str, None  # str, Path, Literal choices (the dataclass checks them) and anything else: the text
 
 
 def _enum_value(member: Any) -> Any:
@@ -253,7 +250,11 @@ def config_options(cls: type, section: str, *, include: Collection[str] | None =
             for spec in specs:
                 value = values.pop(spec.name)
                 if value is not None and value != []:  # a repeatable option not given: typer's empty list
-                    given[spec.path] = spec.parse(value) if spec.parse is not None else value
+                    try:
+                        given[spec.path] = spec.parse(value) if spec.parse is not None else value
+                    except typer.BadParameter as error:  # named by its option, as click names its own refusals
+                        error.param_hint = spec.spelling
+                        raise
             settings = CommandSettings(
                 given=given, config_file=values.pop("config_file"), preset=values.pop("preset"),
                 sets=list(values.pop("sets")), print_config=bool(values.pop("print_config")),
@@ -268,7 +269,3 @@ def config_options(cls: type, section: str, *, include: Collection[str] | None =
 
     return decorate
 
-
-def spelling_of(specs: Mapping[str, str], path: str) -> str:
-    """The option that sets the dotted field ``path`` (``--`` + its last part where no option declares it)."""
-    return specs.get(path, "--" + path.rsplit(".", 1)[-1].replace("_", "-"))
