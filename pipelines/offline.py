@@ -64,7 +64,7 @@ from stages.config.check import (
     layer_over,
 )
 from stages.config.presets import PIPELINE_SECTIONS, PRESETS, load_preset, strip_comments
-from stages.config.resolve import nested, parse_sets, plain_value
+from stages.config.resolve import layer_sets, parse_sets, plain_value
 
 if TYPE_CHECKING:
     from stages.evaluate import Evaluator
@@ -97,8 +97,7 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
             raise ConfigError(f"--set {override!r}: expected section.field=value, e.g. train.optim.lr=3e-4")
         if section not in PIPELINE_SECTIONS:
             raise ConfigError(f"--set {override!r}: unknown section {section!r}; expected one of {list(PIPELINE_SECTIONS)}")
-        for field_path, value, _ in parse_sets([override], section):  # every stage's --set parsing
-            layer_over(result.setdefault(section, {}), nested(field_path, value))  # train.optim.lr: nested
+        layer_sets(result.setdefault(section, {}), parse_sets([override], section))  # as every stage applies it
     return result
 
 

@@ -36,7 +36,7 @@ from stages.config.check import (
     set_path,
 )
 
-__all__ = ["nested", "parse_sets", "plain_value", "print_and_exit", "printable", "resolve_stage_config", "section_of",
+__all__ = ["layer_sets", "nested", "parse_sets", "plain_value", "print_and_exit", "printable", "resolve_stage_config", "section_of",
            "without_key"]
 
 #: Stage sections a config file may hold besides this stage's own (ignored by the other stages).
@@ -98,6 +98,15 @@ def nested(key: str, value: Any) -> dict[str, Any]:
     """``("optim.lr", 3e-4)`` -> ``{"optim": {"lr": 3e-4}}``: a dotted ``--set`` key as the section dict it sets."""
     values: dict[str, Any] = {}
     set_path(values, key, value)
+    return values
+
+
+def layer_sets(values: dict[str, Any], sets: Sequence[tuple[str, Any, str]]) -> dict[str, Any]:
+    """``values`` (a section's settings) updated in place by :func:`parse_sets`'s items, in order: a dotted key sets
+    a nested config's field, a placement replaces the one it excludes (``stages.config.check.layer_over``).
+    Returns ``values``."""
+    for key, value, _ in sets:
+        layer_over(values, nested(key, value))
     return values
 
 
@@ -172,8 +181,8 @@ def resolve_stage_config(
         set_path(options, key, value)
         origin[key] = option_names.get(key, "--" + key.rsplit(".", 1)[-1].replace("_", "-"))
     layer_over(upper, options)
+    layer_sets(upper, sets)
     for key, value, source in sets:
-        layer_over(upper, nested(key, value))
         origin.update({path: source for path in leaf_paths(nested(key, value))})
     merged: dict[str, Any] = dict(defaults or {})
     lowest = base(upper) if base is not None else None
