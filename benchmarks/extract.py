@@ -236,12 +236,12 @@ def compare_packing(args: argparse.Namespace, model: Any, identity: Any, device:
     kernels = [name for name in args.packed_attention if name != "varlen" or device.type == "cuda"]
     if len(kernels) < len(args.packed_attention):
         console.print("packed varlen skipped: FlashAttention's varlen kernel runs on CUDA only")
-    runners = {"padded": TargetRunner(model, layer_ids, device, token_budget=args.token_budget),
-               **{f"packed_{name.split('_')[0]}": TargetRunner(model, layer_ids, device, token_budget=args.token_budget,
+    runners = {"padded": TargetRunner(model, layer_ids, device, token_budget=args.forward_tokens),
+               **{f"packed_{name.split('_')[0]}": TargetRunner(model, layer_ids, device, token_budget=args.forward_tokens,
                                                                packing=True, packed_attention=name)
                   for name in kernels}}  # packed_flex, packed_sdpa, packed_varlen
     if args.compare_varlen_split and "varlen" in kernels:  # the same kernel with every sample through varlen
-        runners["packed_varlen_nosplit"] = TargetRunner(model, layer_ids, device, token_budget=args.token_budget,
+        runners["packed_varlen_nosplit"] = TargetRunner(model, layer_ids, device, token_budget=args.forward_tokens,
                                                         packing=True, packed_attention="varlen",
                                                         varlen_solo_min_length=None)  # fmt: skip
 
@@ -278,7 +278,7 @@ def compare_packing(args: argparse.Namespace, model: Any, identity: Any, device:
     tail_tokens = sum(len(r) for r in tail)
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "target": identity.name,
-        "token_budget": args.token_budget, "repeats": args.repeats, "taps": layer_ids,
+        "forward_tokens": args.forward_tokens, "repeats": args.repeats, "taps": layer_ids,
         "fixed_rows": f"{len(fixed)} x {fixed_len}", "long_tail_rows": len(tail), "long_tail_tokens": tail_tokens,
         **{f"{mode}_vs_padded_max_relative_difference": value for mode, value in worst.items()},
         **{f"{k}_tokens_per_s": v for k, v in medians.items()},
@@ -577,7 +577,7 @@ def choose_codec_here(runner: TargetRunner, rows: list[np.ndarray], lengths: np.
     """``--codec auto``: extract's calibration (:mod:`dflash.cache.codec_choice`) on this runner, on the first rows of
     the corpus that make one batch, with ``--write-threads`` encode threads; prints the choice and returns its record.
     Unlike ``extract``, it measures on a CPU runner too (extract's default skips CPU runners)."""
-    count = calibration_row_count(lengths[: args.token_budget], args.token_budget, packing=False)
+    count = calibration_row_count(lengths[: args.forward_tokens], args.forward_tokens, packing=False)
     row_bytes = stored_row_bytes(args.storage_dtype, runner.num_taps, runner.hidden_size)
     calibration = calibrate_codecs(runner, rows[:count], storage_dtype=args.storage_dtype,
                                    chunk_tokens=default_chunk_tokens(row_bytes), write_threads=args.write_threads)  # fmt: skip
@@ -596,7 +596,7 @@ def time_dask_extract(args: argparse.Namespace, device: torch.device, workdir: P
         raise SystemExit("--via-dask needs a target a worker can load by path (default or a folder)")
     config = ExtractConfig(
         corpus=str(workdir / "corpus"), output=str(workdir / "cache-dask"), target=args.target,
-        num_taps=args.num_taps, shard_size=args.shard_size, token_budget=args.token_budget,
+        num_taps=args.num_taps, shard_size=args.shard_size, forward_tokens=args.forward_tokens,
         storage_dtype={"bfloat16": "bf16", "float8_e4m3fn": "fp8"}[args.storage_dtype], codec=args.codec,
         dashboard_address=":0", write_threads=args.write_threads, writes_in_flight=args.writes_in_flight,
         write_processes=args.write_processes, **({"target_gpus": [0]} if device.type == "cuda" else {"target_processes": 1}),
@@ -611,7 +611,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=524_288, help="real tokens in the synthetic corpus")
     parser.add_argument("--min-len", type=int, default=256)
     parser.add_argument("--max-len", type=int, default=2048)
-    parser.add_argument("--token-budget", type=int, default=16384)
+    parser.add_argument("--forward-tokens", type=int, default=16384)
     parser.add_argument("--shard-size", type=int, default=16384, help="tokens per shard")
     parser.add_argument("--storage-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
     parser.add_argument("--codec", default=DEFAULT_CODEC,
@@ -654,9 +654,9 @@ def main() -> None:
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
     if args.reference:
-        args.min_len, args.max_len, args.token_budget = 2048, 2048, 16384
+        args.min_len, args.max_len, args.forward_tokens = 2048, 2048, 16384
     if args.smoke:
-        args.tokens, args.min_len, args.max_len, args.token_budget, args.shard_size = 400, 16, 48, 128, 96
+        args.tokens, args.min_len, args.max_len, args.forward_tokens, args.shard_size = 400, 16, 48, 128, 96
         args.hidden_size, args.write_shards = 64, 3
     args.write_threads = args.write_threads or default_write_threads()
     console = Console()
@@ -675,7 +675,7 @@ def main() -> None:
 
     if args.compare_packing:
         if args.smoke:
-            args.max_len, args.tokens, args.token_budget = 256, 2048, 512
+            args.max_len, args.tokens, args.forward_tokens = 256, 2048, 512
         else:
             args.max_len = max(args.max_len, 8192) if args.max_len == 2048 and args.min_len == 256 else args.max_len
         model, identity = build_target(args.target, device, args.smoke, args.seed)
@@ -689,14 +689,14 @@ def main() -> None:
         model, identity = build_target(args.target, device, args.smoke, args.seed)
         console.print(f"target {identity.name} on {device} ({next(model.parameters()).dtype}) in {time.perf_counter() - started:.1f} s")
         layer_ids = default_target_layer_ids(identity.num_hidden_layers, args.num_taps)
-        runner = TargetRunner(model, layer_ids, device, token_budget=args.token_budget)
+        runner = TargetRunner(model, layer_ids, device, token_budget=args.forward_tokens)
         write_corpus(workdir / "corpus", args.tokens, args.min_len, args.max_len, identity.vocab_size, args.seed)
         corpus = open_corpus(workdir / "corpus")
         rows = [corpus.row(i).input_ids for i in range(len(corpus))]
         num_tokens = int(corpus.lengths.sum())
         # The batches extract runs: each shard (one task) is batched on its own, so the baselines use the same ones.
         shard_rows = plan_shards(corpus.lengths, args.shard_size)
-        plan = [start + batch for start, stop in shard_rows for batch in plan_batches(corpus.lengths[start:stop], args.token_budget)]
+        plan = [start + batch for start, stop in shard_rows for batch in plan_batches(corpus.lengths[start:stop], args.forward_tokens)]
         padded = sum(len(b) * int(corpus.lengths[b].max()) for b in plan)
         batches = _padded_batches(rows, plan, device)
 
@@ -762,7 +762,7 @@ def main() -> None:
         "num_batches": len(plan),
         "padding_efficiency": num_tokens / padded,
         "distinct_batch_shapes": num_shapes,
-        "token_budget": args.token_budget,
+        "forward_tokens": args.forward_tokens,
         "shard_size": args.shard_size,
         "num_shards": last["num_shards"],
         "storage_dtype": args.storage_dtype,

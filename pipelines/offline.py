@@ -65,10 +65,9 @@ from stages.config.check import (
     deep_merge,
     field_default,
     layer_over,
-    override_value,
 )
 from stages.config.presets import PIPELINE_SECTIONS, PRESETS, load_preset, strip_comments
-from stages.config.resolve import plain_value
+from stages.config.resolve import layer_sets, parse_sets, plain_value
 
 if TYPE_CHECKING:
     from stages.evaluate import Evaluator
@@ -95,19 +94,13 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
     """
     result = copy.deepcopy(config)
     for override in overrides:
-        key, sep, raw = override.partition("=")
+        key, sep, _ = override.partition("=")
         section, dot, name = key.strip().partition(".")
         if not sep or not dot or not name:
             raise ConfigError(f"--set {override!r}: expected section.field=value, e.g. train.optim.lr=3e-4")
         if section not in PIPELINE_SECTIONS:
             raise ConfigError(f"--set {override!r}: unknown section {section!r}; expected one of {list(PIPELINE_SECTIONS)}")
-        value = override_value(raw, override)
-        if "." in name:  # a nested config's field: train.optim.lr=3e-4
-            from stages.config.check import set_path
-
-            set_path(result.setdefault(section, {}), name.strip(), value)
-            continue
-        layer_over(result.setdefault(section, {}), {name: value})
+        layer_sets(result.setdefault(section, {}), parse_sets([override], section))  # as every stage applies it
     return result
 
 

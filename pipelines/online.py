@@ -40,7 +40,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +51,13 @@ from dflash.errors import ConfigError, ProducerError
 from dflash.io.locks import output_lock
 from dflash.target.load import resolve_target_path, target_identity
 from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
-from stages.config.check import check_fields, deep_merge, read_config_file
+from stages.config.check import check_fields, read_config_file
+from stages.config.options import CommandSettings, config_options, setting
 from stages.config.presets import read_preset_json
-from stages.config.resolve import parse_sets
+from stages.config.resolve import resolve_stage_config
 from stages.replicas.cluster import close_cluster, worker_process_options
-from stages.train.command import _csv_ints, exit_if_interrupted
 from stages.train.command import config_from_cli as train_config_from_cli
+from stages.train.command import exit_if_interrupted
 from stages.train.config import TrainConfig
 from stages.train.launch import _run_training
 
@@ -83,30 +84,30 @@ CACHE_TO_CODEC_REASON = ("online --cache-to: the launcher encodes each shard fro
 class OnlineConfig:
     """The producer side of an online run; the trainer side is ``train`` (a :class:`stages.train.config.TrainConfig`)."""
 
-    corpus: str
+    corpus: str = setting(help="Corpus folder (contract 1).")
     """Corpus folder (contract 1) the plan is made from and the producers read."""
     train: TrainConfig
     """The training loop's config (``cache`` is ``online:<corpus>``; ``output`` is the run folder)."""
-    target: str = "default"
+    target: str = setting("default", help="Target spec ('default' = SmolLM2-135M-Instruct).")
     """Target spec (``"default"``: embedded SmolLM2-135M-Instruct, a transformers folder or a ``.gguf``)."""
-    target_layer_ids: list[int] | None = None
+    target_layer_ids: list[int] | None = setting(None, help="Tapped layer ids, e.g. 1,3.")
     """Tapped layers; ``None``: DFlash's default rule with one tap per draft layer."""
-    target_processes: int | None = None
+    target_processes: int | None = setting(None, help="CPU producer processes (target replicas), one Dask worker each.")
     """CPU producer processes (Dask LocalCluster workers); ``None``: one per ``target_gpus`` entry, else 1."""
-    target_gpus: list[int] | None = None
+    target_gpus: list[int] | None = setting(None, help="Producer GPUs, one Dask worker each, e.g. 0,1.")
     """GPU ids of the producers, one Dask worker each (one GPU tested on an H200; several not yet run)."""
-    ring_slots: int = 4
+    ring_slots: int = setting(4, help="Shared-memory ring slots per rank.")
     """Slots of the shared-memory ring: batches in flight between producers and trainer (memory: slots x
     token_budget x n*H x 2 bytes)."""
     runner_token_budget: int | None = None
     """Padded tokens per target forward of a producer; ``None``: the training ``token_budget``."""
-    cache_to: str | None = None
+    cache_to: str | None = setting(None, help="Also write the hidden-state cache here while training.")
     """Also write the hidden-state cache (contract 2, the ``extract`` stage's shard plan) of the corpus here while
     training: producers stage the first epoch's batches, and a shard is committed once its rows are all staged
     (``dflash.cache.staging``), so a later ``train`` or ``sweep`` reuses the cache. ``None``: no cache."""
-    cache_shard_size: int = 65536
+    cache_shard_size: int = setting(65536, help="--cache-to: tokens per shard.")
     """``--cache-to``: tokens per cache shard (``extract --shard-size``)."""
-    on_producer_death: str = "recompute"
+    on_producer_death: str = setting("recompute", help="recompute (rerun the batch on another producer) | stop (the run stops).")
     """A producer process that dies (OOM killer, a GPU fault): ``"recompute"``: Dask reruns its batch on another
     producer (a batch whose task was lost with 5 producers in turn stops the run: Dask blames every task a dying
     producer held, queued ones too); ``"stop"``: the run stops at once with
@@ -224,7 +225,7 @@ def _open_cache_to(config: OnlineConfig, metadata: Any) -> Any:
     train = config.train
     extract = ExtractConfig(corpus=config.corpus, output=str(config.cache_to), target=config.target,
                             target_layer_ids=list(metadata.target_layer_ids), shard_size=config.cache_shard_size,
-                            token_budget=config.runner_token_budget or train.data.token_budget,
+                            forward_tokens=config.runner_token_budget or train.data.token_budget,
                             extra={"written_by": "online --cache-to"})  # fmt: skip
     console = Console(file=io.StringIO())  # prepare_cache's size report: logged below instead
     # The codec: an existing cache keeps its own; a new one gets the default, unmeasured. Nothing waits on these
@@ -514,133 +515,98 @@ def printable_config(config: OnlineConfig) -> dict[str, Any]:
 
 def config_from_cli(online: dict[str, Any], train_overrides: dict[str, Any], preset: str | None = None,
                     config_file: str | Path | None = None, sets: Sequence[str] = (),
-                    announce: bool = True) -> OnlineConfig:  # fmt: skip
-    """The run's config: defaults < the preset < the ``--config`` file < the options given < ``--set
-    online.FIELD=VALUE`` / ``train.FIELD=VALUE``; with ``--resume`` all of them over the run's saved config
-    (RUN/run.json), so resume a run with the same preset and file, or none.
+                    announce: bool = True, option_names: dict[str, str] | None = None) -> OnlineConfig:  # fmt: skip
+    """The run's config, each section resolved by ``stages.config.resolve.resolve_stage_config``: defaults < the
+    preset < the ``--config`` file < the options given (``online``, ``train_overrides``: field -> value, a train
+    field by its dotted path; None for an option not given) < ``--set online.FIELD=VALUE`` /
+    ``train.FIELD=VALUE``; with ``--resume`` all of them over the run's saved config (RUN/run.json), so resume a
+    run with the same preset and file, or none. ``option_names``: ``online`` field or ``train.`` path -> its option.
 
     Raises:
         ConfigError: an unknown key or section, a wrong type or a refused value, named with its source.
     """
-    set_online, train_sets = {}, []
+    online_sets, train_sets = [], []
     for item in sets:
         section = item.partition("=")[0].strip().partition(".")[0]
         if section not in ("online", "train"):
             raise ConfigError(f"--set {item!r}: expected online.FIELD=VALUE or train.FIELD=VALUE")
-        if section == "train":  # checked, applied last and named by the train config's own resolver
-            train_sets.append(item)
-            continue
-        for key, value, source in parse_sets([item], section):
-            check_fields(OnlineConfig, {key: value}, section=section, source=lambda _key, s=source: s,
-                         reserved={"train"})  # fmt: skip
-            set_online[key] = value
-    online = {**online, **set_online}
+        (online_sets if section == "online" else train_sets).append(item)
+    if config_file is not None:  # only the sections online and train, and no train.cache or train.resume
+        online_sections(read_config_file(config_file), f"--config {config_file}")
+    names = dict(option_names or {})
+    # The trainer's side first: its output and --resume say which saved run the producer side resumes. Its cache
+    # is the corpus's marker, known once the producer side is resolved.
+    train = train_config_from_cli(
+        {**train_overrides, "cache": ONLINE_CACHE_PREFIX}, config_file, preset=preset, sets=train_sets,
+        announce=announce, read_preset=load_online_preset_sections,
+        option_names={key[len("train."):]: option for key, option in names.items() if key.startswith("train.")})
 
-    layers = []
-    if preset is not None:
-        layers.append(load_online_preset(preset))
-    if config_file is not None:
-        layers.append(online_sections(read_config_file(config_file), f"--config {config_file}"))
-    given_online = {k: v for k, v in online.items() if v is not None}
-    given_train = {k: v for k, v in train_overrides.items() if v is not None}
-    online, train_overrides = {}, {}
-
-    for layer_online, layer_train in layers:
-        online.update(layer_online)
-        train_overrides = deep_merge(train_overrides, layer_train)
-    # An option given replaces what it contradicts in the preset or file (CPU producers vs producer GPUs, CPU
-    # ranks vs drafter GPUs): `--preset online-cpu --target-gpus 0` means GPU producers, not an error.
-    for given, replaced in (("target_gpus", "target_processes"), ("target_processes", "target_gpus")):
-        if given in given_online:
-            online.pop(replaced, None)
-    if "drafter_gpus" in given_train:
-        train_overrides.pop("drafter_processes", None)
-        if train_overrides.get("device") == "cpu":
-            train_overrides.pop("device")
-    if "drafter_processes" in given_train:
-        train_overrides.pop("drafter_gpus", None)
-    online.update(given_online)
-    train_overrides.update(given_train)
-    for key in ("corpus", "cache_to"):  # saved in run.json: a resume from another folder must find them
-        if online.get(key) and "://" not in str(online[key]):
-            online[key] = str(Path(online[key]).expanduser().resolve())
-    output = train_overrides.get("output")
-    saved: dict[str, Any] = {}
-    run_json = Path(output) / "run.json" if output else None
-    if train_overrides.get("resume") and run_json is not None and run_json.is_file():
+    def saved_run(upper: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+        run_json = Path(train.output) / "run.json"
+        if not train.resume or not run_json.is_file():
+            return None
         from dflash.training.checkpoint import read_run_record  # loads torch: only for a resume
 
         resolved = read_run_record(run_json.parent).get("resolved", {})
         saved = dict(resolved.get("data_source", {}).get("online", {}))
         if not saved:
-            raise ConfigError(f"--resume: {output} is not an online run (run.json has no online data source); "
+            raise ConfigError(f"--resume: {train.output} is not an online run (run.json has no online data source); "
                               "resume it with `dflash-stages train --output ... --resume`")
-    merged = {**saved, **{k: v for k, v in online.items() if v is not None}}
-    corpus = merged.get("corpus")
-    if not corpus:
-        raise ConfigError("corpus: give the corpus folder (--corpus), or --resume with --output of an online run")
-    train_overrides = {**train_overrides, "cache": train_overrides.get("cache") or f"{ONLINE_CACHE_PREFIX}{corpus}"}
-    train = train_config_from_cli(train_overrides, announce=announce, sets=train_sets)
-    merged.pop("train", None)
+        saved.pop("train", None)
+        unknown = sorted(set(saved) - {f.name for f in fields(OnlineConfig)})
+        if unknown:
+            raise ConfigError(f"unknown online config fields {unknown} in {run_json}: the run was made by another "
+                              "version of dflash-stages; resume it with that version or start a new run")
+        return saved, f"the saved run {run_json}"
 
-    unknown = sorted(set(merged) - {f.name for f in fields(OnlineConfig)})
-    if unknown:
-        raise ConfigError(f"unknown online config fields {unknown} in {run_json}: the run was made by another version "
-                          "of dflash-stages; resume it with that version or start a new run")
-    return OnlineConfig(train=train, **merged)
+    def absolute_paths(merged: dict[str, Any]) -> None:
+        if not merged.get("corpus"):
+            raise ConfigError("corpus: give the corpus folder (--corpus), or --resume with --output of an online run")
+        for key in ("corpus", "cache_to"):  # saved in run.json: a resume from another folder must find them
+            if merged.get(key) and "://" not in str(merged[key]):
+                merged[key] = str(Path(merged[key]).expanduser().resolve())
+
+    def build(merged: dict[str, Any]) -> OnlineConfig:
+        return OnlineConfig(train=replace(train, cache=f"{ONLINE_CACHE_PREFIX}{merged['corpus']}"), **merged)
+
+    config, _ = resolve_stage_config(
+        OnlineConfig, "online", given={k: v for k, v in online.items() if v is not None}, config_file=config_file,
+        preset=preset, overrides=online_sets, option_names=names, build=build, base=saved_run, fill=absolute_paths,
+        read_preset=load_online_preset_sections, reserved=("train",))
+    return config
+
+
+def load_online_preset_sections(name_or_path: str) -> dict[str, Any]:
+    """An online preset's sections ``{"online": {...}, "train": {...}}``, checked (:func:`online_sections`), for
+    ``resolve_stage_config``'s ``read_preset``."""
+    data = read_preset_json(name_or_path, ONLINE_PRESETS)
+    online_sections(data, f"preset {name_or_path}")
+    return data
+
+
+#: The train options ``online`` takes (dotted ``TrainConfig`` paths); the rest are set in the train section.
+ONLINE_TRAIN_OPTIONS = frozenset({
+    "output", "resume", "drafter_gpus", "drafter_processes", "device", "drafter.num_draft_layers", "drafter.block_size",
+    "drafter.max_anchors_per_document", "data.token_budget", "data.num_buckets", "data.validation_fraction",
+    "data.validation_split_by", "epochs", "max_steps", "stop_at_step", "optim.lr", "seed", "min_supervised_tokens",
+    "save_every", "telemetry.log_every", "telemetry.progress", "grad_accum_steps", "eval_every", "keep_last",
+    "allow_config_change", "break_lock",
+})  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:
     """Add ``dflash-stages online``."""
     @app.command("online")
-    def online_command(
-        corpus: str = typer.Option(None, "--corpus", help="Corpus folder (contract 1)."),
-        output: str = typer.Option(None, "--output", "-o", help="Run folder."),
-        preset: str = typer.Option(None, "--preset", help=f"A layout: {', '.join(ONLINE_PRESETS)}, or a .json file "
-                                   "({online: {...}, train: {...}}); options given override it."),
-        config_file: str = typer.Option(None, "--config", help="Settings in a .toml, .yaml or .json file with the "
-                                        "sections online and train (what --print-config prints); over --preset, "
-                                        "under the options given."),
-        print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config (JSON, readable "
-                                          "by --config) and exit; nothing runs."),
-        sets: list[str] = typer.Option([], "--set", help="online.FIELD=VALUE or train.FIELD=VALUE (JSON value, else "
-                                       "a string), over everything else. Repeatable."),
-        resume: bool = typer.Option(None, "--resume/--no-resume", help="Continue RUN from its latest checkpoint."),
-        target: str = typer.Option(None, "--target", help="Target spec ('default' = SmolLM2-135M-Instruct)."),
-        target_layer_ids: str = typer.Option(None, "--target-layer-ids", help="Tapped layer ids, e.g. 1,3."),
-        target_processes: int = typer.Option(None, "--target-processes", help="CPU producer processes (target replicas), one Dask worker each."),
-        target_gpus: str = typer.Option(None, "--target-gpus", help="Producer GPUs, one Dask worker each, e.g. 0,1."),
-        drafter_gpus: str = typer.Option(None, "--drafter-gpus", help="Drafter GPUs, e.g. 2,3 (DDP when several)."),
-        drafter_processes: int = typer.Option(None, "--drafter-processes", help="Drafter DDP processes on CPU (gloo)."),
-        ring_slots: int = typer.Option(None, "--ring-slots", help="Shared-memory ring slots per rank (4)."),
-        cache_to: str = typer.Option(None, "--cache-to", help="Also write the hidden-state cache here while training."),
-        cache_shard_size: int = typer.Option(None, "--cache-shard-size", help="--cache-to: tokens per shard (65536)."),
-        on_producer_death: str = typer.Option(
-            None, "--on-producer-death", help="recompute (rerun the batch on another producer) | stop (the run stops)."),
-        device: str = typer.Option(None, "--device", help="Drafter device: auto | cpu | cuda."),
-        num_draft_layers: int = typer.Option(None, "--num-draft-layers", help="Draft decoder layers (5)."),
-        block_size: int = typer.Option(None, "--block-size", help="Block size B (16)."),
-        max_anchors: int = typer.Option(None, "--max-anchors-per-document", help="Anchors per document (512)."),
-        token_budget: int = typer.Option(None, "--token-budget", help="Real tokens per micro-batch (16384)."),
-        num_buckets: int = typer.Option(None, "--num-buckets", help="Length buckets (4)."),
-        validation_fraction: float = typer.Option(None, "--validation-fraction", help="Held-out share (0.01) of source documents (or rows)."),
-        validation_split_by: str = typer.Option(None, "--validation-split-by", help="document (whole source documents; a corpus without document_id: rows) | row."),
-        epochs: float = typer.Option(None, "--epochs", help="Epochs (6)."),
-        max_steps: int = typer.Option(None, "--max-steps", help="Optimizer steps (overrides --epochs)."),
-        stop_at_step: int = typer.Option(None, "--stop-at-step", help="Stop early with a checkpoint."),
-        lr: float = typer.Option(None, "--lr", help="Peak learning rate (6e-4)."),
-        seed: int = typer.Option(None, "--seed", help="Seed (0)."),
-        min_supervised_tokens: int = typer.Option(None, "--min-supervised-tokens", help="Exclusion threshold."),
-        save_every: int = typer.Option(None, "--save-every", help="Checkpoint every N steps (500)."),
-        log_every: int = typer.Option(None, "--log-every", help="Log every N steps (10)."),
-        progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the progress bar."),
-        grad_accum_steps: int = typer.Option(None, "--grad-accum-steps", help="Micro-batches per step and rank (1)."),
-        eval_every: int = typer.Option(None, "--eval-every", help="Validate every N steps (500)."),
-        keep_last: int = typer.Option(None, "--keep-last", help="Checkpoints kept besides the best (3)."),
-        allow_config_change: bool = typer.Option(None, "--allow-config-change", help="--resume with settings that "
-                                                 "change the trajectory (e.g. more --max-steps)."),
-        break_lock: bool = typer.Option(None, "--break-lock", help="Take over the run's lock held by another host."),
-    ) -> None:
+    @config_options(OnlineConfig, "online", include={
+        *(f.name for f in fields(OnlineConfig)), *(f"train.{path}" for path in ONLINE_TRAIN_OPTIONS)}, shared_help={
+        "preset": f"A layout: {', '.join(ONLINE_PRESETS)}, or a .json file ({{online: {{...}}, train: {{...}}}}); "
+                  "options given override it.",
+        "config": "Settings in a .toml, .yaml or .json file with the sections online and train (what --print-config "
+                  "prints); over --preset, under the options given.",
+        "set": "online.FIELD=VALUE or train.FIELD=VALUE (JSON value, else a string), over everything else. "
+               "Repeatable.",
+        "print_config": "Print the resolved config (JSON, readable by --config) and exit; nothing runs."})
+    def online_command(settings: CommandSettings) -> None:
         """Train a drafter with target replicas feeding it through shared memory (no disk cache; --cache-to writes one).
 
         Same batches as extract + train on the same corpus and seed; DDP over --drafter-gpus; exact resume
@@ -648,24 +614,12 @@ def register(app: typer.Typer) -> None:
         """
         from rich.console import Console
 
-        online = {"corpus": corpus, "target": target, "target_layer_ids": _csv_ints(target_layer_ids),
-                  "target_processes": target_processes, "target_gpus": _csv_ints(target_gpus), "ring_slots": ring_slots,
-                  "on_producer_death": on_producer_death, "cache_to": cache_to,
-                  "cache_shard_size": cache_shard_size}  # fmt: skip
-        train_overrides = {
-            "output": output, "resume": resume, "drafter_gpus": _csv_ints(drafter_gpus),
-            "drafter_processes": drafter_processes, "device": device,
-            "drafter.num_draft_layers": num_draft_layers, "drafter.block_size": block_size,
-            "drafter.max_anchors_per_document": max_anchors,
-            "data.token_budget": token_budget, "data.num_buckets": num_buckets,
-            "data.validation_fraction": validation_fraction, "data.validation_split_by": validation_split_by,
-            "epochs": epochs, "max_steps": max_steps, "stop_at_step": stop_at_step, "optim.lr": lr, "seed": seed,
-            "min_supervised_tokens": min_supervised_tokens, "save_every": save_every, "telemetry.log_every": log_every,
-            "telemetry.progress": progress, "grad_accum_steps": grad_accum_steps, "eval_every": eval_every,
-            "keep_last": keep_last, "allow_config_change": allow_config_change, "break_lock": break_lock,
-        }  # fmt: skip
-        config = config_from_cli(online, train_overrides, preset, config_file, sets, announce=not print_config)
-        if print_config:
+        given = settings.given
+        online = {key: value for key, value in given.items() if not key.startswith("train.")}
+        train_overrides = {key[len("train."):]: value for key, value in given.items() if key.startswith("train.")}
+        config = config_from_cli(online, train_overrides, settings.preset, settings.config_file, settings.sets,
+                                 announce=not settings.print_config, option_names=settings.spellings)
+        if settings.print_config:
             print(json.dumps(printable_config(config), indent=2))
             return
         summary = run_online(config)

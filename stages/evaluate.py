@@ -58,15 +58,8 @@ from dflash.target.load import load_target, load_tokenizer
 from dflash.training.compat import check_target_identity as check
 from dflash.training.compat import recorded_identity
 from stages.config.check import dtype_spelling
-from stages.config.resolve import (
-    CONFIG_OPTION,
-    PRESET_OPTION,
-    PRINT_CONFIG_OPTION,
-    SET_OPTION,
-    print_and_exit,
-    resolve_stage_config,
-    split_given,
-)
+from stages.config.options import CommandSettings, config_options, setting
+from stages.config.resolve import print_and_exit, resolve_stage_config
 
 if TYPE_CHECKING:
     import torch
@@ -116,28 +109,28 @@ class EvaluateConfig:
         json_path: where to write the JSON report (atomically); ``None`` = nowhere.
     """
 
-    drafter: Path
-    target: str | None = None
-    prompts: str = "held-out"
-    extra_prompts: list[str] = field(default_factory=list, metadata={"help": (
+    drafter: Path = setting(help='Run folder (latest checkpoint), checkpoint folder or exported folder. Required (here or in --config/--preset/--set).')
+    target: str | None = setting(None, help='Target spec; default: the one recorded with the drafter.')
+    prompts: str = setting("held-out", help='held-out | numpy-questions | FILE.jsonl (messages/prompt/text) | FILE.txt (one per line).')
+    extra_prompts: list[str] = setting(default_factory=list, repeat=True, help=(
         "More prompt sets evaluated beside prompts, each reported on its own: .jsonl/.txt files or embedded sets "
-        "(numpy-questions: questions about documented NumPy functions).")})
-    corpus: Path | None = None
-    cache: Path | None = None
-    num_prompts: int = 16
-    prompt_tokens: int = 128
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    block_size: int | None = None
-    ignore_eos: bool = False
-    compare_untrained: bool = False
-    references: bool = True
-    seed: int = 0
-    device: str = "auto"
-    dtype: str = "auto"
-    cpu_threads: int | None = None
+        "(numpy-questions: questions about documented NumPy functions). Repeatable."))
+    corpus: Path | None = setting(None, help='Corpus for held-out prompts.')
+    cache: Path | None = setting(None, help='Cache the drafter trained on: its rows are excluded from held-out prompts.')
+    num_prompts: int = setting(16, help='Prompts to evaluate.')
+    prompt_tokens: int = setting(128, help='Prompt window taken from a plain corpus row.')
+    max_new_tokens: int = setting(128, help='Tokens generated per prompt.')
+    temperature: float = setting(0.0, help='0 = greedy (checked lossless); > 0 = speculative sampling.')
+    block_size: int | None = setting(None, help="Drafting block size; default: the drafter's.")
+    ignore_eos: bool = setting(False, option='--ignore-eos', help='Keep generating after the end-of-sequence token.')
+    compare_untrained: bool = setting(False, option='--compare-untrained', help='Also measure a randomly initialized drafter.')
+    references: bool = setting(True, help="Also decode with block size 1 and the target's generate() (the speedups and the lossless check); --no-references: tau and acceptance only, about 3x faster.")
+    seed: int = setting(0, help='Prompt selection, sampling, untrained init.')
+    device: str = setting("auto", help='auto | cpu | cuda | cuda:N.')
+    dtype: str = setting("auto", help='auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16 (bf16, fp32, fp16 also accepted).')
+    cpu_threads: int | None = setting(None, help='Torch threads while decoding on CPU (default: 1; more threads lose on shared cores).')
     near_tie_tolerance: float | None = None
-    json_path: Path | None = None
+    json_path: Path | None = setting(None, option='--json-file', help='Also write the full report as JSON to this file.')
     progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={
         "help": "Seconds between two progress lines (prompts, tokens, rates, ETA, tau so far) when output is not a "
                 "terminal; 0: none."})
@@ -784,32 +777,10 @@ def register(app: typer.Typer) -> None:
     """Add ``dflash-stages evaluate``."""
 
     @app.command("evaluate")
+    @config_options(EvaluateConfig, "evaluate")
     def evaluate_command(
-        ctx: typer.Context,
-        drafter: Path = typer.Option(None, "--drafter", help="Run folder (latest checkpoint), checkpoint folder or exported folder. Required (here or in --config/--preset/--set)."),
-        target: str | None = typer.Option(None, "--target", help="Target spec; default: the one recorded with the drafter."),
-        prompts: str = typer.Option("held-out", "--prompts", help="held-out | numpy-questions | FILE.jsonl (messages/prompt/text) | FILE.txt (one per line)."),
-        extra_prompts: list[str] | None = typer.Option(None, "--extra-prompts", help=_field_help("extra_prompts") + " Repeatable."),
-        corpus: Path | None = typer.Option(None, "--corpus", help="Corpus for held-out prompts."),
-        cache: Path | None = typer.Option(None, "--cache", help="Cache the drafter trained on: its rows are excluded from held-out prompts."),
-        num_prompts: int = typer.Option(16, "--num-prompts", help="Prompts to evaluate."),
-        prompt_tokens: int = typer.Option(128, "--prompt-tokens", help="Prompt window taken from a plain corpus row."),
-        max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens generated per prompt."),
-        temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (checked lossless); > 0 = speculative sampling."),
-        block_size: int | None = typer.Option(None, "--block-size", help="Drafting block size; default: the drafter's."),
-        ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating after the end-of-sequence token."),
-        compare_untrained: bool = typer.Option(False, "--compare-untrained", help="Also measure a randomly initialized drafter."),
-        references: bool = typer.Option(True, "--references/--no-references", help="Also decode with block size 1 and the target's generate() (the speedups and the lossless check); --no-references: tau and acceptance only, about 3x faster."),
-        seed: int = typer.Option(0, "--seed", help="Prompt selection, sampling, untrained init."),
-        device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
-        dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16 (bf16, fp32, fp16 also accepted)."),
-        cpu_threads: int | None = typer.Option(None, "--cpu-threads", help="Torch threads while decoding on CPU (default: 1; more threads lose on shared cores)."),
-        json_out: Path | None = typer.Option(None, "--json-file", help="Also write the full report as JSON to this file."),
+        settings: CommandSettings,
         as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON on stdout instead of the table (progress and messages go to stderr), as `cache info --json` and `inspect --json` do."),
-        config_file: str | None = CONFIG_OPTION,
-        preset: str | None = PRESET_OPTION,
-        overrides: list[str] = SET_OPTION,
-        print_config: bool = PRINT_CONFIG_OPTION,
     ) -> None:
         """Speculative decoding with the target and a drafter: tau, per-position acceptance, the speedup against
         block size 1 in the same loop and against the target's own generate() (KV cache, same prompts, stop tokens
@@ -817,21 +788,11 @@ def register(app: typer.Typer) -> None:
         beyond a float near-tie."""
         console = Console()
 
-        def text(path: Path | None) -> str | None:
-            return None if path is None else str(path)
-
-        values = dict(
-            drafter=text(drafter), target=target, prompts=prompts, extra_prompts=extra_prompts or [],
-            corpus=text(corpus), cache=text(cache),
-            num_prompts=num_prompts, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
-            temperature=temperature, block_size=block_size, ignore_eos=ignore_eos,
-            compare_untrained=compare_untrained, references=references, seed=seed, device=device, dtype=dtype,
-            cpu_threads=cpu_threads, json_path=text(json_out),
-        )  # fmt: skip
-        config = resolve_stage_config(EvaluateConfig, "evaluate", *split_given(ctx, values, {"json_path": "json_out"}),
-                                      config_file=config_file, preset=preset, overrides=overrides,
-                                      required=("drafter",), option_names={"json_path": "--json-file"})  # fmt: skip
-        if print_config:
+        config = resolve_stage_config(EvaluateConfig, "evaluate", given=settings.given,
+                                      config_file=settings.config_file, preset=settings.preset,
+                                      overrides=settings.sets, required=("drafter",),
+                                      option_names=settings.spellings)  # fmt: skip
+        if settings.print_config:
             print_and_exit("evaluate", config)
         json_out = config.json_path
         if as_json:  # stdout holds the JSON only

@@ -26,15 +26,8 @@ import typer
 from dflash.errors import DFlashError
 from dflash.io.locks import output_lock
 from dflash.serving.export import export_checkpoint
-from stages.config.resolve import (
-    CONFIG_OPTION,
-    PRESET_OPTION,
-    PRINT_CONFIG_OPTION,
-    SET_OPTION,
-    print_and_exit,
-    resolve_stage_config,
-    split_given,
-)
+from stages.config.options import CommandSettings, config_options, setting
+from stages.config.resolve import print_and_exit, resolve_stage_config
 
 __all__ = ["ExportConfig", "register", "export_command"]
 
@@ -51,42 +44,25 @@ class ExportConfig:
         break_lock: take over ``out``'s lock left by a run on another host known dead.
     """
 
-    checkpoint: str | None = None
-    out: str | None = None
-    target: str | None = None
-    overwrite: bool = False
-    break_lock: bool = False
+    checkpoint: str | None = setting(None, argument='CKPT', help='Checkpoint folder, or a run folder (its `latest` checkpoint is used). Required (here or in --config/--preset/--set).')
+    out: str | None = setting(None, argument='OUT', help='Export folder to create (config.json, model.safetensors, dflash_export.json). Required (here or in --config/--preset/--set).')
+    target: str | None = setting(None, help="Target spec (folder, .gguf or 'default') whose config/tokenizer check RoPE and widths and name the mask token; default: the target_spec recorded in the checkpoint's target.json.")
+    overwrite: bool = setting(False, option='--overwrite', help='Replace OUT if it exists (only after the new export is complete).')
+    break_lock: bool = setting(False, option='--break-lock', help="Take over OUT's lock left by a run on another host known dead.")
 
 
-def export_command(
-    ctx: typer.Context,
-    checkpoint: Path = typer.Argument(None, metavar="CKPT", show_default=False, help="Checkpoint folder, or a run folder (its `latest` checkpoint is used). Required (here or in --config/--preset/--set)."),
-    out: Path = typer.Argument(None, metavar="OUT", show_default=False, help="Export folder to create (config.json, model.safetensors, dflash_export.json). Required (here or in --config/--preset/--set)."),
-    target: str | None = typer.Option(
-        None,
-        "--target",
-        help="Target spec (folder, .gguf or 'default') whose config/tokenizer check RoPE and widths and name the "
-        "mask token; default: the target_spec recorded in the checkpoint's target.json.",
-    ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists (only after the new export is complete)."),
-    break_lock: bool = typer.Option(False, "--break-lock", help="Take over OUT's lock left by a run on another host known dead."),
-    config_file: str | None = CONFIG_OPTION,
-    preset: str | None = PRESET_OPTION,
-    overrides: list[str] = SET_OPTION,
-    print_config: bool = PRINT_CONFIG_OPTION,
-) -> None:
+@config_options(ExportConfig, "export")
+def export_command(settings: CommandSettings) -> None:
     """Export a drafter checkpoint in the serving format (docs/dflash.md) and verify it with the strict loader."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     console = Console()
-    values = dict(checkpoint=None if checkpoint is None else str(checkpoint), out=None if out is None else str(out),
-                  target=target, overwrite=overwrite, break_lock=break_lock)  # fmt: skip
-    config = resolve_stage_config(ExportConfig, "export", *split_given(ctx, values), config_file=config_file,
-                                  preset=preset, overrides=overrides, required=("checkpoint", "out"),
-                                  option_names={"checkpoint": "CKPT", "out": "OUT"})  # fmt: skip
-    if print_config:
+    config = resolve_stage_config(ExportConfig, "export", given=settings.given, config_file=settings.config_file,
+                                  preset=settings.preset, overrides=settings.sets, required=("checkpoint", "out"),
+                                  option_names=settings.spellings)  # fmt: skip
+    if settings.print_config:
         print_and_exit("export", config)
     checkpoint, out = Path(config.checkpoint), Path(config.out)
     target, overwrite, break_lock = config.target, config.overwrite, config.break_lock

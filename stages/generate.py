@@ -59,16 +59,8 @@ from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progre
 from dflash.target.load import load_tokenizer, resolve_target_path, target_identity
 from dflash.values import check_seed
 from stages.config.check import nested_config
-from stages.config.resolve import (
-    CONFIG_OPTION,
-    PRESET_OPTION,
-    PRINT_CONFIG_OPTION,
-    SET_OPTION,
-    int_list,
-    print_and_exit,
-    resolve_stage_config,
-    split_given,
-)
+from stages.config.options import CommandSettings, config_options, setting
+from stages.config.resolve import print_and_exit, resolve_stage_config
 from stages.replicas.cluster import close_cluster, start_cluster, validate_placement
 
 __all__ = ["GenerateConfig", "run_generate", "register", "HELDOUT_PROMPTS_FILE"]
@@ -77,6 +69,18 @@ log = logging.getLogger(__name__)
 
 _PLUGIN_NAME = "dflash-generate-target"
 EngineName = Literal["transformers", "openai"]
+
+
+def _json_object(text: str) -> Any:
+    """``--template-kwargs``'s JSON text as its value.
+
+    Raises:
+        ConfigError: text that is not JSON.
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--template-kwargs is not valid JSON ({error.msg}): {text!r}") from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,7 +100,7 @@ class GenerateConfig:
         max_length: most tokens of a whole row (prompt + replies); longer prompts are dropped and counted.
         max_prompts: use only the first N prompts (None: all).
         part_size: prompts per part (one task, one committed file).
-        batch_size, token_budget, kv_cache: transformers engine batching (rows per call, padded prompt tokens per
+        batch_size, prefill_tokens, kv_cache: transformers engine batching (rows per call, padded prompt tokens per
             call, ``auto``/``static``/``dynamic`` KV cache).
         deterministic: static KV cache: decode attention by grouped matmuls over the whole padded cache (bitwise
             repeatable, slower) instead of the default: on CUDA with Triton the ranged kernel (only the positions
@@ -117,41 +121,41 @@ class GenerateConfig:
         break_lock: take over the output's lock left by a run on another host known dead (dflash.io.locks).
     """
 
-    prompts: str = "default"
-    output: str
-    target: str = "default"
-    engine: EngineName = "transformers"
-    turns: TurnMode = "all"
-    chat_template: bool = True
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_new_tokens: int = 512
-    seed: int = 0
-    max_length: int = 2048
-    max_prompts: int | None = None
-    part_size: int = 1024
-    batch_size: int = 256
-    token_budget: int = 262_144
-    kv_cache: Literal["auto", "static", "dynamic"] = "auto"
-    deterministic: bool = False
-    target_gpus: list[int] | None = None
-    target_processes: int | None = None
-    scheduler_address: str | None = None
-    dashboard_address: str = "127.0.0.1:0"
-    tls_ca_file: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
+    prompts: str = setting("default", argument='PROMPTS', help='`default` (stdlib prompt set), or a chat/prompts file: .jsonl/.json/.parquet (messages, prompt or text per row) or .txt (a prompt per line).')
+    output: str = setting(short='-o', help='Corpus folder to write (a rerun resumes). Required (here or in --config/--preset/--set).')
+    target: str = setting("default", help='Target: `default`, a transformers folder or a .gguf file.')
+    engine: EngineName = setting("transformers", help='transformers (the target on this node) or openai (--endpoint servers).')
+    turns: TurnMode = setting("all", help='Chat inputs: all = regenerate every assistant turn in order; last = only the last.')
+    chat_template: bool = setting(True, help='Send `prompt` fields through the chat template (else raw completion).')
+    template_kwargs: dict[str, Any] = setting(default_factory=dict, parse=_json_object, help='Extra chat-template variables as JSON, e.g. \'{"enable_thinking": false}\'.')
+    temperature: float = setting(0.0, help='0 = greedy (default).')
+    top_p: float = setting(1.0, help='Nucleus mass when sampling.')
+    max_new_tokens: int = setting(512, help='Most tokens per reply.')
+    seed: int = setting(0, help='Sampling seed.')
+    max_length: int = setting(2048, help='Most tokens per row (prompt + replies); longer prompts are dropped and counted.')
+    max_prompts: int | None = setting(None, help='Only the first N prompts.')
+    part_size: int = setting(1024, help='Prompts per committed part.')
+    batch_size: int = setting(256, help='transformers engine: rows per generate() call.')
+    prefill_tokens: int = setting(262_144, help='transformers engine: padded prompt tokens per call.')
+    kv_cache: Literal["auto", "static", "dynamic"] = setting("auto", help='transformers engine: static (own decode loop over a static KV cache, CUDA graphs on CUDA), dynamic (transformers generate()), auto (static on CUDA, dynamic elsewhere).')
+    deterministic: bool = setting(False, help="Static KV cache: decode attention by grouped matmuls over the padded cache (bitwise repeatable, slower) instead of the default (CUDA with Triton: the ranged kernel, repeatable too; else SDPA's, whose bits may vary).")
+    target_gpus: list[int] | None = setting(None, help='GPUs for target replicas, e.g. 0,1,2 (one Dask worker each).')
+    target_processes: int | None = setting(None, help='CPU processes for target replicas (no GPU), one Dask worker each.')
+    scheduler_address: str | None = setting(None, help='An existing Dask scheduler (tcp://host:8786).')
+    dashboard_address: str = setting("127.0.0.1:0", help='Dask dashboard of a local cluster (localhost by default).')
+    tls_ca_file: str | None = setting(None, help='TLS for --scheduler-address: the CA file (with --tls-cert, --tls-key).')
+    tls_cert: str | None = setting(None, help='TLS client certificate for --scheduler-address.')
+    tls_key: str | None = setting(None, help='TLS client key for --scheduler-address.')
     default_prompts: DefaultPromptConfig = field(default_factory=DefaultPromptConfig)
-    endpoints: list[str] = field(default_factory=list)
-    served_model: str | None = None
-    api_key_env: str | None = None
-    concurrency: int = 8
-    request_timeout_s: float = 120.0
-    max_retries: int = 3
-    max_prompt_bytes: int = DEFAULT_MAX_LINE_BYTES
-    overwrite: bool = False
-    break_lock: bool = False
+    endpoints: list[str] = setting(default_factory=list, option='--endpoint', repeat=True, help='openai engine: base URL of a server, e.g. http://127.0.0.1:8000/v1 (repeatable).')
+    served_model: str | None = setting(None, help='openai engine: model name on the servers (default: the only one served).')
+    api_key_env: str | None = setting(None, help='openai engine: environment variable holding the API key.')
+    concurrency: int = setting(8, help='openai engine: requests in flight per endpoint.')
+    request_timeout_s: float = setting(120.0, help='openai engine: seconds one request may take, its whole reply included (then retried).')
+    max_retries: int = setting(3, help='openai engine: retries after a connection error, timeout, HTTP 5xx/408/429 (0 = try once).')
+    max_prompt_bytes: int = setting(DEFAULT_MAX_LINE_BYTES, help="Most bytes of one prompts-file line (or .parquet row's text); a longer one is an error.")
+    overwrite: bool = setting(False, help='Replace an output generated with other settings.')
+    break_lock: bool = setting(False, option='--break-lock', help="Take over OUTPUT's lock left by a run on another host known dead.")
     progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={
         "help": "Seconds between two progress lines (prompts, tokens, rates, ETA) when output is not a terminal; 0: none."})
 
@@ -208,7 +212,7 @@ class GenerateConfig:
         data = self.to_dict()
         for key in ("output", "target_gpus", "target_processes", "scheduler_address", "dashboard_address", "tls_ca_file",
                     "tls_cert", "tls_key", "break_lock", "overwrite",
-                    "batch_size", "token_budget", "kv_cache", "deterministic", "concurrency", "endpoints", "api_key_env",
+                    "batch_size", "prefill_tokens", "kv_cache", "deterministic", "concurrency", "endpoints", "api_key_env",
                     "request_timeout_s", "max_retries", "max_prompt_bytes", "progress_interval"):
             data.pop(key)
         return data
@@ -421,7 +425,7 @@ def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: _PromptProg
             target_spec=config.target, gpu_by_worker=placement.get("gpu_by_worker"),
             device=placement.get("device", "auto"), torch_threads=placement.get("torch_threads"),
             die_with_parent=placement.get("die_with_parent", False),
-            engine_kwargs={"batch_size": config.batch_size, "token_budget": config.token_budget,
+            engine_kwargs={"batch_size": config.batch_size, "token_budget": config.prefill_tokens,
                            "cache": config.kv_cache, "deterministic": config.deterministic},
         )
         started = time.perf_counter()
@@ -614,78 +618,13 @@ def _timings_line(timings: dict[str, float], parts: list[dict[str, Any]]) -> str
 def register(app: typer.Typer) -> None:
     """Add the ``generate`` command to ``app``."""
     @app.command("generate")
-    def generate_command(
-        ctx: typer.Context,
-        prompts: str = typer.Argument("default", help="`default` (stdlib prompt set), or a chat/prompts file: .jsonl/.json/.parquet (messages, prompt or text per row) or .txt (a prompt per line)."),
-        output: Path = typer.Option(None, "--output", "-o", help="Corpus folder to write (a rerun resumes). Required (here or in --config/--preset/--set)."),
-        target: str = typer.Option("default", help="Target: `default`, a transformers folder or a .gguf file."),
-        engine: str = typer.Option("transformers", help="transformers (the target on this node) or openai (--endpoint servers)."),
-        turns: str = typer.Option("all", help="Chat inputs: all = regenerate every assistant turn in order; last = only the last."),
-        chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Send `prompt` fields through the chat template (else raw completion)."),
-        template_kwargs: str = typer.Option("{}", help='Extra chat-template variables as JSON, e.g. \'{"enable_thinking": false}\'.'),
-        temperature: float = typer.Option(0.0, help="0 = greedy (default)."),
-        top_p: float = typer.Option(1.0, help="Nucleus mass when sampling."),
-        max_new_tokens: int = typer.Option(512, help="Most tokens per reply."),
-        seed: int = typer.Option(0, help="Sampling seed."),
-        max_length: int = typer.Option(2048, help="Most tokens per row (prompt + replies); longer prompts are dropped and counted."),
-        max_prompts: int | None = typer.Option(None, help="Only the first N prompts."),
-        part_size: int = typer.Option(1024, help="Prompts per committed part."),
-        batch_size: int = typer.Option(256, help="transformers engine: rows per generate() call."),
-        token_budget: int = typer.Option(262_144, help="transformers engine: padded prompt tokens per call."),
-        kv_cache: str = typer.Option("auto", help="transformers engine: static (own decode loop over a static KV "
-                                     "cache, CUDA graphs on CUDA), dynamic (transformers generate()), auto (static on "
-                                     "CUDA, dynamic elsewhere)."),
-        deterministic: bool = typer.Option(False, "--deterministic/--no-deterministic", help="Static KV cache: "
-                                           "decode attention by grouped matmuls over the padded cache (bitwise "
-                                           "repeatable, slower) instead of the default (CUDA with Triton: the ranged "
-                                           "kernel, repeatable too; else SDPA's, whose bits may vary)."),
-        target_gpus: str | None = typer.Option(None, help="GPUs for target replicas, e.g. 0,1,2 (one Dask worker each)."),
-        target_processes: int | None = typer.Option(None, "--target-processes", help="CPU processes for target replicas (no GPU), one Dask worker each."),
-        scheduler_address: str | None = typer.Option(None, help="An existing Dask scheduler (tcp://host:8786)."),
-        dashboard_address: str = typer.Option("127.0.0.1:0", help="Dask dashboard of a local cluster (localhost by default)."),
-        tls_ca_file: str | None = typer.Option(None, help="TLS for --scheduler-address: the CA file (with --tls-cert, --tls-key)."),
-        tls_cert: str | None = typer.Option(None, help="TLS client certificate for --scheduler-address."),
-        tls_key: str | None = typer.Option(None, help="TLS client key for --scheduler-address."),
-        endpoint: list[str] = typer.Option([], "--endpoint", help="openai engine: base URL of a server, e.g. http://127.0.0.1:8000/v1 (repeatable)."),
-        served_model: str | None = typer.Option(None, help="openai engine: model name on the servers (default: the only one served)."),
-        api_key_env: str | None = typer.Option(None, help="openai engine: environment variable holding the API key."),
-        concurrency: int = typer.Option(8, help="openai engine: requests in flight per endpoint."),
-        request_timeout_s: float = typer.Option(120.0, help="openai engine: seconds one request may take, its whole reply included (then retried)."),
-        max_retries: int = typer.Option(3, help="openai engine: retries after a connection error, timeout, HTTP 5xx/408/429 (0 = try once)."),
-        max_prompt_bytes: int = typer.Option(DEFAULT_MAX_LINE_BYTES, help="Most bytes of one prompts-file line (or .parquet row's text); a longer one is an error."),
-        heldout_permille: int = typer.Option(50, help="Default prompt set: share of stdlib files held out, in 1/1000."),
-        overwrite: bool = typer.Option(False, help="Replace an output generated with other settings."),
-        break_lock: bool = typer.Option(False, "--break-lock", help="Take over OUTPUT's lock left by a run on another host known dead."),
-        config_file: str | None = CONFIG_OPTION,
-        preset: str | None = PRESET_OPTION,
-        overrides: list[str] = SET_OPTION,
-        print_config: bool = PRINT_CONFIG_OPTION,
-    ) -> None:
+    @config_options(GenerateConfig, "generate")
+    def generate_command(settings: CommandSettings) -> None:
         """Generate the target's own responses to prompts as a training corpus (the DFlash paper's recipe)."""
-        try:
-            kwargs = json.loads(template_kwargs)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"--template-kwargs is not valid JSON ({error.msg}): {template_kwargs!r}") from None
-        values = dict(
-            prompts=prompts, output=None if output is None else str(output), target=target, engine=engine,
-            turns=turns, chat_template=chat_template, template_kwargs=kwargs, temperature=temperature, top_p=top_p,
-            max_new_tokens=max_new_tokens, seed=seed, max_length=max_length, max_prompts=max_prompts,
-            part_size=part_size, batch_size=batch_size, token_budget=token_budget, kv_cache=kv_cache,
-            deterministic=deterministic, target_gpus=int_list(target_gpus, "--target-gpus"),
-            target_processes=target_processes,
-            scheduler_address=scheduler_address, dashboard_address=dashboard_address, endpoints=list(endpoint),
-            served_model=served_model, api_key_env=api_key_env, concurrency=concurrency,
-            request_timeout_s=request_timeout_s, max_retries=max_retries, max_prompt_bytes=max_prompt_bytes,
-            default_prompts={"heldout_permille": heldout_permille}, overwrite=overwrite,
-            tls_ca_file=tls_ca_file, tls_cert=tls_cert, tls_key=tls_key, break_lock=break_lock,
-        )  # fmt: skip
         config = resolve_stage_config(
-            GenerateConfig, "generate",
-            *split_given(ctx, values, {"endpoints": "endpoint", "default_prompts": "heldout_permille"}),
-            config_file=config_file, preset=preset, overrides=overrides, required=("output",),
-            option_names={"prompts": "PROMPTS", "default_prompts": "--heldout-permille"},
-        )
-        if print_config:
+            GenerateConfig, "generate", given=settings.given, config_file=settings.config_file,
+            preset=settings.preset, overrides=settings.sets, required=("output",), option_names=settings.spellings)
+        if settings.print_config:
             print_and_exit("generate", config)
         run_generate(config, prompt_processes=None)  # the CLI's entry points run under a __main__ guard
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import functools
 import glob
 import sys
@@ -87,7 +86,7 @@ from dflash.io.files import (
 )
 from dflash.io.locks import output_lock
 from dflash.target.load import load_tokenizer, resolve_target_path, target_identity
-from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION
+from stages.config.options import CommandSettings, config_options, setting
 
 __all__ = ["PrepareConfig", "PrepareReport", "run_prepare", "register"]
 
@@ -100,45 +99,40 @@ _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _BATCH_DOCUMENTS = 16
 
 
-# Choices for the CLI (typer lists and checks Enum values on every supported version).
-_LengthPolicyChoice = enum.Enum("_LengthPolicyChoice", {p: p for p in _POLICIES}, type=str)
-_AssistantMaskChoice = enum.Enum("_AssistantMaskChoice", {m.replace("-", "_"): m for m in ASSISTANT_MASK_MODES}, type=str)
-
-
 @dataclass(kw_only=True, slots=True)
 class PrepareConfig:
     """Configuration of ``prepare``; validated on construction (errors name the field)."""
 
     #: Input paths, globs or ``"default"``; empty means ``["default"]``.
-    inputs: list[str] = field(default_factory=list)
+    inputs: list[str] = setting(default_factory=list, argument='INPUT...', repeat=True, help="Chat JSONL/Parquet (messages), text files/folders/globs, tokenized Arrow/Parquet/save_to_disk data, or 'default' (the Python stdlib sources). No input: 'default'.")
     #: Output corpus folder (must not exist unless ``overwrite``).
-    output: Path
+    output: Path = setting(short='-o', help='Corpus folder to create (written atomically). Required (here or in --config/--preset/--set).')
     #: Target spec (``"default"``, a transformers folder or a .gguf file): its tokenizer, chat template, vocab.
-    target: str = "default"
+    target: str = setting("default", help="Target: 'default' (SmolLM2-135M-Instruct), a transformers folder or a .gguf file.")
     #: Longest sample in tokens.
-    max_length: int = DEFAULT_MAX_LENGTH
+    max_length: int = setting(DEFAULT_MAX_LENGTH, help='Longest sample, in tokens.')
     #: What to do with longer rows (module docstring).
-    length_policy: PrepareLengthPolicy = "auto"
+    length_policy: PrepareLengthPolicy = setting("auto", choices=True, help='Rows longer than --max-length. split: consecutive max_length chunks; auto: split for plain text and the default corpus, error for chat/tokenized data (choose explicitly).')
     #: How assistant replies are found in chat data (``dflash/corpus/chat.py``).
-    assistant_mask: Literal["template", "prefix-diff"] = "template"
+    assistant_mask: Literal["template", "prefix-diff"] = setting("template", choices=True, help="Chat data: how assistant replies are found. template: the chat template's {% generation %} markers; prefix-diff: render each conversation prefix (for templates without markers, e.g. SmolLM2's).")
     #: Supervise only the last assistant reply of each conversation.
-    last_turn_only: bool = False
+    last_turn_only: bool = setting(False, option='--last-turn-only', help='Chat data: supervise only the last assistant reply.')
     #: File-name patterns (fnmatch) of the files taken from folder inputs.
-    patterns: tuple[str, ...] = ("*",)
+    patterns: tuple[str, ...] = setting(("*",), option='--pattern', repeat=True, help='File-name pattern for files in folder inputs (repeatable).')
     #: Stop after this many kept samples (documents are then taken in a seeded random order).
-    max_samples: int | None = None
+    max_samples: int | None = setting(None, help='Keep at most this many samples (documents in seeded random order).')
     #: Stop once this many tokens are kept (the sample reaching it is kept whole).
-    max_tokens: int | None = None
+    max_tokens: int | None = setting(None, help='Stop once this many tokens are kept (documents in seeded random order).')
     #: Seed of the document order when a limit is set, and of the held-out documents.
-    seed: int = 0
+    seed: int = setting(0, help='Seed of the document order when --max-samples/--max-tokens is set, and of the held-out documents.')
     #: Drop samples (or chunks) with fewer supervised tokens than this.
-    min_supervised_tokens: int = 1
+    min_supervised_tokens: int = setting(1, help='Drop samples with fewer supervised tokens (DFlash: < 2 x block_size is of little use).')
     #: Default corpus: also take the stdlib test suites.
-    stdlib_tests: bool = False
+    stdlib_tests: bool = setting(False, option='--stdlib-tests', help='Default corpus: include the stdlib test suites (~3x tokens).')
     #: Replace an existing output folder (atomically).
-    overwrite: bool = False
+    overwrite: bool = setting(False, option='--overwrite', help='Replace an existing --output folder.')
     #: Take over the output's lock left by a run on another host known dead (``dflash.io.locks``).
-    break_lock: bool = False
+    break_lock: bool = setting(False, option='--break-lock', help="Take over --output's lock left by a run on another host known dead.")
     heldout_documents: int | None = field(default=None, metadata={"help": (
         "Documents (conversations, files) held out for evaluation in OUTPUT/heldout, chosen by --seed; unset: 5% "
         "of the documents, at least 1; 0: none.")})
@@ -726,37 +720,8 @@ def _field_help(name: str) -> str:
 def register(app: Any) -> None:
     """Add ``prepare`` to the typer ``app``."""
     @app.command("prepare")
-    def prepare_command(
-        ctx: typer.Context,
-        inputs: list[str] = typer.Argument(
-            None, metavar="INPUT...", show_default=False,
-            help="Chat JSONL/Parquet (messages), text files/folders/globs, tokenized Arrow/Parquet/save_to_disk "
-                 "data, or 'default' (the Python stdlib sources). No input: 'default'."),
-        output: Path = typer.Option(None, "--output", "-o", help="Corpus folder to create (written atomically). Required (here or in --config/--preset/--set)."),
-        target: str = typer.Option("default", help="Target: 'default' (SmolLM2-135M-Instruct), a transformers folder or a .gguf file."),
-        max_length: int = typer.Option(DEFAULT_MAX_LENGTH, help="Longest sample, in tokens."),
-        length_policy: _LengthPolicyChoice = typer.Option(
-            "auto", help="Rows longer than --max-length. split: consecutive max_length chunks; auto: split for "
-                         "plain text and the default corpus, error for chat/tokenized data (choose explicitly)."),
-        assistant_mask: _AssistantMaskChoice = typer.Option(
-            "template", help="Chat data: how assistant replies are found. template: the chat template's "
-                             "{% generation %} markers; prefix-diff: render each conversation prefix (for "
-                             "templates without markers, e.g. SmolLM2's)."),
-        last_turn_only: bool = typer.Option(False, "--last-turn-only", help="Chat data: supervise only the last assistant reply."),
-        pattern: list[str] = typer.Option(["*"], help="File-name pattern for files in folder inputs (repeatable)."),
-        max_samples: int = typer.Option(None, help="Keep at most this many samples (documents in seeded random order)."),
-        max_tokens: int = typer.Option(None, help="Stop once this many tokens are kept (documents in seeded random order)."),
-        seed: int = typer.Option(0, help="Seed of the held-out documents, and of the document order when --max-samples/--max-tokens is set."),
-        min_supervised_tokens: int = typer.Option(1, help="Drop samples with fewer supervised tokens (DFlash: < 2 x block_size is of little use)."),
-        stdlib_tests: bool = typer.Option(False, "--stdlib-tests", help="Default corpus: include the stdlib test suites (~3x tokens)."),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --output folder."),
-        break_lock: bool = typer.Option(False, "--break-lock", help="Take over --output's lock left by a run on another host known dead."),
-        heldout_documents: int | None = typer.Option(None, "--heldout-documents", help=_field_help("heldout_documents")),
-        config_file: str | None = CONFIG_OPTION,
-        preset: str | None = PRESET_OPTION,
-        overrides: list[str] = SET_OPTION,
-        print_config: bool = PRINT_CONFIG_OPTION,
-    ) -> None:
+    @config_options(PrepareConfig, "prepare")
+    def prepare_command(settings: CommandSettings) -> None:
         """Tokenize chat, plain-text or tokenized data into a corpus (input_ids + loss_mask) for extract.
 
         \b
@@ -770,20 +735,13 @@ def register(app: Any) -> None:
 
         console = Console(stderr=True)
         try:
-            from stages.config.resolve import print_and_exit, resolve_stage_config, split_given
+            from stages.config.resolve import print_and_exit, resolve_stage_config
 
-            values = dict(
-                inputs=inputs or [], output=None if output is None else str(output), target=target,
-                max_length=max_length, length_policy=length_policy.value, assistant_mask=assistant_mask.value,
-                last_turn_only=last_turn_only, patterns=list(pattern), max_samples=max_samples,
-                max_tokens=max_tokens, seed=seed, min_supervised_tokens=min_supervised_tokens,
-                stdlib_tests=stdlib_tests, overwrite=overwrite, break_lock=break_lock,
-                heldout_documents=heldout_documents,
-            )  # fmt: skip
-            config = resolve_stage_config(PrepareConfig, "prepare", *split_given(ctx, values, {"patterns": "pattern"}),
-                                          config_file=config_file, preset=preset, overrides=overrides,
-                                          required=("output",), option_names={"inputs": "INPUT"})  # fmt: skip
-            if print_config:
+            config = resolve_stage_config(PrepareConfig, "prepare", given=settings.given,
+                                          config_file=settings.config_file, preset=settings.preset,
+                                          overrides=settings.sets, required=("output",),
+                                          option_names=settings.spellings)  # fmt: skip
+            if settings.print_config:
                 print_and_exit("prepare", config)
             path, report = run_prepare(config, console=console)
         except DFlashError as error:

@@ -54,7 +54,8 @@ from dflash.io.files import atomic_write_text
 from dflash.io.locks import output_lock
 from dflash.training.telemetry import final_losses, read_metrics
 from stages.config.check import check_fields, deep_merge, leaf_paths, matches_type, read_config_file, set_path
-from stages.config.resolve import nested, parse_sets, resolve_stage_config, section_of, split_given
+from stages.config.options import CommandSettings, config_options, setting
+from stages.config.resolve import nested, parse_sets, resolve_stage_config
 from stages.train.config import TrainConfig
 from stages.train.launch import run_training
 
@@ -178,12 +179,19 @@ class SweepConfig:
         break_lock: take over locks of the sweep and its runs left on another host known dead.
     """
 
-    cache: str | None = None
-    output: str | None = None
-    grid: dict[str, list[Any]] = field(default_factory=dict)
-    drafter_gpus: list[int] | None = None
-    resume: bool = False
-    break_lock: bool = False
+    cache: str | None = setting(None, help="Hidden-state cache shared by every run. Required (here or in "
+                                "--config/--set).")
+    output: str | None = setting(None, short="-o", help="Sweep folder, one run folder per combination (default: "
+                                 "./sweep-<time>).")
+    grid: dict[str, list[Any]] = setting(
+        default_factory=dict, parse=parse_grid, repeat=True,
+        help="FIELD=V1,V2,... (a TrainConfig field and its values; one value fixes it; lists as 256:512), or "
+             "FIELD=JSON-ARRAY of the values ('boundaries=[[256,512],[1024]]'). Repeatable.")
+    drafter_gpus: list[int] | None = setting(None, help="GPU ids, e.g. 0,1,2; one run per GPU at a time (default: one "
+                                             "run after the other).")
+    resume: bool = setting(False, option="--resume", help="Continue unfinished runs of an earlier sweep.")
+    break_lock: bool = setting(False, option="--break-lock", help="Take over locks of the sweep and its runs left on "
+                               "another host known dead.")
 
     def __post_init__(self) -> None:
         for name, values in self.grid.items():
@@ -194,73 +202,74 @@ class SweepConfig:
             raise ConfigError(f"drafter_gpus: expected a non-empty list of distinct GPU ids >= 0, got {self.drafter_gpus!r}")
 
 
-def _split_sets(overrides: list[str]) -> tuple[list[str], list[tuple[str, Any, str]]]:
-    """``--set`` items -> (``sweep.X=V`` items, ``(train field, value, source)`` of the others, parsed as every
-    stage parses ``--set``: :func:`stages.config.resolve.parse_sets`)."""
+def _split_sets(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """``--set`` items -> (``sweep.X=V`` items, the others: train fields fixed for every run). A train item of
+    several comma-separated values is refused (a grid's job)."""
     sweep_items = [item for item in overrides if item.strip().startswith("sweep.")]
-    train_items = parse_sets([item for item in overrides if item not in sweep_items], "train")
-    for key, value, source in train_items:
+    train_items = [item for item in overrides if item not in sweep_items]
+    for key, value, source in parse_sets(train_items, "train"):
         if isinstance(value, str) and "," in value and key in TrainConfig.field_types():  # key: a field's path
             written = source.partition(" ")[2].partition("=")[0]  # the key as the user wrote it (lr or optim.lr)
             raise ConfigError(f"{source}: --set fixes one value; sweep several with --grid {written}={value}")
     return sweep_items, train_items
 
 
-def resolve_sweep(ctx: Any, values: dict[str, Any], *, config_file: str | None, preset: str | None,
-                  overrides: list[str]) -> tuple[SweepConfig, dict[str, Any]]:
-    """The sweep's config and the train fields fixed for every run (precedence in the module docstring).
+def _not_owned(fixed: dict[str, Any]) -> dict[str, Any]:
+    """The train fields fixed for every run, refusing those the sweep sets per run (:data:`SWEEP_OWNED`).
+
+    Raises:
+        ConfigError: ``KEY: the sweep sets it ...`` (``resolve_stage_config`` adds the key's source).
+    """
+    owned = sorted(set(fixed) & set(SWEEP_OWNED))
+    if owned:
+        raise ConfigError(f"{owned[0]}: the sweep sets it for every run; give it as sweep.{owned[0]} (--{owned[0]})")
+    return fixed
+
+
+def _preset_without_owned(name: str) -> dict[str, Any]:
+    """A pipeline preset whose train section never names the sweep's folders (its cache and output are the
+    pipeline's, not the sweep's)."""
+    from stages.config.presets import load_preset
+
+    data = dict(load_preset(name))
+    if isinstance(data.get("train"), dict):
+        data["train"] = {k: v for k, v in data["train"].items() if k not in SWEEP_OWNED}
+    return data
+
+
+def resolve_sweep(given: dict[str, Any], *, config_file: str | None, preset: str | None, overrides: list[str],
+                  option_names: dict[str, str] | None = None) -> tuple[SweepConfig, dict[str, Any]]:
+    """The sweep's config and the train fields fixed for every run, each resolved by ``resolve_stage_config``
+    (precedence in the module docstring). ``given``: the sweep options given.
 
     Raises:
         ConfigError: an unknown or mistyped key (named with its source), a missing cache, or a combination
             TrainConfig refuses.
     """
     sweep_sets, train_sets = _split_sets(overrides)
-    config = resolve_stage_config(SweepConfig, "sweep", *split_given(ctx, values), config_file=config_file,
-                                  preset=preset, overrides=sweep_sets, required=("cache",))  # fmt: skip
-    known = {f.name for f in dataclasses.fields(TrainConfig) if f.init}
-    fixed: dict[str, Any] = {}
-    layers = []
-    if preset is not None:
-        from stages.config.presets import load_preset
-
-        layers.append((section_of(load_preset(preset), "train", known, f"preset {preset}"), f"preset {preset}"))
-    if config_file is not None:
-        data = read_config_file(config_file)
-        if "train" in data and not isinstance(data["train"], dict):
-            raise ConfigError(f"train (--config {config_file}): expected a table of train fields fixed for every "
-                              f"run, got {type(data['train']).__name__}")
-        if "sweep" in data and not isinstance(data["sweep"], dict):
-            raise ConfigError(f"sweep (--config {config_file}): expected a table of sweep fields, got "
-                              f"{type(data['sweep']).__name__}")
-        part = dict(data.get("train") or {})
-        if isinstance(data.get("target"), str):  # a top-level target applies to every stage that has one
-            part.setdefault("target", data["target"])
-        layers.append((part, f"--config {config_file}"))
-
-    def check(values: dict[str, Any], source: str) -> None:
-        owned = sorted(set(values) & set(SWEEP_OWNED))
-        if owned:
-            raise ConfigError(f"train.{owned[0]} ({source}): the sweep sets it for every run; give it as "
-                              f"sweep.{owned[0]} (--{owned[0]})")
-        check_fields(TrainConfig, values, section="train", source=lambda _key: source)
-
-    for part, source in layers:
-        if source.startswith("preset"):  # a pipeline preset's train section never names the sweep's folders
-            part = {k: v for k, v in part.items() if k not in SWEEP_OWNED}
-        check(part, source)
-        fixed = deep_merge(fixed, part)
-    for key, value, source in train_sets:
-        check(nested(key, value), source)
-        fixed = deep_merge(fixed, nested(key, value))
+    config = resolve_stage_config(SweepConfig, "sweep", given=given, config_file=config_file, preset=preset,
+                                  overrides=sweep_sets, required=("cache",), option_names=option_names)
+    data = read_config_file(config_file) if config_file is not None else {}
+    for name, what in (("train", "train fields fixed for every run"), ("sweep", "sweep fields")):
+        if name in data and not isinstance(data[name], dict):
+            raise ConfigError(f"{name} (--config {config_file}): expected a table of {what}, got "
+                              f"{type(data[name]).__name__}")
+    sectioned = any(isinstance(data.get(name), dict) for name in ("train", "sweep"))  # a flat file: sweep fields
+    fixed = resolve_stage_config(TrainConfig, "train", config_file=config_file if sectioned else None, preset=preset,
+                                 overrides=train_sets, read_preset=_preset_without_owned, build=_not_owned)
     for name, options in config.grid.items():
         path = grid_path(name)
         if path is None:
             raise ConfigError(f"sweep.grid.{name}: not a train config field; see --grid in --help")
+        source = f"sweep.grid.{name}"
+        if path in SWEEP_OWNED:
+            raise ConfigError(f"train.{path} ({source}): the sweep sets it for every run; give it as sweep.{path} "
+                              f"(--{path})")
         for option in options:
-            check(nested(path, option), f"sweep.grid.{name}")
-    given_fixed = {key: source for key, _, source in train_sets}
-    if config_file is not None:
-        given_fixed.update({key: f"--config {config_file}" for key in leaf_paths(layers[-1][0])})
+            check_fields(TrainConfig, nested(path, option), section="train", source=lambda _key, s=source: s)
+    given_fixed = {key: source for key, _, source in parse_sets(train_sets, "train")}
+    if isinstance(data.get("train"), dict):
+        given_fixed.update({key: f"--config {config_file}" for key in leaf_paths(data["train"])})
     for name in config.grid:
         if grid_path(name) in given_fixed:
             raise ConfigError(f"train.{name} is both swept (sweep.grid) and fixed ({given_fixed[grid_path(name)]}); keep one")
@@ -423,41 +432,22 @@ def comparison_table(runs: list[SweepRun]):
 def register(app: typer.Typer) -> None:
     """Add the ``sweep`` command to the ``dflash-stages`` app."""
     @app.command("sweep")
-    def sweep_command(
-        ctx: typer.Context,
-        cache: str = typer.Option(None, "--cache", help="Hidden-state cache shared by every run. Required (here or in --config/--set)."),
-        output: Path = typer.Option(
-            None, "--output", "-o", help="Sweep folder, one run folder per combination (default: ./sweep-<time>)."
-        ),
-        grid: list[str] = typer.Option(
-            [], "--grid", help="FIELD=V1,V2,... (a TrainConfig field and its values; one value fixes it; lists as 256:512), or FIELD=JSON-ARRAY of the values ('boundaries=[[256,512],[1024]]'). Repeatable."
-        ),
-        drafter_gpus: str = typer.Option(None, "--drafter-gpus", help="GPU ids, e.g. 0,1,2; one run per GPU at a time (default: one run after the other)."),
-        resume: bool = typer.Option(False, "--resume", help="Continue unfinished runs of an earlier sweep."),
-        break_lock: bool = typer.Option(
-            False, "--break-lock", help="Take over locks of the sweep and its runs left on another host known dead."),
-        config_file: str | None = typer.Option(None, "--config", help="Settings in a .toml, .yaml or .json file: a "
-                                               "\\[sweep] section (cache, output, grid, drafter_gpus...) and a \\[train] section "
-                                               "(train fields fixed for every run). Options given override it."),
-        preset: str | None = typer.Option(None, "--preset", help="A pipeline preset of `run` or a .json file of "
-                                          "sections: its train section fixes train fields for every run."),
-        overrides: list[str] = typer.Option([], "--set", help="train.FIELD=VALUE (or FIELD=VALUE) fixes a train field "
-                                            "for every run; sweep.FIELD=VALUE sets a sweep field (JSON value, else a "
-                                            "string). Repeatable."),
-        print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config as JSON ({sweep, "
-                                          "train}, which --config reads back) and exit without doing anything."),
-    ) -> None:
+    @config_options(SweepConfig, "sweep", shared_help={
+        "config": "Settings in a .toml, .yaml or .json file: a \\[sweep] section (cache, output, grid, drafter_gpus...) "
+                  "and a \\[train] section (train fields fixed for every run). Options given override it.",
+        "preset": "A pipeline preset of `run` or a .json file of sections: its train section fixes train fields for "
+                  "every run.",
+        "set": "train.FIELD=VALUE (or FIELD=VALUE) fixes a train field for every run; sweep.FIELD=VALUE sets a sweep "
+               "field (JSON value, else a string). Repeatable.",
+        "print_config": "Print the resolved config as JSON ({sweep, train}, which --config reads back) and exit "
+                        "without doing anything."})
+    def sweep_command(settings: CommandSettings) -> None:
         """Train one drafter per combination of --grid values over one cache and compare them."""
-        try:
-            gpu_ids = [int(g) for g in drafter_gpus.split(",") if g.strip()] if drafter_gpus else None
-        except ValueError:
-            raise ConfigError(f"--drafter-gpus {drafter_gpus!r}: expected comma-separated GPU ids, e.g. 0,1,2") from None
-        values = dict(cache=cache, output=None if output is None else str(output), grid=parse_grid(grid),
-                      drafter_gpus=gpu_ids, resume=resume, break_lock=break_lock)  # fmt: skip
-        config, fixed = resolve_sweep(ctx, values, config_file=config_file, preset=preset, overrides=overrides)
+        config, fixed = resolve_sweep(settings.given, config_file=settings.config_file, preset=settings.preset,
+                                      overrides=settings.sets, option_names=settings.spellings)
         folder = Path(config.output) if config.output else Path(time.strftime("sweep-%Y%m%d-%H%M%S"))
         runs = plan_sweep(config.cache, folder, config.grid, resume=config.resume, fixed=fixed)
-        if print_config:
+        if settings.print_config:
             from stages.config.resolve import printable
 
             printed = json.loads(printable("sweep", config))

@@ -1,5 +1,7 @@
-"""Each setting is declared once, in its stage's config dataclass; the CLI options cannot drift from it: an option named after a field defaults to the field's default (train's options default to ``None`` so a
-saved run can fill them, and show the field's default in ``--help``), and ``--print-config`` reaches every field."""
+"""Each setting is declared once, in its stage's config dataclass; the CLI options cannot drift from it: every
+command's options are derived from its fields (``stages.config.options``), default to ``None`` (so a preset, a file
+or a saved run can fill them) and show the field's default in ``--help``, and ``--print-config`` reaches every
+field."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import pytest
 import typer
 
 from stages.cli import _register_all, app
-from stages.sweep import parse_grid
 
 #: command -> (module, config dataclass).
 CONFIGS = {
@@ -21,51 +22,30 @@ CONFIGS = {
     "export": ("stages.export", "ExportConfig"),
     "sweep": ("stages.sweep", "SweepConfig"),
     "train": ("stages.train.config", "TrainConfig"),
+    "online": ("pipelines.online", "OnlineConfig"),
 }
-#: Options whose text form the command parses into the field's type.
-PARSED = {("generate", "template_kwargs"): json.loads, ("sweep", "grid"): parse_grid}
-
-
-def _field_default(field: dataclasses.Field):
-    from stages.config.check import MISSING_DEFAULT, field_default
-
-    value = field_default(field)
-    return None if value is MISSING_DEFAULT else value
+#: Parameters a command declares itself: the shared ones, and options that are no setting (evaluate's --json).
+OWN = {"config_file", "preset", "sets", "print_config", "as_json"}
 
 
 @pytest.mark.parametrize("command", sorted(CONFIGS))
-def test_options_default_to_their_fields_defaults(command):
+def test_options_are_derived_from_their_fields(command):
     import importlib
 
-    from stages.train.command import OPTION_FIELDS, _shown
-    from stages.train.config import default_leaves
+    from stages.config.options import option_specs
 
     _register_all()
     module, name = CONFIGS[command]
-    fields = {f.name: f for f in dataclasses.fields(getattr(importlib.import_module(module), name)) if f.init}
+    specs = {spec.name: spec for spec in option_specs(getattr(importlib.import_module(module), name))}
     params = typer.main.get_command(app).commands[command].params
-    checked = 0
     for param in params:
-        if command == "train":  # an option of a nested config's field (--lr: optim.lr) by its dotted path
-            field_name = OPTION_FIELDS.get(param.name, param.name)
-            if field_name not in default_leaves():
-                continue
-            default = default_leaves()[field_name]
-        else:
-            field_name = param.name
-            if field_name not in fields:
-                continue
-            default = _field_default(fields[field_name])
-        if command == "train":  # None on the command line; the field's default shown in --help
-            assert param.default is None, param.name
-            if default is not None:
-                assert param.show_default == _shown(field_name), param.name
-        else:
-            value = PARSED.get((command, field_name), lambda v: v)(param.default)
-            empty = (None, (), [], {})  # "nothing given" spelled by click or by the field
-            assert value == default or (value in empty and default in empty), (command, param.name, value, default)
-        checked += 1
-    assert checked >= min(5, len(fields))
+        if param.name in OWN or param.name == "help":
+            continue
+        spec = specs[param.name]  # every other parameter is a field's
+        assert param.default is None, param.name  # None on the command line; the field's default shown in --help
+        assert param.show_default == (spec.shown_default or False), param.name
+        assert param.opts[0] == (param.name if spec.argument else spec.spelling), param.name
+    assert len([p for p in params if p.name in specs]) >= 5
 
 
 @pytest.mark.parametrize("command", ["prepare", "generate", "extract", "evaluate", "export"])

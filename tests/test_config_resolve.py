@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 
 import pytest
 
+from dflash.errors import ConfigError
 from tests.cli_helpers import main_in_process, main_in_process_out
 
 # (command, the options and arguments that name its inputs/outputs; paths that need not exist: nothing runs)
@@ -327,3 +329,54 @@ def test_a_nested_configs_refusal_names_its_whole_path_and_source(tmp_path, monk
         code, err = main_in_process(monkeypatch, capsys, *args)
         assert code == 2 and err.strip() == expected, (args, err)
     assert not (tmp_path / "out").exists()
+
+
+#: A config with a nested one, for the resolver's own layers.
+@dataclass
+class _Inner:
+    lr: float = 1e-3
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+
+
+@dataclass
+class _Config:
+    output: str = "o"
+    seed: int = 0
+    steps: int | None = None
+    inner: _Inner = field(default_factory=_Inner)
+
+    def __post_init__(self):
+        if isinstance(self.inner, dict):
+            try:
+                self.inner = _Inner(**self.inner)
+            except ConfigError as error:
+                raise ConfigError(f"inner.{error}") from None
+
+
+def test_a_base_layer_sits_under_every_other_and_a_fill_sees_what_no_layer_set(tmp_path):
+    """``resolve_stage_config``'s lowest layer (train's saved run) is overridden by a file, a nested option given by
+    its dotted path and ``--set``; ``fill`` fills only what no layer set; a refused value names its key and the
+    layer it came from (the base's own source too)."""
+    from stages.config.resolve import resolve_stage_config
+
+    (tmp_path / "c.toml").write_text("seed = 2\n")
+    saved = ({"seed": 1, "steps": 9, "inner": {"eps": 1e-6}}, "the saved run R")
+
+    def fill(merged):
+        merged.setdefault("steps", 100)
+        return "filled"
+
+    config, filled = resolve_stage_config(_Config, "demo", given={"inner.lr": 0.5}, config_file=tmp_path / "c.toml",
+                                          overrides=["demo.output=x"], base=lambda upper: saved, fill=fill)
+    assert (config.output, config.seed, config.steps, config.inner.lr, config.inner.eps) == ("x", 2, 9, 0.5, 1e-6)
+    assert filled == "filled"
+    config, _ = resolve_stage_config(_Config, "demo", base=lambda upper: None, fill=fill)
+    assert config.steps == 100  # nothing set it: filled
+    with pytest.raises(ConfigError, match=r"^demo\.inner\.lr \(--learning-rate\): must be > 0, got -1"):
+        resolve_stage_config(_Config, "demo", given={"inner.lr": -1}, option_names={"inner.lr": "--learning-rate"})
+    with pytest.raises(ConfigError, match=r"^demo\.inner\.lr \(the saved run R\): must be > 0"):
+        resolve_stage_config(_Config, "demo", base=lambda upper: ({"inner": {"lr": -2}}, "the saved run R"))

@@ -768,7 +768,7 @@ def test_codec_calibration_always_measures_on_a_cpu_worker_and_the_cache_reads_b
 
     output = tmp_path / "cache"
     config = ExtractConfig(corpus=str(short_corpus_dir), output=str(output), target_processes=1, shard_size=12,
-                           token_budget=64, codec_calibration="always", dashboard_address=":0")  # fmt: skip
+                           forward_tokens=64, codec_calibration="always", dashboard_address=":0")  # fmt: skip
     console = _recorded_console()
     summary = run_extract(config, console)
     metadata = CacheReader(output).metadata
@@ -790,7 +790,7 @@ def test_codec_calibration_always_measures_on_a_cpu_worker_and_the_cache_reads_b
     assert describe_choice(choice) in console.file.getvalue()
     code, err = main_in_process(monkeypatch, capsys, "cache", "verify", str(output))
     assert code == 0, err
-    _same_batches_bit_exact(output, target, config.token_budget)
+    _same_batches_bit_exact(output, target, config.forward_tokens)
 
 
 def test_a_chosen_codec_is_applied_to_the_new_cache_and_reads_back_bit_exact(tmp_path, target, short_corpus_dir):

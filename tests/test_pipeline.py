@@ -23,7 +23,7 @@ TINY = {
     "target": "default",
     "prepare": {"max_length": 256},  # inputs: a folder of small stdlib modules (set in the fixture)
     "split": {"heldout_documents": 1, "seed": 0},
-    "extract": {"target_processes": 1, "num_taps": 1, "token_budget": 2048, "shard_size": 2048, "dashboard_address": ":0"},
+    "extract": {"target_processes": 1, "num_taps": 1, "forward_tokens": 2048, "shard_size": 2048, "dashboard_address": ":0"},
     "train": {"drafter": {"num_draft_layers": 1, "block_size": 4, "max_anchors_per_document": 8}, "epochs": 2,
               "data": {"token_budget": 512, "validation_fraction": 0.0}, "save_every": 100, "keep_last": 1,
               "device": "cpu", "telemetry": {"progress": False},

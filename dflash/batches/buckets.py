@@ -56,13 +56,13 @@ _OPEN_BATCHES = 8
 class BucketConfig:
     """How samples are grouped into length buckets and token-budget batches."""
 
-    token_budget: int = 16384
+    token_budget: int = field(default=16384, metadata={"help": "Real tokens per micro-batch per rank (on a CPU host, when nothing sets it: the cpu-small preset's)."})
     """Maximum real tokens per batch (per rank, per micro-step). A sample longer than this is an error."""
-    boundaries: tuple[int, ...] | None = None
+    boundaries: tuple[int, ...] | None = field(default=None, metadata={"help": "Bucket edges, e.g. 256,1024.", "option": "--bucket-boundaries"})
     """Upper length edges (inclusive) of every bucket but the last, strictly increasing; ``None``: quantiles."""
-    num_buckets: int = 4
+    num_buckets: int = field(default=4, metadata={"help": "Length buckets from quantiles."})
     """Buckets made from length quantiles when ``boundaries`` is ``None`` (fewer if lengths repeat)."""
-    max_documents_per_batch: int | None = None
+    max_documents_per_batch: int | None = field(default=None, metadata={"help": "Documents per micro-batch cap."})
     """Cap on documents packed into one batch (``None``: only the token budget limits it)."""
 
     def __post_init__(self) -> None:

@@ -108,11 +108,11 @@ class LoaderConfig(BucketConfig):
     the batching of :class:`dflash.batches.buckets.BucketConfig` (token budget, buckets, documents per batch), the held-out
     split and the read-ahead. :class:`StreamConfig` adds what the trainer sets per loader (seed, split, padding)."""
 
-    validation_fraction: float = 0.0
+    validation_fraction: float = field(default=0.0, metadata={"help": "Held-out share (of source documents, or rows with --validation-split-by row)."})
     """Fraction held out for validation: of source documents (``validation_split_by="document"``) or of corpus rows
     (``"row"``); stable per document or row; 0 disables validation. A fraction too small to hold out anything
     holds out the one document (or row) nearest to it instead (:func:`validation_split`)."""
-    validation_split_by: ValidationSplitBy = "document"
+    validation_split_by: ValidationSplitBy = field(default="document", metadata={"help": "document (whole source documents held out; a cache without document keys: rows) | row."})
     """What the validation split holds out. ``"document"``: whole source documents: a corpus row is held out when
     the hash of its document key (the corpus ``document_id``, which extract stores in the cache as
     ``document_keys``) falls in ``validation_fraction``, so no document has rows in both splits and validation

@@ -218,18 +218,18 @@ class DrafterTrainingConfig:
     vocabulary) is the target's; the trainer derives it from these settings and the target
     (:meth:`DFlashConfig.from_target_config`)."""
 
-    num_draft_layers: int = DEFAULT_NUM_DRAFT_LAYERS
+    num_draft_layers: int = field(default=DEFAULT_NUM_DRAFT_LAYERS, metadata={"help": "Draft decoder layers."})
     """Draft decoder layers (paper: 5)."""
-    block_size: int = 16
+    block_size: int = field(default=16, metadata={"help": "Block size B."})
     """Draft block size B (paper: 16)."""
-    mask_token_id: int | None = None
+    mask_token_id: int | None = field(default=None, metadata={"help": "Mask token row (default: chosen)."})
     """Mask token row of the target embedding; default: chosen from the tokenizer's unused special tokens."""
-    target_layer_ids: list[int] | None = None
+    target_layer_ids: list[int] | None = field(default=None, metadata={"help": "Tapped ids; must equal the cache's."})
     """Tapped target layers; default: the cache's. Anything else is refused (the cache holds only its taps)."""
-    gamma: float | None = None
+    gamma: float | None = field(default=None, metadata={"help": "Loss decay (default by block size)."})
     """Loss decay over block positions (``dflash.drafter.loss``); default by block size (7 for 16, 5 for 10, 4 for
     8)."""
-    max_anchors_per_document: int = 512
+    max_anchors_per_document: int = field(default=512, metadata={"help": "Anchors per document (on a CPU host, when nothing sets it: the cpu-small preset's)."})
     """Anchor budget per document per epoch (paper: 512; ``dflash.drafter.anchors.sample_anchors``)."""
     init: Literal["random", "target"] = "random"
     """Initial draft layer weights: ``random`` (Normal(0, 0.02), norms at 1: transformers' Qwen3 init, as DFlash

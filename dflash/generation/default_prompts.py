@@ -51,7 +51,7 @@ import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -97,7 +97,7 @@ class DefaultPromptConfig:
         seed: cut points, instruction choice and the shuffle.
     """
 
-    heldout_permille: int = 50
+    heldout_permille: int = field(default=50, metadata={"help": "Default prompt set: share of stdlib files held out, in 1/1000."})
     chars_per_completion: int = 600
     window_chars: int = 1200
     instruct: bool = True

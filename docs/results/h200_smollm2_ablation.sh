@@ -49,7 +49,7 @@ if [ "$MODE" = tiny ]; then
   PREP_MAX_LENGTH=256
   MAX_FILES=(--max-files 6)
   COMMON=(--set extract.target_gpus=null --set extract.target_processes=1 --set extract.num_taps=1
-          --set extract.token_budget=2048 --set extract.shard_size=4096
+          --set extract.forward_tokens=2048 --set extract.shard_size=4096
           --set train.device=cpu --set train.drafter.num_draft_layers=1 --set train.drafter.block_size=4 --set train.data.token_budget=1024
           --set train.drafter.max_anchors_per_document=16 --set train.data.validation_fraction=0.0 --set train.save_every=1
           --set evaluate.num_prompts=1 --set evaluate.max_new_tokens=8 --set evaluate.prompt_tokens=32

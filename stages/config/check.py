@@ -30,7 +30,7 @@ from dflash.errors import ConfigError, ConfigPathNotFoundError
 from dflash.io.files import MAX_DEPTH
 from dflash.values import shown
 
-__all__ = ["DTYPE_NAMES", "CONFIG_SECTIONS", "DuplicateKeyError", "unique_keys", "MISSING_DEFAULT", "PATH_FIELDS", "EXCLUSIVE_SETTINGS", "layer_over", "check_fields", "check_not_empty_path", "dtype_spelling", "field_default",
+__all__ = ["DTYPE_NAMES", "CONFIG_SECTIONS", "DuplicateKeyError", "unique_keys", "MISSING_DEFAULT", "PATH_FIELDS", "EXCLUSIVE_SETTINGS", "CONTRADICTED_SETTINGS", "layer_over", "check_fields", "check_not_empty_path", "dtype_spelling", "field_default",
            "matches_type", "nested_config", "set_path", "get_path", "leaf_paths",
            "deep_merge", "override_value", "read_config_file", "MAX_CONFIG_BYTES"]
 
@@ -103,16 +103,25 @@ EXCLUSIVE_SETTINGS: tuple[tuple[str, ...], ...] = (
 )
 
 
+#: A setting that, set by a layer, replaces a lower layer's value that contradicts it: drafter GPUs over a preset's
+#: ``device: "cpu"`` (``--preset online-cpu --drafter-gpus 1`` trains on that GPU).
+CONTRADICTED_SETTINGS: dict[str, tuple[str, Any]] = {"drafter_gpus": ("device", "cpu")}
+
+
 def layer_over(merged: dict[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
     """``merged`` (the settings of lower layers) updated in place by ``layer`` (nested mappings merged key by key,
     :func:`deep_merge`); a key of an
     :data:`EXCLUSIVE_SETTINGS` group that ``layer`` sets (not None) removes the group's other keys of ``merged``
-    that ``layer`` does not set itself. Returns ``merged``."""
+    that ``layer`` does not set itself, and a :data:`CONTRADICTED_SETTINGS` key the value it contradicts. Returns
+    ``merged``."""
     for group in EXCLUSIVE_SETTINGS:
         if any(layer.get(key) is not None for key in group):
             for key in group:
                 if key not in layer:
                     merged.pop(key, None)
+    for key, (other, value) in CONTRADICTED_SETTINGS.items():
+        if layer.get(key) is not None and other not in layer and merged.get(other) == value:
+            merged.pop(other)
     merged.update(deep_merge(merged, layer))  # nested configs (train.optim) merge key by key
     return merged
 

@@ -1,8 +1,9 @@
 """Write ``docs/config-reference.md``: every setting of every stage, from its one declaration.
 
 Each stage's settings are the fields of its config dataclass; this reads them (name, type, default) with
-``dataclasses`` and their descriptions from the field's ``metadata["help"]`` or the class source (attribute
-docstrings, ``#:`` comments or a ``Fields:`` section of the class docstring), so the reference cannot drift from the code:
+``dataclasses``, their options from the fields' metadata (``stages.config.options``) and their descriptions from the
+class source (attribute docstrings, ``#:`` comments or a ``Fields:`` section of the class docstring; else the option's
+help), so the reference cannot drift from the code:
 ``tests/test_cli_declarations.py`` regenerates it and compares. Run::
 
     python -m stages.config.reference > docs/config-reference.md
@@ -20,6 +21,7 @@ import typing
 from typing import Any
 
 from stages.config.check import MISSING_DEFAULT, field_default
+from stages.config.options import option_specs
 
 __all__ = ["STAGE_CONFIGS", "field_descriptions", "reference_markdown", "sections"]
 
@@ -38,17 +40,15 @@ STAGE_CONFIGS = {
 
 
 def field_descriptions(cls: type) -> dict[str, str]:
-    """Field -> its description: its ``metadata["help"]``, else in the class source: the string literal after the
+    """Field -> its description, in the class source: the string literal after the
     field (attribute docstring), the ``#:`` comment lines above it, or its entry in a ``Fields:`` / ``Attributes:`` section of the class docstring
     (an entry may name several fields: ``temperature, top_p: ...``). Fields inherited from a base config
-    (``LoaderConfig`` extends ``BucketConfig``) are described where the base declares them."""
+    (``LoaderConfig`` extends ``BucketConfig``) are described where the base declares them. A field the source does
+    not describe has its option's help (``metadata["help"]``)."""
     described: dict[str, str] = {}
     for base in reversed(cls.__mro__[1:]):
         if dataclasses.is_dataclass(base):
             described.update(field_descriptions(base))
-    for f in dataclasses.fields(cls):  # ``field(metadata={"help": ...})``
-        if isinstance(f.metadata.get("help"), str):
-            described[f.name] = " ".join(f.metadata["help"].split())
     doc = inspect.getdoc(cls) or ""
     header = next((h for h in ("Fields:", "Attributes:") if h in doc), None)
     if header is not None:
@@ -60,9 +60,6 @@ def field_descriptions(cls: type) -> dict[str, str]:
                 text = " ".join(match.group(2).split())
                 for name in match.group(1).split(","):
                     described.setdefault(name.strip(), text)
-    for declared in dataclasses.fields(cls):  # field(metadata={"help": ...})
-        if declared.metadata.get("help"):
-            described[declared.name] = declared.metadata["help"]
     source = textwrap.dedent(inspect.getsource(cls))
     lines = source.splitlines()
     body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
@@ -81,9 +78,9 @@ def field_descriptions(cls: type) -> dict[str, str]:
             row -= 1
         if comments:
             described[name] = " ".join(comments)
-    for field in dataclasses.fields(cls):  # a field's declared help, where it has one, describes it
+    for field in dataclasses.fields(cls):  # a field the source does not describe: its option's help
         if field.metadata.get("help"):
-            described[field.name] = " ".join(str(field.metadata["help"]).split())
+            described.setdefault(field.name, " ".join(str(field.metadata["help"]).split()))
     return described
 
 
@@ -130,8 +127,9 @@ def reference_markdown() -> str:
         "",
         "Every setting of every stage, generated from the config dataclasses (`python -m stages.config.reference >",
         "docs/config-reference.md`; a test fails when this page and the code disagree). A field `F` of section `S`",
-        "is `S.F` everywhere: `--set S.F=VALUE`, key `F` under `[S]` in a `--config` file or a preset, and (for most",
-        "fields) the option `--f-name` of the stage's command. Precedence, lowest first: the default below <",
+        "is `S.F` everywhere: `--set S.F=VALUE`, key `F` under `[S]` in a `--config` file or a preset, and the option",
+        "of the stage's command in the option column (none: files, presets and `--set` only; a nested section's",
+        "options belong to the command of its stage). Precedence, lowest first: the default below <",
         "`--preset` < `--config` < options given < `--set` (README, \"Config files, presets and overrides\").",
         "",
     ]
@@ -141,14 +139,18 @@ def reference_markdown() -> str:
         bases = [base for base in cls.__mro__[1:] if dataclasses.is_dataclass(base)]
         extends = "".join(f" (extends `{base.__name__}` of `{base.__module__.replace('.', '/')}.py`)" for base in bases)
         out += [f"## `{section}`", "", f"Declared in `{cls.__module__.replace('.', '/')}.py`: `{cls.__name__}`{extends}.", "",
-                "| field | type | default | description |", "|---|---|---|---|"]
+                "| field | option | type | default | description |", "|---|---|---|---|---|"]
+        options = {spec.path: spec for spec in option_specs(cls)}
         for field in dataclasses.fields(cls):
             if not field.init:
                 continue
             text = described.get(field.name, "").replace("|", "\\|")
             kind = _type_name(hints.get(field.name, field.type)).replace("|", "\\|")
             default = (_default(field) if instance is None else f"`{getattr(instance, field.name)!r}`").replace("|", "\\|")
-            out.append(f"| `{field.name}` | `{kind}` | {default} | {text} |")
+            spec = options.get(field.name)
+            option = "" if spec is None else f"`{spec.argument}`" if spec.argument else ", ".join(
+                f"`{decl}`" for decl in spec.decls)
+            out.append(f"| `{field.name}` | {option} | `{kind}` | {default} | {text} |")
         out.append("")
     return "\n".join(out)
 

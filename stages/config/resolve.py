@@ -11,8 +11,8 @@ stage's fields at the top or a section named after the stage (``[extract]`` in T
 ``--print-config`` of several stages, configures each stage from its own section (other stages' sections are
 ignored; a top-level ``target`` applies to every stage that has one).
 
-Which options were given is read from click's ``Context.get_parameter_source`` (public API): an option left at
-its default does not hide what the preset or the file say.
+The commands' options are derived from the config dataclasses (``stages.config.options``) and default to None, so
+an option given is one that is not None: an option left out does not hide what the preset or the file say.
 """
 
 from __future__ import annotations
@@ -30,23 +30,17 @@ from stages.config.check import (
     check_fields,
     check_not_empty_path,
     layer_over,
+    leaf_paths,
     override_value,
     read_config_file,
     set_path,
 )
 
-__all__ = ["CONFIG_OPTION", "PRESET_OPTION", "PRINT_CONFIG_OPTION", "SET_OPTION", "given_options", "int_list", "print_and_exit",
-           "nested", "parse_sets", "plain_value", "printable", "resolve_stage_config", "section_of", "split_given", "without_key"]
+__all__ = ["layer_sets", "nested", "parse_sets", "plain_value", "print_and_exit", "printable", "resolve_stage_config", "section_of",
+           "without_key"]
 
 #: Stage sections a config file may hold besides this stage's own (ignored by the other stages).
 KNOWN_SECTIONS = CONFIG_SECTIONS
-
-
-def given_options(ctx: Any, names: Sequence[str]) -> set[str]:
-    """The parameter names of ``ctx``'s command that the command line (or an environment variable) set."""
-    # By the enum member's name: typer bundles its own click, whose ParameterSource is not click's class.
-    return {name for name in names
-            if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
 
 
 #: Keys of a pipeline preset's stage section that only ``run`` reads (``pipelines.offline``); a stage skips them.
@@ -107,11 +101,20 @@ def nested(key: str, value: Any) -> dict[str, Any]:
     return values
 
 
+def layer_sets(values: dict[str, Any], sets: Sequence[tuple[str, Any, str]]) -> dict[str, Any]:
+    """``values`` (a section's settings) updated in place by :func:`parse_sets`'s items, in order: a dotted key sets
+    a nested config's field, a placement replaces the one it excludes (``stages.config.check.layer_over``).
+    Returns ``values``."""
+    for key, value, _ in sets:
+        layer_over(values, nested(key, value))
+    return values
+
+
 def resolve_stage_config(
     cls: type,
     section: str,
-    defaults: Mapping[str, Any],
-    given: Mapping[str, Any],
+    defaults: Mapping[str, Any] | None = None,
+    given: Mapping[str, Any] | None = None,
     *,
     config_file: str | Path | None = None,
     preset: str | None = None,
@@ -119,23 +122,35 @@ def resolve_stage_config(
     required: Sequence[str] = (),
     option_names: Mapping[str, str] | None = None,
     build: Callable[[dict[str, Any]], Any] | None = None,
+    base: Callable[[dict[str, Any]], tuple[Mapping[str, Any], str] | None] | None = None,
+    fill: Callable[[dict[str, Any]], Any] | None = None,
+    read_preset: Callable[[str], Mapping[str, Any]] | None = None,
+    reserved: Sequence[str] = (),
 ) -> Any:
     """Resolve and build a stage's config (precedence in the module docstring).
 
     Args:
         cls: the stage's config dataclass (its fields are the keys of every layer).
         section: the stage's name (``extract``): messages, sections of files and presets, ``--set`` prefixes.
-        defaults: field -> the command's value for options left at their default.
-        given: field -> value of options given on the command line (converted to the field's type).
+        defaults: field -> the command's value where nothing else sets it (none: the dataclass's defaults).
+        given: field (a nested config's leaf by its dotted path, ``optim.lr``) -> value of each option given on
+            the command line (converted to the field's type).
         config_file: ``--config`` path, or None.
         preset: ``--preset`` name (``pipelines/presets``) or JSON path, or None.
         overrides: ``--set`` items.
         required: fields that must have a value in the end (``--output``...).
-        option_names: field -> its option's spelling, for messages (default ``--field-name``).
+        option_names: field (dotted path) -> its option's spelling, for messages (default ``--`` + its last part).
         build: makes the config from the merged dict (default ``cls(**merged)``).
+        base: the lowest layer above ``defaults``, chosen from the merged layers above it (train's saved run with
+            ``--resume``): returns ``(values, source)`` or None. Its values are checked by the config when built.
+        fill: called with the merged dict before the config is built, to fill what no layer set (train's CPU-sized
+            defaults); what it returns is handed back with the config when given.
+        read_preset: reads ``preset`` into its sections (default ``stages.config.presets.load_preset``: the
+            pipeline presets; online's layouts have their own).
+        reserved: fields no layer may set (online's ``train``: its own section).
 
     Returns:
-        The built config.
+        The built config; ``(config, what fill returned)`` when ``fill`` is given.
 
     Raises:
         ConfigError: a missing or unreadable file, an unknown preset, an unknown key, a wrong type, a value the
@@ -143,49 +158,70 @@ def resolve_stage_config(
     """
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     option_names = dict(option_names or {})
-    layers: list[tuple[dict[str, Any], Callable[[str], str]]] = []
+    layers: list[tuple[dict[str, Any], str]] = []
     if preset is not None:
-        from stages.config.presets import load_preset
-
-        layers.append((section_of(load_preset(preset), section, fields, f"preset {preset}"),
-                       lambda key: f"preset {preset}"))
+        if read_preset is None:
+            from stages.config.presets import load_preset as read_preset
+        layers.append((section_of(read_preset(preset), section, fields, f"preset {preset}"), f"preset {preset}"))
     if config_file is not None:
         data = read_config_file(config_file)
-        layers.append((section_of(data, section, fields, f"--config {config_file}"),
-                       lambda key: f"--config {config_file}"))
+        layers.append((section_of(data, section, fields, f"--config {config_file}"), f"--config {config_file}"))
     for values, source in layers:
-        check_fields(cls, values, section=section, source=source)
+        check_fields(cls, values, section=section, source=lambda key, s=source: s, reserved=reserved)
     sets = parse_sets(overrides, section)
     for key, value, source in sets:
-        check_fields(cls, nested(key, value), section=section, source=lambda _key, s=source: s)
-    merged: dict[str, Any] = dict(defaults)
-    origin: dict[str, str] = {key: "default" for key in merged}
+        check_fields(cls, nested(key, value), section=section, source=lambda _key, s=source: s, reserved=reserved)
+    upper: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # dotted path -> where its value came from, for the messages
     for values, source in layers:
-        layer_over(merged, values)
-        origin.update({key: source(key) for key in values})
-    layer_over(merged, given)
-    origin.update({key: option_names.get(key, "--" + key.replace("_", "-")) for key in given})
+        layer_over(upper, values)
+        origin.update({key: source for key in leaf_paths(values)})
+    options: dict[str, Any] = {}
+    for key, value in (given or {}).items():
+        set_path(options, key, value)
+        origin[key] = option_names.get(key, "--" + key.rsplit(".", 1)[-1].replace("_", "-"))
+    layer_over(upper, options)
+    layer_sets(upper, sets)
     for key, value, source in sets:
-        layer_over(merged, nested(key, value))
-        origin[key.split(".")[0]] = source
+        origin.update({path: source for path in leaf_paths(nested(key, value))})
+    merged: dict[str, Any] = dict(defaults or {})
+    lowest = base(upper) if base is not None else None
+    if lowest is not None:
+        values, source = lowest
+        layer_over(merged, values)
+        origin.update({key: source for key in leaf_paths(values) if key not in origin})
+    layer_over(merged, upper)
     for key, value in merged.items():  # the options given too (`-o ''`)
-        check_not_empty_path(key, value, f"{section}.{key} ({origin.get(key, 'default')})")
+        check_not_empty_path(key, value, f"{section}.{key} ({_source(origin, key)})")
     for key in required:
         if merged.get(key) is None:
             option = option_names.get(key, "--" + key.replace("_", "-"))
             raise ConfigError(f"{section}: {option} is required (on the command line, or {key} in --config/--preset/--set)")
+    filled = fill(merged) if fill is not None else None
     try:
-        return build(merged) if build is not None else cls(**merged)
+        config = build(merged) if build is not None else cls(**merged)
     except (ConfigError, ValueError, TypeError) as error:
         message = str(error)
-        key = next((k for k in merged if message.startswith((k + " ", k + ":", k + ".", "--" + k.replace("_", "-")))),
+        known = sorted(set(origin) | set(merged), key=len, reverse=True)
+        key = next((k for k in known if message.startswith((k + " ", k + ":", k + ".", "--" + k.replace("_", "-")))),
                    None)  # fmt: skip
         if key is None:
             raise ConfigError(f"{section}: {message}") from None
         # A nested config's refusal names its leaf (``default_prompts.heldout_permille must be ...``): the message
-        # names that whole path, the source is the nested config's.
+        # names that whole path, the source is the leaf's (else the nearest enclosing key's).
         path = message.split(" ", 1)[0].rstrip(":") if message.startswith(key + ".") else key
-        raise ConfigError(f"{section}.{path} ({origin.get(key, 'default')}): {without_key(message, path)}") from None
+        raise ConfigError(f"{section}.{path} ({_source(origin, path)}): {without_key(message, path)}") from None
+    return (config, filled) if fill is not None else config
+
+
+def _source(origin: Mapping[str, str], path: str) -> str:
+    """Where the value at the dotted ``path`` came from: its own entry, else its nearest enclosing key's, else a
+    leaf under it (a nested config set by one layer), else ``default``."""
+    parts = path.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in origin:
+            return origin[".".join(parts[:end])]
+    return next((source for key, source in origin.items() if key.startswith(path + ".")), "default")
 
 
 def without_key(message: str, key: str) -> str:
@@ -216,51 +252,9 @@ def printable(section: str, config: Any) -> str:
     return json.dumps({section: plain_value(config)}, indent=2, default=str)  # dates etc. of free-form `extra` as text
 
 
-def split_given(ctx: Any, values: Mapping[str, Any],
-                params: Mapping[str, str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``values`` (field -> the command's value) split into the options left at their default and those given: the
-    ``defaults`` and ``given`` of :func:`resolve_stage_config`. ``params``: field -> the command's parameter name
-    where they differ."""
-    params = dict(params or {})
-    given = given_options(ctx, [params.get(k, k) for k in values])
-    chosen = {k for k in values if params.get(k, k) in given}
-    return ({k: v for k, v in values.items() if k not in chosen}, {k: v for k, v in values.items() if k in chosen})
-
-
 def print_and_exit(section: str, config: Any) -> None:
     """``--print-config``: print :func:`printable` and end the command (exit 0)."""
     import typer
 
     print(printable(section, config))
     raise typer.Exit(0)
-
-
-def _options() -> dict[str, Any]:
-    import typer
-
-    return {
-        "config": typer.Option(None, "--config", help="Settings in a .toml, .yaml or .json file: this stage's fields, "
-                               "or a section named after the stage. Options given override it."),
-        "preset": typer.Option(None, "--preset", help="A pipeline preset of `run` (cpu-small, h200-smollm2) or a .json "
-                               "file of sections: its section for this stage (and its target), under the config file."),
-        "set": typer.Option([], "--set", help="STAGE.FIELD=VALUE or FIELD=VALUE (JSON value, else a string), "
-                            "over everything else. Repeatable."),
-        "print_config": typer.Option(False, "--print-config", help="Print the resolved config as JSON (which "
-                                     "--config reads back) and exit without doing anything."),
-    }
-
-
-#: The four options every stage command takes, declared once (``typer.Option`` defaults, shared by the commands).
-CONFIG_OPTION, PRESET_OPTION, SET_OPTION, PRINT_CONFIG_OPTION = _options().values()
-
-
-def int_list(value: str | None, name: str) -> list[int] | None:
-    """A comma-separated option value (``--target-gpus 0,1``) as integers; ``None`` when the option is not given."""
-    import typer
-
-    if value is None:
-        return None
-    try:
-        return [int(part) for part in value.replace(" ", "").split(",") if part]
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=name) from None

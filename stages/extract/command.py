@@ -50,7 +50,7 @@ from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progre
 from dflash.target.load import PACKED_ATTENTION, resolve_target_path, target_identity
 from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
 from stages.config.check import dtype_spelling
-from stages.config.resolve import CONFIG_OPTION, PRESET_OPTION, PRINT_CONFIG_OPTION, SET_OPTION, int_list
+from stages.config.options import CommandSettings, config_options, setting
 from stages.replicas.cluster import (
     close_cluster,
     cluster_workers,
@@ -85,7 +85,7 @@ class ExtractConfig:
         target_processes: CPU worker processes (LocalCluster).
         scheduler_address: an existing Dask scheduler; its workers must reach ``corpus`` and ``output``.
         shard_size: target tokens per shard (rows are grouped contiguously; a longer row is a shard of its own).
-        token_budget: padded tokens per forward batch (rows x longest); with ``packing``, tokens per packed row.
+        forward_tokens: padded tokens per forward batch (rows x longest); with ``packing``, tokens per packed row.
         packing: packed forward batches (samples back to back, attention confined to each; no padding) instead of
             right-padded length-grouped ones (``dflash.target.runner``): the same hidden states within bf16.
         packed_attention: the attention kernel of packed batches: ``"auto"`` (default: ``"varlen"`` on GPU workers
@@ -128,33 +128,33 @@ class ExtractConfig:
         extra: free-form entries recorded in the cache metadata (provenance a caller adds; not used by extract).
     """
 
-    corpus: str
-    output: str
-    target: str = "default"
-    target_layer_ids: list[int] | None = None
-    num_taps: int = DEFAULT_NUM_DRAFT_LAYERS
-    target_gpus: list[int] | None = None
-    target_processes: int | None = None
-    scheduler_address: str | None = None
-    shard_size: int = 65536
-    token_budget: int = 16384
-    packing: bool = False
-    packed_attention: Literal["auto", "flex_attention", "sdpa", "varlen"] = "auto"
-    storage_dtype: Literal["bf16", "fp8"] = "bf16"
-    codec: str = "auto"
-    codec_calibration: Literal["auto", "always", "never"] = "auto"
-    max_length: int | None = None
-    length_policy: Literal["error", "drop", "truncate"] = "error"
-    force_space: bool = False
-    expected_ratio: float = 1.0
-    dashboard_address: str = "127.0.0.1:0"
-    tls_ca_file: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    break_lock: bool = False
-    write_threads: int | None = None
-    writes_in_flight: int = 3
-    write_processes: int | None = None
+    corpus: str = setting(help='Corpus folder (Arrow/Parquet, contract 1). Required (here or in --config/--preset/--set).')
+    output: str = setting(short='-o', help='Cache path or fsspec URL; an existing cache of the same plan is resumed. Required (here or in --config/--preset/--set).')
+    target: str = setting("default", help="'default' (SmolLM2-135M-Instruct), a transformers folder or a .gguf file.")
+    target_layer_ids: list[int] | None = setting(None, help='Tapped decoder layers, e.g. 1,9,17,25,33 (output of decoder layer l = hidden_states\\[l+1]).')
+    num_taps: int = setting(DEFAULT_NUM_DRAFT_LAYERS, help="Taps for DFlash's default layer rule when --target-layer-ids is not given: one per draft layer of the drafter to train.")
+    target_gpus: list[int] | None = setting(None, help='GPUs, one Dask worker each, e.g. 0,1,2,3 (default: all visible GPUs, else --target-processes 1).')
+    target_processes: int | None = setting(None, help='CPU processes for target replicas, one Dask worker each.')
+    scheduler_address: str | None = setting(None, help='Existing Dask scheduler (workers with resource GPU=1 get one task at a time).')
+    shard_size: int = setting(65536, help='Target tokens per shard (one task, one commit).')
+    forward_tokens: int = setting(16384, help='Padded tokens per forward batch (rows x longest); with --packing, tokens per packed row.')
+    packing: bool = setting(False, help="Packed forward batches: samples back to back with attention confined to each, no padding. Same hidden states; on an H200 a long-tailed corpus of a GQA target (Qwen3-8B shape, 524K tokens) ran at 1.04x of padded batches with varlen (samples of 1,024+ tokens through SDPA), 0.95-0.96x with flex_attention; short samples such as SmolLM2's replies gain little (docs/benchmarks.md), so off by default.")
+    packed_attention: Literal["auto", "flex_attention", "sdpa", "varlen"] = setting("auto", help='Attention kernel of --packing: auto (varlen on GPU workers whose torch has it, else flex_attention; sdpa on CPU workers) | flex_attention (document mask) | sdpa (block-diagonal mask, half the speed on an H200) | varlen (FlashAttention varlen over the sample boundaries; GPU workers, torch >= 2.10; 1.13x flex_attention on a long-tailed corpus on an H200).')
+    storage_dtype: Literal["bf16", "fp8"] = setting("bf16", help='bf16 (bit-exact) or fp8 (lossy e4m3, per-token per-tap scale); bfloat16 and float8_e4m3fn also accepted.')
+    codec: str = setting("auto", help='auto, or a codec preset of dflash.cache.CODEC_PRESETS, e.g. none, zstd-1, blosc-zstd1-shuffle (an unknown name lists them). auto: measured on the workers before the cache is created, the best-compressing of blosc-zstd1-shuffle, blosc-lz4-shuffle, none that encodes >= 1.25x the rate hidden states are produced (CUDA runners; CPU runners get blosc-zstd1-shuffle unmeasured); recorded in the cache and printed; an existing cache keeps its codec. If even none cannot keep up, use --storage-dtype fp8 or the online mode (docs/cache-format.md).')
+    codec_calibration: Literal["auto", "always", "never"] = setting("auto", help='When --codec auto measures: auto (CUDA runners only), always (CPU runners too), never (the default codec, unmeasured).')
+    max_length: int | None = setting(None, help='Longest row accepted (see --length-policy).')
+    length_policy: Literal["error", "drop", "truncate"] = setting("error", help='Rows over --max-length: error, drop or truncate.')
+    force_space: bool = setting(False, option='--force-space', help='Start even if the estimate exceeds the free space.')
+    expected_ratio: float = setting(1.0, help='Compression ratio assumed by the size estimate.')
+    dashboard_address: str = setting("127.0.0.1:0", help='Dashboard of a local cluster, HOST:PORT (its link is printed); the default (a free port) and a bare :PORT bind 127.0.0.1 (this machine only), 0.0.0.0:PORT serves every interface, unauthenticated; port 0 = any free port.')
+    tls_ca_file: str | None = setting(None, help='With --scheduler-address tls://...: CA certificate of the cluster (with --tls-cert, --tls-key; docs/cache-format.md).')
+    tls_cert: str | None = setting(None, help='Client certificate for a TLS scheduler.')
+    tls_key: str | None = setting(None, help='Client private key for a TLS scheduler.')
+    break_lock: bool = setting(False, option='--break-lock', help="Take over the cache's lock left by a run on another host that is known dead (docs/cache-format.md).")
+    write_threads: int | None = setting(None, help='Chunk-write threads per worker: gather, compress, checksum, store (default: CPU cores per worker - 1, at most 32).')
+    writes_in_flight: int = setting(3, help='Shard writes per worker overlapping its compute (each holds one shard in host memory).')
+    write_processes: int | None = setting(None, help='Write shards in N processes per worker that read the hidden states from shared memory (/dev/shm; if it is too small, threads are used with a warning); 0: in threads of the worker (default: 2 on GPU workers, 0 on CPU workers).')
     final_tap: bool = field(default=False, metadata={"help": (
         "Also store the target's final normed hidden state (the input of its LM head) as one more slot per token, "
         "which train's drafter.distill needs; the cache grows by one tap's share.")})
@@ -165,7 +165,7 @@ class ExtractConfig:
     def __post_init__(self) -> None:
         check_progress_interval(self.progress_interval)
         validate_placement(self)
-        for name in ("num_taps", "shard_size", "token_budget"):
+        for name in ("num_taps", "shard_size", "forward_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: expected >= 1, got {getattr(self, name)}")
 
@@ -501,7 +501,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
         plugin = TargetWorkerPlugin(
             target_spec=str(config.target),
             target_layer_ids=plan.metadata.target_layer_ids,
-            token_budget=config.token_budget,
+            forward_tokens=config.forward_tokens,
             gpu_by_worker=placement.get("gpu_by_worker"),
             device=placement["device"],
             torch_threads=placement.get("torch_threads"),
@@ -519,7 +519,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
         if cache is None:  # a new cache: its codec is chosen now (nothing is written before it is created)
             choice = None
             if config.codec == AUTO_CODEC:
-                rows = _calibration_rows(pending, shard_rows, lengths, kept, config.token_budget, config.packing)
+                rows = _calibration_rows(pending, shard_rows, lengths, kept, config.forward_tokens, config.packing)
                 choice = _choose_codec(client, config, plan, rows, placement["resources"], console)
             cache = create_cache(config, plan, choice)
 
@@ -604,19 +604,19 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
 
 
 def _calibration_rows(pending: list[int], shard_rows: list[list[int]], lengths: np.ndarray, kept: np.ndarray,
-                      token_budget: int, packing: bool) -> list[int]:  # fmt: skip
+                      forward_tokens: int, packing: bool) -> list[int]:  # fmt: skip
     """The corpus rows the codec calibration runs: the first kept rows of the first pending shard that make one
     forward batch (``dflash.cache.codec_choice.calibration_row_count``), continued into the next pending shards
     when a shard is smaller than a batch."""
     from dflash.cache.codec_choice import calibration_row_count
 
     rows: list[int] = []
-    for shard_id in pending:  # each row holds a token, so token_budget rows are always enough
+    for shard_id in pending:  # each row holds a token, so forward_tokens rows are always enough
         start, stop = shard_rows[shard_id]
-        rows += [row for row in range(start, stop) if kept[row]][: token_budget - len(rows)]
-        if len(rows) >= token_budget:
+        rows += [row for row in range(start, stop) if kept[row]][: forward_tokens - len(rows)]
+        if len(rows) >= forward_tokens:
             break
-    return rows[: calibration_row_count(lengths[rows], token_budget, packing)]
+    return rows[: calibration_row_count(lengths[rows], forward_tokens, packing)]
 
 
 def _choose_codec(client: Any, config: ExtractConfig, plan: CachePlan, rows: list[int], resources: Any,
@@ -708,41 +708,8 @@ def register(app: typer.Typer) -> None:
     """Add the ``extract`` command to the CLI."""
 
     @app.command("extract")
-    def extract_command(
-        ctx: typer.Context,
-        corpus: str = typer.Option(None, "--corpus", help="Corpus folder (Arrow/Parquet, contract 1). Required (here or in --config/--preset/--set)."),
-        output: str = typer.Option(None, "--output", "-o", help="Cache path or fsspec URL; an existing cache of the same plan is resumed. Required (here or in --config/--preset/--set)."),
-        target: str = typer.Option("default", "--target", help="'default' (SmolLM2-135M-Instruct), a transformers folder or a .gguf file."),
-        target_layer_ids: str | None = typer.Option(None, "--target-layer-ids", help="Tapped decoder layers, e.g. 1,9,17,25,33 (output of decoder layer l = hidden_states\\[l+1])."),
-        num_taps: int = typer.Option(DEFAULT_NUM_DRAFT_LAYERS, "--num-taps", help="Taps for DFlash's default layer rule when --target-layer-ids is not given: one per draft layer of the drafter to train."),
-        target_gpus: str | None = typer.Option(None, "--target-gpus", help="GPUs, one Dask worker each, e.g. 0,1,2,3 (default: all visible GPUs, else --target-processes 1)."),
-        target_processes: int | None = typer.Option(None, "--target-processes", help="CPU processes for target replicas, one Dask worker each."),
-        scheduler_address: str | None = typer.Option(None, "--scheduler-address", help="Existing Dask scheduler (workers with resource GPU=1 get one task at a time)."),
-        shard_size: int = typer.Option(65536, "--shard-size", help="Target tokens per shard (one task, one commit)."),
-        token_budget: int = typer.Option(16384, "--token-budget", help="Padded tokens per forward batch (rows x longest); with --packing, tokens per packed row."),
-        packing: bool = typer.Option(False, "--packing/--no-packing", help="Packed forward batches: samples back to back with attention confined to each, no padding. Same hidden states; on an H200 a long-tailed corpus of a GQA target (Qwen3-8B shape, 524K tokens) ran at 1.04x of padded batches with varlen (samples of 1,024+ tokens through SDPA), 0.95-0.96x with flex_attention; short samples such as SmolLM2's replies gain little (docs/benchmarks.md), so off by default."),
-        packed_attention: str = typer.Option("auto", "--packed-attention", help="Attention kernel of --packing: auto (varlen on GPU workers whose torch has it, else flex_attention; sdpa on CPU workers) | flex_attention (document mask) | sdpa (block-diagonal mask, half the speed on an H200) | varlen (FlashAttention varlen over the sample boundaries; GPU workers, torch >= 2.10; 1.13x flex_attention on a long-tailed corpus on an H200)."),
-        storage_dtype: str = typer.Option("bf16", "--storage-dtype", help="bf16 (bit-exact) or fp8 (lossy e4m3, per-token per-tap scale); bfloat16 and float8_e4m3fn also accepted."),
-        codec: str = typer.Option("auto", "--codec", help="auto, or a codec preset of dflash.cache.CODEC_PRESETS, e.g. none, zstd-1, blosc-zstd1-shuffle (an unknown name lists them). auto: measured on the workers before the cache is created, the best-compressing of blosc-zstd1-shuffle, blosc-lz4-shuffle, none that encodes >= 1.25x the rate hidden states are produced (CUDA runners; CPU runners get blosc-zstd1-shuffle unmeasured); recorded in the cache and printed; an existing cache keeps its codec. If even none cannot keep up, use --storage-dtype fp8 or the online mode (docs/cache-format.md)."),
-        codec_calibration: str = typer.Option("auto", "--codec-calibration", help="When --codec auto measures: auto (CUDA runners only), always (CPU runners too), never (the default codec, unmeasured)."),
-        max_length: int | None = typer.Option(None, "--max-length", help="Longest row accepted (see --length-policy)."),
-        length_policy: str = typer.Option("error", "--length-policy", help="Rows over --max-length: error, drop or truncate."),
-        expected_ratio: float = typer.Option(1.0, "--expected-ratio", help="Compression ratio assumed by the size estimate."),
-        force_space: bool = typer.Option(False, "--force-space", help="Start even if the estimate exceeds the free space."),
-        dashboard_address: str = typer.Option("127.0.0.1:0", "--dashboard-address", help="Dashboard of a local cluster, HOST:PORT (its link is printed); the default (a free port) and a bare :PORT bind 127.0.0.1 (this machine only), 0.0.0.0:PORT serves every interface, unauthenticated; port 0 = any free port."),
-        tls_ca_file: str | None = typer.Option(None, "--tls-ca-file", help="With --scheduler-address tls://...: CA certificate of the cluster (with --tls-cert, --tls-key; docs/cache-format.md)."),
-        tls_cert: str | None = typer.Option(None, "--tls-cert", help="Client certificate for a TLS scheduler."),
-        tls_key: str | None = typer.Option(None, "--tls-key", help="Client private key for a TLS scheduler."),
-        break_lock: bool = typer.Option(False, "--break-lock", help="Take over the cache's lock left by a run on another host that is known dead (docs/cache-format.md)."),
-        write_threads: int | None = typer.Option(None, "--write-threads", help="Chunk-write threads per worker: gather, compress, checksum, store (default: CPU cores per worker - 1, at most 32)."),
-        writes_in_flight: int = typer.Option(3, "--writes-in-flight", help="Shard writes per worker overlapping its compute (each holds one shard in host memory)."),
-        final_tap: bool = typer.Option(False, "--final-tap/--no-final-tap", help="Also store the target's final normed hidden state (the input of its LM head), one more tap per token, for train's drafter.distill."),
-        write_processes: int | None = typer.Option(None, "--write-processes", help="Write shards in N processes per worker that read the hidden states from shared memory (/dev/shm; if it is too small, threads are used with a warning); 0: in threads of the worker (default: 2 on GPU workers, 0 on CPU workers)."),
-        config_file: str | None = CONFIG_OPTION,
-        preset: str | None = PRESET_OPTION,
-        overrides: list[str] = SET_OPTION,
-        print_config: bool = PRINT_CONFIG_OPTION,
-    ) -> None:
+    @config_options(ExtractConfig, "extract")
+    def extract_command(settings: CommandSettings) -> None:
         """Extract tapped target hidden states of a corpus into a compressed Zarr v3 cache (Dask workers).
 
         Rerun the same command to resume: committed shards are skipped, the rest redone (exactly once).
@@ -751,24 +718,13 @@ def register(app: typer.Typer) -> None:
         """
         console = Console()
         try:
-            from stages.config.resolve import print_and_exit, resolve_stage_config, split_given
+            from stages.config.resolve import print_and_exit, resolve_stage_config
 
-            values = dict(
-                corpus=corpus, output=output, target=target,
-                target_layer_ids=int_list(target_layer_ids, "--target-layer-ids"), num_taps=num_taps,
-                target_gpus=int_list(target_gpus, "--target-gpus"), target_processes=target_processes,
-                scheduler_address=scheduler_address, shard_size=shard_size, token_budget=token_budget, packing=packing,
-                packed_attention=packed_attention,
-                storage_dtype=storage_dtype, codec=codec, codec_calibration=codec_calibration, max_length=max_length,
-                length_policy=length_policy,
-                expected_ratio=expected_ratio, force_space=force_space, dashboard_address=dashboard_address,
-                tls_ca_file=tls_ca_file, tls_cert=tls_cert, tls_key=tls_key, break_lock=break_lock,
-                write_threads=write_threads, writes_in_flight=writes_in_flight, write_processes=write_processes,
-                final_tap=final_tap,
-            )  # fmt: skip
-            config = resolve_stage_config(ExtractConfig, "extract", *split_given(ctx, values), config_file=config_file,
-                                          preset=preset, overrides=overrides, required=("corpus", "output"))  # fmt: skip
-            if print_config:
+            config = resolve_stage_config(ExtractConfig, "extract", given=settings.given,
+                                          config_file=settings.config_file, preset=settings.preset,
+                                          overrides=settings.sets, required=("corpus", "output"),
+                                          option_names=settings.spellings)  # fmt: skip
+            if settings.print_config:
                 print_and_exit("extract", config)
             run_extract(config, console)
         except DFlashError as error:

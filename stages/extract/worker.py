@@ -397,7 +397,7 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
     Args:
         target_spec: ``"default"``, a transformers folder or a ``.gguf`` file (see ``dflash.target.load``).
         target_layer_ids: tapped decoder layers.
-        token_budget: padded tokens per forward batch.
+        forward_tokens: padded tokens per forward batch.
         gpu_by_worker: worker name -> physical GPU index (LocalCluster from ``--target-gpus``); the worker pins it
             with ``torch.cuda.set_device``. ``None``: ``device``.
         device: ``"cuda"`` (the worker's current GPU), ``"cpu"`` or ``"auto"`` (CUDA when present).
@@ -421,7 +421,7 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
         *,
         target_spec: str,
         target_layer_ids: list[int],
-        token_budget: int,
+        forward_tokens: int,
         gpu_by_worker: dict[Any, int] | None = None,
         device: str = "auto",
         torch_threads: int | None = None,
@@ -436,7 +436,7 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
         super().__init__(target_spec=target_spec, gpu_by_worker=gpu_by_worker, device=device,
                          torch_threads=torch_threads, die_with_parent=die_with_parent)
         self.target_layer_ids = list(target_layer_ids)
-        self.token_budget = token_budget
+        self.forward_tokens = forward_tokens
         self.packing = packing
         self.packed_attention = packed_attention
         self.final_tap = final_tap
@@ -448,7 +448,7 @@ class TargetWorkerPlugin(TargetReplicaPlugin):
     def build(self, loaded: Any, device: torch.device) -> None:
         pad_token_id = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
         runner = TargetRunner(
-            loaded.model, self.target_layer_ids, device, token_budget=self.token_budget, pad_token_id=pad_token_id,
+            loaded.model, self.target_layer_ids, device, token_budget=self.forward_tokens, pad_token_id=pad_token_id,
             packing=self.packing,
             packed_attention=self.packed_attention, final_tap=self.final_tap,
         )
