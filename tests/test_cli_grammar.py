@@ -54,7 +54,9 @@ def test_json_is_a_flag_printing_json_on_stdout_in_every_command_that_has_it(tmp
     on stdout and nothing else there; evaluate writes a report file with ``--json-file``."""
     import stages.evaluate as evaluate
 
-    report = {"tau": 2.5, "lossless": {"checked": True, "passed": True}, "lossless_vs_generate": {"checked": False}}
+    checks = {"lossless": {"checked": True, "passed": True}, "lossless_vs_generate": {"checked": False}}
+    report = {"tau": 2.5, **checks, "prompts": {"source": "p.jsonl", "count": 1},
+              "prompt_sets": [{"name": "p", "tau": 2.5, **checks}]}
     monkeypatch.setattr(evaluate, "run_evaluate", lambda config, console: report)
     code, out, err = main_in_process_out(monkeypatch, capsys, "evaluate", "--drafter", str(tmp_path / "d"),
                                          "--prompts", "p.jsonl", "--json")
