@@ -106,7 +106,7 @@ class EvaluateConfig:
             report's ``settings.cpu_threads`` records the count used.
         near_tie_tolerance: largest target logit gap that counts as a floating-point near-tie in the lossless
             check; ``None`` = 1e-3 in float32, 0.125 in 16-bit dtypes.
-        json_path: where to write the JSON report (atomically); ``None`` = nowhere.
+        json_path: where to write the JSON report (atomically); ``None``: a run folder's ``RUN/eval/final.json``, else nowhere.
     """
 
     drafter: Path = setting(help='Run folder (latest checkpoint), checkpoint folder or exported folder. Required (here or in --config/--preset/--set).')
@@ -130,7 +130,7 @@ class EvaluateConfig:
     dtype: str = setting("auto", help='auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16 (bf16, fp32, fp16 also accepted).')
     cpu_threads: int | None = setting(None, help='Torch threads while decoding on CPU (default: 1; more threads lose on shared cores).')
     near_tie_tolerance: float | None = None
-    json_path: Path | None = setting(None, option='--json-file', help='Also write the full report as JSON to this file.')
+    json_path: Path | None = setting(None, option='--json-file', help='Also write the full report as JSON to this file (default for a run folder: RUN/eval/final.json, which report, diff and inspect read).')
     progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={
         "help": "Seconds between two progress lines (prompts, tokens, rates, ETA, tau so far) when output is not a "
                 "terminal; 0: none."})
@@ -669,7 +669,16 @@ def run_evaluate(config: EvaluateConfig, *, console: Console | None = None) -> d
     evaluator = Evaluator(config, config.target or loaded[2].get("target_spec") or "default", console=console)
     drafter, drafter_config, _ = evaluator.load_drafter(drafter_path, loaded)
     return evaluator.evaluate(drafter, drafter_config, label=str(drafter_path),
-                              compare_untrained=config.compare_untrained, json_path=config.json_path)
+                              compare_untrained=config.compare_untrained, json_path=report_path(config))
+
+
+def report_path(config: EvaluateConfig) -> Path | None:
+    """Where the report is written: ``config.json_path``; without one, a run folder's ``RUN/eval/final.json``
+    (where ``report``, ``diff`` and ``inspect`` find the evaluated tau); else nowhere."""
+    if config.json_path is not None:
+        return Path(config.json_path)
+    drafter = Path(config.drafter)
+    return drafter / "eval" / "final.json" if (drafter / "run.json").is_file() else None
 
 
 def _lossless_text(lossless: dict[str, Any] | None, measured: bool) -> str | None:
@@ -794,7 +803,7 @@ def register(app: typer.Typer) -> None:
                                       option_names=settings.spellings)  # fmt: skip
         if settings.print_config:
             print_and_exit("evaluate", config)
-        json_out = config.json_path
+        json_out = report_path(config)
         if as_json:  # stdout holds the JSON only
             console = Console(stderr=True)
         report = run_evaluate(config, console=console)

@@ -84,3 +84,9 @@ def test_readme_chat_data_commands_run_as_written(tmp_path, monkeypatch, capsys)
     assert re.search(r"tau = \d\.\d{3}", evaluation), evaluation[-2000:]
     assert f"1 (held-out rows of data/corpus (its split's {(tmp_path / 'data' / 'corpus' / 'heldout').resolve()}))" \
         in evaluation, evaluation[-2000:]  # the prompts come from the held-out conversation
+    # The evaluation lands in the run folder, where report, diff and inspect show it as the evaluated tau.
+    from stages.forensics.runs import evaluated_tau
+
+    final = json.loads((tmp_path / "runs" / "r1" / "eval" / "final.json").read_text())
+    assert f"tau = {final['tau']:.3f}" in evaluation
+    assert evaluated_tau(tmp_path / "runs" / "r1")["tau"] == final["tau"]
