@@ -27,10 +27,11 @@ DEFAULT_PROGRESS_INTERVAL = 30.0
 
 
 def check_progress_interval(value: Any, name: str = "progress_interval") -> None:
-    """Refuse a progress interval that is not a number of seconds >= 0 (ConfigError naming ``name``)."""
+    """Refuse a progress interval that is not a finite number of seconds >= 0 (ConfigError naming ``name``)."""
     from dflash.errors import ConfigError
+    from dflash.values import finite_number
 
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+    if not finite_number(value) or value < 0:
         raise ConfigError(f"{name} must be a number of seconds >= 0 (0: no progress lines), got {value!r}")
 
 

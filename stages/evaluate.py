@@ -777,11 +777,6 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     console.print(histogram)
 
 
-def _field_help(name: str) -> str:
-    """The help of ``EvaluateConfig``'s field ``name`` (its ``metadata["help"]``)."""
-    return next(f.metadata["help"] for f in dataclasses.fields(EvaluateConfig) if f.name == name)
-
-
 def register(app: typer.Typer) -> None:
     """Add ``dflash-stages evaluate``."""
 

@@ -42,7 +42,6 @@ records the split. extract and train read ``OUTPUT`` alone; ``evaluate --corpus 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import glob
 import sys
@@ -711,10 +710,6 @@ def _write_rows(config: PrepareConfig, writer: CorpusWriter, documents: list[_Do
         if "default" in config.inputs:
             metadata["default_corpus"] = default_corpus_description(include_tests=config.stdlib_tests)
         return writer.commit(metadata)
-
-
-def _field_help(name: str) -> str:
-    return next(f.metadata["help"] for f in dataclasses.fields(PrepareConfig) if f.name == name)
 
 
 def register(app: Any) -> None:
