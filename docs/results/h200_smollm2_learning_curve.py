@@ -4,6 +4,7 @@ Run from the repository root:
 
     python docs/results/h200_smollm2_learning_curve.py            # v2 -> h200_smollm2_learning_curve.png
     python docs/results/h200_smollm2_learning_curve.py --run v8   # v8 -> h200_smollm2_v8_learning_curve.png
+    python docs/results/h200_smollm2_learning_curve.py --run v10  # v10 -> h200_smollm2_v10_learning_curve.png
 
 Left: implied tau (teacher-forced, from per-position accuracies) on training batches and on the validation split,
 and the real decoding loop's tau on the held-out prompts after each epoch, against tokens seen. Right: validation
@@ -26,6 +27,8 @@ RUNS = {  # run -> (file prefix, PNG, title)
            "h200-smollm2 v2 (one NVIDIA H200): 5 layers, block 16, lr 6e-4, 3 epochs over 8,192 generated replies"),
     "v8": ("h200_smollm2_v8", "h200_smollm2_v8_learning_curve.png",
            "h200-smollm2 v8 (one NVIDIA H200): 5 layers, block 16, lr 6e-4, 3 epochs over 24,576 generated replies"),
+    "v10": ("h200_smollm2_v10", "h200_smollm2_v10_learning_curve.png",
+            "h200-smollm2 v10 (one NVIDIA H200): v8's data and drafter, WSD learning rate (peak 6e-4, last 20% decay)"),
 }
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--run", choices=sorted(RUNS), default="v2")
