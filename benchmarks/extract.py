@@ -135,15 +135,43 @@ QWEN3_TINY = {**QWEN3_8B, "hidden_size": 128, "num_hidden_layers": 12, "num_atte
               "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256}  # fmt: skip
 
 
+# SmolLM2-135M-Instruct's shape (Llama) with random weights: its throughput without the GGUF (a device call
+# carries less); --smoke keeps the family and shrinks it.
+SMOLLM2 = {
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "rope_theta": 100_000.0,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+}
+SMOLLM2_TINY = {**SMOLLM2, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}  # fmt: skip
+#: Random-weight targets: name -> (transformers config class name, shape, --smoke shape).
+RANDOM_TARGETS = {
+    "qwen3-8b-random": ("Qwen3Config", QWEN3_8B, QWEN3_TINY),
+    "smollm2-random": ("LlamaConfig", SMOLLM2, SMOLLM2_TINY),
+}
+
+
 def build_target(spec: str, device: torch.device, smoke: bool, seed: int) -> tuple[Any, TargetIdentity]:
-    """The model (eval, no grads; bf16 on CUDA) and its identity."""
-    if spec != "qwen3-8b-random":
+    """The model (eval, no grads; bf16 on CUDA) and its identity: a loaded target, or one of
+    :data:`RANDOM_TARGETS` with seeded random weights."""
+    if spec not in RANDOM_TARGETS:
         loaded = load_target(spec, device=device)
         return loaded.model, loaded.identity
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    import transformers
+    from transformers import AutoModelForCausalLM
 
-    shape = QWEN3_TINY if smoke else QWEN3_8B
-    config = Qwen3Config(**shape)
+    config_class, full, tiny = RANDOM_TARGETS[spec]
+    shape = tiny if smoke else full
+    config = getattr(transformers, config_class)(**shape)
     config.rope_parameters = {"rope_type": "default", "rope_theta": shape["rope_theta"]}
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -151,12 +179,12 @@ def build_target(spec: str, device: torch.device, smoke: bool, seed: int) -> tup
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.eval().requires_grad_(False)
     identity = TargetIdentity(
-        name="qwen3-8b-random" + ("-tiny" if smoke else ""),
+        name=spec + ("-tiny" if smoke else ""),
         content_hash=f"random-init:seed{seed}",
         num_hidden_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         vocab_size=config.vocab_size,
-        model_type="qwen3",
+        model_type=config.model_type,
     )
     return model, identity
 
@@ -592,7 +620,7 @@ def time_dask_extract(args: argparse.Namespace, device: torch.device, workdir: P
     """The ``extract`` stage itself (LocalCluster, one worker on GPU 0 or CPU); its summary dict."""
     from stages.extract.command import ExtractConfig, run_extract
 
-    if args.target == "qwen3-8b-random":
+    if args.target in RANDOM_TARGETS:
         raise SystemExit("--via-dask needs a target a worker can load by path (default or a folder)")
     config = ExtractConfig(
         corpus=str(workdir / "corpus"), output=str(workdir / "cache-dask"), target=args.target,
@@ -606,7 +634,7 @@ def time_dask_extract(args: argparse.Namespace, device: torch.device, workdir: P
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="default", help="qwen3-8b-random, default (SmolLM2) or a local path")
+    parser.add_argument("--target", default="default", help="qwen3-8b-random, smollm2-random (random weights), default (SmolLM2) or a local path")
     parser.add_argument("--num-taps", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=524_288, help="real tokens in the synthetic corpus")
     parser.add_argument("--min-len", type=int, default=256)

@@ -7,11 +7,12 @@ Run::
     python benchmarks/generate.py --kv-cache static dynamic         # A/B in one process
     python benchmarks/generate.py --decode-attention fast deterministic --batch-size 512 1024
     python benchmarks/generate.py --smoke                           # tiny, on CPU (a check that it runs)
+    python benchmarks/generate.py --target smollm2-random --batch-size 1024 --profile 25   # where a step's time goes
 
 Prompts: the first ``--prompts`` training prompts of the embedded default prompt set (code completions and
 instructions about stdlib functions, through the chat template), so lengths are what the preset generates from;
-for the random-weight Qwen3-8B shape, seeded random prompts of 64-512 tokens (its replies are noise, its speed is
-real; they run to ``--max-new-tokens``). Each setting
+for the random-weight targets (``qwen3-8b-random``, ``smollm2-random``: real shapes, no weights file), seeded random
+prompts of 64-512 tokens (their replies are noise, their speed is real; they run to ``--max-new-tokens``). Each setting
 runs the same requests once cold (graph capture, allocator) and ``--repeats`` times warm; the median warm pass is the
 figure. Printed: generated tokens/s (reply tokens, stop token included; the padding rows of a batch excluded), rows
 per second, the share of replies that stopped before ``--max-new-tokens``, how the decode step ran (CUDA graph or
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from extract import build_target  # noqa: E402  (the benchmarks' shared random-target builder)
+from extract import RANDOM_TARGETS, build_target  # noqa: E402  (the benchmarks' shared random-target builder)
 
 from dflash.generation.default_prompts import DefaultPromptConfig, default_prompt_sets  # noqa: E402
 from dflash.generation.engine import GenerationRequest, SamplingSettings  # noqa: E402
@@ -125,9 +126,68 @@ def agreement(model, tokenizer, requests, settings, setting, stop, batched, batc
     return row
 
 
+#: Kinds of device kernels by name (first match), for :func:`profile_batch`'s per-step split.
+KERNEL_KINDS = (
+    ("attention", ("ranged", "attn", "attention", "fmha", "flash", "sdpa")),
+    ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "matmul", "splitk")),
+    ("fused (compiled)", ("triton_",)),
+    ("copy / fill", ("copy", "memcpy", "memset", "fill", "cat")),
+    ("reduction / argmax", ("reduce", "argmax", "max_", "softmax", "sum")),
+)
+
+
+def profile_batch(model, tokenizer, requests, settings, setting, stop, batch_size, top, device) -> dict:
+    """One warm batch of ``setting`` under ``torch.profiler``: the ``top`` kernels by device time, and device time per
+    decode step by kind of kernel against the wall time per step (the gap is the host: launches, Python, waits)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kv_cache, attention, compiled = setting
+    engine = TransformersEngine(model, tokenizer, batch_size=batch_size, token_budget=batch_size * 4096,
+                                cache=kv_cache, stop_token_ids=stop, deterministic=attention.startswith("deterministic"),
+                                ranged=attention.startswith("ranged") if kv_cache == "static" else None,
+                                compile_parts=compiled == "parts")
+    batch = requests[:batch_size]
+    engine.generate(batch, settings)  # warm: capture, compilation, allocator
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        results = engine.generate(batch, settings)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - started
+    engine.close()
+    steps = max(len(r.token_ids) for r in results)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
+    for event in kernels:
+        name = event.name
+        seconds = event.time_range.elapsed_us() / 1e6
+        kind = next((k for k, keys in KERNEL_KINDS if any(key in name.lower() for key in keys)), "other elementwise")
+        by_kind[kind] = by_kind.get(kind, 0.0) + seconds
+        by_name.setdefault(name, []).append(seconds)
+    device_total = sum(by_kind.values())
+    print(f"  profile of one batch of {len(batch)} rows x {steps} steps ({'/'.join(setting)}): wall {wall:.2f} s = "
+          f"{wall / steps * 1e3:.2f} ms per step; device kernels {device_total:.2f} s = {device_total / steps * 1e3:.2f} ms "
+          f"per step, {len(kernels) / steps:.0f} kernels per step", flush=True)
+    for kind, seconds in sorted(by_kind.items(), key=lambda item: -item[1]):
+        print(f"    {kind:20s} {seconds / steps * 1e3:7.3f} ms per step ({seconds / max(device_total, 1e-12):.0%})")
+    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
+    for name, times in ranked:
+        print(f"    {sum(times) / steps * 1e3:7.3f} ms/step {len(times) / steps:6.1f} calls/step  {name[:110]}")
+    if not kernels:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+    return {"profile": "/".join(setting), "rows": len(batch), "steps": steps, "wall_seconds": round(wall, 3),
+            "device_seconds": round(device_total, 3), "kernels_per_step": round(len(kernels) / steps, 1),
+            "device_ms_per_step_by_kind": {k: round(v / steps * 1e3, 3) for k, v in by_kind.items()},
+            "top_kernels": [{"name": n, "ms_per_step": round(sum(t) / steps * 1e3, 3), "calls_per_step": round(len(t) / steps, 1)}
+                            for n, t in ranked]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="default", help="default (SmolLM2), qwen3-8b-random or a local path")
+    parser.add_argument("--target", default="default",
+                        help="default (SmolLM2), qwen3-8b-random, smollm2-random (random weights) or a local path")
     parser.add_argument("--prompts", type=int, default=2048)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, nargs="+", default=[512])
@@ -144,13 +204,16 @@ def main() -> None:
                              "often the batched replies of the first setting depart from them")
     parser.add_argument("--repeats", type=int, default=3, help="warm passes per setting (median reported)")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the first setting's passes, profile one more batch of its first batch size and "
+                             "print the N kernels that take the most device time, with time per decode step by kind")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     if args.smoke:
         args.prompts, args.max_new_tokens, args.batch_size, args.kv_cache = 8, 8, [4], ["dynamic"]
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     model, identity = build_target(args.target, device, args.smoke, 0)
-    if args.target == "qwen3-8b-random":  # no tokenizer needed: seeded random prompts of 64-512 tokens
+    if args.target in RANDOM_TARGETS:  # no tokenizer needed: seeded random prompts of 64-512 tokens
         generator = torch.Generator().manual_seed(0)
         lengths = torch.randint(64, 513, (args.prompts,), generator=generator).tolist()
         requests = [GenerationRequest(request_id=i, prompt_ids=torch.randint(1, 1000, (n,), generator=generator).tolist(),
@@ -216,6 +279,9 @@ def main() -> None:
                 print(f"  kv {kv_cache:7s} attention {attention:13s} batch {batch_size:4d} median of {len(warm)} warm passes: "
                       f"{statistics.median(warm):,.0f} generated tok/s", flush=True)
             engine.close()
+    if args.profile:
+        figures.append(profile_batch(model, tokenizer, requests, settings, settings_list[0], stop, args.batch_size[0],
+                                     args.profile, device))
     if args.agreement:
         figures.append(agreement(model, tokenizer, requests[: args.agreement], settings, settings_list[0], stop,
                                  reference[args.batch_size[0]], args.batch_size[0]))
