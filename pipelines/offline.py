@@ -94,15 +94,15 @@ class SplitConfig:
     (``dflash.corpus.split``).
 
     Fields:
-        heldout_documents: documents held out for evaluation (training never sees them); at least 1.
+        heldout_documents: documents held out for evaluation (training never sees them); required, at least 1.
         seed: seed of the permutation of the documents that picks the held-out ones.
     """
 
-    heldout_documents: int = 0
+    heldout_documents: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.heldout_documents < 1:
+        if self.heldout_documents is None or self.heldout_documents < 1:
             raise ConfigError(f"heldout_documents must be a positive integer, got {self.heldout_documents!r}")
 
 

@@ -29,6 +29,7 @@ __all__ = ["STAGE_CONFIGS", "field_descriptions", "reference_markdown", "section
 #: that holds a nested config (``train.optim``) gets its own section right after its parent's (:func:`sections`).
 STAGE_CONFIGS = {
     "prepare": ("stages.prepare", "PrepareConfig"),
+    "split": ("pipelines.offline", "SplitConfig"),
     "generate": ("stages.generate", "GenerateConfig"),
     "extract": ("stages.extract.command", "ExtractConfig"),
     "train": ("stages.train.config", "TrainConfig"),
