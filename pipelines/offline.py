@@ -20,7 +20,9 @@ Stages run in this process through their Python entry points (``run_prepare``, `
 
 Resumable: a stage whose output is complete and whose config is unchanged is skipped; extract resumes from its
 committed shards and train from its latest checkpoint. Changing a stage's config in an existing work folder is an
-error naming the stage (use another ``--workdir``), since its outputs would no longer match the settings.
+error naming the stage (use another ``--workdir``), since its outputs would no longer match the settings; the fields
+its config declares ``runtime`` (progress lines, logging, checkpoint cadence, locks: docs/config-reference.md) may
+change.
 
 The held-out split is by document (a stdlib file and its length chunks stay together), chosen by a seeded
 permutation of the documents; held-out prompts come only from ``heldout/``. With ``evaluate.per_epoch`` the
@@ -59,7 +61,14 @@ from dflash.errors import ConfigError
 from dflash.io.files import load_json
 from dflash.io.locks import output_lock
 from dflash.target.load import locate_target, target_num_layers
-from stages.config.check import EXCLUSIVE_SETTINGS, deep_merge, field_default, layer_over
+from stages.config.check import (
+    EXCLUSIVE_SETTINGS,
+    deep_merge,
+    field_default,
+    layer_over,
+    leaf_paths,
+    runtime_paths,
+)
 from stages.config.presets import PIPELINE_SECTIONS, PRESETS, load_preset, strip_comments
 from stages.config.resolve import plain_value, resolve_stage_config
 from stages.evaluate import EvaluateConfig
@@ -385,6 +394,14 @@ def _digest(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _output_digest(stage: str, settings: Mapping[str, Any]) -> str:
+    """The digest of the settings that decide what ``stage`` writes: ``settings`` without its config's fields
+    declared ``runtime`` (``stages.config.check.runtime_paths``: progress, logging, locks...), which a rerun in the
+    same work folder may change."""
+    ignored = runtime_paths(SECTIONS[stage].config) if stage in SECTIONS else frozenset()
+    return _digest({path: value for path, value in leaf_paths(settings).items() if path not in ignored})
+
+
 class _State:
     """``WORKDIR/pipeline.json``: per-stage config digests, completion and timings (rewritten atomically)."""
 
@@ -397,16 +414,18 @@ class _State:
 
     def check(self, stage: str, settings: dict[str, Any], output: Path | None = None) -> bool:
         """True when ``stage`` completed with these settings; raises when it ran with other ones and left something
-        in ``output`` (its folder). A stage that failed before writing anything there (e.g. extract refused by its
-        disk-space check) is forgotten, so the same command with a corrected setting runs it."""
+        in ``output`` (its folder). Settings declared ``runtime`` may differ (:func:`_output_digest`). A stage that
+        failed before writing anything there (e.g. extract refused by its disk-space check) is forgotten, so the
+        same command with a corrected setting runs it."""
         record = self.data["stages"].get(stage)
         if record is None:
             return False
-        if (not record.get("done") and output is not None and record["digest"] != _digest(settings)
+        changed = _output_digest(stage, record["settings"]) != _output_digest(stage, settings)
+        if (not record.get("done") and output is not None and changed
                 and not (output.exists() and (not output.is_dir() or any(output.iterdir())))):
             del self.data["stages"][stage]
             return False
-        if record["digest"] != _digest(settings):
+        if changed:
             raise ConfigError(
                 f"{stage}: {self.path.parent} holds outputs of this stage made with other settings "
                 f"({record['settings']} vs now {settings}); use a new --workdir"

@@ -339,6 +339,30 @@ def test_a_stage_that_failed_before_writing_anything_reruns_with_corrected_setti
         state.check("train", after, run)  # finished: refused even with nothing in the folder
 
 
+def test_a_rerun_may_change_settings_that_do_not_change_a_stages_output(tmp_path):
+    """Fields declared ``runtime`` (progress lines, logging, checkpoint cadence, locks, the dashboard) may differ in
+    a rerun over the same work folder; any other field is refused as before, and pipeline.json is written as
+    before (the digest of every setting given)."""
+    from pipelines.offline import _digest, _State
+
+    train = {"target": "default", "epochs": 2, "optim": {"lr": 1e-3}, "telemetry": {"progress": True}}
+    extract = {"target": "default", "num_taps": 1}
+    state = _State(tmp_path, PipelineConfig(workdir=tmp_path, split={"heldout_documents": 1}))
+    for stage, settings in (("train", train), ("extract", extract)):
+        state.start(stage, settings)
+        state.finish(stage, 1.0)
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    assert state.check("train", {**train, "save_every": 7, "telemetry": {"progress": False, "progress_interval": 5,
+                                                                         "log_every": 3}}, run)
+    assert state.check("extract", {**extract, "progress_interval": 0, "dashboard_address": ":0", "break_lock": True},
+                       cache)
+    with pytest.raises(ConfigError, match="other settings"):
+        state.check("train", {**train, "optim": {"lr": 2e-3}}, run)
+    with pytest.raises(ConfigError, match="other settings"):
+        state.check("extract", {**extract, "num_taps": 2}, cache)
+    assert json.loads((tmp_path / "pipeline.json").read_text())["stages"]["train"]["digest"] == _digest(train)
+
+
 def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(finished_run, tmp_path):
     """SIGKILL inside a checkpoint write during epoch 1 (a power cut, no clean stop), then the same command again:
     the rerun resumes from the last whole checkpoint and ends with the epoch ends, taus and bit-identical final
