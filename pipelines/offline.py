@@ -67,6 +67,7 @@ from stages.config.check import (
     field_default,
     layer_over,
     leaf_paths,
+    read_config_file,
     runtime_paths,
 )
 from stages.config.presets import PIPELINE_SECTIONS, PRESETS, load_preset, strip_comments
@@ -138,8 +139,9 @@ class PipelineEvaluateConfig(EvaluateConfig):
                               f"{self.per_epoch_num_prompts}")
 
 
-#: A stand-in for a path inside the work folder, where a section is checked before the first stage runs.
-IN_WORKDIR = "WORKDIR"
+#: Marks a path inside the work folder in :data:`SECTIONS`; a section is checked with a path there that no stage
+#: writes.
+IN_WORKDIR = "WORKDIR/"
 
 
 @dataclass(frozen=True)
@@ -295,8 +297,6 @@ def resolve_pipeline(*, workdir: Path, preset: str = DEFAULT_PRESET, config_file
         ConfigError: the first problem, named as the stage commands name it (``SECTION.KEY (SOURCE): ...``).
         TargetError: the target names no transformers folder or ``.gguf`` file.
     """
-    from stages.config.check import read_config_file
-
     layers = [(pipeline_sections(load_preset(preset), f"preset {preset}"), f"preset {preset}")]
     if config_file is not None:
         source = f"--config {config_file}"
@@ -316,17 +316,19 @@ def resolve_pipeline(*, workdir: Path, preset: str = DEFAULT_PRESET, config_file
     sections = {name: values for name, values in given.items() if name not in run}
     for name in (name for name in SECTIONS if name in run):
         sections[name] = _resolve_section(name, layers, sets.get(name, ()), target=target, target_path=target_path,
-                                          docs=docs, resolved=sections)
+                                          docs=docs, workdir=Path(workdir).expanduser(), resolved=sections)
     return PipelineConfig(workdir=workdir, target=target, **{name: sections[name] for name in PIPELINE_SECTIONS})
 
 
 def _resolve_section(name: str, layers: Sequence[tuple[Mapping[str, Any], str]], sets: Sequence[str], *,
-                     target: str, target_path: Path, docs: Sequence[str | Path],
+                     target: str, target_path: Path, docs: Sequence[str | Path], workdir: Path,
                      resolved: Mapping[str, dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
     """One section's settings as the layers set them, checked by building its stage's config as the stage will
     (``resolved``: the sections checked before it)."""
     spec = SECTIONS[name]
     values: dict[str, Any] = {}
+    pipeline_sets = {key: str(workdir / "check") if value == IN_WORKDIR else value
+                     for key, value in spec.pipeline_sets.items()}
     has_target = "target" in {f.name for f in dataclasses.fields(spec.config)}
 
     def add_docs(merged: dict[str, Any]) -> None:
@@ -335,7 +337,7 @@ def _resolve_section(name: str, layers: Sequence[tuple[Mapping[str, Any], str]],
 
     def build(merged: dict[str, Any]) -> Any:
         values.update(copy.deepcopy(merged))
-        settings = {**spec.unset, **copy.deepcopy(merged), **spec.pipeline_sets}
+        settings = {**spec.unset, **copy.deepcopy(merged), **pipeline_sets}
         if name == "extract":
             derived_extract(settings, resolved["train"])
         config = spec.config(**settings, **({"target": target} if has_target else {}))
