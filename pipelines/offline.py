@@ -171,7 +171,7 @@ SECTIONS: dict[str, Section] = {
 #: Keys of the ``evaluate`` section that the pipeline reads itself (``_run_stages`` takes them out of what the
 #: evaluator gets), with their defaults.
 EVALUATE_EXTRAS = {f.name: field_default(f) for f in dataclasses.fields(PipelineEvaluateConfig)
-                   if f.name == "compare_untrained" or f not in dataclasses.fields(EvaluateConfig)}
+                   if f.name == "compare_untrained" or f.name not in EvaluateConfig.__dataclass_fields__}
 
 
 def stages_run(config: Mapping[str, Any]) -> list[str]:
