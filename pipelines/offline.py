@@ -20,7 +20,9 @@ Stages run in this process through their Python entry points (``run_prepare``, `
 
 Resumable: a stage whose output is complete and whose config is unchanged is skipped; extract resumes from its
 committed shards and train from its latest checkpoint. Changing a stage's config in an existing work folder is an
-error naming the stage (use another ``--workdir``), since its outputs would no longer match the settings.
+error naming the stage (use another ``--workdir``), since its outputs would no longer match the settings; the fields
+its config declares ``runtime`` (progress lines, logging, checkpoint cadence, locks: docs/config-reference.md) may
+change.
 
 The held-out split is by document (a stdlib file and its length chunks stay together), chosen by a seeded
 permutation of the documents; held-out prompts come only from ``heldout/``. With ``evaluate.per_epoch`` the
@@ -44,7 +46,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,21 +63,28 @@ from dflash.io.locks import output_lock
 from dflash.target.load import locate_target, target_num_layers
 from stages.config.check import (
     EXCLUSIVE_SETTINGS,
-    check_fields,
     deep_merge,
     field_default,
     layer_over,
+    leaf_paths,
+    read_config_file,
+    runtime_paths,
 )
 from stages.config.presets import PIPELINE_SECTIONS, PRESETS, load_preset, strip_comments
-from stages.config.resolve import layer_sets, parse_sets, plain_value
+from stages.config.resolve import plain_value, resolve_stage_config
+from stages.evaluate import EvaluateConfig
+from stages.extract.command import ExtractConfig
+from stages.generate import GenerateConfig
+from stages.prepare import PrepareConfig
+from stages.train.config import TrainConfig
 
 if TYPE_CHECKING:
     from stages.evaluate import Evaluator
 
 log = logging.getLogger(__name__)
 
-__all__ = ["apply_overrides", "PipelineConfig", "run_pipeline", "register",
-           "validate_sections"]
+__all__ = ["PipelineConfig", "PipelineEvaluateConfig", "SECTIONS", "SplitConfig", "register", "resolve_pipeline",
+           "run_pipeline"]
 
 #: The fix named when an evaluation report of the work folder cannot be read.
 _EVAL_FIX = "the evaluation report is damaged: remove it and rerun the same command (that evaluation runs again)"
@@ -85,50 +94,108 @@ _STAGE_OUTPUT = {"generate": "corpus", "prepare": "corpus-all", "split": "corpus
                  "evaluate": "eval"}
 _STATE_FILE = "pipeline.json"
 
+#: The preset ``run`` uses when none is given; ``run --config FILE`` is merged over it.
+DEFAULT_PRESET = "cpu-small"
 
-def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``section.field=value`` overrides (value parsed as JSON, else kept as a string).
 
-    Raises:
-        ConfigError: an override without ``=`` or without a ``section.`` prefix, or an unknown section.
+@dataclass(kw_only=True, slots=True)
+class SplitConfig:
+    """The ``split`` section: prepare's corpus split by document into training rows and held-out rows
+    (``dflash.corpus.split``).
+
+    Fields:
+        heldout_documents: documents held out for evaluation (training never sees them); required, at least 1.
+        seed: seed of the permutation of the documents that picks the held-out ones.
     """
-    result = copy.deepcopy(config)
-    for override in overrides:
-        key, sep, _ = override.partition("=")
-        section, dot, name = key.strip().partition(".")
-        if not sep or not dot or not name:
-            raise ConfigError(f"--set {override!r}: expected section.field=value, e.g. train.optim.lr=3e-4")
-        if section not in PIPELINE_SECTIONS:
-            raise ConfigError(f"--set {override!r}: unknown section {section!r}; expected one of {list(PIPELINE_SECTIONS)}")
-        layer_sets(result.setdefault(section, {}), parse_sets([override], section))  # as every stage applies it
-    return result
+
+    heldout_documents: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.heldout_documents is None or self.heldout_documents < 1:
+            raise ConfigError(f"heldout_documents must be a positive integer, got {self.heldout_documents!r}")
 
 
-def stages_run(config: dict[str, Any]) -> list[str]:
+@dataclass(kw_only=True, slots=True)
+class PipelineEvaluateConfig(EvaluateConfig):
+    """The ``evaluate`` section: :class:`stages.evaluate.EvaluateConfig`'s fields, plus when the pipeline evaluates
+    (``stages.config.resolve.PIPELINE_ONLY`` names these for the evaluate command, which skips them in a preset).
+
+    Fields:
+        per_epoch: train in epoch-long segments and measure tau on the held-out prompts after each epoch.
+        per_epoch_references: the evaluations before the last also run the speedup references and lossless checks.
+        per_epoch_num_prompts: the evaluations before the last use the first N prompts of the first set (None:
+            every prompt).
+    """
+
+    per_epoch: bool = False
+    per_epoch_references: bool = False
+    per_epoch_num_prompts: int | None = None
+
+    def __post_init__(self) -> None:
+        EvaluateConfig.__post_init__(self)
+        if self.per_epoch_num_prompts is not None and self.per_epoch_num_prompts < 1:
+            raise ConfigError(f"per_epoch_num_prompts must be >= 1 (or null: every prompt), got "
+                              f"{self.per_epoch_num_prompts}")
+
+
+#: Marks a path inside the work folder in :data:`SECTIONS`; a section is checked with a path there that no stage
+#: writes.
+IN_WORKDIR = "WORKDIR/"
+
+
+@dataclass(frozen=True)
+class Section:
+    """How ``run`` checks one stage section: ``config`` is the stage's config dataclass; ``pipeline_sets`` the
+    fields the pipeline gives the stage itself (paths inside the work folder, as :data:`IN_WORKDIR`), with the value
+    the check builds the config with; no layer may set them, nor ``target`` (the pipeline's own). ``unset``: the
+    value the check uses where no layer sets a field (the pipeline decides it when the stage runs)."""
+
+    config: type
+    pipeline_sets: Mapping[str, Any] = field(default_factory=dict)
+    unset: Mapping[str, Any] = field(default_factory=dict)
+
+
+#: Every stage section of a pipeline, one line each, checked in this order (train before extract: extract's default
+#: taps follow train's draft layers); :data:`stages.config.presets.PIPELINE_SECTIONS` lists them in run order.
+SECTIONS: dict[str, Section] = {
+    "generate": Section(GenerateConfig, {"output": IN_WORKDIR}),
+    "prepare": Section(PrepareConfig, {"output": IN_WORKDIR, "overwrite": True, "heldout_documents": 0}),
+    "split": Section(SplitConfig),
+    "train": Section(TrainConfig, {"cache": IN_WORKDIR, "output": IN_WORKDIR, "resume": False, "stop_at_step": None}),
+    "extract": Section(ExtractConfig, {"corpus": IN_WORKDIR, "output": IN_WORKDIR}),
+    "evaluate": Section(PipelineEvaluateConfig, {"drafter": IN_WORKDIR, "corpus": IN_WORKDIR, "cache": None,
+                                                 "json_path": None}, unset={"prompts": "held-out"}),
+}
+
+#: Keys of the ``evaluate`` section that the pipeline reads itself (``_run_stages`` takes them out of what the
+#: evaluator gets), with their defaults.
+EVALUATE_EXTRAS = {f.name: field_default(f) for f in dataclasses.fields(PipelineEvaluateConfig)
+                   if f.name == "compare_untrained" or f.name not in EvaluateConfig.__dataclass_fields__}
+
+
+def stages_run(config: Mapping[str, Any]) -> list[str]:
     """The stage sections a pipeline config runs: with a ``generate`` section the corpus is the target's own
     responses and ``prepare`` and ``split`` are not run; without one, ``generate`` is not run."""
     first = ["generate"] if config.get("generate") else ["prepare", "split"]
     return [*first, "extract", "train", "evaluate"]
 
 
-def _refuse_sections_not_run(config: dict[str, Any], overrides: list[str], preset: str) -> None:
-    """Refuse a ``--set`` for a section the preset does not run, which would otherwise be silently dropped (or,
-    for ``generate``, would silently replace the preset's prepare and split).
-
-    Raises:
-        ConfigError: naming the override, its section and the stages the preset runs.
-    """
-    run = stages_run(config)
-    for override in overrides:
-        section = override.partition("=")[0].strip().partition(".")[0]
-        if section in PIPELINE_SECTIONS and section not in run:
-            raise ConfigError(f"--set {override!r}: preset {preset} runs no {section} stage (it runs "
-                              f"{', '.join(run)}); drop it, or use a preset with a {section} section")
+def derived_extract(extract: dict[str, Any], train: Mapping[str, Any]) -> None:
+    """The extract settings that follow the train section where the extract section leaves them unset, in place:
+    one tap per draft layer (``dflash.target.taps``: the cache holds the layers the trained drafter reads), and the
+    target's final normed hidden state for a distilling drafter, which reads it."""
+    drafter = train.get("drafter") if isinstance(train.get("drafter"), Mapping) else {}
+    if extract.get("num_taps") is None and extract.get("target_layer_ids") is None:
+        extract["num_taps"] = drafter.get("num_draft_layers", DEFAULT_NUM_DRAFT_LAYERS)
+    if drafter.get("distill", "none") != "none" and extract.get("final_tap") is None:
+        extract["final_tap"] = True
 
 
 @dataclass(kw_only=True, slots=True)
 class PipelineConfig:
-    """The resolved pipeline: one dict of stage settings per stage (the stage configs validate the fields).
+    """The resolved pipeline: one dict of stage settings per stage, as the layers set them (:func:`resolve_pipeline`
+    checks each against its stage's config).
 
     Fields:
         workdir: where every stage writes (layout in the module docstring).
@@ -157,26 +224,12 @@ class PipelineConfig:
             raise ConfigError("evaluate.extra_prompts: numpy-questions asks about numpy, which "
                               "generate.default_prompts.packages trains on, so it tests nothing held out; drop numpy "
                               "from the packages or numpy-questions from evaluate.extra_prompts")
-        if self.extract.get("num_taps") is None and self.extract.get("target_layer_ids") is None:
-            # One tap per draft layer (dflash.target.taps): the cache holds the layers the trained drafter reads.
-            drafter = self.train.get("drafter") if isinstance(self.train.get("drafter"), dict) else {}
-            self.extract["num_taps"] = drafter.get("num_draft_layers", DEFAULT_NUM_DRAFT_LAYERS)
-        drafter = self.train.get("drafter") if isinstance(self.train.get("drafter"), dict) else {}
-        if drafter.get("distill", "none") != "none" and self.extract.get("final_tap") is None:
-            # A distilling drafter reads the target's final normed hidden state, so the cache stores it.
-            self.extract["final_tap"] = True
-        held = self.split.get("heldout_documents", 0)
-        if not self.generate and (not isinstance(held, int) or held < 1):
-            raise ConfigError(f"split.heldout_documents must be a positive integer, got {held!r}")
+        derived_extract(self.extract, self.train)
         if self.generate and self.generate.get("prompts", "default") != "default" and "prompts" not in self.evaluate:
             raise ConfigError(
                 f"evaluate.prompts: generate.prompts is {self.generate['prompts']!r}, which has no held-out split; "
                 "give evaluate.prompts (a .jsonl/.txt file of prompts training never saw)"
             )
-
-    @classmethod
-    def from_preset(cls, preset: dict[str, Any], *, workdir: Path) -> PipelineConfig:
-        return cls(workdir=workdir, **preset)
 
     def section(self, name: str) -> dict[str, Any]:
         return {"target": self.target, **getattr(self, name)}
@@ -186,71 +239,115 @@ class PipelineConfig:
                 **{name: getattr(self, name) for name in PIPELINE_SECTIONS}}
 
 
-
-def validate_sections(config: PipelineConfig, source: Callable[[str, str], str]) -> None:
-    """Check every stage section before any stage runs: unknown keys (did-you-mean), wrong types, then each stage
-    config's own checks (ranges, choices), as that stage will build it.
-
-    Args:
-        config: the resolved pipeline.
-        source: ``(section, key)`` -> where the value came from, for the message (``"--set train.lr=abc"``).
+def pipeline_sections(data: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """A preset's or config file's pipeline sections and ``target``, without ``_`` comments.
 
     Raises:
-        ConfigError: the first problem, naming ``section.key`` and its source.
-        TargetError: ``config.target`` names no transformers folder or ``.gguf`` file.
+        ConfigError: a key that is neither a pipeline section nor ``target`` (with a did-you-mean), a section that
+            is not a table, a target that is not a string; named with ``source``.
     """
-    from stages.evaluate import EvaluateConfig
-    from stages.extract.command import ExtractConfig
-    from stages.prepare import PrepareConfig
-    from stages.train.config import TrainConfig
-
-    placeholder = str(config.workdir / "validate")
-    checks: list[tuple[str, type, set[str], dict[str, Any], dict[str, Any]]] = [
-        ("extract", ExtractConfig, {"corpus", "output"}, {}, {"corpus": placeholder, "output": placeholder}),
-        ("train", TrainConfig, {"cache", "output", "resume", "stop_at_step"}, {},
-         {"cache": placeholder, "output": placeholder}),
-    ]
-    if config.generate:
-        from stages.generate import GenerateConfig
-
-        checks.insert(0, ("generate", GenerateConfig, {"output"}, {}, {"output": placeholder}))
-    else:
-        checks.insert(0, ("prepare", PrepareConfig, {"output", "overwrite", "heldout_documents"}, {},
-                          {"output": placeholder, "overwrite": True, "heldout_documents": 0}))
-        for key, value in config.split.items():
-            if key not in ("heldout_documents", "seed"):
-                raise ConfigError(f"split.{key} ({source('split', key)}): unknown key; known: heldout_documents, seed")
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(f"split.{key} ({source('split', key)}): expected int, got {value!r}")
-
-    target_path = locate_target(config.target)  # a wrong target path fails now, not when the first stage loads it
-    _check_init_target_layers(config, target_path, source)
-    evaluate_extra = {key: _EVALUATE_EXTRA_TYPES.get(key, type(value)) for key, value in EVALUATE_EXTRAS.items()}
-    for section, cls, reserved, extra, paths in checks:
-        values = getattr(config, section)
-        check_fields(cls, values, section=section, source=lambda key, s=section: source(s, key),
-                     reserved=reserved | {"target"}, extra=extra)
-        _build_for_check(section, cls, {"target": config.target, **values, **paths}, source)
-    evaluate = {k: v for k, v in config.evaluate.items() if k not in evaluate_extra}
-    check_fields(EvaluateConfig, config.evaluate, section="evaluate", source=lambda key: source("evaluate", key),
-                 reserved={"drafter", "target", "corpus", "cache", "json"}, extra=evaluate_extra)
-    _build_for_check("evaluate", EvaluateConfig, {"prompts": "held-out", **evaluate, "drafter": placeholder,
-                                                  "target": config.target, "corpus": placeholder}, source)
-    subset = config.evaluate.get("per_epoch_num_prompts")
-    if subset is not None and subset < 1:
-        raise ConfigError(f"evaluate.per_epoch_num_prompts ({source('evaluate', 'per_epoch_num_prompts')}): must be "
-                          f">= 1 (or null: every prompt), got {subset}")
+    data = strip_comments(dict(data))
+    for key, value in data.items():
+        if key == "target":
+            if not isinstance(value, str):
+                raise ConfigError(f"target ({source}): expected str (a target spec), got {value!r}")
+            continue
+        if key not in PIPELINE_SECTIONS:
+            close = difflib.get_close_matches(key, PIPELINE_SECTIONS, n=1)
+            raise ConfigError(f"{key} ({source}): not a pipeline section; "
+                              + (f"did you mean {close[0]}?" if close else f"sections: {', '.join(PIPELINE_SECTIONS)}"))
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} ({source}): expected a section (a table of {key} settings), got {value!r}")
+    return data
 
 
-#: The preset ``run`` uses when none is given; ``run --config FILE`` is merged over it.
-DEFAULT_PRESET = "cpu-small"
+def _sets_by_section(overrides: Sequence[str], run: Sequence[str], preset: str) -> dict[str, list[str]]:
+    """``--set SECTION.KEY=VALUE`` items by section.
 
-#: Keys of the ``evaluate`` section that the pipeline reads itself (not EvaluateConfig fields), with their defaults.
-EVALUATE_EXTRAS = {"per_epoch": False, "per_epoch_references": False, "compare_untrained": False,
-                   "per_epoch_num_prompts": None}
+    Raises:
+        ConfigError: an item without ``=`` or a ``SECTION.`` prefix, of an unknown section, or of a section the
+            pipeline does not run (which would otherwise be silently dropped, or for ``generate`` silently replace
+            prepare and split), naming the item.
+    """
+    sets: dict[str, list[str]] = {}
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise ConfigError(f"--set {item!r}: expected section.field=value, e.g. train.optim.lr=3e-4")
+        if section not in PIPELINE_SECTIONS:
+            raise ConfigError(f"--set {item!r}: unknown section {section!r}; expected one of {list(PIPELINE_SECTIONS)}")
+        if section not in run:
+            raise ConfigError(f"--set {item!r}: preset {preset} runs no {section} stage (it runs {', '.join(run)}); "
+                              f"drop it, or use a preset with a {section} section")
+        sets.setdefault(section, []).append(item)
+    return sets
 
-#: The annotations of :data:`EVALUATE_EXTRAS` whose default does not tell their type.
-_EVALUATE_EXTRA_TYPES = {"per_epoch_num_prompts": int | None}
+
+def resolve_pipeline(*, workdir: Path, preset: str = DEFAULT_PRESET, config_file: str | Path | None = None,
+                     overrides: Sequence[str] = (), target: str | None = None,
+                     docs: Sequence[str | Path] = ()) -> PipelineConfig:  # fmt: skip
+    """The pipeline ``run`` runs, every section it runs checked before any stage, as each stage command resolves
+    its own (``stages.config.resolve.resolve_stage_config``): defaults < ``preset`` < ``config_file`` (sections
+    merged field by field) < the options (``target``; ``docs`` adds text folders to prepare's inputs, after every
+    layer) < ``overrides`` (``--set SECTION.KEY=VALUE``). A section the pipeline does not run (prepare and split
+    beside generate) is kept as the layers give it.
+
+    Raises:
+        ConfigError: the first problem, named as the stage commands name it (``SECTION.KEY (SOURCE): ...``).
+        TargetError: the target names no transformers folder or ``.gguf`` file.
+    """
+    layers = [(pipeline_sections(load_preset(preset), f"preset {preset}"), f"preset {preset}")]
+    if config_file is not None:
+        source = f"--config {config_file}"
+        layers.append((pipeline_sections(read_config_file(config_file), source), source))
+    given = {name: {} for name in PIPELINE_SECTIONS}  # as the layers set them: what decides which stages run
+    for data, _ in layers:
+        for name in PIPELINE_SECTIONS:
+            layer_over(given[name], copy.deepcopy(data.get(name, {})))
+    run = stages_run(given)
+    sets = _sets_by_section(overrides, run, preset)
+    if docs and "prepare" not in run:
+        raise ConfigError(f"--docs adds text folders to prepare's inputs, but preset {preset} generates its corpus "
+                          "(a generate section) and runs no prepare; drop --docs")
+    target = target if target is not None else next(
+        (data["target"] for data, _ in reversed(layers) if "target" in data), "default")
+    target_path = locate_target(target)  # a wrong target path fails now, not when the first stage loads it
+    sections = {name: values for name, values in given.items() if name not in run}
+    for name in (name for name in SECTIONS if name in run):
+        sections[name] = _resolve_section(name, layers, sets.get(name, ()), target=target, target_path=target_path,
+                                          docs=docs, workdir=Path(workdir).expanduser(), resolved=sections)
+    return PipelineConfig(workdir=workdir, target=target, **{name: sections[name] for name in PIPELINE_SECTIONS})
+
+
+def _resolve_section(name: str, layers: Sequence[tuple[Mapping[str, Any], str]], sets: Sequence[str], *,
+                     target: str, target_path: Path, docs: Sequence[str | Path], workdir: Path,
+                     resolved: Mapping[str, dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """One section's settings as the layers set them, checked by building its stage's config as the stage will
+    (``resolved``: the sections checked before it)."""
+    spec = SECTIONS[name]
+    values: dict[str, Any] = {}
+    pipeline_sets = {key: str(workdir / "check") if value == IN_WORKDIR else value
+                     for key, value in spec.pipeline_sets.items()}
+    has_target = "target" in {f.name for f in dataclasses.fields(spec.config)}
+
+    def add_docs(merged: dict[str, Any]) -> None:
+        if name == "prepare" and docs:
+            merged["inputs"] = [*merged.get("inputs", ["default"]), *(str(d) for d in docs)]
+
+    def build(merged: dict[str, Any]) -> Any:
+        values.update(copy.deepcopy(merged))
+        settings = {**spec.unset, **copy.deepcopy(merged), **pipeline_sets}
+        if name == "extract":
+            derived_extract(settings, resolved["train"])
+        config = spec.config(**settings, **({"target": target} if has_target else {}))
+        if name == "train":
+            _check_init_target_layers(config, target_path)
+        return config
+
+    resolve_stage_config(spec.config, name, layers=[(data.get(name, {}), source) for data, source in layers],
+                         overrides=sets, reserved=("target", *spec.pipeline_sets), build=build, fill=add_docs)
+    return values
 
 
 def printable_pipeline(config: PipelineConfig) -> dict[str, Any]:
@@ -259,30 +356,19 @@ def printable_pipeline(config: PipelineConfig) -> dict[str, Any]:
     the output read back with ``--config`` (merged over the default preset) or with ``--preset FILE.json`` resolves
     to the same config. A pipeline without a ``generate`` section cannot mask the default preset's one this way:
     read such a printout back with ``--preset FILE.json``."""
-    from stages.evaluate import EvaluateConfig
-    from stages.extract.command import ExtractConfig
-    from stages.generate import GenerateConfig
-    from stages.train.config import TrainConfig
-
     data = {k: copy.deepcopy(v) for k, v in config.to_dict().items() if k != "workdir" and (v or k == "target")}
-    classes = {"generate": GenerateConfig, "extract": ExtractConfig, "train": TrainConfig, "evaluate": EvaluateConfig}
-
     for section, base in load_preset(DEFAULT_PRESET).items():
-        if section not in classes or not isinstance(base, dict) or section not in data:
+        if section not in SECTIONS or not isinstance(base, dict) or section not in data:
             continue
         values = data[section]
         chosen = {key for group in EXCLUSIVE_SETTINGS for key in group if values.get(key) is not None}
-        fields = {f.name: f for f in dataclasses.fields(classes[section])}
-        extras = EVALUATE_EXTRAS if section == "evaluate" else {}
+        fields = {f.name: f for f in dataclasses.fields(SECTIONS[section].config)}
         for key, base_value in base.items():
             if any(key in group and chosen & set(group) for group in EXCLUSIVE_SETTINGS):
                 continue  # the chosen member of its group replaces it when read back
-            if key in extras:
-                default = extras[key]
-            elif key in fields:
-                default = field_default(fields[key])
-            else:
+            if key not in fields:
                 continue
+            default = field_default(fields[key])
             if key not in values:
                 values[key] = plain_value(default)
             if isinstance(base_value, dict) and isinstance(values[key], dict):
@@ -291,40 +377,31 @@ def printable_pipeline(config: PipelineConfig) -> dict[str, Any]:
     return data
 
 
-def _check_init_target_layers(config: PipelineConfig, target_path: Path, source: Callable[[str, str], str]) -> None:
-    """``train.drafter.init_target_layers`` within the target's depth, checked before generate/extract run (train
-    would refuse it only after them). Skipped when the depth cannot be read without loading the target."""
-    drafter = (config.train or {}).get("drafter") or {}
-    layers = drafter.get("init_target_layers") if isinstance(drafter, dict) else None
-    if not isinstance(layers, list) or not layers:
+def _check_init_target_layers(config: TrainConfig, target_path: Path) -> None:
+    """``drafter.init_target_layers`` within the target's depth, checked before generate/extract run (train would
+    refuse it only after them). Skipped when the depth cannot be read without loading the target."""
+    layers = config.drafter.init_target_layers
+    if not layers:
         return
-
     depth = target_num_layers(target_path)
     if depth is None:
         return
-    bad = [i for i in layers if isinstance(i, int) and not 0 <= i < depth]
+    bad = [i for i in layers if not 0 <= i < depth]
     if bad:
-        raise ConfigError(f"train.drafter.init_target_layers ({source('train', 'drafter.init_target_layers')}): "
-                          f"{bad} out of range: the target ({target_path.name}) has layers 0..{depth - 1}")
-
-
-def _build_for_check(section: str, cls: type, values: dict[str, Any], source: Callable[[str, str], str]) -> None:
-    try:
-        cls(**values)
-    except (ConfigError, ValueError, TypeError) as error:
-        message = str(error)
-        from stages.config.check import leaf_paths
-        from stages.config.resolve import without_key
-
-        candidates = sorted({*values, *leaf_paths(values)}, key=len, reverse=True)  # optim.lr: a nested field
-        key = next((k for k in candidates if message.startswith((k + " ", k + ":"))), None)
-
-        where = f"{section}.{key} ({source(section, key)})" if key else f"{section} ({source(section, '')})"
-        raise ConfigError(f"{where}: {without_key(message, key) if key else message}") from None
+        raise ConfigError(f"drafter.init_target_layers: {bad} out of range: the target ({target_path.name}) has "
+                          f"layers 0..{depth - 1}")
 
 
 def _digest(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _output_digest(stage: str, settings: Mapping[str, Any]) -> str:
+    """The digest of the settings that decide what ``stage`` writes: ``settings`` without its config's fields
+    declared ``runtime`` (``stages.config.check.runtime_paths``: progress, logging, locks...), which a rerun in the
+    same work folder may change."""
+    ignored = runtime_paths(SECTIONS[stage].config) if stage in SECTIONS else frozenset()
+    return _digest({path: value for path, value in leaf_paths(settings).items() if path not in ignored})
 
 
 class _State:
@@ -339,16 +416,18 @@ class _State:
 
     def check(self, stage: str, settings: dict[str, Any], output: Path | None = None) -> bool:
         """True when ``stage`` completed with these settings; raises when it ran with other ones and left something
-        in ``output`` (its folder). A stage that failed before writing anything there (e.g. extract refused by its
-        disk-space check) is forgotten, so the same command with a corrected setting runs it."""
+        in ``output`` (its folder). Settings declared ``runtime`` may differ (:func:`_output_digest`). A stage that
+        failed before writing anything there (e.g. extract refused by its disk-space check) is forgotten, so the
+        same command with a corrected setting runs it."""
         record = self.data["stages"].get(stage)
         if record is None:
             return False
-        if (not record.get("done") and output is not None and record["digest"] != _digest(settings)
+        changed = _output_digest(stage, record["settings"]) != _output_digest(stage, settings)
+        if (not record.get("done") and output is not None and changed
                 and not (output.exists() and (not output.is_dir() or any(output.iterdir())))):
             del self.data["stages"][stage]
             return False
-        if record["digest"] != _digest(settings):
+        if changed:
             raise ConfigError(
                 f"{stage}: {self.path.parent} holds outputs of this stage made with other settings "
                 f"({record['settings']} vs now {settings}); use a new --workdir"
@@ -415,20 +494,17 @@ def _excluded_samples_reported_once() -> Iterator[None]:
 
 
 def run_pipeline(config: PipelineConfig, *, console: Console | None = None,
-                 source: Callable[[str, str], str] | None = None,
                  prompt_processes: int | None = 1) -> dict[str, Any]:  # fmt: skip
-    """Run (or resume) the pipeline; returns the final evaluation report (``tau`` and the rest).
+    """Run (or resume) the pipeline ``config`` (from :func:`resolve_pipeline`, which checked every section); returns
+    the final evaluation report (``tau`` and the rest).
 
     ``prompt_processes``: as :func:`stages.generate.run_generate` (1 by default; the CLI passes ``None``).
 
     Raises:
-        ConfigError: a setting fails :func:`validate_sections` (before any work); a stage's settings changed in an
-            existing work folder; any stage's own errors.
+        ConfigError: a stage's settings changed in an existing work folder; any stage's own errors.
         LockError: another pipeline runs in the same work folder (``dflash.io.locks``; each stage also locks its own
             output inside it).
     """
-    # Before anything is written; ``source`` names where a setting came from (the CLI passes --set/preset).
-    validate_sections(config, source or (lambda section, key: "pipeline config"))
     with output_lock(config.workdir, what="pipeline work folder"), _excluded_samples_reported_once():
         return _run_stages(config, console=console, prompt_processes=prompt_processes)
 
@@ -678,62 +754,19 @@ def register(app: typer.Typer) -> None:
 
     @app.command("run")
     def run_command(
-        preset: str = typer.Option("cpu-small", "--preset", help=f"One of {', '.join(PRESETS)}, or a preset .json file."),
+        preset: str = typer.Option(DEFAULT_PRESET, "--preset", help=f"One of {', '.join(PRESETS)}, or a preset .json file."),
         workdir: Path = typer.Option(Path("dflash-work"), "--workdir", help="Work folder of every stage (resumable)."),
         overrides: list[str] = typer.Option([], "--set", help="Override a preset field: section.field=value (repeatable; value parsed as JSON, else a string). Every setting is checked before the first stage runs; a section the preset does not run (prepare or split beside generate, generate beside prepare) is refused."),
         docs: list[Path] = typer.Option([], "--docs", help="Extra text folders for the corpus, e.g. the Python docs' reST sources."),
         target: str | None = typer.Option(None, "--target", help="Target spec (default: the preset's, 'default' = SmolLM2)."),
-        config_file: str | None = typer.Option(None, "--config", help="Sections (generate, prepare, split, extract, train, evaluate; target) in a .toml, .yaml or .json file, merged field by field over the preset, under --set."),
+        config_file: str | None = typer.Option(None, "--config", help="Sections (generate, prepare, split, extract, train, evaluate; target) in a .toml, .yaml or .json file, merged field by field over the preset; --target, --docs and --set go over it."),
         print_config: bool = typer.Option(False, "--print-config", help="Check and print the resolved pipeline config (JSON; --preset FILE.json or --config reads it back) and exit; nothing runs."),
     ) -> None:
         """The main job: generate (or prepare + split) -> extract -> train -> evaluate on a preset; ends by printing tau."""
         console = Console()
-        preset_config = load_preset(preset)
-        from_file: set[tuple[str, str]] = set()
-        if config_file is not None:
-            from stages.config.check import read_config_file
-
-            for section, values in strip_comments(read_config_file(config_file)).items():
-                if section == "target":
-                    preset_config["target"] = values
-                    continue
-                if section not in PIPELINE_SECTIONS or not isinstance(values, dict):
-                    close = difflib.get_close_matches(section, PIPELINE_SECTIONS, n=1)
-                    raise ConfigError(f"{section} (--config {config_file}): not a pipeline section; "
-                                      + (f"did you mean {close[0]}?" if close else f"sections: {', '.join(PIPELINE_SECTIONS)}"))
-                from stages.config.check import leaf_paths
-
-                layer_over(preset_config.setdefault(section, {}), values)
-                from_file.update((section, key) for key in {*values, *leaf_paths(values)})
-        _refuse_sections_not_run(preset_config, overrides, preset)
-        preset_config = apply_overrides(preset_config, overrides)
-        if docs and preset_config.get("generate"):
-            raise ConfigError(f"--docs adds text folders to prepare's inputs, but preset {preset} generates its corpus "
-                              "(a generate section) and runs no prepare; drop --docs")
-        if docs:
-            preset_config.setdefault("prepare", {})
-            preset_config["prepare"]["inputs"] = [*preset_config["prepare"].get("inputs", ["default"]),
-                                                  *(str(d) for d in docs)]
-        if target is not None:
-            preset_config["target"] = target
-        config = PipelineConfig.from_preset(preset_config, workdir=workdir)
-        given = {}
-        for override in overrides:
-            key, _, _ = override.partition("=")
-            section, _, name = key.strip().partition(".")
-            given[(section, name)] = f"--set {override}"
-
-        def source(section: str, key: str) -> str:
-            if (section, key) in given:
-                return given[(section, key)]
-            if section == "prepare" and key == "inputs" and docs:
-                return "--docs"
-            if (section, key) in from_file or (section, key.split(".")[0]) in from_file:
-                return f"--config {config_file}"
-            return f"preset {preset}"
-
+        config = resolve_pipeline(workdir=workdir, preset=preset, config_file=config_file, overrides=overrides,
+                                  target=target, docs=docs)
         if print_config:
-            validate_sections(config, source)
             print(json.dumps(printable_pipeline(config), indent=2))
             raise typer.Exit(0)
 
@@ -741,7 +774,7 @@ def register(app: typer.Typer) -> None:
 
         console.print(f"preset {preset} -> {workdir}")
         started = time.perf_counter()
-        report = run_pipeline(config, console=console, source=source, prompt_processes=None)  # under __main__
+        report = run_pipeline(config, console=console, prompt_processes=None)  # under __main__
         print_summary(report, console)
         console.print(f"pipeline finished in {time.perf_counter() - started:.1f} s; results in {workdir}")
         counts = " + ".join(str(entry["count"]) for entry in report.get("prompt_sets") or [report["prompts"]])

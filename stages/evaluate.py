@@ -131,7 +131,7 @@ class EvaluateConfig:
     cpu_threads: int | None = setting(None, help='Torch threads while decoding on CPU (default: 1; more threads lose on shared cores).')
     near_tie_tolerance: float | None = None
     json_path: Path | None = setting(None, option='--json-file', help='Also write the full report as JSON to this file (default for a run folder: RUN/eval/final.json, which report, diff and inspect read).')
-    progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={
+    progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={"runtime": True,
         "help": "Seconds between two progress lines (prompts, tokens, rates, ETA, tau so far) when output is not a "
                 "terminal; 0: none."})
 

@@ -142,7 +142,7 @@ class GenerateConfig:
     target_gpus: list[int] | None = setting(None, help='GPUs for target replicas, e.g. 0,1,2 (one Dask worker each).')
     target_processes: int | None = setting(None, help='CPU processes for target replicas (no GPU), one Dask worker each.')
     scheduler_address: str | None = setting(None, help='An existing Dask scheduler (tcp://host:8786).')
-    dashboard_address: str = setting("127.0.0.1:0", help='Dask dashboard of a local cluster (localhost by default).')
+    dashboard_address: str = setting("127.0.0.1:0", runtime=True, help='Dask dashboard of a local cluster (localhost by default).')
     tls_ca_file: str | None = setting(None, help='TLS for --scheduler-address: the CA file (with --tls-cert, --tls-key).')
     tls_cert: str | None = setting(None, help='TLS client certificate for --scheduler-address.')
     tls_key: str | None = setting(None, help='TLS client key for --scheduler-address.')
@@ -155,8 +155,8 @@ class GenerateConfig:
     max_retries: int = setting(3, help='openai engine: retries after a connection error, timeout, HTTP 5xx/408/429 (0 = try once).')
     max_prompt_bytes: int = setting(DEFAULT_MAX_LINE_BYTES, help="Most bytes of one prompts-file line (or .parquet row's text); a longer one is an error.")
     overwrite: bool = setting(False, help='Replace an output generated with other settings.')
-    break_lock: bool = setting(False, option='--break-lock', help="Take over OUTPUT's lock left by a run on another host known dead.")
-    progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={
+    break_lock: bool = setting(False, runtime=True, option='--break-lock', help="Take over OUTPUT's lock left by a run on another host known dead.")
+    progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={"runtime": True,
         "help": "Seconds between two progress lines (prompts, tokens, rates, ETA) when output is not a terminal; 0: none."})
 
     def __post_init__(self) -> None:

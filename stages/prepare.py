@@ -131,7 +131,7 @@ class PrepareConfig:
     #: Replace an existing output folder (atomically).
     overwrite: bool = setting(False, option='--overwrite', help='Replace an existing --output folder.')
     #: Take over the output's lock left by a run on another host known dead (``dflash.io.locks``).
-    break_lock: bool = setting(False, option='--break-lock', help="Take over --output's lock left by a run on another host known dead.")
+    break_lock: bool = setting(False, runtime=True, option='--break-lock', help="Take over --output's lock left by a run on another host known dead.")
     heldout_documents: int | None = field(default=None, metadata={"help": (
         "Documents (conversations, files) held out for evaluation in OUTPUT/heldout, chosen by --seed; unset: 5% "
         "of the documents, at least 1; 0: none.")})

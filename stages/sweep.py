@@ -3,7 +3,7 @@
 Run::
 
     dflash-stages sweep --cache CACHE --output SWEEP --grid lr=3e-4,6e-4 --grid gamma=4,7
-    dflash-stages sweep --cache CACHE --output SWEEP --grid lr=3e-4,6e-4 --set train.max_steps=2000 --drafter-gpus 0,1,2,3
+    dflash-stages sweep --cache CACHE --output SWEEP --grid lr=3e-4,6e-4 --set train.max_steps=2000 --run-gpus 0,1,2,3
     dflash-stages sweep --config sweep.toml --print-config
 
 Each ``--grid FIELD=V1,V2,...`` names a :class:`stages.train.config.TrainConfig` field and its values (list-valued
@@ -13,12 +13,12 @@ grid, in the order given; run ``k`` trains into ``SWEEP/<field>=<value>_...``. `
 (:class:`SweepConfig`), with the one ``--set`` grammar of every stage (the value is JSON, else a string).
 
 Settings, lowest first: defaults < ``--preset NAME`` (its ``train`` section fixes train fields for every run) <
-``--config FILE`` (a ``[sweep]`` section: cache, output, grid, drafter_gpus...; a ``[train]`` section: the fixed train
+``--config FILE`` (a ``[sweep]`` section: cache, output, grid, run_gpus...; a ``[train]`` section: the fixed train
 fields) < the options given < ``--set``. Everything is checked before any run starts (unknown fields with a
 did-you-mean, types, each run's whole TrainConfig); ``--print-config`` prints ``{"sweep": ..., "train": ...}``,
 which ``--config`` reads back.
 
-Without ``--drafter-gpus`` runs go one after the other in this process (CPU, or GPU 0); with ``--drafter-gpus`` one run per listed
+Without ``--run-gpus`` runs go one after the other in this process (CPU, or GPU 0); with ``--run-gpus`` one run per listed
 GPU at a time, each in its own ``dflash-stages train`` process (its log in ``RUN/train.log``).
 
 At the end a table compares final train loss, validation loss and implied acceptance length, best validation
@@ -174,7 +174,8 @@ class SweepConfig:
         cache: the hidden-state cache every run trains on; required.
         output: the sweep folder (one run folder per combination); ``None``: ``./sweep-<time>``.
         grid: TrainConfig field -> its values; runs are the cartesian product (one value fixes the field).
-        drafter_gpus: GPU ids, one run per GPU at a time, each in a ``train`` subprocess; ``None``: runs one after the other.
+        run_gpus: GPU ids the runs share, one run per GPU at a time, each in a ``train`` subprocess on its one GPU (not
+            the DDP ranks of one run, as train's ``drafter_gpus``); ``None``: runs one after the other.
         resume: continue unfinished runs of an earlier sweep into ``output``.
         break_lock: take over locks of the sweep and its runs left on another host known dead.
     """
@@ -187,8 +188,8 @@ class SweepConfig:
         default_factory=dict, parse=parse_grid, repeat=True,
         help="FIELD=V1,V2,... (a TrainConfig field and its values; one value fixes it; lists as 256:512), or "
              "FIELD=JSON-ARRAY of the values ('boundaries=[[256,512],[1024]]'). Repeatable.")
-    drafter_gpus: list[int] | None = setting(None, help="GPU ids, e.g. 0,1,2; one run per GPU at a time (default: one "
-                                             "run after the other).")
+    run_gpus: list[int] | None = setting(None, help="GPU ids the runs share, e.g. 0,1,2: one run per GPU at a time, "
+                                         "each training on its one GPU (default: one run after the other).")
     resume: bool = setting(False, option="--resume", help="Continue unfinished runs of an earlier sweep.")
     break_lock: bool = setting(False, option="--break-lock", help="Take over locks of the sweep and its runs left on "
                                "another host known dead.")
@@ -197,9 +198,9 @@ class SweepConfig:
         for name, values in self.grid.items():
             if not isinstance(values, list) or not values:
                 raise ConfigError(f"grid: {name} needs a non-empty list of values, got {values!r}")
-        if self.drafter_gpus is not None and (not self.drafter_gpus or any(g < 0 for g in self.drafter_gpus)
-                                              or len(set(self.drafter_gpus)) != len(self.drafter_gpus)):
-            raise ConfigError(f"drafter_gpus: expected a non-empty list of distinct GPU ids >= 0, got {self.drafter_gpus!r}")
+        if self.run_gpus is not None and (not self.run_gpus or any(g < 0 for g in self.run_gpus)
+                                          or len(set(self.run_gpus)) != len(self.run_gpus)):
+            raise ConfigError(f"run_gpus: expected a non-empty list of distinct GPU ids >= 0, got {self.run_gpus!r}")
 
 
 def _split_sets(overrides: list[str]) -> tuple[list[str], list[str]]:
@@ -433,7 +434,7 @@ def register(app: typer.Typer) -> None:
     """Add the ``sweep`` command to the ``dflash-stages`` app."""
     @app.command("sweep")
     @config_options(SweepConfig, "sweep", shared_help={
-        "config": "Settings in a .toml, .yaml or .json file: a \\[sweep] section (cache, output, grid, drafter_gpus...) "
+        "config": "Settings in a .toml, .yaml or .json file: a \\[sweep] section (cache, output, grid, run_gpus...) "
                   "and a \\[train] section (train fields fixed for every run). Options given override it.",
         "preset": "A pipeline preset of `run` or a .json file of sections: its train section fixes train fields for "
                   "every run.",
@@ -459,7 +460,7 @@ def register(app: typer.Typer) -> None:
                 run.config = dataclasses.replace(run.config, break_lock=True)
         with output_lock(folder, what="sweep", break_lock=config.break_lock):
             _preflight(config, runs, folder)  # under the lock, as train checks its cache under its run's lock
-            _sweep(runs, folder, config.drafter_gpus)
+            _sweep(runs, folder, config.run_gpus)
 
     def _preflight(config: SweepConfig, runs: list[SweepRun], folder: Path) -> None:
         """What would make every run fail, refused before the first one starts (one error line, nothing written)."""
@@ -468,15 +469,15 @@ def register(app: typer.Typer) -> None:
         if folder.exists() and not folder.is_dir():
             raise ConfigError(f"sweep.output: {folder} exists and is not a folder; choose another --output")
         CacheReader(config.cache)  # CacheError (exit 2): no cache there, or not one
-        wants_cuda = config.drafter_gpus is not None or any(run.config.device == "cuda" for run in runs)
+        wants_cuda = config.run_gpus is not None or any(run.config.device == "cuda" for run in runs)
         if wants_cuda:
             import torch
 
             visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if not visible:
-                raise ConfigError("sweep: the runs need CUDA (--drafter-gpus, or device cuda), which is not available here")
-            if config.drafter_gpus is not None and max(config.drafter_gpus) >= visible:
-                raise ConfigError(f"sweep.drafter_gpus: {config.drafter_gpus} names a GPU this host does not have ({visible} "
+                raise ConfigError("sweep: the runs need CUDA (--run-gpus, or device cuda), which is not available here")
+            if config.run_gpus is not None and max(config.run_gpus) >= visible:
+                raise ConfigError(f"sweep.run_gpus: {config.run_gpus} names a GPU this host does not have ({visible} "
                                   f"visible: 0..{visible - 1})")
 
     def _sweep(runs: list[SweepRun], output: Path, gpu_ids: list[int] | None) -> None:

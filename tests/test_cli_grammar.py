@@ -89,7 +89,7 @@ def test_dtype_names_are_accepted_in_either_spelling_and_stored_in_one(tmp_path,
 
 
 #: GPUs and CPU processes are named by role, one spelling per role in every command (README, "Usage").
-PLACEMENT_OPTIONS = {"--target-gpus", "--target-processes", "--drafter-gpus", "--drafter-processes"}
+PLACEMENT_OPTIONS = {"--target-gpus", "--target-processes", "--drafter-gpus", "--drafter-processes", "--run-gpus"}
 
 
 def _visible_options():
@@ -127,7 +127,9 @@ def test_gpu_lists_and_cpu_processes_have_one_spelling_per_role_in_every_command
         assert {"--target-gpus", "--target-processes"} <= by_command[command], command
     for command in ("train", "online"):
         assert {"--drafter-gpus", "--drafter-processes"} <= by_command[command], command
-    assert "--drafter-gpus" in by_command["sweep"]
+    # sweep's GPUs each train a whole run, not a DDP rank of one: another role, another name
+    assert "--run-gpus" in by_command["sweep"] and "--drafter-gpus" not in by_command["sweep"]
+    assert {command for command, names in by_command.items() if "--drafter-gpus" in names} == {"train", "online"}
 
 
 def test_kernel_environment_variables_are_also_train_config_fields(tmp_path, monkeypatch, capsys):
@@ -199,9 +201,9 @@ def test_empty_paths_are_refused_naming_the_key(tmp_path, monkeypatch, capsys):
 
 
 def test_refusals_name_the_key_once(tmp_path, monkeypatch, capsys):
-    code, err = main_in_process(monkeypatch, capsys, "sweep", "--cache", "c", "--grid", "lr=1e-3", "--drafter-gpus",
+    code, err = main_in_process(monkeypatch, capsys, "sweep", "--cache", "c", "--grid", "lr=1e-3", "--run-gpus",
                                 "0,0", "--print-config")
-    assert code == 2 and err.strip() == ("error: sweep.drafter_gpus (--drafter-gpus): expected a non-empty list of "
+    assert code == 2 and err.strip() == ("error: sweep.run_gpus (--run-gpus): expected a non-empty list of "
                                          "distinct GPU ids >= 0, got [0, 0]"), err
     code, err = main_in_process(monkeypatch, capsys, "train", "--cache", "c", "-o", str(tmp_path / "r"), "--lr", "-1",
                                 "--print-config")

@@ -925,3 +925,17 @@ def test_closing_the_cluster_after_a_run_prints_no_kill_warning(tmp_path, caplog
         close_cluster(client, cluster)
     assert cluster.status.name == "closed"
     assert not [r for r in caplog.records if "still alive" in r.getMessage()], caplog.text
+
+
+def test_the_dropped_kill_warning_is_logged_at_debug_level_under_the_cluster_module(caplog):
+    """close_cluster's filter (shared by extract, generate and online) logs the nanny's kill warning it drops at debug
+    level under its own module's logger, where ``-v`` or a logging config finds it."""
+    import logging
+
+    from stages.replicas.cluster import _QuietWorkerKill
+
+    record = logging.LogRecord("distributed.nanny", logging.WARNING, __file__, 1,
+                               "Worker process still alive after 4.0 seconds, killing", (), None)
+    with caplog.at_level(logging.DEBUG, logger="stages.replicas.cluster"):
+        assert _QuietWorkerKill().filter(record) is False
+    assert [(r.name, r.levelno) for r in caplog.records] == [("stages.replicas.cluster", logging.DEBUG)]

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash.errors import ConfigError, MismatchError
-from pipelines.offline import PipelineConfig, apply_overrides, validate_sections
+from pipelines.offline import PipelineConfig, resolve_pipeline
 from stages.config.presets import PRESETS, load_preset
 
 TINY = {
@@ -172,23 +172,59 @@ def test_pipeline_on_generated_responses(tmp_path, target):
     assert report["prompts"]["source"] == str(heldout) and report["prompts"]["count"] == 1
     without = {**{k: v for k, v in preset.items() if k != "_why"}, "evaluate": TINY["evaluate"]}
     with pytest.raises(ConfigError, match="evaluate.prompts: generate.prompts is"):
-        PipelineConfig.from_preset(without, workdir=tmp_path / "other")
+        PipelineConfig(workdir=tmp_path / "other", **without)
 
 
-def test_presets_load_and_overrides_apply():
+def test_presets_resolve_and_overrides_apply(tmp_path):
     for name in PRESETS:
         preset = load_preset(name)
         assert not any(key.startswith("_") for section in preset.values() if isinstance(section, dict) for key in section)
-        validate_sections(PipelineConfig.from_preset(preset, workdir="unused"), lambda section, key, name=name: name)
-    preset = apply_overrides(load_preset("cpu-small"), ["train.optim.lr=3e-4", "evaluate.device=cuda", "train.drafter.target_layer_ids=[3]"])
-    assert preset["train"]["optim"]["lr"] == 3e-4 and preset["evaluate"]["device"] == "cuda"
-    assert preset["train"]["drafter"]["target_layer_ids"] == [3]
+        assert resolve_pipeline(workdir=tmp_path, preset=name).train == preset["train"]
+    config = resolve_pipeline(workdir=tmp_path, overrides=["train.optim.lr=3e-4", "evaluate.device=cuda",
+                                                           "train.drafter.target_layer_ids=[3]"])
+    assert config.train["optim"] == {"lr": 3e-4} and config.evaluate["device"] == "cuda"
+    assert config.train["drafter"]["target_layer_ids"] == [3] and config.train["drafter"]["block_size"] == 4
     with pytest.raises(ConfigError, match="section.field=value"):
-        apply_overrides(preset, ["lr=3"])
+        resolve_pipeline(workdir=tmp_path, overrides=["lr=3"])
     with pytest.raises(ConfigError, match="unknown section"):
-        apply_overrides(preset, ["optimizer.lr=3"])
+        resolve_pipeline(workdir=tmp_path, overrides=["optimizer.lr=3"])
     with pytest.raises(ConfigError, match="neither"):
         load_preset("no-such-preset")
+
+
+def test_the_settings_only_run_reads_are_checked_as_a_stage_config_is(tmp_path):
+    """``split`` and evaluate's per-epoch keys, which no stage command has, are checked by their own config classes
+    through the same resolver (same layers, same wording); the evaluate command skips exactly those keys of a preset."""
+    from dataclasses import fields
+
+    from pipelines.offline import PipelineEvaluateConfig
+    from stages.config.resolve import PIPELINE_ONLY
+    from stages.evaluate import EvaluateConfig
+
+    assert PIPELINE_ONLY["evaluate"] == ({f.name for f in fields(PipelineEvaluateConfig)}
+                                         - {f.name for f in fields(EvaluateConfig)})
+    preset = tmp_path / "prepared.json"
+    preset.write_text(json.dumps({**{k: v for k, v in load_preset("cpu-small").items() if k != "generate"},
+                                  "prepare": {"max_length": 128}, "split": {"heldout_documents": 1}}))
+    workdir = tmp_path / "work"
+    for override, message in [
+        ("split.heldout_documents=0", "split.heldout_documents (--set split.heldout_documents=0): must be a positive "
+                                      "integer, got 0"),
+        ("split.seed=true", "split.seed (--set split.seed=true): expected int, got True"),
+        ("split.sead=1", "split.sead (--set split.sead=1): unknown key; did you mean split.seed?"),
+        ("evaluate.per_epoch_num_prompts=0", "evaluate.per_epoch_num_prompts (--set evaluate.per_epoch_num_prompts=0): "
+                                             "must be >= 1 (or null: every prompt), got 0"),
+        ("evaluate.json_path=x", "evaluate.json_path (--set evaluate.json_path=x): set by the pipeline itself"),
+    ]:
+        with pytest.raises(ConfigError) as raised:
+            resolve_pipeline(workdir=workdir, preset=str(preset), overrides=[override])
+        assert str(raised.value).startswith(message), override
+    (tmp_path / "seed.toml").write_text("[split]\nseed = 3\n[prepare]\ninputs = ['default']\n")
+    config = resolve_pipeline(workdir=workdir, preset=str(preset), config_file=tmp_path / "seed.toml",
+                              overrides=["split.heldout_documents=2"], docs=[tmp_path])
+    assert config.split == {"heldout_documents": 2, "seed": 3}
+    assert config.prepare == {"max_length": 128, "inputs": ["default", str(tmp_path)]}  # --docs after every layer
+    assert not workdir.exists()
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -303,6 +339,30 @@ def test_a_stage_that_failed_before_writing_anything_reruns_with_corrected_setti
         state.check("train", after, run)  # finished: refused even with nothing in the folder
 
 
+def test_a_rerun_may_change_settings_that_do_not_change_a_stages_output(tmp_path):
+    """Fields declared ``runtime`` (progress lines, logging, checkpoint cadence, locks, the dashboard) may differ in
+    a rerun over the same work folder; any other field is refused as before, and pipeline.json is written as
+    before (the digest of every setting given)."""
+    from pipelines.offline import _digest, _State
+
+    train = {"target": "default", "epochs": 2, "optim": {"lr": 1e-3}, "telemetry": {"progress": True}}
+    extract = {"target": "default", "num_taps": 1}
+    state = _State(tmp_path, PipelineConfig(workdir=tmp_path, split={"heldout_documents": 1}))
+    for stage, settings in (("train", train), ("extract", extract)):
+        state.start(stage, settings)
+        state.finish(stage, 1.0)
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    assert state.check("train", {**train, "save_every": 7, "telemetry": {"progress": False, "progress_interval": 5,
+                                                                         "log_every": 3}}, run)
+    assert state.check("extract", {**extract, "progress_interval": 0, "dashboard_address": ":0", "break_lock": True},
+                       cache)
+    with pytest.raises(ConfigError, match="other settings"):
+        state.check("train", {**train, "optim": {"lr": 2e-3}}, run)
+    with pytest.raises(ConfigError, match="other settings"):
+        state.check("extract", {**extract, "num_taps": 2}, cache)
+    assert json.loads((tmp_path / "pipeline.json").read_text())["stages"]["train"]["digest"] == _digest(train)
+
+
 def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(finished_run, tmp_path):
     """SIGKILL inside a checkpoint write during epoch 1 (a power cut, no clean stop), then the same command again:
     the rerun resumes from the last whole checkpoint and ends with the epoch ends, taus and bit-identical final
@@ -381,7 +441,7 @@ def test_numpy_questions_refused_beside_a_prompt_set_that_trains_on_numpy(tmp_pa
     """The second prompt set is held out only while training never reads numpy's sources."""
     preset = {k: v for k, v in load_preset("h200-smollm2").items() if k != "_why"}
     assert preset["evaluate"]["extra_prompts"] == ["numpy-questions"]
-    PipelineConfig.from_preset(preset, workdir=tmp_path)
+    PipelineConfig(workdir=tmp_path, **preset)
     preset["generate"]["default_prompts"]["packages"] = ["torch", "numpy"]
     with pytest.raises(ConfigError, match="numpy-questions asks about numpy, which generate.default_prompts.packages"):
-        PipelineConfig.from_preset(preset, workdir=tmp_path)
+        PipelineConfig(workdir=tmp_path, **preset)

@@ -117,11 +117,11 @@ def test_sweep_settings_from_a_config_file_and_preset_and_errors_before_any_run(
         (["--set", "optim.lr=3e-4,6e-4"], "sweep several with --grid optim.lr=3e-4,6e-4"),
         (["--grid", "lr=-1,1e-3"], "sweep run lr=-1.0"),
         (["--set", "train.cache=x"], "give it as sweep.cache"),
-        (["--set", "sweep.drafter_gpu=[0]"], "did you mean sweep.drafter_gpus?"),
+        (["--set", "sweep.run_gpu=[0]"], "did you mean sweep.run_gpus?"),
         (["--grid", "lr=1e-3,2e-3"], "no cache at c"),  # checked before any run starts: nothing written
         (["--grid", "lr=1e-3,0.001"], "two runs would share the folder"),
         (["--grid", "lr=1e-3,2e-3", "--set", "optim.lr=5e-4"], "both swept (sweep.grid) and fixed (--set optim.lr=5e-4)"),
-        (["--drafter-gpus", "0,0"], "distinct GPU ids"),
+        (["--run-gpus", "0,0"], "distinct GPU ids"),
     ]:
         code, err = main_in_process(monkeypatch, capsys, "sweep", "--cache", "c", "-o", str(tmp_path / "never"), *args)
         lines = [line for line in err.splitlines() if line.strip()]

@@ -680,3 +680,17 @@ def test_too_few_training_samples_are_refused_before_any_model_loads(tiny_cache,
     for fix in ("add data", "lower --min-supervised-tokens", "--validation-fraction 0", "lower --min-train-samples"):
         assert fix in message
     assert not (tmp_path / "run").exists()
+
+
+def test_a_resume_may_change_every_field_declared_runtime_and_no_other():
+    """The fields a resume may change are the run's identity plus those declared ``runtime`` in their metadata (the
+    progress lines' interval among them); a field without it is a trajectory change."""
+    from stages.train.resume import trajectory_changes
+
+    saved = TrainConfig(cache="c", output="o").to_dict()
+    reporting = TrainConfig(cache="c", output="o", save_every=7, keep_last=1, max_validation_batches=2,
+                            telemetry={"progress_interval": 5.0, "log_every": 3, "progress": False},
+                            data={"num_read_workers": 2, "prefetch_batches": 1}).to_dict()
+    assert trajectory_changes(saved, reporting, saved_world_size=1, world_size=1) == []
+    assert trajectory_changes(saved, TrainConfig(cache="c", output="o", optim={"warmup_ratio": 0.1}).to_dict(),
+                              saved_world_size=1, world_size=1) == ["optim.warmup_ratio: 0.04 -> 0.1"]

@@ -120,11 +120,11 @@ class LoaderConfig(BucketConfig):
     corpus row on its own, as before document keys existed (rows cut from one file land on both sides, so
     validation overlaps training material). A cache or corpus without document keys is split by row either way,
     with one INFO line saying so."""
-    prefetch_batches: int = 4
+    prefetch_batches: int = field(default=4, metadata={"runtime": True})
     """Batches read ahead in the background. Memory bound: ``prefetch_batches + 1`` batches of at most
     ``token_budget * n*H * 2`` bytes of hidden states each (pinned host memory; also GPU memory with ``device=``),
     e.g. 5 x 16384 x 20480 x 2 B = 3.4 GB for a Qwen3-8B cache with 5 taps."""
-    num_read_workers: int | None = None
+    num_read_workers: int | None = field(default=None, metadata={"runtime": True})
     """Threads reading, decompressing and packing batches, one batch per thread (chunk decompression and the
     checksums release the GIL); at most ``prefetch_batches`` of them are busy at once. ``None``: half the CPUs this
     process may run on, within [2, 8] (:func:`read_workers`). A runtime setting: it never changes the batches, so a

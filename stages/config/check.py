@@ -31,6 +31,7 @@ from dflash.io.files import MAX_DEPTH
 from dflash.values import shown
 
 __all__ = ["DTYPE_NAMES", "CONFIG_SECTIONS", "DuplicateKeyError", "unique_keys", "MISSING_DEFAULT", "PATH_FIELDS", "EXCLUSIVE_SETTINGS", "CONTRADICTED_SETTINGS", "layer_over", "check_fields", "check_not_empty_path", "dtype_spelling", "field_default",
+           "runtime_paths",
            "matches_type", "nested_config", "set_path", "get_path", "leaf_paths",
            "deep_merge", "override_value", "read_config_file", "MAX_CONFIG_BYTES"]
 
@@ -150,6 +151,21 @@ def field_default(field: dataclasses.Field) -> Any:
     if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
         return field.default_factory()  # type: ignore[misc]
     return MISSING_DEFAULT
+
+def runtime_paths(cls: type) -> frozenset[str]:
+    """The dotted paths of ``cls``'s fields declared ``runtime`` (``metadata={"runtime": True}``, a nested config's
+    fields by their paths: ``telemetry.progress_interval``): fields that never change what the stage computes (how
+    often it reports, where its processes run, its lock), so a resume or a rerun may change them."""
+    hints = typing.get_type_hints(cls)
+    paths: set[str] = set()
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("runtime"):
+            paths.add(f.name)
+        hint = hints.get(f.name)
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            paths |= {f"{f.name}.{path}" for path in runtime_paths(hint)}
+    return frozenset(paths)
+
 
 #: Spellings of a dtype a user may write -> torch's name. Every dtype setting accepts each spelling of its choices
 #: (``bf16`` or ``bfloat16``, ``fp32`` or ``float32``, ``fp8`` or ``float8_e4m3fn``) and stores its own one

@@ -22,6 +22,10 @@ Metadata keys:
     The option is given once per value (``--grid a=1,2 --grid b=3``); ``parse`` gets the list of them.
 ``cli``
     ``False``: not an option even with a help text.
+``runtime``
+    ``True``: the field never changes what the stage computes (how often it reports, where its processes run, its
+    lock): a resume (``train``) or a rerun of ``run`` in the same work folder may change it
+    (``stages.config.check.runtime_paths``).
 
 A field holding a nested config dataclass (``TrainConfig.optim``) is flattened to its leaves: ``optim.lr`` is
 ``--lr`` (the leaf's own spelling). :func:`config_options` turns a command function into one whose parameters are
@@ -49,7 +53,7 @@ __all__ = ["CommandSettings", "OptionSpec", "config_options", "option_specs", "s
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, option: str | None = None,  # noqa: A002
             short: str | None = None, parse: Callable[[Any], Any] | None = None, repeat: bool = False,
-            argument: str | None = None, choices: bool = False, cli: bool = True,
+            argument: str | None = None, choices: bool = False, cli: bool = True, runtime: bool = False,
             default_factory: Any = dataclasses.MISSING,
             **kwargs: Any) -> Any:
     """A config dataclass field with its option's declaration in its metadata (see the module docstring):
@@ -65,6 +69,8 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, option: str | None
         metadata["choices"] = True
     if not cli:
         metadata["cli"] = False
+    if runtime:
+        metadata["runtime"] = True
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata, **kwargs)
     return dataclasses.field(default=default, metadata=metadata, **kwargs)

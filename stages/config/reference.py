@@ -29,6 +29,7 @@ __all__ = ["STAGE_CONFIGS", "field_descriptions", "reference_markdown", "section
 #: that holds a nested config (``train.optim``) gets its own section right after its parent's (:func:`sections`).
 STAGE_CONFIGS = {
     "prepare": ("stages.prepare", "PrepareConfig"),
+    "split": ("pipelines.offline", "SplitConfig"),
     "generate": ("stages.generate", "GenerateConfig"),
     "extract": ("stages.extract.command", "ExtractConfig"),
     "train": ("stages.train.config", "TrainConfig"),
@@ -131,6 +132,8 @@ def reference_markdown() -> str:
         "of the stage's command in the option column (none: files, presets and `--set` only; a nested section's",
         "options belong to the command of its stage). Precedence, lowest first: the default below <",
         "`--preset` < `--config` < options given < `--set` (README, \"Config files, presets and overrides\").",
+        "A field marked (runtime) never changes what its stage computes: a `train` resume or a rerun of `run` in",
+        "the same work folder may change it.",
         "",
     ]
     for section, cls, instance in sections():
@@ -145,6 +148,8 @@ def reference_markdown() -> str:
             if not field.init:
                 continue
             text = described.get(field.name, "").replace("|", "\\|")
+            if field.metadata.get("runtime"):
+                text += " (runtime)"
             kind = _type_name(hints.get(field.name, field.type)).replace("|", "\\|")
             default = (_default(field) if instance is None else f"`{getattr(instance, field.name)!r}`").replace("|", "\\|")
             spec = options.get(field.name)

@@ -126,6 +126,7 @@ def resolve_stage_config(
     fill: Callable[[dict[str, Any]], Any] | None = None,
     read_preset: Callable[[str], Mapping[str, Any]] | None = None,
     reserved: Sequence[str] = (),
+    layers: Sequence[tuple[Mapping[str, Any], str]] = (),
 ) -> Any:
     """Resolve and build a stage's config (precedence in the module docstring).
 
@@ -148,6 +149,8 @@ def resolve_stage_config(
         read_preset: reads ``preset`` into its sections (default ``stages.config.presets.load_preset``: the
             pipeline presets; online's layouts have their own).
         reserved: fields no layer may set (online's ``train``: its own section).
+        layers: ``(values, source)`` of settings the caller read itself (``run``: this section of its preset and of
+            its config file), lowest first, above ``preset`` and ``config_file`` and checked as they are.
 
     Returns:
         The built config; ``(config, what fill returned)`` when ``fill`` is given.
@@ -158,22 +161,23 @@ def resolve_stage_config(
     """
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     option_names = dict(option_names or {})
-    layers: list[tuple[dict[str, Any], str]] = []
+    read: list[tuple[Mapping[str, Any], str]] = []
     if preset is not None:
         if read_preset is None:
             from stages.config.presets import load_preset as read_preset
-        layers.append((section_of(read_preset(preset), section, fields, f"preset {preset}"), f"preset {preset}"))
+        read.append((section_of(read_preset(preset), section, fields, f"preset {preset}"), f"preset {preset}"))
     if config_file is not None:
         data = read_config_file(config_file)
-        layers.append((section_of(data, section, fields, f"--config {config_file}"), f"--config {config_file}"))
-    for values, source in layers:
+        read.append((section_of(data, section, fields, f"--config {config_file}"), f"--config {config_file}"))
+    read += layers
+    for values, source in read:
         check_fields(cls, values, section=section, source=lambda key, s=source: s, reserved=reserved)
     sets = parse_sets(overrides, section)
     for key, value, source in sets:
         check_fields(cls, nested(key, value), section=section, source=lambda _key, s=source: s, reserved=reserved)
     upper: dict[str, Any] = {}
     origin: dict[str, str] = {}  # dotted path -> where its value came from, for the messages
-    for values, source in layers:
+    for values, source in read:
         layer_over(upper, values)
         origin.update({key: source for key in leaf_paths(values)})
     options: dict[str, Any] = {}

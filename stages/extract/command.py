@@ -147,11 +147,11 @@ class ExtractConfig:
     length_policy: Literal["error", "drop", "truncate"] = setting("error", help='Rows over --max-length: error, drop or truncate.')
     force_space: bool = setting(False, option='--force-space', help='Start even if the estimate exceeds the free space.')
     expected_ratio: float = setting(1.0, help='Compression ratio assumed by the size estimate.')
-    dashboard_address: str = setting("127.0.0.1:0", help='Dashboard of a local cluster, HOST:PORT (its link is printed); the default (a free port) and a bare :PORT bind 127.0.0.1 (this machine only), 0.0.0.0:PORT serves every interface, unauthenticated; port 0 = any free port.')
+    dashboard_address: str = setting("127.0.0.1:0", runtime=True, help='Dashboard of a local cluster, HOST:PORT (its link is printed); the default (a free port) and a bare :PORT bind 127.0.0.1 (this machine only), 0.0.0.0:PORT serves every interface, unauthenticated; port 0 = any free port.')
     tls_ca_file: str | None = setting(None, help='With --scheduler-address tls://...: CA certificate of the cluster (with --tls-cert, --tls-key; docs/cache-format.md).')
     tls_cert: str | None = setting(None, help='Client certificate for a TLS scheduler.')
     tls_key: str | None = setting(None, help='Client private key for a TLS scheduler.')
-    break_lock: bool = setting(False, option='--break-lock', help="Take over the cache's lock left by a run on another host that is known dead (docs/cache-format.md).")
+    break_lock: bool = setting(False, runtime=True, option='--break-lock', help="Take over the cache's lock left by a run on another host that is known dead (docs/cache-format.md).")
     write_threads: int | None = setting(None, help='Chunk-write threads per worker: gather, compress, checksum, store (default: CPU cores per worker - 1, at most 32).')
     writes_in_flight: int = setting(3, help='Shard writes per worker overlapping its compute (each holds one shard in host memory).')
     write_processes: int | None = setting(None, help='Write shards in N processes per worker that read the hidden states from shared memory (/dev/shm; if it is too small, threads are used with a warning); 0: in threads of the worker (default: 2 on GPU workers, 0 on CPU workers).')
@@ -159,7 +159,7 @@ class ExtractConfig:
         "Also store the target's final normed hidden state (the input of its LM head) as one more slot per token, "
         "which train's drafter.distill needs; the cache grows by one tap's share.")})
     extra: dict[str, Any] = field(default_factory=dict)
-    progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={
+    progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={"runtime": True,
         "help": "Seconds between two progress lines (tokens, shards, rate, ETA) when output is not a terminal; 0: none."})
 
     def __post_init__(self) -> None:

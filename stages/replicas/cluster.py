@@ -31,7 +31,7 @@ __all__ = ["require_local_gpus", "PlacementSettings", "validate_placement", "sta
 # import, e.g. dflash.faults) are imported by each worker under its own environment.
 FORKSERVER_PRELOAD = ("distributed", "numpy", "torch", "transformers", "transformers.modeling_utils")
 
-log = logging.getLogger("stages.extract.command")
+log = logging.getLogger(__name__)
 
 
 class PlacementSettings(Protocol):

@@ -16,7 +16,14 @@ from dflash.errors import ConfigError
 from dflash.training.optim import OptimConfig
 from dflash.training.telemetry import TelemetryConfig
 from dflash.values import check_seed, finite_number
-from stages.config.check import MISSING_DEFAULT, dtype_spelling, field_default, leaf_paths, nested_config
+from stages.config.check import (
+    MISSING_DEFAULT,
+    dtype_spelling,
+    field_default,
+    leaf_paths,
+    nested_config,
+    runtime_paths,
+)
 from stages.config.options import setting
 
 __all__ = ["TrainConfig", "RUNTIME_FIELDS", "ABSENT_IN_OLD_RUNS", "default_leaves"]
@@ -37,12 +44,12 @@ class TrainConfig:
     """Target spec (folder, .gguf, or 'default'); default: the ``target_spec`` recorded in the cache."""
     resume: bool = setting(False, help="Continue RUN from its latest checkpoint.")
     """Continue the run in ``output`` from its ``latest`` checkpoint."""
-    allow_config_change: bool = setting(False, help="Resume despite changes.", option="--allow-config-change")
+    allow_config_change: bool = setting(False, runtime=True, help="Resume despite changes.", option="--allow-config-change")
     """Resume even when trajectory fields changed (the result then differs from a straight run)."""
-    break_lock: bool = setting(False, help="Take over RUN's lock left by a run on another host known dead (docs/training.md).", option="--break-lock")
+    break_lock: bool = setting(False, runtime=True, help="Take over RUN's lock left by a run on another host known dead (docs/training.md).", option="--break-lock")
     """Take over the run folder's lock although its owner record names another host (that run must be known
     dead; ``dflash.io.locks``). A same-host stale lock (a killed run) is taken over without it."""
-    allow_incomplete: bool = setting(False, help="Train on the committed shards of an unfinished cache (refused otherwise; the run says how many samples of how many it trains on).", option="--allow-incomplete")
+    allow_incomplete: bool = setting(False, runtime=True, help="Train on the committed shards of an unfinished cache (refused otherwise; the run says how many samples of how many it trains on).", option="--allow-incomplete")
     """Train on a cache whose planned shards are not all committed (the run then logs how many samples of how many
     planned rows it trains on); without it such a cache is refused before step 1."""
     # -- drafter and objective
@@ -57,7 +64,7 @@ class TrainConfig:
     shard_window); ``[train.data]`` in a config file, ``--set train.data.token_budget=8192``. The train stage holds out 1% of the
     source documents by default (``validation_fraction`` 0.01, ``validation_split_by`` ``"document"``; rows of a
     cache without document keys; 0 disables validation and best-checkpoint tracking)."""
-    max_validation_batches: int | None = 50
+    max_validation_batches: int | None = field(default=50, metadata={"runtime": True})
     """Validation batches per rank per evaluation (None: the whole held-out split)."""
     min_supervised_tokens: int | None = setting(None, help="Exclude (and count) samples with fewer supervised tokens (default 2 x block size; 0 keeps all).")
     """Samples with fewer supervised (loss_mask = 1) tokens are excluded, counted and reported (run.json, metrics,
@@ -89,19 +96,19 @@ class TrainConfig:
     """Anchors per micro-batch on the fixed-shape path; default ``drafter.max_anchors_per_document x
     data.max_documents_per_batch`` capped at ``data.token_budget``. More valid anchors: a uniform random subset is kept."""
     # -- runtime (never changes the trajectory)
-    device: Literal["auto", "cpu", "cuda"] = setting("auto", help="Drafter device: auto | cpu | cuda.")
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", runtime=True, help="Drafter device: auto | cpu | cuda.")
     """Where the drafter trains; auto: CUDA when available."""
-    drafter_gpus: list[int] | None = setting(None, help="Drafter GPU ids, e.g. 5,6,7 (DDP when several).")
+    drafter_gpus: list[int] | None = setting(None, runtime=True, help="Drafter GPU ids, e.g. 5,6,7 (DDP when several).")
     """GPU ids for the drafter; several: DDP, one process per GPU."""
-    drafter_processes: int = setting(1, help="Drafter DDP processes on CPU (gloo).")
+    drafter_processes: int = setting(1, runtime=True, help="Drafter DDP processes on CPU (gloo).")
     """Data-parallel processes on CPU (gloo), for tests and debugging."""
-    stop_at_step: int | None = setting(None, help="Stop early with a checkpoint.")
+    stop_at_step: int | None = setting(None, runtime=True, help="Stop early with a checkpoint.")
     """Stop after this step with a checkpoint, as a preemption would (the schedule still spans ``max_steps``)."""
-    save_every: int = setting(500, help="Checkpoint every N steps.")
+    save_every: int = setting(500, runtime=True, help="Checkpoint every N steps.")
     """Checkpoint every N optimizer steps (and at the end)."""
-    keep_last: int = setting(3, help="Checkpoints to keep, plus the best.")
+    keep_last: int = setting(3, runtime=True, help="Checkpoints to keep, plus the best.")
     """Checkpoints kept besides the best by validation loss."""
-    eval_every: int | None = setting(None, help="Validate every N steps (default: --save-every).")
+    eval_every: int | None = setting(None, runtime=True, help="Validate every N steps (default: --save-every).")
     """Validate every N steps (default: ``save_every``, so each checkpoint has a validation loss)."""
     # save_every, eval_every and keep_last stay here rather than in a nested config: the cadence of checkpoints and
     # validation is the trainer's own loop (which steps save, which validate, eval_every defaulting to save_every so
@@ -110,11 +117,11 @@ class TrainConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     """What the run reports and how often (``dflash.training.telemetry.TelemetryConfig``: log_every, throughput_window,
     progress, report_to); ``[train.telemetry]`` in a config file, ``--set train.telemetry.log_every=50``."""
-    attention_backend: Literal["auto", "flash", "triton"] | None = setting(None, help="Attention kernels (GPU only): auto (flash-attn-4's where installed and usable, else Triton) | flash | triton (default: $DFLASH_ATTENTION_BACKEND, else auto). A resume may change it.")
+    attention_backend: Literal["auto", "flash", "triton"] | None = setting(None, runtime=True, help="Attention kernels (GPU only): auto (flash-attn-4's where installed and usable, else Triton) | flash | triton (default: $DFLASH_ATTENTION_BACKEND, else auto). A resume may change it.")
     """Kernels of the drafter's FlexAttention on GPU (``dflash.drafter.attention_kernels``): ``auto`` (flash-attn-4's
     where installed and usable, else Triton's), ``flash`` or ``triton``; ``None``: ``$DFLASH_ATTENTION_BACKEND``, else
     ``auto``. Every rank applies it (and sets the variable for the processes it starts)."""
-    ce_kernel: Literal["auto", "triton", "inductor", "eager"] | None = setting(None, help="Per-chunk cross-entropy kernel of the loss (GPU only): auto | triton | inductor | eager (default: $DFLASH_CE_KERNEL, else auto). A resume may change it.")
+    ce_kernel: Literal["auto", "triton", "inductor", "eager"] | None = setting(None, runtime=True, help="Per-chunk cross-entropy kernel of the loss (GPU only): auto | triton | inductor | eager (default: $DFLASH_CE_KERNEL, else auto). A resume may change it.")
     """Per-chunk softmax/cross-entropy implementation of the loss on GPU (``dflash.drafter.loss``): ``auto`` (Triton
     where it runs, else the compiled chunk), ``triton``, ``inductor`` or ``eager``; ``None``: ``$DFLASH_CE_KERNEL``,
     else ``auto``. For benchmarking; every rank applies it."""
@@ -268,14 +275,10 @@ class TrainConfig:
 _TRAIN_DATA_DEFAULTS = LoaderConfig(validation_fraction=0.01)
 
 
-#: Fields that never change what is computed: a resume may change them freely (a nested config's field by its
-#: dotted path, ``data.prefetch_batches``).
-RUNTIME_FIELDS = frozenset({
-    "cache", "output", "target", "resume", "allow_config_change", "break_lock", "allow_incomplete", "device", "drafter_gpus", "drafter_processes",
-    "stop_at_step", "save_every", "keep_last", "eval_every", "telemetry.log_every", "telemetry.throughput_window",
-    "telemetry.progress", "data.prefetch_batches", "data.num_read_workers", "max_validation_batches", "telemetry.report_to", "attention_backend",
-    "ce_kernel",
-})  # fmt: skip
+#: Fields a resume may change freely (a nested config's field by its dotted path, ``data.prefetch_batches``): the
+#: run's identity (its cache, output and target are checked on their own) and the fields declared ``runtime``, which
+#: never change what is computed (``stages.config.check.runtime_paths``).
+RUNTIME_FIELDS = frozenset({"cache", "output", "target", "resume"}) | runtime_paths(TrainConfig)
 
 
 #: Fields added after runs already existed whose absence in a saved config means something other than today's
