@@ -468,7 +468,7 @@ def _finish_cache_to(config: OnlineConfig, assembler: Any) -> dict[str, Any]:
 # ====================================================================== CLI
 
 
-#: The online layouts of ``pipelines/presets/``: ``online --preset NAME`` (or a .json file of the same shape).
+#: The online layouts of ``stages/config/presets/``: ``online --preset NAME`` (or a .json file of the same shape).
 ONLINE_PRESETS = ("online-cpu", "online-1gpu", "online-2gpu", "online-8gpu")
 
 

@@ -65,13 +65,13 @@ def test_print_config_reaches_every_field(command, tmp_path, monkeypatch, capsys
 
 def test_the_configuration_reference_is_generated_from_the_declarations():
     """docs/config-reference.md lists every field of every stage with its type, default and description, exactly as
-    ``python -m stages.config.reference`` writes it from the config dataclasses."""
+    ``python -m pipelines.reference`` writes it from the config dataclasses."""
     from pathlib import Path
 
-    from stages.config.reference import field_descriptions, reference_markdown, sections
+    from pipelines.reference import field_descriptions, reference_markdown, sections
 
     page = Path(__file__).resolve().parents[1] / "docs" / "config-reference.md"
-    assert page.read_text() == reference_markdown(), "regenerate: python -m stages.config.reference > docs/config-reference.md"
+    assert page.read_text() == reference_markdown(), "regenerate: python -m pipelines.reference > docs/config-reference.md"
     for section, cls, _ in sections():  # every field is described in its declaration, nested configs' too
         undescribed = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in field_descriptions(cls)]
         assert not undescribed, (section, undescribed)

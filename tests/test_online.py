@@ -19,7 +19,7 @@ import torch
 from rich.console import Console
 
 from dflash.batches.online import BatchProducer, OnlineBatches
-from dflash.batches.shm import list_segments, remove_orphaned_segments
+from dflash.io.shm import list_segments, remove_orphaned_segments
 from dflash.batches.source import StreamConfig
 from dflash.batches.stream import StreamingLoader
 from dflash.cache import CacheReader

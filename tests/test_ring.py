@@ -20,7 +20,7 @@ import torch
 
 from dflash.batches import ring as online_queue
 from dflash.batches.ring import QUEUE_FORMAT_VERSION, QueueError, Ring, RingGeometry
-from dflash.batches.shm import SharedMemoryFull, list_segments
+from dflash.io.shm import SharedMemoryFull, list_segments
 
 
 def _batch(dtype: torch.dtype, width: int = 8, lengths=(3, 5), seed: int = 0):

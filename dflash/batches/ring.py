@@ -1,6 +1,6 @@
 """The online queue (contract 4, docs/online-queue.md): a ring of fixed shared-memory slots carrying planned batches.
 
-One POSIX shared-memory segment (:mod:`dflash.batches.shm`, named ``dflash_<owner pid>_<random>``) holds a ring header and
+One POSIX shared-memory segment (:mod:`dflash.io.shm`, named ``dflash_<owner pid>_<random>``) holds a ring header and
 ``num_slots`` slots of ``slot_bytes`` each. The trainer process owns the ring (:meth:`Ring.create`): it hands a free
 slot to a producer together with a *ticket*, the producer (a target replica in another process,
 :meth:`Ring.attach`) writes one planned batch into it (:meth:`Ring.write_batch`: payload first, header last) and
@@ -32,7 +32,7 @@ import google_crc32c
 import numpy as np
 import torch
 
-from dflash.batches.shm import (
+from dflash.io.shm import (
     SharedMemoryFull,
     attach_segment,
     close_segment,

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.batches.shm import (
+from dflash.io.shm import (
     SEGMENT_PREFIX,
     SharedHostBuffer,
     SharedMemoryFull,
@@ -57,7 +57,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The segments themselves (naming, page reservation, cleanup of killed processes) live in dflash.batches.shm, shared with
+# The segments themselves (naming, page reservation, cleanup of killed processes) live in dflash.io.shm, shared with
 # the online queue; re-exported here for the callers that imported them from this module.
 
 

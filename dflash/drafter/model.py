@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.drafter import fused
+import dflash.drafter.fused as fused
 from dflash.drafter.attention_kernels import (  # re-exported: documented as dflash.drafter.model.*
     attention_kernel_options,
     flex_kernel_options,

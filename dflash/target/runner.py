@@ -438,7 +438,7 @@ class TargetRunner:
             (module docstring; ``"auto"``: :func:`resolve_packed_attention`); ignored without ``packing``. The
             attribute ``packed_attention`` holds the kernel resolved for ``device``.
         shared_host_buffers: allocate the reusable host buffers in POSIX shared memory (pinned on CUDA), so that
-            write processes read the hidden states without a copy (:mod:`dflash.batches.shm`, read by :mod:`dflash.cache.process_writer`); call
+            write processes read the hidden states without a copy (:mod:`dflash.io.shm`, read by :mod:`dflash.cache.process_writer`); call
             :meth:`close` to free them.
         final_tap: also collect the final normed hidden state, as one more slot after the taps (module docstring).
         varlen_solo_min_length: packed ``varlen`` rows of a grouped-query target on a varlen kernel without native
@@ -521,7 +521,7 @@ class TargetRunner:
                 return buffer
         size = max(numel, self.token_budget * self.feature_size)
         if self.shared_host_buffers:
-            from dflash.batches.shm import SharedHostBuffer, SharedMemoryFull
+            from dflash.io.shm import SharedHostBuffer, SharedMemoryFull
 
             try:
                 shared = SharedHostBuffer(size, pin=self.device.type == "cuda")

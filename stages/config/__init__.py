@@ -1,1 +1,1 @@
-"""Configuration of every command: reading and layering config files (check, resolve), the generated reference (reference) and the exit-status scheme (exit_status)."""
+"""Configuration of every command: reading and layering config files (check, resolve) and the exit-status scheme (exit_status)."""

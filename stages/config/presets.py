@@ -1,4 +1,4 @@
-"""Pipeline presets: the shipped ``pipelines/presets/NAME.json`` files and ``.json`` files of the same shape.
+"""Pipeline presets: the shipped ``stages/config/presets/NAME.json`` files and ``.json`` files of the same shape.
 
 A preset is an object of sections (one per step of ``run``, plus ``target``); every command that takes
 ``--preset`` reads its own section through :func:`load_preset`.
@@ -17,7 +17,7 @@ from stages.config.check import MAX_CONFIG_BYTES, DuplicateKeyError, unique_keys
 
 __all__ = ["PRESETS", "PIPELINE_SECTIONS", "read_preset_json", "load_preset", "strip_comments"]
 
-#: The shipped presets of ``run`` (``pipelines/presets/NAME.json``).
+#: The shipped presets of ``run`` (``stages/config/presets/NAME.json``).
 PRESETS = ("cpu-small", "h200-smollm2")
 #: The sections of a pipeline preset, in the order ``run`` runs them.
 PIPELINE_SECTIONS = ("generate", "prepare", "split", "extract", "train", "evaluate")
@@ -31,7 +31,7 @@ def strip_comments(data: Any) -> Any:
 
 
 def read_preset_json(name_or_path: str, names: tuple[str, ...]) -> Any:
-    """The parsed JSON of a shipped preset (``pipelines/presets/NAME.json``, ``NAME`` in ``names``) or of a
+    """The parsed JSON of a shipped preset (``stages/config/presets/NAME.json``, ``NAME`` in ``names``) or of a
     ``.json`` file path; the caller checks its shape.
 
     A file is read through ``dflash.io.files`` (a regular file of at most
@@ -51,7 +51,7 @@ def read_preset_json(name_or_path: str, names: tuple[str, ...]) -> Any:
         if path.suffix == ".json":
             text = read_bounded(path, limit=MAX_CONFIG_BYTES, error=ConfigError, fix=fix)
         else:
-            text = resources.files("pipelines").joinpath("presets", f"{name_or_path}.json").read_bytes()
+            text = resources.files("stages.config").joinpath("presets", f"{name_or_path}.json").read_bytes()
         return parse_json(text, where=name_or_path, error=ConfigError, fix=fix, object_pairs_hook=unique_keys)
     except DuplicateKeyError as error:
         raise ConfigError(f"preset {name_or_path}: key {error.key!r} given twice; keep one") from None
@@ -62,7 +62,7 @@ def read_preset_json(name_or_path: str, names: tuple[str, ...]) -> Any:
 
 
 def load_preset(name_or_path: str) -> dict[str, Any]:
-    """A preset's config: a name in :data:`PRESETS` (``pipelines/presets/NAME.json``) or a JSON file path.
+    """A preset's config: a name in :data:`PRESETS` (``stages/config/presets/NAME.json``) or a JSON file path.
 
     Keys starting with ``_`` (``_why`` comments) are dropped.
 

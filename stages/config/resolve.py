@@ -137,7 +137,7 @@ def resolve_stage_config(
         given: field (a nested config's leaf by its dotted path, ``optim.lr``) -> value of each option given on
             the command line (converted to the field's type).
         config_file: ``--config`` path, or None.
-        preset: ``--preset`` name (``pipelines/presets``) or JSON path, or None.
+        preset: ``--preset`` name (``stages/config/presets``) or JSON path, or None.
         overrides: ``--set`` items.
         required: fields that must have a value in the end (``--output``...).
         option_names: field (dotted path) -> its option's spelling, for messages (default ``--`` + its last part).

@@ -163,7 +163,7 @@ def register(app: typer.Typer) -> None:
     @config_options(TrainConfig, "train", shared_help={
         "config": "TrainConfig fields in a .toml, .yaml or .json file (its train section, or at the top; a run.json "
                   "too) to start from; options given override it.",
-        "preset": "A shipped preset (pipelines/presets) or a .json file: its train section, under --config.",
+        "preset": "A shipped preset (stages/config/presets) or a .json file: its train section, under --config.",
         "print_config": "Print the resolved config (defaults < saved run with --resume < --preset < --config file < "
                         "options < --set) as JSON, which --config reads back, and exit without training."})
     def train_command(settings: CommandSettings) -> None:

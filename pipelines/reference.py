@@ -1,42 +1,52 @@
 """Write ``docs/config-reference.md``: every setting of every stage, from its one declaration.
 
+It lives in ``pipelines`` (the top layer) because it reads the config classes of both the stages and the pipelines.
+
 Each stage's settings are the fields of its config dataclass; this reads them (name, type, default) with
 ``dataclasses``, their options from the fields' metadata (``stages.config.options``) and their descriptions from the
 class source (attribute docstrings, ``#:`` comments or a ``Fields:`` section of the class docstring; else the option's
 help), so the reference cannot drift from the code:
 ``tests/test_cli_declarations.py`` regenerates it and compares. Run::
 
-    python -m stages.config.reference > docs/config-reference.md
+    python -m pipelines.reference > docs/config-reference.md
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib
 import inspect
 import re
 import textwrap
 import typing
 from typing import Any
 
+from pipelines.offline import SplitConfig
+from pipelines.online import OnlineConfig
 from stages.config.check import MISSING_DEFAULT, field_default
 from stages.config.options import option_specs
+from stages.evaluate import EvaluateConfig
+from stages.export import ExportConfig
+from stages.extract.command import ExtractConfig
+from stages.generate import GenerateConfig
+from stages.prepare import PrepareConfig
+from stages.sweep import SweepConfig
+from stages.train.config import TrainConfig
 
 __all__ = ["STAGE_CONFIGS", "field_descriptions", "reference_markdown", "sections"]
 
 #: Section (the ``--config`` section and ``--set`` prefix) -> (module, config dataclass), in pipeline order. A field
 #: that holds a nested config (``train.optim``) gets its own section right after its parent's (:func:`sections`).
-STAGE_CONFIGS = {
-    "prepare": ("stages.prepare", "PrepareConfig"),
-    "split": ("pipelines.offline", "SplitConfig"),
-    "generate": ("stages.generate", "GenerateConfig"),
-    "extract": ("stages.extract.command", "ExtractConfig"),
-    "train": ("stages.train.config", "TrainConfig"),
-    "online": ("pipelines.online", "OnlineConfig"),
-    "evaluate": ("stages.evaluate", "EvaluateConfig"),
-    "export": ("stages.export", "ExportConfig"),
-    "sweep": ("stages.sweep", "SweepConfig"),
+STAGE_CONFIGS: dict[str, type] = {
+    "prepare": PrepareConfig,
+    "split": SplitConfig,
+    "generate": GenerateConfig,
+    "extract": ExtractConfig,
+    "train": TrainConfig,
+    "online": OnlineConfig,
+    "evaluate": EvaluateConfig,
+    "export": ExportConfig,
+    "sweep": SweepConfig,
 }
 
 
@@ -104,7 +114,7 @@ def sections() -> list[tuple[str, type, Any]]:
     ``OptimConfig``), each nested one after its parent, in field order. ``default``: the instance the parent's field
     defaults to (its values are the defaults there: train's ``data.validation_fraction`` is 0.01), or None."""
     found: list[tuple[str, type, Any]] = []
-    stages = {getattr(importlib.import_module(module), name) for module, name in STAGE_CONFIGS.values()}
+    stages = set(STAGE_CONFIGS.values())
 
     def walk(section: str, cls: type, default: Any = None) -> None:
         found.append((section, cls, default))
@@ -116,8 +126,8 @@ def sections() -> list[tuple[str, type, Any]]:
                 value = field_default(field) if default is None else getattr(default, field.name)
                 walk(f"{section}.{field.name}", hint, None if value is MISSING_DEFAULT else value)
 
-    for section, (module, name) in STAGE_CONFIGS.items():
-        walk(section, getattr(importlib.import_module(module), name))
+    for section, cls in STAGE_CONFIGS.items():
+        walk(section, cls)
     return found
 
 
@@ -126,7 +136,7 @@ def reference_markdown() -> str:
     out = [
         "# Configuration reference",
         "",
-        "Every setting of every stage, generated from the config dataclasses (`python -m stages.config.reference >",
+        "Every setting of every stage, generated from the config dataclasses (`python -m pipelines.reference >",
         "docs/config-reference.md`; a test fails when this page and the code disagree). A field `F` of section `S`",
         "is `S.F` everywhere: `--set S.F=VALUE`, key `F` under `[S]` in a `--config` file or a preset, and the option",
         "of the stage's command in the option column (none: files, presets and `--set` only; a nested section's",
