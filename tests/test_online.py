@@ -19,11 +19,11 @@ import torch
 from rich.console import Console
 
 from dflash.batches.online import BatchProducer, OnlineBatches
-from dflash.io.shm import list_segments, remove_orphaned_segments
 from dflash.batches.source import StreamConfig
 from dflash.batches.stream import StreamingLoader
 from dflash.cache import CacheReader
 from dflash.corpus.format import CorpusLengths, CorpusWriter, open_corpus
+from dflash.io.shm import list_segments, remove_orphaned_segments
 from dflash.target.runner import TargetRunner
 from tests.train_helpers import TINY_LAYER_IDS, stdlib_snippets
 

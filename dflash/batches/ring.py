@@ -32,6 +32,7 @@ import google_crc32c
 import numpy as np
 import torch
 
+from dflash.errors import ConfigError, DFlashError
 from dflash.io.shm import (
     SharedMemoryFull,
     attach_segment,
@@ -41,7 +42,6 @@ from dflash.io.shm import (
     shm_free,
     shm_free_bytes,
 )
-from dflash.errors import ConfigError, DFlashError
 
 __all__ = [
     "QUEUE_FORMAT_VERSION",

@@ -33,6 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash.cache import HiddenSample, HiddenStateCache
+from dflash.cache.chunks import keep_chunk_buffers_mapped
+from dflash.errors import ConfigError
 from dflash.io.shm import (
     SEGMENT_PREFIX,
     SharedHostBuffer,
@@ -41,9 +44,6 @@ from dflash.io.shm import (
     remove_segments_of,
     shared_location,
 )
-from dflash.cache import HiddenSample, HiddenStateCache
-from dflash.cache.chunks import keep_chunk_buffers_mapped
-from dflash.errors import ConfigError
 
 __all__ = [
     "SEGMENT_PREFIX",
