@@ -78,36 +78,8 @@ REPORT_FORMAT = "dflash-stages.evaluate/1"
 
 @dataclass(kw_only=True, slots=True)
 class EvaluateConfig:
-    """Settings of ``dflash-stages evaluate``.
-
-    Fields:
-        drafter: a run folder (its ``latest`` checkpoint), a checkpoint folder or an exported serving folder.
-        target: target spec; ``None`` = the spec recorded with the drafter (else the embedded default).
-        prompts: ``"held-out"`` (rows of ``corpus`` outside ``cache``'s shards), an embedded set
-            (``numpy-questions``, :mod:`dflash.decoding.eval_prompts`), or a ``.jsonl`` / ``.txt`` file.
-        corpus, cache: for ``held-out`` prompts.
-        num_prompts: prompts evaluated (of each prompt set).
-        prompt_tokens: prompt window taken from a plain (all-supervised) corpus row.
-        max_new_tokens: tokens generated per prompt.
-        temperature: 0 = greedy (lossless check on), > 0 = lossless speculative sampling.
-        block_size: drafting block size; ``None`` = the drafter's.
-        ignore_eos: generate ``max_new_tokens`` even after an end-of-sequence token.
-        compare_untrained: also measure a randomly initialized drafter of the same config (the floor tau).
-        references: also decode every prompt with the two references (block size 1 in the same loop, the target's
-            own ``generate()``): the speedups and the greedy lossless check need them. ``False``: tau and
-            per-position acceptance only, about a third of the time (docs/benchmarks.md); the report's ``speedup``,
-            ``speedup_vs_generate`` are then ``None`` and the lossless checks say ``checked: false``.
-        seed: prompt selection, sampling and the untrained drafter's init.
-        device: ``"auto"`` (cuda if available), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
-        dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``.
-        cpu_threads: torch intra-op threads while evaluating on CPU; ``None`` = 1. Decoding a small target a few
-            tokens at a time gains little from threads and loses much when the cores are shared (on a busy 2-core
-            machine torch's default of one thread per core decoded 0.3 tokens/s against 3.5 with one thread). The
-            report's ``settings.cpu_threads`` records the count used.
-        near_tie_tolerance: largest target logit gap that counts as a floating-point near-tie in the lossless
-            check; ``None`` = 1e-3 in float32, 0.125 in 16-bit dtypes.
-        json_path: where to write the JSON report (atomically); ``None``: a run folder's ``RUN/eval/final.json``, else nowhere.
-    """
+    """Settings of ``dflash-stages evaluate``. Each field's help is its one description (``--help``,
+    docs/config-reference.md)."""
 
     drafter: Path = setting(help='Run folder (latest checkpoint), checkpoint folder or exported folder. Required (here or in --config/--preset/--set).')
     target: str | None = setting(None, help='Target spec; default: the one recorded with the drafter.')
@@ -129,6 +101,7 @@ class EvaluateConfig:
     device: str = setting("auto", help='auto | cpu | cuda | cuda:N.')
     dtype: str = setting("auto", help='auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16 (bf16, fp32, fp16 also accepted).')
     cpu_threads: int | None = setting(None, help='Torch threads while decoding on CPU (default: 1; more threads lose on shared cores).')
+    #: Largest target logit gap that counts as a floating-point near-tie in the lossless check; None: 1e-3 in float32, 0.125 in 16-bit dtypes.
     near_tie_tolerance: float | None = None
     json_path: Path | None = setting(None, option='--json-file', help='Also write the full report as JSON to this file (default for a run folder: RUN/eval/final.json, which report, diff and inspect read).')
     progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={"runtime": True,

@@ -34,15 +34,8 @@ __all__ = ["ExportConfig", "register", "export_command"]
 
 @dataclass(kw_only=True)
 class ExportConfig:
-    """What ``export`` needs; every field is also a ``--config`` key and a ``--set export.FIELD=VALUE``.
-
-    Fields:
-        checkpoint: checkpoint folder or run folder (``CKPT``); required.
-        out: export folder to create (``OUT``); required.
-        target: target spec (folder, ``.gguf`` or ``"default"``); ``None``: the checkpoint's recorded target.
-        overwrite: replace ``out`` if it exists (only once the new export is complete).
-        break_lock: take over ``out``'s lock left by a run on another host known dead.
-    """
+    """What ``export`` needs; every field is also a ``--config`` key and a ``--set export.FIELD=VALUE``. Each field's
+    help is its one description (``--help``, docs/config-reference.md)."""
 
     checkpoint: str | None = setting(None, argument='CKPT', help='Checkpoint folder, or a run folder (its `latest` checkpoint is used). Required (here or in --config/--preset/--set).')
     out: str | None = setting(None, argument='OUT', help='Export folder to create (config.json, model.safetensors, dflash_export.json). Required (here or in --config/--preset/--set).')

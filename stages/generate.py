@@ -85,41 +85,8 @@ def _json_object(text: str) -> Any:
 
 @dataclass(kw_only=True, slots=True)
 class GenerateConfig:
-    """Everything ``generate`` needs; saved in ``generate.json`` and the corpus metadata.
-
-    Fields:
-        prompts: ``"default"`` (the embedded stdlib prompt set, training split), or a chat / prompts file
-            (.jsonl, .json, .parquet, .txt; see dflash.generation.prompts).
-        output: the corpus folder to write (resumed when it holds the same plan).
-        target: ``"default"`` (SmolLM2-135M-Instruct), a transformers folder or a ``.gguf`` file.
-        engine: ``"transformers"`` (the target on this node's GPUs/CPUs) or ``"openai"`` (``endpoints``).
-        turns: chat inputs: ``"all"`` regenerates every assistant turn in order, ``"last"`` only the last.
-        chat_template: ``prompt`` fields go through the chat template (False: raw text completions).
-        template_kwargs: extra chat template variables (e.g. ``{"enable_thinking": false}``), also recorded.
-        temperature, top_p, max_new_tokens, seed: sampling (temperature 0 = greedy, the default).
-        max_length: most tokens of a whole row (prompt + replies); longer prompts are dropped and counted.
-        max_prompts: use only the first N prompts (None: all).
-        part_size: prompts per part (one task, one committed file).
-        batch_size, prefill_tokens, kv_cache: transformers engine batching (rows per call, padded prompt tokens per
-            call, ``auto``/``static``/``dynamic`` KV cache).
-        deterministic: static KV cache: decode attention by grouped matmuls over the whole padded cache (bitwise
-            repeatable, slower) instead of the default: on CUDA with Triton the ranged kernel (only the positions
-            each row attends; repeats bit for bit too), elsewhere SDPA's grouped-query kernel, whose bits may differ
-            from run to run (docs/generate.md). Never changes what a prompt asks for, so a resume may change it.
-        target_gpus, target_processes, scheduler_address, dashboard_address, tls_ca_file, tls_cert, tls_key: placement, as
-            in ``extract`` (stages.replicas.cluster).
-        default_prompts: settings of the embedded default prompt set.
-        endpoints, served_model, api_key_env, concurrency: ``openai`` engine settings.
-        request_timeout_s: ``openai`` engine: seconds one request may take, its whole reply included (a longer one is
-            a timeout, retried); with ``max_retries`` it bounds how long a hung endpoint stalls the run (about
-            ``(max_retries + 1) * request_timeout_s``).
-        max_retries: ``openai`` engine: retries of a request after a connection error, a timeout, HTTP 5xx, 408 or
-            429 (0 = try once).
-        max_prompt_bytes: most bytes of one line of a prompts file (.jsonl/.json/.txt) or of the text of one row
-            (.parquet); a longer one is refused, naming it.
-        overwrite: replace an output of other settings (only a generate output or an empty folder).
-        break_lock: take over the output's lock left by a run on another host known dead (dflash.io.locks).
-    """
+    """Everything ``generate`` needs; saved in ``generate.json`` and the corpus metadata. Each field's help is its one
+    description (``--help``, docs/config-reference.md)."""
 
     prompts: str = setting("default", argument='PROMPTS', help='`default` (stdlib prompt set), or a chat/prompts file: .jsonl/.json/.parquet (messages, prompt or text per row) or .txt (a prompt per line).')
     output: str = setting(short='-o', help='Corpus folder to write (a rerun resumes). Required (here or in --config/--preset/--set).')
@@ -146,12 +113,13 @@ class GenerateConfig:
     tls_ca_file: str | None = setting(None, help='TLS for --scheduler-address: the CA file (with --tls-cert, --tls-key).')
     tls_cert: str | None = setting(None, help='TLS client certificate for --scheduler-address.')
     tls_key: str | None = setting(None, help='TLS client key for --scheduler-address.')
+    #: Settings of the embedded default prompt set (``prompts = "default"``): ``generate.default_prompts.FIELD``.
     default_prompts: DefaultPromptConfig = field(default_factory=DefaultPromptConfig)
     endpoints: list[str] = setting(default_factory=list, option='--endpoint', repeat=True, help='openai engine: base URL of a server, e.g. http://127.0.0.1:8000/v1 (repeatable).')
     served_model: str | None = setting(None, help='openai engine: model name on the servers (default: the only one served).')
     api_key_env: str | None = setting(None, help='openai engine: environment variable holding the API key.')
     concurrency: int = setting(8, help='openai engine: requests in flight per endpoint.')
-    request_timeout_s: float = setting(120.0, help='openai engine: seconds one request may take, its whole reply included (then retried).')
+    request_timeout_s: float = setting(120.0, help='openai engine: seconds one request may take, its whole reply included (then retried; a hung endpoint stalls the run about (max retries + 1) x this).')
     max_retries: int = setting(3, help='openai engine: retries after a connection error, timeout, HTTP 5xx/408/429 (0 = try once).')
     max_prompt_bytes: int = setting(DEFAULT_MAX_LINE_BYTES, help="Most bytes of one prompts-file line (or .parquet row's text); a longer one is an error.")
     overwrite: bool = setting(False, help='Replace an output generated with other settings.')

@@ -168,17 +168,8 @@ def grid_path(name: str) -> str | None:
 
 @dataclass(kw_only=True)
 class SweepConfig:
-    """The sweep's own settings (``[sweep]`` of a config file, ``--set sweep.FIELD=VALUE``).
-
-    Fields:
-        cache: the hidden-state cache every run trains on; required.
-        output: the sweep folder (one run folder per combination); ``None``: ``./sweep-<time>``.
-        grid: TrainConfig field -> its values; runs are the cartesian product (one value fixes the field).
-        run_gpus: GPU ids the runs share, one run per GPU at a time, each in a ``train`` subprocess on its one GPU (not
-            the DDP ranks of one run, as train's ``drafter_gpus``); ``None``: runs one after the other.
-        resume: continue unfinished runs of an earlier sweep into ``output``.
-        break_lock: take over locks of the sweep and its runs left on another host known dead.
-    """
+    """The sweep's own settings (``[sweep]`` of a config file, ``--set sweep.FIELD=VALUE``). Each field's help is its
+    one description (``--help``, docs/config-reference.md)."""
 
     cache: str | None = setting(None, help="Hidden-state cache shared by every run. Required (here or in "
                                 "--config/--set).")

@@ -71,62 +71,8 @@ _CODEC_CALIBRATION = ("auto", "always", "never")  # ExtractConfig.codec_calibrat
 
 @dataclass(kw_only=True, slots=True)
 class ExtractConfig:
-    """Everything ``extract`` needs; saved into the cache's ``extra`` provenance.
-
-    Fields:
-        corpus: corpus folder (contract 1).
-        output: cache path or fsspec URL (contract 2); an existing cache of the same plan is resumed.
-        target: ``"default"`` (embedded SmolLM2-135M-Instruct), a transformers folder or a ``.gguf`` file.
-        target_layer_ids: tapped decoder layers; ``None``: DFlash's default rule with ``num_taps`` taps
-            (``dflash.target.taps.tapped_layer_ids``).
-        num_taps: number of taps for the default rule: one per draft layer, so by default the drafter's default
-            number of draft layers (``dflash.drafter.config.DEFAULT_NUM_DRAFT_LAYERS``).
-        target_gpus: physical GPU indices, one worker each (LocalCluster).
-        target_processes: CPU worker processes (LocalCluster).
-        scheduler_address: an existing Dask scheduler; its workers must reach ``corpus`` and ``output``.
-        shard_size: target tokens per shard (rows are grouped contiguously; a longer row is a shard of its own).
-        forward_tokens: padded tokens per forward batch (rows x longest); with ``packing``, tokens per packed row.
-        packing: packed forward batches (samples back to back, attention confined to each; no padding) instead of
-            right-padded length-grouped ones (``dflash.target.runner``): the same hidden states within bf16.
-        packed_attention: the attention kernel of packed batches: ``"auto"`` (default: ``"varlen"`` on GPU workers
-            whose torch has it, else ``"flex_attention"`` on GPU workers and ``"sdpa"`` on CPU workers),
-            ``"flex_attention"`` (a document mask), ``"sdpa"`` (a block-diagonal mask) or ``"varlen"``
-            (FlashAttention's varlen kernel over the sample boundaries: no fill, GPU workers only, torch >= 2.10;
-            where that kernel has no native GQA, torch 2.10-2.11, a GQA target's samples of 1,024 tokens or more
-            run alone through SDPA); ignored without ``packing``.
-        storage_dtype: ``"bf16"`` (bit-exact) or ``"fp8"`` (lossy e4m3 with a per-token, per-tap scale).
-        codec: ``"auto"`` (default) or a codec preset name (``dflash.cache.CODEC_PRESETS``). ``"auto"``: a new
-            cache gets the best-compressing lossless codec whose encode rate keeps up with the measured production
-            of hidden states (``dflash.cache.codec_choice``, docs/cache-format.md), recorded in its metadata
-            (``extra["codec_choice"]``); an existing cache keeps its own codec.
-        codec_calibration: when ``codec "auto"`` measures: ``"auto"`` on CUDA runners only (a CPU runner gets the
-            default codec without a forward: its forward is far slower than any codec), ``"always"`` on any
-            runner, ``"never"`` (the default codec, unmeasured).
-        max_length, length_policy: rows longer than ``max_length`` raise (``"error"``), are skipped
-            (``"drop"``) or cut (``"truncate"``); skipped rows are recorded in the commit records.
-        force_space: start even when the size estimate exceeds the free space.
-        expected_ratio: compression ratio assumed by the size estimate (1.0 = none, the safe bound).
-        dashboard_address: where a LocalCluster serves its dashboard: ``host:port`` (default ``127.0.0.1:0``:
-            this machine only, on a free port, so a busy 8787 draws no warning; its link is printed; a bare ``:port``
-            also means 127.0.0.1). Other hosts reach
-            it only through an explicit address such as ``0.0.0.0:8787`` (all interfaces; no authentication).
-        tls_ca_file, tls_cert, tls_key: TLS for ``scheduler_address`` (``tls://...``): the CA that signed the
-            scheduler's certificate and this client's certificate and key (``distributed.security.Security``,
-            ``require_encryption=True``); all three together. Without them distributed's own config
-            (``distributed.comm.tls.*``) applies.
-        break_lock: take over the output's lock although its owner record names another host (that run must be
-            known dead; ``dflash.io.locks``).
-        write_threads: chunk-compression threads per worker; ``None``: CPUs per worker - 1 (at most 32).
-        writes_in_flight: shard writes per worker running beside its compute (each holds a shard in host memory).
-            3: on an H200 (Qwen3-8B shape, 1M tokens) 2 left the device blocked on writes 2.3 s of 33 s, 3 for 2 ms.
-        write_processes: 0: each worker writes its shards in its own threads. N > 0: in N write processes per
-            worker reading the hidden states from shared host memory (``dflash.cache.process_writer``). ``None``
-            (default): 2 on GPU workers, 0 on CPU workers (``stages.extract.worker.default_write_processes``).
-            LocalCluster workers are then started non-daemonic; an external cluster (``--scheduler-address``) needs
-            ``distributed.worker.daemon: false`` in its config (else its workers fall back to threads, or fail
-            for an explicit N > 0).
-        extra: free-form entries recorded in the cache metadata (provenance a caller adds; not used by extract).
-    """
+    """Everything ``extract`` needs; saved into the cache's ``extra`` provenance. Each field's help is its one
+    description (``--help``, docs/config-reference.md)."""
 
     corpus: str = setting(help='Corpus folder (Arrow/Parquet, contract 1). Required (here or in --config/--preset/--set).')
     output: str = setting(short='-o', help='Cache path or fsspec URL; an existing cache of the same plan is resumed. Required (here or in --config/--preset/--set).')
@@ -154,10 +100,11 @@ class ExtractConfig:
     break_lock: bool = setting(False, runtime=True, option='--break-lock', help="Take over the cache's lock left by a run on another host that is known dead (docs/cache-format.md).")
     write_threads: int | None = setting(None, help='Chunk-write threads per worker: gather, compress, checksum, store (default: CPU cores per worker - 1, at most 32).')
     writes_in_flight: int = setting(3, help='Shard writes per worker overlapping its compute (each holds one shard in host memory).')
-    write_processes: int | None = setting(None, help='Write shards in N processes per worker that read the hidden states from shared memory (/dev/shm; if it is too small, threads are used with a warning); 0: in threads of the worker (default: 2 on GPU workers, 0 on CPU workers).')
+    write_processes: int | None = setting(None, help='Write shards in N processes per worker that read the hidden states from shared memory (/dev/shm; if it is too small, threads are used with a warning); 0: in threads of the worker (default: 2 on GPU workers, 0 on CPU workers). An external cluster (--scheduler-address) needs distributed.worker.daemon: false in its config, else its workers write in threads.')
     final_tap: bool = field(default=False, metadata={"help": (
         "Also store the target's final normed hidden state (the input of its LM head) as one more slot per token, "
         "which train's drafter.distill needs; the cache grows by one tap's share.")})
+    #: Free-form entries recorded in the cache metadata (provenance a caller adds; extract does not read them).
     extra: dict[str, Any] = field(default_factory=dict)
     progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={"runtime": True,
         "help": "Seconds between two progress lines (tokens, shards, rate, ETA) when output is not a terminal; 0: none."})
