@@ -75,3 +75,15 @@ def test_the_configuration_reference_is_generated_from_the_declarations():
     for section, cls, _ in sections():  # every field is described in its declaration, nested configs' too
         undescribed = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in field_descriptions(cls)]
         assert not undescribed, (section, undescribed)
+
+
+def test_the_section_lists_name_the_same_sections():
+    """The sections a config file may hold, the sections the reference documents, and the pipeline's sections (in
+    run order, each with its check) are kept in three places for the three layers: they must agree."""
+    from pipelines.offline import SECTIONS
+    from pipelines.reference import STAGE_CONFIGS
+    from stages.config.check import CONFIG_SECTIONS
+    from stages.config.presets import PIPELINE_SECTIONS
+
+    assert set(STAGE_CONFIGS) == set(CONFIG_SECTIONS)
+    assert set(SECTIONS) == set(PIPELINE_SECTIONS) <= set(CONFIG_SECTIONS)
