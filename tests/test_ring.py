@@ -53,6 +53,35 @@ def test_a_batch_goes_through_a_slot_bit_for_bit(dtype):
     assert read.loss_mask.tolist() == np.concatenate(batch["loss_mask"]).tolist()
 
 
+def test_a_batch_written_in_place_equals_write_batch_and_commits_only_while_claimed(ring):
+    """``begin_batch`` + copies into its views + ``commit_batch`` (the producer's path) store the same bytes and
+    checksum as ``write_batch``; a commit after the owner released the slot is refused and leaves it free."""
+    batch = _batch(torch.bfloat16)
+    with Ring.attach(ring.name) as producer:
+        slot, ticket = ring.acquire()
+        producer.write_batch(slot, ticket, epoch=1, batch_index=2, bucket=0, **batch)
+        expected = ring.header(slot)
+        ring.release(slot)
+        slot, ticket = ring.acquire()
+        write = producer.begin_batch(slot, ticket, epoch=1, batch_index=2, bucket=0,
+                                     **{k: v for k, v in batch.items() if k != "hidden"})  # fmt: skip
+        assert [tuple(view.shape) for view in write.documents] == [(3, 8), (5, 8)]
+        for view, hidden in zip(write.documents, batch["hidden"], strict=True):
+            view.copy_(hidden)
+        producer.commit_batch(write)
+        assert {k: v for k, v in ring.header(slot).items() if k != "ticket"} == \
+            {k: v for k, v in expected.items() if k != "ticket"}  # fmt: skip
+        assert torch.equal(ring.read_batch(slot, ticket, epoch=1, batch_index=2).hidden, torch.cat(batch["hidden"]))
+        ring.release(slot)
+        slot, ticket = ring.acquire()
+        write = producer.begin_batch(slot, ticket, epoch=1, batch_index=3, bucket=0,
+                                     **{k: v for k, v in batch.items() if k != "hidden"})  # fmt: skip
+        ring.release(slot)  # the trainer gave the slot up (its task was cancelled) before the producer finished
+        with pytest.raises(QueueError, match=f"not claimed by ticket {ticket}"):
+            producer.commit_batch(write)
+        assert ring.header(slot)["state"] == 0
+
+
 def test_a_slot_rewritten_after_hand_over_fails_its_checksum(ring):
     slot, ticket = ring.acquire()
     with Ring.attach(ring.name) as producer:

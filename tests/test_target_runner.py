@@ -329,6 +329,26 @@ def test_plan_batches_respects_budget_and_covers_every_sample():
         assert list(lengths[batch]) == sorted(lengths[batch], reverse=True)
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_out_receives_each_samples_hidden_states_in_place_bit_for_bit(target, samples, layer_ids, packing):
+    """``out``: each sample's hidden states are copied straight into the caller's views (e.g. a ring slot), equal bit
+    for bit to the runner's own host buffers for the same batches; a view of the wrong shape is refused."""
+    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=24, packing=packing)
+    expected = runner.run(samples)
+    flat = torch.full((sum(len(s) for s in samples), runner.feature_size), float("nan"), dtype=torch.bfloat16)
+    out = list(flat.split([len(s) for s in samples]))
+    batches = list(runner.iter_batches(samples, out=out))
+    assert len(batches) > 1  # several forwards, each writing its own samples
+    assert sorted(index for batch in batches for index in batch.indices) == list(range(len(samples)))
+    for batch in batches:
+        for index, hidden in zip(batch.indices, batch.hidden, strict=True):
+            assert hidden.data_ptr() == out[index].data_ptr()
+    for index, hidden in enumerate(expected):
+        assert torch.equal(out[index], hidden)
+    with pytest.raises(ValueError, match="out: expected a CPU tensor of shape"):
+        list(runner.iter_batches(samples, out=[o[:-1] for o in out]))
+
+
 def test_nonfinite_flags_name_the_tapped_layers(target, samples, layer_ids):
     poisoned_layer = layer_ids[2] - 1  # inf injected before the 3rd tap: taps 3..5 become non-finite
 
