@@ -1,9 +1,15 @@
 """Online mode throughput: achieved training rate against the producer-alone rate I and the trainer-alone rate T.
 
-Three measurements in one run, on the same corpus, plan and drafter config (the real target, default SmolLM2):
+Four measurements in one run, on the same corpus, plan and drafter config (the real target, default SmolLM2):
 
-* I, producer alone: the online batch source (a :class:`dflash.batches.online.BatchProducer` thread, the ring, checks and
-  packing) iterated without training: real tokens per second the target side can supply.
+* extract: extract's forward loop on the same target and corpus (``TargetRunner.iter_batches`` shard by shard with
+  extract's default shard size and the same forward budget, the taps copied to host, as the extract task runs it;
+  its cache writes run in other processes there and are left out): the target's rate the producers aim at (issue 40:
+  producer alone >= 0.9x this).
+* I, producer alone: the online batch source (a :class:`dflash.batches.online.BatchProducer` run by as many threads
+  as the ring has slots, as a Dask worker runs its tasks, one queuing its forwards at a time; the ring, checks and
+  packing) iterated without training: real tokens per second the target side can supply. The ring has the
+  ``online`` command's default 4 slots here, and the rate is timed from the 5th batch on (after the read-ahead).
 * T, trainer alone: the training loop (``stages.train.loop.Trainer``) on the online batch source whose producer
   REPLAYS hidden states computed beforehand (a memcpy into the slot): tokens per second the drafter side can take.
 * achieved: the same training loop fed by the real producer through the ring.
@@ -27,6 +33,9 @@ CPU smoke run (tens of seconds)::
 
     python benchmarks/online.py --smoke
     python benchmarks/online.py --smoke --target qwen3-8b-random      # the same family, tiny
+
+``--forward-tokens N`` sets the padded tokens per target forward of both the producer and extract (default: the
+training token budget, what ``online`` gives its producers; ``run --preset h200-smollm2`` extracts with 32768).
 
 One GPU::
 
@@ -59,7 +68,7 @@ from dflash.target.runner import TargetRunner
 from dflash.training.telemetry import TelemetryConfig, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from extract import build_target  # noqa: E402  (the benchmarks' shared random-target builder)
+from extract import build_target, time_runner_with_copies  # noqa: E402  (the benchmarks' shared helpers)
 from extract import write_corpus as write_random_corpus  # noqa: E402
 
 MODULES = ("textwrap", "shlex", "fnmatch", "colorsys", "bisect", "heapq", "argparse", "inspect")
@@ -91,7 +100,9 @@ class ReplayProducer(BatchProducer):
         rows = [self.corpus.row(int(r)) for r in task.corpus_rows]
         hidden = self.memo.get(task.corpus_rows)
         if hidden is None:  # copied: run() returns views of the runner's reusable host buffers
-            hidden = self.memo[task.corpus_rows] = [h.clone() for h in self.runner.run([row.input_ids for row in rows])]
+            with self._device_lock:  # tasks run in several threads; one forward on the model at a time
+                hidden = [h.clone() for h in self.runner.run([row.input_ids for row in rows])]
+            self.memo[task.corpus_rows] = hidden
         self._ring(task.ring_name).write_batch(
             task.slot, task.ticket, epoch=task.epoch, batch_index=task.batch_index, bucket=task.bucket,
             corpus_rows=np.asarray(task.corpus_rows), input_ids=[r.input_ids for r in rows],
@@ -101,12 +112,13 @@ class ReplayProducer(BatchProducer):
 
 
 def producer_rate(producer: BatchProducer, config, batches: int, device: torch.device) -> float:
-    """The online batch source alone (producer in a thread, the ring, checks and packing; no training): real
-    tokens/s between the first and the last of ``batches`` batches (same window rule as the trainer's rates)."""
+    """The online batch source alone (producer tasks in ``ring_slots`` threads, the ring, checks and packing; no
+    training): real tokens/s from batch ``ring_slots`` (the read-ahead consumed) to the last of ``batches``."""
     from pipelines.online import online_training_data
 
     producer.runner.run([producer.corpus.row(0).input_ids])  # warm-up, untimed (first forward allocates)
-    with ThreadPoolExecutor(1) as pool:
+    skip = min(config.ring_slots, batches - 2)
+    with ThreadPoolExecutor(config.ring_slots) as pool:
         data = online_training_data(config, submit=lambda task: pool.submit(producer.produce, task),
                                     device=device)  # fmt: skip
         times, tokens = [], []
@@ -120,7 +132,21 @@ def producer_rate(producer: BatchProducer, config, batches: int, device: torch.d
         finally:
             data.close()
     producer.close()
-    return sum(tokens[1:]) / (times[-1] - times[0])
+    return sum(tokens[skip + 1 :]) / (times[-1] - times[skip])
+
+
+def extract_rate(runner: TargetRunner, corpus, device: torch.device) -> float:
+    """Extract's forward loop over the whole corpus (``benchmarks/extract.py``'s runner-with-copies phase: shards of
+    extract's default size, each batched by the runner, taps copied to host): real tokens/s."""
+    from dflash.target.runner import plan_batches
+    from stages.extract.command import ExtractConfig, plan_shards
+
+    rows = [corpus.row(index).input_ids for index in range(len(corpus))]
+    lengths = np.asarray([len(ids) for ids in rows])
+    shard_size = ExtractConfig.__dataclass_fields__["shard_size"].default
+    seconds = time_runner_with_copies(runner, rows, plan_batches(lengths, runner.token_budget),
+                                      plan_shards(lengths, shard_size), device)  # fmt: skip
+    return float(lengths.sum()) / seconds
 
 
 def trainer_rate(config, producer: BatchProducer, device: torch.device) -> float:
@@ -128,7 +154,7 @@ def trainer_rate(config, producer: BatchProducer, device: torch.device) -> float
     from pipelines.online import online_training_data
     from stages.train.loop import Trainer
 
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(config.ring_slots) as pool:
         data = online_training_data(config, submit=lambda task: pool.submit(producer.produce, task),
                                     device=device)  # fmt: skip
         trainer = Trainer(config.train, device=device, data=data)
@@ -163,6 +189,8 @@ def main() -> None:
                         "DFlash rule on CUDA)")
     parser.add_argument("--rows", type=int, default=96, help="CPU corpus rows (CUDA: enough tokens for the steps)")
     parser.add_argument("--token-budget", type=int, default=None, help="Real tokens per batch (CPU 512, CUDA 16384)")
+    parser.add_argument("--forward-tokens", type=int, default=None, help="Padded tokens per target forward of the "
+                        "producer and of extract (default: the token budget)")
     parser.add_argument("--num-draft-layers", type=int, default=None, help="(CPU 1, CUDA 5)")
     parser.add_argument("--block-size", type=int, default=None, help="(CPU 4, CUDA 16)")
     parser.add_argument("--anchors", type=int, default=None, help="Anchors per document (CPU 8, CUDA 512)")
@@ -178,6 +206,7 @@ def main() -> None:
         args.rows, args.steps, args.token_budget = 64, 10, args.token_budget or 384
     gpu = device.type == "cuda"
     token_budget = args.token_budget or (16384 if gpu else 512)
+    forward_tokens = args.forward_tokens or token_budget
     num_draft_layers = args.num_draft_layers or (5 if gpu else 1)
     block_size = args.block_size or (16 if gpu else 4)
     anchors = args.anchors or (512 if gpu else 8)
@@ -210,7 +239,7 @@ def main() -> None:
     else:
         corpus_path = write_corpus(work / "corpus", tokenizer, args.rows, token_budget // 4)
 
-    def config(name: str) -> OnlineConfig:
+    def config(name: str, ring_slots: int = 2) -> OnlineConfig:
         train = TrainConfig(cache=f"{ONLINE_CACHE_PREFIX}{corpus_path}", output=str(work / name),
                             target=target_spec,
                             drafter=DrafterTrainingConfig(num_draft_layers=num_draft_layers, block_size=block_size,
@@ -221,29 +250,35 @@ def main() -> None:
                             telemetry=TelemetryConfig(log_every=1, throughput_window=args.steps + 1, progress=False),
                             device=device.type,
                             min_supervised_tokens=0)  # fmt: skip
-        # Two slots: read-ahead cannot cover a short run, so the rate is the steady one.
+        # Training: two slots, so read-ahead cannot cover a short run and the rate is the steady one.
         return OnlineConfig(corpus=str(corpus_path), train=train, target=target_spec, target_layer_ids=layer_ids,
-                            ring_slots=2)
+                            ring_slots=ring_slots, runner_token_budget=forward_tokens)
 
     def runner() -> TargetRunner:
-        return TargetRunner(model, layer_ids, device, token_budget=token_budget)
+        return TargetRunner(model, layer_ids, device, token_budget=forward_tokens)
 
     corpus = open_corpus(corpus_path)
     replay = ReplayProducer(runner(), corpus)
     trainer_rate(config("warm-replay"), replay, device)  # fills the replay memo (and warms the trainer up)
-    runs: dict[str, list[float]] = {"producer_alone_I": [], "trainer_alone_T": [], "achieved": []}
+    producer_slots = OnlineConfig.__dataclass_fields__["ring_slots"].default  # the online command's default
+    extract_runner = runner()
+    runs: dict[str, list[float]] = {"producer_alone_I": [], "trainer_alone_T": [], "achieved": [], "extract": []}
     for repeat in range(args.repeats):
-        runs["producer_alone_I"].append(producer_rate(BatchProducer(runner(), corpus), config(f"producer-{repeat}"),
+        runs["producer_alone_I"].append(producer_rate(BatchProducer(runner(), corpus),
+                                                      config(f"producer-{repeat}", producer_slots),
                                                       args.steps, device))  # fmt: skip
         runs["trainer_alone_T"].append(trainer_rate(config(f"trainer-{repeat}"), replay, device))
         runs["achieved"].append(trainer_rate(config(f"achieved-{repeat}"), BatchProducer(runner(), corpus), device))
+        runs["extract"].append(extract_rate(extract_runner, corpus, device))
         print(f"repeat {repeat}: " + ", ".join(f"{key} {values[-1]:,.0f}" for key, values in runs.items()), flush=True)
-    rate_i, rate_t, achieved = (statistics.median(runs[key]) for key in runs)
+    rate_i, rate_t, achieved, rate_extract = (statistics.median(runs[key]) for key in runs)
     shared = 1.0 / (1.0 / rate_i + 1.0 / rate_t)
     logged = read_metrics(work / f"achieved-{args.repeats - 1}", kind="train")[-1]
     report = {"producer_alone_I": rate_i, "trainer_alone_T": rate_t, "achieved": achieved,
               "min_I_T": min(rate_i, rate_t), "shared_device_bound": shared,
               "achieved_over_min": achieved / min(rate_i, rate_t), "achieved_over_shared": achieved / shared,
+              "extract": rate_extract, "producer_over_extract": rate_i / rate_extract,
+              "forward_tokens": forward_tokens, "producer_ring_slots": producer_slots,
               "runs": runs, "repeats": args.repeats,
               "in_run_telemetry_last_interval": {key: logged.get(key) for key in (
                   "producer_capacity_tokens_per_s", "trainer_capacity_tokens_per_s", "achieved_tokens_per_s",
@@ -252,8 +287,10 @@ def main() -> None:
               "num_draft_layers": num_draft_layers, "block_size": block_size, "anchors": anchors,
               "device": torch.cuda.get_device_name(device) if gpu else "cpu",
               "torch": torch.__version__, "torch_threads": torch.get_num_threads()}  # fmt: skip
-    for key in ("producer_alone_I", "trainer_alone_T", "achieved", "min_I_T", "shared_device_bound"):
+    for key in ("extract", "producer_alone_I", "trainer_alone_T", "achieved", "min_I_T", "shared_device_bound"):
         print(f"{key:>22}: {report[key]:10,.0f} real tokens/s   (runs: {', '.join(f'{v:,.0f}' for v in runs.get(key, []))})")
+    print(f"{'I / extract':>22}: {report['producer_over_extract']:.2f}  (producer alone against extract's forward "
+          f"loop, {forward_tokens:,} tokens per forward; issue 40: >= 0.9)")
     print(f"{'achieved / min(I, T)':>22}: {report['achieved_over_min']:.2f}")
     print(f"{'achieved / shared':>22}: {report['achieved_over_shared']:.2f}  (1/(1/I+1/T): one device for both)")
     print(f"{'device':>22}: {report['device']}; target {identity.name}, taps {layer_ids}")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import struct
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -466,15 +465,15 @@ class Ring:
         nbytes = int(head["payload_bytes"])
         if nbytes > self.geometry.payload_capacity:
             raise QueueError(f"{where}: payload of {nbytes} bytes exceeds the slot's {self.geometry.payload_capacity}")
-        private = self._buffer[start : start + nbytes].tobytes()  # the private copy that is checked and read
-        crc = google_crc32c.value(private) if nbytes else 0
+        # The private copy that is checked and read: numpy copies without holding the GIL, so the trainer's other
+        # threads (and producers running as threads of the same process) go on meanwhile.
+        private = np.empty(nbytes, dtype=np.uint8)
+        np.copyto(private, self._buffer[start : start + nbytes])
+        crc = _crc32c(private)
         if crc != head["crc32c"]:
             raise QueueError(f"{where}: payload CRC-32C {crc:#010x} differs from the header's {head['crc32c']:#010x} "
                              f"(batch {batch_index} of epoch {epoch}); the slot was overwritten or corrupted")
-        with warnings.catch_warnings():  # read-only views of the private bytes; nothing writes into a batch
-            warnings.simplefilter("ignore", UserWarning)
-            view = np.frombuffer(private, dtype=np.uint8)
-            return self._unpack(view, head, where, epoch=epoch, batch_index=batch_index)
+        return self._unpack(private, head, where, epoch=epoch, batch_index=batch_index)
 
     def _unpack(self, view: np.ndarray, head: dict[str, Any], where: str, *, epoch: int, batch_index: int) -> SlotBatch:
         nbytes = int(head["payload_bytes"])
