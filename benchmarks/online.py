@@ -36,6 +36,10 @@ CPU smoke run (tens of seconds)::
 
 ``--forward-tokens N`` sets the padded tokens per target forward of both the producer and extract (default: the
 training token budget, what ``online`` gives its producers; ``run --preset h200-smollm2`` extracts with 32768).
+A producer batches only the documents of one planned batch (a length bucket's mix), where extract sorts a whole
+shard by length, so its forwards carry more padding: the report prints both shares (``forward padding``).
+``--producer-packing`` runs the producers' forwards packed instead (``TargetRunner`` ``packing``, its default
+kernel: varlen on CUDA), which the ``online`` command does not offer yet: what packing would gain there.
 
 One GPU::
 
@@ -111,16 +115,44 @@ class ReplayProducer(BatchProducer):
         return {"compute_seconds": 0.0}
 
 
-def producer_rate(producer: BatchProducer, config, batches: int, device: torch.device) -> float:
+def forward_padding(runner: TargetRunner, row_groups: list[list[int]], corpus) -> tuple[float, float]:
+    """``(padding share of the padded tokens, forwards per group)`` of ``runner``'s forwards when it runs each
+    group of corpus rows on its own (a planned batch for a producer, a shard for extract)."""
+    from dflash.target.runner import plan_batches, plan_packed_batches
+
+    real = padded = forwards = 0
+    for rows in row_groups:
+        lengths = np.asarray([len(corpus.row(int(r)).input_ids) for r in rows])
+        if runner.packing:
+            plan = plan_packed_batches(lengths, runner.token_budget)
+            fill = runner.packed_attention == "flex_attention"  # rows filled to the budget (one compiled shape)
+            padded += sum(max(runner.token_budget, int(lengths[i].sum())) if fill else int(lengths[i].sum())
+                          for i in plan)  # fmt: skip
+        else:
+            plan = plan_batches(lengths, runner.token_budget)
+            padded += sum(len(i) * int(lengths[i].max()) for i in plan)
+        real += int(lengths.sum())
+        forwards += len(plan)
+    return 1.0 - real / padded, forwards / len(row_groups)
+
+
+def producer_rate(producer: BatchProducer, config, batches: int, device: torch.device,
+                  tasks: list | None = None) -> float:  # fmt: skip
     """The online batch source alone (producer tasks in ``ring_slots`` threads, the ring, checks and packing; no
-    training): real tokens/s from batch ``ring_slots`` (the read-ahead consumed) to the last of ``batches``."""
+    training): real tokens/s from batch ``ring_slots`` (the read-ahead consumed) to the last of ``batches``. The
+    tasks submitted are appended to ``tasks``."""
     from pipelines.online import online_training_data
 
     producer.runner.run([producer.corpus.row(0).input_ids])  # warm-up, untimed (first forward allocates)
     skip = min(config.ring_slots, batches - 2)
+
+    def submit(task):
+        if tasks is not None:
+            tasks.append(task)
+        return pool.submit(producer.produce, task)
+
     with ThreadPoolExecutor(config.ring_slots) as pool:
-        data = online_training_data(config, submit=lambda task: pool.submit(producer.produce, task),
-                                    device=device)  # fmt: skip
+        data = online_training_data(config, submit=submit, device=device)
         times, tokens = [], []
         try:
             while len(times) < batches:
@@ -191,6 +223,8 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=None, help="Real tokens per batch (CPU 512, CUDA 16384)")
     parser.add_argument("--forward-tokens", type=int, default=None, help="Padded tokens per target forward of the "
                         "producer and of extract (default: the token budget)")
+    parser.add_argument("--producer-packing", action="store_true", help="Producers run packed forwards "
+                        "(TargetRunner packing, its default kernel: varlen on CUDA): no padding within a planned batch")
     parser.add_argument("--num-draft-layers", type=int, default=None, help="(CPU 1, CUDA 5)")
     parser.add_argument("--block-size", type=int, default=None, help="(CPU 4, CUDA 16)")
     parser.add_argument("--anchors", type=int, default=None, help="Anchors per document (CPU 8, CUDA 512)")
@@ -254,24 +288,31 @@ def main() -> None:
         return OnlineConfig(corpus=str(corpus_path), train=train, target=target_spec, target_layer_ids=layer_ids,
                             ring_slots=ring_slots, runner_token_budget=forward_tokens)
 
-    def runner() -> TargetRunner:
-        return TargetRunner(model, layer_ids, device, token_budget=forward_tokens)
+    def runner(packing: bool = args.producer_packing) -> TargetRunner:
+        return TargetRunner(model, layer_ids, device, token_budget=forward_tokens, packing=packing)
 
     corpus = open_corpus(corpus_path)
     replay = ReplayProducer(runner(), corpus)
     trainer_rate(config("warm-replay"), replay, device)  # fills the replay memo (and warms the trainer up)
     producer_slots = OnlineConfig.__dataclass_fields__["ring_slots"].default  # the online command's default
-    extract_runner = runner()
+    extract_runner = runner(packing=False)  # extract's default: padded, length-sorted over each shard
+    tasks: list = []
     runs: dict[str, list[float]] = {"producer_alone_I": [], "trainer_alone_T": [], "achieved": [], "extract": []}
     for repeat in range(args.repeats):
         runs["producer_alone_I"].append(producer_rate(BatchProducer(runner(), corpus),
                                                       config(f"producer-{repeat}", producer_slots),
-                                                      args.steps, device))  # fmt: skip
+                                                      args.steps, device, tasks))  # fmt: skip
         runs["trainer_alone_T"].append(trainer_rate(config(f"trainer-{repeat}"), replay, device))
         runs["achieved"].append(trainer_rate(config(f"achieved-{repeat}"), BatchProducer(runner(), corpus), device))
         runs["extract"].append(extract_rate(extract_runner, corpus, device))
         print(f"repeat {repeat}: " + ", ".join(f"{key} {values[-1]:,.0f}" for key, values in runs.items()), flush=True)
     rate_i, rate_t, achieved, rate_extract = (statistics.median(runs[key]) for key in runs)
+    from stages.extract.command import ExtractConfig, plan_shards
+
+    shards = [list(range(start, stop)) for start, stop in
+              plan_shards(corpus.lengths, ExtractConfig.__dataclass_fields__["shard_size"].default)]  # fmt: skip
+    padding = {"producer": forward_padding(runner(), [list(task.corpus_rows) for task in tasks], corpus),
+               "extract": forward_padding(extract_runner, shards, corpus)}
     shared = 1.0 / (1.0 / rate_i + 1.0 / rate_t)
     logged = read_metrics(work / f"achieved-{args.repeats - 1}", kind="train")[-1]
     report = {"producer_alone_I": rate_i, "trainer_alone_T": rate_t, "achieved": achieved,
@@ -279,6 +320,9 @@ def main() -> None:
               "achieved_over_min": achieved / min(rate_i, rate_t), "achieved_over_shared": achieved / shared,
               "extract": rate_extract, "producer_over_extract": rate_i / rate_extract,
               "forward_tokens": forward_tokens, "producer_ring_slots": producer_slots,
+              "producer_packing": args.producer_packing,
+              "forward_padding_share": {key: value[0] for key, value in padding.items()},
+              "forwards_per_batch_or_shard": {key: value[1] for key, value in padding.items()},
               "runs": runs, "repeats": args.repeats,
               "in_run_telemetry_last_interval": {key: logged.get(key) for key in (
                   "producer_capacity_tokens_per_s", "trainer_capacity_tokens_per_s", "achieved_tokens_per_s",
@@ -291,6 +335,9 @@ def main() -> None:
         print(f"{key:>22}: {report[key]:10,.0f} real tokens/s   (runs: {', '.join(f'{v:,.0f}' for v in runs.get(key, []))})")
     print(f"{'I / extract':>22}: {report['producer_over_extract']:.2f}  (producer alone against extract's forward "
           f"loop, {forward_tokens:,} tokens per forward; issue 40: >= 0.9)")
+    print(f"{'forward padding':>22}: producer {padding['producer'][0]:.1%} of padded tokens "
+          f"({padding['producer'][1]:.1f} forwards per planned batch{', packed' if args.producer_packing else ''}), "
+          f"extract {padding['extract'][0]:.1%} ({padding['extract'][1]:.1f} per shard)")
     print(f"{'achieved / min(I, T)':>22}: {report['achieved_over_min']:.2f}")
     print(f"{'achieved / shared':>22}: {report['achieved_over_shared']:.2f}  (1/(1/I+1/T): one device for both)")
     print(f"{'device':>22}: {report['device']}; target {identity.name}, taps {layer_ids}")
