@@ -169,15 +169,18 @@ def producer_rate(producer: BatchProducer, config, batches: int, device: torch.d
 
 def extract_rate(runner: TargetRunner, corpus, device: torch.device) -> float:
     """Extract's forward loop over the whole corpus (``benchmarks/extract.py``'s runner-with-copies phase: shards of
-    extract's default size, each batched by the runner, taps copied to host): real tokens/s."""
+    extract's default size, each batched by the runner, taps copied to host): real tokens/s. Run in a thread of its
+    own, as the producers' tasks and extract's Dask tasks run: on a loaded CPU host, torch's intra-op threads
+    started from the main thread ran the same forward several times slower than from another thread."""
     from dflash.target.runner import plan_batches
     from stages.extract.command import ExtractConfig, plan_shards
 
     rows = [corpus.row(index).input_ids for index in range(len(corpus))]
     lengths = np.asarray([len(ids) for ids in rows])
     shard_size = ExtractConfig.__dataclass_fields__["shard_size"].default
-    seconds = time_runner_with_copies(runner, rows, plan_batches(lengths, runner.token_budget),
-                                      plan_shards(lengths, shard_size), device)  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        seconds = pool.submit(time_runner_with_copies, runner, rows, plan_batches(lengths, runner.token_budget),
+                              plan_shards(lengths, shard_size), device).result()  # fmt: skip
     return float(lengths.sum()) / seconds
 
 
