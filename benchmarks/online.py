@@ -36,8 +36,8 @@ CPU smoke run (tens of seconds)::
 
 ``--forward-tokens N`` sets the padded tokens per target forward of both the producer and extract (default: the
 training token budget, what ``online`` gives its producers; ``run --preset h200-smollm2`` extracts with 32768).
-A producer batches only the documents of one planned batch (a length bucket's mix), where extract sorts a whole
-shard by length, so its forwards carry more padding: the report prints both shares (``forward padding``).
+A producer batches only the documents of one planned batch (a length bucket's mix), where extract sorts a
+65,536-token shard by length; the report prints the padding share of both one's forwards (``forward padding``).
 ``--producer-packing`` runs the producers' forwards packed instead (``TargetRunner`` ``packing``, its default
 kernel: varlen on CUDA), which the ``online`` command does not offer yet: what packing would gain there.
 
