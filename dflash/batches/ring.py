@@ -5,9 +5,10 @@ One POSIX shared-memory segment (:mod:`dflash.batches.shm`, named ``dflash_<owne
 slot to a producer together with a *ticket*, the producer (a target replica in another process,
 :meth:`Ring.attach`) writes one planned batch into it (:meth:`Ring.write_batch`, or in two steps:
 :meth:`Ring.begin_batch` writes the metadata and returns views of the slot that the hidden states are copied into
-in place, :meth:`Ring.commit_batch` then writes the header; payload first, header last either way) and returns; the owner copies the payload out, verifies it (:meth:`Ring.read_batch`) and releases the slot
-(:meth:`Ring.release`). A slot is handed out again only after its release; :meth:`Ring.acquire` blocks while every
-slot is taken (the backpressure on the dispatcher that feeds the producers).
+in place, :meth:`Ring.commit_batch` then writes the header; payload first, header last either way) and returns;
+the owner copies the payload out, verifies it (:meth:`Ring.read_batch`) and releases the slot (:meth:`Ring.release`).
+A slot is handed out again only after its release; :meth:`Ring.acquire` blocks while every slot is taken (the
+backpressure on the dispatcher that feeds the producers).
 
 Slot layout (little-endian; offsets in bytes from the slot start; ``D`` documents, ``T`` tokens, ``W = n*H``)::
 

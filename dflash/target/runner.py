@@ -51,8 +51,8 @@ longer needs ``hidden`` (a batch never released is simply garbage-collected and 
 ``iter_batches`` queues the next batch's forward before it waits for the previous batch's copy. A caller that has
 its own host memory for the results (the online producer: the ring slot itself) passes ``out``, one ``[L, n*H]``
 view per sample, and each sample's real tokens are copied straight there (on CUDA, on the same side stream: pinned
-``out`` memory keeps the copies asynchronous); no pooled buffer is used then. Shapes: b = rows in a batch, P = padded length, L = one sample's
-length, n = number of taps, H = target hidden size.
+``out`` memory keeps the copies asynchronous); no pooled buffer is used then.
+Shapes: b = rows in a batch, P = padded length, L = one sample's length, n = number of taps, H = target hidden size.
 """
 
 from __future__ import annotations
