@@ -387,3 +387,29 @@ def test_cuda_bf16_runner_matches_plain_forward_and_batches(samples, layer_ids):
         # bf16 compute with a padding mask vs without: relative error of the whole tensor stays at bf16 level.
         relative = (hidden.float() - alone.float()).norm() / alone.float().norm()
         assert relative < 2e-2, relative
+
+
+@pytest.mark.gpu
+def test_cuda_out_lands_in_a_page_locked_ring_slot_bit_for_bit(samples, layer_ids):
+    """On CUDA, ``out`` views of a ring slot page-locked by the producer's attach receive the same bytes as the
+    runner's pooled pinned buffers, for the same batches."""
+    from dflash.batches.ring import Ring, RingGeometry
+    from dflash.target.load import load_target
+
+    loaded = load_target("default", device="cuda")
+    runner = TargetRunner(loaded.model, layer_ids, "cuda", token_budget=24)
+    expected = [hidden.clone() for hidden in runner.run(samples)]
+    geometry = RingGeometry(num_slots=2, max_tokens=4096, max_documents=16, width=runner.feature_size)
+    with Ring.create(geometry) as owner, Ring.attach(owner.name, pin=True) as producer:
+        assert producer.pinned
+        slot, ticket = owner.acquire()
+        write = producer.begin_batch(slot, ticket, epoch=0, batch_index=0, bucket=0,
+                                     corpus_rows=np.arange(len(samples)), input_ids=samples,
+                                     loss_mask=[np.ones(len(s), dtype=np.uint8) for s in samples])  # fmt: skip
+        pending = list(runner.iter_pending(samples, out=write.documents))
+        assert len(pending) > 1
+        for item in pending:
+            item.finish()
+        producer.commit_batch(write)
+        read = owner.read_batch(slot, ticket, epoch=0, batch_index=0)
+    assert torch.equal(read.hidden, torch.cat(expected))
