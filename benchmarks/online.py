@@ -9,7 +9,8 @@ Four measurements in one run, on the same corpus, plan and drafter config (the r
 * I, producer alone: the online batch source (a :class:`dflash.batches.online.BatchProducer` run by as many threads
   as the ring has slots, as a Dask worker runs its tasks, one queuing its forwards at a time; the ring, checks and
   packing) iterated without training: real tokens per second the target side can supply. The ring has the
-  ``online`` command's default 4 slots here, and the rate is timed from the 5th batch on (after the read-ahead).
+  ``online`` command's default 4 slots here, and the rate is timed from the 5th batch on (after the read-ahead),
+  over ``--steps`` batches but at least 13.
 * T, trainer alone: the training loop (``stages.train.loop.Trainer``) on the online batch source whose producer
   REPLAYS hidden states computed beforehand (a memcpy into the slot): tokens per second the drafter side can take.
 * achieved: the same training loop fed by the real producer through the ring.
@@ -298,13 +299,14 @@ def main() -> None:
     replay = ReplayProducer(runner(), corpus)
     trainer_rate(config("warm-replay"), replay, device)  # fills the replay memo (and warms the trainer up)
     producer_slots = OnlineConfig.__dataclass_fields__["ring_slots"].default  # the online command's default
+    producer_batches = max(args.steps, producer_slots + 9)  # at least 8 timed intervals after the read-ahead
     extract_runner = runner(packing=False)  # extract's default: padded, length-sorted over each shard
     tasks: list = []
     runs: dict[str, list[float]] = {"producer_alone_I": [], "trainer_alone_T": [], "achieved": [], "extract": []}
     for repeat in range(args.repeats):
         runs["producer_alone_I"].append(producer_rate(BatchProducer(runner(), corpus),
                                                       config(f"producer-{repeat}", producer_slots),
-                                                      args.steps, device, tasks))  # fmt: skip
+                                                      producer_batches, device, tasks))  # fmt: skip
         runs["trainer_alone_T"].append(trainer_rate(config(f"trainer-{repeat}"), replay, device))
         runs["achieved"].append(trainer_rate(config(f"achieved-{repeat}"), BatchProducer(runner(), corpus), device))
         runs["extract"].append(extract_rate(extract_runner, corpus, device))
@@ -323,6 +325,7 @@ def main() -> None:
               "achieved_over_min": achieved / min(rate_i, rate_t), "achieved_over_shared": achieved / shared,
               "extract": rate_extract, "producer_over_extract": rate_i / rate_extract,
               "forward_tokens": forward_tokens, "producer_ring_slots": producer_slots,
+              "producer_batches": producer_batches,
               "producer_packing": args.producer_packing,
               "forward_padding_share": {key: value[0] for key, value in padding.items()},
               "forwards_per_batch_or_shard": {key: value[1] for key, value in padding.items()},

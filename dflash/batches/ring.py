@@ -163,6 +163,8 @@ class SlotWrite:
     payload_bytes: int
     hidden: torch.Tensor
     documents: list[torch.Tensor]
+    metadata: list[np.ndarray]
+    """The rows, lengths, ids and masks, written by the commit."""
 
 
 def _crc32c(view: np.ndarray) -> int:
@@ -376,8 +378,13 @@ class Ring:
     def begin_batch(self, slot: int, ticket: int, *, epoch: int, batch_index: int, bucket: int,
                     corpus_rows: np.ndarray, input_ids: list[np.ndarray],
                     loss_mask: list[np.ndarray]) -> SlotWrite:  # fmt: skip
-        """Producer: write a planned batch's metadata (rows, lengths, ids, masks) into ``slot`` and return the views
-        its hidden states are to be copied into (:class:`SlotWrite`); :meth:`commit_batch` finishes it.
+        """Producer: the views of ``slot`` a planned batch's hidden states are to be copied into
+        (:class:`SlotWrite`); :meth:`commit_batch` then writes the rest of the payload and the header.
+
+        The rows, lengths, ids and masks are written at the commit, after the claim is checked again: a producer
+        whose slot was taken from it meanwhile (its task cancelled, the slot handed to another batch) then writes
+        only hidden states, which the later batch's own copies, queued after them on the same copy stream of the
+        same producer, overwrite.
 
         Args:
             slot, ticket: as handed out by the owner's :meth:`acquire` (the slot must still be CLAIMED by it).
@@ -398,35 +405,36 @@ class Ring:
         if num_documents > geometry.max_documents or num_tokens > geometry.max_tokens:
             raise QueueError(f"batch {batch_index} of epoch {epoch}: {num_documents} documents, {num_tokens} tokens "
                              f"exceed the ring's {geometry.max_documents} documents, {geometry.max_tokens} tokens")
-        payload = self._buffer[start + _SLOT_HEADER_BYTES : start + self.geometry.slot_bytes]
-        cursor = 0
-        for array in (np.asarray(corpus_rows, dtype="<i8"), lengths.astype("<i8")):
-            payload[cursor : cursor + array.nbytes] = array.view(np.uint8)
-            cursor += array.nbytes
-        for parts, dtype in ((input_ids, "<i4"), (loss_mask, np.uint8)):
-            flat = np.concatenate([np.asarray(part) for part in parts]).astype(dtype, copy=False)
-            payload[cursor : cursor + flat.nbytes] = flat.view(np.uint8)
-            cursor += flat.nbytes
+        metadata = [np.asarray(corpus_rows, dtype="<i8"), lengths.astype("<i8"),
+                    np.concatenate([np.asarray(part) for part in input_ids]).astype("<i4", copy=False),
+                    np.concatenate([np.asarray(part) for part in loss_mask]).astype(np.uint8, copy=False)]
         offset = _hidden_offset(num_documents, num_tokens)
-        payload[cursor:offset] = 0
         element = torch.empty((), dtype=geometry.dtype).element_size()
         nbytes = offset + num_tokens * geometry.width * element
-        hidden = torch.from_numpy(payload[offset:nbytes]).view(geometry.dtype).view(num_tokens, geometry.width)
+        payload = self._buffer[start + _SLOT_HEADER_BYTES : start + _SLOT_HEADER_BYTES + nbytes]
+        hidden = torch.from_numpy(payload[offset:]).view(geometry.dtype).view(num_tokens, geometry.width)
         return SlotWrite(slot=slot, ticket=ticket, epoch=epoch, batch_index=batch_index, bucket=bucket,
                          num_documents=num_documents, num_tokens=num_tokens, payload_bytes=nbytes, hidden=hidden,
-                         documents=list(hidden.split(lengths.tolist())))  # fmt: skip
+                         documents=list(hidden.split(lengths.tolist())), metadata=metadata)  # fmt: skip
 
     def commit_batch(self, write: SlotWrite) -> int:
-        """Producer: finish a :meth:`begin_batch` whose hidden states are in place: the payload's CRC-32C, then the
-        header with state FULL. Returns the payload bytes.
+        """Producer: finish a :meth:`begin_batch` whose hidden states are in place: the claim checked again, the
+        rows, lengths, ids and masks written, the payload's CRC-32C, then the header with state FULL. Returns the
+        payload bytes.
 
         Raises:
             QueueError: the slot is no longer claimed by the write's ticket (the trainer gave it to another batch
-                meanwhile); nothing is committed.
+                meanwhile); nothing is written.
         """
         self._check_claim(write.slot, write.ticket)
         start = self._slot_start(write.slot) + _SLOT_HEADER_BYTES
-        crc = _crc32c(self._buffer[start : start + write.payload_bytes])
+        payload = self._buffer[start : start + write.payload_bytes]
+        cursor = 0
+        for array in write.metadata:
+            payload[cursor : cursor + array.nbytes] = array.view(np.uint8)
+            cursor += array.nbytes
+        payload[cursor : _hidden_offset(write.num_documents, write.num_tokens)] = 0
+        crc = _crc32c(payload)
         self._write_header(write.slot, state=_STATE_FULL, ticket=write.ticket, epoch=write.epoch,
                            batch_index=write.batch_index, num_documents=write.num_documents, bucket=write.bucket,
                            num_tokens=write.num_tokens, payload_bytes=write.payload_bytes, crc=crc)  # fmt: skip
