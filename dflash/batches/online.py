@@ -76,10 +76,10 @@ class BatchTask:
 class BatchProducer:
     """Producer side: runs the target on a task's corpus rows, its hidden states copied straight into the ring slot.
 
-    :meth:`produce` writes the batch's rows, ids and masks into the slot, queues the target's forwards with each
-    document's device-to-host copy aimed at its place in the slot (no staging buffer; the segment is page-locked in
-    this process when the runner is on CUDA, so the copies stay asynchronous), then waits for the copies, checks the
-    documents, and commits the slot (CRC-32C, header FULL). Several tasks may call :meth:`produce` at once (threads):
+    :meth:`produce` queues the target's forwards with each document's device-to-host copy aimed at its place in the
+    slot (no staging buffer; the segment is page-locked in this process when the runner is on CUDA, so the copies
+    stay asynchronous), then waits for the copies, checks the documents, and commits the slot (rows, ids and masks,
+    CRC-32C, header FULL). Several tasks may call :meth:`produce` at once (threads):
     one at a time queues its forwards (a lock), so while one task waits for its copies and commits, the next task's
     forwards already run on the device. Which documents share a forward depends only on the task, so the hidden
     states do not depend on that overlap.
