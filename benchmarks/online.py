@@ -1,9 +1,16 @@
 """Online mode throughput: achieved training rate against the producer-alone rate I and the trainer-alone rate T.
 
-Three measurements in one run, on the same corpus, plan and drafter config (the real target, default SmolLM2):
+Four measurements in one run, on the same corpus, plan and drafter config (the real target, default SmolLM2):
 
-* I, producer alone: the online batch source (a :class:`dflash.batches.online.BatchProducer` thread, the ring, checks and
-  packing) iterated without training: real tokens per second the target side can supply.
+* extract: extract's forward loop on the same target and corpus (``TargetRunner.iter_batches`` shard by shard with
+  extract's default shard size and the same forward budget, the taps copied to host, as the extract task runs it;
+  its cache writes run in other processes there and are left out): the target's rate the producers aim at (issue 40:
+  producer alone >= 0.9x this).
+* I, producer alone: the online batch source (a :class:`dflash.batches.online.BatchProducer` run by as many threads
+  as the ring has slots, as a Dask worker runs its tasks, one queuing its forwards at a time; the ring, checks and
+  packing) iterated without training: real tokens per second the target side can supply. The ring has the
+  ``online`` command's default 4 slots here, and the rate is timed from the 5th batch on (after the read-ahead),
+  over ``--steps`` batches but at least 13.
 * T, trainer alone: the training loop (``stages.train.loop.Trainer``) on the online batch source whose producer
   REPLAYS hidden states computed beforehand (a memcpy into the slot): tokens per second the drafter side can take.
 * achieved: the same training loop fed by the real producer through the ring.
@@ -27,6 +34,13 @@ CPU smoke run (tens of seconds)::
 
     python benchmarks/online.py --smoke
     python benchmarks/online.py --smoke --target qwen3-8b-random      # the same family, tiny
+
+``--forward-tokens N`` sets the padded tokens per target forward of both the producer and extract (default: the
+training token budget, what ``online`` gives its producers; ``run --preset h200-smollm2`` extracts with 32768).
+A producer batches only the documents of one planned batch (a length bucket's mix), where extract sorts a
+65,536-token shard by length; the report prints the padding share of both one's forwards (``forward padding``).
+``--producer-packing`` runs the producers' forwards packed instead (``TargetRunner`` ``packing``, its default
+kernel: varlen on CUDA), which the ``online`` command does not offer yet: what packing would gain there.
 
 One GPU::
 
@@ -59,7 +73,7 @@ from dflash.target.runner import TargetRunner
 from dflash.training.telemetry import TelemetryConfig, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from extract import build_target  # noqa: E402  (the benchmarks' shared random-target builder)
+from extract import build_target, time_runner_with_copies  # noqa: E402  (the benchmarks' shared helpers)
 from extract import write_corpus as write_random_corpus  # noqa: E402
 
 MODULES = ("textwrap", "shlex", "fnmatch", "colorsys", "bisect", "heapq", "argparse", "inspect")
@@ -91,7 +105,9 @@ class ReplayProducer(BatchProducer):
         rows = [self.corpus.row(int(r)) for r in task.corpus_rows]
         hidden = self.memo.get(task.corpus_rows)
         if hidden is None:  # copied: run() returns views of the runner's reusable host buffers
-            hidden = self.memo[task.corpus_rows] = [h.clone() for h in self.runner.run([row.input_ids for row in rows])]
+            with self._device_lock:  # tasks run in several threads; one forward on the model at a time
+                hidden = [h.clone() for h in self.runner.run([row.input_ids for row in rows])]
+            self.memo[task.corpus_rows] = hidden
         self._ring(task.ring_name).write_batch(
             task.slot, task.ticket, epoch=task.epoch, batch_index=task.batch_index, bucket=task.bucket,
             corpus_rows=np.asarray(task.corpus_rows), input_ids=[r.input_ids for r in rows],
@@ -100,15 +116,44 @@ class ReplayProducer(BatchProducer):
         return {"compute_seconds": 0.0}
 
 
-def producer_rate(producer: BatchProducer, config, batches: int, device: torch.device) -> float:
-    """The online batch source alone (producer in a thread, the ring, checks and packing; no training): real
-    tokens/s between the first and the last of ``batches`` batches (same window rule as the trainer's rates)."""
+def forward_padding(runner: TargetRunner, row_groups: list[list[int]], corpus) -> tuple[float, float]:
+    """``(padding share of the padded tokens, forwards per group)`` of ``runner``'s forwards when it runs each
+    group of corpus rows on its own (a planned batch for a producer, a shard for extract)."""
+    from dflash.target.runner import plan_batches, plan_packed_batches
+
+    real = padded = forwards = 0
+    for rows in row_groups:
+        lengths = np.asarray([len(corpus.row(int(r)).input_ids) for r in rows])
+        if runner.packing:
+            plan = plan_packed_batches(lengths, runner.token_budget)
+            fill = runner.packed_attention == "flex_attention"  # rows filled to the budget (one compiled shape)
+            padded += sum(max(runner.token_budget, int(lengths[i].sum())) if fill else int(lengths[i].sum())
+                          for i in plan)  # fmt: skip
+        else:
+            plan = plan_batches(lengths, runner.token_budget)
+            padded += sum(len(i) * int(lengths[i].max()) for i in plan)
+        real += int(lengths.sum())
+        forwards += len(plan)
+    return 1.0 - real / padded, forwards / len(row_groups)
+
+
+def producer_rate(producer: BatchProducer, config, batches: int, device: torch.device,
+                  tasks: list | None = None) -> float:  # fmt: skip
+    """The online batch source alone (producer tasks in ``ring_slots`` threads, the ring, checks and packing; no
+    training): real tokens/s from batch ``ring_slots`` (the read-ahead consumed) to the last of ``batches``. The
+    tasks submitted are appended to ``tasks``."""
     from pipelines.online import online_training_data
 
     producer.runner.run([producer.corpus.row(0).input_ids])  # warm-up, untimed (first forward allocates)
-    with ThreadPoolExecutor(1) as pool:
-        data = online_training_data(config, submit=lambda task: pool.submit(producer.produce, task),
-                                    device=device)  # fmt: skip
+    skip = min(config.ring_slots, batches - 2)
+
+    def submit(task):
+        if tasks is not None:
+            tasks.append(task)
+        return pool.submit(producer.produce, task)
+
+    with ThreadPoolExecutor(config.ring_slots) as pool:
+        data = online_training_data(config, submit=submit, device=device)
         times, tokens = [], []
         try:
             while len(times) < batches:
@@ -120,7 +165,24 @@ def producer_rate(producer: BatchProducer, config, batches: int, device: torch.d
         finally:
             data.close()
     producer.close()
-    return sum(tokens[1:]) / (times[-1] - times[0])
+    return sum(tokens[skip + 1 :]) / (times[-1] - times[skip])
+
+
+def extract_rate(runner: TargetRunner, corpus, device: torch.device) -> float:
+    """Extract's forward loop over the whole corpus (``benchmarks/extract.py``'s runner-with-copies phase: shards of
+    extract's default size, each batched by the runner, taps copied to host): real tokens/s. Run in a thread of its
+    own, as the producers' tasks and extract's Dask tasks run: on a loaded CPU host, torch's intra-op threads
+    started from the main thread ran the same forward several times slower than from another thread."""
+    from dflash.target.runner import plan_batches
+    from stages.extract.command import ExtractConfig, plan_shards
+
+    rows = [corpus.row(index).input_ids for index in range(len(corpus))]
+    lengths = np.asarray([len(ids) for ids in rows])
+    shard_size = ExtractConfig.__dataclass_fields__["shard_size"].default
+    with ThreadPoolExecutor(1) as pool:
+        seconds = pool.submit(time_runner_with_copies, runner, rows, plan_batches(lengths, runner.token_budget),
+                              plan_shards(lengths, shard_size), device).result()  # fmt: skip
+    return float(lengths.sum()) / seconds
 
 
 def trainer_rate(config, producer: BatchProducer, device: torch.device) -> float:
@@ -128,7 +190,7 @@ def trainer_rate(config, producer: BatchProducer, device: torch.device) -> float
     from pipelines.online import online_training_data
     from stages.train.loop import Trainer
 
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(config.ring_slots) as pool:
         data = online_training_data(config, submit=lambda task: pool.submit(producer.produce, task),
                                     device=device)  # fmt: skip
         trainer = Trainer(config.train, device=device, data=data)
@@ -163,6 +225,10 @@ def main() -> None:
                         "DFlash rule on CUDA)")
     parser.add_argument("--rows", type=int, default=96, help="CPU corpus rows (CUDA: enough tokens for the steps)")
     parser.add_argument("--token-budget", type=int, default=None, help="Real tokens per batch (CPU 512, CUDA 16384)")
+    parser.add_argument("--forward-tokens", type=int, default=None, help="Padded tokens per target forward of the "
+                        "producer and of extract (default: the token budget)")
+    parser.add_argument("--producer-packing", action="store_true", help="Producers run packed forwards "
+                        "(TargetRunner packing, its default kernel: varlen on CUDA): no padding within a planned batch")
     parser.add_argument("--num-draft-layers", type=int, default=None, help="(CPU 1, CUDA 5)")
     parser.add_argument("--block-size", type=int, default=None, help="(CPU 4, CUDA 16)")
     parser.add_argument("--anchors", type=int, default=None, help="Anchors per document (CPU 8, CUDA 512)")
@@ -178,6 +244,7 @@ def main() -> None:
         args.rows, args.steps, args.token_budget = 64, 10, args.token_budget or 384
     gpu = device.type == "cuda"
     token_budget = args.token_budget or (16384 if gpu else 512)
+    forward_tokens = args.forward_tokens or token_budget
     num_draft_layers = args.num_draft_layers or (5 if gpu else 1)
     block_size = args.block_size or (16 if gpu else 4)
     anchors = args.anchors or (512 if gpu else 8)
@@ -210,7 +277,7 @@ def main() -> None:
     else:
         corpus_path = write_corpus(work / "corpus", tokenizer, args.rows, token_budget // 4)
 
-    def config(name: str) -> OnlineConfig:
+    def config(name: str, ring_slots: int = 2) -> OnlineConfig:
         train = TrainConfig(cache=f"{ONLINE_CACHE_PREFIX}{corpus_path}", output=str(work / name),
                             target=target_spec,
                             drafter=DrafterTrainingConfig(num_draft_layers=num_draft_layers, block_size=block_size,
@@ -221,29 +288,47 @@ def main() -> None:
                             telemetry=TelemetryConfig(log_every=1, throughput_window=args.steps + 1, progress=False),
                             device=device.type,
                             min_supervised_tokens=0)  # fmt: skip
-        # Two slots: read-ahead cannot cover a short run, so the rate is the steady one.
+        # Training: two slots, so read-ahead cannot cover a short run and the rate is the steady one.
         return OnlineConfig(corpus=str(corpus_path), train=train, target=target_spec, target_layer_ids=layer_ids,
-                            ring_slots=2)
+                            ring_slots=ring_slots, runner_token_budget=forward_tokens)
 
-    def runner() -> TargetRunner:
-        return TargetRunner(model, layer_ids, device, token_budget=token_budget)
+    def runner(packing: bool = args.producer_packing) -> TargetRunner:
+        return TargetRunner(model, layer_ids, device, token_budget=forward_tokens, packing=packing)
 
     corpus = open_corpus(corpus_path)
     replay = ReplayProducer(runner(), corpus)
     trainer_rate(config("warm-replay"), replay, device)  # fills the replay memo (and warms the trainer up)
-    runs: dict[str, list[float]] = {"producer_alone_I": [], "trainer_alone_T": [], "achieved": []}
+    producer_slots = OnlineConfig.__dataclass_fields__["ring_slots"].default  # the online command's default
+    producer_batches = max(args.steps, producer_slots + 9)  # at least 8 timed intervals after the read-ahead
+    extract_runner = runner(packing=False)  # extract's default: padded, length-sorted over each shard
+    tasks: list = []
+    runs: dict[str, list[float]] = {"producer_alone_I": [], "trainer_alone_T": [], "achieved": [], "extract": []}
     for repeat in range(args.repeats):
-        runs["producer_alone_I"].append(producer_rate(BatchProducer(runner(), corpus), config(f"producer-{repeat}"),
-                                                      args.steps, device))  # fmt: skip
+        runs["producer_alone_I"].append(producer_rate(BatchProducer(runner(), corpus),
+                                                      config(f"producer-{repeat}", producer_slots),
+                                                      producer_batches, device, tasks))  # fmt: skip
         runs["trainer_alone_T"].append(trainer_rate(config(f"trainer-{repeat}"), replay, device))
         runs["achieved"].append(trainer_rate(config(f"achieved-{repeat}"), BatchProducer(runner(), corpus), device))
+        runs["extract"].append(extract_rate(extract_runner, corpus, device))
         print(f"repeat {repeat}: " + ", ".join(f"{key} {values[-1]:,.0f}" for key, values in runs.items()), flush=True)
-    rate_i, rate_t, achieved = (statistics.median(runs[key]) for key in runs)
+    rate_i, rate_t, achieved, rate_extract = (statistics.median(runs[key]) for key in runs)
+    from stages.extract.command import ExtractConfig, plan_shards
+
+    shards = [list(range(start, stop)) for start, stop in
+              plan_shards(corpus.lengths, ExtractConfig.__dataclass_fields__["shard_size"].default)]  # fmt: skip
+    padding = {"producer": forward_padding(runner(), [list(task.corpus_rows) for task in tasks], corpus),
+               "extract": forward_padding(extract_runner, shards, corpus)}
     shared = 1.0 / (1.0 / rate_i + 1.0 / rate_t)
     logged = read_metrics(work / f"achieved-{args.repeats - 1}", kind="train")[-1]
     report = {"producer_alone_I": rate_i, "trainer_alone_T": rate_t, "achieved": achieved,
               "min_I_T": min(rate_i, rate_t), "shared_device_bound": shared,
               "achieved_over_min": achieved / min(rate_i, rate_t), "achieved_over_shared": achieved / shared,
+              "extract": rate_extract, "producer_over_extract": rate_i / rate_extract,
+              "forward_tokens": forward_tokens, "producer_ring_slots": producer_slots,
+              "producer_batches": producer_batches,
+              "producer_packing": args.producer_packing,
+              "forward_padding_share": {key: value[0] for key, value in padding.items()},
+              "forwards_per_batch_or_shard": {key: value[1] for key, value in padding.items()},
               "runs": runs, "repeats": args.repeats,
               "in_run_telemetry_last_interval": {key: logged.get(key) for key in (
                   "producer_capacity_tokens_per_s", "trainer_capacity_tokens_per_s", "achieved_tokens_per_s",
@@ -252,8 +337,13 @@ def main() -> None:
               "num_draft_layers": num_draft_layers, "block_size": block_size, "anchors": anchors,
               "device": torch.cuda.get_device_name(device) if gpu else "cpu",
               "torch": torch.__version__, "torch_threads": torch.get_num_threads()}  # fmt: skip
-    for key in ("producer_alone_I", "trainer_alone_T", "achieved", "min_I_T", "shared_device_bound"):
+    for key in ("extract", "producer_alone_I", "trainer_alone_T", "achieved", "min_I_T", "shared_device_bound"):
         print(f"{key:>22}: {report[key]:10,.0f} real tokens/s   (runs: {', '.join(f'{v:,.0f}' for v in runs.get(key, []))})")
+    print(f"{'I / extract':>22}: {report['producer_over_extract']:.2f}  (producer alone against extract's forward "
+          f"loop, {forward_tokens:,} tokens per forward; issue 40: >= 0.9)")
+    print(f"{'forward padding':>22}: producer {padding['producer'][0]:.1%} of padded tokens "
+          f"({padding['producer'][1]:.1f} forwards per planned batch{', packed' if args.producer_packing else ''}), "
+          f"extract {padding['extract'][0]:.1%} ({padding['extract'][1]:.1f} per shard)")
     print(f"{'achieved / min(I, T)':>22}: {report['achieved_over_min']:.2f}")
     print(f"{'achieved / shared':>22}: {report['achieved_over_shared']:.2f}  (1/(1/I+1/T): one device for both)")
     print(f"{'device':>22}: {report['device']}; target {identity.name}, taps {layer_ids}")

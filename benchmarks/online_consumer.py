@@ -4,9 +4,11 @@ slot and what the trainer's side spends taking it out, on this machine.
 For one batch of ``--tokens`` real tokens of ``--width`` hidden values (bfloat16) in ``--documents`` documents,
 ``--repeats`` times (medians):
 
-* write: :meth:`dflash.batches.ring.Ring.write_batch` (the producer: ids, masks and hidden states copied into the
-  shared-memory slot, CRC-32C of the payload), from host tensors (the producer's forward and its device-to-host copy
-  are not included);
+* write: :meth:`dflash.batches.ring.Ring.write_batch` (ids, masks and hidden states copied into the shared-memory
+  slot, CRC-32C of the payload), from host tensors: what a CPU producer spends besides its forward (it copies the
+  forward's output into the slot); of it, ``commit`` (:meth:`dflash.batches.ring.Ring.commit_batch`: the CRC-32C
+  read in place and the header) is all a CUDA producer's CPU does per batch, its hidden states arriving in the slot
+  by the device-to-host copy itself;
 * read: :meth:`dflash.batches.ring.Ring.read_batch` (the consumer: a private copy of the slot, its CRC-32C checked);
 * pack: the consumer's packing of that copy into the training batch (:func:`dflash.batches.online.pack_slot_batch`, as
   ``OnlineBatches`` calls it, padded to the token budget, in pinned memory when CUDA is available, as
@@ -54,13 +56,17 @@ def main() -> None:
     hidden = [torch.randn(n, args.width, generator=generator).to(torch.bfloat16) for n in lengths]
     rows = np.arange(args.documents, dtype=np.int64)
     nbytes = args.tokens * args.width * 2
-    times: dict[str, list[float]] = {"write": [], "read": [], "pack": []}
+    times: dict[str, list[float]] = {"write": [], "commit": [], "read": [], "pack": []}
     with Ring.create(geometry) as ring:
         for repeat in range(-1, args.repeats):  # repeat -1: an untimed warm-up (first touch of the slot's pages)
             slot, ticket = ring.acquire()
             started = time.perf_counter()
-            ring.write_batch(slot, ticket, epoch=0, batch_index=repeat + 1, bucket=0, corpus_rows=rows,
-                             input_ids=input_ids, loss_mask=loss_mask, hidden=hidden)  # fmt: skip
+            write = ring.begin_batch(slot, ticket, epoch=0, batch_index=repeat + 1, bucket=0, corpus_rows=rows,
+                                     input_ids=input_ids, loss_mask=loss_mask)  # fmt: skip
+            for view, part in zip(write.documents, hidden, strict=True):  # as write_batch does
+                view.copy_(part)
+            copied = time.perf_counter()
+            ring.commit_batch(write)
             written = time.perf_counter()
             batch = ring.read_batch(slot, ticket, epoch=0, batch_index=repeat + 1)
             read = time.perf_counter()
@@ -71,10 +77,11 @@ def main() -> None:
             if repeat < 0:
                 continue
             times["write"].append(written - started)
+            times["commit"].append(written - copied)
             times["read"].append(read - written)
             times["pack"].append(packed_at - read)
-            print(f"repeat {repeat}: write {1e3 * times['write'][-1]:.1f} ms, read {1e3 * times['read'][-1]:.1f} ms, "
-                  f"pack {1e3 * times['pack'][-1]:.1f} ms")
+            print(f"repeat {repeat}: write {1e3 * times['write'][-1]:.1f} ms (commit {1e3 * times['commit'][-1]:.1f}"
+                  f" ms), read {1e3 * times['read'][-1]:.1f} ms, pack {1e3 * times['pack'][-1]:.1f} ms")
     medians = {name: float(np.median(values)) for name, values in times.items()}
     consumer = medians["read"] + medians["pack"]
     result = {
@@ -86,7 +93,8 @@ def main() -> None:
         "runs_ms": {name: [round(1e3 * v, 1) for v in values] for name, values in times.items()},
     }  # fmt: skip
     print(f"medians of {args.repeats}, {args.tokens:,} tokens x {args.width:,} bf16 ({nbytes / 1e6:,.0f} MB), "
-          f"pinned {pin}: write {result['write_ms']:.1f} ms ({result['write_gb_per_s']:.2f} GB/s), "
+          f"pinned {pin}: write {result['write_ms']:.1f} ms ({result['write_gb_per_s']:.2f} GB/s; commit "
+          f"{result['commit_ms']:.1f} ms), "
           f"read {result['read_ms']:.1f} ms ({result['read_gb_per_s']:.2f} GB/s), "
           f"pack {result['pack_ms']:.1f} ms ({result['pack_gb_per_s']:.2f} GB/s); "
           f"one consumer takes at most {result['consumer_bound_tokens_per_s']:,.0f} tokens/s")

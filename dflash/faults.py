@@ -17,7 +17,7 @@ inherited by Dask workers and write processes):
 ``checkpoint.write``        a checkpoint's weights are in its temporary folder, the rest not yet (mid-write)
 ``safetensors.write``       before each safetensors file is written (``dflash/weights_io.py``): a checkpoint's
                             weights, optimizer and RNG state (3 a checkpoint), an export's weights
-``online.produce``          an online producer computed a batch and is about to write it into its ring slot
+``online.produce``          an online producer computed a batch into its ring slot and is about to commit it
 ==========================  ================================================================================
 
 Zero cost when unset: the variable is read once at import, and :func:`fault_point` returns at its first test.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -123,6 +124,44 @@ def test_online_batches_hold_the_same_samples_in_the_same_batches_as_offline(off
         assert online_batch["hidden"].dtype == torch.bfloat16
         torch.testing.assert_close(online_batch["hidden"].float(), offline_batch["hidden"].float(), rtol=1.6e-2,
                                    atol=2e-2)  # fmt: skip
+
+
+def test_a_producer_running_several_tasks_at_once_delivers_the_same_bytes(corpus_dir, target):
+    """Tasks overlap on one producer (as a Dask worker runs them once each has queued its forwards): the trainer
+    gets the same batches with bit-identical hidden states as from one task at a time, each batch computed once."""
+    from dflash.batches.online import BatchTask
+
+    producer = BatchProducer(TargetRunner(target.model, TINY_LAYER_IDS, "cpu", token_budget=64),
+                             open_corpus(corpus_dir))
+    width = WIDTH_TAPS * int(target.model.config.hidden_size)
+    state = {"running": 0, "most": 0, "batches": [], "run": 0}
+    lock = threading.Lock()
+
+    def produce(task: BatchTask) -> dict:
+        with lock:
+            state["running"] += 1
+            state["most"] = max(state["most"], state["running"])
+            state["batches"].append((state["run"], task.epoch, task.batch_index))
+        try:
+            return producer.produce(task)
+        finally:
+            with lock:
+                state["running"] -= 1
+
+    runs = []
+    for run, threads in enumerate((1, 3)):
+        state["run"] = run
+        with ThreadPoolExecutor(threads) as pool, \
+                OnlineBatches(CorpusLengths(open_corpus(corpus_dir)), _stream_config("train"), width=width,
+                              submit=lambda task, pool=pool: pool.submit(produce, task), num_slots=4) as online:
+            runs.append(_collect(online, 1))
+    producer.close()
+    assert state["most"] >= 2  # the second run did overlap its tasks
+    assert len(runs[0]) == len(runs[1]) >= 4
+    assert [b["digest"] for b in runs[1]] == [b["digest"] for b in runs[0]]
+    assert all(torch.equal(a["hidden"], b["hidden"]) for a, b in zip(runs[0], runs[1], strict=True))
+    assert len(set(state["batches"])) == len(state["batches"])  # no batch computed twice (read-ahead included)
+    assert {(run, 0, b) for run in (0, 1) for b in range(len(runs[0]))} <= set(state["batches"])
 
 
 def _online_config(corpus_dir, target_path, output, **train_overrides):

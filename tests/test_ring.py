@@ -53,6 +53,63 @@ def test_a_batch_goes_through_a_slot_bit_for_bit(dtype):
     assert read.loss_mask.tolist() == np.concatenate(batch["loss_mask"]).tolist()
 
 
+def test_a_batch_written_in_place_equals_write_batch_and_commits_only_while_claimed(ring):
+    """``begin_batch`` + copies into its views + ``commit_batch`` (the producer's path) store the same bytes and
+    checksum as ``write_batch``; a commit after the owner released the slot is refused and leaves it free."""
+    batch = _batch(torch.bfloat16)
+    with Ring.attach(ring.name) as producer:
+        slot, ticket = ring.acquire()
+        producer.write_batch(slot, ticket, epoch=1, batch_index=2, bucket=0, **batch)
+        expected = ring.header(slot)
+        ring.release(slot)
+        slot, ticket = ring.acquire()
+        write = producer.begin_batch(slot, ticket, epoch=1, batch_index=2, bucket=0,
+                                     **{k: v for k, v in batch.items() if k != "hidden"})  # fmt: skip
+        assert [tuple(view.shape) for view in write.documents] == [(3, 8), (5, 8)]
+        for view, hidden in zip(write.documents, batch["hidden"], strict=True):
+            view.copy_(hidden)
+        producer.commit_batch(write)
+        assert {k: v for k, v in ring.header(slot).items() if k != "ticket"} == \
+            {k: v for k, v in expected.items() if k != "ticket"}  # fmt: skip
+        assert torch.equal(ring.read_batch(slot, ticket, epoch=1, batch_index=2).hidden, torch.cat(batch["hidden"]))
+        ring.release(slot)
+        slot, ticket = ring.acquire()
+        write = producer.begin_batch(slot, ticket, epoch=1, batch_index=3, bucket=0,
+                                     **{k: v for k, v in batch.items() if k != "hidden"})  # fmt: skip
+        ring.release(slot)  # the trainer gave the slot up (its task was cancelled) before the producer finished
+        with pytest.raises(QueueError, match=f"not claimed by ticket {ticket}"):
+            producer.commit_batch(write)
+        assert ring.header(slot)["state"] == 0
+
+
+def test_hidden_states_of_a_cancelled_write_landing_late_do_not_reach_the_next_batch_in_its_slot(ring):
+    """A producer's task is cancelled after it began its write (its device copies still queued); the slot goes to the
+    next batch, whose copies the same producer queues after the stale ones. Stale copies landing after the next
+    batch began (but before its own copies, as one copy stream orders them) change nothing it delivers, and the
+    stale write cannot commit."""
+    stale_batch, batch = _batch(torch.bfloat16, lengths=(3,), seed=1), _batch(torch.bfloat16, lengths=(3, 5))
+    with Ring.attach(ring.name) as producer:
+        slot, stale_ticket = ring.acquire()
+        held, _ = ring.acquire()
+        stale = producer.begin_batch(slot, stale_ticket, epoch=0, batch_index=0, bucket=0,
+                                     **{k: v for k, v in stale_batch.items() if k != "hidden"})  # fmt: skip
+        ring.release(slot)  # the task was cancelled
+        assert ring.acquire() == (slot, stale_ticket + 2)
+        write = producer.begin_batch(slot, stale_ticket + 2, epoch=0, batch_index=1, bucket=0,
+                                     **{k: v for k, v in batch.items() if k != "hidden"})  # fmt: skip
+        stale.documents[0].copy_(torch.full((3, 8), 7.0))  # the stale copy lands (over the next batch's ids)
+        for view, hidden in zip(write.documents, batch["hidden"], strict=True):
+            view.copy_(hidden)
+        producer.commit_batch(write)
+        with pytest.raises(QueueError, match="not claimed"):
+            producer.commit_batch(stale)
+        read = ring.read_batch(slot, stale_ticket + 2, epoch=0, batch_index=1)
+        ring.release(held)
+    assert read.input_ids.tolist() == np.concatenate(batch["input_ids"]).tolist()
+    assert read.loss_mask.tolist() == np.concatenate(batch["loss_mask"]).tolist()
+    assert read.lengths.tolist() == [3, 5] and torch.equal(read.hidden, torch.cat(batch["hidden"]))
+
+
 def test_a_slot_rewritten_after_hand_over_fails_its_checksum(ring):
     slot, ticket = ring.acquire()
     with Ring.attach(ring.name) as producer:

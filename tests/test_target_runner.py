@@ -329,6 +329,26 @@ def test_plan_batches_respects_budget_and_covers_every_sample():
         assert list(lengths[batch]) == sorted(lengths[batch], reverse=True)
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_out_receives_each_samples_hidden_states_in_place_bit_for_bit(target, samples, layer_ids, packing):
+    """``out``: each sample's hidden states are copied straight into the caller's views (e.g. a ring slot), equal bit
+    for bit to the runner's own host buffers for the same batches; a view of the wrong shape is refused."""
+    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=24, packing=packing)
+    expected = runner.run(samples)
+    flat = torch.full((sum(len(s) for s in samples), runner.feature_size), float("nan"), dtype=torch.bfloat16)
+    out = list(flat.split([len(s) for s in samples]))
+    batches = list(runner.iter_batches(samples, out=out))
+    assert len(batches) > 1  # several forwards, each writing its own samples
+    assert sorted(index for batch in batches for index in batch.indices) == list(range(len(samples)))
+    for batch in batches:
+        for index, hidden in zip(batch.indices, batch.hidden, strict=True):
+            assert hidden.data_ptr() == out[index].data_ptr()
+    for index, hidden in enumerate(expected):
+        assert torch.equal(out[index], hidden)
+    with pytest.raises(ValueError, match="out: expected a CPU tensor of shape"):
+        list(runner.iter_batches(samples, out=[o[:-1] for o in out]))
+
+
 def test_nonfinite_flags_name_the_tapped_layers(target, samples, layer_ids):
     poisoned_layer = layer_ids[2] - 1  # inf injected before the 3rd tap: taps 3..5 become non-finite
 
@@ -367,3 +387,29 @@ def test_cuda_bf16_runner_matches_plain_forward_and_batches(samples, layer_ids):
         # bf16 compute with a padding mask vs without: relative error of the whole tensor stays at bf16 level.
         relative = (hidden.float() - alone.float()).norm() / alone.float().norm()
         assert relative < 2e-2, relative
+
+
+@pytest.mark.gpu
+def test_cuda_out_lands_in_a_page_locked_ring_slot_bit_for_bit(samples, layer_ids):
+    """On CUDA, ``out`` views of a ring slot page-locked by the producer's attach receive the same bytes as the
+    runner's pooled pinned buffers, for the same batches."""
+    from dflash.batches.ring import Ring, RingGeometry
+    from dflash.target.load import load_target
+
+    loaded = load_target("default", device="cuda")
+    runner = TargetRunner(loaded.model, layer_ids, "cuda", token_budget=24)
+    expected = [hidden.clone() for hidden in runner.run(samples)]
+    geometry = RingGeometry(num_slots=2, max_tokens=4096, max_documents=16, width=runner.feature_size)
+    with Ring.create(geometry) as owner, Ring.attach(owner.name, pin=True) as producer:
+        assert producer.pinned
+        slot, ticket = owner.acquire()
+        write = producer.begin_batch(slot, ticket, epoch=0, batch_index=0, bucket=0,
+                                     corpus_rows=np.arange(len(samples)), input_ids=samples,
+                                     loss_mask=[np.ones(len(s), dtype=np.uint8) for s in samples])  # fmt: skip
+        pending = list(runner.iter_pending(samples, out=write.documents))
+        assert len(pending) > 1
+        for item in pending:
+            item.finish()
+        producer.commit_batch(write)
+        read = owner.read_batch(slot, ticket, epoch=0, batch_index=0)
+    assert torch.equal(read.hidden, torch.cat(expected))

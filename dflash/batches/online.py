@@ -74,7 +74,15 @@ class BatchTask:
 
 
 class BatchProducer:
-    """Producer side: runs the target on a task's corpus rows and writes the batch into the ring.
+    """Producer side: runs the target on a task's corpus rows, its hidden states copied straight into the ring slot.
+
+    :meth:`produce` queues the target's forwards with each document's device-to-host copy aimed at its place in the
+    slot (no staging buffer; the segment is page-locked in this process when the runner is on CUDA, so the copies
+    stay asynchronous), then waits for the copies, checks the documents, and commits the slot (rows, ids and masks,
+    CRC-32C, header FULL). Several tasks may call :meth:`produce` at once (threads):
+    one at a time queues its forwards (a lock), so while one task waits for its copies and commits, the next task's
+    forwards already run on the device. Which documents share a forward depends only on the task, so the hidden
+    states do not depend on that overlap.
 
     Args:
         runner: a :class:`dflash.target.runner.TargetRunner` (the extract stage's runner).
@@ -85,54 +93,74 @@ class BatchProducer:
         self.runner = runner
         self.corpus = corpus
         self._rings: dict[str, Ring] = {}
+        self._rings_lock = threading.Lock()
+        self._device_lock = threading.Lock()
+        self._busy_until = 0.0  # when the latest task ended (perf_counter): overlapping tasks count once
 
     def _ring(self, name: str) -> Ring:
-        if name not in self._rings:
-            self._rings[name] = Ring.attach(name)
-        return self._rings[name]
+        with self._rings_lock:
+            if name not in self._rings:
+                self._rings[name] = Ring.attach(name, pin=self.runner.device.type == "cuda")
+            return self._rings[name]
 
-    def produce(self, task: BatchTask) -> dict[str, Any]:
+    def produce(self, task: BatchTask, *, queued: Callable[[], None] | None = None) -> dict[str, Any]:
         """Compute ``task`` into its slot; returns ``{"batch_index", "epoch", "tokens", "compute_seconds"}``.
+
+        ``compute_seconds``: from the moment this task starts queuing its forwards to its commit, less what overlaps
+        the earlier tasks of this producer (overlapping tasks are counted once, so tokens / the sum over tasks is the
+        producer's rate). ``queued``: called once the task's forwards and copies are queued on the device, before
+        this call waits for them (the Dask task secedes from its worker's thread pool there, so the worker starts
+        its next task).
 
         Raises:
             DFlashError: a document's hidden states are not finite (the offline path quarantines such rows; online
                 the run stops, naming the corpus row: extract and train offline to skip it).
-            QueueError: the slot is no longer claimed by the task's ticket.
+            QueueError: the slot is no longer claimed by the task's ticket, or the ring carries hidden states of
+                another dtype or width than the runner's.
         """
-        started = time.perf_counter()
         rows = [self.corpus.row(int(r)) for r in task.corpus_rows]
-        hidden: list[torch.Tensor | None] = [None] * len(rows)
-        batches = []
-        for batch in self.runner.iter_batches([row.input_ids for row in rows]):
-            batches.append(batch)
-            for index, states, bad_layers in zip(batch.indices, batch.hidden, batch.nonfinite_layers, strict=True):
+        ring = self._ring(task.ring_name)
+        geometry = ring.geometry
+        if geometry.dtype != torch.bfloat16 or geometry.width != self.runner.feature_size:
+            raise QueueError(f"batch {task.batch_index}: the runner computes [L, {self.runner.feature_size}] "
+                             f"torch.bfloat16; the ring carries [L, {geometry.width}] {geometry.dtype}")
+        input_ids = [row.input_ids for row in rows]
+        with self._device_lock:  # one task queues its forwards at a time; the copies land in the slot
+            started = time.perf_counter()
+            write = ring.begin_batch(task.slot, task.ticket, epoch=task.epoch, batch_index=task.batch_index,
+                                     bucket=task.bucket, corpus_rows=np.asarray(task.corpus_rows, dtype=np.int64),
+                                     input_ids=input_ids, loss_mask=[row.loss_mask for row in rows])  # fmt: skip
+            pending = list(self.runner.iter_pending(input_ids, out=write.documents))
+        if queued is not None:
+            queued()
+        for batch in [item.finish() for item in pending]:  # every copy landed before anything is checked
+            for index, bad_layers in zip(batch.indices, batch.nonfinite_layers, strict=True):
                 if bad_layers:
                     raise DFlashError(
                         f"corpus row {task.corpus_rows[index]}: non-finite hidden states at tapped layers {bad_layers}; "
                         "the online mode cannot quarantine it (the plan holds it): use extract + train, which does"
                     )
-                hidden[index] = states
         fault_point("online.produce")
-        try:
-            self._ring(task.ring_name).write_batch(
-                task.slot, task.ticket, epoch=task.epoch, batch_index=task.batch_index, bucket=task.bucket,
-                corpus_rows=np.asarray(task.corpus_rows, dtype=np.int64), input_ids=[row.input_ids for row in rows],
-                loss_mask=[row.loss_mask for row in rows], hidden=hidden,  # type: ignore[arg-type]
-            )
-            if task.staging is not None:  # --cache-to: after the slot, which the trainer is waiting for
-                from dflash.cache.staging import stage_batch
+        # --cache-to: a private copy, staged after the commit (the trainer is waiting for the slot, and may hand it
+        # to another batch as soon as it has read it).
+        staged = write.hidden.clone().split([len(ids) for ids in input_ids]) if task.staging is not None else None
+        ring.commit_batch(write)
+        if staged is not None:
+            from dflash.cache.staging import stage_batch
 
-                stage_batch(task.staging, task.stage_name, task.corpus_rows, hidden)  # type: ignore[arg-type]
-        finally:
-            for batch in batches:
-                batch.release()
+            stage_batch(task.staging, task.stage_name, task.corpus_rows, staged)  # type: ignore[arg-type]
+        with self._rings_lock:
+            ended = time.perf_counter()
+            compute = max(0.0, ended - max(started, self._busy_until))
+            self._busy_until = max(self._busy_until, ended)
         return {"batch_index": task.batch_index, "epoch": task.epoch,
-                "tokens": int(sum(len(row.input_ids) for row in rows)), "compute_seconds": time.perf_counter() - started}
+                "tokens": int(sum(len(ids) for ids in input_ids)), "compute_seconds": compute}
 
     def close(self) -> None:
-        for ring in self._rings.values():
-            ring.close()
-        self._rings.clear()
+        with self._rings_lock:
+            for ring in self._rings.values():
+                ring.close()
+            self._rings.clear()
 
 
 @dataclass(slots=True)

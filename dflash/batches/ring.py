@@ -3,10 +3,12 @@
 One POSIX shared-memory segment (:mod:`dflash.io.shm`, named ``dflash_<owner pid>_<random>``) holds a ring header and
 ``num_slots`` slots of ``slot_bytes`` each. The trainer process owns the ring (:meth:`Ring.create`): it hands a free
 slot to a producer together with a *ticket*, the producer (a target replica in another process,
-:meth:`Ring.attach`) writes one planned batch into it (:meth:`Ring.write_batch`: payload first, header last) and
-returns; the owner copies the payload out, verifies it (:meth:`Ring.read_batch`) and releases the slot
-(:meth:`Ring.release`). A slot is handed out again only after its release; :meth:`Ring.acquire` blocks while every
-slot is taken (the backpressure on the dispatcher that feeds the producers).
+:meth:`Ring.attach`) writes one planned batch into it (:meth:`Ring.write_batch`, or in two steps:
+:meth:`Ring.begin_batch` writes the metadata and returns views of the slot that the hidden states are copied into
+in place, :meth:`Ring.commit_batch` then writes the header; payload first, header last either way) and returns;
+the owner copies the payload out, verifies it (:meth:`Ring.read_batch`) and releases the slot (:meth:`Ring.release`).
+A slot is handed out again only after its release; :meth:`Ring.acquire` blocks while every slot is taken (the
+backpressure on the dispatcher that feeds the producers).
 
 Slot layout (little-endian; offsets in bytes from the slot start; ``D`` documents, ``T`` tokens, ``W = n*H``)::
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import struct
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,9 +39,11 @@ from dflash.io.shm import (
     attach_segment,
     close_segment,
     create_segment,
+    pin_host_range,
     remove_orphaned_segments,
     shm_free,
     shm_free_bytes,
+    unpin_host_range,
 )
 
 __all__ = [
@@ -49,6 +52,7 @@ __all__ = [
     "QueueError",
     "RingGeometry",
     "SlotBatch",
+    "SlotWrite",
     "Ring",
 ]
 
@@ -66,7 +70,7 @@ _SLOT_HEADER_BYTES = 128
 _STATE_FREE, _STATE_CLAIMED, _STATE_FULL = 0, 1, 2
 _DTYPES = {1: torch.bfloat16, 2: torch.float32}
 _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
-_CRC_PIECE = 8 << 20  # bytes per CRC update on the producer side (bounds the temporary copy)
+_CRC_PIECE = 8 << 20  # bytes per CRC-32C update of a slot in place (bounds how long one update holds the GIL)
 
 
 class QueueError(DFlashError, RuntimeError):
@@ -140,11 +144,45 @@ class SlotBatch:
     bucket: int
 
 
+@dataclass(slots=True, kw_only=True)
+class SlotWrite:
+    """A batch being written into a slot in place (:meth:`Ring.begin_batch`), committed by :meth:`Ring.commit_batch`.
+
+    ``documents``: per document, in plan order, the ``[L, W]`` view of the slot where its hidden states go (views of
+    ``hidden``, the slot's ``[T, W]`` hidden-state area; valid until the ring is closed, written by this producer
+    only until the commit).
+    """
+
+    slot: int
+    ticket: int
+    epoch: int
+    batch_index: int
+    bucket: int
+    num_documents: int
+    num_tokens: int
+    payload_bytes: int
+    hidden: torch.Tensor
+    documents: list[torch.Tensor]
+    metadata: list[np.ndarray]
+    """The rows, lengths, ids and masks, written by the commit."""
+
+
+def _crc32c(view: np.ndarray) -> int:
+    """CRC-32C of a contiguous ``uint8`` array, read in place: google_crc32c takes any contiguous buffer without
+    a release hook (numpy arrays, not memoryviews), so no copy is made; pieces of :data:`_CRC_PIECE` bytes, since
+    it holds the GIL while it reads anything but ``bytes``."""
+    crc = 0
+    for piece in range(0, view.size, _CRC_PIECE):
+        crc = google_crc32c.extend(crc, view[piece : piece + _CRC_PIECE])
+    return crc
+
+
 class Ring:
     """A ring of slots in one shared-memory segment. Build with :meth:`create` (owner) or :meth:`attach`.
 
     The owner hands out slots (:meth:`acquire` -> ``(slot, ticket)``), reads them (:meth:`read_batch`) and frees them
-    (:meth:`release`); producers only :meth:`write_batch`. :meth:`close` unmaps; the owner's also unlinks.
+    (:meth:`release`); producers only write (:meth:`write_batch`, or :meth:`begin_batch` then :meth:`commit_batch`).
+    :meth:`close` unmaps; the owner's also unlinks.
     """
 
     def __init__(self, shm: Any, geometry: RingGeometry, *, owner: bool) -> None:
@@ -153,6 +191,8 @@ class Ring:
         self.geometry = geometry
         self.owner = owner
         self._buffer = np.frombuffer(shm.buf, dtype=np.uint8)
+        self.pinned = False
+        """The segment is page-locked in this process for CUDA copies (:meth:`attach` with ``pin``)."""
         # Owner side: free slots and tickets (a ticket names one hand-out of a slot; never reused).
         self._free = list(range(geometry.num_slots))
         self._condition = threading.Condition()
@@ -187,8 +227,12 @@ class Ring:
         return ring
 
     @classmethod
-    def attach(cls, name: str) -> Ring:
+    def attach(cls, name: str, *, pin: bool = False) -> Ring:
         """The ring ``name`` as a producer sees it (never unlinks it).
+
+        With ``pin`` (a producer whose target runs on CUDA) the segment is page-locked in this process
+        (:func:`dflash.batches.shm.pin_host_range`), so the runner's device-to-host copies land in the slots
+        asynchronously, without a staging buffer; ``pinned`` says whether it took.
 
         Raises:
             FileNotFoundError: no such segment (the trainer ended and removed it).
@@ -206,7 +250,10 @@ class Ring:
         geometry = RingGeometry(num_slots=num_slots, max_tokens=max_tokens, max_documents=max_documents, width=width,
                                 dtype=_DTYPES[code])  # fmt: skip
         assert geometry.slot_bytes == slot_bytes, "slot size rule changed without a format version bump"
-        return cls(shm, geometry, owner=False)
+        ring = cls(shm, geometry, owner=False)
+        if pin:
+            ring.pinned = pin_host_range(ring._buffer.ctypes.data, geometry.nbytes)
+        return ring
 
     def close(self) -> None:
         """Unmap the segment; the owner also removes it (idempotent). Wakes any thread blocked in :meth:`acquire`."""
@@ -215,6 +262,9 @@ class Ring:
             if self.shm is None:
                 return
             shm, self.shm = self.shm, None
+            if self.pinned:
+                unpin_host_range(self._buffer.ctypes.data)
+                self.pinned = False
             self._buffer = None  # type: ignore[assignment]
         close_segment(shm, unlink=self.owner)
 
@@ -299,7 +349,42 @@ class Ring:
     def write_batch(self, slot: int, ticket: int, *, epoch: int, batch_index: int, bucket: int,
                     corpus_rows: np.ndarray, input_ids: list[np.ndarray], loss_mask: list[np.ndarray],
                     hidden: list[torch.Tensor]) -> int:  # fmt: skip
-        """Producer: write one planned batch into ``slot`` (payload first, header with state FULL last).
+        """Producer: write one planned batch into ``slot`` (payload first, header with state FULL last):
+        :meth:`begin_batch`, each document's hidden states copied into its view, :meth:`commit_batch`.
+
+        Args:
+            slot, ticket, epoch, batch_index, bucket, corpus_rows, input_ids, loss_mask: as :meth:`begin_batch`.
+            hidden: per document ``[L, W]`` tensors of the ring's dtype (CPU).
+
+        Returns:
+            The payload bytes written.
+
+        Raises:
+            QueueError: as :meth:`begin_batch`, or hidden states of another dtype or width than the ring's.
+        """
+        write = self.begin_batch(slot, ticket, epoch=epoch, batch_index=batch_index, bucket=bucket,
+                                 corpus_rows=corpus_rows, input_ids=input_ids, loss_mask=loss_mask)  # fmt: skip
+        for part, view in zip(hidden, write.documents, strict=True):
+            self.check_hidden(part, batch_index)
+            view.copy_(part)
+        return self.commit_batch(write)
+
+    def check_hidden(self, hidden: torch.Tensor, batch_index: int) -> None:
+        """Refuse hidden states of another dtype or width than the ring's (``QueueError`` naming both)."""
+        if hidden.dtype != self.geometry.dtype or hidden.shape[-1] != self.geometry.width:
+            raise QueueError(f"batch {batch_index}: hidden states {tuple(hidden.shape)} {hidden.dtype}; the ring "
+                             f"carries [L, {self.geometry.width}] {self.geometry.dtype}")
+
+    def begin_batch(self, slot: int, ticket: int, *, epoch: int, batch_index: int, bucket: int,
+                    corpus_rows: np.ndarray, input_ids: list[np.ndarray],
+                    loss_mask: list[np.ndarray]) -> SlotWrite:  # fmt: skip
+        """Producer: the views of ``slot`` a planned batch's hidden states are to be copied into
+        (:class:`SlotWrite`); :meth:`commit_batch` then writes the rest of the payload and the header.
+
+        The rows, lengths, ids and masks are written at the commit, after the claim is checked again: a producer
+        whose slot was taken from it meanwhile (its task cancelled, the slot handed to another batch) then writes
+        only hidden states, which the later batch's own copies, queued after them on the same copy stream of the
+        same producer, overwrite.
 
         Args:
             slot, ticket: as handed out by the owner's :meth:`acquire` (the slot must still be CLAIMED by it).
@@ -307,10 +392,6 @@ class Ring:
             bucket: the batch's length bucket.
             corpus_rows: ``[D]`` corpus row of each document, in plan order.
             input_ids, loss_mask: per document ``[L]`` integer arrays (ids, 0/1 mask).
-            hidden: per document ``[L, W]`` tensors of the ring's dtype (CPU).
-
-        Returns:
-            The payload bytes written.
 
         Raises:
             QueueError: the slot is not claimed by ``ticket`` (handed to another producer, or released), or the batch
@@ -318,46 +399,56 @@ class Ring:
         """
         geometry = self.geometry
         start = self._slot_start(slot)
-        current = self.header(slot)
-        # FULL with the same ticket: a retry of the same task (its first producer died after writing the header).
-        if current["state"] not in (_STATE_CLAIMED, _STATE_FULL) or current["ticket"] != ticket:
-            raise QueueError(
-                f"slot {slot} of ring {self.name} is not claimed by ticket {ticket} (state {current['state']}, ticket "
-                f"{current['ticket']}): the trainer gave it to another batch; this producer's batch is dropped"
-            )
+        self._check_claim(slot, ticket)
         lengths = np.asarray([len(ids) for ids in input_ids], dtype=np.int64)
         num_documents, num_tokens = int(lengths.size), int(lengths.sum())
         if num_documents > geometry.max_documents or num_tokens > geometry.max_tokens:
             raise QueueError(f"batch {batch_index} of epoch {epoch}: {num_documents} documents, {num_tokens} tokens "
                              f"exceed the ring's {geometry.max_documents} documents, {geometry.max_tokens} tokens")
-        payload = self._buffer[start + _SLOT_HEADER_BYTES : start + self.geometry.slot_bytes]
-        cursor = 0
-        for array in (np.asarray(corpus_rows, dtype="<i8"), lengths.astype("<i8")):
-            payload[cursor : cursor + array.nbytes] = array.view(np.uint8)
-            cursor += array.nbytes
-        for parts, dtype in ((input_ids, "<i4"), (loss_mask, np.uint8)):
-            flat = np.concatenate([np.asarray(part) for part in parts]).astype(dtype, copy=False)
-            payload[cursor : cursor + flat.nbytes] = flat.view(np.uint8)
-            cursor += flat.nbytes
+        metadata = [np.asarray(corpus_rows, dtype="<i8"), lengths.astype("<i8"),
+                    np.concatenate([np.asarray(part) for part in input_ids]).astype("<i4", copy=False),
+                    np.concatenate([np.asarray(part) for part in loss_mask]).astype(np.uint8, copy=False)]
         offset = _hidden_offset(num_documents, num_tokens)
-        payload[cursor:offset] = 0
         element = torch.empty((), dtype=geometry.dtype).element_size()
         nbytes = offset + num_tokens * geometry.width * element
-        target = torch.from_numpy(payload[offset:nbytes]).view(geometry.dtype).view(num_tokens, geometry.width)
-        row = 0
-        for part in hidden:
-            if part.dtype != geometry.dtype or part.shape[-1] != geometry.width:
-                raise QueueError(f"batch {batch_index}: hidden states {tuple(part.shape)} {part.dtype}; the ring "
-                                 f"carries [L, {geometry.width}] {geometry.dtype}")
-            target[row : row + part.shape[0]].copy_(part)
-            row += part.shape[0]
-        crc = 0
-        for piece in range(0, nbytes, _CRC_PIECE):  # google_crc32c reads bytes objects only: bounded copies
-            crc = google_crc32c.extend(crc, payload[piece : min(nbytes, piece + _CRC_PIECE)].tobytes())
-        self._write_header(slot, state=_STATE_FULL, ticket=ticket, epoch=epoch, batch_index=batch_index,
-                           num_documents=num_documents, bucket=bucket, num_tokens=num_tokens, payload_bytes=nbytes,
-                           crc=crc)  # fmt: skip
-        return nbytes
+        payload = self._buffer[start + _SLOT_HEADER_BYTES : start + _SLOT_HEADER_BYTES + nbytes]
+        hidden = torch.from_numpy(payload[offset:]).view(geometry.dtype).view(num_tokens, geometry.width)
+        return SlotWrite(slot=slot, ticket=ticket, epoch=epoch, batch_index=batch_index, bucket=bucket,
+                         num_documents=num_documents, num_tokens=num_tokens, payload_bytes=nbytes, hidden=hidden,
+                         documents=list(hidden.split(lengths.tolist())), metadata=metadata)  # fmt: skip
+
+    def commit_batch(self, write: SlotWrite) -> int:
+        """Producer: finish a :meth:`begin_batch` whose hidden states are in place: the claim checked again, the
+        rows, lengths, ids and masks written, the payload's CRC-32C, then the header with state FULL. Returns the
+        payload bytes.
+
+        Raises:
+            QueueError: the slot is no longer claimed by the write's ticket (the trainer gave it to another batch
+                meanwhile); nothing is written.
+        """
+        self._check_claim(write.slot, write.ticket)
+        start = self._slot_start(write.slot) + _SLOT_HEADER_BYTES
+        payload = self._buffer[start : start + write.payload_bytes]
+        cursor = 0
+        for array in write.metadata:
+            payload[cursor : cursor + array.nbytes] = array.view(np.uint8)
+            cursor += array.nbytes
+        payload[cursor : _hidden_offset(write.num_documents, write.num_tokens)] = 0
+        crc = _crc32c(payload)
+        self._write_header(write.slot, state=_STATE_FULL, ticket=write.ticket, epoch=write.epoch,
+                           batch_index=write.batch_index, num_documents=write.num_documents, bucket=write.bucket,
+                           num_tokens=write.num_tokens, payload_bytes=write.payload_bytes, crc=crc)  # fmt: skip
+        return write.payload_bytes
+
+    def _check_claim(self, slot: int, ticket: int) -> None:
+        """Raise ``QueueError`` unless ``slot`` is claimed by ``ticket`` (or FULL with it: a retry of the same task,
+        whose first producer died after writing the header)."""
+        current = self.header(slot)
+        if current["state"] not in (_STATE_CLAIMED, _STATE_FULL) or current["ticket"] != ticket:
+            raise QueueError(
+                f"slot {slot} of ring {self.name} is not claimed by ticket {ticket} (state {current['state']}, ticket "
+                f"{current['ticket']}): the trainer gave it to another batch; this producer's batch is dropped"
+            )
 
     def read_batch(self, slot: int, ticket: int, *, epoch: int, batch_index: int) -> SlotBatch:
         """Owner: copy the batch out of ``slot`` and verify it (the slot is NOT released here).
@@ -383,15 +474,15 @@ class Ring:
         nbytes = int(head["payload_bytes"])
         if nbytes > self.geometry.payload_capacity:
             raise QueueError(f"{where}: payload of {nbytes} bytes exceeds the slot's {self.geometry.payload_capacity}")
-        private = self._buffer[start : start + nbytes].tobytes()  # the private copy that is checked and read
-        crc = google_crc32c.value(private) if nbytes else 0
+        # The private copy that is checked and read: numpy copies without holding the GIL, so the trainer's other
+        # threads (and producers running as threads of the same process) go on meanwhile.
+        private = np.empty(nbytes, dtype=np.uint8)
+        np.copyto(private, self._buffer[start : start + nbytes])
+        crc = _crc32c(private)
         if crc != head["crc32c"]:
             raise QueueError(f"{where}: payload CRC-32C {crc:#010x} differs from the header's {head['crc32c']:#010x} "
                              f"(batch {batch_index} of epoch {epoch}); the slot was overwritten or corrupted")
-        with warnings.catch_warnings():  # read-only views of the private bytes; nothing writes into a batch
-            warnings.simplefilter("ignore", UserWarning)
-            view = np.frombuffer(private, dtype=np.uint8)
-            return self._unpack(view, head, where, epoch=epoch, batch_index=batch_index)
+        return self._unpack(private, head, where, epoch=epoch, batch_index=batch_index)
 
     def _unpack(self, view: np.ndarray, head: dict[str, Any], where: str, *, epoch: int, batch_index: int) -> SlotBatch:
         nbytes = int(head["payload_bytes"])

@@ -32,6 +32,8 @@ __all__ = [
     "SEGMENT_PREFIX",
     "SharedMemoryFull",
     "SharedHostBuffer",
+    "pin_host_range",
+    "unpin_host_range",
     "create_segment",
     "attach_segment",
     "close_segment",
@@ -193,6 +195,29 @@ def close_segment(shm: shared_memory.SharedMemory, *, unlink: bool) -> None:
             pass
 
 
+def pin_host_range(address: int, nbytes: int) -> bool:
+    """Page-lock ``nbytes`` of host memory from ``address`` for CUDA copies (``cudaHostRegister``), so that
+    non-blocking device-to-host copies into it run asynchronously; returns whether it took (``False`` without CUDA
+    or where the driver refuses: unpinned memory still works, its copies then synchronize). Undo with
+    :func:`unpin_host_range` before the memory is unmapped."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        code = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+    return int(getattr(code, "value", code)) == 0
+
+
+def unpin_host_range(address: int) -> None:
+    """Undo :func:`pin_host_range` of the range starting at ``address`` (errors are ignored: the memory is about to
+    be unmapped either way)."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(address)
+    except (AttributeError, RuntimeError, TypeError):
+        pass
+
+
 class SharedHostBuffer:
     """``numel`` bf16 elements of POSIX shared memory as a flat tensor (``.tensor``), pinned for CUDA copies when
     ``pin`` and CUDA is available (``cudaHostRegister``; ``.pinned`` says whether it took). Close with
@@ -210,13 +235,7 @@ class SharedHostBuffer:
         self.nbytes = nbytes
         self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.bfloat16, count=nbytes // 2)
         self.base = self.tensor.data_ptr()
-        self.pinned = False
-        if pin and torch.cuda.is_available():
-            try:  # unpinned memory still works: the device-to-host copies then synchronize
-                code = torch.cuda.cudart().cudaHostRegister(self.base, nbytes, 0)
-                self.pinned = int(getattr(code, "value", code)) == 0
-            except (AttributeError, RuntimeError, TypeError):
-                self.pinned = False
+        self.pinned = pin_host_range(self.base, nbytes) if pin else False
         with _REGISTRY_LOCK:
             _REGISTRY[self.base] = self
 
@@ -224,10 +243,7 @@ class SharedHostBuffer:
         with _REGISTRY_LOCK:
             _REGISTRY.pop(self.base, None)
         if self.pinned:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.base)
-            except (AttributeError, RuntimeError, TypeError):
-                pass
+            unpin_host_range(self.base)
             self.pinned = False
         self.tensor = None  # type: ignore[assignment]
         close_segment(self.shm, unlink=True)

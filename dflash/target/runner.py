@@ -48,8 +48,11 @@ length-grouped batches (long-tailed corpora); ``benchmarks/extract.py --compare-
 On CUDA the taps are copied on a side stream (non-blocking, ordered by an event) into pinned host buffers that
 are allocated once and reused: a consumer hands a batch's buffer back with :meth:`RunnerBatch.release` once it no
 longer needs ``hidden`` (a batch never released is simply garbage-collected and a new buffer is allocated).
-``iter_batches`` queues the next batch's forward before it waits for the previous batch's copy. Shapes: b = rows in a batch, P = padded length, L = one sample's
-length, n = number of taps, H = target hidden size.
+``iter_batches`` queues the next batch's forward before it waits for the previous batch's copy. A caller that has
+its own host memory for the results (the online producer: the ring slot itself) passes ``out``, one ``[L, n*H]``
+view per sample, and each sample's real tokens are copied straight there (on CUDA, on the same side stream: pinned
+``out`` memory keeps the copies asynchronous); no pooled buffer is used then.
+Shapes: b = rows in a batch, P = padded length, L = one sample's length, n = number of taps, H = target hidden size.
 """
 
 from __future__ import annotations
@@ -416,12 +419,13 @@ class PendingBatch:
 class _InFlight:
     indices: list[int]
     lengths: list[int]
-    host: torch.Tensor  # [b, P, n*H] bf16 (pinned on CUDA)
+    host: torch.Tensor | None  # [b, P, n*H] bf16 (pinned on CUDA); None with ``views``
     nonfinite: torch.Tensor  # [b, n] bool
     event: Any = None
     padded: int = 0
     buffer: torch.Tensor | None = None  # the pooled pinned buffer ``host`` is a view of
     offsets: list[int] | None = None  # packed: each sample's first token in the single row ``host[0]``
+    views: list[torch.Tensor] | None = None  # with ``out``: each sample's hidden states, already in the caller's memory
 
 
 class TargetRunner:
@@ -628,7 +632,8 @@ class TargetRunner:
         with torch.inference_mode():
             return torch.cat([tap.to(torch.bfloat16) for tap in captured], dim=-1)
 
-    def _launch(self, input_ids_list: Sequence[Any], indices: np.ndarray) -> _InFlight:
+    def _launch(self, input_ids_list: Sequence[Any], indices: np.ndarray,
+                out: Sequence[torch.Tensor] | None = None) -> _InFlight:  # fmt: skip
         lengths = [len(input_ids_list[i]) for i in indices]
         on_cuda = self.device.type == "cuda"
         offsets = None
@@ -677,6 +682,8 @@ class TargetRunner:
                 # Non-finite check on the stored (bf16) values, real tokens only: [b, P, n] -> [b, n].
                 finite = torch.isfinite(hidden.view(rows, padded_length, self.num_slots, self.hidden_size)).all(-1)
                 nonfinite = (~finite & real[:, :, None]).any(1)
+        if out is not None:
+            return self._copy_out(hidden, nonfinite, indices, lengths, offsets, out, padded=rows * padded_length)
         if not on_cuda and not self.shared_host_buffers:
             return _InFlight(list(map(int, indices)), lengths, hidden, nonfinite, padded=rows * padded_length,
                              offsets=offsets)  # fmt: skip
@@ -703,13 +710,42 @@ class TargetRunner:
             offsets=offsets,
         )
 
+    def _copy_out(self, hidden: torch.Tensor, nonfinite: torch.Tensor, indices: np.ndarray, lengths: list[int],
+                  offsets: list[int] | None, out: Sequence[torch.Tensor], *, padded: int) -> _InFlight:  # fmt: skip
+        """Copy each sample's real tokens of ``hidden`` (``[b, P, n*H]`` on the device) into ``out[index]`` (on CUDA
+        on the side stream, non-blocking, ordered by an event)."""
+        targets = [out[int(index)] for index in indices]
+        for target, length in zip(targets, lengths, strict=True):
+            if tuple(target.shape) != (length, self.feature_size) or target.device.type != "cpu":
+                raise ValueError(f"out: expected a CPU tensor of shape ({length}, {self.feature_size}), got "
+                                 f"{tuple(target.shape)} on {target.device}")
+        sources = ([hidden[row, :length] for row, length in enumerate(lengths)] if offsets is None
+                   else [hidden[0, start : start + length] for start, length in zip(offsets, lengths, strict=True)])
+        if self.device.type != "cuda":
+            for target, source in zip(targets, sources, strict=True):
+                target.copy_(source)
+            return _InFlight(list(map(int, indices)), lengths, None, nonfinite, padded=padded, views=targets)
+        host_flags = torch.empty(nonfinite.shape, dtype=torch.bool, pin_memory=True)
+        assert self._copy_stream is not None
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            for target, source in zip(targets, sources, strict=True):
+                target.copy_(source, non_blocking=True)
+            host_flags.copy_(nonfinite, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        hidden.record_stream(self._copy_stream)  # the device buffers must outlive the copies on the side stream
+        nonfinite.record_stream(self._copy_stream)
+        return _InFlight(list(map(int, indices)), lengths, None, host_flags, event, padded=padded, views=targets)
+
     def _finish(self, flight: _InFlight) -> RunnerBatch:
         if flight.event is not None:
             flight.event.synchronize()
         flags = flight.nonfinite.tolist()
         return RunnerBatch(
             indices=flight.indices,
-            hidden=[flight.host[row, :length] for row, length in enumerate(flight.lengths)] if flight.offsets is None
+            hidden=flight.views if flight.views is not None
+            else [flight.host[row, :length] for row, length in enumerate(flight.lengths)] if flight.offsets is None
             else [flight.host[0, start : start + length] for start, length in zip(flight.offsets, flight.lengths,
                                                                                   strict=True)],  # fmt: skip
             nonfinite_layers=[
@@ -721,31 +757,42 @@ class TargetRunner:
             _release=None if flight.buffer is None else (lambda buffer=flight.buffer: self._free_buffers.append(buffer)),
         )
 
-    def iter_batches(self, input_ids_list: Sequence[Any]) -> Iterator[RunnerBatch]:
+    def iter_batches(self, input_ids_list: Sequence[Any],
+                     out: Sequence[torch.Tensor] | None = None) -> Iterator[RunnerBatch]:  # fmt: skip
         """Run every sample; yield finished batches (longest first), one batch kept in flight on the device.
 
         Args:
             input_ids_list: per sample, a 1-D int sequence (numpy int32/int64 array, list or tensor), length >= 1.
+            out: optional, per sample, a CPU ``Tensor[L_i, n*H]`` (any dtype the bf16 results convert to) that
+                receives its hidden states (module docstring); pinned memory keeps CUDA copies asynchronous.
 
         Yields:
             :class:`RunnerBatch`; ``hidden[i]`` is ``Tensor[L_i, n*H]`` bf16 on CPU (a view into the batch's
-            pinned host buffer, valid until :meth:`RunnerBatch.release`). Batch k+1's forward is already queued on
-            the device when batch k is yielded.
+            pinned host buffer, valid until :meth:`RunnerBatch.release`; with ``out``, ``out[i]`` itself). Batch
+            k+1's forward is already queued on the device when batch k is yielded.
+
+        Raises:
+            ValueError: an ``out`` tensor of another shape than its sample's ``[L_i, n*H]``, or not on the CPU.
         """
-        for pending in self.iter_pending(input_ids_list):
+        for pending in self.iter_pending(input_ids_list, out):
             yield pending.finish()
 
-    def iter_pending(self, input_ids_list: Sequence[Any]) -> Iterator[PendingBatch]:
+    def iter_pending(self, input_ids_list: Sequence[Any],
+                     out: Sequence[torch.Tensor] | None = None) -> Iterator[PendingBatch]:  # fmt: skip
         """Like :meth:`iter_batches`, but yields each batch unfinished (:class:`PendingBatch`): batch k is yielded
         once batch k+1's forward is queued; the last one is yielded with ``last`` set and nothing queued behind it,
         so a caller that does not finish it at once keeps the device busy with its own next work
         (``stages.extract.worker.ShardExtractor`` queues the next shard's first forward before it waits for it).
-        Finish batch k before asking for batch k+2: at most two batches then hold device and host buffers."""
+        Finish batch k before asking for batch k+2: at most two batches then hold device and host buffers. With
+        ``out`` no host buffer is pooled, so every batch may be queued before any is finished (the online producer
+        queues a whole planned batch's forwards, then waits)."""
         planner = plan_packed_batches if self.packing else plan_batches
         plan = planner([len(ids) for ids in input_ids_list], self.token_budget)
+        if out is not None and len(out) != len(input_ids_list):
+            raise ValueError(f"out: expected one tensor per sample ({len(input_ids_list)}), got {len(out)}")
         pending: _InFlight | None = None
         for indices in plan:
-            flight = self._launch(input_ids_list, indices)
+            flight = self._launch(input_ids_list, indices, out)
             if pending is not None:
                 yield PendingBatch(self._finish, pending, last=False)
             pending = flight

@@ -5,7 +5,8 @@
 :class:`dflash.target.runner.TargetRunner` as ``extract``. A task is pure in Dask's sense: a
 :class:`dflash.batches.online.BatchTask` in (a planned batch, a ring slot and its ticket), a small dict out; the hidden
 states go into the shared-memory slot, never through Dask. A task whose worker dies is rerun by Dask on another
-worker (same slot and ticket; the slot is rewritten whole).
+worker (same slot and ticket; the slot is rewritten whole). Several tasks run at once on a worker
+(:func:`produce_batch`), one queuing its forwards at a time.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from distributed import get_worker
+from distributed import get_worker, secede
 
 from dflash.batches.online import BatchProducer, BatchTask
 from dflash.corpus.format import open_corpus
@@ -64,9 +65,14 @@ class OnlineProducerPlugin(TargetReplicaPlugin):
 
 
 def produce_batch(task: BatchTask) -> dict:
-    """Dask task: compute one planned batch into its ring slot on this worker's target replica."""
+    """Dask task: compute one planned batch into its ring slot on this worker's target replica.
+
+    Once the batch's forwards are queued on the device the task secedes from the worker's thread pool (Dask's
+    ``secede``), so the worker starts its next task, whose forwards queue behind these while this one waits for its
+    copies and commits the slot: the device does not idle between batches. The tasks in flight are bounded by the
+    ring's slots (no task is submitted without one)."""
     worker = get_worker()
     plugin = worker.plugins.get(PLUGIN_NAME)
     if plugin is None or plugin.producer is None:
         raise RuntimeError(f"worker {worker.address} has no target loaded (plugin {PLUGIN_NAME} missing)")
-    return plugin.producer.produce(task) | {"worker": str(worker.name)}
+    return plugin.producer.produce(task, queued=secede) | {"worker": str(worker.name)}
