@@ -151,7 +151,7 @@ SMOLLM2 = {
     "tie_word_embeddings": True,
     "hidden_act": "silu",
 }
-SMOLLM2_TINY = {**SMOLLM2, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+SMOLLM2_TINY = {**SMOLLM2, "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}  # fmt: skip
 #: Random-weight targets: name -> (transformers config class name, shape, --smoke shape).
 RANDOM_TARGETS = {

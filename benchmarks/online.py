@@ -25,9 +25,10 @@ share it); the multi-GPU layouts go through ``dflash-stages online --target-gpus
 metrics JSONL logs the same three figures per interval (``producer_capacity_tokens_per_s``,
 ``trainer_capacity_tokens_per_s``, ``achieved_tokens_per_s``: ``dflash.training.telemetry.FeedMeter``).
 
-Targets: ``default`` (SmolLM2-135M-Instruct, stdlib snippets) or ``qwen3-8b-random`` (Qwen3-8B's shape, random
-weights, random token ids of 256-2048 tokens: the forward cost does not depend on them; the trainer reads the
-embedding and LM head from a folder written beside the corpus). On CUDA the drafter is the paper's (5 layers,
+Targets: ``default`` (SmolLM2-135M-Instruct, stdlib snippets), or random weights with a real shape and random
+token ids of 256-2048 tokens (the forward cost does not depend on them; the trainer reads the embedding and LM
+head from a folder written beside the corpus): ``smollm2-random`` (SmolLM2's: no GGUF needed) or
+``qwen3-8b-random`` (Qwen3-8B's). On CUDA the drafter is the paper's (5 layers,
 block 16, 512 anchors per document, 16,384-token batches) unless options say otherwise.
 
 CPU smoke run (tens of seconds)::
@@ -73,7 +74,7 @@ from dflash.target.runner import TargetRunner
 from dflash.training.telemetry import TelemetryConfig, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from extract import build_target, time_runner_with_copies  # noqa: E402  (the benchmarks' shared helpers)
+from extract import RANDOM_TARGETS, build_target, time_runner_with_copies  # noqa: E402  (the benchmarks' shared helpers)
 from extract import write_corpus as write_random_corpus  # noqa: E402
 
 MODULES = ("textwrap", "shlex", "fnmatch", "colorsys", "bisect", "heapq", "argparse", "inspect")
@@ -219,7 +220,7 @@ def head_only_target(model, folder: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default="default", help="default (SmolLM2) or qwen3-8b-random")
+    parser.add_argument("--target", default="default", help="default (SmolLM2), qwen3-8b-random or smollm2-random (random weights, real shapes)")
     parser.add_argument("--device", default="auto", help="cpu | cuda | auto")
     parser.add_argument("--layer-ids", default=None, help="Tapped layers (default: 1,3 on CPU, 5 taps by the "
                         "DFlash rule on CUDA)")
@@ -256,12 +257,12 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-online-"))
     tokenizer = None
-    if args.target == "qwen3-8b-random":
+    if args.target in RANDOM_TARGETS:
         model, identity = build_target(args.target, device, args.smoke, seed=0)
     else:
         loaded = load_target(args.target, device=device)
         model, identity, tokenizer = loaded.model, loaded.identity, loaded.tokenizer
-    if args.target == "qwen3-8b-random":
+    if args.target in RANDOM_TARGETS:
         target_spec = str(head_only_target(model, work / "target"))
         mask_token_id = identity.vocab_size - 1
     else:
@@ -270,7 +271,7 @@ def main() -> None:
         layer_ids = [int(i) for i in args.layer_ids.split(",")]
     else:
         layer_ids = default_target_layer_ids(identity.num_hidden_layers, num_draft_layers) if gpu else [1, 3]
-    if args.target == "qwen3-8b-random" or gpu:  # enough rows for every step of every measurement
+    if args.target in RANDOM_TARGETS or gpu:  # enough rows for every step of every measurement
         write_random_corpus(work / "corpus", token_budget * (args.steps + 4) * 5 // 4, 256 if gpu else 16,
                             2048 if gpu else 64, identity.vocab_size, seed=0)  # fmt: skip
         corpus_path = work / "corpus"

@@ -231,7 +231,7 @@ class Ring:
         """The ring ``name`` as a producer sees it (never unlinks it).
 
         With ``pin`` (a producer whose target runs on CUDA) the segment is page-locked in this process
-        (:func:`dflash.batches.shm.pin_host_range`), so the runner's device-to-host copies land in the slots
+        (:func:`dflash.io.shm.pin_host_range`), so the runner's device-to-host copies land in the slots
         asynchronously, without a staging buffer; ``pinned`` says whether it took.
 
         Raises:
