@@ -52,6 +52,19 @@ def finished_run(tmp_path_factory):
     return app, preset, workdir, result
 
 
+def _extracted_workdir(finished: Path, workdir: Path) -> Path:
+    """``workdir`` as ``run`` leaves it once extract has finished and before train starts: the finished run's
+    outputs and records of its prepare, split and extract stages, copied. The same preset run there starts at train
+    (with other settings for those three stages it would be refused: their records keep their settings' digests)."""
+    workdir.mkdir()
+    for name in ("corpus-all", "corpus", "heldout", "cache"):
+        shutil.copytree(finished / name, workdir / name, symlinks=True)
+    stages = json.loads((finished / "pipeline.json").read_text())["stages"]
+    (workdir / "pipeline.json").write_text(json.dumps(
+        {"stages": {name: stages[name] for name in ("prepare", "split", "extract")}}))
+    return workdir
+
+
 def test_pipeline_runs_every_stage_and_prints_tau(finished_run):
     _, _, workdir, result = finished_run
     assert result.exit_code == 0, result.output + repr(result.exception)
@@ -366,26 +379,31 @@ def test_a_rerun_may_change_settings_that_do_not_change_a_stages_output(tmp_path
 def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(finished_run, tmp_path):
     """SIGKILL inside a checkpoint write during epoch 1 (a power cut, no clean stop), then the same command again:
     the rerun resumes from the last whole checkpoint and ends with the epoch ends, taus and bit-identical final
-    drafter of the same command run without a kill (same process settings: one torch thread)."""
+    drafter of the same command run without a kill (same process settings: one torch thread). Each run is its own
+    process and starts at train, in a copy of the finished run's work folder after extract (the stages before
+    train are those of test_pipeline_runs_every_stage_and_prints_tau)."""
     import os
-    import subprocess
-    import sys
 
     import torch
+    from cli_helpers import forked_python
 
     from dflash.training.checkpoint import load_checkpoint
     from pipelines.offline import _latest_checkpoint
 
-    _, preset, _, _ = finished_run
+    _, preset, finished, _ = finished_run
 
     def run(workdir, **extra_env):
-        command = [sys.executable, "-m", "stages.cli", "run", "--preset", str(preset), "--workdir", str(workdir),
-                   "--set", "train.save_every=2", "--set", "evaluate.extra_prompts=[]"]  # one prompt set suffices here
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
-        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        # The console script in its own process (forked from one that imported torch once: cli_helpers), one thread.
+        code = "import torch; torch.set_num_threads(1); from stages.cli import main; main()"
+        args = ["run", "--preset", str(preset), "--workdir", str(workdir), "--set", "train.save_every=2",
+                "--set", "evaluate.extra_prompts=[]"]  # one prompt set suffices here
+        return forked_python(code, *args, env={**os.environ, "OMP_NUM_THREADS": "1", **extra_env}, timeout=600)
 
-    reference, workdir = tmp_path / "reference", tmp_path / "work"
-    assert run(reference).returncode == 0
+    reference = _extracted_workdir(finished, tmp_path / "reference")
+    workdir = _extracted_workdir(finished, tmp_path / "work")
+    done = run(reference)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("complete, skipped") == 3  # prepare, split, extract
     expected = json.loads((reference / "pipeline.json").read_text())
     killed = run(workdir, DFLASH_FAULT="checkpoint.write@2=kill")
     assert killed.returncode == -9, killed.stderr[-2000:]
@@ -407,8 +425,8 @@ def test_a_schedule_shorter_than_half_the_epochs_still_trains_before_its_first_e
     """train.max_steps=1 with 2 epochs: epoch 1's end rounds to step 0; it trains step 1 and evaluates there.
     With evaluate.per_epoch_num_prompts the evaluations before the last take the first prompts of the first set
     only; the last one (the final drafter) every prompt of every set."""
-    app, preset, _, _ = finished_run
-    workdir = tmp_path / "work"
+    app, preset, finished, _ = finished_run
+    workdir = _extracted_workdir(finished, tmp_path / "work")  # the stages before train: the finished run's
     result = CliRunner().invoke(app, ["run", "--preset", str(preset), "--workdir", str(workdir),
                                       "--set", "train.max_steps=1", "--set", "evaluate.num_prompts=2",
                                       "--set", "evaluate.per_epoch_num_prompts=1"])

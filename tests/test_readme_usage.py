@@ -1,4 +1,9 @@
-"""README.md's "Your own chat data" commands, read from README.md itself and run as written on a small chat file."""
+"""README.md's "Your own chat data" commands, read from README.md itself and run as written on a small chat file.
+
+Only the sizes shrink, through options a user could append: train runs one epoch, and evaluate measures the held-out
+prompt alone (the preset's second prompt set and the untrained drafter are measured by tests/test_pipeline.py and
+tests/test_evaluate.py); every option the README writes is still given, and the references and the lossless check
+still run."""
 
 from __future__ import annotations
 
@@ -48,6 +53,11 @@ CONVERSATIONS = [
 ]
 
 
+# Appended to the README's command lines: sizes only (see the module docstring).
+SMALLER = {"prepare": [], "extract": [], "train": ["--epochs", "1"],
+           "evaluate": ["--set", "extra_prompts=[]", "--set", "compare_untrained=false"]}
+
+
 def readme_commands(heading: str) -> list[list[str]]:
     """The ``dflash-stages`` command lines of the first fenced block under ``## heading`` in README.md."""
     text = README.read_text()
@@ -69,7 +79,7 @@ def test_readme_chat_data_commands_run_as_written(tmp_path, monkeypatch, capsys)
     monkeypatch.chdir(tmp_path)
     outputs = []
     for words in commands:
-        code, out, err = main_in_process_out(monkeypatch, capsys, *words[1:])
+        code, out, err = main_in_process_out(monkeypatch, capsys, *words[1:], *SMALLER[words[1]])
         assert code == 0, f"{shlex.join(words)} exited {code}:\n{err[-3000:]}"
         outputs.append(out + err)
 
