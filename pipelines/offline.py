@@ -759,7 +759,7 @@ def register(app: typer.Typer) -> None:
     def run_command(
         preset: str = typer.Option("cpu-small", "--preset", help=f"One of {', '.join(PRESETS)}, or a preset .json file."),
         workdir: Path = typer.Option(Path("dflash-work"), "--workdir", help="Work folder of every stage (resumable)."),
-        overrides: list[str] = typer.Option([], "--set", help="Override a preset field: section.field=value (repeatable; value parsed as JSON, else a string). Every setting is checked before the first stage runs; a section the preset does not run (prepare or split beside generate, generate beside prepare) is refused."),
+        overrides: list[str] = typer.Option([], "--set", help="Override a preset field: section.field=value (repeatable; value parsed as JSON, else a string). Every setting is checked before the first stage runs; a section the preset does not run (prepare or split beside generate, generate beside prepare, extract beside online, online without an online section) is refused."),
         docs: list[Path] = typer.Option([], "--docs", help="Extra text folders for the corpus, e.g. the Python docs' reST sources."),
         target: str | None = typer.Option(None, "--target", help="Target spec (default: the preset's, 'default' = SmolLM2)."),
         config_file: str | None = typer.Option(None, "--config", help="Sections (generate, prepare, split, extract, online, train, evaluate; target) in a .toml, .yaml or .json file, merged field by field over the preset, under --set."),
