@@ -304,35 +304,36 @@ def test_a_stage_that_failed_before_writing_anything_reruns_with_corrected_setti
         state.check("train", after, run)  # finished: refused even with nothing in the folder
 
 
-def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(finished_run, tmp_path):
-    """SIGKILL inside a checkpoint write during epoch 1 (a power cut, no clean stop), then the same command again:
-    the rerun resumes from the last whole checkpoint and ends with the epoch ends, taus and bit-identical final
-    drafter of the same command run without a kill (same process settings: one torch thread)."""
+def _run_in_subprocess(preset: Path, workdir: Path, **extra_env: str):
+    """``dflash-stages run`` as a user runs it, with one torch thread (runs compared bit for bit share it)."""
     import os
     import subprocess
     import sys
 
+    command = [sys.executable, "-m", "stages.cli", "run", "--preset", str(preset), "--workdir", str(workdir),
+               "--set", "train.save_every=2", "--set", "evaluate.extra_prompts=[]"]  # one prompt set suffices here
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(finished_run, tmp_path):
+    """SIGKILL inside a checkpoint write during epoch 1 (a power cut, no clean stop), then the same command again:
+    the rerun resumes from the last whole checkpoint and ends with the epoch ends, taus and bit-identical final
+    drafter of the same command run without a kill (same process settings: one torch thread)."""
     import torch
 
     from dflash.training.checkpoint import load_checkpoint
     from pipelines.offline import _latest_checkpoint
 
     _, preset, _, _ = finished_run
-
-    def run(workdir, **extra_env):
-        command = [sys.executable, "-m", "stages.cli", "run", "--preset", str(preset), "--workdir", str(workdir),
-                   "--set", "train.save_every=2", "--set", "evaluate.extra_prompts=[]"]  # one prompt set suffices here
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
-        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-
     reference, workdir = tmp_path / "reference", tmp_path / "work"
-    assert run(reference).returncode == 0
+    assert _run_in_subprocess(preset, reference).returncode == 0
     expected = json.loads((reference / "pipeline.json").read_text())
-    killed = run(workdir, DFLASH_FAULT="checkpoint.write@2=kill")
+    killed = _run_in_subprocess(preset, workdir, DFLASH_FAULT="checkpoint.write@2=kill")
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not (workdir / "eval" / "final.json").exists()
     assert int(_latest_checkpoint(workdir / "run")[1]["step"]) == 2 < expected["epochs"][1]["step"]  # inside epoch 1
-    rerun = run(workdir)
+    rerun = _run_in_subprocess(preset, workdir)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     state = json.loads((workdir / "pipeline.json").read_text())
     assert [(e["epoch"], e["step"], e["tau"]) for e in state["epochs"]] == \
@@ -410,18 +411,6 @@ def test_an_online_preset_refuses_a_bad_online_setting_before_any_stage_writes(t
 
 #: The online branch of ``run``: the offline fixture's preset plus this section (producers in one CPU process).
 ONLINE = {"target_processes": 1, "ring_slots": 3}
-
-
-def _run_in_subprocess(preset: Path, workdir: Path, **extra_env: str):
-    """``dflash-stages run`` as a user runs it, with one torch thread (runs compared bit for bit share it)."""
-    import os
-    import subprocess
-    import sys
-
-    command = [sys.executable, "-m", "stages.cli", "run", "--preset", str(preset), "--workdir", str(workdir),
-               "--set", "train.save_every=2", "--set", "evaluate.extra_prompts=[]"]  # one prompt set suffices here
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
