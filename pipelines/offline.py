@@ -1,21 +1,23 @@
-"""The offline pipeline: generate (or prepare -> split) -> extract -> train -> evaluate as ONE command, on a preset config.
+"""The pipeline: generate (or prepare -> split) -> extract -> train -> evaluate as ONE command, on a preset config;
+with an ``online`` section, generate (or prepare -> split) -> online training -> evaluate, with no cache on disk.
 
 Run::
 
     dflash-stages run                                   # preset cpu-small: the README main job, 2 CPU cores, < 10 min
     dflash-stages run --preset h200-smollm2 --workdir /data/dflash --docs /usr/share/doc/python3.12/html/_sources
     dflash-stages run --set train.optim.lr=3e-4 --set evaluate.num_prompts=32   # override any preset field
+    dflash-stages run --preset h200-smollm2-online --workdir /data/dflash      # train without the 46 GB cache
 
 Stages run in this process through their Python entry points (``run_prepare``, ``run_extract``,
-``run_training``, ``run_evaluate``), never as shell commands. Work folder layout::
+``run_training``, ``run_online``, ``run_evaluate``), never as shell commands. Work folder layout::
 
     WORKDIR/pipeline.json        resolved config, per-stage status, timings, tau after each epoch
     WORKDIR/corpus/              with a generate section: the target's own responses (contract 1), and
                                  corpus/heldout_prompts.jsonl, the held-out prompts evaluation uses
     WORKDIR/corpus-all/          prepare's corpus (contract 1)
     WORKDIR/corpus/ heldout/     the split by document: training rows / held-out rows (training never sees them)
-    WORKDIR/cache/               extract's hidden-state cache of corpus/ (contract 2)
-    WORKDIR/run/                 the drafter run (contract 3)
+    WORKDIR/cache/               extract's hidden-state cache of corpus/ (contract 2); never made with ``online``
+    WORKDIR/run/                 the drafter run (contract 3), from the cache or (``online``) from the producers
     WORKDIR/eval/epoch_K.json    evaluation reports (epoch 0 = untrained drafter) and eval/final.json
 
 Resumable: a stage whose output is complete and whose config is unchanged is skipped; extract resumes from its
@@ -23,6 +25,13 @@ committed shards and train from its latest checkpoint. Changing a stage's config
 error naming the stage (use another ``--workdir``), since its outputs would no longer match the settings; the fields
 its config declares ``runtime`` (progress lines, logging, checkpoint cadence, locks: docs/config-reference.md) may
 change.
+
+Online training (an ``online`` section: the producer fields of :class:`pipelines.online.OnlineConfig`): extract is
+not run; :func:`pipelines.online.run_online` trains on ``corpus/`` with the ``train`` section's trainer while target
+replicas compute the hidden states into a shared-memory ring (docs/online-queue.md). Its plan comes from the corpus
+lengths and equals the one extract's cache would give (same schedule, epoch ends and batches), so everything below
+(epoch segments, exact resume, evaluations) is the same; ``pipeline.json`` records the stage as ``online``, whose
+settings are the ``online`` and ``train`` sections. A work folder trained one way is refused the other way.
 
 The held-out split is by document (a stdlib file and its length chunks stay together), chosen by a seeded
 permutation of the documents; held-out prompts come only from ``heldout/``. With ``evaluate.per_epoch`` the
@@ -61,6 +70,7 @@ from dflash.errors import ConfigError
 from dflash.io.files import load_json
 from dflash.io.locks import output_lock
 from dflash.target.load import locate_target, target_num_layers
+from pipelines.online import ONLINE_CACHE_PREFIX, OnlineConfig
 from stages.config.check import (
     EXCLUSIVE_SETTINGS,
     deep_merge,
@@ -91,7 +101,7 @@ _EVAL_FIX = "the evaluation report is damaged: remove it and rerun the same comm
 
 #: The work-folder entry (``paths`` of ``_run_stages``) each stage writes.
 _STAGE_OUTPUT = {"generate": "corpus", "prepare": "corpus-all", "split": "corpus", "extract": "cache", "train": "run",
-                 "evaluate": "eval"}
+                 "online": "run", "evaluate": "eval"}
 _STATE_FILE = "pipeline.json"
 
 #: The preset ``run`` uses when none is given; ``run --config FILE`` is merged over it.
@@ -163,6 +173,8 @@ SECTIONS: dict[str, Section] = {
     "prepare": Section(PrepareConfig, {"output": IN_WORKDIR, "overwrite": True, "heldout_documents": 0}),
     "split": Section(SplitConfig),
     "train": Section(TrainConfig, {"cache": IN_WORKDIR, "output": IN_WORKDIR, "resume": False, "stop_at_step": None}),
+    # The online branch trains the train section's trainer on WORKDIR/corpus and writes no cache (no cache_to).
+    "online": Section(OnlineConfig, {"corpus": IN_WORKDIR, "train": None, "cache_to": None}),
     "extract": Section(ExtractConfig, {"corpus": IN_WORKDIR, "output": IN_WORKDIR}),
     "evaluate": Section(PipelineEvaluateConfig, {"drafter": IN_WORKDIR, "corpus": IN_WORKDIR, "cache": None,
                                                  "json_path": None}, unset={"prompts": "held-out"}),
@@ -176,9 +188,11 @@ EVALUATE_EXTRAS = {f.name: field_default(f) for f in dataclasses.fields(Pipeline
 
 def stages_run(config: Mapping[str, Any]) -> list[str]:
     """The stage sections a pipeline config runs: with a ``generate`` section the corpus is the target's own
-    responses and ``prepare`` and ``split`` are not run; without one, ``generate`` is not run."""
+    responses and ``prepare`` and ``split`` are not run; without one, ``generate`` is not run. With an ``online``
+    section the training reads hidden states computed live (``online`` and ``train``) and ``extract`` is not run."""
     first = ["generate"] if config.get("generate") else ["prepare", "split"]
-    return [*first, "extract", "train", "evaluate"]
+    middle = ["online"] if config.get("online") else ["extract"]
+    return [*first, *middle, "train", "evaluate"]
 
 
 def derived_extract(extract: dict[str, Any], train: Mapping[str, Any]) -> None:
@@ -200,10 +214,13 @@ class PipelineConfig:
     Fields:
         workdir: where every stage writes (layout in the module docstring).
         target: target spec shared by every stage.
-        generate / prepare / split / extract / train / evaluate: the stage sections of the preset. With a
+        generate / prepare / split / extract / online / train / evaluate: the stage sections of the preset. With a
             ``generate`` section the training corpus is the target's own responses to the prompt set
             (``stages.generate``; the default prompt set holds out whole stdlib files, and evaluation uses its
-            held-out prompts): ``prepare`` and ``split`` are then not run.
+            held-out prompts): ``prepare`` and ``split`` are then not run. With an ``online`` section (the producer
+            fields of ``pipelines.online.OnlineConfig``: ``target_gpus`` or ``target_processes``, ``ring_slots``,
+            ...; the pipeline sets ``corpus``, ``target`` and the trainer from ``train``) target replicas compute
+            the hidden states while the drafter trains: ``extract`` is not run and no cache is written.
     """
 
     workdir: Path
@@ -212,6 +229,7 @@ class PipelineConfig:
     prepare: dict[str, Any] = field(default_factory=dict)
     split: dict[str, Any] = field(default_factory=dict)
     extract: dict[str, Any] = field(default_factory=dict)
+    online: dict[str, Any] = field(default_factory=dict)
     train: dict[str, Any] = field(default_factory=dict)
     evaluate: dict[str, Any] = field(default_factory=dict)
 
@@ -224,7 +242,8 @@ class PipelineConfig:
             raise ConfigError("evaluate.extra_prompts: numpy-questions asks about numpy, which "
                               "generate.default_prompts.packages trains on, so it tests nothing held out; drop numpy "
                               "from the packages or numpy-questions from evaluate.extra_prompts")
-        derived_extract(self.extract, self.train)
+        if not self.online:  # the online branch runs no extract: its producers tap the layers themselves
+            derived_extract(self.extract, self.train)
         if self.generate and self.generate.get("prompts", "default") != "default" and "prompts" not in self.evaluate:
             raise ConfigError(
                 f"evaluate.prompts: generate.prompts is {self.generate['prompts']!r}, which has no held-out split; "
@@ -278,8 +297,9 @@ def _sets_by_section(overrides: Sequence[str], run: Sequence[str], preset: str) 
         if section not in PIPELINE_SECTIONS:
             raise ConfigError(f"--set {item!r}: unknown section {section!r}; expected one of {list(PIPELINE_SECTIONS)}")
         if section not in run:
+            article = "an" if section[0] in "aeiou" else "a"
             raise ConfigError(f"--set {item!r}: preset {preset} runs no {section} stage (it runs {', '.join(run)}); "
-                              f"drop it, or use a preset with a {section} section")
+                              f"drop it, or use a preset with {article} {section} section")
         sets.setdefault(section, []).append(item)
     return sets
 
@@ -340,6 +360,10 @@ def _resolve_section(name: str, layers: Sequence[tuple[Mapping[str, Any], str]],
         settings = {**spec.unset, **copy.deepcopy(merged), **pipeline_sets}
         if name == "extract":
             derived_extract(settings, resolved["train"])
+        if name == "online":  # its trainer is the train section's, reading the producers instead of a cache
+            check = str(workdir / "check")
+            settings["train"] = TrainConfig.from_dict({**copy.deepcopy(resolved["train"]), "target": target,
+                                                       "cache": f"{ONLINE_CACHE_PREFIX}{check}", "output": check})
         config = spec.config(**settings, **({"target": target} if has_target else {}))
         if name == "train":
             _check_init_target_layers(config, target_path)
@@ -511,6 +535,7 @@ def run_pipeline(config: PipelineConfig, *, console: Console | None = None,
 
 def _run_stages(config: PipelineConfig, *, console: Console | None = None,
                 prompt_processes: int | None = 1) -> dict[str, Any]:  # fmt: skip
+    from pipelines.online import ONLINE_CACHE_PREFIX, OnlineConfig, planned_online_steps, run_online
     from stages.evaluate import EvaluateConfig, Evaluator, write_json_atomic
     from stages.extract.command import ExtractConfig, run_extract
     from stages.prepare import PrepareConfig, run_prepare
@@ -523,6 +548,16 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
     workdir.mkdir(parents=True, exist_ok=True)
     state = _State(workdir, config)
     paths = {name: workdir / name for name in ("corpus-all", "corpus", "heldout", "cache", "run", "eval")}
+    # The stage that trains: ``train`` on extract's cache, or ``online`` (producers feed the trainer live). Both
+    # write WORKDIR/run, so a work folder trained one way is refused the other way.
+    training = "online" if config.online else "train"
+    if config.online and {"extract", "train"} & set(state.data["stages"]):
+        raise ConfigError(f"online: {workdir} holds a drafter trained from extract's cache; the online section trains "
+                          "without one into the same run folder: use a new --workdir")
+    if not config.online and "online" in state.data["stages"]:
+        raise ConfigError(f"online: {workdir} holds a drafter trained online (no cache); without the online section "
+                          "the pipeline would extract and train into the same run folder: give the same online "
+                          "section, or use a new --workdir")
     heldout_prompts: Path | None = None
     primary_name: str | None = None  # the first prompt set's name in reports (None: the evaluate stage's default)
 
@@ -572,9 +607,10 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
         stage("split", split, split_work)
         if config.evaluate.get("prompts"):  # a prompts file given: evaluate on it, not on the held-out rows
             heldout_prompts = Path(config.evaluate["prompts"])
-    extract = config.section("extract")
-    stage("extract", extract, lambda: _json_safe(run_extract(
-        ExtractConfig(corpus=str(paths["corpus"]), output=str(paths["cache"]), **extract), console=console)))
+    if not config.online:
+        extract = config.section("extract")
+        stage("extract", extract, lambda: _json_safe(run_extract(
+            ExtractConfig(corpus=str(paths["corpus"]), output=str(paths["cache"]), **extract), console=console)))
 
     train = deep_merge({"telemetry": {"progress": True}}, config.section("train"))
     evaluate = {"seed": 0, **config.evaluate}
@@ -592,6 +628,24 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
     def train_config(**changes: Any) -> TrainConfig:
         return TrainConfig.from_dict(deep_merge({**train, "cache": str(paths["cache"]), "output": str(paths["run"])},
                                                 changes))
+
+    def online_config(**changes: Any) -> OnlineConfig:
+        corpus = str(paths["corpus"].resolve())  # saved in run.json: absolute, as the online command saves it
+        return OnlineConfig(corpus=corpus, target=config.target, **config.online,
+                            train=train_config(cache=f"{ONLINE_CACHE_PREFIX}{corpus}", **changes))
+
+    def train_segment(**changes: Any) -> dict[str, Any]:
+        """Train (or resume) to the end of the schedule or to ``stop_at_step``: from the cache, or online."""
+        if config.online:
+            return run_online(online_config(**changes))
+        return run_training(train_config(**changes))
+
+    def planned_steps() -> int:
+        """The schedule length a new run gets, from the sample lengths alone (the cache's, or the corpus's)."""
+        return planned_online_steps(online_config()) if config.online else planned_total_steps(train_config())
+
+    # What the training stage's record in pipeline.json is checked against: with online, the producers too.
+    training_settings = {"online": config.online, "train": train} if config.online else train
 
     evaluator: Evaluator | None = None
 
@@ -633,22 +687,22 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
                       f"held-out prompts{others} ({where})")
 
     done_epochs = {entry["epoch"] for entry in epoch_taus}
-    if per_epoch and not state.check("train", train, paths["run"]):
-        console.rule("[bold]train (epoch by epoch, tau on held-out prompts after each epoch)")
-        state.start("train", train)
+    if per_epoch and not state.check(training, training_settings, paths["run"]):
+        console.rule(f"[bold]{training} (epoch by epoch, tau on held-out prompts after each epoch)")
+        state.start(training, training_settings)
         started = time.perf_counter()
         # The schedule's length places the epoch ends: a run under way has it in its checkpoints; a new one plans it
-        # from the cache as the trainer will (checked against the trainer's after the first segment).
+        # from the sample lengths as the trainer will (checked against the trainer's after the first segment).
         latest = _latest_checkpoint(paths["run"])
-        total_steps = int(latest[1]["total_steps"]) if latest is not None else planned_total_steps(train_config())
+        total_steps = int(latest[1]["total_steps"]) if latest is not None else planned_steps()
         epochs = float(train.get("epochs", 6.0))
         for epoch in range(1, math.ceil(epochs) + 1):
             # At least step 1: a schedule shorter than half the epochs still trains before its first evaluation.
             stop = total_steps if epoch >= epochs else min(total_steps, max(1, round(epoch * total_steps / epochs)))
             latest = _latest_checkpoint(paths["run"])
             if latest is None or int(latest[1]["step"]) < stop:
-                _stop_if_interrupted(run_training(train_config(resume=latest is not None,
-                                                               stop_at_step=None if stop == total_steps else stop)))
+                _stop_if_interrupted(train_segment(resume=latest is not None,
+                                                   stop_at_step=None if stop == total_steps else stop))
                 scheduled = int(_latest_checkpoint(paths["run"])[1]["total_steps"])
                 if scheduled != total_steps:  # not expected: the plan is the trainer's own computation
                     log.warning("the trainer scheduled %d steps where %d were planned; epoch ends follow the trainer's",
@@ -676,13 +730,13 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
             record_epoch({"epoch": epoch, "step": int(trainer_state["step"]), "tau": report["tau"],
                           "speedup": report["speedup"], "checkpoint": str(folder),
                           "data_epoch": cursor.get("epoch"), "steps_fraction": stop / total_steps}, report)
-        state.finish("train", time.perf_counter() - started, {"total_steps": total_steps})
+        state.finish(training, time.perf_counter() - started, {"total_steps": total_steps})
     else:
         def train_work() -> dict[str, Any]:
             resume = _latest_checkpoint(paths["run"]) is not None
-            return _json_safe(_stop_if_interrupted(run_training(train_config(resume=resume))))
+            return _json_safe(_stop_if_interrupted(train_segment(resume=resume)))
 
-        stage("train", train, train_work)
+        stage(training, training_settings, train_work)
 
     final_path = paths["eval"] / "final.json"
     final_untrained = compare_untrained and not per_epoch
@@ -756,13 +810,17 @@ def register(app: typer.Typer) -> None:
     def run_command(
         preset: str = typer.Option(DEFAULT_PRESET, "--preset", help=f"One of {', '.join(PRESETS)}, or a preset .json file."),
         workdir: Path = typer.Option(Path("dflash-work"), "--workdir", help="Work folder of every stage (resumable)."),
-        overrides: list[str] = typer.Option([], "--set", help="Override a preset field: section.field=value (repeatable; value parsed as JSON, else a string). Every setting is checked before the first stage runs; a section the preset does not run (prepare or split beside generate, generate beside prepare) is refused."),
+        overrides: list[str] = typer.Option([], "--set", help="Override a preset field: section.field=value (repeatable; value parsed as JSON, else a string). Every setting is checked before the first stage runs; a section the preset does not run (prepare or split beside generate, generate beside prepare, extract beside online, online without an online section) is refused."),
         docs: list[Path] = typer.Option([], "--docs", help="Extra text folders for the corpus, e.g. the Python docs' reST sources."),
         target: str | None = typer.Option(None, "--target", help="Target spec (default: the preset's, 'default' = SmolLM2)."),
-        config_file: str | None = typer.Option(None, "--config", help="Sections (generate, prepare, split, extract, train, evaluate; target) in a .toml, .yaml or .json file, merged field by field over the preset; --target, --docs and --set go over it."),
+        config_file: str | None = typer.Option(None, "--config", help="Sections (generate, prepare, split, extract, online, train, evaluate; target) in a .toml, .yaml or .json file, merged field by field over the preset; --target, --docs and --set go over it."),
         print_config: bool = typer.Option(False, "--print-config", help="Check and print the resolved pipeline config (JSON; --preset FILE.json or --config reads it back) and exit; nothing runs."),
     ) -> None:
-        """The main job: generate (or prepare + split) -> extract -> train -> evaluate on a preset; ends by printing tau."""
+        """The main job: generate (or prepare + split) -> extract -> train -> evaluate on a preset; ends by printing tau.
+
+        With an online section (presets cpu-online, h200-smollm2-online) training reads hidden states computed live
+        instead of extract's cache: no cache on disk, the same batches.
+        """
         console = Console()
         config = resolve_pipeline(workdir=workdir, preset=preset, config_file=config_file, overrides=overrides,
                                   target=target, docs=docs)

@@ -62,7 +62,8 @@ from stages.train.config import TrainConfig
 from stages.train.launch import _run_training
 
 __all__ = ["OnlineConfig", "ONLINE_CACHE_PREFIX", "ONLINE_PRESETS", "OnlineData", "online_metadata", "online_sections",
-           "online_training_data", "load_online_preset", "printable_config", "run_online", "register"]
+           "online_training_data", "load_online_preset", "planned_online_steps", "printable_config", "run_online",
+           "register"]
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +86,14 @@ class OnlineConfig:
     """The producer side of an online run; the trainer side is ``train`` (a :class:`stages.train.config.TrainConfig`)."""
 
     corpus: str = setting(help="Corpus folder (contract 1).")
-    """Corpus folder (contract 1) the plan is made from and the producers read."""
+    """Corpus folder (contract 1) the plan is made from and the producers read (in ``run``'s ``online`` section: set by
+    the pipeline, ``WORKDIR/corpus``)."""
     train: TrainConfig
-    """The training loop's config (``cache`` is ``online:<corpus>``; ``output`` is the run folder)."""
+    """The training loop's config (``cache`` is ``online:<corpus>``; ``output`` is the run folder; in ``run``: its
+    ``train`` section)."""
     target: str = setting("default", help="Target spec ('default' = SmolLM2-135M-Instruct).")
-    """Target spec (``"default"``: embedded SmolLM2-135M-Instruct, a transformers folder or a ``.gguf``)."""
+    """Target spec (``"default"``: embedded SmolLM2-135M-Instruct, a transformers folder or a ``.gguf``; in ``run``:
+    the pipeline's ``target``)."""
     target_layer_ids: list[int] | None = setting(None, help="Tapped layer ids, e.g. 1,3.")
     """Tapped layers; ``None``: DFlash's default rule with one tap per draft layer."""
     target_processes: int | None = setting(None, help="CPU producer processes (target replicas), one Dask worker each.")
@@ -104,7 +108,8 @@ class OnlineConfig:
     cache_to: str | None = setting(None, help="Also write the hidden-state cache here while training.")
     """Also write the hidden-state cache (contract 2, the ``extract`` stage's shard plan) of the corpus here while
     training: producers stage the first epoch's batches, and a shard is committed once its rows are all staged
-    (``dflash.cache.staging``), so a later ``train`` or ``sweep`` reuses the cache. ``None``: no cache."""
+    (``dflash.cache.staging``), so a later ``train`` or ``sweep`` reuses the cache. ``None``: no cache. Refused in
+    ``run``'s ``online`` section, which exists to train without one."""
     cache_shard_size: int = setting(65536, help="--cache-to: tokens per shard.")
     """``--cache-to``: tokens per cache shard (``extract --shard-size``)."""
     on_producer_death: str = setting("recompute", help="recompute (rerun the batch on another producer) | stop (the run stops).")
@@ -202,6 +207,30 @@ def online_training_data(config: OnlineConfig, *, submit: Any, device: Any, corp
             log.warning("validation disabled (no best checkpoint, no validation loss): %s", error)
     return TrainingData(metadata=metadata, train=train, validation=validation, kind="online",
                         provenance={"online": config.producer_dict()})  # fmt: skip
+
+
+def planned_online_steps(config: OnlineConfig, *, world_size: int | None = None) -> int:
+    """The schedule length (optimizer steps) a new online run of ``config`` gets, from epoch 0's batch plan over
+    the corpus lengths alone (:class:`dflash.corpus.format.CorpusLengths`; no target, no producer, nothing
+    written): what the trainer computes from :class:`dflash.batches.online.OnlineBatches` at its start, and what
+    ``stages.train.data.planned_total_steps`` gives for a cache of the same corpus. ``world_size``: the ranks the
+    run trains on (default: ``config.train.world_size``).
+
+    Raises:
+        CorpusError: the corpus is missing or unreadable.
+        ConfigError: the training split is empty or a sample is longer than the token budget.
+    """
+    import torch
+
+    from dflash.corpus.format import CorpusLengths, open_corpus
+    from stages.train.data import schedule_steps, stream_config
+
+    train = config.train
+    if train.max_steps:
+        return int(train.max_steps)
+    cursor = PlannedCursor(CorpusLengths(open_corpus(config.corpus)), stream_config(train, "train", torch.device("cpu")),
+                           rank=0, world_size=world_size or train.world_size)
+    return schedule_steps(train, len(cursor))
 
 
 def staging_dir(config: OnlineConfig) -> str | None:

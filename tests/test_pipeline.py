@@ -273,6 +273,7 @@ def test_run_refuses_a_bad_setting_before_any_stage_writes(tmp_path, monkeypatch
     (None, "prepare.max_length=64", "prepare"),
     (None, "split.heldout_documents=2", "split"),
     ({"generate": None}, "generate.max_new_tokens=8", "generate"),
+    (None, "online.ring_slots=3", "online"),
 ])
 def test_run_refuses_a_setting_for_a_section_the_preset_does_not_run(tmp_path, monkeypatch, capsys,
                                                                      preset_sections, override, section):
@@ -376,40 +377,42 @@ def test_a_rerun_may_change_settings_that_do_not_change_a_stages_output(tmp_path
     assert json.loads((tmp_path / "pipeline.json").read_text())["stages"]["train"]["digest"] == _digest(train)
 
 
+def _run_in_subprocess(preset: Path, workdir: Path, **extra_env: str):
+    """``dflash-stages run`` as a user runs it, in a process of its own (forked from one that imported torch once:
+    cli_helpers) with one torch thread (runs compared bit for bit share it)."""
+    import os
+
+    from cli_helpers import forked_python
+
+    code = "import torch; torch.set_num_threads(1); from stages.cli import main; main()"
+    args = ["run", "--preset", str(preset), "--workdir", str(workdir), "--set", "train.save_every=2",
+            "--set", "evaluate.extra_prompts=[]"]  # one prompt set suffices here
+    return forked_python(code, *args, env={**os.environ, "OMP_NUM_THREADS": "1", **extra_env}, timeout=600)
+
+
 def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(finished_run, tmp_path):
     """SIGKILL inside a checkpoint write during epoch 1 (a power cut, no clean stop), then the same command again:
     the rerun resumes from the last whole checkpoint and ends with the epoch ends, taus and bit-identical final
     drafter of the same command run without a kill (same process settings: one torch thread). Each run is its own
     process and starts at train, in a copy of the finished run's work folder after extract (the stages before
     train are those of test_pipeline_runs_every_stage_and_prints_tau)."""
-    import os
-
     import torch
-    from cli_helpers import forked_python
 
     from dflash.training.checkpoint import load_checkpoint
     from pipelines.offline import _latest_checkpoint
 
     _, preset, finished, _ = finished_run
-
-    def run(workdir, **extra_env):
-        # The console script in its own process (forked from one that imported torch once: cli_helpers), one thread.
-        code = "import torch; torch.set_num_threads(1); from stages.cli import main; main()"
-        args = ["run", "--preset", str(preset), "--workdir", str(workdir), "--set", "train.save_every=2",
-                "--set", "evaluate.extra_prompts=[]"]  # one prompt set suffices here
-        return forked_python(code, *args, env={**os.environ, "OMP_NUM_THREADS": "1", **extra_env}, timeout=600)
-
     reference = _extracted_workdir(finished, tmp_path / "reference")
     workdir = _extracted_workdir(finished, tmp_path / "work")
-    done = run(reference)
+    done = _run_in_subprocess(preset, reference)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("complete, skipped") == 3  # prepare, split, extract
     expected = json.loads((reference / "pipeline.json").read_text())
-    killed = run(workdir, DFLASH_FAULT="checkpoint.write@2=kill")
+    killed = _run_in_subprocess(preset, workdir, DFLASH_FAULT="checkpoint.write@2=kill")
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not (workdir / "eval" / "final.json").exists()
     assert int(_latest_checkpoint(workdir / "run")[1]["step"]) == 2 < expected["epochs"][1]["step"]  # inside epoch 1
-    rerun = run(workdir)
+    rerun = _run_in_subprocess(preset, workdir)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     state = json.loads((workdir / "pipeline.json").read_text())
     assert [(e["epoch"], e["step"], e["tau"]) for e in state["epochs"]] == \
@@ -463,3 +466,120 @@ def test_numpy_questions_refused_beside_a_prompt_set_that_trains_on_numpy(tmp_pa
     preset["generate"]["default_prompts"]["packages"] = ["torch", "numpy"]
     with pytest.raises(ConfigError, match="numpy-questions asks about numpy, which generate.default_prompts.packages"):
         PipelineConfig(workdir=tmp_path, **preset)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("online.ring_slots=1", "online.ring_slots (--set online.ring_slots=1): expected an integer >= 2, got 1"),
+    ("online.ring_slotz=3", "online.ring_slotz (--set online.ring_slotz=3): unknown key; did you mean online.ring_slots?"),
+    ("online.corpus=elsewhere", "online.corpus (--set online.corpus=elsewhere): set by the pipeline itself"),
+    ("online.cache_to=elsewhere", "online.cache_to (--set online.cache_to=elsewhere): set by the pipeline itself"),
+    ("extract.num_taps=2", "preset cpu-online runs no extract stage (it runs generate, online, train, evaluate)"),
+])
+def test_an_online_preset_refuses_a_bad_online_setting_before_any_stage_writes(tmp_path, monkeypatch, capsys,
+                                                                              override, message):
+    from cli_helpers import main_in_process
+
+    workdir = tmp_path / "work"
+    code, err = main_in_process(monkeypatch, capsys, "run", "--preset", "cpu-online", "--workdir", str(workdir),
+                                "--set", override)
+    assert code == 2, err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and message in " ".join(err.split()), err
+    assert not workdir.exists()
+
+
+#: The online branch of ``run``: the offline fixture's preset plus this section (producers in one CPU process).
+ONLINE = {"target_processes": 1, "ring_slots": 3}
+
+
+@pytest.fixture(scope="module")
+def online_run(finished_run, tmp_path_factory):
+    """The offline fixture's preset (same corpus, trainer and seed) with an online section, run to the end."""
+    _, preset, _, _ = finished_run
+    folder = tmp_path_factory.mktemp("online-pipeline")
+    online = folder / "online.json"
+    online.write_text(json.dumps({**json.loads(Path(preset).read_text()), "online": ONLINE}))
+    workdir = folder / "work"
+    return online, workdir, _run_in_subprocess(online, workdir)
+
+
+def test_an_online_section_trains_without_a_cache_then_evaluates(online_run):
+    """extract does not run and no hidden state reaches the disk: the producers feed the trainer; pipeline.json
+    records the online stage as it records train; the evaluation is the offline branch's."""
+    from dflash.training.checkpoint import read_run_record
+
+    _, workdir, result = online_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [line for line in result.stdout.splitlines() if line.startswith("tau = ")]
+    assert "the trainer scheduled" not in result.stderr  # the steps planned from the corpus are the trainer's
+    assert not (workdir / "cache").exists() and not list(workdir.rglob("zarr.json"))
+    state = json.loads((workdir / "pipeline.json").read_text())
+    assert list(state["stages"]) == ["prepare", "split", "online", "evaluate"]
+    online = state["stages"]["online"]
+    assert online["done"] and isinstance(online["seconds"], float) and online["settings"]["online"] == ONLINE
+    assert [e["epoch"] for e in state["epochs"]] == [0, 1, 2]
+    assert (workdir / "eval" / "final.json").is_file()
+    producers = read_run_record(workdir / "run")["resolved"]["data_source"]["online"]
+    assert producers["corpus"] == str((workdir / "corpus").resolve()) and producers["ring_slots"] == 3
+
+
+def test_the_online_branch_trains_on_the_offline_branchs_batch_plan(finished_run, online_run):
+    """Same corpus, trainer config and seed: the online run's schedule, epoch ends and every batch's corpus rows
+    (the trainer's running digest of them) equal the offline run's from extract's cache."""
+    from pipelines.offline import _latest_checkpoint
+
+    _, _, offline_workdir, offline_result = finished_run
+    _, online_workdir, online_result = online_run
+    assert offline_result.exit_code == 0 and online_result.returncode == 0
+    offline, online = (_latest_checkpoint(w / "run")[1] for w in (offline_workdir, online_workdir))
+    assert online["total_steps"] == offline["total_steps"] and online["step"] == offline["step"]
+    assert online["counters"]["data_digest"] == offline["counters"]["data_digest"] != ""
+    assert online["counters"]["tokens_seen"] == offline["counters"]["tokens_seen"] > 0
+    steps = [[(e["epoch"], e["step"]) for e in json.loads((w / "pipeline.json").read_text())["epochs"]]
+             for w in (offline_workdir, online_workdir)]
+    assert steps[0] == steps[1]
+
+
+def test_a_changed_online_section_or_a_switch_of_branch_in_a_work_folder_is_refused(finished_run, online_run):
+    app, offline_preset, offline_workdir, _ = finished_run
+    online_preset, online_workdir, _ = online_run
+    changed = CliRunner().invoke(app, ["run", "--preset", str(online_preset), "--workdir", str(online_workdir),
+                                       "--set", "train.save_every=2", "--set", "evaluate.extra_prompts=[]",
+                                       "--set", "online.ring_slots=4"])
+    assert isinstance(changed.exception, ConfigError), changed.output
+    assert str(changed.exception).startswith("online: ") and "other settings" in str(changed.exception)
+    switched = CliRunner().invoke(app, ["run", "--preset", str(online_preset), "--workdir", str(offline_workdir)])
+    assert isinstance(switched.exception, ConfigError), switched.output
+    assert "trained from extract's cache" in str(switched.exception)
+    back = CliRunner().invoke(app, ["run", "--preset", str(offline_preset), "--workdir", str(online_workdir)])
+    assert isinstance(back.exception, ConfigError) and "trained online" in str(back.exception), back.output
+
+
+@pytest.mark.slow
+def test_an_online_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(online_run, tmp_path):
+    """SIGKILL inside a checkpoint write during epoch 1 of the online branch, then the same command again: the
+    rerun resumes from the last whole checkpoint (prepare and split skipped) and ends with the epoch ends, taus,
+    batches and bit-identical drafter of the unkilled run."""
+    import torch
+
+    from dflash.training.checkpoint import load_checkpoint
+    from pipelines.offline import _latest_checkpoint
+
+    preset, reference, _ = online_run
+    expected = json.loads((reference / "pipeline.json").read_text())
+    workdir = tmp_path / "work"
+    killed = _run_in_subprocess(preset, workdir, DFLASH_FAULT="checkpoint.write@2=kill")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (workdir / "eval" / "final.json").exists()
+    assert int(_latest_checkpoint(workdir / "run")[1]["step"]) == 2 < expected["epochs"][1]["step"]  # inside epoch 1
+    rerun = _run_in_subprocess(preset, workdir)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "prepare: complete, skipped" in " ".join(rerun.stdout.split())
+    state = json.loads((workdir / "pipeline.json").read_text())
+    assert [(e["epoch"], e["step"], e["tau"]) for e in state["epochs"]] == \
+        [(e["epoch"], e["step"], e["tau"]) for e in expected["epochs"]]
+    assert not (workdir / "cache").exists()
+    resumed, uninterrupted = load_checkpoint(workdir / "run"), load_checkpoint(reference / "run")
+    assert resumed.trainer_state["counters"]["data_digest"] == uninterrupted.trainer_state["counters"]["data_digest"]
+    assert resumed.model_state.keys() == uninterrupted.model_state.keys()
+    for name, value in resumed.model_state.items():
+        assert torch.equal(value, uninterrupted.model_state[name]), name

@@ -248,7 +248,8 @@ def check_fields(cls: type, values: Mapping[str, Any], *, section: str, source: 
     for key, value in values.items():
         where = f"{section}.{key} ({source(key)})"
         if key in reserved:
-            raise ConfigError(f"{where}: set by the pipeline itself (inside the work folder); remove it")
+            raise ConfigError(f"{where}: set by the pipeline itself (paths inside the work folder, the target, the "
+                              "trainer of an online section, no cache beside it); remove it")
         if key not in allowed:
             # a nested config's field is suggested by its path (train.lrr -> did you mean train.optim.lr?)
             inner = {f"{name}.{f.name}": f.name for name in sorted(allowed)

@@ -18,9 +18,10 @@ from stages.config.check import MAX_CONFIG_BYTES, DuplicateKeyError, unique_keys
 __all__ = ["PRESETS", "PIPELINE_SECTIONS", "read_preset_json", "load_preset", "strip_comments"]
 
 #: The shipped presets of ``run`` (``stages/config/presets/NAME.json``).
-PRESETS = ("cpu-small", "h200-smollm2")
-#: The sections of a pipeline preset, in the order ``run`` runs them.
-PIPELINE_SECTIONS = ("generate", "prepare", "split", "extract", "train", "evaluate")
+PRESETS = ("cpu-small", "h200-smollm2", "cpu-online", "h200-smollm2-online")
+#: The sections of a pipeline preset, in the order ``run`` runs them (``online``, when given, trains in place of
+#: ``extract`` then ``train``: its producers compute the hidden states, and ``train`` configures its trainer).
+PIPELINE_SECTIONS = ("generate", "prepare", "split", "extract", "online", "train", "evaluate")
 
 
 def strip_comments(data: Any) -> Any:
