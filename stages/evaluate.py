@@ -55,8 +55,7 @@ from dflash.io.files import atomic_write_text
 from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progress_interval
 from dflash.serving.export import load_drafter
 from dflash.target.load import load_target, load_tokenizer
-from dflash.training.compat import check_target_identity as check
-from dflash.training.compat import recorded_identity
+from dflash.training.compat import check_target_identity, recorded_identity
 from stages.config.check import dtype_spelling
 from stages.config.options import CommandSettings, config_options, setting
 from stages.config.resolve import print_and_exit, resolve_stage_config
@@ -69,7 +68,7 @@ if TYPE_CHECKING:
 # torch and dflash.decoding.speculative are imported where they are used: every command's module is imported when the CLI
 # starts, and importing torch (seconds on a small host) before a config check would delay every `error:` line.
 
-__all__ = ["EvaluateConfig", "Baselines", "Evaluator", "load_drafter_any", "attach_checked", "check_target_identity", "load_prompts", "load_prompt_set", "evaluate_drafter",
+__all__ = ["EvaluateConfig", "Baselines", "Evaluator", "attach_checked", "load_prompt_set", "evaluate_drafter",
            "run_evaluate", "print_report", "tau_line", "write_json_atomic", "register"]
 
 log = logging.getLogger(__name__)
@@ -199,16 +198,6 @@ class EvaluateConfig:
         return getattr(torch, self.dtype)
 
 
-def load_drafter_any(path: Path) -> tuple[Any, Any, dict[str, Any]]:
-    """``(drafter, DFlashConfig, target_info)`` from a run folder, a checkpoint folder or an exported serving folder;
-    the drafter is on CPU without its target attached (see :func:`attach_checked`).
-
-    Raises:
-        CheckpointError / ExportError: nothing loadable at ``path``.
-    """
-    return load_drafter(path)
-
-
 def attach_checked(drafter: Any, target: Any, target_info: dict[str, Any], where: Path) -> None:
     """Attach the target's embedding/LM head to ``drafter`` after comparing them with the hashes recorded at
     training time (``dflash.training.checkpoint.check_target_weights``: bf16-rounded hashes when the dtypes differ).
@@ -222,22 +211,6 @@ def attach_checked(drafter: Any, target: Any, target_info: dict[str, Any], where
     embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     check_target_weights(target_info, embed, lm_head, where=str(where))
     drafter.attach_target(embed, lm_head)
-
-
-def check_target_identity(target_info: dict[str, Any], target: Any, where: Path) -> None:
-    """The drafter's recorded target against the loaded one (:func:`dflash.training.compat.check_target_identity`).
-
-    Raises:
-        MismatchError: an identity field differs.
-    """
-    check(target_info, target.identity,
-          where=f"the drafter at {where} (trained on target {recorded_identity(target_info).get('name')!r})",
-          fix=f"pass --target {target_info.get('target_spec')!r} (the recorded target)")
-
-
-def load_prompts(config: EvaluateConfig, tokenizer: Any) -> list[EvalPrompt]:
-    """The prompt set ``config.prompts`` names (see :mod:`dflash.decoding.eval_prompts`)."""
-    return load_prompt_set(config.prompts, config, tokenizer).prompts
 
 
 def load_prompt_set(spec: str, config: EvaluateConfig, tokenizer: Any, *, name: str | None = None) -> PromptSet:
@@ -550,10 +523,13 @@ class Evaluator:
         return self.baselines.get(_baseline_key(self.prompt_sets[0]))
 
     def load_drafter(self, path: Path, loaded: tuple[Any, Any, dict[str, Any]] | None = None) -> tuple[Any, Any, dict[str, Any]]:
-        """A drafter from ``path`` (or the already read ``loaded = load_drafter_any(path)``) on the target's device
+        """A drafter from ``path`` (or what :func:`dflash.serving.export.load_drafter` read from it, ``loaded``) on the target's device
         and dtype, target attached and checked."""
-        drafter, drafter_config, target_info = loaded or load_drafter_any(Path(path))
-        check_target_identity(target_info, self.target, Path(path))
+        drafter, drafter_config, target_info = loaded or load_drafter(Path(path))
+        check_target_identity(
+            target_info, self.target.identity,
+            where=f"the drafter at {path} (trained on target {recorded_identity(target_info).get('name')!r})",
+            fix=f"pass --target {target_info.get('target_spec')!r} (the recorded target)")
         drafter.to(device=self.device, dtype=self.dtype)
         attach_checked(drafter, self.target, target_info, Path(path))
         return drafter.eval(), drafter_config, target_info
@@ -665,7 +641,7 @@ def run_evaluate(config: EvaluateConfig, *, console: Console | None = None) -> d
     if config.json_path is not None and (Path(config.json_path).is_dir() or Path(config.json_path).parent.is_file()):
         raise ConfigError(f"--json-file {config.json_path}: a folder is there, or its parent is a file; pass a file "
                           "path in a folder")  # refused now, not after the evaluation
-    loaded = load_drafter_any(drafter_path)
+    loaded = load_drafter(drafter_path)
     evaluator = Evaluator(config, config.target or loaded[2].get("target_spec") or "default", console=console)
     drafter, drafter_config, _ = evaluator.load_drafter(drafter_path, loaded)
     return evaluator.evaluate(drafter, drafter_config, label=str(drafter_path),

@@ -27,7 +27,7 @@ from dflash.serving.export import (
     read_exported,
 )
 
-__all__ = ["Artefact", "describe", "diff_facts", "scan_tensors", "flatten", "tensor_statistics", "parameter_groups",
+__all__ = ["Artefact", "describe", "flatten", "tensor_statistics", "parameter_groups",
            "file_tensors", "resume_problem", "evaluated_tau", "step_problems", "named_tensors", "read_json", "format_value", "add_key_column"]
 
 #: Elements per chunk when a large tensor is streamed.
@@ -253,34 +253,6 @@ def describe(path: str | Path) -> Artefact:
     )
 
 
-def diff_facts(left: Artefact, right: Artefact) -> tuple[list[tuple[str, Any, Any]], list[str]]:
-    """Config differences between two artefacts over the sections both have (the ``weights`` summary excluded).
-
-    Returns:
-        ``(rows, skipped_sections)``: rows ``(key, left value, right value)`` (``<absent>`` when one side lacks the
-        key), sorted by key; and the sections only one side has (not compared).
-    """
-    absent = "<absent>"
-
-    def sections(facts: Mapping[str, Any]) -> set[str]:
-        return {key.split(".", 1)[0] for key in facts}
-
-    # A config diff: the weights summary (dtype, bytes) is not config, and export timestamps always differ.
-    common = (sections(left.facts) & sections(right.facts)) - {"weights"}
-    skipped = sorted((sections(left.facts) | sections(right.facts)) - common - {"weights"})
-    keys = sorted(
-        key
-        for key in set(left.facts) | set(right.facts)
-        if key.split(".", 1)[0] in common and key != "provenance.created_at"
-    )
-    rows = [
-        (key, left.facts.get(key, absent), right.facts.get(key, absent))
-        for key in keys
-        if left.facts.get(key, absent) != right.facts.get(key, absent)
-    ]
-    return rows, skipped
-
-
 def named_tensors(path: Path) -> Iterator[tuple[str, Any]]:
     """Every tensor in a safetensors file or a ``torch.save`` file (nested dicts/lists walked, named by path)."""
     import torch
@@ -303,28 +275,6 @@ def named_tensors(path: Path) -> Iterator[tuple[str, Any]]:
             stack.extend((f"{name}.{key}" if name else str(key), item) for key, item in reversed(list(value.items())))
         elif isinstance(value, (list, tuple)):
             stack.extend((f"{name}.{index}" if name else str(index), item) for index, item in reversed(list(enumerate(value))))
-
-
-def scan_tensors(files: list[Path]) -> tuple[int, int, list[dict[str, Any]]]:
-    """Count NaN and Inf values in every floating-point tensor of ``files``, one tensor at a time.
-
-    Returns:
-        ``(tensors_scanned, elements_scanned, bad)`` where ``bad`` lists ``{file, tensor, dtype, shape, nan, inf}``.
-    """
-    import torch
-
-    scanned, elements, bad = 0, 0, []
-    for path in files:
-        for name, tensor in named_tensors(path):
-            scanned += 1
-            elements += tensor.numel()
-            if not tensor.is_floating_point():
-                continue
-            nan = int(torch.isnan(tensor).sum())
-            inf = int(torch.isinf(tensor).sum())
-            if nan or inf:
-                bad.append({"file": path.name, "tensor": name, "dtype": str(tensor.dtype), "shape": list(tensor.shape), "nan": nan, "inf": inf})
-    return scanned, elements, bad
 
 
 def _eval_folder(run: Path) -> Path | None:
