@@ -220,7 +220,7 @@ class HiddenStateCache:
             document_keys: ``[R]`` uint64, the corpus's ``Corpus.document_keys`` (R = corpus rows, at least every
                 planned row), stored as the root array ``document_keys`` before any shard is written (``None``: a
                 corpus without ``document_id``; nothing is stored). On reopening, a cache holding keys must hold
-                these; one created without keys (older code, or killed before they were committed) gets them.
+                these; one created without keys (killed before they were committed) gets them.
 
         Raises:
             CacheError: ``path`` holds something else, or other document keys; the message names the differing
