@@ -35,6 +35,7 @@ from dflash.cache.format import (
     DOCUMENT_KEYS_ARRAY,
     DOCUMENT_KEYS_ATTRIBUTE,
     FORMAT_VERSION,
+    METADATA_ATTRIBUTE,
     CacheMetadata,
     HiddenSample,
     commit_key,
@@ -42,8 +43,8 @@ from dflash.cache.format import (
     shard_group_key,
     zarr_compressors,
 )
-from dflash.cache.store import CacheStore
-from dflash.errors import CacheError, CacheNotFoundError
+from dflash.cache.store import CacheStore, open_cache_store, read_cache_metadata
+from dflash.errors import CacheError
 from dflash.faults import fault_point
 
 __all__ = [
@@ -63,7 +64,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_ATTRIBUTE = "dflash_cache"
 _COUNTS_ATTRIBUTE = "dflash_cache_counts"
 
 
@@ -237,7 +237,7 @@ class HiddenStateCache:
                 existing._resume_document_keys(document_keys)
                 return existing
             cls.check_creatable(path)
-        store = CacheStore(path, "w", attributes={_ATTRIBUTE: metadata.to_dict()})
+        store = CacheStore(path, "w", attributes={METADATA_ATTRIBUTE: metadata.to_dict()})
         cache = cls(store, metadata)
         if document_keys is not None:
             cache._write_document_keys(document_keys)
@@ -308,8 +308,8 @@ class HiddenStateCache:
         Raises:
             CacheError: no cache at ``path`` (or not this format).
         """
-        store = _open_store(path, "r+")
-        return cls(store, _read_metadata(store))
+        store = open_cache_store(path, "r+")
+        return cls(store, read_cache_metadata(store))
 
     # ----------------------------------------------------------------------------------------------- shards
     def committed_shards(self) -> set[int]:
@@ -499,39 +499,6 @@ class HiddenStateCache:
 
 
 # --------------------------------------------------------------------------------------------------- helpers
-def _what_is_there(path: str) -> str:
-    """A hint naming what a local ``path`` holds instead of a cache (a corpus, a run, nothing)."""
-    local = path[len("file://"):] if path.startswith("file://") else path
-    if "://" in local or not os.path.exists(local):
-        return "nothing is there"
-    if not os.path.isdir(local):
-        return "it is a file, not a cache folder"
-    names = set(os.listdir(local))
-    if "corpus.json" in names or any(name.endswith(".arrow") for name in names):
-        return "it looks like a tokenized corpus (prepare's output); pass it to `extract --corpus` and give train the cache extract writes"
-    if "checkpoints" in names or "run.json" in names:
-        return "it looks like a training run, not a cache"
-    return "the folder holds no cache (no Zarr group with dflash metadata)"
-
-
-def _open_store(path: str | os.PathLike[str], mode: str) -> CacheStore:
-    try:
-        return CacheStore(path, mode)
-    except FileNotFoundError as error:
-        raise CacheNotFoundError(
-            f"no cache at {os.fspath(path)}: {_what_is_there(os.fspath(path))}; run `dflash-stages extract` first"
-        ) from error
-    except Exception as error:  # zarr raises several types for "not a group"
-        raise CacheError(f"cannot open the cache at {os.fspath(path)} as a Zarr v3 group: {error}") from error
-
-
-def _read_metadata(store: CacheStore) -> CacheMetadata:
-    attributes = dict(store.group.attrs)
-    if _ATTRIBUTE not in attributes:
-        raise CacheError(f"{store.url} is a Zarr group without the root attribute {_ATTRIBUTE!r}; it is not a dflash cache")
-    return CacheMetadata.from_dict(attributes[_ATTRIBUTE])
-
-
 def _has_content(path: str) -> bool:
     path = path[len("file://"):] if path.startswith("file://") else path
     if "://" in path:

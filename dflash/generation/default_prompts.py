@@ -57,7 +57,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from dflash.corpus.default_corpus import _SKIP_DIRS, _TEST_DIRS, collect_text_files, stdlib_root
+from dflash.corpus.default_corpus import SKIP_DIRS, TEST_DIRS, collect_text_files, stdlib_root
 from dflash.errors import ConfigError
 from dflash.generation.prompts import PromptRecord
 from dflash.io.files import atomic_output
@@ -291,7 +291,7 @@ def package_files(config: DefaultPromptConfig) -> list[tuple[Any, str]]:
     files = []
     for name in config.packages:
         root = package_root(name)
-        for file in collect_text_files(root, patterns=("*.py",), source=name, skip_dirs=_SKIP_DIRS | _TEST_DIRS):
+        for file in collect_text_files(root, patterns=("*.py",), source=name, skip_dirs=SKIP_DIRS | TEST_DIRS):
             relative = f"{name}/{file.path.relative_to(root).as_posix()}"
             if not is_heldout_document(relative, config.heldout_permille):
                 files.append((file, relative))
