@@ -99,7 +99,7 @@ class EvaluateConfig:
         seed: prompt selection, sampling and the untrained drafter's init.
         device: ``"auto"`` (cuda if available), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
         dtype: ``"auto"`` (bfloat16 on CUDA, float32 on CPU), ``"float32"``, ``"bfloat16"``.
-        cpu_threads: torch intra-op threads while evaluating on CPU; ``None`` = 1. Decoding a small target a few
+        cpu_threads: torch intra-op threads while evaluating on CPU. Decoding a small target a few
             tokens at a time gains little from threads and loses much when the cores are shared (on a busy 2-core
             machine torch's default of one thread per core decoded 0.3 tokens/s against 3.5 with one thread). The
             report's ``settings.cpu_threads`` records the count used.
@@ -127,7 +127,7 @@ class EvaluateConfig:
     seed: int = setting(0, help='Prompt selection, sampling, untrained init.')
     device: str = setting("auto", help='auto | cpu | cuda | cuda:N.')
     dtype: str = setting("auto", help='auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16 (bf16, fp32, fp16 also accepted).')
-    cpu_threads: int | None = setting(None, help='Torch threads while decoding on CPU (default: 1; more threads lose on shared cores).')
+    cpu_threads: int = setting(1, help='Torch threads while decoding on CPU (more threads lose on shared cores).')
     near_tie_tolerance: float | None = None
     json_path: Path | None = setting(None, option='--json-file', help='Also write the full report as JSON to this file (default for a run folder: RUN/eval/final.json, which report, diff and inspect read).')
     progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={"runtime": True,
@@ -147,8 +147,8 @@ class EvaluateConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.temperature >= 0:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ConfigError(f"cpu_threads must be >= 1 (or unset), got {self.cpu_threads}")
+        if self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.block_size is not None and self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2 to draft anything, got {self.block_size}")
 
@@ -577,7 +577,7 @@ class Evaluator:
         references = config.references if references is None else references
         started = time.perf_counter()
         threads = torch.get_num_threads()
-        cpu_threads = (config.cpu_threads or 1) if self.device.type == "cpu" else None
+        cpu_threads = config.cpu_threads if self.device.type == "cpu" else None
         if cpu_threads is not None:
             torch.set_num_threads(cpu_threads)
         evaluated = self.prompt_sets if all_sets else self.prompt_sets[:1]

@@ -128,7 +128,7 @@ class GenerateConfig:
     turns: TurnMode = setting("all", help='Chat inputs: all = regenerate every assistant turn in order; last = only the last.')
     chat_template: bool = setting(True, help='Send `prompt` fields through the chat template (else raw completion).')
     template_kwargs: dict[str, Any] = setting(default_factory=dict, parse=_json_object, help='Extra chat-template variables as JSON, e.g. \'{"enable_thinking": false}\'.')
-    temperature: float = setting(0.0, help='0 = greedy (default).')
+    temperature: float = setting(0.0, help='0 = greedy.')
     top_p: float = setting(1.0, help='Nucleus mass when sampling.')
     max_new_tokens: int = setting(512, help='Most tokens per reply.')
     seed: int = setting(0, help='Sampling seed.')
