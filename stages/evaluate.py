@@ -55,7 +55,7 @@ from dflash.io.files import atomic_write_text
 from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progress_interval
 from dflash.serving.export import load_drafter
 from dflash.target.load import load_target, load_tokenizer
-from dflash.training.compat import check_target_identity, recorded_identity
+from dflash.training.checks import check_target_identity, recorded_identity
 from stages.config.check import dtype_spelling
 from stages.config.options import CommandSettings, config_options, setting
 from stages.config.resolve import print_and_exit, resolve_stage_config

@@ -330,7 +330,7 @@ def load_exported(
 
     config, provenance, state_dict = read_exported(path, verify_hashes=verify_hashes, check_finite=check_finite)
     if expected_target is not None and provenance.get("target"):
-        from dflash.training.compat import check_target_identity
+        from dflash.training.checks import check_target_identity
 
         check_target_identity(provenance["target"], expected_target,
                               where=f"{path} (exported for target {provenance['target'].get('name')!r})",
@@ -497,7 +497,7 @@ def _check_target(
         return None
     check_against_target(config, AutoConfig.from_pretrained(target_path), where=where)
     if target_info.get("content_hash"):
-        from dflash.training.compat import check_target_identity
+        from dflash.training.checks import check_target_identity
 
         check_target_identity(target_info, target_identity(target_path),
                               where=f"{where}: trained on target {target_info.get('name')!r}",
