@@ -45,6 +45,7 @@ from dflash.decoding.eval_prompts import (
     EMBEDDED_PROMPT_SETS,
     EvalPrompt,
     PromptSet,
+    check_prompt_source,
     embedded_prompts,
     held_out_rows,
     prompts_from_corpus,
@@ -157,7 +158,6 @@ class EvaluateConfig:
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.prompts == "held-out" and self.corpus is None:
             raise ConfigError("prompts: held-out prompts need --corpus (and --cache to exclude the training rows)")
-        from dflash.decoding.eval_prompts import check_prompt_source
 
         check_prompt_source(self.prompts)  # a wrong path fails here, before the target is loaded
         if isinstance(self.extra_prompts, str):

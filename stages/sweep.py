@@ -54,6 +54,7 @@ from dflash.io.files import atomic_write_text
 from dflash.io.locks import output_lock
 from dflash.training.telemetry import final_losses, read_metrics
 from stages.config.check import check_fields, deep_merge, leaf_paths, matches_type, read_config_file, set_path
+from stages.config.exit_status import ExitCode
 from stages.config.options import CommandSettings, config_options, setting
 from stages.config.resolve import nested, parse_sets, resolve_stage_config
 from stages.train.config import TrainConfig
@@ -490,8 +491,6 @@ def register(app: typer.Typer) -> None:
         atomic_write_text(Path(output) / "sweep.json", json.dumps({"runs": rows}, indent=2, default=str))
         Console().print(comparison_table(runs))
         if any(r.interrupted for r in runs):
-            from stages.config.exit_status import ExitCode
-
             raise typer.Exit(code=ExitCode.INTERRUPTED)  # a stopped sweep is not a finished one
         if any(r.error for r in runs):
             raise typer.Exit(code=1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import socket
@@ -38,6 +39,7 @@ from dflash.cache.format import (
     METADATA_ATTRIBUTE,
     CacheMetadata,
     HiddenSample,
+    codec_preset_name,
     commit_key,
     quantize_fp8,
     shard_group_key,
@@ -161,8 +163,6 @@ _COMPARED_ARRAY_FIELDS = ("zarr_format", "node_type", "data_type", "chunk_key_en
 def _array_metadata_fields(codec_json: str, dtype: str, width: int) -> tuple[tuple[str, Any], ...]:
     """The :data:`_COMPARED_ARRAY_FIELDS` of the ``zarr.json`` of an array of these settings, as zarr writes them
     (an array created in memory)."""
-    import json
-
     import zarr
     from zarr.core.buffer import default_buffer_prototype
     from zarr.storage import MemoryStore
@@ -178,8 +178,6 @@ def expected_array_metadata(metadata: CacheMetadata, name: str, shape: list[int]
     """The ``zarr.json`` fields (shape, chunk grid, :data:`_COMPARED_ARRAY_FIELDS`; not ``attributes``) that
     :meth:`HiddenStateCache.write_shard` writes for a shard's array ``name`` of ``shape`` in ``chunks``, from the
     cache's root metadata: what a check compares a stored one with."""
-    import json
-
     dtype, width = shard_arrays(metadata)[name]
     fields = dict(_array_metadata_fields(json.dumps(metadata.codec, sort_keys=True), dtype, width))
     return {"shape": list(shape), "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
@@ -512,8 +510,6 @@ def _check_resumable(path: str, existing: CacheMetadata, wanted: CacheMetadata) 
         have, want = getattr(existing, name), getattr(wanted, name)
         if have != want:
             if name == "codec":  # named as the --codec presets are
-                from dflash.cache.format import codec_preset_name
-
                 have, want = codec_preset_name(have), codec_preset_name(want)
             raise CacheError(
                 f"cannot resume the cache at {path}: its {name} is {have!r} but this run wants {want!r}; "

@@ -50,7 +50,9 @@ from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progre
 from dflash.target.load import PACKED_ATTENTION, resolve_target_path, target_identity
 from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
 from stages.config.check import dtype_spelling
+from stages.config.exit_status import ExitCode, print_error
 from stages.config.options import CommandSettings, config_options, setting
+from stages.config.resolve import print_and_exit, resolve_stage_config
 from stages.replicas.cluster import (
     close_cluster,
     cluster_workers,
@@ -719,8 +721,6 @@ def register(app: typer.Typer) -> None:
         """
         console = Console()
         try:
-            from stages.config.resolve import print_and_exit, resolve_stage_config
-
             config = resolve_stage_config(ExtractConfig, "extract", given=settings.given,
                                           config_file=settings.config_file, preset=settings.preset,
                                           overrides=settings.sets, required=("corpus", "output"),
@@ -729,7 +729,5 @@ def register(app: typer.Typer) -> None:
                 print_and_exit("extract", config)
             run_extract(config, console)
         except DFlashError as error:
-            from stages.config.exit_status import ExitCode, print_error
-
             print_error(error)
             raise typer.Exit(ExitCode.USAGE) from None

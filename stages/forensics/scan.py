@@ -29,6 +29,7 @@ from typing import Any
 import typer
 
 from dflash.errors import CheckpointError, DFlashError
+from stages.config.exit_status import ExitCode, print_error
 from stages.forensics.runs import describe, file_tensors, resume_problem, step_problems
 
 __all__ = ["register", "scan_command", "TensorFinding", "CheckpointScan", "checkpoints_to_scan", "scan_checkpoint",
@@ -213,8 +214,6 @@ def scan_command(
     try:
         scans = scan_paths(paths, max_abs=max_abs)
     except DFlashError as error:
-        from stages.config.exit_status import ExitCode, print_error
-
         print_error(error)
         raise typer.Exit(code=ExitCode.USAGE) from None
     if as_json:
