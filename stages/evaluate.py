@@ -41,6 +41,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from dflash.corpus.split import heldout_corpus
 from dflash.decoding.eval_prompts import (
     EMBEDDED_PROMPT_SETS,
     EvalPrompt,
@@ -57,6 +58,7 @@ from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progre
 from dflash.serving.export import load_drafter
 from dflash.target.load import load_target, load_tokenizer
 from dflash.training.checks import check_target_identity, recorded_identity
+from dflash.values import check_seed
 from stages.config.check import dtype_spelling
 from stages.config.options import CommandSettings, config_options, setting
 from stages.config.resolve import print_and_exit, resolve_stage_config
@@ -136,8 +138,6 @@ class EvaluateConfig:
                 "terminal; 0: none."})
 
     def __post_init__(self) -> None:
-        from dflash.values import check_seed
-
         check_seed("seed", self.seed)
         check_progress_interval(self.progress_interval)
         for name in ("drafter", "corpus", "cache", "json_path"):  # strings from a config file or --set
@@ -218,7 +218,6 @@ def load_prompt_set(spec: str, config: EvaluateConfig, tokenizer: Any, *, name: 
     it; named ``name``, else ``held-out``, the embedded set's name or the file's stem."""
     if spec == "held-out":
         from dflash.corpus.format import open_corpus
-        from dflash.corpus.split import heldout_corpus
 
         corpus = open_corpus(config.corpus)
         corpus.check_fingerprint()

@@ -56,7 +56,8 @@ from dflash.training.telemetry import final_losses, read_metrics
 from stages.config.check import check_fields, deep_merge, leaf_paths, matches_type, read_config_file, set_path
 from stages.config.exit_status import ExitCode
 from stages.config.options import CommandSettings, config_options, setting
-from stages.config.resolve import nested, parse_sets, resolve_stage_config
+from stages.config.presets import load_preset
+from stages.config.resolve import nested, parse_sets, printable, resolve_stage_config
 from stages.train.config import TrainConfig
 from stages.train.launch import run_training
 
@@ -231,8 +232,6 @@ def _not_owned(fixed: dict[str, Any]) -> dict[str, Any]:
 def _preset_without_owned(name: str) -> dict[str, Any]:
     """A pipeline preset whose train section never names the sweep's folders (its cache and output are the
     pipeline's, not the sweep's)."""
-    from stages.config.presets import load_preset
-
     data = dict(load_preset(name))
     if isinstance(data.get("train"), dict):
         data["train"] = {k: v for k, v in data["train"].items() if k not in SWEEP_OWNED}
@@ -450,8 +449,6 @@ def register(app: typer.Typer) -> None:
         folder = Path(config.output) if config.output else Path(time.strftime("sweep-%Y%m%d-%H%M%S"))
         runs = plan_sweep(config.cache, folder, config.grid, resume=config.resume, fixed=fixed)
         if settings.print_config:
-            from stages.config.resolve import printable
-
             printed = json.loads(printable("sweep", config))
             printed["sweep"]["output"] = str(folder)
             print(json.dumps({**printed, "train": fixed}, indent=2, default=str))

@@ -44,6 +44,7 @@ from dflash.batches.buckets import (
     quantile_boundaries,
 )
 from dflash.errors import CheckpointError, ConfigError
+from dflash.values import check_seed
 
 if TYPE_CHECKING:
     from dflash.batches.packed import PackedBatch
@@ -180,8 +181,6 @@ class StreamConfig(LoaderConfig):
     """Pad each batch's length up to a multiple of this (ignored with ``pad_to_budget``)."""
 
     def __post_init__(self) -> None:
-        from dflash.values import check_seed
-
         LoaderConfig.__post_init__(self)
         check_seed("seed", self.seed)
         check_seed("split_seed", self.split_seed)

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from dflash.cache.store import key_io
+
 __all__ = ["chunk_encoder", "decoder_for", "store_chunk", "stored_chunk_crc32c", "stored_chunk", "crc32c_trailer",
            "keep_chunk_buffers_mapped"]
 
@@ -122,15 +124,11 @@ def crc32c_trailer(data: bytes) -> str:
 
 def store_chunk(array: Any, coords: tuple[int, ...], data: bytes) -> None:
     """Store finished chunk bytes under ``array``'s own chunk key for ``coords`` (its store, its key encoding)."""
-    from dflash.cache.store import key_io
-
     key_io(array.store_path.store).set(_chunk_path(array, coords), data)
 
 
 def stored_chunk(array: Any, coords: tuple[int, ...]) -> bytes | None:
     """The stored (encoded) bytes of chunk ``coords`` of ``array``, or ``None`` if the chunk is missing."""
-    from dflash.cache.store import key_io
-
     return key_io(array.store_path.store).get(_chunk_path(array, coords))
 
 
