@@ -19,6 +19,9 @@ from typing import Any
 
 from rich.progress import Progress, Task
 
+from dflash.errors import ConfigError
+from dflash.values import finite_number
+
 __all__ = ["LogProgress", "progress_line", "short_count", "short_duration", "check_progress_interval",
            "DEFAULT_PROGRESS_INTERVAL"]
 
@@ -28,9 +31,6 @@ DEFAULT_PROGRESS_INTERVAL = 30.0
 
 def check_progress_interval(value: Any, name: str = "progress_interval") -> None:
     """Refuse a progress interval that is not a finite number of seconds >= 0 (ConfigError naming ``name``)."""
-    from dflash.errors import ConfigError
-    from dflash.values import finite_number
-
     if not finite_number(value) or value < 0:
         raise ConfigError(f"{name} must be a number of seconds >= 0 (0: no progress lines), got {value!r}")
 

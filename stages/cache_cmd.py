@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dflash.errors import CacheCorruptError, CacheError, DFlashError
+from dflash.io.locks import output_lock
 from stages.config.exit_status import ExitCode
 
 __all__ = ["register", "cache_app", "cache_info"]
@@ -164,8 +165,6 @@ def verify_command(
     for _shard, message in sorted(report["corrupt_shards"].items()):
         console.print(Text("CORRUPT: ", style="bold red") + Text(str(message)), soft_wrap=True)
     if report["corrupt_shards"] and uncommit_corrupt:
-        from dflash.io.locks import output_lock
-
         try:
             with output_lock(cache, what="cache"):  # a writer: not while an extract run writes this cache
                 writer = HiddenStateCache.open(cache)

@@ -166,8 +166,6 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug
     from rich.logging import RichHandler
 
     if verbose and quiet:
-        from dflash.errors import ConfigError
-
         raise ConfigError("-v/--verbose and -q/--quiet contradict each other; give one")
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO,

@@ -41,10 +41,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from dflash.corpus.split import heldout_corpus
 from dflash.decoding.eval_prompts import (
     EMBEDDED_PROMPT_SETS,
     EvalPrompt,
     PromptSet,
+    check_prompt_source,
     embedded_prompts,
     held_out_rows,
     prompts_from_corpus,
@@ -55,8 +57,8 @@ from dflash.io.files import atomic_write_text
 from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progress_interval
 from dflash.serving.export import load_drafter
 from dflash.target.load import load_target, load_tokenizer
-from dflash.training.compat import check_target_identity as check
-from dflash.training.compat import recorded_identity
+from dflash.training.checks import check_target_identity, recorded_identity
+from dflash.values import check_seed
 from stages.config.check import dtype_spelling
 from stages.config.options import CommandSettings, config_options, setting
 from stages.config.resolve import print_and_exit, resolve_stage_config
@@ -69,7 +71,7 @@ if TYPE_CHECKING:
 # torch and dflash.decoding.speculative are imported where they are used: every command's module is imported when the CLI
 # starts, and importing torch (seconds on a small host) before a config check would delay every `error:` line.
 
-__all__ = ["EvaluateConfig", "Baselines", "Evaluator", "load_drafter_any", "attach_checked", "check_target_identity", "load_prompts", "load_prompt_set", "evaluate_drafter",
+__all__ = ["EvaluateConfig", "Baselines", "Evaluator", "attach_checked", "load_prompt_set", "evaluate_drafter",
            "run_evaluate", "print_report", "tau_line", "write_json_atomic", "register"]
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,7 @@ class EvaluateConfig:
     seed: int = setting(0, help='Prompt selection, sampling, untrained init.')
     device: str = setting("auto", help='auto | cpu | cuda | cuda:N.')
     dtype: str = setting("auto", help='auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16 (bf16, fp32, fp16 also accepted).')
-    cpu_threads: int | None = setting(None, help='Torch threads while decoding on CPU (default: 1; more threads lose on shared cores).')
+    cpu_threads: int = setting(1, help='Torch threads while decoding on CPU (more threads lose on shared cores).')
     #: Largest target logit gap that counts as a floating-point near-tie in the lossless check; None: 1e-3 in float32, 0.125 in 16-bit dtypes.
     near_tie_tolerance: float | None = None
     json_path: Path | None = setting(None, option='--json-file', help='Also write the full report as JSON to this file (default for a run folder: RUN/eval/final.json, which report, diff and inspect read).')
@@ -109,8 +111,6 @@ class EvaluateConfig:
                 "terminal; 0: none."})
 
     def __post_init__(self) -> None:
-        from dflash.values import check_seed
-
         check_seed("seed", self.seed)
         check_progress_interval(self.progress_interval)
         for name in ("drafter", "corpus", "cache", "json_path"):  # strings from a config file or --set
@@ -121,8 +121,8 @@ class EvaluateConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.temperature >= 0:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ConfigError(f"cpu_threads must be >= 1 (or unset), got {self.cpu_threads}")
+        if self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.block_size is not None and self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2 to draft anything, got {self.block_size}")
 
@@ -131,7 +131,6 @@ class EvaluateConfig:
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.prompts == "held-out" and self.corpus is None:
             raise ConfigError("prompts: held-out prompts need --corpus (and --cache to exclude the training rows)")
-        from dflash.decoding.eval_prompts import check_prompt_source
 
         check_prompt_source(self.prompts)  # a wrong path fails here, before the target is loaded
         if isinstance(self.extra_prompts, str):
@@ -172,16 +171,6 @@ class EvaluateConfig:
         return getattr(torch, self.dtype)
 
 
-def load_drafter_any(path: Path) -> tuple[Any, Any, dict[str, Any]]:
-    """``(drafter, DFlashConfig, target_info)`` from a run folder, a checkpoint folder or an exported serving folder;
-    the drafter is on CPU without its target attached (see :func:`attach_checked`).
-
-    Raises:
-        CheckpointError / ExportError: nothing loadable at ``path``.
-    """
-    return load_drafter(path)
-
-
 def attach_checked(drafter: Any, target: Any, target_info: dict[str, Any], where: Path) -> None:
     """Attach the target's embedding/LM head to ``drafter`` after comparing them with the hashes recorded at
     training time (``dflash.training.checkpoint.check_target_weights``: bf16-rounded hashes when the dtypes differ).
@@ -197,28 +186,11 @@ def attach_checked(drafter: Any, target: Any, target_info: dict[str, Any], where
     drafter.attach_target(embed, lm_head)
 
 
-def check_target_identity(target_info: dict[str, Any], target: Any, where: Path) -> None:
-    """The drafter's recorded target against the loaded one (:func:`dflash.training.compat.check_target_identity`).
-
-    Raises:
-        MismatchError: an identity field differs.
-    """
-    check(target_info, target.identity,
-          where=f"the drafter at {where} (trained on target {recorded_identity(target_info).get('name')!r})",
-          fix=f"pass --target {target_info.get('target_spec')!r} (the recorded target)")
-
-
-def load_prompts(config: EvaluateConfig, tokenizer: Any) -> list[EvalPrompt]:
-    """The prompt set ``config.prompts`` names (see :mod:`dflash.decoding.eval_prompts`)."""
-    return load_prompt_set(config.prompts, config, tokenizer).prompts
-
-
 def load_prompt_set(spec: str, config: EvaluateConfig, tokenizer: Any, *, name: str | None = None) -> PromptSet:
     """The prompt set ``spec`` names (``held-out``, an embedded set or a prompts file), ``config.num_prompts`` of
     it; named ``name``, else ``held-out``, the embedded set's name or the file's stem."""
     if spec == "held-out":
         from dflash.corpus.format import open_corpus
-        from dflash.corpus.split import heldout_corpus
 
         corpus = open_corpus(config.corpus)
         corpus.check_fingerprint()
@@ -523,10 +495,13 @@ class Evaluator:
         return self.baselines.get(_baseline_key(self.prompt_sets[0]))
 
     def load_drafter(self, path: Path, loaded: tuple[Any, Any, dict[str, Any]] | None = None) -> tuple[Any, Any, dict[str, Any]]:
-        """A drafter from ``path`` (or the already read ``loaded = load_drafter_any(path)``) on the target's device
+        """A drafter from ``path`` (or what :func:`dflash.serving.export.load_drafter` read from it, ``loaded``) on the target's device
         and dtype, target attached and checked."""
-        drafter, drafter_config, target_info = loaded or load_drafter_any(Path(path))
-        check_target_identity(target_info, self.target, Path(path))
+        drafter, drafter_config, target_info = loaded or load_drafter(Path(path))
+        check_target_identity(
+            target_info, self.target.identity,
+            where=f"the drafter at {path} (trained on target {recorded_identity(target_info).get('name')!r})",
+            fix=f"pass --target {target_info.get('target_spec')!r} (the recorded target)")
         drafter.to(device=self.device, dtype=self.dtype)
         attach_checked(drafter, self.target, target_info, Path(path))
         return drafter.eval(), drafter_config, target_info
@@ -574,7 +549,7 @@ class Evaluator:
         references = config.references if references is None else references
         started = time.perf_counter()
         threads = torch.get_num_threads()
-        cpu_threads = (config.cpu_threads or 1) if self.device.type == "cpu" else None
+        cpu_threads = config.cpu_threads if self.device.type == "cpu" else None
         if cpu_threads is not None:
             torch.set_num_threads(cpu_threads)
         evaluated = self.prompt_sets if all_sets else self.prompt_sets[:1]
@@ -638,7 +613,7 @@ def run_evaluate(config: EvaluateConfig, *, console: Console | None = None) -> d
     if config.json_path is not None and (Path(config.json_path).is_dir() or Path(config.json_path).parent.is_file()):
         raise ConfigError(f"--json-file {config.json_path}: a folder is there, or its parent is a file; pass a file "
                           "path in a folder")  # refused now, not after the evaluation
-    loaded = load_drafter_any(drafter_path)
+    loaded = load_drafter(drafter_path)
     evaluator = Evaluator(config, config.target or loaded[2].get("target_spec") or "default", console=console)
     drafter, drafter_config, _ = evaluator.load_drafter(drafter_path, loaded)
     return evaluator.evaluate(drafter, drafter_config, label=str(drafter_path),

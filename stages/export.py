@@ -26,6 +26,7 @@ import typer
 from dflash.errors import DFlashError
 from dflash.io.locks import output_lock
 from dflash.serving.export import export_checkpoint
+from stages.config.exit_status import ExitCode, print_error
 from stages.config.options import CommandSettings, config_options, setting
 from stages.config.resolve import print_and_exit, resolve_stage_config
 
@@ -66,8 +67,6 @@ def export_command(settings: CommandSettings) -> None:
         for warning in caught:
             console.print(f"[yellow]warning:[/] {escape(str(warning.message))}")
     except DFlashError as error:  # a wrong path, OUT exists, mismatched target...: the user's to fix (exit 2)
-        from stages.config.exit_status import ExitCode, print_error
-
         print_error(error)
         raise typer.Exit(ExitCode.USAGE) from None
 

@@ -49,10 +49,26 @@ from dflash.generation.default_prompts import (
     DefaultPromptConfig,
     default_prompt_sets,
     describe_default_prompts,
+    write_prompts_jsonl,
 )
 from dflash.generation.engine import SamplingSettings
-from dflash.generation.parts import HELDOUT_PROMPTS_FILE
-from dflash.generation.prompts import DropCounts, TurnMode, check_generation_prompt, read_prompt_file
+from dflash.generation.parts import (
+    HELDOUT_PROMPTS_FILE,
+    PLAN_FILE,
+    PartSpec,
+    clear_uncommitted,
+    committed_parts,
+    generate_part,
+    plan_parts,
+    summarize_parts,
+)
+from dflash.generation.prompts import (
+    DropCounts,
+    TurnMode,
+    check_generation_prompt,
+    check_prompt_file,
+    read_prompt_file,
+)
 from dflash.io.files import DEFAULT_MAX_LINE_BYTES, atomic_write_text, load_json
 from dflash.io.locks import output_lock
 from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progress_interval
@@ -95,7 +111,7 @@ class GenerateConfig:
     turns: TurnMode = setting("all", help='Chat inputs: all = regenerate every assistant turn in order; last = only the last.')
     chat_template: bool = setting(True, help='Send `prompt` fields through the chat template (else raw completion).')
     template_kwargs: dict[str, Any] = setting(default_factory=dict, parse=_json_object, help='Extra chat-template variables as JSON, e.g. \'{"enable_thinking": false}\'.')
-    temperature: float = setting(0.0, help='0 = greedy (default).')
+    temperature: float = setting(0.0, help='0 = greedy.')
     top_p: float = setting(1.0, help='Nucleus mass when sampling.')
     max_new_tokens: int = setting(512, help='Most tokens per reply.')
     seed: int = setting(0, help='Sampling seed.')
@@ -133,8 +149,6 @@ class GenerateConfig:
         self.default_prompts = nested_config(DefaultPromptConfig(), self.default_prompts, "default_prompts")
         check_seed("default_prompts.seed", self.default_prompts.seed)
         if self.prompts != "default":
-            from dflash.generation.prompts import check_prompt_file
-
             check_prompt_file(self.prompts)  # a wrong path fails here, before any work
         if self.engine not in ("transformers", "openai"):
             raise ConfigError(f"engine must be transformers or openai, got {self.engine!r}")
@@ -221,8 +235,6 @@ def _records_digest(records: list[Any]) -> str:
 # ---------------------------------------------------------------------------------------------------- output
 def _existing_plan(output: Path) -> dict[str, Any] | None:
     """The plan of an existing generate output, None where there is none; refuses a folder of other files."""
-    from dflash.generation.parts import PLAN_FILE
-
     plan_file = output / PLAN_FILE
     if plan_file.is_file():
         existing = load_json(plan_file, error=ConfigError, fix=f"the plan of {output} is damaged: generate into a "
@@ -256,8 +268,6 @@ def _check_output_settings(config: GenerateConfig) -> None:
 
 def _open_output(config: GenerateConfig, plan: dict[str, Any]) -> None:
     """Create the output folder with its plan, or check an existing one holds the same plan."""
-    from dflash.generation.parts import PLAN_FILE, clear_uncommitted
-
     output = Path(config.output)  # run_generate refused an output that is a file before taking the lock
     plan_file = output / PLAN_FILE
     existing = _existing_plan(output)
@@ -275,7 +285,6 @@ def _open_output(config: GenerateConfig, plan: dict[str, Any]) -> None:
 
 def _clear_output(output: Path) -> None:
     from dflash.corpus.format import METADATA_FILE
-    from dflash.generation.parts import PLAN_FILE
 
     for path in [*output.glob("part-*.arrow"), *output.glob(".part-*"), output / PLAN_FILE, output / METADATA_FILE]:
         path.unlink(missing_ok=True)
@@ -362,7 +371,6 @@ def generate_part_task(spec: Any) -> dict[str, Any]:
     """Dask task: answer one part on this worker's target replica and commit it; returns the part's record."""
     from distributed import get_worker
 
-    from dflash.generation.parts import committed_parts, generate_part
 
     worker = get_worker()
     done = committed_parts(spec.output).get(spec.part_id)
@@ -422,8 +430,6 @@ def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: _PromptProg
 
 def _run_in_process(config: GenerateConfig, specs: list[Any], tokenizer: Any, progress: _PromptProgress,
                     timings: dict[str, float]) -> list[dict[str, Any]]:
-    from dflash.generation.parts import generate_part
-
     engine = _openai_engine(config, tokenizer)
     progress.start()
     records = []
@@ -476,7 +482,6 @@ def run_generate(config: GenerateConfig, console: Console | None = None, *,
 
 def _run_generate(config: GenerateConfig, console: Console | None, prompt_processes: int | None) -> dict[str, Any]:
     from dflash.corpus.format import METADATA_FILE, open_corpus
-    from dflash.generation.parts import PartSpec, committed_parts, plan_parts, summarize_parts
 
     console = console or Console(stderr=True)
     started = time.perf_counter()
@@ -497,8 +502,6 @@ def _run_generate(config: GenerateConfig, console: Console | None, prompt_proces
     _open_output(config, plan)
     output = Path(config.output)
     if heldout is not None:  # the default set's held-out prompts, for evaluate --prompts
-        from dflash.generation.default_prompts import write_prompts_jsonl
-
         write_prompts_jsonl(heldout, output / HELDOUT_PROMPTS_FILE)
     done = committed_parts(output)
     sampling = config.sampling().to_dict()

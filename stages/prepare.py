@@ -85,7 +85,10 @@ from dflash.io.files import (
 )
 from dflash.io.locks import output_lock
 from dflash.target.load import load_tokenizer, resolve_target_path, target_identity
+from dflash.values import check_seed
+from stages.config.exit_status import ExitCode, print_error
 from stages.config.options import CommandSettings, config_options, setting
+from stages.config.resolve import print_and_exit, resolve_stage_config
 
 __all__ = ["PrepareConfig", "PrepareReport", "run_prepare", "register"]
 
@@ -137,8 +140,6 @@ class PrepareConfig:
         "of the documents, at least 1; 0: none.")})
 
     def __post_init__(self) -> None:
-        from dflash.values import check_seed
-
         check_seed("seed", self.seed)
         self.inputs = list(self.inputs) or ["default"]
         self.output = Path(self.output)
@@ -730,8 +731,6 @@ def register(app: Any) -> None:
 
         console = Console(stderr=True)
         try:
-            from stages.config.resolve import print_and_exit, resolve_stage_config
-
             config = resolve_stage_config(PrepareConfig, "prepare", given=settings.given,
                                           config_file=settings.config_file, preset=settings.preset,
                                           overrides=settings.sets, required=("output",),
@@ -740,8 +739,6 @@ def register(app: Any) -> None:
                 print_and_exit("prepare", config)
             path, report = run_prepare(config, console=console)
         except DFlashError as error:
-            from stages.config.exit_status import ExitCode, print_error
-
             print_error(error, console)
             raise typer.Exit(ExitCode.USAGE) from None
         console.print(report.table())

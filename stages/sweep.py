@@ -54,8 +54,10 @@ from dflash.io.files import atomic_write_text
 from dflash.io.locks import output_lock
 from dflash.training.telemetry import final_losses, read_metrics
 from stages.config.check import check_fields, deep_merge, leaf_paths, matches_type, read_config_file, set_path
+from stages.config.exit_status import ExitCode
 from stages.config.options import CommandSettings, config_options, setting
-from stages.config.resolve import nested, parse_sets, resolve_stage_config
+from stages.config.presets import load_preset
+from stages.config.resolve import nested, parse_sets, printable, resolve_stage_config
 from stages.train.config import TrainConfig
 from stages.train.launch import run_training
 
@@ -221,8 +223,6 @@ def _not_owned(fixed: dict[str, Any]) -> dict[str, Any]:
 def _preset_without_owned(name: str) -> dict[str, Any]:
     """A pipeline preset whose train section never names the sweep's folders (its cache and output are the
     pipeline's, not the sweep's)."""
-    from stages.config.presets import load_preset
-
     data = dict(load_preset(name))
     if isinstance(data.get("train"), dict):
         data["train"] = {k: v for k, v in data["train"].items() if k not in SWEEP_OWNED}
@@ -440,8 +440,6 @@ def register(app: typer.Typer) -> None:
         folder = Path(config.output) if config.output else Path(time.strftime("sweep-%Y%m%d-%H%M%S"))
         runs = plan_sweep(config.cache, folder, config.grid, resume=config.resume, fixed=fixed)
         if settings.print_config:
-            from stages.config.resolve import printable
-
             printed = json.loads(printable("sweep", config))
             printed["sweep"]["output"] = str(folder)
             print(json.dumps({**printed, "train": fixed}, indent=2, default=str))
@@ -481,8 +479,6 @@ def register(app: typer.Typer) -> None:
         atomic_write_text(Path(output) / "sweep.json", json.dumps({"runs": rows}, indent=2, default=str))
         Console().print(comparison_table(runs))
         if any(r.interrupted for r in runs):
-            from stages.config.exit_status import ExitCode
-
             raise typer.Exit(code=ExitCode.INTERRUPTED)  # a stopped sweep is not a finished one
         if any(r.error for r in runs):
             raise typer.Exit(code=1)

@@ -635,7 +635,7 @@ def test_document_keys_are_stored_checked_on_resume_and_optional(tmp_path, targe
                                                 r"dflash_document_keys"):
         CacheReader(tmp_path / "c").document_keys()
 
-    # A cache created without keys (older code, or a corpus without document ids) opens and reads as before ...
+    # A cache created without keys (a corpus without document ids) opens and reads as before ...
     HiddenStateCache.create(tmp_path / "old", metadata).write_shard(0, samples[:3], [])
     old = CacheReader(tmp_path / "old")
     assert old.document_keys() is None and old.document_keys_info is None

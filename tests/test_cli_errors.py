@@ -292,7 +292,7 @@ def test_os_errors_the_user_must_fix_are_one_line_exit_2(monkeypatch, capsys, co
     def refuse(path, mode):
         raise OSError(number, os.strerror(number), "/data/cache/zarr.json")
 
-    monkeypatch.setattr(dflash.cache.reader, "_open_store", refuse)
+    monkeypatch.setattr(dflash.cache.reader, "open_cache_store", refuse)
     assert _main_in_process(monkeypatch, "cache", "info", "/data/cache") == exit_status
     stderr = capsys.readouterr().err
     assert expected in stderr

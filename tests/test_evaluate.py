@@ -243,9 +243,10 @@ def test_progress_bar_over_prompts_on_a_terminal(export_folder, target, tokenize
     from rich.console import Console
 
     from dflash.decoding.eval_prompts import EvalPrompt
-    from stages.evaluate import evaluate_drafter, load_drafter_any
+    from dflash.serving.export import load_drafter
+    from stages.evaluate import evaluate_drafter
 
-    drafter, config, _ = load_drafter_any(export_folder)
+    drafter, config, _ = load_drafter(export_folder)
     drafter.attach_target(target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight)
     prompts = [EvalPrompt(input_ids=tokenizer(text)["input_ids"], source=f"doc {i}")
                for i, text in enumerate([json.dumps.__doc__[:80], np.argsort.__doc__[:80]])]

@@ -1,4 +1,4 @@
-"""The single homes of two cross-cutting concerns: atomic file replacement (``dflash.io.files``) and the target-identity check (``dflash.training.compat``)."""
+"""The single homes of two cross-cutting concerns: atomic file replacement (``dflash.io.files``) and the target-identity check (``dflash.training.checks``)."""
 
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
 
 
 def test_one_target_identity_check_reads_every_recorded_form():
-    """``dflash.training.compat.check_target_identity``: the check behind cache, checkpoint, export and evaluate, whatever
+    """``dflash.training.checks.check_target_identity``: the check behind cache, checkpoint, export and evaluate, whatever
     form the artefact recorded its target in."""
     from dflash.errors import MismatchError
-    from dflash.training.compat import check_target_identity, recorded_identity
+    from dflash.training.checks import check_target_identity, recorded_identity
 
     identity = {"name": "smol", "content_hash": "sha256:aa", "num_hidden_layers": 30, "hidden_size": 576,
                 "vocab_size": 49152, "model_type": "llama"}

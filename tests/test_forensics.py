@@ -187,25 +187,19 @@ def test_inspect_json_gives_parameter_counts_tensor_statistics_and_checks_steps(
 
 
 def test_scan_and_inspect_fail_a_checkpoint_resume_would_refuse(run_a, tmp_path, monkeypatch, capsys):
-    """A foreign RNG file (a pickle of anything but tensors; a state file holding no generator state) or a missing
-    optimizer state: ``train --resume`` refuses the checkpoint, so scan and inspect say so (exit 1) with the same
+    """A foreign RNG file (a safetensors file that is no state tree; a state tree holding no generator state) or a
+    missing optimizer state: ``train --resume`` refuses the checkpoint, so scan and inspect say so (exit 1) with the same
     message, naming the file."""
-    import os
-    import pickle
     import shutil
 
     import torch
     from cli_helpers import main_in_process
-
-    class Payload:
-        def __reduce__(self):
-            return (os.system, (f"touch {tmp_path / 'ran'}",))
+    from safetensors.torch import save_file
 
     run = tmp_path / "run"
     shutil.copytree(run_a, run)
     latest, older, oldest = (run / "checkpoints" / f"step_{step:08d}" for step in (6, 4, 2))
-    (latest / "rng.safetensors").unlink()
-    (latest / "rng.pt").write_bytes(pickle.dumps({"torch": Payload()}))  # a format-1 name, a foreign pickle
+    save_file({"torch": torch.zeros(3)}, str(latest / "rng.safetensors"))  # not written by save_state_tree
     save_state_tree({"torch": torch.zeros(3)}, older / "rng.safetensors")  # readable, but no generator state
     (oldest / "optimizer.safetensors").unlink()
 
@@ -213,19 +207,18 @@ def test_scan_and_inspect_fail_a_checkpoint_resume_would_refuse(run_a, tmp_path,
     assert result.exit_code == 1, result.output
     assert "3 of 3 with problems" in result.output
     text = " ".join(result.output.split())
-    assert f"train --resume would refuse it: refused to load {latest / 'rng.pt'}: it is a pickle" in text
+    assert f"train --resume would refuse it: {latest / 'rng.safetensors'} holds no 'dflash_state_tree'" in text
     assert f"{older / 'rng.safetensors'}: its 'torch' entry is not a random generator state" in text
     assert f"{oldest} has no optimizer.safetensors" in text
     resumable = "resumable (every file train --resume reads, read as it reads them)"
     data = json.loads(_invoke(inspect_stage.register, "inspect", run, "--json", "--no-tensors").output)
-    assert data["checks"][resumable].startswith(f"train --resume would refuse it: refused to load {latest / 'rng.pt'}")
+    assert data["checks"][resumable].startswith(f"train --resume would refuse it: {latest / 'rng.safetensors'} holds no")
     result = _invoke(inspect_stage.register, "inspect", older, "--no-tensors")
     assert result.exit_code == 1 and f"{resumable}: FAILED" in result.output
 
     code, stderr = main_in_process(monkeypatch, capsys, "train", "--output", str(run), "--resume", "--no-progress")
     assert code == 2 and "Traceback" not in stderr
-    assert f"refused to load {latest / 'rng.pt'}: it is a pickle" in stderr  # the message scan and inspect gave
-    assert not (tmp_path / "ran").exists()
+    assert f"{latest / 'rng.safetensors'} holds no 'dflash_state_tree'" in stderr  # the message scan and inspect gave
 
     clean = _invoke(inspect_stage.register, "inspect", run_a, "--json", "--no-tensors")
     assert clean.exit_code == 0 and json.loads(clean.output)["checks"][resumable] == "ok"

@@ -21,7 +21,8 @@ from dflash.serving.export import WEIGHTS_FILE, export_checkpoint
 from dflash.training.state_files import load_state_tree, save_state_tree
 from stages.forensics import inspect as inspect_stage
 from stages.forensics.diff import compare, load_side
-from stages.forensics.runs import describe, diff_facts, scan_tensors
+from stages.forensics.runs import describe
+from stages.forensics.scan import scan_checkpoint
 
 
 def _write_run(run: Path, target, *, block_size: int) -> Path:
@@ -140,11 +141,11 @@ def test_diff_of_a_checkpoint_and_its_export_is_empty(run_b8, export_b8, cli):
 
 
 def test_diff_names_the_differing_keys(run_b8, run_b16, cli):
-    rows, skipped = diff_facts(describe(run_b8), describe(run_b16))
-    differing = {key: (left, right) for key, left, right in rows}
-    assert differing["drafter.block_size"] == (8, 16)
-    assert differing["run.config.drafter.block_size"] == (8, 16)
-    assert "drafter.hidden_size" not in differing and skipped == []
+    comparison = compare(load_side(run_b8), load_side(run_b16))
+    differing = {key: (left, right) for key, left, right in comparison.config}
+    assert differing["config.drafter.block_size"] == (8, 16)
+    assert "drafter.block_size" not in differing  # listed once, under the train config
+    assert "drafter.hidden_size" not in differing and comparison.skipped == []
     result = cli(run_b8, "--diff", run_b16)  # the alias of `dflash-stages diff`: each change once
     assert result.exit_code == 1
     assert "config.drafter.block_size" in result.output  # the train config's
@@ -154,11 +155,11 @@ def test_diff_names_the_differing_keys(run_b8, run_b16, cli):
 def test_scan_of_a_clean_run_counts_model_and_optimizer_tensors(run_b8, cli):
     checkpoint = run_b8 / "checkpoints" / "step_00000002"
     num_model = len(load_file(str(checkpoint / WEIGHTS_FILE)))
-    scanned, _, bad = scan_tensors(describe(run_b8).weight_files)
-    assert bad == [] and scanned > 2 * num_model  # AdamW: exp_avg and exp_avg_sq per parameter, plus steps
+    scan = scan_checkpoint(checkpoint)
+    assert scan.clean and scan.tensors > 2 * num_model  # AdamW: exp_avg and exp_avg_sq per parameter, plus steps
     result = cli(run_b8, "--scan")
     assert result.exit_code == 0, result.output
-    assert f"scanned {scanned} tensors" in result.output and "all clean" in result.output
+    assert f"scanned {scan.tensors} tensors" in result.output and "all clean" in result.output
 
 
 def test_scan_names_tensors_holding_nan_or_inf(run_b8, tmp_path, cli):
@@ -171,8 +172,8 @@ def test_scan_names_tensors_holding_nan_or_inf(run_b8, tmp_path, cli):
     optimizer["state"][0]["exp_avg"].view(-1)[0] = float("inf")
     save_state_tree(optimizer, checkpoint / "optimizer.safetensors")
 
-    _, _, bad = scan_tensors(describe(checkpoint).weight_files)
-    assert {(row["tensor"], row["nan"], row["inf"]) for row in bad} == {
+    findings = scan_checkpoint(checkpoint).findings
+    assert {(finding.stored_as, finding.nan, finding.inf) for finding in findings} == {
         ("layers.0.mlp.up_proj.weight", 3, 0),
         ("state.0.exp_avg", 0, 1),
     }

@@ -1,6 +1,6 @@
 """Training state without pickle: optimizer and RNG states round-trip exactly through safetensors; nothing a load
-path reads can run code (planted pickles in every state file of a checkpoint, old and new names, are refused with
-one line naming the file); checkpoints of the pickle era still resume."""
+path reads can run code (a planted pickle in either state file of a checkpoint is refused with one line naming the
+file)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from safetensors.torch import save_file
 
 from dflash.errors import CheckpointError
 from dflash.training.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state
-from dflash.training.state_files import load_legacy_torch_file, load_state_tree, save_state_tree
+from dflash.training.state_files import load_state_tree, save_state_tree
 
 
 class _Planted:
-    """Unpickling this runs ``touch MARKER``: a pickle attack on ``rng.pt``."""
+    """Unpickling this runs ``touch MARKER``: a pickle attack on a checkpoint's state file."""
 
     def __init__(self, marker):
         self.marker = str(marker)
@@ -92,17 +92,6 @@ def test_state_file_that_is_not_ours_or_truncated_is_one_line_naming_it(tmp_path
     assert "\n" not in str(error.value)
 
 
-def _legacy_checkpoint(run_b8, tmp_path):
-    """The newest checkpoint of a real run, rewritten as format 1 wrote it (torch pickles)."""
-    folder = tmp_path / "step_legacy"
-    shutil.copytree(load_checkpoint(run_b8).path, folder)
-    torch.save(load_state_tree(folder / "optimizer.safetensors"), folder / "optimizer.pt")
-    torch.save(load_state_tree(folder / "rng.safetensors"), folder / "rng.pt")
-    (folder / "optimizer.safetensors").unlink()
-    (folder / "rng.safetensors").unlink()
-    return folder
-
-
 @pytest.fixture(scope="module")
 def run_b8(tmp_path_factory, target):
     """A real short training run (tiny drafter on a tiny real cache) whose checkpoint the tests tamper with."""
@@ -117,27 +106,6 @@ def run_b8(tmp_path_factory, target):
     return run
 
 
-def test_format_1_checkpoint_still_loads_with_weights_only(run_b8, tmp_path):
-    current = load_checkpoint(run_b8)
-    legacy = load_checkpoint(_legacy_checkpoint(run_b8, tmp_path))
-    assert torch.equal(legacy.rng_state["torch"], current.rng_state["torch"])
-    assert np.array_equal(legacy.rng_state["numpy"][1], current.rng_state["numpy"][1])
-    assert legacy.optimizer_state["param_groups"] == current.optimizer_state["param_groups"]
-
-
-@pytest.mark.parametrize("name", ["rng.pt", "optimizer.pt"])
-def test_planted_pickle_in_a_format_1_checkpoint_does_not_run(run_b8, tmp_path, name):
-    folder = _legacy_checkpoint(run_b8, tmp_path)
-    marker = tmp_path / "pwned"
-    torch.save({"torch": _Planted(marker)}, folder / name)
-    with pytest.raises(CheckpointError) as error:
-        load_checkpoint(folder)
-    assert not marker.exists()
-    message = str(error.value)
-    assert f"refused to load {folder / name}" in message and "\n" not in message
-    assert "not written by dflash-stages or was tampered with" in message
-
-
 @pytest.mark.parametrize("name", ["rng.safetensors", "optimizer.safetensors"])
 def test_planted_pickle_under_a_format_2_name_does_not_run(run_b8, tmp_path, name):
     folder = tmp_path / "step"
@@ -149,23 +117,13 @@ def test_planted_pickle_under_a_format_2_name_does_not_run(run_b8, tmp_path, nam
     assert not marker.exists()
 
 
-def test_legacy_reader_refuses_planted_pickles_directly(tmp_path):
-    marker = tmp_path / "pwned"
-    torch.save([_Planted(marker)], tmp_path / "x.pt")
-    for allow_numpy in (False, True):
-        with pytest.raises(CheckpointError, match="refused to load"):
-            load_legacy_torch_file(tmp_path / "x.pt", allow_numpy_arrays=allow_numpy)
-    assert not marker.exists()
-
-
 def test_train_resume_with_a_planted_rng_file_exits_2_and_runs_nothing(run_b8, tmp_path):
     """A pickle attack on the rng state end to end: `train --resume` on a run whose rng state was replaced by a pickle."""
     run = tmp_path / "run"
     shutil.copytree(run_b8, run)
     checkpoint = load_checkpoint(run).path
     marker = tmp_path / "pwned"
-    (checkpoint / "rng.safetensors").unlink()
-    torch.save({"torch": _Planted(marker)}, checkpoint / "rng.pt")
+    torch.save({"torch": _Planted(marker)}, checkpoint / "rng.safetensors")  # a pickle under the state file's name
     config = (run / "run.json").read_text()
     import json
 
@@ -180,5 +138,5 @@ def test_train_resume_with_a_planted_rng_file_exits_2_and_runs_nothing(run_b8, t
     assert result.returncode == 2, result.stderr[-2000:]
     assert not marker.exists()
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(error_lines) == 1 and "rng.pt" in error_lines[0], result.stderr[-2000:]
+    assert len(error_lines) == 1 and "rng.safetensors" in error_lines[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr

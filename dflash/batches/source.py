@@ -44,6 +44,7 @@ from dflash.batches.buckets import (
     quantile_boundaries,
 )
 from dflash.errors import CheckpointError, ConfigError
+from dflash.values import check_seed
 
 if TYPE_CHECKING:
     from dflash.batches.packed import PackedBatch
@@ -117,7 +118,7 @@ class LoaderConfig(BucketConfig):
     the hash of its document key (the corpus ``document_id``, which extract stores in the cache as
     ``document_keys``) falls in ``validation_fraction``, so no document has rows in both splits and validation
     measures sources training never saw (the share of rows then varies with document sizes). ``"row"``: each
-    corpus row on its own, as before document keys existed (rows cut from one file land on both sides, so
+    corpus row on its own (rows cut from one file land on both sides, so
     validation overlaps training material). A cache or corpus without document keys is split by row either way,
     with one INFO line saying so."""
     prefetch_batches: int = field(default=4, metadata={"runtime": True})
@@ -180,8 +181,6 @@ class StreamConfig(LoaderConfig):
     """Pad each batch's length up to a multiple of this (ignored with ``pad_to_budget``)."""
 
     def __post_init__(self) -> None:
-        from dflash.values import check_seed
-
         LoaderConfig.__post_init__(self)
         check_seed("seed", self.seed)
         check_seed("split_seed", self.split_seed)
@@ -436,8 +435,8 @@ class PlannedCursor:
             if keys is None and self.rank == 0 and self.source not in _ROW_SPLIT_LOGGED:
                 _ROW_SPLIT_LOGGED.add(self.source)
                 log.info(
-                    "validation split by corpus row, not by source document: %s has no document keys (a cache "
-                    "extracted before they existed, or a corpus without a document_id column); to split by document, give the corpus a "
+                    "validation split by corpus row, not by source document: %s has no document keys (its corpus "
+                    "has no document_id column); to split by document, give the corpus a "
                     "document_id column (prepare writes one) and re-run extract", getattr(self.source, "url", type(self.source).__name__))
         if keys is None:
             self.split_by = "row"
@@ -562,9 +561,7 @@ class PlannedCursor:
             raise CheckpointError(
                 f"data cursor format {state.get('format')!r} is not {_STATE_FORMAT}; cannot resume"
             )
-        # A cursor from before min_supervised_tokens existed was taken with every sample kept, and one from before
-        # validation_split_by existed with the row split.
-        saved = {"min_supervised_tokens": 0, "validation_split_by": "row", **state["plan_config"]}
+        saved = dict(state["plan_config"])
         current = self.config.plan_fields()
         for key in sorted(set(saved) | set(current)):
             if saved.get(key) != current.get(key):

@@ -21,7 +21,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["chunk_encoder", "chunk_decoder", "decoder_for", "store_chunk", "stored_chunk_crc32c", "stored_chunk", "crc32c_trailer",
+from dflash.cache.store import key_io
+
+__all__ = ["chunk_encoder", "decoder_for", "store_chunk", "stored_chunk_crc32c", "stored_chunk", "crc32c_trailer",
            "keep_chunk_buffers_mapped"]
 
 _SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
@@ -70,17 +72,6 @@ def chunk_encoder(array: Any) -> Callable[[np.ndarray], bytes] | None:
         return data
 
     return encode
-
-
-def chunk_decoder(array: Any) -> Callable[[bytes], np.ndarray] | None:
-    """The inverse of :func:`chunk_encoder` for ``array`` (a zarr v3 ``Array``): see :func:`decoder_for`."""
-    codecs = [codec.to_dict() for codec in array.metadata.codecs]
-    if not codecs or codecs[0].get("name") != "bytes" or codecs[-1].get("name") != "crc32c":
-        return None
-    endian = (codecs[0].get("configuration") or {}).get("endian", "little")
-    if endian != "little" and np.dtype(array.dtype).itemsize > 1:
-        return None
-    return _decoder([codec.get("name") for codec in codecs[1:-1]], np.dtype(array.dtype), tuple(array.chunks))
 
 
 def decoder_for(codec: dict[str, Any], dtype: Any, chunk_shape: tuple[int, ...]) -> Callable[[bytes], np.ndarray] | None:
@@ -133,15 +124,11 @@ def crc32c_trailer(data: bytes) -> str:
 
 def store_chunk(array: Any, coords: tuple[int, ...], data: bytes) -> None:
     """Store finished chunk bytes under ``array``'s own chunk key for ``coords`` (its store, its key encoding)."""
-    from dflash.cache.store import key_io
-
     key_io(array.store_path.store).set(_chunk_path(array, coords), data)
 
 
 def stored_chunk(array: Any, coords: tuple[int, ...]) -> bytes | None:
     """The stored (encoded) bytes of chunk ``coords`` of ``array``, or ``None`` if the chunk is missing."""
-    from dflash.cache.store import key_io
-
     return key_io(array.store_path.store).get(_chunk_path(array, coords))
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "CORRUPT_SHARD_REPAIR",
     "DOCUMENT_KEYS_ARRAY",
     "DOCUMENT_KEYS_ATTRIBUTE",
+    "METADATA_ATTRIBUTE",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "STORAGE_DTYPES",
@@ -72,6 +73,8 @@ FORMAT_VERSION = 1
 DOCUMENT_KEYS_ARRAY = "document_keys"
 #: Root attribute committing :data:`DOCUMENT_KEYS_ARRAY`: ``{"num_rows", "num_documents", "sha256"}``, written after it.
 DOCUMENT_KEYS_ATTRIBUTE = "dflash_document_keys"
+#: The root attribute holding :meth:`CacheMetadata.to_dict`.
+METADATA_ATTRIBUTE = "dflash_cache"
 StorageDtype = Literal["bfloat16", "float8_e4m3fn"]
 STORAGE_DTYPES: tuple[str, ...] = ("bfloat16", "float8_e4m3fn")
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn

@@ -29,6 +29,7 @@ only when decoded (``dflash-stages cache verify`` checks them fully); the report
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from collections.abc import Callable
@@ -128,8 +129,6 @@ def check_array_metadata(reader: CacheReader, shard: int) -> None:
     Raises:
         CacheCorruptError: a ``zarr.json`` is missing, unreadable or differs; names the file, the field and both values.
     """
-    import json
-
     from dflash.cache.writer import expected_array_metadata, shard_arrays
 
     record = reader.commit_record(shard)

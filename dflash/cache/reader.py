@@ -31,10 +31,8 @@ from dflash.cache.format import (
     shard_group_key,
 )
 from dflash.cache.integrity import check_array_segments
-from dflash.cache.store import CacheStore
+from dflash.cache.store import CacheStore, open_cache_store, read_cache_metadata
 from dflash.cache.writer import (
-    _open_store,
-    _read_metadata,
     array_chunk_keys,
     committed_shard_ids,
     document_keys_record,
@@ -59,8 +57,8 @@ class CacheReader:
 
     def __init__(self, path_or_url: str | os.PathLike[str], *, final_tap: bool = False) -> None:
         self.url = os.fspath(path_or_url)
-        self._store: CacheStore = _open_store(path_or_url, "r")
-        self.metadata: CacheMetadata = _read_metadata(self._store)
+        self._store: CacheStore = open_cache_store(path_or_url, "r")
+        self.metadata: CacheMetadata = read_cache_metadata(self._store)
         if final_tap and not self.metadata.final_tap:
             raise ConfigError(
                 f"{self.url}: the cache has no final tap (the target's final normed hidden state), which "

@@ -11,7 +11,8 @@ chunks are stored by :mod:`dflash.cache.chunks`, both through this module's sync
 * any other store (fsspec URLs: object stores, ``memory://``): fsspec's synchronous filesystem API for the same
   URL (``fsspec.core.url_to_fs``); a PUT is atomic on object stores.
 
-No event loop is driven from here (zarr's private ``zarr.core.sync`` is not used).
+No event loop is driven from here (zarr's private ``zarr.core.sync`` is not used). :func:`open_cache_store` and
+:func:`read_cache_metadata` open a cache root and read its metadata, for the reader and the writer alike.
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ from zarr.abc.store import SupportsSyncStore
 from zarr.buffer import default_buffer_prototype
 from zarr.storage import LocalStore
 
-from dflash.errors import CacheCorruptError
+from dflash.cache.format import METADATA_ATTRIBUTE, CacheMetadata
+from dflash.errors import CacheCorruptError, CacheError, CacheNotFoundError
 from dflash.io.files import MAX_RECORD_BYTES, parse_json
 
 #: The fix of an unreadable JSON record in the cache.
 _REDO = "if it is a commit record, delete it so the shard is redone by the next extract run"
 
-__all__ = ["CacheStore", "KeyIO", "key_io", "partial_files", "remove_partial_files"]
+__all__ = ["CacheStore", "KeyIO", "key_io", "open_cache_store", "partial_files", "read_cache_metadata",
+           "remove_partial_files"]
 
 
 class KeyIO:
@@ -351,3 +354,47 @@ def _read_file(path: str, suffix: int | None) -> bytes | None:
         return os.pread(fd, min(suffix, size), max(0, size - suffix))
     finally:
         os.close(fd)
+
+
+def _what_is_there(path: str) -> str:
+    """A hint naming what a local ``path`` holds instead of a cache (a corpus, a run, nothing)."""
+    local = path[len("file://"):] if path.startswith("file://") else path
+    if "://" in local or not os.path.exists(local):
+        return "nothing is there"
+    if not os.path.isdir(local):
+        return "it is a file, not a cache folder"
+    names = set(os.listdir(local))
+    if "corpus.json" in names or any(name.endswith(".arrow") for name in names):
+        return "it looks like a tokenized corpus (prepare's output); pass it to `extract --corpus` and give train the cache extract writes"
+    if "checkpoints" in names or "run.json" in names:
+        return "it looks like a training run, not a cache"
+    return "the folder holds no cache (no Zarr group with dflash metadata)"
+
+
+def open_cache_store(path: str | os.PathLike[str], mode: str) -> CacheStore:
+    """The cache root at ``path`` opened in zarr ``mode``.
+
+    Raises:
+        CacheNotFoundError: nothing is at ``path`` (the message says what is there instead).
+        CacheError: ``path`` is not a Zarr v3 group.
+    """
+    try:
+        return CacheStore(path, mode)
+    except FileNotFoundError as error:
+        raise CacheNotFoundError(
+            f"no cache at {os.fspath(path)}: {_what_is_there(os.fspath(path))}; run `dflash-stages extract` first"
+        ) from error
+    except Exception as error:  # zarr raises several types for "not a group"
+        raise CacheError(f"cannot open the cache at {os.fspath(path)} as a Zarr v3 group: {error}") from error
+
+
+def read_cache_metadata(store: CacheStore) -> CacheMetadata:
+    """The cache's root metadata (:data:`dflash.cache.format.METADATA_ATTRIBUTE`).
+
+    Raises:
+        CacheError: the group has no such attribute, or it does not parse.
+    """
+    attributes = dict(store.group.attrs)
+    if METADATA_ATTRIBUTE not in attributes:
+        raise CacheError(f"{store.url} is a Zarr group without the root attribute {METADATA_ATTRIBUTE!r}; it is not a dflash cache")
+    return CacheMetadata.from_dict(attributes[METADATA_ATTRIBUTE])

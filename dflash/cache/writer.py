@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import socket
@@ -35,15 +36,17 @@ from dflash.cache.format import (
     DOCUMENT_KEYS_ARRAY,
     DOCUMENT_KEYS_ATTRIBUTE,
     FORMAT_VERSION,
+    METADATA_ATTRIBUTE,
     CacheMetadata,
     HiddenSample,
+    codec_preset_name,
     commit_key,
     quantize_fp8,
     shard_group_key,
     zarr_compressors,
 )
-from dflash.cache.store import CacheStore
-from dflash.errors import CacheError, CacheNotFoundError
+from dflash.cache.store import CacheStore, open_cache_store, read_cache_metadata
+from dflash.errors import CacheError
 from dflash.faults import fault_point
 
 __all__ = [
@@ -63,7 +66,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_ATTRIBUTE = "dflash_cache"
 _COUNTS_ATTRIBUTE = "dflash_cache_counts"
 
 
@@ -161,8 +163,6 @@ _COMPARED_ARRAY_FIELDS = ("zarr_format", "node_type", "data_type", "chunk_key_en
 def _array_metadata_fields(codec_json: str, dtype: str, width: int) -> tuple[tuple[str, Any], ...]:
     """The :data:`_COMPARED_ARRAY_FIELDS` of the ``zarr.json`` of an array of these settings, as zarr writes them
     (an array created in memory)."""
-    import json
-
     import zarr
     from zarr.core.buffer import default_buffer_prototype
     from zarr.storage import MemoryStore
@@ -178,8 +178,6 @@ def expected_array_metadata(metadata: CacheMetadata, name: str, shape: list[int]
     """The ``zarr.json`` fields (shape, chunk grid, :data:`_COMPARED_ARRAY_FIELDS`; not ``attributes``) that
     :meth:`HiddenStateCache.write_shard` writes for a shard's array ``name`` of ``shape`` in ``chunks``, from the
     cache's root metadata: what a check compares a stored one with."""
-    import json
-
     dtype, width = shard_arrays(metadata)[name]
     fields = dict(_array_metadata_fields(json.dumps(metadata.codec, sort_keys=True), dtype, width))
     return {"shape": list(shape), "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
@@ -220,7 +218,7 @@ class HiddenStateCache:
             document_keys: ``[R]`` uint64, the corpus's ``Corpus.document_keys`` (R = corpus rows, at least every
                 planned row), stored as the root array ``document_keys`` before any shard is written (``None``: a
                 corpus without ``document_id``; nothing is stored). On reopening, a cache holding keys must hold
-                these; one created without keys (older code, or killed before they were committed) gets them.
+                these; one created without keys (killed before they were committed) gets them.
 
         Raises:
             CacheError: ``path`` holds something else, or other document keys; the message names the differing
@@ -237,7 +235,7 @@ class HiddenStateCache:
                 existing._resume_document_keys(document_keys)
                 return existing
             cls.check_creatable(path)
-        store = CacheStore(path, "w", attributes={_ATTRIBUTE: metadata.to_dict()})
+        store = CacheStore(path, "w", attributes={METADATA_ATTRIBUTE: metadata.to_dict()})
         cache = cls(store, metadata)
         if document_keys is not None:
             cache._write_document_keys(document_keys)
@@ -308,8 +306,8 @@ class HiddenStateCache:
         Raises:
             CacheError: no cache at ``path`` (or not this format).
         """
-        store = _open_store(path, "r+")
-        return cls(store, _read_metadata(store))
+        store = open_cache_store(path, "r+")
+        return cls(store, read_cache_metadata(store))
 
     # ----------------------------------------------------------------------------------------------- shards
     def committed_shards(self) -> set[int]:
@@ -499,39 +497,6 @@ class HiddenStateCache:
 
 
 # --------------------------------------------------------------------------------------------------- helpers
-def _what_is_there(path: str) -> str:
-    """A hint naming what a local ``path`` holds instead of a cache (a corpus, a run, nothing)."""
-    local = path[len("file://"):] if path.startswith("file://") else path
-    if "://" in local or not os.path.exists(local):
-        return "nothing is there"
-    if not os.path.isdir(local):
-        return "it is a file, not a cache folder"
-    names = set(os.listdir(local))
-    if "corpus.json" in names or any(name.endswith(".arrow") for name in names):
-        return "it looks like a tokenized corpus (prepare's output); pass it to `extract --corpus` and give train the cache extract writes"
-    if "checkpoints" in names or "run.json" in names:
-        return "it looks like a training run, not a cache"
-    return "the folder holds no cache (no Zarr group with dflash metadata)"
-
-
-def _open_store(path: str | os.PathLike[str], mode: str) -> CacheStore:
-    try:
-        return CacheStore(path, mode)
-    except FileNotFoundError as error:
-        raise CacheNotFoundError(
-            f"no cache at {os.fspath(path)}: {_what_is_there(os.fspath(path))}; run `dflash-stages extract` first"
-        ) from error
-    except Exception as error:  # zarr raises several types for "not a group"
-        raise CacheError(f"cannot open the cache at {os.fspath(path)} as a Zarr v3 group: {error}") from error
-
-
-def _read_metadata(store: CacheStore) -> CacheMetadata:
-    attributes = dict(store.group.attrs)
-    if _ATTRIBUTE not in attributes:
-        raise CacheError(f"{store.url} is a Zarr group without the root attribute {_ATTRIBUTE!r}; it is not a dflash cache")
-    return CacheMetadata.from_dict(attributes[_ATTRIBUTE])
-
-
 def _has_content(path: str) -> bool:
     path = path[len("file://"):] if path.startswith("file://") else path
     if "://" in path:
@@ -545,8 +510,6 @@ def _check_resumable(path: str, existing: CacheMetadata, wanted: CacheMetadata) 
         have, want = getattr(existing, name), getattr(wanted, name)
         if have != want:
             if name == "codec":  # named as the --codec presets are
-                from dflash.cache.format import codec_preset_name
-
                 have, want = codec_preset_name(have), codec_preset_name(want)
             raise CacheError(
                 f"cannot resume the cache at {path}: its {name} is {have!r} but this run wants {want!r}; "

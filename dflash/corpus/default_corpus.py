@@ -34,6 +34,8 @@ from pathlib import Path
 __all__ = [
     "DEFAULT_MAX_LENGTH",
     "DEFAULT_LENGTH_POLICY",
+    "SKIP_DIRS",
+    "TEST_DIRS",
     "TextFile",
     "stdlib_root",
     "default_corpus_files",
@@ -43,8 +45,10 @@ __all__ = [
 
 DEFAULT_MAX_LENGTH = 2048
 DEFAULT_LENGTH_POLICY = "split"
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "lib-dynload"}
-_TEST_DIRS = {"test", "tests", "idle_test"}
+#: Folders never read as source text (installed packages, bytecode, extension modules).
+SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "lib-dynload"})
+#: Test-suite folders, read only when asked to.
+TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 _SKIP_FILE_PATTERNS = ("_sysconfigdata_*",)
 
 
@@ -99,7 +103,7 @@ def default_corpus_files(*, include_tests: bool = False, extra_folders: Iterable
         include_tests: also take the stdlib test suites (~3x the tokens).
         extra_folders: folders of text to add (every non-hidden file; e.g. the Python docs' reST sources).
     """
-    skip = _SKIP_DIRS if include_tests else _SKIP_DIRS | _TEST_DIRS
+    skip = SKIP_DIRS if include_tests else SKIP_DIRS | TEST_DIRS
     files = collect_text_files(stdlib_root(), patterns=("*.py",), source="stdlib", skip_dirs=skip)
     for folder in extra_folders:
         files += collect_text_files(Path(folder), patterns=("*",), source=Path(folder).name)

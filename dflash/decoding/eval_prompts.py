@@ -41,7 +41,9 @@ from typing import Any
 import numpy as np
 
 from dflash.corpus.chat import normalize_messages
+from dflash.corpus.default_corpus import SKIP_DIRS, TEST_DIRS, collect_text_files
 from dflash.errors import ConfigError, ConfigPathNotFoundError, MismatchError
+from dflash.generation.default_prompts import package_root, package_version
 from dflash.io.files import DEFAULT_MAX_LINE_BYTES, JSONInputError, decode_json, read_lines
 
 __all__ = ["EvalPrompt", "PromptSet", "EMBEDDED_PROMPT_SETS", "NUMPY_QUESTIONS", "check_prompt_source",
@@ -136,12 +138,9 @@ def check_prompt_source(spec: str, *, what: str = "prompts", held_out: bool = Tr
 def _numpy_candidates() -> tuple[list[tuple[str, str, str, str]], str | None]:
     """``(module, name, signature, summary)`` of every public module-level function of the installed numpy whose
     docstring has a ``Parameters`` section, sorted; and numpy's version."""
-    from dflash.corpus.default_corpus import _SKIP_DIRS, _TEST_DIRS, collect_text_files
-    from dflash.generation.default_prompts import package_root, package_version
-
     root = package_root("numpy")
     found = []
-    for file in collect_text_files(root, patterns=("*.py",), source="numpy", skip_dirs=_SKIP_DIRS | _TEST_DIRS):
+    for file in collect_text_files(root, patterns=("*.py",), source="numpy", skip_dirs=SKIP_DIRS | TEST_DIRS):
         relative = file.path.relative_to(root).with_suffix("")
         try:
             tree = ast.parse(file.path.read_text(encoding="utf-8"))

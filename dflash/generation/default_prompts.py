@@ -57,7 +57,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from dflash.corpus.default_corpus import _SKIP_DIRS, _TEST_DIRS, collect_text_files, stdlib_root
+from dflash.corpus.default_corpus import (
+    SKIP_DIRS,
+    TEST_DIRS,
+    collect_text_files,
+    default_corpus_files,
+    stdlib_root,
+)
 from dflash.errors import ConfigError
 from dflash.generation.prompts import PromptRecord
 from dflash.io.files import atomic_output
@@ -291,7 +297,7 @@ def package_files(config: DefaultPromptConfig) -> list[tuple[Any, str]]:
     files = []
     for name in config.packages:
         root = package_root(name)
-        for file in collect_text_files(root, patterns=("*.py",), source=name, skip_dirs=_SKIP_DIRS | _TEST_DIRS):
+        for file in collect_text_files(root, patterns=("*.py",), source=name, skip_dirs=SKIP_DIRS | TEST_DIRS):
             relative = f"{name}/{file.path.relative_to(root).as_posix()}"
             if not is_heldout_document(relative, config.heldout_permille):
                 files.append((file, relative))
@@ -336,8 +342,6 @@ def default_prompt_sets(config: DefaultPromptConfig | None = None, *,
         corpus of ``prepare`` names it), so every row generated from one file has one corpus ``document_id``
         (``<package>:<path>`` for package files).
     """
-    from dflash.corpus.default_corpus import default_corpus_files, stdlib_root
-
     config = config or DefaultPromptConfig()
     root = stdlib_root()
     sets: dict[Split, list[PromptRecord]] = {"train": [], "heldout": []}
@@ -386,7 +390,7 @@ def describe_default_prompts(config: DefaultPromptConfig) -> dict[str, Any]:
 
 def package_version(name: str) -> str | None:
     """The installed version of the distribution that provides import name ``name`` (None when unknown)."""
-    import importlib.metadata
+    import importlib.metadata  # email, csv, calendar...: not loaded for every command's --help
 
     for distribution in importlib.metadata.packages_distributions().get(name, [name]):
         try:

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from dflash.errors import ConfigError
+
 __all__ = ["StaticDecoder", "gumbel_noise", "grouped_decode_attention", "deterministic_decode_attention",
            "ranged_attention", "ATTENTION_NAME", "DETERMINISTIC_ATTENTION_NAME", "RANGED_ATTENTION_NAME",
            "RANGES_KWARG"]
@@ -246,8 +248,6 @@ class StaticDecoder:
         self._restore_attention: str | None = None
         previous = getattr(model.config, "_attn_implementation", None)
         if previous not in ("sdpa", "eager", ATTENTION_NAME, DETERMINISTIC_ATTENTION_NAME, RANGED_ATTENTION_NAME, None):
-            from dflash.errors import ConfigError
-
             raise ConfigError(f"the static decoder passes a 4-D padding mask, which attention {previous!r} does not "
                               "take; load the target with attn_implementation='sdpa' or use kv_cache=dynamic")
         self.ranged = False
@@ -256,8 +256,6 @@ class StaticDecoder:
 
             available = ranged_attention_available(self.device)
             if ranged and not available:
-                from dflash.errors import ConfigError
-
                 raise ConfigError(f"ranged decode attention needs CUDA and Triton; the target is on {self.device}")
             self.ranged = not deterministic and (available if ranged is None else bool(ranged))
             _register_attention()

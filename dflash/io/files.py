@@ -43,7 +43,7 @@ from typing import IO, Any
 from dflash.errors import ConfigError, DFlashError
 
 __all__ = ["atomic_output", "atomic_write_bytes", "atomic_write_text", "MAX_DEPTH", "MAX_RECORD_BYTES",
-           "DEFAULT_MAX_LINE_BYTES", "JSONInputError", "check_depth", "decode_json", "has_lone_surrogate", "load_json",
+           "DEFAULT_MAX_LINE_BYTES", "JSONInputError", "check_depth", "decode_json", "load_json",
            "open_regular", "parse_json", "read_bounded", "read_json_lines", "read_lines"]
 
 #: Deepest nesting of lists/objects accepted in any JSON/TOML/YAML file read back (the deepest record written is a
@@ -181,11 +181,6 @@ def _depth_problem(value: Any, limit: int) -> str | None:
             elif isinstance(child, str):
                 stack.append((child, depth))
     return None
-
-
-def has_lone_surrogate(text: str) -> bool:
-    """True when ``text`` holds a surrogate code point (only JSON ``\\ud800``-style escapes make one)."""
-    return _SURROGATE.search(text) is not None
 
 
 def check_depth(value: Any, *, where: str | os.PathLike[str], error: type[DFlashError], fix: str,

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import dflash
+from dflash.drafter import DFlashConfig
 from dflash.drafter.config import rope_settings_from_target
 from dflash.errors import CheckpointError, ExportError, MismatchError, TargetError
 from dflash.io.files import load_json
@@ -44,6 +45,7 @@ from dflash.serving.format import (
 )
 from dflash.target.load import resolve_target_path, target_identity
 from dflash.target.taps import LAYER_ID_CONVENTION
+from dflash.training.checks import check_target_identity
 
 if TYPE_CHECKING:
     import torch
@@ -326,12 +328,8 @@ def load_exported(
         ExportError: the folder breaks a rule; the message names the file, the key or tensor, expected vs got.
         MismatchError: the export was made for another target than ``expected_target``.
     """
-    from dflash.drafter import DFlashConfig
-
     config, provenance, state_dict = read_exported(path, verify_hashes=verify_hashes, check_finite=check_finite)
     if expected_target is not None and provenance.get("target"):
-        from dflash.training.compat import check_target_identity
-
         check_target_identity(provenance["target"], expected_target,
                               where=f"{path} (exported for target {provenance['target'].get('name')!r})",
                               fix=f"use the target the drafter was trained on, not {expected_target.get('name')!r}")
@@ -497,8 +495,6 @@ def _check_target(
         return None
     check_against_target(config, AutoConfig.from_pretrained(target_path), where=where)
     if target_info.get("content_hash"):
-        from dflash.training.compat import check_target_identity
-
         check_target_identity(target_info, target_identity(target_path),
                               where=f"{where}: trained on target {target_info.get('name')!r}",
                               fix=f"{spec!s} is another target; pass --target with the training target")

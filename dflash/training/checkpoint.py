@@ -13,9 +13,7 @@ embedding / LM head), ``drafter_config.json`` (``DFlashConfig.to_dict()``), ``ta
 ``target_spec``, embedding/LM-head hashes), ``optimizer.safetensors`` (the optimizer's state), ``trainer_state.json``
 (step, epoch, data cursor, scheduler, counters, resolved config) and ``rng.safetensors`` (torch/CUDA/numpy/python
 generator states). Nothing is pickled: the two state files are safetensors with their structure as JSON metadata
-(:mod:`dflash.training.state_files`), so loading a checkpoint, anyone's, cannot execute code. Checkpoints of older versions
-hold ``optimizer.pt`` / ``rng.pt`` instead; they are read with ``torch.load(weights_only=True)`` and refused with
-a one-line error if they need more than tensors and plain values.
+(:mod:`dflash.training.state_files`), so loading a checkpoint, anyone's, cannot execute code.
 
 Consistency: :meth:`Checkpointer.save` copies every tensor to host memory synchronously, between two optimizer
 steps, so a checkpoint never mixes weights of two steps; the copy of a CUDA state goes into pinned buffers reused
@@ -57,7 +55,7 @@ from dflash.io.files import (  # atomic_write_text re-exported: callers import i
     read_bounded,
 )
 from dflash.io.weights import load_safetensors, save_safetensors
-from dflash.training.state_files import load_legacy_torch_file, load_state_tree, save_state_tree
+from dflash.training.state_files import load_state_tree, save_state_tree
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -89,13 +87,10 @@ __all__ = [
     "check_target_weights",
 ]
 
-#: 2: optimizer and RNG state in safetensors (``optimizer.safetensors``, ``rng.safetensors``); 1: as torch pickles.
+#: Recorded in ``trainer_state.json``; a checkpoint of a newer format is refused.
 CHECKPOINT_FORMAT_VERSION = 2
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
-#: What format-1 checkpoints hold instead (read without unpickling code, see dflash.training.state_files).
-LEGACY_OPTIMIZER_FILE = "optimizer.pt"
-LEGACY_RNG_FILE = "rng.pt"
 #: Metadata key of ``optimizer.safetensors``: JSON list, the parameter name of each optimizer parameter index.
 PARAM_NAMES_KEY = "dflash_param_names"
 _CHECKPOINT_PREFIX = "step_"
@@ -601,9 +596,8 @@ def load_checkpoint(path: str | Path, *, with_training_state: bool = True) -> Lo
     """Read a checkpoint (a run folder resolves to its ``latest``); tensors on CPU.
 
     Args:
-        with_training_state: also read the optimizer and RNG states (needed to resume, not to evaluate): the
-            safetensors files of format 2, or a format-1 checkpoint's ``optimizer.pt`` / ``rng.pt`` with
-            ``torch.load(weights_only=True)`` (never a full unpickle).
+        with_training_state: also read the optimizer and RNG states (needed to resume, not to evaluate):
+            ``optimizer.safetensors`` and ``rng.safetensors`` (:func:`dflash.training.state_files.load_state_tree`).
 
     Raises:
         CheckpointError: missing, truncated or unreadable files (named), a state file that would need code to load
@@ -621,9 +615,9 @@ def load_checkpoint(path: str | Path, *, with_training_state: bool = True) -> Lo
             target_info=load_json(folder / "target.json", error=CheckpointError, fix=_DAMAGED),
         )
         if with_training_state:
-            loaded.optimizer_state = _load_training_state(folder, OPTIMIZER_FILE, LEGACY_OPTIMIZER_FILE)
+            loaded.optimizer_state = _load_training_state(folder, OPTIMIZER_FILE)
             _check_optimizer_state(loaded.optimizer_state, folder)
-            loaded.rng_state = _load_training_state(folder, RNG_FILE, LEGACY_RNG_FILE)
+            loaded.rng_state = _load_training_state(folder, RNG_FILE)
             _check_rng_state(loaded.rng_state, folder)
     except CheckpointError:
         raise
@@ -638,20 +632,14 @@ def load_checkpoint(path: str | Path, *, with_training_state: bool = True) -> Lo
     return loaded
 
 
-def _load_training_state(folder: Path, name: str, legacy_name: str) -> Any:
-    """One state file of ``folder``: the safetensors one, else a format-1 checkpoint's torch file (weights only)."""
+def _load_training_state(folder: Path, name: str) -> Any:
+    """The state file ``name`` of ``folder`` (:func:`dflash.training.state_files.load_state_tree`)."""
     if (folder / name).is_file():
         return load_state_tree(folder / name)
-    if (folder / legacy_name).is_file():
-        return load_legacy_torch_file(folder / legacy_name, allow_numpy_arrays=legacy_name == LEGACY_RNG_FILE)
     raise CheckpointError(
-        f"{folder} has no {name} (nor a {legacy_name} of older versions): the checkpoint cannot be resumed; "
+        f"{folder} has no {name}: the checkpoint cannot be resumed; "
         "resume from another checkpoint, or evaluate/export it (they need only the weights)"
     )
-
-
-def _state_file_name(folder: Path, name: str, legacy_name: str) -> Path:
-    return folder / (name if (folder / name).is_file() else legacy_name)
 
 
 def _check_optimizer_state(state: Any, folder: Path) -> None:
@@ -663,7 +651,7 @@ def _check_optimizer_state(state: Any, folder: Path) -> None:
     if not (isinstance(state, dict) and isinstance(state.get("state"), dict)
             and isinstance(state.get("param_groups"), list)):
         raise CheckpointError(
-            f"{_state_file_name(folder, OPTIMIZER_FILE, LEGACY_OPTIMIZER_FILE)} is not an optimizer state (no 'state' "
+            f"{folder / OPTIMIZER_FILE} is not an optimizer state (no 'state' "
             "and 'param_groups'); the file was not written by dflash-stages or was replaced: resume from another "
             "checkpoint"
         )
@@ -697,7 +685,7 @@ def _check_rng_state(state: Any, folder: Path) -> None:
             raise TypeError("not a list of uint8 tensors")
     except Exception as error:  # noqa: BLE001 - each generator rejects a bad state with its own exception type
         raise CheckpointError(
-            f"{_state_file_name(folder, RNG_FILE, LEGACY_RNG_FILE)}: its '{part}' entry is not a random generator state "
+            f"{folder / RNG_FILE}: its '{part}' entry is not a random generator state "
             f"({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else '-'}); the file was not "
             "written by dflash-stages or was replaced: resume from another checkpoint"
         ) from None

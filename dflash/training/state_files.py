@@ -5,25 +5,19 @@ lists and tuples holding tensors, numpy arrays and plain Python values. :func:`s
 ``.safetensors`` file: every tensor (and numpy array) is a safetensors tensor named by its path in the nest, and the
 nest itself, with each tensor replaced by its name, is JSON in the file's metadata (key ``dflash_state_tree``).
 Reading it back (:func:`load_state_tree`) parses a JSON header and raw little-endian buffers: nothing in the file can
-execute code, whoever wrote it. This replaces ``torch.save``/``torch.load(weights_only=False)`` (a pickle: loading
-a planted ``rng.pt`` ran arbitrary code).
+execute code, whoever wrote it (``torch.save`` writes a pickle, and loading a planted one runs arbitrary code).
 
 Skeleton encoding (JSON): ``{"$tensor": name}`` (the name is the path of keys joined by dots, e.g.
 ``state.0.exp_avg``); ``{"$ndarray": name, "dtype": "uint32"}`` (stored as a tensor of a
 safetensors-supported dtype, converted back on load); ``{"$dict": [[key, value], ...]}`` (keys are str or int, kept
 as such: optimizer states are keyed by parameter index); ``{"$tuple": [...]}``; lists, str, int, float (NaN and
 infinities as ``{"$float": "nan"}``), bool and None as themselves.
-
-Checkpoints written before this format (``optimizer.pt``, ``rng.pt``) are read with ``torch.load(weights_only=True)``
-(plus numpy's array constructor for the RNG file, whose numpy state is an array): a file that needs anything else is
-refused with a :class:`dflash.errors.CheckpointError` naming it, never unpickled.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import pickle  # only for its exception type: nothing here unpickles
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,7 +28,7 @@ import torch
 from dflash.errors import CheckpointError
 from dflash.io.files import parse_json
 
-__all__ = ["STATE_TREE_FORMAT", "save_state_tree", "load_state_tree", "load_legacy_torch_file"]
+__all__ = ["STATE_TREE_FORMAT", "save_state_tree", "load_state_tree"]
 
 #: Version of the skeleton encoding, recorded in the file's metadata.
 STATE_TREE_FORMAT = 1
@@ -153,36 +147,3 @@ def load_state_tree(path: str | Path) -> Any:
     skeleton = parse_json(header[_TREE_KEY], where=f"{path} (its state tree)", error=CheckpointError,
                           fix="the file was edited")
     return _decode(skeleton, tensors, path)
-
-
-def load_legacy_torch_file(path: str | Path, *, allow_numpy_arrays: bool = False) -> Any:
-    """Read an ``optimizer.pt`` / ``rng.pt`` of a checkpoint written before :data:`STATE_TREE_FORMAT` existed.
-
-    Loaded with ``torch.load(weights_only=True)``: tensors, containers and plain values only; with
-    ``allow_numpy_arrays`` also numpy arrays (numpy's RNG state), through numpy's array constructor. Nothing else is
-    unpickled.
-
-    Raises:
-        CheckpointError: the file needs other objects (a planted or foreign pickle), is truncated or unreadable;
-            one line naming the file.
-    """
-    path = Path(path)
-    allowed: list[Any] = []
-    if allow_numpy_arrays:
-        # numpy's array constructor, as pickles reference it (found through the public __reduce__, so no private
-        # numpy module is imported); the allowlist torch's documentation gives for numpy arrays.
-        reconstruct = np.zeros(1).__reduce__()[0]
-        allowed = [np.ndarray, np.dtype, reconstruct, *{type(np.dtype(kind)) for kind in ("uint32", "int64", "float64")}]
-    try:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # noqa: BLE001 - the unpickler raises many kinds; each becomes one line naming the file
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        if "Weights only load failed" in first_line or isinstance(error, pickle.UnpicklingError):
-            reason = "it is a pickle that needs more than tensors and plain values to load, so it was not loaded"
-        else:
-            reason = f"{type(error).__name__}: {first_line[:200]}"
-        raise CheckpointError(
-            f"refused to load {path}: {reason}; this file was not written by dflash-stages or was tampered with: "
-            "resume from another checkpoint, or start a new run"
-        ) from None

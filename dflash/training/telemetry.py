@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash.errors import CheckpointError, ConfigError
-from dflash.io.files import read_json_lines
+from dflash.io.files import atomic_write_text, read_json_lines
 from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progress_interval
 from dflash.training.trackers import TRACKERS, numeric_fields, open_trackers
 
@@ -202,8 +202,6 @@ def drop_records_after(path: str | Path, step: int) -> int:
             continue
         kept.append(line.decode())
     if dropped:
-        from dflash.io.files import atomic_write_text
-
         atomic_write_text(path, "".join(line + "\n" for line in kept))
     return dropped
 

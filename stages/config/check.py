@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.errors import ConfigError, ConfigPathNotFoundError
-from dflash.io.files import MAX_DEPTH
+from dflash.io.files import MAX_DEPTH, check_depth, read_bounded
 from dflash.values import shown
 
 __all__ = ["DTYPE_NAMES", "CONFIG_SECTIONS", "DuplicateKeyError", "unique_keys", "MISSING_DEFAULT", "PATH_FIELDS", "EXCLUSIVE_SETTINGS", "CONTRADICTED_SETTINGS", "layer_over", "check_fields", "check_not_empty_path", "dtype_spelling", "field_default",
@@ -341,8 +341,6 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             TOML/YAML/JSON (with line and column), nested too deep, of another extension, or not a
             table/mapping/object at the top.
     """
-    from dflash.io.files import check_depth, read_bounded
-
     file = Path(path).expanduser()
     fix = "give a .toml, .yaml or .json config file"
     if not os.path.lexists(file):

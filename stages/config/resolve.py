@@ -35,6 +35,7 @@ from stages.config.check import (
     read_config_file,
     set_path,
 )
+from stages.config.presets import load_preset
 
 __all__ = ["layer_sets", "nested", "parse_sets", "plain_value", "print_and_exit", "printable", "resolve_stage_config", "section_of",
            "without_key"]
@@ -163,9 +164,8 @@ def resolve_stage_config(
     option_names = dict(option_names or {})
     read: list[tuple[Mapping[str, Any], str]] = []
     if preset is not None:
-        if read_preset is None:
-            from stages.config.presets import load_preset as read_preset
-        read.append((section_of(read_preset(preset), section, fields, f"preset {preset}"), f"preset {preset}"))
+        loaded = (read_preset or load_preset)(preset)
+        read.append((section_of(loaded, section, fields, f"preset {preset}"), f"preset {preset}"))
     if config_file is not None:
         data = read_config_file(config_file)
         read.append((section_of(data, section, fields, f"--config {config_file}"), f"--config {config_file}"))

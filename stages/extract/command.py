@@ -28,7 +28,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import typer
@@ -50,7 +50,9 @@ from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progre
 from dflash.target.load import PACKED_ATTENTION, resolve_target_path, target_identity
 from dflash.target.taps import LAYER_ID_CONVENTION, tapped_layer_ids
 from stages.config.check import dtype_spelling
+from stages.config.exit_status import ExitCode, print_error
 from stages.config.options import CommandSettings, config_options, setting
+from stages.config.resolve import print_and_exit, resolve_stage_config
 from stages.replicas.cluster import (
     close_cluster,
     cluster_workers,
@@ -66,7 +68,8 @@ log = logging.getLogger(__name__)
 
 _STORAGE_DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 _MAX_ROUNDS = 2
-_CODEC_CALIBRATION = ("auto", "always", "never")  # ExtractConfig.codec_calibration
+CodecCalibration = Literal["auto", "always", "never"]
+_CODEC_CALIBRATION: tuple[str, ...] = get_args(CodecCalibration)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -88,7 +91,7 @@ class ExtractConfig:
     packed_attention: Literal["auto", "flex_attention", "sdpa", "varlen"] = setting("auto", help='Attention kernel of --packing: auto (varlen on GPU workers whose torch has it, else flex_attention; sdpa on CPU workers) | flex_attention (document mask) | sdpa (block-diagonal mask, half the speed on an H200) | varlen (FlashAttention varlen over the sample boundaries; GPU workers, torch >= 2.10; 1.13x flex_attention on a long-tailed corpus on an H200).')
     storage_dtype: Literal["bf16", "fp8"] = setting("bf16", help='bf16 (bit-exact) or fp8 (lossy e4m3, per-token per-tap scale); bfloat16 and float8_e4m3fn also accepted.')
     codec: str = setting("auto", help='auto, or a codec preset of dflash.cache.CODEC_PRESETS, e.g. none, zstd-1, blosc-zstd1-shuffle (an unknown name lists them). auto: measured on the workers before the cache is created, the best-compressing of blosc-zstd1-shuffle, blosc-lz4-shuffle, none that encodes >= 1.25x the rate hidden states are produced (CUDA runners; CPU runners get blosc-zstd1-shuffle unmeasured); recorded in the cache and printed; an existing cache keeps its codec. If even none cannot keep up, use --storage-dtype fp8 or the online mode (docs/cache-format.md).')
-    codec_calibration: Literal["auto", "always", "never"] = setting("auto", help='When --codec auto measures: auto (CUDA runners only), always (CPU runners too), never (the default codec, unmeasured).')
+    codec_calibration: CodecCalibration = setting("auto", help='When --codec auto measures: auto (CUDA runners only), always (CPU runners too), never (the default codec, unmeasured).')
     max_length: int | None = setting(None, help='Longest row accepted (see --length-policy).')
     length_policy: Literal["error", "drop", "truncate"] = setting("error", help='Rows over --max-length: error, drop or truncate.')
     force_space: bool = setting(False, option='--force-space', help='Start even if the estimate exceeds the free space.')
@@ -665,8 +668,6 @@ def register(app: typer.Typer) -> None:
         """
         console = Console()
         try:
-            from stages.config.resolve import print_and_exit, resolve_stage_config
-
             config = resolve_stage_config(ExtractConfig, "extract", given=settings.given,
                                           config_file=settings.config_file, preset=settings.preset,
                                           overrides=settings.sets, required=("corpus", "output"),
@@ -675,7 +676,5 @@ def register(app: typer.Typer) -> None:
                 print_and_exit("extract", config)
             run_extract(config, console)
         except DFlashError as error:
-            from stages.config.exit_status import ExitCode, print_error
-
             print_error(error)
             raise typer.Exit(ExitCode.USAGE) from None

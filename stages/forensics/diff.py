@@ -41,6 +41,7 @@ import typer
 
 from dflash.errors import DFlashError
 from dflash.training.telemetry import final_losses, read_metrics
+from stages.config.exit_status import ExitCode, print_error
 from stages.forensics.runs import add_key_column, describe, evaluated_tau, flatten, format_value, read_json
 
 __all__ = ["register", "diff_command", "Side", "Comparison", "load_side", "compare", "print_comparison",
@@ -337,8 +338,6 @@ def diff_command(
     try:
         comparison = compare(load_side(a), load_side(b))
     except DFlashError as error:
-        from stages.config.exit_status import ExitCode, print_error
-
         print_error(error)
         raise typer.Exit(code=ExitCode.USAGE) from None
     if as_json:

@@ -25,6 +25,7 @@ from typing import Any
 import typer
 
 from dflash.errors import DFlashError
+from stages.config.exit_status import ExitCode, print_error
 from stages.forensics.diff import compare, load_side, print_comparison
 from stages.forensics.runs import (
     Artefact,
@@ -157,14 +158,10 @@ def inspect_command(
         artefact = describe(path)
         other = describe(diff) if diff is not None else None  # both refused here, before any output
     except DFlashError as error:
-        from stages.config.exit_status import ExitCode, print_error
-
         print_error(error)
         raise typer.Exit(code=ExitCode.USAGE) from None
 
     if as_json and (other is not None or scan):
-        from stages.config.exit_status import ExitCode, print_error
-
         print_error("--json prints one artefact: use it without --diff and --scan (`dflash-stages diff` and "
                     "`dflash-stages scan` have their own --json)")
         raise typer.Exit(code=ExitCode.USAGE)

@@ -44,10 +44,11 @@ from typing import Any
 
 import typer
 
-from dflash.errors import CheckpointError, DFlashError
+from dflash.errors import CheckpointError, ConfigError, DFlashError
 from dflash.io.files import atomic_write_bytes, atomic_write_text
 from dflash.io.locks import output_lock
 from dflash.training.telemetry import final_losses, read_metrics, record_number
+from stages.config.exit_status import ExitCode, print_error
 from stages.forensics.runs import evaluated_tau
 
 __all__ = ["register", "report_command", "RunSeries", "load_series", "write_report", "check_report_output", "PLOTS",
@@ -263,8 +264,6 @@ def check_report_output(output: str | Path) -> None:
     Raises:
         ConfigError: naming the path, what is there and the fix.
     """
-    from dflash.errors import ConfigError
-
     output = Path(output)
     if output.is_symlink():
         raise ConfigError(f"--output {output} is a symbolic link (to {os.readlink(output)}); the report is written "
@@ -340,8 +339,6 @@ def report_command(
             check_report_output(folder)
             written = write_report(series, folder)
     except DFlashError as error:
-        from stages.config.exit_status import ExitCode, print_error
-
         print_error(error)
         raise typer.Exit(code=ExitCode.USAGE) from None
     Console().print(f"wrote {len(written) - 1} plots and {written['html']}", soft_wrap=True)

@@ -1,7 +1,6 @@
 """One reader of the artefacts the forensics commands look at: run folders, checkpoint folders and exports.
 
-:func:`describe` reduces each to an :class:`Artefact` of flat ``section.key -> value`` facts, checks and weight
-files; :func:`file_tensors` streams the tensors of a weights or optimizer file in bounded chunks. ``inspect``,
+:func:`describe` reduces each to an :class:`Artefact` of flat ``section.key -> value`` facts and checks; :func:`file_tensors` streams the tensors of a weights or optimizer file in bounded chunks. ``inspect``,
 ``scan``, ``diff`` and ``report`` read through these.
 """
 
@@ -27,8 +26,8 @@ from dflash.serving.export import (
     read_exported,
 )
 
-__all__ = ["Artefact", "describe", "diff_facts", "scan_tensors", "flatten", "tensor_statistics", "parameter_groups",
-           "file_tensors", "resume_problem", "evaluated_tau", "step_problems", "named_tensors", "read_json", "format_value", "add_key_column"]
+__all__ = ["Artefact", "describe", "flatten", "tensor_statistics", "parameter_groups",
+           "file_tensors", "resume_problem", "evaluated_tau", "step_problems", "read_json", "format_value", "add_key_column"]
 
 #: Elements per chunk when a large tensor is streamed.
 _CHUNK_ELEMENTS = 1 << 24
@@ -48,12 +47,11 @@ def flatten(data: Any, prefix: str) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class Artefact:
-    """What ``inspect`` knows about one path: its kind, flat facts, the weight files to scan, loader verdicts."""
+    """What ``inspect`` knows about one path: its kind, flat facts, loader verdicts."""
 
     path: Path
     kind: ArtefactKind
     facts: dict[str, Any] = field(default_factory=dict)
-    weight_files: list[Path] = field(default_factory=list)
     checks: dict[str, str] = field(default_factory=dict)  # name -> "ok" or the error message
     notes: list[str] = field(default_factory=list)
     #: The safetensors file of the drafter's weights (checkpoint or export), for per-tensor statistics.
@@ -70,7 +68,7 @@ class Artefact:
 
 
 def tensor_statistics(path: Path) -> list[dict[str, Any]]:
-    """Per tensor of a safetensors (or format-1 torch) file, streamed in row chunks (bounded memory).
+    """Per tensor of a safetensors file, streamed in row chunks (bounded memory).
 
     Returns:
         One dict per tensor, in file order: ``name``, ``dtype``, ``shape``, ``numel``; for floating-point tensors
@@ -162,7 +160,6 @@ def _describe_checkpoint(folder: Path, artefact: Artefact) -> None:
         artefact.facts.update(flatten(read_json(folder / "trainer_state.json"), "trainer"))
     weights = folder / WEIGHTS_FILE
     if weights.is_file():
-        artefact.weight_files.append(weights)
         artefact.model_file = weights
         artefact.facts.update(flatten(_weights_summary(weights), "weights"))
         try:
@@ -172,9 +169,6 @@ def _describe_checkpoint(folder: Path, artefact: Artefact) -> None:
             artefact.checks["weight names and shapes"] = str(error)
     else:
         artefact.checks["weights"] = f"{weights} is missing"
-    for state_file in ("optimizer.safetensors", "optimizer.pt", "rng.safetensors"):  # format 2, or format 1's file
-        if (folder / state_file).is_file() and state_file != "rng.safetensors":
-            artefact.weight_files.append(folder / state_file)
     recorded = [folder / name for name in (WEIGHTS_FILE, "optimizer.safetensors", "rng.safetensors")
                 if (folder / name).is_file()]
     problems = step_problems(folder, recorded)
@@ -199,7 +193,6 @@ def _describe_export(folder: Path, artefact: Artefact) -> None:
         artefact.notes.append(f"no {PROVENANCE_FILE}: target and source are unknown")
     weights = folder / WEIGHTS_FILE
     if weights.is_file():
-        artefact.weight_files.append(weights)
         artefact.model_file = weights
         artefact.facts.update(flatten(_weights_summary(weights), "weights"))
     try:
@@ -251,80 +244,6 @@ def describe(path: str | Path) -> Artefact:
         f"{folder} is not a run (run.json/latest), checkpoint ({CHECKPOINT_CONFIG_FILE}) or export "
         f"({CONFIG_FILE} with architectures DFlashDraftModel) folder"
     )
-
-
-def diff_facts(left: Artefact, right: Artefact) -> tuple[list[tuple[str, Any, Any]], list[str]]:
-    """Config differences between two artefacts over the sections both have (the ``weights`` summary excluded).
-
-    Returns:
-        ``(rows, skipped_sections)``: rows ``(key, left value, right value)`` (``<absent>`` when one side lacks the
-        key), sorted by key; and the sections only one side has (not compared).
-    """
-    absent = "<absent>"
-
-    def sections(facts: Mapping[str, Any]) -> set[str]:
-        return {key.split(".", 1)[0] for key in facts}
-
-    # A config diff: the weights summary (dtype, bytes) is not config, and export timestamps always differ.
-    common = (sections(left.facts) & sections(right.facts)) - {"weights"}
-    skipped = sorted((sections(left.facts) | sections(right.facts)) - common - {"weights"})
-    keys = sorted(
-        key
-        for key in set(left.facts) | set(right.facts)
-        if key.split(".", 1)[0] in common and key != "provenance.created_at"
-    )
-    rows = [
-        (key, left.facts.get(key, absent), right.facts.get(key, absent))
-        for key in keys
-        if left.facts.get(key, absent) != right.facts.get(key, absent)
-    ]
-    return rows, skipped
-
-
-def named_tensors(path: Path) -> Iterator[tuple[str, Any]]:
-    """Every tensor in a safetensors file or a ``torch.save`` file (nested dicts/lists walked, named by path)."""
-    import torch
-
-    if path.suffix == ".safetensors":
-        from dflash.io.weights import open_safetensors
-
-        with open_safetensors(path) as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
-        return
-    from dflash.training.state_files import load_legacy_torch_file
-
-    stack: list[tuple[str, Any]] = [("", load_legacy_torch_file(path))]  # a format-1 optimizer.pt: never unpickled
-    while stack:
-        name, value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            yield name, value
-        elif isinstance(value, Mapping):
-            stack.extend((f"{name}.{key}" if name else str(key), item) for key, item in reversed(list(value.items())))
-        elif isinstance(value, (list, tuple)):
-            stack.extend((f"{name}.{index}" if name else str(index), item) for index, item in reversed(list(enumerate(value))))
-
-
-def scan_tensors(files: list[Path]) -> tuple[int, int, list[dict[str, Any]]]:
-    """Count NaN and Inf values in every floating-point tensor of ``files``, one tensor at a time.
-
-    Returns:
-        ``(tensors_scanned, elements_scanned, bad)`` where ``bad`` lists ``{file, tensor, dtype, shape, nan, inf}``.
-    """
-    import torch
-
-    scanned, elements, bad = 0, 0, []
-    for path in files:
-        for name, tensor in named_tensors(path):
-            scanned += 1
-            elements += tensor.numel()
-            if not tensor.is_floating_point():
-                continue
-            nan = int(torch.isnan(tensor).sum())
-            inf = int(torch.isinf(tensor).sum())
-            if nan or inf:
-                bad.append({"file": path.name, "tensor": name, "dtype": str(tensor.dtype), "shape": list(tensor.shape), "nan": nan, "inf": inf})
-    return scanned, elements, bad
 
 
 def _eval_folder(run: Path) -> Path | None:
@@ -414,18 +333,13 @@ def _chunks(handle: Any, name: str) -> Iterator[Any]:
 
 
 def file_tensors(path: Path) -> Iterator[tuple[str, str, list[int], Iterator[Any]]]:
-    """``(stored name, dtype, shape, chunks)`` of every tensor of a safetensors or format-1 torch file."""
-    if path.suffix == ".safetensors":
-        from dflash.io.weights import open_safetensors
+    """``(stored name, dtype, shape, chunks)`` of every tensor of a safetensors file."""
+    from dflash.io.weights import open_safetensors
 
-        with open_safetensors(path) as handle:
-            for name in handle.keys():
-                tensor_slice = handle.get_slice(name)
-                yield name, str(tensor_slice.get_dtype()), list(tensor_slice.get_shape()), _chunks(handle, name)
-        return
-    # A format-1 optimizer.pt: loaded whole (weights only, never unpickled), so this one is not streamed.
-    for name, tensor in named_tensors(path):
-        yield name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), iter([tensor])
+    with open_safetensors(path) as handle:
+        for name in handle.keys():
+            tensor_slice = handle.get_slice(name)
+            yield name, str(tensor_slice.get_dtype()), list(tensor_slice.get_shape()), _chunks(handle, name)
 
 
 def step_problems(folder: Path, files: list[Path]) -> list[str]:

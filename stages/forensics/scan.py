@@ -2,12 +2,11 @@
 
 PATH is a run folder (every checkpoint under ``checkpoints/`` is scanned, oldest first, and named), a checkpoint
 folder or a serving-format export. Per checkpoint, ``model.safetensors`` and the optimizer state
-(``optimizer.safetensors``; a format-1 checkpoint's ``optimizer.pt``) are read one tensor at a time through
+(``optimizer.safetensors``) are read one tensor at a time through
 safetensors' ``safe_open`` (large tensors in row chunks), so memory stays bounded by one chunk whatever the file's
 size. Optimizer state is named by parameter (``layers.0.mlp.up_proj.weight.exp_avg``, stored as
 ``state.7.exp_avg``): the index -> name map is the one the checkpoint recorded (``dflash_param_names`` in the
-file's metadata, :func:`dflash.training.checkpoint.optimizer_param_names`); for older checkpoints it is rebuilt from
-``drafter_config.json`` in the order ``dflash.training.optim.build_optimizer`` lists the parameters (and said so).
+file's metadata, :func:`dflash.training.checkpoint.optimizer_param_names`).
 
     dflash-stages scan runs/smol                         # every checkpoint of the run
     dflash-stages scan runs/a runs/b/checkpoints/step_00000100 --max-abs 1e3 --json
@@ -30,7 +29,8 @@ from typing import Any
 import typer
 
 from dflash.errors import CheckpointError, DFlashError
-from stages.forensics.runs import describe, file_tensors, read_json, resume_problem, step_problems
+from stages.config.exit_status import ExitCode, print_error
+from stages.forensics.runs import describe, file_tensors, resume_problem, step_problems
 
 __all__ = ["register", "scan_command", "TensorFinding", "CheckpointScan", "checkpoints_to_scan", "scan_checkpoint",
            "resume_problem", "scan_paths", "print_scans", "DEFAULT_MAX_ABS"]
@@ -96,31 +96,17 @@ def checkpoints_to_scan(path: str | Path) -> list[Path]:
     return [artefact.path]
 
 
-def _param_names(folder: Path, optimizer_file: Path, scan: CheckpointScan) -> list[str] | None:
-    """Parameter name per optimizer index: recorded in the file, else rebuilt from ``drafter_config.json``."""
+def _param_names(optimizer_file: Path, scan: CheckpointScan) -> list[str] | None:
+    """Parameter name per optimizer index, as recorded in the file's metadata (None, and a note, when it is not)."""
+    from dflash.io.weights import open_safetensors
     from dflash.training.checkpoint import PARAM_NAMES_KEY
 
-    if optimizer_file.suffix == ".safetensors":
-        from dflash.io.weights import open_safetensors
-
-        with open_safetensors(optimizer_file) as handle:
-            recorded = (handle.metadata() or {}).get(PARAM_NAMES_KEY)
-        if recorded:
-            return list(json.loads(recorded))
-    config_file = folder / "drafter_config.json"
-    if not config_file.is_file():
-        scan.notes.append(f"{optimizer_file.name}: no parameter names recorded and no drafter_config.json; "
-                          "optimizer state is named by index")
-        return None
-    import torch
-
-    from dflash.drafter import DFlashConfig, DFlashDrafter
-
-    with torch.device("meta"):  # names and order only: no memory for the weights
-        drafter = DFlashDrafter(DFlashConfig.from_dict(read_json(config_file)))
-    scan.notes.append(f"{optimizer_file.name} records no parameter names (written by an older version): names "
-                      "rebuilt from drafter_config.json in build_optimizer's order")
-    return [name for name, param in drafter.named_parameters() if param.requires_grad]
+    with open_safetensors(optimizer_file) as handle:
+        recorded = (handle.metadata() or {}).get(PARAM_NAMES_KEY)
+    if recorded:
+        return list(json.loads(recorded))
+    scan.notes.append(f"{optimizer_file.name}: no parameter names recorded; optimizer state is named by index")
+    return None
 
 
 def _readable_name(stored: str, names: list[str] | None) -> str:
@@ -162,14 +148,14 @@ def scan_checkpoint(folder: str | Path, *, max_abs: float = DEFAULT_MAX_ABS) -> 
     folder = Path(folder)
     scan = CheckpointScan(path=folder)
     files = [folder / "model.safetensors"] if (folder / "model.safetensors").is_file() else []
-    optimizer = next((folder / n for n in ("optimizer.safetensors", "optimizer.pt") if (folder / n).is_file()), None)
+    optimizer = folder / "optimizer.safetensors" if (folder / "optimizer.safetensors").is_file() else None
     if not files:
         scan.problems.append(f"{folder / 'model.safetensors'} is missing")
     for path in files:
         _scan_file(path, None, max_abs, scan)
     if optimizer is not None:
         files.append(optimizer)
-        _scan_file(optimizer, _param_names(folder, optimizer, scan), max_abs, scan)
+        _scan_file(optimizer, _param_names(optimizer, scan), max_abs, scan)
     scan.files = [path.name for path in files]
     scan.problems.extend(step_problems(folder, files))
     if (folder / "trainer_state.json").is_file() or (folder / "drafter_config.json").is_file():  # not an export
@@ -228,8 +214,6 @@ def scan_command(
     try:
         scans = scan_paths(paths, max_abs=max_abs)
     except DFlashError as error:
-        from stages.config.exit_status import ExitCode, print_error
-
         print_error(error)
         raise typer.Exit(code=ExitCode.USAGE) from None
     if as_json:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dflash.batches.source import BatchSource, StreamConfig
 from dflash.batches.stream import StreamingLoader
+from dflash.cache import CacheReader
 from dflash.cache.integrity import check_cache
 from dflash.errors import ConfigError
 
@@ -89,8 +90,6 @@ def open_cache_data(config: TrainConfig, *, rank: int = 0, world_size: int = 1,
         ConfigError: the training split is empty or a sample is longer than the token budget; ``drafter.distill``
             on a cache without the final tap.
     """
-    from dflash.cache import CacheReader
-
     # A distillation term reads the cache's final tap (refused here, before anything loads, when it has none).
     reader = CacheReader(config.cache, final_tap=config.drafter.distill != "none")
     integrity = check_cache(reader, allow_incomplete=config.allow_incomplete)
@@ -131,7 +130,6 @@ def planned_total_steps(config: TrainConfig, *, world_size: int | None = None) -
     """
     if config.max_steps:
         return int(config.max_steps)
-    from dflash.cache import CacheReader
 
     loader = StreamingLoader(CacheReader(config.cache), stream_config(config, "train", torch.device("cpu")),
                              **loader_placement(0, world_size or config.world_size, torch.device("cpu")))
@@ -150,10 +148,6 @@ def check_training_samples(config: TrainConfig) -> dict[str, int]:
         CacheError: the cache is missing or unreadable.
         ConfigError: too few training samples; the message names every count and the settings that change them.
     """
-    from dataclasses import replace
-
-    from dflash.cache import CacheReader
-
     reader = CacheReader(config.cache)
     cpu = torch.device("cpu")
 

@@ -65,7 +65,7 @@ from dflash.training.checkpoint import (
     target_weight_record,
     write_run_json,
 )
-from dflash.training.compat import check_target_identity, check_training_inputs
+from dflash.training.checks import check_target_identity, check_training_inputs
 from dflash.training.optim import (
     build_optimizer,
     build_scheduler,
