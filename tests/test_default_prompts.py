@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-import dflash.corpus.default_corpus
+import dflash.generation.default_prompts
 from dflash.corpus.default_corpus import TextFile, collect_text_files, stdlib_root
 from dflash.errors import ConfigError
 from dflash.generation.default_prompts import (
@@ -23,7 +23,7 @@ from dflash.generation.default_prompts import (
 def three_stdlib_files(monkeypatch):
     names = ("bisect.py", "colorsys.py", "keyword.py")
     files = [TextFile(stdlib_root() / name, f"stdlib:{name}") for name in names]
-    monkeypatch.setattr(dflash.corpus.default_corpus, "default_corpus_files", lambda **_: files)
+    monkeypatch.setattr(dflash.generation.default_prompts, "default_corpus_files", lambda **_: files)
 
 
 def _key(record):

@@ -344,14 +344,14 @@ def test_rows_generated_from_one_stdlib_file_share_its_document(tmp_path, target
     engine on a loopback server: the replies do not matter here, the rows do.)"""
     from test_generation_openai import FakeServer
 
-    import dflash.corpus.default_corpus
+    import dflash.generation.default_prompts
     from dflash.corpus.default_corpus import TextFile, stdlib_root
     from dflash.generation.default_prompts import DefaultPromptConfig
     from stages.generate import HELDOUT_PROMPTS_FILE, GenerateConfig, run_generate
 
     names = ("bisect.py", "colorsys.py", "keyword.py")
     files = [TextFile(stdlib_root() / name, f"stdlib:{name}") for name in names]
-    monkeypatch.setattr(dflash.corpus.default_corpus, "default_corpus_files", lambda **_: files)  # 3 files, not 600
+    monkeypatch.setattr(dflash.generation.default_prompts, "default_corpus_files", lambda **_: files)  # 3, not 600
     server = FakeServer(target.tokenizer, kind="vllm")
     try:
         run_generate(GenerateConfig(output=str(tmp_path / "default"), engine="openai", endpoints=[server.url],
