@@ -390,23 +390,16 @@ def _run_in_subprocess(preset: Path, workdir: Path, **extra_env: str):
     return forked_python(code, *args, env={**os.environ, "OMP_NUM_THREADS": "1", **extra_env}, timeout=600)
 
 
-def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(finished_run, tmp_path):
-    """SIGKILL inside a checkpoint write during epoch 1 (a power cut, no clean stop), then the same command again:
-    the rerun resumes from the last whole checkpoint and ends with the epoch ends, taus and bit-identical final
-    drafter of the same command run without a kill (same process settings: one torch thread). Each run is its own
-    process and starts at train, in a copy of the finished run's work folder after extract (the stages before
-    train are those of test_pipeline_runs_every_stage_and_prints_tau)."""
+def _kill_then_rerun(preset: Path, workdir: Path, reference: Path):
+    """Run ``preset`` into ``workdir`` with a SIGKILL inside the checkpoint write of step 2 (during epoch 1), check
+    that it died there with no final report, run the same command again, and check that it ends with the epoch
+    ends, taus and bit-identical drafter weights of the unkilled run in ``reference``. Returns the rerun's result
+    and the two final checkpoints ``(resumed, uninterrupted)``."""
     import torch
 
     from dflash.training.checkpoint import load_checkpoint
     from pipelines.offline import _latest_checkpoint
 
-    _, preset, finished, _ = finished_run
-    reference = _extracted_workdir(finished, tmp_path / "reference")
-    workdir = _extracted_workdir(finished, tmp_path / "work")
-    done = _run_in_subprocess(preset, reference)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("complete, skipped") == 3  # prepare, split, extract
     expected = json.loads((reference / "pipeline.json").read_text())
     killed = _run_in_subprocess(preset, workdir, DFLASH_FAULT="checkpoint.write@2=kill")
     assert killed.returncode == -9, killed.stderr[-2000:]
@@ -418,10 +411,26 @@ def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(fini
     assert [(e["epoch"], e["step"], e["tau"]) for e in state["epochs"]] == \
         [(e["epoch"], e["step"], e["tau"]) for e in expected["epochs"]]
     resumed, uninterrupted = load_checkpoint(workdir / "run"), load_checkpoint(reference / "run")
-    assert resumed.trainer_state["step"] == uninterrupted.trainer_state["step"]
     assert resumed.model_state.keys() == uninterrupted.model_state.keys()
     for name, value in resumed.model_state.items():
         assert torch.equal(value, uninterrupted.model_state[name]), name
+    return rerun, resumed, uninterrupted
+
+
+def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(finished_run, tmp_path):
+    """SIGKILL inside a checkpoint write during epoch 1 (a power cut, no clean stop), then the same command again:
+    the rerun resumes from the last whole checkpoint and ends with the epoch ends, taus and bit-identical final
+    drafter of the same command run without a kill (same process settings: one torch thread). Each run is its own
+    process and starts at train, in a copy of the finished run's work folder after extract (the stages before
+    train are those of test_pipeline_runs_every_stage_and_prints_tau)."""
+    _, preset, finished, _ = finished_run
+    reference = _extracted_workdir(finished, tmp_path / "reference")
+    workdir = _extracted_workdir(finished, tmp_path / "work")
+    done = _run_in_subprocess(preset, reference)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("complete, skipped") == 3  # prepare, split, extract
+    _, resumed, uninterrupted = _kill_then_rerun(preset, workdir, reference)
+    assert resumed.trainer_state["step"] == uninterrupted.trainer_state["step"]
 
 
 def test_a_schedule_shorter_than_half_the_epochs_still_trains_before_its_first_evaluation(finished_run, tmp_path):
@@ -559,27 +568,9 @@ def test_an_online_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_draf
     """SIGKILL inside a checkpoint write during epoch 1 of the online branch, then the same command again: the
     rerun resumes from the last whole checkpoint (prepare and split skipped) and ends with the epoch ends, taus,
     batches and bit-identical drafter of the unkilled run."""
-    import torch
-
-    from dflash.training.checkpoint import load_checkpoint
-    from pipelines.offline import _latest_checkpoint
-
     preset, reference, _ = online_run
-    expected = json.loads((reference / "pipeline.json").read_text())
     workdir = tmp_path / "work"
-    killed = _run_in_subprocess(preset, workdir, DFLASH_FAULT="checkpoint.write@2=kill")
-    assert killed.returncode == -9, killed.stderr[-2000:]
-    assert not (workdir / "eval" / "final.json").exists()
-    assert int(_latest_checkpoint(workdir / "run")[1]["step"]) == 2 < expected["epochs"][1]["step"]  # inside epoch 1
-    rerun = _run_in_subprocess(preset, workdir)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    rerun, resumed, uninterrupted = _kill_then_rerun(preset, workdir, reference)
     assert "prepare: complete, skipped" in " ".join(rerun.stdout.split())
-    state = json.loads((workdir / "pipeline.json").read_text())
-    assert [(e["epoch"], e["step"], e["tau"]) for e in state["epochs"]] == \
-        [(e["epoch"], e["step"], e["tau"]) for e in expected["epochs"]]
     assert not (workdir / "cache").exists()
-    resumed, uninterrupted = load_checkpoint(workdir / "run"), load_checkpoint(reference / "run")
     assert resumed.trainer_state["counters"]["data_digest"] == uninterrupted.trainer_state["counters"]["data_digest"]
-    assert resumed.model_state.keys() == uninterrupted.model_state.keys()
-    for name, value in resumed.model_state.items():
-        assert torch.equal(value, uninterrupted.model_state[name]), name
