@@ -96,14 +96,21 @@ def bound_seconds(model, engine, requests, results, bandwidth: float) -> float:
     return total / bandwidth
 
 
+def engine_for(model, tokenizer, setting, stop, batch_size: int) -> TransformersEngine:
+    """The engine of one ``(kv cache, decode attention, compile)`` setting of the command line."""
+    kv_cache, attention, compiled = setting
+    return TransformersEngine(model, tokenizer, batch_size=batch_size, token_budget=batch_size * 4096, cache=kv_cache,
+                              stop_token_ids=stop, deterministic=attention.startswith("deterministic"),
+                              ranged=attention.startswith("ranged") if kv_cache == "static" else None,
+                              fused=not attention.startswith("ranged-unfused"),
+                              compile_parts=compiled.startswith("parts"), compile_prefill=compiled == "parts")
+
+
 def agreement(model, tokenizer, requests, settings, setting, stop, batched, batch_size) -> dict:
     """Decode ``requests`` one at a time with ``setting`` and compare with their batched replies ``batched``."""
     kv_cache, attention, compiled = setting
     model.forward = torch.compile(model.forward, dynamic=False) if compiled == "on" else model.forward
-    engine = TransformersEngine(model, tokenizer, batch_size=1, cache=kv_cache, stop_token_ids=stop,
-                                deterministic=attention.startswith("deterministic"),
-                                ranged=attention.startswith("ranged") if kv_cache == "static" else None,
-                                compile_parts=compiled == "parts")
+    engine = engine_for(model, tokenizer, setting, stop, 1)
     alone = [r.token_ids for r in engine.generate(requests, settings)]
     engine.close()
     identical = sum(a == b for a, b in zip(alone, batched, strict=False))
@@ -142,10 +149,7 @@ def profile_batch(model, tokenizer, requests, settings, setting, stop, batch_siz
     from torch.profiler import ProfilerActivity, profile
 
     kv_cache, attention, compiled = setting
-    engine = TransformersEngine(model, tokenizer, batch_size=batch_size, token_budget=batch_size * 4096,
-                                cache=kv_cache, stop_token_ids=stop, deterministic=attention.startswith("deterministic"),
-                                ranged=attention.startswith("ranged") if kv_cache == "static" else None,
-                                compile_parts=compiled == "parts")
+    engine = engine_for(model, tokenizer, setting, stop, batch_size)
     batch = requests[:batch_size]
     engine.generate(batch, settings)  # warm: capture, compilation, allocator
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -192,13 +196,17 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, nargs="+", default=[512])
     parser.add_argument("--kv-cache", nargs="+", default=["static"], choices=["static", "dynamic"])
-    parser.add_argument("--decode-attention", nargs="+", default=["ranged"], choices=["ranged", "fast", "deterministic"],
-                        help="static cache: the ranged kernel (each row's own key range; the default on CUDA), "
-                             "SDPA's grouped-query kernel over the padded cache (fast), the bitwise-repeatable matmuls")
-    parser.add_argument("--compile", nargs="+", default=["parts"], choices=["off", "on", "parts"],
+    parser.add_argument("--decode-attention", nargs="+", default=["ranged"],
+                        choices=["ranged", "ranged-unfused", "fast", "deterministic"],
+                        help="static cache: the ranged kernel (each row's own key range) with the rotary embedding and "
+                             "cache write fused into one kernel (the default on CUDA), the ranged kernel through the "
+                             "attention modules' own forward (ranged-unfused), SDPA's grouped-query kernel over the "
+                             "padded cache (fast), the bitwise-repeatable matmuls")
+    parser.add_argument("--compile", nargs="+", default=["parts"], choices=["off", "on", "parts", "parts-decode"],
                         help="static cache: the model through torch.compile (inductor): parts = its MLP and RMSNorm "
-                             "modules (the engine's default on CUDA), on = the whole forward (recompiles for every new "
-                             "prompt width and cache length), off = none")
+                             "modules in the decode step and the prefill (the engine's default on CUDA), parts-decode = "
+                             "in the decode step only, on = the whole forward (recompiles for every new prompt width "
+                             "and cache length), off = none")
     parser.add_argument("--agreement", type=int, default=0, metavar="N",
                         help="also decode the first N prompts one at a time (batch 1, the first setting) and report how "
                              "often the batched replies of the first setting depart from them")
@@ -242,10 +250,7 @@ def main() -> None:
         model.forward = torch.compile(eager_forward, dynamic=False) if compiled == "on" else eager_forward
         attention = attention if compiled == "off" else f"{attention}+compile-{compiled}"
         for batch_size in args.batch_size:
-            engine = TransformersEngine(model, tokenizer, batch_size=batch_size, token_budget=batch_size * 4096,
-                                        cache=kv_cache, stop_token_ids=stop, deterministic=attention.startswith("deterministic"),
-                                        ranged=attention.startswith("ranged") if kv_cache == "static" else None,
-                                        compile_parts=compiled == "parts")
+            engine = engine_for(model, tokenizer, (kv_cache, attention, compiled), stop, batch_size)
             warm = []
             own_cold: list[list[int]] | None = None
             for attempt in ["cold"] + [f"warm{k}" for k in range(1, args.repeats + 1)]:

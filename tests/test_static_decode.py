@@ -188,7 +188,7 @@ def test_the_ranged_kernels_under_tritons_interpreter():
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                              "interpreted"], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
                             text=True, timeout=600)
-    assert result.returncode == 0 and re.search(r"\b2 passed", result.stdout), result.stdout[-4000:] + result.stderr[-2000:]
+    assert result.returncode == 0 and re.search(r"\b8 passed", result.stdout), result.stdout[-4000:] + result.stderr[-2000:]
 
 
 def test_interpreted_ranged_attention_reads_exactly_each_rows_range(interpreted_ranged):
@@ -225,9 +225,11 @@ def _tiny_llama():
     return LlamaForCausalLM(config).eval()
 
 
-def test_interpreted_ranged_decoder_gives_the_padded_decoders_tokens(interpreted_ranged):
-    """The decode loop with ranged attention (rows of different prompt lengths, one stopping early)
-    gives the tokens of the loop over the whole padded cache."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_interpreted_ranged_decoder_gives_the_padded_decoders_tokens(interpreted_ranged, fused):
+    """The decode loop with ranged attention (rows of different prompt lengths, one stopping early), through the
+    fused attention forward or the attention modules' own, gives the tokens of the loop over the whole padded
+    cache."""
     model = _tiny_llama()
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 256, (n,), generator=generator).tolist() for n in (3, 17, 9)]
@@ -239,8 +241,10 @@ def test_interpreted_ranged_decoder_gives_the_padded_decoders_tokens(interpreted
     padded = StaticDecoder(model, rows=4, pad_token_id=0, stop_token_ids=[stop], length_bucket=16, ranged=False)
     expected = padded.decode(prompts, limits)
     padded.close()
-    ranged = StaticDecoder(model, rows=4, pad_token_id=0, stop_token_ids=[stop], length_bucket=16, ranged=True)
+    ranged = StaticDecoder(model, rows=4, pad_token_id=0, stop_token_ids=[stop], length_bucket=16, ranged=True,
+                           fused=fused)
     assert ranged.ranged and model.config._attn_implementation == "grouped_decode_ranged"
+    assert len(ranged._fused) == (2 if fused else 0)
     assert ranged.decode(prompts, limits) == expected
     assert len(expected[1]) == 5
     slot = next(iter(ranged._slots.values()))
@@ -249,6 +253,92 @@ def test_interpreted_ranged_decoder_gives_the_padded_decoders_tokens(interpreted
     assert slot.ends[1] == slot.starts[1] and slot.ends[0] > slot.starts[0]
     ranged.close()
     assert model.config._attn_implementation == "sdpa"
+
+
+def _tiny_qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         initializer_range=0.2, attn_implementation="sdpa")
+    return Qwen3ForCausalLM(config).eval()
+
+
+def _rotated(x, cos, sin, rounding):
+    """``x * cos + rotate_half(x) * sin`` with each product and the sum rounded by ``rounding`` from float32."""
+    low, high = x.float().chunk(2, -1)
+    cos_low, cos_high = cos.float().chunk(2, -1)
+    sin_low, sin_high = sin.float().chunk(2, -1)
+    first = rounding(rounding(low * cos_low).float() - rounding(high * sin_low).float())
+    second = rounding(rounding(high * cos_high).float() + rounding(low * sin_high).float())
+    return torch.cat([first, second], -1)
+
+
+@pytest.mark.parametrize("tokens", [1, 3], ids=["decode", "prefill"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interpreted_fused_rotary_and_cache_write_equal_transformers_bit_for_bit(interpreted_ranged, dtype, tokens):
+    """:func:`rope_and_write` against transformers' ``apply_rotary_pos_emb`` and the static cache's ``index_copy_``,
+    on the strided views the projections give, with the rotary tables of real positions, bit for bit, for one token
+    per row (a decode step) and several (a prefill). In bf16, transformers rounds each product and the sum to
+    nearest; Triton's interpreter converts float32 to bf16 by truncation (the GPU to nearest), so the kernel is
+    checked against the same arithmetic with the interpreter's rounding, and that arithmetic with rounding to nearest
+    against transformers."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from dflash.generation.fused_decode import rope_and_write
+
+    generator = torch.Generator().manual_seed(2)
+    batch, q_heads, kv_heads, head_dim, length, first = 5, 6, 2, 16, 40, 29
+    projected = torch.randn(batch, tokens, (q_heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
+    query, key, value = projected.view(batch, tokens, -1, head_dim).split([q_heads, kv_heads, kv_heads], dim=2)
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=q_heads * head_dim, num_attention_heads=q_heads,
+                                              max_position_embeddings=512))
+    positions = torch.tensor([3, 17, 0, 250, 41])[:, None] + torch.arange(tokens)
+    cos, sin = rotary(projected, positions)  # (batch, tokens, head_dim) in dtype
+    key_cache = torch.randn(batch, kv_heads, length, head_dim, generator=generator).to(dtype)
+    value_cache = torch.randn(batch, kv_heads, length, head_dim, generator=generator).to(dtype)
+    expected_keys, expected_values = key_cache.clone(), value_cache.clone()
+    heads_first = [x.transpose(1, 2) for x in (query, key, value)]  # transformers' (batch, heads, tokens, head_dim)
+    transformers_query, transformers_key = apply_rotary_pos_emb(heads_first[0], heads_first[1], cos, sin)
+    nearest = lambda x: x.to(dtype)  # noqa: E731
+    truncated = lambda x: (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)  # noqa: E731
+    here = truncated if dtype == torch.bfloat16 and not torch.cuda.is_available() else nearest
+    for x, rotated in ((heads_first[0], transformers_query), (heads_first[1], transformers_key)):
+        assert torch.equal(_rotated(x, cos[:, None], sin[:, None], nearest), rotated)
+    written = torch.arange(first, first + tokens)
+    expected_keys.index_copy_(2, written, _rotated(heads_first[1], cos[:, None], sin[:, None], here))
+    expected_values.index_copy_(2, written, heads_first[2])
+
+    got = rope_and_write(query, key, value, cos, sin, key_cache, value_cache, torch.tensor([first]))
+    assert got.dtype == dtype and got.shape == (batch, q_heads, tokens, head_dim) and got.is_contiguous()
+    assert torch.equal(got, _rotated(heads_first[0], cos[:, None], sin[:, None], here))
+    assert torch.equal(key_cache, expected_keys) and torch.equal(value_cache, expected_values)
+
+
+def test_interpreted_fused_qwen3_decode_gives_the_padded_decoders_tokens(interpreted_ranged):
+    """Qwen3 (per-head query and key norms before the rotary embedding) through the fused attention forward gives
+    the tokens of the loop over the whole padded cache through its own modules, for two batches on one cache; on
+    close the attention modules' own forwards are back."""
+    model = _tiny_qwen3()
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 256, (n,), generator=generator).tolist() for n in (4, 19, 11)]
+    limits = [8, 8, 5]
+    padded = StaticDecoder(model, rows=3, pad_token_id=0, stop_token_ids=[255], length_bucket=16, ranged=False)
+    first = padded.decode(prompts, limits)
+    padded.close()
+    stop = first[1][3]
+    padded = StaticDecoder(model, rows=3, pad_token_id=0, stop_token_ids=[stop], length_bucket=16, ranged=False)
+    expected = [padded.decode(prompts, limits), padded.decode(prompts[::-1], limits[::-1])]
+    padded.close()
+    fused = StaticDecoder(model, rows=3, pad_token_id=0, stop_token_ids=[stop], length_bucket=16, ranged=True)
+    assert len(fused._fused) == 2 and all("forward" in vars(module) for module in fused._fused)
+    assert [fused.decode(prompts, limits), fused.decode(prompts[::-1], limits[::-1])] == expected
+    assert len(expected[0][1]) == first[1].index(stop) + 1 < limits[1]  # row 1 stopped early
+    modules = fused._fused
+    fused.close()
+    assert not any("forward" in vars(module) for module in modules)
 
 
 def test_ranged_attention_where_it_cannot_run_is_refused():

@@ -27,7 +27,7 @@ after in-place updates of the captured inputs); transformers' ``StaticCache`` an
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import inspect
 import logging
 from collections import OrderedDict
@@ -171,6 +171,23 @@ def ranged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     return ranged_decode_attention(query, key, value, starts, ends, scale=scaling), None
 
 
+def _own_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``module``'s class forward, in a frame of its own: compiled with dynamic shapes for the prefill, apart from
+    the decode step's static-shape graphs of the same forward."""
+    return type(module).forward(module, *args, **kwargs)
+
+
+def _compiled_forward(module: torch.nn.Module, decode: Any, prefill: Any, hidden: torch.Tensor, *args: Any,
+                      **kwargs: Any) -> Any:
+    """A compiled part's forward: the static-shape graph for one token per row, the shape-generic one (or the
+    class's eager forward, when ``prefill`` is None) for more."""
+    if hidden.shape[1] == 1:
+        return decode(hidden, *args, **kwargs)
+    if prefill is None:
+        return type(module).forward(module, hidden, *args, **kwargs)
+    return prefill(module, hidden, *args, **kwargs)
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
 
@@ -189,6 +206,7 @@ class _Slot:
     mask: torch.Tensor  # (rows, 1, 1, length) model dtype: 0 where a row may attend, dtype min elsewhere
     starts: torch.Tensor  # (rows,) int32: first cache position each row attends (ranged attention)
     ends: torch.Tensor  # (rows,) int32: one past the last; equal to starts for a finished row
+    write: torch.Tensor  # (1,) int64: the cache position of the token fed this step
     logits: torch.Tensor | None = None  # (rows, vocab) the captured step's output
     graph: torch.cuda.CUDAGraph | None = None
     graph_failed: bool = False
@@ -218,7 +236,14 @@ class StaticDecoder:
         compile_parts: while this decoder is open, the model's MLP and RMSNorm modules (what touches no KV cache)
             run through ``torch.compile``, which fuses their elementwise kernels: a decode step of a small target is
             hundreds of tiny kernels. Their forwards come back on :meth:`close`. None: on CUDA with Triton.
+        compile_prefill: with ``compile_parts``, the prefill's MLP and RMSNorm run compiled too, through one
+            shape-generic graph each (``dynamic=True``: prompt widths change from batch to batch); False runs them
+            eagerly in the prefill. None: with ``compile_parts``.
         compile_backend: the ``torch.compile`` backend of ``compile_parts`` (``"inductor"``; tests use ``"eager"``).
+        fused: with ``ranged``, the attention modules of the architectures in
+            :data:`dflash.generation.fused_decode.FUSABLE_ATTENTIONS` decode through
+            :func:`dflash.generation.fused_decode.fused_decode_forward` (rotary embedding and cache write in one
+            kernel) while this decoder is open. None: wherever ``ranged`` runs.
 
     Raises:
         ConfigError: the model runs another attention (e.g. flash-attention, which takes no 4-D mask).
@@ -228,7 +253,8 @@ class StaticDecoder:
     def __init__(self, model: Any, *, rows: int, pad_token_id: int, stop_token_ids: Sequence[int],
                  cuda_graphs: bool = True, length_bucket: int = 128, max_slots: int = 2, check_every: int = 16,
                  grouped_attention: bool = True, deterministic: bool = False, ranged: bool | None = None,
-                 compile_parts: bool | None = None, compile_backend: str = "inductor") -> None:
+                 compile_parts: bool | None = None, compile_backend: str = "inductor",
+                 compile_prefill: bool | None = None, fused: bool | None = None) -> None:
         self.model = model
         self.rows = rows
         self.pad_token_id = int(pad_token_id)
@@ -268,11 +294,25 @@ class StaticDecoder:
             compile_parts = self.device.type == "cuda" and ranged_attention_available(self.device)
         #: The modules whose forward runs compiled while the decoder is open.
         self._compiled: list[torch.nn.Module] = []
+        prefill = None
+        if compile_parts and (compile_prefill is None or compile_prefill):
+            prefill = torch.compile(_own_forward, dynamic=True, backend=compile_backend)
+        self._compiled_prefill = prefill is not None
         if compile_parts:
             for module in model.modules():
                 if type(module).__name__.endswith(("MLP", "RMSNorm")) and "forward" not in vars(module):
                     self._compiled.append(module)
-                    module.forward = torch.compile(module.forward, dynamic=False, backend=compile_backend)
+                    decode = torch.compile(module.forward, dynamic=False, backend=compile_backend)
+                    module.forward = functools.partial(_compiled_forward, module, decode, prefill)
+        #: The attention modules whose forward is :func:`fused_decode_forward` while the decoder is open.
+        self._fused: list[torch.nn.Module] = []
+        if self.ranged and (fused is None or fused):
+            from dflash.generation.fused_decode import fusable, fused_decode_forward
+
+            for module in model.modules():
+                if fusable(module) and "forward" not in vars(module):
+                    self._fused.append(module)
+                    module.forward = functools.partial(fused_decode_forward, module)
 
     # -- buffers ---------------------------------------------------------------------------------------------------
 
@@ -294,19 +334,25 @@ class StaticDecoder:
                          positions=torch.zeros((rows, 1), dtype=torch.long, device=self.device),
                          mask=torch.full((rows, 1, 1, length), self._min, dtype=self.dtype, device=self.device),
                          starts=torch.zeros(rows, dtype=torch.int32, device=self.device),
-                         ends=torch.zeros(rows, dtype=torch.int32, device=self.device))
+                         ends=torch.zeros(rows, dtype=torch.int32, device=self.device),
+                         write=torch.zeros(1, dtype=torch.long, device=self.device))
         self._slots[(rows, length)] = slot
         return slot
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
-                 ranges: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        extra = {RANGES_KWARG: ranges} if ranges is not None and self.ranged else {}
+                 ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 write: torch.Tensor | None = None) -> torch.Tensor:
+        extra: dict[str, Any] = {RANGES_KWARG: ranges} if ranges is not None and self.ranged else {}
+        if self._fused and write is not None:
+            from dflash.generation.fused_decode import WRITE_KWARG
+
+            extra[WRITE_KWARG] = write
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1, **{self._cache_argument: cache}, **extra)
         return out.logits[:, -1]
 
     def _step(self, slot: _Slot) -> torch.Tensor:
-        return self._forward(slot.tokens, slot.mask, slot.positions, slot.cache, (slot.starts, slot.ends))
+        return self._forward(slot.tokens, slot.mask, slot.positions, slot.cache, (slot.starts, slot.ends), slot.write)
 
     def _capture(self, slot: _Slot) -> None:
         """Capture the decode step of ``slot``; on failure (an op that cannot be captured) fall back to eager."""
@@ -383,10 +429,8 @@ class StaticDecoder:
         for layer in slot.cache.layers:  # reuse the cache: write from position 0 again (stale entries stay masked)
             if getattr(layer, "is_initialized", False):
                 layer.cumulative_length.zero_()
-        # The prefill runs the modules eagerly: its width changes from batch to batch, and compiling every width
-        # would recompile past dynamo's limit; the decode step (one shape per row count) is what compile_parts is for.
-        with torch.compiler.set_stance("force_eager") if self._compiled else contextlib.nullcontext():
-            logits = self._forward(input_ids, prefill_mask, positions, slot.cache)
+        slot.write.zero_()  # the prefill writes the cache from position 0
+        logits = self._forward(input_ids, prefill_mask, positions, slot.cache, write=slot.write)
         del prefill_mask, allowed
 
         slot.mask.fill_(self._min)
@@ -402,7 +446,8 @@ class StaticDecoder:
             if row_keys is None or len(row_keys) != count:
                 raise ValueError("sampling needs one row key per prompt")
             keys = torch.tensor(list(row_keys) + [0] * (rows - count), dtype=torch.long, device=self.device)
-        write = torch.tensor([width], dtype=torch.long, device=self.device)
+        write = slot.write
+        write.fill_(width)
 
         use_graph = self.cuda_graphs and not slot.graph_failed
         for step in range(steps):
@@ -414,10 +459,11 @@ class StaticDecoder:
                 break
             slot.tokens.copy_(chosen[:, None])
             slot.positions.add_(1)
+            if step:
+                write.add_(1)  # the position the token fed this step is written to
             slot.mask.index_fill_(3, write, 0.0)  # the fed token's own key becomes visible
-            write.add_(1)
-            if self.ranged:  # the fed token is written at write - 1; a finished row reads nothing
-                torch.where(done, slot.starts, write.to(torch.int32), out=slot.ends)
+            if self.ranged:  # a row reads up to the fed token; a finished row reads nothing
+                torch.where(done, slot.starts, (write + 1).to(torch.int32), out=slot.ends)
             if use_graph:
                 if slot.graph is None:
                     self._capture(slot)
@@ -458,9 +504,9 @@ class StaticDecoder:
         """Free the caches and graphs; give the model its previous attention implementation and its modules' own
         forwards back."""
         self._slots.clear()
-        for module in self._compiled:
+        for module in self._compiled + self._fused:
             del module.forward  # the instance attribute set in __init__: the class's forward again
-        self._compiled = []
+        self._compiled, self._fused = [], []
         if self.model is not None and self._restore_attention is not None:
             self.model.set_attn_implementation(self._restore_attention)
         self._restore_attention = None

@@ -54,6 +54,10 @@ class TransformersEngine:
             Triton), False: SDPA's grouped-query kernel over the whole padded cache.
         compile_parts: static cache: the target's MLP and RMSNorm modules run through ``torch.compile`` while the
             engine is open (:class:`dflash.generation.static_decode.StaticDecoder`); None: on CUDA with Triton.
+        compile_prefill: with ``compile_parts``, in the prefill too (shape-generic graphs); None: with
+            ``compile_parts``.
+        fused: with ranged attention, Llama/Mistral/Qwen2/Qwen3 attention decodes with its rotary embedding and cache
+            write in one kernel (:mod:`dflash.generation.fused_decode`); None: wherever ranged attention runs.
         prompt_bucket: prompts are left-padded to a multiple of this many tokens (fewer compiled shapes).
         stop_token_ids: tokens that end a reply (default: the tokenizer's EOS and, for chat models, the end of turn).
         description: extra facts for :meth:`describe` (the target identity).
@@ -63,7 +67,8 @@ class TransformersEngine:
 
     def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 256, token_budget: int = 262_144,
                  cache: CacheKind = "auto", deterministic: bool = False, ranged: bool | None = None,
-                 compile_parts: bool | None = None, prompt_bucket: int = 64,
+                 compile_parts: bool | None = None, compile_prefill: bool | None = None, fused: bool | None = None,
+                 prompt_bucket: int = 64,
                  stop_token_ids: Sequence[int] | None = None,
                  description: dict[str, Any] | None = None) -> None:
         if batch_size < 1:
@@ -96,7 +101,8 @@ class TransformersEngine:
 
             self._decoder = StaticDecoder(model, rows=batch_size, pad_token_id=self.pad_token_id,
                                           stop_token_ids=self.stop_token_ids, deterministic=deterministic,
-                                          ranged=ranged, compile_parts=compile_parts)
+                                          ranged=ranged, compile_parts=compile_parts,
+                                          compile_prefill=compile_prefill, fused=fused)
 
     def describe(self) -> dict[str, Any]:
         import transformers
@@ -105,7 +111,9 @@ class TransformersEngine:
                 "device": str(self.device), "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
                 "kv_cache": self.cache, "deterministic": self.deterministic,
                 "ranged_attention": bool(self._decoder is not None and self._decoder.ranged),
-                "compiled_modules": len(self._decoder._compiled) if self._decoder is not None else 0, "batch_size": self.batch_size, "stop_token_ids": self.stop_token_ids,
+                "compiled_modules": len(self._decoder._compiled) if self._decoder is not None else 0,
+                "fused_attention_modules": len(self._decoder._fused) if self._decoder is not None else 0,
+                "batch_size": self.batch_size, "stop_token_ids": self.stop_token_ids,
                 **self.description}
 
     @property
