@@ -104,11 +104,16 @@ class BatchProducer:
             return self._rings[name]
 
     def produce(self, task: BatchTask, *, queued: Callable[[], None] | None = None) -> dict[str, Any]:
-        """Compute ``task`` into its slot; returns ``{"batch_index", "epoch", "tokens", "compute_seconds"}``.
+        """Compute ``task`` into its slot; returns ``{"batch_index", "epoch", "tokens", "compute_seconds",
+        "phases"}``.
 
         ``compute_seconds``: from the moment this task starts queuing its forwards to its commit, less what overlaps
         the earlier tasks of this producer (overlapping tasks are counted once, so tokens / the sum over tasks is the
-        producer's rate). ``queued``: called once the task's forwards and copies are queued on the device, before
+        producer's rate). ``phases``: wall seconds of this task's steps, ``forwards`` (queuing the forwards and
+        their copies; on CUDA the device runs them asynchronously), ``copies`` (waiting until every copy landed in
+        the slot, the non-finite check included: on CUDA, whatever device work of the task was still running) and
+        ``commit`` (rows, ids and masks written, the CRC-32C, the header). ``queued``: called once the task's
+        forwards and copies are queued on the device, before
         this call waits for them (the Dask task secedes from its worker's thread pool there, so the worker starts
         its next task).
 
@@ -131,8 +136,10 @@ class BatchProducer:
                                      bucket=task.bucket, corpus_rows=np.asarray(task.corpus_rows, dtype=np.int64),
                                      input_ids=input_ids, loss_mask=[row.loss_mask for row in rows])  # fmt: skip
             pending = list(self.runner.iter_pending(input_ids, out=write.documents))
+            forwards_queued = time.perf_counter()
         if queued is not None:
             queued()
+        copies_started = time.perf_counter()
         for batch in [item.finish() for item in pending]:  # every copy landed before anything is checked
             for index, bad_layers in zip(batch.indices, batch.nonfinite_layers, strict=True):
                 if bad_layers:
@@ -144,7 +151,9 @@ class BatchProducer:
         # --cache-to: a private copy, staged after the commit (the trainer is waiting for the slot, and may hand it
         # to another batch as soon as it has read it).
         staged = write.hidden.clone().split([len(ids) for ids in input_ids]) if task.staging is not None else None
+        commit_started = time.perf_counter()
         ring.commit_batch(write)
+        committed = time.perf_counter()
         if staged is not None:
             from dflash.cache.staging import stage_batch
 
@@ -153,8 +162,10 @@ class BatchProducer:
             ended = time.perf_counter()
             compute = max(0.0, ended - max(started, self._busy_until))
             self._busy_until = max(self._busy_until, ended)
+        phases = {"forwards": forwards_queued - started, "copies": commit_started - copies_started,
+                  "commit": committed - commit_started}  # fmt: skip
         return {"batch_index": task.batch_index, "epoch": task.epoch,
-                "tokens": int(sum(len(ids) for ids in input_ids)), "compute_seconds": compute}
+                "tokens": int(sum(len(ids) for ids in input_ids)), "compute_seconds": compute, "phases": phases}
 
     def close(self) -> None:
         with self._rings_lock:
@@ -183,7 +194,11 @@ class OnlineStats:
     """Sums, over the batches consumed, of the batches computed and waiting and of the ring slots in use, seen as the
     trainer asks for the next batch, and the number of samples (means: sum / samples)."""
     read_seconds: float = 0.0
-    """Time copying and checking slots."""
+    """Seconds copying slots out and checking them (:meth:`dflash.batches.ring.Ring.read_batch`)."""
+    pack_seconds: float = 0.0
+    """Seconds packing the batches read into training batches (:func:`pack_slot_batch`)."""
+    producer_phases: dict[str, float] = field(default_factory=dict)
+    """The producers' ``phases`` (:meth:`BatchProducer.produce`) summed over the batches consumed."""
     bucket_batches: list[int] | None = None
 
 
@@ -345,9 +360,13 @@ class OnlineBatches(PlannedCursor):
             if not np.array_equal(slot_batch.corpus_rows, expected):
                 raise QueueError(f"slot {task.slot}: batch {task.batch_index} of epoch {epoch} holds corpus rows "
                                  f"{slot_batch.corpus_rows[:8].tolist()}..., the plan names {expected[:8].tolist()}...")
+            pack_started = time.perf_counter()
             batch = self._pack(slot_batch, planned.bucket)
             stats = self.stats
-            stats.read_seconds += time.perf_counter() - read_started
+            stats.read_seconds += pack_started - read_started
+            stats.pack_seconds += time.perf_counter() - pack_started
+            for phase, seconds in (result.get("phases") or {}).items() if isinstance(result, dict) else ():
+                stats.producer_phases[phase] = stats.producer_phases.get(phase, 0.0) + float(seconds)
             stats.wait_seconds += wait
             stats.last_wait_seconds = wait
             compute = float(result.get("compute_seconds", 0.0)) if isinstance(result, dict) else 0.0
