@@ -14,17 +14,18 @@ Four measurements in one run, on the same corpus, plan and drafter config (the r
   per repeat, ``phases_ms_per_batch`` in the JSON; wall-clock timers around the calls): the producer's
   ``forwards`` (queuing them), ``copies`` (waiting until its device-to-host copies landed in the slot: on CUDA the
   forwards' device time too) and ``commit`` (CRC-32C and header), which overlap between the producer's tasks; the
-  consumer's ``consumer_wait`` (for the next batch's producer), ``read`` (copy out of the slot and CRC-32C) and
-  ``pack`` (into the training batch). On CUDA a second, synchronized pass (each forward waits for the device, so
-  ``forwards`` is their device time and ``copies`` the copies alone; the producers' overlap is lost) gives the
-  ``synchronized`` phases; it is not timed for I.
+  reader's ``slot_wait`` (for the next batch's producer), ``read`` (copy out of the slot and CRC-32C) and ``pack``
+  (into the training batch), on the batch source's background reader, one batch after another; and the
+  consumer's ``consumer_wait`` (for the reader: what a trainer would wait). On CUDA a second, synchronized pass
+  (each forward waits for the device, so ``forwards`` is their device time and ``copies`` the copies alone; the
+  producers' overlap is lost) gives the ``synchronized`` phases; it is not timed for I.
 * T, trainer alone: the training loop (``stages.train.loop.Trainer``) on the online batch source whose producer
   REPLAYS hidden states computed beforehand (a memcpy into the slot): tokens per second the drafter side can take.
 * achieved: the same training loop fed by the real producer through the ring.
 
 Rates are real (unpadded) tokens per second; the trainer's figures are its throughput window (``real_tokens_per_s``
-of the last logged step over the whole run but its first step: setup excluded; a 2-slot ring, so read-ahead
-does not flatter a short run). Printed against ``min(I, T)`` (separate devices) and ``1/(1/I + 1/T)``
+of the last logged step over the whole run but its first step: setup excluded; a 2-slot ring and the batch
+source's one batch of read-ahead, so read-ahead does not flatter a short run). Printed against ``min(I, T)`` (separate devices) and ``1/(1/I + 1/T)``
 (one device shared by producer and trainer, e.g. a CPU host or a single GPU: the issue's target is achieved >=
 0.9 x that). With ``--repeats N`` the three are measured N times, interleaved, and the medians are reported (the
 ratios are of medians). Producers run as threads of this process here (on one GPU: the target and the drafter
@@ -147,13 +148,14 @@ def forward_padding(runner: TargetRunner, row_groups: list[list[int]], corpus) -
 
 #: The per-batch phases of the producer-alone run (``--json-out``'s ``phases_ms_per_batch``): the producer's
 #: (:meth:`BatchProducer.produce`'s ``phases``) and the consumer's (:class:`dflash.batches.online.OnlineStats`).
-PHASES = ("forwards", "copies", "commit", "consumer_wait", "read", "pack")
+PHASES = ("forwards", "copies", "commit", "slot_wait", "read", "pack", "consumer_wait")
 
 
 def _phase_totals(stats) -> dict[str, float]:
     """Seconds so far per phase of :data:`PHASES` (cumulative, from the batch source's stats)."""
     return {**{phase: stats.producer_phases.get(phase, 0.0) for phase in ("forwards", "copies", "commit")},
-            "consumer_wait": stats.wait_seconds, "read": stats.read_seconds, "pack": stats.pack_seconds}
+            "slot_wait": stats.slot_wait_seconds, "read": stats.read_seconds, "pack": stats.pack_seconds,
+            "consumer_wait": stats.wait_seconds}
 
 
 def synchronized_forwards(runner: TargetRunner) -> TargetRunner:
@@ -176,7 +178,7 @@ def producer_rate(producer: BatchProducer, config, batches: int, device: torch.d
     """The online batch source alone (producer tasks in ``ring_slots`` threads, the ring, checks and packing; no
     training): real tokens/s from batch ``ring_slots`` (the read-ahead consumed) to the last of ``batches``, and
     the milliseconds per batch of each phase (:data:`PHASES`) over the same batches (wall-clock timers around the
-    calls: the producers' phases overlap each other, the consumer's run one batch after another). The tasks
+    calls: the producers' phases overlap each other, the reader's run one batch after another). The tasks
     submitted are appended to ``tasks``."""
     from pipelines.online import online_training_data
 
