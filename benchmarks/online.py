@@ -49,7 +49,7 @@ training token budget, what ``online`` gives its producers; ``run --preset h200-
 A producer batches only the documents of one planned batch (a length bucket's mix), where extract sorts a
 65,536-token shard by length; the report prints the padding share of both one's forwards (``forward padding``).
 ``--producer-packing`` runs the producers' forwards packed instead (``TargetRunner`` ``packing``, its default
-kernel: varlen on CUDA), which the ``online`` command does not offer yet: what packing would gain there.
+kernel: varlen on CUDA), as ``online --producer-packing`` does: what packing gains there.
 
 One GPU::
 

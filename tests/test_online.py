@@ -272,6 +272,38 @@ def _train_online_in_process(config, target) -> dict:
             producer.close()
 
 
+def test_producer_packing_packs_the_producers_forwards_and_delivers_the_padded_batches(corpus_dir, target_path,
+                                                                                       target, tmp_path):
+    """``online --producer-packing`` (off by default, ``--set online.producer_packing=true`` too): the plugin every
+    producer loads builds a packing runner, and the batches it delivers through the ring hold the padded
+    producer's samples, tokens and masks in the same order, hidden states within bf16 tolerance."""
+    from pipelines.online import config_from_cli, online_metadata, producer_plugin
+
+    paths = ({"corpus": str(corpus_dir)}, {"output": str(tmp_path / "run")})
+    assert config_from_cli(*paths, "online-cpu").producer_packing is False
+    assert config_from_cli(*paths, "online-cpu", None, ["online.producer_packing=true"]).producer_packing is True
+    config = _online_config(corpus_dir, target_path, tmp_path / "run")
+    config.producer_packing = True
+    plugin = producer_plugin(config, online_metadata(config)[1])
+    plugin.build(target, torch.device("cpu"))
+    assert plugin.producer.runner.packing and plugin.producer.runner.token_budget == 192
+    padded = BatchProducer(TargetRunner(target.model, TINY_LAYER_IDS, "cpu", token_budget=192),
+                           open_corpus(corpus_dir))
+    width = WIDTH_TAPS * int(target.model.config.hidden_size)
+    runs = []
+    for producer in (padded, plugin.producer):
+        with ThreadPoolExecutor(1) as pool, \
+                OnlineBatches(CorpusLengths(open_corpus(corpus_dir)), _stream_config("train"), width=width,
+                              submit=lambda task, pool=pool, producer=producer: pool.submit(producer.produce, task),
+                              num_slots=3) as online:
+            runs.append(_collect(online, 1))
+        producer.close()
+    assert len(runs[0]) == len(runs[1]) >= 4
+    assert [b["digest"] for b in runs[1]] == [b["digest"] for b in runs[0]]
+    for packed, reference in zip(runs[1], runs[0], strict=True):
+        torch.testing.assert_close(packed["hidden"].float(), reference["hidden"].float(), rtol=1.6e-2, atol=2e-2)
+
+
 def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir, target_path, target, tmp_path):
     from dflash.training.checkpoint import load_checkpoint
 
