@@ -395,6 +395,9 @@ class OnlineBatches(PlannedCursor):
                 if self.read_ahead:
                     self._fill_reads()
                     loaded = self._reads.popleft().result()  # the trainer waits here while producers are behind
+                    if loaded is None:  # close() from another thread while this one waited
+                        raise QueueError(f"ring {self.ring.name}: the batch source was closed while the trainer "
+                                         "waited for a batch")
                     self._fill_reads()  # the next read starts while this batch trains
                 else:
                     loaded = self._load(self._in_order.get())
