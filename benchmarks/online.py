@@ -10,14 +10,22 @@ Four measurements in one run, on the same corpus, plan and drafter config (the r
   as the ring has slots, as a Dask worker runs its tasks, one queuing its forwards at a time; the ring, checks and
   packing) iterated without training: real tokens per second the target side can supply. The ring has the
   ``online`` command's default 4 slots here, and the rate is timed from the 5th batch on (after the read-ahead),
-  over ``--steps`` batches but at least 13.
+  over ``--steps`` batches but at least 13. Its phases, in milliseconds per batch over the same batches (one line
+  per repeat, ``phases_ms_per_batch`` in the JSON; wall-clock timers around the calls): the producer's
+  ``forwards`` (queuing them), ``copies`` (waiting until its device-to-host copies landed in the slot: on CUDA the
+  forwards' device time too) and ``commit`` (CRC-32C and header), which overlap between the producer's tasks; the
+  reader's ``slot_wait`` (for the next batch's producer), ``read`` (copy out of the slot and CRC-32C) and ``pack``
+  (into the training batch), on the batch source's background reader, one batch after another; and the
+  consumer's ``consumer_wait`` (for the reader: what a trainer would wait). On CUDA a second, synchronized pass
+  (each forward waits for the device, so ``forwards`` is their device time and ``copies`` the copies alone; the
+  producers' overlap is lost) gives the ``synchronized`` phases; it is not timed for I.
 * T, trainer alone: the training loop (``stages.train.loop.Trainer``) on the online batch source whose producer
   REPLAYS hidden states computed beforehand (a memcpy into the slot): tokens per second the drafter side can take.
 * achieved: the same training loop fed by the real producer through the ring.
 
 Rates are real (unpadded) tokens per second; the trainer's figures are its throughput window (``real_tokens_per_s``
-of the last logged step over the whole run but its first step: setup excluded; a 2-slot ring, so read-ahead
-does not flatter a short run). Printed against ``min(I, T)`` (separate devices) and ``1/(1/I + 1/T)``
+of the last logged step over the whole run but its first step: setup excluded; a 2-slot ring and the batch
+source's one batch of read-ahead, so read-ahead does not flatter a short run). Printed against ``min(I, T)`` (separate devices) and ``1/(1/I + 1/T)``
 (one device shared by producer and trainer, e.g. a CPU host or a single GPU: the issue's target is achieved >=
 0.9 x that). With ``--repeats N`` the three are measured N times, interleaved, and the medians are reported (the
 ratios are of medians). Producers run as threads of this process here (on one GPU: the target and the drafter
@@ -41,7 +49,7 @@ training token budget, what ``online`` gives its producers; ``run --preset h200-
 A producer batches only the documents of one planned batch (a length bucket's mix), where extract sorts a
 65,536-token shard by length; the report prints the padding share of both one's forwards (``forward padding``).
 ``--producer-packing`` runs the producers' forwards packed instead (``TargetRunner`` ``packing``, its default
-kernel: varlen on CUDA), which the ``online`` command does not offer yet: what packing would gain there.
+kernel: varlen on CUDA), as ``online --producer-packing`` does: what packing gains there.
 
 One GPU::
 
@@ -138,11 +146,40 @@ def forward_padding(runner: TargetRunner, row_groups: list[list[int]], corpus) -
     return 1.0 - real / padded, forwards / len(row_groups)
 
 
+#: The per-batch phases of the producer-alone run (``--json-out``'s ``phases_ms_per_batch``): the producer's
+#: (:meth:`BatchProducer.produce`'s ``phases``) and the consumer's (:class:`dflash.batches.online.OnlineStats`).
+PHASES = ("forwards", "copies", "commit", "slot_wait", "read", "pack", "consumer_wait")
+
+
+def _phase_totals(stats) -> dict[str, float]:
+    """Seconds so far per phase of :data:`PHASES` (cumulative, from the batch source's stats)."""
+    return {**{phase: stats.producer_phases.get(phase, 0.0) for phase in ("forwards", "copies", "commit")},
+            "slot_wait": stats.slot_wait_seconds, "read": stats.read_seconds, "pack": stats.pack_seconds,
+            "consumer_wait": stats.wait_seconds}
+
+
+def synchronized_forwards(runner: TargetRunner) -> TargetRunner:
+    """Instrumentation only: ``runner.forward`` waits for the device before it returns, so a producer's
+    ``forwards`` phase holds the forwards' device time and ``copies`` only the device-to-host copies (on CUDA,
+    where both are otherwise asynchronous). The producers' overlap is lost: not for the rate."""
+    forward = runner.forward
+
+    def synchronized(*args, **kwargs):
+        hidden = forward(*args, **kwargs)
+        torch.cuda.synchronize(runner.device)
+        return hidden
+
+    runner.forward = synchronized
+    return runner
+
+
 def producer_rate(producer: BatchProducer, config, batches: int, device: torch.device,
-                  tasks: list | None = None) -> float:  # fmt: skip
+                  tasks: list | None = None) -> tuple[float, dict[str, float]]:  # fmt: skip
     """The online batch source alone (producer tasks in ``ring_slots`` threads, the ring, checks and packing; no
-    training): real tokens/s from batch ``ring_slots`` (the read-ahead consumed) to the last of ``batches``. The
-    tasks submitted are appended to ``tasks``."""
+    training): real tokens/s from batch ``ring_slots`` (the read-ahead consumed) to the last of ``batches``, and
+    the milliseconds per batch of each phase (:data:`PHASES`) over the same batches (wall-clock timers around the
+    calls: the producers' phases overlap each other, the reader's run one batch after another). The tasks
+    submitted are appended to ``tasks``."""
     from pipelines.online import online_training_data
 
     producer.runner.run([producer.corpus.row(0).input_ids])  # warm-up, untimed (first forward allocates)
@@ -161,12 +198,22 @@ def producer_rate(producer: BatchProducer, config, batches: int, device: torch.d
                 for batch in data.train:
                     times.append(time.perf_counter())
                     tokens.append(batch.num_real_tokens)
+                    if len(times) == skip + 1:
+                        first = _phase_totals(data.train.stats)
                     if len(times) == batches:
                         break
+            last = _phase_totals(data.train.stats)
         finally:
             data.close()
     producer.close()
-    return sum(tokens[skip + 1 :]) / (times[-1] - times[skip])
+    timed = batches - skip - 1
+    phases = {phase: 1e3 * (last[phase] - first[phase]) / timed for phase in PHASES}
+    return sum(tokens[skip + 1 :]) / (times[-1] - times[skip]), phases
+
+
+def phases_line(phases: dict[str, float]) -> str:
+    """``forwards 1.2, copies 80.1, ... ms/batch`` (:data:`PHASES`)."""
+    return ", ".join(f"{phase} {phases[phase]:.1f}" for phase in PHASES) + " ms/batch"
 
 
 def extract_rate(runner: TargetRunner, corpus, device: torch.device) -> float:
@@ -304,14 +351,23 @@ def main() -> None:
     extract_runner = runner(packing=False)  # extract's default: padded, length-sorted over each shard
     tasks: list = []
     runs: dict[str, list[float]] = {"producer_alone_I": [], "trainer_alone_T": [], "achieved": [], "extract": []}
+    phase_runs: dict[str, list[dict[str, float]]] = {"overlapped": [], "synchronized": []}
     for repeat in range(args.repeats):
-        runs["producer_alone_I"].append(producer_rate(BatchProducer(runner(), corpus),
-                                                      config(f"producer-{repeat}", producer_slots),
-                                                      producer_batches, device, tasks))  # fmt: skip
+        rate, phases = producer_rate(BatchProducer(runner(), corpus), config(f"producer-{repeat}", producer_slots),
+                                     producer_batches, device, tasks)  # fmt: skip
+        runs["producer_alone_I"].append(rate)
+        phase_runs["overlapped"].append(phases)
         runs["trainer_alone_T"].append(trainer_rate(config(f"trainer-{repeat}"), replay, device))
         runs["achieved"].append(trainer_rate(config(f"achieved-{repeat}"), BatchProducer(runner(), corpus), device))
         runs["extract"].append(extract_rate(extract_runner, corpus, device))
         print(f"repeat {repeat}: " + ", ".join(f"{key} {values[-1]:,.0f}" for key, values in runs.items()), flush=True)
+        line = f"repeat {repeat} producer-alone phases: {phases_line(phases)}"
+        if gpu:  # forwards' device time apart from the copies: a separate, synchronized pass (not for the rate)
+            _, synced = producer_rate(BatchProducer(synchronized_forwards(runner()), corpus),
+                                      config(f"producer-sync-{repeat}", producer_slots), producer_batches, device)
+            phase_runs["synchronized"].append(synced)
+            line += f"; synchronized forwards: {phases_line(synced)}"
+        print(line, flush=True)
     rate_i, rate_t, achieved, rate_extract = (statistics.median(runs[key]) for key in runs)
     from stages.extract.command import ExtractConfig, plan_shards
 
@@ -331,6 +387,10 @@ def main() -> None:
               "forward_padding_share": {key: value[0] for key, value in padding.items()},
               "forwards_per_batch_or_shard": {key: value[1] for key, value in padding.items()},
               "runs": runs, "repeats": args.repeats,
+              "phases_ms_per_batch": {mode: {phase: statistics.median(run[phase] for run in runs_)
+                                             for phase in PHASES}
+                                      for mode, runs_ in phase_runs.items() if runs_},
+              "phases_ms_per_batch_runs": {mode: runs_ for mode, runs_ in phase_runs.items() if runs_},
               "in_run_telemetry_last_interval": {key: logged.get(key) for key in (
                   "producer_capacity_tokens_per_s", "trainer_capacity_tokens_per_s", "achieved_tokens_per_s",
                   "ring_ready_mean", "ring_taken_mean")},
@@ -345,6 +405,8 @@ def main() -> None:
     print(f"{'forward padding':>22}: producer {padding['producer'][0]:.1%} of padded tokens "
           f"({padding['producer'][1]:.1f} forwards per planned batch{', packed' if args.producer_packing else ''}), "
           f"extract {padding['extract'][0]:.1%} ({padding['extract'][1]:.1f} per shard)")
+    for mode, phases in report["phases_ms_per_batch"].items():
+        print(f"{'phases, ' + mode:>22}: {phases_line(phases)}  (producer alone, medians)")
     print(f"{'achieved / min(I, T)':>22}: {report['achieved_over_min']:.2f}")
     print(f"{'achieved / shared':>22}: {report['achieved_over_shared']:.2f}  (1/(1/I+1/T): one device for both)")
     print(f"{'device':>22}: {report['device']}; target {identity.name}, taps {layer_ids}")

@@ -9,15 +9,16 @@ For one batch of ``--tokens`` real tokens of ``--width`` hidden values (bfloat16
   forward's output into the slot); of it, ``commit`` (:meth:`dflash.batches.ring.Ring.commit_batch`: the CRC-32C
   read in place and the header) is all a CUDA producer's CPU does per batch, its hidden states arriving in the slot
   by the device-to-host copy itself;
-* read: :meth:`dflash.batches.ring.Ring.read_batch` (the consumer: a private copy of the slot, its CRC-32C checked);
+* read: :meth:`dflash.batches.ring.Ring.read_batch` (the consumer: a private copy of the slot into one buffer
+  reused from batch to batch, as ``OnlineBatches`` reads, its CRC-32C checked);
 * pack: the consumer's packing of that copy into the training batch (:func:`dflash.batches.online.pack_slot_batch`, as
   ``OnlineBatches`` calls it, padded to the token budget, in pinned memory when CUDA is available, as
   the trainer does).
 
-:class:`dflash.batches.online.OnlineBatches` does read and pack on the trainer's thread, one batch after another, so
-``tokens / (read + pack)`` bounds what one trainer process can take from the ring, whatever the producers and the
-trainer's GPU do; it prints that bound next to the per-phase times and rates (medians of ``--repeats`` after one
-untimed warm-up).
+:class:`dflash.batches.online.OnlineBatches` reads and packs on one background thread, one batch after another (the
+trainer's thread only takes the packed batches), so ``tokens / (read + pack)`` bounds what one trainer process can
+take from the ring, whatever the producers and the trainer's GPU do; it prints that bound next to the per-phase
+times and rates (medians of ``--repeats`` after one untimed warm-up).
 
     python benchmarks/online_consumer.py                       # SmolLM2, 5 taps: 16,384 x 2,880
     python benchmarks/online_consumer.py --width 20480 --tokens 8192   # Qwen3-8B, 5 taps, 8,192-token batches
@@ -57,6 +58,7 @@ def main() -> None:
     rows = np.arange(args.documents, dtype=np.int64)
     nbytes = args.tokens * args.width * 2
     times: dict[str, list[float]] = {"write": [], "commit": [], "read": [], "pack": []}
+    private = np.empty(geometry.payload_capacity, dtype=np.uint8)  # the reader's reused buffer
     with Ring.create(geometry) as ring:
         for repeat in range(-1, args.repeats):  # repeat -1: an untimed warm-up (first touch of the slot's pages)
             slot, ticket = ring.acquire()
@@ -68,7 +70,7 @@ def main() -> None:
             copied = time.perf_counter()
             ring.commit_batch(write)
             written = time.perf_counter()
-            batch = ring.read_batch(slot, ticket, epoch=0, batch_index=repeat + 1)
+            batch = ring.read_batch(slot, ticket, epoch=0, batch_index=repeat + 1, out=private)
             read = time.perf_counter()
             ring.release(slot)
             packed = pack_slot_batch(batch, pad_to=args.tokens, bucket=0, pin_memory=pin)

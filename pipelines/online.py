@@ -62,8 +62,8 @@ from stages.train.config import TrainConfig
 from stages.train.launch import _run_training
 
 __all__ = ["OnlineConfig", "ONLINE_CACHE_PREFIX", "ONLINE_PRESETS", "OnlineData", "online_metadata", "online_sections",
-           "online_training_data", "load_online_preset", "planned_online_steps", "printable_config", "run_online",
-           "register"]
+           "online_training_data", "load_online_preset", "planned_online_steps", "printable_config", "producer_plugin",
+           "run_online", "register"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,12 @@ class OnlineConfig:
     token_budget x n*H x 2 bytes)."""
     runner_token_budget: int | None = None
     """Padded tokens per target forward of a producer; ``None``: the training ``token_budget``."""
+    producer_packing: bool = setting(False, help="Producers run packed forwards: a planned batch's samples back to back, no padding.")
+    """Producers run packed forwards (the extract stage's ``--packing``, with its automatic kernel: varlen on GPU
+    producers whose torch has it, else flex_attention; sdpa on CPU producers): each forward holds samples of the
+    planned batch back to back, attention confined to each, no padding; ``runner_token_budget`` is then the real
+    tokens per forward. The same hidden states within the runner's bf16 tolerance and the same batches; off by
+    default (not yet measured on a GPU against padded forwards)."""
     cache_to: str | None = setting(None, help="Also write the hidden-state cache here while training.")
     """Also write the hidden-state cache (contract 2, the ``extract`` stage's shard plan) of the corpus here while
     training: producers stage the first epoch's batches, and a shard is committed once its rows are all staged
@@ -389,8 +395,6 @@ def _start_cluster(config: OnlineConfig, metadata: Any) -> tuple[Any, Any]:
     import torch
     from distributed import Client, LocalCluster
 
-    from stages.replicas.online_worker import OnlineProducerPlugin
-
     if not log.isEnabledFor(logging.DEBUG):
         logging.getLogger("distributed").setLevel(logging.WARNING)
     gpus = config.target_gpus
@@ -402,16 +406,26 @@ def _start_cluster(config: OnlineConfig, metadata: Any) -> tuple[Any, Any]:
                                resources={"GPU": 1} if gpus else None, memory_limit=0,
                                dashboard_address="127.0.0.1:0", **worker_process_options())  # fmt: skip
     client = Client(cluster)
-    threads = None if gpus else max(1, (os.cpu_count() or 1) // (num_workers + 1))
-    plugin = OnlineProducerPlugin(
-        target_spec=config.target, target_layer_ids=list(metadata.target_layer_ids),
-        token_budget=config.runner_token_budget or config.train.data.token_budget, corpus_path=config.corpus,
-        gpu_by_worker=dict(enumerate(gpus)) if gpus else None, device="cuda" if gpus else "cpu",
-        torch_threads=threads, die_with_parent=True,
-    )  # fmt: skip
+    plugin = producer_plugin(config, metadata)
     del torch
     client.register_plugin(plugin)  # loads the target on every worker; re-raises a worker's loading error here
     return client, cluster
+
+
+def producer_plugin(config: OnlineConfig, metadata: Any) -> Any:
+    """The :class:`stages.replicas.online_worker.OnlineProducerPlugin` every producer (Dask worker) of ``config``
+    loads: its target, taps, forward budget and packing, GPU or CPU placement and torch threads."""
+    from stages.replicas.online_worker import OnlineProducerPlugin
+
+    gpus = config.target_gpus
+    num_workers = len(gpus) if gpus else (config.target_processes or 1)
+    threads = None if gpus else max(1, (os.cpu_count() or 1) // (num_workers + 1))
+    return OnlineProducerPlugin(
+        target_spec=config.target, target_layer_ids=list(metadata.target_layer_ids),
+        token_budget=config.runner_token_budget or config.train.data.token_budget, corpus_path=config.corpus,
+        gpu_by_worker=dict(enumerate(gpus)) if gpus else None, device="cuda" if gpus else "cpu",
+        torch_threads=threads, die_with_parent=True, packing=config.producer_packing,
+    )  # fmt: skip
 
 
 def _check_before_start(config: OnlineConfig) -> None:

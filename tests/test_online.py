@@ -164,6 +164,86 @@ def test_a_producer_running_several_tasks_at_once_delivers_the_same_bytes(corpus
     assert {(run, 0, b) for run in (0, 1) for b in range(len(runs[0]))} <= set(state["batches"])
 
 
+def _batch_fields(batch) -> dict:
+    """Every tensor of a packed batch (copied), its corpus rows and bucket: what a bit-exact comparison compares."""
+    from dflash.batches.packed import PackedBatch
+
+    return {name: getattr(batch, name).clone() for name in PackedBatch._TENSOR_FIELDS} | {
+        "corpus_rows": list(batch.corpus_rows), "bucket": batch.bucket_id, "real": batch.num_real_tokens}
+
+
+def _assert_same_batches(got: list[dict], expected: list[dict]) -> None:
+    assert len(got) == len(expected)
+    for index, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
+        assert mine.keys() == theirs.keys()
+        for key, value in theirs.items():
+            same = torch.equal(mine[key], value) if isinstance(value, torch.Tensor) else mine[key] == value
+            assert same, f"batch {index}: {key} differs"
+
+
+def test_read_ahead_yields_the_serial_batches_bit_for_bit_and_a_consumer_stopped_mid_epoch_resumes_to_them(
+        corpus_dir, target):
+    """The same producer and plan through a ring of 3 slots, read on the consumer's thread (``read_ahead=0``) and
+    on the background reader (2 batches ahead): the same packed batches, every tensor bit for bit, in the same
+    order over two epochs, each batch computed once. A consumer that goes away mid-epoch with reads in flight gives
+    every slot back, and a new source resumed from its cursor yields exactly the remaining batches."""
+    from concurrent.futures import wait
+
+    producer = BatchProducer(TargetRunner(target.model, TINY_LAYER_IDS, "cpu", token_budget=256),
+                             open_corpus(corpus_dir))
+    width = WIDTH_TAPS * int(target.model.config.hidden_size)
+    tasks: list[tuple[str, int, int]] = []
+    futures: list = []
+    before = _live_segments()
+
+    def source(pool: ThreadPoolExecutor, read_ahead: int) -> OnlineBatches:
+        def submit(task):
+            tasks.append((task.ring_name, task.epoch, task.batch_index))
+            futures.append(pool.submit(producer.produce, task))
+            return futures[-1]
+
+        return OnlineBatches(CorpusLengths(open_corpus(corpus_dir)), _stream_config("train"), width=width,
+                             submit=submit, num_slots=3, read_ahead=read_ahead)  # fmt: skip
+
+    def epochs(online: OnlineBatches, count: int) -> list[dict]:
+        out = []
+        for _ in range(count):
+            for batch in online:
+                out.append(_batch_fields(batch))
+        return out
+
+    with ThreadPoolExecutor(2) as pool:
+        with source(pool, 0) as serial:
+            expected = epochs(serial, 2)
+        with source(pool, 2) as ahead:
+            assert ahead.read_ahead == 2
+            got = epochs(ahead, 2)
+            readers = [thread.name for thread in threading.enumerate() if thread.name.startswith("dflash-online-read")]
+            ahead_ring = ahead.ring.name
+        _assert_same_batches(got, expected)
+        assert readers  # the reads ran on the background thread
+        per_ring = [task for task in tasks if task[0] == ahead_ring]
+        assert len(set(per_ring)) == len(per_ring) >= len(expected)  # read-ahead included: each batch once
+
+        per_epoch = len(expected) // 2
+        assert per_epoch >= 6 and expected[0]["corpus_rows"] != expected[per_epoch]["corpus_rows"]
+        stop_at = per_epoch // 2
+        with source(pool, 2) as first:
+            batches = iter(first)
+            head = [_batch_fields(next(batches)) for _ in range(stop_at)]
+            state = first.state_dict()
+            batches.close()  # the consumer goes away; producers and reads of the batches after it were in flight
+            wait(futures)
+            assert first.ring.num_free == 3  # every slot came back, none twice (release asserts that)
+        assert state["epoch"] == 0 and state["step_in_epoch"] == stop_at
+        with source(pool, 2) as resumed:
+            resumed.load_state_dict(state)
+            rest = epochs(resumed, 2)
+    producer.close()
+    _assert_same_batches(head + rest, expected)
+    assert not _leaked(before)
+
+
 def _online_config(corpus_dir, target_path, output, **train_overrides):
     from pipelines.online import ONLINE_CACHE_PREFIX, OnlineConfig
     from tests.train_helpers import tiny_config
@@ -190,6 +270,38 @@ def _train_online_in_process(config, target) -> dict:
         finally:
             trainer.close()
             producer.close()
+
+
+def test_producer_packing_packs_the_producers_forwards_and_delivers_the_padded_batches(corpus_dir, target_path,
+                                                                                       target, tmp_path):
+    """``online --producer-packing`` (off by default, ``--set online.producer_packing=true`` too): the plugin every
+    producer loads builds a packing runner, and the batches it delivers through the ring hold the padded
+    producer's samples, tokens and masks in the same order, hidden states within bf16 tolerance."""
+    from pipelines.online import config_from_cli, online_metadata, producer_plugin
+
+    paths = ({"corpus": str(corpus_dir)}, {"output": str(tmp_path / "run")})
+    assert config_from_cli(*paths, "online-cpu").producer_packing is False
+    assert config_from_cli(*paths, "online-cpu", None, ["online.producer_packing=true"]).producer_packing is True
+    config = _online_config(corpus_dir, target_path, tmp_path / "run")
+    config.producer_packing = True
+    plugin = producer_plugin(config, online_metadata(config)[1])
+    plugin.build(target, torch.device("cpu"))
+    assert plugin.producer.runner.packing and plugin.producer.runner.token_budget == 192
+    padded = BatchProducer(TargetRunner(target.model, TINY_LAYER_IDS, "cpu", token_budget=192),
+                           open_corpus(corpus_dir))
+    width = WIDTH_TAPS * int(target.model.config.hidden_size)
+    runs = []
+    for producer in (padded, plugin.producer):
+        with ThreadPoolExecutor(1) as pool, \
+                OnlineBatches(CorpusLengths(open_corpus(corpus_dir)), _stream_config("train"), width=width,
+                              submit=lambda task, pool=pool, producer=producer: pool.submit(producer.produce, task),
+                              num_slots=3) as online:
+            runs.append(_collect(online, 1))
+        producer.close()
+    assert len(runs[0]) == len(runs[1]) >= 4
+    assert [b["digest"] for b in runs[1]] == [b["digest"] for b in runs[0]]
+    for packed, reference in zip(runs[1], runs[0], strict=True):
+        torch.testing.assert_close(packed["hidden"].float(), reference["hidden"].float(), rtol=1.6e-2, atol=2e-2)
 
 
 def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir, target_path, target, tmp_path):
@@ -223,7 +335,7 @@ def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir
     assert last["producer_capacity_tokens_per_s"] > 0
     assert 0 < last["achieved_tokens_per_s"] <= last["trainer_capacity_tokens_per_s"]
     assert 0 <= last["interval_data_wait_fraction"] <= 1
-    assert 0 <= last["ring_ready_mean"] <= last["ring_taken_mean"] <= 3  # 3 ring slots
+    assert 0 <= last["ring_ready_mean"] <= last["ring_taken_mean"] <= 3 + 1  # 3 ring slots, 1 batch read ahead
     assert not _leaked(before)  # every ring removed
 
 

@@ -120,6 +120,43 @@ def test_a_slot_rewritten_after_hand_over_fails_its_checksum(ring):
         ring.read_batch(slot, ticket, epoch=0, batch_index=0)
 
 
+def test_the_slot_crc32c_equals_google_crc32c_with_or_without_the_gil_free_library(monkeypatch):
+    """The payload CRC-32C (through the C library without the GIL where it is found, else google_crc32c in
+    pieces) is google_crc32c's value of the same bytes, across piece boundaries and for an empty payload."""
+    import google_crc32c
+
+    data = np.random.default_rng(0).integers(0, 256, size=2 * online_queue._CRC_PIECE + 12345, dtype=np.uint8)
+    for size in (0, 1, 9, online_queue._CRC_PIECE + 1, data.size):
+        assert online_queue._crc32c(data[:size]) == google_crc32c.value(data[:size].tobytes()), size
+    monkeypatch.setattr(online_queue, "_CRC32C_EXTEND", None)
+    for size in (0, 9, data.size):
+        assert online_queue._crc32c(data[:size]) == google_crc32c.value(data[:size].tobytes()), size
+
+
+def test_reads_into_one_reused_buffer_give_each_batch_its_own_bytes_and_still_catch_a_rewrite(ring):
+    """``read_batch(out=...)``: a longer batch then a shorter one through the same private buffer, each read back
+    bit for bit; a slot rewritten after its hand-over still fails its checksum; a buffer too small is refused."""
+    out = np.empty(ring.geometry.payload_capacity, dtype=np.uint8)
+    with Ring.attach(ring.name) as producer:
+        for index, lengths in enumerate(((7, 9, 4), (2, 3))):
+            slot, ticket = ring.acquire()
+            batch = _batch(torch.bfloat16, lengths=lengths, seed=index)
+            producer.write_batch(slot, ticket, epoch=0, batch_index=index, bucket=0, **batch)
+            read = ring.read_batch(slot, ticket, epoch=0, batch_index=index, out=out)
+            assert read.hidden.data_ptr() == out.ctypes.data + online_queue._hidden_offset(len(lengths), sum(lengths))
+            assert torch.equal(read.hidden, torch.cat(batch["hidden"])) and read.lengths.tolist() == list(lengths)
+            assert read.input_ids.tolist() == np.concatenate(batch["input_ids"]).tolist()
+            ring.release(slot)
+        slot, ticket = ring.acquire()
+        producer.write_batch(slot, ticket, epoch=0, batch_index=2, bucket=0, **_batch(torch.bfloat16))
+    start = online_queue._RING_HEADER_BYTES + slot * ring.geometry.slot_bytes + online_queue._SLOT_HEADER_BYTES
+    ring._buffer[start + 3] ^= 0x01
+    with pytest.raises(QueueError, match="CRC-32C"):
+        ring.read_batch(slot, ticket, epoch=0, batch_index=2, out=out)
+    with pytest.raises(ValueError, match="at least"):
+        ring.read_batch(slot, ticket, epoch=0, batch_index=2, out=out[:16])
+
+
 def test_a_slot_of_another_format_version_or_batch_is_refused(ring):
     slot, ticket = ring.acquire()
     with Ring.attach(ring.name) as producer:

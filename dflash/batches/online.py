@@ -13,9 +13,15 @@ Flow (one rank)::
                             slot, ticket = ring.acquire()      # blocks while the ring is full (backpressure)
                             future = submit(BatchTask(...))    # a producer computes it into the slot
                             in_order.put(future)
-    consumer (__iter__): future = in_order.get()               # waits while nothing is ready (measured)
-                            future.result(); batch = ring.read_batch(...)   # private copy, CRC-32C checked
-                            ring.release(slot); yield pack(batch)
+    reader thread:      future = in_order.get()                # one at a time, in plan order, read_ahead batches
+                            future.result()                    #   ahead of the consumer (waits while not ready)
+                            batch = ring.read_batch(..., out=private)   # copy into a reused buffer, CRC-32C checked
+                            ring.release(slot); packed = pack(batch)
+    consumer (__iter__): yield the next packed batch           # waits while the reader is behind (measured)
+
+The reader is a one-thread ``concurrent.futures`` executor: while the trainer trains on one batch, the next is
+copied out, checked and packed (the copies and the CRC-32C run without the GIL). ``read_ahead=0`` reads on the
+consumer's thread instead, when it asks for the batch.
 
 ``submit`` is anything returning a future (``concurrent.futures`` or Dask's ``Client.submit``, as
 ``pipelines/online.py`` wires it); the producers run :class:`BatchProducer` (the same
@@ -33,14 +39,17 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from dflash.batches.buckets import EpochPlan
+from dflash.batches.buckets import EpochPlan, PlannedBatch
 from dflash.batches.packed import PackedBatch, pack_samples
 from dflash.batches.ring import QueueError, Ring, RingGeometry
 from dflash.batches.source import LengthSource, PlannedCursor, StreamConfig
@@ -104,11 +113,16 @@ class BatchProducer:
             return self._rings[name]
 
     def produce(self, task: BatchTask, *, queued: Callable[[], None] | None = None) -> dict[str, Any]:
-        """Compute ``task`` into its slot; returns ``{"batch_index", "epoch", "tokens", "compute_seconds"}``.
+        """Compute ``task`` into its slot; returns ``{"batch_index", "epoch", "tokens", "compute_seconds",
+        "phases"}``.
 
         ``compute_seconds``: from the moment this task starts queuing its forwards to its commit, less what overlaps
         the earlier tasks of this producer (overlapping tasks are counted once, so tokens / the sum over tasks is the
-        producer's rate). ``queued``: called once the task's forwards and copies are queued on the device, before
+        producer's rate). ``phases``: wall seconds of this task's steps, ``forwards`` (queuing the forwards and
+        their copies; on CUDA the device runs them asynchronously), ``copies`` (waiting until every copy landed in
+        the slot, the non-finite check included: on CUDA, whatever device work of the task was still running) and
+        ``commit`` (rows, ids and masks written, the CRC-32C, the header). ``queued``: called once the task's
+        forwards and copies are queued on the device, before
         this call waits for them (the Dask task secedes from its worker's thread pool there, so the worker starts
         its next task).
 
@@ -131,8 +145,10 @@ class BatchProducer:
                                      bucket=task.bucket, corpus_rows=np.asarray(task.corpus_rows, dtype=np.int64),
                                      input_ids=input_ids, loss_mask=[row.loss_mask for row in rows])  # fmt: skip
             pending = list(self.runner.iter_pending(input_ids, out=write.documents))
+            forwards_queued = time.perf_counter()
         if queued is not None:
             queued()
+        copies_started = time.perf_counter()
         for batch in [item.finish() for item in pending]:  # every copy landed before anything is checked
             for index, bad_layers in zip(batch.indices, batch.nonfinite_layers, strict=True):
                 if bad_layers:
@@ -144,7 +160,9 @@ class BatchProducer:
         # --cache-to: a private copy, staged after the commit (the trainer is waiting for the slot, and may hand it
         # to another batch as soon as it has read it).
         staged = write.hidden.clone().split([len(ids) for ids in input_ids]) if task.staging is not None else None
+        commit_started = time.perf_counter()
         ring.commit_batch(write)
+        committed = time.perf_counter()
         if staged is not None:
             from dflash.cache.staging import stage_batch
 
@@ -153,8 +171,10 @@ class BatchProducer:
             ended = time.perf_counter()
             compute = max(0.0, ended - max(started, self._busy_until))
             self._busy_until = max(self._busy_until, ended)
+        phases = {"forwards": forwards_queued - started, "copies": commit_started - copies_started,
+                  "commit": committed - commit_started}  # fmt: skip
         return {"batch_index": task.batch_index, "epoch": task.epoch,
-                "tokens": int(sum(len(ids) for ids in input_ids)), "compute_seconds": compute}
+                "tokens": int(sum(len(ids) for ids in input_ids)), "compute_seconds": compute, "phases": phases}
 
     def close(self) -> None:
         with self._rings_lock:
@@ -170,7 +190,10 @@ class OnlineStats:
     batches: int = 0
     tokens: int = 0
     wait_seconds: float = 0.0
-    """Seconds the trainer waited for the next batch (the ring was empty: producers are the bottleneck)."""
+    """Seconds the trainer waited for the next batch (producers, or the read-ahead, behind)."""
+    slot_wait_seconds: float = 0.0
+    """Seconds the reader waited for the next batch's producer (its slot not yet full: producers are the
+    bottleneck); without read-ahead the trainer's own wait."""
     last_wait_seconds: float = 0.0
     dispatch_wait_seconds: float = 0.0
     """Seconds the dispatcher waited for a free slot (the ring was full: the trainer is the bottleneck)."""
@@ -180,14 +203,34 @@ class OnlineStats:
     """Per producer (Dask worker name; ``"local"`` in-process): ``(tokens, compute seconds)`` of the batches consumed;
     tokens / seconds is that producer's capacity (:class:`dflash.training.telemetry.FeedMeter`)."""
     occupancy_sums: tuple[float, float, int] = (0.0, 0.0, 0)
-    """Sums, over the batches consumed, of the batches computed and waiting and of the ring slots in use, seen as the
-    trainer asks for the next batch, and the number of samples (means: sum / samples)."""
+    """Sums, over the batches consumed, of the batches computed and waiting (in their slots or read ahead) and of the
+    batches in flight (ring slots in use plus batches read ahead), seen as the trainer asks for the next batch, and
+    the number of samples (means: sum / samples)."""
     read_seconds: float = 0.0
-    """Time copying and checking slots."""
+    """Seconds copying slots out and checking them (:meth:`dflash.batches.ring.Ring.read_batch`)."""
+    pack_seconds: float = 0.0
+    """Seconds packing the batches read into training batches (:func:`pack_slot_batch`)."""
+    producer_phases: dict[str, float] = field(default_factory=dict)
+    """The producers' ``phases`` (:meth:`BatchProducer.produce`) summed over the batches consumed."""
     bucket_batches: list[int] | None = None
 
 
 _END = object()
+_STOPPED = object()  # wakes a read waiting for a batch the stopped dispatcher will not hand out
+
+
+@dataclass(slots=True)
+class _Loaded:
+    """A planned batch taken out of the ring and packed (:meth:`OnlineBatches._load`), with its timings."""
+
+    epoch: int
+    step: int
+    planned: PlannedBatch
+    batch: PackedBatch
+    result: Any
+    slot_wait: float
+    read: float
+    pack: float
 
 
 class OnlineBatches(PlannedCursor):
@@ -202,9 +245,14 @@ class OnlineBatches(PlannedCursor):
         rank, world_size: this process's data-parallel rank.
         staging: a staging folder (``--cache-to``): producers also write the first epoch's batches there, for
             :class:`dflash.cache.staging.ShardAssembler`; ``None``: nothing is staged.
-        health_check: called every ``health_interval`` seconds while the trainer waits for a batch; a message it
+        health_check: called every ``health_interval`` seconds while a batch's producer is waited for; a message it
             returns (e.g. every producer is gone) stops the wait with :class:`dflash.errors.ProducerError`, so a run
             whose producers all died fails instead of waiting forever.
+        read_ahead: batches read out of the ring and packed ahead of the consumer, on a background thread (one
+            ``concurrent.futures`` worker: reads run one at a time, in plan order), at most ``num_slots``; each slot
+            is released as soon as its batch is copied out, so the packed batches waiting hold host memory, not
+            slots. ``1`` (default): the next batch is read while the consumer trains on this one. ``0``: the
+            consumer's own thread reads each batch when it asks for it.
 
     The ring (``self.ring``) is created here and removed by :meth:`close`.
     """
@@ -212,10 +260,12 @@ class OnlineBatches(PlannedCursor):
     def __init__(self, source: LengthSource, config: StreamConfig, *, submit: Callable[[BatchTask], Any], width: int,
                  dtype: torch.dtype = torch.bfloat16, num_slots: int = 4, rank: int = 0, world_size: int = 1,
                  staging: str | None = None, health_check: Callable[[], str | None] | None = None,
-                 health_interval: float = 5.0) -> None:  # fmt: skip
+                 health_interval: float = 5.0, read_ahead: int = 1) -> None:  # fmt: skip
         if config.shard_window is not None:
             raise ConfigError(f"shard_window={config.shard_window}: the online mode plans globally (no cache shards "
                               "to window over); use shard_window=None")
+        if not isinstance(read_ahead, int) or isinstance(read_ahead, bool) or read_ahead < 0:
+            raise ConfigError(f"read_ahead must be an integer >= 0; got {read_ahead!r}")
         self._plan_lock = threading.RLock()
         super().__init__(source, config, rank=rank, world_size=world_size)
         self.submit = submit
@@ -227,8 +277,14 @@ class OnlineBatches(PlannedCursor):
         self.ring = Ring.create(RingGeometry(num_slots=num_slots, max_tokens=config.token_budget,
                                              max_documents=max_documents, width=width, dtype=dtype))  # fmt: skip
         self.pin_memory = bool(config.pin_memory) and torch.cuda.is_available()
+        self.read_ahead = min(read_ahead, num_slots)
         self._dispatcher: threading.Thread | None = None
         self._in_order: queue.Queue = queue.Queue()
+        self._reader: ThreadPoolExecutor | None = None
+        self._reads: deque[Future] = deque()  # read-ahead, in plan order
+        self._in_hand: tuple | None = None  # the batch being read while its slot is held (occupancy, stop)
+        self._private: np.ndarray | None = None  # the slots' private copy, reused from batch to batch
+        self._cuda_index: int | None = None  # the consumer's CUDA device, for pinned packing on the reader thread
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
         with self._plan_lock:  # the dispatcher thread plans ahead too
@@ -278,19 +334,31 @@ class OnlineBatches(PlannedCursor):
             in_order.put((_END, error))
 
     def _stop_dispatcher(self) -> None:
-        """Stop handing out slots; slots of batches in flight come back when their producers finish."""
-        if self._dispatcher is None:
+        """Stop handing out slots and drop the read-ahead; slots of batches in flight come back when their producers
+        finish. Returns once no read of the ring runs any more."""
+        if self._dispatcher is None and not self._reads:
             return
         self.ring.stop()
-        self._dispatcher.join()
-        self._dispatcher = None
+        if self._dispatcher is not None:
+            self._dispatcher.join()
+            self._dispatcher = None
+        reads, self._reads = list(self._reads), deque()
+        for read in reads:
+            read.cancel()  # not started: never runs
         while True:
             try:
                 item = self._in_order.get_nowait()
             except queue.Empty:
                 break
-            if item[0] is not _END:
+            if item[0] is not _END and item[0] is not _STOPPED:
                 self._release_when_done(item[3], item[4])
+        for read in reads:
+            if not read.cancelled():
+                self._in_order.put((_STOPPED,))  # a read waiting for the next batch ends
+        in_hand = self._in_hand
+        if in_hand is not None:
+            in_hand[4].cancel()  # a read waiting for its producer ends (its slot comes back when the task does)
+        wait_all(reads)
 
     def _release_when_done(self, task: BatchTask, future: Any) -> None:
         ring = self.ring
@@ -307,8 +375,8 @@ class OnlineBatches(PlannedCursor):
     def __iter__(self) -> Iterator[PackedBatch]:
         """This rank's batches from the cursor to the end of the epoch (then the cursor moves to the next epoch).
 
-        Producers run ahead (into the next epoch too) while slots are free; closing the iterator early stops them
-        (the slots of batches in flight come back when their tasks end)."""
+        Producers run ahead (into the next epoch too) while slots are free, and so do the reads (``read_ahead``);
+        closing the iterator early stops them (the slots of batches in flight come back when their tasks end)."""
         if self._step >= self.plan().num_steps:
             self._advance_epoch()
         self._start_dispatcher()
@@ -323,35 +391,32 @@ class OnlineBatches(PlannedCursor):
         while self._step < self.plan().num_steps:
             ready, taken = self._occupancy()
             waited = time.perf_counter()
-            item = self._in_order.get()  # the trainer waits here while producers are behind
-            if item[0] is _END:
-                self._dispatcher = None
-                raise item[1]
-            epoch, step, planned, task, future = item
-            assert (epoch, step) == (self.epoch, self._step), "online batches out of plan order"
             try:
-                result = self._result(future)
+                if self.read_ahead:
+                    self._fill_reads()
+                    loaded = self._reads.popleft().result()  # the trainer waits here while producers are behind
+                    if loaded is None:  # close() from another thread while this one waited
+                        raise QueueError(f"ring {self.ring.name}: the batch source was closed while the trainer "
+                                         "waited for a batch")
+                    self._fill_reads()  # the next read starts while this batch trains
+                else:
+                    loaded = self._load(self._in_order.get())
             except BaseException:
-                self._release_when_done(task, future)
                 self._stop_dispatcher()
                 raise
-            wait = time.perf_counter() - waited
-            read_started = time.perf_counter()
-            try:
-                slot_batch = self.ring.read_batch(task.slot, task.ticket, epoch=epoch, batch_index=task.batch_index)
-            finally:
-                self.ring.release(task.slot)
-            expected = self.sample_row[planned.samples]
-            if not np.array_equal(slot_batch.corpus_rows, expected):
-                raise QueueError(f"slot {task.slot}: batch {task.batch_index} of epoch {epoch} holds corpus rows "
-                                 f"{slot_batch.corpus_rows[:8].tolist()}..., the plan names {expected[:8].tolist()}...")
-            batch = self._pack(slot_batch, planned.bucket)
+            wait = time.perf_counter() - waited if self.read_ahead else loaded.slot_wait
+            assert (loaded.epoch, loaded.step) == (self.epoch, self._step), "online batches out of plan order"
+            planned, result = loaded.planned, loaded.result
             stats = self.stats
-            stats.read_seconds += time.perf_counter() - read_started
+            stats.slot_wait_seconds += loaded.slot_wait
+            stats.read_seconds += loaded.read
+            stats.pack_seconds += loaded.pack
             stats.wait_seconds += wait
             stats.last_wait_seconds = wait
             compute = float(result.get("compute_seconds", 0.0)) if isinstance(result, dict) else 0.0
             stats.producer_seconds += compute
+            for phase, seconds in (result.get("phases") or {}).items() if isinstance(result, dict) else ():
+                stats.producer_phases[phase] = stats.producer_phases.get(phase, 0.0) + float(seconds)
             producer = str(result.get("worker", "local")) if isinstance(result, dict) else "local"
             produced, busy = stats.producer_work.get(producer, (0, 0.0))
             stats.producer_work[producer] = (produced + planned.num_tokens, busy + compute)
@@ -361,7 +426,66 @@ class OnlineBatches(PlannedCursor):
             stats.tokens += planned.num_tokens
             stats.bucket_batches[planned.bucket] += 1  # type: ignore[index]
             self._step += 1
-            yield batch
+            yield loaded.batch
+
+    def _fill_reads(self) -> None:
+        """Keep ``read_ahead`` reads submitted; each takes the next batch the dispatcher hands out."""
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="dflash-online-read")
+            if self.pin_memory:  # pinned packing on the reader thread: under this rank's device, not GPU 0
+                self._cuda_index = torch.cuda.current_device()
+        while len(self._reads) < self.read_ahead:
+            self._reads.append(self._reader.submit(self._read_next, self._in_order))
+
+    def _read_next(self, in_order: queue.Queue) -> _Loaded | None:
+        """Reader thread: the next batch of ``in_order`` (:meth:`_load`); ``None`` once the dispatcher stopped."""
+        item = in_order.get()
+        if item[0] is _STOPPED:
+            return None
+        if self._cuda_index is None:
+            return self._load(item)
+        with torch.cuda.device(self._cuda_index):
+            return self._load(item)
+
+    def _load(self, item: tuple) -> _Loaded:
+        """Wait for the batch's producer, copy its slot out and check it (:meth:`Ring.read_batch`, into one reused
+        private buffer), release the slot, check its corpus rows against the plan and pack it.
+
+        Raises:
+            The dispatcher's error (``item`` is its end), the producer's, or :class:`QueueError` (a slot failing a
+            check, or rows other than the plan's).
+        """
+        if item[0] is _END:
+            raise item[1]
+        epoch, step, planned, task, future = item
+        waited = time.perf_counter()
+        self._in_hand = item
+        try:
+            try:
+                result = self._result(future)
+            except BaseException:
+                self._release_when_done(task, future)
+                raise
+            read_started = time.perf_counter()
+            if self._private is None:
+                self._private = np.empty(self.ring.geometry.payload_capacity, dtype=np.uint8)
+            try:
+                slot_batch = self.ring.read_batch(task.slot, task.ticket, epoch=epoch, batch_index=task.batch_index,
+                                                  out=self._private)  # fmt: skip
+            finally:
+                self._in_hand = None
+                self.ring.release(task.slot)
+        finally:
+            self._in_hand = None
+        expected = self.sample_row[planned.samples]
+        if not np.array_equal(slot_batch.corpus_rows, expected):
+            raise QueueError(f"slot {task.slot}: batch {task.batch_index} of epoch {epoch} holds corpus rows "
+                             f"{slot_batch.corpus_rows[:8].tolist()}..., the plan names {expected[:8].tolist()}...")
+        pack_started = time.perf_counter()
+        batch = self._pack(slot_batch, planned.bucket)  # copies: the private buffer may be reused after this
+        return _Loaded(epoch=epoch, step=step, planned=planned, batch=batch, result=result,
+                       slot_wait=read_started - waited, read=pack_started - read_started,
+                       pack=time.perf_counter() - pack_started)  # fmt: skip
 
     def _result(self, future: Any) -> Any:
         """``future.result()``, asking ``health_check`` every ``health_interval`` seconds while it is not done."""
@@ -376,11 +500,17 @@ class OnlineBatches(PlannedCursor):
                     raise ProducerError(problem) from None
 
     def _occupancy(self) -> tuple[int, int]:
-        """``(batches computed and not yet consumed, ring slots in use)`` now."""
-        with self._in_order.mutex:  # the dispatcher appends concurrently
+        """``(batches computed and not yet consumed, batches in flight: ring slots in use plus batches read
+        ahead)`` now; the first is at most the second (the reader's moves between the counts are not locked)."""
+        with self._in_order.mutex:  # the dispatcher appends and the reader takes concurrently
             items = list(self._in_order.queue)
-        ready = sum(1 for item in items if item[0] is not _END and item[4].done())
-        return ready, self.ring.geometry.num_slots - self.ring.num_free
+        ready = sum(1 for item in items if item[0] is not _END and item[0] is not _STOPPED and item[4].done())
+        in_hand = self._in_hand
+        if in_hand is not None and in_hand[4].done():
+            ready += 1
+        read = sum(1 for future in list(self._reads) if future.done())
+        taken = self.ring.geometry.num_slots - self.ring.num_free + read
+        return min(ready + read, taken), taken
 
     def _pack(self, slot_batch: Any, bucket: int) -> PackedBatch:
         """The offline packing of the slot's documents (:func:`pack_slot_batch`)."""
@@ -391,8 +521,13 @@ class OnlineBatches(PlannedCursor):
         self._stop_dispatcher()  # batches in flight were for the old position
 
     def close(self) -> None:
-        """Stop the dispatcher and remove the ring (producers still writing get an error, their tasks end)."""
+        """Stop the dispatcher and the reads, and remove the ring (producers still writing get an error, their tasks
+        end)."""
         self._stop_dispatcher()
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
+        self._private = None
         self.ring.close()
 
     def __enter__(self) -> OnlineBatches:

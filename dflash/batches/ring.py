@@ -27,6 +27,7 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import google_crc32c
@@ -70,7 +71,7 @@ _SLOT_HEADER_BYTES = 128
 _STATE_FREE, _STATE_CLAIMED, _STATE_FULL = 0, 1, 2
 _DTYPES = {1: torch.bfloat16, 2: torch.float32}
 _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
-_CRC_PIECE = 8 << 20  # bytes per CRC-32C update of a slot in place (bounds how long one update holds the GIL)
+_CRC_PIECE = 8 << 20  # bytes per google_crc32c update where it holds the GIL (bounds how long one update holds it)
 
 
 class QueueError(DFlashError, RuntimeError):
@@ -167,10 +168,41 @@ class SlotWrite:
     """The rows, lengths, ids and masks, written by the commit."""
 
 
+def _gil_free_crc32c_extend() -> Any:
+    """``crc32c_extend(crc, address, size)`` of the C library google_crc32c wraps (Google's crc32c), called through
+    :mod:`ctypes`, which releases the GIL for the length of the call; ``None`` where no such shared library is found
+    (google_crc32c's wheels bundle it in ``google_crc32c.libs/``; a build from source may link the system's
+    ``libcrc32c``) or it disagrees with google_crc32c on a test vector."""
+    import ctypes
+    import ctypes.util
+
+    bundled = Path(google_crc32c.__file__).resolve().parent.parent / "google_crc32c.libs"
+    candidates = [*sorted(str(path) for path in bundled.glob("libcrc32c*.so*")), ctypes.util.find_library("crc32c")]
+    probe = np.frombuffer(b"123456789", dtype=np.uint8)
+    for candidate in filter(None, candidates):
+        try:
+            function = ctypes.CDLL(candidate).crc32c_extend
+        except (OSError, AttributeError):
+            continue
+        function.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        function.restype = ctypes.c_uint32
+        if function(0, probe.ctypes.data, probe.nbytes) == google_crc32c.value(probe.tobytes()):
+            return function
+    return None
+
+
+_CRC32C_EXTEND = _gil_free_crc32c_extend()
+
+
 def _crc32c(view: np.ndarray) -> int:
-    """CRC-32C of a contiguous ``uint8`` array, read in place: google_crc32c takes any contiguous buffer without
-    a release hook (numpy arrays, not memoryviews), so no copy is made; pieces of :data:`_CRC_PIECE` bytes, since
-    it holds the GIL while it reads anything but ``bytes``."""
+    """CRC-32C of a contiguous ``uint8`` array, read in place (no copy). Through the C library's own function
+    without the GIL (:func:`_gil_free_crc32c_extend`), so the trainer's and the producers' other threads run
+    meanwhile; where that library is not found, google_crc32c's ``extend``, which holds the GIL while it reads
+    anything but ``bytes``: in pieces of :data:`_CRC_PIECE` bytes then."""
+    if not view.flags.c_contiguous:
+        raise ValueError("_crc32c reads a contiguous array")
+    if _CRC32C_EXTEND is not None:
+        return int(_CRC32C_EXTEND(0, view.ctypes.data, view.nbytes))
     crc = 0
     for piece in range(0, view.size, _CRC_PIECE):
         crc = google_crc32c.extend(crc, view[piece : piece + _CRC_PIECE])
@@ -450,8 +482,13 @@ class Ring:
                 f"{current['ticket']}): the trainer gave it to another batch; this producer's batch is dropped"
             )
 
-    def read_batch(self, slot: int, ticket: int, *, epoch: int, batch_index: int) -> SlotBatch:
+    def read_batch(self, slot: int, ticket: int, *, epoch: int, batch_index: int,
+                   out: np.ndarray | None = None) -> SlotBatch:  # fmt: skip
         """Owner: copy the batch out of ``slot`` and verify it (the slot is NOT released here).
+
+        ``out``: a ``uint8`` array of at least ``geometry.payload_capacity`` bytes the private copy goes into
+        (reused from batch to batch, its pages are faulted in once); the :class:`SlotBatch`'s tensors are then views
+        of it, valid until it is written again. ``None``: a new array per batch.
 
         Raises:
             QueueError: wrong magic or format version, not FULL, another ticket, another batch than expected, or a
@@ -476,7 +513,13 @@ class Ring:
             raise QueueError(f"{where}: payload of {nbytes} bytes exceeds the slot's {self.geometry.payload_capacity}")
         # The private copy that is checked and read: numpy copies without holding the GIL, so the trainer's other
         # threads (and producers running as threads of the same process) go on meanwhile.
-        private = np.empty(nbytes, dtype=np.uint8)
+        if out is None:
+            private = np.empty(nbytes, dtype=np.uint8)
+        elif out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous or out.size < nbytes:
+            raise ValueError(f"out: expected a contiguous uint8 array of at least {nbytes} bytes, got {out.dtype} "
+                             f"{out.shape}")
+        else:
+            private = out[:nbytes]
         np.copyto(private, self._buffer[start : start + nbytes])
         crc = _crc32c(private)
         if crc != head["crc32c"]:

@@ -478,8 +478,9 @@ class FeedMeter:
     - ``interval_data_wait_fraction``: data wait / wall time over the whole interval;
     - ``producer_capacity_tokens_per_s`` (I): sum over producers of tokens / compute seconds, what the producers
       supply when never held back (a producer counts once it finished a batch the trainer consumed);
-    - ``ring_ready_mean`` / ``ring_taken_mean``: mean batches computed and waiting / slots in use, seen each time
-      the trainer takes a batch (ready near 0: producers are the bottleneck; near the slot count: the trainer is).
+    - ``ring_ready_mean`` / ``ring_taken_mean``: mean batches computed and waiting (in their ring slots or read
+      ahead) / batches in flight (ring slots in use plus batches read ahead), seen each time the trainer takes a
+      batch (ready near 0: producers are the bottleneck; near the batches in flight: the trainer is).
 
     Call :meth:`mark` after a pause that is not training (an evaluation), as for :class:`ThroughputWindow`.
     """

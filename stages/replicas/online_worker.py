@@ -32,8 +32,9 @@ class OnlineProducerPlugin(TargetReplicaPlugin):
     Args:
         target_spec, gpu_by_worker, device, torch_threads, die_with_parent: see :class:`TargetReplicaPlugin`.
         target_layer_ids: tapped decoder layers.
-        token_budget: padded tokens per forward batch of the runner.
+        token_budget: padded tokens per forward batch of the runner (with ``packing``, tokens per packed forward).
         corpus_path: the corpus the trainer's plan was made from.
+        packing: the runner's forwards are packed (samples back to back, no padding; its automatic kernel).
     """
 
     name = PLUGIN_NAME
@@ -41,18 +42,19 @@ class OnlineProducerPlugin(TargetReplicaPlugin):
 
     def __init__(self, *, target_spec: str, target_layer_ids: list[int], token_budget: int, corpus_path: str,
                  gpu_by_worker: dict[Any, int] | None = None, device: str = "auto", torch_threads: int | None = None,
-                 die_with_parent: bool = False) -> None:  # fmt: skip
+                 die_with_parent: bool = False, packing: bool = False) -> None:  # fmt: skip
         super().__init__(target_spec=target_spec, gpu_by_worker=gpu_by_worker, device=device,
                          torch_threads=torch_threads, die_with_parent=die_with_parent)  # fmt: skip
         self.target_layer_ids = list(target_layer_ids)
         self.token_budget = int(token_budget)
         self.corpus_path = corpus_path
+        self.packing = bool(packing)
         self.producer: BatchProducer | None = None
 
     def build(self, loaded: Any, device: torch.device) -> None:
         pad_token_id = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
         runner = TargetRunner(loaded.model, self.target_layer_ids, device, token_budget=self.token_budget,
-                              pad_token_id=pad_token_id)  # fmt: skip
+                              pad_token_id=pad_token_id, packing=self.packing)  # fmt: skip
         self.producer = BatchProducer(runner, open_corpus(self.corpus_path))
 
     def release(self) -> torch.device | None:
