@@ -27,7 +27,6 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import google_crc32c
@@ -71,7 +70,7 @@ _SLOT_HEADER_BYTES = 128
 _STATE_FREE, _STATE_CLAIMED, _STATE_FULL = 0, 1, 2
 _DTYPES = {1: torch.bfloat16, 2: torch.float32}
 _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
-_CRC_PIECE = 8 << 20  # bytes per google_crc32c update where it holds the GIL (bounds how long one update holds it)
+_CRC_PIECE = 8 << 20  # bytes per CRC-32C update of a slot in place (bounds how long one update holds the GIL)
 
 
 class QueueError(DFlashError, RuntimeError):
@@ -168,41 +167,12 @@ class SlotWrite:
     """The rows, lengths, ids and masks, written by the commit."""
 
 
-def _gil_free_crc32c_extend() -> Any:
-    """``crc32c_extend(crc, address, size)`` of the C library google_crc32c wraps (Google's crc32c), called through
-    :mod:`ctypes`, which releases the GIL for the length of the call; ``None`` where no such shared library is found
-    (google_crc32c's wheels bundle it in ``google_crc32c.libs/``; a build from source may link the system's
-    ``libcrc32c``) or it disagrees with google_crc32c on a test vector."""
-    import ctypes
-    import ctypes.util
-
-    bundled = Path(google_crc32c.__file__).resolve().parent.parent / "google_crc32c.libs"
-    candidates = [*sorted(str(path) for path in bundled.glob("libcrc32c*.so*")), ctypes.util.find_library("crc32c")]
-    probe = np.frombuffer(b"123456789", dtype=np.uint8)
-    for candidate in filter(None, candidates):
-        try:
-            function = ctypes.CDLL(candidate).crc32c_extend
-        except (OSError, AttributeError):
-            continue
-        function.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        function.restype = ctypes.c_uint32
-        if function(0, probe.ctypes.data, probe.nbytes) == google_crc32c.value(probe.tobytes()):
-            return function
-    return None
-
-
-_CRC32C_EXTEND = _gil_free_crc32c_extend()
-
-
 def _crc32c(view: np.ndarray) -> int:
-    """CRC-32C of a contiguous ``uint8`` array, read in place (no copy). Through the C library's own function
-    without the GIL (:func:`_gil_free_crc32c_extend`), so the trainer's and the producers' other threads run
-    meanwhile; where that library is not found, google_crc32c's ``extend``, which holds the GIL while it reads
-    anything but ``bytes``: in pieces of :data:`_CRC_PIECE` bytes then."""
+    """CRC-32C of a contiguous ``uint8`` array, read in place: google_crc32c takes any contiguous buffer without
+    a release hook (numpy arrays, not memoryviews), so no copy is made; pieces of :data:`_CRC_PIECE` bytes, since
+    it holds the GIL while it reads anything but ``bytes`` (other threads run between pieces)."""
     if not view.flags.c_contiguous:
         raise ValueError("_crc32c reads a contiguous array")
-    if _CRC32C_EXTEND is not None:
-        return int(_CRC32C_EXTEND(0, view.ctypes.data, view.nbytes))
     crc = 0
     for piece in range(0, view.size, _CRC_PIECE):
         crc = google_crc32c.extend(crc, view[piece : piece + _CRC_PIECE])
