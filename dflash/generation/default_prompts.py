@@ -1,6 +1,6 @@
 """The embedded default prompt set: prompts built from the Python standard library, on every machine with Python.
 
-Two kinds of prompt, both from the stdlib's ``*.py`` files (the documents of :mod:`dflash.corpus.default_corpus`, test
+Three kinds of prompt, all from the stdlib's ``*.py`` files (the documents of :mod:`dflash.corpus.default_corpus`, test
 suites excluded):
 
 - ``complete``: code completion, raw text (no chat template): a window of source ending at a line boundary, at most
@@ -10,28 +10,41 @@ suites excluded):
   :mod:`ast`, 3 to 60 lines): "Explain what this Python function does", "Write a docstring for it", "Write unit
   tests for it with pytest", "Add type hints to it", "Point out possible bugs in it", "Rewrite it to be more
   readable" (one of them per definition, seeded), the definition's source in a fenced block.
+- ``ask`` (only with ``ask_prompts``): a question through the chat template about one documented public function,
+  class or method of the file (:func:`documented_definitions`: found with :mod:`ast`, never imported; a module or
+  name starting with ``_`` is private), named by its dotted path and signature, with the first paragraph of its
+  docstring and no code quoted. One of :data:`QUESTIONS` per definition, seeded: how to use it with an example, what
+  its parameters mean, when to pick it over another definition of the module, which exceptions it raises, an
+  exercise that needs it, what it is for and a common mistake. The replies are prose with examples, as a user's
+  questions get. ``ask_prompts`` of them join the training split, on top of ``max_prompts`` and
+  ``package_prompts``, spread over as many training files (the stdlib's and ``packages``') as possible, like the
+  package prompts below; the held-out split has none.
 
 Every prompt records its source file (``PromptRecord.document``, ``stdlib:<relative path>``), which ``generate``
 writes as the corpus ``document_id``, so the trainer's validation split also keeps each file whole.
 
 Optionally more training code from installed packages (``packages``, e.g. ``("torch", "transformers")``, which every
 machine running this project has): their ``*.py`` files (test folders left out; found with
-:func:`importlib.util.find_spec`, never imported) give prompts of the same two kinds, documents
+:func:`importlib.util.find_spec`, never imported) give prompts of the first two kinds, documents
 ``<package>:<relative path>``. ``package_prompts`` of them join the training split, spread over as many files as
 possible (one prompt per file, files in seeded random order, then a second round, ...), since what limits a small
-drafter here is generalization to files it never saw (docs/training.md). A package file in the held-out hash range
-(of ``<package>/<relative path>``) is left out altogether; the held-out split stays the stdlib's, so held-out tau
-compares across runs and machines whose installed package versions differ (``describe_default_prompts`` records
-them).
+drafter here is generalization to files it never saw (docs/training.md); with ``ask_prompts`` their files give
+questions too. A package file in the held-out hash range (of ``<package>/<relative path>``) is left out altogether;
+the held-out split stays the stdlib's completions and instructions, so held-out tau compares across runs and
+machines whose installed package versions differ (``describe_default_prompts`` records them). Questions like the
+``ask`` kind's are measured on a set of their own, about a package no preset trains on (``numpy-questions``,
+:mod:`dflash.decoding.eval_prompts`).
 
 Split by source document, never by prompt: a file is held out when ``sha256(relative path)`` falls in the lowest
 ``heldout_permille`` of the hash range, so the held-out files are the same on every machine and Python version that
-has them, training never sees a held-out file's code, and the held-out prompts test generalization to unseen code
-(the issue-13 protocol: "prompts whose source documents training never saw").
+has them, training never sees a held-out file's code nor a question about it, and the held-out prompts test
+generalization to unseen code ("prompts whose source documents training never saw").
 
 Measured on CPython 3.11.7 (defaults: 1 completion per 600 characters, window 1,200 characters, every eligible
 definition): 669 documents with prompts, 34 of them held out; 18,945 completion and 14,135 instruction prompts in
-the training split, 512 (capped) held out. ``generate`` records the counts of the machine it ran on.
+the training split, 512 (capped) held out; 4,602 documented definitions in the training files could give ``ask``
+prompts. ``generate`` records the counts of the machine it ran on, by kind and split
+(:func:`describe_default_prompts`).
 """
 
 from __future__ import annotations
