@@ -303,19 +303,19 @@ def documented_definitions(tree: ast.Module, module: str) -> list[Documented]:
     """The documented public definitions of the module ``module`` parsed as ``tree``, in source order: its
     top-level functions and classes, and the methods of those classes, whose names do not start with ``_``, whose
     docstring has a summary (:func:`docstring_summary`) without a doctest or a fence, and whose signature is at most
-    240 characters without a backtick; a class needs an ``__init__`` of its own (its signature). None for a private
-    module (a part of ``module`` starting with ``_``)."""
+    240 characters without a backtick; a class needs an ``__init__`` of its own (its signature). Nothing for a
+    private module (a part of ``module`` starting with ``_``)."""
     if any(part.startswith("_") or not part.isidentifier() for part in module.split(".")):
         return []
     found = []
 
-    def add(node: ast.AST, path: str, signature: str, kind: str) -> None:
-        summary = docstring_summary(ast.get_docstring(node), _MAX_ASK_SUMMARY_CHARS)  # type: ignore[arg-type]
+    def add(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef, path: str, signature: str, kind: str) -> None:
+        summary = docstring_summary(ast.get_docstring(node), _MAX_ASK_SUMMARY_CHARS)
         if summary is None or ">>>" in summary or "```" in summary:
             return
         if len(signature) > _MAX_ASK_SIGNATURE_CHARS or "`" in signature:
             return
-        found.append(Documented(path=path, signature=signature, kind=kind, summary=summary, line=node.lineno))  # type: ignore[attr-defined]
+        found.append(Documented(path=path, signature=signature, kind=kind, summary=summary, line=node.lineno))
 
     functions = ast.FunctionDef | ast.AsyncFunctionDef
     for node in tree.body:
@@ -535,8 +535,8 @@ def _package_prompts(config: DefaultPromptConfig,
 
 
 def _ask_prompts(per_file: list[list[PromptRecord]], config: DefaultPromptConfig) -> list[PromptRecord]:
-    """``config.ask_prompts`` questions of the training files' (``per_file``), spread over as many files as possible:
-    files and each file's questions in a seeded random order, one question of each file per round."""
+    """``config.ask_prompts`` of the training files' questions (``per_file``: each file's), spread over as many files
+    as possible: files and each file's questions in a seeded random order, one question of each file per round."""
     rng = np.random.default_rng(config.seed + 2)
     per_file = [per_file[i] for i in rng.permutation(len(per_file))]
     per_file = [[records[i] for i in rng.permutation(len(records))] for records in per_file if records]
