@@ -155,7 +155,7 @@ def _check_question(record):
     file = (stdlib_root() if source == "stdlib" else package_root(source)) / relative
     parts = ([] if source == "stdlib" else [source]) + relative.removesuffix(".py").split("/")
     module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-    assert path.startswith(f"{module}.")
+    assert path.startswith(f"{module}.") and not any(part.startswith("_") for part in path.split("."))  # public
     names = path[len(module) + 1 :].split(".")
     node = next(n for n in ast.parse(file.read_text(encoding="utf-8")).body if getattr(n, "name", None) == names[0])
     if len(names) == 2:  # a method
