@@ -207,7 +207,7 @@ def _load_prompts(config: GenerateConfig,
     if config.prompts == "default":
         sets = default_prompt_sets(config.default_prompts, processes=processes)
         records, heldout = sets["train"], sets["heldout"]
-        source = {**describe_default_prompts(config.default_prompts), "heldout_prompts": len(sets["heldout"]),
+        source = {**describe_default_prompts(config.default_prompts, sets), "heldout_prompts": len(sets["heldout"]),
                   "heldout_file": HELDOUT_PROMPTS_FILE}
         drops = DropCounts()
     else:

@@ -3,6 +3,9 @@ files of an installed package (typer, a dependency of this project), three real 
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import re
 from collections import Counter
 
 import pytest
@@ -16,7 +19,9 @@ from dflash.generation.default_prompts import (
     describe_default_prompts,
     is_heldout_document,
     package_root,
+    prompt_kind,
 )
+from tests.cli_helpers import main_in_process
 
 
 @pytest.fixture
@@ -117,3 +122,98 @@ def test_prompts_built_in_processes_equal_those_built_here(caplog):
     assert [_key(r) for r in pooled["train"]] == [_key(r) for r in here["train"]]
     assert [_key(r) for r in pooled["heldout"]] == [_key(r) for r in here["heldout"]]
     assert len(here["train"]) == 3000 and len(here["heldout"]) == 100
+
+
+@pytest.fixture
+def four_stdlib_files(monkeypatch):
+    """Two training files with documented functions, one (json/decoder.py) with classes and methods, and one
+    held-out file (json/__init__.py, at heldout_permille 300) with documented functions."""
+    names = ("bisect.py", "json/__init__.py", "json/decoder.py", "netrc.py")
+    files = [TextFile(stdlib_root() / name, f"stdlib:{name}") for name in names]
+    monkeypatch.setattr(dflash.generation.default_prompts, "default_corpus_files", lambda **_: files)
+    return names
+
+
+#: The definition a question names: its dotted path and signature, the question's first backticked call.
+_NAMED = re.compile(r"`([\w.]+)\((.*?)\)`")
+
+
+def _parameter_names(args):
+    names = [a.arg for a in (*args.posonlyargs, *args.args)]
+    names += [f"*{args.vararg.arg}"] if args.vararg else []
+    names += [a.arg for a in args.kwonlyargs]
+    return names + ([f"**{args.kwarg.arg}"] if args.kwarg else [])
+
+
+def _check_question(record):
+    """The record asks about a definition that exists, as named, in its document's source (read here with ast)."""
+    assert record.text is None and record.messages[1] == {"role": "assistant", "content": None}
+    content = record.messages[0]["content"]
+    assert record.messages[0]["role"] == "user" and "```" not in content and "\n" not in content  # no code quoted
+    path, signature = _NAMED.search(content).groups()
+    source, relative = record.document.split(":", 1)
+    file = (stdlib_root() if source == "stdlib" else package_root(source)) / relative
+    parts = ([] if source == "stdlib" else [source]) + relative.removesuffix(".py").split("/")
+    module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    assert path.startswith(f"{module}.") and not any(part.startswith("_") for part in path.split("."))  # public
+    names = path[len(module) + 1 :].split(".")
+    node = next(n for n in ast.parse(file.read_text(encoding="utf-8")).body if getattr(n, "name", None) == names[0])
+    if len(names) == 2:  # a method
+        node = next(n for n in node.body if getattr(n, "name", None) == names[1])
+    assert record.prompt_id == f"{record.document}:{node.lineno}:ask"
+    summary = " ".join(ast.get_docstring(node).split("\n\n")[0].split())
+    assert summary[:60] in content  # the question quotes its docstring's summary
+    function = next(n for n in node.body if getattr(n, "name", None) == "__init__") if isinstance(node, ast.ClassDef) \
+        else node
+    static = any(ast.unparse(d) == "staticmethod" for d in function.decorator_list)
+    named = ast.parse(f"def f({signature}): pass").body[0].args
+    if isinstance(node, ast.ClassDef) or (len(names) == 2 and not static):  # self / cls left out
+        assert _parameter_names(named) == _parameter_names(function.args)[1:]
+        assert ast.unparse(function.args).endswith(signature)
+    else:
+        assert ast.unparse(function.args) == signature
+    return node
+
+
+def test_ask_prompts_are_questions_about_documented_definitions_of_training_files(four_stdlib_files, caplog):
+    """``ask`` prompts of the stdlib's training files and of an installed package (typer): chat questions naming a
+    documented public function, class or method by dotted path and signature as its real source has them, no code
+    quoted; seeded; none from a held-out file; the other kinds unchanged; the counts recorded."""
+    config = DefaultPromptConfig(heldout_permille=300, packages=("typer",), package_prompts=10, ask_prompts=30)
+    sets = default_prompt_sets(config)
+    asks = [r for r in sets["train"] if prompt_kind(r) == "ask"]
+    assert len(asks) == 30 and not [r for r in sets["heldout"] if prompt_kind(r) == "ask"]
+
+    assert is_heldout_document("json/__init__.py", 300) and not is_heldout_document("json/decoder.py", 300)
+    assert "stdlib:json/__init__.py" in {r.document for r in sets["heldout"]}  # held out, with documented functions
+    assert "stdlib:json/__init__.py" not in {r.document for r in asks}  # ... that give no question
+    kinds = Counter(type(_check_question(record)).__name__ for record in asks)
+    assert {r.document.split(":")[0] for r in asks} == {"stdlib", "typer"}
+    assert kinds["FunctionDef"] and kinds["ClassDef"]  # functions, methods and classes
+    assert len({r.messages[0]["content"][:12] for r in asks}) >= 3  # several question shapes
+
+    every = default_prompt_sets(dataclasses.replace(config, ask_prompts=10**6))
+    available = Counter(r.document for r in every["train"] if prompt_kind(r) == "ask")
+    assert 30 < sum(available.values()) < 10**6
+    used = Counter(r.document for r in asks)
+    assert len(used) == min(30, len(available))  # spread over as many files as possible
+    assert "ask_prompts is 1000000 but the training files hold" in caplog.text
+
+    again = default_prompt_sets(config)
+    assert [_key(r) for r in again["train"]] == [_key(r) for r in sets["train"]]  # seeded, the same every time
+    without = default_prompt_sets(dataclasses.replace(config, ask_prompts=0))
+    assert sorted(map(_key, without["train"])) == sorted(_key(r) for r in sets["train"] if prompt_kind(r) != "ask")
+    assert without["heldout"] == sets["heldout"]
+
+    counts = describe_default_prompts(config, sets)["prompt_counts"]
+    assert counts["train"]["ask"] == 30 and counts["heldout"]["ask"] == 0
+    assert sum(counts["train"].values()) == len(sets["train"]) and sum(counts["heldout"].values()) == len(sets["heldout"])
+
+
+def test_a_bad_ask_prompts_setting_is_one_error_line(tmp_path, monkeypatch, capsys):
+    for value, message in (("-1", "must be >= 0 (0: no ask prompts), got -1"), ("some", "expected int, got 'some'")):
+        code, err = main_in_process(monkeypatch, capsys, "generate", "-o", str(tmp_path / "out"), "--set",
+                                    f"default_prompts.ask_prompts={value}")
+        assert code == 2 and err.strip() == (f"error: generate.default_prompts.ask_prompts (--set "
+                                             f"default_prompts.ask_prompts={value}): {message}"), err
+    assert not (tmp_path / "out").exists()

@@ -355,7 +355,8 @@ def test_rows_generated_from_one_stdlib_file_share_its_document(tmp_path, target
     server = FakeServer(target.tokenizer, kind="vllm")
     try:
         run_generate(GenerateConfig(output=str(tmp_path / "default"), engine="openai", endpoints=[server.url],
-                                    max_new_tokens=4, default_prompts=DefaultPromptConfig(heldout_permille=300)))
+                                    max_new_tokens=4,
+                                    default_prompts=DefaultPromptConfig(heldout_permille=300, ask_prompts=2)))
         jsonl = _write_jsonl(tmp_path / "p.jsonl", [{"text": "def f(x):\n", "document": "notes/a.md"},
                                                     {"prompt": "Say hi.", "document_id": 3}, {"text": "x = 1\n"},
                                                     {"prompt": "Say bye.", "document": "notes/a.md"}])
@@ -375,6 +376,12 @@ def test_rows_generated_from_one_stdlib_file_share_its_document(tmp_path, target
     heldout = [json.loads(line) for line in (tmp_path / "default" / HELDOUT_PROMPTS_FILE).read_text().splitlines()]
     assert heldout and all(line["id"].startswith(line["document"]) for line in heldout)
     assert not {line["document"] for line in heldout} & set(keys_by_file)  # held-out files are never trained on
+    asked = [i for i in range(len(corpus)) if corpus.sample_id(i).endswith(":ask")]
+    assert len(asked) == 2 and {corpus.document_id(i) for i in asked} <= set(keys_by_file)  # questions: rows too
+    counts = json.loads((tmp_path / "default" / "corpus.json").read_text())["generation"]["prompt_source"]
+    assert counts["prompt_counts"]["train"]["ask"] == 2 and counts["prompt_counts"]["heldout"]["ask"] == 0
+    assert sum(counts["prompt_counts"]["train"].values()) == len(corpus)  # every training prompt gave a row
+    assert sum(counts["prompt_counts"]["heldout"].values()) == len(heldout) == counts["heldout_prompts"]
 
     from_file = open_corpus(tmp_path / "file")
     assert [from_file.document_id(i) for i in range(len(from_file))] == [

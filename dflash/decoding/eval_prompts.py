@@ -43,7 +43,7 @@ import numpy as np
 from dflash.corpus.chat import normalize_messages
 from dflash.corpus.default_corpus import SKIP_DIRS, TEST_DIRS, collect_text_files
 from dflash.errors import ConfigError, ConfigPathNotFoundError, MismatchError
-from dflash.generation.default_prompts import package_root, package_version
+from dflash.generation.default_prompts import docstring_summary, module_name, package_root, package_version
 from dflash.io.files import DEFAULT_MAX_LINE_BYTES, JSONInputError, decode_json, read_lines
 
 __all__ = ["EvalPrompt", "PromptSet", "EMBEDDED_PROMPT_SETS", "NUMPY_QUESTIONS", "check_prompt_source",
@@ -141,23 +141,20 @@ def _numpy_candidates() -> tuple[list[tuple[str, str, str, str]], str | None]:
     root = package_root("numpy")
     found = []
     for file in collect_text_files(root, patterns=("*.py",), source="numpy", skip_dirs=SKIP_DIRS | TEST_DIRS):
-        relative = file.path.relative_to(root).with_suffix("")
         try:
             tree = ast.parse(file.path.read_text(encoding="utf-8"))
         except (SyntaxError, ValueError, UnicodeDecodeError, OSError):
             continue
-        module = ".".join(["numpy", *relative.parts]).removesuffix(".__init__")
+        module = module_name(f"numpy/{file.path.relative_to(root).as_posix()}")
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                 continue
             doc = ast.get_docstring(node)
             if not doc or "\nParameters\n" not in doc:
                 continue
-            summary = " ".join(doc.strip().split("\n\n", 1)[0].split())
-            if len(summary) < 20:
+            summary = docstring_summary(doc, _MAX_SUMMARY_CHARS)
+            if summary is None:
                 continue
-            if len(summary) > _MAX_SUMMARY_CHARS:
-                summary = summary[:_MAX_SUMMARY_CHARS].rsplit(" ", 1)[0] + " ..."
             found.append((module, node.name, ast.unparse(node.args), summary))
     return sorted(found), package_version("numpy")
 

@@ -1,6 +1,6 @@
 """The embedded default prompt set: prompts built from the Python standard library, on every machine with Python.
 
-Two kinds of prompt, both from the stdlib's ``*.py`` files (the documents of :mod:`dflash.corpus.default_corpus`, test
+Three kinds of prompt, all from the stdlib's ``*.py`` files (the documents of :mod:`dflash.corpus.default_corpus`, test
 suites excluded):
 
 - ``complete``: code completion, raw text (no chat template): a window of source ending at a line boundary, at most
@@ -10,28 +10,41 @@ suites excluded):
   :mod:`ast`, 3 to 60 lines): "Explain what this Python function does", "Write a docstring for it", "Write unit
   tests for it with pytest", "Add type hints to it", "Point out possible bugs in it", "Rewrite it to be more
   readable" (one of them per definition, seeded), the definition's source in a fenced block.
+- ``ask`` (only with ``ask_prompts``): a question through the chat template about one documented public function,
+  class or method of the file (:func:`documented_definitions`: found with :mod:`ast`, never imported; a module or
+  name starting with ``_`` is private), named by its dotted path and signature, with the first paragraph of its
+  docstring and no code quoted. One of :data:`QUESTIONS` per definition, seeded: how to use it with an example, what
+  its parameters mean, when to pick it over another definition of the module, which exceptions it raises, an
+  exercise that needs it, what it is for and a common mistake. The replies are prose with examples, as a user's
+  questions get. ``ask_prompts`` of them join the training split, on top of ``max_prompts`` and
+  ``package_prompts``, spread over as many training files (the stdlib's and ``packages``') as possible, like the
+  package prompts below; the held-out split has none.
 
 Every prompt records its source file (``PromptRecord.document``, ``stdlib:<relative path>``), which ``generate``
 writes as the corpus ``document_id``, so the trainer's validation split also keeps each file whole.
 
 Optionally more training code from installed packages (``packages``, e.g. ``("torch", "transformers")``, which every
 machine running this project has): their ``*.py`` files (test folders left out; found with
-:func:`importlib.util.find_spec`, never imported) give prompts of the same two kinds, documents
+:func:`importlib.util.find_spec`, never imported) give prompts of the first two kinds, documents
 ``<package>:<relative path>``. ``package_prompts`` of them join the training split, spread over as many files as
 possible (one prompt per file, files in seeded random order, then a second round, ...), since what limits a small
-drafter here is generalization to files it never saw (docs/training.md). A package file in the held-out hash range
-(of ``<package>/<relative path>``) is left out altogether; the held-out split stays the stdlib's, so held-out tau
-compares across runs and machines whose installed package versions differ (``describe_default_prompts`` records
-them).
+drafter here is generalization to files it never saw (docs/training.md); with ``ask_prompts`` their files give
+questions too. A package file in the held-out hash range (of ``<package>/<relative path>``) is left out altogether;
+the held-out split stays the stdlib's completions and instructions, so held-out tau compares across runs and
+machines whose installed package versions differ (``describe_default_prompts`` records them). Questions like the
+``ask`` kind's are measured on a set of their own, about a package no preset trains on (``numpy-questions``,
+:mod:`dflash.decoding.eval_prompts`).
 
 Split by source document, never by prompt: a file is held out when ``sha256(relative path)`` falls in the lowest
 ``heldout_permille`` of the hash range, so the held-out files are the same on every machine and Python version that
-has them, training never sees a held-out file's code, and the held-out prompts test generalization to unseen code
-(the issue-13 protocol: "prompts whose source documents training never saw").
+has them, training never sees a held-out file's code nor a question about it, and the held-out prompts test
+generalization to unseen code ("prompts whose source documents training never saw").
 
 Measured on CPython 3.11.7 (defaults: 1 completion per 600 characters, window 1,200 characters, every eligible
 definition): 669 documents with prompts, 34 of them held out; 18,945 completion and 14,135 instruction prompts in
-the training split, 512 (capped) held out. ``generate`` records the counts of the machine it ran on.
+the training split, 512 (capped) held out; 4,602 documented definitions in the training files could give ``ask``
+prompts. ``generate`` records the counts of the machine it ran on, by kind and split
+(:func:`describe_default_prompts`).
 """
 
 from __future__ import annotations
@@ -52,7 +65,7 @@ from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 import numpy as np
@@ -69,7 +82,9 @@ from dflash.generation.prompts import PromptRecord
 from dflash.io.files import atomic_output
 
 __all__ = ["DefaultPromptConfig", "default_prompt_sets", "is_heldout_document", "write_prompts_jsonl",
-           "describe_default_prompts", "package_root", "package_files", "package_version", "INSTRUCTIONS"]
+           "describe_default_prompts", "package_root", "package_files", "package_version", "INSTRUCTIONS",
+           "QUESTIONS", "PROMPT_KINDS", "Documented", "documented_definitions", "docstring_summary", "module_name",
+           "prompt_kind"]
 
 Split = Literal["train", "heldout"]
 
@@ -84,6 +99,34 @@ INSTRUCTIONS = (
     "Point out possible bugs in this Python {kind}.",
     "Rewrite this Python {kind} to be more readable.",
 )
+
+#: The question templates of ``ask`` prompts, each of another shape. ``{target}`` is the dotted path and signature
+#: in backticks (always the first backticked name of the question), ``{kind}`` "function", "class" or "method",
+#: ``{origin}`` where it comes from ("the Python standard library", "the torch package"), ``{summary}`` the first
+#: paragraph of its docstring, ``{other}`` another documented definition of the same kind in the same module (the
+#: template that names one is left out for a definition that has none, the one about parameters for a definition
+#: without any).
+QUESTIONS = (
+    'How would I use the {kind} {target} from {origin}? Its docstring says: "{summary}" Show a short, realistic '
+    "example and walk through what happens when it runs.",
+    "Go through the parameters of {target} ({origin}) one at a time: what each one controls, which ones can be left "
+    'out, and what the {kind} gives back. It is documented as: "{summary}"',
+    "When should I pick {target} over `{other}`? Both are in {origin}; the first is documented as \"{summary}\" "
+    "Explain how they differ and describe a situation that suits each.",
+    'Which exceptions can {target} raise, and in what situations? ({origin}, documented as "{summary}") Show how '
+    "calling code should deal with them.",
+    'Give me a small programming exercise that needs {target} from {origin} ("{summary}"), then solve it in Python '
+    "and explain the solution step by step.",
+    "I am new to {origin}. In simple terms, what is {target} for, and what is a mistake people often make with it? "
+    'The documentation starts: "{summary}"',
+)
+
+#: The prompt kinds of the default set (module docstring); a record's kind is the last ``:`` field of its id.
+PROMPT_KINDS = ("complete", "instruct", "ask")
+
+#: Longest docstring summary an ``ask`` prompt quotes, in characters, and longest signature it names.
+_MAX_ASK_SUMMARY_CHARS = 300
+_MAX_ASK_SIGNATURE_CHARS = 240
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -100,7 +143,10 @@ class DefaultPromptConfig:
         max_heldout: cap of the held-out split (evaluation needs tens, not thousands).
         packages: installed packages (import names) whose sources add training prompts (module docstring).
         package_prompts: training prompts taken from ``packages`` (None: all), on top of ``max_prompts``.
-        seed: cut points, instruction choice and the shuffle.
+        ask_prompts: training prompts of kind ``ask`` (questions about documented functions and classes of the
+            stdlib's training files and of ``packages``, no code quoted), on top of ``max_prompts`` and
+            ``package_prompts``; 0: none.
+        seed: cut points, instruction and question choice and the shuffle.
     """
 
     heldout_permille: int = field(default=50, metadata={"help": "Default prompt set: share of stdlib files held out, in 1/1000."})
@@ -112,11 +158,14 @@ class DefaultPromptConfig:
     max_heldout: int = 512
     packages: tuple[str, ...] = ()
     package_prompts: int | None = None
+    ask_prompts: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
         """Raises ConfigError: a setting out of range, a name in ``packages`` that is not an installed package, or
         ``package_prompts`` without ``packages``."""
+        if self.ask_prompts < 0:
+            raise ConfigError(f"ask_prompts must be >= 0 (0: no ask prompts), got {self.ask_prompts}")
         if not 0 <= self.heldout_permille <= 999:
             raise ConfigError(f"heldout_permille must be in 0..999, got {self.heldout_permille}")
         if self.chars_per_completion < 50:
@@ -167,10 +216,9 @@ def _completions(text: str, name: str, config: DefaultPromptConfig, rng: np.rand
     return records
 
 
-def _instructions(text: str, name: str, config: DefaultPromptConfig, rng: np.random.Generator) -> list[PromptRecord]:
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError):
+def _instructions(text: str, tree: ast.Module | None, name: str, config: DefaultPromptConfig,
+                  rng: np.random.Generator) -> list[PromptRecord]:  # fmt: skip
+    if tree is None:
         return []
     lines = text.splitlines()
     records = []
@@ -187,6 +235,138 @@ def _instructions(text: str, name: str, config: DefaultPromptConfig, rng: np.ran
                                     messages=[{"role": "user", "content": content},
                                               {"role": "assistant", "content": None}], document=name))
     return records
+
+
+def module_name(relative_path: str) -> str:
+    """The dotted module name of the source file at ``relative_path`` (posix, relative to the folder imports search):
+    ``json/decoder.py`` -> ``json.decoder``, ``email/__init__.py`` -> ``email``."""
+    return ".".join(PurePosixPath(relative_path).with_suffix("").parts).removesuffix(".__init__")
+
+
+def docstring_summary(doc: str | None, max_chars: int) -> str | None:
+    """The first paragraph of a docstring on one line, cut at a word boundary (``" ..."`` added) past ``max_chars``;
+    None when there is no docstring or its first paragraph is under 20 characters."""
+    if not doc:
+        return None
+    summary = " ".join(doc.strip().split("\n\n", 1)[0].split())
+    if len(summary) < 20:
+        return None
+    if len(summary) > max_chars:
+        summary = summary[:max_chars].rsplit(" ", 1)[0] + " ..."
+    return summary
+
+
+@dataclass(frozen=True, slots=True)
+class Documented:
+    """A documented public function, class or method of a module's source.
+
+    Fields:
+        path: its dotted path, ``module.name`` or ``module.Class.method``.
+        signature: its parameters as :func:`ast.unparse` writes them, without ``self``/``cls`` (a class: its
+            ``__init__``'s).
+        kind: "function", "class" or "method".
+        summary: the first paragraph of its docstring (:func:`docstring_summary`).
+        line: the line of its ``def`` or ``class``.
+    """
+
+    path: str
+    signature: str
+    kind: str
+    summary: str
+    line: int
+
+
+#: Decorators that make a definition something other than a callable with the signature written
+#: (``@property``, ``@x.setter``, ``@overload``'s stubs).
+_NOT_CALLABLE_AS_WRITTEN = re.compile(r"(^|\.)(property|cached_property|setter|getter|deleter|overload)$")
+
+
+def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef, *, bound: bool) -> str:
+    """``node``'s parameters as written, the first positional one (``self``/``cls``) left out when ``bound``."""
+    args = node.args
+    if bound:
+        positional = [*args.posonlyargs, *args.args]
+        if not positional:
+            return ast.unparse(args)
+        posonly, plain = (args.posonlyargs[1:], args.args) if args.posonlyargs else ([], args.args[1:])
+        defaults = args.defaults[1:] if len(args.defaults) == len(positional) else args.defaults
+        args = ast.arguments(posonlyargs=posonly, args=plain, vararg=args.vararg, kwonlyargs=args.kwonlyargs,
+                             kw_defaults=args.kw_defaults, kwarg=args.kwarg, defaults=defaults)
+    return ast.unparse(args)
+
+
+def _callable_as_written(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    return not any(_NOT_CALLABLE_AS_WRITTEN.search(ast.unparse(d)) for d in node.decorator_list)
+
+
+def documented_definitions(tree: ast.Module, module: str) -> list[Documented]:
+    """The documented public definitions of the module ``module`` parsed as ``tree``, in source order: its
+    top-level functions and classes, and the methods of those classes, whose names do not start with ``_``, whose
+    docstring has a summary (:func:`docstring_summary`) without a doctest or a fence, and whose signature is at most
+    240 characters without a backtick; a class needs an ``__init__`` of its own (its signature). Nothing for a
+    private module (a part of ``module`` starting with ``_``)."""
+    if any(part.startswith("_") or not part.isidentifier() for part in module.split(".")):
+        return []
+    found = []
+
+    def add(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef, path: str, signature: str, kind: str) -> None:
+        summary = docstring_summary(ast.get_docstring(node), _MAX_ASK_SUMMARY_CHARS)
+        if summary is None or ">>>" in summary or "```" in summary:
+            return
+        if len(signature) > _MAX_ASK_SIGNATURE_CHARS or "`" in signature:
+            return
+        found.append(Documented(path=path, signature=signature, kind=kind, summary=summary, line=node.lineno))
+
+    functions = ast.FunctionDef | ast.AsyncFunctionDef
+    for node in tree.body:
+        if not isinstance(node, functions | ast.ClassDef) or node.name.startswith("_"):
+            continue
+        if isinstance(node, functions):
+            if _callable_as_written(node):
+                add(node, f"{module}.{node.name}", _signature(node, bound=False), "function")
+            continue
+        methods = [child for child in node.body if isinstance(child, functions)]
+        init = next((m for m in methods if m.name == "__init__"), None)
+        if init is not None:
+            add(node, f"{module}.{node.name}", _signature(init, bound=True), "class")
+        for method in methods:
+            if method.name.startswith("_") or not _callable_as_written(method):
+                continue
+            static = any(ast.unparse(d).endswith("staticmethod") for d in method.decorator_list)
+            add(method, f"{module}.{node.name}.{method.name}", _signature(method, bound=not static), "method")
+    return found
+
+
+def _origin(sample_id: str) -> str:
+    source = sample_id.split(":", 1)[0]
+    return "the Python standard library" if source == "stdlib" else f"the {source} package"
+
+
+def _questions(tree: ast.Module | None, relative: str, name: str, rng: np.random.Generator) -> list[PromptRecord]:
+    """One ``ask`` prompt per documented definition of the file (:func:`documented_definitions`), its question
+    template chosen with ``rng``."""
+    if tree is None:
+        return []
+    definitions = documented_definitions(tree, module_name(relative))
+    origin = _origin(name)
+    records = []
+    for definition in definitions:
+        others = [d for d in definitions if d.kind == definition.kind and d.path != definition.path]
+        templates = [t for t in QUESTIONS if (others or "{other}" not in t)
+                     and (definition.signature or not t.startswith("Go through the parameters"))]
+        template = templates[int(rng.integers(len(templates)))]
+        other = others[int(rng.integers(len(others)))].path if "{other}" in template else ""
+        content = template.format(target=f"`{definition.path}({definition.signature})`", kind=definition.kind,
+                                  origin=origin, summary=definition.summary, other=other)
+        records.append(PromptRecord(prompt_id=f"{name}:{definition.line}:ask",
+                                    messages=[{"role": "user", "content": content},
+                                              {"role": "assistant", "content": None}], document=name))
+    return records
+
+
+def prompt_kind(record: PromptRecord) -> str:
+    """The kind of a default-set prompt (:data:`PROMPT_KINDS`), from its id."""
+    return record.prompt_id.rsplit(":", 1)[-1]
 
 
 #: The nodes on any path from a module to a definition: statements, ``except`` handlers and ``case`` blocks (a
@@ -209,9 +389,18 @@ def _definitions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef |
     return found
 
 
+def _parse(text: str) -> ast.Module | None:
+    try:
+        return ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+
+
 def _file_prompts(path: Any, relative: str, sample_id: str, config: DefaultPromptConfig) -> list[PromptRecord]:
-    """One source file's prompts (completions, then instructions), seeded by ``config.seed`` and ``relative``;
-    none for a file that is not UTF-8 or holds under 100 characters."""
+    """One source file's prompts (completions, then instructions, then with ``config.ask_prompts`` every question
+    the file gives), seeded by ``config.seed`` and ``relative`` (the questions by a generator of their own, so the
+    other kinds do not depend on ``ask_prompts``); none for a file that is not UTF-8 or holds under 100
+    characters."""
     try:
         text = path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError):
@@ -221,8 +410,12 @@ def _file_prompts(path: Any, relative: str, sample_id: str, config: DefaultPromp
     seed = int(hashlib.sha256(f"{config.seed}:{relative}".encode()).hexdigest()[:8], 16)
     rng = np.random.default_rng(seed)
     records = _completions(text, sample_id, config, rng)
+    tree = _parse(text) if config.instruct or config.ask_prompts else None
     if config.instruct:
-        records += _instructions(text, sample_id, config, rng)
+        records += _instructions(text, tree, sample_id, config, rng)
+    if config.ask_prompts:
+        seed = int(hashlib.sha256(f"{config.seed}:{relative}:ask".encode()).hexdigest()[:8], 16)
+        records += _questions(tree, relative, sample_id, np.random.default_rng(seed))
     return records
 
 
@@ -304,19 +497,9 @@ def package_files(config: DefaultPromptConfig) -> list[tuple[Any, str]]:
     return files
 
 
-def _package_prompts(config: DefaultPromptConfig, processes: int | None = 1) -> list[PromptRecord]:
-    """Training prompts from ``config.packages`` (module docstring): files in seeded random order, one prompt of
-    each file per round, until ``package_prompts`` are taken."""
-    files = package_files(config)
-    rng = np.random.default_rng(config.seed)
-    order = rng.permutation(len(files))
-    built = _prompts_of_files([(files[i][0].path, files[i][1], files[i][0].sample_id) for i in order], config,
-                              processes)
-    per_file = []
-    for records in built:
-        if records:
-            per_file.append([records[i] for i in rng.permutation(len(records))])
-    wanted = config.package_prompts if config.package_prompts is not None else sum(map(len, per_file))
+def _spread(per_file: list[list[PromptRecord]], wanted: int) -> list[PromptRecord]:
+    """Up to ``wanted`` records of ``per_file`` (each file's list in its order), one of each file per round: the
+    first of every file in file order, then the second, ..."""
     taken: list[PromptRecord] = []
     depth = 0
     while len(taken) < wanted and per_file:
@@ -326,10 +509,49 @@ def _package_prompts(config: DefaultPromptConfig, processes: int | None = 1) -> 
     return taken
 
 
+def _split_questions(records: list[PromptRecord]) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """A file's records as (completions and instructions, questions)."""
+    asks = [record for record in records if prompt_kind(record) == "ask"]
+    return ([record for record in records if prompt_kind(record) != "ask"] if asks else records), asks
+
+
+def _package_prompts(config: DefaultPromptConfig,
+                     processes: int | None = 1) -> tuple[list[PromptRecord], list[list[PromptRecord]]]:  # fmt: skip
+    """Training prompts from ``config.packages`` (module docstring): files in seeded random order, one prompt of
+    each file per round, until ``package_prompts`` are taken; and each file's questions (``ask``, with
+    ``config.ask_prompts``) in that file order."""
+    files = package_files(config)
+    rng = np.random.default_rng(config.seed)
+    order = rng.permutation(len(files))
+    built = _prompts_of_files([(files[i][0].path, files[i][1], files[i][0].sample_id) for i in order], config,
+                              processes)
+    per_file, questions = [], []
+    for records, asks in map(_split_questions, built):
+        if records:
+            per_file.append([records[i] for i in rng.permutation(len(records))])
+        questions.append(asks)
+    wanted = config.package_prompts if config.package_prompts is not None else sum(map(len, per_file))
+    return _spread(per_file, wanted), questions
+
+
+def _ask_prompts(per_file: list[list[PromptRecord]], config: DefaultPromptConfig) -> list[PromptRecord]:
+    """``config.ask_prompts`` of the training files' questions (``per_file``: each file's), spread over as many files
+    as possible: files and each file's questions in a seeded random order, one question of each file per round."""
+    rng = np.random.default_rng(config.seed + 2)
+    per_file = [per_file[i] for i in rng.permutation(len(per_file))]
+    per_file = [[records[i] for i in rng.permutation(len(records))] for records in per_file if records]
+    available = sum(map(len, per_file))
+    if available < config.ask_prompts:
+        log.warning("default prompts: ask_prompts is %d but the training files hold %d documented definitions; "
+                    "taking all %d", config.ask_prompts, available, available)
+    return _spread(per_file, config.ask_prompts)
+
+
 def default_prompt_sets(config: DefaultPromptConfig | None = None, *,
                         processes: int | None = 1) -> dict[Split, list[PromptRecord]]:  # fmt: skip
     """The training and held-out prompt records of this machine's stdlib (module docstring), each shuffled; with
-    ``config.packages``, their prompts join the training split (shuffled in with the stdlib's).
+    ``config.packages``, their prompts join the training split, and with ``config.ask_prompts`` questions about the
+    stdlib's training files and the packages (shuffled in with the stdlib's).
 
     ``processes``: build the files' prompts in this many spawned processes (``None``: one per usable core, at most
     16; 1: in this process, the default). The records are the same either way; parsing is most of the time (about
@@ -337,22 +559,36 @@ def default_prompt_sets(config: DefaultPromptConfig | None = None, *,
     module: call it with ``processes`` != 1 only from code under ``if __name__ == "__main__":`` (as the CLI is).
 
     Returns:
-        ``{"train": [...], "heldout": [...]}``; prompt ids ``stdlib:<path>@<offset>:complete`` and
-        ``stdlib:<path>:<line>:instruct``, each with ``document`` ``stdlib:<path>`` (the source file, as the default
-        corpus of ``prepare`` names it), so every row generated from one file has one corpus ``document_id``
-        (``<package>:<path>`` for package files).
+        ``{"train": [...], "heldout": [...]}``; prompt ids ``stdlib:<path>@<offset>:complete``,
+        ``stdlib:<path>:<line>:instruct`` and ``stdlib:<path>:<line>:ask``, each with ``document``
+        ``stdlib:<path>`` (the source file, as the default corpus of ``prepare`` names it), so every row generated
+        from one file has one corpus ``document_id`` (``<package>:<path>`` for package files). The held-out split
+        holds completions and instructions only.
     """
     config = config or DefaultPromptConfig()
     root = stdlib_root()
     sets: dict[Split, list[PromptRecord]] = {"train": [], "heldout": []}
+    questions: list[list[PromptRecord]] = []
     items = [(file.path, file.path.relative_to(root).as_posix(), file.sample_id) for file in default_corpus_files()]
-    for (_, relative, _), records in zip(items, _prompts_of_files(items, config, processes), strict=True):
-        sets["heldout" if is_heldout_document(relative, config.heldout_permille) else "train"].extend(records)
+    for (_, relative, _), built in zip(items, _prompts_of_files(items, config, processes), strict=True):
+        records, asks = _split_questions(built)
+        if is_heldout_document(relative, config.heldout_permille):
+            sets["heldout"].extend(records)  # a held-out file's questions are dropped: no kind of it is trained on
+        else:
+            sets["train"].extend(records)
+            questions.append(asks)
     for split, cap in (("train", config.max_prompts), ("heldout", config.max_heldout)):
         order = np.random.default_rng(config.seed).permutation(len(sets[split]))
         sets[split] = [sets[split][i] for i in order[: cap if cap is not None else len(order)]]
+    extra: list[PromptRecord] = []
     if config.packages:
-        train = sets["train"] + _package_prompts(config, processes)
+        from_packages, package_questions = _package_prompts(config, processes)
+        extra += from_packages
+        questions += package_questions
+    if config.ask_prompts:
+        extra += _ask_prompts(questions, config)
+    if config.packages or config.ask_prompts:
+        train = sets["train"] + extra
         order = np.random.default_rng(config.seed + 1).permutation(len(train))
         sets["train"] = [train[i] for i in order]
     return sets
@@ -379,12 +615,21 @@ def write_prompts_jsonl(records: list[PromptRecord], path: Any) -> int:
     return len(records)
 
 
-def describe_default_prompts(config: DefaultPromptConfig) -> dict[str, Any]:
-    """What the default prompt set was built from, for the corpus metadata."""
+def describe_default_prompts(config: DefaultPromptConfig,
+                             sets: dict[Split, list[PromptRecord]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """What the default prompt set was built from, for the corpus metadata; given the ``sets`` it built, how many
+    prompts of each kind (:data:`PROMPT_KINDS`) each split holds (``prompt_counts``)."""
     description = {"name": "python-stdlib-prompts", "python_version": sys.version.split()[0],
                    "stdlib": str(stdlib_root()), **config.to_dict()}
     if config.packages:
         description["package_versions"] = {name: package_version(name) for name in config.packages}
+    if sets is not None:
+        description["prompt_counts"] = {}
+        for split, records in sets.items():
+            counts = dict.fromkeys(PROMPT_KINDS, 0)
+            for record in records:
+                counts[prompt_kind(record)] += 1
+            description["prompt_counts"][split] = counts
     return description
 
 
