@@ -1,4 +1,4 @@
-"""Generated tokens/s of ``generate``'s transformers engine on one device (issue 13: >= 50K for SmolLM2 on an H200).
+"""Generated tokens/s of ``generate``'s transformers engine on one device.
 
 Run::
 
@@ -6,6 +6,7 @@ Run::
     python benchmarks/generate.py --target qwen3-8b-random --batch-size 128
     python benchmarks/generate.py --kv-cache static dynamic         # A/B in one process
     python benchmarks/generate.py --decode-attention fast deterministic --batch-size 512 1024
+    python benchmarks/generate.py --decode-attention ranged ranged-unfused --compile parts parts-decode   # fused vs not
     python benchmarks/generate.py --smoke                           # tiny, on CPU (a check that it runs)
     python benchmarks/generate.py --target smollm2-random --batch-size 1024 --profile 25   # where a step's time goes
 
