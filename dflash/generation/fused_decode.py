@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dflash.generation.ranged_attention import ranged_decode_attention, triton
+from dflash.generation.ranged_attention import RANGES_KWARG, ranged_decode_attention, triton
 
 __all__ = ["FUSABLE_ATTENTIONS", "WRITE_KWARG", "fusable", "fused_decode_forward", "rope_and_write"]
 
@@ -144,7 +144,7 @@ def fused_decode_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> 
     cache. A prefill (more than one token per row, written from position 0) attends through SDPA with the decoder's
     4-D mask over the cache positions it has written; a decode step through :func:`ranged_decode_attention`.
     """
-    from dflash.generation.static_decode import RANGES_KWARG, grouped_decode_attention
+    from transformers import AttentionInterface
 
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     ranges = kwargs.get(RANGES_KWARG)
@@ -170,6 +170,7 @@ def fused_decode_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> 
         out = ranged_decode_attention(rotated, layer.keys, layer.values, starts, ends, scale=module.scaling)
     else:  # the prefill writes positions [0, tokens): later ones are masked out, so they need not be read
         mask = kwargs.get("attention_mask")
-        out, _ = grouped_decode_attention(module, rotated, layer.keys[:, :, :tokens], layer.values[:, :, :tokens],
-                                          None if mask is None else mask[..., :tokens], scaling=module.scaling)
+        out, _ = AttentionInterface()["sdpa"](module, rotated, layer.keys[:, :, :tokens], layer.values[:, :, :tokens],
+                                              None if mask is None else mask[..., :tokens], dropout=0.0,
+                                              scaling=module.scaling)
     return module.o_proj(out.reshape(batch, tokens, -1)), None

@@ -19,10 +19,12 @@ import os
 
 import torch
 
-__all__ = ["ranged_decode_attention", "ranged_attention_available", "CHUNK"]
+__all__ = ["ranged_decode_attention", "ranged_attention_available", "CHUNK", "RANGES_KWARG"]
 
 #: Cache positions one program of the first kernel covers (a multiple of its tile, 64).
 CHUNK = 256
+#: The forward keyword that carries each row's key range, ``(starts, ends)``, through the model to the attention.
+RANGES_KWARG = "dflash_decode_ranges"
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs decode through SDPA instead.
     import triton

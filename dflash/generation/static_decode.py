@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from dflash.errors import ConfigError
+from dflash.generation.ranged_attention import RANGES_KWARG
 
 __all__ = ["StaticDecoder", "gumbel_noise", "grouped_decode_attention", "deterministic_decode_attention",
            "ranged_attention", "ATTENTION_NAME", "DETERMINISTIC_ATTENTION_NAME", "RANGED_ATTENTION_NAME",
@@ -49,8 +50,6 @@ ATTENTION_NAME = "grouped_decode_gqa"  # no "flash" in it: transformers reads th
 DETERMINISTIC_ATTENTION_NAME = "grouped_decode_gqa_repeatable"
 #: The name of :func:`ranged_attention` (the default on CUDA with Triton).
 RANGED_ATTENTION_NAME = "grouped_decode_ranged"
-#: The forward keyword that carries each row's key range, ``(starts, ends)``, to :func:`ranged_attention`.
-RANGES_KWARG = "dflash_decode_ranges"
 
 log = logging.getLogger(__name__)
 
