@@ -353,15 +353,18 @@ def main() -> None:
     runs: dict[str, list[float]] = {"producer_alone_I": [], "trainer_alone_T": [], "achieved": [], "extract": []}
     phase_runs: dict[str, list[dict[str, float]]] = {"overlapped": [], "synchronized": []}
     for repeat in range(args.repeats):
-        rate, phases = producer_rate(BatchProducer(runner(), corpus), config(f"producer-{repeat}", producer_slots),
-                                     producer_batches, device, tasks)  # fmt: skip
+        alone = BatchProducer(runner(), corpus)
+        rate, phases = producer_rate(alone, config(f"producer-{repeat}", producer_slots), producer_batches, device,
+                                     tasks)  # fmt: skip
         runs["producer_alone_I"].append(rate)
         phase_runs["overlapped"].append(phases)
         runs["trainer_alone_T"].append(trainer_rate(config(f"trainer-{repeat}"), replay, device))
         runs["achieved"].append(trainer_rate(config(f"achieved-{repeat}"), BatchProducer(runner(), corpus), device))
         runs["extract"].append(extract_rate(extract_runner, corpus, device))
         print(f"repeat {repeat}: " + ", ".join(f"{key} {values[-1]:,.0f}" for key, values in runs.items()), flush=True)
-        line = f"repeat {repeat} producer-alone phases: {phases_line(phases)}"
+        line = (f"repeat {repeat} producer-alone phases (ring slots page-locked: {alone.rings_pinned}): "
+                f"{phases_line(phases)}")
+        pinned = alone.rings_pinned
         if gpu:  # forwards' device time apart from the copies: a separate, synchronized pass (not for the rate)
             _, synced = producer_rate(BatchProducer(synchronized_forwards(runner()), corpus),
                                       config(f"producer-sync-{repeat}", producer_slots), producer_batches, device)
@@ -377,7 +380,7 @@ def main() -> None:
                "extract": forward_padding(extract_runner, shards, corpus)}
     shared = 1.0 / (1.0 / rate_i + 1.0 / rate_t)
     logged = read_metrics(work / f"achieved-{args.repeats - 1}", kind="train")[-1]
-    report = {"producer_alone_I": rate_i, "trainer_alone_T": rate_t, "achieved": achieved,
+    report = {"ring_slots_page_locked": pinned, "producer_alone_I": rate_i, "trainer_alone_T": rate_t, "achieved": achieved,
               "min_I_T": min(rate_i, rate_t), "shared_device_bound": shared,
               "achieved_over_min": achieved / min(rate_i, rate_t), "achieved_over_shared": achieved / shared,
               "extract": rate_extract, "producer_over_extract": rate_i / rate_extract,

@@ -105,11 +105,15 @@ class BatchProducer:
         self._rings_lock = threading.Lock()
         self._device_lock = threading.Lock()
         self._busy_until = 0.0  # when the latest task ended (perf_counter): overlapping tasks count once
+        #: Whether every ring this producer attached is page-locked for CUDA copies (None: none attached yet);
+        #: unlocked slots make each device-to-host copy synchronous.
+        self.rings_pinned: bool | None = None
 
     def _ring(self, name: str) -> Ring:
         with self._rings_lock:
             if name not in self._rings:
-                self._rings[name] = Ring.attach(name, pin=self.runner.device.type == "cuda")
+                ring = self._rings[name] = Ring.attach(name, pin=self.runner.device.type == "cuda")
+                self.rings_pinned = ring.pinned and self.rings_pinned is not False
             return self._rings[name]
 
     def produce(self, task: BatchTask, *, queued: Callable[[], None] | None = None) -> dict[str, Any]:
