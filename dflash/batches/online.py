@@ -114,6 +114,10 @@ class BatchProducer:
             if name not in self._rings:
                 ring = self._rings[name] = Ring.attach(name, pin=self.runner.device.type == "cuda")
                 self.rings_pinned = ring.pinned and self.rings_pinned is not False
+                if self.runner.device.type == "cuda" and not ring.pinned:
+                    log.warning("the online ring %s could not be page-locked for CUDA copies (cudaHostRegister "
+                                "refused): each copy of hidden states into a slot synchronizes, slowing this "
+                                "producer", name)
             return self._rings[name]
 
     def produce(self, task: BatchTask, *, queued: Callable[[], None] | None = None) -> dict[str, Any]:
