@@ -76,17 +76,19 @@ def hbm_bandwidth(device: torch.device, gigabytes: float = 4.0) -> float:
     return 2 * gigabytes * 2**30 / statistics.median(times)
 
 
-def bound_seconds(model, engine, requests, results, bandwidth: float) -> float:
+def bound_seconds(model, engine, requests, results, bandwidth: float) -> tuple[float, float, int]:
     """The least time a pass could take at ``bandwidth`` bytes/s: every forward reads the weights once, and each
     decode step reads the keys and values of the positions its still-running rows attend (prompt + tokens so far);
-    the prefill writes its rows' keys and values. Compute, launches and the host are taken as free."""
+    the prefill writes its rows' keys and values. Compute, launches and the host are taken as free. Returns the
+    whole pass's bound, its decode steps' part and their number."""
     config = model.config
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype_bytes = next(model.parameters()).element_size()
     kv_per_token = config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    total = 0.0
+    total = decode = 0.0
+    steps = 0
     for batch in engine._batches(requests):
         prompt = [len(requests[i].prompt_ids) for i in batch]
         reply = [len(results[i].token_ids) for i in batch]
@@ -94,7 +96,9 @@ def bound_seconds(model, engine, requests, results, bandwidth: float) -> float:
         for step in range(max(reply) - 1):  # decode forward `step` feeds token `step` of each running row
             running = [p + step + 1 for p, r in zip(prompt, reply, strict=True) if r > step + 1]
             total += weights + sum(running) * kv_per_token
-    return total / bandwidth
+            decode += weights + sum(running) * kv_per_token
+            steps += 1
+    return total / bandwidth, decode / bandwidth, steps
 
 
 def engine_for(model, tokenizer, setting, stop, batch_size: int) -> TransformersEngine:
@@ -265,8 +269,10 @@ def main() -> None:
                 agree = sum(a == r.token_ids for a, r in zip(same, results, strict=True)) / len(results)
                 own_cold = own_cold or [r.token_ids for r in results]
                 repeat = sum(a == r.token_ids for a, r in zip(own_cold, results, strict=True)) / len(results)
-                bound = bound_seconds(model, engine, requests, results, bandwidth) if bandwidth else None
-                row = {"bound_seconds": bound and round(bound, 3), "kv_cache": kv_cache, "decode_attention": attention, "batch_size": batch_size, "pass": attempt, "seconds": round(seconds, 2),
+                bound, decode_bound, steps = (bound_seconds(model, engine, requests, results, bandwidth)
+                                              if bandwidth else (None, None, 0))
+                row = {"bound_seconds": bound and round(bound, 3),
+                       "decode_step_bound_ms": bound and round(decode_bound / max(steps, 1) * 1e3, 3), "decode_steps": steps, "kv_cache": kv_cache, "decode_attention": attention, "batch_size": batch_size, "pass": attempt, "seconds": round(seconds, 2),
                        "generated_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
                        "rows_per_s": round(len(results) / seconds, 2), "stopped_early": round(stopped, 3),
                        "decode_step": mode, "identical_to_first_kind": round(agree, 4),
@@ -275,8 +281,9 @@ def main() -> None:
                 figures.append(row)
                 if attempt != "cold":
                     warm.append(tokens / seconds)
-                bound_text = (f" [memory bound {tokens / bound:,.0f} tok/s, {bound / seconds:.0%} of it reached]"
-                              if bound else "")
+                bound_text = (f" [memory bound {tokens / bound:,.0f} tok/s, {bound / seconds:.0%} of it reached; "
+                              f"per decode step {decode_bound / max(steps, 1) * 1e3:.2f} ms bound, {seconds / max(steps, 1) * 1e3:.2f} "
+                              "ms measured (prefills included)]" if bound else "")
                 print(f"  kv {kv_cache:7s} attention {attention:13s} batch {batch_size:4d} {attempt}: {tokens:,} tokens "
                       f"in {seconds:.1f} s = {tokens / seconds:,.0f} generated tok/s{bound_text} ({stopped:.0%} stopped early; "
                       f"decode step {mode}; {agree:.1%} identical to the first setting, {repeat:.1%} to this "
