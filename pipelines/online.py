@@ -85,44 +85,22 @@ CACHE_TO_CODEC_REASON = ("online --cache-to: the launcher encodes each shard fro
 class OnlineConfig:
     """The producer side of an online run; the trainer side is ``train`` (a :class:`stages.train.config.TrainConfig`)."""
 
-    corpus: str = setting(help="Corpus folder (contract 1).")
-    """Corpus folder (contract 1) the plan is made from and the producers read (in ``run``'s ``online`` section: set by
-    the pipeline, ``WORKDIR/corpus``)."""
+    corpus: str = setting(help="Corpus folder (contract 1) the plan is made from and the producers read (in run's online section: set by the pipeline, WORKDIR/corpus).")
+    #: The training loop's config (``cache`` is ``online:<corpus>``; ``output`` is the run folder; in ``run``: its
+    #: ``train`` section).
     train: TrainConfig
-    """The training loop's config (``cache`` is ``online:<corpus>``; ``output`` is the run folder; in ``run``: its
-    ``train`` section)."""
-    target: str = setting("default", help="Target spec ('default' = SmolLM2-135M-Instruct).")
-    """Target spec (``"default"``: embedded SmolLM2-135M-Instruct, a transformers folder or a ``.gguf``; in ``run``:
-    the pipeline's ``target``)."""
-    target_layer_ids: list[int] | None = setting(None, help="Tapped layer ids, e.g. 1,3.")
-    """Tapped layers; ``None``: DFlash's default rule with one tap per draft layer."""
-    target_processes: int | None = setting(None, help="CPU producer processes (target replicas), one Dask worker each.")
-    """CPU producer processes (Dask LocalCluster workers); ``None``: one per ``target_gpus`` entry, else 1."""
-    target_gpus: list[int] | None = setting(None, help="Producer GPUs, one Dask worker each, e.g. 0,1.")
-    """GPU ids of the producers, one Dask worker each (one GPU tested on an H200; several not yet run)."""
-    ring_slots: int = setting(4, help="Shared-memory ring slots per rank.")
-    """Slots of the shared-memory ring: batches in flight between producers and trainer (memory: slots x
-    token_budget x n*H x 2 bytes)."""
+    target: str = setting("default", help="Target spec: 'default' (SmolLM2-135M-Instruct), a transformers folder or a .gguf file (in run: the pipeline's target).")
+    target_layer_ids: list[int] | None = setting(None, help="Tapped layer ids, e.g. 1,3 (default: DFlash's rule, one tap per draft layer).")
+    target_processes: int | None = setting(None, help="CPU producer processes (target replicas), one Dask worker each (default: one per --target-gpus entry, else 1).")
+    target_gpus: list[int] | None = setting(None, help="Producer GPU ids, one Dask worker each, e.g. 0,1.")
+    ring_slots: int = setting(4, help="Shared-memory ring slots per rank: batches in flight between producers and trainer (memory: slots x token_budget x taps x hidden size x 2 bytes).")
+    #: Padded tokens per target forward of a producer (with ``producer_packing``: real tokens per forward); ``None``:
+    #: the training ``data.token_budget``.
     runner_token_budget: int | None = None
-    """Padded tokens per target forward of a producer; ``None``: the training ``token_budget``."""
-    producer_packing: bool = setting(False, help="Producers run packed forwards: a planned batch's samples back to back, no padding.")
-    """Producers run packed forwards (the extract stage's ``--packing``, with its automatic kernel: varlen on GPU
-    producers whose torch has it, else flex_attention; sdpa on CPU producers): each forward holds samples of the
-    planned batch back to back, attention confined to each, no padding; ``runner_token_budget`` is then the real
-    tokens per forward. The same hidden states within the runner's bf16 tolerance and the same batches; off by
-    default (not yet measured on a GPU against padded forwards)."""
-    cache_to: str | None = setting(None, help="Also write the hidden-state cache here while training.")
-    """Also write the hidden-state cache (contract 2, the ``extract`` stage's shard plan) of the corpus here while
-    training: producers stage the first epoch's batches, and a shard is committed once its rows are all staged
-    (``dflash.cache.staging``), so a later ``train`` or ``sweep`` reuses the cache. ``None``: no cache. Refused in
-    ``run``'s ``online`` section, which exists to train without one."""
-    cache_shard_size: int = setting(65536, help="--cache-to: tokens per shard.")
-    """``--cache-to``: tokens per cache shard (``extract --shard-size``)."""
-    on_producer_death: str = setting("recompute", help="recompute (rerun the batch on another producer) | stop (the run stops).")
-    """A producer process that dies (OOM killer, a GPU fault): ``"recompute"``: Dask reruns its batch on another
-    producer (a batch whose task was lost with 5 producers in turn stops the run: Dask blames every task a dying
-    producer held, queued ones too); ``"stop"``: the run stops at once with
-    one ``error:`` line; its latest checkpoint is kept and ``--resume`` continues from it."""
+    producer_packing: bool = setting(False, help="Producers run packed forwards (extract's --packing with its automatic kernel: varlen on GPU producers whose torch has it, else flex_attention; sdpa on CPU producers): a planned batch's samples back to back, attention confined to each, no padding; runner_token_budget then counts real tokens per forward. The same batches and hidden states (within the runner's bf16 tolerance); off by default: slower on a GPU (docs/online-queue.md, Throughput).")
+    cache_to: str | None = setting(None, help="Also write the corpus's hidden-state cache (extract's shard plan) here while training: producers stage the first epoch's batches and a shard is committed once its rows are all staged, so a later train or sweep reuses it (docs/online-queue.md). Refused in run's online section, which trains without a cache.")
+    cache_shard_size: int = setting(65536, help="--cache-to: tokens per cache shard (extract's --shard-size).")
+    on_producer_death: str = setting("recompute", help="A producer process that dies (OOM killer, a GPU fault): recompute (Dask reruns its batch on another producer; a batch lost with 5 producers in turn stops the run, as Dask blames every task a dying producer held) | stop (the run stops at once with one error line). Its latest checkpoint is kept and --resume continues from it.")
 
     def __post_init__(self) -> None:
         if not self.corpus:

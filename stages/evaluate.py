@@ -98,7 +98,7 @@ class EvaluateConfig:
     block_size: int | None = setting(None, help="Drafting block size; default: the drafter's.")
     ignore_eos: bool = setting(False, option='--ignore-eos', help='Keep generating after the end-of-sequence token.')
     compare_untrained: bool = setting(False, option='--compare-untrained', help='Also measure a randomly initialized drafter.')
-    references: bool = setting(True, help="Also decode with block size 1 and the target's generate() (the speedups and the lossless check); --no-references: tau and acceptance only, about 3x faster.")
+    references: bool = setting(True, help="Also decode with block size 1 and the target's generate() (the speedups and the lossless check); --no-references: tau and acceptance only, much faster (docs/benchmarks.md, Evaluate without the references).")
     seed: int = setting(0, help='Prompt selection, sampling, untrained init.')
     device: str = setting("auto", help='auto | cpu | cuda | cuda:N.')
     dtype: str = setting("auto", help='auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16 (bf16, fp32, fp16 also accepted).')

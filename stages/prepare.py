@@ -105,35 +105,20 @@ _BATCH_DOCUMENTS = 16
 class PrepareConfig:
     """Configuration of ``prepare``; validated on construction (errors name the field)."""
 
-    #: Input paths, globs or ``"default"``; empty means ``["default"]``.
     inputs: list[str] = setting(default_factory=list, argument='INPUT...', repeat=True, help="Chat JSONL/Parquet (messages), text files/folders/globs, tokenized Arrow/Parquet/save_to_disk data, or 'default' (the Python stdlib sources). No input: 'default'.")
-    #: Output corpus folder (must not exist unless ``overwrite``).
-    output: Path = setting(short='-o', help='Corpus folder to create (written atomically). Required (here or in --config/--preset/--set).')
-    #: Target spec (``"default"``, a transformers folder or a .gguf file): its tokenizer, chat template, vocab.
-    target: str = setting("default", help="Target: 'default' (SmolLM2-135M-Instruct), a transformers folder or a .gguf file.")
-    #: Longest sample in tokens.
+    output: Path = setting(short='-o', help='Corpus folder to create (written atomically; it must not exist unless --overwrite). Required (here or in --config/--preset/--set).')
+    target: str = setting("default", help="Target whose tokenizer, chat template and vocabulary are used: 'default' (SmolLM2-135M-Instruct), a transformers folder or a .gguf file.")
     max_length: int = setting(DEFAULT_MAX_LENGTH, help='Longest sample, in tokens.')
-    #: What to do with longer rows (module docstring).
-    length_policy: PrepareLengthPolicy = setting("auto", choices=True, help='Rows longer than --max-length. split: consecutive max_length chunks; auto: split for plain text and the default corpus, error for chat/tokenized data (choose explicitly).')
-    #: How assistant replies are found in chat data (``dflash/corpus/chat.py``).
+    length_policy: PrepareLengthPolicy = setting("auto", choices=True, help='Rows longer than --max-length: error, drop, truncate or split (consecutive max_length chunks, one document); auto: split for plain text and the default corpus, error for chat/tokenized data (choose explicitly).')
     assistant_mask: Literal["template", "prefix-diff"] = setting("template", choices=True, help="Chat data: how assistant replies are found. template: the chat template's {% generation %} markers; prefix-diff: render each conversation prefix (for templates without markers, e.g. SmolLM2's).")
-    #: Supervise only the last assistant reply of each conversation.
-    last_turn_only: bool = setting(False, option='--last-turn-only', help='Chat data: supervise only the last assistant reply.')
-    #: File-name patterns (fnmatch) of the files taken from folder inputs.
-    patterns: tuple[str, ...] = setting(("*",), option='--pattern', repeat=True, help='File-name pattern for files in folder inputs (repeatable).')
-    #: Stop after this many kept samples (documents are then taken in a seeded random order).
-    max_samples: int | None = setting(None, help='Keep at most this many samples (documents in seeded random order).')
-    #: Stop once this many tokens are kept (the sample reaching it is kept whole).
-    max_tokens: int | None = setting(None, help='Stop once this many tokens are kept (documents in seeded random order).')
-    #: Seed of the document order when a limit is set, and of the held-out documents.
+    last_turn_only: bool = setting(False, option='--last-turn-only', help='Chat data: supervise only the last assistant reply of each conversation.')
+    patterns: tuple[str, ...] = setting(("*",), option='--pattern', repeat=True, help='File-name pattern (fnmatch) of the files taken from folder inputs (repeatable).')
+    max_samples: int | None = setting(None, help='Stop after this many kept samples (documents are then taken in a seeded random order).')
+    max_tokens: int | None = setting(None, help='Stop once this many tokens are kept; the sample reaching it is kept whole (documents in seeded random order).')
     seed: int = setting(0, help='Seed of the document order when --max-samples/--max-tokens is set, and of the held-out documents.')
-    #: Drop samples (or chunks) with fewer supervised tokens than this.
-    min_supervised_tokens: int = setting(1, help='Drop samples with fewer supervised tokens (DFlash: < 2 x block_size is of little use).')
-    #: Default corpus: also take the stdlib test suites.
-    stdlib_tests: bool = setting(False, option='--stdlib-tests', help='Default corpus: include the stdlib test suites (~3x tokens).')
-    #: Replace an existing output folder (atomically).
-    overwrite: bool = setting(False, option='--overwrite', help='Replace an existing --output folder.')
-    #: Take over the output's lock left by a run on another host known dead (``dflash.io.locks``).
+    min_supervised_tokens: int = setting(1, help='Drop samples (or chunks) with fewer supervised tokens than this (DFlash: < 2 x block_size is of little use).')
+    stdlib_tests: bool = setting(False, option='--stdlib-tests', help='Default corpus: also take the stdlib test suites (~3x tokens).')
+    overwrite: bool = setting(False, option='--overwrite', help='Replace an existing --output folder (atomically).')
     break_lock: bool = setting(False, runtime=True, option='--break-lock', help="Take over --output's lock left by a run on another host known dead.")
     heldout_documents: int | None = field(default=None, metadata={"help": (
         "Documents (conversations, files) held out for evaluation in OUTPUT/heldout, chosen by --seed; unset: 5% "

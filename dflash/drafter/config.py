@@ -218,26 +218,24 @@ class DrafterTrainingConfig:
     vocabulary) is the target's; the trainer derives it from these settings and the target
     (:meth:`DFlashConfig.from_target_config`)."""
 
-    num_draft_layers: int = field(default=DEFAULT_NUM_DRAFT_LAYERS, metadata={"help": "Draft decoder layers."})
-    """Draft decoder layers (paper: 5)."""
-    block_size: int = field(default=16, metadata={"help": "Block size B."})
-    """Draft block size B (paper: 16)."""
-    mask_token_id: int | None = field(default=None, metadata={"help": "Mask token row (default: chosen)."})
-    """Mask token row of the target embedding; default: chosen from the tokenizer's unused special tokens."""
-    target_layer_ids: list[int] | None = field(default=None, metadata={"help": "Tapped ids; must equal the cache's."})
-    """Tapped target layers; default: the cache's. Anything else is refused (the cache holds only its taps)."""
-    gamma: float | None = field(default=None, metadata={"help": "Loss decay (default by block size)."})
-    """Loss decay over block positions (``dflash.drafter.loss``); default by block size (7 for 16, 5 for 10, 4 for
-    8)."""
-    max_anchors_per_document: int = field(default=512, metadata={"help": "Anchors per document (on a CPU host, when nothing sets it: the cpu-small preset's)."})
-    """Anchor budget per document per epoch (paper: 512; ``dflash.drafter.anchors.sample_anchors``)."""
+    num_draft_layers: int = field(default=DEFAULT_NUM_DRAFT_LAYERS, metadata={"help": "Draft decoder layers (the paper's recipe: 5)."})
+    block_size: int = field(default=16, metadata={"help": "Draft block size B (the paper's recipe: 16)."})
+    mask_token_id: int | None = field(default=None, metadata={"help": (
+        "Mask token row of the target embedding (default: chosen from the tokenizer's unused special tokens).")})
+    target_layer_ids: list[int] | None = field(default=None, metadata={"help": (
+        "Tapped target layer ids (default: the cache's); anything else is refused, as the cache holds only its taps.")})
+    gamma: float | None = field(default=None, metadata={"help": (
+        "Loss decay over block positions (dflash.drafter.loss); default by block size: 7 for 16, 5 for 10, 4 for 8.")})
+    max_anchors_per_document: int = field(default=512, metadata={"help": (
+        "Anchor budget per document per epoch (the paper's recipe: 512; on a CPU host, when nothing sets it: the "
+        "cpu-small preset's).")})
+    #: Initial draft layer weights: ``random`` (Normal(0, 0.02), norms at 1: transformers' Qwen3 init, as DFlash
+    #: trains) or ``target`` (each draft layer a copy of a target decoder layer, the final norm the target's;
+    #: ``dflash.drafter.target_init``). Only a fresh run reads it; a resumed run continues from its checkpoint.
     init: Literal["random", "target"] = "random"
-    """Initial draft layer weights: ``random`` (Normal(0, 0.02), norms at 1: transformers' Qwen3 init, as DFlash
-    trains) or ``target`` (each draft layer a copy of a target decoder layer, the final norm the target's;
-    ``dflash.drafter.target_init``). Only a fresh run reads it; a resumed run continues from its checkpoint."""
+    #: With ``init = "target"``: the 0-based target decoder layer copied into each draft layer (one per draft
+    #: layer, repeats allowed); default the target's last ``num_draft_layers`` layers.
     init_target_layers: list[int] | None = None
-    """With ``init = "target"``: the 0-based target decoder layer copied into each draft layer (one per draft
-    layer, repeats allowed); default the target's last ``num_draft_layers`` layers."""
     distill: Literal["none", "kl", "tv"] = field(default="none", metadata={"help": (
         "A loss term against the target's own next-token distribution, weighted like the CE by block position: "
         "none, kl (forward KL(p_target || q_drafter)) or tv (total variation); needs a cache extracted with "

@@ -66,18 +66,16 @@ DEFAULT_BETAS: tuple[float, float] = (0.9, 0.999)
 class OptimConfig:
     """Optimizer, schedule and clipping settings (defaults: the DFlash paper's recipe, see module docstring)."""
 
-    lr: float = field(default=6e-4, metadata={"help": "Peak learning rate."})
-    """Peak learning rate (paper: 6e-4)."""
-    betas: tuple[float, float] = field(default=DEFAULT_BETAS, metadata={"help": "AdamW betas, e.g. 0.9,0.999."})
-    """AdamW (beta1, beta2); default (0.9, 0.999), torch's AdamW defaults as used by SpecForge."""
+    lr: float = field(default=6e-4, metadata={"help": "Peak learning rate (the paper's recipe: 6e-4)."})
+    betas: tuple[float, float] = field(default=DEFAULT_BETAS, metadata={"help": (
+        "AdamW (beta1, beta2), e.g. 0.9,0.999 (the default: torch's AdamW defaults, as SpecForge uses them).")})
+    #: AdamW epsilon.
     eps: float = 1e-8
-    """AdamW epsilon."""
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
-    """Decoupled weight decay (SpecForge/EAGLE-3: 0.0)."""
-    warmup_ratio: float = field(default=0.04, metadata={"help": "Warmup share."})
-    """Fraction of the total optimizer steps spent in linear warmup (paper: 4%)."""
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW decoupled weight decay (SpecForge, EAGLE-3: 0)."})
+    warmup_ratio: float = field(default=0.04, metadata={"help": (
+        "Share of the total optimizer steps spent in linear warmup (the paper's recipe: 0.04).")})
+    #: The cosine (or WSD decay) ends at ``lr * min_lr_ratio``.
     min_lr_ratio: float = 0.0
-    """The cosine (or WSD decay) ends at ``lr * min_lr_ratio``."""
     schedule: str = field(default="cosine", metadata={"help": (
         "Learning-rate schedule after the warmup: cosine (decay to the floor), wsd (constant, then a decay over the "
         "last decay_ratio share of the steps) or constant.")})
@@ -85,8 +83,9 @@ class OptimConfig:
         "Share of the steps the wsd schedule spends decaying (its last steps); other schedules ignore it.")})
     decay_shape: str = field(default="linear", metadata={"help": (
         "Shape of the wsd decay: linear or 1-sqrt (lr falls as 1 - sqrt(progress)).")})
-    grad_clip: float = field(default=1.0, metadata={"help": "Clip norm (0 = off)."})
-    """Max global L2 norm of the gradient; 0 disables clipping (the norm is still measured). Paper: 1.0."""
+    grad_clip: float = field(default=1.0, metadata={"help": (
+        "Largest global L2 norm of the gradient (the paper's recipe: 1.0); 0 disables clipping (the norm is still "
+        "measured).")})
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):

@@ -75,20 +75,18 @@ class TelemetryConfig:
     """What a training run reports and how often (``train.telemetry``; ``[train.telemetry]`` in a config file,
     ``--set train.telemetry.log_every=50``). None of it changes what is computed: a resume may change any field."""
 
-    log_every: int = field(default=10, metadata={"runtime": True, "help": "Log every N steps."})
-    """Log metrics every N steps (``metrics.jsonl`` and the trackers)."""
+    log_every: int = field(default=10, metadata={"runtime": True, "help": (
+        "Log metrics every N steps (metrics.jsonl and the trackers).")})
+    #: Steps in the throughput window (:class:`ThroughputWindow`, :class:`StepTimeWindow`).
     throughput_window: int = field(default=20, metadata={"runtime": True})
-    """Steps in the throughput window (:class:`ThroughputWindow`, :class:`StepTimeWindow`)."""
-    progress: bool = field(default=True, metadata={"runtime": True, "help": "Show the progress bar."})
-    """Show the rich progress bar (rank 0)."""
+    progress: bool = field(default=True, metadata={"runtime": True, "help": "Show the rich progress bar (rank 0)."})
     progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={"runtime": True,
         "help": "Seconds between two progress lines (steps, tokens, rates, ETA, loss) when output is not a terminal; "
                 "0: none."})
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"], metadata={"runtime": True,
-        "help": "Trackers the metrics also go to, comma-separated: tensorboard, wandb, mlflow, trackio (offline; an "
-                "absent package is skipped with a warning), or none."})
-    """Experiment trackers the metrics also go to (``dflash.training.trackers``): tensorboard, wandb, mlflow, trackio (offline
-    modes; an absent package is skipped with a warning); empty (``--report-to none``) for ``metrics.jsonl`` only."""
+        "help": "Experiment trackers the metrics also go to (dflash.training.trackers), comma-separated: tensorboard, "
+                "wandb, mlflow, trackio (offline modes; an absent package is skipped with a warning), or none "
+                "(metrics.jsonl only)."})
 
     def __post_init__(self) -> None:
         check_progress_interval(self.progress_interval, "telemetry.progress_interval")

@@ -36,95 +36,61 @@ class TrainConfig:
     """Everything the ``train`` stage needs; saved resolved in ``RUN/run.json`` and in every checkpoint."""
 
     # -- inputs and outputs
-    cache: str = setting(help="Hidden-state cache (folder or fsspec URL). Required for a new run (here or in --config/--preset/--set).")
-    """Hidden-state cache (local folder or fsspec URL) written by ``extract``."""
-    output: str = setting(help="Run folder. Required (here or in --config/--preset/--set).", short="-o")
-    """Run folder: run.json, metrics.jsonl, tb/, checkpoints/, latest, best."""
-    target: str | None = setting(None, help="Target spec; default: the cache's.")
-    """Target spec (folder, .gguf, or 'default'); default: the ``target_spec`` recorded in the cache."""
-    resume: bool = setting(False, help="Continue RUN from its latest checkpoint.")
-    """Continue the run in ``output`` from its ``latest`` checkpoint."""
-    allow_config_change: bool = setting(False, runtime=True, help="Resume despite changes.", option="--allow-config-change")
-    """Resume even when trajectory fields changed (the result then differs from a straight run)."""
-    break_lock: bool = setting(False, runtime=True, help="Take over RUN's lock left by a run on another host known dead (docs/training.md).", option="--break-lock")
-    """Take over the run folder's lock although its owner record names another host (that run must be known
-    dead; ``dflash.io.locks``). A same-host stale lock (a killed run) is taken over without it."""
-    allow_incomplete: bool = setting(False, runtime=True, help="Train on the committed shards of an unfinished cache (refused otherwise; the run says how many samples of how many it trains on).", option="--allow-incomplete")
-    """Train on a cache whose planned shards are not all committed (the run then logs how many samples of how many
-    planned rows it trains on); without it such a cache is refused before step 1."""
+    cache: str = setting(help="Hidden-state cache written by extract (local folder or fsspec URL). Required for a new run (here or in --config/--preset/--set).")
+    output: str = setting(help="Run folder: run.json, metrics.jsonl, tb/, checkpoints/, latest, best. Required (here or in --config/--preset/--set).", short="-o")
+    target: str | None = setting(None, help="Target spec: 'default', a transformers folder or a .gguf file (default: the target_spec recorded in the cache).")
+    resume: bool = setting(False, help="Continue the run in --output from its latest checkpoint.")
+    allow_config_change: bool = setting(False, runtime=True, help="Resume even when settings that change the trajectory differ from the saved run's (the result then differs from a straight run).", option="--allow-config-change")
+    break_lock: bool = setting(False, runtime=True, help="Take over the run folder's lock although its owner record names another host (that run must be known dead; docs/training.md). A same-host stale lock (a killed run) is taken over without it.", option="--break-lock")
+    allow_incomplete: bool = setting(False, runtime=True, help="Train on the committed shards of a cache whose planned shards are not all committed (the run logs how many samples of how many planned rows it trains on); without it such a cache is refused before step 1.", option="--allow-incomplete")
     # -- drafter and objective
+    #: The drafter and objective (``dflash.drafter.config.DrafterTrainingConfig``: num_draft_layers, block_size,
+    #: mask_token_id, target_layer_ids, gamma, max_anchors_per_document); ``[train.drafter]`` in a config file,
+    #: ``--set train.drafter.block_size=8``.
     drafter: DrafterTrainingConfig = field(default_factory=DrafterTrainingConfig)
-    """The drafter and objective (``dflash.drafter.config.DrafterTrainingConfig``: num_draft_layers, block_size,
-    mask_token_id, target_layer_ids, gamma, max_anchors_per_document); ``[train.drafter]`` in a config file,
-    ``--set train.drafter.block_size=8``."""
     # -- data
+    #: What the run reads and how (``dflash.batches.source.LoaderConfig``: token_budget, boundaries, num_buckets,
+    #: max_documents_per_batch, validation_fraction, validation_split_by, prefetch_batches, num_read_workers,
+    #: shard_window); ``[train.data]`` in a config file, ``--set train.data.token_budget=8192``. The train stage holds
+    #: out 1% of the source documents by default (``validation_fraction`` 0.01, ``validation_split_by``
+    #: ``"document"``; rows of a cache without document keys; 0 disables validation and best-checkpoint tracking).
     data: LoaderConfig = field(default_factory=lambda: dataclasses.replace(_TRAIN_DATA_DEFAULTS))
-    """What the run reads and how (``dflash.batches.source.LoaderConfig``: token_budget, boundaries, num_buckets,
-    max_documents_per_batch, validation_fraction, validation_split_by, prefetch_batches, num_read_workers,
-    shard_window); ``[train.data]`` in a config file, ``--set train.data.token_budget=8192``. The train stage holds out 1% of the
-    source documents by default (``validation_fraction`` 0.01, ``validation_split_by`` ``"document"``; rows of a
-    cache without document keys; 0 disables validation and best-checkpoint tracking)."""
+    #: Validation batches per rank per evaluation (None: the whole held-out split).
     max_validation_batches: int | None = field(default=50, metadata={"runtime": True})
-    """Validation batches per rank per evaluation (None: the whole held-out split)."""
-    min_supervised_tokens: int | None = setting(None, help="Exclude (and count) samples with fewer supervised tokens (default 2 x block size; 0 keeps all).")
-    """Samples with fewer supervised (loss_mask = 1) tokens are excluded, counted and reported (run.json, metrics,
-    log); default ``2 * drafter.block_size`` (docs/dflash.md: shorter samples give no useful anchors); 0 keeps every sample."""
+    min_supervised_tokens: int | None = setting(None, help="Exclude samples with fewer supervised (loss_mask = 1) tokens; they are counted and reported (run.json, metrics, log). Default: 2 x drafter.block_size (shorter samples give no useful anchors; docs/dflash.md); 0 keeps every sample.")
     min_train_samples: int = field(default=8, metadata={"help": (
         "Refuse to train (before any model loads) when fewer samples than this are left for training, after the "
         "samples excluded by min_supervised_tokens and those held out for validation.")})
     # -- optimization (defaults: the paper's recipe; betas from SpecForge, see dflash.training.optim)
-    epochs: float = setting(6.0, help="Epochs.")
-    """Passes over the training split (paper: 6); ignored when ``max_steps`` is set."""
-    max_steps: int | None = setting(None, help="Optimizer steps (overrides --epochs).")
-    """Optimizer steps of the whole schedule (overrides ``epochs``)."""
-    grad_accum_steps: int = setting(1, help="Micro-batches per step and rank.")
-    """Micro-batches per rank per optimizer step."""
+    epochs: float = setting(6.0, help="Passes over the training split (the paper's recipe: 6); ignored when --max-steps is set.")
+    max_steps: int | None = setting(None, help="Optimizer steps of the whole schedule (overrides --epochs).")
+    grad_accum_steps: int = setting(1, help="Micro-batches per rank per optimizer step.")
+    #: Optimizer, lr schedule and clipping (``dflash.training.optim.OptimConfig``: lr, betas, eps, weight_decay,
+    #: warmup_ratio, min_lr_ratio, grad_clip); ``[train.optim]`` in a config file, ``--set train.optim.lr=3e-4``.
     optim: OptimConfig = field(default_factory=OptimConfig)
-    """Optimizer, lr schedule and clipping (``dflash.training.optim.OptimConfig``: lr, betas, eps, weight_decay,
-    warmup_ratio, min_lr_ratio, grad_clip); ``[train.optim]`` in a config file, ``--set train.optim.lr=3e-4``."""
-    seed: int = setting(0, help="Seed.")
-    """Seed of initial weights, data order and anchors."""
-    mixed_precision: Literal["bf16", "none"] = setting("bf16", help="bf16 | none (GPU only).")
-    """bf16 autocast on GPU (CPU always runs fp32)."""
-    residual_dtype: Literal["compute", "float32"] = setting("compute", help="Residual stream dtype: compute (bf16 under autocast) | float32.")
-    """Residual stream of the block tokens: ``compute`` = the autocast dtype (bf16, as serving runs the drafter and
-    Megatron-LM trains), ``float32`` = the parameter dtype. Only matters with mixed precision."""
-    compile: bool = setting(False, help="Fixed shapes + torch.compile.")
-    """torch.compile the draft layers on the fixed-shape path: every micro-batch padded to ``token_budget`` and
-    ``anchor_slots`` anchor slots, so one graph serves every step (eager, dynamic shapes, is the default)."""
-    anchor_slots: int | None = setting(None, help="Anchors per micro-batch with --compile.")
-    """Anchors per micro-batch on the fixed-shape path; default ``drafter.max_anchors_per_document x
-    data.max_documents_per_batch`` capped at ``data.token_budget``. More valid anchors: a uniform random subset is kept."""
+    seed: int = setting(0, help="Seed of the initial weights, the data order and the anchors.")
+    mixed_precision: Literal["bf16", "none"] = setting("bf16", help="bf16 autocast on GPU | none (CPU always runs fp32).")
+    residual_dtype: Literal["compute", "float32"] = setting("compute", help="Residual stream of the block tokens: compute (the autocast dtype, bf16, as serving runs the drafter) | float32 (the parameter dtype). Only matters with mixed precision.")
+    compile: bool = setting(False, help="torch.compile the draft layers on the fixed-shape path: every micro-batch padded to data.token_budget and --anchor-slots anchor slots, so one graph serves every step (default: eager, dynamic shapes).")
+    anchor_slots: int | None = setting(None, help="Anchors per micro-batch with --compile (default: drafter.max_anchors_per_document x data.max_documents_per_batch, capped at data.token_budget); of more valid anchors a uniform random subset is kept.")
     # -- runtime (never changes the trajectory)
-    device: Literal["auto", "cpu", "cuda"] = setting("auto", runtime=True, help="Drafter device: auto | cpu | cuda.")
-    """Where the drafter trains; auto: CUDA when available."""
-    drafter_gpus: list[int] | None = setting(None, runtime=True, help="Drafter GPU ids, e.g. 5,6,7 (DDP when several).")
-    """GPU ids for the drafter; several: DDP, one process per GPU."""
-    drafter_processes: int = setting(1, runtime=True, help="Drafter DDP processes on CPU (gloo).")
-    """Data-parallel processes on CPU (gloo), for tests and debugging."""
-    stop_at_step: int | None = setting(None, runtime=True, help="Stop early with a checkpoint.")
-    """Stop after this step with a checkpoint, as a preemption would (the schedule still spans ``max_steps``)."""
-    save_every: int = setting(500, runtime=True, help="Checkpoint every N steps.")
-    """Checkpoint every N optimizer steps (and at the end)."""
-    keep_last: int = setting(3, runtime=True, help="Checkpoints to keep, plus the best.")
-    """Checkpoints kept besides the best by validation loss."""
-    eval_every: int | None = setting(None, runtime=True, help="Validate every N steps (default: --save-every).")
-    """Validate every N steps (default: ``save_every``, so each checkpoint has a validation loss)."""
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", runtime=True, help="Where the drafter trains: auto (CUDA when available) | cpu | cuda.")
+    drafter_gpus: list[int] | None = setting(None, runtime=True, help="Drafter GPU ids, e.g. 5,6,7; several: DDP, one process per GPU.")
+    drafter_processes: int = setting(1, runtime=True, help="Data-parallel drafter processes on CPU (gloo), for tests and debugging.")
+    stop_at_step: int | None = setting(None, runtime=True, help="Stop after this step with a checkpoint, as a preemption would (the schedule still spans --max-steps).")
+    save_every: int = setting(500, runtime=True, help="Checkpoint every N optimizer steps (and at the end).")
+    keep_last: int = setting(3, runtime=True, help="Checkpoints kept besides the best by validation loss.")
+    eval_every: int | None = setting(None, runtime=True, help="Validate every N steps (default: --save-every, so each checkpoint has a validation loss).")
     # save_every, eval_every and keep_last stay here rather than in a nested config: the cadence of checkpoints and
     # validation is the trainer's own loop (which steps save, which validate, eval_every defaulting to save_every so
     # that the best-by-validation checkpoint has a loss at each one); the checkpointer only takes keep_last, and
     # ``dflash.training.checkpoint`` loads torch, which a config declared there would load for every CLI call.
+    #: What the run reports and how often (``dflash.training.telemetry.TelemetryConfig``: log_every,
+    #: throughput_window, progress, report_to); ``[train.telemetry]`` in a config file,
+    #: ``--set train.telemetry.log_every=50``.
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
-    """What the run reports and how often (``dflash.training.telemetry.TelemetryConfig``: log_every, throughput_window,
-    progress, report_to); ``[train.telemetry]`` in a config file, ``--set train.telemetry.log_every=50``."""
-    attention_backend: Literal["auto", "flash", "triton"] | None = setting(None, runtime=True, help="Attention kernels (GPU only): auto (flash-attn-4's where installed and usable, else Triton) | flash | triton (default: $DFLASH_ATTENTION_BACKEND, else auto). A resume may change it.")
-    """Kernels of the drafter's FlexAttention on GPU (``dflash.drafter.attention_kernels``): ``auto`` (flash-attn-4's
-    where installed and usable, else Triton's), ``flash`` or ``triton``; ``None``: ``$DFLASH_ATTENTION_BACKEND``, else
-    ``auto``. Every rank applies it (and sets the variable for the processes it starts)."""
-    ce_kernel: Literal["auto", "triton", "inductor", "eager"] | None = setting(None, runtime=True, help="Per-chunk cross-entropy kernel of the loss (GPU only): auto | triton | inductor | eager (default: $DFLASH_CE_KERNEL, else auto). A resume may change it.")
-    """Per-chunk softmax/cross-entropy implementation of the loss on GPU (``dflash.drafter.loss``): ``auto`` (Triton
-    where it runs, else the compiled chunk), ``triton``, ``inductor`` or ``eager``; ``None``: ``$DFLASH_CE_KERNEL``,
-    else ``auto``. For benchmarking; every rank applies it."""
+    attention_backend: Literal["auto", "flash", "triton"] | None = setting(None, runtime=True, help="Kernels of the drafter's FlexAttention (GPU only): auto (flash-attn-4's where installed and usable, else Triton's) | flash | triton (default: $DFLASH_ATTENTION_BACKEND, else auto). Every rank applies it (and sets the variable for the processes it starts). A resume may change it.")
+    ce_kernel: Literal["auto", "triton", "inductor", "eager"] | None = setting(None, runtime=True, help="Per-chunk softmax/cross-entropy kernel of the loss (GPU only): auto (Triton where it runs, else the compiled chunk) | triton | inductor | eager (default: $DFLASH_CE_KERNEL, else auto). For benchmarking; every rank applies it. A resume may change it.")
 
     def __post_init__(self) -> None:
         if not self.cache:
