@@ -171,14 +171,14 @@ def test_pipeline_on_generated_responses(tmp_path, target):
 
     _register_all()
     prompts = tmp_path / "train.jsonl"
-    prompts.write_text("".join(json.dumps({"text": f"def add_{i}(a, b):\n    "}) + "\n" for i in range(6)))
+    prompts.write_text("".join(json.dumps({"text": f"def add_{i}(a, b):\n    "}) + "\n" for i in range(4)))
     heldout = tmp_path / "heldout.jsonl"
     heldout.write_text(json.dumps({"text": "def multiply(a, b):\n    "}) + "\n")
     tiny = {key: value for key, value in TINY.items() if key not in ("prepare", "split")}
-    preset = {**tiny, "generate": {"prompts": str(prompts), "max_new_tokens": 12, "target_processes": 1, "part_size": 3},
+    preset = {**tiny, "generate": {"prompts": str(prompts), "max_new_tokens": 12, "target_processes": 1, "part_size": 2},
               "train": {**TINY["train"], "epochs": 1},
               "evaluate": {**TINY["evaluate"], "prompts": str(heldout), "per_epoch": False, "num_prompts": 1,
-                           "extra_prompts": []}}
+                           "extra_prompts": [], "compare_untrained": False}}
     (tmp_path / "gen.json").write_text(json.dumps(preset))
     workdir = tmp_path / "work"
     result = CliRunner().invoke(app, ["run", "--preset", str(tmp_path / "gen.json"), "--workdir", str(workdir)])
@@ -188,7 +188,7 @@ def test_pipeline_on_generated_responses(tmp_path, target):
     from dflash.corpus.format import open_corpus
 
     corpus = open_corpus(workdir / "corpus")
-    assert len(corpus) == 6 and corpus.metadata["generation"]["max_new_tokens"] == 12
+    assert len(corpus) == 4 and corpus.metadata["generation"]["max_new_tokens"] == 12
     report = json.loads((workdir / "eval" / "final.json").read_text())
     assert report["prompts"]["source"] == str(heldout) and report["prompts"]["count"] == 1
     without = {**{k: v for k, v in preset.items() if k != "_why"}, "evaluate": TINY["evaluate"]}
@@ -433,7 +433,8 @@ def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(fini
     copy of the finished run's work folder after extract."""
     _, preset, finished, _ = finished_run
     workdir = _extracted_workdir(finished, tmp_path / "work")
-    _, resumed, uninterrupted = _kill_then_rerun(preset, workdir, finished)
+    rerun, resumed, uninterrupted = _kill_then_rerun(preset, workdir, finished)
+    assert rerun.stdout.count("complete, skipped") == 3  # prepare, split, extract: the copied ones
     assert resumed.trainer_state["step"] == uninterrupted.trainer_state["step"]
 
 
