@@ -60,16 +60,17 @@ def finished_run(tmp_path_factory):
     return app, preset, workdir, result
 
 
-def _extracted_workdir(finished: Path, workdir: Path) -> Path:
+def _extracted_workdir(finished: Path, workdir: Path, stages: tuple[str, ...] = ("prepare", "split", "extract")) -> Path:
     """``workdir`` as ``run`` leaves it once extract has finished and before train starts: the finished run's
     outputs and records of its prepare, split and extract stages, copied. The same preset run there starts at train
-    (with other settings for those three stages it would be refused: their records keep their settings' digests)."""
+    (with other settings for those three stages it would be refused: their records keep their settings' digests).
+    ``stages=("prepare", "split")``: as it leaves it before online (or extract) starts."""
     workdir.mkdir()
-    for name in ("corpus-all", "corpus", "heldout", "cache"):
+    outputs = {"prepare": ("corpus-all",), "split": ("corpus", "heldout"), "extract": ("cache",)}
+    for name in (folder for stage in stages for folder in outputs[stage]):
         shutil.copytree(finished / name, workdir / name, symlinks=True)
-    stages = json.loads((finished / "pipeline.json").read_text())["stages"]
-    (workdir / "pipeline.json").write_text(json.dumps(
-        {"stages": {name: stages[name] for name in ("prepare", "split", "extract")}}))
+    records = json.loads((finished / "pipeline.json").read_text())["stages"]
+    (workdir / "pipeline.json").write_text(json.dumps({"stages": {name: records[name] for name in stages}}))
     return workdir
 
 
@@ -572,10 +573,11 @@ def test_a_changed_online_section_or_a_switch_of_branch_in_a_work_folder_is_refu
 def test_an_online_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(online_run, tmp_path):
     """SIGKILL inside a checkpoint write during epoch 1 of the online branch, then the same command again: the
     rerun resumes from the last whole checkpoint (prepare and split skipped) and ends with the epoch ends, taus,
-    batches and bit-identical drafter of the unkilled run."""
+    batches and bit-identical drafter of the unkilled run. Both runs start at online, in a copy of the unkilled
+    run's work folder after split."""
     preset, reference, _ = online_run
-    workdir = tmp_path / "work"
+    workdir = _extracted_workdir(reference, tmp_path / "work", stages=("prepare", "split"))
     rerun, resumed, uninterrupted = _kill_then_rerun(preset, workdir, reference)
-    assert "prepare: complete, skipped" in " ".join(rerun.stdout.split())
+    assert rerun.stdout.count("complete, skipped") == 2  # prepare, split: the copied ones
     assert not (workdir / "cache").exists()
     assert resumed.trainer_state["counters"]["data_digest"] == uninterrupted.trainer_state["counters"]["data_digest"]
