@@ -42,22 +42,31 @@ def export_folder(tmp_path_factory, target, tokenizer):
                           target_info=target_info)
 
 
-def test_evaluate_cli_writes_report_with_every_field(export_folder, tmp_path):
+@pytest.fixture(scope="module")
+def full_evaluation(export_folder, tmp_path_factory):
+    """``evaluate`` with the references, the untrained drafter and two threads, on two prompts: (prompts file, CLI
+    result, report)."""
     from stages.cli import _register_all, app
 
     _register_all()
-    prompts = tmp_path / "prompts.jsonl"
+    folder = tmp_path_factory.mktemp("full-evaluation")
+    prompts = folder / "prompts.jsonl"
     prompts.write_text(
         json.dumps({"messages": [{"role": "user", "content": "List three prime numbers."},
                                  {"role": "assistant", "content": "dropped: the reply is what gets generated"}]})
         + "\n" + json.dumps({"prompt": "Write a haiku about Python."}) + "\n"
     )
-    out = tmp_path / "report.json"
+    out = folder / "report.json"
     result = CliRunner().invoke(app, [
         "evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--max-new-tokens", "4",
-        "--ignore-eos", "--compare-untrained", "--device", "cpu", "--cpu-threads", "1", "--json-file", str(out),
+        "--ignore-eos", "--compare-untrained", "--device", "cpu", "--cpu-threads", "2", "--json-file", str(out),
         "--set", "progress_interval=0.001",
     ])
+    return prompts, result, json.loads(out.read_text()) if out.is_file() else None
+
+
+def test_evaluate_cli_writes_report_with_every_field(full_evaluation):
+    _, result, report = full_evaluation
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert "tau = " in result.output and "per-position acceptance" in result.output
     # Output that is not a terminal gets no progress bar, and no blank line where one would have been drawn: a
@@ -70,7 +79,7 @@ def test_evaluate_cli_writes_report_with_every_field(export_folder, tmp_path):
     assert len(ends) == 2, result.output
     assert any(re.fullmatch(rf"evaluate .+: 1/2 prompts, {rates}, ETA \d+s, tau [\d.]+, .+", line)
                for line in result.output.splitlines()), result.output
-    report = json.loads(out.read_text())
+    assert report["settings"]["cpu_threads"] == 2
     for key in ("tau", "acceptance", "speedup", "throughput", "lossless", "per_prompt", "untrained", "target",
                 "settings", "prompts"):
         assert key in report, key
@@ -101,19 +110,18 @@ def test_evaluate_cli_writes_report_with_every_field(export_folder, tmp_path):
     assert report["target"]["content_hash"].startswith("sha256:")
 
 
-def test_no_references_measures_the_same_tau_without_the_references(export_folder, tmp_path):
+def test_no_references_measures_the_same_tau_without_the_references(export_folder, full_evaluation, tmp_path):
     """``--no-references`` decodes with the drafter only: the same tau, acceptance and per-prompt cycles as the full
-    evaluation (greedy drafting does not depend on the references), no speedup and no lossless verdict."""
+    evaluation of the same prompts (greedy drafting does not depend on the references, nor on the thread count), no
+    speedup and no lossless verdict."""
     from stages.cli import _register_all, app
-    from stages.evaluate import EvaluateConfig, run_evaluate
 
     _register_all()
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"text": "def fibonacci(n):\n    if n < 2:\n"}) + "\n"
-                       + json.dumps({"prompt": "Name a sorting algorithm."}) + "\n")
+    prompts, full_result, full = full_evaluation
+    assert full_result.exit_code == 0, full_result.output + repr(full_result.exception)
     out = tmp_path / "tau_only.json"
     result = CliRunner().invoke(app, [
-        "evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--max-new-tokens", "6",
+        "evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--max-new-tokens", "4",
         "--ignore-eos", "--no-references", "--device", "cpu", "--json-file", str(out),
     ])
     assert result.exit_code == 0, result.output + repr(result.exception)
@@ -124,8 +132,6 @@ def test_no_references_measures_the_same_tau_without_the_references(export_folde
     assert tau_only["speedup"] is None and tau_only["speedup_vs_generate"] is None
     assert set(tau_only["throughput"]) == {"speculative"}
     assert not tau_only["lossless"]["checked"] and "references not run" in tau_only["lossless"]["reason"]
-    full = run_evaluate(EvaluateConfig(drafter=export_folder, prompts=str(prompts), max_new_tokens=6, ignore_eos=True,
-                                       device="cpu", cpu_threads=2))
     assert full["settings"]["cpu_threads"] == 2
     assert full["speedup"] > 0 and full["lossless"]["passed"] and full["settings"]["references"] is True
     assert tau_only["tau"] == full["tau"] and tau_only["acceptance"] == full["acceptance"]
@@ -276,21 +282,21 @@ def test_two_prompt_sets_are_reported_side_by_side(export_folder, tmp_path, toke
     out = tmp_path / "report.json"
     result = CliRunner().invoke(app, [
         "evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--extra-prompts", NUMPY_QUESTIONS,
-        "--num-prompts", "2", "--max-new-tokens", "4", "--ignore-eos", "--device", "cpu", "--json-file", str(out),
+        "--num-prompts", "1", "--max-new-tokens", "4", "--ignore-eos", "--device", "cpu", "--json-file", str(out),
     ], env={"COLUMNS": "300"})
     assert result.exit_code == 0, result.output + repr(result.exception)
     report = json.loads(out.read_text())
     first, second = report["prompt_sets"]
     assert (first["name"], second["name"]) == ("code", NUMPY_QUESTIONS)
     assert first["tau"] == report["tau"] and first["acceptance"] == report["acceptance"]  # the top level: set 1
-    expected = embedded_prompts(NUMPY_QUESTIONS, tokenizer, num_prompts=2, seed=0)
+    expected = embedded_prompts(NUMPY_QUESTIONS, tokenizer, num_prompts=1, seed=0)
     assert second["fingerprint"] == expected.fingerprint != first["fingerprint"]
     assert second["package"] == "numpy" and second["package_version"] == np.__version__
     assert [p["source"] for p in second["per_prompt"]] == [p.source for p in expected.prompts]
     for entry in (first, second):
-        assert entry["count"] == 2 and 1.0 <= entry["tau"] <= BLOCK
+        assert entry["count"] == 1 and 1.0 <= entry["tau"] <= BLOCK
         assert len(entry["acceptance"]["acceptance_per_position"]) == BLOCK - 1
-        assert entry["lossless"]["checked"] and entry["lossless"]["identical"] == 2
+        assert entry["lossless"]["checked"] and entry["lossless"]["identical"] == 1
         assert entry["lossless_vs_generate"]["passed"] and entry["speedup"] > 0
         assert sum(p["cycles"] for p in entry["per_prompt"]) == entry["acceptance"]["num_cycles"]
     assert "prompt sets side by side" in result.output and f"P(>= k accepted) {NUMPY_QUESTIONS}" in result.output

@@ -12,6 +12,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from dflash.errors import ConfigError, MismatchError
@@ -48,20 +49,28 @@ def finished_run(tmp_path_factory):
     preset = folder / "tiny.json"
     preset.write_text(json.dumps({**TINY, "prepare": {**TINY["prepare"], "inputs": [str(sources)]}}))
     workdir = folder / "work"
-    result = CliRunner().invoke(app, ["run", "--preset", str(preset), "--workdir", str(workdir)])
+    # One torch thread, as the processes of _run_in_subprocess: the kill-and-resume test compares its resumed run
+    # with this one bit for bit.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = CliRunner().invoke(app, ["run", "--preset", str(preset), "--workdir", str(workdir)])
+    finally:
+        torch.set_num_threads(threads)
     return app, preset, workdir, result
 
 
-def _extracted_workdir(finished: Path, workdir: Path) -> Path:
+def _extracted_workdir(finished: Path, workdir: Path, stages: tuple[str, ...] = ("prepare", "split", "extract")) -> Path:
     """``workdir`` as ``run`` leaves it once extract has finished and before train starts: the finished run's
     outputs and records of its prepare, split and extract stages, copied. The same preset run there starts at train
-    (with other settings for those three stages it would be refused: their records keep their settings' digests)."""
+    (with other settings for those three stages it would be refused: their records keep their settings' digests).
+    ``stages=("prepare", "split")``: as it leaves it before online (or extract) starts."""
     workdir.mkdir()
-    for name in ("corpus-all", "corpus", "heldout", "cache"):
+    outputs = {"prepare": ("corpus-all",), "split": ("corpus", "heldout"), "extract": ("cache",)}
+    for name in (folder for stage in stages for folder in outputs[stage]):
         shutil.copytree(finished / name, workdir / name, symlinks=True)
-    stages = json.loads((finished / "pipeline.json").read_text())["stages"]
-    (workdir / "pipeline.json").write_text(json.dumps(
-        {"stages": {name: stages[name] for name in ("prepare", "split", "extract")}}))
+    records = json.loads((finished / "pipeline.json").read_text())["stages"]
+    (workdir / "pipeline.json").write_text(json.dumps({"stages": {name: records[name] for name in stages}}))
     return workdir
 
 
@@ -163,14 +172,14 @@ def test_pipeline_on_generated_responses(tmp_path, target):
 
     _register_all()
     prompts = tmp_path / "train.jsonl"
-    prompts.write_text("".join(json.dumps({"text": f"def add_{i}(a, b):\n    "}) + "\n" for i in range(6)))
+    prompts.write_text("".join(json.dumps({"text": f"def add_{i}(a, b):\n    "}) + "\n" for i in range(4)))
     heldout = tmp_path / "heldout.jsonl"
     heldout.write_text(json.dumps({"text": "def multiply(a, b):\n    "}) + "\n")
     tiny = {key: value for key, value in TINY.items() if key not in ("prepare", "split")}
-    preset = {**tiny, "generate": {"prompts": str(prompts), "max_new_tokens": 12, "target_processes": 1, "part_size": 3},
+    preset = {**tiny, "generate": {"prompts": str(prompts), "max_new_tokens": 12, "target_processes": 1, "part_size": 2},
               "train": {**TINY["train"], "epochs": 1},
               "evaluate": {**TINY["evaluate"], "prompts": str(heldout), "per_epoch": False, "num_prompts": 1,
-                           "extra_prompts": []}}
+                           "extra_prompts": [], "compare_untrained": False}}
     (tmp_path / "gen.json").write_text(json.dumps(preset))
     workdir = tmp_path / "work"
     result = CliRunner().invoke(app, ["run", "--preset", str(tmp_path / "gen.json"), "--workdir", str(workdir)])
@@ -180,7 +189,7 @@ def test_pipeline_on_generated_responses(tmp_path, target):
     from dflash.corpus.format import open_corpus
 
     corpus = open_corpus(workdir / "corpus")
-    assert len(corpus) == 6 and corpus.metadata["generation"]["max_new_tokens"] == 12
+    assert len(corpus) == 4 and corpus.metadata["generation"]["max_new_tokens"] == 12
     report = json.loads((workdir / "eval" / "final.json").read_text())
     assert report["prompts"]["source"] == str(heldout) and report["prompts"]["count"] == 1
     without = {**{k: v for k, v in preset.items() if k != "_why"}, "evaluate": TINY["evaluate"]}
@@ -420,35 +429,37 @@ def _kill_then_rerun(preset: Path, workdir: Path, reference: Path):
 def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(finished_run, tmp_path):
     """SIGKILL inside a checkpoint write during epoch 1 (a power cut, no clean stop), then the same command again:
     the rerun resumes from the last whole checkpoint and ends with the epoch ends, taus and bit-identical final
-    drafter of the same command run without a kill (same process settings: one torch thread). Each run is its own
-    process and starts at train, in a copy of the finished run's work folder after extract (the stages before
-    train are those of test_pipeline_runs_every_stage_and_prints_tau)."""
+    drafter of the same command run without a kill: the finished run of test_pipeline_runs_every_stage_and_prints_tau
+    (same process settings: one torch thread). Both runs here are processes of their own and start at train, in a
+    copy of the finished run's work folder after extract."""
     _, preset, finished, _ = finished_run
-    reference = _extracted_workdir(finished, tmp_path / "reference")
     workdir = _extracted_workdir(finished, tmp_path / "work")
-    done = _run_in_subprocess(preset, reference)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("complete, skipped") == 3  # prepare, split, extract
-    _, resumed, uninterrupted = _kill_then_rerun(preset, workdir, reference)
+    rerun, resumed, uninterrupted = _kill_then_rerun(preset, workdir, finished)
+    assert rerun.stdout.count("complete, skipped") == 3  # prepare, split, extract: the copied ones
     assert resumed.trainer_state["step"] == uninterrupted.trainer_state["step"]
 
 
 def test_a_schedule_shorter_than_half_the_epochs_still_trains_before_its_first_evaluation(finished_run, tmp_path):
     """train.max_steps=1 with 2 epochs: epoch 1's end rounds to step 0; it trains step 1 and evaluates there.
     With evaluate.per_epoch_num_prompts the evaluations before the last take the first prompts of the first set
-    only; the last one (the final drafter) every prompt of every set."""
+    only; the last one (the final drafter) every prompt of every set. The second set is two short prompts of a file
+    (numpy-questions, the preset's, is measured by test_pipeline_runs_every_stage_and_prints_tau)."""
     app, preset, finished, _ = finished_run
     workdir = _extracted_workdir(finished, tmp_path / "work")  # the stages before train: the finished run's
+    extra = tmp_path / "questions.jsonl"
+    extra.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in ("Name a sorting algorithm.",
+                                                                               "What does len() return?")))
     result = CliRunner().invoke(app, ["run", "--preset", str(preset), "--workdir", str(workdir),
                                       "--set", "train.max_steps=1", "--set", "evaluate.num_prompts=2",
-                                      "--set", "evaluate.per_epoch_num_prompts=1"])
+                                      "--set", "evaluate.per_epoch_num_prompts=1",
+                                      "--set", f"evaluate.extra_prompts={json.dumps([str(extra)])}"])
     assert result.exit_code == 0, result.output + repr(result.exception)
     state = json.loads((workdir / "pipeline.json").read_text())
     assert [(e["epoch"], e["step"]) for e in state["epochs"]] == [(0, 0), (1, 1), (2, 1)]
     counts = [[(s["name"], s["count"]) for s in json.loads((workdir / "eval" / f"epoch_{e}.json").read_text())
                ["prompt_sets"]] for e in (0, 1, 2)]
     # Epoch 0 (the untrained drafter) is before the last step; epochs 1 and 2 both fall on it (max_steps=1).
-    assert counts == [[("held-out", 1)]] + [[("held-out", 2), ("numpy-questions", 2)]] * 2
+    assert counts == [[("held-out", 1)]] + [[("held-out", 2), ("questions", 2)]] * 2
     final = json.loads((workdir / "eval" / "final.json").read_text())
     assert final["prompts"]["count"] == 2 and final["lossless"]["identical"] == 2
 
@@ -567,10 +578,11 @@ def test_a_changed_online_section_or_a_switch_of_branch_in_a_work_folder_is_refu
 def test_an_online_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(online_run, tmp_path):
     """SIGKILL inside a checkpoint write during epoch 1 of the online branch, then the same command again: the
     rerun resumes from the last whole checkpoint (prepare and split skipped) and ends with the epoch ends, taus,
-    batches and bit-identical drafter of the unkilled run."""
+    batches and bit-identical drafter of the unkilled run. Both runs start at online, in a copy of the unkilled
+    run's work folder after split."""
     preset, reference, _ = online_run
-    workdir = tmp_path / "work"
+    workdir = _extracted_workdir(reference, tmp_path / "work", stages=("prepare", "split"))
     rerun, resumed, uninterrupted = _kill_then_rerun(preset, workdir, reference)
-    assert "prepare: complete, skipped" in " ".join(rerun.stdout.split())
+    assert rerun.stdout.count("complete, skipped") == 2  # prepare, split: the copied ones
     assert not (workdir / "cache").exists()
     assert resumed.trainer_state["counters"]["data_digest"] == uninterrupted.trainer_state["counters"]["data_digest"]

@@ -1,9 +1,9 @@
 """README.md's "Your own chat data" commands, read from README.md itself and run as written on a small chat file.
 
 Only the sizes shrink, through options a user could append: train runs one epoch, and evaluate measures the held-out
-prompt alone (the preset's second prompt set and the untrained drafter are measured by tests/test_pipeline.py and
-tests/test_evaluate.py); every option the README writes is still given, and the references and the lossless check
-still run."""
+prompt alone, 8 new tokens of it (the preset's second prompt set and the untrained drafter are measured by
+tests/test_pipeline.py and tests/test_evaluate.py); every option the README writes is still given, and the references
+and the lossless check still run."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ CONVERSATIONS = [
 
 # Appended to the README's command lines: sizes only (see the module docstring).
 SMALLER = {"prepare": [], "extract": [], "train": ["--epochs", "1"],
-           "evaluate": ["--set", "extra_prompts=[]", "--set", "compare_untrained=false"]}
+           "evaluate": ["--max-new-tokens", "8", "--set", "extra_prompts=[]", "--set", "compare_untrained=false"]}
 
 
 def readme_commands(heading: str) -> list[list[str]]:

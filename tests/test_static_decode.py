@@ -233,7 +233,7 @@ def test_interpreted_ranged_decoder_gives_the_padded_decoders_tokens(interpreted
     model = _tiny_llama()
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 256, (n,), generator=generator).tolist() for n in (3, 17, 9)]
-    limits = [12, 12, 7]
+    limits = [8, 8, 6]
     padded = StaticDecoder(model, rows=4, pad_token_id=0, stop_token_ids=[255], length_bucket=16, ranged=False)
     expected = padded.decode(prompts, limits)
     padded.close()
