@@ -8,8 +8,9 @@ negation and concatenation on non-contiguous views, two products and a sum for e
 is open: the query, key and value projections as the module has them (with Qwen3's per-head query and key norms),
 then one Triton kernel (:func:`rope_and_write`) that rotates the query into a contiguous buffer and writes the
 rotated key and the value into the cache at the step's position, then the ranged decode attention over each row's
-own key range, then the output projection. Prefill, and any call without the decoder's per-step buffers, goes to
-the module's own forward.
+own key range, then the output projection. The prefill runs the same kernel over all its tokens and attends through
+SDPA over the positions it wrote; a call without the decoder's buffers (and a slot's first prefill, which lets the
+static cache allocate itself) goes to the module's own forward.
 
 The kernel rounds like transformers' bf16 (or float32) code: each product ``x * cos`` and ``rotate_half(x) * sin``
 is rounded to the model's dtype before their sum is, so the rotated values are the ones the module would compute.
@@ -26,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import AttentionInterface
 
 from dflash.generation.ranged_attention import RANGES_KWARG, ranged_decode_attention, triton
 
@@ -93,6 +95,12 @@ if triton is not None:
         tl.store(out + half, tl.load(source + half, mask=ok), mask=ok)
 
 
+def _rotary_head_dim(head_dim: int) -> bool:
+    """Whether the kernel takes ``head_dim``: two halves whose width is a power of two (Triton's ranges)."""
+    half = head_dim // 2
+    return head_dim % 2 == 0 and half > 0 and half & (half - 1) == 0
+
+
 def rope_and_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    key_cache: torch.Tensor, value_cache: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """Rotate the query and key of ``tokens`` consecutive positions per row; write the key and value into the cache
@@ -111,7 +119,7 @@ def rope_and_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """
     batch, tokens, query_heads, head_dim = query.shape
     kv_heads = key.shape[2]
-    assert head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0, "head_dim must be 2 x a power of two"
+    assert _rotary_head_dim(head_dim), "head_dim must be 2 x a power of two"
     for tensor in (query, key, value, cos, sin, key_cache, value_cache):
         assert tensor.stride(-1) == 1
     rotated = torch.empty((batch, query_heads, tokens, head_dim), dtype=query.dtype, device=query.device)
@@ -130,9 +138,8 @@ def fusable(module: torch.nn.Module) -> bool:
     """Whether :func:`fused_decode_forward` computes what ``module``'s own forward does (see the module docstring)."""
     if type(module).__name__ not in FUSABLE_ATTENTIONS or getattr(module, "sliding_window", None):
         return False
-    head_dim = getattr(module, "head_dim", 0)
     return (all(hasattr(module, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "scaling"))
-            and head_dim % 2 == 0 and head_dim // 2 > 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0)
+            and _rotary_head_dim(getattr(module, "head_dim", 0)))
 
 
 def fused_decode_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -144,8 +151,6 @@ def fused_decode_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> 
     cache. A prefill (more than one token per row, written from position 0) attends through SDPA with the decoder's
     4-D mask over the cache positions it has written; a decode step through :func:`ranged_decode_attention`.
     """
-    from transformers import AttentionInterface
-
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     ranges = kwargs.get(RANGES_KWARG)
     position = kwargs.get(WRITE_KWARG)

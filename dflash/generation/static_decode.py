@@ -296,7 +296,6 @@ class StaticDecoder:
         prefill = None
         if compile_parts and (compile_prefill is None or compile_prefill):
             prefill = torch.compile(_own_forward, dynamic=True, backend=compile_backend)
-        self._compiled_prefill = prefill is not None
         if compile_parts:
             for module in model.modules():
                 if type(module).__name__.endswith(("MLP", "RMSNorm")) and "forward" not in vars(module):
