@@ -7,13 +7,16 @@ Run::
     python benchmarks/generate.py --kv-cache static dynamic         # A/B in one process
     python benchmarks/generate.py --decode-attention fast deterministic --batch-size 512 1024
     python benchmarks/generate.py --decode-attention ranged ranged-unfused --compile parts parts-decode   # fused vs not
+    python benchmarks/generate.py --prompts 4096 --batch-size 1024 --batching continuous batches   # refill rows or not
+    python benchmarks/generate.py --target qwen3-8b-random --batch-size 128 --varied-limits --batching continuous batches
     python benchmarks/generate.py --smoke                           # tiny, on CPU (a check that it runs)
     python benchmarks/generate.py --target smollm2-random --batch-size 1024 --profile 25   # where a step's time goes
 
 Prompts: the first ``--prompts`` training prompts of the embedded default prompt set (code completions and
 instructions about stdlib functions, through the chat template), so lengths are what the preset generates from;
 for the random-weight targets (``qwen3-8b-random``, ``smollm2-random``: real shapes, no weights file), seeded random
-prompts of 64-512 tokens (their replies are noise, their speed is real; they run to ``--max-new-tokens``). Each setting
+prompts of 64-512 tokens (their replies are noise, their speed is real; they run to ``--max-new-tokens``, or with
+``--varied-limits`` to a limit drawn per prompt from [max/8, max], as replies that stop early do). Each setting
 runs the same requests once cold (graph capture, allocator) and ``--repeats`` times warm; the median warm pass is the
 figure. Printed: generated tokens/s (reply tokens, stop token included; the padding rows of a batch excluded), rows
 per second, the share of replies that stopped before ``--max-new-tokens``, how the decode step ran (CUDA graph or
@@ -79,32 +82,32 @@ def hbm_bandwidth(device: torch.device, gigabytes: float = 4.0) -> float:
 def bound_seconds(model, engine, requests, results, bandwidth: float) -> tuple[float, float, int]:
     """The least time a pass could take at ``bandwidth`` bytes/s: every forward reads the weights once, and each
     decode step reads the keys and values of the positions its still-running rows attend (prompt + tokens so far);
-    the prefill writes its rows' keys and values. Compute, launches and the host are taken as free. Returns the
-    whole pass's bound, its decode steps' part and their number."""
+    the prefill writes its rows' keys and values. Compute, launches and the host are taken as free. The decode steps
+    are the ones the engine ran (``last_stats["decode_steps"]``: with continuous batching fewer than batch after
+    batch), else those of its batches run to their longest reply. Returns the whole pass's bound, its decode steps'
+    part and their number."""
     config = model.config
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype_bytes = next(model.parameters()).element_size()
     kv_per_token = config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    total = decode = 0.0
-    steps = 0
-    for batch in engine._batches(requests):
-        prompt = [len(requests[i].prompt_ids) for i in batch]
-        reply = [len(results[i].token_ids) for i in batch]
-        total += weights + sum(prompt) * kv_per_token  # prefill
-        for step in range(max(reply) - 1):  # decode forward `step` feeds token `step` of each running row
-            running = [p + step + 1 for p, r in zip(prompt, reply, strict=True) if r > step + 1]
-            total += weights + sum(running) * kv_per_token
-            decode += weights + sum(running) * kv_per_token
-            steps += 1
-    return total / bandwidth, decode / bandwidth, steps
+    batches = engine._batches(requests)
+    steps = int(engine.last_stats.get("decode_steps", 0)) or sum(
+        max(len(results[i].token_ids) for i in batch) - 1 for batch in batches)
+    prefill = len(batches) * weights + sum(len(r.prompt_ids) for r in requests) * kv_per_token
+    decode = steps * weights
+    for request, result in zip(requests, results, strict=True):  # the step feeding token k reads prompt + k + 1 keys
+        prompt, reply = len(request.prompt_ids), len(result.token_ids)
+        decode += ((reply - 1) * (prompt + 1) + (reply - 1) * (reply - 2) // 2) * kv_per_token
+    return (prefill + decode) / bandwidth, decode / bandwidth, steps
 
 
 def engine_for(model, tokenizer, setting, stop, batch_size: int) -> TransformersEngine:
-    """The engine of one ``(kv cache, decode attention, compile)`` setting of the command line."""
-    kv_cache, attention, compiled = setting
+    """The engine of one ``(kv cache, decode attention, compile, batching)`` setting of the command line."""
+    kv_cache, attention, compiled, batching = setting
     return TransformersEngine(model, tokenizer, batch_size=batch_size, token_budget=batch_size * 4096, cache=kv_cache,
+                              continuous=batching == "continuous",
                               stop_token_ids=stop, deterministic=attention.startswith("deterministic"),
                               ranged=attention.startswith("ranged") if kv_cache == "static" else None,
                               fused=not attention.startswith("ranged-unfused"),
@@ -113,7 +116,7 @@ def engine_for(model, tokenizer, setting, stop, batch_size: int) -> Transformers
 
 def agreement(model, tokenizer, requests, settings, setting, stop, batched, batch_size) -> dict:
     """Decode ``requests`` one at a time with ``setting`` and compare with their batched replies ``batched``."""
-    kv_cache, attention, compiled = setting
+    kv_cache, attention, compiled, _ = setting
     model.forward = torch.compile(model.forward, dynamic=False) if compiled == "on" else model.forward
     engine = engine_for(model, tokenizer, setting, stop, 1)
     alone = [r.token_ids for r in engine.generate(requests, settings)]
@@ -153,7 +156,7 @@ def profile_batch(model, tokenizer, requests, settings, setting, stop, batch_siz
     decode step by kind of kernel against the wall time per step (the gap is the host: launches, Python, waits)."""
     from torch.profiler import ProfilerActivity, profile
 
-    kv_cache, attention, compiled = setting
+    kv_cache, attention, compiled, _ = setting
     engine = engine_for(model, tokenizer, setting, stop, batch_size)
     batch = requests[:batch_size]
     engine.generate(batch, settings)  # warm: capture, compilation, allocator
@@ -212,6 +215,10 @@ def main() -> None:
                              "modules in the decode step and the prefill (the engine's default on CUDA), parts-decode = "
                              "in the decode step only, on = the whole forward (recompiles for every new prompt width "
                              "and cache length), off = none")
+    parser.add_argument("--batching", nargs="+", default=["continuous"], choices=["continuous", "batches"],
+                        help="static cache with the fused attention: continuous = each row takes the next prompt as "
+                             "soon as its reply ends (the engine's default), batches = batch after batch, each run to "
+                             "its longest reply")
     parser.add_argument("--agreement", type=int, default=0, metavar="N",
                         help="also decode the first N prompts one at a time (batch 1, the first setting) and report how "
                              "often the batched replies of the first setting depart from them")
@@ -220,6 +227,9 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after the first setting's passes, profile one more batch of its first batch size and "
                              "print the N kernels that take the most device time, with time per decode step by kind")
+    parser.add_argument("--varied-limits", action="store_true",
+                        help="random-weight targets: each prompt's max_new_tokens drawn from [max/8, max] (seeded) "
+                             "instead of all running to --max-new-tokens")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     if args.smoke:
@@ -229,8 +239,11 @@ def main() -> None:
     if args.target in RANDOM_TARGETS:  # no tokenizer needed: seeded random prompts of 64-512 tokens
         generator = torch.Generator().manual_seed(0)
         lengths = torch.randint(64, 513, (args.prompts,), generator=generator).tolist()
+        limits = (torch.randint(max(1, args.max_new_tokens // 8), args.max_new_tokens + 1, (args.prompts,),
+                                generator=generator).tolist() if args.varied_limits
+                  else [args.max_new_tokens] * args.prompts)
         requests = [GenerationRequest(request_id=i, prompt_ids=torch.randint(1, 1000, (n,), generator=generator).tolist(),
-                                      max_new_tokens=args.max_new_tokens) for i, n in enumerate(lengths)]
+                                      max_new_tokens=limit) for i, (n, limit) in enumerate(zip(lengths, limits, strict=True))]
         tokenizer, stop = _PadOnly(), [0]  # a random model almost never emits token 0: replies run to the limit
     else:
         tokenizer = load_tokenizer(args.target)
@@ -245,17 +258,19 @@ def main() -> None:
         print(f"measured HBM bandwidth (device-to-device copy, bytes read + written): {bandwidth / 1e12:.2f} TB/s")
     figures = []
     reference: dict[int, list[list[int]]] = {}
-    settings_list = [(kv, attention, compiled) for kv in args.kv_cache
+    settings_list = [(kv, attention, compiled, batching) for kv in args.kv_cache
                      for attention in (args.decode_attention if kv == "static" else ["-"])
-                     for compiled in (args.compile if kv == "static" else ["off"])]
+                     for compiled in (args.compile if kv == "static" else ["off"])
+                     for batching in (args.batching if kv == "static" else ["batches"])]
     eager_forward = model.forward
-    for kv_cache, attention, compiled in settings_list:
+    for kv_cache, attention, compiled, batching in settings_list:
         if compiled == "on":  # the whole forward recompiles for every prompt width and cache length
             torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
         model.forward = torch.compile(eager_forward, dynamic=False) if compiled == "on" else eager_forward
-        attention = attention if compiled == "off" else f"{attention}+compile-{compiled}"
+        label = attention if compiled == "off" else f"{attention}+compile-{compiled}"
         for batch_size in args.batch_size:
-            engine = engine_for(model, tokenizer, (kv_cache, attention, compiled), stop, batch_size)
+            engine = engine_for(model, tokenizer, (kv_cache, attention, compiled, batching), stop, batch_size)
+            name = label + ("+continuous" if engine.streams else "")
             warm = []
             own_cold: list[list[int]] | None = None
             for attempt in ["cold"] + [f"warm{k}" for k in range(1, args.repeats + 1)]:
@@ -272,7 +287,7 @@ def main() -> None:
                 bound, decode_bound, steps = (bound_seconds(model, engine, requests, results, bandwidth)
                                               if bandwidth else (None, None, 0))
                 row = {"bound_seconds": bound and round(bound, 3),
-                       "decode_step_bound_ms": bound and round(decode_bound / max(steps, 1) * 1e3, 3), "decode_steps": steps, "kv_cache": kv_cache, "decode_attention": attention, "batch_size": batch_size, "pass": attempt, "seconds": round(seconds, 2),
+                       "decode_step_bound_ms": bound and round(decode_bound / max(steps, 1) * 1e3, 3), "decode_steps": steps, "kv_cache": kv_cache, "decode_attention": name, "continuous_batching": engine.streams, "batch_size": batch_size, "pass": attempt, "seconds": round(seconds, 2),
                        "generated_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
                        "rows_per_s": round(len(results) / seconds, 2), "stopped_early": round(stopped, 3),
                        "decode_step": mode, "identical_to_first_kind": round(agree, 4),
@@ -284,12 +299,12 @@ def main() -> None:
                 bound_text = (f" [memory bound {tokens / bound:,.0f} tok/s, {bound / seconds:.0%} of it reached; "
                               f"per decode step {decode_bound / max(steps, 1) * 1e3:.2f} ms bound, {seconds / max(steps, 1) * 1e3:.2f} "
                               "ms measured (prefills included)]" if bound else "")
-                print(f"  kv {kv_cache:7s} attention {attention:13s} batch {batch_size:4d} {attempt}: {tokens:,} tokens "
+                print(f"  kv {kv_cache:7s} attention {name:13s} batch {batch_size:4d} {attempt}: {tokens:,} tokens "
                       f"in {seconds:.1f} s = {tokens / seconds:,.0f} generated tok/s{bound_text} ({stopped:.0%} stopped early; "
                       f"decode step {mode}; {agree:.1%} identical to the first setting, {repeat:.1%} to this "
                       "setting's cold pass)", flush=True)
             if warm:
-                print(f"  kv {kv_cache:7s} attention {attention:13s} batch {batch_size:4d} median of {len(warm)} warm passes: "
+                print(f"  kv {kv_cache:7s} attention {name:13s} batch {batch_size:4d} median of {len(warm)} warm passes: "
                       f"{statistics.median(warm):,.0f} generated tok/s", flush=True)
             engine.close()
     if args.profile:

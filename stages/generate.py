@@ -121,6 +121,7 @@ class GenerateConfig:
     batch_size: int = setting(256, help='transformers engine: rows per generate() call.')
     prefill_tokens: int = setting(262_144, help='transformers engine: padded prompt tokens per call.')
     kv_cache: Literal["auto", "static", "dynamic"] = setting("auto", help='transformers engine: static (own decode loop over a static KV cache, CUDA graphs on CUDA), dynamic (transformers generate()), auto (static on CUDA, dynamic elsewhere).')
+    continuous_batching: bool = setting(True, help="Static KV cache with the fused attention (CUDA with Triton; Llama, Mistral, Qwen2, Qwen3 targets): a row takes the next prompt as soon as its reply ends (continuous batching) instead of every batch running to its longest reply; each committed part's prompts stream through the batch's rows. False: batch after batch.")
     deterministic: bool = setting(False, help="Static KV cache: decode attention by grouped matmuls over the padded cache (bitwise repeatable, slower) instead of the default (CUDA with Triton: the ranged kernel, repeatable too; else SDPA's, whose bits may vary).")
     target_gpus: list[int] | None = setting(None, help='GPUs for target replicas, e.g. 0,1,2 (one Dask worker each).')
     target_processes: int | None = setting(None, help='CPU processes for target replicas (no GPU), one Dask worker each.')
@@ -194,7 +195,7 @@ class GenerateConfig:
         data = self.to_dict()
         for key in ("output", "target_gpus", "target_processes", "scheduler_address", "dashboard_address", "tls_ca_file",
                     "tls_cert", "tls_key", "break_lock", "overwrite",
-                    "batch_size", "prefill_tokens", "kv_cache", "deterministic", "concurrency", "endpoints", "api_key_env",
+                    "batch_size", "prefill_tokens", "kv_cache", "continuous_batching", "deterministic", "concurrency", "endpoints", "api_key_env",
                     "request_timeout_s", "max_retries", "max_prompt_bytes", "progress_interval"):
             data.pop(key)
         return data
@@ -402,7 +403,8 @@ def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: _PromptProg
             device=placement.get("device", "auto"), torch_threads=placement.get("torch_threads"),
             die_with_parent=placement.get("die_with_parent", False),
             engine_kwargs={"batch_size": config.batch_size, "token_budget": config.prefill_tokens,
-                           "cache": config.kv_cache, "deterministic": config.deterministic},
+                           "cache": config.kv_cache, "deterministic": config.deterministic,
+                           "continuous": config.continuous_batching},
         )
         started = time.perf_counter()
         client.register_plugin(plugin)  # runs setup (target load) on every worker

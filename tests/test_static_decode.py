@@ -188,7 +188,7 @@ def test_the_ranged_kernels_under_tritons_interpreter():
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                              "interpreted"], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
                             text=True, timeout=600)
-    assert result.returncode == 0 and re.search(r"\b8 passed", result.stdout), result.stdout[-4000:] + result.stderr[-2000:]
+    assert result.returncode == 0 and re.search(r"\b9 passed", result.stdout), result.stdout[-4000:] + result.stderr[-2000:]
 
 
 def test_interpreted_ranged_attention_reads_exactly_each_rows_range(interpreted_ranged):
@@ -339,6 +339,48 @@ def test_interpreted_fused_qwen3_decode_gives_the_padded_decoders_tokens(interpr
     modules = fused._fused
     fused.close()
     assert not any("forward" in vars(module) for module in modules)
+
+
+def test_interpreted_stream_refills_rows_and_gives_each_prompt_its_own_continuation(interpreted_ranged):
+    """Continuous batching through the engine: 5 requests (ids out of order) through 2 rows, each row taking the next
+    request once its reply ends (by a stop token or its own limit), refills cut to 20 prefill tokens, give
+    transformers' greedy continuation of every prompt, reported as they finish; sampled, on the now allocated cache
+    (a refill then prefills into chosen cache rows), the tokens of the batch decoder for the same row keys (the noise
+    follows the request and its step, not the row)."""
+    from types import SimpleNamespace
+
+    model = _tiny_llama()
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 256, (n,), generator=generator).tolist() for n in (3, 17, 9, 1, 5)]
+    limits = [4, 4, 2, 4, 3]
+    ids = [40, 3, 17, 8, 25]
+
+    def reference(stop):
+        return [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=stop,
+                               pad_token_id=0)[0, len(p):].tolist() for p, n in zip(prompts, limits, strict=True)]
+
+    stop = reference(255)[1][1]  # prompt 1 stops at its 2nd token, the others run to their limits (or stop there)
+    expected = reference(stop)
+    assert len(expected[1]) == 2 and len(expected[0]) == 4
+    engine = TransformersEngine(model, SimpleNamespace(pad_token_id=0), batch_size=2, token_budget=20, cache="static",
+                                ranged=True, prompt_bucket=8, stop_token_ids=[stop])
+    engine._decoder.check_every = 1  # look for finished rows after every step (tiny replies)
+    assert engine.streams and engine.describe()["continuous_batching"]
+    reported = []
+    engine.progress = lambda replies, tokens: reported.append((replies, tokens))
+    requests = [GenerationRequest(request_id=i, prompt_ids=p, max_new_tokens=n)
+                for i, p, n in zip(ids, prompts, limits, strict=True)]
+    got = engine.generate(requests, SamplingSettings(max_new_tokens=4))
+    assert [r.token_ids for r in got] == expected and [r.request_id for r in got] == ids
+    assert [r.finish_reason for r in got][:2] == ["length", "stop"]
+    assert sum(n for n, _ in reported) == 5 and sum(t for _, t in reported) == sum(map(len, expected))
+    settings = SamplingSettings(temperature=0.8, max_new_tokens=4, seed=7)
+    sampled = [r.token_ids for r in engine.generate(requests, settings)]
+    engine.close()
+    batch = StaticDecoder(model, rows=5, pad_token_id=0, stop_token_ids=[stop], length_bucket=16, ranged=False)
+    keys = [7 * 2**32 + i for i in ids]
+    assert sampled == batch.decode(prompts, limits, temperature=0.8, row_keys=keys) != expected
+    batch.close()
 
 
 def test_ranged_attention_where_it_cannot_run_is_refused():

@@ -31,7 +31,7 @@ import functools
 import inspect
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,12 +66,12 @@ def _splitmix(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
-def gumbel_noise(keys: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor:
+def gumbel_noise(keys: torch.Tensor, step: int | torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Standard Gumbel noise, a pure function of (row key, step, token id).
 
     Args:
         keys: (rows,) int64, one key per row (``seed * 2**32 + request_id``).
-        step: the decode step (0 for the first generated token).
+        step: the decode step (0 for the first generated token), or (rows,) int64, one per row.
         vocab_size: columns.
 
     Returns:
@@ -205,7 +205,7 @@ class _Slot:
     mask: torch.Tensor  # (rows, 1, 1, length) model dtype: 0 where a row may attend, dtype min elsewhere
     starts: torch.Tensor  # (rows,) int32: first cache position each row attends (ranged attention)
     ends: torch.Tensor  # (rows,) int32: one past the last; equal to starts for a finished row
-    write: torch.Tensor  # (1,) int64: the cache position of the token fed this step
+    write: torch.Tensor  # (1,) int64: the cache position of the token fed this step; (rows,) one per row (stream)
     logits: torch.Tensor | None = None  # (rows, vocab) the captured step's output
     graph: torch.cuda.CUDAGraph | None = None
     graph_failed: bool = False
@@ -270,6 +270,8 @@ class StaticDecoder:
         self._min = torch.finfo(self.dtype).min
         #: How the last batch's decode steps ran: "graph" or "eager" (benchmarks and the stage report it).
         self.last_mode = "eager"
+        #: Decode steps (forwards of one token per row) of the last :meth:`decode` or :meth:`decode_stream` call.
+        self.last_steps = 0
         self._restore_attention: str | None = None
         previous = getattr(model.config, "_attn_implementation", None)
         if previous not in ("sdpa", "eager", ATTENTION_NAME, DETERMINISTIC_ATTENTION_NAME, RANGED_ATTENTION_NAME, None):
@@ -304,6 +306,8 @@ class StaticDecoder:
                     module.forward = functools.partial(_compiled_forward, module, decode, prefill)
         #: The attention modules whose forward is :func:`fused_decode_forward` while the decoder is open.
         self._fused: list[torch.nn.Module] = []
+        self._attention_layers = sum(1 for module in model.modules()
+                                     if type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx"))
         if self.ranged and (fused is None or fused):
             from dflash.generation.fused_decode import fusable, fused_decode_forward
 
@@ -314,8 +318,8 @@ class StaticDecoder:
 
     # -- buffers ---------------------------------------------------------------------------------------------------
 
-    def _slot(self, rows: int, length: int) -> _Slot:
-        slot = self._slots.pop((rows, length), None)
+    def _slot(self, rows: int, length: int, stream: bool = False) -> _Slot:
+        slot = self._slots.pop((rows, length, stream), None)
         if slot is None:
             while len(self._slots) >= self.max_slots:
                 self._slots.popitem(last=False)
@@ -333,18 +337,20 @@ class StaticDecoder:
                          mask=torch.full((rows, 1, 1, length), self._min, dtype=self.dtype, device=self.device),
                          starts=torch.zeros(rows, dtype=torch.int32, device=self.device),
                          ends=torch.zeros(rows, dtype=torch.int32, device=self.device),
-                         write=torch.zeros(1, dtype=torch.long, device=self.device))
-        self._slots[(rows, length)] = slot
+                         write=torch.zeros(rows if stream else 1, dtype=torch.long, device=self.device))
+        self._slots[(rows, length, stream)] = slot
         return slot
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
                  ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 write: torch.Tensor | None = None) -> torch.Tensor:
+                 write: torch.Tensor | None = None, cache_rows: torch.Tensor | None = None) -> torch.Tensor:
         extra: dict[str, Any] = {RANGES_KWARG: ranges} if ranges is not None and self.ranged else {}
         if self._fused and write is not None:
-            from dflash.generation.fused_decode import WRITE_KWARG
+            from dflash.generation.fused_decode import ROWS_KWARG, WRITE_KWARG
 
             extra[WRITE_KWARG] = write
+            if cache_rows is not None:
+                extra[ROWS_KWARG] = cache_rows
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1, **{self._cache_argument: cache}, **extra)
         return out.logits[:, -1]
@@ -448,6 +454,7 @@ class StaticDecoder:
         write.fill_(width)
 
         use_graph = self.cuda_graphs and not slot.graph_failed
+        self.last_steps = 0
         for step in range(steps):
             chosen = self._choose(logits, temperature, top_p, keys, step)
             chosen = torch.where(done, self.pad_token_id, chosen)
@@ -471,6 +478,7 @@ class StaticDecoder:
                 logits = slot.logits
             else:
                 logits = self._step(slot)
+            self.last_steps = step + 1
         self.last_mode = "graph" if use_graph else "eager"
 
         rows = out[:count].cpu().tolist()
@@ -482,9 +490,195 @@ class StaticDecoder:
             results.append(tokens if end is None else tokens[: end + 1])
         return results
 
+    @property
+    def streams(self) -> bool:
+        """Whether :meth:`decode_stream` runs here: every attention layer of the model decodes through the fused
+        forward (:mod:`dflash.generation.fused_decode`), which writes each row at its own cache position."""
+        return bool(self._fused) and len(self._fused) == self._attention_layers
+
+    @torch.inference_mode()
+    def decode_stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
+                      temperature: float = 0.0, top_p: float = 1.0, row_keys: Sequence[int] | None = None,
+                      prompt_bucket: int = 1, prefill_tokens: int | None = None, refill_rows: int | None = None,
+                      finished: Callable[[list[int], list[list[int]]], None] | None = None) -> list[list[int]]:
+        """Generate for any number of prompts through ``rows`` rows, each row taking the next prompt as soon as its
+        reply has ended (continuous batching) instead of waiting for the longest reply of its batch.
+
+        Each row owns its cache row: a new prompt is prefilled into the cache rows of finished ones from position 0
+        (its key range starts at its left padding), and every row writes its step's key and value at its own
+        position. The decode step's shapes stay fixed (one captured graph for the whole call); the host looks at which
+        rows have finished every ``check_every`` steps and refills them, a group of new prompts in one prefill.
+
+        Args:
+            prompts, max_new_tokens, temperature, top_p, row_keys: as :meth:`decode`, for any number of prompts;
+                they are taken in the order given (pass them sorted by length: a refill's prompts are left-padded to
+                its longest).
+            prompt_bucket: a refill's prompts are left-padded to a multiple of this many tokens.
+            prefill_tokens: most padded prompt tokens per refill (default: no limit beyond ``rows``).
+            refill_rows: refill once at least this many rows are free (default ``rows // 16``, at least 1; any
+                number once no row is decoding).
+            finished: called with (prompt indices, their token ids) each time replies are collected.
+
+        Returns:
+            Per prompt, in the given order, its generated token ids (as :meth:`decode`).
+
+        Raises:
+            ValueError: an empty prompt, mismatched argument lengths, or a model this cannot run on (see
+                :attr:`streams`).
+        """
+        count = len(prompts)
+        if not self.streams:
+            raise ValueError("decode_stream needs every attention layer on the fused forward (CUDA with Triton, "
+                             "a Llama/Mistral/Qwen2/Qwen3 attention)")
+        if len(max_new_tokens) != count or any(len(p) == 0 for p in prompts) or min(max_new_tokens, default=1) < 1:
+            raise ValueError("every prompt needs at least one token and a max_new_tokens of at least 1")
+        if temperature > 0 and (row_keys is None or len(row_keys) != count):
+            raise ValueError("sampling needs one row key per prompt")
+        if count == 0:
+            return []
+        bucket = max(1, prompt_bucket)
+
+        def width_of(lengths: Sequence[int]) -> int:  # at least 2: one token per row would be a decode step
+            return max(2, -(-max(lengths) // bucket) * bucket)
+
+        steps = max(max_new_tokens)
+        widest = width_of([len(p) for p in prompts])
+        length = -(-(widest + steps) // self.length_bucket) * self.length_bucket
+        rows, device = self.rows, self.device
+        slot = self._slot(rows, length, stream=True)
+        budget = prefill_tokens if prefill_tokens is not None else rows * widest
+        refill_at = max(1, rows // 16) if refill_rows is None else max(1, refill_rows)
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        fresh = not all(getattr(layer, "is_initialized", False) for layer in slot.cache.layers)
+
+        out = torch.full((rows, steps + 1), self.pad_token_id, dtype=torch.long, device=device)
+        age = torch.zeros(rows, dtype=torch.long, device=device)  # tokens chosen so far for the row's prompt
+        limits = torch.ones(rows, dtype=torch.long, device=device)
+        done = torch.ones(rows, dtype=torch.bool, device=device)  # a free row counts as finished
+        keys = torch.zeros(rows, dtype=torch.long, device=device) if temperature > 0 else None
+        write, starts, ends = slot.write, slot.starts, slot.ends
+        for buffer in (write, starts, ends, slot.positions):
+            buffer.zero_()
+        slot.tokens.fill_(self.pad_token_id)
+        owner = [-1] * rows  # the prompt each row decodes (-1: free)
+        results: list[list[int] | None] = [None] * count
+        stops = set(self.stops.tolist())
+        queued = 0  # prompts taken so far
+
+        def admit(free: list[int]) -> None:
+            """Prefill the next prompts into the cache rows ``free`` and choose their first tokens."""
+            nonlocal queued, fresh
+            take = min(len(free), count - queued)
+            while take > 1 and take * width_of([len(p) for p in prompts[queued:queued + take]]) > budget:
+                take -= 1
+            chosen_rows, indices = free[:take], list(range(queued, queued + take))
+            queued += take
+            lengths = [len(prompts[i]) for i in indices]
+            if fresh:  # the static cache allocates itself in its first update: every row, through the model's own
+                chosen_rows = list(range(rows))  # attention forward, from position 0 (filler rows: one pad token)
+                lengths += [1] * (rows - take)
+            width = width_of(lengths)
+            batch = len(chosen_rows)
+            input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+            valid = torch.zeros((batch, width), dtype=torch.bool)
+            for row, (index, size) in enumerate(zip(indices, lengths, strict=False)):
+                input_ids[row, width - size:] = torch.as_tensor(list(prompts[index]), dtype=torch.long)
+            for row, size in enumerate(lengths):
+                valid[row, width - size:] = True
+            input_ids, valid = input_ids.to(device), valid.to(device)
+            causal = torch.ones((width, width), dtype=torch.bool, device=device).tril_()
+            allowed = (causal[None] & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)[None]
+            mask = torch.full((batch, 1, width, length if fresh else width), self._min, dtype=self.dtype,
+                              device=device)
+            mask[:, 0, :, :width].masked_fill_(allowed, 0.0)
+            positions = (valid.long().cumsum(-1) - 1).clamp_(min=0)
+            index = torch.tensor(chosen_rows, dtype=torch.long, device=device)
+            if fresh:
+                for layer in slot.cache.layers:
+                    if getattr(layer, "is_initialized", False):
+                        layer.cumulative_length.zero_()
+            logits = self._forward(input_ids, mask, positions, slot.cache, write=zero,
+                                   cache_rows=None if fresh else index)
+            fresh = False
+            del mask, allowed
+            real = torch.tensor(lengths, dtype=torch.long, device=device)
+            request_limits = torch.tensor([max_new_tokens[i] for i in indices] + [1] * (batch - take),
+                                          dtype=torch.long, device=device)
+            request_keys = None
+            if keys is not None:
+                request_keys = torch.tensor([row_keys[i] for i in indices] + [0] * (batch - take),
+                                            dtype=torch.long, device=device)
+                keys[index] = request_keys
+            first = self._choose(logits, temperature, top_p, request_keys, torch.zeros_like(real))
+            filler = torch.arange(batch, device=device) >= take
+            first = torch.where(filler, self.pad_token_id, first)
+            out[index, 0] = first
+            age[index] = 1
+            limits[index] = request_limits
+            done[index] = filler | torch.isin(first, self.stops) | (request_limits <= 1)
+            slot.tokens[index, 0] = first
+            slot.positions[index, 0] = real  # the first new token's position id (prompt positions 0..len-1)
+            write[index] = width  # ... and its cache position
+            starts[index] = (width - real).to(torch.int32)
+            for row, prompt in zip(chosen_rows, indices, strict=False):
+                owner[row] = prompt
+
+        def collect() -> list[int]:
+            """Store the replies of finished rows; return every free row."""
+            finished_rows = [row for row, flag in enumerate(done.tolist()) if flag]
+            ready = [row for row in finished_rows if owner[row] >= 0]
+            if ready:
+                index = torch.tensor(ready, dtype=torch.long, device=device)
+                token_rows, ages = out[index].cpu().tolist(), age[index].tolist()
+                collected = []
+                for row, tokens, size in zip(ready, token_rows, ages, strict=True):
+                    prompt = owner[row]
+                    tokens = tokens[: min(size, max_new_tokens[prompt])]
+                    end = next((k for k, token in enumerate(tokens) if token in stops), None)
+                    results[prompt] = tokens if end is None else tokens[: end + 1]
+                    collected.append(prompt)
+                    owner[row] = -1
+                if finished is not None:
+                    finished(collected, [results[i] for i in collected])  # type: ignore[misc]
+            return finished_rows
+
+        admit(list(range(rows)))
+        use_graph = self.cuda_graphs and not slot.graph_failed
+        step = 0
+        while True:
+            torch.where(done, starts, (write + 1).to(torch.int32), out=ends)
+            if use_graph and slot.graph is None:
+                self._capture(slot)
+                use_graph = slot.graph is not None
+            if use_graph:
+                slot.graph.replay()
+                logits = slot.logits
+            else:
+                logits = self._step(slot)
+            step += 1
+            active = ~done
+            chosen = torch.where(done, self.pad_token_id, self._choose(logits, temperature, top_p, keys, age))
+            out.scatter_(1, age[:, None], chosen[:, None])
+            age.add_(active)
+            done |= active & (torch.isin(chosen, self.stops) | (limits <= age))
+            active = ~done
+            slot.tokens.copy_(chosen[:, None])
+            slot.positions.add_(active[:, None])
+            write.add_(active)
+            if step % self.check_every == 0:
+                free = collect()
+                if queued < count and (len(free) >= refill_at or len(free) == rows):
+                    admit(free)
+                elif queued == count and len(free) == rows:
+                    break
+        self.last_mode = "graph" if use_graph else "eager"
+        self.last_steps = step
+        assert all(result is not None for result in results)
+        return results  # type: ignore[return-value]
+
     @staticmethod
     def _choose(logits: torch.Tensor, temperature: float, top_p: float, keys: torch.Tensor | None,
-                step: int) -> torch.Tensor:
+                step: int | torch.Tensor) -> torch.Tensor:
         scores = logits.float()
         if temperature <= 0:
             return scores.argmax(-1)

@@ -8,6 +8,10 @@ stay within ``token_budget`` (length grouping keeps left padding small), each le
   decode loop over transformers' ``StaticCache``, the decode step replayed as a CUDA graph (one per cache length);
   every batch has ``batch_size`` rows (filler rows), so a few captured shapes serve a whole run. Sampling is seeded
   per request (``seed`` and the request id), independent of batching.
+  With the fused attention (CUDA with Triton, Llama/Mistral/Qwen2/Qwen3 targets) and ``continuous`` on, one
+  ``generate`` call's requests stream through the ``batch_size`` rows instead
+  (:meth:`~dflash.generation.static_decode.StaticDecoder.decode_stream`): a row takes the next request as soon as its
+  reply ends, so no row idles until the longest reply of its batch; ``token_budget`` then caps each refill's prefill.
 - ``cache="dynamic"`` (the default elsewhere): ``model.generate`` with transformers' dynamic cache. Sampling is
   seeded per batch (``seed`` + the first request id of the batch): a rerun of the same shard samples the same tokens.
 
@@ -58,6 +62,8 @@ class TransformersEngine:
             ``compile_parts``.
         fused: with ranged attention, Llama/Mistral/Qwen2/Qwen3 attention decodes with its rotary embedding and cache
             write in one kernel (:mod:`dflash.generation.fused_decode`); None: wherever ranged attention runs.
+        continuous: static cache: stream each call's requests through the rows (continuous batching) where the
+            decoder can (every attention layer fused); False: batch after batch.
         prompt_bucket: prompts are left-padded to a multiple of this many tokens (fewer compiled shapes).
         stop_token_ids: tokens that end a reply (default: the tokenizer's EOS and, for chat models, the end of turn).
         description: extra facts for :meth:`describe` (the target identity).
@@ -68,7 +74,7 @@ class TransformersEngine:
     def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 256, token_budget: int = 262_144,
                  cache: CacheKind = "auto", deterministic: bool = False, ranged: bool | None = None,
                  compile_parts: bool | None = None, compile_prefill: bool | None = None, fused: bool | None = None,
-                 prompt_bucket: int = 64,
+                 continuous: bool = True, prompt_bucket: int = 64,
                  stop_token_ids: Sequence[int] | None = None,
                  description: dict[str, Any] | None = None) -> None:
         if batch_size < 1:
@@ -84,6 +90,7 @@ class TransformersEngine:
         self.device = next(model.parameters()).device
         self.cache = ("static" if self.device.type == "cuda" else "dynamic") if cache == "auto" else cache
         self.deterministic = bool(deterministic)
+        self.continuous = bool(continuous)
         self.prompt_bucket = max(1, prompt_bucket)
         self.stop_token_ids = sorted(set(stop_token_ids if stop_token_ids is not None else default_stop_ids(tokenizer)))
         if not self.stop_token_ids:
@@ -93,8 +100,10 @@ class TransformersEngine:
         self.description = dict(description or {})
         #: Called after each batch with (replies, generated tokens) when set (:func:`dflash.generation.parts.generate_part`).
         self.progress: Callable[[int, int], None] | None = None
-        #: Seconds and generated tokens of the last :meth:`generate` call (for the stage's report and benchmarks).
+        #: Seconds, generated tokens and (static cache) decode steps of the last :meth:`generate` call (for the
+        #: stage's report and benchmarks).
         self.last_stats: dict[str, float] = {}
+        self._steps = 0
         self._decoder: Any = None
         if self.cache == "static":
             from dflash.generation.static_decode import StaticDecoder
@@ -113,8 +122,14 @@ class TransformersEngine:
                 "ranged_attention": bool(self._decoder is not None and self._decoder.ranged),
                 "compiled_modules": len(self._decoder._compiled) if self._decoder is not None else 0,
                 "fused_attention_modules": len(self._decoder._fused) if self._decoder is not None else 0,
+                "continuous_batching": self.streams,
                 "batch_size": self.batch_size, "stop_token_ids": self.stop_token_ids,
                 **self.description}
+
+    @property
+    def streams(self) -> bool:
+        """Whether :meth:`generate` streams its requests through the rows (continuous batching)."""
+        return self.continuous and self._decoder is not None and self._decoder.streams
 
     @property
     def decode_step(self) -> str:
@@ -140,8 +155,43 @@ class TransformersEngine:
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest], settings: SamplingSettings) -> list[GenerationResult]:
+        started = time.perf_counter()
+        self._steps = 0
+        if self.streams:
+            results = self._stream(requests, settings)
+            generated = sum(len(result.token_ids) for result in results)
+        else:
+            results, generated = self._batched(requests, settings)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_stats = {"seconds": time.perf_counter() - started, "generated_tokens": float(generated)}
+        if self._decoder is not None:
+            self.last_stats["decode_steps"] = float(self._steps)
+        return results
+
+    def _stream(self, requests: Sequence[GenerationRequest], settings: SamplingSettings) -> list[GenerationResult]:
+        order = sorted(range(len(requests)), key=lambda i: (len(requests[i].prompt_ids), requests[i].request_id))
+        ordered = [requests[i] for i in order]
+
+        def finished(indices: list[int], replies: list[list[int]]) -> None:
+            if self.progress is not None:
+                self.progress(len(indices), sum(len(self._result(ordered[i], r).token_ids)
+                                                for i, r in zip(indices, replies, strict=True)))
+
+        token_lists = self._decoder.decode_stream(
+            [r.prompt_ids for r in ordered], [r.max_new_tokens for r in ordered], temperature=settings.temperature,
+            top_p=settings.top_p, row_keys=[settings.seed * 2**32 + r.request_id for r in ordered],
+            prompt_bucket=self.prompt_bucket, prefill_tokens=self.token_budget, finished=finished)
+        self._steps += self._decoder.last_steps
         results: list[GenerationResult | None] = [None] * len(requests)
-        started, generated = time.perf_counter(), 0
+        for index, request, tokens in zip(order, ordered, token_lists, strict=True):
+            results[index] = self._result(request, tokens)
+        return results  # type: ignore[return-value]
+
+    def _batched(self, requests: Sequence[GenerationRequest],
+                 settings: SamplingSettings) -> tuple[list[GenerationResult], int]:
+        results: list[GenerationResult | None] = [None] * len(requests)
+        generated = 0
         for batch in self._batches(requests):
             rows = [requests[i] for i in batch]
             outputs = self._generate_batch(rows, settings)
@@ -150,11 +200,8 @@ class TransformersEngine:
                 generated += len(result.token_ids)
             if self.progress is not None:
                 self.progress(len(outputs), sum(len(result.token_ids) for result in outputs))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.last_stats = {"seconds": time.perf_counter() - started, "generated_tokens": float(generated)}
         assert all(result is not None for result in results)
-        return results  # type: ignore[return-value]
+        return results, generated  # type: ignore[return-value]
 
     def _generate_batch(self, rows: list[GenerationRequest], settings: SamplingSettings) -> list[GenerationResult]:
         width = self._bucketed(max(len(r.prompt_ids) for r in rows))
@@ -163,6 +210,7 @@ class TransformersEngine:
             token_lists = self._decoder.decode([r.prompt_ids for r in rows], [r.max_new_tokens for r in rows],
                                                temperature=settings.temperature, top_p=settings.top_p,
                                                row_keys=keys, width=width)
+            self._steps += self._decoder.last_steps
             return [self._result(request, tokens) for request, tokens in zip(rows, token_lists, strict=True)]
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
