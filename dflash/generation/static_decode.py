@@ -564,14 +564,20 @@ class StaticDecoder:
         results: list[list[int] | None] = [None] * count
         stops = set(self.stops.tolist())
         queued = 0  # prompts taken so far
+        step = 0  # decode steps run
+        latest = 0  # the step by which every admitted row has ended (at its limit), known on the host
 
         def admit(free: list[int]) -> None:
             """Prefill the next prompts into the cache rows ``free`` and choose their first tokens."""
-            nonlocal queued, fresh
-            take = min(len(free), count - queued)
-            while take > 1 and take * width_of([len(p) for p in prompts[queued:queued + take]]) > budget:
-                take -= 1
+            nonlocal queued, fresh, latest
+            take, longest = 0, 0
+            while take < min(len(free), count - queued):  # as many as the prefill budget takes, at least one
+                wider = max(longest, len(prompts[queued + take]))
+                if take and (take + 1) * width_of([wider]) > budget:
+                    break
+                take, longest = take + 1, wider
             chosen_rows, indices = free[:take], list(range(queued, queued + take))
+            latest = max(latest, step + max(max_new_tokens[i] for i in indices) - 1)
             queued += take
             lengths = [len(prompts[i]) for i in indices]
             if fresh:  # the static cache allocates itself in its first update: every row, through the model's own
@@ -642,10 +648,20 @@ class StaticDecoder:
                     finished(collected, [results[i] for i in collected])  # type: ignore[misc]
             return finished_rows
 
-        admit(list(range(rows)))
+        def refill() -> bool:
+            """Collect finished rows and admit prompts into free ones; False once nothing is left to decode."""
+            while True:
+                free = collect()
+                if queued < count and (len(free) >= refill_at or len(free) == rows):
+                    admit(free)
+                    if not bool(done.all()):
+                        return True
+                    continue  # every admitted row ended at its first token (a stop token, or a limit of 1)
+                return len(free) < rows
+
         use_graph = self.cuda_graphs and not slot.graph_failed
-        step = 0
-        while True:
+        decoding = refill()
+        while decoding:
             torch.where(done, starts, (write + 1).to(torch.int32), out=ends)
             if use_graph and slot.graph is None:
                 self._capture(slot)
@@ -665,12 +681,8 @@ class StaticDecoder:
             slot.tokens.copy_(chosen[:, None])
             slot.positions.add_(active[:, None])
             write.add_(active)
-            if step % self.check_every == 0:
-                free = collect()
-                if queued < count and (len(free) >= refill_at or len(free) == rows):
-                    admit(free)
-                elif queued == count and len(free) == rows:
-                    break
+            if step % self.check_every == 0 or step >= latest:
+                decoding = refill()
         self.last_mode = "graph" if use_graph else "eager"
         self.last_steps = step
         assert all(result is not None for result in results)
