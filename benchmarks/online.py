@@ -44,10 +44,15 @@ CPU smoke run (tens of seconds)::
     python benchmarks/online.py --smoke
     python benchmarks/online.py --smoke --target qwen3-8b-random      # the same family, tiny
 
-``--forward-tokens N`` sets the padded tokens per target forward of both the producer and extract (default: the
-training token budget, what ``online`` gives its producers; ``run --preset h200-smollm2`` extracts with 32768).
+``--forward-tokens N`` sets the padded tokens per target forward of extract (default: the training token budget,
+extract's own default 16,384 at the default budget; ``run --preset h200-smollm2`` extracts with 32768),
+``--producer-forward-tokens N`` the producers' (default: what ``online`` gives them,
+``OnlineConfig.producer_forward_tokens``: twice the token budget, so that a planned batch is one forward).
 A producer batches only the documents of one planned batch (a length bucket's mix), where extract sorts a
-65,536-token shard by length; the report prints the padding share of both one's forwards (``forward padding``).
+65,536-token shard by length; the report prints the padding share of both one's forwards and how many forwards
+each runs (``forward padding``). ``--compare-producer-forward-tokens N`` also measures the producer alone with
+forwards of N padded tokens in every repeat (its own synchronized pass included on CUDA), e.g. the token budget,
+the producers' forward budget before it was doubled: both shapes side by side in one run.
 ``--producer-packing`` runs the producers' forwards packed instead (``TargetRunner`` ``packing``, its default
 kernel: varlen on CUDA), as ``online --producer-packing`` does: what packing gains there.
 
@@ -273,8 +278,12 @@ def main() -> None:
                         "DFlash rule on CUDA)")
     parser.add_argument("--rows", type=int, default=96, help="CPU corpus rows (CUDA: enough tokens for the steps)")
     parser.add_argument("--token-budget", type=int, default=None, help="Real tokens per batch (CPU 512, CUDA 16384)")
-    parser.add_argument("--forward-tokens", type=int, default=None, help="Padded tokens per target forward of the "
-                        "producer and of extract (default: the token budget)")
+    parser.add_argument("--forward-tokens", type=int, default=None, help="Padded tokens per target forward of "
+                        "extract (default: the token budget)")
+    parser.add_argument("--producer-forward-tokens", type=int, default=None, help="Padded tokens per target forward "
+                        "of the producers (default: the online command's, twice the token budget; packed: the budget)")
+    parser.add_argument("--compare-producer-forward-tokens", type=int, default=None, help="Also measure the "
+                        "producer alone with this forward budget in every repeat (e.g. the token budget)")
     parser.add_argument("--producer-packing", action="store_true", help="Producers run packed forwards "
                         "(TargetRunner packing, its default kernel: varlen on CUDA): no padding within a planned batch")
     parser.add_argument("--num-draft-layers", type=int, default=None, help="(CPU 1, CUDA 5)")
@@ -338,20 +347,27 @@ def main() -> None:
                             min_supervised_tokens=0)  # fmt: skip
         # Training: two slots, so read-ahead cannot cover a short run and the rate is the steady one.
         return OnlineConfig(corpus=str(corpus_path), train=train, target=target_spec, target_layer_ids=layer_ids,
-                            ring_slots=ring_slots, runner_token_budget=forward_tokens)
+                            ring_slots=ring_slots, runner_token_budget=args.producer_forward_tokens,
+                            producer_packing=args.producer_packing)  # fmt: skip
 
-    def runner(packing: bool = args.producer_packing) -> TargetRunner:
-        return TargetRunner(model, layer_ids, device, token_budget=forward_tokens, packing=packing)
+    producer_forward_tokens = config("forward-budget").producer_forward_tokens  # the online command's rule
+    compare_tokens = args.compare_producer_forward_tokens
+
+    def runner(packing: bool = args.producer_packing, budget: int = producer_forward_tokens) -> TargetRunner:
+        return TargetRunner(model, layer_ids, device, token_budget=budget, packing=packing)
 
     corpus = open_corpus(corpus_path)
     replay = ReplayProducer(runner(), corpus)
     trainer_rate(config("warm-replay"), replay, device)  # fills the replay memo (and warms the trainer up)
     producer_slots = OnlineConfig.__dataclass_fields__["ring_slots"].default  # the online command's default
     producer_batches = max(args.steps, producer_slots + 9)  # at least 8 timed intervals after the read-ahead
-    extract_runner = runner(packing=False)  # extract's default: padded, length-sorted over each shard
+    extract_runner = runner(packing=False, budget=forward_tokens)  # extract's: padded, length-sorted per shard
     tasks: list = []
     runs: dict[str, list[float]] = {"producer_alone_I": [], "trainer_alone_T": [], "achieved": [], "extract": []}
     phase_runs: dict[str, list[dict[str, float]]] = {"overlapped": [], "synchronized": []}
+    if compare_tokens:
+        runs["producer_alone_I_compare"] = []
+        phase_runs |= {"compare_overlapped": [], "compare_synchronized": []}
     for repeat in range(args.repeats):
         alone = BatchProducer(runner(), corpus)
         rate, phases = producer_rate(alone, config(f"producer-{repeat}", producer_slots), producer_batches, device,
@@ -361,7 +377,8 @@ def main() -> None:
         runs["trainer_alone_T"].append(trainer_rate(config(f"trainer-{repeat}"), replay, device))
         runs["achieved"].append(trainer_rate(config(f"achieved-{repeat}"), BatchProducer(runner(), corpus), device))
         runs["extract"].append(extract_rate(extract_runner, corpus, device))
-        print(f"repeat {repeat}: " + ", ".join(f"{key} {values[-1]:,.0f}" for key, values in runs.items()), flush=True)
+        print(f"repeat {repeat}: " + ", ".join(f"{key} {values[-1]:,.0f}" for key, values in runs.items() if values),
+              flush=True)
         line = (f"repeat {repeat} producer-alone phases (ring slots page-locked: {alone.rings_pinned}): "
                 f"{phases_line(phases)}")
         pinned = alone.rings_pinned
@@ -371,20 +388,39 @@ def main() -> None:
             phase_runs["synchronized"].append(synced)
             line += f"; synchronized forwards: {phases_line(synced)}"
         print(line, flush=True)
-    rate_i, rate_t, achieved, rate_extract = (statistics.median(runs[key]) for key in runs)
+        if compare_tokens:  # the same producer with forwards of another budget, measured as above
+            rate, phases = producer_rate(BatchProducer(runner(budget=compare_tokens), corpus),
+                                         config(f"producer-compare-{repeat}", producer_slots), producer_batches, device)
+            runs["producer_alone_I_compare"].append(rate)
+            phase_runs["compare_overlapped"].append(phases)
+            line = (f"repeat {repeat} producer alone at {compare_tokens:,} tokens per forward: {rate:,.0f} real "
+                    f"tokens/s; phases: {phases_line(phases)}")
+            if gpu:
+                _, synced = producer_rate(BatchProducer(synchronized_forwards(runner(budget=compare_tokens)), corpus),
+                                          config(f"producer-compare-sync-{repeat}", producer_slots), producer_batches,
+                                          device)  # fmt: skip
+                phase_runs["compare_synchronized"].append(synced)
+                line += f"; synchronized forwards: {phases_line(synced)}"
+            print(line, flush=True)
+    rate_i, rate_t, achieved, rate_extract = (statistics.median(runs[key]) for key in
+                                              ("producer_alone_I", "trainer_alone_T", "achieved", "extract"))
     from stages.extract.command import ExtractConfig, plan_shards
 
     shards = [list(range(start, stop)) for start, stop in
               plan_shards(corpus.lengths, ExtractConfig.__dataclass_fields__["shard_size"].default)]  # fmt: skip
-    padding = {"producer": forward_padding(runner(), [list(task.corpus_rows) for task in tasks], corpus),
+    planned_rows = [list(task.corpus_rows) for task in tasks]
+    padding = {"producer": forward_padding(runner(), planned_rows, corpus),
                "extract": forward_padding(extract_runner, shards, corpus)}
+    if compare_tokens:
+        padding["producer_compare"] = forward_padding(runner(budget=compare_tokens), planned_rows, corpus)
     shared = 1.0 / (1.0 / rate_i + 1.0 / rate_t)
     logged = read_metrics(work / f"achieved-{args.repeats - 1}", kind="train")[-1]
     report = {"ring_slots_page_locked": pinned, "producer_alone_I": rate_i, "trainer_alone_T": rate_t, "achieved": achieved,
               "min_I_T": min(rate_i, rate_t), "shared_device_bound": shared,
               "achieved_over_min": achieved / min(rate_i, rate_t), "achieved_over_shared": achieved / shared,
               "extract": rate_extract, "producer_over_extract": rate_i / rate_extract,
-              "forward_tokens": forward_tokens, "producer_ring_slots": producer_slots,
+              "forward_tokens": forward_tokens, "producer_forward_tokens": producer_forward_tokens,
+              "producer_ring_slots": producer_slots,
               "producer_batches": producer_batches,
               "producer_packing": args.producer_packing,
               "forward_padding_share": {key: value[0] for key, value in padding.items()},
@@ -401,13 +437,25 @@ def main() -> None:
               "num_draft_layers": num_draft_layers, "block_size": block_size, "anchors": anchors,
               "device": torch.cuda.get_device_name(device) if gpu else "cpu",
               "torch": torch.__version__, "torch_threads": torch.get_num_threads()}  # fmt: skip
-    for key in ("extract", "producer_alone_I", "trainer_alone_T", "achieved", "min_I_T", "shared_device_bound"):
+    if compare_tokens:
+        rate_compare = statistics.median(runs["producer_alone_I_compare"])
+        report |= {"producer_compare_forward_tokens": compare_tokens, "producer_alone_I_compare": rate_compare,
+                   "producer_compare_over_extract": rate_compare / rate_extract}
+    keys = ("extract", "producer_alone_I", *(("producer_alone_I_compare",) if compare_tokens else ()),
+            "trainer_alone_T", "achieved", "min_I_T", "shared_device_bound")
+    for key in keys:
         print(f"{key:>22}: {report[key]:10,.0f} real tokens/s   (runs: {', '.join(f'{v:,.0f}' for v in runs.get(key, []))})")
-    print(f"{'I / extract':>22}: {report['producer_over_extract']:.2f}  (producer alone against extract's forward "
-          f"loop, {forward_tokens:,} tokens per forward; issue 40: >= 0.9)")
+    print(f"{'I / extract':>22}: {report['producer_over_extract']:.2f}  (producer alone at {producer_forward_tokens:,} "
+          f"tokens per forward against extract's forward loop at {forward_tokens:,}; issue 40: >= 0.9)")
+    if compare_tokens:
+        print(f"{'I_compare / extract':>22}: {report['producer_compare_over_extract']:.2f}  (producer alone at "
+              f"{compare_tokens:,} tokens per forward)")
+    packed = ", packed" if args.producer_packing else ""
     print(f"{'forward padding':>22}: producer {padding['producer'][0]:.1%} of padded tokens "
-          f"({padding['producer'][1]:.1f} forwards per planned batch{', packed' if args.producer_packing else ''}), "
-          f"extract {padding['extract'][0]:.1%} ({padding['extract'][1]:.1f} per shard)")
+          f"({padding['producer'][1]:.2f} forwards per planned batch{packed}), "
+          + (f"at {compare_tokens:,}: {padding['producer_compare'][0]:.1%} "
+             f"({padding['producer_compare'][1]:.2f}{packed}), " if compare_tokens else "")
+          + f"extract {padding['extract'][0]:.1%} ({padding['extract'][1]:.2f} per shard)")
     for mode, phases in report["phases_ms_per_batch"].items():
         print(f"{'phases, ' + mode:>22}: {phases_line(phases)}  (producer alone, medians)")
     print(f"{'achieved / min(I, T)':>22}: {report['achieved_over_min']:.2f}")

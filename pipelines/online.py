@@ -95,7 +95,8 @@ class OnlineConfig:
     target_gpus: list[int] | None = setting(None, help="Producer GPU ids, one Dask worker each, e.g. 0,1.")
     ring_slots: int = setting(4, help="Shared-memory ring slots per rank: batches in flight between producers and trainer (memory: slots x token_budget x taps x hidden size x 2 bytes).")
     #: Padded tokens per target forward of a producer (with ``producer_packing``: real tokens per forward); ``None``:
-    #: the training ``data.token_budget``.
+    #: twice the training ``data.token_budget`` (packed: the token budget), so that a planned batch runs as one
+    #: forward (``producer_forward_tokens``).
     runner_token_budget: int | None = None
     producer_packing: bool = setting(False, help="Producers run packed forwards (extract's --packing with its automatic kernel: varlen on GPU producers whose torch has it, else flex_attention; sdpa on CPU producers): a planned batch's samples back to back, attention confined to each, no padding; runner_token_budget then counts real tokens per forward. The same batches and hidden states (within the runner's bf16 tolerance); off by default: slower on a GPU (docs/online-queue.md, Throughput).")
     cache_to: str | None = setting(None, help="Also write the corpus's hidden-state cache (extract's shard plan) here while training: producers stage the first epoch's batches and a shard is committed once its rows are all staged, so a later train or sweep reuses it (docs/online-queue.md). Refused in run's online section, which trains without a cache.")
@@ -134,6 +135,23 @@ class OnlineConfig:
                 f"{self.train.drafter.distill!r}; set train.drafter.distill = none here, or run extract --final-tap "
                 "then train"
             )
+
+    @property
+    def producer_forward_tokens(self) -> int:
+        """Padded tokens per target forward of a producer (packed: real tokens per forward): ``runner_token_budget``,
+        by default twice the training token budget (packed: the token budget).
+
+        A producer runs the documents of one planned batch (at most ``token_budget`` real tokens, of one length
+        bucket) through extract's runner, whose padded forwards hold at most this many ``rows x longest`` tokens: at
+        twice the token budget a planned batch is one forward unless its rows x longest exceed that, at the token
+        budget it is nearly always two, the second small. Each forward has a cost that does not shrink with its size (the same
+        ~1,500 operations to launch whatever the rows; docs/online-queue.md, "The producer's forward against
+        extract's"), so fewer forwards per planned batch. Packed rows hold real tokens only: a planned batch fits
+        one at the token budget."""
+        if self.runner_token_budget is not None:
+            return self.runner_token_budget
+        token_budget = self.train.data.token_budget
+        return token_budget if self.producer_packing else 2 * token_budget
 
     def producer_dict(self) -> dict[str, Any]:
         """The producer fields (saved in run.json under ``resolved.data_source``, read back by ``--resume``)."""
@@ -238,7 +256,7 @@ def _open_cache_to(config: OnlineConfig, metadata: Any) -> Any:
     train = config.train
     extract = ExtractConfig(corpus=config.corpus, output=str(config.cache_to), target=config.target,
                             target_layer_ids=list(metadata.target_layer_ids), shard_size=config.cache_shard_size,
-                            forward_tokens=config.runner_token_budget or train.data.token_budget,
+                            forward_tokens=config.producer_forward_tokens,
                             extra={"written_by": "online --cache-to"})  # fmt: skip
     console = Console(file=io.StringIO())  # prepare_cache's size report: logged below instead
     # The codec: an existing cache keeps its own; a new one gets the default, unmeasured. Nothing waits on these
@@ -400,7 +418,7 @@ def producer_plugin(config: OnlineConfig, metadata: Any) -> Any:
     threads = None if gpus else max(1, (os.cpu_count() or 1) // (num_workers + 1))
     return OnlineProducerPlugin(
         target_spec=config.target, target_layer_ids=list(metadata.target_layer_ids),
-        token_budget=config.runner_token_budget or config.train.data.token_budget, corpus_path=config.corpus,
+        token_budget=config.producer_forward_tokens, corpus_path=config.corpus,
         gpu_by_worker=dict(enumerate(gpus)) if gpus else None, device="cuda" if gpus else "cpu",
         torch_threads=threads, die_with_parent=True, packing=config.producer_packing,
     )  # fmt: skip

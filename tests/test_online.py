@@ -304,6 +304,54 @@ def test_producer_packing_packs_the_producers_forwards_and_delivers_the_padded_b
         torch.testing.assert_close(packed["hidden"].float(), reference["hidden"].float(), rtol=1.6e-2, atol=2e-2)
 
 
+def test_a_producer_runs_each_planned_batch_as_one_forward_by_default(corpus_dir, target_path, target, tmp_path):
+    """The plugin every producer loads gets a forward budget of twice the token budget (``runner_token_budget``
+    unset), so each planned batch is one target forward; at the token budget (set explicitly) some batches take two.
+    Both deliver the same samples, tokens and masks, hidden states within bf16 tolerance."""
+    from pipelines.online import online_metadata, producer_plugin
+
+    config = _online_config(corpus_dir, target_path, tmp_path / "run")
+    token_budget = config.train.data.token_budget
+    metadata = online_metadata(config)[1]
+    plugins = {}
+    for budget in (None, token_budget):
+        config.runner_token_budget = budget
+        plugins[budget] = producer_plugin(config, metadata)
+        plugins[budget].build(target, torch.device("cpu"))
+    assert plugins[None].producer.runner.token_budget == 2 * token_budget
+    assert plugins[token_budget].producer.runner.token_budget == token_budget
+    forwards = [0]  # target forwards so far: each runs decoder layer 0 once
+    hook = target.model.get_decoder().layers[0].register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    width = WIDTH_TAPS * int(target.model.config.hidden_size)
+    runs, per_batch = [], []
+    try:
+        for plugin in plugins.values():
+            counted: dict[tuple[int, int], int] = {}
+
+            def produce(task, producer=plugin.producer, counted=counted):  # one pool thread: tasks run one by one
+                before = forwards[0]
+                result = producer.produce(task)
+                counted[(task.epoch, task.batch_index)] = forwards[0] - before
+                return result
+
+            with ThreadPoolExecutor(1) as pool, \
+                    OnlineBatches(CorpusLengths(open_corpus(corpus_dir)), _stream_config("train"), width=width,
+                                  submit=lambda task, pool=pool, produce=produce: pool.submit(produce, task),
+                                  num_slots=3) as online:
+                assert online.config.token_budget == token_budget
+                runs.append(_collect(online, 1))
+            plugin.producer.close()
+            per_batch.append([counted[(0, index)] for index in range(len(runs[-1]))])
+    finally:
+        hook.remove()
+    assert len(runs[0]) == len(runs[1]) >= 4
+    assert per_batch[0] == [1] * len(runs[0])
+    assert sum(per_batch[1]) > len(runs[1])
+    assert [b["digest"] for b in runs[0]] == [b["digest"] for b in runs[1]]
+    for one_forward, reference in zip(runs[0], runs[1], strict=True):
+        torch.testing.assert_close(one_forward["hidden"].float(), reference["hidden"].float(), rtol=1.6e-2, atol=2e-2)
+
+
 def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir, target_path, target, tmp_path):
     from dflash.training.checkpoint import load_checkpoint
 
