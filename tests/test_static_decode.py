@@ -164,6 +164,45 @@ def test_cuda_graph_replay_equals_eager_decoding_and_generate():
         assert tokens == output[0, len(prompt):].tolist()
 
 
+@pytest.mark.gpu
+def test_cuda_stream_with_captured_steps_equals_generate_and_the_batches():
+    """On CUDA: continuous batching (12 prompts through 4 rows, the decode step one captured graph, a stop token
+    that ends some replies early) gives transformers' greedy ``generate()`` tokens for every prompt, and the batch
+    decoder's, on a random GQA Llama in float32 (large init: peaked logits, no near-ties)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).cuda().eval()
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 512, (n,), generator=generator).tolist() for n in (5, 17, 9, 30, 2, 44, 1, 12, 23,
+                                                                                    7, 61, 3)]
+    limits = [24, 24, 13, 24, 7, 1, 24, 20, 24, 5, 24, 16]
+    batches = StaticDecoder(model, rows=4, pad_token_id=0, stop_token_ids=[511], length_bucket=32,
+                            compile_parts=False)
+    first = [tokens for k in range(0, 12, 4) for tokens in batches.decode(prompts[k:k + 4], limits[k:k + 4])]
+    batches.close()
+    stop = first[0][5]  # prompt 0 stops at its 6th token; others stop wherever that token comes
+    batches = StaticDecoder(model, rows=4, pad_token_id=0, stop_token_ids=[stop], length_bucket=32,
+                            compile_parts=False)
+    expected = [tokens for k in range(0, 12, 4) for tokens in batches.decode(prompts[k:k + 4], limits[k:k + 4])]
+    batches.close()
+    stream = StaticDecoder(model, rows=4, pad_token_id=0, stop_token_ids=[stop], length_bucket=32,
+                           compile_parts=False, check_every=4)
+    assert stream.streams
+    assert stream.decode_stream(prompts, limits, prompt_bucket=8, refill_rows=1) == expected
+    assert stream.last_mode == "graph"
+    assert stream.decode_stream(prompts[::-1], limits[::-1]) == expected[::-1]  # the allocated cache, refilled rows
+    stream.close()
+    assert len(expected[0]) == first[0].index(stop) + 1 < limits[0]
+    for prompt, tokens, limit in zip(prompts, expected, limits, strict=True):
+        output = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=limit, do_sample=False,
+                                eos_token_id=[stop], pad_token_id=0)
+        assert tokens == output[0, len(prompt):].tolist()
+
+
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
