@@ -8,6 +8,11 @@ over the whole cache, the cache itself), so the forward of one decode step is ca
 ``torch.cuda.CUDAGraph`` and replayed; what runs in Python per token is the replay, the choice of the next token and
 a few in-place buffer updates, and the host waits on the device only every ``check_every`` steps.
 
+:meth:`StaticDecoder.decode_stream` keeps the rows busy across many prompts (continuous batching): where every
+attention layer runs the fused forward (:mod:`dflash.generation.fused_decode`, which writes each row's key and value
+at that row's own position), a row whose reply has ended takes the next prompt, prefilled into its cache row from
+position 0, while the others decode on; the decode step keeps its shape and its graph.
+
 The model is the target's own transformers module, called through its public forward: a 4-D additive attention mask
 (which transformers passes to the attention as it is), explicit ``position_ids`` (left padding), ``logits_to_keep=1``
 and a ``transformers.StaticCache`` (which advances its own write position, on the device). The forward argument that
