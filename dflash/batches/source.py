@@ -109,18 +109,8 @@ class LoaderConfig(BucketConfig):
     the batching of :class:`dflash.batches.buckets.BucketConfig` (token budget, buckets, documents per batch), the held-out
     split and the read-ahead. :class:`StreamConfig` adds what the trainer sets per loader (seed, split, padding)."""
 
-    validation_fraction: float = field(default=0.0, metadata={"help": "Held-out share (of source documents, or rows with --validation-split-by row)."})
-    """Fraction held out for validation: of source documents (``validation_split_by="document"``) or of corpus rows
-    (``"row"``); stable per document or row; 0 disables validation. A fraction too small to hold out anything
-    holds out the one document (or row) nearest to it instead (:func:`validation_split`)."""
-    validation_split_by: ValidationSplitBy = field(default="document", metadata={"help": "document (whole source documents held out; a cache without document keys: rows) | row."})
-    """What the validation split holds out. ``"document"``: whole source documents: a corpus row is held out when
-    the hash of its document key (the corpus ``document_id``, which extract stores in the cache as
-    ``document_keys``) falls in ``validation_fraction``, so no document has rows in both splits and validation
-    measures sources training never saw (the share of rows then varies with document sizes). ``"row"``: each
-    corpus row on its own (rows cut from one file land on both sides, so
-    validation overlaps training material). A cache or corpus without document keys is split by row either way,
-    with one INFO line saying so."""
+    validation_fraction: float = field(default=0.0, metadata={"help": "Held-out share: of source documents (validation_split_by document) or of corpus rows (row), stable per document or row; 0: no validation. A share too small to hold out anything holds out the one document (or row) nearest to it."})
+    validation_split_by: ValidationSplitBy = field(default="document", metadata={"help": "document: whole source documents held out (by the hash of the corpus document_id, which the cache stores as document_keys), so validation measures sources training never saw; row: each corpus row on its own (rows of one file land on both sides). A cache or corpus without document keys is split by row either way, with one INFO line saying so."})
     prefetch_batches: int = field(default=4, metadata={"runtime": True})
     """Batches read ahead in the background. Memory bound: ``prefetch_batches + 1`` batches of at most
     ``token_budget * n*H * 2`` bytes of hidden states each (pinned host memory; also GPU memory with ``device=``),
