@@ -131,10 +131,9 @@ _MAX_ASK_SIGNATURE_CHARS = 240
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class DefaultPromptConfig:
-    """Settings of the embedded default prompt set (module docstring).
+    """Settings of the embedded default prompt set (module docstring). ``heldout_permille`` is described by its help.
 
     Attributes:
-        heldout_permille: share of documents held out, in 1/1000 (by path hash), 0..999.
         chars_per_completion: one completion prompt per this many characters of a file (at least one per file).
         window_chars: longest completion prompt, in characters.
         instruct: build instruction prompts too.
@@ -149,7 +148,7 @@ class DefaultPromptConfig:
         seed: cut points, instruction and question choice and the shuffle.
     """
 
-    heldout_permille: int = field(default=50, metadata={"help": "Default prompt set: share of stdlib files held out, in 1/1000."})
+    heldout_permille: int = field(default=50, metadata={"help": "Default prompt set: share of documents held out, in 1/1000 (by path hash), 0..999."})
     chars_per_completion: int = 600
     window_chars: int = 1200
     instruct: bool = True
