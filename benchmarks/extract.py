@@ -58,6 +58,7 @@ codec pipeline, ``array[lo:hi] = rows``) and ``zarrs`` (zarr's codec pipeline ba
 Run (GPU)::
 
     python benchmarks/extract.py --target qwen3-8b-random --tokens 262144              # random lengths 256-2048
+    python benchmarks/extract.py --target smollm2-random --tokens 262144 --profile 15  # where a forward's time goes
     python benchmarks/extract.py --target qwen3-8b-random --tokens 262144 --reference  # 8 x 2048, the issue's setup
     python benchmarks/extract.py --write-only --write-shards 8                         # write path, CPU only
     python benchmarks/extract.py --write-only --compare-write-paths --shard-size 65536 # ours vs zarr vs zarrs
@@ -392,6 +393,41 @@ def time_truncated_forward(runner: TargetRunner, batches: list[tuple], device: t
     return time.perf_counter() - started
 
 
+def profile_forwards(runner: TargetRunner, batches: list[tuple], device: torch.device, top: int,
+                     console: Console) -> dict:
+    """One pass of the truncated forwards over ``batches`` under ``torch.profiler``: wall time per forward against
+    the device kernels' time per forward (the gap is the host: issuing operations, Python, waits), operations
+    issued and kernels run per forward, the ``top`` kernels by device time and the ``top`` operators by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    time_truncated_forward(runner, batches[:1], device)  # warm
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        wall = time_truncated_forward(runner, batches, device)
+    count = len(batches) + 1  # time_truncated_forward runs its warm-up forward inside the profile too
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    operators = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::")
+                 and not e.cpu_parent]
+    device_seconds = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
+    by_kernel: dict[str, float] = {}
+    for event in kernels:
+        by_kernel[event.name] = by_kernel.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e6
+    by_operator: dict[str, float] = {}
+    for event in operators:
+        by_operator[event.name] = by_operator.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e6
+    console.print(f"profile: {len(batches)} forwards (+1 warm), wall {wall / count * 1e3:.1f} ms per forward, device "
+                  f"kernels {device_seconds / count * 1e3:.1f} ms per forward, {len(operators) / count:.0f} top-level "
+                  f"operators and {len(kernels) / count:.0f} kernels per forward")
+    for name, seconds in sorted(by_kernel.items(), key=lambda item: -item[1])[:top]:
+        console.print(f"  kernel   {seconds / count * 1e3:7.2f} ms/forward  {name[:100]}", soft_wrap=True)
+    for name, seconds in sorted(by_operator.items(), key=lambda item: -item[1])[:top]:
+        console.print(f"  operator {seconds / count * 1e3:7.2f} ms/forward (host, with children)  {name}", soft_wrap=True)
+    return {"profile_forwards": len(batches), "profile_wall_ms_per_forward": wall / count * 1e3,
+            "profile_device_ms_per_forward": device_seconds / count * 1e3,
+            "profile_operators_per_forward": len(operators) / count, "profile_kernels_per_forward": len(kernels) / count}
+
+
 def time_runner_with_copies(runner: TargetRunner, rows: list[np.ndarray], plan: list[np.ndarray],
                             shard_rows: list[list[int]], device: torch.device) -> float:  # fmt: skip
     """``iter_batches`` shard by shard, as the extract task calls it (same batches), without the writes."""
@@ -650,6 +686,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, to check the script runs")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="before the repeats, one pass of the truncated forwards under torch.profiler: wall vs "
+                             "device time per forward, operators and kernels per forward, the N top kernels and "
+                             "operators")
     parser.add_argument("--via-dask", action="store_true", help="also time the full extract stage on a 1-worker LocalCluster")
     parser.add_argument("--reference", action="store_true",
                         help="the issue's reference setup: fixed length 2048, token budget 16384 (batch 8 x 2048)")
@@ -729,6 +769,7 @@ def main() -> None:
         batches = _padded_batches(rows, plan, device)
 
         num_shapes = warm_up_shapes(runner, batches, device, masked=args.masked_baseline)
+        profiled = profile_forwards(runner, batches, device, args.profile, console) if args.profile else {}
         choice, codec = None, args.codec
         # Interleaved repeats: every phase once per repeat, in order, so drift (clocks, heat, page cache) spreads over
         # all phases alike; the figures are medians of the per-repeat values (ratios taken within each repeat).
@@ -801,6 +842,7 @@ def main() -> None:
         "write_threads": args.write_threads,
         "write_processes": default_write_processes(device) if args.write_processes is None else args.write_processes,
         "repeats": args.repeats,
+        **profiled,
         # The forward and copy rates (full, masked, truncated, host copies): medians over repeats.
         **{key: float(np.median(values)) for key, values in runs.items() if not key.startswith("extract_")},
         "extract_tokens_per_s": float(np.median(runs["extract_tokens_per_s"])),
