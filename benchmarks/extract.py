@@ -9,6 +9,8 @@ right-padded: exactly the batches the extract tasks run):
    (``--reference``: 8 x 2048, no padding) this is exactly the issue's reference plain forward. ``--masked-baseline``
    adds the same forward WITH the padding mask (what ``model(**tokenizer(..., padding=True))`` costs);
 2. truncated runner forward: ``TargetRunner.forward`` (stops after the last tapped layer), outputs left on device;
+   with ``--compare-compile-parts`` also the same runner with ``compile_parts`` (MLP and RMSNorm through
+   ``torch.compile``, compiled and warmed on every batch shape before the repeats);
 3. runner with host copies: ``TargetRunner.iter_batches`` shard by shard (taps copied on a side stream into reused
    pinned host buffers, each batch released after use): the extract task without the writes;
 4. end-to-end extract: the Dask task's code path (``ShardExtractor``: corpus rows -> runner -> overlapped
@@ -59,6 +61,7 @@ Run (GPU)::
 
     python benchmarks/extract.py --target qwen3-8b-random --tokens 262144              # random lengths 256-2048
     python benchmarks/extract.py --target smollm2-random --tokens 262144 --profile 15  # where a forward's time goes
+    python benchmarks/extract.py --target smollm2-random --tokens 262144 --compare-compile-parts --profile 15
     python benchmarks/extract.py --target qwen3-8b-random --tokens 262144 --reference  # 8 x 2048, the setup
     python benchmarks/extract.py --write-only --write-shards 8                         # write path, CPU only
     python benchmarks/extract.py --write-only --compare-write-paths --shard-size 65536 # ours vs zarr vs zarrs
@@ -686,6 +689,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, to check the script runs")
+    parser.add_argument("--compare-compile-parts", action="store_true",
+                        help="also time the truncated forward with TargetRunner(compile_parts=True) (the MLP and "
+                             "RMSNorm modules through torch.compile, shape-generic) in every repeat, after compiling "
+                             "and warming every batch shape untimed")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="before the repeats, one pass of the truncated forwards under torch.profiler: wall vs "
                              "device time per forward, operators and kernels per forward, the N top kernels and "
@@ -770,16 +777,33 @@ def main() -> None:
 
         num_shapes = warm_up_shapes(runner, batches, device, masked=args.masked_baseline)
         profiled = profile_forwards(runner, batches, device, args.profile, console) if args.profile else {}
+
+        def compiled_runner() -> TargetRunner:  # the same runner with compile_parts (closed after each use)
+            return TargetRunner(model, layer_ids, device, token_budget=args.forward_tokens, compile_parts=True)
+
+        if args.compare_compile_parts:  # compile (shape-generic graphs) and warm every batch shape, untimed
+            warm = compiled_runner()
+            for ids, _ in {tuple(ids.shape): (ids, mask) for ids, mask in batches}.values():
+                warm.forward(ids)
+            if args.profile:
+                profiled.update({f"compiled_{key}": value for key, value in
+                                 profile_forwards(warm, batches, device, args.profile, console).items()})
+            warm.close()
         choice, codec = None, args.codec
         # Interleaved repeats: every phase once per repeat, in order, so drift (clocks, heat, page cache) spreads over
         # all phases alike; the figures are medians of the per-repeat values (ratios taken within each repeat).
-        seconds: dict[str, list[float]] = {"full": [], "masked": [], "truncated": [], "copies": [], "extract": []}
+        seconds: dict[str, list[float]] = {"full": [], "masked": [], "truncated": [], "compiled": [], "copies": [],
+                                           "extract": []}
         counts_runs: list[dict] = []
         for repeat in range(args.repeats):
             seconds["full"].append(time_full_forward(runner, batches, device))
             if args.masked_baseline:
                 seconds["masked"].append(time_full_forward(runner, batches, device, masked=True))
             seconds["truncated"].append(time_truncated_forward(runner, batches, device))
+            if args.compare_compile_parts:
+                compiled = compiled_runner()
+                seconds["compiled"].append(time_truncated_forward(compiled, batches, device))
+                compiled.close()
             seconds["copies"].append(time_runner_with_copies(runner, rows, plan, shard_rows, device))
             if repeat == 0 and args.codec == AUTO_CODEC:  # calibrated once; every repeat writes with its choice
                 choice = choose_codec_here(runner, rows, corpus.lengths, args, console)
@@ -805,6 +829,10 @@ def main() -> None:
         "full_forward_tokens_per_s": rates["full"],
         **({"full_forward_masked_tokens_per_s": rates["masked"]} if "masked" in rates else {}),
         "truncated_forward_tokens_per_s": rates["truncated"],
+        **({"truncated_forward_compiled_parts_tokens_per_s": rates["compiled"],
+            "compiled_parts_over_truncated_forward": [t / c for t, c in
+                                                      zip(seconds["truncated"], seconds["compiled"], strict=True)]}
+           if "compiled" in rates else {}),
         "runner_with_host_copies_tokens_per_s": rates["copies"],
         "extract_tokens_per_s": rates["extract"],
         # Ratios within each repeat (the phases of one repeat ran back to back), then their median.

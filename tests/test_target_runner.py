@@ -273,6 +273,21 @@ def test_plan_packed_batches_fills_rows_first_fit_and_covers_every_sample():
     assert [lengths[r].tolist() for r in rows] == [[200], [70], [40, 12, 12], [30, 9, 5, 3]]
 
 
+def test_compiled_parts_give_the_same_hidden_states_and_the_modules_back_on_close(target, samples, layer_ids):
+    """``compile_parts``: the MLP and RMSNorm modules run through ``torch.compile`` (here its ``eager`` backend: the
+    traced graphs, run op by op) while the runner is open, giving the plain runner's hidden states on a mixed
+    batch bit for bit; on close the modules' own forwards are back."""
+    plain = TargetRunner(target.model, layer_ids, "cpu", token_budget=256).run(samples)
+    runner = TargetRunner(target.model, layer_ids, "cpu", token_budget=256, compile_parts=True,
+                          compile_backend="eager")
+    config = target.model.config
+    assert len(runner._compiled) == 3 * config.num_hidden_layers + 1  # two norms and an MLP per layer, the final norm
+    compiled = runner.run(samples)
+    runner.close()
+    assert all(torch.equal(a, b) for a, b in zip(compiled, plain, strict=True))
+    assert not any("forward" in vars(module) for module in target.model.modules())
+
+
 def test_stops_after_last_tapped_layer(target, samples, layer_ids):
     decoder_layers = target.model.get_decoder().layers
     called = []

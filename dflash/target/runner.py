@@ -260,6 +260,12 @@ def _register_varlen() -> None:
     AttentionInterface.register(VARLEN_IMPLEMENTATION, _varlen_attention_forward)
 
 
+def _own_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``module``'s class forward in a frame of its own: one compiled graph (shape-generic) serves every module of a
+    class (``TargetRunner(compile_parts=True)``)."""
+    return type(module).forward(module, *args, **kwargs)
+
+
 class _StopForward(Exception):
     """Raised by the hook of the last tapped layer to end the forward early (never escapes the runner)."""
 
@@ -445,6 +451,11 @@ class TargetRunner:
             write processes read the hidden states without a copy (:mod:`dflash.io.shm`, read by :mod:`dflash.cache.process_writer`); call
             :meth:`close` to free them.
         final_tap: also collect the final normed hidden state, as one more slot after the taps (module docstring).
+        compile_parts: while the runner is open (until :meth:`close`), the target's MLP and RMSNorm modules run
+            through ``torch.compile`` with shape-generic graphs (``dynamic=True``), which fuses their elementwise
+            kernels: a small target's forward is ~1,500 operations issued one by one. Off by default
+            (``benchmarks/extract.py --compare-compile-parts`` measures it).
+        compile_backend: the ``torch.compile`` backend of ``compile_parts`` (``"inductor"``; tests use ``"eager"``).
         varlen_solo_min_length: packed ``varlen`` rows of a grouped-query target on a varlen kernel without native
             GQA (torch 2.10-2.11): samples of at least this many tokens run alone through SDPA's causal attention
             (``enable_gqa``), the rest through the varlen kernel (:data:`VARLEN_SOLO_MIN_LENGTH`); ``None``: every sample
@@ -473,6 +484,8 @@ class TargetRunner:
         packed_attention: str = PACKED_ATTENTION[0],
         varlen_solo_min_length: int | None = VARLEN_SOLO_MIN_LENGTH,
         final_tap: bool = False,
+        compile_parts: bool = False,
+        compile_backend: str = "inductor",
     ) -> None:
         if token_budget < 1:
             raise ConfigError(f"token_budget must be >= 1, got {token_budget}")
@@ -511,6 +524,14 @@ class TargetRunner:
         # write processes can read the hidden states without a copy (dflash.cache.process_writer).
         self.shared_host_buffers = bool(shared_host_buffers)
         self._shared: list[Any] = []
+        #: The modules whose forward runs compiled until :meth:`close` (``compile_parts``).
+        self._compiled: list[torch.nn.Module] = []
+        if compile_parts:
+            compiled = torch.compile(_own_forward, dynamic=True, backend=compile_backend)
+            for module in self._decoder.modules():
+                if type(module).__name__.endswith(("MLP", "RMSNorm")) and "forward" not in vars(module):
+                    module.forward = functools.partial(compiled, module)
+                    self._compiled.append(module)
 
     def _acquire_host_buffer(self, numel: int) -> torch.Tensor:
         """A pinned flat bf16 buffer of at least ``numel`` elements: a released one if big enough, else a new one
@@ -544,7 +565,11 @@ class TargetRunner:
         self._free_buffers.clear()
 
     def close(self) -> None:
-        """Free the shared host buffers (no batch of this runner may be in use any more). Idempotent."""
+        """Free the shared host buffers (no batch of this runner may be in use any more) and give compiled modules
+        their own forward back. Idempotent."""
+        for module in self._compiled:
+            del module.forward  # the instance attribute set in __init__: the class's forward again
+        self._compiled.clear()
         self._free_buffers.clear()
         for shared in self._shared:
             shared.close()
