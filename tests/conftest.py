@@ -19,8 +19,8 @@ import torch  # noqa: E402
 
 dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})  # in case dask was imported before
 
-# Two CPU cores in CI: keep torch from oversubscribing them.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Two CPU cores in CI: keep torch from oversubscribing them, shared between pytest-xdist's workers (``-n``).
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 def pytest_collection_modifyitems(config, items):
