@@ -5,6 +5,10 @@ from __future__ import annotations
 import signal
 import sys
 
+#: A duration as progress lines print it (``dflash.progress.short_duration``: ``42s``, ``3m10s``, ``1h06m``), for
+#: tests that match those lines whatever time the run took.
+DURATION = r"(?:\d+s|\d+m\d\ds|\d+h\d\dm)"
+
 
 def main_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str]:
     """Run ``stages.cli.main`` with ``args`` in this process; returns (exit status, stderr). Signal handlers the

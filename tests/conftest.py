@@ -19,8 +19,28 @@ import torch  # noqa: E402
 
 dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})  # in case dask was imported before
 
-# Two CPU cores in CI: keep torch from oversubscribing them.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+def _drop_readline_terminal_size() -> None:
+    """pytest imports readline, which exports COLUMNS=80 and LINES=24 (80x24 without a terminal) to the processes
+    pytest starts: pytest-xdist's workers would see them in ``os.environ`` and pass them on to the commands their
+    tests run (rich then lays their output out 80 columns wide, not as in a plain ``pytest`` run). A worker drops them
+    unless the controlling pytest's own environment had them (its parent's, as it started)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    try:
+        with open(f"/proc/{os.getppid()}/environ", "rb") as file:
+            names = {entry.split(b"=", 1)[0] for entry in file.read().split(b"\0")}
+    except OSError:
+        return
+    for name in ("COLUMNS", "LINES"):
+        if name.encode() not in names:
+            os.environ.pop(name, None)
+
+
+_drop_readline_terminal_size()
+
+# Two CPU cores in CI: keep torch from oversubscribing them, shared between pytest-xdist's workers (``-n``).
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,6 +13,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from cli_helpers import DURATION
 from typer.testing import CliRunner
 
 from dflash.decoding.eval_prompts import prompts_from_corpus, prompts_from_file
@@ -75,9 +76,9 @@ def test_evaluate_cli_writes_report_with_every_field(full_evaluation):
     assert "" not in result.output.splitlines()
     rates = r"\d+ tokens, [\d.]+K? tok/s, [\d.]+ prompts/s"
     ends = [line for line in result.output.splitlines()
-            if re.fullmatch(rf"evaluate .+: 2/2 prompts, {rates}, done in \d+s, tau [\d.]+, block size \d+", line)]
+            if re.fullmatch(rf"evaluate .+: 2/2 prompts, {rates}, done in {DURATION}, tau [\d.]+, block size \d+", line)]
     assert len(ends) == 2, result.output
-    assert any(re.fullmatch(rf"evaluate .+: 1/2 prompts, {rates}, ETA \d+s, tau [\d.]+, .+", line)
+    assert any(re.fullmatch(rf"evaluate .+: 1/2 prompts, {rates}, ETA {DURATION}, tau [\d.]+, .+", line)
                for line in result.output.splitlines()), result.output
     assert report["settings"]["cpu_threads"] == 2
     for key in ("tau", "acceptance", "speedup", "throughput", "lossless", "per_prompt", "untrained", "target",

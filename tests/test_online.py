@@ -24,33 +24,52 @@ from dflash.batches.source import StreamConfig
 from dflash.batches.stream import StreamingLoader
 from dflash.cache import CacheReader
 from dflash.corpus.format import CorpusLengths, CorpusWriter, open_corpus
-from dflash.io.shm import list_segments, remove_orphaned_segments
+from dflash.io.shm import list_segments, segment_owner
 from dflash.target.runner import TargetRunner
 from tests.train_helpers import TINY_LAYER_IDS, stdlib_snippets
 
 WIDTH_TAPS = len(TINY_LAYER_IDS)
 
 
-def _live_segments() -> set[str]:
-    """Segments now, less those of dead processes (an earlier killed run's, which any new ring sweeps away)."""
-    remove_orphaned_segments()
-    return set(list_segments())
-
-
-def _leaked(before: set[str]) -> set[str]:
-    """Segments made since ``before`` that are still there although their creator (named in the segment, the
-    trainer process or a spawned rank) has ended, or is this process: the leaks. Segments of other live processes
-    on the machine (another run) are not this test's."""
+@pytest.fixture
+def own_processes():
+    """The pids of this process and of every process it starts during the test (its descendants, polled every
+    0.2 s until the test ends): the creators whose segments are the test's own. Other runs on the machine make
+    segments, and leave those of their killed processes, at any time."""
     import os
 
     import psutil
 
-    leaked = set()
-    for name in set(list_segments()) - before:
-        owner = int(name.split("_")[1]) if name.split("_")[1].isdigit() else None
-        if owner is None or owner == os.getpid() or not psutil.pid_exists(owner):
-            leaked.add(name)
-    return leaked
+    pids = {os.getpid()}
+    done = threading.Event()
+
+    def poll() -> None:
+        me = psutil.Process()
+        while True:
+            try:
+                pids.update(child.pid for child in me.children(recursive=True))
+            except psutil.Error:
+                pass
+            if done.wait(0.2):
+                return
+
+    thread = threading.Thread(target=poll, name="own-processes", daemon=True)
+    thread.start()
+    yield pids
+    done.set()
+    thread.join()
+
+
+def _leaked(before: set[str], creators: set[int]) -> set[str]:
+    """Segments made since ``before`` by ``creators`` (``own_processes``: this process and the trainer processes
+    or spawned ranks it started) that are still there although their creator has ended, or is this process: the
+    leaks."""
+    import os
+
+    import psutil
+
+    return {name for name in set(list_segments()) - before
+            if (owner := segment_owner(name)) in creators and (owner == os.getpid() or not psutil.pid_exists(owner))}
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +201,7 @@ def _assert_same_batches(got: list[dict], expected: list[dict]) -> None:
 
 
 def test_read_ahead_yields_the_serial_batches_bit_for_bit_and_a_consumer_stopped_mid_epoch_resumes_to_them(
-        corpus_dir, target):
+        corpus_dir, target, own_processes):
     """The same producer and plan through a ring of 3 slots, read on the consumer's thread (``read_ahead=0``) and
     on the background reader (2 batches ahead): the same packed batches, every tensor bit for bit, in the same
     order over two epochs, each batch computed once. A consumer that goes away mid-epoch with reads in flight gives
@@ -194,7 +213,7 @@ def test_read_ahead_yields_the_serial_batches_bit_for_bit_and_a_consumer_stopped
     width = WIDTH_TAPS * int(target.model.config.hidden_size)
     tasks: list[tuple[str, int, int]] = []
     futures: list = []
-    before = _live_segments()
+    before = set(list_segments())
 
     def source(pool: ThreadPoolExecutor, read_ahead: int) -> OnlineBatches:
         def submit(task):
@@ -241,7 +260,7 @@ def test_read_ahead_yields_the_serial_batches_bit_for_bit_and_a_consumer_stopped
             rest = epochs(resumed, 2)
     producer.close()
     _assert_same_batches(head + rest, expected)
-    assert not _leaked(before)
+    assert not _leaked(before, own_processes)
 
 
 def _online_config(corpus_dir, target_path, output, **train_overrides):
@@ -352,10 +371,11 @@ def test_a_producer_runs_each_planned_batch_as_one_forward_by_default(corpus_dir
         torch.testing.assert_close(one_forward["hidden"].float(), reference["hidden"].float(), rtol=1.6e-2, atol=2e-2)
 
 
-def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir, target_path, target, tmp_path):
+def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir, target_path, target, tmp_path,
+                                                                      own_processes):
     from dflash.training.checkpoint import load_checkpoint
 
-    before = _live_segments()
+    before = set(list_segments())
     common = dict(max_steps=4, grad_accum_steps=3, save_every=2)  # 12 micro-batches: crosses an epoch (9)
     straight = _train_online_in_process(_online_config(corpus_dir, target_path, tmp_path / "straight", **common), target)
     first = _train_online_in_process(
@@ -384,7 +404,7 @@ def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir
     assert 0 < last["achieved_tokens_per_s"] <= last["trainer_capacity_tokens_per_s"]
     assert 0 <= last["interval_data_wait_fraction"] <= 1
     assert 0 <= last["ring_ready_mean"] <= last["ring_taken_mean"] <= 3 + 1  # 3 ring slots, 1 batch read ahead
-    assert not _leaked(before)  # every ring removed
+    assert not _leaked(before, own_processes)  # every ring removed
 
 
 def _expected_rows(config, steps: int, world_size: int) -> tuple[str, int]:
@@ -404,7 +424,8 @@ def _expected_rows(config, steps: int, world_size: int) -> tuple[str, int]:
     return digest, tokens
 
 
-def test_online_trains_end_to_end_with_ddp_on_exactly_the_planned_batches(corpus_dir, target_path, target, tmp_path):
+def test_online_trains_end_to_end_with_ddp_on_exactly_the_planned_batches(corpus_dir, target_path, target, tmp_path,
+                                                                          own_processes):
     """``run_online`` with one Dask producer process and 2 drafter DDP ranks (gloo, spawned by the train stage's
     launcher; each rank connects to the producers' scheduler and hands out its own batches through its own rings):
     the ranks train on exactly the first 4 global steps of the plan, disjoint batches, validate through the queue,
@@ -415,7 +436,7 @@ def test_online_trains_end_to_end_with_ddp_on_exactly_the_planned_batches(corpus
     run = tmp_path / "run"
     config = _online_config(corpus_dir, target_path, run, max_steps=4, save_every=2, drafter_processes=2)
     expected_digest, expected_tokens = _expected_rows(config, 4, world_size=2)
-    before = _live_segments()
+    before = set(list_segments())
     summary = run_online(config)
     assert summary["step"] == 4 and summary["data_digest"] == expected_digest  # rank 0's batches, in plan order
     assert summary["tokens_seen"] == expected_tokens  # both ranks' batches, none twice
@@ -424,7 +445,7 @@ def test_online_trains_end_to_end_with_ddp_on_exactly_the_planned_batches(corpus
     assert [r["step"] for r in records] == [1, 2, 3, 4] and records[-1]["producer_capacity_tokens_per_s"] > 0
     assert read_metrics(run, kind="val")  # validation batches came through the queue too
     assert json.loads((run / "run.json").read_text())["resolved"]["train_loader"]["world_size"] == 2
-    assert not _leaked(before)  # no ring left behind by either rank
+    assert not _leaked(before, own_processes)  # no ring left behind by either rank
 
 
 def test_online_command_refuses_bad_options_with_one_error_line(tmp_path):
@@ -439,7 +460,7 @@ def test_online_command_refuses_bad_options_with_one_error_line(tmp_path):
 
 def test_a_producer_killed_mid_batch_stops_the_run_and_the_resume_recomputes_lost_batches(corpus_dir, target_path,
                                                                                            target, tmp_path,
-                                                                                           monkeypatch):
+                                                                                           monkeypatch, own_processes):
     """Every producer process is SIGKILLed at its 3rd batch, after computing it and before writing its slot (as the
     OOM killer would; Dask's nanny starts a new one, which loads the target again). ``stop``: the run stops with one
     error naming the batch and keeps its step-2 checkpoint. ``--resume --on-producer-death recompute`` (the config
@@ -453,23 +474,23 @@ def test_a_producer_killed_mid_batch_stops_the_run_and_the_resume_recomputes_los
     config = _online_config(corpus_dir, target_path, run, max_steps=5, save_every=2, validation_fraction=0.0)
     config.on_producer_death = "stop"
     expected_digest, expected_tokens = _expected_rows(config, 5, world_size=1)
-    before = _live_segments()
+    before = set(list_segments())
     with pytest.raises(ProducerError, match=r"producer lost: the process computing batch 2 of epoch 0 died "
                                             r"\(on_producer_death=stop"):
         run_online(config)
     assert (run / "latest").read_text().strip() == "step_00000002"
-    assert not _leaked(before)
+    assert not _leaked(before, own_processes)
     resumed = config_from_cli({"on_producer_death": "recompute"}, {"output": str(run), "resume": True})
     assert resumed.corpus == config.corpus and resumed.on_producer_death == "recompute"
     assert resumed.train.max_steps == 5 and resumed.target_layer_ids == config.target_layer_ids
     summary = run_online(resumed)  # batches 2, 3, 4: the first producer dies at batch 4 (its 3rd), recomputed
     assert summary["step"] == 5 and summary["data_digest"] == expected_digest
     assert summary["tokens_seen"] == expected_tokens
-    assert not _leaked(before)
+    assert not _leaked(before, own_processes)
 
 
 def test_cache_to_writes_while_training_the_cache_extract_would_and_train_reuses_it(corpus_dir, target_path, target,
-                                                                                    offline_cache, tmp_path):
+                                                                                    offline_cache, tmp_path, own_processes):
     """``online --cache-to`` over one epoch (and one full validation pass): every shard of extract's plan is
     committed from the staged batches, ``cache verify`` accepts it, it holds what ``extract`` stores for the same
     rows (tokens and masks exactly, hidden states within bf16 tolerance) and records the rows the run never
@@ -483,10 +504,10 @@ def test_cache_to_writes_while_training_the_cache_extract_would_and_train_reuses
     config = _online_config(corpus_dir, target_path, tmp_path / "run", max_steps=5, grad_accum_steps=2,
                             max_validation_batches=None, min_supervised_tokens=40)  # fmt: skip
     config.cache_to, config.cache_shard_size = str(cache), 600  # the shard plan of the offline_cache fixture
-    before = _live_segments()
+    before = set(list_segments())
     summary = run_online(config)
     assert summary["cache_to"]["pending_shards"] == [] and summary["cache_to"]["committed_shards"] >= 3
-    assert not _leaked(before)
+    assert not _leaked(before, own_processes)
     assert not (cache / "staging").exists()  # every staged batch went into a committed shard
     assert verify_cache(cache, require_complete=True)["ok"]  # checksums, digests, every row of every range
     online, offline = CacheReader(cache), CacheReader(offline_cache)

@@ -7,8 +7,10 @@ test_extract.py, test_evaluate.py); here the line's figures are checked against 
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
+from cli_helpers import DURATION
 from rich.console import Console
 
 from dflash.errors import ConfigError
@@ -37,6 +39,8 @@ def test_counts_durations_and_the_interval_setting():
     assert [short_count(v) for v in (7, 0.054, 9_999, 52_000, 1_234_567, 250_000_000)] == [
         "7", "0.054", "9,999", "52K", "1.2M", "250M"]
     assert [short_duration(s) for s in (42, 190, 4000)] == ["42s", "3m10s", "1h06m"]
+    # The pattern the stages' tests match these durations with.
+    assert all(re.fullmatch(DURATION, short_duration(s)) for s in (0, 59.4, 60, 3599, 3600, 86_400 * 3))
     check_progress_interval(0)
     for bad in (-1, "30", True, float("nan")):
         with pytest.raises(ConfigError, match="progress_interval must be a number of seconds >= 0"):

@@ -1,7 +1,8 @@
 """Contract tests of the online queue's ring (dflash.batches.ring; docs/online-queue.md).
 
 Checksums, version refusal, tickets (a slot is reused only after its release), backpressure, and cleanup of the
-shared-memory segments when a producer or the owner is SIGKILLed (``/dev/shm`` listed before and after).
+shared-memory segments when a producer or the owner is SIGKILLed (``/dev/shm`` listed before and after: the
+segments of the test's own processes, whatever other runs on the machine create or remove meanwhile).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from dflash.batches import ring as online_queue
 from dflash.batches.ring import QUEUE_FORMAT_VERSION, QueueError, Ring, RingGeometry
-from dflash.io.shm import SharedMemoryFull, list_segments
+from dflash.io.shm import SharedMemoryFull, list_segments, segment_owner
 
 
 def _batch(dtype: torch.dtype, width: int = 8, lengths=(3, 5), seed: int = 0):
@@ -199,12 +200,17 @@ def test_a_batch_too_large_for_the_slot_is_refused(ring):
         producer.write_batch(slot, ticket, epoch=0, batch_index=0, bucket=0, **_batch(torch.bfloat16, lengths=(30, 5)))
 
 
+def _segments_of(*pids: int) -> set[str]:
+    """The dflash segments in ``/dev/shm`` now that processes ``pids`` created."""
+    return {name for name in list_segments() if segment_owner(name) in pids}
+
+
 def test_too_small_dev_shm_is_refused_with_the_fix(monkeypatch):
     monkeypatch.setattr(online_queue, "shm_free_bytes", lambda: 1 << 20)
-    before = set(list_segments())
+    before = _segments_of(os.getpid())
     with pytest.raises(SharedMemoryFull, match="--shm-size.*--ring-slots"):
         Ring.create(RingGeometry(num_slots=4, max_tokens=4096, max_documents=64, width=1024))
-    assert set(list_segments()) == before
+    assert _segments_of(os.getpid()) == before
 
 
 def _attach_write_and_hang(name: str, slot: int, ticket: int, ready) -> None:
@@ -215,7 +221,7 @@ def _attach_write_and_hang(name: str, slot: int, ticket: int, ready) -> None:
 
 
 def test_sigkilled_producer_leaves_no_segment_and_the_slot_stays_readable():
-    before = set(list_segments())
+    before = _segments_of(os.getpid())
     context = multiprocessing.get_context("spawn")
     ring = Ring.create(RingGeometry(num_slots=2, max_tokens=32, max_documents=8, width=8))
     try:
@@ -230,7 +236,7 @@ def test_sigkilled_producer_leaves_no_segment_and_the_slot_stays_readable():
         assert torch.equal(read.hidden, torch.cat(_batch(torch.bfloat16)["hidden"]))
     finally:
         ring.close()
-    assert set(list_segments()) == before
+    assert _segments_of(os.getpid(), process.pid) == before  # neither the owner's ring nor one of the producer's
 
 
 def test_segments_of_a_sigkilled_owner_are_swept_at_the_next_start():

@@ -40,6 +40,7 @@ __all__ = [
     "shm_free_bytes",
     "shm_free",
     "list_segments",
+    "segment_owner",
     "shared_location",
     "remove_segments_of",
     "remove_orphaned_segments",
@@ -61,7 +62,8 @@ class SharedMemoryFull(ConfigError):
 _REGISTRATION = threading.Lock()
 
 
-def _segment_owner(name: str) -> int | None:
+def segment_owner(name: str) -> int | None:
+    """The creator pid in a dflash segment's name (``dflash_<creator pid>_<random>``); ``None`` for any other name."""
     if not name.startswith(SEGMENT_PREFIX):
         return None
     pid = name[len(SEGMENT_PREFIX):].split("_", 1)[0]
@@ -71,7 +73,7 @@ def _segment_owner(name: str) -> int | None:
 def list_segments() -> list[str]:
     """Names of the dflash segments in ``/dev/shm`` now (every creator), sorted; ``[]`` where there is none."""
     try:
-        return sorted(name for name in os.listdir(_SHM_DIR) if _segment_owner(name) is not None)
+        return sorted(name for name in os.listdir(_SHM_DIR) if segment_owner(name) is not None)
     except OSError:
         return []
 
@@ -82,7 +84,7 @@ def remove_segments_of(pid: int) -> int:
     A SIGKILLed process never closes its segments; they would otherwise stay until the machine reboots."""
     removed = 0
     for name in list_segments():
-        if _segment_owner(name) == pid:
+        if segment_owner(name) == pid:
             try:
                 os.unlink(os.path.join(_SHM_DIR, name))
                 removed += 1
@@ -93,7 +95,7 @@ def remove_segments_of(pid: int) -> int:
 
 def remove_orphaned_segments() -> int:
     """Unlink the dflash segments of processes that no longer exist (killed ones); returns how many."""
-    owners = {_segment_owner(name) for name in list_segments()}
+    owners = {segment_owner(name) for name in list_segments()}
     return sum(remove_segments_of(pid) for pid in owners if pid is not None and not psutil.pid_exists(pid))
 
 
