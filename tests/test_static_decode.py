@@ -136,17 +136,22 @@ def test_the_engine_static_and_dynamic_caches_agree(target, prompts):
     assert all(len(tokens) == 10 or reason == "stop" for _, tokens, reason in results["static"])
 
 
-@pytest.mark.gpu
-def test_cuda_graph_replay_equals_eager_decoding_and_generate():
-    """On CUDA: the captured decode step gives the tokens the eager loop gives, and transformers' greedy
-    ``generate()`` gives, on a random GQA Llama in float32 (large init: peaked logits, no near-ties)."""
+def _cuda_llama():
+    """A random GQA Llama in float32 on CUDA, large init: peaked logits, no near-ties."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          initializer_range=0.2, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).cuda().eval()
+    return LlamaForCausalLM(config).cuda().eval()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager_decoding_and_generate():
+    """On CUDA: the captured decode step gives the tokens the eager loop gives, and transformers' greedy
+    ``generate()`` gives, on a random GQA Llama in float32 (large init: peaked logits, no near-ties)."""
+    model = _cuda_llama()
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 512, (n,), generator=generator).tolist() for n in (5, 17, 9, 30, 2)]
     limits = [24, 24, 13, 24, 7]
@@ -169,13 +174,7 @@ def test_cuda_stream_with_captured_steps_equals_generate_and_the_batches():
     """On CUDA: continuous batching (12 prompts through 4 rows, the decode step one captured graph, a stop token
     that ends some replies early) gives transformers' greedy ``generate()`` tokens for every prompt, and the batch
     decoder's, on a random GQA Llama in float32 (large init: peaked logits, no near-ties)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.2, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).cuda().eval()
+    model = _cuda_llama()
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 512, (n,), generator=generator).tolist() for n in (5, 17, 9, 30, 2, 44, 1, 12, 23,
                                                                                     7, 61, 3)]

@@ -175,6 +175,13 @@ def ranged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     return ranged_decode_attention(query, key, value, starts, ends, scale=scaling), None
 
 
+def _reply(tokens: list[int], limit: int, stops: set[int]) -> list[int]:
+    """A row's generated tokens: its first ``limit``, up to and including the first stop token."""
+    tokens = tokens[:limit]
+    end = next((k for k, token in enumerate(tokens) if token in stops), None)
+    return tokens if end is None else tokens[: end + 1]
+
+
 def _own_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``module``'s class forward, in a frame of its own: compiled with dynamic shapes for the prefill, apart from
     the decode step's static-shape graphs of the same forward."""
@@ -363,6 +370,17 @@ class StaticDecoder:
     def _step(self, slot: _Slot) -> torch.Tensor:
         return self._forward(slot.tokens, slot.mask, slot.positions, slot.cache, (slot.starts, slot.ends), slot.write)
 
+    def _run_step(self, slot: _Slot, use_graph: bool) -> tuple[torch.Tensor, bool]:
+        """One decode step of ``slot``: its captured graph (captured at the first step that uses it) or eagerly.
+        Returns the logits and whether the graph runs (False from then on where the capture failed)."""
+        if use_graph and slot.graph is None:
+            self._capture(slot)
+            use_graph = slot.graph is not None
+        if use_graph:
+            slot.graph.replay()
+            return slot.logits, True
+        return self._step(slot), False
+
     def _capture(self, slot: _Slot) -> None:
         """Capture the decode step of ``slot``; on failure (an op that cannot be captured) fall back to eager."""
         layers = slot.cache.layers
@@ -474,26 +492,13 @@ class StaticDecoder:
             slot.mask.index_fill_(3, write, 0.0)  # the fed token's own key becomes visible
             if self.ranged:  # a row reads up to the fed token; a finished row reads nothing
                 torch.where(done, slot.starts, (write + 1).to(torch.int32), out=slot.ends)
-            if use_graph:
-                if slot.graph is None:
-                    self._capture(slot)
-                    use_graph = slot.graph is not None
-            if use_graph:
-                slot.graph.replay()
-                logits = slot.logits
-            else:
-                logits = self._step(slot)
+            logits, use_graph = self._run_step(slot, use_graph)
             self.last_steps = step + 1
         self.last_mode = "graph" if use_graph else "eager"
 
-        rows = out[:count].cpu().tolist()
         stops = set(self.stops.tolist())
-        results = []
-        for tokens, limit in zip(rows, max_new_tokens, strict=True):
-            tokens = tokens[:limit]
-            end = next((k for k, token in enumerate(tokens) if token in stops), None)
-            results.append(tokens if end is None else tokens[: end + 1])
-        return results
+        return [_reply(tokens, limit, stops) for tokens, limit in zip(out[:count].cpu().tolist(), max_new_tokens,
+                                                                       strict=True)]
 
     @property
     def streams(self) -> bool:
@@ -644,9 +649,7 @@ class StaticDecoder:
                 collected = []
                 for row, tokens, size in zip(ready, token_rows, ages, strict=True):
                     prompt = owner[row]
-                    tokens = tokens[: min(size, max_new_tokens[prompt])]
-                    end = next((k for k, token in enumerate(tokens) if token in stops), None)
-                    results[prompt] = tokens if end is None else tokens[: end + 1]
+                    results[prompt] = _reply(tokens, min(size, max_new_tokens[prompt]), stops)
                     collected.append(prompt)
                     owner[row] = -1
                 if finished is not None:
@@ -668,14 +671,7 @@ class StaticDecoder:
         decoding = refill()
         while decoding:
             torch.where(done, starts, (write + 1).to(torch.int32), out=ends)
-            if use_graph and slot.graph is None:
-                self._capture(slot)
-                use_graph = slot.graph is not None
-            if use_graph:
-                slot.graph.replay()
-                logits = slot.logits
-            else:
-                logits = self._step(slot)
+            logits, use_graph = self._run_step(slot, use_graph)
             step += 1
             active = ~done
             chosen = torch.where(done, self.pad_token_id, self._choose(logits, temperature, top_p, keys, age))
