@@ -555,6 +555,10 @@ class StaticDecoder:
         widest = width_of([len(p) for p in prompts])
         length = -(-(widest + steps) // self.length_bucket) * self.length_bucket
         rows, device = self.rows, self.device
+        if (rows, length, True) not in self._slots:  # a stream's cache is the largest: keep no other next to it
+            self._slots.clear()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         slot = self._slot(rows, length, stream=True)
         budget = prefill_tokens if prefill_tokens is not None else rows * widest
         refill_at = max(1, rows // 16) if refill_rows is None else max(1, refill_rows)
