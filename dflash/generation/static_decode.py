@@ -182,6 +182,14 @@ def _reply(tokens: list[int], limit: int, stops: set[int]) -> list[int]:
     return tokens if end is None else tokens[: end + 1]
 
 
+def _rewind(slot: _Slot) -> None:
+    """Let the static cache of ``slot`` write from position 0 again (its next update through the model's own
+    attention forward)."""
+    for layer in slot.cache.layers:
+        if getattr(layer, "is_initialized", False):
+            layer.cumulative_length.zero_()
+
+
 def _own_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``module``'s class forward, in a frame of its own: compiled with dynamic shapes for the prefill, apart from
     the decode step's static-shape graphs of the same forward."""
@@ -367,6 +375,28 @@ class StaticDecoder:
                          logits_to_keep=1, **{self._cache_argument: cache}, **extra)
         return out.logits[:, -1]
 
+    def _prefill_inputs(self, prompts: Sequence[Sequence[int]], rows: int, width: int,
+                        columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prefill of ``prompts`` left-padded to ``width``, plus filler rows up to ``rows`` (one visible pad
+        token each, output discarded), on the device: input ids (rows, width) int64, which positions hold prompt
+        tokens (rows, width) bool, the additive mask (rows, 1, width, columns) in the model dtype (causal over the
+        prompt tokens; a padding query sees itself only, so no softmax row is all masked; columns past ``width``
+        masked) and the position ids (rows, width) int64 (left padding excluded)."""
+        input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
+        valid = torch.zeros((rows, width), dtype=torch.bool)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
+            valid[row, width - len(prompt):] = True
+        valid[len(prompts):, -1] = True
+        input_ids, valid = input_ids.to(self.device), valid.to(self.device)
+        causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril_()
+        allowed = causal[None] & valid[:, None, :]
+        allowed |= torch.eye(width, dtype=torch.bool, device=self.device)[None]
+        mask = torch.full((rows, 1, width, columns), self._min, dtype=self.dtype, device=self.device)
+        mask[:, 0, :, :width].masked_fill_(allowed, 0.0)
+        positions = (valid.long().cumsum(-1) - 1).clamp_(min=0)
+        return input_ids, valid, mask, positions
+
     def _step(self, slot: _Slot) -> torch.Tensor:
         return self._forward(slot.tokens, slot.mask, slot.positions, slot.cache, (slot.starts, slot.ends), slot.write)
 
@@ -438,27 +468,11 @@ class StaticDecoder:
         rows = self.rows if self.cuda_graphs else count  # fixed shapes only where a graph is captured
         slot = self._slot(rows, length)
 
-        input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
-        valid = torch.zeros((rows, width), dtype=torch.bool)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
-            valid[row, width - len(prompt):] = True
-        valid[count:, -1] = True  # filler rows: one visible pad token, output discarded
-        input_ids, valid = input_ids.to(self.device), valid.to(self.device)
-
-        # Prefill: causal over the visible prompt tokens; a padding query sees itself only (no all-masked softmax row).
-        causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril_()
-        allowed = causal[None] & valid[:, None, :]
-        allowed |= torch.eye(width, dtype=torch.bool, device=self.device)[None]
-        prefill_mask = torch.full((rows, 1, width, length), self._min, dtype=self.dtype, device=self.device)
-        prefill_mask[:, 0, :, :width].masked_fill_(allowed, 0.0)
-        positions = (valid.long().cumsum(-1) - 1).clamp_(min=0)
-        for layer in slot.cache.layers:  # reuse the cache: write from position 0 again (stale entries stay masked)
-            if getattr(layer, "is_initialized", False):
-                layer.cumulative_length.zero_()
+        input_ids, valid, prefill_mask, positions = self._prefill_inputs(prompts, rows, width, length)
+        _rewind(slot)  # reuse the cache: write from position 0 again (stale entries stay masked)
         slot.write.zero_()  # the prefill writes the cache from position 0
         logits = self._forward(input_ids, prefill_mask, positions, slot.cache, write=slot.write)
-        del prefill_mask, allowed
+        del prefill_mask
 
         slot.mask.fill_(self._min)
         slot.mask[:, 0, 0, :width].masked_fill_(valid, 0.0)
@@ -599,28 +613,15 @@ class StaticDecoder:
                 lengths += [1] * (rows - take)
             width = width_of(lengths)
             batch = len(chosen_rows)
-            input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-            valid = torch.zeros((batch, width), dtype=torch.bool)
-            for row, (index, size) in enumerate(zip(indices, lengths, strict=False)):
-                input_ids[row, width - size:] = torch.as_tensor(list(prompts[index]), dtype=torch.long)
-            for row, size in enumerate(lengths):
-                valid[row, width - size:] = True
-            input_ids, valid = input_ids.to(device), valid.to(device)
-            causal = torch.ones((width, width), dtype=torch.bool, device=device).tril_()
-            allowed = (causal[None] & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)[None]
-            mask = torch.full((batch, 1, width, length if fresh else width), self._min, dtype=self.dtype,
-                              device=device)
-            mask[:, 0, :, :width].masked_fill_(allowed, 0.0)
-            positions = (valid.long().cumsum(-1) - 1).clamp_(min=0)
+            input_ids, _, mask, positions = self._prefill_inputs([prompts[i] for i in indices], batch, width,
+                                                                 length if fresh else width)
             index = torch.tensor(chosen_rows, dtype=torch.long, device=device)
             if fresh:
-                for layer in slot.cache.layers:
-                    if getattr(layer, "is_initialized", False):
-                        layer.cumulative_length.zero_()
+                _rewind(slot)
             logits = self._forward(input_ids, mask, positions, slot.cache, write=zero,
                                    cache_rows=None if fresh else index)
             fresh = False
-            del mask, allowed
+            del mask
             real = torch.tensor(lengths, dtype=torch.long, device=device)
             request_limits = torch.tensor([max_new_tokens[i] for i in indices] + [1] * (batch - take),
                                           dtype=torch.long, device=device)
