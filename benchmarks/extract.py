@@ -403,11 +403,16 @@ def profile_forwards(runner: TargetRunner, batches: list[tuple], device: torch.d
     issued and kernels run per forward, the ``top`` kernels by device time and the ``top`` operators by host time."""
     from torch.profiler import ProfilerActivity, profile
 
-    time_truncated_forward(runner, batches[:1], device)  # warm
+    runner.forward(batches[0][0])  # warm, outside the profile
+    _sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        wall = time_truncated_forward(runner, batches, device)
-    count = len(batches) + 1  # time_truncated_forward runs its warm-up forward inside the profile too
+        started = time.perf_counter()
+        for ids, _ in batches:
+            runner.forward(ids)
+        _sync(device)
+        wall = time.perf_counter() - started
+    count = len(batches)
     events = prof.events()
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     operators = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::")
@@ -419,7 +424,7 @@ def profile_forwards(runner: TargetRunner, batches: list[tuple], device: torch.d
     by_operator: dict[str, float] = {}
     for event in operators:
         by_operator[event.name] = by_operator.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e6
-    console.print(f"profile: {len(batches)} forwards (+1 warm), wall {wall / count * 1e3:.1f} ms per forward, device "
+    console.print(f"profile: {count} forwards, wall {wall / count * 1e3:.1f} ms per forward, device "
                   f"kernels {device_seconds / count * 1e3:.1f} ms per forward, {len(operators) / count:.0f} top-level "
                   f"operators and {len(kernels) / count:.0f} kernels per forward")
     for name, seconds in sorted(by_kernel.items(), key=lambda item: -item[1])[:top]:

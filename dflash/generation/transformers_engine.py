@@ -103,7 +103,6 @@ class TransformersEngine:
         #: Seconds, generated tokens and (static cache) decode steps of the last :meth:`generate` call (for the
         #: stage's report and benchmarks).
         self.last_stats: dict[str, float] = {}
-        self._steps = 0
         self._decoder: Any = None
         if self.cache == "static":
             from dflash.generation.static_decode import StaticDecoder
@@ -136,11 +135,20 @@ class TransformersEngine:
         """How the last batch's decode steps ran: ``"graph"`` (CUDA graph replay), ``"eager"`` or ``"generate()"``."""
         return self._decoder.last_mode if self._decoder is not None else "generate()"
 
+    @staticmethod
+    def _length_order(requests: Sequence[GenerationRequest]) -> list[int]:
+        """Request indices by prompt length (then id): batches and refills of similar widths, little left padding."""
+        return sorted(range(len(requests)), key=lambda i: (len(requests[i].prompt_ids), requests[i].request_id))
+
+    @staticmethod
+    def _row_keys(settings: SamplingSettings, requests: Sequence[GenerationRequest]) -> list[int]:
+        """Per request, the static decoder's sampling key: its tokens depend on the seed and the request only."""
+        return [settings.seed * 2**32 + r.request_id for r in requests]
+
     def _batches(self, requests: Sequence[GenerationRequest]) -> list[list[int]]:
-        order = sorted(range(len(requests)), key=lambda i: (len(requests[i].prompt_ids), requests[i].request_id))
         batches: list[list[int]] = []
         current: list[int] = []
-        for index in order:
+        for index in self._length_order(requests):
             width = self._bucketed(len(requests[index].prompt_ids))
             if current and (len(current) >= self.batch_size or (len(current) + 1) * width > self.token_budget):
                 batches.append(current)
@@ -156,61 +164,56 @@ class TransformersEngine:
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest], settings: SamplingSettings) -> list[GenerationResult]:
         started = time.perf_counter()
-        self._steps = 0
-        if self.streams:
-            results = self._stream(requests, settings)
-            generated = sum(len(result.token_ids) for result in results)
-        else:
-            results, generated = self._batched(requests, settings)
+        results, steps = (self._stream if self.streams else self._batched)(requests, settings)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.last_stats = {"seconds": time.perf_counter() - started, "generated_tokens": float(generated)}
+        self.last_stats = {"seconds": time.perf_counter() - started,
+                           "generated_tokens": float(sum(len(result.token_ids) for result in results))}
         if self._decoder is not None:
-            self.last_stats["decode_steps"] = float(self._steps)
+            self.last_stats["decode_steps"] = float(steps)
         return results
 
-    def _stream(self, requests: Sequence[GenerationRequest], settings: SamplingSettings) -> list[GenerationResult]:
-        order = sorted(range(len(requests)), key=lambda i: (len(requests[i].prompt_ids), requests[i].request_id))
+    def _stream(self, requests: Sequence[GenerationRequest],
+                settings: SamplingSettings) -> tuple[list[GenerationResult], int]:
+        """Every request through :meth:`StaticDecoder.decode_stream`; returns the results and the decode steps."""
+        order = self._length_order(requests)
         ordered = [requests[i] for i in order]
 
-        def finished(indices: list[int], replies: list[list[int]]) -> None:
+        def finished(indices: list[int], replies: list[list[int]]) -> None:  # replies already cut at stop/limit
             if self.progress is not None:
-                self.progress(len(indices), sum(len(self._result(ordered[i], r).token_ids)
-                                                for i, r in zip(indices, replies, strict=True)))
+                self.progress(len(indices), sum(len(reply) for reply in replies))
 
         token_lists = self._decoder.decode_stream(
             [r.prompt_ids for r in ordered], [r.max_new_tokens for r in ordered], temperature=settings.temperature,
-            top_p=settings.top_p, row_keys=[settings.seed * 2**32 + r.request_id for r in ordered],
-            prompt_bucket=self.prompt_bucket, prefill_tokens=self.token_budget, finished=finished)
-        self._steps += self._decoder.last_steps
+            top_p=settings.top_p, row_keys=self._row_keys(settings, ordered), prompt_bucket=self.prompt_bucket,
+            prefill_tokens=self.token_budget, finished=finished)
         results: list[GenerationResult | None] = [None] * len(requests)
         for index, request, tokens in zip(order, ordered, token_lists, strict=True):
             results[index] = self._result(request, tokens)
-        return results  # type: ignore[return-value]
+        return results, self._decoder.last_steps  # type: ignore[return-value]
 
     def _batched(self, requests: Sequence[GenerationRequest],
                  settings: SamplingSettings) -> tuple[list[GenerationResult], int]:
+        """Batch after batch (:meth:`_batches`); returns the results and the static decoder's decode steps."""
         results: list[GenerationResult | None] = [None] * len(requests)
-        generated = 0
+        steps = 0
         for batch in self._batches(requests):
             rows = [requests[i] for i in batch]
             outputs = self._generate_batch(rows, settings)
+            steps += self._decoder.last_steps if self._decoder is not None else 0
             for index, result in zip(batch, outputs, strict=True):
                 results[index] = result
-                generated += len(result.token_ids)
             if self.progress is not None:
                 self.progress(len(outputs), sum(len(result.token_ids) for result in outputs))
         assert all(result is not None for result in results)
-        return results, generated  # type: ignore[return-value]
+        return results, steps  # type: ignore[return-value]
 
     def _generate_batch(self, rows: list[GenerationRequest], settings: SamplingSettings) -> list[GenerationResult]:
         width = self._bucketed(max(len(r.prompt_ids) for r in rows))
         if self._decoder is not None:
-            keys = [settings.seed * 2**32 + r.request_id for r in rows]
             token_lists = self._decoder.decode([r.prompt_ids for r in rows], [r.max_new_tokens for r in rows],
                                                temperature=settings.temperature, top_p=settings.top_p,
-                                               row_keys=keys, width=width)
-            self._steps += self._decoder.last_steps
+                                               row_keys=self._row_keys(settings, rows), width=width)
             return [self._result(request, tokens) for request, tokens in zip(rows, token_lists, strict=True)]
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
