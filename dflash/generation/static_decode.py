@@ -44,6 +44,7 @@ import torch
 
 from dflash.errors import ConfigError
 from dflash.generation.ranged_attention import RANGES_KWARG
+from dflash.target.forwards import is_mlp_or_norm, own_forward, replace_forwards, restore_forwards
 
 __all__ = ["StaticDecoder", "gumbel_noise", "grouped_decode_attention", "deterministic_decode_attention",
            "ranged_attention", "ATTENTION_NAME", "DETERMINISTIC_ATTENTION_NAME", "RANGED_ATTENTION_NAME",
@@ -190,12 +191,6 @@ def _rewind(slot: _Slot) -> None:
             layer.cumulative_length.zero_()
 
 
-def _own_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``module``'s class forward, in a frame of its own: compiled with dynamic shapes for the prefill, apart from
-    the decode step's static-shape graphs of the same forward."""
-    return type(module).forward(module, *args, **kwargs)
-
-
 def _compiled_forward(module: torch.nn.Module, decode: Any, prefill: Any, hidden: torch.Tensor, *args: Any,
                       **kwargs: Any) -> Any:
     """A compiled part's forward: the static-shape graph for one token per row, the shape-generic one (or the
@@ -313,17 +308,15 @@ class StaticDecoder:
 
         if compile_parts is None:
             compile_parts = self.device.type == "cuda" and ranged_attention_available(self.device)
-        #: The modules whose forward runs compiled while the decoder is open.
+        #: The modules whose forward runs compiled while the decoder is open: a static-shape graph each for the
+        #: decode step, one shape-generic graph per class for the prefill (its own frame, apart from the decode's).
         self._compiled: list[torch.nn.Module] = []
-        prefill = None
-        if compile_parts and (compile_prefill is None or compile_prefill):
-            prefill = torch.compile(_own_forward, dynamic=True, backend=compile_backend)
         if compile_parts:
-            for module in model.modules():
-                if type(module).__name__.endswith(("MLP", "RMSNorm")) and "forward" not in vars(module):
-                    self._compiled.append(module)
-                    decode = torch.compile(module.forward, dynamic=False, backend=compile_backend)
-                    module.forward = functools.partial(_compiled_forward, module, decode, prefill)
+            prefill = (torch.compile(own_forward, dynamic=True, backend=compile_backend)
+                       if compile_prefill is None or compile_prefill else None)
+            self._compiled = replace_forwards(model, is_mlp_or_norm, lambda module: functools.partial(
+                _compiled_forward, module, torch.compile(module.forward, dynamic=False, backend=compile_backend),
+                prefill))
         #: The attention modules whose forward is :func:`fused_decode_forward` while the decoder is open.
         self._fused: list[torch.nn.Module] = []
         self._attention_layers = sum(1 for module in model.modules()
@@ -331,10 +324,8 @@ class StaticDecoder:
         if self.ranged and (fused is None or fused):
             from dflash.generation.fused_decode import fusable, fused_decode_forward
 
-            for module in model.modules():
-                if fusable(module) and "forward" not in vars(module):
-                    self._fused.append(module)
-                    module.forward = functools.partial(fused_decode_forward, module)
+            self._fused = replace_forwards(model, fusable,
+                                           lambda module: functools.partial(fused_decode_forward, module))
 
     # -- buffers ---------------------------------------------------------------------------------------------------
 
@@ -714,8 +705,7 @@ class StaticDecoder:
         """Free the caches and graphs; give the model its previous attention implementation and its modules' own
         forwards back."""
         self._slots.clear()
-        for module in self._compiled + self._fused:
-            del module.forward  # the instance attribute set in __init__: the class's forward again
+        restore_forwards(self._compiled + self._fused)
         self._compiled, self._fused = [], []
         if self.model is not None and self._restore_attention is not None:
             self.model.set_attn_implementation(self._restore_attention)

@@ -68,6 +68,7 @@ import numpy as np
 import torch
 
 from dflash.errors import ConfigError, TargetError
+from dflash.target.forwards import is_mlp_or_norm, own_forward, replace_forwards, restore_forwards
 from dflash.target.load import PACKED_ATTENTION
 from dflash.target.taps import LAYER_ID_CONVENTION, validate_target_layer_ids
 
@@ -258,12 +259,6 @@ def _register_varlen() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(VARLEN_IMPLEMENTATION, _varlen_attention_forward)
-
-
-def _own_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``module``'s class forward in a frame of its own: one compiled graph (shape-generic) serves every module of a
-    class (``TargetRunner(compile_parts=True)``)."""
-    return type(module).forward(module, *args, **kwargs)
 
 
 class _StopForward(Exception):
@@ -527,11 +522,9 @@ class TargetRunner:
         #: The modules whose forward runs compiled until :meth:`close` (``compile_parts``).
         self._compiled: list[torch.nn.Module] = []
         if compile_parts:
-            compiled = torch.compile(_own_forward, dynamic=True, backend=compile_backend)
-            for module in self._decoder.modules():
-                if type(module).__name__.endswith(("MLP", "RMSNorm")) and "forward" not in vars(module):
-                    module.forward = functools.partial(compiled, module)
-                    self._compiled.append(module)
+            compiled = torch.compile(own_forward, dynamic=True, backend=compile_backend)
+            self._compiled = replace_forwards(self._decoder, is_mlp_or_norm,
+                                              lambda module: functools.partial(compiled, module))
 
     def _acquire_host_buffer(self, numel: int) -> torch.Tensor:
         """A pinned flat bf16 buffer of at least ``numel`` elements: a released one if big enough, else a new one
@@ -567,8 +560,7 @@ class TargetRunner:
     def close(self) -> None:
         """Free the shared host buffers (no batch of this runner may be in use any more) and give compiled modules
         their own forward back. Idempotent."""
-        for module in self._compiled:
-            del module.forward  # the instance attribute set in __init__: the class's forward again
+        restore_forwards(self._compiled)
         self._compiled.clear()
         self._free_buffers.clear()
         for shared in self._shared:
