@@ -103,6 +103,7 @@ class EvaluateConfig:
     device: str = setting("auto", help='auto | cpu | cuda | cuda:N.')
     dtype: str = setting("auto", help='auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16 (bf16, fp32, fp16 also accepted).')
     cpu_threads: int = setting(1, help='Torch threads while decoding on CPU (more threads lose on shared cores).')
+    kv_cache: str = setting("auto", help="The target's KV cache in the speculative and block-size-1 loops: static (one static cache; on CUDA the verify block's and the one-token forward are captured once as CUDA graphs and replayed), dynamic (transformers' DynamicCache, eager forwards), auto (static on CUDA where the target's attention takes a 4-D mask, dynamic elsewhere). The generate() reference always runs transformers' own generate(). Same tokens either way (float32); docs/benchmarks.md, Evaluate.")
     #: Largest target logit gap that counts as a floating-point near-tie in the lossless check; None: 1e-3 in float32, 0.125 in 16-bit dtypes.
     near_tie_tolerance: float | None = None
     json_path: Path | None = setting(None, option='--json-file', help='Also write the full report as JSON to this file (default for a run folder: RUN/eval/final.json, which report, diff and inspect read).')
@@ -123,6 +124,8 @@ class EvaluateConfig:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.kv_cache not in ("auto", "static", "dynamic"):
+            raise ConfigError(f"kv_cache must be auto, static or dynamic, got {self.kv_cache!r}")
         if self.block_size is not None and self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2 to draft anything, got {self.block_size}")
 
@@ -310,6 +313,7 @@ def evaluate_drafter(
     console: Console | None = None,
     label: str = "drafter",
     progress_interval: float = DEFAULT_PROGRESS_INTERVAL,
+    kv_cache: str = "auto",
 ) -> tuple[dict[str, Any], Baselines | None]:
     """Speculative decoding of every prompt with ``drafter`` and (unless ``baseline`` is given) the two references:
     block size 1 in the same loop, and the target's own ``generate()``.
@@ -321,18 +325,22 @@ def evaluate_drafter(
             several checkpoints against one baseline). Runs are interleaved per prompt when measured here.
         references: ``False`` (and no ``baseline``): decode with the drafter only; no speedup, no lossless check.
         progress_interval: seconds between two progress lines where ``console`` is not a terminal (0: none).
+        kv_cache: ``static``, ``dynamic`` or ``auto`` (:attr:`EvaluateConfig.kv_cache`): the target of both loops is
+            :class:`dflash.decoding.static_target.StaticTappedTarget` or the dynamic-cache ``TappedTarget``.
 
     Returns:
         ``(summary, baselines)``: summary with ``tau``, ``acceptance``, ``speedup`` (vs block size 1),
         ``speedup_vs_generate``, ``throughput`` (``speculative``, ``baseline_block_size_1``, ``target_generate``),
         ``lossless`` and ``lossless_vs_generate`` (greedy only), ``per_prompt``; without references the speedups
         are ``None``, ``throughput`` holds ``speculative`` only and both lossless entries say ``checked: false``.
-        ``baselines`` is ``None`` when no reference ran.
+        ``baselines`` is ``None`` when no reference ran. ``decoding``: the KV cache the loops ran on and how many
+        target forwards replayed a CUDA graph.
     """
     import torch
 
     from dflash.decoding.speculative import AcceptanceStats, SpeculativeConfig, TappedTarget
     from dflash.decoding.speculative import speculative_generate as _generate
+    from dflash.decoding.static_target import StaticTappedTarget, static_cache_supported
 
     model = target.model
     device = next(model.parameters()).device
@@ -358,7 +366,12 @@ def evaluate_drafter(
                            TextColumn("prompts, {task.fields[tau]}"), TextColumn("[dim]{task.fields[phase]}"),
                            TimeElapsedColumn(), console=console, transient=True, unit="prompts",
                            interval=progress_interval)
-    with TappedTarget(model, target_layer_ids) as tapped, progress:
+    static = kv_cache == "static" or (kv_cache == "auto" and device.type == "cuda" and static_cache_supported(model))
+    tapped = (StaticTappedTarget(model, target_layer_ids) if static  # ConfigError where the attention cannot
+              else TappedTarget(model, target_layer_ids))
+    if static:
+        tapped.reserve(max(len(p.input_ids) for p in prompts) + max_new_tokens + block_size)
+    with tapped, progress:
         task = progress.add_task(f"evaluate {label}", total=len(prompts), tau="tau -", phase="warm-up", tokens=0)
         warm = SpeculativeConfig(block_size=block_size, max_new_tokens=min(8, max_new_tokens), temperature=temperature,
                                  mask_token_id=mask_token_id)
@@ -383,6 +396,9 @@ def evaluate_drafter(
             progress.update(task, advance=1, tau=f"tau {tau_so_far:.2f}",
                             tokens=sum(len(r.output_ids) for r in spec_results))
 
+    decoding = {"kv_cache": "static" if static else "dynamic",
+                "cuda_graphs": bool(static and tapped.cuda_graphs),
+                "graph_replays": tapped.replays if static else 0}
     stats = AcceptanceStats.from_lengths([t for r in spec_results for t in r.acceptance_lengths], block_size)
     spec_speed = _throughput(spec_results)
     per_prompt = [
@@ -395,7 +411,7 @@ def evaluate_drafter(
         skipped = {"checked": False, "reason": "references not run (evaluate.references = false): tau only"}
         return {"tau": stats.mean_tau, "acceptance": stats.to_dict(), "speedup": None, "speedup_vs_generate": None,
                 "throughput": {"speculative": spec_speed}, "lossless": skipped, "lossless_vs_generate": skipped,
-                "per_prompt": per_prompt}, None
+                "decoding": decoding, "per_prompt": per_prompt}, None
     for entry, b, g in zip(per_prompt, base_results, generate_results, strict=True):
         entry.update(baseline_seconds=b.seconds, generate_new_tokens=len(g.output_ids), generate_seconds=g.seconds)
     sampled = {"checked": False, "reason": "sampled mode: lossless in distribution, not token for token"}
@@ -413,6 +429,7 @@ def evaluate_drafter(
         "lossless_vs_generate": (
             _lossless_vs_generate(model, prompts, spec_results, base_results, generate_results, tolerance)
             if temperature == 0 else sampled),
+        "decoding": decoding,
         "per_prompt": per_prompt,
     }
     return summary, Baselines(block_size_1=base_results, target_generate=generate_results)
@@ -521,7 +538,7 @@ class Evaluator:
             stop_token_ids=_stop_tokens(self.target.tokenizer, config.ignore_eos), seed=config.seed,
             near_tie_tolerance=config.near_tie_tolerance,
             baseline=self.baselines.get(_baseline_key(prompt_set)) if references else None,
-            references=references, console=self.console,
+            references=references, console=self.console, kv_cache=config.kv_cache,
             label=label if len(self.prompt_sets) == 1 else f"{label} on {prompt_set.name}",
             progress_interval=config.progress_interval,
         )
@@ -672,6 +689,10 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         summary.add_row("tau of an untrained drafter", f"{report['untrained']['tau']:.3f}")
     speed = report["throughput"]
     summary.add_row("speculative tokens/s", f"{speed['speculative']['tokens_per_second']:.1f}")
+    decoding = report.get("decoding")  # reports written before the static cache existed lack it
+    if decoding is not None:
+        graphs = f", {decoding['graph_replays']} CUDA graph replays" if decoding["cuda_graphs"] else ""
+        summary.add_row("target KV cache (both loops)", f"{decoding['kv_cache']}{graphs}")
     if report.get("speedup") is None:  # references not run (tau only)
         summary.add_row("speedups, lossless check", "not measured (references off: tau only)")
     else:

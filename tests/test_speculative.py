@@ -20,6 +20,7 @@ from dflash.decoding.speculative import (
     verify_greedy,
     verify_sampled,
 )
+from dflash.decoding.static_target import StaticTappedTarget
 from dflash.errors import ConfigError
 
 TAPS = [1, 14, 27]
@@ -71,9 +72,12 @@ class OracleDrafter(torch.nn.Module):
         return logits
 
 
-@pytest.fixture(scope="module")
-def tapped(target):
-    with TappedTarget(target.model, TAPS) as wrapped:
+@pytest.fixture(scope="module", params=["dynamic", "static"])
+def tapped(target, request):
+    """The target with its taps, on transformers' dynamic KV cache and on the static cache
+    (dflash/decoding/static_target.py; eager on CPU): every loop test runs through both."""
+    kind = TappedTarget if request.param == "dynamic" else StaticTappedTarget
+    with kind(target.model, TAPS) as wrapped:
         yield wrapped
 
 

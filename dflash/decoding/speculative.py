@@ -243,7 +243,9 @@ class TappedTarget:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def new_cache(self) -> Any:
+    def new_cache(self, capacity: int = 0) -> Any:
+        """A KV cache for one generation of at most ``capacity`` positions (a dynamic cache grows as it goes, so
+        ``capacity`` is not needed here; :class:`dflash.decoding.static_target.StaticTappedTarget` sizes by it)."""
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
@@ -380,7 +382,7 @@ def speculative_generate(
     stop = set(config.stop_token_ids)
     drafting = block_size > 1
     tapped.capture = drafting
-    cache = tapped.new_cache()
+    cache = tapped.new_cache(prompt.numel() + config.max_new_tokens + block_size)
 
     _synchronize(device)
     started = time.perf_counter()

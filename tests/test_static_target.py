@@ -1,0 +1,113 @@
+"""The static-cache tapped target (dflash/decoding/static_target.py): the speculative loop through it commits the
+tokens and acceptance lengths the dynamic-cache target gives, on one cache reused across generations of other
+lengths, eagerly on CPU and through captured graphs on CUDA. tests/test_speculative.py runs its loop tests through
+both targets on the real SmolLM2 as well."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.decoding.speculative import SpeculativeConfig, TappedTarget, speculative_generate
+from dflash.decoding.static_target import StaticTappedTarget, static_cache_supported
+from dflash.errors import ConfigError
+
+TAPS = [0, 2]
+VOCAB = 512
+
+
+def _llama(device: str = "cpu"):
+    """A random GQA Llama in float32, large init: peaked logits, no near-ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.2, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).to(device).eval()
+
+
+class NoisyOracle(torch.nn.Module):
+    """Proposes the target's greedy continuation (``reference``), wrong at seeded random block positions: cycles
+    accept 0 .. B-1 drafts, so rejected keys are left in the cache for the next cycle to overwrite."""
+
+    def __init__(self, reference: list[int], seed: int) -> None:
+        super().__init__()
+        self.anchor_param = torch.nn.Parameter(torch.zeros(1))
+        self.reference = reference
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def draft_block(self, context_hidden, context_positions, block_input_ids, block_start):
+        assert context_hidden.shape[0] == block_start
+        logits = torch.full((block_input_ids.numel(), VOCAB), -1e4, device=context_hidden.device)
+        wrong = int(torch.randint(1, block_input_ids.numel() + 1, (1,), generator=self.generator))
+        for k in range(block_input_ids.numel()):
+            index = block_start + k
+            token = self.reference[index] if index < len(self.reference) else 0
+            logits[k, (token + 1) % VOCAB if k >= wrong else token] = 0.0
+        return logits
+
+
+def _runs(tapped: TappedTarget, model, prompts: list[list[int]], block: int, new: int) -> list[tuple]:
+    results = []
+    for seed, prompt in enumerate(prompts):
+        reference = model.generate(torch.tensor([prompt], device=tapped.device), max_new_tokens=new,
+                                   do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
+        for size in (1, block):
+            config = SpeculativeConfig(block_size=size, max_new_tokens=new, mask_token_id=0)
+            drafter = NoisyOracle(reference, seed) if size > 1 else None
+            result = speculative_generate(tapped, drafter, prompt, config)
+            assert result.output_ids == reference[len(prompt):]  # lossless whatever the drafts
+            results.append((result.output_ids, result.acceptance_lengths))
+    return results
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    # A long prompt first: the later, shorter generations reuse the cache with stale keys beyond their positions.
+    return [torch.randint(1, VOCAB, (n,), generator=generator).tolist() for n in (70, 5, 33, 1)]
+
+
+def test_static_cache_commits_what_the_dynamic_cache_commits():
+    model = _llama()
+    prompts = _prompts()
+    with TappedTarget(model, TAPS) as dynamic:
+        expected = _runs(dynamic, model, prompts, block=6, new=40)
+    with StaticTappedTarget(model, TAPS, length_bucket=64) as static:
+        assert _runs(static, model, prompts, block=6, new=40) == expected
+        assert static.replays == 0 and static.eager_forwards > 0  # eager on CPU: no graph
+    assert any(1 < tau < 6 for _, lengths in expected for tau in lengths)  # partial acceptances happened
+    assert any(tau == 1 for _, lengths in expected[1::2] for tau in lengths)
+
+
+def test_capacity_and_attention_are_checked():
+    model = _llama()
+    with StaticTappedTarget(model, TAPS, length_bucket=16) as static:
+        cache = static.new_cache(20)
+        static.forward(torch.tensor([1, 2, 3]), 0, cache)
+        with pytest.raises(ValueError, match="past the static cache of 32"):
+            static.forward(torch.arange(1, 6), 30, cache)
+        static.new_cache(40)  # grows to the next bucket
+        static.forward(torch.arange(1, 6), 30, cache)
+    from transformers import MistralConfig, MistralForCausalLM
+
+    sliding = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1, sliding_window=8,
+                                               attn_implementation="sdpa"))
+    assert static_cache_supported(model) and not static_cache_supported(sliding)
+    with pytest.raises(ConfigError, match="sliding|4-D mask"):
+        StaticTappedTarget(sliding, [0])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_commit_what_the_dynamic_cache_commits():
+    """On CUDA: the verify block and the one-token step are captured once and replayed for every later cycle and
+    generation, and commit the dynamic cache's tokens and acceptance lengths (float32, peaked logits)."""
+    model = _llama("cuda")
+    prompts = _prompts()
+    with TappedTarget(model, TAPS) as dynamic:
+        expected = _runs(dynamic, model, prompts, block=6, new=40)
+    with StaticTappedTarget(model, TAPS, length_bucket=64) as static:
+        assert _runs(static, model, prompts, block=6, new=40) == expected
+        assert static.replays > 10 * static.eager_forwards > 0
+        assert sorted(static._graphs) == [(1, False), (6, True)]
