@@ -1,0 +1,144 @@
+"""Cost of evaluate's decoding loops per target KV cache: milliseconds per step, side by side in one process.
+
+Run::
+
+    python benchmarks/speculative_loop.py --target smollm2-random --dtype float32      # one GPU: dynamic vs static
+    python benchmarks/speculative_loop.py                                             # the real SmolLM2
+    python benchmarks/speculative_loop.py --smoke                                      # tiny, on CPU (a check that it runs)
+
+For each ``--kv-cache`` (``dynamic``: transformers' DynamicCache, eager forwards; ``static``:
+``dflash.decoding.static_target.StaticTappedTarget``, CUDA graphs on CUDA) and each of ``--prompts`` seeded random
+prompts of ``--prompt-tokens`` tokens, the loop of ``dflash.decoding.speculative`` runs three ways: block size 1 (plain
+decoding: ms per token), block ``--block-size`` with a replay drafter that proposes the target's own greedy tokens
+and is wrong from a seeded random position on (every cycle accepts 0 .. B-1 drafts: ms per cycle of the target's
+verify forward and the loop, with no drafter cost), and the same block with a random-weight ``DFlashDrafter`` of
+``--draft-layers`` layers (ms per cycle with a drafter's forward; it accepts almost nothing, so the cycles are many).
+Each setting runs once cold (graph capture, allocator) and ``--repeats`` times; the median is printed, with the
+ratio of each cache to the first and whether its tokens equal the first's (greedy, same dtype: they should).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from extract import RANDOM_TARGETS, build_target  # noqa: E402  (the benchmarks' shared random-target builder)
+
+from dflash.decoding.speculative import SpeculativeConfig, TappedTarget, speculative_generate  # noqa: E402
+from dflash.decoding.static_target import StaticTappedTarget  # noqa: E402
+
+
+class ReplayDrafter(torch.nn.Module):
+    """Proposes ``reference`` (the target's greedy continuation), wrong from a seeded random block position on."""
+
+    def __init__(self, reference: list[int], vocab: int, seed: int) -> None:
+        super().__init__()
+        self.anchor_param = torch.nn.Parameter(torch.zeros(1))
+        self.reference, self.vocab = reference, vocab
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def draft_block(self, context_hidden, context_positions, block_input_ids, block_start):
+        size = block_input_ids.numel()
+        wrong = int(torch.randint(1, size + 1, (1,), generator=self.generator))
+        tokens = [self.reference[i] if i < len(self.reference) else 0 for i in range(block_start, block_start + size)]
+        tokens = [t if k < wrong else (t + 1) % self.vocab for k, t in enumerate(tokens)]
+        logits = torch.full((size, self.vocab), -1e4, device=context_hidden.device)
+        logits[torch.arange(size), torch.tensor(tokens)] = 0.0
+        return logits
+
+
+def _random_drafter(model, layers: int, block: int, taps: list[int]):
+    from dflash.drafter import DFlashConfig, DFlashDrafter
+
+    config = DFlashConfig.from_target_config(model.config, num_draft_layers=layers, block_size=block, mask_token_id=0,
+                                             target_layer_ids=taps)
+    torch.manual_seed(0)
+    parameter = next(model.parameters())
+    drafter = DFlashDrafter(config).to(device=parameter.device, dtype=parameter.dtype).eval()
+    drafter.attach_target(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    return drafter
+
+
+def _timed(tapped, drafter, prompts, config) -> tuple[float, int, list[list[int]]]:
+    """Seconds of the decode loops (prefills excluded), steps (cycles) and the outputs, over ``prompts``."""
+    seconds, steps, outputs = 0.0, 0, []
+    for index, prompt in enumerate(prompts):
+        chosen = drafter(index) if callable(drafter) and not isinstance(drafter, torch.nn.Module) else drafter
+        result = speculative_generate(tapped, chosen, prompt, config)
+        seconds += result.decode_seconds
+        steps += result.num_cycles
+        outputs.append(result.output_ids)
+    return seconds, steps, outputs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="default", help="default (SmolLM2), smollm2-random, qwen3-8b-random or a local path")
+    parser.add_argument("--kv-cache", nargs="+", default=["dynamic", "static"], choices=["dynamic", "static"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--draft-layers", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU-sized lengths")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    if args.smoke:
+        args.prompts, args.prompt_tokens, args.max_new_tokens, args.block_size, args.draft_layers = 2, 16, 12, 4, 1
+        args.repeats = min(args.repeats, 2)
+        args.target = "smollm2-random" if args.target == "default" else args.target
+    device = torch.device(args.device)
+    model, identity = build_target(args.target, device, args.smoke, seed=0)
+    model.to(getattr(torch, args.dtype))
+    layers = model.config.num_hidden_layers
+    taps = sorted({1, layers // 2, layers - 3})
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    low = 1 if args.target in RANDOM_TARGETS else 0
+    prompts = [torch.randint(low, vocab, (args.prompt_tokens,), generator=generator).tolist()
+               for _ in range(args.prompts)]
+    plain = SpeculativeConfig(block_size=1, max_new_tokens=args.max_new_tokens)
+    block = SpeculativeConfig(block_size=args.block_size, max_new_tokens=args.max_new_tokens, mask_token_id=0)
+    drafter = _random_drafter(model, args.draft_layers, args.block_size, taps)
+    print(f"target {identity.name} ({args.dtype}, {device}{', ' + torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}), "
+          f"{args.prompts} prompts x {args.prompt_tokens} tokens, {args.max_new_tokens} new, block {args.block_size}, "
+          f"torch {torch.__version__}", flush=True)
+    rows, first = [], {}
+    for kind in args.kv_cache:
+        tapped = (StaticTappedTarget if kind == "static" else TappedTarget)(model, taps)
+        if kind == "static":
+            tapped.reserve(args.prompt_tokens + args.max_new_tokens + args.block_size)
+        with tapped:
+            references = _timed(tapped, None, prompts, plain)[2]
+            loops = {"block size 1 (ms/token)": (None, plain),
+                     f"block {args.block_size}, replay drafter (ms/cycle)":
+                         (lambda i: ReplayDrafter(prompts[i] + references[i], vocab, i), block),
+                     f"block {args.block_size}, {args.draft_layers}-layer drafter (ms/cycle)": (drafter, block)}
+            for name, (chosen, config) in loops.items():
+                _timed(tapped, chosen, prompts, config)  # cold: capture, allocator
+                runs = [_timed(tapped, chosen, prompts, config) for _ in range(args.repeats)]
+                per_step = statistics.median(1000 * s / max(n, 1) for s, n, _ in runs)
+                same = first.setdefault(name, (per_step, runs[0][2]))
+                row = {"kv_cache": kind, "loop": name, "ms_per_step": per_step, "steps": runs[0][1],
+                       "ratio_to_first": same[0] / per_step, "same_tokens_as_first": runs[0][2] == same[1],
+                       "graph_replays": getattr(tapped, "replays", 0)}
+                rows.append(row)
+                print(f"{kind:8s} {name:42s} {per_step:8.2f} ms  steps {row['steps']:5d}  "
+                      f"{row['ratio_to_first']:.2f}x the {args.kv_cache[0]} cache  same tokens: {row['same_tokens_as_first']}",
+                      flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
