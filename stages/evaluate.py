@@ -103,7 +103,7 @@ class EvaluateConfig:
     device: str = setting("auto", help='auto | cpu | cuda | cuda:N.')
     dtype: str = setting("auto", help='auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16 (bf16, fp32, fp16 also accepted).')
     cpu_threads: int = setting(1, help='Torch threads while decoding on CPU (more threads lose on shared cores).')
-    kv_cache: str = setting("auto", help="The target's KV cache in the speculative and block-size-1 loops: static (one static cache; on CUDA the verify block's and the one-token forward are captured once as CUDA graphs and replayed), dynamic (transformers' DynamicCache, eager forwards), auto (static on CUDA where the target's attention takes a 4-D mask, dynamic elsewhere). The generate() reference always runs transformers' own generate(). Same tokens either way (float32); docs/benchmarks.md, Evaluate.")
+    kv_cache: str = setting("auto", help="The target's KV cache in the speculative and block-size-1 loops, and whether the drafter drafts over a fixed-size context: static (one static cache, the drafter over a fixed-size context buffer; on CUDA the target's verify-block and one-token forwards and the drafter's draft are each captured once as a CUDA graph and replayed), dynamic (transformers' DynamicCache, eager forwards), auto (static on CUDA where the target's attention takes a 4-D mask, dynamic elsewhere). The generate() reference always runs transformers' own generate(). Same tokens either way (float32); docs/benchmarks.md, Evaluate.")
     #: Largest target logit gap that counts as a floating-point near-tie in the lossless check; None: 1e-3 in float32, 0.125 in 16-bit dtypes.
     near_tie_tolerance: float | None = None
     json_path: Path | None = setting(None, option='--json-file', help='Also write the full report as JSON to this file (default for a run folder: RUN/eval/final.json, which report, diff and inspect read).')
@@ -340,7 +340,7 @@ def evaluate_drafter(
 
     from dflash.decoding.speculative import AcceptanceStats, SpeculativeConfig, TappedTarget
     from dflash.decoding.speculative import speculative_generate as _generate
-    from dflash.decoding.static_target import StaticTappedTarget, static_cache_supported
+    from dflash.decoding.static_target import GraphedDrafter, StaticTappedTarget, static_cache_supported
 
     model = target.model
     device = next(model.parameters()).device
@@ -370,7 +370,9 @@ def evaluate_drafter(
     tapped = (StaticTappedTarget(model, target_layer_ids) if static  # ConfigError where the attention cannot
               else TappedTarget(model, target_layer_ids))
     if static:
-        tapped.reserve(max(len(p.input_ids) for p in prompts) + max_new_tokens + block_size)
+        capacity = max(len(p.input_ids) for p in prompts) + max_new_tokens + block_size
+        tapped.reserve(capacity)
+        drafter = GraphedDrafter(drafter, capacity)  # one draft shape for every cycle: a CUDA graph on CUDA
     with tapped, progress:
         task = progress.add_task(f"evaluate {label}", total=len(prompts), tau="tau -", phase="warm-up", tokens=0)
         warm = SpeculativeConfig(block_size=block_size, max_new_tokens=min(8, max_new_tokens), temperature=temperature,
@@ -398,7 +400,8 @@ def evaluate_drafter(
 
     decoding = {"kv_cache": "static" if static else "dynamic",
                 "cuda_graphs": bool(static and tapped.cuda_graphs),
-                "graph_replays": tapped.replays if static else 0}
+                "graph_replays": tapped.replays if static else 0,
+                "drafter_graph_replays": drafter.replays if static else 0}
     stats = AcceptanceStats.from_lengths([t for r in spec_results for t in r.acceptance_lengths], block_size)
     spec_speed = _throughput(spec_results)
     per_prompt = [
@@ -691,7 +694,8 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     summary.add_row("speculative tokens/s", f"{speed['speculative']['tokens_per_second']:.1f}")
     decoding = report.get("decoding")  # reports written before the static cache existed lack it
     if decoding is not None:
-        graphs = f", {decoding['graph_replays']} CUDA graph replays" if decoding["cuda_graphs"] else ""
+        graphs = (f", CUDA graphs replayed {decoding['graph_replays']} times (target) and "
+                  f"{decoding.get('drafter_graph_replays', 0)} (drafter)" if decoding["cuda_graphs"] else "")
         summary.add_row("target KV cache (both loops)", f"{decoding['kv_cache']}{graphs}")
     if report.get("speedup") is None:  # references not run (tau only)
         summary.add_row("speedups, lossless check", "not measured (references off: tau only)")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash.decoding.speculative import SpeculativeConfig, TappedTarget, speculative_generate
-from dflash.decoding.static_target import StaticTappedTarget, static_cache_supported
+from dflash.decoding.static_target import GraphedDrafter, StaticTappedTarget, static_cache_supported
 from dflash.errors import ConfigError
 
 TAPS = [0, 2]
@@ -111,3 +111,52 @@ def test_cuda_graph_replays_commit_what_the_dynamic_cache_commits():
         assert _runs(static, model, prompts, block=6, new=40) == expected
         assert static.replays > 10 * static.eager_forwards > 0
         assert sorted(static._graphs) == [(1, False), (6, True)]
+
+
+def _tiny_drafter(model, layers: int = 2, block: int = 6):
+    from dflash.drafter import DFlashConfig, DFlashDrafter
+
+    config = DFlashConfig.from_target_config(model.config, num_draft_layers=layers, block_size=block, mask_token_id=0,
+                                             target_layer_ids=TAPS)
+    torch.manual_seed(3)
+    drafter = DFlashDrafter(config).to(next(model.parameters()).device)
+    drafter.reset_parameters(std=0.2)
+    drafter.attach_target(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    return drafter.eval()
+
+
+def test_graphed_drafter_drafts_what_the_drafter_drafts():
+    """Over its fixed-size buffer (rows past the context masked, stale rows of a longer earlier context left in it)
+    the wrapper's draft equals the drafter's own on the exact context."""
+    drafter = _tiny_drafter(_llama())
+    width = drafter.config.num_taps * drafter.config.hidden_size
+    graphed = GraphedDrafter(drafter, capacity=96)
+    generator = torch.Generator().manual_seed(0)
+    for rows in (60, 7, 33):  # the 7-row context leaves 53 stale rows of the first in the buffer
+        context = torch.randn(rows, width, generator=generator)
+        block = torch.tensor([5, 0, 0, 0, 0, 0])
+        expected = drafter.draft_block(context, torch.arange(rows), block, rows)
+        torch.testing.assert_close(graphed.draft_block(context, torch.arange(rows), block, rows), expected,
+                                   atol=1e-4, rtol=1e-4)
+        assert not torch.equal(expected, drafter.draft_block(context[:-1], torch.arange(rows - 1), block, rows))
+    assert graphed.eager_drafts == 3 and graphed.replays == 0
+    with pytest.raises(ValueError, match="holds 96 positions"):
+        graphed.draft_block(torch.zeros(92, width), torch.arange(92), block, 92)
+
+
+@pytest.mark.gpu
+def test_cuda_graphed_drafter_and_target_commit_what_the_eager_loop_commits():
+    """On CUDA: a real DFlashDrafter (random weights) through its captured draft and the target's captured forwards
+    commits the tokens and acceptance lengths of the dynamic-cache loop with the plain drafter."""
+    model = _llama("cuda")
+    drafter = _tiny_drafter(model)
+    prompts = _prompts()
+    config = SpeculativeConfig(block_size=6, max_new_tokens=40, mask_token_id=0)
+    with TappedTarget(model, TAPS) as dynamic:
+        expected = [speculative_generate(dynamic, drafter, prompt, config) for prompt in prompts]
+    with StaticTappedTarget(model, TAPS, length_bucket=64) as static:
+        graphed = GraphedDrafter(drafter, capacity=70 + 40 + 6)
+        got = [speculative_generate(static, graphed, prompt, config) for prompt in prompts]
+    assert [(r.output_ids, r.acceptance_lengths) for r in got] == [
+        (r.output_ids, r.acceptance_lengths) for r in expected]
+    assert graphed.replays > 0 and graphed.eager_drafts == 0

@@ -33,7 +33,7 @@ import torch
 from dflash.decoding.speculative import TappedTarget
 from dflash.errors import ConfigError
 
-__all__ = ["StaticTappedTarget", "static_cache_supported"]
+__all__ = ["StaticTappedTarget", "GraphedDrafter", "static_cache_supported"]
 
 log = logging.getLogger(__name__)
 
@@ -209,3 +209,91 @@ class StaticTappedTarget(TappedTarget):
         self._graphs.clear()
         self._cache = None
         self._length = 0
+
+
+class GraphedDrafter(torch.nn.Module):
+    """A block drafter whose ``draft_block`` runs over a fixed-size context buffer, captured once as a CUDA graph.
+
+    The loop hands the drafter the accepted positions' taps (``context_hidden[:position]``); this wrapper copies
+    them into its own ``[capacity, n*H]`` buffer and drafts over the whole buffer with the rows past ``position``
+    masked out
+    (``draft_block(..., context_valid=...)`` of :class:`dflash.drafter.DFlashDrafter`), so every cycle has one shape:
+    on CUDA the draft is captured at the first cycle and replayed after. Without CUDA it runs the same padded draft
+    eagerly. The returned logits of a replay are overwritten by the next draft.
+
+    Args:
+        drafter: a drafter whose ``draft_block`` takes ``context_valid`` and a tensor ``block_start``.
+        capacity: context rows the buffer holds (prompt + new tokens + one block, as the target's cache).
+        cuda_graphs: capture the draft (CUDA only).
+    """
+
+    def __init__(self, drafter: torch.nn.Module, capacity: int, *, cuda_graphs: bool = True) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.config = drafter.config
+        parameter = next(drafter.parameters())
+        self.device, self.capacity = parameter.device, int(capacity)
+        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        width = drafter.config.num_taps * drafter.config.hidden_size
+        # Zeros, not empty: rows past the accepted tokens are weighted by zero, and 0 x NaN would still be NaN.
+        self._context = torch.zeros((self.capacity, width), dtype=parameter.dtype, device=self.device)
+        self._positions = torch.arange(self.capacity, device=self.device)
+        self._start = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._block: torch.Tensor | None = None
+        self._logits: torch.Tensor | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._failed = False
+        #: Drafts replayed from the graph and run eagerly (benchmarks and the evaluation report read them).
+        self.replays = 0
+        self.eager_drafts = 0
+
+    def draft_block(self, context_hidden: torch.Tensor, context_positions: torch.Tensor,
+                    block_input_ids: torch.Tensor, block_start: int) -> torch.Tensor:
+        """:meth:`dflash.drafter.DFlashDrafter.draft_block` for the loop's context prefix ``context_hidden``
+        ``[block_start, n*H]`` at positions ``0 .. block_start - 1`` (what the loop passes).
+
+        Raises:
+            ValueError: the context or the block runs past ``capacity``.
+        """
+        rows = context_hidden.shape[0]
+        if rows != block_start or block_start + block_input_ids.numel() > self.capacity:
+            raise ValueError(f"the graphed drafter holds {self.capacity} positions of a context that starts at 0; got "
+                             f"{rows} context rows and a block at {block_start}")
+        self._context[:rows].copy_(context_hidden)  # one device copy of a few MB: cheaper than tracking what changed
+        if self._block is None or self._block.shape != block_input_ids.shape:
+            self._block = torch.zeros_like(block_input_ids, dtype=torch.int64)
+            self._graph, self._failed = None, False
+        self._block.copy_(block_input_ids)
+        self._start.fill_(block_start)
+        if not self.cuda_graphs or self._failed:
+            self.eager_drafts += 1
+            return self._draft()
+        if self._graph is None and not self._capture():
+            self.eager_drafts += 1
+            return self._draft()
+        self._graph.replay()
+        self.replays += 1
+        return self._logits
+
+    def _draft(self) -> torch.Tensor:
+        return self.drafter.draft_block(self._context, self._positions, self._block, self._start,
+                                        context_valid=self._positions < self._start)
+
+    def _capture(self) -> bool:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up outside the capture
+                    self._draft()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._logits = self._draft()
+        except RuntimeError as exc:  # pragma: no cover - depends on the drafter's kernels and the CUDA build
+            log.warning("CUDA graph capture of the draft failed (%s); drafting eagerly", exc)
+            self._failed = True
+            torch.cuda.synchronize(self.device)
+            return False
+        self._graph = graph
+        return True

@@ -463,7 +463,9 @@ class DFlashDrafter(nn.Module):
         context_hidden: torch.Tensor,
         context_positions: torch.Tensor,
         block_input_ids: torch.Tensor,
-        block_start: int,
+        block_start: int | torch.Tensor,
+        *,
+        context_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Serving-style drafting of one block, as vLLM / SGLang run it: the whole context, no attention mask.
 
@@ -471,7 +473,11 @@ class DFlashDrafter(nn.Module):
             context_hidden: ``[Lc, n*H]`` tapped target states of every accepted token before the block.
             context_positions: ``[Lc]`` their absolute positions.
             block_input_ids: ``[B]`` ``[last accepted token, MASK, ..., MASK]``.
-            block_start: absolute position of the block's first token.
+            block_start: absolute position of the block's first token (an int, or a 0-dim int64 device tensor).
+            context_valid: ``[Lc]`` bool, the context rows the block attends (None: all). With it, the context can
+                be a fixed-size buffer whose rows past the accepted tokens are ignored: one shape for every cycle,
+                what a captured graph needs (:class:`dflash.decoding.static_target.GraphedDrafter`). Rows it
+                excludes must hold finite values (they are weighted by zero).
 
         Returns:
             ``[B, V]`` float32 logits (position k predicts the token at ``block_start + k``).
@@ -480,8 +486,12 @@ class DFlashDrafter(nn.Module):
         context, block_states = self._embed_inputs(context_hidden, block_input_ids.to(torch.int64))
         positions = block_start + torch.arange(block_input_ids.shape[0], device=block_input_ids.device)
         rope_dtype = context.dtype
+        mask = None
+        if context_valid is not None:  # [B, Lc + B]: the valid context rows, and the whole block (no mask inside it)
+            block = torch.ones((block_states.shape[0], block_states.shape[0]), dtype=torch.bool, device=context.device)
+            mask = torch.cat([context_valid[None, :].expand(block.shape[0], -1), block], dim=1)
         out = self._run_layers(block_states, context, self._rope(positions, rope_dtype),
-                               self._rope(context_positions, rope_dtype), None, use_compiled=False)
+                               self._rope(context_positions, rope_dtype), mask, use_compiled=False)
         return F.linear(out, self.lm_head_weight.to(out.dtype)).float()
 
 
