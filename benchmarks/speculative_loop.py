@@ -7,7 +7,7 @@ Run::
     python benchmarks/speculative_loop.py --smoke                                      # tiny, on CPU (a check that it runs)
 
 For each ``--kv-cache`` (``dynamic``: transformers' DynamicCache, eager forwards; ``static``:
-``dflash.decoding.static_target.StaticTappedTarget``, CUDA graphs on CUDA) and each of ``--prompts`` seeded random
+``dflash.decoding.static_target.StaticTappedTarget`` and the drafter in a ``GraphedDrafter``, CUDA graphs on CUDA) and each of ``--prompts`` seeded random
 prompts of ``--prompt-tokens`` tokens, the loop of ``dflash.decoding.speculative`` runs three ways: block size 1 (plain
 decoding: ms per token), block ``--block-size`` with a replay drafter that proposes the target's own greedy tokens
 and is wrong from a seeded random position on (every cycle accepts 0 .. B-1 drafts: ms per cycle of the target's
@@ -23,7 +23,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extract import RANDOM_TARGETS, build_target  # noqa: E402  (the benchmarks' shared random-target builder)
 
 from dflash.decoding.speculative import SpeculativeConfig, TappedTarget, speculative_generate  # noqa: E402
-from dflash.decoding.static_target import StaticTappedTarget  # noqa: E402
+from dflash.decoding.static_target import GraphedDrafter, StaticTappedTarget  # noqa: E402
 
 
 class ReplayDrafter(torch.nn.Module):
@@ -116,14 +115,16 @@ def main() -> None:
     rows, first = [], {}
     for kind in args.kv_cache:
         tapped = (StaticTappedTarget if kind == "static" else TappedTarget)(model, taps)
+        capacity = args.prompt_tokens + args.max_new_tokens + args.block_size
         if kind == "static":
-            tapped.reserve(args.prompt_tokens + args.max_new_tokens + args.block_size)
+            tapped.reserve(capacity)
+        drafting = GraphedDrafter(drafter, capacity) if kind == "static" else drafter
         with tapped:
             references = _timed(tapped, None, prompts, plain)[2]
             loops = {"block size 1 (ms/token)": (None, plain),
                      f"block {args.block_size}, replay drafter (ms/cycle)":
-                         (lambda i: ReplayDrafter(prompts[i] + references[i], vocab, i), block),
-                     f"block {args.block_size}, {args.draft_layers}-layer drafter (ms/cycle)": (drafter, block)}
+                         (lambda i, refs=references: ReplayDrafter(prompts[i] + refs[i], vocab, i), block),
+                     f"block {args.block_size}, {args.draft_layers}-layer drafter (ms/cycle)": (drafting, block)}
             for name, (chosen, config) in loops.items():
                 _timed(tapped, chosen, prompts, config)  # cold: capture, allocator
                 runs = [_timed(tapped, chosen, prompts, config) for _ in range(args.repeats)]
@@ -131,7 +132,7 @@ def main() -> None:
                 same = first.setdefault(name, (per_step, runs[0][2]))
                 row = {"kv_cache": kind, "loop": name, "ms_per_step": per_step, "steps": runs[0][1],
                        "ratio_to_first": same[0] / per_step, "same_tokens_as_first": runs[0][2] == same[1],
-                       "graph_replays": getattr(tapped, "replays", 0)}
+                       "graph_replays": getattr(tapped, "replays", 0), "draft_replays": getattr(drafting, "replays", 0)}
                 rows.append(row)
                 print(f"{kind:8s} {name:42s} {per_step:8.2f} ms  steps {row['steps']:5d}  "
                       f"{row['ratio_to_first']:.2f}x the {args.kv_cache[0]} cache  same tokens: {row['same_tokens_as_first']}",
