@@ -44,11 +44,13 @@ MASKED_ATTENTIONS = ("sdpa", "eager")
 def static_cache_supported(model: torch.nn.Module) -> bool:
     """Whether ``model`` can decode through :class:`StaticTappedTarget`: its attention takes a 4-D mask (``sdpa`` or
     ``eager``) and none of its layers uses a sliding window."""
-    config = model.config
-    if getattr(config, "_attn_implementation", None) not in MASKED_ATTENTIONS:
+    if getattr(model.config, "_attn_implementation", None) not in MASKED_ATTENTIONS:
         return False
-    return not getattr(config, "sliding_window", None) and not any(
-        kind != "full_attention" for kind in getattr(config, "layer_types", None) or ())
+    from transformers import StaticCache
+
+    # The cache transformers builds for this config says which layers are windowed (its layers allocate lazily).
+    return not any(getattr(layer, "is_sliding", False)
+                   for layer in StaticCache(config=model.config, max_cache_len=8).layers)
 
 
 @dataclass
