@@ -371,6 +371,79 @@ def test_a_producer_runs_each_planned_batch_as_one_forward_by_default(corpus_dir
         torch.testing.assert_close(one_forward["hidden"].float(), reference["hidden"].float(), rtol=1.6e-2, atol=2e-2)
 
 
+def test_grouped_producer_tasks_run_fewer_forwards_and_fill_each_slot_as_one_task_per_batch(corpus_dir, target):
+    """Producer tasks over groups of consecutive planned batches (``group_tokens``, at most half the ring's slots)
+    run the rows of several planned batches through shared forwards of the same budget: fewer target forwards
+    (counted on decoder layer 0, and as the batch source's stats count them) than one task per planned batch on the
+    same plan, while the trainer gets the same batches in the same order over two epochs, each from its own slot,
+    hidden states within bf16 tolerance. A source resumed inside a group recomputes the group's forwards (the
+    batches before its cursor as lead rows) and yields the unbroken grouped run's remaining batches bit for bit."""
+    from dflash.batches.online import BatchTask, GroupTask
+
+    token_budget = _stream_config("train").token_budget
+    producer = BatchProducer(TargetRunner(target.model, TINY_LAYER_IDS, "cpu", token_budget=2 * token_budget),
+                             open_corpus(corpus_dir))  # the online command's default forward budget
+    width = WIDTH_TAPS * int(target.model.config.hidden_size)
+    forwards = [0]  # target forwards so far: each runs decoder layer 0 once
+    hook = target.model.get_decoder().layers[0].register_forward_pre_hook(
+        lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+
+    def produce(task, counted):  # one pool thread: tasks run one by one
+        before = forwards[0]
+        result = producer.produce(task)
+        counted[task.epoch] = counted.get(task.epoch, 0) + forwards[0] - before
+        return result
+
+    def run(group_tokens, tasks, state=None, stop_after=None):
+        counted: dict[int, int] = {}  # forwards per epoch
+        with ThreadPoolExecutor(1) as pool, \
+                OnlineBatches(CorpusLengths(open_corpus(corpus_dir)), _stream_config("train"), width=width,
+                              submit=lambda task: tasks.append(task) or pool.submit(produce, task, counted),
+                              num_slots=8, group_tokens=group_tokens) as online:  # fmt: skip
+            if state is not None:
+                online.load_state_dict(state)
+            if stop_after is not None:
+                batches = iter(online)
+                head = [_batch_fields(next(batches)) for _ in range(stop_after)]
+                batches.close()
+                return head, online.state_dict(), online
+            got = [_batch_fields(batch) for _ in range(2) for batch in online]
+            stats = online.stats.producer_forwards
+        consumed = counted[0] + counted[1]  # the producers ran ahead into epoch 2
+        assert stats == pytest.approx(consumed)  # the batch source counts what ran for the batches it yielded
+        return got, consumed, online
+
+    try:
+        single_tasks: list = []
+        single, single_forwards, _ = run(None, single_tasks)
+        group_tasks: list = []
+        grouped, grouped_forwards, online = run(4 * token_budget, group_tasks)
+        assert online.max_group_batches == 4  # half of the 8 slots
+        resumed_tasks: list = []
+        head, state, _ = run(4 * token_budget, [], stop_after=1)
+        rest, _, _ = run(4 * token_budget, resumed_tasks, state=state)
+    finally:
+        hook.remove()
+        producer.close()
+    assert all(isinstance(task, BatchTask) for task in single_tasks)
+    group_tasks = [task for task in group_tasks if task.epoch < 2]  # the producers ran ahead into epoch 2
+    sizes = [len(task.batches) if isinstance(task, GroupTask) else 1 for task in group_tasks]
+    assert max(sizes) > 1 and max(sizes) <= 4 and sum(sizes) == len(grouped) == len(single) >= 12
+    for task in group_tasks:
+        if isinstance(task, GroupTask):  # consecutive batches of one epoch, each with its own slot
+            indices = [member.batch_index for member in task.batches]
+            assert indices == list(range(indices[0], indices[0] + len(indices))) and not task.lead_rows
+            assert len({member.slot for member in task.batches}) == len(indices)
+    assert grouped_forwards < single_forwards
+    _assert_same_batches([{k: v for k, v in b.items() if k != "hidden"} for b in grouped],
+                         [{k: v for k, v in b.items() if k != "hidden"} for b in single])  # same batches, same order
+    for mine, theirs in zip(grouped, single, strict=True):
+        torch.testing.assert_close(mine["hidden"].float(), theirs["hidden"].float(), rtol=1.6e-2, atol=2e-2)
+    first = resumed_tasks[0]  # the dispatcher resumed at step 1, inside the first group
+    assert isinstance(first, GroupTask) and first.lead_rows == tuple(grouped[0]["corpus_rows"])
+    _assert_same_batches(head + rest, grouped)
+
+
 def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir, target_path, target, tmp_path,
                                                                       own_processes):
     from dflash.training.checkpoint import load_checkpoint
