@@ -263,26 +263,33 @@ def test_read_ahead_yields_the_serial_batches_bit_for_bit_and_a_consumer_stopped
     assert not _leaked(before, own_processes)
 
 
-def _online_config(corpus_dir, target_path, output, **train_overrides):
+def _online_config(corpus_dir, target_path, output, ring_slots=3, **train_overrides):
+    """An online run's config on the test corpus; 3 ring slots: one planned batch per producer task (a group holds
+    at most half the slots)."""
     from pipelines.online import ONLINE_CACHE_PREFIX, OnlineConfig
     from tests.train_helpers import tiny_config
 
     train = tiny_config(Path(f"{ONLINE_CACHE_PREFIX}{corpus_dir}"), output, **train_overrides)
     train.cache = f"{ONLINE_CACHE_PREFIX}{corpus_dir}"
     return OnlineConfig(corpus=str(corpus_dir), train=train, target=str(target_path), target_layer_ids=TINY_LAYER_IDS,
-                        ring_slots=3)
+                        ring_slots=ring_slots)
 
 
-def _train_online_in_process(config, target) -> dict:
-    """``run_online`` with the producer in a thread of this process instead of a Dask worker."""
+def _train_online_in_process(config, target, tasks: list | None = None) -> dict:
+    """``run_online`` with the producer in a thread of this process instead of a Dask worker; the tasks submitted
+    are appended to ``tasks``."""
     from pipelines.online import online_training_data
     from stages.train.loop import Trainer
 
     producer = BatchProducer(TargetRunner(target.model, TINY_LAYER_IDS, "cpu", token_budget=256),
                              open_corpus(config.corpus))
     with ThreadPoolExecutor(1) as pool:
-        data = online_training_data(config, submit=lambda task: pool.submit(producer.produce, task),
-                                    device=torch.device("cpu"))
+        def submit(task):
+            if tasks is not None:
+                tasks.append(task)
+            return pool.submit(producer.produce, task)
+
+        data = online_training_data(config, submit=submit, device=torch.device("cpu"))
         trainer = Trainer(config.train, device=torch.device("cpu"), data=data)
         try:
             return trainer.fit()
@@ -444,18 +451,28 @@ def test_grouped_producer_tasks_run_fewer_forwards_and_fill_each_slot_as_one_tas
     _assert_same_batches(head + rest, grouped)
 
 
+@pytest.mark.parametrize("ring_slots", [3, 8], ids=["one-batch-per-task", "grouped"])
 def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir, target_path, target, tmp_path,
-                                                                      own_processes):
+                                                                      own_processes, ring_slots):
+    """Stopped at step 2 and resumed, the run equals the straight one bit for bit; with 8 slots the producers run
+    groups of 4 planned batches (``producer_group_tokens``' default, half the slots), and the resume at micro-batch
+    6 starts inside a group."""
     from dflash.training.checkpoint import load_checkpoint
 
     before = set(list_segments())
-    common = dict(max_steps=4, grad_accum_steps=3, save_every=2)  # 12 micro-batches: crosses an epoch (9)
+    # 12 micro-batches: crosses an epoch (9)
+    common = dict(max_steps=4, grad_accum_steps=3, save_every=2, ring_slots=ring_slots)
     straight = _train_online_in_process(_online_config(corpus_dir, target_path, tmp_path / "straight", **common), target)
     first = _train_online_in_process(
         _online_config(corpus_dir, target_path, tmp_path / "resumed", stop_at_step=2, **common), target)
     assert first["step"] == 2
+    tasks: list = []
     resumed = _train_online_in_process(
-        _online_config(corpus_dir, target_path, tmp_path / "resumed", resume=True, **common), target)
+        _online_config(corpus_dir, target_path, tmp_path / "resumed", resume=True, **common), target, tasks)
+    from dflash.batches.online import GroupTask
+
+    if ring_slots == 8:  # the resumed dispatcher started inside the group of micro-batches 4-7
+        assert isinstance(tasks[0], GroupTask) and len(tasks[0].batches) == 2 and tasks[0].lead_rows
     assert resumed["step"] == straight["step"] == 4 and resumed["data_digest"] == straight["data_digest"]
     a = load_checkpoint(tmp_path / "straight" / "checkpoints" / "step_00000004")
     b = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "step_00000004")
@@ -466,7 +483,7 @@ def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir
     assert resumed["val"]["loss"] == straight["val"]["loss"]
     run = json.loads((tmp_path / "straight" / "run.json").read_text())
     assert run["resolved"]["data_source"]["kind"] == "online"
-    assert run["resolved"]["train_loader"]["queue"]["num_slots"] == 3
+    assert run["resolved"]["train_loader"]["queue"]["num_slots"] == ring_slots
     from dflash.training.telemetry import read_metrics
 
     last = read_metrics(tmp_path / "straight", kind="train")[-1]
@@ -476,7 +493,7 @@ def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir
     assert last["producer_capacity_tokens_per_s"] > 0
     assert 0 < last["achieved_tokens_per_s"] <= last["trainer_capacity_tokens_per_s"]
     assert 0 <= last["interval_data_wait_fraction"] <= 1
-    assert 0 <= last["ring_ready_mean"] <= last["ring_taken_mean"] <= 3 + 1  # 3 ring slots, 1 batch read ahead
+    assert 0 <= last["ring_ready_mean"] <= last["ring_taken_mean"] <= ring_slots + 1  # 1 batch read ahead
     assert not _leaked(before, own_processes)  # every ring removed
 
 
