@@ -61,8 +61,8 @@ from dflash.batches.source import LengthSource, PlannedCursor, StreamConfig
 from dflash.errors import ConfigError, DFlashError, ProducerError
 from dflash.faults import fault_point
 
-__all__ = ["BatchTask", "GroupTask", "BatchProducer", "OnlineBatches", "OnlineStats", "pack_slot_batch",
-           "plan_groups"]
+__all__ = ["BatchTask", "GroupTask", "BatchProducer", "OnlineBatches", "OnlineStats", "max_group_batches",
+           "pack_slot_batch", "plan_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,12 @@ class GroupTask:
         """``batches B1-B2 of epoch E`` (for messages)."""
         first, last = self.batches[0].batch_index, self.batches[-1].batch_index
         return f"batches {first}-{last} of epoch {self.epoch}" if last != first else self.batches[0].name
+
+
+def max_group_batches(num_slots: int) -> int:
+    """Planned batches one producer task may hold in a ring of ``num_slots``: half the slots (a task holds a slot
+    per batch from its dispatch, so one group is computed while the trainer reads the one before), at least 1."""
+    return max(1, num_slots // 2)
 
 
 def plan_groups(tokens: list[int], group_tokens: int | None, max_batches: int) -> list[int]:
@@ -401,9 +407,8 @@ class OnlineBatches(PlannedCursor):
         self.pin_memory = bool(config.pin_memory) and torch.cuda.is_available()
         self.read_ahead = min(read_ahead, num_slots)
         self.group_tokens = group_tokens
-        #: Planned batches per producer task at most: half the ring's slots (a task holds a slot per batch from its
-        #: dispatch, so one group is computed while the trainer reads the one before), at least 1.
-        self.max_group_batches = max(1, num_slots // 2) if group_tokens is not None else 1
+        #: Planned batches per producer task at most (:func:`max_group_batches`; 1 without ``group_tokens``).
+        self.max_group_batches = max_group_batches(num_slots) if group_tokens is not None else 1
         self._dispatcher: threading.Thread | None = None
         self._in_order: queue.Queue = queue.Queue()
         self._reader: ThreadPoolExecutor | None = None
