@@ -546,6 +546,10 @@ def test_online_command_refuses_bad_options_with_one_error_line(tmp_path):
                         "1", "--ring-slots", "1", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 2
     assert "error: online.ring_slots (--ring-slots): expected an integer >= 2" in result.stderr
+    result = forked_cli("online", "--corpus", str(tmp_path), "--output", str(tmp_path / "run"),
+                        "--producer-group-tokens", "-1", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "error: online.producer_group_tokens (--producer-group-tokens): expected an integer >= 0" in result.stderr
 
 
 def test_a_producer_killed_mid_batch_stops_the_run_and_the_resume_recomputes_lost_batches(corpus_dir, target_path,
