@@ -552,24 +552,28 @@ def test_online_command_refuses_bad_options_with_one_error_line(tmp_path):
     assert "error: online.producer_group_tokens (--producer-group-tokens): expected an integer >= 0" in result.stderr
 
 
-def test_a_producer_killed_mid_batch_stops_the_run_and_the_resume_recomputes_lost_batches(corpus_dir, target_path,
-                                                                                           target, tmp_path,
-                                                                                           monkeypatch, own_processes):
-    """Every producer process is SIGKILLed at its 3rd batch, after computing it and before writing its slot (as the
+@pytest.mark.parametrize(("ring_slots", "fault", "lost"), [
+    (3, "online.produce@3=kill", "batch 2 of epoch 0"),  # a task per planned batch: its 3rd is batch 2
+    (4, "online.produce@2=kill", "batches 2-3 of epoch 0"),  # tasks of 2 batches: its 2nd is batches 2-3
+], ids=["one-batch-per-task", "grouped"])
+def test_a_producer_killed_mid_batch_stops_the_run_and_the_resume_recomputes_lost_batches(
+        corpus_dir, target_path, target, tmp_path, monkeypatch, own_processes, ring_slots, fault, lost):
+    """Every producer process is SIGKILLed at its Nth task, after computing it and before writing its slots (as the
     OOM killer would; Dask's nanny starts a new one, which loads the target again). ``stop``: the run stops with one
-    error naming the batch and keeps its step-2 checkpoint. ``--resume --on-producer-death recompute`` (the config
-    otherwise from run.json, as the command reads it), with producers still dying at their 3rd batch: the lost
-    batches are rerun on the new producers and the run ends on exactly the planned batches."""
+    error naming the task's batches and keeps its step-2 checkpoint. ``--resume --on-producer-death recompute`` (the
+    config otherwise from run.json, as the command reads it), with producers still dying at their Nth task: the lost
+    tasks (a group as a whole) are rerun on the new producers and the run ends on exactly the planned batches."""
     from dflash.errors import ProducerError
     from pipelines.online import config_from_cli, run_online
 
-    monkeypatch.setenv("DFLASH_FAULT", "online.produce@3=kill")  # read by each new producer process at import
+    monkeypatch.setenv("DFLASH_FAULT", fault)  # read by each new producer process at import
     run = tmp_path / "run"
-    config = _online_config(corpus_dir, target_path, run, max_steps=5, save_every=2, validation_fraction=0.0)
+    config = _online_config(corpus_dir, target_path, run, ring_slots, max_steps=5, save_every=2,
+                            validation_fraction=0.0)  # fmt: skip
     config.on_producer_death = "stop"
     expected_digest, expected_tokens = _expected_rows(config, 5, world_size=1)
     before = set(list_segments())
-    with pytest.raises(ProducerError, match=r"producer lost: the process computing batch 2 of epoch 0 died "
+    with pytest.raises(ProducerError, match=rf"producer lost: the process computing {lost} died "
                                             r"\(on_producer_death=stop"):
         run_online(config)
     assert (run / "latest").read_text().strip() == "step_00000002"
@@ -577,7 +581,7 @@ def test_a_producer_killed_mid_batch_stops_the_run_and_the_resume_recomputes_los
     resumed = config_from_cli({"on_producer_death": "recompute"}, {"output": str(run), "resume": True})
     assert resumed.corpus == config.corpus and resumed.on_producer_death == "recompute"
     assert resumed.train.max_steps == 5 and resumed.target_layer_ids == config.target_layer_ids
-    summary = run_online(resumed)  # batches 2, 3, 4: the first producer dies at batch 4 (its 3rd), recomputed
+    summary = run_online(resumed)  # batches 2 to 4: the first new producer dies at its Nth task, which is rerun
     assert summary["step"] == 5 and summary["data_digest"] == expected_digest
     assert summary["tokens_seen"] == expected_tokens
     assert not _leaked(before, own_processes)
