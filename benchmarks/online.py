@@ -9,8 +9,9 @@ Four measurements in one run, on the same corpus, plan and drafter config (the r
 * I, producer alone: the online batch source (a :class:`dflash.batches.online.BatchProducer` run by as many threads
   as the ring has slots, as a Dask worker runs its tasks, one queuing its forwards at a time; the ring, checks and
   packing) iterated without training: real tokens per second the target side can supply. The ring has the
-  ``online`` command's default 4 slots here, and the rate is timed from the 5th batch on (after the read-ahead),
-  over ``--steps`` batches but at least 13. Its phases, in milliseconds per batch over the same batches (one line
+  ``online`` command's default 8 slots here (producer tasks of up to 4 planned batches), and the rate is timed
+  from the 9th batch on (after the read-ahead), over ``--steps`` batches but at least 25, both ends at the last
+  batch of a task. Its phases, in milliseconds per batch over the same batches (one line
   per repeat, ``phases_ms_per_batch`` in the JSON; wall-clock timers around the calls): the producer's
   ``forwards`` (queuing them), ``copies`` (waiting until its device-to-host copies landed in the slot: on CUDA the
   forwards' device time too) and ``commit`` (CRC-32C and header), which overlap between the producer's tasks; the
@@ -199,7 +200,8 @@ def synchronized_forwards(runner: TargetRunner) -> TargetRunner:
 def producer_rate(producer: BatchProducer, config, batches: int, device: torch.device,
                   tasks: list | None = None) -> tuple[float, dict[str, float], float]:  # fmt: skip
     """The online batch source alone (producer tasks in ``ring_slots`` threads, the ring, checks and packing; no
-    training): real tokens/s from batch ``ring_slots`` (the read-ahead consumed) to the last of ``batches``, the
+    training): real tokens/s from batch ``ring_slots`` (the read-ahead consumed) to the last of ``batches``, each
+    end moved to the last batch of a task (a group of planned batches arrives at once), the
     milliseconds per batch of each phase (:data:`PHASES`) over the same batches (wall-clock timers around the
     calls: the producers' phases overlap each other, the reader's run one batch after another), and the target
     forwards per planned batch the producers ran for the batches consumed (``OnlineStats.producer_forwards``). The
@@ -208,32 +210,36 @@ def producer_rate(producer: BatchProducer, config, batches: int, device: torch.d
 
     producer.runner.run([producer.corpus.row(0).input_ids])  # warm-up, untimed (first forward allocates)
     skip = min(config.ring_slots, batches - 2)
+    submitted: list = []
 
     def submit(task):
+        submitted.append(task)
         if tasks is not None:
             tasks.append(task)
         return pool.submit(producer.produce, task)
 
     with ThreadPoolExecutor(config.ring_slots) as pool:
         data = online_training_data(config, submit=submit, device=device)
-        times, tokens = [], []
+        times, tokens, totals = [], [], []
         try:
             while len(times) < batches:
                 for batch in data.train:
                     times.append(time.perf_counter())
                     tokens.append(batch.num_real_tokens)
-                    if len(times) == skip + 1:
-                        first = _phase_totals(data.train.stats)
+                    totals.append(_phase_totals(data.train.stats))
                     if len(times) == batches:
                         break
-            last = _phase_totals(data.train.stats)
             forwards = data.train.stats.producer_forwards / data.train.stats.batches
         finally:
             data.close()
     producer.close()
-    timed = batches - skip - 1
-    phases = {phase: 1e3 * (last[phase] - first[phase]) / timed for phase in PHASES}
-    return sum(tokens[skip + 1 :]) / (times[-1] - times[skip]), phases, forwards
+    # The window starts and ends at the last batch of a task: a task's batches arrive together, so a window that
+    # opened inside a task would count batches whose compute it did not time.
+    ends = [int(end) - 1 for end in np.cumsum([len(t.batches) if isinstance(t, GroupTask) else 1 for t in submitted])]
+    start = next((end for end in ends if skip <= end < batches - 1), skip)
+    stop = max((end for end in ends if start < end < batches), default=batches - 1)
+    phases = {phase: 1e3 * (totals[stop][phase] - totals[start][phase]) / (stop - start) for phase in PHASES}
+    return sum(tokens[start + 1 : stop + 1]) / (times[stop] - times[start]), phases, forwards
 
 
 def phases_line(phases: dict[str, float]) -> str:
@@ -388,7 +394,7 @@ def main() -> None:
     replay = ReplayProducer(runner(), corpus)
     trainer_rate(config("warm-replay"), replay, device)  # fills the replay memo (and warms the trainer up)
     producer_slots = OnlineConfig.__dataclass_fields__["ring_slots"].default  # the online command's default
-    producer_batches = max(args.steps, producer_slots + 9)  # at least 8 timed intervals after the read-ahead
+    producer_batches = max(args.steps, 2 * producer_slots + 9)  # 4 groups of 4 and more after the read-ahead
     extract_runner = runner(packing=False, budget=forward_tokens)  # extract's: padded, length-sorted per shard
     tasks: list = []
     runs: dict[str, list[float]] = {"producer_alone_I": [], "trainer_alone_T": [], "achieved": [], "extract": []}
