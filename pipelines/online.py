@@ -146,10 +146,11 @@ class OnlineConfig:
         """Padded tokens per target forward of a producer (packed: real tokens per forward): ``runner_token_budget``,
         by default twice the training token budget (packed: the token budget).
 
-        A producer runs the documents of one planned batch (at most ``token_budget`` real tokens, of one length
-        bucket) through extract's runner, whose padded forwards hold at most this many ``rows x longest`` tokens: at
-        twice the token budget a planned batch is one forward unless its rows x longest exceed that, at the token
-        budget it is nearly always two, the second small. Each forward has a cost that does not shrink with its size (the same
+        A producer task runs the documents of one planned batch (at most ``token_budget`` real tokens, of one length
+        bucket), or of a group of them (``producer_group_tokens``), through extract's runner, whose padded forwards
+        hold at most this many ``rows x longest`` tokens: at twice the token budget a planned batch alone is one
+        forward unless its rows x longest exceed that, at the token budget it is nearly always two, the second
+        small; a group's documents, sorted by length together, fill fuller forwards. Each forward has a cost that does not shrink with its size (the same
         ~1,500 operations to launch whatever the rows; docs/online-queue.md, "The producer's forward against
         extract's"), so fewer forwards per planned batch. Packed rows hold real tokens only: a planned batch fits
         one at the token budget."""

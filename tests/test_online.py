@@ -378,6 +378,20 @@ def test_a_producer_runs_each_planned_batch_as_one_forward_by_default(corpus_dir
         torch.testing.assert_close(one_forward["hidden"].float(), reference["hidden"].float(), rtol=1.6e-2, atol=2e-2)
 
 
+def test_producer_groups_keep_within_their_token_budget_and_half_the_ring():
+    """Consecutive planned batches join a group while its real tokens fit the budget and it holds at most half the
+    ring's slots; a batch over the budget stands alone; without a budget, or with fewer than 4 slots, every batch is
+    its own task."""
+    from dflash.batches.online import max_group_batches, plan_groups
+
+    tokens = [100, 100, 100, 300, 50, 50, 50, 50, 50]
+    assert [max_group_batches(slots) for slots in (2, 3, 4, 8, 9)] == [1, 1, 2, 4, 4]
+    assert plan_groups(tokens, 250, 4) == [0, 2, 3, 4, 8]  # 100+100 | 100 | 300 alone | 4 x 50 (the cap) | 50
+    assert plan_groups(tokens, 1000, 2) == [0, 2, 4, 6, 8]
+    assert plan_groups(tokens, None, 4) == plan_groups(tokens, 1000, 1) == list(range(len(tokens)))
+    assert plan_groups([], 1000, 4) == []
+
+
 def test_grouped_producer_tasks_run_fewer_forwards_and_fill_each_slot_as_one_task_per_batch(corpus_dir, target):
     """Producer tasks over groups of consecutive planned batches (``group_tokens``, at most half the ring's slots)
     run the rows of several planned batches through shared forwards of the same budget: fewer target forwards
