@@ -601,19 +601,22 @@ def test_a_producer_killed_mid_batch_stops_the_run_and_the_resume_recomputes_los
     assert not _leaked(before, own_processes)
 
 
+@pytest.mark.parametrize("ring_slots", [3, 8], ids=["one-batch-per-task", "grouped"])
 def test_cache_to_writes_while_training_the_cache_extract_would_and_train_reuses_it(corpus_dir, target_path, target,
-                                                                                    offline_cache, tmp_path, own_processes):
+                                                                                    offline_cache, tmp_path, own_processes,
+                                                                                    ring_slots):
     """``online --cache-to`` over one epoch (and one full validation pass): every shard of extract's plan is
     committed from the staged batches, ``cache verify`` accepts it, it holds what ``extract`` stores for the same
     rows (tokens and masks exactly, hidden states within bf16 tolerance) and records the rows the run never
-    computes (too few supervised tokens) as skipped; staging is empty after; ``train --cache`` trains on it."""
+    computes (too few supervised tokens) as skipped; staging is empty after; ``train --cache`` trains on it. With 8
+    ring slots the producers' tasks hold up to 4 planned batches, each staged on its own."""
     from dflash.cache import verify_cache
     from pipelines.online import run_online
     from stages.train.launch import run_training
     from tests.train_helpers import tiny_config
 
     cache = tmp_path / "cache"
-    config = _online_config(corpus_dir, target_path, tmp_path / "run", max_steps=5, grad_accum_steps=2,
+    config = _online_config(corpus_dir, target_path, tmp_path / "run", ring_slots, max_steps=5, grad_accum_steps=2,
                             max_validation_batches=None, min_supervised_tokens=40)  # fmt: skip
     config.cache_to, config.cache_shard_size = str(cache), 600  # the shard plan of the offline_cache fixture
     before = set(list_segments())
