@@ -9,8 +9,9 @@ Four measurements in one run, on the same corpus, plan and drafter config (the r
 * I, producer alone: the online batch source (a :class:`dflash.batches.online.BatchProducer` run by as many threads
   as the ring has slots, as a Dask worker runs its tasks, one queuing its forwards at a time; the ring, checks and
   packing) iterated without training: real tokens per second the target side can supply. The ring has the
-  ``online`` command's default 4 slots here, and the rate is timed from the 5th batch on (after the read-ahead),
-  over ``--steps`` batches but at least 13. Its phases, in milliseconds per batch over the same batches (one line
+  ``online`` command's default 8 slots here (producer tasks of up to 4 planned batches), and the rate is timed
+  from the 9th batch on (after the read-ahead), over ``--steps`` batches but at least 25, both ends at the last
+  batch of a task. Its phases, in milliseconds per batch over the same batches (one line
   per repeat, ``phases_ms_per_batch`` in the JSON; wall-clock timers around the calls): the producer's
   ``forwards`` (queuing them), ``copies`` (waiting until its device-to-host copies landed in the slot: on CUDA the
   forwards' device time too) and ``commit`` (CRC-32C and header), which overlap between the producer's tasks; the
@@ -48,9 +49,18 @@ CPU smoke run (tens of seconds)::
 extract's own default 16,384 at the default budget; ``run --preset h200-smollm2`` extracts with 32768),
 ``--producer-forward-tokens N`` the producers' (default: what ``online`` gives them,
 ``OnlineConfig.producer_forward_tokens``: twice the token budget, so that a planned batch is one forward).
-A producer batches only the documents of one planned batch (a length bucket's mix), where extract sorts a
-65,536-token shard by length; the report prints the padding share of both one's forwards and how many forwards
-each runs (``forward padding``). ``--compare-producer-forward-tokens N`` also measures the producer alone with
+A producer task batches the documents of one planned batch (a length bucket's mix), or with
+``producer_group_tokens`` (``--producer-group-tokens N``, default ``online``'s; 0: a task per planned batch) of a
+group of consecutive planned batches (at most half the ring's slots), where extract sorts a 65,536-token shard by
+length; the report prints the padding share of both one's forwards and how many forwards each runs per planned
+batch or shard (``forward padding``; the producers' also as counted while they ran). ``--compare-producer-group-tokens
+N`` also measures the producer alone with groups of N tokens in every repeat (0: a task per planned batch), e.g.::
+
+    python benchmarks/online.py --device cuda --target smollm2-random --forward-tokens 32768 --repeats 3 \
+        --steps 8 --compare-producer-group-tokens 0
+
+The producer-alone runs use ``online``'s default ring slots (8: tasks of up to 4 planned batches); the trainer runs
+(T, achieved) use 2 slots, hence a task per planned batch there. ``--compare-producer-forward-tokens N`` also measures the producer alone with
 forwards of N padded tokens in every repeat (its own synchronized pass included on CUDA), e.g. the token budget,
 the producers' forward budget before it was doubled: both shapes side by side in one run.
 ``--producer-packing`` runs the producers' forwards packed instead (``TargetRunner`` ``packing``, its default
@@ -80,7 +90,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash.batches.online import BatchProducer, BatchTask
+from dflash.batches.online import BatchProducer, BatchTask, GroupTask
 from dflash.corpus.format import CorpusWriter, open_corpus
 from dflash.target.load import load_target
 from dflash.target.runner import TargetRunner
@@ -130,9 +140,18 @@ class ReplayProducer(BatchProducer):
         return {"compute_seconds": 0.0}
 
 
-def forward_padding(runner: TargetRunner, row_groups: list[list[int]], corpus) -> tuple[float, float]:
+def task_rows(task: BatchTask | GroupTask) -> list[int]:
+    """The corpus rows a producer task runs through the target (a group's: its lead rows and every batch's)."""
+    if isinstance(task, GroupTask):
+        return [*task.lead_rows, *(row for member in task.batches for row in member.corpus_rows)]
+    return list(task.corpus_rows)
+
+
+def forward_padding(runner: TargetRunner, row_groups: list[list[int]], corpus,
+                    per: int | None = None) -> tuple[float, float]:  # fmt: skip
     """``(padding share of the padded tokens, forwards per group)`` of ``runner``'s forwards when it runs each
-    group of corpus rows on its own (a planned batch for a producer, a shard for extract)."""
+    group of corpus rows on its own (a producer task, a shard for extract); ``per``: divide the forwards by this
+    many instead (the planned batches of the producer's tasks)."""
     from dflash.target.runner import plan_batches, plan_packed_batches
 
     real = padded = forwards = 0
@@ -148,7 +167,7 @@ def forward_padding(runner: TargetRunner, row_groups: list[list[int]], corpus) -
             padded += sum(len(i) * int(lengths[i].max()) for i in plan)
         real += int(lengths.sum())
         forwards += len(plan)
-    return 1.0 - real / padded, forwards / len(row_groups)
+    return 1.0 - real / padded, forwards / (per or len(row_groups))
 
 
 #: The per-batch phases of the producer-alone run (``--json-out``'s ``phases_ms_per_batch``): the producer's
@@ -179,41 +198,48 @@ def synchronized_forwards(runner: TargetRunner) -> TargetRunner:
 
 
 def producer_rate(producer: BatchProducer, config, batches: int, device: torch.device,
-                  tasks: list | None = None) -> tuple[float, dict[str, float]]:  # fmt: skip
+                  tasks: list | None = None) -> tuple[float, dict[str, float], float]:  # fmt: skip
     """The online batch source alone (producer tasks in ``ring_slots`` threads, the ring, checks and packing; no
-    training): real tokens/s from batch ``ring_slots`` (the read-ahead consumed) to the last of ``batches``, and
-    the milliseconds per batch of each phase (:data:`PHASES`) over the same batches (wall-clock timers around the
-    calls: the producers' phases overlap each other, the reader's run one batch after another). The tasks
-    submitted are appended to ``tasks``."""
+    training): real tokens/s from batch ``ring_slots`` (the read-ahead consumed) to the last of ``batches``, each
+    end moved to the last batch of a task (a group of planned batches arrives at once), the
+    milliseconds per batch of each phase (:data:`PHASES`) over the same batches (wall-clock timers around the
+    calls: the producers' phases overlap each other, the reader's run one batch after another), and the target
+    forwards per planned batch the producers ran for the batches consumed (``OnlineStats.producer_forwards``). The
+    tasks submitted are appended to ``tasks``."""
     from pipelines.online import online_training_data
 
     producer.runner.run([producer.corpus.row(0).input_ids])  # warm-up, untimed (first forward allocates)
     skip = min(config.ring_slots, batches - 2)
+    submitted: list = []
 
     def submit(task):
+        submitted.append(task)
         if tasks is not None:
             tasks.append(task)
         return pool.submit(producer.produce, task)
 
     with ThreadPoolExecutor(config.ring_slots) as pool:
         data = online_training_data(config, submit=submit, device=device)
-        times, tokens = [], []
+        times, tokens, totals = [], [], []
         try:
             while len(times) < batches:
                 for batch in data.train:
                     times.append(time.perf_counter())
                     tokens.append(batch.num_real_tokens)
-                    if len(times) == skip + 1:
-                        first = _phase_totals(data.train.stats)
+                    totals.append(_phase_totals(data.train.stats))
                     if len(times) == batches:
                         break
-            last = _phase_totals(data.train.stats)
+            forwards = data.train.stats.producer_forwards / data.train.stats.batches
         finally:
             data.close()
     producer.close()
-    timed = batches - skip - 1
-    phases = {phase: 1e3 * (last[phase] - first[phase]) / timed for phase in PHASES}
-    return sum(tokens[skip + 1 :]) / (times[-1] - times[skip]), phases
+    # The window starts and ends at the last batch of a task: a task's batches arrive together, so a window that
+    # opened inside a task would count batches whose compute it did not time.
+    ends = [int(end) - 1 for end in np.cumsum([len(t.batches) if isinstance(t, GroupTask) else 1 for t in submitted])]
+    start = next((end for end in ends if skip <= end < batches - 1), skip)
+    stop = max((end for end in ends if start < end < batches), default=batches - 1)
+    phases = {phase: 1e3 * (totals[stop][phase] - totals[start][phase]) / (stop - start) for phase in PHASES}
+    return sum(tokens[start + 1 : stop + 1]) / (times[stop] - times[start]), phases, forwards
 
 
 def phases_line(phases: dict[str, float]) -> str:
@@ -284,6 +310,11 @@ def main() -> None:
                         "of the producers (default: the online command's, twice the token budget; packed: the budget)")
     parser.add_argument("--compare-producer-forward-tokens", type=int, default=None, help="Also measure the "
                         "producer alone with this forward budget in every repeat (e.g. the token budget)")
+    parser.add_argument("--producer-group-tokens", type=int, default=None, help="Real tokens per producer task "
+                        "over consecutive planned batches (default: the online command's producer_group_tokens; 0: "
+                        "a task per planned batch)")
+    parser.add_argument("--compare-producer-group-tokens", type=int, default=None, help="Also measure the "
+                        "producer alone with this group budget in every repeat (0: a task per planned batch)")
     parser.add_argument("--producer-packing", action="store_true", help="Producers run packed forwards "
                         "(TargetRunner packing, its default kernel: varlen on CUDA): no padding within a planned batch")
     parser.add_argument("--num-draft-layers", type=int, default=None, help="(CPU 1, CUDA 5)")
@@ -334,7 +365,7 @@ def main() -> None:
     else:
         corpus_path = write_corpus(work / "corpus", tokenizer, args.rows, token_budget // 4)
 
-    def config(name: str, ring_slots: int = 2) -> OnlineConfig:
+    def config(name: str, ring_slots: int = 2, group_tokens: int | None = args.producer_group_tokens) -> OnlineConfig:
         train = TrainConfig(cache=f"{ONLINE_CACHE_PREFIX}{corpus_path}", output=str(work / name),
                             target=target_spec,
                             drafter=DrafterTrainingConfig(num_draft_layers=num_draft_layers, block_size=block_size,
@@ -348,10 +379,13 @@ def main() -> None:
         # Training: two slots, so read-ahead cannot cover a short run and the rate is the steady one.
         return OnlineConfig(corpus=str(corpus_path), train=train, target=target_spec, target_layer_ids=layer_ids,
                             ring_slots=ring_slots, runner_token_budget=args.producer_forward_tokens,
-                            producer_packing=args.producer_packing)  # fmt: skip
+                            producer_packing=args.producer_packing,
+                            **({} if group_tokens is None else {"producer_group_tokens": group_tokens}))  # fmt: skip
 
     producer_forward_tokens = config("forward-budget").producer_forward_tokens  # the online command's rule
+    producer_group_tokens = config("group-budget").producer_group_tokens
     compare_tokens = args.compare_producer_forward_tokens
+    compare_groups = args.compare_producer_group_tokens
 
     def runner(packing: bool = args.producer_packing, budget: int = producer_forward_tokens) -> TargetRunner:
         return TargetRunner(model, layer_ids, device, token_budget=budget, packing=packing)
@@ -360,19 +394,27 @@ def main() -> None:
     replay = ReplayProducer(runner(), corpus)
     trainer_rate(config("warm-replay"), replay, device)  # fills the replay memo (and warms the trainer up)
     producer_slots = OnlineConfig.__dataclass_fields__["ring_slots"].default  # the online command's default
-    producer_batches = max(args.steps, producer_slots + 9)  # at least 8 timed intervals after the read-ahead
+    producer_batches = max(args.steps, 2 * producer_slots + 9)  # 4 groups of 4 and more after the read-ahead
     extract_runner = runner(packing=False, budget=forward_tokens)  # extract's: padded, length-sorted per shard
     tasks: list = []
     runs: dict[str, list[float]] = {"producer_alone_I": [], "trainer_alone_T": [], "achieved": [], "extract": []}
     phase_runs: dict[str, list[dict[str, float]]] = {"overlapped": [], "synchronized": []}
+    forwards_per_batch: dict[str, list[float]] = {"producer": []}
     if compare_tokens:
         runs["producer_alone_I_compare"] = []
         phase_runs |= {"compare_overlapped": [], "compare_synchronized": []}
+        forwards_per_batch["producer_compare"] = []
+    if compare_groups is not None:
+        runs["producer_alone_I_groups"] = []
+        phase_runs |= {"groups_overlapped": [], "groups_synchronized": []}
+        forwards_per_batch["producer_groups"] = []
+        group_tasks: list = []
     for repeat in range(args.repeats):
         alone = BatchProducer(runner(), corpus)
-        rate, phases = producer_rate(alone, config(f"producer-{repeat}", producer_slots), producer_batches, device,
-                                     tasks)  # fmt: skip
+        rate, phases, forwards = producer_rate(alone, config(f"producer-{repeat}", producer_slots), producer_batches,
+                                               device, tasks)  # fmt: skip
         runs["producer_alone_I"].append(rate)
+        forwards_per_batch["producer"].append(forwards)
         phase_runs["overlapped"].append(phases)
         runs["trainer_alone_T"].append(trainer_rate(config(f"trainer-{repeat}"), replay, device))
         runs["achieved"].append(trainer_rate(config(f"achieved-{repeat}"), BatchProducer(runner(), corpus), device))
@@ -383,23 +425,42 @@ def main() -> None:
                 f"{phases_line(phases)}")
         pinned = alone.rings_pinned
         if gpu:  # forwards' device time apart from the copies: a separate, synchronized pass (not for the rate)
-            _, synced = producer_rate(BatchProducer(synchronized_forwards(runner()), corpus),
-                                      config(f"producer-sync-{repeat}", producer_slots), producer_batches, device)
+            _, synced, _ = producer_rate(BatchProducer(synchronized_forwards(runner()), corpus),
+                                         config(f"producer-sync-{repeat}", producer_slots), producer_batches, device)
             phase_runs["synchronized"].append(synced)
             line += f"; synchronized forwards: {phases_line(synced)}"
         print(line, flush=True)
         if compare_tokens:  # the same producer with forwards of another budget, measured as above
-            rate, phases = producer_rate(BatchProducer(runner(budget=compare_tokens), corpus),
-                                         config(f"producer-compare-{repeat}", producer_slots), producer_batches, device)
+            rate, phases, forwards = producer_rate(BatchProducer(runner(budget=compare_tokens), corpus),
+                                                   config(f"producer-compare-{repeat}", producer_slots),
+                                                   producer_batches, device)  # fmt: skip
             runs["producer_alone_I_compare"].append(rate)
+            forwards_per_batch["producer_compare"].append(forwards)
             phase_runs["compare_overlapped"].append(phases)
             line = (f"repeat {repeat} producer alone at {compare_tokens:,} tokens per forward: {rate:,.0f} real "
                     f"tokens/s; phases: {phases_line(phases)}")
             if gpu:
-                _, synced = producer_rate(BatchProducer(synchronized_forwards(runner(budget=compare_tokens)), corpus),
-                                          config(f"producer-compare-sync-{repeat}", producer_slots), producer_batches,
-                                          device)  # fmt: skip
+                _, synced, _ = producer_rate(BatchProducer(synchronized_forwards(runner(budget=compare_tokens)),
+                                                           corpus),
+                                             config(f"producer-compare-sync-{repeat}", producer_slots),
+                                             producer_batches, device)  # fmt: skip
                 phase_runs["compare_synchronized"].append(synced)
+                line += f"; synchronized forwards: {phases_line(synced)}"
+            print(line, flush=True)
+        if compare_groups is not None:  # the same producer with tasks over groups of another budget
+            rate, phases, forwards = producer_rate(BatchProducer(runner(), corpus),
+                                                   config(f"producer-groups-{repeat}", producer_slots, compare_groups),
+                                                   producer_batches, device, group_tasks)  # fmt: skip
+            runs["producer_alone_I_groups"].append(rate)
+            phase_runs["groups_overlapped"].append(phases)
+            forwards_per_batch["producer_groups"].append(forwards)
+            line = (f"repeat {repeat} producer alone with producer_group_tokens {compare_groups:,}: {rate:,.0f} real "
+                    f"tokens/s, {forwards:.2f} forwards per planned batch; phases: {phases_line(phases)}")
+            if gpu:
+                _, synced, _ = producer_rate(BatchProducer(synchronized_forwards(runner()), corpus),
+                                             config(f"producer-groups-sync-{repeat}", producer_slots, compare_groups),
+                                             producer_batches, device)  # fmt: skip
+                phase_runs["groups_synchronized"].append(synced)
                 line += f"; synchronized forwards: {phases_line(synced)}"
             print(line, flush=True)
     rate_i, rate_t, achieved, rate_extract = (statistics.median(runs[key]) for key in
@@ -408,11 +469,18 @@ def main() -> None:
 
     shards = [list(range(start, stop)) for start, stop in
               plan_shards(corpus.lengths, ExtractConfig.__dataclass_fields__["shard_size"].default)]  # fmt: skip
-    planned_rows = [list(task.corpus_rows) for task in tasks]
-    padding = {"producer": forward_padding(runner(), planned_rows, corpus),
+    def planned(tasks_: list) -> int:
+        return sum(len(task.batches) if isinstance(task, GroupTask) else 1 for task in tasks_)
+
+    task_groups = [task_rows(task) for task in tasks]
+    padding = {"producer": forward_padding(runner(), task_groups, corpus, per=planned(tasks)),
                "extract": forward_padding(extract_runner, shards, corpus)}
     if compare_tokens:
-        padding["producer_compare"] = forward_padding(runner(budget=compare_tokens), planned_rows, corpus)
+        padding["producer_compare"] = forward_padding(runner(budget=compare_tokens), task_groups, corpus,
+                                                      per=planned(tasks))  # fmt: skip
+    if compare_groups is not None:
+        padding["producer_groups"] = forward_padding(runner(), [task_rows(task) for task in group_tasks], corpus,
+                                                     per=planned(group_tasks))  # fmt: skip
     shared = 1.0 / (1.0 / rate_i + 1.0 / rate_t)
     logged = read_metrics(work / f"achieved-{args.repeats - 1}", kind="train")[-1]
     report = {"ring_slots_page_locked": pinned, "producer_alone_I": rate_i, "trainer_alone_T": rate_t, "achieved": achieved,
@@ -420,6 +488,9 @@ def main() -> None:
               "achieved_over_min": achieved / min(rate_i, rate_t), "achieved_over_shared": achieved / shared,
               "extract": rate_extract, "producer_over_extract": rate_i / rate_extract,
               "forward_tokens": forward_tokens, "producer_forward_tokens": producer_forward_tokens,
+              "producer_group_tokens": producer_group_tokens,
+              "producer_forwards_per_batch_counted": {key: statistics.median(values)
+                                                      for key, values in forwards_per_batch.items() if values},
               "producer_ring_slots": producer_slots,
               "producer_batches": producer_batches,
               "producer_packing": args.producer_packing,
@@ -441,12 +512,21 @@ def main() -> None:
         rate_compare = statistics.median(runs["producer_alone_I_compare"])
         report |= {"producer_compare_forward_tokens": compare_tokens, "producer_alone_I_compare": rate_compare,
                    "producer_compare_over_extract": rate_compare / rate_extract}
+    if compare_groups is not None:
+        rate_groups = statistics.median(runs["producer_alone_I_groups"])
+        report |= {"producer_compare_group_tokens": compare_groups, "producer_alone_I_groups": rate_groups,
+                   "producer_groups_over_extract": rate_groups / rate_extract}
     keys = ("extract", "producer_alone_I", *(("producer_alone_I_compare",) if compare_tokens else ()),
+            *(("producer_alone_I_groups",) if compare_groups is not None else ()),
             "trainer_alone_T", "achieved", "min_I_T", "shared_device_bound")
     for key in keys:
         print(f"{key:>22}: {report[key]:10,.0f} real tokens/s   (runs: {', '.join(f'{v:,.0f}' for v in runs.get(key, []))})")
     print(f"{'I / extract':>22}: {report['producer_over_extract']:.2f}  (producer alone at {producer_forward_tokens:,} "
-          f"tokens per forward against extract's forward loop at {forward_tokens:,}; issue 40: >= 0.9)")
+          f"tokens per forward, producer_group_tokens {producer_group_tokens:,}, against extract's forward loop at "
+          f"{forward_tokens:,}; issue 40: >= 0.9)")
+    if compare_groups is not None:
+        print(f"{'I_groups / extract':>22}: {report['producer_groups_over_extract']:.2f}  (producer alone with "
+              f"producer_group_tokens {compare_groups:,})")
     if compare_tokens:
         print(f"{'I_compare / extract':>22}: {report['producer_compare_over_extract']:.2f}  (producer alone at "
               f"{compare_tokens:,} tokens per forward)")
@@ -455,7 +535,12 @@ def main() -> None:
           f"({padding['producer'][1]:.2f} forwards per planned batch{packed}), "
           + (f"at {compare_tokens:,}: {padding['producer_compare'][0]:.1%} "
              f"({padding['producer_compare'][1]:.2f}{packed}), " if compare_tokens else "")
+          + (f"with producer_group_tokens {compare_groups:,}: {padding['producer_groups'][0]:.1%} "
+             f"({padding['producer_groups'][1]:.2f}{packed}), " if compare_groups is not None else "")
           + f"extract {padding['extract'][0]:.1%} ({padding['extract'][1]:.2f} per shard)")
+    print(f"{'forwards counted':>22}: " + ", ".join(f"{key} {value:.2f}" for key, value in
+                                                   report["producer_forwards_per_batch_counted"].items())
+          + " per planned batch (as the producers ran them)")
     for mode, phases in report["phases_ms_per_batch"].items():
         print(f"{'phases, ' + mode:>22}: {phases_line(phases)}  (producer alone, medians)")
     print(f"{'achieved / min(I, T)':>22}: {report['achieved_over_min']:.2f}")

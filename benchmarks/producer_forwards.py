@@ -5,10 +5,12 @@ Three measurements, none needing a GPU (docs/online-queue.md, "The producer's fo
 
 * forward plans: ``benchmarks/online.py``'s corpus for a GPU run (random token ids, lengths 256-2,048, enough
   tokens for its default 8 steps; ``--token-budget`` real tokens per planned batch, 2 length buckets, epoch 0 of the
-  online plan): the producers' forwards (``plan_batches`` over each planned batch, as ``TargetRunner`` runs a task)
-  at each ``--producer-forward-tokens``, extract's (over each shard of extract's default 65,536 tokens) at each
-  ``--forward-tokens``, and pairs of consecutive planned batches run together: forwards, real tokens per forward,
-  padding.
+  online plan): the producers' forwards (``plan_batches`` over each task's rows, as ``TargetRunner`` runs a task)
+  at each ``--producer-forward-tokens``, with a task per planned batch and with the online dispatcher's groups of
+  consecutive planned batches (``dflash.batches.online.plan_groups``: ``producer_group_tokens``, at most half the
+  ring slots, for 4 slots and for online's default), and extract's (over each shard of ``--shard-size``: its default
+  65,536 tokens and the h200-smollm2 preset's 262,144) at each ``--forward-tokens``: forwards, per planned batch,
+  per 100K real tokens, real tokens per forward, padding.
 * operations: the top-level aten operations of one ``TargetRunner.forward`` of the real SmolLM2 through its last tap
   (taps 1, 8, 14, 20, 27), and of extract's loop (``iter_batches``) and the producer's (``iter_pending`` with ``out``,
   one tensor per document) over the same rows (``torch.profiler``).
@@ -60,9 +62,11 @@ def forward_stats(lengths: np.ndarray, groups: list[list[int]], forward_tokens: 
 
 
 def forward_plans(args: argparse.Namespace, work: Path) -> None:
+    from dflash.batches.online import max_group_batches, plan_groups
     from dflash.batches.source import LoaderConfig, PlannedCursor
     from dflash.corpus.format import CorpusLengths, open_corpus
-    from stages.extract.command import ExtractConfig, plan_shards
+    from pipelines.online import OnlineConfig
+    from stages.extract.command import plan_shards
     from stages.train.config import TrainConfig
     from stages.train.data import stream_config
 
@@ -75,19 +79,36 @@ def forward_plans(args: argparse.Namespace, work: Path) -> None:
     cursor = PlannedCursor(CorpusLengths(corpus), stream_config(train, "train", torch.device("cpu")))
     plan = cursor.plan(0)
     batches = [[int(r) for r in cursor.sample_row[plan.batch(step, 0).samples]] for step in range(plan.num_steps)]
-    pairs = [batches[i] + batches[i + 1] for i in range(0, len(batches) - 1, 2)]
-    shard_size = ExtractConfig.__dataclass_fields__["shard_size"].default
-    shards = [list(range(start, stop)) for start, stop in plan_shards(lengths, shard_size)]
+    tokens = [plan.batch(step, 0).num_tokens for step in range(plan.num_steps)]
+    group_tokens = args.producer_group_tokens
+    if group_tokens is None:
+        group_tokens = OnlineConfig.__dataclass_fields__["producer_group_tokens"].default
+    default_slots = OnlineConfig.__dataclass_fields__["ring_slots"].default
+
+    def groups(ring_slots: int) -> list[list[int]]:  # the online dispatcher's groups (dflash.batches.online)
+        starts = plan_groups(tokens, group_tokens, max_group_batches(ring_slots))
+        return [sum(batches[start:stop], []) for start, stop in zip(starts, [*starts[1:], len(batches)], strict=True)]
+
     print(f"corpus: {len(lengths)} rows, {int(lengths.sum()):,} tokens; {len(batches)} planned batches of at most "
-          f"{budget:,} real tokens; {len(shards)} extract shards of ~{shard_size:,}")
-    rows = [(f"producer, per planned batch, {tokens:,}", batches, tokens) for tokens in args.producer_forward_tokens]
-    rows += [(f"producer, pairs of planned batches, {tokens:,}", pairs, tokens) for tokens in args.producer_forward_tokens]
-    rows += [(f"extract, per shard, {tokens:,}", shards, tokens) for tokens in args.forward_tokens]
-    for name, groups, tokens in rows:
-        stats = forward_stats(lengths, groups, tokens)
-        print(f"  {name:>44}: {stats['forwards']:3d} forwards ({stats['forwards'] / stats['groups']:.2f} per group), "
-              f"{stats['real_per_forward']:8,.0f} real tokens per forward, {stats['padded_tokens']:,} padded tokens "
-              f"({stats['padding']:.1%} padding)")
+          f"{budget:,} real tokens (epoch 0 of the online plan)")
+    rows = [(f"producer, a task per planned batch, {tokens_:,}", batches, tokens_)
+            for tokens_ in args.producer_forward_tokens]
+    for ring_slots in sorted({4, default_slots}):
+        grouped = groups(ring_slots)
+        rows += [(f"producer, tasks of <= {max_group_batches(ring_slots)} batches / {group_tokens:,} tokens "
+                  f"({len(grouped)} tasks, ring_slots {ring_slots}), {tokens_:,}", grouped, tokens_)
+                 for tokens_ in args.producer_forward_tokens]
+    for shard_size in args.shard_size:
+        shards = [list(range(start, stop)) for start, stop in plan_shards(lengths, shard_size)]
+        rows += [(f"extract, {len(shards)} shard{'s' if len(shards) != 1 else ''} of ~{shard_size:,}, {tokens_:,}", shards, tokens_)
+                 for tokens_ in args.forward_tokens]
+    print(f"  {'plan, forward budget (padded tokens)':>74}  forwards  per planned batch  per 100K tokens  "
+          "real tokens per forward  padding")
+    for name, row_groups, forward_tokens in rows:
+        stats = forward_stats(lengths, row_groups, forward_tokens)
+        print(f"  {name:>74}  {stats['forwards']:8d}  {stats['forwards'] / len(batches):17.2f}  "
+              f"{1e5 * stats['forwards'] / stats['real_tokens']:15.2f}  {stats['real_per_forward']:23,.0f}  "
+              f"{stats['padding']:7.1%}")
 
 
 def top_level_operations(fn) -> int:
@@ -179,10 +200,17 @@ def _checksum_process(stop: Any) -> None:
 
 
 def main() -> None:
+    from stages.extract.command import ExtractConfig
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--token-budget", type=int, default=16384, help="Real tokens per planned batch")
     parser.add_argument("--producer-forward-tokens", type=int, nargs="+", default=[16384, 32768])
     parser.add_argument("--forward-tokens", type=int, nargs="+", default=[16384, 32768], help="Extract's")
+    parser.add_argument("--shard-size", type=int, nargs="+", default=[
+        ExtractConfig.__dataclass_fields__["shard_size"].default, 262144], help="Extract's (default: its default and "
+        "the h200-smollm2 preset's)")
+    parser.add_argument("--producer-group-tokens", type=int, default=None, help="The producers' group budget "
+                        "(default: online's producer_group_tokens)")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--skip-model", action="store_true", help="Only the forward plans (no model loaded)")
     args = parser.parse_args()

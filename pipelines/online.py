@@ -93,12 +93,13 @@ class OnlineConfig:
     target_layer_ids: list[int] | None = setting(None, help="Tapped layer ids, e.g. 1,3 (default: DFlash's rule, one tap per draft layer).")
     target_processes: int | None = setting(None, help="CPU producer processes (target replicas), one Dask worker each (default: one per --target-gpus entry, else 1).")
     target_gpus: list[int] | None = setting(None, help="Producer GPU ids, one Dask worker each, e.g. 0,1.")
-    ring_slots: int = setting(4, help="Shared-memory ring slots per rank: batches in flight between producers and trainer (memory: slots x token_budget x taps x hidden size x 2 bytes).")
+    ring_slots: int = setting(8, help="Shared-memory ring slots per rank: batches in flight between producers and trainer (memory: slots x token_budget x taps x hidden size x 2 bytes). A producer task takes at most half of them (producer_group_tokens).")
     #: Padded tokens per target forward of a producer (with ``producer_packing``: real tokens per forward); ``None``:
     #: twice the training ``data.token_budget`` (packed: the token budget), so that a planned batch runs as one
     #: forward (``producer_forward_tokens``).
     runner_token_budget: int | None = None
     producer_packing: bool = setting(False, help="Producers run packed forwards (extract's --packing with its automatic kernel: varlen on GPU producers whose torch has it, else flex_attention; sdpa on CPU producers): a planned batch's samples back to back, attention confined to each, no padding; runner_token_budget then counts real tokens per forward. The same batches and hidden states (within the runner's bf16 tolerance); off by default: slower on a GPU (docs/online-queue.md, Throughput).")
+    producer_group_tokens: int = setting(65536, help="A producer task runs consecutive planned batches of an epoch through the target together, up to this many real tokens and at most half the ring slots, so that their rows share forwards (a forward costs about the same whatever its rows) as extract's rows of one shard do; each batch still goes to its own slot, so the batches, their order and the exact resume do not change (hidden states within the runner's bf16 tolerance of a task per batch). Default: extract's default shard size, about as many forwards per token as extract (docs/online-queue.md, Producer tasks over groups of planned batches). 0: one planned batch per task.")
     cache_to: str | None = setting(None, help="Also write the corpus's hidden-state cache (extract's shard plan) here while training: producers stage the first epoch's batches and a shard is committed once its rows are all staged, so a later train or sweep reuses it (docs/online-queue.md). Refused in run's online section, which trains without a cache.")
     cache_shard_size: int = setting(65536, help="--cache-to: tokens per cache shard (extract's --shard-size).")
     on_producer_death: str = setting("recompute", help="A producer process that dies (OOM killer, a GPU fault): recompute (Dask reruns its batch on another producer; a batch lost with 5 producers in turn stops the run, as Dask blames every task a dying producer held) | stop (the run stops at once with one error line). Its latest checkpoint is kept and --resume continues from it.")
@@ -117,6 +118,10 @@ class OnlineConfig:
             raise ConfigError(f"ring_slots: expected an integer >= 2, got {self.ring_slots!r}")
         if self.runner_token_budget is not None and self.runner_token_budget < 1:
             raise ConfigError(f"runner_token_budget: expected >= 1, got {self.runner_token_budget}")
+        if not isinstance(self.producer_group_tokens, int) or isinstance(self.producer_group_tokens, bool) \
+                or self.producer_group_tokens < 0:
+            raise ConfigError(f"producer_group_tokens: expected an integer >= 0 (0: one planned batch per producer "
+                              f"task), got {self.producer_group_tokens!r}")
         if self.cache_to is not None and self.train.output:
             run, cache = Path(self.train.output).resolve(), Path(self.cache_to).resolve()
             if run == cache or run in cache.parents or cache in run.parents:
@@ -141,10 +146,11 @@ class OnlineConfig:
         """Padded tokens per target forward of a producer (packed: real tokens per forward): ``runner_token_budget``,
         by default twice the training token budget (packed: the token budget).
 
-        A producer runs the documents of one planned batch (at most ``token_budget`` real tokens, of one length
-        bucket) through extract's runner, whose padded forwards hold at most this many ``rows x longest`` tokens: at
-        twice the token budget a planned batch is one forward unless its rows x longest exceed that, at the token
-        budget it is nearly always two, the second small. Each forward has a cost that does not shrink with its size (the same
+        A producer task runs the documents of one planned batch (at most ``token_budget`` real tokens, of one length
+        bucket), or of a group of them (``producer_group_tokens``), through extract's runner, whose padded forwards
+        hold at most this many ``rows x longest`` tokens: at twice the token budget a planned batch alone is one
+        forward unless its rows x longest exceed that, at the token budget it is nearly always two, the second
+        small; a group's documents, sorted by length together, fill fuller forwards. Each forward has a cost that does not shrink with its size (the same
         ~1,500 operations to launch whatever the rows; docs/online-queue.md, "The producer's forward against
         extract's"), so fewer forwards per planned batch. Packed rows hold real tokens only: a planned batch fits
         one at the token budget."""
@@ -199,7 +205,7 @@ def online_training_data(config: OnlineConfig, *, submit: Any, device: Any, corp
     width = metadata.num_taps * metadata.hidden_size
     common = {"submit": submit, "width": width, "dtype": torch.bfloat16, "num_slots": config.ring_slots,
               "rank": rank, "world_size": world_size, "staging": staging_dir(config),
-              "health_check": health_check}  # fmt: skip
+              "health_check": health_check, "group_tokens": config.producer_group_tokens or None}  # fmt: skip
     train = OnlineBatches(lengths, stream_config(config.train, "train", device), **common)
     validation = None
     if config.train.data.validation_fraction > 0:
@@ -304,8 +310,7 @@ class _ProducerFuture:
             how = ("on_producer_death=stop" if self._policy == "stop"
                    else f"its task was rerun on {_ALLOWED_FAILURES['recompute']} producers in turn and each died")
             raise ProducerError(
-                f"producer lost: the process computing batch {self._task.batch_index} of epoch {self._task.epoch} "
-                f"died ({how}; {error}); the run stopped without training on it and keeps its latest checkpoint: "
+                f"producer lost: the process computing {self._task.name} died ({how}; {error}); the run stopped without training on it and keeps its latest checkpoint: "
                 "see the producer's log for the cause (out of memory?), then rerun with --resume"
             ) from None
 
@@ -344,7 +349,8 @@ def dask_submit(client: Any, policy: str = "recompute") -> Any:
     from stages.replicas.online_worker import produce_batch
 
     def submit(task: Any) -> Any:
-        # Unique per ring and hand-out: Dask returns the existing future for a key it already holds.
+        # Unique per ring and hand-out (a group's: its first batch's): Dask returns the existing future for a key it
+        # already holds.
         key = f"dflash-online-{task.ring_name}-e{task.epoch}-b{task.batch_index}-t{task.ticket}"
         return _ProducerFuture(client.submit(produce_batch, task, pure=False, key=key), task, policy)
 

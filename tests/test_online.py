@@ -263,26 +263,33 @@ def test_read_ahead_yields_the_serial_batches_bit_for_bit_and_a_consumer_stopped
     assert not _leaked(before, own_processes)
 
 
-def _online_config(corpus_dir, target_path, output, **train_overrides):
+def _online_config(corpus_dir, target_path, output, ring_slots=3, **train_overrides):
+    """An online run's config on the test corpus; 3 ring slots: one planned batch per producer task (a group holds
+    at most half the slots)."""
     from pipelines.online import ONLINE_CACHE_PREFIX, OnlineConfig
     from tests.train_helpers import tiny_config
 
     train = tiny_config(Path(f"{ONLINE_CACHE_PREFIX}{corpus_dir}"), output, **train_overrides)
     train.cache = f"{ONLINE_CACHE_PREFIX}{corpus_dir}"
     return OnlineConfig(corpus=str(corpus_dir), train=train, target=str(target_path), target_layer_ids=TINY_LAYER_IDS,
-                        ring_slots=3)
+                        ring_slots=ring_slots)
 
 
-def _train_online_in_process(config, target) -> dict:
-    """``run_online`` with the producer in a thread of this process instead of a Dask worker."""
+def _train_online_in_process(config, target, tasks: list | None = None) -> dict:
+    """``run_online`` with the producer in a thread of this process instead of a Dask worker; the tasks submitted
+    are appended to ``tasks``."""
     from pipelines.online import online_training_data
     from stages.train.loop import Trainer
 
     producer = BatchProducer(TargetRunner(target.model, TINY_LAYER_IDS, "cpu", token_budget=256),
                              open_corpus(config.corpus))
     with ThreadPoolExecutor(1) as pool:
-        data = online_training_data(config, submit=lambda task: pool.submit(producer.produce, task),
-                                    device=torch.device("cpu"))
+        def submit(task):
+            if tasks is not None:
+                tasks.append(task)
+            return pool.submit(producer.produce, task)
+
+        data = online_training_data(config, submit=submit, device=torch.device("cpu"))
         trainer = Trainer(config.train, device=torch.device("cpu"), data=data)
         try:
             return trainer.fit()
@@ -371,18 +378,115 @@ def test_a_producer_runs_each_planned_batch_as_one_forward_by_default(corpus_dir
         torch.testing.assert_close(one_forward["hidden"].float(), reference["hidden"].float(), rtol=1.6e-2, atol=2e-2)
 
 
+def test_producer_groups_keep_within_their_token_budget_and_half_the_ring():
+    """Consecutive planned batches join a group while its real tokens fit the budget and it holds at most half the
+    ring's slots; a batch over the budget stands alone; without a budget, or with fewer than 4 slots, every batch is
+    its own task."""
+    from dflash.batches.online import max_group_batches, plan_groups
+
+    tokens = [100, 100, 100, 300, 50, 50, 50, 50, 50]
+    assert [max_group_batches(slots) for slots in (2, 3, 4, 8, 9)] == [1, 1, 2, 4, 4]
+    assert plan_groups(tokens, 250, 4) == [0, 2, 3, 4, 8]  # 100+100 | 100 | 300 alone | 4 x 50 (the cap) | 50
+    assert plan_groups(tokens, 1000, 2) == [0, 2, 4, 6, 8]
+    assert plan_groups(tokens, None, 4) == plan_groups(tokens, 1000, 1) == list(range(len(tokens)))
+    assert plan_groups([], 1000, 4) == []
+
+
+def test_grouped_producer_tasks_run_fewer_forwards_and_fill_each_slot_as_one_task_per_batch(corpus_dir, target):
+    """Producer tasks over groups of consecutive planned batches (``group_tokens``, at most half the ring's slots)
+    run the rows of several planned batches through shared forwards of the same budget: fewer target forwards
+    (counted on decoder layer 0, and as the batch source's stats count them) than one task per planned batch on the
+    same plan, while the trainer gets the same batches in the same order over two epochs, each from its own slot,
+    hidden states within bf16 tolerance. A source resumed inside a group recomputes the group's forwards (the
+    batches before its cursor as lead rows) and yields the unbroken grouped run's remaining batches bit for bit."""
+    from dflash.batches.online import BatchTask, GroupTask
+
+    token_budget = _stream_config("train").token_budget
+    producer = BatchProducer(TargetRunner(target.model, TINY_LAYER_IDS, "cpu", token_budget=2 * token_budget),
+                             open_corpus(corpus_dir))  # the online command's default forward budget
+    width = WIDTH_TAPS * int(target.model.config.hidden_size)
+    forwards = [0]  # target forwards so far: each runs decoder layer 0 once
+    hook = target.model.get_decoder().layers[0].register_forward_pre_hook(
+        lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+
+    def produce(task, counted):  # one pool thread: tasks run one by one
+        before = forwards[0]
+        result = producer.produce(task)
+        counted[task.epoch] = counted.get(task.epoch, 0) + forwards[0] - before
+        return result
+
+    def run(group_tokens, tasks, state=None, stop_after=None):
+        counted: dict[int, int] = {}  # forwards per epoch
+        with ThreadPoolExecutor(1) as pool, \
+                OnlineBatches(CorpusLengths(open_corpus(corpus_dir)), _stream_config("train"), width=width,
+                              submit=lambda task: tasks.append(task) or pool.submit(produce, task, counted),
+                              num_slots=8, group_tokens=group_tokens) as online:  # fmt: skip
+            if state is not None:
+                online.load_state_dict(state)
+            if stop_after is not None:
+                batches = iter(online)
+                head = [_batch_fields(next(batches)) for _ in range(stop_after)]
+                batches.close()
+                return head, online.state_dict(), online
+            got = [_batch_fields(batch) for _ in range(2) for batch in online]
+            stats = online.stats.producer_forwards
+        consumed = counted[0] + counted[1]  # the producers ran ahead into epoch 2
+        assert stats == pytest.approx(consumed)  # the batch source counts what ran for the batches it yielded
+        return got, consumed, online
+
+    try:
+        single_tasks: list = []
+        single, single_forwards, _ = run(None, single_tasks)
+        group_tasks: list = []
+        grouped, grouped_forwards, online = run(4 * token_budget, group_tasks)
+        assert online.max_group_batches == 4  # half of the 8 slots
+        resumed_tasks: list = []
+        head, state, _ = run(4 * token_budget, [], stop_after=1)
+        rest, _, _ = run(4 * token_budget, resumed_tasks, state=state)
+    finally:
+        hook.remove()
+        producer.close()
+    assert all(isinstance(task, BatchTask) for task in single_tasks)
+    group_tasks = [task for task in group_tasks if task.epoch < 2]  # the producers ran ahead into epoch 2
+    sizes = [len(task.batches) if isinstance(task, GroupTask) else 1 for task in group_tasks]
+    assert max(sizes) > 1 and max(sizes) <= 4 and sum(sizes) == len(grouped) == len(single) >= 12
+    for task in group_tasks:
+        if isinstance(task, GroupTask):  # consecutive batches of one epoch, each with its own slot
+            indices = [member.batch_index for member in task.batches]
+            assert indices == list(range(indices[0], indices[0] + len(indices))) and not task.lead_rows
+            assert len({member.slot for member in task.batches}) == len(indices)
+    assert grouped_forwards < single_forwards
+    _assert_same_batches([{k: v for k, v in b.items() if k != "hidden"} for b in grouped],
+                         [{k: v for k, v in b.items() if k != "hidden"} for b in single])  # same batches, same order
+    for mine, theirs in zip(grouped, single, strict=True):
+        torch.testing.assert_close(mine["hidden"].float(), theirs["hidden"].float(), rtol=1.6e-2, atol=2e-2)
+    first = resumed_tasks[0]  # the dispatcher resumed at step 1, inside the first group
+    assert isinstance(first, GroupTask) and first.lead_rows == tuple(grouped[0]["corpus_rows"])
+    _assert_same_batches(head + rest, grouped)
+
+
+@pytest.mark.parametrize("ring_slots", [3, 8], ids=["one-batch-per-task", "grouped"])
 def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir, target_path, target, tmp_path,
-                                                                      own_processes):
+                                                                      own_processes, ring_slots):
+    """Stopped at step 2 and resumed, the run equals the straight one bit for bit; with 8 slots the producers run
+    groups of 4 planned batches (``producer_group_tokens``' default, half the slots), and the resume at micro-batch
+    6 starts inside a group."""
     from dflash.training.checkpoint import load_checkpoint
 
     before = set(list_segments())
-    common = dict(max_steps=4, grad_accum_steps=3, save_every=2)  # 12 micro-batches: crosses an epoch (9)
+    # 12 micro-batches: crosses an epoch (9)
+    common = dict(max_steps=4, grad_accum_steps=3, save_every=2, ring_slots=ring_slots)
     straight = _train_online_in_process(_online_config(corpus_dir, target_path, tmp_path / "straight", **common), target)
     first = _train_online_in_process(
         _online_config(corpus_dir, target_path, tmp_path / "resumed", stop_at_step=2, **common), target)
     assert first["step"] == 2
+    tasks: list = []
     resumed = _train_online_in_process(
-        _online_config(corpus_dir, target_path, tmp_path / "resumed", resume=True, **common), target)
+        _online_config(corpus_dir, target_path, tmp_path / "resumed", resume=True, **common), target, tasks)
+    from dflash.batches.online import GroupTask
+
+    if ring_slots == 8:  # the resumed dispatcher started inside the group of micro-batches 4-7
+        assert isinstance(tasks[0], GroupTask) and len(tasks[0].batches) == 2 and tasks[0].lead_rows
     assert resumed["step"] == straight["step"] == 4 and resumed["data_digest"] == straight["data_digest"]
     a = load_checkpoint(tmp_path / "straight" / "checkpoints" / "step_00000004")
     b = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "step_00000004")
@@ -393,7 +497,7 @@ def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir
     assert resumed["val"]["loss"] == straight["val"]["loss"]
     run = json.loads((tmp_path / "straight" / "run.json").read_text())
     assert run["resolved"]["data_source"]["kind"] == "online"
-    assert run["resolved"]["train_loader"]["queue"]["num_slots"] == 3
+    assert run["resolved"]["train_loader"]["queue"]["num_slots"] == ring_slots
     from dflash.training.telemetry import read_metrics
 
     last = read_metrics(tmp_path / "straight", kind="train")[-1]
@@ -403,7 +507,7 @@ def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir
     assert last["producer_capacity_tokens_per_s"] > 0
     assert 0 < last["achieved_tokens_per_s"] <= last["trainer_capacity_tokens_per_s"]
     assert 0 <= last["interval_data_wait_fraction"] <= 1
-    assert 0 <= last["ring_ready_mean"] <= last["ring_taken_mean"] <= 3 + 1  # 3 ring slots, 1 batch read ahead
+    assert 0 <= last["ring_ready_mean"] <= last["ring_taken_mean"] <= ring_slots + 1  # 1 batch read ahead
     assert not _leaked(before, own_processes)  # every ring removed
 
 
@@ -456,26 +560,34 @@ def test_online_command_refuses_bad_options_with_one_error_line(tmp_path):
                         "1", "--ring-slots", "1", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 2
     assert "error: online.ring_slots (--ring-slots): expected an integer >= 2" in result.stderr
+    result = forked_cli("online", "--corpus", str(tmp_path), "--output", str(tmp_path / "run"),
+                        "--producer-group-tokens", "-1", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "error: online.producer_group_tokens (--producer-group-tokens): expected an integer >= 0" in result.stderr
 
 
-def test_a_producer_killed_mid_batch_stops_the_run_and_the_resume_recomputes_lost_batches(corpus_dir, target_path,
-                                                                                           target, tmp_path,
-                                                                                           monkeypatch, own_processes):
-    """Every producer process is SIGKILLed at its 3rd batch, after computing it and before writing its slot (as the
+@pytest.mark.parametrize(("ring_slots", "fault", "lost"), [
+    (3, "online.produce@3=kill", "batch 2 of epoch 0"),  # a task per planned batch: its 3rd is batch 2
+    (4, "online.produce@2=kill", "batches 2-3 of epoch 0"),  # tasks of 2 batches: its 2nd is batches 2-3
+], ids=["one-batch-per-task", "grouped"])
+def test_a_producer_killed_mid_batch_stops_the_run_and_the_resume_recomputes_lost_batches(
+        corpus_dir, target_path, target, tmp_path, monkeypatch, own_processes, ring_slots, fault, lost):
+    """Every producer process is SIGKILLed at its Nth task, after computing it and before writing its slots (as the
     OOM killer would; Dask's nanny starts a new one, which loads the target again). ``stop``: the run stops with one
-    error naming the batch and keeps its step-2 checkpoint. ``--resume --on-producer-death recompute`` (the config
-    otherwise from run.json, as the command reads it), with producers still dying at their 3rd batch: the lost
-    batches are rerun on the new producers and the run ends on exactly the planned batches."""
+    error naming the task's batches and keeps its step-2 checkpoint. ``--resume --on-producer-death recompute`` (the
+    config otherwise from run.json, as the command reads it), with producers still dying at their Nth task: the lost
+    tasks (a group as a whole) are rerun on the new producers and the run ends on exactly the planned batches."""
     from dflash.errors import ProducerError
     from pipelines.online import config_from_cli, run_online
 
-    monkeypatch.setenv("DFLASH_FAULT", "online.produce@3=kill")  # read by each new producer process at import
+    monkeypatch.setenv("DFLASH_FAULT", fault)  # read by each new producer process at import
     run = tmp_path / "run"
-    config = _online_config(corpus_dir, target_path, run, max_steps=5, save_every=2, validation_fraction=0.0)
+    config = _online_config(corpus_dir, target_path, run, ring_slots, max_steps=5, save_every=2,
+                            validation_fraction=0.0)  # fmt: skip
     config.on_producer_death = "stop"
     expected_digest, expected_tokens = _expected_rows(config, 5, world_size=1)
     before = set(list_segments())
-    with pytest.raises(ProducerError, match=r"producer lost: the process computing batch 2 of epoch 0 died "
+    with pytest.raises(ProducerError, match=rf"producer lost: the process computing {lost} died "
                                             r"\(on_producer_death=stop"):
         run_online(config)
     assert (run / "latest").read_text().strip() == "step_00000002"
@@ -483,25 +595,28 @@ def test_a_producer_killed_mid_batch_stops_the_run_and_the_resume_recomputes_los
     resumed = config_from_cli({"on_producer_death": "recompute"}, {"output": str(run), "resume": True})
     assert resumed.corpus == config.corpus and resumed.on_producer_death == "recompute"
     assert resumed.train.max_steps == 5 and resumed.target_layer_ids == config.target_layer_ids
-    summary = run_online(resumed)  # batches 2, 3, 4: the first producer dies at batch 4 (its 3rd), recomputed
+    summary = run_online(resumed)  # batches 2 to 4: the first new producer dies at its Nth task, which is rerun
     assert summary["step"] == 5 and summary["data_digest"] == expected_digest
     assert summary["tokens_seen"] == expected_tokens
     assert not _leaked(before, own_processes)
 
 
+@pytest.mark.parametrize("ring_slots", [3, 8], ids=["one-batch-per-task", "grouped"])
 def test_cache_to_writes_while_training_the_cache_extract_would_and_train_reuses_it(corpus_dir, target_path, target,
-                                                                                    offline_cache, tmp_path, own_processes):
+                                                                                    offline_cache, tmp_path, own_processes,
+                                                                                    ring_slots):
     """``online --cache-to`` over one epoch (and one full validation pass): every shard of extract's plan is
     committed from the staged batches, ``cache verify`` accepts it, it holds what ``extract`` stores for the same
     rows (tokens and masks exactly, hidden states within bf16 tolerance) and records the rows the run never
-    computes (too few supervised tokens) as skipped; staging is empty after; ``train --cache`` trains on it."""
+    computes (too few supervised tokens) as skipped; staging is empty after; ``train --cache`` trains on it. With 8
+    ring slots the producers' tasks hold up to 4 planned batches, each staged on its own."""
     from dflash.cache import verify_cache
     from pipelines.online import run_online
     from stages.train.launch import run_training
     from tests.train_helpers import tiny_config
 
     cache = tmp_path / "cache"
-    config = _online_config(corpus_dir, target_path, tmp_path / "run", max_steps=5, grad_accum_steps=2,
+    config = _online_config(corpus_dir, target_path, tmp_path / "run", ring_slots, max_steps=5, grad_accum_steps=2,
                             max_validation_batches=None, min_supervised_tokens=40)  # fmt: skip
     config.cache_to, config.cache_shard_size = str(cache), 600  # the shard plan of the offline_cache fixture
     before = set(list_segments())

@@ -9,10 +9,12 @@ the runner's tolerance, since a sample's forward batch differs).
 
 Flow (one rank)::
 
-    dispatcher thread:  for each planned batch from the cursor, in plan order:
-                            slot, ticket = ring.acquire()      # blocks while the ring is full (backpressure)
+    dispatcher thread:  for each group of planned batches from the cursor, in plan order (plan_groups; without
+                        group_tokens each planned batch is a group of one):
+                            slots = [ring.acquire() per batch] # blocks while the ring is full (backpressure)
                             future = submit(BatchTask(...))    # a producer computes it into the slot
-                            in_order.put(future)
+                                  or submit(GroupTask(...))    #   (a group: shared forwards, a slot per batch)
+                            in_order.put(future) per batch
     reader thread:      future = in_order.get()                # one at a time, in plan order, read_ahead batches
                             future.result()                    #   ahead of the consumer (waits while not ready)
                             batch = ring.read_batch(..., out=private)   # copy into a reused buffer, CRC-32C checked
@@ -26,10 +28,13 @@ consumer's thread instead, when it asks for the batch.
 ``submit`` is anything returning a future (``concurrent.futures`` or Dask's ``Client.submit``, as
 ``pipelines/online.py`` wires it); the producers run :class:`BatchProducer` (the same
 :class:`dflash.target.runner.TargetRunner` as extract). Slots are handed out in plan order, so the batch the
-consumer needs next always holds a slot: the reorder window is the ring, never a deadlock.
+consumer needs next always holds a slot: the reorder window is the ring, never a deadlock (a group holds at most
+half the slots, and takes them once the batches before it have been read).
 
 Resume: the cursor (``state_dict``) is the offline one; after ``load_state_dict`` the dispatcher starts at the
-cursor and producers recompute the remaining batches of the plan. Nothing of the queue is checkpointed.
+cursor and producers recompute the remaining batches of the plan (a cursor inside a group: the whole group's
+forwards, so every document shares its forward with the same documents as in an unbroken run). Nothing of the
+queue is checkpointed.
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ from dflash.batches.source import LengthSource, PlannedCursor, StreamConfig
 from dflash.errors import ConfigError, DFlashError, ProducerError
 from dflash.faults import fault_point
 
-__all__ = ["BatchTask", "BatchProducer", "OnlineBatches", "OnlineStats", "pack_slot_batch"]
+__all__ = ["BatchTask", "GroupTask", "BatchProducer", "OnlineBatches", "OnlineStats", "max_group_batches",
+           "pack_slot_batch", "plan_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,81 @@ class BatchTask:
     stage_name: str = ""
     """The staged batch's name (``<split>-b<global batch index>-<digest of its rows>``)."""
 
+    @property
+    def name(self) -> str:
+        """``batch B of epoch E`` (for messages)."""
+        return f"batch {self.batch_index} of epoch {self.epoch}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupTask:
+    """One producer task over a group of consecutive planned batches of one epoch (:func:`plan_groups`): their
+    documents run through the target together (rows of several planned batches share forwards, as extract's rows of
+    one shard do), and each batch's hidden states go into its own slot (``batches``: one :class:`BatchTask` each, in
+    plan order, each with its slot, ticket and ``--cache-to`` staging).
+
+    ``lead_rows``: the documents of the group's planned batches before the first of ``batches`` (a dispatcher that
+    starts inside a group, after a resume): they run in the same forwards, so that every document shares its
+    forward with the same documents as in an unbroken run, and their hidden states are dropped.
+    """
+
+    batches: tuple[BatchTask, ...]
+    lead_rows: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.batches:
+            raise ValueError("a GroupTask needs at least one planned batch")
+        if len({(task.ring_name, task.epoch) for task in self.batches}) != 1:
+            raise ValueError("a GroupTask's planned batches belong to one ring and one epoch")
+
+    @property
+    def ring_name(self) -> str:
+        return self.batches[0].ring_name
+
+    @property
+    def epoch(self) -> int:
+        return self.batches[0].epoch
+
+    @property
+    def batch_index(self) -> int:
+        """The first planned batch's global index."""
+        return self.batches[0].batch_index
+
+    @property
+    def ticket(self) -> int:
+        """The first planned batch's ticket (unique per hand-out, as the group's)."""
+        return self.batches[0].ticket
+
+    @property
+    def name(self) -> str:
+        """``batches B1-B2 of epoch E`` (for messages)."""
+        first, last = self.batches[0].batch_index, self.batches[-1].batch_index
+        return f"batches {first}-{last} of epoch {self.epoch}" if last != first else self.batches[0].name
+
+
+def max_group_batches(num_slots: int) -> int:
+    """Planned batches one producer task may hold in a ring of ``num_slots``: half the slots (a task holds a slot
+    per batch from its dispatch, so one group is computed while the trainer reads the one before), at least 1."""
+    return max(1, num_slots // 2)
+
+
+def plan_groups(tokens: list[int], group_tokens: int | None, max_batches: int) -> list[int]:
+    """The first step of each producer group of an epoch: consecutive planned batches (``tokens``: each one's real
+    tokens, in plan order) join a group while its real tokens stay within ``group_tokens`` and it holds at most
+    ``max_batches``; a batch over the budget is a group of its own. ``group_tokens`` ``None`` (or ``max_batches``
+    1): every planned batch is its own group. The groups depend on the plan and these two numbers only, so a
+    resumed run groups the same batches as an unbroken one."""
+    starts: list[int] = []
+    total = count = 0
+    for step, batch_tokens in enumerate(tokens):
+        if (not starts or group_tokens is None or count >= max_batches
+                or total + batch_tokens > group_tokens):  # fmt: skip
+            starts.append(step)
+            total = count = 0
+        total += batch_tokens
+        count += 1
+    return starts
+
 
 class BatchProducer:
     """Producer side: runs the target on a task's corpus rows, its hidden states copied straight into the ring slot.
@@ -91,7 +172,8 @@ class BatchProducer:
     CRC-32C, header FULL). Several tasks may call :meth:`produce` at once (threads):
     one at a time queues its forwards (a lock), so while one task waits for its copies and commits, the next task's
     forwards already run on the device. Which documents share a forward depends only on the task, so the hidden
-    states do not depend on that overlap.
+    states do not depend on that overlap. A :class:`GroupTask` runs the documents of several planned batches through
+    the same forwards (the runner sorts them all by length) and commits each batch into its own slot.
 
     Args:
         runner: a :class:`dflash.target.runner.TargetRunner` (the extract stage's runner).
@@ -120,69 +202,95 @@ class BatchProducer:
                                 "producer", name)
             return self._rings[name]
 
-    def produce(self, task: BatchTask, *, queued: Callable[[], None] | None = None) -> dict[str, Any]:
-        """Compute ``task`` into its slot; returns ``{"batch_index", "epoch", "tokens", "compute_seconds",
-        "phases"}``.
+    def produce(self, task: BatchTask | GroupTask, *,
+                queued: Callable[[], None] | None = None) -> dict[str, Any]:  # fmt: skip
+        """Compute ``task`` into its slot (a :class:`GroupTask`: each planned batch into its own slot, from forwards
+        over all the group's documents).
+
+        Returns, for a :class:`BatchTask`, ``{"batch_index", "epoch", "tokens", "compute_seconds", "phases",
+        "forwards"}``; for a :class:`GroupTask`, ``{"batches": [one such dict per planned batch, in plan order],
+        "forwards"}``, the group's compute seconds, phases and forwards shared among its batches in proportion to
+        their tokens.
 
         ``compute_seconds``: from the moment this task starts queuing its forwards to its commit, less what overlaps
         the earlier tasks of this producer (overlapping tasks are counted once, so tokens / the sum over tasks is the
         producer's rate). ``phases``: wall seconds of this task's steps, ``forwards`` (queuing the forwards and
         their copies; on CUDA the device runs them asynchronously), ``copies`` (waiting until every copy landed in
         the slot, the non-finite check included: on CUDA, whatever device work of the task was still running) and
-        ``commit`` (rows, ids and masks written, the CRC-32C, the header). ``queued``: called once the task's
-        forwards and copies are queued on the device, before
+        ``commit`` (rows, ids and masks written, the CRC-32C, the header). ``forwards``: the target forwards the
+        task ran. ``queued``: called once the task's forwards and copies are queued on the device, before
         this call waits for them (the Dask task secedes from its worker's thread pool there, so the worker starts
         its next task).
 
         Raises:
             DFlashError: a document's hidden states are not finite (the offline path quarantines such rows; online
                 the run stops, naming the corpus row: extract and train offline to skip it).
-            QueueError: the slot is no longer claimed by the task's ticket, or the ring carries hidden states of
-                another dtype or width than the runner's.
+            QueueError: a slot is no longer claimed by its ticket, or the ring carries hidden states of another
+                dtype or width than the runner's.
         """
-        rows = [self.corpus.row(int(r)) for r in task.corpus_rows]
-        ring = self._ring(task.ring_name)
+        group = task if isinstance(task, GroupTask) else GroupTask(batches=(task,))
+        members = group.batches
+        ring = self._ring(group.ring_name)
         geometry = ring.geometry
         if geometry.dtype != torch.bfloat16 or geometry.width != self.runner.feature_size:
-            raise QueueError(f"batch {task.batch_index}: the runner computes [L, {self.runner.feature_size}] "
+            raise QueueError(f"{group.name}: the runner computes [L, {self.runner.feature_size}] "
                              f"torch.bfloat16; the ring carries [L, {geometry.width}] {geometry.dtype}")
-        input_ids = [row.input_ids for row in rows]
-        with self._device_lock:  # one task queues its forwards at a time; the copies land in the slot
+        rows = [[self.corpus.row(int(r)) for r in member.corpus_rows] for member in members]
+        lead = [self.corpus.row(int(r)).input_ids for r in group.lead_rows]
+        input_ids = [[row.input_ids for row in batch] for batch in rows]
+        everything = [*lead, *(ids for batch in input_ids for ids in batch)]
+        owners = [*(None for _ in lead), *(int(row) for member in members for row in member.corpus_rows)]
+        with self._device_lock:  # one task queues its forwards at a time; the copies land in the slots
             started = time.perf_counter()
-            write = ring.begin_batch(task.slot, task.ticket, epoch=task.epoch, batch_index=task.batch_index,
-                                     bucket=task.bucket, corpus_rows=np.asarray(task.corpus_rows, dtype=np.int64),
-                                     input_ids=input_ids, loss_mask=[row.loss_mask for row in rows])  # fmt: skip
-            pending = list(self.runner.iter_pending(input_ids, out=write.documents))
+            writes = [ring.begin_batch(member.slot, member.ticket, epoch=member.epoch, batch_index=member.batch_index,
+                                       bucket=member.bucket,
+                                       corpus_rows=np.asarray(member.corpus_rows, dtype=np.int64),
+                                       input_ids=ids, loss_mask=[row.loss_mask for row in batch])
+                      for member, batch, ids in zip(members, rows, input_ids, strict=True)]  # fmt: skip
+            # The lead documents' hidden states (a group resumed inside) land in scratch memory and are dropped.
+            out = [*(torch.empty(len(ids), geometry.width, dtype=geometry.dtype) for ids in lead),
+                   *(view for write in writes for view in write.documents)]  # fmt: skip
+            pending = list(self.runner.iter_pending(everything, out=out))
             forwards_queued = time.perf_counter()
         if queued is not None:
             queued()
         copies_started = time.perf_counter()
         for batch in [item.finish() for item in pending]:  # every copy landed before anything is checked
             for index, bad_layers in zip(batch.indices, batch.nonfinite_layers, strict=True):
-                if bad_layers:
+                if bad_layers and owners[index] is not None:
                     raise DFlashError(
-                        f"corpus row {task.corpus_rows[index]}: non-finite hidden states at tapped layers {bad_layers}; "
+                        f"corpus row {owners[index]}: non-finite hidden states at tapped layers {bad_layers}; "
                         "the online mode cannot quarantine it (the plan holds it): use extract + train, which does"
                     )
         fault_point("online.produce")
-        # --cache-to: a private copy, staged after the commit (the trainer is waiting for the slot, and may hand it
-        # to another batch as soon as it has read it).
-        staged = write.hidden.clone().split([len(ids) for ids in input_ids]) if task.staging is not None else None
+        # --cache-to: private copies, staged after the commits (the trainer is waiting for the slots, and may hand
+        # each to another batch as soon as it has read it).
+        staged = [write.hidden.clone().split([len(ids) for ids in ids_]) if member.staging is not None else None
+                  for member, write, ids_ in zip(members, writes, input_ids, strict=True)]  # fmt: skip
         commit_started = time.perf_counter()
-        ring.commit_batch(write)
+        for write in writes:
+            ring.commit_batch(write)
         committed = time.perf_counter()
-        if staged is not None:
-            from dflash.cache.staging import stage_batch
+        for member, hidden in zip(members, staged, strict=True):
+            if hidden is not None:
+                from dflash.cache.staging import stage_batch
 
-            stage_batch(task.staging, task.stage_name, task.corpus_rows, staged)  # type: ignore[arg-type]
+                stage_batch(member.staging, member.stage_name, member.corpus_rows, hidden)  # type: ignore[arg-type]
         with self._rings_lock:
             ended = time.perf_counter()
             compute = max(0.0, ended - max(started, self._busy_until))
             self._busy_until = max(self._busy_until, ended)
         phases = {"forwards": forwards_queued - started, "copies": commit_started - copies_started,
                   "commit": committed - commit_started}  # fmt: skip
-        return {"batch_index": task.batch_index, "epoch": task.epoch,
-                "tokens": int(sum(len(ids) for ids in input_ids)), "compute_seconds": compute, "phases": phases}
+        tokens = [int(sum(len(ids) for ids in ids_)) for ids_ in input_ids]
+        total = max(1, sum(tokens))
+        results = [{"batch_index": member.batch_index, "epoch": member.epoch, "tokens": count,
+                    "compute_seconds": compute * count / total, "forwards": len(pending) * count / total,
+                    "phases": {phase: seconds * count / total for phase, seconds in phases.items()}}
+                   for member, count in zip(members, tokens, strict=True)]  # fmt: skip
+        if isinstance(task, GroupTask):
+            return {"batches": results, "forwards": len(pending)}
+        return results[0]
 
     def close(self) -> None:
         with self._rings_lock:
@@ -218,6 +326,9 @@ class OnlineStats:
     """Seconds copying slots out and checking them (:meth:`dflash.batches.ring.Ring.read_batch`)."""
     pack_seconds: float = 0.0
     """Seconds packing the batches read into training batches (:func:`pack_slot_batch`)."""
+    producer_forwards: float = 0.0
+    """Target forwards the producers ran for the batches consumed (a group's shared among its batches in proportion
+    to their tokens)."""
     producer_phases: dict[str, float] = field(default_factory=dict)
     """The producers' ``phases`` (:meth:`BatchProducer.produce`) summed over the batches consumed."""
     bucket_batches: list[int] | None = None
@@ -261,6 +372,11 @@ class OnlineBatches(PlannedCursor):
             is released as soon as its batch is copied out, so the packed batches waiting hold host memory, not
             slots. ``1`` (default): the next batch is read while the consumer trains on this one. ``0``: the
             consumer's own thread reads each batch when it asks for it.
+        group_tokens: producers run consecutive planned batches of an epoch together, one :class:`GroupTask`
+            per group of at most this many real tokens (:func:`plan_groups`) and at most :attr:`max_group_batches`
+            planned batches (half the slots: one group computes while the trainer reads the one before), so that
+            their rows share target forwards; each batch still has its own slot. ``None`` (default): one
+            :class:`BatchTask` per planned batch.
 
     The ring (``self.ring``) is created here and removed by :meth:`close`.
     """
@@ -268,12 +384,16 @@ class OnlineBatches(PlannedCursor):
     def __init__(self, source: LengthSource, config: StreamConfig, *, submit: Callable[[BatchTask], Any], width: int,
                  dtype: torch.dtype = torch.bfloat16, num_slots: int = 4, rank: int = 0, world_size: int = 1,
                  staging: str | None = None, health_check: Callable[[], str | None] | None = None,
-                 health_interval: float = 5.0, read_ahead: int = 1) -> None:  # fmt: skip
+                 health_interval: float = 5.0, read_ahead: int = 1,
+                 group_tokens: int | None = None) -> None:  # fmt: skip
         if config.shard_window is not None:
             raise ConfigError(f"shard_window={config.shard_window}: the online mode plans globally (no cache shards "
                               "to window over); use shard_window=None")
         if not isinstance(read_ahead, int) or isinstance(read_ahead, bool) or read_ahead < 0:
             raise ConfigError(f"read_ahead must be an integer >= 0; got {read_ahead!r}")
+        if group_tokens is not None and (not isinstance(group_tokens, int) or isinstance(group_tokens, bool)
+                                         or group_tokens < 1):  # fmt: skip
+            raise ConfigError(f"group_tokens must be an integer >= 1 or None; got {group_tokens!r}")
         self._plan_lock = threading.RLock()
         super().__init__(source, config, rank=rank, world_size=world_size)
         self.submit = submit
@@ -286,6 +406,9 @@ class OnlineBatches(PlannedCursor):
                                              max_documents=max_documents, width=width, dtype=dtype))  # fmt: skip
         self.pin_memory = bool(config.pin_memory) and torch.cuda.is_available()
         self.read_ahead = min(read_ahead, num_slots)
+        self.group_tokens = group_tokens
+        #: Planned batches per producer task at most (:func:`max_group_batches`; 1 without ``group_tokens``).
+        self.max_group_batches = max_group_batches(num_slots) if group_tokens is not None else 1
         self._dispatcher: threading.Thread | None = None
         self._in_order: queue.Queue = queue.Queue()
         self._reader: ThreadPoolExecutor | None = None
@@ -315,31 +438,61 @@ class OnlineBatches(PlannedCursor):
         try:
             while True:
                 plan = self.plan(epoch)
-                while step < plan.num_steps:
-                    planned = plan.batch(step, self.rank)
-                    waited = time.perf_counter()
-                    claimed = self.ring.acquire()  # blocks while every slot is taken
-                    self.stats.dispatch_wait_seconds += time.perf_counter() - waited
-                    if claimed is None:
+                starts = plan_groups([plan.batch(s, self.rank).num_tokens for s in range(plan.num_steps)],
+                                     self.group_tokens, self.max_group_batches)  # fmt: skip
+                ends = [*starts[1:], plan.num_steps]
+                for first, stop in zip(starts, ends, strict=True):
+                    if stop <= step:
+                        continue
+                    members = [(s, plan.batch(s, self.rank)) for s in range(max(first, step), stop)]
+                    slots = self._acquire(len(members))
+                    if slots is None:
                         return  # stopped
-                    slot, ticket = claimed
-                    index = self.global_batch_index(step)
-                    planned_rows = tuple(int(r) for r in self.sample_row[planned.samples])
-                    stage = self.staging is not None and epoch == 0  # --cache-to: the first epoch only
-                    task = BatchTask(ring_name=self.ring.name, slot=slot, ticket=ticket, epoch=epoch,
-                                     batch_index=index, bucket=int(planned.bucket),
-                                     corpus_rows=planned_rows, staging=self.staging if stage else None,
-                                     stage_name=_stage_name(self.config.split, index, planned_rows) if stage else "")  # fmt: skip
+                    tasks = [self._task(epoch, s, planned, slot, ticket)
+                             for (s, planned), (slot, ticket) in zip(members, slots, strict=True)]  # fmt: skip
+                    lead = tuple(int(r) for s in range(first, step) for r in self._rows(plan.batch(s, self.rank)))
+                    task: BatchTask | GroupTask = (tasks[0] if len(tasks) == 1 and not lead
+                                                   else GroupTask(batches=tuple(tasks), lead_rows=lead))  # fmt: skip
                     try:
                         future = self.submit(task)
                     except BaseException:
-                        self.ring.release(slot)
+                        for slot, _ in slots:
+                            self.ring.release(slot)
                         raise
-                    in_order.put((epoch, step, planned, task, future))
-                    step += 1
+                    for (s, planned), member in zip(members, tasks, strict=True):
+                        in_order.put((epoch, s, planned, member, future))
+                    step = stop
                 epoch, step = epoch + 1, 0
         except BaseException as error:  # handed to the consumer, which raises it
             in_order.put((_END, error))
+
+    def _acquire(self, count: int) -> list[tuple[int, int]] | None:
+        """``count`` slots with their tickets (:meth:`Ring.acquire`, one after another: the earlier batches' slots
+        come back as the trainer reads them, and ``count`` never exceeds the ring); ``None`` once stopped (the slots
+        taken so far given back)."""
+        slots: list[tuple[int, int]] = []
+        waited = time.perf_counter()
+        while len(slots) < count:
+            claimed = self.ring.acquire()  # blocks while every slot is taken
+            if claimed is None:
+                for slot, _ in slots:
+                    self.ring.release(slot)
+                return None
+            slots.append(claimed)
+        self.stats.dispatch_wait_seconds += time.perf_counter() - waited
+        return slots
+
+    def _rows(self, planned: PlannedBatch) -> tuple[int, ...]:
+        return tuple(int(r) for r in self.sample_row[planned.samples])
+
+    def _task(self, epoch: int, step: int, planned: PlannedBatch, slot: int, ticket: int) -> BatchTask:
+        """The :class:`BatchTask` of the planned batch at ``step`` of ``epoch``, in ``slot`` with ``ticket``."""
+        index = self.global_batch_index(step)
+        rows = self._rows(planned)
+        stage = self.staging is not None and epoch == 0  # --cache-to: the first epoch only
+        return BatchTask(ring_name=self.ring.name, slot=slot, ticket=ticket, epoch=epoch, batch_index=index,
+                         bucket=int(planned.bucket), corpus_rows=rows, staging=self.staging if stage else None,
+                         stage_name=_stage_name(self.config.split, index, rows) if stage else "")  # fmt: skip
 
     def _stop_dispatcher(self) -> None:
         """Stop handing out slots and drop the read-ahead; slots of batches in flight come back when their producers
@@ -423,6 +576,7 @@ class OnlineBatches(PlannedCursor):
             stats.last_wait_seconds = wait
             compute = float(result.get("compute_seconds", 0.0)) if isinstance(result, dict) else 0.0
             stats.producer_seconds += compute
+            stats.producer_forwards += float(result.get("forwards", 0.0)) if isinstance(result, dict) else 0.0
             for phase, seconds in (result.get("phases") or {}).items() if isinstance(result, dict) else ():
                 stats.producer_phases[phase] = stats.producer_phases.get(phase, 0.0) + float(seconds)
             producer = str(result.get("worker", "local")) if isinstance(result, dict) else "local"
@@ -470,7 +624,7 @@ class OnlineBatches(PlannedCursor):
         self._in_hand = item
         try:
             try:
-                result = self._result(future)
+                result = _batch_result(self._result(future), task.batch_index)
             except BaseException:
                 self._release_when_done(task, future)
                 raise
@@ -566,6 +720,16 @@ def pack_slot_batch(slot_batch: Any, *, pad_to: int | None, bucket: int, pin_mem
                          slot_batch.hidden[start:stop])
                for row, start, stop in zip(slot_batch.corpus_rows.tolist(), offsets[:-1], offsets[1:], strict=True)]
     return pack_samples(samples, pad_to=pad_to, bucket_id=bucket, pin_memory=pin_memory)
+
+
+def _batch_result(result: Any, batch_index: int) -> Any:
+    """One planned batch's part of a producer's result: a :class:`GroupTask`'s ``{"batches": [...]}`` gives the
+    batch's own dict (with the producer's ``worker``, when the task's result names it); a :class:`BatchTask`'s is
+    its own."""
+    if not isinstance(result, dict) or "batches" not in result:
+        return result
+    mine = next(part for part in result["batches"] if part["batch_index"] == batch_index)
+    return mine | ({"worker": result["worker"]} if "worker" in result else {})
 
 
 def _stage_name(split: str, index: int, rows: tuple[int, ...]) -> str:

@@ -4,8 +4,9 @@
 ``setup``, its GPU pinned; freed in ``teardown``), with a :class:`dflash.batches.online.BatchProducer` on top: the same
 :class:`dflash.target.runner.TargetRunner` as ``extract``. A task is pure in Dask's sense: a
 :class:`dflash.batches.online.BatchTask` in (a planned batch, a ring slot and its ticket), a small dict out; the hidden
-states go into the shared-memory slot, never through Dask. A task whose worker dies is rerun by Dask on another
-worker (same slot and ticket; the slot is rewritten whole). Several tasks run at once on a worker
+states go into the shared-memory slot, never through Dask (a :class:`dflash.batches.online.GroupTask`: several
+planned batches run through the same forwards, each into its own slot). A task whose worker dies is rerun by Dask
+on another worker, a group as a whole (same slots and tickets; each slot is rewritten whole). Several tasks run at once on a worker
 (:func:`produce_batch`), one queuing its forwards at a time.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from distributed import get_worker, secede
 
-from dflash.batches.online import BatchProducer, BatchTask
+from dflash.batches.online import BatchProducer, BatchTask, GroupTask
 from dflash.corpus.format import open_corpus
 from dflash.target.runner import TargetRunner
 from stages.replicas.replica import TargetReplicaPlugin
@@ -66,8 +67,9 @@ class OnlineProducerPlugin(TargetReplicaPlugin):
         return device
 
 
-def produce_batch(task: BatchTask) -> dict:
-    """Dask task: compute one planned batch into its ring slot on this worker's target replica.
+def produce_batch(task: BatchTask | GroupTask) -> dict:
+    """Dask task: compute one planned batch (a :class:`GroupTask`: several, each into its own slot) into its ring
+    slot on this worker's target replica.
 
     Once the batch's forwards are queued on the device the task secedes from the worker's thread pool (Dask's
     ``secede``), so the worker starts its next task, whose forwards queue behind these while this one waits for its
