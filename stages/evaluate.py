@@ -793,12 +793,12 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     if generate is not None:  # reports written before the generate() reference existed lack it
         summary.add_row("target generate() tokens/s", f"{generate['tokens_per_second']:.1f}")
         summary.add_row("speedup vs generate()", f"{report['speedup_vs_generate']:.2f}x")
+    if report.get("speedup_basis"):
+        summary.add_row("speedups over", report["speedup_basis"])
     for name, key in _LOSSLESS_ROWS:
         text = _lossless_text(report.get(key), report.get("speedup") is not None)
         if text is not None:
             summary.add_row(name, text)
-    if report.get("speedup_basis"):
-        summary.add_row("speedups over", report["speedup_basis"])
     console.print(summary)
     sets = _prompt_sets(report)
     if len(sets) > 1:
