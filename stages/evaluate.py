@@ -238,7 +238,8 @@ def _stop_tokens(tokenizer: Any, ignore_eos: bool) -> tuple[int, ...]:
 
 @dataclass(kw_only=True, slots=True)
 class Baselines:
-    """The two references of a prompt set, measured once and reused for every drafter evaluated on it.
+    """The two references of a prompt set's first prompts (all of them, or ``reference_prompts``), measured once and
+    reused for every drafter evaluated on them.
 
     Fields:
         block_size_1: the speculative loop at block size 1 (plain decoding through the same code), per prompt.
