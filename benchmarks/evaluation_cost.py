@@ -5,17 +5,21 @@ building each prompt set; loading the drafter (with the check of the target's em
 tau-only evaluation (what the epochs before the last run) of every prompt of the first set, then of its first
 ``--subset`` prompts (``evaluate.per_epoch_num_prompts``); a full evaluation of the first set (the two references,
 block size 1 and ``generate()``, measured on it); the same again (references reused, as the pipeline's evaluator
-does within a process); and the full evaluation of every set (the final drafter's report). The settings are the
-work folder's ``evaluate`` section (``pipeline.json``).
+does within a process); and the full evaluation of every set (the final drafter's report). Then the final report
+as a new process measures it, the references of every set measured: with the references on every prompt, and on the
+first ``--reference-prompts`` prompts of each set (``evaluate.reference_prompts``; the teacher-forced lossless
+check still covers every prompt); the note gives the speedups and what they are computed over. The settings are
+the work folder's ``evaluate`` section (``pipeline.json``).
 
 Run::
 
-    python benchmarks/evaluation_cost.py dflash-work > docs/results/evaluation_cost_cpu.txt
+    python benchmarks/evaluation_cost.py dflash-work --reference-prompts 1 > docs/results/evaluation_cost_cpu.txt
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -27,6 +31,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workdir", type=Path)
     parser.add_argument("--subset", type=int, default=2, help="Prompts of the per-epoch subset.")
+    parser.add_argument("--reference-prompts", type=int, default=1,
+                        help="Prompts of each set that get the references in the last variant.")
     args = parser.parse_args()
     rows: list[tuple[str, float, str]] = []
 
@@ -44,7 +50,8 @@ def main() -> None:
     evaluate_module = timed("import stages.evaluate (torch, transformers)", imports)
     state = json.loads((args.workdir / "pipeline.json").read_text())
     section = {k: v for k, v in state["config"]["evaluate"].items()
-               if k not in ("per_epoch", "per_epoch_references", "per_epoch_num_prompts", "compare_untrained")}
+               if k not in ("per_epoch", "per_epoch_references", "per_epoch_num_prompts", "compare_untrained",
+                            "reference_prompts")}
     prompts = args.workdir / "corpus" / "heldout_prompts.jsonl"
     config = evaluate_module.EvaluateConfig(drafter=args.workdir / "run", target=state["config"]["target"],
                                             prompts=str(prompts), **section)
@@ -67,7 +74,11 @@ def main() -> None:
         return timed(label, lambda: evaluator.evaluate(drafter, drafter_config, label=label, **kwargs),
                      lambda r: "; ".join(f"{s['name']}: {s['count']} prompts, tau {s['tau']:.3f}, "
                                          f"{s['acceptance']['num_cycles']} cycles"
-                                         + ("" if s["speedup"] is None else f", {s['speedup']:.2f}x vs block size 1")
+                                         + ("" if s["speedup"] is None else
+                                            f", {s['speedup']:.2f}x vs block size 1 ({s['speedup_basis']})"
+                                            + ("" if not s["lossless"]["checked"] else
+                                               f", lossless {s['lossless']['identical']}/{s['lossless']['prompts']}"
+                                               f" ({s['lossless']['tokens_checked']} tokens)"))
                                          for s in r["prompt_sets"]))
 
     run("tau only, first set (an epoch before the last)", references=False, all_sets=False)
@@ -76,13 +87,18 @@ def main() -> None:
     run("first set with both references (measured)", references=True, all_sets=False)
     run("first set with both references (reused)", references=True, all_sets=False)
     run("every set with both references (final; first set's reused)", references=True)
+    evaluator.baselines = {}
+    run("every set, references on every prompt (final, all measured)", references=True)
+    evaluator.config = dataclasses.replace(config, reference_prompts=args.reference_prompts)
+    run(f"every set, references on the first {args.reference_prompts} (final, measured)", references=True)
     settings = {k: getattr(config, k) for k in ("num_prompts", "prompt_tokens", "max_new_tokens", "device",
                                                 "dtype", "cpu_threads", "extra_prompts")}
+    settings["reference_prompts (last row)"] = args.reference_prompts
     print(f"workdir {args.workdir}; settings {settings}")
-    print(f"{'phase':<62} {'seconds':>8}  note")
+    print(f"{'phase':<64} {'seconds':>8}  note")
     for name, seconds, note in rows:
-        print(f"{name:<62} {seconds:>8.2f}  {note}")
-    print(f"{'total (this process)':<62} {time.perf_counter() - started:>8.2f}")
+        print(f"{name:<64} {seconds:>8.2f}  {note}")
+    print(f"{'total (this process)':<64} {time.perf_counter() - started:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -11,19 +11,25 @@ each with its own tau, per-position acceptance, speedups and lossless checks (re
 report's top-level figures are the first set's, ``prompt_sets`` lists every set with its fingerprint, the tables
 show them side by side and the last line names each (``tau = 2.614 (heldout_prompts) / 2.101 (numpy-questions)``).
 
-For every prompt the same loop (:func:`dflash.decoding.speculative.speculative_generate`) runs twice: with block size 1
-(plain target decoding, the baseline) and with the drafter's block size; and the target's own transformers
-``generate()`` (greedy or sampled as the loop, KV cache on, the same stop tokens and ``max_new_tokens``:
-:func:`dflash.decoding.speculative.target_generate`) runs once, plain decoding as users run it. Two speedups: the ratio of
-the speculative loop's throughput (new tokens per second, prefill included) to that of block size 1
-(``speedup``) and to that of ``generate()`` (``speedup_vs_generate``), over the same prompts, measured in the
-same process, on the same model (same device and dtype), the three runs of a prompt one after the other,
-warm-up calls of each excluded, the device synchronized around every timing on CUDA.
-Greedy runs are checked for losslessness, not assumed: the speculative output must equal the target's own greedy
-output token for token, both that of the block-size-1 loop (``lossless``) and that of ``generate()``
-(``lossless_vs_generate``). A divergence is reported with the target's logit gap between the two tokens at that
-point, recomputed by one full forward: a gap within ``near_tie_tolerance`` is a floating-point near-tie (kernels
-for a 1-token and a B-token forward round differently, mostly in bf16), anything larger is a bug and fails the run.
+Every prompt is decoded by the speculative loop (:func:`dflash.decoding.speculative.speculative_generate`) with the
+drafter's block size. The first ``reference_prompts`` prompts of each set (default: every prompt) also get the two
+references: the same loop with block size 1 (plain target decoding) and the target's own transformers ``generate()``
+(greedy or sampled as the loop, KV cache on, the same stop tokens and ``max_new_tokens``:
+:func:`dflash.decoding.speculative.target_generate`), plain decoding as users run it. Two speedups: the speculative
+loop's throughput (new tokens per second, prefill included) over every prompt of the set divided by that of block
+size 1 (``speedup``) and of ``generate()`` (``speedup_vs_generate``) over the prompts that have them (at batch 1 a
+reference's time per token hardly depends on the prompt, while tau does, so the speculative side takes every
+prompt; ``speedup_basis`` says it in words), measured in the same process, on the same model (same device and
+dtype), the runs of a prompt one after the other, warm-up calls of each excluded, the device synchronized around
+every timing on CUDA.
+Greedy runs are checked for losslessness, not assumed. ``lossless`` checks every prompt without a reference decode:
+one teacher-forced forward of the target over the prompt and its speculative output, on the same device and dtype,
+where every emitted token must be the target's argmax after its prefix and the output must end where greedy
+decoding ends it (``max_new_tokens`` or a stop token). On the prompts with references the output must also equal
+the references' token for token: the block-size-1 loop's (``lossless_vs_block_size_1``) and ``generate()``'s
+(``lossless_vs_generate``). A token that is not the target's choice is reported with the target's logit gap between
+the two tokens there, from a full forward: a gap within ``near_tie_tolerance`` is a floating-point near-tie (kernels
+for a 1-token and an N-token forward round differently, mostly in bf16), anything larger is a bug and fails the run.
 """
 
 from __future__ import annotations
@@ -76,6 +82,9 @@ __all__ = ["EvaluateConfig", "Baselines", "Evaluator", "attach_checked", "load_p
 
 log = logging.getLogger(__name__)
 REPORT_FORMAT = "dflash-stages.evaluate/1"
+#: The greedy lossless checks of a report, each a dict with ``checked`` (and ``passed`` when checked); reports written
+#: before ``lossless_vs_block_size_1`` existed lack it, and their ``lossless`` compares with the block-size-1 loop.
+LOSSLESS_KEYS = ("lossless", "lossless_vs_block_size_1", "lossless_vs_generate")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -98,7 +107,11 @@ class EvaluateConfig:
     block_size: int | None = setting(None, help="Drafting block size; default: the drafter's.")
     ignore_eos: bool = setting(False, option='--ignore-eos', help='Keep generating after the end-of-sequence token.')
     compare_untrained: bool = setting(False, option='--compare-untrained', help='Also measure a randomly initialized drafter.')
-    references: bool = setting(True, help="Also decode with block size 1 and the target's generate() (the speedups and the lossless check); --no-references: tau and acceptance only, much faster (docs/benchmarks.md, Evaluate without the references).")
+    references: bool = setting(True, help="Also decode with block size 1 and the target's generate() (the speedups and the lossless checks); --no-references: tau and acceptance only, much faster (docs/benchmarks.md, Evaluate without the references).")
+    reference_prompts: int | None = setting(None, help=(
+        "Decode only the first N prompts of each set with the two references (the speedups divide the speculative "
+        "tokens/s over every prompt by the references' over those N; the token-for-token checks against them cover "
+        "those N; the teacher-forced lossless check covers every prompt). Default: every prompt."))
     seed: int = setting(0, help='Prompt selection, sampling, untrained init.')
     device: str = setting("auto", help='auto | cpu | cuda | cuda:N.')
     dtype: str = setting("auto", help='auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16 (bf16, fp32, fp16 also accepted).')
@@ -120,6 +133,8 @@ class EvaluateConfig:
         for name in ("num_prompts", "prompt_tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.reference_prompts is not None and self.reference_prompts < 1:
+            raise ConfigError(f"reference_prompts must be >= 1 (or null: every prompt), got {self.reference_prompts}")
         if not self.temperature >= 0:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.cpu_threads < 1:
@@ -226,7 +241,8 @@ def _stop_tokens(tokenizer: Any, ignore_eos: bool) -> tuple[int, ...]:
 
 @dataclass(kw_only=True, slots=True)
 class Baselines:
-    """The two references of a prompt set, measured once and reused for every drafter evaluated on it.
+    """The two references of a prompt set's first prompts (all of them, or ``reference_prompts``), measured once and
+    reused for every drafter evaluated on them.
 
     Fields:
         block_size_1: the speculative loop at block size 1 (plain decoding through the same code), per prompt.
@@ -260,6 +276,8 @@ def _logit_gap(model: Any, prompt: list[int], prefix: list[int], token_a: int, t
 
 def _lossless_report(model: Any, prompts: list[EvalPrompt], spec: list[GenerationResult],
                      base: list[GenerationResult], tolerance: float) -> dict[str, Any]:
+    """Token-for-token comparison of the speculative outputs with a reference's (``base``), prompt by prompt; a
+    divergence is reported with the target's logit gap between the two tokens there (:func:`_logit_gap`)."""
     from dflash.decoding.speculative import first_divergence
 
     mismatches = []
@@ -279,6 +297,62 @@ def _lossless_report(model: Any, prompts: list[EvalPrompt], spec: list[Generatio
     return {"checked": True, "prompts": len(prompts), "identical": len(prompts) - len(mismatches),
             "near_ties": near_ties, "near_tie_tolerance": tolerance,
             "passed": len(mismatches) == near_ties, "mismatches": mismatches}
+
+
+def _teacher_forced_report(model: Any, prompts: list[EvalPrompt], spec: list[GenerationResult], tolerance: float,
+                           *, max_new_tokens: int, stop_token_ids: tuple[int, ...]) -> dict[str, Any]:
+    """The greedy lossless check of every prompt without a reference decode: one forward of the target per prompt
+    over the prompt and its speculative output (teacher forcing, on the model's own device and dtype); every
+    emitted token must be the target's argmax after its prefix, and the output must be cut where greedy decoding
+    cuts it (at ``max_new_tokens``, or right after the first stop token).
+
+    A token that is not the argmax is a near-tie when the argmax's logit exceeds its own by at most ``tolerance``
+    (a 1-token and an N-token forward round differently), else a mismatch. Each prompt with a deviation has one
+    entry in ``mismatches``: its first mismatch, or its first near-tie when it has no mismatch, with the count of
+    tokens that are not the argmax (``deviations``). Later tokens are checked after their own prefix, so a
+    near-tie does not hide a mismatch after it. ``tokens_checked`` counts the emitted tokens checked."""
+    import torch
+
+    stop = set(stop_token_ids)
+    device = next(model.parameters()).device
+    mismatches = []
+    tokens_checked = 0
+    for index, (prompt, result) in enumerate(zip(prompts, spec, strict=True)):
+        output = list(result.output_ids)
+        found: list[dict[str, Any]] = []
+        deviations = 0
+        if output:
+            ids = torch.tensor([list(prompt.input_ids) + output[:-1]], device=device)
+            with torch.inference_mode():  # logits after prompt + output[:i], for every i: the last len(output)
+                logits = model(input_ids=ids, logits_to_keep=len(output)).logits[0].float()
+            emitted = torch.tensor(output, device=device)
+            best = logits.argmax(dim=-1)
+            gaps = (logits.gather(1, best[:, None]) - logits.gather(1, emitted[:, None]))[:, 0]
+            off = (best != emitted).nonzero().flatten().tolist()
+            deviations = len(off)
+            tokens_checked += len(output)
+            for at in off:
+                gap = float(gaps[at])
+                found.append({"index": at, "speculative_token": output[at], "target_token": int(best[at]),
+                              "target_logit_gap": gap, "near_tie": gap <= tolerance})
+                if gap > tolerance:
+                    break
+        cut = next((at for at, token in enumerate(output[:-1]) if token in stop), None)
+        if cut is not None:
+            found.append({"index": cut + 1, "near_tie": False,
+                          "reason": f"output continues after the stop token {output[cut]} at index {cut}"})
+        elif len(output) > max_new_tokens or (len(output) < max_new_tokens and not (output and output[-1] in stop)):
+            found.append({"index": min(len(output), max_new_tokens), "near_tie": False,
+                          "reason": f"output has {len(output)} tokens: greedy decoding stops at max_new_tokens "
+                                    f"({max_new_tokens}) or after a stop token"})
+        if not found:
+            continue
+        first = min(found, key=lambda entry: (entry["near_tie"], entry["index"]))
+        mismatches.append({"prompt": index, "source": prompt.source, **first, "deviations": deviations})
+    near_ties = sum(1 for m in mismatches if m["near_tie"])
+    return {"checked": True, "method": "teacher-forced", "prompts": len(prompts),
+            "identical": len(prompts) - len(mismatches), "near_ties": near_ties, "near_tie_tolerance": tolerance,
+            "tokens_checked": tokens_checked, "passed": len(mismatches) == near_ties, "mismatches": mismatches}
 
 
 def _lossless_vs_generate(model: Any, prompts: list[EvalPrompt], spec: list[GenerationResult],
@@ -310,31 +384,38 @@ def evaluate_drafter(
     near_tie_tolerance: float | None = None,
     baseline: Baselines | None = None,
     references: bool = True,
+    reference_prompts: int | None = None,
     console: Console | None = None,
     label: str = "drafter",
     progress_interval: float = DEFAULT_PROGRESS_INTERVAL,
     kv_cache: str = "auto",
 ) -> tuple[dict[str, Any], Baselines | None]:
-    """Speculative decoding of every prompt with ``drafter`` and (unless ``baseline`` is given) the two references:
-    block size 1 in the same loop, and the target's own ``generate()``.
+    """Speculative decoding of every prompt with ``drafter`` and (unless ``baseline`` is given) the two references,
+    block size 1 in the same loop and the target's own ``generate()``, on the first ``reference_prompts`` prompts.
 
     Args:
         target: ``LoadedTarget``.
         drafter: a ``DFlashDrafter`` on the target's device with the target attached.
-        baseline: both references' results on the same prompts and settings, to reuse (the pipeline evaluates
-            several checkpoints against one baseline). Runs are interleaved per prompt when measured here.
+        baseline: both references' results on the first ``reference_prompts`` prompts and the same settings, to
+            reuse (the pipeline evaluates several checkpoints against one baseline). Runs are interleaved per prompt
+            when measured here.
         references: ``False`` (and no ``baseline``): decode with the drafter only; no speedup, no lossless check.
+        reference_prompts: how many prompts, the first ones, get the references; ``None``: every prompt.
         progress_interval: seconds between two progress lines where ``console`` is not a terminal (0: none).
         kv_cache: ``static``, ``dynamic`` or ``auto`` (:attr:`EvaluateConfig.kv_cache`): the target of both loops is
             :class:`dflash.decoding.static_target.StaticTappedTarget` or the dynamic-cache ``TappedTarget``.
 
     Returns:
-        ``(summary, baselines)``: summary with ``tau``, ``acceptance``, ``speedup`` (vs block size 1),
-        ``speedup_vs_generate``, ``throughput`` (``speculative``, ``baseline_block_size_1``, ``target_generate``),
-        ``lossless`` and ``lossless_vs_generate`` (greedy only), ``per_prompt``; without references the speedups
-        are ``None``, ``throughput`` holds ``speculative`` only and both lossless entries say ``checked: false``.
+        ``(summary, baselines)``: summary with ``tau``, ``acceptance``, ``speedup`` (vs block size 1) and
+        ``speedup_vs_generate`` (the speculative loop's tokens/s over every prompt divided by the reference's over
+        its prompts, ``speedup_basis`` in words), ``reference_prompts``, ``throughput`` (``speculative``,
+        ``baseline_block_size_1``, ``target_generate``, each with its ``prompts``), and in greedy mode the lossless
+        checks: ``lossless`` (every prompt, teacher-forced: :func:`_teacher_forced_report`),
+        ``lossless_vs_block_size_1`` and ``lossless_vs_generate`` (token for token, on the reference prompts);
+        ``per_prompt`` (the reference's figures on the prompts that have them). Without references the speedups
+        are ``None``, ``throughput`` holds ``speculative`` only and the lossless entries say ``checked: false``.
         ``baselines`` is ``None`` when no reference ran. ``decoding``: the KV cache the loops ran on and how many
-        target forwards replayed a CUDA graph.
+        target forwards and drafts replayed a CUDA graph.
     """
     import torch
 
@@ -352,6 +433,7 @@ def evaluate_drafter(
                                     stop_token_ids=stop_token_ids)
     measure_baseline = baseline is None and references
     with_references = baseline is not None or references
+    measured_prompts = len(prompts) if reference_prompts is None else min(reference_prompts, len(prompts))
     spec_results: list[GenerationResult] = []
     base_results: list[GenerationResult] = list(baseline.block_size_1) if baseline is not None else []
     generate_results: list[GenerationResult] = list(baseline.target_generate) if baseline is not None else []
@@ -383,7 +465,7 @@ def evaluate_drafter(
         if measure_baseline:
             _plain_generate(tapped, prompts[0].input_ids, SpeculativeConfig(block_size=1, max_new_tokens=4), seed)
         for index, prompt in enumerate(prompts):
-            if measure_baseline:
+            if measure_baseline and index < measured_prompts:
                 progress.update(task, phase="block size 1 baseline")
                 base_results.append(_generate(tapped, None, prompt.input_ids, base_config,
                                               generator=generator(index)))
@@ -403,7 +485,7 @@ def evaluate_drafter(
                 "graph_replays": tapped.replays if static else 0,
                 "drafter_graph_replays": drafter.replays if static else 0}
     stats = AcceptanceStats.from_lengths([t for r in spec_results for t in r.acceptance_lengths], block_size)
-    spec_speed = _throughput(spec_results)
+    spec_speed = {**_throughput(spec_results), "prompts": len(spec_results)}
     per_prompt = [
         {"source": p.source, "prompt_tokens": len(p.input_ids), "new_tokens": len(s.output_ids),
          "cycles": s.num_cycles, "tau": (sum(s.acceptance_lengths) / s.num_cycles) if s.num_cycles else None,
@@ -413,25 +495,37 @@ def evaluate_drafter(
     if not with_references:
         skipped = {"checked": False, "reason": "references not run (evaluate.references = false): tau only"}
         return {"tau": stats.mean_tau, "acceptance": stats.to_dict(), "speedup": None, "speedup_vs_generate": None,
-                "throughput": {"speculative": spec_speed}, "lossless": skipped, "lossless_vs_generate": skipped,
-                "decoding": decoding, "per_prompt": per_prompt}, None
-    for entry, b, g in zip(per_prompt, base_results, generate_results, strict=True):
+                "throughput": {"speculative": spec_speed}, "lossless": skipped, "lossless_vs_block_size_1": skipped,
+                "lossless_vs_generate": skipped, "decoding": decoding, "per_prompt": per_prompt}, None
+    measured = len(base_results)
+    if measured != measured_prompts or len(generate_results) != measured:
+        raise ValueError(f"the references hold {measured} block-size-1 and {len(generate_results)} generate() "
+                         f"results for the first {measured_prompts} prompts")
+    for entry, b, g in zip(per_prompt, base_results, generate_results, strict=False):
         entry.update(baseline_seconds=b.seconds, generate_new_tokens=len(g.output_ids), generate_seconds=g.seconds)
     sampled = {"checked": False, "reason": "sampled mode: lossless in distribution, not token for token"}
-    base_speed, generate_speed = _throughput(base_results), _throughput(generate_results, split=False)
+    base_speed = {**_throughput(base_results), "prompts": measured}
+    generate_speed = {**_throughput(generate_results, split=False), "prompts": measured}
+    reference_set, reference_spec = prompts[:measured], spec_results[:measured]
+    greedy = temperature == 0
     summary: dict[str, Any] = {
         "tau": stats.mean_tau,
         "acceptance": stats.to_dict(),
         "speedup": spec_speed["tokens_per_second"] / base_speed["tokens_per_second"],
         "speedup_vs_generate": spec_speed["tokens_per_second"] / generate_speed["tokens_per_second"],
+        "reference_prompts": measured,
+        "speedup_basis": (f"speculative tokens/s over all {len(prompts)} prompts / the reference's tokens/s over "
+                          + (f"the same {measured}" if measured == len(prompts) else f"the first {measured}")),
         "throughput": {"speculative": spec_speed, "baseline_block_size_1": base_speed,
                        "target_generate": {**generate_speed, "call": _generate_call(max_new_tokens, temperature,
                                                                                     stop_token_ids)}},
-        "lossless": (_lossless_report(model, prompts, spec_results, base_results, tolerance) if temperature == 0
-                     else sampled),
+        "lossless": (_teacher_forced_report(model, prompts, spec_results, tolerance, max_new_tokens=max_new_tokens,
+                                            stop_token_ids=stop_token_ids) if greedy else sampled),
+        "lossless_vs_block_size_1": (
+            _lossless_report(model, reference_set, reference_spec, base_results, tolerance) if greedy else sampled),
         "lossless_vs_generate": (
-            _lossless_vs_generate(model, prompts, spec_results, base_results, generate_results, tolerance)
-            if temperature == 0 else sampled),
+            _lossless_vs_generate(model, reference_set, reference_spec, base_results, generate_results, tolerance)
+            if greedy else sampled),
         "decoding": decoding,
         "per_prompt": per_prompt,
     }
@@ -507,12 +601,12 @@ class Evaluator:
             raise ConfigError(f"extra_prompts: two prompt sets have one name ({names}); rename a prompts file")
         self.prompts = self.prompt_sets[0].prompts
         self.target = load_target(self.target_spec, dtype=self.dtype, device=self.device)
-        self.baselines: dict[tuple[str, int], Baselines] = {}  # by (set name, prompts evaluated)
+        self.baselines: dict[tuple[str, int], Baselines] = {}  # by (set name, prompts with references)
 
     @property
     def baseline(self) -> Baselines | None:
         """The first prompt set's references, once measured."""
-        return self.baselines.get(_baseline_key(self.prompt_sets[0]))
+        return self.baselines.get(self._baseline_key(self.prompt_sets[0]))
 
     def load_drafter(self, path: Path, loaded: tuple[Any, Any, dict[str, Any]] | None = None) -> tuple[Any, Any, dict[str, Any]]:
         """A drafter from ``path`` (or what :func:`dflash.serving.export.load_drafter` read from it, ``loaded``) on the target's device
@@ -525,6 +619,9 @@ class Evaluator:
         drafter.to(device=self.device, dtype=self.dtype)
         attach_checked(drafter, self.target, target_info, Path(path))
         return drafter.eval(), drafter_config, target_info
+
+    def _baseline_key(self, prompt_set: PromptSet) -> tuple[str, int]:
+        return _baseline_key(prompt_set, self.config.reference_prompts)
 
     def untrained(self, drafter_config: Any) -> Any:
         """A randomly initialized drafter of ``drafter_config`` (seeded by ``config.seed``), target attached."""
@@ -540,13 +637,14 @@ class Evaluator:
             max_new_tokens=config.max_new_tokens, temperature=config.temperature,
             stop_token_ids=_stop_tokens(self.target.tokenizer, config.ignore_eos), seed=config.seed,
             near_tie_tolerance=config.near_tie_tolerance,
-            baseline=self.baselines.get(_baseline_key(prompt_set)) if references else None,
-            references=references, console=self.console, kv_cache=config.kv_cache,
+            baseline=self.baselines.get(self._baseline_key(prompt_set)) if references else None,
+            references=references, reference_prompts=config.reference_prompts, console=self.console,
+            kv_cache=config.kv_cache,
             label=label if len(self.prompt_sets) == 1 else f"{label} on {prompt_set.name}",
             progress_interval=config.progress_interval,
         )
         if baseline is not None:
-            self.baselines[_baseline_key(prompt_set)] = baseline
+            self.baselines[self._baseline_key(prompt_set)] = baseline
         return summary
 
     def evaluate(self, drafter: Any, drafter_config: Any, *, label: str, compare_untrained: bool = False,
@@ -584,7 +682,7 @@ class Evaluator:
                 floor = self._summary(self.prompt_sets[0], self.untrained(drafter_config), drafter_config,
                                       "untrained", references=references)
                 untrained = {key: floor[key] for key in ("tau", "acceptance", "speedup", "speedup_vs_generate",
-                                                         "lossless", "lossless_vs_generate")}
+                                                         *LOSSLESS_KEYS)}
         finally:
             torch.set_num_threads(threads)
         sets = [{**_describe_set(prompt_set), **summary} for prompt_set, summary in zip(evaluated, summaries,
@@ -610,9 +708,11 @@ class Evaluator:
         return report
 
 
-def _baseline_key(prompt_set: PromptSet) -> tuple[str, int]:
-    """The references of a set's first N prompts are those of that set and N."""
-    return prompt_set.name, len(prompt_set.prompts)
+def _baseline_key(prompt_set: PromptSet, reference_prompts: int | None) -> tuple[str, int]:
+    """The references measured on a set: the set's name and how many of its first prompts have them (a set's
+    subsets, ``num_prompts``, are its first prompts, so that number names the prompts measured)."""
+    count = len(prompt_set.prompts)
+    return prompt_set.name, count if reference_prompts is None else min(reference_prompts, count)
 
 
 def _describe_set(prompt_set: PromptSet) -> dict[str, Any]:
@@ -656,7 +756,9 @@ def _lossless_text(lossless: dict[str, Any] | None, measured: bool) -> str | Non
     if lossless.get("checked"):
         verdict = "[green]passed[/]" if lossless["passed"] else "[red]FAILED[/]"
         ties = f", {lossless['near_ties']} diverge at float near-ties" if lossless["near_ties"] else ""
-        return f"{verdict}: {lossless['identical']}/{lossless['prompts']} identical{ties}"
+        tokens = (f" ({lossless['tokens_checked']} tokens: the target's argmax)"
+                  if lossless.get("tokens_checked") is not None else "")
+        return f"{verdict}: {lossless['identical']}/{lossless['prompts']} identical{tokens}{ties}"
     return "n/a (sampled)" if measured else None
 
 
@@ -664,8 +766,18 @@ def _prompt_sets(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Every prompt set of ``report`` (reports written before ``prompt_sets`` existed: the one set)."""
     return report.get("prompt_sets") or [{**report["prompts"], "name": report["prompts"].get("name", "prompts"),
                                           **{key: report.get(key) for key in ("tau", "acceptance", "speedup",
-                                                                              "speedup_vs_generate", "lossless",
-                                                                              "lossless_vs_generate")}}]
+                                                                              "speedup_vs_generate", *LOSSLESS_KEYS)}}]
+
+
+#: The lossless rows of the tables: label, report key.
+_LOSSLESS_ROWS = (("greedy lossless check", "lossless"), ("lossless vs block size 1", "lossless_vs_block_size_1"),
+                  ("lossless vs generate()", "lossless_vs_generate"))
+
+
+def _references_text(count: int, measured: int | None) -> str:
+    """Which of a set's ``count`` prompts its references were measured on: ``all 16``, ``first 4 of 16``
+    (``measured`` is ``None`` in reports written before ``reference_prompts`` existed: every prompt)."""
+    return f"all {count}" if measured in (None, count) else f"first {measured} of {count}"
 
 
 def tau_line(report: dict[str, Any]) -> str:
@@ -700,13 +812,17 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     if report.get("speedup") is None:  # references not run (tau only)
         summary.add_row("speedups, lossless check", "not measured (references off: tau only)")
     else:
+        summary.add_row("prompts with references",
+                        _references_text(report["prompts"]["count"], report.get("reference_prompts")))
         summary.add_row("block size 1 tokens/s", f"{speed['baseline_block_size_1']['tokens_per_second']:.1f}")
         summary.add_row("speedup vs block size 1", f"{report['speedup']:.2f}x")
     generate = speed.get("target_generate")
     if generate is not None:  # reports written before the generate() reference existed lack it
         summary.add_row("target generate() tokens/s", f"{generate['tokens_per_second']:.1f}")
         summary.add_row("speedup vs generate()", f"{report['speedup_vs_generate']:.2f}x")
-    for name, key in (("greedy lossless check", "lossless"), ("lossless vs generate()", "lossless_vs_generate")):
+    if report.get("speedup_basis"):
+        summary.add_row("speedups over", report["speedup_basis"])
+    for name, key in _LOSSLESS_ROWS:
         text = _lossless_text(report.get(key), report.get("speedup") is not None)
         if text is not None:
             summary.add_row(name, text)
@@ -722,10 +838,15 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         side.add_row("fingerprint", *(entry["fingerprint"].removeprefix("sha256:")[:12] for entry in sets))
         side.add_row("draft-verify cycles", *(str(entry["acceptance"]["num_cycles"]) for entry in sets))
         side.add_row("tau", *(f"[bold]{entry['tau']:.3f}[/]" for entry in sets))
+        side.add_row("prompts with references", *(
+            "-" if entry["speedup"] is None else _references_text(entry["count"], entry.get("reference_prompts"))
+            for entry in sets))
         for name, key in (("speedup vs block size 1", "speedup"), ("speedup vs generate()", "speedup_vs_generate")):
             side.add_row(name, *("-" if entry[key] is None else f"{entry[key]:.2f}x" for entry in sets))
-        for name, key in (("greedy lossless check", "lossless"), ("lossless vs generate()", "lossless_vs_generate")):
-            side.add_row(name, *(_lossless_text(entry[key], entry["speedup"] is not None) or "-" for entry in sets))
+        for name, key in _LOSSLESS_ROWS:
+            if any(entry.get(key) is not None for entry in sets):
+                side.add_row(name, *(_lossless_text(entry.get(key), entry["speedup"] is not None) or "-"
+                                     for entry in sets))
         console.print(side)
     positions = Table(title="per-position acceptance")
     positions.add_column("draft position k", justify="right")
@@ -760,9 +881,10 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON on stdout instead of the table (progress and messages go to stderr), as `cache info --json` and `inspect --json` do."),
     ) -> None:
         """Speculative decoding with the target and a drafter: tau, per-position acceptance, the speedup against
-        block size 1 in the same loop and against the target's own generate() (KV cache, same prompts, stop tokens
-        and new tokens), and the greedy lossless check against both. Exit code 1 when a greedy output differs
-        beyond a float near-tie."""
+        block size 1 in the same loop and against the target's own generate() (KV cache, same stop tokens and new
+        tokens; on the first --reference-prompts prompts of each set, default all), and the greedy lossless checks:
+        every output token the target's argmax (one teacher-forced forward per prompt), and token for token against
+        both references. Exit code 1 when a greedy output differs beyond a float near-tie."""
         console = Console()
 
         config = resolve_stage_config(EvaluateConfig, "evaluate", given=settings.given,
@@ -782,10 +904,12 @@ def register(app: typer.Typer) -> None:
         if json_out is not None:
             console.print(f"report written to {json_out}")
         console.print(tau_line(report))
-        failed = [key for key in ("lossless", "lossless_vs_generate") for entry in report["prompt_sets"]
-                  if entry[key].get("checked") and not entry[key]["passed"]]
+        failed = [key for key in LOSSLESS_KEYS for entry in report["prompt_sets"]
+                  if (entry.get(key) or {}).get("checked") and not entry[key]["passed"]]
         if "lossless" in failed:
-            console.print("[red]greedy speculative output differs from the target's own greedy output[/]")
+            console.print("[red]greedy speculative output has tokens that are not the target's own greedy choice[/]")
+        if "lossless_vs_block_size_1" in failed:
+            console.print("[red]greedy speculative output differs from the block-size-1 loop's output[/]")
         if "lossless_vs_generate" in failed:
             console.print("[red]greedy speculative output differs from the target's generate() output[/]")
         if failed:

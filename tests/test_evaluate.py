@@ -93,6 +93,10 @@ def test_evaluate_cli_writes_report_with_every_field(full_evaluation):
     assert report["tau"] == pytest.approx(weighted / acceptance["num_cycles"])
     assert report["lossless"]["checked"] and report["lossless"]["passed"]
     assert report["lossless"]["identical"] == report["prompts"]["count"] == 2
+    # Every emitted token checked against the target's argmax, the references' outputs compared token for token.
+    assert report["lossless"]["method"] == "teacher-forced" and report["lossless"]["tokens_checked"] == 8
+    assert report["lossless_vs_block_size_1"]["passed"] and report["lossless_vs_block_size_1"]["identical"] == 2
+    assert report["reference_prompts"] == 2 and "over all 2 prompts" in report["speedup_basis"]
     assert report["speedup"] > 0
     assert all(p["new_tokens"] == 4 for p in report["per_prompt"])
     assert 1.0 <= report["untrained"]["tau"] <= BLOCK
@@ -138,6 +142,62 @@ def test_no_references_measures_the_same_tau_without_the_references(export_folde
     assert tau_only["tau"] == full["tau"] and tau_only["acceptance"] == full["acceptance"]
     assert [p["cycles"] for p in tau_only["per_prompt"]] == [p["cycles"] for p in full["per_prompt"]]
     assert all("baseline_seconds" not in p for p in tau_only["per_prompt"])
+
+
+def _real_outputs(export_folder, target, tokenizer, texts, max_new_tokens):
+    """The drafter's speculative outputs (greedy) on ``texts``: (prompts, results)."""
+    from dflash.decoding.eval_prompts import EvalPrompt
+    from dflash.decoding.speculative import SpeculativeConfig, TappedTarget, speculative_generate
+    from dflash.serving.export import load_drafter
+
+    drafter, config, _ = load_drafter(export_folder)
+    drafter.attach_target(target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight)
+    prompts = [EvalPrompt(input_ids=tokenizer.encode(text), source=f"doc {i}") for i, text in enumerate(texts)]
+    settings = SpeculativeConfig(block_size=BLOCK, max_new_tokens=max_new_tokens,
+                                 mask_token_id=int(config.mask_token_id))
+    with TappedTarget(target.model, config.target_layer_ids) as tapped:
+        results = [speculative_generate(tapped, drafter.eval(), p.input_ids, settings) for p in prompts]
+    return prompts, results
+
+
+def test_teacher_forced_check_passes_real_output_and_flags_a_replaced_token(export_folder, target, tokenizer):
+    """The lossless check of every prompt: one forward over prompt + speculative output. Real speculative output
+    passes, every token counted; the same output with one token replaced by another fails at that prompt and index,
+    naming the target's token and its logit gap; an output cut where greedy decoding would not cut it fails too."""
+    from dataclasses import replace
+
+    from stages.evaluate import _teacher_forced_report
+
+    prompts, results = _real_outputs(export_folder, target, tokenizer,
+                                     ["def fibonacci(n):\n    if n < 2:\n", "import os\n\ndef walk(top):\n"], 6)
+    check = _teacher_forced_report(target.model, prompts, results, 1e-3, max_new_tokens=6, stop_token_ids=())
+    assert check["passed"] and check["identical"] == 2 and check["tokens_checked"] == 12 and not check["mismatches"]
+
+    output = results[1].output_ids
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompts[1].input_ids + output[:3]])).logits[0, -1]
+    assert int(logits.argmax()) == output[3]
+    wrong = int(logits.argmin())
+    mutated = [results[0], replace(results[1], output_ids=output[:3] + [wrong] + output[4:])]
+    check = _teacher_forced_report(target.model, prompts, mutated, 1e-3, max_new_tokens=6, stop_token_ids=())
+    assert not check["passed"] and check["identical"] == 1 and check["near_ties"] == 0
+    (mismatch,) = check["mismatches"]
+    assert (mismatch["prompt"], mismatch["index"], mismatch["source"]) == (1, 3, "doc 1")
+    assert (mismatch["speculative_token"], mismatch["target_token"]) == (wrong, output[3])
+    assert mismatch["target_logit_gap"] == pytest.approx(float(logits.max() - logits.min()), rel=1e-4)
+    assert not mismatch["near_tie"] and mismatch["deviations"] >= 1
+    # A tolerance above that gap makes it a near-tie: reported, and the check passes.
+    lenient = _teacher_forced_report(target.model, prompts, mutated, 1e4, max_new_tokens=6, stop_token_ids=())
+    assert lenient["passed"] and lenient["near_ties"] == 1 and lenient["mismatches"][0]["near_tie"]
+
+    # The cut: a token taken as a stop token before the end, or an output shorter than max_new_tokens without one.
+    at = next(i for i in range(1, len(output) - 1) if output[i] not in output[:i])
+    cut = _teacher_forced_report(target.model, prompts[1:], results[1:], 1e-3, max_new_tokens=6,
+                                 stop_token_ids=(output[at],))
+    assert not cut["passed"] and cut["mismatches"][0]["index"] == at + 1
+    assert f"continues after the stop token {output[at]} at index {at}" in cut["mismatches"][0]["reason"]
+    short = _teacher_forced_report(target.model, prompts[1:], results[1:], 1e-3, max_new_tokens=7, stop_token_ids=())
+    assert not short["passed"] and "greedy decoding stops at max_new_tokens" in short["mismatches"][0]["reason"]
 
 
 def test_lossless_check_catches_a_real_divergence(target, tokenizer):
@@ -322,8 +382,8 @@ def test_numpy_questions_are_chat_questions_about_documented_functions(tokenizer
 
 
 def test_extra_prompts_refused_before_the_target_loads(export_folder, tmp_path, monkeypatch, capsys):
-    """A missing file, held-out (which needs the corpus rows of the first set) or a set named twice: one error line
-    naming the setting, exit status 2."""
+    """A missing file, held-out (which needs the corpus rows of the first set), a set named twice, or no prompt
+    for the references: one error line naming the setting, exit status 2."""
     from cli_helpers import main_in_process
 
     missing = tmp_path / "nope.jsonl"
@@ -338,6 +398,10 @@ def test_extra_prompts_refused_before_the_target_loads(export_folder, tmp_path, 
     code, err = main_in_process(monkeypatch, capsys, "evaluate", "--drafter", str(export_folder), "--prompts",
                                 "numpy-questions", "--extra-prompts", "held-out")
     assert code == 2 and "held-out is allowed only as the first prompt set" in err, err
+    code, err = main_in_process(monkeypatch, capsys, "evaluate", "--drafter", str(export_folder), "--prompts",
+                                "numpy-questions", "--reference-prompts", "0")
+    assert code == 2 and err.count("error: ") == 1 and "Traceback" not in err, err
+    assert "evaluate.reference_prompts (--reference-prompts): must be >= 1 (or null: every prompt), got 0" in err, err
 
 
 def test_the_first_prompts_of_a_set_have_their_own_references(export_folder, tmp_path):
@@ -361,6 +425,95 @@ def test_the_first_prompts_of_a_set_have_their_own_references(export_folder, tmp
     assert [first["per_prompt"][0][k] for k in same] == [whole["per_prompt"][0][k] for k in same]
     assert whole["lossless"]["identical"] == 2 and len(whole["per_prompt"]) == 2
     assert all("baseline_seconds" in p for p in whole["per_prompt"])
+
+
+def test_reference_prompts_measures_the_references_on_the_first_n(export_folder, full_evaluation, tmp_path,
+                                                                   monkeypatch):
+    """``--reference-prompts 1``: the block-size-1 loop and generate() decode the first prompt only (counted at the
+    calls), the speculative loop and the teacher-forced check every prompt; the report says what the speedups are
+    computed over, and the references are kept per number of reference prompts."""
+    import dflash.decoding.speculative as speculative
+    from stages.cli import _register_all, app
+    from stages.evaluate import EvaluateConfig, Evaluator
+
+    _register_all()
+    prompts, _, full = full_evaluation
+    calls = {"block size 1": 0, "generate": 0}
+    loop, generate = speculative.speculative_generate, speculative.target_generate
+
+    def counted_loop(tapped, drafter, prompt_ids, config, **kwargs):
+        calls["block size 1"] += config.block_size == 1
+        return loop(tapped, drafter, prompt_ids, config, **kwargs)
+
+    def counted_generate(*args, **kwargs):
+        calls["generate"] += 1
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(speculative, "speculative_generate", counted_loop)
+    monkeypatch.setattr(speculative, "target_generate", counted_generate)
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, [
+        "evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--max-new-tokens", "4",
+        "--ignore-eos", "--reference-prompts", "1", "--device", "cpu", "--json-file", str(out),
+    ], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert calls == {"block size 1": 1 + 1, "generate": 1 + 1}  # one warm-up call each, then the first prompt
+    report = json.loads(out.read_text())
+    assert report["settings"]["reference_prompts"] == 1 and report["reference_prompts"] == 1
+    assert report["speedup_basis"] == ("speculative tokens/s over all 2 prompts / the reference's tokens/s over "
+                                       "the first 1")
+    speed = report["throughput"]
+    assert speed["speculative"]["prompts"] == 2 and speed["speculative"]["new_tokens"] == 8
+    for name in ("baseline_block_size_1", "target_generate"):
+        assert speed[name]["prompts"] == 1 and speed[name]["new_tokens"] == 4
+    assert report["speedup"] == pytest.approx(speed["speculative"]["tokens_per_second"]
+                                              / speed["baseline_block_size_1"]["tokens_per_second"])
+    assert ["baseline_seconds" in p for p in report["per_prompt"]] == [True, False]
+    assert report["lossless"]["prompts"] == 2 and report["lossless"]["tokens_checked"] == 8
+    assert report["lossless_vs_block_size_1"]["prompts"] == report["lossless_vs_generate"]["prompts"] == 1
+    assert report["lossless"]["passed"] and report["lossless_vs_generate"]["passed"]
+    assert report["tau"] == full["tau"] and report["per_prompt"][1]["cycles"] == full["per_prompt"][1]["cycles"]
+    assert "first 1 of 2" in result.output and "speedups over" in result.output
+
+    # The references are reused per (set, prompts with references): the first prompt's serve every subset that
+    # starts with it.
+    config = EvaluateConfig(drafter=export_folder, prompts=str(prompts), max_new_tokens=2, ignore_eos=True,
+                            device="cpu", reference_prompts=1)
+    evaluator = Evaluator(config, "default")
+    drafter, drafter_config, _ = evaluator.load_drafter(export_folder)
+    calls.update({"block size 1": 0, "generate": 0})
+    evaluator.evaluate(drafter, drafter_config, label="subset", num_prompts=1)
+    evaluator.evaluate(drafter, drafter_config, label="whole")
+    assert list(evaluator.baselines) == [("prompts", 1)] and calls["generate"] == 1 + 1
+
+
+def test_a_report_without_the_newer_fields_still_renders(full_evaluation):
+    """Reports on disk written before the teacher-forced check and reference_prompts (their ``lossless`` compared
+    with the block-size-1 loop): the tables and the tau line still show them."""
+    import io
+
+    from rich.console import Console
+
+    from stages.evaluate import print_report, tau_line
+
+    _, _, report = full_evaluation
+    old = json.loads(json.dumps(report))
+    for entry in (old, *old["prompt_sets"]):
+        for key in ("reference_prompts", "speedup_basis", "lossless_vs_block_size_1"):
+            entry.pop(key, None)
+        for key in ("method", "tokens_checked"):
+            entry["lossless"].pop(key, None)
+    for speed in old["throughput"].values():
+        speed.pop("prompts", None)
+    stream = io.StringIO()
+    print_report(old, Console(file=stream, width=200, color_system=None))
+    shown = stream.getvalue()
+    assert "greedy lossless check" in shown and "passed: 2/2 identical" in shown and "argmax" not in shown
+    assert "lossless vs block size 1" not in shown and "prompts with references" in shown and "all 2" in shown
+    assert tau_line(old) == f"tau = {old['tau']:.3f}"
+    stream = io.StringIO()
+    print_report(report, Console(file=stream, width=200, color_system=None))
+    assert "passed: 2/2 identical (8 tokens: the target's argmax)" in stream.getvalue()
 
 
 def test_bad_prompts_and_a_bad_json_file_are_refused_before_the_model_loads(export_folder, target_path, tmp_path,

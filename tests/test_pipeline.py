@@ -442,8 +442,9 @@ def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(fini
 def test_a_schedule_shorter_than_half_the_epochs_still_trains_before_its_first_evaluation(finished_run, tmp_path):
     """train.max_steps=1 with 2 epochs: epoch 1's end rounds to step 0; it trains step 1 and evaluates there.
     With evaluate.per_epoch_num_prompts the evaluations before the last take the first prompts of the first set
-    only; the last one (the final drafter) every prompt of every set. The second set is two short prompts of a file
-    (numpy-questions, the preset's, is measured by test_pipeline_runs_every_stage_and_prints_tau)."""
+    only; the last one (the final drafter) every prompt of every set, with evaluate.reference_prompts=1 the
+    references on the first prompt of each. The second set is two short prompts of a file (numpy-questions, the
+    preset's, is measured by test_pipeline_runs_every_stage_and_prints_tau)."""
     app, preset, finished, _ = finished_run
     workdir = _extracted_workdir(finished, tmp_path / "work")  # the stages before train: the finished run's
     extra = tmp_path / "questions.jsonl"
@@ -452,6 +453,7 @@ def test_a_schedule_shorter_than_half_the_epochs_still_trains_before_its_first_e
     result = CliRunner().invoke(app, ["run", "--preset", str(preset), "--workdir", str(workdir),
                                       "--set", "train.max_steps=1", "--set", "evaluate.num_prompts=2",
                                       "--set", "evaluate.per_epoch_num_prompts=1",
+                                      "--set", "evaluate.reference_prompts=1",
                                       "--set", f"evaluate.extra_prompts={json.dumps([str(extra)])}"])
     assert result.exit_code == 0, result.output + repr(result.exception)
     state = json.loads((workdir / "pipeline.json").read_text())
@@ -462,6 +464,12 @@ def test_a_schedule_shorter_than_half_the_epochs_still_trains_before_its_first_e
     assert counts == [[("held-out", 1)]] + [[("held-out", 2), ("questions", 2)]] * 2
     final = json.loads((workdir / "eval" / "final.json").read_text())
     assert final["prompts"]["count"] == 2 and final["lossless"]["identical"] == 2
+    # evaluate.reference_prompts reaches the evaluator: the references on the first prompt of each set, the
+    # teacher-forced lossless check on both.
+    assert final["settings"]["reference_prompts"] == 1
+    for entry in final["prompt_sets"]:
+        assert entry["reference_prompts"] == entry["lossless_vs_generate"]["prompts"] == 1
+        assert entry["lossless"]["prompts"] == 2 and entry["lossless"]["passed"]
 
 
 def test_cpu_small_preset_departs_from_no_convention_within_its_own_lengths():
