@@ -144,6 +144,32 @@ def test_no_references_measures_the_same_tau_without_the_references(export_folde
     assert all("baseline_seconds" not in p for p in tau_only["per_prompt"])
 
 
+def test_static_kv_cache_decodes_what_the_dynamic_cache_decodes(export_folder, full_evaluation, tmp_path):
+    """``--kv-cache static`` (the CUDA default; eager here) runs both loops on the static-cache target and the
+    drafter over its fixed-size context: the same tau, acceptance, cycles and lossless verdicts as the dynamic cache
+    of the full evaluation, and the report and table say which cache ran."""
+    from stages.cli import _register_all, app
+
+    _register_all()
+    prompts, full_result, full = full_evaluation
+    assert full_result.exit_code == 0, full_result.output + repr(full_result.exception)
+    out = tmp_path / "static.json"
+    result = CliRunner().invoke(app, [
+        "evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--max-new-tokens", "4",
+        "--ignore-eos", "--kv-cache", "static", "--device", "cpu", "--json-file", str(out),
+    ], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    static = json.loads(out.read_text())
+    assert full["decoding"] == {"kv_cache": "dynamic", "cuda_graphs": False, "graph_replays": 0,
+                                "drafter_graph_replays": 0}
+    assert static["decoding"]["kv_cache"] == "static" and not static["decoding"]["cuda_graphs"]
+    assert static["settings"]["kv_cache"] == "static" and "target KV cache (both loops)" in result.output
+    assert static["tau"] == full["tau"] and static["acceptance"] == full["acceptance"]
+    assert [p["cycles"] for p in static["per_prompt"]] == [p["cycles"] for p in full["per_prompt"]]
+    for key in ("lossless", "lossless_vs_block_size_1", "lossless_vs_generate"):
+        assert static[key]["passed"] and static[key]["identical"] == full[key]["identical"] == 2
+
+
 def _real_outputs(export_folder, target, tokenizer, texts, max_new_tokens):
     """The drafter's speculative outputs (greedy) on ``texts``: (prompts, results)."""
     from dflash.decoding.eval_prompts import EvalPrompt
