@@ -160,3 +160,69 @@ def test_cuda_graphed_drafter_and_target_commit_what_the_eager_loop_commits():
     assert [(r.output_ids, r.acceptance_lengths) for r in got] == [
         (r.output_ids, r.acceptance_lengths) for r in expected]
     assert graphed.replays > 0 and graphed.eager_drafts == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_graphs_are_captured_on_the_models_gpu_when_another_is_current():
+    """A model on cuda:1 while cuda:0 is the current device (``--device cuda:1``): the captures record the model's
+    kernels on its own GPU, so the replays commit the dynamic cache's tokens instead of replaying an empty graph
+    and returning the capture's stale logits."""
+    torch.cuda.set_device(0)
+    model = _llama("cuda:1")
+    drafter = _tiny_drafter(model)
+    prompts = _prompts()
+    config = SpeculativeConfig(block_size=6, max_new_tokens=40, mask_token_id=0)
+    with TappedTarget(model, TAPS) as dynamic:
+        expected = [speculative_generate(dynamic, drafter, prompt, config) for prompt in prompts]
+    with StaticTappedTarget(model, TAPS, length_bucket=64) as static:
+        graphed = GraphedDrafter(drafter, capacity=70 + 40 + 6)
+        got = [speculative_generate(static, graphed, prompt, config) for prompt in prompts]
+        assert static.replays > 0 and graphed.replays > 0 and graphed.eager_drafts == 0
+    assert torch.cuda.current_device() == 0
+    assert [(r.output_ids, r.acceptance_lengths) for r in got] == [
+        (r.output_ids, r.acceptance_lengths) for r in expected]
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_in_sampled_mode_commit_what_the_same_loop_commits_eagerly():
+    """Sampled mode reads the replayed draft logits (softmax, multinomial) and the verify logits before the next
+    replay overwrites them: with the same seeds, graphs on and off commit the same tokens and acceptance lengths."""
+    model = _llama("cuda")
+    drafter = _tiny_drafter(model)
+    prompts = _prompts()
+    config = SpeculativeConfig(block_size=6, max_new_tokens=40, temperature=1.0, mask_token_id=0)
+
+    def run(cuda_graphs: bool) -> list[tuple]:
+        with StaticTappedTarget(model, TAPS, cuda_graphs=cuda_graphs, length_bucket=64) as static:
+            graphed = GraphedDrafter(drafter, capacity=70 + 40 + 6, cuda_graphs=cuda_graphs)
+            results = [speculative_generate(static, graphed, prompt, config,
+                                            generator=torch.Generator("cuda").manual_seed(index))
+                       for index, prompt in enumerate(prompts)]
+            assert (static.replays > 0) == cuda_graphs and (graphed.replays > 0) == cuda_graphs
+        return [(r.output_ids, r.acceptance_lengths) for r in results]
+
+    eager = run(False)
+    assert run(True) == eager
+    assert any(1 < tau < 6 for _, lengths in eager for tau in lengths)
+
+
+@pytest.mark.gpu
+def test_a_forward_that_cannot_be_captured_runs_eagerly():
+    """A dynamic-RoPE target compares a position with its cached length on the host (a sync, which a capture
+    refuses): each capture fails, that query length runs eagerly from then on, and the tokens are still the dynamic
+    cache's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.2, attn_implementation="sdpa",
+                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    model = LlamaForCausalLM(config).to("cuda").eval()
+    prompts = _prompts()
+    with TappedTarget(model, TAPS) as dynamic:
+        expected = _runs(dynamic, model, prompts, block=6, new=40)
+    with StaticTappedTarget(model, TAPS, length_bucket=64) as static:
+        assert _runs(static, model, prompts, block=6, new=40) == expected
+        assert static.replays == 0 and static._failed == {(1, False), (6, True)}

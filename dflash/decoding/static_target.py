@@ -24,7 +24,7 @@ PyTorch's CUDA graph capture (warm-up on a side stream, then ``torch.cuda.graph`
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,32 @@ def static_cache_supported(model: torch.nn.Module) -> bool:
     # The cache transformers builds for this config says which layers are windowed (its layers allocate lazily).
     return not any(getattr(layer, "is_sliding", False)
                    for layer in StaticCache(config=model.config, max_cache_len=8).layers)
+
+
+def _capture_graph(device: torch.device, body: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture ``body`` on ``device`` as a CUDA graph; returns the graph and what the captured call returned (the
+    tensors each replay refills).
+
+    ``body`` runs twice on a side stream first (allocator, lazily loaded kernels, the first call's compiles of
+    torch.compile'd functions: none of them may happen inside a capture), then once under capture. Everything runs
+    with ``device`` current and is captured on a stream of ``device``: the model may sit on another GPU than the
+    current one (``--device cuda:1``), and a capture stream on the current GPU would record none of its kernels,
+    leaving a graph whose replays do nothing.
+
+    Raises:
+        RuntimeError: the capture failed (an operation a graph cannot record: a host sync, a CPU copy, ...).
+    """
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outputs = body()
+    return graph, outputs
 
 
 @dataclass
@@ -187,16 +213,8 @@ class StaticTappedTarget(TappedTarget):
     def _capture(self, key: tuple[int, bool], entry: _Graph) -> bool:
         """Capture ``entry``'s forward (its buffers already hold this call's inputs); False where it cannot be
         captured, and that length then runs eagerly."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up (allocator, lazy kernels) outside the capture; writes this call's keys
-                    self._body(entry)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                entry.logits, entry.taps = self._body(entry)
+        try:  # the warm-up forwards write this call's keys, as the replay that follows does
+            graph, (entry.logits, entry.taps) = _capture_graph(self.device, lambda: self._body(entry))
         except RuntimeError as exc:  # pragma: no cover - depends on the model's ops and the CUDA build
             log.warning("CUDA graph capture of the %d-token target forward failed (%s); running it eagerly", key[0], exc)
             self._failed.add(key)
@@ -282,16 +300,8 @@ class GraphedDrafter(torch.nn.Module):
                                         context_valid=self._positions < self._start)
 
     def _capture(self) -> bool:
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up outside the capture
-                    self._draft()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._logits = self._draft()
+            graph, self._logits = _capture_graph(self.device, self._draft)
         except RuntimeError as exc:  # pragma: no cover - depends on the drafter's kernels and the CUDA build
             log.warning("CUDA graph capture of the draft failed (%s); drafting eagerly", exc)
             self._failed = True
