@@ -184,27 +184,42 @@ def test_cuda_graphs_are_captured_on_the_models_gpu_when_another_is_current():
         (r.output_ids, r.acceptance_lengths) for r in expected]
 
 
+def _graphs_on_and_off(model, drafter, prompts: list[list[int]], config: SpeculativeConfig) -> list[list[tuple]]:
+    """The loop's (tokens, acceptance lengths) per prompt through the static target and the graphed drafter, eager
+    and then with CUDA graphs, with the same per-prompt seeds."""
+    runs = []
+    for cuda_graphs in (False, True):
+        with StaticTappedTarget(model, TAPS, cuda_graphs=cuda_graphs, length_bucket=64) as static:
+            graphed = GraphedDrafter(drafter, capacity=max(map(len, prompts)) + config.max_new_tokens + 6,
+                                     cuda_graphs=cuda_graphs)
+            results = [speculative_generate(static, graphed, prompt, config,
+                                            generator=torch.Generator(static.device).manual_seed(index))
+                       for index, prompt in enumerate(prompts)]
+            assert (static.replays > 0) == cuda_graphs and (graphed.replays > 0) == cuda_graphs
+        runs.append([(r.output_ids, r.acceptance_lengths) for r in results])
+    return runs
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_in_sampled_mode_commit_what_the_same_loop_commits_eagerly():
     """Sampled mode reads the replayed draft logits (softmax, multinomial) and the verify logits before the next
     replay overwrites them: with the same seeds, graphs on and off commit the same tokens and acceptance lengths."""
     model = _llama("cuda")
-    drafter = _tiny_drafter(model)
-    prompts = _prompts()
     config = SpeculativeConfig(block_size=6, max_new_tokens=40, temperature=1.0, mask_token_id=0)
-
-    def run(cuda_graphs: bool) -> list[tuple]:
-        with StaticTappedTarget(model, TAPS, cuda_graphs=cuda_graphs, length_bucket=64) as static:
-            graphed = GraphedDrafter(drafter, capacity=70 + 40 + 6, cuda_graphs=cuda_graphs)
-            results = [speculative_generate(static, graphed, prompt, config,
-                                            generator=torch.Generator("cuda").manual_seed(index))
-                       for index, prompt in enumerate(prompts)]
-            assert (static.replays > 0) == cuda_graphs and (graphed.replays > 0) == cuda_graphs
-        return [(r.output_ids, r.acceptance_lengths) for r in results]
-
-    eager = run(False)
-    assert run(True) == eager
+    eager, graphed = _graphs_on_and_off(model, _tiny_drafter(model), _prompts(), config)
+    assert graphed == eager
     assert any(1 < tau < 6 for _, lengths in eager for tau in lengths)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_in_bfloat16_commit_what_the_same_loop_commits_eagerly():
+    """In bfloat16, the evaluation's dtype on CUDA, the replays compute what the same forwards compute eagerly; the
+    prompts come shortest first, so the cache grows (a new one, the graphs captured again) between generations."""
+    model = _llama("cuda").to(torch.bfloat16)
+    drafter = _tiny_drafter(model).to(torch.bfloat16)
+    config = SpeculativeConfig(block_size=6, max_new_tokens=40, mask_token_id=0)
+    eager, graphed = _graphs_on_and_off(model, drafter, sorted(_prompts(), key=len), config)
+    assert graphed == eager
 
 
 @pytest.mark.gpu
