@@ -144,6 +144,34 @@ def test_graphed_drafter_drafts_what_the_drafter_drafts():
         graphed.draft_block(torch.zeros(92, width), torch.arange(92), block, 92)
 
 
+def test_graphed_drafter_compiles_its_fused_kernels_at_the_first_draft_only():
+    """The drafter's elementwise kernels are torch.compile'd on CUDA (dflash/drafter/fused.py; forced on here with a
+    CPU backend): every draft over the fixed-size buffer has the same shapes, so all compiles happen in the first
+    call (on CUDA the first warm-up, outside the capture) and no later draft, whatever its context length, compiles
+    again (a compile inside a capture would break it)."""
+    from torch._dynamo.utils import counters
+
+    from dflash.drafter import fused
+
+    torch._dynamo.reset()
+    fused.set_fused_elementwise(True, backend="eager", devices=("cpu",))
+    try:
+        drafter = _tiny_drafter(_llama(), layers=1)
+        width = drafter.config.num_taps * drafter.config.hidden_size
+        graphed = GraphedDrafter(drafter, capacity=96)
+        compiled = []
+        with torch.inference_mode():  # as the loop drafts
+            for rows in (60, 7, 90):
+                before = counters["stats"]["unique_graphs"]
+                graphed.draft_block(torch.randn(rows, width), torch.arange(rows), torch.tensor([5, 0, 0, 0, 0, 0]), rows)
+                compiled.append(counters["stats"]["unique_graphs"] - before)
+        assert compiled[0] > 0 and compiled[1:] == [0, 0]
+        assert fused.fused_elementwise_enabled(torch.device("cpu"))
+    finally:
+        fused.set_fused_elementwise(True)
+        torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 def test_cuda_graphed_drafter_and_target_commit_what_the_eager_loop_commits():
     """On CUDA: a real DFlashDrafter (random weights) through its captured draft and the target's captured forwards
