@@ -95,8 +95,22 @@ def test_capacity_and_attention_are_checked():
                                                num_attention_heads=2, num_key_value_heads=1, sliding_window=8,
                                                attn_implementation="sdpa"))
     assert static_cache_supported(model) and not static_cache_supported(sliding)
-    with pytest.raises(ConfigError, match="sliding|4-D mask"):
+    with pytest.raises(ConfigError, match="plain full-attention layers.*dynamic KV cache"):
         StaticTappedTarget(sliding, [0])
+    # Linear attention keeps a recurrent state that a rejected draft cannot be rewound out of (and no positions).
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    hybrid = Qwen3NextForCausalLM(Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, attn_implementation="sdpa"))
+    assert "linear_attention" in hybrid.config.layer_types and not static_cache_supported(hybrid)
+    with pytest.raises(ConfigError, match="plain full-attention layers"):
+        StaticTappedTarget(hybrid, [0])
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ConfigError, match="4-D mask.*'flash_attention_2'.*attn_implementation='sdpa'"):
+        StaticTappedTarget(model, TAPS)
 
 
 @pytest.mark.gpu

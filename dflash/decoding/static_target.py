@@ -43,14 +43,16 @@ MASKED_ATTENTIONS = ("sdpa", "eager")
 
 def static_cache_supported(model: torch.nn.Module) -> bool:
     """Whether ``model`` can decode through :class:`StaticTappedTarget`: its attention takes a 4-D mask (``sdpa`` or
-    ``eager``) and none of its layers uses a sliding window."""
+    ``eager``) and every layer keeps plain full-attention keys and values (no sliding window, no recurrent state of
+    linear attention or state-space layers, no indexer)."""
     if getattr(model.config, "_attn_implementation", None) not in MASKED_ATTENTIONS:
         return False
     from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
 
-    # The cache transformers builds for this config says which layers are windowed (its layers allocate lazily).
-    return not any(getattr(layer, "is_sliding", False)
-                   for layer in StaticCache(config=model.config, max_cache_len=8).layers)
+    # The cache transformers builds for this config says what each layer keeps (its layers allocate lazily). Only
+    # plain key/value layers can be rewritten from any start position, which a rejected draft needs.
+    return all(type(layer) is StaticLayer for layer in StaticCache(config=model.config, max_cache_len=8).layers)
 
 
 def _capture_graph(device: torch.device, body: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
@@ -118,16 +120,20 @@ class StaticTappedTarget(TappedTarget):
             a longer generation reallocates it (and recaptures).
 
     Raises:
-        ConfigError: the model's attention takes no 4-D mask, or it has sliding-window layers.
+        ConfigError: the model's attention takes no 4-D mask, or it has layers other than full attention.
     """
 
     def __init__(self, model: torch.nn.Module, target_layer_ids: Sequence[int], *, cuda_graphs: bool = True,
                  length_bucket: int = 256) -> None:
         if not static_cache_supported(model):
+            attention = getattr(model.config, "_attn_implementation", None)
+            if attention not in MASKED_ATTENTIONS:
+                raise ConfigError(
+                    f"the static-cache target needs an attention that takes a 4-D mask ({' or '.join(MASKED_ATTENTIONS)}); "
+                    f"this target runs {attention!r}: load it with attn_implementation='sdpa'")
             raise ConfigError(
-                f"the static-cache target needs full-attention layers and an attention that takes a 4-D mask "
-                f"({' or '.join(MASKED_ATTENTIONS)}); this target runs "
-                f"{getattr(model.config, '_attn_implementation', None)!r}: load it with attn_implementation='sdpa'")
+                "the static-cache target needs plain full-attention layers; this target has sliding-window, "
+                "linear-attention or other stateful layers: decode it with the dynamic KV cache (--kv-cache dynamic)")
         super().__init__(model, target_layer_ids)
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.length_bucket = max(1, int(length_bucket))
