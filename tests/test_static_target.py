@@ -267,8 +267,8 @@ def test_cuda_graphs_in_bfloat16_commit_what_the_same_loop_commits_eagerly():
 @pytest.mark.gpu
 def test_a_forward_that_cannot_be_captured_runs_eagerly():
     """A dynamic-RoPE target compares a position with its cached length on the host (a sync, which a capture
-    refuses): each capture fails, that query length runs eagerly from then on, and the tokens are still the dynamic
-    cache's."""
+    refuses): each capture fails, that query length runs eagerly from then on on the caller's stream, and the tokens
+    are still the dynamic cache's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -280,6 +280,8 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly():
     prompts = _prompts()
     with TappedTarget(model, TAPS) as dynamic:
         expected = _runs(dynamic, model, prompts, block=6, new=40)
+    stream = torch.cuda.current_stream()
     with StaticTappedTarget(model, TAPS, length_bucket=64) as static:
         assert _runs(static, model, prompts, block=6, new=40) == expected
         assert static.replays == 0 and static._failed == {(1, False), (6, True)}
+    assert torch.cuda.current_stream() == stream  # a failed capture leaves the capture stream behind otherwise

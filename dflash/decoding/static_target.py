@@ -66,18 +66,23 @@ def _capture_graph(device: torch.device, body: Callable[[], Any]) -> tuple[torch
     leaving a graph whose replays do nothing.
 
     Raises:
-        RuntimeError: the capture failed (an operation a graph cannot record: a host sync, a CPU copy, ...).
+        RuntimeError: the capture failed (an operation a graph cannot record: a host sync, a CPU copy, ...); the
+            caller's stream is current again.
     """
     with torch.cuda.device(device):
+        current = torch.cuda.current_stream(device)
         stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            outputs = body()
+        stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    body()
+            current.wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                outputs = body()
+        finally:  # a capture that fails raises again when it ends, before torch.cuda.graph restores the stream
+            torch.cuda.set_stream(current)
     return graph, outputs
 
 
