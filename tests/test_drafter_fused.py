@@ -96,3 +96,29 @@ def test_inductor_fused_elementwise_equals_plain_ops_on_cuda():
     for (got_loss, got_grad), (want_loss, want_grad) in zip(results[:2], results[2:], strict=True):
         torch.testing.assert_close(got_loss, want_loss, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(got_grad, want_grad, rtol=5e-2, atol=5e-3)
+
+
+def _failing_backend(graph_module, example_inputs):
+    raise RuntimeError("no compiler here")
+
+
+def test_a_compile_failure_falls_back_to_plain_ops_except_inside_a_cuda_graph_capture(monkeypatch):
+    """Outside a capture a kernel that fails to compile warns and runs the plain ops from then on; inside a CUDA graph
+    capture the error is the capture's: it reaches the capturing caller (which runs the same work eagerly) and the
+    fused kernels stay on for the rest of the process."""
+    x, weight = torch.randn(5, 8), torch.rand(8)
+    torch._dynamo.reset()
+    fused.set_fused_elementwise(True, backend=_failing_backend, devices=("cpu",))
+    try:
+        monkeypatch.setattr(fused, "_capturing", lambda: True)  # a CPU build has no capture to be inside of
+        with pytest.raises(RuntimeError, match="no compiler here"):
+            fused.rms_norm(x, weight, 1e-6)
+        assert fused.fused_elementwise_enabled(x.device)
+        monkeypatch.undo()
+        assert not fused._capturing()
+        with pytest.warns(RuntimeWarning, match="'rms_norm' failed to compile"):
+            torch.testing.assert_close(fused.rms_norm(x, weight, 1e-6), fused._rms_norm(x, weight, 1e-6, None))
+        assert not fused.fused_elementwise_enabled(x.device)
+    finally:
+        fused.set_fused_elementwise(True)
+        torch._dynamo.reset()

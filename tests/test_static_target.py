@@ -95,8 +95,22 @@ def test_capacity_and_attention_are_checked():
                                                num_attention_heads=2, num_key_value_heads=1, sliding_window=8,
                                                attn_implementation="sdpa"))
     assert static_cache_supported(model) and not static_cache_supported(sliding)
-    with pytest.raises(ConfigError, match="sliding|4-D mask"):
+    with pytest.raises(ConfigError, match="plain full-attention layers.*dynamic KV cache"):
         StaticTappedTarget(sliding, [0])
+    # Linear attention keeps a recurrent state that a rejected draft cannot be rewound out of (and no positions).
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    hybrid = Qwen3NextForCausalLM(Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, attn_implementation="sdpa"))
+    assert "linear_attention" in hybrid.config.layer_types and not static_cache_supported(hybrid)
+    with pytest.raises(ConfigError, match="plain full-attention layers"):
+        StaticTappedTarget(hybrid, [0])
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ConfigError, match="4-D mask.*'flash_attention_2'.*attn_implementation='sdpa'"):
+        StaticTappedTarget(model, TAPS)
 
 
 @pytest.mark.gpu
@@ -144,6 +158,34 @@ def test_graphed_drafter_drafts_what_the_drafter_drafts():
         graphed.draft_block(torch.zeros(92, width), torch.arange(92), block, 92)
 
 
+def test_graphed_drafter_compiles_its_fused_kernels_at_the_first_draft_only():
+    """The drafter's elementwise kernels are torch.compile'd on CUDA (dflash/drafter/fused.py; forced on here with a
+    CPU backend): every draft over the fixed-size buffer has the same shapes, so all compiles happen in the first
+    call (on CUDA the first warm-up, outside the capture) and no later draft, whatever its context length, compiles
+    again (a compile inside a capture would break it)."""
+    from torch._dynamo.utils import counters
+
+    from dflash.drafter import fused
+
+    torch._dynamo.reset()
+    fused.set_fused_elementwise(True, backend="eager", devices=("cpu",))
+    try:
+        drafter = _tiny_drafter(_llama(), layers=1)
+        width = drafter.config.num_taps * drafter.config.hidden_size
+        graphed = GraphedDrafter(drafter, capacity=96)
+        compiled = []
+        with torch.inference_mode():  # as the loop drafts
+            for rows in (60, 7, 90):
+                before = counters["stats"]["unique_graphs"]
+                graphed.draft_block(torch.randn(rows, width), torch.arange(rows), torch.tensor([5, 0, 0, 0, 0, 0]), rows)
+                compiled.append(counters["stats"]["unique_graphs"] - before)
+        assert compiled[0] > 0 and compiled[1:] == [0, 0]
+        assert fused.fused_elementwise_enabled(torch.device("cpu"))
+    finally:
+        fused.set_fused_elementwise(True)
+        torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 def test_cuda_graphed_drafter_and_target_commit_what_the_eager_loop_commits():
     """On CUDA: a real DFlashDrafter (random weights) through its captured draft and the target's captured forwards
@@ -160,3 +202,86 @@ def test_cuda_graphed_drafter_and_target_commit_what_the_eager_loop_commits():
     assert [(r.output_ids, r.acceptance_lengths) for r in got] == [
         (r.output_ids, r.acceptance_lengths) for r in expected]
     assert graphed.replays > 0 and graphed.eager_drafts == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_graphs_are_captured_on_the_models_gpu_when_another_is_current():
+    """A model on cuda:1 while cuda:0 is the current device (``--device cuda:1``): the captures record the model's
+    kernels on its own GPU, so the replays commit the dynamic cache's tokens instead of replaying an empty graph
+    and returning the capture's stale logits."""
+    torch.cuda.set_device(0)
+    model = _llama("cuda:1")
+    drafter = _tiny_drafter(model)
+    prompts = _prompts()
+    config = SpeculativeConfig(block_size=6, max_new_tokens=40, mask_token_id=0)
+    with TappedTarget(model, TAPS) as dynamic:
+        expected = [speculative_generate(dynamic, drafter, prompt, config) for prompt in prompts]
+    with StaticTappedTarget(model, TAPS, length_bucket=64) as static:
+        graphed = GraphedDrafter(drafter, capacity=70 + 40 + 6)
+        got = [speculative_generate(static, graphed, prompt, config) for prompt in prompts]
+        assert static.replays > 0 and graphed.replays > 0 and graphed.eager_drafts == 0
+    assert torch.cuda.current_device() == 0
+    assert [(r.output_ids, r.acceptance_lengths) for r in got] == [
+        (r.output_ids, r.acceptance_lengths) for r in expected]
+
+
+def _graphs_on_and_off(model, drafter, prompts: list[list[int]], config: SpeculativeConfig) -> list[list[tuple]]:
+    """The loop's (tokens, acceptance lengths) per prompt through the static target and the graphed drafter, eager
+    and then with CUDA graphs, with the same per-prompt seeds."""
+    runs = []
+    for cuda_graphs in (False, True):
+        with StaticTappedTarget(model, TAPS, cuda_graphs=cuda_graphs, length_bucket=64) as static:
+            graphed = GraphedDrafter(drafter, capacity=max(map(len, prompts)) + config.max_new_tokens + 6,
+                                     cuda_graphs=cuda_graphs)
+            results = [speculative_generate(static, graphed, prompt, config,
+                                            generator=torch.Generator(static.device).manual_seed(index))
+                       for index, prompt in enumerate(prompts)]
+            assert (static.replays > 0) == cuda_graphs and (graphed.replays > 0) == cuda_graphs
+        runs.append([(r.output_ids, r.acceptance_lengths) for r in results])
+    return runs
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_in_sampled_mode_commit_what_the_same_loop_commits_eagerly():
+    """Sampled mode reads the replayed draft logits (softmax, multinomial) and the verify logits before the next
+    replay overwrites them: with the same seeds, graphs on and off commit the same tokens and acceptance lengths."""
+    model = _llama("cuda")
+    config = SpeculativeConfig(block_size=6, max_new_tokens=40, temperature=1.0, mask_token_id=0)
+    eager, graphed = _graphs_on_and_off(model, _tiny_drafter(model), _prompts(), config)
+    assert graphed == eager
+    assert any(1 < tau < 6 for _, lengths in eager for tau in lengths)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_in_bfloat16_commit_what_the_same_loop_commits_eagerly():
+    """In bfloat16, the evaluation's dtype on CUDA, the replays compute what the same forwards compute eagerly; the
+    prompts come shortest first, so the cache grows (a new one, the graphs captured again) between generations."""
+    model = _llama("cuda").to(torch.bfloat16)
+    drafter = _tiny_drafter(model).to(torch.bfloat16)
+    config = SpeculativeConfig(block_size=6, max_new_tokens=40, mask_token_id=0)
+    eager, graphed = _graphs_on_and_off(model, drafter, sorted(_prompts(), key=len), config)
+    assert graphed == eager
+
+
+@pytest.mark.gpu
+def test_a_forward_that_cannot_be_captured_runs_eagerly():
+    """A dynamic-RoPE target compares a position with its cached length on the host (a sync, which a capture
+    refuses): each capture fails, that query length runs eagerly from then on on the caller's stream, and the tokens
+    are still the dynamic cache's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.2, attn_implementation="sdpa",
+                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    model = LlamaForCausalLM(config).to("cuda").eval()
+    prompts = _prompts()
+    with TappedTarget(model, TAPS) as dynamic:
+        expected = _runs(dynamic, model, prompts, block=6, new=40)
+    stream = torch.cuda.current_stream()
+    with StaticTappedTarget(model, TAPS, length_bucket=64) as static:
+        assert _runs(static, model, prompts, block=6, new=40) == expected
+        assert static.replays == 0 and static._failed == {(1, False), (6, True)}
+    assert torch.cuda.current_stream() == stream  # a failed capture leaves the capture stream behind otherwise

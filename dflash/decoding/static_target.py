@@ -24,7 +24,7 @@ PyTorch's CUDA graph capture (warm-up on a side stream, then ``torch.cuda.graph`
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,14 +43,47 @@ MASKED_ATTENTIONS = ("sdpa", "eager")
 
 def static_cache_supported(model: torch.nn.Module) -> bool:
     """Whether ``model`` can decode through :class:`StaticTappedTarget`: its attention takes a 4-D mask (``sdpa`` or
-    ``eager``) and none of its layers uses a sliding window."""
+    ``eager``) and every layer keeps plain full-attention keys and values (no sliding window, no recurrent state of
+    linear attention or state-space layers, no indexer)."""
     if getattr(model.config, "_attn_implementation", None) not in MASKED_ATTENTIONS:
         return False
     from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
 
-    # The cache transformers builds for this config says which layers are windowed (its layers allocate lazily).
-    return not any(getattr(layer, "is_sliding", False)
-                   for layer in StaticCache(config=model.config, max_cache_len=8).layers)
+    # The cache transformers builds for this config says what each layer keeps (its layers allocate lazily). Only
+    # plain key/value layers can be rewritten from any start position, which a rejected draft needs.
+    return all(type(layer) is StaticLayer for layer in StaticCache(config=model.config, max_cache_len=8).layers)
+
+
+def _capture_graph(device: torch.device, body: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture ``body`` on ``device`` as a CUDA graph; returns the graph and what the captured call returned (the
+    tensors each replay refills).
+
+    ``body`` runs twice on a side stream first (allocator, lazily loaded kernels, the first call's compiles of
+    torch.compile'd functions: none of them may happen inside a capture), then once under capture. Everything runs
+    with ``device`` current and is captured on a stream of ``device``: the model may sit on another GPU than the
+    current one (``--device cuda:1``), and a capture stream on the current GPU would record none of its kernels,
+    leaving a graph whose replays do nothing.
+
+    Raises:
+        RuntimeError: the capture failed (an operation a graph cannot record: a host sync, a CPU copy, ...); the
+            caller's stream is current again.
+    """
+    with torch.cuda.device(device):
+        current = torch.cuda.current_stream(device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    body()
+            current.wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                outputs = body()
+        finally:  # a capture that fails raises again when it ends, before torch.cuda.graph restores the stream
+            torch.cuda.set_stream(current)
+    return graph, outputs
 
 
 @dataclass
@@ -92,16 +125,20 @@ class StaticTappedTarget(TappedTarget):
             a longer generation reallocates it (and recaptures).
 
     Raises:
-        ConfigError: the model's attention takes no 4-D mask, or it has sliding-window layers.
+        ConfigError: the model's attention takes no 4-D mask, or it has layers other than full attention.
     """
 
     def __init__(self, model: torch.nn.Module, target_layer_ids: Sequence[int], *, cuda_graphs: bool = True,
                  length_bucket: int = 256) -> None:
         if not static_cache_supported(model):
+            attention = getattr(model.config, "_attn_implementation", None)
+            if attention not in MASKED_ATTENTIONS:
+                raise ConfigError(
+                    f"the static-cache target needs an attention that takes a 4-D mask ({' or '.join(MASKED_ATTENTIONS)}); "
+                    f"this target runs {attention!r}: load it with attn_implementation='sdpa'")
             raise ConfigError(
-                f"the static-cache target needs full-attention layers and an attention that takes a 4-D mask "
-                f"({' or '.join(MASKED_ATTENTIONS)}); this target runs "
-                f"{getattr(model.config, '_attn_implementation', None)!r}: load it with attn_implementation='sdpa'")
+                "the static-cache target needs plain full-attention layers; this target has sliding-window, "
+                "linear-attention or other stateful layers: decode it with the dynamic KV cache (--kv-cache dynamic)")
         super().__init__(model, target_layer_ids)
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.length_bucket = max(1, int(length_bucket))
@@ -187,16 +224,8 @@ class StaticTappedTarget(TappedTarget):
     def _capture(self, key: tuple[int, bool], entry: _Graph) -> bool:
         """Capture ``entry``'s forward (its buffers already hold this call's inputs); False where it cannot be
         captured, and that length then runs eagerly."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up (allocator, lazy kernels) outside the capture; writes this call's keys
-                    self._body(entry)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                entry.logits, entry.taps = self._body(entry)
+        try:  # the warm-up forwards write this call's keys, as the replay that follows does
+            graph, (entry.logits, entry.taps) = _capture_graph(self.device, lambda: self._body(entry))
         except RuntimeError as exc:  # pragma: no cover - depends on the model's ops and the CUDA build
             log.warning("CUDA graph capture of the %d-token target forward failed (%s); running it eagerly", key[0], exc)
             self._failed.add(key)
@@ -282,16 +311,8 @@ class GraphedDrafter(torch.nn.Module):
                                         context_valid=self._positions < self._start)
 
     def _capture(self) -> bool:
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up outside the capture
-                    self._draft()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._logits = self._draft()
+            graph, self._logits = _capture_graph(self.device, self._draft)
         except RuntimeError as exc:  # pragma: no cover - depends on the drafter's kernels and the CUDA build
             log.warning("CUDA graph capture of the draft failed (%s); drafting eagerly", exc)
             self._failed = True

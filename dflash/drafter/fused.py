@@ -10,7 +10,9 @@ attention are untouched: "eager" still means eager layers with dynamic shapes.
 The plain functions are the reference math and what runs on CPU, inside compiled layers (inductor fuses them there
 anyway) and when fusion is off. The compiled versions treat the row dimension as dynamic from the first compile,
 so batch shapes never recompile them (one graph per function and call-site dtype variant). If compiling fails the plain path is used with
-a warning (as the fused cross-entropy chunk in ``loss.py`` does).
+a warning (as the fused cross-entropy chunk in ``loss.py`` does), except inside a CUDA graph capture: an error
+there is the capture's (its caller runs the same work eagerly), and the plain path could not run inside the broken
+capture either.
 
 Legend: N rows, H hidden, D head_dim.
 """
@@ -77,6 +79,11 @@ def fused_elementwise_enabled(device: torch.device) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def _capturing() -> bool:
+    """Whether a CUDA graph capture is under way on the current stream (no CUDA: False)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _call(name: str, *args):
     if fused_elementwise_enabled(args[0].device):
         fn = _compiled.get(name)
@@ -94,6 +101,8 @@ def _call(name: str, *args):
         try:
             return fn(*args)
         except Exception as error:  # noqa: BLE001  compiler missing/broken: same math, plain ops
+            if _capturing():  # the capture's failure, not the compiler's: its caller falls back (dflash.decoding.static_target)
+                raise
             _state["failed"] = True
             warnings.warn(f"fused elementwise kernel {name!r} failed to compile ({error!r}); using plain ops",
                           RuntimeWarning, stacklevel=3)
