@@ -116,7 +116,7 @@ class EvaluateConfig:
     device: str = setting("auto", help='auto | cpu | cuda | cuda:N.')
     dtype: str = setting("auto", help='auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16 (bf16, fp32, fp16 also accepted).')
     cpu_threads: int = setting(1, help='Torch threads while decoding on CPU (more threads lose on shared cores).')
-    kv_cache: str = setting("auto", help="The target's KV cache in the speculative and block-size-1 loops, and whether the drafter drafts over a fixed-size context: static (one static cache, the drafter over a fixed-size context buffer; on CUDA the target's verify-block and one-token forwards and the drafter's draft are each captured once as a CUDA graph and replayed), dynamic (transformers' DynamicCache, eager forwards), auto (static on CUDA where the target's attention takes a 4-D mask, dynamic elsewhere). The generate() reference always runs transformers' own generate(). Same tokens either way (float32); docs/benchmarks.md, Evaluate.")
+    kv_cache: str = setting("auto", help="The target's KV cache in the speculative and block-size-1 loops, and whether the drafter drafts over a fixed-size context: static (one static cache, the drafter over a fixed-size context buffer; on CUDA the target's verify-block and one-token forwards and the drafter's draft are each captured once as a CUDA graph and replayed), dynamic (transformers' DynamicCache, eager forwards), auto (static on CUDA where the target allows it: sdpa or eager attention and only plain full-attention layers, no sliding windows or linear attention; dynamic elsewhere). The generate() reference always runs transformers' own generate(). Same tokens either way (float32); docs/benchmarks.md, Evaluate.")
     #: Largest target logit gap that counts as a floating-point near-tie in the lossless check; None: 1e-3 in float32, 0.125 in 16-bit dtypes.
     near_tie_tolerance: float | None = None
     json_path: Path | None = setting(None, option='--json-file', help='Also write the full report as JSON to this file (default for a run folder: RUN/eval/final.json, which report, diff and inspect read).')
@@ -481,7 +481,7 @@ def evaluate_drafter(
                             tokens=sum(len(r.output_ids) for r in spec_results))
 
     decoding = {"kv_cache": "static" if static else "dynamic",
-                "cuda_graphs": bool(static and tapped.cuda_graphs),
+                "cuda_graphs": bool(static and tapped.replays),  # False where every capture failed (eager)
                 "graph_replays": tapped.replays if static else 0,
                 "drafter_graph_replays": drafter.replays if static else 0}
     stats = AcceptanceStats.from_lengths([t for r in spec_results for t in r.acceptance_lengths], block_size)
