@@ -290,7 +290,7 @@ class GraphedDrafter(torch.nn.Module):
         if rows != block_start or block_start + block_input_ids.numel() > self.capacity:
             raise ValueError(f"the graphed drafter holds {self.capacity} positions of a context that starts at 0; got "
                              f"{rows} context rows and a block at {block_start}")
-        self._context[:rows].copy_(context_hidden)  # one device copy of a few MB: cheaper than tracking what changed
+        self._context[:rows].copy_(context_hidden)  # the accepted rows again: MBs for SmolLM2, tens of MB for an 8B target
         if self._block is None or self._block.shape != block_input_ids.shape:
             self._block = torch.zeros_like(block_input_ids, dtype=torch.int64)
             self._graph, self._failed = None, False
