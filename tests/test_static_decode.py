@@ -202,6 +202,46 @@ def test_cuda_stream_with_captured_steps_equals_generate_and_the_batches():
         assert tokens == output[0, len(prompt):].tolist()
 
 
+@pytest.mark.gpu
+def test_cuda_stream_on_a_second_gpu_from_a_thread_that_never_set_the_device():
+    """A Dask worker's task thread has GPU 0 current whatever GPU its replica's model is on (the current device is
+    per thread): run from such a thread for a model on ``cuda:1``, the stream (captured step, refills) and the batch
+    decoder give transformers' greedy tokens there."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    import threading
+
+    model = _cuda_llama().to("cuda:1")
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 512, (n,), generator=generator).tolist() for n in (5, 17, 9, 30, 2, 44)]
+    limits = [24, 24, 13, 24, 7, 16]
+    got: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            got["current"] = torch.cuda.current_device()
+            decoder = StaticDecoder(model, rows=4, pad_token_id=0, stop_token_ids=[511], length_bucket=32,
+                                    compile_parts=False)
+            got["stream"] = decoder.decode_stream(prompts, limits, prompt_bucket=8, refill_rows=1)
+            got["stream_mode"] = decoder.last_mode
+            got["batch"] = decoder.decode(prompts[:4], limits[:4])
+            got["batch_mode"] = decoder.last_mode
+            decoder.close()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the test thread below
+            got["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in got:
+        raise got["error"]  # type: ignore[misc]
+    assert got["current"] == 0 and got["stream_mode"] == got["batch_mode"] == "graph"
+    expected = [model.generate(torch.tensor([prompt], device="cuda:1"), max_new_tokens=limit, do_sample=False,
+                               eos_token_id=[511], pad_token_id=0)[0, len(prompt):].tolist()
+                for prompt, limit in zip(prompts, limits, strict=True)]
+    assert got["stream"] == expected and got["batch"] == expected[:4]
+
+
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 

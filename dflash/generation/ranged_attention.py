@@ -15,11 +15,13 @@ FlashAttention; transformers' grouped-query mapping (query head ``h`` reads KV h
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Any
 
 import torch
 
-__all__ = ["ranged_decode_attention", "ranged_attention_available", "CHUNK", "RANGES_KWARG"]
+__all__ = ["ranged_decode_attention", "ranged_attention_available", "launch_device", "CHUNK", "RANGES_KWARG"]
 
 #: Cache positions one program of the first kernel covers (a multiple of its tile, 64).
 CHUNK = 256
@@ -37,6 +39,18 @@ def ranged_attention_available(device: torch.device) -> bool:
     """Whether :func:`ranged_decode_attention` can run on ``device``: CUDA with Triton, or any device under Triton's
     interpreter (``TRITON_INTERPRET=1``, set before this module is imported; slow, for tests on CPU)."""
     return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def launch_device(tensor: torch.Tensor) -> Any:
+    """The context to launch a Triton kernel on ``tensor`` in: its CUDA device made current (nothing for a CPU
+    tensor under the interpreter).
+
+    Triton launches on the current CUDA device and that device's current stream, not on the device of the tensors it
+    is given. The current device is per thread: a thread that never set it (a Dask worker's task thread, whose
+    plugin pinned the GPU from another thread) has device 0 current, and a kernel launched there for a model on
+    ``cuda:1`` would run on GPU 0 with ``cuda:1`` pointers.
+    """
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
 if triton is not None:
@@ -138,13 +152,15 @@ def ranged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     maxima = torch.empty((batch * query_heads * num_chunks,), dtype=torch.float32, device=query.device)
     sums = torch.empty_like(maxima)
     query = query.contiguous()
-    _partial_kernel[(batch * kv_heads, num_chunks)](
-        query, key, value, starts, ends, partial, maxima, sums, scale if scale is not None else head_dim ** -0.5,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2),
-        num_kv_heads=kv_heads, group=group, group_pad=max(16, triton.next_power_of_2(group)), num_chunks=num_chunks,
-        chunk=CHUNK, block=block, head_dim=head_dim, num_warps=num_warps, num_stages=num_stages)
     result = torch.empty((batch, 1, query_heads, head_dim), dtype=query.dtype, device=query.device)
-    _merge_kernel[(batch * query_heads,)](partial, maxima, sums, result, num_chunks=num_chunks,
-                                          chunks_pad=triton.next_power_of_2(num_chunks), head_dim=head_dim)
+    with launch_device(query):
+        _partial_kernel[(batch * kv_heads, num_chunks)](
+            query, key, value, starts, ends, partial, maxima, sums, scale if scale is not None else head_dim ** -0.5,
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
+            value.stride(0), value.stride(1), value.stride(2),
+            num_kv_heads=kv_heads, group=group, group_pad=max(16, triton.next_power_of_2(group)),
+            num_chunks=num_chunks, chunk=CHUNK, block=block, head_dim=head_dim, num_warps=num_warps,
+            num_stages=num_stages)
+        _merge_kernel[(batch * query_heads,)](partial, maxima, sums, result, num_chunks=num_chunks,
+                                              chunks_pad=triton.next_power_of_2(num_chunks), head_dim=head_dim)
     return result
