@@ -215,28 +215,28 @@ def test_cuda_stream_in_the_default_configuration_replays_what_it_decodes_eagerl
                                                                                     7, 61, 3)]
     limits = [24, 24, 13, 24, 7, 1, 24, 20, 24, 5, 24, 16]
     keys = [7 * 2**32 + i for i in range(12)]
-    options = dict(rows=4, pad_token_id=0, stop_token_ids=[511], length_bucket=32, check_every=4)  # same refills
     stream = dict(prompt_bucket=8, refill_rows=1)
-    eager = StaticDecoder(model, cuda_graphs=False, **options)
-    assert eager.streams and eager._compiled
-    expected = [eager.decode_stream(prompts, limits, **stream),
-                eager.decode_stream(prompts, limits, temperature=0.8, top_p=0.9, row_keys=keys, **stream)]
-    eager.close()
-    graphs = StaticDecoder(model, **options)
-    assert graphs.decode_stream(prompts, limits, **stream) == expected[0]
-    assert graphs.last_mode == "graph"
-    assert graphs.decode_stream(prompts, limits, temperature=0.8, top_p=0.9, row_keys=keys, **stream) == expected[1]
+    decoder = StaticDecoder(model, rows=4, pad_token_id=0, stop_token_ids=[511], length_bucket=32, check_every=4,
+                           cuda_decoder=False)  # eagerly first, then captured: the same compiled parts and refills
+    assert decoder.streams and decoder._compiled
+    expected = [decoder.decode_stream(prompts, limits, **stream),
+                decoder.decode_stream(prompts, limits, temperature=0.8, top_p=0.9, row_keys=keys, **stream)]
+    assert decoder.last_mode == "eager"
+    decoder.cuda_decoder = True
+    assert decoder.decode_stream(prompts, limits, **stream) == expected[0]
+    assert decoder.last_mode == "graph"
+    assert decoder.decode_stream(prompts, limits, temperature=0.8, top_p=0.9, row_keys=keys, **stream) == expected[1]
     long_prompts = [torch.randint(1, 512, (n,), generator=generator).tolist() for n in (300, 280, 310, 290)]
-    graphs.decode_stream(long_prompts, [100] * 4, **stream)
-    longer = next(iter(graphs._slots.values()))
+    decoder.decode_stream(long_prompts, [100] * 4, **stream)
+    longer = next(iter(decoder._slots.values()))
     assert longer.graph is not None
     held = [weakref.ref(longer.graph)] + [weakref.ref(t) for layer in longer.cache.layers for t in (layer.keys,
                                                                                                     layer.values)]
     del longer
-    assert graphs.decode_stream(prompts, limits, **stream) == expected[0]  # a new cache, captured again
-    assert graphs.last_mode == "graph" and len(graphs._slots) == 1
+    assert decoder.decode_stream(prompts, limits, **stream) == expected[0]  # a new cache, captured again
+    assert decoder.last_mode == "graph" and len(decoder._slots) == 1
     assert all(ref() is None for ref in held)  # freed when the new length came, without waiting for gc
-    graphs.close()
+    decoder.close()
 
 
 @pytest.mark.gpu
