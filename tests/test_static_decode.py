@@ -204,6 +204,32 @@ def test_cuda_stream_with_captured_steps_equals_generate_and_the_batches():
 
 
 @pytest.mark.gpu
+def test_cuda_ranged_attention_of_float32_inputs_is_float32():
+    """On CUDA, float32 inputs attend in float32 (Triton's float32 dot is TF32 there unless asked otherwise, about
+    1e-3 off): within 1e-5 of float64 softmax attention over each row's own range, ranges across chunks, of one
+    position, empty (zeros) and the whole cache."""
+    from dflash.generation.ranged_attention import CHUNK, ranged_decode_attention
+
+    generator = torch.Generator().manual_seed(0)
+    length = 2 * CHUNK + 88
+    query = torch.randn(6, 6, 1, 64, generator=generator)
+    key, value = torch.randn(6, 2, length, 64, generator=generator), torch.randn(6, 2, length, 64, generator=generator)
+    ranges = [(0, length), (10, 11), (CHUNK - 5, 2 * CHUNK + 3), (300, 300), (5, 200), (260, length)]
+    starts = torch.tensor([s for s, _ in ranges], dtype=torch.int32)
+    ends = torch.tensor([e for _, e in ranges], dtype=torch.int32)
+    got = ranged_decode_attention(query.cuda(), key.cuda(), value.cuda(), starts.cuda(), ends.cuda(), scale=0.125)
+    got = got.cpu()
+    for row, (start, end) in enumerate(ranges):
+        if start == end:
+            assert torch.equal(got[row], torch.zeros(1, 6, 64))
+            continue
+        keys = key[row, :, start:end].double().repeat_interleave(3, 0)
+        values = value[row, :, start:end].double().repeat_interleave(3, 0)
+        expected = torch.softmax(query[row].double() @ keys.transpose(-1, -2) * 0.125, -1) @ values
+        torch.testing.assert_close(got[row, 0], expected[:, 0].float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
 def test_cuda_stream_in_the_default_configuration_replays_what_it_decodes_eagerly_and_frees_the_last_cache():
     """On CUDA, with the defaults generate runs (MLP and norms through torch.compile's inductor, the fused attention):
     the stream with its decode step captured gives, greedy and sampled, the tokens of the same loop run eagerly

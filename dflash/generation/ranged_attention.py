@@ -60,7 +60,7 @@ if triton is not None:
                         stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
                         num_kv_heads: tl.constexpr, group: tl.constexpr, group_pad: tl.constexpr,
                         num_chunks: tl.constexpr, chunk: tl.constexpr, block: tl.constexpr,
-                        head_dim: tl.constexpr):
+                        head_dim: tl.constexpr, precision: tl.constexpr):
         pid = tl.program_id(0)
         chunk_idx = tl.program_id(1)
         row = pid // num_kv_heads
@@ -89,14 +89,15 @@ if triton is not None:
                 ok = (offs >= lo) & (offs < hi)
                 k = tl.load(k_base + offs[:, None] * stride_kl + dims[None, :], mask=ok[:, None], other=0.0)
                 v = tl.load(v_base + offs[:, None] * stride_vl + dims[None, :], mask=ok[:, None], other=0.0)
-                scores = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # (group_pad, block); scale may be fp64
+                scores = tl.dot(q, tl.trans(k), input_precision=precision)
+                scores = (scores * scale).to(tl.float32)  # (group_pad, block); scale may be fp64
                 scores = tl.where(ok[None, :], scores, float("-inf"))
                 new_m = tl.maximum(m, tl.max(scores, axis=1))
                 safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)  # a tile before the range: nothing seen yet
                 alpha = tl.exp(m - safe_m)
                 p = tl.exp(scores - safe_m[:, None])
                 total = total * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=precision)
                 m = new_m
 
         slot = (row * num_kv_heads * group + q_heads) * num_chunks + chunk_idx  # (group_pad,)
@@ -127,6 +128,9 @@ def ranged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             ends: torch.Tensor, scale: float | None = None, *, block: int = 64, num_warps: int = 4,
                             num_stages: int = 2) -> torch.Tensor:
     """Softmax attention of one query token per row over the cache positions ``[starts[b], ends[b])`` of its row.
+
+    Float32 inputs are multiplied in float32 (Triton's float32 dot on NVIDIA GPUs is TF32 unless asked otherwise);
+    bf16 and fp16 ones on the tensor cores, summed in float32.
 
     Args:
         query: (batch, query_heads, 1, head_dim) on CUDA.
@@ -159,8 +163,8 @@ def ranged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2),
             num_kv_heads=kv_heads, group=group, group_pad=max(16, triton.next_power_of_2(group)),
-            num_chunks=num_chunks, chunk=CHUNK, block=block, head_dim=head_dim, num_warps=num_warps,
-            num_stages=num_stages)
+            num_chunks=num_chunks, chunk=CHUNK, block=block, head_dim=head_dim,
+            precision="ieee" if query.dtype == torch.float32 else None, num_warps=num_warps, num_stages=num_stages)
         _merge_kernel[(batch * query_heads,)](partial, maxima, sums, result, num_chunks=num_chunks,
                                               chunks_pad=triton.next_power_of_2(num_chunks), head_dim=head_dim)
     return result
