@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -202,6 +203,108 @@ def test_cuda_stream_with_captured_steps_equals_generate_and_the_batches():
         assert tokens == output[0, len(prompt):].tolist()
 
 
+@pytest.mark.gpu
+def test_cuda_ranged_attention_of_float32_inputs_is_float32():
+    """On CUDA, float32 inputs attend in float32 (Triton's float32 dot is TF32 there unless asked otherwise, about
+    1e-3 off): within 1e-5 of float64 softmax attention over each row's own range, ranges across chunks, of one
+    position, empty (zeros) and the whole cache."""
+    from dflash.generation.ranged_attention import CHUNK, ranged_decode_attention
+
+    generator = torch.Generator().manual_seed(0)
+    length = 2 * CHUNK + 88
+    query = torch.randn(6, 6, 1, 64, generator=generator)
+    key, value = torch.randn(6, 2, length, 64, generator=generator), torch.randn(6, 2, length, 64, generator=generator)
+    ranges = [(0, length), (10, 11), (CHUNK - 5, 2 * CHUNK + 3), (300, 300), (5, 200), (260, length)]
+    starts = torch.tensor([s for s, _ in ranges], dtype=torch.int32)
+    ends = torch.tensor([e for _, e in ranges], dtype=torch.int32)
+    got = ranged_decode_attention(query.cuda(), key.cuda(), value.cuda(), starts.cuda(), ends.cuda(), scale=0.125)
+    got = got.cpu()
+    for row, (start, end) in enumerate(ranges):
+        if start == end:
+            assert torch.equal(got[row], torch.zeros(1, 6, 64))
+            continue
+        keys = key[row, :, start:end].double().repeat_interleave(3, 0)
+        values = value[row, :, start:end].double().repeat_interleave(3, 0)
+        expected = torch.softmax(query[row].double() @ keys.transpose(-1, -2) * 0.125, -1) @ values
+        torch.testing.assert_close(got[row, 0], expected[:, 0].float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_stream_in_the_default_configuration_replays_what_it_decodes_eagerly_and_frees_the_last_cache():
+    """On CUDA, with the defaults generate runs (MLP and norms through torch.compile's inductor, the fused attention):
+    the stream with its decode step captured gives, greedy and sampled, the tokens of the same loop run eagerly
+    (12 prompts through 4 rows: refills into the allocated cache while the graph exists); a call of another cache
+    length frees the previous call's cache and graph at once (nothing else holds them)."""
+    model = _cuda_llama()
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 512, (n,), generator=generator).tolist() for n in (5, 17, 9, 30, 2, 44, 1, 12, 23,
+                                                                                    7, 61, 3)]
+    limits = [24, 24, 13, 24, 7, 1, 24, 20, 24, 5, 24, 16]
+    keys = [7 * 2**32 + i for i in range(12)]
+    stream = dict(prompt_bucket=8, refill_rows=1)
+    decoder = StaticDecoder(model, rows=4, pad_token_id=0, stop_token_ids=[511], length_bucket=32, check_every=4,
+                           cuda_decoder=False)  # eagerly first, then captured: the same compiled parts and refills
+    assert decoder.streams and decoder._compiled
+    expected = [decoder.decode_stream(prompts, limits, **stream),
+                decoder.decode_stream(prompts, limits, temperature=0.8, top_p=0.9, row_keys=keys, **stream)]
+    assert decoder.last_mode == "eager"
+    decoder.cuda_decoder = True
+    assert decoder.decode_stream(prompts, limits, **stream) == expected[0]
+    assert decoder.last_mode == "graph"
+    assert decoder.decode_stream(prompts, limits, temperature=0.8, top_p=0.9, row_keys=keys, **stream) == expected[1]
+    long_prompts = [torch.randint(1, 512, (n,), generator=generator).tolist() for n in (300, 280, 310, 290)]
+    decoder.decode_stream(long_prompts, [100] * 4, **stream)
+    longer = next(iter(decoder._slots.values()))
+    assert longer.graph is not None
+    held = [weakref.ref(longer.graph)] + [weakref.ref(t) for layer in longer.cache.layers for t in (layer.keys,
+                                                                                                    layer.values)]
+    del longer
+    assert decoder.decode_stream(prompts, limits, **stream) == expected[0]  # a new cache, captured again
+    assert decoder.last_mode == "graph" and len(decoder._slots) == 1
+    assert all(ref() is None for ref in held)  # freed when the new length came, without waiting for gc
+    decoder.close()
+
+
+@pytest.mark.gpu
+def test_cuda_stream_on_a_second_gpu_from_a_thread_that_never_set_the_device():
+    """A Dask worker's task thread has GPU 0 current whatever GPU its replica's model is on (the current device is
+    per thread): run from such a thread for a model on ``cuda:1``, the stream (captured step, refills) and the batch
+    decoder give transformers' greedy tokens there."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    import threading
+
+    model = _cuda_llama().to("cuda:1")
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 512, (n,), generator=generator).tolist() for n in (5, 17, 9, 30, 2, 44)]
+    limits = [24, 24, 13, 24, 7, 16]
+    got: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            got["current"] = torch.cuda.current_device()
+            decoder = StaticDecoder(model, rows=4, pad_token_id=0, stop_token_ids=[511], length_bucket=32,
+                                    compile_parts=False)
+            got["stream"] = decoder.decode_stream(prompts, limits, prompt_bucket=8, refill_rows=1)
+            got["stream_mode"] = decoder.last_mode
+            got["batch"] = decoder.decode(prompts[:4], limits[:4])
+            got["batch_mode"] = decoder.last_mode
+            decoder.close()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the test thread below
+            got["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in got:
+        raise got["error"]  # type: ignore[misc]
+    assert got["current"] == 0 and got["stream_mode"] == got["batch_mode"] == "graph"
+    expected = [model.generate(torch.tensor([prompt], device="cuda:1"), max_new_tokens=limit, do_sample=False,
+                               eos_token_id=[511], pad_token_id=0)[0, len(prompt):].tolist()
+                for prompt, limit in zip(prompts, limits, strict=True)]
+    assert got["stream"] == expected and got["batch"] == expected[:4]
+
+
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -226,7 +329,7 @@ def test_the_ranged_kernels_under_tritons_interpreter():
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                              "interpreted"], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
                             text=True, timeout=600)
-    assert result.returncode == 0 and re.search(r"\b9 passed", result.stdout), result.stdout[-4000:] + result.stderr[-2000:]
+    assert result.returncode == 0 and re.search(r"\b10 passed", result.stdout), result.stdout[-4000:] + result.stderr[-2000:]
 
 
 def test_interpreted_ranged_attention_reads_exactly_each_rows_range(interpreted_ranged):
@@ -419,6 +522,40 @@ def test_interpreted_stream_refills_rows_and_gives_each_prompt_its_own_continuat
     keys = [7 * 2**32 + i for i in ids]
     assert sampled == batch.decode(prompts, limits, temperature=0.8, row_keys=keys) != expected
     batch.close()
+
+
+def _step_inputs(slot):
+    """The storage of everything a captured decode step of ``slot`` reads: its input buffers and the cache."""
+    buffers = [slot.tokens, slot.positions, slot.write, slot.starts, slot.ends, slot.mask]
+    buffers += [t for layer in slot.cache.layers for t in (layer.keys, layer.values)]
+    return tuple(t.data_ptr() for t in buffers)
+
+
+def test_interpreted_stream_updates_what_a_captured_step_reads_in_place(interpreted_ranged):
+    """A CUDA graph replays the addresses it captured: through a stream's refills (7 prompts through 2 rows, each
+    refill prefilled into chosen cache rows) and into a second call on the same cache, every decode step reads the
+    same storage for its token column, positions, write positions, key ranges, mask and cache (a buffer rebuilt
+    instead of updated in place would be read stale by the replays on a GPU)."""
+    model = _tiny_llama()
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 256, (n,), generator=generator).tolist() for n in (3, 17, 9, 1, 5, 12, 6)]
+    limits = [4, 6, 2, 5, 3, 6, 1]
+    decoder = StaticDecoder(model, rows=2, pad_token_id=0, stop_token_ids=[255], length_bucket=16, ranged=True,
+                            check_every=1)
+    seen = []
+    run_step = decoder._run_step
+
+    def observed(slot, use_graph):
+        seen.append(_step_inputs(slot))
+        return run_step(slot, use_graph)
+
+    decoder._run_step = observed
+    first = decoder.decode_stream(prompts, limits, prompt_bucket=4, refill_rows=1)
+    steps = decoder.last_steps
+    decoder.decode_stream(prompts[::-1], limits[::-1], prompt_bucket=4, refill_rows=1)  # same length: same slot
+    assert all(first) and len(decoder._slots) == 1 and len(seen) == steps + decoder.last_steps > steps > 0
+    assert len(set(seen)) == 1
+    decoder.close()
 
 
 def test_ranged_attention_where_it_cannot_run_is_refused():

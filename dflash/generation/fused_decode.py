@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from dflash.generation.ranged_attention import RANGES_KWARG, ranged_decode_attention, triton
+from dflash.generation.ranged_attention import RANGES_KWARG, launch_device, ranged_decode_attention, triton
 
 __all__ = ["FUSABLE_ATTENTIONS", "WRITE_KWARG", "ROWS_KWARG", "fusable", "fused_decode_forward", "rope_and_write"]
 
@@ -134,15 +134,16 @@ def rope_and_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         assert tensor.stride(-1) == 1
     assert position.numel() in (1, batch) and (cache_rows is None or cache_rows.numel() == batch)
     rotated = torch.empty((batch, query_heads, tokens, head_dim), dtype=query.dtype, device=query.device)
-    _rope_write_kernel[(batch * tokens,)](
-        query, key, value, cos, sin, rotated, key_cache, value_cache, position, 0 if position.numel() == 1 else 1,
-        position if cache_rows is None else cache_rows, query.stride(0), query.stride(1), query.stride(2),
-        key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), tokens,
-        q_heads=query_heads, kv_heads=kv_heads, q_pad=triton.next_power_of_2(query_heads),
-        kv_pad=triton.next_power_of_2(kv_heads), half=head_dim // 2, has_rows=cache_rows is not None)
+    with launch_device(query):
+        _rope_write_kernel[(batch * tokens,)](
+            query, key, value, cos, sin, rotated, key_cache, value_cache, position, 0 if position.numel() == 1 else 1,
+            position if cache_rows is None else cache_rows, query.stride(0), query.stride(1), query.stride(2),
+            key.stride(0), key.stride(1), key.stride(2),
+            value.stride(0), value.stride(1), value.stride(2), cos.stride(0), cos.stride(1), sin.stride(0),
+            sin.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), tokens,
+            q_heads=query_heads, kv_heads=kv_heads, q_pad=triton.next_power_of_2(query_heads),
+            kv_pad=triton.next_power_of_2(kv_heads), half=head_dim // 2, has_rows=cache_rows is not None)
     return rotated
 
 

@@ -15,11 +15,13 @@ FlashAttention; transformers' grouped-query mapping (query head ``h`` reads KV h
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Any
 
 import torch
 
-__all__ = ["ranged_decode_attention", "ranged_attention_available", "CHUNK", "RANGES_KWARG"]
+__all__ = ["ranged_decode_attention", "ranged_attention_available", "launch_device", "CHUNK", "RANGES_KWARG"]
 
 #: Cache positions one program of the first kernel covers (a multiple of its tile, 64).
 CHUNK = 256
@@ -39,6 +41,18 @@ def ranged_attention_available(device: torch.device) -> bool:
     return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def launch_device(tensor: torch.Tensor) -> Any:
+    """The context to launch a Triton kernel on ``tensor`` in: its CUDA device made current (nothing for a CPU
+    tensor under the interpreter).
+
+    Triton launches on the current CUDA device and that device's current stream, not on the device of the tensors it
+    is given. The current device is per thread: a thread that never set it (a Dask worker's task thread, whose
+    plugin pinned the GPU from another thread) has device 0 current, and a kernel launched there for a model on
+    ``cuda:1`` would run on GPU 0 with ``cuda:1`` pointers.
+    """
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
 if triton is not None:
 
     @triton.jit
@@ -46,7 +60,7 @@ if triton is not None:
                         stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
                         num_kv_heads: tl.constexpr, group: tl.constexpr, group_pad: tl.constexpr,
                         num_chunks: tl.constexpr, chunk: tl.constexpr, block: tl.constexpr,
-                        head_dim: tl.constexpr):
+                        head_dim: tl.constexpr, precision: tl.constexpr):
         pid = tl.program_id(0)
         chunk_idx = tl.program_id(1)
         row = pid // num_kv_heads
@@ -75,14 +89,15 @@ if triton is not None:
                 ok = (offs >= lo) & (offs < hi)
                 k = tl.load(k_base + offs[:, None] * stride_kl + dims[None, :], mask=ok[:, None], other=0.0)
                 v = tl.load(v_base + offs[:, None] * stride_vl + dims[None, :], mask=ok[:, None], other=0.0)
-                scores = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # (group_pad, block); scale may be fp64
+                scores = tl.dot(q, tl.trans(k), input_precision=precision)
+                scores = (scores * scale).to(tl.float32)  # (group_pad, block); scale may be fp64
                 scores = tl.where(ok[None, :], scores, float("-inf"))
                 new_m = tl.maximum(m, tl.max(scores, axis=1))
                 safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)  # a tile before the range: nothing seen yet
                 alpha = tl.exp(m - safe_m)
                 p = tl.exp(scores - safe_m[:, None])
                 total = total * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=precision)
                 m = new_m
 
         slot = (row * num_kv_heads * group + q_heads) * num_chunks + chunk_idx  # (group_pad,)
@@ -114,6 +129,9 @@ def ranged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             num_stages: int = 2) -> torch.Tensor:
     """Softmax attention of one query token per row over the cache positions ``[starts[b], ends[b])`` of its row.
 
+    Float32 inputs are multiplied in float32 (Triton's float32 dot on NVIDIA GPUs is TF32 unless asked otherwise);
+    bf16 and fp16 ones on the tensor cores, summed in float32.
+
     Args:
         query: (batch, query_heads, 1, head_dim) on CUDA.
         key, value: (batch, kv_heads, cache_length, head_dim), the query's dtype; ``query_heads`` a multiple of
@@ -138,13 +156,15 @@ def ranged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     maxima = torch.empty((batch * query_heads * num_chunks,), dtype=torch.float32, device=query.device)
     sums = torch.empty_like(maxima)
     query = query.contiguous()
-    _partial_kernel[(batch * kv_heads, num_chunks)](
-        query, key, value, starts, ends, partial, maxima, sums, scale if scale is not None else head_dim ** -0.5,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2),
-        num_kv_heads=kv_heads, group=group, group_pad=max(16, triton.next_power_of_2(group)), num_chunks=num_chunks,
-        chunk=CHUNK, block=block, head_dim=head_dim, num_warps=num_warps, num_stages=num_stages)
     result = torch.empty((batch, 1, query_heads, head_dim), dtype=query.dtype, device=query.device)
-    _merge_kernel[(batch * query_heads,)](partial, maxima, sums, result, num_chunks=num_chunks,
-                                          chunks_pad=triton.next_power_of_2(num_chunks), head_dim=head_dim)
+    with launch_device(query):
+        _partial_kernel[(batch * kv_heads, num_chunks)](
+            query, key, value, starts, ends, partial, maxima, sums, scale if scale is not None else head_dim ** -0.5,
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
+            value.stride(0), value.stride(1), value.stride(2),
+            num_kv_heads=kv_heads, group=group, group_pad=max(16, triton.next_power_of_2(group)),
+            num_chunks=num_chunks, chunk=CHUNK, block=block, head_dim=head_dim,
+            precision="ieee" if query.dtype == torch.float32 else None, num_warps=num_warps, num_stages=num_stages)
+        _merge_kernel[(batch * query_heads,)](partial, maxima, sums, result, num_chunks=num_chunks,
+                                              chunks_pad=triton.next_power_of_2(num_chunks), head_dim=head_dim)
     return result

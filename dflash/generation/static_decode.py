@@ -281,7 +281,7 @@ class StaticDecoder:
         self.stops = torch.tensor(sorted(set(int(t) for t in stop_token_ids)), dtype=torch.long, device=self.device)
         params = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in params else "past_key_values"
-        self._slots: OrderedDict[tuple[int, int], _Slot] = OrderedDict()
+        self._slots: OrderedDict[tuple[int, int, bool], _Slot] = OrderedDict()  # (rows, length, stream)
         self._min = torch.finfo(self.dtype).min
         #: How the last batch's decode steps ran: "graph" or "eager" (benchmarks and the stage report it).
         self.last_mode = "eager"
@@ -403,19 +403,25 @@ class StaticDecoder:
         return self._step(slot), False
 
     def _capture(self, slot: _Slot) -> None:
-        """Capture the decode step of ``slot``; on failure (an op that cannot be captured) fall back to eager."""
+        """Capture the decode step of ``slot``; on failure (an op that cannot be captured) fall back to eager.
+
+        The model's device is made current for the capture and the graph is captured on a stream of that device:
+        ``torch.cuda.graph`` synchronizes the current device and, without a stream, captures on one it created on
+        the device current at its first use, which in a thread that never set the device (a Dask worker's task
+        thread) is GPU 0 whatever the model's."""
         layers = slot.cache.layers
         saved = [layer.cumulative_length.clone() for layer in layers]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up (allocator, lazy kernels) outside the capture
-                    self._step(slot)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                slot.logits = self._step(slot)
+            with torch.cuda.device(self.device):
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # warm-up (allocator, lazy kernels) outside the capture
+                        self._step(slot)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    slot.logits = self._step(slot)
             slot.graph = graph
         except RuntimeError as exc:  # pragma: no cover - depends on the model's ops and the CUDA build
             log.warning("CUDA graph capture of the decode step failed (%s); decoding eagerly", exc)
