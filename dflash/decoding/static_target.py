@@ -24,7 +24,7 @@ PyTorch's CUDA graph capture (warm-up on a side stream, then ``torch.cuda.graph`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ import torch
 
 from dflash.decoding.speculative import TappedTarget
 from dflash.errors import ConfigError
+from dflash.target.graphs import capture_graph
 
 __all__ = ["StaticTappedTarget", "GraphedDrafter", "static_cache_supported"]
 
@@ -53,37 +54,6 @@ def static_cache_supported(model: torch.nn.Module) -> bool:
     # The cache transformers builds for this config says what each layer keeps (its layers allocate lazily). Only
     # plain key/value layers can be rewritten from any start position, which a rejected draft needs.
     return all(type(layer) is StaticLayer for layer in StaticCache(config=model.config, max_cache_len=8).layers)
-
-
-def _capture_graph(device: torch.device, body: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """Capture ``body`` on ``device`` as a CUDA graph; returns the graph and what the captured call returned (the
-    tensors each replay refills).
-
-    ``body`` runs twice on a side stream first (allocator, lazily loaded kernels, the first call's compiles of
-    torch.compile'd functions: none of them may happen inside a capture), then once under capture. Everything runs
-    with ``device`` current and is captured on a stream of ``device``: the model may sit on another GPU than the
-    current one (``--device cuda:1``), and a capture stream on the current GPU would record none of its kernels,
-    leaving a graph whose replays do nothing.
-
-    Raises:
-        RuntimeError: the capture failed (an operation a graph cannot record: a host sync, a CPU copy, ...); the
-            caller's stream is current again.
-    """
-    with torch.cuda.device(device):
-        current = torch.cuda.current_stream(device)
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(current)
-        try:
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    body()
-            current.wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                outputs = body()
-        finally:  # a capture that fails raises again when it ends, before torch.cuda.graph restores the stream
-            torch.cuda.set_stream(current)
-    return graph, outputs
 
 
 @dataclass
@@ -225,7 +195,7 @@ class StaticTappedTarget(TappedTarget):
         """Capture ``entry``'s forward (its buffers already hold this call's inputs); False where it cannot be
         captured, and that length then runs eagerly."""
         try:  # the warm-up forwards write this call's keys, as the replay that follows does
-            graph, (entry.logits, entry.taps) = _capture_graph(self.device, lambda: self._body(entry))
+            graph, (entry.logits, entry.taps) = capture_graph(self.device, lambda: self._body(entry))
         except RuntimeError as exc:  # pragma: no cover - depends on the model's ops and the CUDA build
             log.warning("CUDA graph capture of the %d-token target forward failed (%s); running it eagerly", key[0], exc)
             self._failed.add(key)
@@ -312,7 +282,7 @@ class GraphedDrafter(torch.nn.Module):
 
     def _capture(self) -> bool:
         try:
-            graph, self._logits = _capture_graph(self.device, self._draft)
+            graph, self._logits = capture_graph(self.device, self._draft)
         except RuntimeError as exc:  # pragma: no cover - depends on the drafter's kernels and the CUDA build
             log.warning("CUDA graph capture of the draft failed (%s); drafting eagerly", exc)
             self._failed = True

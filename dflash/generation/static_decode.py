@@ -45,6 +45,7 @@ import torch
 from dflash.errors import ConfigError
 from dflash.generation.ranged_attention import RANGES_KWARG
 from dflash.target.forwards import is_mlp_or_norm, own_forward, replace_forwards, restore_forwards
+from dflash.target.graphs import capture_graph
 
 __all__ = ["StaticDecoder", "gumbel_noise", "grouped_decode_attention", "deterministic_decode_attention",
            "ranged_attention", "ATTENTION_NAME", "DETERMINISTIC_ATTENTION_NAME", "RANGED_ATTENTION_NAME",
@@ -403,26 +404,12 @@ class StaticDecoder:
         return self._step(slot), False
 
     def _capture(self, slot: _Slot) -> None:
-        """Capture the decode step of ``slot``; on failure (an op that cannot be captured) fall back to eager.
-
-        The model's device is made current for the capture and the graph is captured on a stream of that device:
-        ``torch.cuda.graph`` synchronizes the current device and, without a stream, captures on one it created on
-        the device current at its first use, which in a thread that never set the device (a Dask worker's task
-        thread) is GPU 0 whatever the model's."""
+        """Capture the decode step of ``slot`` on the model's GPU (:func:`dflash.target.graphs.capture_graph`); on
+        failure (an op that cannot be captured) fall back to eager."""
         layers = slot.cache.layers
         saved = [layer.cumulative_length.clone() for layer in layers]
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            with torch.cuda.device(self.device):
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm-up (allocator, lazy kernels) outside the capture
-                        self._step(slot)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=stream):
-                    slot.logits = self._step(slot)
-            slot.graph = graph
+            slot.graph, slot.logits = capture_graph(self.device, lambda: self._step(slot))
         except RuntimeError as exc:  # pragma: no cover - depends on the model's ops and the CUDA build
             log.warning("CUDA graph capture of the decode step failed (%s); decoding eagerly", exc)
             slot.graph, slot.logits, slot.graph_failed = None, None, True
