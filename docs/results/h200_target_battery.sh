@@ -3,8 +3,10 @@
 # Every step writes its raw output to DEST as it finishes (a lost host costs that step, not the call) and is skipped
 # when its output is already there (rerun the same call to go on). PART picks a call:
 #   random  random-weight targets, real shapes (carry .offline/whl, offline-install, model.sha256; ~9 min):
-#           the GPU tests of the decode loops, evaluate's loops per KV cache, generate continuous vs batches,
-#           the online producer grouped vs a task per planned batch
+#           the GPU tests of the decode loops (run these first: generate's and evaluate's graphs), evaluate's
+#           loops per KV cache
+#   throughput  (same carry; ~7 min) generate continuous vs batches, the online producer grouped vs a task per
+#           planned batch
 #   extract the extract forward's profile and compiled parts (random SmolLM2 shape; ~4 min)
 #   real    the real SmolLM2 (carry .offline/model-a in a first call, model-b in the next; ~8 min): evaluate's
 #           loops per KV cache and generate's token agreement with one-prompt-at-a-time greedy decoding
@@ -28,10 +30,13 @@ step() {  # step NAME SECONDS COMMAND...: run unless DEST/NAME.txt exists, outpu
 
 case $PART in
   random)
-    step gpu_tests 150 python -m pytest -q -m gpu tests/test_static_decode.py tests/test_static_target.py
-    step speculative_loop_random 120 python benchmarks/speculative_loop.py --target smollm2-random --dtype float32 \
+    step gpu_tests 360 python -m pytest -q -m gpu tests/test_static_decode.py tests/test_static_target.py \
+      tests/test_drafter_fused.py
+    step speculative_loop_random 180 python benchmarks/speculative_loop.py --target smollm2-random --dtype float32 \
       --repeats 3 --json "$DEST/speculative_loop_random.json"
-    step generate_continuous 180 python benchmarks/generate.py --target smollm2-random --prompts 4096 \
+    ;;
+  throughput)
+    step generate_continuous 240 python benchmarks/generate.py --target smollm2-random --prompts 4096 \
       --batch-size 1024 2048 --varied-limits --batching continuous batches --repeats 3 \
       --json "$DEST/generate_continuous.json"
     step online_groups 150 python benchmarks/online.py --device cuda --target smollm2-random --forward-tokens 32768 \
@@ -47,5 +52,5 @@ case $PART in
     step generate_real 300 python benchmarks/generate.py --prompts 4096 --batch-size 1024 2048 \
       --batching continuous batches --repeats 3 --agreement 64 --json "$DEST/generate_real.json"
     ;;
-  *) echo "PART: random, extract or real" >&2; exit 2 ;;
+  *) echo "PART: random, throughput, extract or real" >&2; exit 2 ;;
 esac
