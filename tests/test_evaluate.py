@@ -408,8 +408,9 @@ def test_numpy_questions_are_chat_questions_about_documented_functions(tokenizer
 
 
 def test_extra_prompts_refused_before_the_target_loads(export_folder, tmp_path, monkeypatch, capsys):
-    """A missing file, held-out (which needs the corpus rows of the first set), a set named twice, or no prompt
-    for the references: one error line naming the setting, exit status 2."""
+    """A missing file, held-out (which needs the corpus rows of the first set), a set named twice, no prompt for
+    the references, or a KV cache that is not auto, static or dynamic: one error line naming the setting, exit
+    status 2."""
     from cli_helpers import main_in_process
 
     missing = tmp_path / "nope.jsonl"
@@ -428,6 +429,11 @@ def test_extra_prompts_refused_before_the_target_loads(export_folder, tmp_path, 
                                 "numpy-questions", "--reference-prompts", "0")
     assert code == 2 and err.count("error: ") == 1 and "Traceback" not in err, err
     assert "evaluate.reference_prompts (--reference-prompts): must be >= 1 (or null: every prompt), got 0" in err, err
+    for bad, message in ((["--kv-cache", "bogus"], "evaluate.kv_cache (--kv-cache): must be auto, static or dynamic"),
+                         (["--set", "evaluate.kv_cache=1"], "expected one of auto|static|dynamic, got 1")):
+        code, err = main_in_process(monkeypatch, capsys, "evaluate", "--drafter", str(export_folder), "--prompts",
+                                    "numpy-questions", *bad)
+        assert code == 2 and err.count("error: ") == 1 and message in err and "Traceback" not in err, err
 
 
 def test_the_first_prompts_of_a_set_have_their_own_references(export_folder, tmp_path):
