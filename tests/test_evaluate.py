@@ -436,6 +436,24 @@ def test_extra_prompts_refused_before_the_target_loads(export_folder, tmp_path, 
         assert code == 2 and err.count("error: ") == 1 and message in err and "Traceback" not in err, err
 
 
+def test_report_settings_say_what_this_evaluation_ran(export_folder, tmp_path):
+    """``Evaluator.evaluate`` arguments over the config (the pipeline's final evaluation measures the untrained
+    drafter with ``compare_untrained`` false in its config): the report's settings record what ran."""
+    from stages.evaluate import EvaluateConfig, Evaluator
+
+    prompts = tmp_path / "code.txt"
+    prompts.write_text("def fibonacci(n):\n")
+    config = EvaluateConfig(drafter=export_folder, prompts=str(prompts), num_prompts=1, max_new_tokens=2,
+                            ignore_eos=True, device="cpu")
+    evaluator = Evaluator(config, "default")
+    drafter, drafter_config, _ = evaluator.load_drafter(export_folder)
+    report = evaluator.evaluate(drafter, drafter_config, label="final", compare_untrained=True, references=False)
+    assert report["untrained"] is not None and report["settings"]["compare_untrained"] is True
+    assert report["settings"]["references"] is False and not config.compare_untrained and config.references
+    report = evaluator.evaluate(drafter, drafter_config, label="final", references=False)
+    assert report["untrained"] is None and report["settings"]["compare_untrained"] is False
+
+
 def test_the_first_prompts_of_a_set_have_their_own_references(export_folder, tmp_path):
     """``Evaluator.evaluate(num_prompts=N)`` measures the first N prompts of the first set (another fingerprint);
     references measured on them are not reused for the whole set."""
