@@ -27,7 +27,7 @@ from dflash.serving.export import (
 )
 
 __all__ = ["Artefact", "describe", "flatten", "tensor_statistics", "parameter_groups",
-           "file_tensors", "resume_problem", "evaluated_tau", "step_problems", "read_json", "format_value", "add_key_column"]
+           "file_tensors", "resume_problem", "evaluated_tau", "run_of_workdir", "step_problems", "read_json", "format_value", "add_key_column"]
 
 #: Elements per chunk when a large tensor is streamed.
 _CHUNK_ELEMENTS = 1 << 24
@@ -202,15 +202,21 @@ def _describe_export(folder: Path, artefact: Artefact) -> None:
         artefact.checks["strict serving-format loader"] = str(error)
 
 
+def run_of_workdir(folder: Path) -> Path:
+    """``WORKDIR/run`` for a pipeline work folder (``pipeline.json`` beside a ``run`` folder: what
+    ``dflash-stages run`` writes), else ``folder`` itself."""
+    return folder / "run" if (folder / "pipeline.json").is_file() and (folder / "run").is_dir() else folder
+
+
 def describe(path: str | Path) -> Artefact:
-    """Facts about a run, checkpoint or export folder.
+    """Facts about a run, checkpoint or export folder (a pipeline work folder: its run, :func:`run_of_workdir`).
 
     Raises:
         CheckpointError: the path is none of the three, or a recorded pointer/JSON file is broken.
     """
     from dflash.training.checkpoint import resolve_checkpoint
 
-    folder = Path(path).expanduser()
+    folder = run_of_workdir(Path(path).expanduser())
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is not a folder; pass a run, checkpoint or export folder")
     if (folder / CHECKPOINT_CONFIG_FILE).is_file():
@@ -241,8 +247,8 @@ def describe(path: str | Path) -> Artefact:
             artefact.notes.append("no `latest` pointer: the run has no complete checkpoint yet")
         return artefact
     raise CheckpointError(
-        f"{folder} is not a run (run.json/latest), checkpoint ({CHECKPOINT_CONFIG_FILE}) or export "
-        f"({CONFIG_FILE} with architectures DFlashDraftModel) folder"
+        f"{folder} is not a run (run.json/latest), checkpoint ({CHECKPOINT_CONFIG_FILE}), export "
+        f"({CONFIG_FILE} with architectures DFlashDraftModel) or pipeline work folder (pipeline.json and run/)"
     )
 
 
