@@ -105,8 +105,8 @@ class EvaluateConfig:
     max_new_tokens: int = setting(128, help='Tokens generated per prompt.')
     temperature: float = setting(0.0, help='0 = greedy (checked lossless); > 0 = speculative sampling.')
     block_size: int | None = setting(None, help="Drafting block size; default: the drafter's.")
-    ignore_eos: bool = setting(False, option='--ignore-eos', help='Keep generating after the end-of-sequence token.')
-    compare_untrained: bool = setting(False, option='--compare-untrained', help='Also measure a randomly initialized drafter.')
+    ignore_eos: bool = setting(False, help='Keep generating after the end-of-sequence token.')
+    compare_untrained: bool = setting(False, help='Also measure a randomly initialized drafter.')
     references: bool = setting(True, help="Also decode with block size 1 and the target's generate() (the speedups and the lossless checks); --no-references: tau and acceptance only, much faster (docs/benchmarks.md, Evaluate without the references).")
     reference_prompts: int | None = setting(None, help=(
         "Decode only the first N prompts of each set with the two references (the speedups divide the speculative "

@@ -436,6 +436,23 @@ def test_extra_prompts_refused_before_the_target_loads(export_folder, tmp_path, 
         assert code == 2 and err.count("error: ") == 1 and message in err and "Traceback" not in err, err
 
 
+def test_a_preset_s_switches_can_be_turned_off_on_the_command_line(export_folder, tmp_path, monkeypatch, capsys):
+    """cpu-small sets ``compare_untrained`` and ``ignore_eos``: ``--no-compare-untrained`` and ``--no-ignore-eos``
+    turn them off for one evaluation."""
+    from cli_helpers import main_in_process_out
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def fibonacci(n):\n")
+    args = ["evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--preset", "cpu-small",
+            "--print-config"]
+    code, out, err = main_in_process_out(monkeypatch, capsys, *args)
+    resolved = json.loads(out)["evaluate"]
+    assert code == 0 and resolved["compare_untrained"] and resolved["ignore_eos"], err
+    code, out, err = main_in_process_out(monkeypatch, capsys, *args, "--no-compare-untrained", "--no-ignore-eos")
+    resolved = json.loads(out)["evaluate"]
+    assert code == 0 and not resolved["compare_untrained"] and not resolved["ignore_eos"], err
+
+
 def test_report_settings_say_what_this_evaluation_ran(export_folder, tmp_path):
     """``Evaluator.evaluate`` arguments over the config (the pipeline's final evaluation measures the untrained
     drafter with ``compare_untrained`` false in its config): the report's settings record what ran."""
