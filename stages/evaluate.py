@@ -111,7 +111,8 @@ class EvaluateConfig:
     reference_prompts: int | None = setting(None, help=(
         "Decode only the first N prompts of each set with the two references (the speedups divide the speculative "
         "tokens/s over every prompt by the references' over those N; the token-for-token checks against them cover "
-        "those N; the teacher-forced lossless check covers every prompt). Default: every prompt."))
+        "those N; the teacher-forced lossless check covers every prompt). Default, or N at least a set's size: "
+        "every prompt. Unused with --no-references (no reference runs)."))
     seed: int = setting(0, help='Prompt selection, sampling, untrained init.')
     device: str = setting("auto", help='auto | cpu | cuda | cuda:N.')
     dtype: str = setting("auto", help='auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16 (bf16, fp32, fp16 also accepted).')
