@@ -240,6 +240,12 @@ def test_a_pipeline_work_folder_stands_for_its_run(run_b8, tmp_path, cli):
     assert describe(workdir).facts == describe(workdir / "run").facts
     assert checkpoints_to_scan(workdir) == [workdir / "run" / "checkpoints" / "step_00000002"]
     assert load_side(workdir).path == workdir / "run"
+    (workdir / "run" / "eval").mkdir()  # `evaluate --drafter WORKDIR/run` writes the run's own report: both named
+    (workdir / "run" / "eval" / "final.json").write_text(json.dumps({"tau": 1.5}) + "\n")
+    result = cli(workdir, "--no-tensors")
+    assert (f"evaluated tau: 1.250 ({workdir / 'eval' / 'final.json'}); also 1.500 in "
+            f"{workdir / 'run' / 'eval' / 'final.json'} (evaluate --drafter {workdir / 'run'})"
+            ) in " ".join(result.output.split())  # the line folds at the terminal's width
     (workdir / "pipeline.json").unlink()  # a folder holding a run is not a run
     result = cli(workdir)
     assert result.exit_code == 2 and "or pipeline work folder (pipeline.json and run/)" in result.output

@@ -70,8 +70,11 @@ def summary(artefact: Artefact) -> list[tuple[str, str]]:
         rows.append(("final loss", f"validation {loss('val')}, train {loss('train')} (last log interval)"))
     if artefact.kind == "run":
         evaluated = evaluated_tau(artefact.path)
-        rows.append(("evaluated tau", f"{evaluated['tau']:.3f} ({evaluated['source']})" if evaluated["tau"] is not None
-                     else "not evaluated (no eval/final.json)"))
+        also = evaluated["also"]  # a pipeline's run evaluated again on its own: both reports, each named
+        rows.append(("evaluated tau", (f"{evaluated['tau']:.3f} ({evaluated['source']})" if evaluated["tau"] is not None
+                                       else "not evaluated (no eval/final.json)")
+                     + (f"; also {also['tau']:.3f} in {also['source']} (evaluate --drafter {artefact.path})"
+                        if also else "")))
     failed = [name for name, verdict in artefact.checks.items() if verdict != "ok"]
     rows.append(("checks", f"{len(artefact.checks) - len(failed)} of {len(artefact.checks)} ok"
                  + (f"; FAILED: {', '.join(failed)}" if failed else "")))

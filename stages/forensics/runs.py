@@ -276,9 +276,11 @@ def evaluated_tau(run: str | Path) -> dict[str, Any]:
     the training accuracies imply).
 
     Returns:
-        ``{"tau", "source", "epochs"}``: ``tau`` is the final drafter's (``eval/final.json``), else the last
+        ``{"tau", "source", "epochs", "also"}``: ``tau`` is the final drafter's (``eval/final.json``), else the last
         per-epoch report's, None when nothing was evaluated; ``source`` the report file it came from; ``epochs`` the
-        per-epoch measurements ``[{"epoch", "step", "tau"}]`` the pipeline recorded in ``pipeline.json``.
+        per-epoch measurements ``[{"epoch", "step", "tau"}]`` the pipeline recorded in ``pipeline.json``; ``also``
+        ``{"tau", "source"}`` of a pipeline's run's own ``RUN/eval/final.json`` (where ``evaluate --drafter RUN``
+        writes), None without one.
     """
     run = Path(run)
     epochs: list[dict[str, Any]] = []
@@ -289,10 +291,13 @@ def evaluated_tau(run: str | Path) -> dict[str, Any]:
         except (CheckpointError, AttributeError):
             recorded = []
         epochs = [e for e in recorded if isinstance(e, dict) and isinstance(e.get("tau"), int | float)]
-    out: dict[str, Any] = {"tau": None, "source": None, "epochs": epochs}
+    out: dict[str, Any] = {"tau": None, "source": None, "epochs": epochs, "also": None}
     folder = _eval_folder(run)
     if folder is None:
         return out
+    own = run / "eval" / "final.json"
+    if folder != own.parent and own.is_file() and (tau := _tau_of(own)) is not None:
+        out["also"] = {"tau": tau, "source": str(own)}
     numbered = sorted((int(m.group(1)), p) for p in folder.glob("epoch_*.json")
                       if (m := re.fullmatch(r"epoch_(\d+)\.json", p.name)))
     for path in [folder / "final.json", *(p for _, p in reversed(numbered))]:
