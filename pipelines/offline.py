@@ -103,6 +103,7 @@ _EVAL_FIX = "the evaluation report is damaged: remove it and rerun the same comm
 _STAGE_OUTPUT = {"generate": "corpus", "prepare": "corpus-all", "split": "corpus", "extract": "cache", "train": "run",
                  "online": "run", "evaluate": "eval"}
 _STATE_FILE = "pipeline.json"
+_UNSET = object()  # a setting one side of a comparison lacks
 
 #: The preset ``run`` uses when none is given; ``run --config FILE`` is merged over it.
 DEFAULT_PRESET = "cpu-small"
@@ -420,12 +421,29 @@ def _digest(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _output_digest(stage: str, settings: Mapping[str, Any]) -> str:
-    """The digest of the settings that decide what ``stage`` writes: ``settings`` without its config's fields
+def _output_settings(stage: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings that decide what ``stage`` writes, by dotted path: ``settings`` without its config's fields
     declared ``runtime`` (``stages.config.check.runtime_paths``: progress, logging, locks...), which a rerun in the
     same work folder may change."""
     ignored = runtime_paths(SECTIONS[stage].config) if stage in SECTIONS else frozenset()
-    return _digest({path: value for path, value in leaf_paths(settings).items() if path not in ignored})
+    return {path: value for path, value in leaf_paths(settings).items() if path not in ignored}
+
+
+def _output_digest(stage: str, settings: Mapping[str, Any]) -> str:
+    """The digest of :func:`_output_settings`."""
+    return _digest(_output_settings(stage, settings))
+
+
+def _settings_changes(stage: str, before: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    """The output-deciding settings that differ, one ``stage.path: old -> new`` each (``(not set)`` where a side
+    lacks the key)."""
+    old, new = _output_settings(stage, before), _output_settings(stage, now)
+
+    def shown(values: dict[str, Any], path: str) -> str:
+        return json.dumps(values[path], default=str) if path in values else "(not set)"
+
+    return ", ".join(f"{stage}.{path}: {shown(old, path)} -> {shown(new, path)}"
+                     for path in sorted(set(old) | set(new)) if old.get(path, _UNSET) != new.get(path, _UNSET))
 
 
 class _State:
@@ -454,7 +472,8 @@ class _State:
         if changed:
             raise ConfigError(
                 f"{stage}: {self.path.parent} holds outputs of this stage made with other settings "
-                f"({record['settings']} vs now {settings}); use a new --workdir"
+                f"({_settings_changes(stage, record['settings'], settings)}); use a new --workdir, or the "
+                "settings it was made with"
             )
         return bool(record.get("done"))
 

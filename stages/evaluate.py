@@ -40,7 +40,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import typer
 from rich.console import Console
@@ -105,18 +105,19 @@ class EvaluateConfig:
     max_new_tokens: int = setting(128, help='Tokens generated per prompt.')
     temperature: float = setting(0.0, help='0 = greedy (checked lossless); > 0 = speculative sampling.')
     block_size: int | None = setting(None, help="Drafting block size; default: the drafter's.")
-    ignore_eos: bool = setting(False, option='--ignore-eos', help='Keep generating after the end-of-sequence token.')
-    compare_untrained: bool = setting(False, option='--compare-untrained', help='Also measure a randomly initialized drafter.')
+    ignore_eos: bool = setting(False, help='Keep generating after the end-of-sequence token.')
+    compare_untrained: bool = setting(False, help='Also measure a randomly initialized drafter.')
     references: bool = setting(True, help="Also decode with block size 1 and the target's generate() (the speedups and the lossless checks); --no-references: tau and acceptance only, much faster (docs/benchmarks.md, Evaluate without the references).")
     reference_prompts: int | None = setting(None, help=(
         "Decode only the first N prompts of each set with the two references (the speedups divide the speculative "
         "tokens/s over every prompt by the references' over those N; the token-for-token checks against them cover "
-        "those N; the teacher-forced lossless check covers every prompt). Default: every prompt."))
+        "those N; the teacher-forced lossless check covers every prompt). Default, or N at least a set's size: "
+        "every prompt. Unused with --no-references (no reference runs)."))
     seed: int = setting(0, help='Prompt selection, sampling, untrained init.')
     device: str = setting("auto", help='auto | cpu | cuda | cuda:N.')
     dtype: str = setting("auto", help='auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16 (bf16, fp32, fp16 also accepted).')
     cpu_threads: int = setting(1, help='Torch threads while decoding on CPU (more threads lose on shared cores).')
-    kv_cache: str = setting("auto", help="The target's KV cache in the speculative and block-size-1 loops, and whether the drafter drafts over a fixed-size context: static (one static cache, the drafter over a fixed-size context buffer; on CUDA the target's verify-block and one-token forwards and the drafter's draft are each captured once as a CUDA graph and replayed), dynamic (transformers' DynamicCache, eager forwards), auto (static on CUDA where the target allows it: sdpa or eager attention and only plain full-attention layers, no sliding windows or linear attention; dynamic elsewhere). The generate() reference always runs transformers' own generate(). Same tokens either way (float32); docs/benchmarks.md, Evaluate.")
+    kv_cache: Literal["auto", "static", "dynamic"] = setting("auto", help="The target's KV cache in the speculative and block-size-1 loops, and whether the drafter drafts over a fixed-size context: static (one static cache, the drafter over a fixed-size context buffer; on CUDA the target's verify-block and one-token forwards and the drafter's draft are each captured once as a CUDA graph and replayed), dynamic (transformers' DynamicCache, eager forwards), auto (static on CUDA where the target allows it: sdpa or eager attention and only plain full-attention layers, no sliding windows or linear attention; dynamic elsewhere). The generate() reference always runs transformers' own generate(). Same tokens either way (float32); docs/benchmarks.md, Evaluate.")
     #: Largest target logit gap that counts as a floating-point near-tie in the lossless check; None: 1e-3 in float32, 0.125 in 16-bit dtypes.
     near_tie_tolerance: float | None = None
     json_path: Path | None = setting(None, option='--json-file', help='Also write the full report as JSON to this file (default for a run folder: RUN/eval/final.json, which report, diff and inspect read).')
@@ -695,7 +696,8 @@ class Evaluator:
             "dtype": str(self.dtype).removeprefix("torch."),
             "prompts": _describe_set(evaluated[0]),
             "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
-                         "references": references, "drafter": label, "cpu_threads": cpu_threads,
+                         "references": references, "compare_untrained": compare_untrained, "drafter": label,
+                         "cpu_threads": cpu_threads,
                          "block_size": config.block_size or int(drafter_config.block_size),
                          "mode": "greedy" if config.temperature == 0 else "sampled"},
             **summaries[0],

@@ -386,3 +386,33 @@ def test_damaged_json_records_of_a_checkpoint_are_refused_naming_the_file_and_ke
     os.mkfifo(run / "run.json")
     with pytest.raises(CheckpointError, match="run.json: is a FIFO"):
         read_run_record(run)
+
+
+def test_the_main_jobs_work_folder_and_its_lock_leave_a_checkout_clean(tmp_path):
+    """``dflash-stages run`` in a fresh clone writes ``dflash-work/`` and, while it runs, the lock ``dflash-work.lock``
+    beside it (in the checkout): the repository's .gitignore covers both, so the runs it trains record
+    ``git_dirty: false`` (``code_version``)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from dflash.io.locks import lock_path_of
+    from dflash.training.checkpoint import code_version
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / ".gitignore", checkout / ".gitignore")
+    git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", ".gitignore"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "init"], check=True)
+    assert code_version(checkout)["git_dirty"] is False
+    work = checkout / "dflash-work"  # run's default --workdir
+    (work / "eval").mkdir(parents=True)
+    (work / "eval" / "final.json").write_text("{}\n")
+    lock_path_of(work).write_text("{}\n")
+    assert code_version(checkout) == {**code_version(checkout), "git_dirty": False, "git_untracked": 0}
+    (checkout / "notes.txt").write_text("an untracked file is seen\n")
+    assert code_version(checkout)["git_untracked"] == 1

@@ -408,8 +408,9 @@ def test_numpy_questions_are_chat_questions_about_documented_functions(tokenizer
 
 
 def test_extra_prompts_refused_before_the_target_loads(export_folder, tmp_path, monkeypatch, capsys):
-    """A missing file, held-out (which needs the corpus rows of the first set), a set named twice, or no prompt
-    for the references: one error line naming the setting, exit status 2."""
+    """A missing file, held-out (which needs the corpus rows of the first set), a set named twice, no prompt for
+    the references, or a KV cache that is not auto, static or dynamic: one error line naming the setting, exit
+    status 2."""
     from cli_helpers import main_in_process
 
     missing = tmp_path / "nope.jsonl"
@@ -428,6 +429,46 @@ def test_extra_prompts_refused_before_the_target_loads(export_folder, tmp_path, 
                                 "numpy-questions", "--reference-prompts", "0")
     assert code == 2 and err.count("error: ") == 1 and "Traceback" not in err, err
     assert "evaluate.reference_prompts (--reference-prompts): must be >= 1 (or null: every prompt), got 0" in err, err
+    for bad, message in ((["--kv-cache", "bogus"], "evaluate.kv_cache (--kv-cache): must be auto, static or dynamic"),
+                         (["--set", "evaluate.kv_cache=1"], "expected one of auto|static|dynamic, got 1")):
+        code, err = main_in_process(monkeypatch, capsys, "evaluate", "--drafter", str(export_folder), "--prompts",
+                                    "numpy-questions", *bad)
+        assert code == 2 and err.count("error: ") == 1 and message in err and "Traceback" not in err, err
+
+
+def test_a_preset_s_switches_can_be_turned_off_on_the_command_line(export_folder, tmp_path, monkeypatch, capsys):
+    """cpu-small sets ``compare_untrained`` and ``ignore_eos``: ``--no-compare-untrained`` and ``--no-ignore-eos``
+    turn them off for one evaluation."""
+    from cli_helpers import main_in_process_out
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def fibonacci(n):\n")
+    args = ["evaluate", "--drafter", str(export_folder), "--prompts", str(prompts), "--preset", "cpu-small",
+            "--print-config"]
+    code, out, err = main_in_process_out(monkeypatch, capsys, *args)
+    resolved = json.loads(out)["evaluate"]
+    assert code == 0 and resolved["compare_untrained"] and resolved["ignore_eos"], err
+    code, out, err = main_in_process_out(monkeypatch, capsys, *args, "--no-compare-untrained", "--no-ignore-eos")
+    resolved = json.loads(out)["evaluate"]
+    assert code == 0 and not resolved["compare_untrained"] and not resolved["ignore_eos"], err
+
+
+def test_report_settings_say_what_this_evaluation_ran(export_folder, tmp_path):
+    """``Evaluator.evaluate`` arguments over the config (the pipeline's final evaluation measures the untrained
+    drafter with ``compare_untrained`` false in its config): the report's settings record what ran."""
+    from stages.evaluate import EvaluateConfig, Evaluator
+
+    prompts = tmp_path / "code.txt"
+    prompts.write_text("def fibonacci(n):\n")
+    config = EvaluateConfig(drafter=export_folder, prompts=str(prompts), num_prompts=1, max_new_tokens=2,
+                            ignore_eos=True, device="cpu")
+    evaluator = Evaluator(config, "default")
+    drafter, drafter_config, _ = evaluator.load_drafter(export_folder)
+    report = evaluator.evaluate(drafter, drafter_config, label="final", compare_untrained=True, references=False)
+    assert report["untrained"] is not None and report["settings"]["compare_untrained"] is True
+    assert report["settings"]["references"] is False and not config.compare_untrained and config.references
+    report = evaluator.evaluate(drafter, drafter_config, label="final", references=False)
+    assert report["untrained"] is None and report["settings"]["compare_untrained"] is False
 
 
 def test_the_first_prompts_of_a_set_have_their_own_references(export_folder, tmp_path):

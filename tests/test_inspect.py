@@ -219,3 +219,33 @@ def test_long_keys_stay_whole_on_one_line(run_b8, run_b16):
     comparison = compare(load_side(run_b8), load_side(run_b16))
     differing = [key for key, _, _ in comparison.config + comparison.environment]
     assert sorted(cell for cell in _key_cells(result.output) if cell and cell != "key") == sorted(differing)
+
+
+def test_a_pipeline_work_folder_stands_for_its_run(run_b8, tmp_path, cli):
+    """``dflash-stages run`` writes WORKDIR/run beside WORKDIR/pipeline.json: inspect, scan and diff take the work
+    folder for its run, as report does, and say which run they read."""
+    import json
+
+    from stages.forensics.scan import checkpoints_to_scan
+
+    workdir = tmp_path / "dflash-work"
+    shutil.copytree(run_b8, workdir / "run")
+    (workdir / "pipeline.json").write_text(json.dumps({"tau": 1.25}) + "\n")
+    (workdir / "eval").mkdir()
+    (workdir / "eval" / "final.json").write_text(json.dumps({"tau": 1.25}) + "\n")
+    result = cli(workdir, "--no-tensors")
+    assert result.exit_code == 0, result.output
+    assert f"what: run {workdir / 'run'}" in result.output and "run.latest" in result.output
+    assert f"evaluated tau: 1.250 ({workdir / 'eval' / 'final.json'})" in result.output
+    assert describe(workdir).facts == describe(workdir / "run").facts
+    assert checkpoints_to_scan(workdir) == [workdir / "run" / "checkpoints" / "step_00000002"]
+    assert load_side(workdir).path == workdir / "run"
+    (workdir / "run" / "eval").mkdir()  # `evaluate --drafter WORKDIR/run` writes the run's own report: both named
+    (workdir / "run" / "eval" / "final.json").write_text(json.dumps({"tau": 1.5}) + "\n")
+    result = cli(workdir, "--no-tensors")
+    assert (f"evaluated tau: 1.250 ({workdir / 'eval' / 'final.json'}); also 1.500 in "
+            f"{workdir / 'run' / 'eval' / 'final.json'} (evaluate --drafter {workdir / 'run'})"
+            ) in " ".join(result.output.split())  # the line folds at the terminal's width
+    (workdir / "pipeline.json").unlink()  # a folder holding a run is not a run
+    result = cli(workdir)
+    assert result.exit_code == 2 and "or pipeline work folder (pipeline.json and run/)" in result.output

@@ -364,8 +364,8 @@ def test_a_stage_that_failed_before_writing_anything_reruns_with_corrected_setti
 
 def test_a_rerun_may_change_settings_that_do_not_change_a_stages_output(tmp_path):
     """Fields declared ``runtime`` (progress lines, logging, checkpoint cadence, locks, the dashboard) may differ in
-    a rerun over the same work folder; any other field is refused as before, and pipeline.json is written as
-    before (the digest of every setting given)."""
+    a rerun over the same work folder; any other field is refused, the refusal naming each one that changed, and
+    pipeline.json is written as before (the digest of every setting given)."""
     from pipelines.offline import _digest, _State
 
     train = {"target": "default", "epochs": 2, "optim": {"lr": 1e-3}, "telemetry": {"progress": True}}
@@ -379,10 +379,10 @@ def test_a_rerun_may_change_settings_that_do_not_change_a_stages_output(tmp_path
                                                                          "log_every": 3}}, run)
     assert state.check("extract", {**extract, "progress_interval": 0, "dashboard_address": ":0", "break_lock": True},
                        cache)
-    with pytest.raises(ConfigError, match="other settings"):
+    with pytest.raises(ConfigError, match=r"other settings \(train\.optim\.lr: 0\.001 -> 0\.002\); use a new --workdir"):
         state.check("train", {**train, "optim": {"lr": 2e-3}}, run)
-    with pytest.raises(ConfigError, match="other settings"):
-        state.check("extract", {**extract, "num_taps": 2}, cache)
+    with pytest.raises(ConfigError, match=r"\(extract\.num_taps: 1 -> 2, extract\.shard_size: \(not set\) -> 64\)"):
+        state.check("extract", {**extract, "num_taps": 2, "progress_interval": 0, "shard_size": 64}, cache)
     assert json.loads((tmp_path / "pipeline.json").read_text())["stages"]["train"]["digest"] == _digest(train)
 
 

@@ -324,7 +324,7 @@ def print_comparison(console: Any, comparison: Comparison) -> None:
 
 
 def diff_command(
-    a: Path = typer.Argument(..., metavar="A", help="A run folder, checkpoint folder or serving-format export."),
+    a: Path = typer.Argument(..., metavar="A", help="A run folder (or a pipeline work folder: its run), checkpoint folder or serving-format export."),
     b: Path = typer.Argument(..., metavar="B", help="Another run, checkpoint or export to compare A with."),
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON instead of tables."),
 ) -> None:

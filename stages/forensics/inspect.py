@@ -1,8 +1,8 @@
 """``dflash-stages inspect PATH``: print everything recorded about a run, a checkpoint or an export.
 
-PATH is a run folder (``run.json``, ``latest``, ``checkpoints/``), a checkpoint folder (``drafter_config.json``,
-``model.safetensors``, ``target.json``...) or a serving-format export (``config.json`` with
-``architectures: ["DFlashDraftModel"]``, ``dflash_export.json``).
+PATH is a run folder (``run.json``, ``latest``, ``checkpoints/``; a pipeline work folder, ``pipeline.json`` beside
+``run/``, stands for its run), a checkpoint folder (``drafter_config.json``, ``model.safetensors``, ``target.json``...)
+or a serving-format export (``config.json`` with ``architectures: ["DFlashDraftModel"]``, ``dflash_export.json``).
 
     dflash-stages inspect runs/smol                       # resolved config, target, checkpoints, weights
     dflash-stages inspect runs/smol --diff exports/smol   # = dflash-stages diff runs/smol exports/smol (stages/diff.py)
@@ -70,8 +70,11 @@ def summary(artefact: Artefact) -> list[tuple[str, str]]:
         rows.append(("final loss", f"validation {loss('val')}, train {loss('train')} (last log interval)"))
     if artefact.kind == "run":
         evaluated = evaluated_tau(artefact.path)
-        rows.append(("evaluated tau", f"{evaluated['tau']:.3f} ({evaluated['source']})" if evaluated["tau"] is not None
-                     else "not evaluated (no eval/final.json)"))
+        also = evaluated["also"]  # a pipeline's run evaluated again on its own: both reports, each named
+        rows.append(("evaluated tau", (f"{evaluated['tau']:.3f} ({evaluated['source']})" if evaluated["tau"] is not None
+                                       else "not evaluated (no eval/final.json)")
+                     + (f"; also {also['tau']:.3f} in {also['source']} (evaluate --drafter {artefact.path})"
+                        if also else "")))
     failed = [name for name, verdict in artefact.checks.items() if verdict != "ok"]
     rows.append(("checks", f"{len(artefact.checks) - len(failed)} of {len(artefact.checks)} ok"
                  + (f"; FAILED: {', '.join(failed)}" if failed else "")))
@@ -132,7 +135,7 @@ def _print_tensors(console: Any, tensors: list[dict[str, Any]], source: Path) ->
 
 
 def inspect_command(
-    path: Path = typer.Argument(..., metavar="PATH", help="A run folder, a checkpoint folder or a serving-format export folder."),
+    path: Path = typer.Argument(..., metavar="PATH", help="A run folder (or a pipeline work folder: its run), a checkpoint folder or a serving-format export folder."),
     diff: Path | None = typer.Option(
         None, "--diff", help="Alias of `dflash-stages diff PATH OTHER`: config, environment and performance "
         "differences with a verdict (exit code 1 if config or environment differ)."

@@ -49,7 +49,7 @@ from dflash.io.files import atomic_write_bytes, atomic_write_text
 from dflash.io.locks import output_lock
 from dflash.training.telemetry import final_losses, read_metrics, record_number
 from stages.config.exit_status import ExitCode, print_error
-from stages.forensics.runs import evaluated_tau
+from stages.forensics.runs import evaluated_tau, run_of_workdir
 
 __all__ = ["register", "report_command", "RunSeries", "load_series", "write_report", "check_report_output", "PLOTS",
            "REPORT_FILES"]
@@ -85,7 +85,7 @@ def load_series(path: str | Path) -> RunSeries:
         CheckpointError: no ``metrics.jsonl`` there.
     """
     folder = Path(path).expanduser()
-    run = folder / "run" if (folder / "pipeline.json").is_file() and (folder / "run").is_dir() else folder
+    run = run_of_workdir(folder)
     if not (run / "metrics.jsonl").is_file():
         raise CheckpointError(f"{run} has no metrics.jsonl: pass a run folder written by `dflash-stages train` "
                               "(or a pipeline work folder)")

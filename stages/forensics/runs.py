@@ -27,7 +27,7 @@ from dflash.serving.export import (
 )
 
 __all__ = ["Artefact", "describe", "flatten", "tensor_statistics", "parameter_groups",
-           "file_tensors", "resume_problem", "evaluated_tau", "step_problems", "read_json", "format_value", "add_key_column"]
+           "file_tensors", "resume_problem", "evaluated_tau", "run_of_workdir", "step_problems", "read_json", "format_value", "add_key_column"]
 
 #: Elements per chunk when a large tensor is streamed.
 _CHUNK_ELEMENTS = 1 << 24
@@ -202,15 +202,21 @@ def _describe_export(folder: Path, artefact: Artefact) -> None:
         artefact.checks["strict serving-format loader"] = str(error)
 
 
+def run_of_workdir(folder: Path) -> Path:
+    """``WORKDIR/run`` for a pipeline work folder (``pipeline.json`` beside a ``run`` folder: what
+    ``dflash-stages run`` writes), else ``folder`` itself."""
+    return folder / "run" if (folder / "pipeline.json").is_file() and (folder / "run").is_dir() else folder
+
+
 def describe(path: str | Path) -> Artefact:
-    """Facts about a run, checkpoint or export folder.
+    """Facts about a run, checkpoint or export folder (a pipeline work folder: its run, :func:`run_of_workdir`).
 
     Raises:
         CheckpointError: the path is none of the three, or a recorded pointer/JSON file is broken.
     """
     from dflash.training.checkpoint import resolve_checkpoint
 
-    folder = Path(path).expanduser()
+    folder = run_of_workdir(Path(path).expanduser())
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is not a folder; pass a run, checkpoint or export folder")
     if (folder / CHECKPOINT_CONFIG_FILE).is_file():
@@ -241,8 +247,8 @@ def describe(path: str | Path) -> Artefact:
             artefact.notes.append("no `latest` pointer: the run has no complete checkpoint yet")
         return artefact
     raise CheckpointError(
-        f"{folder} is not a run (run.json/latest), checkpoint ({CHECKPOINT_CONFIG_FILE}) or export "
-        f"({CONFIG_FILE} with architectures DFlashDraftModel) folder"
+        f"{folder} is not a run (run.json/latest), checkpoint ({CHECKPOINT_CONFIG_FILE}), export "
+        f"({CONFIG_FILE} with architectures DFlashDraftModel) or pipeline work folder (pipeline.json and run/)"
     )
 
 
@@ -270,9 +276,11 @@ def evaluated_tau(run: str | Path) -> dict[str, Any]:
     the training accuracies imply).
 
     Returns:
-        ``{"tau", "source", "epochs"}``: ``tau`` is the final drafter's (``eval/final.json``), else the last
+        ``{"tau", "source", "epochs", "also"}``: ``tau`` is the final drafter's (``eval/final.json``), else the last
         per-epoch report's, None when nothing was evaluated; ``source`` the report file it came from; ``epochs`` the
-        per-epoch measurements ``[{"epoch", "step", "tau"}]`` the pipeline recorded in ``pipeline.json``.
+        per-epoch measurements ``[{"epoch", "step", "tau"}]`` the pipeline recorded in ``pipeline.json``; ``also``
+        ``{"tau", "source"}`` of a pipeline's run's own ``RUN/eval/final.json`` (where ``evaluate --drafter RUN``
+        writes), None without one.
     """
     run = Path(run)
     epochs: list[dict[str, Any]] = []
@@ -283,10 +291,13 @@ def evaluated_tau(run: str | Path) -> dict[str, Any]:
         except (CheckpointError, AttributeError):
             recorded = []
         epochs = [e for e in recorded if isinstance(e, dict) and isinstance(e.get("tau"), int | float)]
-    out: dict[str, Any] = {"tau": None, "source": None, "epochs": epochs}
+    out: dict[str, Any] = {"tau": None, "source": None, "epochs": epochs, "also": None}
     folder = _eval_folder(run)
     if folder is None:
         return out
+    own = run / "eval" / "final.json"
+    if folder != own.parent and own.is_file() and (tau := _tau_of(own)) is not None:
+        out["also"] = {"tau": tau, "source": str(own)}
     numbered = sorted((int(m.group(1)), p) for p in folder.glob("epoch_*.json")
                       if (m := re.fullmatch(r"epoch_(\d+)\.json", p.name)))
     for path in [folder / "final.json", *(p for _, p in reversed(numbered))]:

@@ -30,7 +30,7 @@ import typer
 
 from dflash.errors import CheckpointError, DFlashError
 from stages.config.exit_status import ExitCode, print_error
-from stages.forensics.runs import describe, file_tensors, resume_problem, step_problems
+from stages.forensics.runs import describe, file_tensors, resume_problem, run_of_workdir, step_problems
 
 __all__ = ["register", "scan_command", "TensorFinding", "CheckpointScan", "checkpoints_to_scan", "scan_checkpoint",
            "resume_problem", "scan_paths", "print_scans", "DEFAULT_MAX_ABS"]
@@ -78,12 +78,13 @@ class CheckpointScan:
 
 
 def checkpoints_to_scan(path: str | Path) -> list[Path]:
-    """The checkpoint/export folders ``path`` stands for: all of a run's checkpoints (oldest first), or itself.
+    """The checkpoint/export folders ``path`` stands for: all of a run's checkpoints (oldest first; a pipeline work
+    folder's run, :func:`stages.forensics.runs.run_of_workdir`), or itself.
 
     Raises:
         CheckpointError: ``path`` is no run, checkpoint or export, or a run without any checkpoint.
     """
-    folder = Path(path).expanduser()
+    folder = run_of_workdir(Path(path).expanduser())
     if (folder / "checkpoints").is_dir() and not (folder / "model.safetensors").is_file():
         # A run: listed directly, so a damaged run (a dangling `latest`, a broken run.json) is still scanned.
         folders = sorted(p for p in (folder / "checkpoints").glob("step_*") if p.is_dir())
@@ -199,7 +200,7 @@ def print_scans(console: Any, scans: list[CheckpointScan], *, max_abs: float) ->
 
 
 def scan_command(
-    paths: list[Path] = typer.Argument(..., metavar="PATH", help="Run folders (every checkpoint), checkpoint or export folders."),
+    paths: list[Path] = typer.Argument(..., metavar="PATH", help="Run folders (every checkpoint; a pipeline work folder: its run), checkpoint or export folders."),
     max_abs: float = typer.Option(DEFAULT_MAX_ABS, "--max-abs", help="Finite values above this magnitude count as extreme."),
     as_json: bool = typer.Option(False, "--json", help="Print the findings as JSON instead of tables."),
 ) -> None:
