@@ -37,8 +37,8 @@ The held-out split is by document (a stdlib file and its length chunks stay toge
 permutation of the documents; held-out prompts come only from ``heldout/``. With ``evaluate.per_epoch`` the
 training runs in epoch-long segments (exact resume: same trajectory as one straight run) and tau is measured on
 the held-out prompts after each epoch, starting with the untrained drafter (epoch 0); those before the last measure
-tau and acceptance only (``evaluate.per_epoch_references`` also runs the speedup references and lossless checks at
-each), on the first ``evaluate.per_epoch_num_prompts`` prompts when set, the last one and ``eval/final.json``
+tau, acceptance and the teacher-forced lossless check only (``evaluate.per_epoch_references`` also runs the speedup
+references and the token-for-token checks at each), on the first ``evaluate.per_epoch_num_prompts`` prompts when set, the last one and ``eval/final.json``
 everything. The held-out prompts are the first prompt set; ``evaluate.extra_prompts`` (the presets:
 ``numpy-questions``, another kind of prompt from a package no preset trains on) are measured on the final drafter
 only, each reported beside the first, and the last line names each set's tau.
@@ -635,7 +635,8 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
     evaluate = {"seed": 0, **config.evaluate}
     evaluate.pop("prompts", None)  # where the prompts come from is decided above
     per_epoch = bool(evaluate.pop("per_epoch", EVALUATE_EXTRAS["per_epoch"]))
-    # Per-epoch evaluations before the last measure tau and acceptance only, unless per_epoch_references: the two
+    # Per-epoch evaluations before the last measure tau, acceptance and the teacher-forced lossless check only,
+    # unless per_epoch_references: the two
     # references (block size 1, generate()) are ~2/3 of an evaluation and are re-run in every new process (each
     # call of a job-time-limited host), while the final drafter's report carries the speedups and lossless checks.
     per_epoch_references = bool(evaluate.pop("per_epoch_references", EVALUATE_EXTRAS["per_epoch_references"]))

@@ -107,7 +107,7 @@ class EvaluateConfig:
     block_size: int | None = setting(None, help="Drafting block size; default: the drafter's.")
     ignore_eos: bool = setting(False, help='Keep generating after the end-of-sequence token.')
     compare_untrained: bool = setting(False, help='Also measure a randomly initialized drafter.')
-    references: bool = setting(True, help="Also decode with block size 1 and the target's generate() (the speedups and the lossless checks); --no-references: tau and acceptance only, much faster (docs/benchmarks.md, Evaluate without the references).")
+    references: bool = setting(True, help="Also decode with block size 1 and the target's generate() (the speedups and the token-for-token lossless checks); --no-references: tau, acceptance and the teacher-forced lossless check (greedy) only, much faster (docs/benchmarks.md, Evaluate without the references).")
     reference_prompts: int | None = setting(None, help=(
         "Decode only the first N prompts of each set with the two references (the speedups divide the speculative "
         "tokens/s over every prompt by the references' over those N; the token-for-token checks against them cover "
@@ -400,7 +400,8 @@ def evaluate_drafter(
         baseline: both references' results on the first ``reference_prompts`` prompts and the same settings, to
             reuse (the pipeline evaluates several checkpoints against one baseline). Runs are interleaved per prompt
             when measured here.
-        references: ``False`` (and no ``baseline``): decode with the drafter only; no speedup, no lossless check.
+        references: ``False`` (and no ``baseline``): decode with the drafter only; no speedup, no token-for-token
+            check (greedy runs still get the teacher-forced ``lossless``).
         reference_prompts: how many prompts, the first ones, get the references; ``None``: every prompt.
         progress_interval: seconds between two progress lines where ``console`` is not a terminal (0: none).
         kv_cache: ``static``, ``dynamic`` or ``auto`` (:attr:`EvaluateConfig.kv_cache`): the target of both loops is
@@ -493,10 +494,13 @@ def evaluate_drafter(
          "finish_reason": s.finish_reason, "seconds": s.seconds}
         for p, s in zip(prompts, spec_results, strict=True)
     ]
-    if not with_references:
-        skipped = {"checked": False, "reason": "references not run (evaluate.references = false): tau only"}
+    if not with_references:  # the teacher-forced check needs no reference: greedy runs get it here too
+        skipped = {"checked": False, "reason": "references not run (evaluate.references = false)"}
+        lossless = (_teacher_forced_report(model, prompts, spec_results, tolerance, max_new_tokens=max_new_tokens,
+                                           stop_token_ids=stop_token_ids) if temperature == 0
+                    else {"checked": False, "reason": "sampled mode: lossless in distribution, not token for token"})
         return {"tau": stats.mean_tau, "acceptance": stats.to_dict(), "speedup": None, "speedup_vs_generate": None,
-                "throughput": {"speculative": spec_speed}, "lossless": skipped, "lossless_vs_block_size_1": skipped,
+                "throughput": {"speculative": spec_speed}, "lossless": lossless, "lossless_vs_block_size_1": skipped,
                 "lossless_vs_generate": skipped, "decoding": decoding, "per_prompt": per_prompt}, None
     measured = len(base_results)
     if measured != measured_prompts or len(generate_results) != measured:
@@ -657,7 +661,8 @@ class Evaluator:
         first prompt set (``config.prompts``); ``prompt_sets`` holds every set evaluated, each with its own.
 
         ``references``: run (or reuse) the block-size-1 and ``generate()`` references; ``None`` = the config's
-        ``references``. ``False``: tau and acceptance only (the pipeline's per-epoch evaluations).
+        ``references``. ``False``: tau, acceptance and the teacher-forced check only (the pipeline's per-epoch
+        evaluations).
         ``all_sets``: ``False`` evaluates the first prompt set only (the pipeline's per-epoch evaluations).
         ``num_prompts``: evaluate only the first this many prompts of each set (the pipeline's per-epoch
         evaluations, ``evaluate.per_epoch_num_prompts``); ``None``: all of them.
@@ -811,8 +816,8 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         graphs = (f", CUDA graphs replayed {decoding['graph_replays']} times (target) and "
                   f"{decoding.get('drafter_graph_replays', 0)} (drafter)" if decoding["cuda_graphs"] else "")
         summary.add_row("target KV cache (both loops)", f"{decoding['kv_cache']}{graphs}")
-    if report.get("speedup") is None:  # references not run (tau only)
-        summary.add_row("speedups, lossless check", "not measured (references off: tau only)")
+    if report.get("speedup") is None:  # references not run: tau and the teacher-forced lossless check
+        summary.add_row("speedups, token-for-token checks", "not measured (references off)")
     else:
         summary.add_row("prompts with references",
                         _references_text(report["prompts"]["count"], report.get("reference_prompts")))
@@ -825,7 +830,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     if report.get("speedup_basis"):
         summary.add_row("speedups over", report["speedup_basis"])
     for name, key in _LOSSLESS_ROWS:
-        text = _lossless_text(report.get(key), report.get("speedup") is not None)
+        text = _lossless_text(report.get(key), report.get("speedup") is not None or key == "lossless")
         if text is not None:
             summary.add_row(name, text)
     console.print(summary)

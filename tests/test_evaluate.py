@@ -118,7 +118,7 @@ def test_evaluate_cli_writes_report_with_every_field(full_evaluation):
 def test_no_references_measures_the_same_tau_without_the_references(export_folder, full_evaluation, tmp_path):
     """``--no-references`` decodes with the drafter only: the same tau, acceptance and per-prompt cycles as the full
     evaluation of the same prompts (greedy drafting does not depend on the references, nor on the thread count), no
-    speedup and no lossless verdict."""
+    speedup and no token-for-token verdict, but the teacher-forced lossless check of every prompt."""
     from stages.cli import _register_all, app
 
     _register_all()
@@ -130,13 +130,17 @@ def test_no_references_measures_the_same_tau_without_the_references(export_folde
         "--ignore-eos", "--no-references", "--device", "cpu", "--json-file", str(out),
     ])
     assert result.exit_code == 0, result.output + repr(result.exception)
-    assert "not measured (references off: tau only)" in result.output and "speedup vs" not in result.output
+    assert "not measured (references off)" in result.output and "speedup vs" not in result.output
     tau_only = json.loads(out.read_text())
     assert tau_only["settings"]["references"] is False
     assert tau_only["settings"]["cpu_threads"] == 1  # the CPU default: one thread, whatever the core count
     assert tau_only["speedup"] is None and tau_only["speedup_vs_generate"] is None
     assert set(tau_only["throughput"]) == {"speculative"}
-    assert not tau_only["lossless"]["checked"] and "references not run" in tau_only["lossless"]["reason"]
+    # The teacher-forced check needs no reference: every prompt's output checked token by token all the same.
+    assert tau_only["lossless"]["checked"] and tau_only["lossless"]["passed"]
+    assert tau_only["lossless"]["tokens_checked"] == full["lossless"]["tokens_checked"] > 0
+    for key in ("lossless_vs_block_size_1", "lossless_vs_generate"):
+        assert not tau_only[key]["checked"] and "references not run" in tau_only[key]["reason"]
     assert full["settings"]["cpu_threads"] == 2
     assert full["speedup"] > 0 and full["lossless"]["passed"] and full["settings"]["references"] is True
     assert tau_only["tau"] == full["tau"] and tau_only["acceptance"] == full["acceptance"]

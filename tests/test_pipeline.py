@@ -116,9 +116,10 @@ def test_pipeline_runs_every_stage_and_prints_tau(finished_run):
         if entry is state["epochs"][-1]:  # the final drafter: both references, speedups and the lossless checks
             assert epoch_report["lossless"]["passed"] and epoch_report["lossless_vs_generate"]["passed"]
             assert epoch_report["speedup"] > 0 and epoch_report["settings"]["references"] is True
-        else:  # earlier epochs: tau and acceptance only (evaluate.per_epoch_references is off)
+        else:  # earlier epochs: tau, acceptance and the teacher-forced check (evaluate.per_epoch_references is off)
             assert epoch_report["speedup"] is None and entry["speedup"] is None
-            assert not epoch_report["lossless"]["checked"] and epoch_report["settings"]["references"] is False
+            assert epoch_report["lossless"]["passed"] and epoch_report["settings"]["references"] is False
+            assert not epoch_report["lossless_vs_generate"]["checked"]
             assert set(epoch_report["throughput"]) == {"speculative"}
             assert [entry["name"] for entry in epoch_report["prompt_sets"]] == ["held-out"]  # the first set only
             assert sum(p["cycles"] for p in epoch_report["per_prompt"]) == epoch_report["acceptance"]["num_cycles"]
