@@ -81,7 +81,7 @@ from stages.config.check import (
     runtime_paths,
 )
 from stages.config.presets import PIPELINE_SECTIONS, PRESETS, load_preset, strip_comments
-from stages.config.resolve import plain_value, resolve_stage_config
+from stages.config.resolve import default_paths, plain_value, resolve_stage_config
 from stages.evaluate import EvaluateConfig
 from stages.extract.command import ExtractConfig
 from stages.generate import GenerateConfig
@@ -422,11 +422,14 @@ def _digest(data: Any) -> str:
 
 
 def _output_settings(stage: str, settings: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings that decide what ``stage`` writes, by dotted path: ``settings`` without its config's fields
-    declared ``runtime`` (``stages.config.check.runtime_paths``: progress, logging, locks...), which a rerun in the
-    same work folder may change."""
-    ignored = runtime_paths(SECTIONS[stage].config) if stage in SECTIONS else frozenset()
-    return {path: value for path, value in leaf_paths(settings).items() if path not in ignored}
+    """The settings that decide what ``stage`` writes, by dotted path: ``settings`` over its config's defaults (a
+    setting given at its default value is the setting left out), without the fields declared ``runtime``
+    (``stages.config.check.runtime_paths``: progress, logging, locks...), which a rerun in the same work folder may
+    change."""
+    config = SECTIONS[stage].config if stage in SECTIONS else None
+    ignored = runtime_paths(config) if config is not None else frozenset()
+    values = {**(default_paths(config) if config is not None else {}), **leaf_paths(settings)}
+    return {path: value for path, value in values.items() if path not in ignored}
 
 
 def _output_digest(stage: str, settings: Mapping[str, Any]) -> str:
@@ -435,14 +438,16 @@ def _output_digest(stage: str, settings: Mapping[str, Any]) -> str:
 
 
 def _settings_changes(stage: str, before: Mapping[str, Any], now: Mapping[str, Any]) -> str:
-    """The output-deciding settings that differ, one ``stage.path: old -> new`` each (``(not set)`` where a side
-    lacks the key)."""
+    """The output-deciding settings that differ, one ``stage.path: old -> new`` each (``(default)`` after a value
+    the side did not set, ``(not set)`` where it has none)."""
     old, new = _output_settings(stage, before), _output_settings(stage, now)
 
-    def shown(values: dict[str, Any], path: str) -> str:
-        return json.dumps(values[path], default=str) if path in values else "(not set)"
+    def shown(values: dict[str, Any], path: str, given: Mapping[str, Any]) -> str:
+        if path not in values:
+            return "(not set)"
+        return json.dumps(values[path], default=str) + ("" if path in leaf_paths(given) else " (default)")
 
-    return ", ".join(f"{stage}.{path}: {shown(old, path)} -> {shown(new, path)}"
+    return ", ".join(f"{stage}.{path}: {shown(old, path, before)} -> {shown(new, path, now)}"
                      for path in sorted(set(old) | set(new)) if old.get(path, _UNSET) != new.get(path, _UNSET))
 
 

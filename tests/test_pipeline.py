@@ -365,8 +365,9 @@ def test_a_stage_that_failed_before_writing_anything_reruns_with_corrected_setti
 
 def test_a_rerun_may_change_settings_that_do_not_change_a_stages_output(tmp_path):
     """Fields declared ``runtime`` (progress lines, logging, checkpoint cadence, locks, the dashboard) may differ in
-    a rerun over the same work folder; any other field is refused, the refusal naming each one that changed, and
-    pipeline.json is written as before (the digest of every setting given)."""
+    a rerun over the same work folder, and a field given at its default equals the field left out; any other field
+    is refused, the refusal naming each one that changed, and pipeline.json is written as before (the digest of
+    every setting given)."""
     from pipelines.offline import _digest, _State
 
     train = {"target": "default", "epochs": 2, "optim": {"lr": 1e-3}, "telemetry": {"progress": True}}
@@ -382,8 +383,11 @@ def test_a_rerun_may_change_settings_that_do_not_change_a_stages_output(tmp_path
                        cache)
     with pytest.raises(ConfigError, match=r"other settings \(train\.optim\.lr: 0\.001 -> 0\.002\); use a new --workdir"):
         state.check("train", {**train, "optim": {"lr": 2e-3}}, run)
-    with pytest.raises(ConfigError, match=r"\(extract\.num_taps: 1 -> 2, extract\.shard_size: \(not set\) -> 64\)"):
+    with pytest.raises(ConfigError, match=r"\(extract\.num_taps: 1 -> 2, extract\.shard_size: 65536 \(default\) -> 64\)"):
         state.check("extract", {**extract, "num_taps": 2, "progress_interval": 0, "shard_size": 64}, cache)
+    # A setting given at its default value is the setting left out: no change.
+    assert state.check("extract", {**extract, "shard_size": 65536}, cache)
+    assert state.check("train", {**train, "optim": {"lr": 1e-3, "schedule": "cosine"}}, run)
     assert json.loads((tmp_path / "pipeline.json").read_text())["stages"]["train"]["digest"] == _digest(train)
 
 

@@ -27,8 +27,10 @@ from typing import Any
 from dflash.errors import ConfigError
 from stages.config.check import (
     CONFIG_SECTIONS,
+    MISSING_DEFAULT,
     check_fields,
     check_not_empty_path,
+    field_default,
     layer_over,
     leaf_paths,
     override_value,
@@ -235,6 +237,13 @@ def without_key(message: str, key: str) -> str:
         if message.startswith(prefix) and len(message) > len(prefix):
             return message[len(prefix):]
     return message
+
+
+def default_paths(cls: type) -> dict[str, Any]:
+    """The defaults of ``cls``'s fields by dotted path (a nested config's fields by their paths:
+    ``optim.lr``), as config-file data (:func:`plain_value`); fields without a default are left out."""
+    defaults = {f.name: field_default(f) for f in dataclasses.fields(cls)}
+    return leaf_paths({name: plain_value(value) for name, value in defaults.items() if value is not MISSING_DEFAULT})
 
 
 def plain_value(value: Any) -> Any:
