@@ -601,10 +601,8 @@ def test_a_producer_killed_mid_batch_stops_the_run_and_the_resume_recomputes_los
     assert not _leaked(before, own_processes)
 
 
-@pytest.mark.parametrize("ring_slots", [3, 8], ids=["one-batch-per-task", "grouped"])
 def test_cache_to_writes_while_training_the_cache_extract_would_and_train_reuses_it(corpus_dir, target_path, target,
-                                                                                    offline_cache, tmp_path, own_processes,
-                                                                                    ring_slots):
+                                                                                    offline_cache, tmp_path, own_processes):
     """``online --cache-to`` over one epoch (and one full validation pass): every shard of extract's plan is
     committed from the staged batches, ``cache verify`` accepts it, it holds what ``extract`` stores for the same
     rows (tokens and masks exactly, hidden states within bf16 tolerance) and records the rows the run never
@@ -616,7 +614,7 @@ def test_cache_to_writes_while_training_the_cache_extract_would_and_train_reuses
     from tests.train_helpers import tiny_config
 
     cache = tmp_path / "cache"
-    config = _online_config(corpus_dir, target_path, tmp_path / "run", ring_slots, max_steps=5, grad_accum_steps=2,
+    config = _online_config(corpus_dir, target_path, tmp_path / "run", 8, max_steps=5, grad_accum_steps=2,
                             max_validation_batches=None, min_supervised_tokens=40)  # fmt: skip
     config.cache_to, config.cache_shard_size = str(cache), 600  # the shard plan of the offline_cache fixture
     before = set(list_segments())

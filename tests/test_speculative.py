@@ -75,9 +75,17 @@ class OracleDrafter(torch.nn.Module):
 @pytest.fixture(scope="module", params=["dynamic", "static"])
 def tapped(target, request):
     """The target with its taps, on transformers' dynamic KV cache and on the static cache
-    (dflash/decoding/static_target.py; eager on CPU): every loop test runs through both."""
+    (dflash/decoding/static_target.py; eager on CPU): the tests of what the cache decides (tokens, acceptance,
+    the drafter's context) run through both."""
     kind = TappedTarget if request.param == "dynamic" else StaticTappedTarget
     with kind(target.model, TAPS) as wrapped:
+        yield wrapped
+
+
+@pytest.fixture(scope="module")
+def dynamic_tapped(target):
+    """The target with its taps on transformers' dynamic KV cache only (tests of what the cache does not decide)."""
+    with TappedTarget(target.model, TAPS) as wrapped:
         yield wrapped
 
 
@@ -100,13 +108,13 @@ def test_block_size_one_is_the_targets_own_greedy_decoding(tapped, greedy_refere
     assert result.acceptance_lengths == [1] * 23  # the first token comes from the prefill, not a cycle
 
 
-def test_target_generate_is_transformers_generate_with_the_loops_stop_tokens(target, tokenizer, tapped):
+def test_target_generate_is_transformers_generate_with_the_loops_stop_tokens(target, tokenizer, dynamic_tapped):
     """The evaluation's second reference: ``generate()`` stops where the loop stops (same stop tokens, same greedy
     tokens), and an empty stop list ignores the end of sequence as ``--ignore-eos`` does in the loop."""
     prompt = _prompt(tokenizer, "Answer with one word: is the sky blue?")
     stopping = SpeculativeConfig(block_size=1, max_new_tokens=16, stop_token_ids=(tokenizer.eos_token_id,))
     generated = target_generate(target.model, prompt, stopping)
-    loop = speculative_generate(tapped, None, prompt, stopping)
+    loop = speculative_generate(dynamic_tapped, None, prompt, stopping)
     assert generated.output_ids == loop.output_ids
     assert generated.finish_reason == loop.finish_reason == "stop" and len(generated.output_ids) < 12
     assert generated.output_ids[-1] == tokenizer.eos_token_id
@@ -167,12 +175,12 @@ def test_random_drafter_greedy_output_equals_target_greedy(target, tokenizer, ta
     assert sum(result.acceptance_lengths) >= 23
 
 
-def test_sampled_mode_gives_valid_tokens_and_is_reproducible(target, tapped, greedy_reference):
+def test_sampled_mode_gives_valid_tokens_and_is_reproducible(target, dynamic_tapped, greedy_reference):
     prompt, reference = greedy_reference
     oracle = OracleDrafter(prompt + reference, target.model.config.vocab_size, strict=False)
     config = SpeculativeConfig(block_size=BLOCK, max_new_tokens=20, temperature=0.8, mask_token_id=MASK)
     runs = [
-        speculative_generate(tapped, oracle, prompt, config, generator=torch.Generator().manual_seed(7))
+        speculative_generate(dynamic_tapped, oracle, prompt, config, generator=torch.Generator().manual_seed(7))
         for _ in range(2)
     ]
     assert runs[0].output_ids == runs[1].output_ids
