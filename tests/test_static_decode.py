@@ -329,7 +329,7 @@ def test_the_ranged_kernels_under_tritons_interpreter():
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                              "interpreted"], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
                             text=True, timeout=600)
-    assert result.returncode == 0 and re.search(r"\b10 passed", result.stdout), result.stdout[-4000:] + result.stderr[-2000:]
+    assert result.returncode == 0 and re.search(r"\b9 passed", result.stdout), result.stdout[-4000:] + result.stderr[-2000:]
 
 
 def test_interpreted_ranged_attention_reads_exactly_each_rows_range(interpreted_ranged):
@@ -482,12 +482,20 @@ def test_interpreted_fused_qwen3_decode_gives_the_padded_decoders_tokens(interpr
     assert not any("forward" in vars(module) for module in modules)
 
 
+def _step_inputs(slot):
+    """The storage of everything a captured decode step of ``slot`` reads: its input buffers and the cache."""
+    buffers = [slot.tokens, slot.positions, slot.write, slot.starts, slot.ends, slot.mask]
+    buffers += [t for layer in slot.cache.layers for t in (layer.keys, layer.values)]
+    return tuple(t.data_ptr() for t in buffers)
+
+
 def test_interpreted_stream_refills_rows_and_gives_each_prompt_its_own_continuation(interpreted_ranged):
     """Continuous batching through the engine: 5 requests (ids out of order) through 2 rows, each row taking the next
     request once its reply ends (by a stop token or its own limit), refills cut to 20 prefill tokens, give
     transformers' greedy continuation of every prompt, reported as they finish; sampled, on the now allocated cache
     (a refill then prefills into chosen cache rows), the tokens of the batch decoder for the same row keys (the noise
-    follows the request and its step, not the row)."""
+    follows the request and its step, not the row). Every decode step of both calls reads the same storage for its
+    inputs and cache, as a captured graph's replays do."""
     from types import SimpleNamespace
 
     model = _tiny_llama()
@@ -507,6 +515,13 @@ def test_interpreted_stream_refills_rows_and_gives_each_prompt_its_own_continuat
                                 ranged=True, prompt_bucket=8, stop_token_ids=[stop])
     engine._decoder.check_every = 1  # look for finished rows after every step (tiny replies)
     assert engine.streams and engine.describe()["continuous_batching"]
+    seen, run_step = [], engine._decoder._run_step
+
+    def observed(slot, use_graph):  # the storage every decode step reads, through refills and both calls
+        seen.append(_step_inputs(slot))
+        return run_step(slot, use_graph)
+
+    engine._decoder._run_step = observed
     reported = []
     engine.progress = lambda replies, tokens: reported.append((replies, tokens))
     requests = [GenerationRequest(request_id=i, prompt_ids=p, max_new_tokens=n)
@@ -517,45 +532,14 @@ def test_interpreted_stream_refills_rows_and_gives_each_prompt_its_own_continuat
     assert sum(n for n, _ in reported) == 5 and sum(t for _, t in reported) == sum(map(len, expected))
     settings = SamplingSettings(temperature=0.8, max_new_tokens=4, seed=7)
     sampled = [r.token_ids for r in engine.generate(requests, settings)]
+    # A CUDA graph replays the addresses it captured: a buffer or cache rebuilt instead of updated in place would be
+    # read stale by the replays on a GPU. Every step of both calls read the same storage.
+    assert len(seen) > 10 and len(set(seen)) == 1 and len(engine._decoder._slots) == 1
     engine.close()
     batch = StaticDecoder(model, rows=5, pad_token_id=0, stop_token_ids=[stop], length_bucket=16, ranged=False)
     keys = [7 * 2**32 + i for i in ids]
     assert sampled == batch.decode(prompts, limits, temperature=0.8, row_keys=keys) != expected
     batch.close()
-
-
-def _step_inputs(slot):
-    """The storage of everything a captured decode step of ``slot`` reads: its input buffers and the cache."""
-    buffers = [slot.tokens, slot.positions, slot.write, slot.starts, slot.ends, slot.mask]
-    buffers += [t for layer in slot.cache.layers for t in (layer.keys, layer.values)]
-    return tuple(t.data_ptr() for t in buffers)
-
-
-def test_interpreted_stream_updates_what_a_captured_step_reads_in_place(interpreted_ranged):
-    """A CUDA graph replays the addresses it captured: through a stream's refills (7 prompts through 2 rows, each
-    refill prefilled into chosen cache rows) and into a second call on the same cache, every decode step reads the
-    same storage for its token column, positions, write positions, key ranges, mask and cache (a buffer rebuilt
-    instead of updated in place would be read stale by the replays on a GPU)."""
-    model = _tiny_llama()
-    generator = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(1, 256, (n,), generator=generator).tolist() for n in (3, 17, 9, 1, 5, 12, 6)]
-    limits = [4, 6, 2, 5, 3, 6, 1]
-    decoder = StaticDecoder(model, rows=2, pad_token_id=0, stop_token_ids=[255], length_bucket=16, ranged=True,
-                            check_every=1)
-    seen = []
-    run_step = decoder._run_step
-
-    def observed(slot, use_graph):
-        seen.append(_step_inputs(slot))
-        return run_step(slot, use_graph)
-
-    decoder._run_step = observed
-    first = decoder.decode_stream(prompts, limits, prompt_bucket=4, refill_rows=1)
-    steps = decoder.last_steps
-    decoder.decode_stream(prompts[::-1], limits[::-1], prompt_bucket=4, refill_rows=1)  # same length: same slot
-    assert all(first) and len(decoder._slots) == 1 and len(seen) == steps + decoder.last_steps > steps > 0
-    assert len(set(seen)) == 1
-    decoder.close()
 
 
 def test_ranged_attention_where_it_cannot_run_is_refused():
