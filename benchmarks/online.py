@@ -409,6 +409,25 @@ def main() -> None:
         phase_runs |= {"groups_overlapped": [], "groups_synchronized": []}
         forwards_per_batch["producer_groups"] = []
         group_tasks: list = []
+    def measure_variant(key: str, label: str, repeat: int, *, budget: int = producer_forward_tokens,
+                        group_tokens: int | None = args.producer_group_tokens, tasks: list | None = None) -> None:
+        """The producer alone with another forward budget or group budget (``key``: its runs' suffix), as above."""
+        rate, phases, forwards = producer_rate(BatchProducer(runner(budget=budget), corpus),
+                                               config(f"producer-{key}-{repeat}", producer_slots, group_tokens),
+                                               producer_batches, device, tasks)  # fmt: skip
+        runs[f"producer_alone_I_{key}"].append(rate)
+        phase_runs[f"{key}_overlapped"].append(phases)
+        forwards_per_batch[f"producer_{key}"].append(forwards)
+        line = (f"repeat {repeat} producer alone {label}: {rate:,.0f} real tokens/s, {forwards:.2f} forwards per "
+                f"planned batch; phases: {phases_line(phases)}")
+        if gpu:
+            _, synced, _ = producer_rate(BatchProducer(synchronized_forwards(runner(budget=budget)), corpus),
+                                         config(f"producer-{key}-sync-{repeat}", producer_slots, group_tokens),
+                                         producer_batches, device)  # fmt: skip
+            phase_runs[f"{key}_synchronized"].append(synced)
+            line += f"; synchronized forwards: {phases_line(synced)}"
+        print(line, flush=True)
+
     for repeat in range(args.repeats):
         alone = BatchProducer(runner(), corpus)
         rate, phases, forwards = producer_rate(alone, config(f"producer-{repeat}", producer_slots), producer_batches,
@@ -431,38 +450,10 @@ def main() -> None:
             line += f"; synchronized forwards: {phases_line(synced)}"
         print(line, flush=True)
         if compare_tokens:  # the same producer with forwards of another budget, measured as above
-            rate, phases, forwards = producer_rate(BatchProducer(runner(budget=compare_tokens), corpus),
-                                                   config(f"producer-compare-{repeat}", producer_slots),
-                                                   producer_batches, device)  # fmt: skip
-            runs["producer_alone_I_compare"].append(rate)
-            forwards_per_batch["producer_compare"].append(forwards)
-            phase_runs["compare_overlapped"].append(phases)
-            line = (f"repeat {repeat} producer alone at {compare_tokens:,} tokens per forward: {rate:,.0f} real "
-                    f"tokens/s; phases: {phases_line(phases)}")
-            if gpu:
-                _, synced, _ = producer_rate(BatchProducer(synchronized_forwards(runner(budget=compare_tokens)),
-                                                           corpus),
-                                             config(f"producer-compare-sync-{repeat}", producer_slots),
-                                             producer_batches, device)  # fmt: skip
-                phase_runs["compare_synchronized"].append(synced)
-                line += f"; synchronized forwards: {phases_line(synced)}"
-            print(line, flush=True)
+            measure_variant("compare", f"at {compare_tokens:,} tokens per forward", repeat, budget=compare_tokens)
         if compare_groups is not None:  # the same producer with tasks over groups of another budget
-            rate, phases, forwards = producer_rate(BatchProducer(runner(), corpus),
-                                                   config(f"producer-groups-{repeat}", producer_slots, compare_groups),
-                                                   producer_batches, device, group_tasks)  # fmt: skip
-            runs["producer_alone_I_groups"].append(rate)
-            phase_runs["groups_overlapped"].append(phases)
-            forwards_per_batch["producer_groups"].append(forwards)
-            line = (f"repeat {repeat} producer alone with producer_group_tokens {compare_groups:,}: {rate:,.0f} real "
-                    f"tokens/s, {forwards:.2f} forwards per planned batch; phases: {phases_line(phases)}")
-            if gpu:
-                _, synced, _ = producer_rate(BatchProducer(synchronized_forwards(runner()), corpus),
-                                             config(f"producer-groups-sync-{repeat}", producer_slots, compare_groups),
-                                             producer_batches, device)  # fmt: skip
-                phase_runs["groups_synchronized"].append(synced)
-                line += f"; synchronized forwards: {phases_line(synced)}"
-            print(line, flush=True)
+            measure_variant("groups", f"with producer_group_tokens {compare_groups:,}", repeat,
+                            group_tokens=compare_groups, tasks=group_tasks)
     rate_i, rate_t, achieved, rate_extract = (statistics.median(runs[key]) for key in
                                               ("producer_alone_I", "trainer_alone_T", "achieved", "extract"))
     from stages.extract.command import ExtractConfig, plan_shards
