@@ -415,7 +415,8 @@ def evaluate_drafter(
         checks: ``lossless`` (every prompt, teacher-forced: :func:`_teacher_forced_report`),
         ``lossless_vs_block_size_1`` and ``lossless_vs_generate`` (token for token, on the reference prompts);
         ``per_prompt`` (the reference's figures on the prompts that have them). Without references the speedups
-        are ``None``, ``throughput`` holds ``speculative`` only and the lossless entries say ``checked: false``.
+        are ``None``, ``throughput`` holds ``speculative`` only and the token-for-token entries say
+        ``checked: false`` (``lossless`` is checked all the same in greedy mode).
         ``baselines`` is ``None`` when no reference ran. ``decoding``: the KV cache the loops ran on and how many
         target forwards and drafts replayed a CUDA graph.
     """
@@ -494,11 +495,13 @@ def evaluate_drafter(
          "finish_reason": s.finish_reason, "seconds": s.seconds}
         for p, s in zip(prompts, spec_results, strict=True)
     ]
-    if not with_references:  # the teacher-forced check needs no reference: greedy runs get it here too
+    greedy = temperature == 0
+    sampled = {"checked": False, "reason": "sampled mode: lossless in distribution, not token for token"}
+    # The teacher-forced check needs no reference: every greedy evaluation gets it, with references or without.
+    lossless = (_teacher_forced_report(model, prompts, spec_results, tolerance, max_new_tokens=max_new_tokens,
+                                       stop_token_ids=stop_token_ids) if greedy else sampled)
+    if not with_references:
         skipped = {"checked": False, "reason": "references not run (evaluate.references = false)"}
-        lossless = (_teacher_forced_report(model, prompts, spec_results, tolerance, max_new_tokens=max_new_tokens,
-                                           stop_token_ids=stop_token_ids) if temperature == 0
-                    else {"checked": False, "reason": "sampled mode: lossless in distribution, not token for token"})
         return {"tau": stats.mean_tau, "acceptance": stats.to_dict(), "speedup": None, "speedup_vs_generate": None,
                 "throughput": {"speculative": spec_speed}, "lossless": lossless, "lossless_vs_block_size_1": skipped,
                 "lossless_vs_generate": skipped, "decoding": decoding, "per_prompt": per_prompt}, None
@@ -508,11 +511,9 @@ def evaluate_drafter(
                          f"results for the first {measured_prompts} prompts")
     for entry, b, g in zip(per_prompt, base_results, generate_results, strict=False):
         entry.update(baseline_seconds=b.seconds, generate_new_tokens=len(g.output_ids), generate_seconds=g.seconds)
-    sampled = {"checked": False, "reason": "sampled mode: lossless in distribution, not token for token"}
     base_speed = {**_throughput(base_results), "prompts": measured}
     generate_speed = {**_throughput(generate_results, split=False), "prompts": measured}
     reference_set, reference_spec = prompts[:measured], spec_results[:measured]
-    greedy = temperature == 0
     summary: dict[str, Any] = {
         "tau": stats.mean_tau,
         "acceptance": stats.to_dict(),
@@ -524,8 +525,7 @@ def evaluate_drafter(
         "throughput": {"speculative": spec_speed, "baseline_block_size_1": base_speed,
                        "target_generate": {**generate_speed, "call": _generate_call(max_new_tokens, temperature,
                                                                                     stop_token_ids)}},
-        "lossless": (_teacher_forced_report(model, prompts, spec_results, tolerance, max_new_tokens=max_new_tokens,
-                                            stop_token_ids=stop_token_ids) if greedy else sampled),
+        "lossless": lossless,
         "lossless_vs_block_size_1": (
             _lossless_report(model, reference_set, reference_spec, base_results, tolerance) if greedy else sampled),
         "lossless_vs_generate": (

@@ -68,10 +68,8 @@ class _Graph:
 
 
 class _StaticSession:
-    """What :meth:`StaticTappedTarget.new_cache` returns for one generation: the loop's cache handle."""
-
-    def __init__(self, target: StaticTappedTarget) -> None:
-        self.target = target
+    """What :meth:`StaticTappedTarget.new_cache` returns for one generation: the loop's cache handle (the cache
+    itself is the target's one static cache)."""
 
     def crop(self, tokens_to_remove: int) -> None:
         """Nothing to remove: every forward writes at the start position it is given and the mask hides the cache
@@ -139,7 +137,7 @@ class StaticTappedTarget(TappedTarget):
 
     def new_cache(self, capacity: int = 0) -> _StaticSession:
         self.reserve(max(int(capacity), 1))
-        return _StaticSession(self)
+        return _StaticSession()
 
     def forward(self, input_ids: torch.Tensor, start: int, cache: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``input_ids`` [k] at positions ``start .. start+k-1`` on the static cache (which holds the generation's
@@ -217,10 +215,10 @@ class GraphedDrafter(torch.nn.Module):
 
     The loop hands the drafter the accepted positions' taps (``context_hidden[:position]``); this wrapper copies
     them into its own ``[capacity, n*H]`` buffer and drafts over the whole buffer with the rows past ``position``
-    masked out
-    (``draft_block(..., context_valid=...)`` of :class:`dflash.drafter.DFlashDrafter`), so every cycle has one shape:
-    on CUDA the draft is captured at the first cycle and replayed after. Without CUDA it runs the same padded draft
-    eagerly. The returned logits of a replay are overwritten by the next draft.
+    masked out (``draft_block(..., context_valid=...)`` of :class:`dflash.drafter.DFlashDrafter`), so every cycle
+    has one shape: on CUDA the draft is captured at the first cycle and replayed after. Without CUDA it runs the same
+    padded draft eagerly. Returns ``[B, V]`` float32 logits like the drafter's; those of a replay are overwritten by
+    the next draft.
 
     Args:
         drafter: a drafter whose ``draft_block`` takes ``context_valid`` and a tensor ``block_start``.
