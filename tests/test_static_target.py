@@ -186,11 +186,10 @@ def test_graphed_drafter_compiles_its_fused_kernels_at_the_first_draft_only():
         torch._dynamo.reset()
 
 
-@pytest.mark.gpu
-def test_cuda_graphed_drafter_and_target_commit_what_the_eager_loop_commits():
-    """On CUDA: a real DFlashDrafter (random weights) through its captured draft and the target's captured forwards
-    commits the tokens and acceptance lengths of the dynamic-cache loop with the plain drafter."""
-    model = _llama("cuda")
+def _graphed_against_dynamic(device: str) -> tuple[list, list, StaticTappedTarget, GraphedDrafter]:
+    """A real DFlashDrafter (random weights) on the random Llama on ``device``: the loop's results through the
+    dynamic-cache target with the plain drafter, and through the static target with the graphed drafter."""
+    model = _llama(device)
     drafter = _tiny_drafter(model)
     prompts = _prompts()
     config = SpeculativeConfig(block_size=6, max_new_tokens=40, mask_token_id=0)
@@ -199,8 +198,19 @@ def test_cuda_graphed_drafter_and_target_commit_what_the_eager_loop_commits():
     with StaticTappedTarget(model, TAPS, length_bucket=64) as static:
         graphed = GraphedDrafter(drafter, capacity=70 + 40 + 6)
         got = [speculative_generate(static, graphed, prompt, config) for prompt in prompts]
-    assert [(r.output_ids, r.acceptance_lengths) for r in got] == [
-        (r.output_ids, r.acceptance_lengths) for r in expected]
+    return expected, got, static, graphed
+
+
+def _committed(results) -> list[tuple]:
+    return [(r.output_ids, r.acceptance_lengths) for r in results]
+
+
+@pytest.mark.gpu
+def test_cuda_graphed_drafter_and_target_commit_what_the_eager_loop_commits():
+    """On CUDA: a real DFlashDrafter (random weights) through its captured draft and the target's captured forwards
+    commits the tokens and acceptance lengths of the dynamic-cache loop with the plain drafter."""
+    expected, got, _, graphed = _graphed_against_dynamic("cuda")
+    assert _committed(got) == _committed(expected)
     assert graphed.replays > 0 and graphed.eager_drafts == 0
 
 
@@ -211,19 +221,10 @@ def test_cuda_graphs_are_captured_on_the_models_gpu_when_another_is_current():
     kernels on its own GPU, so the replays commit the dynamic cache's tokens instead of replaying an empty graph
     and returning the capture's stale logits."""
     torch.cuda.set_device(0)
-    model = _llama("cuda:1")
-    drafter = _tiny_drafter(model)
-    prompts = _prompts()
-    config = SpeculativeConfig(block_size=6, max_new_tokens=40, mask_token_id=0)
-    with TappedTarget(model, TAPS) as dynamic:
-        expected = [speculative_generate(dynamic, drafter, prompt, config) for prompt in prompts]
-    with StaticTappedTarget(model, TAPS, length_bucket=64) as static:
-        graphed = GraphedDrafter(drafter, capacity=70 + 40 + 6)
-        got = [speculative_generate(static, graphed, prompt, config) for prompt in prompts]
-        assert static.replays > 0 and graphed.replays > 0 and graphed.eager_drafts == 0
+    expected, got, static, graphed = _graphed_against_dynamic("cuda:1")
+    assert static.replays > 0 and graphed.replays > 0 and graphed.eager_drafts == 0
     assert torch.cuda.current_device() == 0
-    assert [(r.output_ids, r.acceptance_lengths) for r in got] == [
-        (r.output_ids, r.acceptance_lengths) for r in expected]
+    assert _committed(got) == _committed(expected)
 
 
 def _graphs_on_and_off(model, drafter, prompts: list[list[int]], config: SpeculativeConfig) -> list[list[tuple]]:
