@@ -65,12 +65,12 @@ def _random_drafter(model, layers: int, block: int, taps: list[int]):
     return drafter
 
 
-def _timed(tapped, drafter, prompts, config) -> tuple[float, int, list[list[int]]]:
-    """Seconds of the decode loops (prefills excluded), steps (cycles) and the outputs, over ``prompts``."""
+def _timed(tapped, drafter_for, prompts, config) -> tuple[float, int, list[list[int]]]:
+    """Seconds of the decode loops (prefills excluded), steps (cycles) and the outputs, over ``prompts``;
+    ``drafter_for(index)`` gives prompt ``index``'s drafter (None for block size 1)."""
     seconds, steps, outputs = 0.0, 0, []
     for index, prompt in enumerate(prompts):
-        chosen = drafter(index) if callable(drafter) and not isinstance(drafter, torch.nn.Module) else drafter
-        result = speculative_generate(tapped, chosen, prompt, config)
+        result = speculative_generate(tapped, drafter_for(index), prompt, config)
         seconds += result.decode_seconds
         steps += result.num_cycles
         outputs.append(result.output_ids)
@@ -120,11 +120,12 @@ def main() -> None:
             tapped.reserve(capacity)
         drafting = GraphedDrafter(drafter, capacity) if kind == "static" else drafter
         with tapped:
-            references = _timed(tapped, None, prompts, plain)[2]
-            loops = {"block size 1 (ms/token)": (None, plain),
+            references = _timed(tapped, lambda i: None, prompts, plain)[2]
+            loops = {"block size 1 (ms/token)": (lambda i: None, plain),
                      f"block {args.block_size}, replay drafter (ms/cycle)":
                          (lambda i, refs=references: ReplayDrafter(prompts[i] + refs[i], vocab, i), block),
-                     f"block {args.block_size}, {args.draft_layers}-layer drafter (ms/cycle)": (drafting, block)}
+                     f"block {args.block_size}, {args.draft_layers}-layer drafter (ms/cycle)":
+                         (lambda i, model=drafting: model, block)}
             for name, (chosen, config) in loops.items():
                 _timed(tapped, chosen, prompts, config)  # cold: capture, allocator
                 runs = [_timed(tapped, chosen, prompts, config) for _ in range(args.repeats)]
