@@ -24,6 +24,9 @@ def capture_graph(device: torch.device, body: Callable[[], Any]) -> tuple[torch.
     Raises:
         RuntimeError: the capture failed (an operation a graph cannot record: a host sync, a CPU copy, ...); the
             caller's stream is current again.
+
+    Source followed: PyTorch's CUDA semantics notes, "CUDA Graphs" (whole-network capture: warm up on a side stream
+    before capturing, replay with inputs copied into the captured tensors).
     """
     with torch.cuda.device(device):
         current = torch.cuda.current_stream(device)
