@@ -243,12 +243,12 @@ def test_cuda_stream_in_the_default_configuration_replays_what_it_decodes_eagerl
     keys = [7 * 2**32 + i for i in range(12)]
     stream = dict(prompt_bucket=8, refill_rows=1)
     decoder = StaticDecoder(model, rows=4, pad_token_id=0, stop_token_ids=[511], length_bucket=32, check_every=4,
-                           cuda_decoder=False)  # eagerly first, then captured: the same compiled parts and refills
+                           cuda_graphs=False)  # eagerly first, then captured: the same compiled parts and refills
     assert decoder.streams and decoder._compiled
     expected = [decoder.decode_stream(prompts, limits, **stream),
                 decoder.decode_stream(prompts, limits, temperature=0.8, top_p=0.9, row_keys=keys, **stream)]
     assert decoder.last_mode == "eager"
-    decoder.cuda_decoder = True
+    decoder.cuda_graphs = True
     assert decoder.decode_stream(prompts, limits, **stream) == expected[0]
     assert decoder.last_mode == "graph"
     assert decoder.decode_stream(prompts, limits, temperature=0.8, top_p=0.9, row_keys=keys, **stream) == expected[1]
