@@ -2,7 +2,7 @@
 
 Run::
 
-    python benchmarks/speculative_loop.py --target smollm2-random --dtype float32      # one GPU: dynamic vs static
+    python benchmarks/speculative_loop.py --target smollm2-random --dtype float32      # one GPU: static vs dynamic
     python benchmarks/speculative_loop.py                                             # the real SmolLM2
     python benchmarks/speculative_loop.py --smoke                                      # tiny, on CPU (a check that it runs)
 
@@ -77,10 +77,42 @@ def _timed(tapped, drafter_for, prompts, config) -> tuple[float, int, list[list[
     return seconds, steps, outputs
 
 
+def _profile(tapped, drafter_for, prompts, config, device: torch.device) -> dict:
+    """One pass over ``prompts`` under torch.profiler: where a step's time goes (on CUDA, the kernels' busy time
+    against the wall time; the rest is the host: launches, synchronizations, Python)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        seconds, steps, _ = _timed(tapped, drafter_for, prompts, config)
+    on_device = device.type == "cuda"
+    if on_device:
+        kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        busy_us = sum(e.self_device_time_total for e in kernels)
+        launches = sum(e.count for e in kernels)
+        top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:6]
+        top_rows = [(e.key[:60], e.count // max(steps, 1), e.self_device_time_total / max(steps, 1) / 1000) for e in top]
+    else:  # on CPU: the operators' own time (no kernels to count)
+        ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+        busy_us = sum(e.self_cpu_time_total for e in ops)
+        launches = sum(e.count for e in ops)
+        top = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:6]
+        top_rows = [(e.key[:60], e.count // max(steps, 1), e.self_cpu_time_total / max(steps, 1) / 1000) for e in top]
+    wall = 1000 * seconds / max(steps, 1)
+    busy = busy_us / 1000 / max(steps, 1)  # prefill included: one prompt's prefill over its many steps
+    summary = (f"profiled: {wall:.2f} ms/step wall (under the profiler), {'device busy' if on_device else 'operators'} "
+               f"{busy:.2f} ms/step ({busy / wall:.0%}), {launches / max(steps, 1):.0f} "
+               f"{'kernels' if on_device else 'operator calls'}/step; most time: "
+               + "; ".join(f"{name} x{count} {ms:.3f} ms" for name, count, ms in top_rows))
+    return {"wall_ms_per_step": wall, "busy_ms_per_step": busy, "per_step": launches / max(steps, 1),
+            "top": top_rows, "summary": summary}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="default", help="default (SmolLM2), smollm2-random, qwen3-8b-random or a local path")
-    parser.add_argument("--kv-cache", nargs="+", default=["dynamic", "static"], choices=["dynamic", "static"])
+    parser.add_argument("--kv-cache", nargs="+", default=["static", "dynamic"], choices=["dynamic", "static"],
+                        help="caches in the order they run (the first is the ratios' basis)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -90,6 +122,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU-sized lengths")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timings, profile one prompt of each loop: wall vs device-busy ms per step, "
+                             "kernels per step and the kernels that take the most time")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     if args.smoke:
@@ -138,6 +173,9 @@ def main() -> None:
                 print(f"{kind:8s} {name:42s} {per_step:8.2f} ms  steps {row['steps']:5d}  "
                       f"{row['ratio_to_first']:.2f}x the {args.kv_cache[0]} cache  same tokens: {row['same_tokens_as_first']}",
                       flush=True)
+                if args.profile:
+                    row["profile"] = _profile(tapped, chosen, prompts[:1], config, device)
+                    print(f"{'':8s} {'':42s} {row['profile']['summary']}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
 

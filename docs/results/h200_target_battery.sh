@@ -4,7 +4,7 @@
 # when its output is already there (rerun the same call to go on). PART picks a call:
 #   random  random-weight targets, real shapes (carry .offline/whl, offline-install, model.sha256; ~9 min):
 #           the GPU tests of the decode loops (run these first: generate's and evaluate's graphs), evaluate's
-#           loops per KV cache
+#           loops per KV cache (the static cache first, each loop profiled: device-busy vs wall ms per step)
 #   throughput  (same carry; ~7 min) generate continuous vs batches, the online producer grouped vs a task per
 #           planned batch
 #   extract the extract forward's profile and compiled parts (random SmolLM2 shape; ~4 min)
@@ -32,8 +32,8 @@ case $PART in
   random)
     step gpu_tests 360 python -m pytest -q -m gpu tests/test_static_decode.py tests/test_static_target.py \
       tests/test_drafter_fused.py
-    step speculative_loop_random 180 python benchmarks/speculative_loop.py --target smollm2-random --dtype float32 \
-      --repeats 3 --json "$DEST/speculative_loop_random.json"
+    step speculative_loop_random 240 python benchmarks/speculative_loop.py --target smollm2-random --dtype float32 \
+      --repeats 3 --profile --json "$DEST/speculative_loop_random.json"
     ;;
   throughput)
     step generate_continuous 240 python benchmarks/generate.py --target smollm2-random --prompts 4096 \
@@ -47,8 +47,8 @@ case $PART in
       --compare-compile-parts --profile 15 --json "$DEST/extract_compile_parts.json"
     ;;
   real)
-    step speculative_loop_real 150 python benchmarks/speculative_loop.py --dtype float32 --repeats 3 \
-      --json "$DEST/speculative_loop_real.json"
+    step speculative_loop_real 150 python benchmarks/speculative_loop.py --dtype float32 --repeats 3 --kv-cache static \
+      --profile --json "$DEST/speculative_loop_real.json"
     step generate_real 300 python benchmarks/generate.py --prompts 4096 --batch-size 1024 2048 \
       --batching continuous batches --repeats 3 --agreement 64 --json "$DEST/generate_real.json"
     ;;
