@@ -815,7 +815,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     if decoding is not None:
         graphs = (f", CUDA graphs replayed {decoding['graph_replays']} times (target) and "
                   f"{decoding.get('drafter_graph_replays', 0)} (drafter)" if decoding["cuda_graphs"] else "")
-        summary.add_row("target KV cache (both loops)", f"{decoding['kv_cache']}{graphs}")
+        summary.add_row("target KV cache (speculative and block size 1 loops)", f"{decoding['kv_cache']}{graphs}")
     if report.get("speedup") is None:  # references not run: tau and the teacher-forced lossless check
         summary.add_row("speedups, token-for-token checks", "not measured (references off)")
     else:
@@ -825,7 +825,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         summary.add_row("speedup vs block size 1", f"{report['speedup']:.2f}x")
     generate = speed.get("target_generate")
     if generate is not None:  # reports written before the generate() reference existed lack it
-        summary.add_row("target generate() tokens/s", f"{generate['tokens_per_second']:.1f}")
+        summary.add_row("target generate() tokens/s (eager, no graphs)", f"{generate['tokens_per_second']:.1f}")
         summary.add_row("speedup vs generate()", f"{report['speedup_vs_generate']:.2f}x")
     if report.get("speedup_basis"):
         summary.add_row("speedups over", report["speedup_basis"])

@@ -167,7 +167,7 @@ def test_static_kv_cache_decodes_what_the_dynamic_cache_decodes(export_folder, f
     assert full["decoding"] == {"kv_cache": "dynamic", "cuda_graphs": False, "graph_replays": 0,
                                 "drafter_graph_replays": 0}
     assert static["decoding"]["kv_cache"] == "static" and not static["decoding"]["cuda_graphs"]
-    assert static["settings"]["kv_cache"] == "static" and "target KV cache (both loops)" in result.output
+    assert static["settings"]["kv_cache"] == "static" and "target KV cache (speculative and block size 1 loops)" in result.output
     assert static["tau"] == full["tau"] and static["acceptance"] == full["acceptance"]
     assert [p["cycles"] for p in static["per_prompt"]] == [p["cycles"] for p in full["per_prompt"]]
     for key in ("lossless", "lossless_vs_block_size_1", "lossless_vs_generate"):
