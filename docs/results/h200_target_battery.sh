@@ -4,7 +4,8 @@
 # when its output is already there (rerun the same call to go on). PART picks a call:
 #   random  random-weight targets, real shapes (carry .offline/whl, offline-install, model.sha256; ~9 min):
 #           the GPU tests of the decode loops (run these first: generate's and evaluate's graphs), evaluate's
-#           loops per KV cache (the static cache first, each loop profiled: device-busy vs wall ms per step)
+#           loops per KV cache (the static cache first, each loop profiled: device-busy vs wall ms per step), and
+#           the static loops in bfloat16 (is a 16-token float32 verify what makes a cycle cost 2 plain steps?)
 #   throughput  (same carry; ~7 min) generate continuous vs batches, the online producer grouped vs a task per
 #           planned batch
 #   extract the extract forward's profile and compiled parts (random SmolLM2 shape; ~4 min)
@@ -34,6 +35,8 @@ case $PART in
       tests/test_drafter_fused.py
     step speculative_loop_random 240 python benchmarks/speculative_loop.py --target smollm2-random --dtype float32 \
       --repeats 3 --profile --json "$DEST/speculative_loop_random.json"
+    step speculative_loop_random_bf16 120 python benchmarks/speculative_loop.py --target smollm2-random \
+      --dtype bfloat16 --kv-cache static --repeats 3 --profile --json "$DEST/speculative_loop_random_bf16.json"
     ;;
   throughput)
     step generate_continuous 240 python benchmarks/generate.py --target smollm2-random --prompts 4096 \
