@@ -3,6 +3,7 @@ real SmolLM2 target in float32 on CPU (the same loop without CUDA graphs)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import subprocess
@@ -51,6 +52,48 @@ def test_greedy_equals_transformers_generate_per_prompt(target, prompts):
     assert decoder.last_mode == "eager"  # no CUDA graphs on CPU
     decoder.close()
     assert target.model.config._attn_implementation == "sdpa"  # the model's own attention is back
+
+
+def test_kv_cache_bytes_are_what_the_static_cache_allocates(target, prompts):
+    from transformers import StaticCache
+
+    from dflash.generation.static_decode import kv_cache_bytes
+
+    cache = StaticCache(config=target.model.config, max_cache_len=48)
+    ids = torch.tensor([p[:4] for p in prompts[:3]])
+    argument = "cache" if "cache" in inspect.signature(target.model.forward).parameters else "past_key_values"
+    target.model(input_ids=ids, use_cache=True, **{argument: cache})  # the layers allocate at their first write
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert held == kv_cache_bytes(target.model.config, 3, 48, torch.float32) > 0
+
+
+def test_rows_beyond_the_memory_decode_fewer_at_a_time_to_the_same_tokens(target, prompts, caplog):
+    """A memory budget that holds 2 of 6 rows: the 5 prompts decode 2 at a time (a warning names the setting), to
+    the tokens of the uncapped decoder; a budget below one row is refused, naming what to lower."""
+    from dflash.errors import ConfigError
+    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
+
+    stops = [target.tokenizer.eos_token_id]
+    limits = [10, 10, 6, 10, 4]
+    free = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=32)
+    expected = free.decode(prompts, limits)
+    assert free.last_rows == 6
+    free.close()
+    width = max(map(len, prompts))
+    length = -(-(width + 10) // 32) * 32
+    per_row = kv_cache_bytes(target.model.config, 1, length, torch.float32) + 4 * length
+    reserve = forward_activation_bytes(target.model.config, 6 * width, 6, width, torch.float32)
+    capped = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=32,
+                           kv_memory=reserve + 2 * per_row + per_row // 2)
+    with caplog.at_level("WARNING", logger="dflash.generation.static_decode"):
+        assert capped.decode(prompts, limits) == expected
+    assert capped.last_rows == 2 and "decoding 2 rows at a time" in caplog.text and "generate.batch_size" in caplog.text
+    capped.close()
+    starved = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=32,
+                            kv_memory=reserve + per_row // 2)
+    with pytest.raises(ConfigError, match="lower generate.max_length"):
+        starved.decode(prompts, limits)
+    starved.close()
 
 
 def test_deterministic_decoder_gives_the_same_greedy_tokens(target, prompts):
@@ -536,6 +579,19 @@ def test_interpreted_stream_refills_rows_and_gives_each_prompt_its_own_continuat
     # read stale by the replays on a GPU. Every step of both calls read the same storage.
     assert len(seen) > 10 and len(set(seen)) == 1 and len(engine._decoder._slots) == 1
     engine.close()
+    # Memory for one of the two rows: the same replies, one row at a time. The stream's cache is 128 positions
+    # (24 prompt columns: 17 tokens in buckets of 8, + 4 new, in the decoder's length buckets of 128); its largest
+    # forward is a refill of the 20-token budget, one 24-wide row.
+    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
+
+    capped = TransformersEngine(model, SimpleNamespace(pad_token_id=0), batch_size=2, token_budget=20, cache="static",
+                                ranged=True, prompt_bucket=8, stop_token_ids=[stop])
+    capped._decoder.check_every = 1
+    per_row = kv_cache_bytes(model.config, 1, 128, torch.float32) + 4 * 128
+    capped._decoder.kv_memory = forward_activation_bytes(model.config, 20, 1, 24, torch.float32) + per_row * 3 // 2
+    assert [r.token_ids for r in capped.generate(requests, SamplingSettings(max_new_tokens=4))] == expected
+    assert capped._decoder.last_rows == 1
+    capped.close()
     batch = StaticDecoder(model, rows=5, pad_token_id=0, stop_token_ids=[stop], length_bucket=16, ranged=False)
     keys = [7 * 2**32 + i for i in ids]
     assert sampled == batch.decode(prompts, limits, temperature=0.8, row_keys=keys) != expected

@@ -227,6 +227,38 @@ class _Slot:
     graph_failed: bool = False
 
 
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def kv_cache_bytes(config: Any, rows: int, length: int, dtype: torch.dtype) -> int:
+    """Bytes of a transformers ``StaticCache`` of ``rows`` x ``length`` positions for a full-attention model: a key
+    and a value tensor ``[rows, kv_heads, length, head_dim]`` per layer."""
+    text = _text_config(config)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * text.num_hidden_layers * rows * kv_heads * length * head_dim * itemsize
+
+
+def forward_activation_bytes(config: Any, tokens: int, rows: int, width: int, dtype: torch.dtype) -> int:
+    """An estimate, on the safe side, of the memory a forward of ``tokens`` tokens (``rows`` prompts left-padded to
+    ``width``) holds at its peak beyond the weights and the KV cache: one layer's activations (residual stream,
+    normed input, query/key/value/output projections, the MLP's gate, up and product), the prefill's 4-D additive
+    mask over the prompt columns and the last position's float32 logits; a quarter more for the allocator's
+    fragmentation, and 1 GiB for workspaces (cuBLAS, the captured graphs' pools)."""
+    text = _text_config(config)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_token = 4 * text.hidden_size + 2 * (heads + 2 * kv_heads) * head_dim + 3 * text.intermediate_size
+    mask = rows * width * width * itemsize
+    logits = rows * text.vocab_size * 4
+    return (tokens * per_token * itemsize + mask + logits) * 5 // 4 + 2**30
+
+
 class StaticDecoder:
     """Decode batches of left-padded prompts with a static KV cache (and CUDA graphs on CUDA).
 
@@ -259,6 +291,11 @@ class StaticDecoder:
             :data:`dflash.generation.fused_decode.FUSABLE_ATTENTIONS` decode through
             :func:`dflash.generation.fused_decode.fused_decode_forward` (rotary embedding and cache write in one
             kernel) while this decoder is open. None: wherever ``ranged`` runs.
+        kv_memory: bytes a call's KV cache and its largest forward's activations may take. A call whose ``rows``
+            would not fit decodes fewer rows at a time (:meth:`rows_that_fit`; a warning says how many), so a large
+            target or long prompts never run the device out of memory at the configured batch size. None: on CUDA,
+            the device's free memory (plus what PyTorch's allocator holds unused) when a call allocates its cache;
+            elsewhere no limit.
 
     Raises:
         ConfigError: the model runs another attention (e.g. flash-attention, which takes no 4-D mask).
@@ -269,9 +306,14 @@ class StaticDecoder:
                  cuda_graphs: bool = True, length_bucket: int = 128, max_slots: int = 2, check_every: int = 16,
                  grouped_attention: bool = True, deterministic: bool = False, ranged: bool | None = None,
                  compile_parts: bool | None = None, compile_backend: str = "inductor",
-                 compile_prefill: bool | None = None, fused: bool | None = None) -> None:
+                 compile_prefill: bool | None = None, fused: bool | None = None,
+                 kv_memory: int | None = None) -> None:
         self.model = model
         self.rows = rows
+        self.kv_memory = kv_memory
+        #: Rows the last :meth:`decode` or :meth:`decode_stream` call decoded at a time (``rows`` unless memory capped).
+        self.last_rows = rows
+        self._fits: dict[tuple[int, bool], int] = {}  # (cache length, stream) -> rows that fit
         self.pad_token_id = int(pad_token_id)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -417,6 +459,40 @@ class StaticDecoder:
         for layer, value in zip(layers, saved, strict=True):  # the warm-up advanced the write position: rewind
             layer.cumulative_length.copy_(value)
 
+    def rows_that_fit(self, length: int, tokens: int, width: int) -> int:
+        """How many of ``rows`` rows a call can decode at once with a cache of ``length`` positions per row, its
+        largest forward being ``tokens`` tokens of prompts ``width`` wide: the KV cache (:func:`kv_cache_bytes`) and
+        the per-row decode buffers must fit in ``kv_memory`` beside that forward's activations
+        (:func:`forward_activation_bytes`).
+
+        Raises:
+            ConfigError: not even one row fits.
+        """
+        budget = self.kv_memory
+        if budget is None:
+            if self.device.type != "cuda":
+                return self.rows
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        config = self.model.config
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        per_row = kv_cache_bytes(config, 1, length, self.dtype) + length * itemsize  # + the decode step's mask row
+        reserve = forward_activation_bytes(config, tokens, min(self.rows, max(1, tokens // max(width, 1))), width,
+                                           self.dtype)
+        fit = (budget - reserve) // per_row
+        if fit < 1:
+            raise ConfigError(
+                f"one row of {length:,} cache positions needs {per_row / 2**30:.2f} GiB of KV cache beside "
+                f"{reserve / 2**30:.2f} GiB for a forward of {tokens:,} tokens, and {budget / 2**30:.2f} GiB are free "
+                f"on {self.device}: lower generate.max_length, generate.max_new_tokens or generate.prefill_tokens")
+        fit = min(self.rows, int(fit))
+        if fit < self.rows:
+            log.warning("%d rows x %d cache positions need %.1f GiB of KV cache, more than the %.1f GiB free on %s "
+                        "beside %.1f GiB for the prefill: decoding %d rows at a time (a lower generate.batch_size "
+                        "chooses the rows; a lower max_length, max_new_tokens or prefill_tokens fits more)", self.rows, length,
+                        self.rows * per_row / 2**30, budget / 2**30, self.device, reserve / 2**30, fit)
+        return fit
+
     # -- decoding --------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -449,7 +525,27 @@ class StaticDecoder:
             raise ValueError(f"width {width} is below the longest prompt ({longest} tokens)")
         steps = max(max_new_tokens)
         length = -(-(width + steps) // self.length_bucket) * self.length_bucket
-        rows = self.rows if self.cuda_graphs else count  # fixed shapes only where a graph is captured
+        fit = self._fits.get((length, False))
+        if fit is None:  # sized once per cache length (a later call finds its own cache among the allocated ones)
+            fit = self._fits[(length, False)] = self.rows_that_fit(length, self.rows * width, width)
+        if count > fit:  # the memory holds fewer rows than asked for: the same prompts, fewer at a time
+            replies: list[list[int]] = []
+            for first in range(0, count, fit):
+                part = slice(first, first + fit)
+                replies += self._decode_rows(prompts[part], max_new_tokens[part], temperature, top_p,
+                                             None if row_keys is None else row_keys[part], width, length, fit)
+            self.last_rows = fit
+            return replies
+        self.last_rows = fit
+        return self._decode_rows(prompts, max_new_tokens, temperature, top_p, row_keys, width, length, fit)
+
+    def _decode_rows(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], temperature: float,
+                     top_p: float, row_keys: Sequence[int] | None, width: int, length: int,
+                     fit: int) -> list[list[int]]:
+        """:meth:`decode` of at most ``fit`` prompts on a cache of ``fit`` rows (with graphs) x ``length``."""
+        count = len(prompts)
+        steps = max(max_new_tokens)
+        rows = fit if self.cuda_graphs else count  # fixed shapes only where a graph is captured
         slot = self._slot(rows, length)
 
         input_ids, valid, prefill_mask, positions = self._prefill_inputs(prompts, rows, width, length)
@@ -552,11 +648,17 @@ class StaticDecoder:
         steps = max(max_new_tokens)
         widest = width_of([len(p) for p in prompts])
         length = -(-(widest + steps) // self.length_bucket) * self.length_bucket
-        rows, device = self.rows, self.device
-        if (rows, length, True) not in self._slots:  # a stream's cache is the largest: keep no other next to it
-            self._slots.clear()
+        device = self.device
+        rows = self._fits.get((length, True))
+        if rows is None or (rows, length, True) not in self._slots:  # a stream's cache is the largest: keep no
+            self._slots.clear()                                          # other next to it
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        if rows is None:  # sized once per cache length, with nothing else allocated
+            refills = prefill_tokens if prefill_tokens is not None else self.rows * widest
+            first = self.rows * width_of([len(prompts[0])])  # the first prefill fills every row
+            rows = self._fits[(length, True)] = self.rows_that_fit(length, max(refills, first), widest)
+        self.last_rows = rows
         slot = self._slot(rows, length, stream=True)
         budget = prefill_tokens if prefill_tokens is not None else rows * widest
         refill_at = max(1, rows // 16) if refill_rows is None else max(1, refill_rows)

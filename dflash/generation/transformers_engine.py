@@ -171,6 +171,7 @@ class TransformersEngine:
                            "generated_tokens": float(sum(len(result.token_ids) for result in results))}
         if self._decoder is not None:
             self.last_stats["decode_steps"] = float(steps)
+            self.last_stats["rows"] = float(self._decoder.last_rows)  # fewer than batch_size where memory capped them
         return results
 
     def _stream(self, requests: Sequence[GenerationRequest],
