@@ -227,17 +227,18 @@ class _Slot:
     graph_failed: bool = False
 
 
-def _text_config(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+def _attention_shape(config: Any) -> tuple[Any, int, int, int]:
+    """The text model's config, its query heads, key/value heads and head width."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return text, heads, kv_heads, getattr(text, "head_dim", None) or text.hidden_size // heads
 
 
 def kv_cache_bytes(config: Any, rows: int, length: int, dtype: torch.dtype) -> int:
     """Bytes of a transformers ``StaticCache`` of ``rows`` x ``length`` positions for a full-attention model: a key
     and a value tensor ``[rows, kv_heads, length, head_dim]`` per layer."""
-    text = _text_config(config)
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    text, _, kv_heads, head_dim = _attention_shape(config)
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * text.num_hidden_layers * rows * kv_heads * length * head_dim * itemsize
 
@@ -248,10 +249,7 @@ def forward_activation_bytes(config: Any, tokens: int, rows: int, width: int, dt
     normed input, query/key/value/output projections, the MLP's gate, up and product), the prefill's 4-D additive
     mask over the prompt columns and the last position's float32 logits; a quarter more for the allocator's
     fragmentation, and 1 GiB for workspaces (cuBLAS, the captured graphs' pools)."""
-    text = _text_config(config)
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    text, heads, kv_heads, head_dim = _attention_shape(config)
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_token = 4 * text.hidden_size + 2 * (heads + 2 * kv_heads) * head_dim + 3 * text.intermediate_size
     mask = rows * width * width * itemsize
