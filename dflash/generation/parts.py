@@ -140,6 +140,7 @@ def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec,
     finish = Counter()
     token_sources = Counter()
     engine_seconds = 0.0
+    rows_at_a_time: list[int] = []  # per engine call, the rows it decoded at once (engines that report it)
     turn = 0
     while True:
         requests: list[GenerationRequest] = []
@@ -170,6 +171,8 @@ def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec,
             if reports:
                 engine.progress = None
         engine_seconds += time.perf_counter() - engine_started
+        if "rows" in getattr(engine, "last_stats", {}):
+            rows_at_a_time.append(int(engine.last_stats["rows"]))
         for request, result in zip(requests, results, strict=True):
             index = request.request_id - spec.first_prompt
             builders[index].add_reply(prompts[index], result.token_ids, finished=result.finish_reason == "stop")
@@ -190,6 +193,7 @@ def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec,
         "token_sources": dict(token_sources),
         "dropped": drops.to_dict(),
         "engine_seconds": round(engine_seconds, 3),
+        "rows_at_a_time": min(rows_at_a_time, default=None),
         "seconds": round(time.perf_counter() - started, 3),
     }
     _write_part(Path(spec.output), spec.part_id, rows, record)
@@ -205,7 +209,9 @@ def summarize_parts(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Totals over part records (for the corpus metadata and the report). ``engine_seconds``: time inside the
     engine's ``generate`` calls; ``part_seconds``: whole parts up to their commit (templates, tokenization, the
     engine; not the commit: the record is written inside the part), both summed over parts (parts on different
-    workers overlap, so the sums can exceed the wall time)."""
+    workers overlap, so the sums can exceed the wall time). ``rows_at_a_time``: the fewest rows an engine call
+    decoded at once (the transformers engine's static decoder: its batch size, or fewer where the GPU's memory held
+    fewer); None where no part reports it."""
     drops = DropCounts()
     finish: Counter = Counter()
     sources: Counter = Counter()
@@ -223,4 +229,5 @@ def summarize_parts(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "dropped": drops.to_dict(),
         "engine_seconds": round(sum(p["engine_seconds"] for p in parts), 3),
         "part_seconds": round(sum(p["seconds"] for p in parts), 3),
+        "rows_at_a_time": min((p["rows_at_a_time"] for p in parts if p.get("rows_at_a_time")), default=None),
     }
