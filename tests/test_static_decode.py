@@ -96,6 +96,32 @@ def test_rows_beyond_the_memory_decode_fewer_at_a_time_to_the_same_tokens(target
     starved.close()
 
 
+def test_rows_beyond_the_memory_sample_each_request_as_the_whole_batch_does(target, prompts):
+    """Sampled decoding over a memory budget of 2 rows: each chunk takes its own requests' keys (the tokens of the
+    uncapped decoder); keys that do not match the prompts are refused as the uncapped decoder refuses them, before
+    any chunk decodes."""
+    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
+
+    stops = [target.tokenizer.eos_token_id]
+    limits, keys = [6, 6, 4, 6, 3], [11, 12, 13, 14, 15]
+    free = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=32)
+    expected = free.decode(prompts, limits, temperature=0.9, row_keys=keys)
+    with pytest.raises(ValueError, match="one row key per prompt"):
+        free.decode(prompts[:4], limits[:4], temperature=0.9, row_keys=keys)
+    free.close()
+    width = max(map(len, prompts))
+    length = -(-(width + 6) // 32) * 32
+    per_row = kv_cache_bytes(target.model.config, 1, length, torch.float32) + 4 * length
+    reserve = forward_activation_bytes(target.model.config, 6 * width, 6, width, torch.float32)
+    capped = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=32,
+                           kv_memory=reserve + 2 * per_row + per_row // 2)
+    assert capped.decode(prompts, limits, temperature=0.9, row_keys=keys) == expected and capped.last_rows == 2
+    for count, wrong in ((4, keys), (5, keys[:4]), (5, None)):  # 4 prompts: two whole chunks of 2
+        with pytest.raises(ValueError, match="one row key per prompt"):
+            capped.decode(prompts[:count], limits[:count], temperature=0.9, row_keys=wrong)
+    capped.close()
+
+
 def test_deterministic_decoder_gives_the_same_greedy_tokens(target, prompts):
     from dflash.generation.static_decode import DETERMINISTIC_ATTENTION_NAME
 

@@ -510,7 +510,8 @@ class StaticDecoder:
             Per row, the generated token ids: up to and including the first stop token, else ``max_new_tokens`` ids.
 
         Raises:
-            ValueError: more prompts than ``rows``, an empty prompt, or ``width`` below the longest prompt.
+            ValueError: more prompts than ``rows``, an empty prompt, ``width`` below the longest prompt, or (sampling)
+                not one row key per prompt.
         """
         count = len(prompts)
         if not 0 < count <= self.rows:
@@ -521,6 +522,8 @@ class StaticDecoder:
         width = longest if width is None else width
         if width < longest:
             raise ValueError(f"width {width} is below the longest prompt ({longest} tokens)")
+        if temperature > 0 and (row_keys is None or len(row_keys) != count):  # before the prompts are cut in chunks
+            raise ValueError("sampling needs one row key per prompt")
         steps = max(max_new_tokens)
         length = -(-(width + steps) // self.length_bucket) * self.length_bucket
         fit = self._fits.get((length, False))
@@ -562,8 +565,7 @@ class StaticDecoder:
         out = torch.full((rows, steps), self.pad_token_id, dtype=torch.long, device=self.device)
         keys = None
         if temperature > 0:
-            if row_keys is None or len(row_keys) != count:
-                raise ValueError("sampling needs one row key per prompt")
+            assert row_keys is not None and len(row_keys) == count
             keys = torch.tensor(list(row_keys) + [0] * (rows - count), dtype=torch.long, device=self.device)
         write = slot.write
         write.fill_(width)
