@@ -82,7 +82,7 @@ def test_rows_beyond_the_memory_decode_fewer_at_a_time_to_the_same_tokens(target
     width = max(map(len, prompts))
     length = -(-(width + 10) // 32) * 32
     per_row = kv_cache_bytes(target.model.config, 1, length, torch.float32) + 4 * length
-    reserve = forward_activation_bytes(target.model.config, 6 * width, 6, width, torch.float32)
+    reserve = forward_activation_bytes(target.model.config, 6 * width, 6, width, torch.float32, columns=length)
     capped = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=32,
                            kv_memory=reserve + 2 * per_row + per_row // 2)
     with caplog.at_level("WARNING", logger="dflash.generation.static_decode"):
@@ -112,7 +112,7 @@ def test_rows_beyond_the_memory_sample_each_request_as_the_whole_batch_does(targ
     width = max(map(len, prompts))
     length = -(-(width + 6) // 32) * 32
     per_row = kv_cache_bytes(target.model.config, 1, length, torch.float32) + 4 * length
-    reserve = forward_activation_bytes(target.model.config, 6 * width, 6, width, torch.float32)
+    reserve = forward_activation_bytes(target.model.config, 6 * width, 6, width, torch.float32, columns=length)
     capped = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=32,
                            kv_memory=reserve + 2 * per_row + per_row // 2)
     assert capped.decode(prompts, limits, temperature=0.9, row_keys=keys) == expected and capped.last_rows == 2
@@ -120,6 +120,48 @@ def test_rows_beyond_the_memory_sample_each_request_as_the_whole_batch_does(targ
         with pytest.raises(ValueError, match="one row key per prompt"):
             capped.decode(prompts[:count], limits[:count], temperature=0.9, row_keys=wrong)
     capped.close()
+
+
+def test_the_memory_count_holds_the_prefill_mask_over_every_cache_column(target, prompts):
+    """The prefill's additive mask spans the whole cache (prompt columns and the new tokens' columns): a budget
+    that holds one row beside a mask over the prompt columns only, but not beside the mask the prefill builds, fits
+    no row."""
+    from dflash.errors import ConfigError
+    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
+
+    config = target.model.config
+    decoder = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=[0], length_bucket=32)
+    _, _, mask, _ = decoder._prefill_inputs(prompts, 6, 20, 64)
+    narrow = forward_activation_bytes(config, 6 * 20, 6, 20, torch.float32)
+    wide = forward_activation_bytes(config, 6 * 20, 6, 20, torch.float32, columns=64)
+    assert wide - narrow == (mask.numel() - 6 * 20 * 20) * mask.element_size() * 5 // 4
+    per_row = kv_cache_bytes(config, 1, 64, torch.float32) + 4 * 64
+    decoder.kv_memory = wide + per_row - 1
+    with pytest.raises(ConfigError, match="lower generate.max_length"):
+        decoder.rows_that_fit(64, 6 * 20, 20)
+    decoder.kv_memory = wide + per_row
+    assert decoder.rows_that_fit(64, 6 * 20, 20) == 1
+    decoder.close()
+
+
+def test_the_memory_count_of_configs_without_intermediate_size_or_head_dim():
+    """Configs that name their MLP width otherwise (GPT-2's ``n_inner``, None: 4x the hidden size) or route tokens
+    through experts (``moe_intermediate_size`` per routed expert) are counted, not an AttributeError; the wider MLP
+    counts."""
+    from types import SimpleNamespace
+
+    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
+
+    base = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=100)
+    gpt2 = SimpleNamespace(**base, n_inner=None)
+    dense = SimpleNamespace(**base, num_key_value_heads=4, head_dim=16, intermediate_size=256)
+    assert kv_cache_bytes(gpt2, 3, 10, torch.float32) == kv_cache_bytes(dense, 3, 10, torch.float32) == 2 * 2 * 3 * 4 * 10 * 16 * 4
+    assert forward_activation_bytes(gpt2, 8, 1, 8, torch.float32) == forward_activation_bytes(dense, 8, 1, 8, torch.float32)
+    moe = SimpleNamespace(**base, moe_intermediate_size=96, num_experts_per_tok=4)
+    wider = SimpleNamespace(**base, intermediate_size=4 * 96)
+    assert forward_activation_bytes(moe, 8, 1, 8, torch.bfloat16) == forward_activation_bytes(wider, 8, 1, 8, torch.bfloat16)
+    both = SimpleNamespace(**base, intermediate_size=128, moe_intermediate_size=96, num_experts_per_tok=4)
+    assert forward_activation_bytes(both, 8, 1, 8, torch.bfloat16) == forward_activation_bytes(wider, 8, 1, 8, torch.bfloat16)
 
 
 def test_deterministic_decoder_gives_the_same_greedy_tokens(target, prompts):
@@ -614,7 +656,8 @@ def test_interpreted_stream_refills_rows_and_gives_each_prompt_its_own_continuat
                                 ranged=True, prompt_bucket=8, stop_token_ids=[stop])
     capped._decoder.check_every = 1
     per_row = kv_cache_bytes(model.config, 1, 128, torch.float32) + 4 * 128
-    capped._decoder.kv_memory = forward_activation_bytes(model.config, 20, 1, 24, torch.float32) + per_row * 3 // 2
+    capped._decoder.kv_memory = forward_activation_bytes(model.config, 20, 1, 24, torch.float32,
+                                                          columns=128) + per_row * 3 // 2
     assert [r.token_ids for r in capped.generate(requests[:3], SamplingSettings(max_new_tokens=4))] == expected[:3]
     assert capped._decoder.last_rows == 1
     capped.close()

@@ -243,16 +243,29 @@ def kv_cache_bytes(config: Any, rows: int, length: int, dtype: torch.dtype) -> i
     return 2 * text.num_hidden_layers * rows * kv_heads * length * head_dim * itemsize
 
 
-def forward_activation_bytes(config: Any, tokens: int, rows: int, width: int, dtype: torch.dtype) -> int:
+def _mlp_width(text: Any) -> int:
+    """The widest MLP activation of one token: the dense MLP's (``intermediate_size``; GPT-2-style configs:
+    ``n_inner``, where None is 4x the hidden size) or, in a mixture of experts, its routed experts' together
+    (``num_experts_per_tok`` x ``moe_intermediate_size``), whichever is wider."""
+    dense = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * text.hidden_size
+    if isinstance(dense, (list, tuple)):  # one width per layer
+        dense = max(dense)
+    experts = (getattr(text, "moe_intermediate_size", None) or 0) * (getattr(text, "num_experts_per_tok", None) or 1)
+    return max(int(dense), int(experts))
+
+
+def forward_activation_bytes(config: Any, tokens: int, rows: int, width: int, dtype: torch.dtype,
+                             columns: int | None = None) -> int:
     """An estimate, on the safe side, of the memory a forward of ``tokens`` tokens (``rows`` prompts left-padded to
     ``width``) holds at its peak beyond the weights and the KV cache: one layer's activations (residual stream,
-    normed input, query/key/value/output projections, the MLP's gate, up and product), the prefill's 4-D additive
-    mask over the prompt columns and the last position's float32 logits; a quarter more for the allocator's
-    fragmentation, and 1 GiB for workspaces (cuBLAS, the captured graphs' pools)."""
+    normed input, query/key/value/output projections, the MLP's gate, up and product: :func:`_mlp_width`), the
+    prefill's 4-D additive mask (``width`` queries over ``columns`` key columns: the prompt's, default, or the
+    whole cache's where the prefill writes a fresh cache) and the last position's float32 logits; a quarter more for
+    the allocator's fragmentation, and 1 GiB for workspaces (cuBLAS, the captured graphs' pools)."""
     text, heads, kv_heads, head_dim = _attention_shape(config)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    per_token = 4 * text.hidden_size + 2 * (heads + 2 * kv_heads) * head_dim + 3 * text.intermediate_size
-    mask = rows * width * width * itemsize
+    per_token = 4 * text.hidden_size + 2 * (heads + 2 * kv_heads) * head_dim + 3 * _mlp_width(text)
+    mask = rows * width * (width if columns is None else columns) * itemsize
     logits = rows * text.vocab_size * 4
     return (tokens * per_token * itemsize + mask + logits) * 5 // 4 + 2**30
 
@@ -476,7 +489,7 @@ class StaticDecoder:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         per_row = kv_cache_bytes(config, 1, length, self.dtype) + length * itemsize  # + the decode step's mask row
         reserve = forward_activation_bytes(config, tokens, min(self.rows, max(1, tokens // max(width, 1))), width,
-                                           self.dtype)
+                                           self.dtype, columns=length)  # a fresh cache's prefill masks every column
         fit = (budget - reserve) // per_row
         if fit < 1:
             raise ConfigError(
