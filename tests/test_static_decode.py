@@ -122,6 +122,37 @@ def test_rows_beyond_the_memory_sample_each_request_as_the_whole_batch_does(targ
     capped.close()
 
 
+def test_rows_are_counted_again_for_a_wider_forward_and_without_the_caches_of_other_lengths(target, prompts):
+    """The rows of a cache length are counted for the widest forward seen at that length: a later call at the same
+    length with wider prompts decodes fewer rows at a time where the wider prefill leaves room for fewer. The caches
+    held count against ``kv_memory`` as against a device's free memory; a new length whose rows do not fit beside
+    them frees them first and is counted against the whole budget (not refused, not squeezed)."""
+    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
+
+    config = target.model.config
+    stops = [target.tokenizer.eos_token_id]
+    limits = [4, 4, 3, 4, 2]
+    longest = max(map(len, prompts))
+    per_row = kv_cache_bytes(config, 1, 64, torch.float32) + 4 * 64
+    narrow = forward_activation_bytes(config, 6 * longest, 6, longest, torch.float32, columns=64)
+    wide = forward_activation_bytes(config, 6 * 56, 6, 56, torch.float32, columns=64)
+    budget = narrow + 5 * per_row + per_row // 2
+    decoder = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=64,
+                            kv_memory=budget)
+    expected = decoder.decode(prompts, limits)
+    assert decoder.last_rows == 5
+    fewer = (budget - wide) // per_row
+    assert 1 <= fewer < 5
+    assert decoder.decode(prompts, limits, width=56) == expected and decoder.last_rows == fewer
+    # A longer cache (128 positions): counted alone, the 64-position caches freed first.
+    per_long = kv_cache_bytes(config, 1, 128, torch.float32) + 4 * 128
+    alone = (budget - forward_activation_bytes(config, 6 * longest, 6, longest, torch.float32, columns=128)) // per_long
+    assert 1 <= alone < 5
+    decoder.decode(prompts, [70, 4, 3, 4, 2])
+    assert decoder.last_rows == alone and {length for _, length, _ in decoder._slots} == {128}
+    decoder.close()
+
+
 def test_the_memory_count_holds_the_prefill_mask_over_every_cache_column(target, prompts):
     """The prefill's additive mask spans the whole cache (prompt columns and the new tokens' columns): a budget
     that holds one row beside a mask over the prompt columns only, but not beside the mask the prefill builds, fits
