@@ -279,6 +279,35 @@ def test_the_engine_static_and_dynamic_caches_agree(target, prompts):
     assert all(len(tokens) == 10 or reason == "stop" for _, tokens, reason in results["static"])
 
 
+def test_the_engine_reports_the_fewest_rows_any_batch_decoded_at_once(target, prompts):
+    """Batch after batch, the engine's ``rows`` is the fewest rows any batch of the call decoded at once: the first
+    batch (short prompts, 40 new tokens: a 64-position cache) holds fewer rows than the last (longer prompts, 4 new
+    tokens: 32 positions); the replies are the uncapped engine's."""
+    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
+
+    config = target.model.config
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    limits = {i: 40 if rank < 3 else 4 for rank, i in enumerate(order)}
+    requests = [GenerationRequest(request_id=i, prompt_ids=p, max_new_tokens=limits[i]) for i, p in enumerate(prompts)]
+    settings = SamplingSettings(max_new_tokens=40)
+    free = TransformersEngine(target.model, target.tokenizer, batch_size=3, cache="static", prompt_bucket=8)
+    expected = [r.token_ids for r in free.generate(requests, settings)]
+    assert free.last_stats["rows"] == 3
+    free.close()
+    engine = TransformersEngine(target.model, target.tokenizer, batch_size=3, cache="static", prompt_bucket=8)
+    engine._decoder.length_bucket = 32
+    short = -(-max(len(prompts[i]) for i in order[:3]) // 8) * 8
+    long = -(-max(len(prompts[i]) for i in order[3:]) // 8) * 8
+    per_64, per_32 = (kv_cache_bytes(config, 1, n, torch.float32) + 4 * n for n in (64, 32))
+    first = forward_activation_bytes(config, 3 * short, 3, short, torch.float32, columns=64)
+    engine._decoder.kv_memory = budget = first + per_64 * 19 // 10
+    last = forward_activation_bytes(config, 3 * long, 3, long, torch.float32, columns=32)
+    assert (budget - first) // per_64 == 1 < (budget - last) // per_32 < 3
+    assert [r.token_ids for r in engine.generate(requests, settings)] == expected
+    assert engine._decoder.last_rows == (budget - last) // per_32 and engine.last_stats["rows"] == 1
+    engine.close()
+
+
 def _cuda_llama():
     """A random GQA Llama in float32 on CUDA, large init: peaked logits, no near-ties."""
     from transformers import LlamaConfig, LlamaForCausalLM
