@@ -456,3 +456,24 @@ def test_an_output_of_other_files_or_settings_is_refused_before_the_target_is_re
     (earlier / PLAN_FILE).write_text(json.dumps({"plan_digest": "x", "settings": {"temperature": 0.7}}))
     code, err = main_in_process(monkeypatch, capsys, *args, "--output", str(earlier))
     assert code == 2 and err.count("error:") == 1 and "differs in: " in err and "temperature" in err, err
+
+
+def test_a_part_records_the_fewest_rows_its_engine_decoded_at_once(tmp_path, target, generated):
+    """The static decoder's rows per call reach the part's record (``rows_at_a_time``: 1 where the memory held 1 of
+    3) and the totals take the fewest over parts; ``model.generate()`` (the dynamic cache) reports none."""
+    from dflash.generation.parts import summarize_parts
+    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
+
+    _, _, dynamic = generated
+    assert dynamic["rows_at_a_time"] is None
+    records, _ = read_prompt_file(_write_jsonl(tmp_path / "p.jsonl", [{"text": "def f():\n"}, {"text": "x = 1\n"}]))
+    engine = TransformersEngine(target.model, target.tokenizer, batch_size=3, cache="static")  # prompts in 64 columns
+    config = target.model.config  # 64 prompt columns + 6 new tokens: a cache of 128 positions
+    per_row = kv_cache_bytes(config, 1, 128, torch.float32) + 4 * 128
+    engine._decoder.kv_memory = forward_activation_bytes(config, 3 * 64, 3, 64, torch.float32,
+                                                         columns=128) + per_row * 3 // 2
+    record = generate_part(engine, target.tokenizer, _part(tmp_path, target.tokenizer, records))
+    engine.close()
+    assert record["num_rows"] == 2 and record["rows_at_a_time"] == 1
+    assert summarize_parts([dynamic, {**record, "rows_at_a_time": 3}, record])["rows_at_a_time"] == 1
+    assert summarize_parts([dynamic])["rows_at_a_time"] is None
