@@ -477,3 +477,32 @@ def test_a_part_records_the_fewest_rows_its_engine_decoded_at_once(tmp_path, tar
     assert record["num_rows"] == 2 and record["rows_at_a_time"] == 1
     assert summarize_parts([dynamic, {**record, "rows_at_a_time": 3}, record])["rows_at_a_time"] == 1
     assert summarize_parts([dynamic])["rows_at_a_time"] is None
+
+
+@pytest.mark.slow
+def test_an_error_raised_on_a_worker_is_one_error_line_and_the_committed_parts_stay(tmp_path, target_path):
+    """A part's ConfigError raised inside its Dask task (here: a chat template that drops earlier assistant turns, found
+    at the second turn) reaches the user as one ``error:`` line, exit 2, without the worker's "Compute Failed" log and
+    its traceback; the part committed before it stays."""
+    from cli_helpers import forked_cli
+
+    folder = tmp_path / "target"
+    folder.mkdir()
+    for path in Path(target_path).iterdir():
+        if path.name == "model.safetensors":
+            (folder / path.name).symlink_to(path)
+        elif path.name not in ("dflash_target_identity.json", "chat_template.jinja"):
+            (folder / path.name).write_bytes(path.read_bytes())
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'user' %}<|im_start|>user\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                         {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]}
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"text": "def f(x):\n"}, chat])
+    output = tmp_path / "out"
+    result = forked_cli(*_generate_args(prompts, output, "--target", str(folder)), cwd=os.getcwd(),
+                        env={**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "COLUMNS": "400"})
+    code, stderr = result.returncode, result.stderr  # the workers' output too (they write to the same stderr)
+    assert code == 2 and stderr.count("error:") == 1 and "drops or rewrites earlier assistant turns" in stderr, stderr
+    assert "Traceback" not in stderr and "Compute Failed" not in stderr, stderr
+    assert list(committed_parts(output)) == [0]
