@@ -281,15 +281,15 @@ def test_the_engine_static_and_dynamic_caches_agree(target, prompts):
 
 def test_the_engine_reports_the_fewest_rows_any_batch_decoded_at_once(target, prompts):
     """Batch after batch, the engine's ``rows`` is the fewest rows any batch of the call decoded at once: the first
-    batch (short prompts, 40 new tokens: a 64-position cache) holds fewer rows than the last (longer prompts, 4 new
+    batch (short prompts, 25 new tokens: a 64-position cache) holds fewer rows than the last (longer prompts, 4 new
     tokens: 32 positions); the replies are the uncapped engine's."""
     from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
 
     config = target.model.config
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    limits = {i: 40 if rank < 3 else 4 for rank, i in enumerate(order)}
+    limits = {i: 25 if rank < 3 else 4 for rank, i in enumerate(order)}
     requests = [GenerationRequest(request_id=i, prompt_ids=p, max_new_tokens=limits[i]) for i, p in enumerate(prompts)]
-    settings = SamplingSettings(max_new_tokens=40)
+    settings = SamplingSettings(max_new_tokens=25)
     free = TransformersEngine(target.model, target.tokenizer, batch_size=3, cache="static", prompt_bucket=8)
     expected = [r.token_ids for r in free.generate(requests, settings)]
     assert free.last_stats["rows"] == 3

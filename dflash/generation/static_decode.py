@@ -526,8 +526,8 @@ class StaticDecoder:
     def rows_that_fit(self, length: int, tokens: int, width: int) -> int:
         """How many of ``rows`` rows a call can decode at once with a cache of ``length`` positions per row, its
         largest forward being ``tokens`` tokens of prompts ``width`` wide: the KV cache (:func:`kv_cache_bytes`) and
-        the per-row decode buffers must fit in ``kv_memory`` beside that forward's activations
-        (:func:`forward_activation_bytes`).
+        the per-row decode buffers must fit in the memory free now (``kv_memory`` less the caches held, or the
+        device's free memory) beside that forward's activations (:func:`forward_activation_bytes`).
 
         Raises:
             ConfigError: not even one row fits.
