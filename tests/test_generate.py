@@ -506,3 +506,23 @@ def test_an_error_raised_on_a_worker_is_one_error_line_and_the_committed_parts_s
     assert code == 2 and stderr.count("error:") == 1 and "drops or rewrites earlier assistant turns" in stderr, stderr
     assert "Traceback" not in stderr and "Compute Failed" not in stderr, stderr
     assert list(committed_parts(output)) == [0]
+
+
+@pytest.mark.slow
+def test_a_full_disk_on_a_worker_is_one_error_line_and_the_committed_parts_stay(tmp_path):
+    """ENOSPC while a Dask worker writes the second part: one ``error:`` line naming the file, exit 2, no worker
+    log of the failed task; the first part stays committed."""
+    from cli_helpers import forked_cli
+
+    from dflash import faults
+
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"text": "def f(x):\n"}, {"text": "x = 1\n"}])
+    output = tmp_path / "out"
+    result = forked_cli(*_generate_args(prompts, output), cwd=os.getcwd(),
+                        env={**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "COLUMNS": "400",
+                             faults.ENV: "generate.part-write@2=enospc"})
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: No space left on device (ENOSPC) at {output}/.part-00000"), result.stderr
+    assert "Traceback" not in result.stderr and "Compute Failed" not in result.stderr, result.stderr
+    assert len(committed_parts(output)) == 1
