@@ -18,6 +18,7 @@ inherited by Dask workers and write processes):
 ``safetensors.write``       before each safetensors file is written (``dflash/weights_io.py``): a checkpoint's
                             weights, optimizer and RNG state (3 a checkpoint), an export's weights
 ``online.produce``          an online producer computed a batch into its ring slot and is about to commit it
+``generate.part-write``     before each generate part's Arrow file is written (``dflash/generation/parts.py``)
 ==========================  ================================================================================
 
 Zero cost when unset: the variable is read once at import, and :func:`fault_point` returns at its first test.
@@ -35,7 +36,7 @@ __all__ = ["ENV", "POINTS", "fault_point", "reload"]
 
 ENV = "DFLASH_FAULT"
 POINTS = ("cache.chunk-write", "cache.before-commit", "cache.after-commit", "checkpoint.write", "safetensors.write",
-          "online.produce")
+          "online.produce", "generate.part-write")
 
 _spec: tuple[str, int, str] | None = None
 _seen = 0

@@ -456,3 +456,73 @@ def test_an_output_of_other_files_or_settings_is_refused_before_the_target_is_re
     (earlier / PLAN_FILE).write_text(json.dumps({"plan_digest": "x", "settings": {"temperature": 0.7}}))
     code, err = main_in_process(monkeypatch, capsys, *args, "--output", str(earlier))
     assert code == 2 and err.count("error:") == 1 and "differs in: " in err and "temperature" in err, err
+
+
+def test_a_part_records_the_fewest_rows_its_engine_decoded_at_once(tmp_path, target, generated):
+    """The static decoder's rows per call reach the part's record (``rows_at_a_time``: 1 where the memory held 1 of
+    3) and the totals take the fewest over parts; ``model.generate()`` (the dynamic cache) reports none."""
+    from dflash.generation.parts import summarize_parts
+    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
+
+    _, _, dynamic = generated
+    assert dynamic["rows_at_a_time"] is None
+    records, _ = read_prompt_file(_write_jsonl(tmp_path / "p.jsonl", [{"text": "def f():\n"}, {"text": "x = 1\n"}]))
+    engine = TransformersEngine(target.model, target.tokenizer, batch_size=3, cache="static")  # prompts in 64 columns
+    config = target.model.config  # 64 prompt columns + 6 new tokens: a cache of 128 positions
+    per_row = kv_cache_bytes(config, 1, 128, torch.float32) + 4 * 128
+    engine._decoder.kv_memory = forward_activation_bytes(config, 3 * 64, 3, 64, torch.float32,
+                                                         columns=128) + per_row * 3 // 2
+    record = generate_part(engine, target.tokenizer, _part(tmp_path, target.tokenizer, records))
+    engine.close()
+    assert record["num_rows"] == 2 and record["rows_at_a_time"] == 1
+    assert summarize_parts([dynamic, {**record, "rows_at_a_time": 3}, record])["rows_at_a_time"] == 1
+    assert summarize_parts([dynamic])["rows_at_a_time"] is None
+
+
+@pytest.mark.slow
+def test_an_error_raised_on_a_worker_is_one_error_line_and_the_committed_parts_stay(tmp_path, target_path):
+    """A part's ConfigError raised inside its Dask task (here: a chat template that drops earlier assistant turns, found
+    at the second turn) reaches the user as one ``error:`` line, exit 2, without the worker's "Compute Failed" log and
+    its traceback; the part committed before it stays."""
+    from cli_helpers import forked_cli
+
+    folder = tmp_path / "target"
+    folder.mkdir()
+    for path in Path(target_path).iterdir():
+        if path.name == "model.safetensors":
+            (folder / path.name).symlink_to(path)
+        elif path.name not in ("dflash_target_identity.json", "chat_template.jinja"):
+            (folder / path.name).write_bytes(path.read_bytes())
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'user' %}<|im_start|>user\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                         {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]}
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"text": "def f(x):\n"}, chat])
+    output = tmp_path / "out"
+    result = forked_cli(*_generate_args(prompts, output, "--target", str(folder)), cwd=os.getcwd(),
+                        env={**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "COLUMNS": "400"})
+    code, stderr = result.returncode, result.stderr  # the workers' output too (they write to the same stderr)
+    assert code == 2 and stderr.count("error:") == 1 and "drops or rewrites earlier assistant turns" in stderr, stderr
+    assert "Traceback" not in stderr and "Compute Failed" not in stderr, stderr
+    assert list(committed_parts(output)) == [0]
+
+
+@pytest.mark.slow
+def test_a_full_disk_on_a_worker_is_one_error_line_and_the_committed_parts_stay(tmp_path):
+    """ENOSPC while a Dask worker writes the second part: one ``error:`` line naming the file, exit 2, no worker
+    log of the failed task; the first part stays committed."""
+    from cli_helpers import forked_cli
+
+    from dflash import faults
+
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"text": "def f(x):\n"}, {"text": "x = 1\n"}])
+    output = tmp_path / "out"
+    result = forked_cli(*_generate_args(prompts, output), cwd=os.getcwd(),
+                        env={**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "COLUMNS": "400",
+                             faults.ENV: "generate.part-write@2=enospc"})
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: No space left on device (ENOSPC) at {output}/.part-00000"), result.stderr
+    assert "Traceback" not in result.stderr and "Compute Failed" not in result.stderr, result.stderr
+    assert len(committed_parts(output)) == 1

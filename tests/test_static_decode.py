@@ -82,7 +82,7 @@ def test_rows_beyond_the_memory_decode_fewer_at_a_time_to_the_same_tokens(target
     width = max(map(len, prompts))
     length = -(-(width + 10) // 32) * 32
     per_row = kv_cache_bytes(target.model.config, 1, length, torch.float32) + 4 * length
-    reserve = forward_activation_bytes(target.model.config, 6 * width, 6, width, torch.float32)
+    reserve = forward_activation_bytes(target.model.config, 6 * width, 6, width, torch.float32, columns=length)
     capped = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=32,
                            kv_memory=reserve + 2 * per_row + per_row // 2)
     with caplog.at_level("WARNING", logger="dflash.generation.static_decode"):
@@ -94,6 +94,105 @@ def test_rows_beyond_the_memory_decode_fewer_at_a_time_to_the_same_tokens(target
     with pytest.raises(ConfigError, match="lower generate.max_length"):
         starved.decode(prompts, limits)
     starved.close()
+
+
+def test_rows_beyond_the_memory_sample_each_request_as_the_whole_batch_does(target, prompts):
+    """Sampled decoding over a memory budget of 2 rows: each chunk takes its own requests' keys (the tokens of the
+    uncapped decoder); keys that do not match the prompts are refused as the uncapped decoder refuses them, before
+    any chunk decodes."""
+    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
+
+    stops = [target.tokenizer.eos_token_id]
+    limits, keys = [6, 6, 4, 6, 3], [11, 12, 13, 14, 15]
+    free = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=32)
+    expected = free.decode(prompts, limits, temperature=0.9, row_keys=keys)
+    with pytest.raises(ValueError, match="one row key per prompt"):
+        free.decode(prompts[:4], limits[:4], temperature=0.9, row_keys=keys)
+    free.close()
+    width = max(map(len, prompts))
+    length = -(-(width + 6) // 32) * 32
+    per_row = kv_cache_bytes(target.model.config, 1, length, torch.float32) + 4 * length
+    reserve = forward_activation_bytes(target.model.config, 6 * width, 6, width, torch.float32, columns=length)
+    capped = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=32,
+                           kv_memory=reserve + 2 * per_row + per_row // 2)
+    assert capped.decode(prompts, limits, temperature=0.9, row_keys=keys) == expected and capped.last_rows == 2
+    for count, wrong in ((4, keys), (5, keys[:4]), (5, None)):  # 4 prompts: two whole chunks of 2
+        with pytest.raises(ValueError, match="one row key per prompt"):
+            capped.decode(prompts[:count], limits[:count], temperature=0.9, row_keys=wrong)
+    capped.close()
+
+
+def test_rows_are_counted_again_for_a_wider_forward_and_without_the_caches_of_other_lengths(target, prompts):
+    """The rows of a cache length are counted for the widest forward seen at that length: a later call at the same
+    length with wider prompts decodes fewer rows at a time where the wider prefill leaves room for fewer. The caches
+    held count against ``kv_memory`` as against a device's free memory; a new length whose rows do not fit beside
+    them frees them first and is counted against the whole budget (not refused, not squeezed)."""
+    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
+
+    config = target.model.config
+    stops = [target.tokenizer.eos_token_id]
+    limits = [4, 4, 3, 4, 2]
+    longest = max(map(len, prompts))
+    per_row = kv_cache_bytes(config, 1, 64, torch.float32) + 4 * 64
+    narrow = forward_activation_bytes(config, 6 * longest, 6, longest, torch.float32, columns=64)
+    wide = forward_activation_bytes(config, 6 * 56, 6, 56, torch.float32, columns=64)
+    budget = narrow + 5 * per_row + per_row // 2
+    decoder = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=64,
+                            kv_memory=budget)
+    expected = decoder.decode(prompts, limits)
+    assert decoder.last_rows == 5
+    fewer = (budget - wide) // per_row
+    assert 1 <= fewer < 5
+    assert decoder.decode(prompts, limits, width=56) == expected and decoder.last_rows == fewer
+    # A longer cache (128 positions): counted alone, the 64-position caches freed first.
+    per_long = kv_cache_bytes(config, 1, 128, torch.float32) + 4 * 128
+    alone = (budget - forward_activation_bytes(config, 6 * longest, 6, longest, torch.float32, columns=128)) // per_long
+    assert 1 <= alone < 5
+    decoder.decode(prompts, [70, 4, 3, 4, 2])
+    assert decoder.last_rows == alone and {length for _, length, _ in decoder._slots} == {128}
+    decoder.close()
+
+
+def test_the_memory_count_holds_the_prefill_mask_over_every_cache_column(target, prompts):
+    """The prefill's additive mask spans the whole cache (prompt columns and the new tokens' columns): a budget
+    that holds one row beside a mask over the prompt columns only, but not beside the mask the prefill builds, fits
+    no row."""
+    from dflash.errors import ConfigError
+    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
+
+    config = target.model.config
+    decoder = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=[0], length_bucket=32)
+    _, _, mask, _ = decoder._prefill_inputs(prompts, 6, 20, 64)
+    narrow = forward_activation_bytes(config, 6 * 20, 6, 20, torch.float32)
+    wide = forward_activation_bytes(config, 6 * 20, 6, 20, torch.float32, columns=64)
+    assert wide - narrow == (mask.numel() - 6 * 20 * 20) * mask.element_size() * 5 // 4
+    per_row = kv_cache_bytes(config, 1, 64, torch.float32) + 4 * 64
+    decoder.kv_memory = wide + per_row - 1
+    with pytest.raises(ConfigError, match="lower generate.max_length"):
+        decoder.rows_that_fit(64, 6 * 20, 20)
+    decoder.kv_memory = wide + per_row
+    assert decoder.rows_that_fit(64, 6 * 20, 20) == 1
+    decoder.close()
+
+
+def test_the_memory_count_of_configs_without_intermediate_size_or_head_dim():
+    """Configs that name their MLP width otherwise (GPT-2's ``n_inner``, None: 4x the hidden size) or route tokens
+    through experts (``moe_intermediate_size`` per routed expert) are counted, not an AttributeError; the wider MLP
+    counts."""
+    from types import SimpleNamespace
+
+    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
+
+    base = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=100)
+    gpt2 = SimpleNamespace(**base, n_inner=None)
+    dense = SimpleNamespace(**base, num_key_value_heads=4, head_dim=16, intermediate_size=256)
+    assert kv_cache_bytes(gpt2, 3, 10, torch.float32) == kv_cache_bytes(dense, 3, 10, torch.float32) == 2 * 2 * 3 * 4 * 10 * 16 * 4
+    assert forward_activation_bytes(gpt2, 8, 1, 8, torch.float32) == forward_activation_bytes(dense, 8, 1, 8, torch.float32)
+    moe = SimpleNamespace(**base, moe_intermediate_size=96, num_experts_per_tok=4)
+    wider = SimpleNamespace(**base, intermediate_size=4 * 96)
+    assert forward_activation_bytes(moe, 8, 1, 8, torch.bfloat16) == forward_activation_bytes(wider, 8, 1, 8, torch.bfloat16)
+    both = SimpleNamespace(**base, intermediate_size=128, moe_intermediate_size=96, num_experts_per_tok=4)
+    assert forward_activation_bytes(both, 8, 1, 8, torch.bfloat16) == forward_activation_bytes(wider, 8, 1, 8, torch.bfloat16)
 
 
 def test_deterministic_decoder_gives_the_same_greedy_tokens(target, prompts):
@@ -178,6 +277,35 @@ def test_the_engine_static_and_dynamic_caches_agree(target, prompts):
         engine.close()
     assert results["static"] == results["dynamic"]
     assert all(len(tokens) == 10 or reason == "stop" for _, tokens, reason in results["static"])
+
+
+def test_the_engine_reports_the_fewest_rows_any_batch_decoded_at_once(target, prompts):
+    """Batch after batch, the engine's ``rows`` is the fewest rows any batch of the call decoded at once: the first
+    batch (short prompts, 25 new tokens: a 64-position cache) holds fewer rows than the last (longer prompts, 4 new
+    tokens: 32 positions); the replies are the uncapped engine's."""
+    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
+
+    config = target.model.config
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    limits = {i: 25 if rank < 3 else 4 for rank, i in enumerate(order)}
+    requests = [GenerationRequest(request_id=i, prompt_ids=p, max_new_tokens=limits[i]) for i, p in enumerate(prompts)]
+    settings = SamplingSettings(max_new_tokens=25)
+    free = TransformersEngine(target.model, target.tokenizer, batch_size=3, cache="static", prompt_bucket=8)
+    expected = [r.token_ids for r in free.generate(requests, settings)]
+    assert free.last_stats["rows"] == 3
+    free.close()
+    engine = TransformersEngine(target.model, target.tokenizer, batch_size=3, cache="static", prompt_bucket=8)
+    engine._decoder.length_bucket = 32
+    short = -(-max(len(prompts[i]) for i in order[:3]) // 8) * 8
+    long = -(-max(len(prompts[i]) for i in order[3:]) // 8) * 8
+    per_64, per_32 = (kv_cache_bytes(config, 1, n, torch.float32) + 4 * n for n in (64, 32))
+    first = forward_activation_bytes(config, 3 * short, 3, short, torch.float32, columns=64)
+    engine._decoder.kv_memory = budget = first + per_64 * 19 // 10
+    last = forward_activation_bytes(config, 3 * long, 3, long, torch.float32, columns=32)
+    assert (budget - first) // per_64 == 1 < (budget - last) // per_32 < 3
+    assert [r.token_ids for r in engine.generate(requests, settings)] == expected
+    assert engine._decoder.last_rows == (budget - last) // per_32 and engine.last_stats["rows"] == 1
+    engine.close()
 
 
 def _cuda_llama():
@@ -588,7 +716,8 @@ def test_interpreted_stream_refills_rows_and_gives_each_prompt_its_own_continuat
                                 ranged=True, prompt_bucket=8, stop_token_ids=[stop])
     capped._decoder.check_every = 1
     per_row = kv_cache_bytes(model.config, 1, 128, torch.float32) + 4 * 128
-    capped._decoder.kv_memory = forward_activation_bytes(model.config, 20, 1, 24, torch.float32) + per_row * 3 // 2
+    capped._decoder.kv_memory = forward_activation_bytes(model.config, 20, 1, 24, torch.float32,
+                                                          columns=128) + per_row * 3 // 2
     assert [r.token_ids for r in capped.generate(requests[:3], SamplingSettings(max_new_tokens=4))] == expected[:3]
     assert capped._decoder.last_rows == 1
     capped.close()

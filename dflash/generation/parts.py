@@ -35,6 +35,7 @@ import pyarrow as pa
 
 from dflash.corpus.format import SCHEMA
 from dflash.errors import CorpusError
+from dflash.faults import fault_point
 from dflash.generation.engine import GenerationEngine, GenerationRequest, SamplingSettings
 from dflash.generation.prompts import ConversationBuilder, DropCounts, PromptRecord
 from dflash.io.files import MAX_RECORD_BYTES, atomic_write_text, load_json
@@ -96,6 +97,7 @@ def _write_part(output: Path, part_id: int, rows: list[tuple[list[int], list[int
     final = part_path(output, part_id)
     temporary = output / f".part-{part_id:06d}.tmp-{os.getpid()}"
     try:
+        fault_point("generate.part-write", temporary)
         lengths = [len(ids) for ids, _, _, _ in rows]
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         flat_ids = np.concatenate([np.asarray(ids, np.int32) for ids, _, _, _ in rows]) if rows else np.zeros(0, np.int32)

@@ -243,16 +243,29 @@ def kv_cache_bytes(config: Any, rows: int, length: int, dtype: torch.dtype) -> i
     return 2 * text.num_hidden_layers * rows * kv_heads * length * head_dim * itemsize
 
 
-def forward_activation_bytes(config: Any, tokens: int, rows: int, width: int, dtype: torch.dtype) -> int:
+def _mlp_width(text: Any) -> int:
+    """The widest MLP activation of one token: the dense MLP's (``intermediate_size``; GPT-2-style configs:
+    ``n_inner``, where None is 4x the hidden size) or, in a mixture of experts, its routed experts' together
+    (``num_experts_per_tok`` x ``moe_intermediate_size``), whichever is wider."""
+    dense = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * text.hidden_size
+    if isinstance(dense, (list, tuple)):  # one width per layer
+        dense = max(dense)
+    experts = (getattr(text, "moe_intermediate_size", None) or 0) * (getattr(text, "num_experts_per_tok", None) or 1)
+    return max(int(dense), int(experts))
+
+
+def forward_activation_bytes(config: Any, tokens: int, rows: int, width: int, dtype: torch.dtype,
+                             columns: int | None = None) -> int:
     """An estimate, on the safe side, of the memory a forward of ``tokens`` tokens (``rows`` prompts left-padded to
     ``width``) holds at its peak beyond the weights and the KV cache: one layer's activations (residual stream,
-    normed input, query/key/value/output projections, the MLP's gate, up and product), the prefill's 4-D additive
-    mask over the prompt columns and the last position's float32 logits; a quarter more for the allocator's
-    fragmentation, and 1 GiB for workspaces (cuBLAS, the captured graphs' pools)."""
+    normed input, query/key/value/output projections, the MLP's gate, up and product: :func:`_mlp_width`), the
+    prefill's 4-D additive mask (``width`` queries over ``columns`` key columns: the prompt's, default, or the
+    whole cache's where the prefill writes a fresh cache) and the last position's float32 logits; a quarter more for
+    the allocator's fragmentation, and 1 GiB for workspaces (cuBLAS, the captured graphs' pools)."""
     text, heads, kv_heads, head_dim = _attention_shape(config)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    per_token = 4 * text.hidden_size + 2 * (heads + 2 * kv_heads) * head_dim + 3 * text.intermediate_size
-    mask = rows * width * width * itemsize
+    per_token = 4 * text.hidden_size + 2 * (heads + 2 * kv_heads) * head_dim + 3 * _mlp_width(text)
+    mask = rows * width * (width if columns is None else columns) * itemsize
     logits = rows * text.vocab_size * 4
     return (tokens * per_token * itemsize + mask + logits) * 5 // 4 + 2**30
 
@@ -289,11 +302,13 @@ class StaticDecoder:
             :data:`dflash.generation.fused_decode.FUSABLE_ATTENTIONS` decode through
             :func:`dflash.generation.fused_decode.fused_decode_forward` (rotary embedding and cache write in one
             kernel) while this decoder is open. None: wherever ``ranged`` runs.
-        kv_memory: bytes a call's KV cache and its largest forward's activations may take. A call whose ``rows``
-            would not fit decodes fewer rows at a time (:meth:`rows_that_fit`; a warning says how many), so a large
-            target or long prompts never run the device out of memory at the configured batch size. None: on CUDA,
-            the device's free memory (plus what PyTorch's allocator holds unused) when a call allocates its cache;
-            elsewhere no limit.
+        kv_memory: bytes the decoder's KV caches and its largest forward's activations may take (the caches it
+            holds count against it, as they would against a device's free memory). A call whose ``rows`` would not
+            fit decodes fewer rows at a time (:meth:`rows_that_fit`; a warning says how many), so a large target or
+            long prompts never run the device out of memory at the configured batch size. The rows of a cache length
+            are counted when its cache is allocated beside others or its forward is wider than counted before; the
+            caches of other lengths are freed first where the rows would not fit beside them. None: on CUDA, the
+            device's free memory (plus what PyTorch's allocator holds unused); elsewhere no limit.
 
     Raises:
         ConfigError: the model runs another attention (e.g. flash-attention, which takes no 4-D mask).
@@ -311,7 +326,8 @@ class StaticDecoder:
         self.kv_memory = kv_memory
         #: Rows the last :meth:`decode` or :meth:`decode_stream` call decoded at a time (``rows`` unless memory capped).
         self.last_rows = rows
-        self._fits: dict[tuple[int, bool], int] = {}  # (cache length, stream) -> rows that fit
+        #: (cache length, stream) -> the rows that fit, counted beside a forward of so many tokens, so wide
+        self._fits: dict[tuple[int, bool], tuple[int, int, int]] = {}
         self.pad_token_id = int(pad_token_id)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -457,27 +473,69 @@ class StaticDecoder:
         for layer, value in zip(layers, saved, strict=True):  # the warm-up advanced the write position: rewind
             layer.cumulative_length.copy_(value)
 
-    def rows_that_fit(self, length: int, tokens: int, width: int) -> int:
-        """How many of ``rows`` rows a call can decode at once with a cache of ``length`` positions per row, its
-        largest forward being ``tokens`` tokens of prompts ``width`` wide: the KV cache (:func:`kv_cache_bytes`) and
-        the per-row decode buffers must fit in ``kv_memory`` beside that forward's activations
-        (:func:`forward_activation_bytes`).
+    def _free_slots(self) -> None:
+        """Free every cache (and its captured graph)."""
+        self._slots.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
-        Raises:
-            ConfigError: not even one row fits.
-        """
+    def _held_bytes(self) -> int:
+        """Bytes of the KV caches and decode masks this decoder holds."""
+        return sum(t.numel() * t.element_size() for slot in self._slots.values()
+                   for t in [slot.mask] + [tensor for layer in slot.cache.layers if getattr(layer, "is_initialized", False)
+                                           for tensor in (layer.keys, layer.values)])
+
+    def _room(self, length: int, tokens: int, width: int) -> tuple[int, int, int, int] | None:
+        """Rows of ``length`` cache positions that fit now beside the caches held and a forward of ``tokens`` tokens
+        ``width`` wide (below 1 where none does), with the budget, per-row and forward bytes counted; None where
+        nothing limits the memory (no ``kv_memory``, not CUDA)."""
         budget = self.kv_memory
         if budget is None:
             if self.device.type != "cuda":
-                return self.rows
+                return None
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        else:
+            budget -= self._held_bytes()
         config = self.model.config
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         per_row = kv_cache_bytes(config, 1, length, self.dtype) + length * itemsize  # + the decode step's mask row
         reserve = forward_activation_bytes(config, tokens, min(self.rows, max(1, tokens // max(width, 1))), width,
-                                           self.dtype)
-        fit = (budget - reserve) // per_row
+                                           self.dtype, columns=length)  # a fresh cache's prefill masks every column
+        return (budget - reserve) // per_row, budget, per_row, reserve
+
+    def _count_rows(self, length: int, tokens: int, width: int, stream: bool) -> int:
+        """The rows a call with a cache of ``length`` positions decodes at once, its largest forward ``tokens``
+        tokens ``width`` wide: as counted before for that length where the forward is no larger and its cache is
+        held; else all ``rows`` where they fit beside the caches held, or else counted against the memory with
+        every cache freed (:meth:`rows_that_fit`)."""
+        key = (length, stream)
+        counted = self._fits.get(key)
+        held = any(slot[1:] == key for slot in self._slots)
+        if counted is not None and held and tokens <= counted[1] and width <= counted[2]:
+            return counted[0]
+        room = self._room(length, tokens, width) if self._slots else (0,)
+        if room is None or room[0] >= self.rows:
+            fit = self.rows
+        else:
+            self._free_slots()
+            fit = self.rows_that_fit(length, tokens, width)
+        self._fits[key] = (fit, tokens, width)
+        return fit
+
+    def rows_that_fit(self, length: int, tokens: int, width: int) -> int:
+        """How many of ``rows`` rows a call can decode at once with a cache of ``length`` positions per row, its
+        largest forward being ``tokens`` tokens of prompts ``width`` wide: the KV cache (:func:`kv_cache_bytes`) and
+        the per-row decode buffers must fit in the memory free now (``kv_memory`` less the caches held, or the
+        device's free memory) beside that forward's activations (:func:`forward_activation_bytes`).
+
+        Raises:
+            ConfigError: not even one row fits.
+        """
+        room = self._room(length, tokens, width)
+        if room is None:
+            return self.rows
+        fit, budget, per_row, reserve = room
         if fit < 1:
             raise ConfigError(
                 f"one row of {length:,} cache positions needs {per_row / 2**30:.2f} GiB of KV cache beside "
@@ -510,7 +568,8 @@ class StaticDecoder:
             Per row, the generated token ids: up to and including the first stop token, else ``max_new_tokens`` ids.
 
         Raises:
-            ValueError: more prompts than ``rows``, an empty prompt, or ``width`` below the longest prompt.
+            ValueError: more prompts than ``rows``, an empty prompt, ``width`` below the longest prompt, or (sampling)
+                not one row key per prompt.
         """
         count = len(prompts)
         if not 0 < count <= self.rows:
@@ -521,11 +580,11 @@ class StaticDecoder:
         width = longest if width is None else width
         if width < longest:
             raise ValueError(f"width {width} is below the longest prompt ({longest} tokens)")
+        if temperature > 0 and (row_keys is None or len(row_keys) != count):  # before the prompts are cut in chunks
+            raise ValueError("sampling needs one row key per prompt")
         steps = max(max_new_tokens)
         length = -(-(width + steps) // self.length_bucket) * self.length_bucket
-        fit = self._fits.get((length, False))
-        if fit is None:  # sized once per cache length (a later call finds its own cache among the allocated ones)
-            fit = self._fits[(length, False)] = self.rows_that_fit(length, self.rows * width, width)
+        fit = self._count_rows(length, self.rows * width, width, stream=False)
         if count > fit:  # the memory holds fewer rows than asked for: the same prompts, fewer at a time
             replies: list[list[int]] = []
             for first in range(0, count, fit):
@@ -544,6 +603,10 @@ class StaticDecoder:
         count = len(prompts)
         steps = max(max_new_tokens)
         rows = fit if self.cuda_graphs else count  # fixed shapes only where a graph is captured
+        if (rows, length, False) not in self._slots and self._slots:  # a cache to allocate beside those held
+            room = self._room(length, fit * width, width)
+            if room is not None and room[0] < rows:
+                self._free_slots()
         slot = self._slot(rows, length)
 
         input_ids, valid, prefill_mask, positions = self._prefill_inputs(prompts, rows, width, length)
@@ -562,8 +625,7 @@ class StaticDecoder:
         out = torch.full((rows, steps), self.pad_token_id, dtype=torch.long, device=self.device)
         keys = None
         if temperature > 0:
-            if row_keys is None or len(row_keys) != count:
-                raise ValueError("sampling needs one row key per prompt")
+            assert row_keys is not None and len(row_keys) == count
             keys = torch.tensor(list(row_keys) + [0] * (rows - count), dtype=torch.long, device=self.device)
         write = slot.write
         write.fill_(width)
@@ -647,15 +709,12 @@ class StaticDecoder:
         widest = width_of([len(p) for p in prompts])
         length = -(-(widest + steps) // self.length_bucket) * self.length_bucket
         device = self.device
-        rows = self._fits.get((length, True))
-        if rows is None or (rows, length, True) not in self._slots:  # a stream's cache is the largest: keep no
-            self._slots.clear()                                          # other next to it
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        if rows is None:  # sized once per cache length, with nothing else allocated
-            refills = prefill_tokens if prefill_tokens is not None else self.rows * widest
-            first = self.rows * width_of([len(prompts[0])])  # the first prefill fills every row
-            rows = self._fits[(length, True)] = self.rows_that_fit(length, max(refills, first), widest)
+        refills = prefill_tokens if prefill_tokens is not None else self.rows * widest
+        tokens = max(refills, self.rows * width_of([len(prompts[0])]))  # the first prefill fills every row
+        counted = self._fits.get((length, True))
+        if counted is None or (counted[0], length, True) not in self._slots:  # a stream's cache is the largest:
+            self._free_slots()                                                # keep no other next to it
+        rows = self._count_rows(length, tokens, widest, stream=True)  # beside no cache but its own
         self.last_rows = rows
         slot = self._slot(rows, length, stream=True)
         budget = prefill_tokens if prefill_tokens is not None else rows * widest

@@ -164,19 +164,20 @@ class TransformersEngine:
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest], settings: SamplingSettings) -> list[GenerationResult]:
         started = time.perf_counter()
-        results, steps = (self._stream if self.streams else self._batched)(requests, settings)
+        results, steps, rows = (self._stream if self.streams else self._batched)(requests, settings)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_stats = {"seconds": time.perf_counter() - started,
                            "generated_tokens": float(sum(len(result.token_ids) for result in results))}
         if self._decoder is not None:
             self.last_stats["decode_steps"] = float(steps)
-            self.last_stats["rows"] = float(self._decoder.last_rows)  # fewer than batch_size where memory capped them
+            self.last_stats["rows"] = float(rows)  # the fewest of any batch; fewer than batch_size where memory capped them
         return results
 
     def _stream(self, requests: Sequence[GenerationRequest],
-                settings: SamplingSettings) -> tuple[list[GenerationResult], int]:
-        """Every request through :meth:`StaticDecoder.decode_stream`; returns the results and the decode steps."""
+                settings: SamplingSettings) -> tuple[list[GenerationResult], int, int]:
+        """Every request through :meth:`StaticDecoder.decode_stream`; returns the results, the decode steps and the
+        rows decoded at once."""
         order = self._length_order(requests)
         ordered = [requests[i] for i in order]
 
@@ -191,23 +192,26 @@ class TransformersEngine:
         results: list[GenerationResult | None] = [None] * len(requests)
         for index, request, tokens in zip(order, ordered, token_lists, strict=True):
             results[index] = self._result(request, tokens)
-        return results, self._decoder.last_steps  # type: ignore[return-value]
+        return results, self._decoder.last_steps, self._decoder.last_rows  # type: ignore[return-value]
 
     def _batched(self, requests: Sequence[GenerationRequest],
-                 settings: SamplingSettings) -> tuple[list[GenerationResult], int]:
-        """Batch after batch (:meth:`_batches`); returns the results and the static decoder's decode steps."""
+                 settings: SamplingSettings) -> tuple[list[GenerationResult], int, int]:
+        """Batch after batch (:meth:`_batches`); returns the results, the static decoder's decode steps and the
+        fewest rows a batch decoded at once (``batch_size`` without the static decoder)."""
         results: list[GenerationResult | None] = [None] * len(requests)
-        steps = 0
+        steps, fewest = 0, self.batch_size
         for batch in self._batches(requests):
             rows = [requests[i] for i in batch]
             outputs = self._generate_batch(rows, settings)
-            steps += self._decoder.last_steps if self._decoder is not None else 0
+            if self._decoder is not None:
+                steps += self._decoder.last_steps
+                fewest = min(fewest, self._decoder.last_rows)
             for index, result in zip(batch, outputs, strict=True):
                 results[index] = result
             if self.progress is not None:
                 self.progress(len(outputs), sum(len(result.token_ids) for result in outputs))
         assert all(result is not None for result in results)
-        return results, steps  # type: ignore[return-value]
+        return results, steps, fewest  # type: ignore[return-value]
 
     def _generate_batch(self, rows: list[GenerationRequest], settings: SamplingSettings) -> list[GenerationResult]:
         width = self._bucketed(max(len(r.prompt_ids) for r in rows))
