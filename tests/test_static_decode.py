@@ -67,11 +67,21 @@ def test_kv_cache_bytes_are_what_the_static_cache_allocates(target, prompts):
     assert held == kv_cache_bytes(target.model.config, 3, 48, torch.float32) > 0
 
 
+def _memory_of(config, prompts, new_tokens: int) -> tuple[int, int]:
+    """What a 6-row float32 decoder (length bucket 32) counts for ``prompts`` and ``new_tokens``: the first forward's
+    reserve and one row's cache."""
+    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
+
+    width = max(map(len, prompts))
+    length = -(-(width + new_tokens) // 32) * 32
+    return (forward_activation_bytes(config, 6 * width, 6, width, torch.float32, columns=length),
+            kv_cache_bytes(config, 1, length, torch.float32) + 4 * length)
+
+
 def test_rows_beyond_the_memory_decode_fewer_at_a_time_to_the_same_tokens(target, prompts, caplog):
     """A memory budget that holds 2 of 6 rows: the 5 prompts decode 2 at a time (a warning names the setting), to
     the tokens of the uncapped decoder; a budget below one row is refused, naming what to lower."""
     from dflash.errors import ConfigError
-    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
 
     stops = [target.tokenizer.eos_token_id]
     limits = [10, 10, 6, 10, 4]
@@ -79,10 +89,7 @@ def test_rows_beyond_the_memory_decode_fewer_at_a_time_to_the_same_tokens(target
     expected = free.decode(prompts, limits)
     assert free.last_rows == 6
     free.close()
-    width = max(map(len, prompts))
-    length = -(-(width + 10) // 32) * 32
-    per_row = kv_cache_bytes(target.model.config, 1, length, torch.float32) + 4 * length
-    reserve = forward_activation_bytes(target.model.config, 6 * width, 6, width, torch.float32, columns=length)
+    reserve, per_row = _memory_of(target.model.config, prompts, 10)
     capped = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=32,
                            kv_memory=reserve + 2 * per_row + per_row // 2)
     with caplog.at_level("WARNING", logger="dflash.generation.static_decode"):
@@ -100,7 +107,6 @@ def test_rows_beyond_the_memory_sample_each_request_as_the_whole_batch_does(targ
     """Sampled decoding over a memory budget of 2 rows: each chunk takes its own requests' keys (the tokens of the
     uncapped decoder); keys that do not match the prompts are refused as the uncapped decoder refuses them, before
     any chunk decodes."""
-    from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
 
     stops = [target.tokenizer.eos_token_id]
     limits, keys = [6, 6, 4, 6, 3], [11, 12, 13, 14, 15]
@@ -109,10 +115,7 @@ def test_rows_beyond_the_memory_sample_each_request_as_the_whole_batch_does(targ
     with pytest.raises(ValueError, match="one row key per prompt"):
         free.decode(prompts[:4], limits[:4], temperature=0.9, row_keys=keys)
     free.close()
-    width = max(map(len, prompts))
-    length = -(-(width + 6) // 32) * 32
-    per_row = kv_cache_bytes(target.model.config, 1, length, torch.float32) + 4 * length
-    reserve = forward_activation_bytes(target.model.config, 6 * width, 6, width, torch.float32, columns=length)
+    reserve, per_row = _memory_of(target.model.config, prompts, 6)
     capped = StaticDecoder(target.model, rows=6, pad_token_id=0, stop_token_ids=stops, length_bucket=32,
                            kv_memory=reserve + 2 * per_row + per_row // 2)
     assert capped.decode(prompts, limits, temperature=0.9, row_keys=keys) == expected and capped.last_rows == 2
