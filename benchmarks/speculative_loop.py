@@ -86,18 +86,15 @@ def _profile(tapped, drafter_for, prompts, config, device: torch.device) -> dict
     with profile(activities=activities) as prof:
         seconds, steps, _ = _timed(tapped, drafter_for, prompts, config)
     on_device = device.type == "cuda"
-    if on_device:
-        kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-        busy_us = sum(e.self_device_time_total for e in kernels)
-        launches = sum(e.count for e in kernels)
-        top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:6]
-        top_rows = [(e.key[:60], e.count // max(steps, 1), e.self_device_time_total / max(steps, 1) / 1000) for e in top]
+    averages = prof.key_averages()
+    if on_device:  # the kernels and their device time
+        events, own = [e for e in averages if e.device_type.name == "CUDA"], (lambda e: e.self_device_time_total)
     else:  # on CPU: the operators' own time (no kernels to count)
-        ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
-        busy_us = sum(e.self_cpu_time_total for e in ops)
-        launches = sum(e.count for e in ops)
-        top = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:6]
-        top_rows = [(e.key[:60], e.count // max(steps, 1), e.self_cpu_time_total / max(steps, 1) / 1000) for e in top]
+        events, own = [e for e in averages if e.key.startswith("aten::")], (lambda e: e.self_cpu_time_total)
+    busy_us = sum(own(e) for e in events)
+    launches = sum(e.count for e in events)
+    top_rows = [(e.key[:60], e.count // max(steps, 1), own(e) / max(steps, 1) / 1000)
+                for e in sorted(events, key=own, reverse=True)[:6]]
     wall = 1000 * seconds / max(steps, 1)
     busy = busy_us / 1000 / max(steps, 1)  # prefill included: one prompt's prefill over its many steps
     summary = (f"profiled: {wall:.2f} ms/step wall (under the profiler), {'device busy' if on_device else 'operators'} "
