@@ -239,7 +239,7 @@ def kv_cache_bytes(config: Any, rows: int, length: int, dtype: torch.dtype) -> i
     """Bytes of a transformers ``StaticCache`` of ``rows`` x ``length`` positions for a full-attention model: a key
     and a value tensor ``[rows, kv_heads, length, head_dim]`` per layer."""
     text, _, kv_heads, head_dim = _attention_shape(config)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     return 2 * text.num_hidden_layers * rows * kv_heads * length * head_dim * itemsize
 
 
@@ -263,7 +263,7 @@ def forward_activation_bytes(config: Any, tokens: int, rows: int, width: int, dt
     whole cache's where the prefill writes a fresh cache) and the last position's float32 logits; a quarter more for
     the allocator's fragmentation, and 1 GiB for workspaces (cuBLAS, the captured graphs' pools)."""
     text, heads, kv_heads, head_dim = _attention_shape(config)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     per_token = 4 * text.hidden_size + 2 * (heads + 2 * kv_heads) * head_dim + 3 * _mlp_width(text)
     mask = rows * width * (width if columns is None else columns) * itemsize
     logits = rows * text.vocab_size * 4
@@ -498,8 +498,7 @@ class StaticDecoder:
         else:
             budget -= self._held_bytes()
         config = self.model.config
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        per_row = kv_cache_bytes(config, 1, length, self.dtype) + length * itemsize  # + the decode step's mask row
+        per_row = kv_cache_bytes(config, 1, length, self.dtype) + length * self.dtype.itemsize  # + the step's mask row
         reserve = forward_activation_bytes(config, tokens, min(self.rows, max(1, tokens // max(width, 1))), width,
                                            self.dtype, columns=length)  # a fresh cache's prefill masks every column
         return (budget - reserve) // per_row, budget, per_row, reserve
@@ -514,11 +513,14 @@ class StaticDecoder:
         held = any(slot[1:] == key for slot in self._slots)
         if counted is not None and held and tokens <= counted[1] and width <= counted[2]:
             return counted[0]
-        room = self._room(length, tokens, width) if self._slots else (0,)
-        if room is None or room[0] >= self.rows:
-            fit = self.rows
-        else:
-            self._free_slots()
+        fit = None
+        if self._slots:  # every row beside the caches held, or else counted with them freed
+            room = self._room(length, tokens, width)
+            if room is None or room[0] >= self.rows:
+                fit = self.rows
+            else:
+                self._free_slots()
+        if fit is None:
             fit = self.rows_that_fit(length, tokens, width)
         self._fits[key] = (fit, tokens, width)
         return fit
@@ -584,17 +586,13 @@ class StaticDecoder:
             raise ValueError("sampling needs one row key per prompt")
         steps = max(max_new_tokens)
         length = -(-(width + steps) // self.length_bucket) * self.length_bucket
-        fit = self._count_rows(length, self.rows * width, width, stream=False)
-        if count > fit:  # the memory holds fewer rows than asked for: the same prompts, fewer at a time
-            replies: list[list[int]] = []
-            for first in range(0, count, fit):
-                part = slice(first, first + fit)
-                replies += self._decode_rows(prompts[part], max_new_tokens[part], temperature, top_p,
-                                             None if row_keys is None else row_keys[part], width, length, fit)
-            self.last_rows = fit
-            return replies
-        self.last_rows = fit
-        return self._decode_rows(prompts, max_new_tokens, temperature, top_p, row_keys, width, length, fit)
+        fit = self.last_rows = self._count_rows(length, self.rows * width, width, stream=False)
+        replies: list[list[int]] = []
+        for first in range(0, count, fit):  # one chunk unless the memory holds fewer rows than prompts
+            part = slice(first, first + fit)
+            replies += self._decode_rows(prompts[part], max_new_tokens[part], temperature, top_p,
+                                         None if row_keys is None else row_keys[part], width, length, fit)
+        return replies
 
     def _decode_rows(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], temperature: float,
                      top_p: float, row_keys: Sequence[int] | None, width: int, length: int,
