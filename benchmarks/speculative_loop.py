@@ -13,6 +13,9 @@ decoding: ms per token), block ``--block-size`` with a replay drafter that propo
 and is wrong from a seeded random position on (every cycle accepts 0 .. B-1 drafts: ms per cycle of the target's
 verify forward and the loop, with no drafter cost), and the same block with a random-weight ``DFlashDrafter`` of
 ``--draft-layers`` layers (ms per cycle with a drafter's forward; it accepts almost nothing, so the cycles are many).
+On the static cache the drafter keeps its context's keys and values (``--drafter-context kept``, as evaluate runs
+it); ``whole`` computes every context row's again at each draft, captured the same way, so ``--drafter-context
+kept whole`` at a long ``--prompt-tokens`` shows what keeping them saves per cycle.
 Each setting runs once cold (graph capture, allocator) and ``--repeats`` times; the median is printed, with the
 ratio of each cache to the first and whether its tokens equal the first's (greedy, same dtype: they should).
 """
@@ -51,6 +54,26 @@ class ReplayDrafter(torch.nn.Module):
         logits = torch.full((size, self.vocab), -1e4, device=context_hidden.device)
         logits[torch.arange(size), torch.tensor(tokens)] = 0.0
         return logits
+
+
+class WholeContextDrafter(GraphedDrafter):
+    """:class:`GraphedDrafter` that computes the keys and values of every context row again at each draft (the
+    accepted taps copied into a buffer of ``capacity`` rows, the rows past them masked), captured the same way: the
+    cost that keeping them saves, side by side (``--drafter-context whole``)."""
+
+    def __init__(self, drafter, capacity: int) -> None:
+        super().__init__(drafter, capacity)
+        parameter = next(drafter.parameters())
+        width = drafter.config.num_taps * drafter.config.hidden_size
+        self._taps = torch.zeros((self.capacity, width), dtype=parameter.dtype, device=parameter.device)
+
+    def draft_block(self, context_hidden, context_positions, block_input_ids, block_start):
+        self._taps[: context_hidden.shape[0]].copy_(context_hidden)
+        return super().draft_block(context_hidden, context_positions, block_input_ids, block_start)
+
+    def _draft(self):
+        return self.drafter.draft_block_cached(self.drafter.context_keys_values(self._taps, self._positions),
+                                               self._block, self._start, context_valid=self._positions < self._start)
 
 
 def _random_drafter(model, layers: int, block: int, taps: list[int]):
@@ -122,6 +145,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="after the timings, profile one prompt of each loop: wall vs device-busy ms per step, "
                              "kernels per step and the kernels that take the most time")
+    parser.add_argument("--drafter-context", nargs="+", default=["kept"], choices=["kept", "whole"],
+                        help="static cache: the drafter keeps its context's keys and values (kept, as evaluate runs "
+                             "it) or computes every context row's again at each draft (whole); both: side by side")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     if args.smoke:
@@ -150,29 +176,33 @@ def main() -> None:
         capacity = args.prompt_tokens + args.max_new_tokens + args.block_size
         if kind == "static":
             tapped.reserve(capacity)
-        drafting = GraphedDrafter(drafter, capacity) if kind == "static" else drafter
+        drafters = ({context: (GraphedDrafter if context == "kept" else WholeContextDrafter)(drafter, capacity)
+                     for context in args.drafter_context} if kind == "static" else {"whole": drafter})
         with tapped:
             references = _timed(tapped, lambda i: None, prompts, plain)[2]
             loops = {"block size 1 (ms/token)": (lambda i: None, plain),
                      f"block {args.block_size}, replay drafter (ms/cycle)":
-                         (lambda i, refs=references: ReplayDrafter(prompts[i] + refs[i], vocab, i), block),
-                     f"block {args.block_size}, {args.draft_layers}-layer drafter (ms/cycle)":
-                         (lambda i, model=drafting: model, block)}
+                         (lambda i, refs=references: ReplayDrafter(prompts[i] + refs[i], vocab, i), block)}
+            for context, drafting in drafters.items():
+                loops[f"block {args.block_size}, {args.draft_layers}-layer drafter, {context} context (ms/cycle)"] = (
+                    lambda i, model=drafting: model, block)
             for name, (chosen, config) in loops.items():
                 _timed(tapped, chosen, prompts, config)  # cold: capture, allocator
                 runs = [_timed(tapped, chosen, prompts, config) for _ in range(args.repeats)]
                 per_step = statistics.median(1000 * s / max(n, 1) for s, n, _ in runs)
-                same = first.setdefault(name, (per_step, runs[0][2]))
+                # Drafter rows compare with the first drafter row, whatever its context.
+                same = first.setdefault(name.split("-layer drafter")[0], (per_step, runs[0][2]))
                 row = {"kv_cache": kind, "loop": name, "ms_per_step": per_step, "steps": runs[0][1],
                        "ratio_to_first": same[0] / per_step, "same_tokens_as_first": runs[0][2] == same[1],
-                       "graph_replays": getattr(tapped, "replays", 0), "draft_replays": getattr(drafting, "replays", 0)}
+                       "graph_replays": getattr(tapped, "replays", 0),
+                       "draft_replays": sum(getattr(d, "replays", 0) for d in drafters.values())}
                 rows.append(row)
-                print(f"{kind:8s} {name:42s} {per_step:8.2f} ms  steps {row['steps']:5d}  "
+                print(f"{kind:8s} {name:58s} {per_step:8.2f} ms  steps {row['steps']:5d}  "
                       f"{row['ratio_to_first']:.2f}x the {args.kv_cache[0]} cache  same tokens: {row['same_tokens_as_first']}",
                       flush=True)
                 if args.profile:
                     row["profile"] = _profile(tapped, chosen, prompts[:1], config, device)
-                    print(f"{'':8s} {'':42s} {row['profile']['summary']}", flush=True)
+                    print(f"{'':8s} {'':58s} {row['profile']['summary']}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
 

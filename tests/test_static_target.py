@@ -140,15 +140,15 @@ def _tiny_drafter(model, layers: int = 2, block: int = 6):
 
 
 def test_graphed_drafter_drafts_what_the_drafter_drafts():
-    """Over its fixed-size buffer (rows past the context masked, stale rows of a longer earlier context left in it)
-    the wrapper's draft equals the drafter's own on the exact context."""
+    """Over its kept context keys and values (rows past the context masked, stale rows of a longer earlier context
+    left in the buffers) the wrapper's draft equals the drafter's own on the exact context."""
     drafter = _tiny_drafter(_llama())
     width = drafter.config.num_taps * drafter.config.hidden_size
     graphed = GraphedDrafter(drafter, capacity=96)
     generator = torch.Generator().manual_seed(0)
-    for rows in (60, 7, 33):  # the 7-row context leaves 53 stale rows of the first in the buffer
+    block = torch.tensor([5, 0, 0, 0, 0, 0])
+    for rows in (60, 7, 33):  # each a new context: the 7-row one leaves 53 stale rows of the first in the buffers
         context = torch.randn(rows, width, generator=generator)
-        block = torch.tensor([5, 0, 0, 0, 0, 0])
         expected = drafter.draft_block(context, torch.arange(rows), block, rows)
         torch.testing.assert_close(graphed.draft_block(context, torch.arange(rows), block, rows), expected,
                                    atol=1e-4, rtol=1e-4)
@@ -156,6 +156,27 @@ def test_graphed_drafter_drafts_what_the_drafter_drafts():
     assert graphed.eager_drafts == 3 and graphed.replays == 0
     with pytest.raises(ValueError, match="holds 96 positions"):
         graphed.draft_block(torch.zeros(92, width), torch.arange(92), block, 92)
+
+
+def test_graphed_drafter_keeps_each_rows_keys_across_the_cycles_of_a_generation():
+    """As the loop drives it: prefixes of one buffer growing by 1 .. B rows per cycle (a prompt shorter than a block
+    first), then a new generation in another buffer with a longer prompt than the first's whole context, then that
+    buffer rewritten and passed again from a shorter prefix: every draft equals the drafter's own over the exact
+    context, though the wrapper computes a row's keys and values only in the cycles whose window holds it."""
+    drafter = _tiny_drafter(_llama())
+    width = drafter.config.num_taps * drafter.config.hidden_size
+    graphed = GraphedDrafter(drafter, capacity=96)
+    generator = torch.Generator().manual_seed(1)
+    block = torch.tensor([9, 0, 0, 0, 0, 0])
+    first, second = torch.randn(96, width, generator=generator), torch.randn(96, width, generator=generator)
+    for buffer, prefixes in ((first, (3, 4, 10, 16, 17, 23)), (second, (40, 46, 47, 52)), (second, (20, 26))):
+        if prefixes[0] == 20:
+            buffer.copy_(torch.randn(96, width, generator=generator))
+        for rows in prefixes:
+            expected = drafter.draft_block(buffer[:rows], torch.arange(rows), block, rows)
+            torch.testing.assert_close(graphed.draft_block(buffer[:rows], torch.arange(rows), block, rows), expected,
+                                       atol=1e-4, rtol=1e-4)
+    assert graphed.eager_drafts == 12
 
 
 def test_graphed_drafter_compiles_its_fused_kernels_at_the_first_draft_only():

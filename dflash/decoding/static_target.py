@@ -24,6 +24,7 @@ PyTorch's CUDA graph capture (warm-up on a side stream, then ``torch.cuda.graph`
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -211,19 +212,28 @@ class StaticTappedTarget(TappedTarget):
 
 
 class GraphedDrafter(torch.nn.Module):
-    """A block drafter whose ``draft_block`` runs over a fixed-size context buffer, captured once as a CUDA graph.
+    """A DFlash drafter that keeps its context's keys and values across cycles, each cycle's work captured once as
+    a CUDA graph.
 
-    The loop hands the drafter the accepted positions' taps (``context_hidden[:position]``); this wrapper copies
-    them into its own ``[capacity, n*H]`` buffer and drafts over the whole buffer with the rows past ``position``
-    masked out (``draft_block(..., context_valid=...)`` of :class:`dflash.drafter.DFlashDrafter`), so every cycle
-    has one shape: on CUDA the draft is captured at the first cycle and replayed after. Without CUDA it runs the same
-    padded draft eagerly. Returns ``[B, V]`` float32 logits like the drafter's; those of a replay are overwritten by
-    the next draft.
+    A context row's keys and values in every drafter layer depend on that row's tapped target states alone
+    (:meth:`dflash.drafter.DFlashDrafter.context_keys_values`), so, as the serving engines keep the drafter's context
+    in a KV cache, this wrapper computes them once per accepted token into fixed-size ``[capacity, kv_heads, D]``
+    buffers instead of running the whole context through the drafter's projections at every cycle. A cycle writes a
+    window of ``B`` rows (the block size: the most rows one cycle can accept) ending at the block's start, which
+    holds every row accepted since the last cycle, then drafts over the buffers with the rows past the block's start
+    masked out (``draft_block_cached(..., context_valid=...)``). Both steps have one shape for every cycle: on CUDA
+    each is captured at its first use and replayed after. A prompt (more new rows than a window) is written window
+    after window through the same step. Without CUDA the same steps run eagerly. Returns ``[B, V]`` float32 logits
+    like the drafter's; those of a replay are overwritten by the next draft.
+
+    The loop hands the drafter a prefix of one buffer per generation (``context_hidden[:position]``) whose rows it
+    never rewrites once passed: the wrapper keeps the rows it has written for as long as the same buffer comes
+    back, and starts over when another buffer (a new generation) or a shorter prefix comes.
 
     Args:
-        drafter: a drafter whose ``draft_block`` takes ``context_valid`` and a tensor ``block_start``.
-        capacity: context rows the buffer holds (prompt + new tokens + one block, as the target's cache).
-        cuda_graphs: capture the draft (CUDA only).
+        drafter: a :class:`dflash.drafter.DFlashDrafter` (``context_keys_values`` and ``draft_block_cached``).
+        capacity: context rows the buffers hold (prompt + new tokens + one block, as the target's cache).
+        cuda_graphs: capture the steps (CUDA only).
     """
 
     def __init__(self, drafter: torch.nn.Module, capacity: int, *, cuda_graphs: bool = True) -> None:
@@ -233,15 +243,19 @@ class GraphedDrafter(torch.nn.Module):
         parameter = next(drafter.parameters())
         self.device, self.capacity = parameter.device, int(capacity)
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
-        width = drafter.config.num_taps * drafter.config.hidden_size
-        # Zeros, not empty: rows past the accepted tokens are weighted by zero, and 0 x NaN would still be NaN.
-        self._context = torch.zeros((self.capacity, width), dtype=parameter.dtype, device=self.device)
+        self._width = drafter.config.num_taps * drafter.config.hidden_size
+        self._dtype = parameter.dtype
         self._positions = torch.arange(self.capacity, device=self.device)
         self._start = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._window_start = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._window: torch.Tensor | None = None  # [B, n*H] taps of the rows being written
         self._block: torch.Tensor | None = None
+        self._keys_values: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, [capacity, kv, D]
         self._logits: torch.Tensor | None = None
-        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self._failed = False
+        self._source: weakref.ref | None = None  # the loop's buffer the written rows came from
+        self._written = 0  # rows 0 .. _written - 1 of that buffer hold their keys and values
         #: Drafts replayed from the graph and run eagerly (benchmarks and the evaluation report read them).
         self.replays = 0
         self.eager_drafts = 0
@@ -254,37 +268,78 @@ class GraphedDrafter(torch.nn.Module):
         Raises:
             ValueError: the context or the block runs past ``capacity``.
         """
-        rows = context_hidden.shape[0]
-        if rows != block_start or block_start + block_input_ids.numel() > self.capacity:
+        rows, size = context_hidden.shape[0], block_input_ids.numel()
+        if rows != block_start or block_start + size > self.capacity:
             raise ValueError(f"the graphed drafter holds {self.capacity} positions of a context that starts at 0; got "
                              f"{rows} context rows and a block at {block_start}")
-        self._context[:rows].copy_(context_hidden)  # the accepted rows again: MBs for SmolLM2, tens of MB for an 8B target
         if self._block is None or self._block.shape != block_input_ids.shape:
-            self._block = torch.zeros_like(block_input_ids, dtype=torch.int64)
-            self._graph, self._failed = None, False
+            self._allocate(size)
+        source = context_hidden if context_hidden._base is None else context_hidden._base
+        if self._source is None or self._source() is not source or rows < self._written:
+            self._source, self._written = weakref.ref(source), 0
+        while rows - self._written > size:  # more new rows than one window: a prompt, window after window
+            self._write_window(context_hidden, self._written, rows)
+            self._written += size
+        self._write_window(context_hidden, max(0, rows - size), rows)
+        self._written = rows
         self._block.copy_(block_input_ids)
-        self._start.fill_(block_start)
-        if not self.cuda_graphs or self._failed:
-            self.eager_drafts += 1
-            return self._draft()
-        if self._graph is None and not self._capture():
-            self.eager_drafts += 1
-            return self._draft()
-        self._graph.replay()
-        self.replays += 1
-        return self._logits
+        self._start.fill_(rows)
+        return self._run("draft", self._draft)
+
+    def _allocate(self, size: int) -> None:
+        """Buffers for blocks of ``size`` tokens (zeros: rows not yet written are weighted by zero, and 0 x NaN would
+        still be NaN); a new block size starts the context over and captures again."""
+        self._window = torch.zeros((size, self._width), dtype=self._dtype, device=self.device)
+        self._block = torch.zeros(size, dtype=torch.int64, device=self.device)
+        probe = self.drafter.context_keys_values(self._window, self._positions[:size])  # their shapes, dtypes
+        self._keys_values = [tuple(torch.zeros((self.capacity, *t.shape[1:]), dtype=t.dtype, device=self.device)
+                                   for t in pair) for pair in probe]  # fmt: skip
+        self._graphs.clear()
+        self._failed, self._source, self._written = False, None, 0
+
+    def _write_window(self, context_hidden: torch.Tensor, first: int, rows: int) -> None:
+        """Write the keys and values of the window of rows ``first .. first + B - 1`` (those from ``rows`` on are
+        zeros here, overwritten once accepted)."""
+        window = self._window
+        count = min(rows, first + window.shape[0]) - first
+        window[:count].copy_(context_hidden[first : first + count])
+        if count < window.shape[0]:
+            window[count:].zero_()
+        self._window_start.fill_(first)
+        self._run("write", self._write)
+
+    def _write(self) -> None:
+        positions = self._window_start + self._positions[: self._window.shape[0]]
+        new = self.drafter.context_keys_values(self._window, positions)
+        for kept, computed in zip(self._keys_values, new, strict=True):
+            for buffer, rows in zip(kept, computed, strict=True):
+                buffer.index_copy_(0, positions, rows)
 
     def _draft(self) -> torch.Tensor:
-        return self.drafter.draft_block(self._context, self._positions, self._block, self._start,
-                                        context_valid=self._positions < self._start)
+        return self.drafter.draft_block_cached(self._keys_values, self._block, self._start,
+                                               context_valid=self._positions < self._start)
 
-    def _capture(self) -> bool:
-        try:
-            graph, self._logits = capture_graph(self.device, self._draft)
-        except RuntimeError as exc:  # pragma: no cover - depends on the drafter's kernels and the CUDA build
-            log.warning("CUDA graph capture of the draft failed (%s); drafting eagerly", exc)
-            self._failed = True
-            torch.cuda.synchronize(self.device)
-            return False
-        self._graph = graph
-        return True
+    def _run(self, name: str, step) -> Any:
+        """Replay ``step``'s graph (capturing it at its first use), or run it eagerly without CUDA graphs."""
+        graph = self._graphs.get(name)
+        if graph is None and self.cuda_graphs and not self._failed:
+            try:
+                graph, outputs = capture_graph(self.device, step)
+            except RuntimeError as exc:  # pragma: no cover - depends on the drafter's kernels and the CUDA build
+                log.warning("CUDA graph capture of the draft failed (%s); drafting eagerly", exc)
+                self._failed = True
+                self._graphs.clear()
+                torch.cuda.synchronize(self.device)
+            else:
+                self._graphs[name] = graph
+                if name == "draft":
+                    self._logits = outputs
+        if graph is None or self._failed:
+            outputs = step()
+            if name == "draft":
+                self.eager_drafts += 1
+            return outputs
+        graph.replay()
+        if name == "draft":
+            self.replays += 1
+        return self._logits

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -152,29 +153,33 @@ class DFlashAttention(nn.Module):
     def forward(
         self,
         block_states: torch.Tensor,  # [Q, H] (or [A+1, H] with num_anchors), already input_layernorm'ed
-        context: torch.Tensor,  # [T, H] fused context features
+        context: torch.Tensor | tuple[torch.Tensor, torch.Tensor],  # [T, H] fused context features, or this
+        # layer's (keys, values) [T, kv_heads, D] of them (keys_values: normed and rotated)
         block_rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [Q, D]
-        key_rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [T+Q, D]: context positions then block positions
+        key_rope: tuple[torch.Tensor, torch.Tensor] | None,  # cos/sin [T+Q, D]: context positions then block
+        # positions (not used with precomputed context keys)
         mask: object,  # BlockMask, dense bool [Q, T+Q], or None (no mask: serving path)
         num_anchors: int = 0,  # > 0: block_states are the A anchor rows then the MASK row (_broadcast_blocks)
         drop_anchor_rows: bool = False,  # return block positions 1..B-1 only ([A*(B-1), H])
     ) -> torch.Tensor:
-        num_queries, num_context = block_rope[0].shape[0], context.shape[0]
+        num_queries = block_rope[0].shape[0]
         q, k_block, v_block = self.q_proj(block_states), self.k_proj(block_states), self.v_proj(block_states)
         if num_anchors:
             q, k_block, v_block = (_broadcast_blocks(t, num_anchors, self.block_size) for t in (q, k_block, v_block))
-        # Same k/v projections for the injected context and the block; concatenated after projection (the
-        # projected keys are narrower than the hidden states, so this moves less memory than concatenating inputs).
-        k = torch.cat([self.k_proj(context), k_block], dim=0)
-        v = torch.cat([self.v_proj(context), v_block], dim=0)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        assert k.shape[0] == num_context + num_queries
-        # v comes straight out of a Linear, so it carries the compute dtype (bf16 under autocast); q/k must match.
-        # q_norm/k_norm + RoPE in one fused kernel each (eager CUDA; plain ops elsewhere).
+        if isinstance(context, tuple):  # the context's keys and values, computed once per row (keys_values)
+            context_keys, context_values = context
+            k_block, v_block = self._normed_keys(k_block, v_block, block_rope)
+            k, v = torch.cat([context_keys, k_block], dim=0), torch.cat([context_values, v_block], dim=0)
+        else:
+            # Same k/v projections for the injected context and the block; concatenated after projection (the
+            # projected keys are narrower than the hidden states, so this moves less memory than concatenating
+            # inputs), then one norm + RoPE kernel over both.
+            assert key_rope[0].shape[0] == context.shape[0] + num_queries
+            k, v = self._normed_keys(torch.cat([self.k_proj(context), k_block], dim=0),
+                                     torch.cat([self.v_proj(context), v_block], dim=0), key_rope)
+        # v comes straight out of a Linear, so it carries the compute dtype (bf16 under autocast); q/k match it.
         q = fused.norm_rope(q.reshape(num_queries, self.num_heads, self.head_dim),
                             self.q_norm.weight, self.q_norm.eps, *block_rope, v.dtype)
-        k = fused.norm_rope(k.view(-1, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps,
-                            *key_rope, v.dtype)
         # [1, heads, len, D]
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         gqa = self.num_kv_heads != self.num_heads
@@ -192,6 +197,20 @@ class DFlashAttention(nn.Module):
         if drop_anchor_rows:
             out = _drop_anchor_rows(out, self.block_size)
         return self.o_proj(out)
+
+    def keys_values(self, context: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """This layer's keys (k_norm'ed, rotated) and values ``[T, kv_heads, D]`` of the fused context features
+        ``[T, H]`` at the positions of ``rope`` (cos/sin ``[T, D]``): per row, so they can be computed once per
+        context row and kept (serving-style drafting over a growing context)."""
+        return self._normed_keys(self.k_proj(context), self.v_proj(context), rope)
+
+    def _normed_keys(self, k: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """Projected keys/values ``[N, kv_heads*D]`` -> keys after k_norm + RoPE (one fused kernel on CUDA) and
+        values, both ``[N, kv_heads, D]`` in the values' dtype."""
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        k = fused.norm_rope(k.view(-1, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps,
+                            *rope, v.dtype)
+        return k, v
 
 
 class DFlashMLP(nn.Module):
@@ -355,13 +374,10 @@ class DFlashDrafter(nn.Module):
             return torch.get_autocast_dtype(device.type)
         return self.fc.weight.dtype
 
-    def _embed_inputs(self, hidden: torch.Tensor, block_ids: torch.Tensor):
-        """Fused context in the compute dtype (cast once, reused by every layer's k/v projections) and the block's
-        token embeddings in the residual stream's dtype (see ``residual_in_compute_dtype``)."""
-        context = self.fuse_context(hidden).to(self._compute_dtype(hidden.device))
-        block_states = F.embedding(block_ids, self.embed_weight).to(
-            self._compute_dtype(hidden.device) if self.residual_in_compute_dtype else self.fc.weight.dtype)
-        return context, block_states
+    def _embed_block(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """The block's token embeddings in the residual stream's dtype (see ``residual_in_compute_dtype``)."""
+        return F.embedding(block_ids, self.embed_weight).to(
+            self._compute_dtype(block_ids.device) if self.residual_in_compute_dtype else self.fc.weight.dtype)
 
     def fuse_context(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, n*H]`` tapped target states -> ``[T, H]`` context features ``hidden_norm(fc(h))``."""
@@ -375,11 +391,11 @@ class DFlashDrafter(nn.Module):
         # activation of the step) would be written and read again only to be cast back to bf16 by the Linear.
         return self.hidden_norm(self.fc(hidden.to(self._compute_dtype(hidden.device))))
 
-    def _run_layers(self, block_states, context, block_rope, context_rope, mask, *, use_compiled: bool = True,
+    def _run_layers(self, block_states, context, block_rope, context_rope, mask, *,
                     num_anchors: int = 0, drop_anchor_rows: bool = False) -> torch.Tensor:
         """``block_states`` ``[Q, H]`` (or the first layer's ``[A + 1, H]`` distinct rows with ``num_anchors``) through
         every layer and the final norm; ``drop_anchor_rows``: the last layer returns block positions 1..B-1."""
-        layers = self._compiled_layers if use_compiled and self._compiled_layers is not None else self.layers
+        layers = self._compiled_layers if self._compiled_layers is not None else self.layers
         # With num_anchors the first layer has its own graph and forms no input gradient (the embedding is frozen).
         if not num_anchors and layers is self._compiled_layers and torch.is_grad_enabled() and not block_states.requires_grad:
             # The frozen embedding output needs no grad, later layers' inputs do: without this, dynamo builds a
@@ -440,7 +456,9 @@ class DFlashDrafter(nn.Module):
         else:
             block_ids = torch.cat([batch.input_ids[safe].to(torch.int64)[:, None],
                                    mask_id.expand(num_anchors, block_size - 1)], dim=1).reshape(-1)
-        context, block_states = self._embed_inputs(batch.hidden, block_ids)
+        # The fused context in the compute dtype: cast once, reused by every layer's k/v projections.
+        context = self.fuse_context(batch.hidden).to(self._compute_dtype(batch.hidden.device))
+        block_states = self._embed_block(block_ids)
         rope_dtype = context.dtype
         block_rope = self._rope(block_positions, rope_dtype)
         context_rope = self._rope(batch.position_ids, rope_dtype)
@@ -458,14 +476,24 @@ class DFlashDrafter(nn.Module):
         return out[:, 1:] if predictions_only else out
 
     @torch.no_grad()
+    def context_keys_values(self, context_hidden: torch.Tensor,
+                            context_positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys and values of the context rows ``context_hidden`` ``[T, n*H]`` (tapped target states)
+        at ``context_positions`` ``[T]``: ``[(keys, values)]`` per layer, each ``[T, kv_heads, D]`` in the compute
+        dtype. A row's keys and values depend on that row alone, so a decoding loop computes them once per accepted
+        token and keeps them (:class:`dflash.decoding.static_target.GraphedDrafter`), as the serving engines keep
+        the drafter's context in a KV cache."""
+        context = self.fuse_context(context_hidden).to(self._compute_dtype(context_hidden.device))
+        rope = self._rope(context_positions, context.dtype)
+        return [layer.self_attn.keys_values(context, rope) for layer in self.layers]
+
+    @torch.no_grad()
     def draft_block(
         self,
         context_hidden: torch.Tensor,
         context_positions: torch.Tensor,
         block_input_ids: torch.Tensor,
         block_start: int | torch.Tensor,
-        *,
-        context_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Serving-style drafting of one block, as vLLM / SGLang run it: the whole context, no attention mask.
 
@@ -474,24 +502,52 @@ class DFlashDrafter(nn.Module):
             context_positions: ``[Lc]`` their absolute positions.
             block_input_ids: ``[B]`` ``[last accepted token, MASK, ..., MASK]``.
             block_start: absolute position of the block's first token (an int, or a 0-dim int64 device tensor).
+
+        Returns:
+            ``[B, V]`` float32 logits (position k predicts the token at ``block_start + k``).
+        """
+        return self.draft_block_cached(self.context_keys_values(context_hidden, context_positions), block_input_ids,
+                                       block_start)
+
+    @torch.no_grad()
+    def draft_block_cached(
+        self,
+        context_keys_values: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        block_input_ids: torch.Tensor,
+        block_start: int | torch.Tensor,
+        *,
+        context_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`draft_block` over context keys and values computed before (:meth:`context_keys_values`).
+
+        Args:
+            context_keys_values: per layer, ``(keys, values)`` ``[Lc, kv_heads, D]`` of the context rows.
+            block_input_ids: ``[B]`` ``[last accepted token, MASK, ..., MASK]``.
+            block_start: absolute position of the block's first token (an int, or a 0-dim int64 device tensor).
             context_valid: ``[Lc]`` bool, the context rows the block attends (None: all). With it, the context can
                 be a fixed-size buffer whose rows past the accepted tokens are ignored: one shape for every cycle,
                 what a captured graph needs (:class:`dflash.decoding.static_target.GraphedDrafter`). Rows it
                 excludes must hold finite values (they are weighted by zero).
 
         Returns:
-            ``[B, V]`` float32 logits (position k predicts the token at ``block_start + k``).
+            ``[B, V]`` float32 logits.
         """
         self._require_target()
-        context, block_states = self._embed_inputs(context_hidden, block_input_ids.to(torch.int64))
-        positions = block_start + torch.arange(block_input_ids.shape[0], device=block_input_ids.device)
-        rope_dtype = context.dtype
+        if len(context_keys_values) != len(self.layers):
+            raise ValueError(f"context_keys_values: expected one (keys, values) pair per layer ({len(self.layers)}), "
+                             f"got {len(context_keys_values)}")
+        block_ids = block_input_ids.to(torch.int64)
+        device = block_ids.device
+        block_states = self._embed_block(block_ids)
+        positions = block_start + torch.arange(block_ids.shape[0], device=device)
+        block_rope = self._rope(positions, self._compute_dtype(device))
         mask = None
         if context_valid is not None:  # [B, Lc + B]: the valid context rows, and the whole block (no mask inside it)
-            block = torch.ones((block_states.shape[0], block_states.shape[0]), dtype=torch.bool, device=context.device)
+            block = torch.ones((block_ids.shape[0], block_ids.shape[0]), dtype=torch.bool, device=device)
             mask = torch.cat([context_valid[None, :].expand(block.shape[0], -1), block], dim=1)
-        out = self._run_layers(block_states, context, self._rope(positions, rope_dtype),
-                               self._rope(context_positions, rope_dtype), mask, use_compiled=False)
+        for layer, keys_values in zip(self.layers, context_keys_values, strict=True):
+            block_states = layer(block_states, tuple(keys_values), block_rope, None, mask)
+        out = self.norm(block_states)
         return F.linear(out, self.lm_head_weight.to(out.dtype)).float()
 
 

@@ -5,7 +5,8 @@
 #   random  random-weight targets, real shapes (carry .offline/whl, offline-install, model.sha256; ~9 min):
 #           the GPU tests of the decode loops (run these first: generate's and evaluate's graphs), evaluate's
 #           loops per KV cache (the static cache first, each loop profiled: device-busy vs wall ms per step), and
-#           the static loops in bfloat16 (is a 16-token float32 verify what makes a cycle cost 2 plain steps?)
+#           the static loops in bfloat16 (is a 16-token float32 verify what makes a cycle cost 2 plain steps?),
+#           and a Qwen3-8B-shaped target at 2,048-token prompts: the drafter's kept context vs its whole context
 #   throughput  (same carry; ~7 min) generate continuous vs batches, the online producer grouped vs a task per
 #           planned batch, the device-to-host copies of a batch into each kind of host memory (ring_copy_probe.py)
 #   extract the extract forward's profile and compiled parts (random SmolLM2 shape; ~4 min)
@@ -37,6 +38,9 @@ case $PART in
       --repeats 3 --profile --json "$DEST/speculative_loop_random.json"
     step speculative_loop_random_bf16 120 python benchmarks/speculative_loop.py --target smollm2-random \
       --dtype bfloat16 --kv-cache static --repeats 3 --profile --json "$DEST/speculative_loop_random_bf16.json"
+    step speculative_loop_8b_context 240 python benchmarks/speculative_loop.py --target qwen3-8b-random \
+      --dtype bfloat16 --kv-cache static --prompts 2 --prompt-tokens 2048 --max-new-tokens 64 --repeats 3 \
+      --drafter-context kept whole --json "$DEST/speculative_loop_8b_context.json"
     ;;
   throughput)
     step generate_continuous 240 python benchmarks/generate.py --target smollm2-random --prompts 4096 \
