@@ -60,6 +60,7 @@ from stages.replicas.cluster import (
     start_cluster,
     validate_placement,
 )
+from stages.replicas.tasks import task_result, user_error_of
 
 __all__ = ["ExtractConfig", "CachePlan", "run_extract", "plan_cache", "create_cache", "prepare_cache", "plan_shards",
            "estimate_cache_bytes", "register"]
@@ -443,6 +444,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
 
     client, cluster, placement = start_cluster(config, daemonic_workers=config.write_processes == 0)
     failures: dict[int, str] = {}
+    user_error: BaseException | None = None  # the first error the user must fix that a shard's task returned
     tokens_done = 0
     compute_seconds = write_wait_seconds = 0.0  # summed over tasks (telemetry: where the workers spent their time)
     batching: set[str] = set()  # how the workers batched ("padded" or "packed (<kernel resolved on the worker>)")
@@ -497,6 +499,12 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
                         failures[shard_id] = f"{type(error).__name__}: {error}"
                         log.error("shard %d failed: %s", shard_id, failures[shard_id])
                         continue
+                    returned = user_error_of(result)
+                    if returned is not None:  # the user's to fix (stages.replicas.tasks): every later shard would
+                        user_error = returned  # fail the same way, and so would another round
+                        failures[shard_id] = f"{type(returned).__name__}: {returned}"
+                        client.cancel([f for f in futures if not f.done()])
+                        break
                     done += 1
                     tokens_done += result["tokens"]
                     compute_seconds += float(result.get("compute_seconds", 0.0))
@@ -511,8 +519,8 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
                 for writes in client.run(flush_worker).values():
                     _report_write_errors(writes, failures)
                 todo = sorted(set(range(len(shard_rows))) - cache.committed_shards())
-                if not todo or any(_disk_full(failures.get(k, "")) for k in todo):
-                    break  # done, or the disk is full: another round would only fail again
+                if not todo or user_error is not None or any(_disk_full(failures.get(k, "")) for k in todo):
+                    break  # done, or the user's to fix (a full disk...): another round would only fail again
                 console.print(f"[yellow]{len(todo)} shards not committed after round {attempt + 1}: {todo[:10]}; retrying")
         elapsed = time.perf_counter() - started
     finally:
@@ -543,6 +551,8 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
             + (f" ({_human(free)} free now)" if free is not None else "")
             + "; free space (or use --storage-dtype fp8) and rerun the same command to finish them"
         )
+    if missing and user_error is not None:  # the committed shards stay; the rerun resumes once it is fixed
+        raise user_error
     if missing:
         reasons = "; ".join(f"shard {k}: {failures[k]}" for k in missing[:5] if k in failures)
         raise CacheError(
@@ -597,7 +607,7 @@ def _choose_codec(client: Any, config: ExtractConfig, plan: CachePlan, rows: lis
                                  workers=[address], allow_other_workers=True, resources=resources)
                    for index, address in enumerate(workers)]  # fmt: skip
         try:
-            results = client.gather(futures)
+            results = [task_result(future) for future in futures]
         except Exception as error:  # measuring is an optimisation: the shard tasks report real failures themselves
             log.warning("codec auto: the calibration failed (%s: %s); using the default codec", type(error).__name__,
                         error)

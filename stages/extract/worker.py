@@ -41,8 +41,10 @@ from dflash.cache.codec_choice import calibrate_codecs
 from dflash.cache.writer import chunk_write_threads
 from dflash.corpus.format import open_corpus
 from dflash.errors import ConfigError, DFlashError
+from dflash.faults import fault_point
 from dflash.target.runner import TargetRunner
 from stages.replicas.replica import TargetReplicaPlugin
+from stages.replicas.tasks import returns_user_errors
 
 __all__ = [
     "ShardSpec",
@@ -283,6 +285,7 @@ class ShardExtractor:
         known once its write commits. Host and device memory: at most one batch more than within a shard.
         """
         started = time.perf_counter()
+        fault_point("extract.shard", spec.corpus_path)
         rows = self._corpus(spec.corpus_path).rows(spec.row_start, spec.row_stop)
         skipped: list[dict] = []
         todo: list[tuple[int, Any, Any]] = []  # (index into rows, input_ids, loss_mask) of extracted rows
@@ -472,10 +475,12 @@ def _extractor(worker: Any) -> ShardExtractor:
     return plugin.extractor
 
 
+@returns_user_errors
 def extract_shard(spec: ShardSpec) -> dict:
     """Dask task: compute one shard on this worker's target replica and queue its write (see module docstring).
 
-    Returns the small metadata dict of :meth:`ShardExtractor.process` plus ``"worker"``.
+    Returns the small metadata dict of :meth:`ShardExtractor.process` plus ``"worker"``; an error the user must fix
+    (a corpus the worker may not read...) comes back as the task's value (:mod:`stages.replicas.tasks`).
     """
     worker = get_worker()
     result = _extractor(worker).process(spec)
@@ -483,6 +488,7 @@ def extract_shard(spec: ShardSpec) -> dict:
     return result
 
 
+@returns_user_errors
 def calibrate_worker_codecs(spec: CalibrationSpec) -> dict:
     """Dask task, one pinned to each worker: :func:`dflash.cache.codec_choice.calibrate_codecs` on this worker's
     runner, with as many encode threads as its write path has (:attr:`ShardExtractor.write_threads`). Runs before
@@ -490,7 +496,8 @@ def calibrate_worker_codecs(spec: CalibrationSpec) -> dict:
 
     Returns:
         ``{"worker", "device", "calibrated"}``, plus ``calibrate_codecs``' figures when ``calibrated`` (a CPU
-        runner is calibrated only with ``spec.on_cpu``).
+        runner is calibrated only with ``spec.on_cpu``); an error the user must fix comes back as the task's value
+        (:mod:`stages.replicas.tasks`).
     """
     worker = get_worker()
     extractor = _extractor(worker)
