@@ -14,7 +14,9 @@ shards are skipped; it keeps its own codec), print the size estimate and refuse 
 choose its codec (``--codec auto``: a calibration task on every worker at once, ``dflash.cache.codec_choice``) and
 only then create it; submit one task per pending shard, follow them with a rich progress bar in tokens/s, then
 collect the last pending writes and trust only the cache's commit records: shards still uncommitted are
-resubmitted once, and any left are reported (rerun to finish).
+resubmitted once, and any left are reported (rerun to finish). An error the user must fix that a shard's task meets
+(a corpus the worker may not read, a full disk: ``stages.replicas.tasks``) stops the run without another round:
+the pending writes are collected, the committed shards kept, and that error is the one ``error:`` line.
 A local cluster listens on 127.0.0.1 only (its dashboard included); ``--tls-*`` connect to a TLS scheduler
 (docs/cache-format.md, "Running extract on a shared machine or cluster").
 """
@@ -673,8 +675,9 @@ def register(app: typer.Typer) -> None:
         """Extract tapped target hidden states of a corpus into a compressed Zarr v3 cache (Dask workers).
 
         Rerun the same command to resume: committed shards are skipped, the rest redone (exactly once).
-        Exit status: 0 done, 2 bad input, shards left uncommitted (the message says which and why) or the cache
-        locked by another run (named), 130 interrupted (committed shards stay; rerun to resume).
+        Exit status: 0 done, 2 bad input (also one a worker meets, such as a full disk or a corpus it may not read:
+        committed shards stay), shards left uncommitted (the message says which and why) or the cache locked by
+        another run (named), 130 interrupted (committed shards stay; rerun to resume).
         """
         console = Console()
         try:
