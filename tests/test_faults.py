@@ -171,8 +171,9 @@ def test_user_errors_under_extract_stop_it_cleanly_keeping_the_committed_shards_
     """The real stage (Dask worker, --force-space), two runs. A user's error raised inside a shard's Dask task itself
     (permission denied reading the corpus, from the 2nd task on) is that error's one line, exit 2, without the
     worker's "Compute Failed" log and its traceback, and without a retry round; the shard committed before it
-    stays. The rerun resumes there and meets a full disk at its 2nd shard write: one error line with the counts
-    and the space the rest needs, exit 2, no retry round; the committed shards are sound."""
+    stays. The rerun resumes there and meets a full disk at its 2nd shard's commit record (outside the arrays'
+    writes, which report a full disk as a CacheError): one error line with the counts and the space the rest
+    needs, exit 2, no writer traceback, no retry round; the committed shards are sound."""
     denied, output = _extract_three_shards(tmp_path, tokenizer, "extract.shard@2=eacces")
     assert denied.returncode == 2, denied.stderr
     line = _one_error_line(denied.stderr)
@@ -181,7 +182,7 @@ def test_user_errors_under_extract_stop_it_cleanly_keeping_the_committed_shards_
     assert "Compute Failed" not in denied.stderr and "retrying" not in denied.stdout, denied.stderr
     assert verify_cache(output)["committed_shards"] == 1
 
-    full, _ = _extract_three_shards(tmp_path, tokenizer, "cache.chunk-write@2=enospc")
+    full, _ = _extract_three_shards(tmp_path, tokenizer, "cache.before-commit@2=enospc")
     assert full.returncode == 2, full.stderr
     assert "resuming: 1 shards already committed, 2 to do" in full.stdout
     line = _one_error_line(full.stderr)

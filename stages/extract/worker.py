@@ -40,9 +40,10 @@ from dflash.cache.chunks import keep_chunk_buffers_mapped
 from dflash.cache.codec_choice import calibrate_codecs
 from dflash.cache.writer import chunk_write_threads
 from dflash.corpus.format import open_corpus
-from dflash.errors import ConfigError, DFlashError
+from dflash.errors import ConfigError
 from dflash.faults import fault_point
 from dflash.target.runner import TargetRunner
+from stages.config.exit_status import is_user_error
 from stages.replicas.replica import TargetReplicaPlugin
 from stages.replicas.tasks import returns_user_errors
 
@@ -252,7 +253,7 @@ class ShardExtractor:
         try:
             result = future.result()
         except Exception as error:  # reported to the driver, which redoes uncommitted shards
-            if not isinstance(error, DFlashError):  # a user's error (full disk...) is the driver's one line
+            if not is_user_error(error):  # a user's error (full disk...) is the driver's one line
                 log.exception("writing shard %d failed", shard_id)
             return {"shard": shard_id, "error": f"{type(error).__name__}: {error}"}
         return {"shard": shard_id, **(result or {})}
