@@ -32,6 +32,13 @@ __all__ = [
 class DFlashError(Exception):
     """Root of every error raised by dflash-stages."""
 
+    def __reduce__(self) -> tuple:
+        # Pickled as its class, arguments and attributes, so that it crosses processes (a Dask task's value or
+        # error) whatever reducer a library registered for exception classes: tblib's, which dask.distributed
+        # installs, rebuilds an error through its builtin base's __new__, and that refuses a class that is also
+        # an OSError (the *NotFoundError family below).
+        return type(self), self.args, self.__dict__ or None
+
 
 class ConfigError(DFlashError, ValueError):
     """A configuration field has an invalid value. The message names the field."""

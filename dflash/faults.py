@@ -5,7 +5,8 @@
 (default 1st) and every later time:
 
 * ``kill`` (default): ``SIGKILL`` this process there, as a power cut or the OOM killer would;
-* ``enospc``: raise ``OSError(ENOSPC)`` naming the path being written, as a full disk would (it stays full).
+* ``enospc``: raise ``OSError(ENOSPC)`` naming the path being written, as a full disk would (it stays full);
+* ``eacces``: raise ``OSError(EACCES)`` naming the path, as a file this user may not read or write would.
 
 Points (each a call of :func:`fault_point` where the work happens; counts are per process, and the variable is
 inherited by Dask workers and write processes):
@@ -14,6 +15,8 @@ inherited by Dask workers and write processes):
 ``cache.chunk-write``       before each ``hidden`` chunk of a shard is stored (``dflash/cache/writer.py``)
 ``cache.before-commit``     a shard's arrays are written, its commit record not yet (mid-commit)
 ``cache.after-commit``      a shard's commit record was just written (``@N``: after N shards committed)
+``extract.shard``           an extract task is about to read its shard's corpus rows (in the Dask task itself,
+                            not in its writer threads; ``stages/extract/worker.py``)
 ``checkpoint.write``        a checkpoint's weights are in its temporary folder, the rest not yet (mid-write)
 ``safetensors.write``       before each safetensors file is written (``dflash/weights_io.py``): a checkpoint's
                             weights, optimizer and RNG state (3 a checkpoint), an export's weights
@@ -32,11 +35,13 @@ import os
 import signal
 import threading
 
-__all__ = ["ENV", "POINTS", "fault_point", "reload"]
+__all__ = ["ENV", "POINTS", "ERRNOS", "fault_point", "reload"]
 
 ENV = "DFLASH_FAULT"
-POINTS = ("cache.chunk-write", "cache.before-commit", "cache.after-commit", "checkpoint.write", "safetensors.write",
-          "online.produce", "generate.part-write")
+POINTS = ("cache.chunk-write", "cache.before-commit", "cache.after-commit", "extract.shard", "checkpoint.write",
+          "safetensors.write", "online.produce", "generate.part-write")
+#: The ``OSError`` each raising action raises.
+ERRNOS = {"enospc": errno.ENOSPC, "eacces": errno.EACCES}
 
 _spec: tuple[str, int, str] | None = None
 _seen = 0
@@ -58,8 +63,9 @@ def reload() -> None:
     point, _, action = text.partition("=")
     point, _, count = point.partition("@")
     action = action or "kill"
-    if point not in POINTS or action not in ("kill", "enospc") or (count and not count.isdigit()):
-        raise ValueError(f"{ENV}={text!r}: expected POINT[@N][=kill|enospc] with POINT one of {list(POINTS)}")
+    if point not in POINTS or (action != "kill" and action not in ERRNOS) or (count and not count.isdigit()):
+        raise ValueError(f"{ENV}={text!r}: expected POINT[@N][=kill|{'|'.join(ERRNOS)}] with POINT one of "
+                         f"{list(POINTS)}")
     _spec = (point, int(count or 1), action)
 
 
@@ -67,7 +73,7 @@ def fault_point(point: str, path: str | os.PathLike[str] | None = None) -> None:
     """Do the configured fault if ``point`` is the configured point reached for the N-th time; else nothing.
 
     Raises:
-        OSError: ``errno.ENOSPC`` with ``path`` as its filename (action ``enospc``).
+        OSError: ``errno.ENOSPC`` (action ``enospc``) or ``errno.EACCES`` (``eacces``), ``path`` its filename.
     """
     global _seen
     if _spec is None or _spec[0] != point:
@@ -78,7 +84,8 @@ def fault_point(point: str, path: str | os.PathLike[str] | None = None) -> None:
             return
     if _spec[2] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path) if path is not None else None)
+    code = ERRNOS[_spec[2]]
+    raise OSError(code, os.strerror(code), os.fspath(path) if path is not None else None)
 
 
 reload()

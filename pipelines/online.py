@@ -56,6 +56,7 @@ from stages.config.options import CommandSettings, config_options, setting
 from stages.config.presets import read_preset_json
 from stages.config.resolve import resolve_stage_config
 from stages.replicas.cluster import close_cluster, worker_process_options
+from stages.replicas.tasks import task_result
 from stages.train.command import config_from_cli as train_config_from_cli
 from stages.train.command import exit_if_interrupted
 from stages.train.config import TrainConfig
@@ -296,7 +297,8 @@ def _assemble_while_training(assembler: Any, stop: Any, every: float = 2.0) -> N
 
 
 class _ProducerFuture:
-    """A Dask future whose ``result()`` turns a batch lost with its producers into one clear error."""
+    """A Dask future whose ``result()`` turns a batch lost with its producers into one clear error, and raises the
+    error the user must fix that its task returned (``stages.replicas.tasks``)."""
 
     def __init__(self, future: Any, task: Any, policy: str) -> None:
         self._future, self._task, self._policy = future, task, policy
@@ -305,7 +307,7 @@ class _ProducerFuture:
         from distributed import KilledWorker
 
         try:
-            return self._future.result(timeout=timeout)
+            return task_result(self._future, timeout=timeout)
         except KilledWorker as error:
             how = ("on_producer_death=stop" if self._policy == "stop"
                    else f"its task was rerun on {_ALLOWED_FAILURES['recompute']} producers in turn and each died")

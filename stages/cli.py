@@ -20,8 +20,16 @@ from typing import Any
 import typer
 from typer import core
 
-from dflash.errors import ConfigError, DFlashError
-from stages.config.exit_status import EXIT_STATUS_HELP, USER_ERRNOS, ExitCode, os_error_message, print_error
+from dflash.errors import ConfigError
+from stages.config.exit_status import (
+    EXIT_STATUS_HELP,
+    USER_ERRNOS,
+    ExitCode,
+    is_user_error,
+    os_error_message,
+    print_error,
+    user_error_message,
+)
 
 __all__ = ["app", "main", "ExitCode", "EXIT_STATUS_HELP", "GLOBAL_FLAGS", "NON_TTY_COLUMNS",
            "PATH_OPTIONS", "USER_ERRNOS", "refuse_empty_paths", "dask_setup", "hoist_global_flags", "print_error", "os_error_message",
@@ -265,20 +273,14 @@ def main() -> None:
         raise SystemExit(ExitCode.USAGE) from None
     except typer.Abort:  # end of input at a prompt
         raise SystemExit(ExitCode.INTERRUPTED) from None
-    except DFlashError as error:
-        print_error(error)
-        raise SystemExit(ExitCode.USAGE) from None
     except KeyboardInterrupt:  # raised outside typer's own handling (e.g. while it finished up)
         raise SystemExit(ExitCode.INTERRUPTED) from None
-    except OSError as error:
-        if error.errno not in USER_ERRNOS:
+    except Exception as error:
+        if not is_user_error(error):  # a bug: keep the (pretty) traceback, but never mistake it for a check's verdict
             sys.excepthook(type(error), error, error.__traceback__)
             raise SystemExit(ExitCode.INTERNAL) from None
-        print_error(os_error_message(error))
+        print_error(user_error_message(error))
         raise SystemExit(ExitCode.USAGE) from None
-    except Exception as error:  # a bug: keep the (pretty) traceback, but never mistake it for a check's verdict
-        sys.excepthook(type(error), error, error.__traceback__)
-        raise SystemExit(ExitCode.INTERNAL) from None
     # As typer's standalone mode ends: always SystemExit; the code of typer.Exit(code) / ctx.exit(code), else 0.
     raise SystemExit(returned if isinstance(returned, int) and not isinstance(returned, bool) else ExitCode.OK)
 

@@ -75,10 +75,10 @@ from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progre
 from dflash.target.load import load_tokenizer, resolve_target_path, target_identity
 from dflash.values import check_seed
 from stages.config.check import nested_config
-from stages.config.exit_status import USER_ERRNOS
 from stages.config.options import CommandSettings, config_options, setting
 from stages.config.resolve import print_and_exit, resolve_stage_config
 from stages.replicas.cluster import close_cluster, start_cluster, validate_placement
+from stages.replicas.tasks import returns_user_errors, task_result
 
 __all__ = ["GenerateConfig", "run_generate", "register", "HELDOUT_PROMPTS_FILE"]
 
@@ -369,12 +369,12 @@ class _PromptProgress:
             self._show()
 
 
+@returns_user_errors
 def generate_part_task(spec: Any) -> dict[str, Any]:
-    """Dask task: answer one part on this worker's target replica and commit it; returns the part's record, or
-    ``{"error": error}`` for an error the user must fix (a ``DFlashError``, or an ``OSError`` the machine gave:
-    :data:`stages.config.exit_status.USER_ERRNOS`), which :func:`_run_on_dask` raises."""
+    """Dask task: answer one part on this worker's target replica and commit it; returns the part's record (an
+    error the user must fix comes back as the task's value, :mod:`stages.replicas.tasks`, and
+    :func:`_run_on_dask` raises it)."""
     from distributed import get_worker
-
 
     worker = get_worker()
     done = committed_parts(spec.output).get(spec.part_id)
@@ -387,14 +387,7 @@ def generate_part_task(spec: Any) -> dict[str, Any]:
         worker.log_event(_PROGRESS_TOPIC, {"part": spec.part_id, "size": len(spec.records), "turn": turn,
                                            "replies": replies, "tokens": tokens})
 
-    try:
-        record = generate_part(plugin.engine, plugin.tokenizer, spec, progress=progress)
-    except OSError as error:
-        if error.errno not in USER_ERRNOS:
-            raise
-        return {"error": error}
-    except DFlashError as error:  # the user's to fix: returned for the client to raise (one error line), where a
-        return {"error": error}  # raised one would also print the worker's "Compute Failed" log with its traceback
+    record = generate_part(plugin.engine, plugin.tokenizer, spec, progress=progress)
     record["worker"] = str(worker.name)
     return record
 
@@ -431,9 +424,7 @@ def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: _PromptProg
         futures = [client.submit(generate_part_task, spec, key=f"generate-part-{spec.part_id}", pure=False,
                                  resources=resources) for spec in specs]
         for future in as_completed(futures):
-            record = future.result()
-            if "error" in record:  # a part's error the user must fix (generate_part_task); committed parts stay
-                raise record["error"]
+            record = task_result(future)  # raises a part's error the user must fix; committed parts stay
             records.append(record)
             progress.part_done(record)
         timings["parts"] = time.perf_counter() - started

@@ -143,32 +143,54 @@ def test_full_disk_mid_shard_leaves_it_uncommitted_and_the_rerun_bit_identical(c
     _assert_bit_identical_caches(cache, output)
 
 
-def test_full_disk_under_extract_stops_cleanly_keeping_the_committed_shards(tmp_path, tokenizer):
-    """The real stage (Dask worker, --force-space): one error line with the counts and the space the rest needs,
-    exit 2, no traceback, no retry round; the committed shard is sound."""
+def _extract_three_shards(tmp_path: Path, tokenizer, fault: str | None):
+    """``extract`` of a 3-row corpus into 3 one-row shards (one Dask CPU worker, --force-space), the console script
+    in its own process (forked from one that imported torch once: ``cli_helpers.forked_cli``), with ``DFLASH_FAULT``
+    set to ``fault``. Returns the finished process and the cache path."""
     import numpy as np
 
     from dflash.corpus.format import CorpusWriter
 
     corpus = tmp_path / "corpus"
-    with CorpusWriter(corpus) as writer:
-        for index, text in enumerate(["def add(a, b):", "import os", "x = [1, 2, 3]"]):
-            input_ids = np.asarray(tokenizer(text)["input_ids"], dtype=np.int32)
-            writer.add(input_ids, np.ones(len(input_ids), dtype=np.uint8), f"doc-{index}")
-        writer.commit({"target_spec": "default"})
+    if not corpus.exists():
+        with CorpusWriter(corpus) as writer:
+            for index, text in enumerate(["def add(a, b):", "import os", "x = [1, 2, 3]"]):
+                input_ids = np.asarray(tokenizer(text)["input_ids"], dtype=np.int32)
+                writer.add(input_ids, np.ones(len(input_ids), dtype=np.uint8), f"doc-{index}")
+            writer.commit({"target_spec": "default"})
     output = tmp_path / "cache"
     command = ["extract", "--corpus", str(corpus), "--output", str(output),
                "--target-processes", "1", "--shard-size", "1", "--dashboard-address", ":0", "--force-space"]  # fmt: skip
-    # The console script in its own process, forked from one that imported torch once (cli_helpers.forked_cli).
-    full = forked_cli(*command, cwd=os.getcwd(), timeout=240,
-                      env={**os.environ, faults.ENV: "cache.chunk-write@2=enospc", "COLUMNS": "400"})  # fmt: skip
+    env = {key: value for key, value in os.environ.items() if key != faults.ENV}
+    return forked_cli(*command, cwd=os.getcwd(), timeout=240,
+                      env={**env, **({faults.ENV: fault} if fault else {}), "COLUMNS": "400"}), output  # fmt: skip
+
+
+def test_user_errors_under_extract_stop_it_cleanly_keeping_the_committed_shards_and_the_rerun_resumes(tmp_path,
+                                                                                                      tokenizer):
+    """The real stage (Dask worker, --force-space), two runs. A user's error raised inside a shard's Dask task itself
+    (permission denied reading the corpus, from the 2nd task on) is that error's one line, exit 2, without the
+    worker's "Compute Failed" log and its traceback, and without a retry round; the shard committed before it
+    stays. The rerun resumes there and meets a full disk at its 2nd shard's commit record (outside the arrays'
+    writes, which report a full disk as a CacheError): one error line with the counts and the space the rest
+    needs, exit 2, no writer traceback, no retry round; the committed shards are sound."""
+    denied, output = _extract_three_shards(tmp_path, tokenizer, "extract.shard@2=eacces")
+    assert denied.returncode == 2, denied.stderr
+    line = _one_error_line(denied.stderr)
+    assert line == (f"error: Permission denied (EACCES) at {tmp_path / 'corpus'}; give this user access to it, or "
+                    "choose another path"), denied.stderr
+    assert "Compute Failed" not in denied.stderr and "retrying" not in denied.stdout, denied.stderr
+    assert verify_cache(output)["committed_shards"] == 1
+
+    full, _ = _extract_three_shards(tmp_path, tokenizer, "cache.before-commit@2=enospc")
     assert full.returncode == 2, full.stderr
+    assert "resuming: 1 shards already committed, 2 to do" in full.stdout
     line = _one_error_line(full.stderr)
-    assert line.startswith(f"error: no space left at {output}: 1 of 3 shards are committed and kept; the other 2 "
-                           "(first: [1, 2]) need about ")
+    assert line.startswith(f"error: no space left at {output}: 2 of 3 shards are committed and kept; the other 1 "
+                           "(first: [2]) need about ")
     assert "free space (or use --storage-dtype fp8) and rerun the same command" in line
     assert "retrying" not in full.stdout
-    assert verify_cache(output)["committed_shards"] == 1  # sound; the rerun redoes the rest (tested on the writer
+    assert verify_cache(output)["committed_shards"] == 2  # sound; the rerun redoes the rest (tested on the writer
     # above, where it is cheap: the same write_shard redoes uncommitted shards bit for bit)
 
 

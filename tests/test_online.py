@@ -861,3 +861,29 @@ def test_online_set_overrides_both_sections_over_options_and_names_bad_ones(tmp_
                          ("train.optim.lr=fast", "train.optim.lr (--set train.optim.lr=fast): expected float")):  # fmt: skip
         with pytest.raises(ConfigError, match=re.escape(needle)):
             config_from_cli(*paths, "online-cpu", None, [item])
+
+
+def test_a_user_error_inside_a_producer_task_is_one_error_line_and_the_checkpoint_stays(corpus_dir, target_path,
+                                                                                        tmp_path):
+    """A full disk raised inside a producer's Dask task (its 3rd, after computing batch 2) reaches the user as that
+    error's one line, exit 2, without the worker's "Compute Failed" log and its traceback; the run keeps the
+    checkpoint it saved before (step 2)."""
+    import os
+
+    from cli_helpers import forked_cli
+
+    from dflash import faults
+
+    run = tmp_path / "run"
+    result = forked_cli(
+        "online", "--corpus", str(corpus_dir), "--output", str(run), "--target", str(target_path),
+        "--target-layer-ids", ",".join(map(str, TINY_LAYER_IDS)), "--target-processes", "1", "--ring-slots", "3",
+        "--num-draft-layers", "1", "--block-size", "4", "--max-anchors-per-document", "2", "--token-budget", "192",
+        "--num-buckets", "2", "--validation-fraction", "0", "--max-steps", "5", "--save-every", "2", "--device", "cpu",
+        "--no-progress", "--set", "train.min_train_samples=1", cwd=tmp_path, timeout=300,
+        env={**os.environ, faults.ENV: "online.produce@3=enospc", "COLUMNS": "400"})  # fmt: skip
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: No space left on device (ENOSPC)"), result.stderr
+    assert "Traceback" not in result.stderr and "Compute Failed" not in result.stderr, result.stderr
+    assert (run / "latest").read_text().strip() == "step_00000002"

@@ -24,7 +24,10 @@ import enum
 import errno
 import os
 
-__all__ = ["ExitCode", "EXIT_STATUS_HELP", "USER_ERRNOS", "os_error_message", "print_error"]
+from dflash.errors import DFlashError
+
+__all__ = ["ExitCode", "EXIT_STATUS_HELP", "USER_ERRNOS", "is_user_error", "os_error_message", "print_error",
+           "user_error_message"]
 
 
 class ExitCode(enum.IntEnum):
@@ -61,6 +64,20 @@ USER_ERRNOS: dict[int, str] = {
     errno.EEXIST: "something is already there: move it or choose another path",
     errno.ENOENT: "check the path",
 }
+
+
+def is_user_error(error: BaseException) -> bool:
+    """Whether ``error`` is the user's to fix (exit status 2, one ``error:`` line): a ``DFlashError``, or an
+    ``OSError`` whose errno is in :data:`USER_ERRNOS`. Anything else is a bug (exit 3, traceback)."""
+    return isinstance(error, DFlashError) or (isinstance(error, OSError) and error.errno in USER_ERRNOS)
+
+
+def user_error_message(error: BaseException) -> str:
+    """The ``error:`` line's text for a user's error (:func:`is_user_error`): a ``DFlashError``'s own message, an
+    ``OSError``'s :func:`os_error_message`."""
+    if isinstance(error, OSError) and not isinstance(error, DFlashError):
+        return os_error_message(error)
+    return str(error)
 
 
 def os_error_message(error: OSError) -> str:

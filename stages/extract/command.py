@@ -14,7 +14,9 @@ shards are skipped; it keeps its own codec), print the size estimate and refuse 
 choose its codec (``--codec auto``: a calibration task on every worker at once, ``dflash.cache.codec_choice``) and
 only then create it; submit one task per pending shard, follow them with a rich progress bar in tokens/s, then
 collect the last pending writes and trust only the cache's commit records: shards still uncommitted are
-resubmitted once, and any left are reported (rerun to finish).
+resubmitted once, and any left are reported (rerun to finish). An error the user must fix that a shard's task meets
+(a corpus the worker may not read, a full disk: ``stages.replicas.tasks``) stops the run without another round:
+the pending writes are collected, the committed shards kept, and that error is the one ``error:`` line.
 A local cluster listens on 127.0.0.1 only (its dashboard included); ``--tls-*`` connect to a TLS scheduler
 (docs/cache-format.md, "Running extract on a shared machine or cluster").
 """
@@ -60,6 +62,7 @@ from stages.replicas.cluster import (
     start_cluster,
     validate_placement,
 )
+from stages.replicas.tasks import task_result, user_error_of
 
 __all__ = ["ExtractConfig", "CachePlan", "run_extract", "plan_cache", "create_cache", "prepare_cache", "plan_shards",
            "estimate_cache_bytes", "register"]
@@ -443,6 +446,7 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
 
     client, cluster, placement = start_cluster(config, daemonic_workers=config.write_processes == 0)
     failures: dict[int, str] = {}
+    user_error: BaseException | None = None  # the first error the user must fix that a shard's task returned
     tokens_done = 0
     compute_seconds = write_wait_seconds = 0.0  # summed over tasks (telemetry: where the workers spent their time)
     batching: set[str] = set()  # how the workers batched ("padded" or "packed (<kernel resolved on the worker>)")
@@ -497,6 +501,12 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
                         failures[shard_id] = f"{type(error).__name__}: {error}"
                         log.error("shard %d failed: %s", shard_id, failures[shard_id])
                         continue
+                    returned = user_error_of(result)
+                    if returned is not None:  # the user's to fix (stages.replicas.tasks): every later shard would
+                        user_error = returned  # fail the same way, and so would another round
+                        failures[shard_id] = f"{type(returned).__name__}: {returned}"
+                        client.cancel([f for f in futures if not f.done()])
+                        break
                     done += 1
                     tokens_done += result["tokens"]
                     compute_seconds += float(result.get("compute_seconds", 0.0))
@@ -511,8 +521,8 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
                 for writes in client.run(flush_worker).values():
                     _report_write_errors(writes, failures)
                 todo = sorted(set(range(len(shard_rows))) - cache.committed_shards())
-                if not todo or any(_disk_full(failures.get(k, "")) for k in todo):
-                    break  # done, or the disk is full: another round would only fail again
+                if not todo or user_error is not None or any(_disk_full(failures.get(k, "")) for k in todo):
+                    break  # done, or the user's to fix (a full disk...): another round would only fail again
                 console.print(f"[yellow]{len(todo)} shards not committed after round {attempt + 1}: {todo[:10]}; retrying")
         elapsed = time.perf_counter() - started
     finally:
@@ -543,6 +553,8 @@ def _run_extract_locked(config: ExtractConfig, console: Console | None) -> dict[
             + (f" ({_human(free)} free now)" if free is not None else "")
             + "; free space (or use --storage-dtype fp8) and rerun the same command to finish them"
         )
+    if missing and user_error is not None:  # the committed shards stay; the rerun resumes once it is fixed
+        raise user_error
     if missing:
         reasons = "; ".join(f"shard {k}: {failures[k]}" for k in missing[:5] if k in failures)
         raise CacheError(
@@ -597,7 +609,7 @@ def _choose_codec(client: Any, config: ExtractConfig, plan: CachePlan, rows: lis
                                  workers=[address], allow_other_workers=True, resources=resources)
                    for index, address in enumerate(workers)]  # fmt: skip
         try:
-            results = client.gather(futures)
+            results = [task_result(future) for future in futures]
         except Exception as error:  # measuring is an optimisation: the shard tasks report real failures themselves
             log.warning("codec auto: the calibration failed (%s: %s); using the default codec", type(error).__name__,
                         error)
@@ -663,8 +675,9 @@ def register(app: typer.Typer) -> None:
         """Extract tapped target hidden states of a corpus into a compressed Zarr v3 cache (Dask workers).
 
         Rerun the same command to resume: committed shards are skipped, the rest redone (exactly once).
-        Exit status: 0 done, 2 bad input, shards left uncommitted (the message says which and why) or the cache
-        locked by another run (named), 130 interrupted (committed shards stay; rerun to resume).
+        Exit status: 0 done, 2 bad input (also one a worker meets, such as a full disk or a corpus it may not read:
+        committed shards stay), shards left uncommitted (the message says which and why) or the cache locked by
+        another run (named), 130 interrupted (committed shards stay; rerun to resume).
         """
         console = Console()
         try:

@@ -40,9 +40,12 @@ from dflash.cache.chunks import keep_chunk_buffers_mapped
 from dflash.cache.codec_choice import calibrate_codecs
 from dflash.cache.writer import chunk_write_threads
 from dflash.corpus.format import open_corpus
-from dflash.errors import ConfigError, DFlashError
+from dflash.errors import ConfigError
+from dflash.faults import fault_point
 from dflash.target.runner import TargetRunner
+from stages.config.exit_status import is_user_error
 from stages.replicas.replica import TargetReplicaPlugin
+from stages.replicas.tasks import returns_user_errors
 
 __all__ = [
     "ShardSpec",
@@ -250,7 +253,7 @@ class ShardExtractor:
         try:
             result = future.result()
         except Exception as error:  # reported to the driver, which redoes uncommitted shards
-            if not isinstance(error, DFlashError):  # a user's error (full disk...) is the driver's one line
+            if not is_user_error(error):  # a user's error (full disk...) is the driver's one line
                 log.exception("writing shard %d failed", shard_id)
             return {"shard": shard_id, "error": f"{type(error).__name__}: {error}"}
         return {"shard": shard_id, **(result or {})}
@@ -283,6 +286,7 @@ class ShardExtractor:
         known once its write commits. Host and device memory: at most one batch more than within a shard.
         """
         started = time.perf_counter()
+        fault_point("extract.shard", spec.corpus_path)
         rows = self._corpus(spec.corpus_path).rows(spec.row_start, spec.row_stop)
         skipped: list[dict] = []
         todo: list[tuple[int, Any, Any]] = []  # (index into rows, input_ids, loss_mask) of extracted rows
@@ -472,10 +476,12 @@ def _extractor(worker: Any) -> ShardExtractor:
     return plugin.extractor
 
 
+@returns_user_errors
 def extract_shard(spec: ShardSpec) -> dict:
     """Dask task: compute one shard on this worker's target replica and queue its write (see module docstring).
 
-    Returns the small metadata dict of :meth:`ShardExtractor.process` plus ``"worker"``.
+    Returns the small metadata dict of :meth:`ShardExtractor.process` plus ``"worker"``; an error the user must fix
+    (a corpus the worker may not read...) comes back as the task's value (:mod:`stages.replicas.tasks`).
     """
     worker = get_worker()
     result = _extractor(worker).process(spec)
@@ -483,6 +489,7 @@ def extract_shard(spec: ShardSpec) -> dict:
     return result
 
 
+@returns_user_errors
 def calibrate_worker_codecs(spec: CalibrationSpec) -> dict:
     """Dask task, one pinned to each worker: :func:`dflash.cache.codec_choice.calibrate_codecs` on this worker's
     runner, with as many encode threads as its write path has (:attr:`ShardExtractor.write_threads`). Runs before
@@ -490,7 +497,8 @@ def calibrate_worker_codecs(spec: CalibrationSpec) -> dict:
 
     Returns:
         ``{"worker", "device", "calibrated"}``, plus ``calibrate_codecs``' figures when ``calibrated`` (a CPU
-        runner is calibrated only with ``spec.on_cpu``).
+        runner is calibrated only with ``spec.on_cpu``); an error the user must fix comes back as the task's value
+        (:mod:`stages.replicas.tasks`).
     """
     worker = get_worker()
     extractor = _extractor(worker)

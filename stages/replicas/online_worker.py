@@ -21,6 +21,7 @@ from dflash.batches.online import BatchProducer, BatchTask, GroupTask
 from dflash.corpus.format import open_corpus
 from dflash.target.runner import TargetRunner
 from stages.replicas.replica import TargetReplicaPlugin
+from stages.replicas.tasks import returns_user_errors
 
 __all__ = ["OnlineProducerPlugin", "produce_batch", "PLUGIN_NAME"]
 
@@ -67,6 +68,7 @@ class OnlineProducerPlugin(TargetReplicaPlugin):
         return device
 
 
+@returns_user_errors
 def produce_batch(task: BatchTask | GroupTask) -> dict:
     """Dask task: compute one planned batch (a :class:`GroupTask`: several, each into its own slot) into its ring
     slot on this worker's target replica.
@@ -74,7 +76,8 @@ def produce_batch(task: BatchTask | GroupTask) -> dict:
     Once the batch's forwards are queued on the device the task secedes from the worker's thread pool (Dask's
     ``secede``), so the worker starts its next task, whose forwards queue behind these while this one waits for its
     copies and commits the slot: the device does not idle between batches. The tasks in flight are bounded by the
-    ring's slots (no task is submitted without one)."""
+    ring's slots (no task is submitted without one). An error the user must fix (a corpus row with non-finite hidden
+    states...) comes back as the task's value (:mod:`stages.replicas.tasks`)."""
     worker = get_worker()
     plugin = worker.plugins.get(PLUGIN_NAME)
     if plugin is None or plugin.producer is None:

@@ -1,4 +1,4 @@
-"""The one Dask worker lifecycle of every target replica (``extract``, ``generate``; later the online producers).
+"""The one Dask worker lifecycle of every target replica (``extract``, ``generate``, the ``online`` producers).
 
 :class:`TargetReplicaPlugin` follows dask/distributed's ``diagnostics/plugin.py`` WorkerPlugin lifecycle: ``setup``
 ties the worker's life to its spawning process (locally started clusters), sets its CPU threads, pins its GPU
