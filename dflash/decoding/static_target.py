@@ -289,11 +289,14 @@ class GraphedDrafter(torch.nn.Module):
     def _allocate(self, size: int) -> None:
         """Buffers for blocks of ``size`` tokens (zeros: rows not yet written are weighted by zero, and 0 x NaN would
         still be NaN); a new block size starts the context over and captures again."""
-        self._window = torch.zeros((size, self._width), dtype=self._dtype, device=self.device)
-        self._block = torch.zeros(size, dtype=torch.int64, device=self.device)
-        probe = self.drafter.context_keys_values(self._window, self._positions[:size])  # their shapes, dtypes
-        self._keys_values = [tuple(torch.zeros((self.capacity, *t.shape[1:]), dtype=t.dtype, device=self.device)
-                                   for t in pair) for pair in probe]  # fmt: skip
+        # Plain tensors even when the loop drafts under inference mode: they are written in place at every cycle,
+        # which an inference tensor refuses outside that mode.
+        with torch.inference_mode(False):
+            self._window = torch.zeros((size, self._width), dtype=self._dtype, device=self.device)
+            self._block = torch.zeros(size, dtype=torch.int64, device=self.device)
+            probe = self.drafter.context_keys_values(self._window, self._positions[:size])  # their shapes, dtypes
+            self._keys_values = [tuple(torch.zeros((self.capacity, *t.shape[1:]), dtype=t.dtype, device=self.device)
+                                       for t in pair) for pair in probe]  # fmt: skip
         self._graphs.clear()
         self._failed, self._source, self._written = False, None, 0
 
