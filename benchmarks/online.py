@@ -379,23 +379,26 @@ def extract_loop_run(runner: TargetRunner, rows: list[np.ndarray]):
 
 
 def profile_sides(sides: dict[str, Callable[[], int]], device: torch.device) -> dict[str, dict]:
-    """Each of ``sides`` (label: a ``run()`` returning its forwards) once unprofiled (the allocator, the ring's
-    page-locking and pinned buffers warmed), then once under torch.profiler (``profiling.profiled``), in a thread of
-    its own, one after another: per label the profile's summary (``profiling.summarize``), the wall milliseconds of
-    the profiled call (the profiler's overhead included), its forwards and, on CUDA, the caching allocator's
-    counters over it."""
+    """Each of ``sides`` (label: a ``run()`` returning its forwards) once to warm up (the allocator, the ring's
+    page-locking and pinned buffers), once timed, then once under torch.profiler (``profiling.profiled``), in a
+    thread of its own, one after another: per label the profile's summary (``profiling.summarize``), the wall
+    milliseconds of the timed call (``plain_ms``) and of the profiled one (the profiler's overhead included), its
+    forwards and, on CUDA, the caching allocator's counters over the profiled call."""
     results = {}
     start_profiler_here(device)
     with ThreadPoolExecutor(1) as pool:
         for label, run in sides.items():
             pool.submit(run).result()
+            started = time.perf_counter()
+            pool.submit(run).result()
+            plain_ms = 1e3 * (time.perf_counter() - started)
             reset_allocator_peaks(device)
             before = allocator_counters(device)
             started = time.perf_counter()
             forwards, prof = pool.submit(profiled, run, device).result()
             wall_ms = 1e3 * (time.perf_counter() - started)
             results[label] = summarize(prof, on_device=device.type == "cuda", top=8) | {
-                "wall_ms": wall_ms, "forwards": forwards,
+                "plain_ms": plain_ms, "wall_ms": wall_ms, "forwards": forwards,
                 "allocator": allocator_window(before, allocator_counters(device), device)}  # fmt: skip
     return results
 
@@ -407,7 +410,8 @@ def print_profile(results: dict[str, dict], heading: str) -> None:
     width = max(16, *(len(label) + 2 for label in results))
     print(heading)
     print(f"{'':>30}" + "".join(f"{label:>{width}}" for label in results))
-    rows = [("forwards", lambda r: f"{r['forwards']}"), ("wall ms (profiled)", lambda r: f"{r['wall_ms']:.1f}"),
+    rows = [("forwards", lambda r: f"{r['forwards']}"), ("wall ms", lambda r: f"{r['plain_ms']:.1f}"),
+            ("wall ms (profiled)", lambda r: f"{r['wall_ms']:.1f}"),
             ("device busy ms" if on_device else "operators' own ms", lambda r: f"{r['busy_ms']:.1f}"),
             ("kernels and copies" if on_device else "operator calls", lambda r: f"{r['calls']:,}")]  # fmt: skip
     if on_device:
@@ -425,10 +429,13 @@ def print_profile(results: dict[str, dict], heading: str) -> None:
 
 
 def profile_one_task(tasks: list, corpus, producer: Callable[..., BatchProducer], extract_runner: TargetRunner,
-                     compare_in_flight: int | None, device: torch.device, geometry: RingGeometry) -> dict:  # fmt: skip
-    """``--profile``: one producer task of the producer-alone runs (the first with the most planned batches) alone, again
-    with ``compare_in_flight`` forwards in flight when given, and extract's loop over the same documents as one
-    shard, side by side (:func:`profile_sides`, :func:`print_profile`). Returns the figures (for the JSON)."""
+                     compare_in_flight: int | None, device: torch.device, geometry: RingGeometry,
+                     rate_i: float) -> dict:  # fmt: skip
+    """``--profile``: one producer task of the producer-alone runs (the first with the most planned batches) alone,
+    again with ``compare_in_flight`` forwards in flight when given, and extract's loop over the same documents as
+    one shard, side by side (:func:`profile_sides`, :func:`print_profile`), and the milliseconds per planned batch
+    of each timed call against what the producer-alone runs' rate ``rate_i`` gives for the task's tokens. Returns
+    the figures (for the JSON)."""
     task = max((task for task in tasks if not (isinstance(task, GroupTask) and task.lead_rows)),
                key=lambda task: len(task.batches) if isinstance(task, GroupTask) else 1)  # fmt: skip
     rows = [corpus.row(int(row)).input_ids for row in task_rows(task)]
@@ -448,12 +455,17 @@ def profile_one_task(tasks: list, corpus, producer: Callable[..., BatchProducer]
             ring.close()
     planned = len(task.batches) if isinstance(task, GroupTask) else 1
     tokens = sum(len(ids) for ids in rows)
-    print_profile(results, f"profile: one producer task of the producer-alone runs ({planned} planned batches, {tokens:,} real "
-                           f"tokens in {len(rows)} documents; forwards of {producers[0].runner.token_budget:,} padded "
-                           f"tokens) and extract's loop over the same documents as one shard (forwards of "
-                           f"{extract_runner.token_budget:,}); each side once unprofiled, then once under "
+    print_profile(results, f"profile: one producer task of the producer-alone runs ({planned} planned batches, "
+                           f"{tokens:,} real tokens in {len(rows)} documents; forwards of "
+                           f"{producers[0].runner.token_budget:,} padded tokens) and extract's loop over the same documents as one shard (forwards of "
+                           f"{extract_runner.token_budget:,}); each side warmed, timed, then run under "
                            "torch.profiler, alone in a thread:")  # fmt: skip
-    return {"planned_batches": planned, "real_tokens": tokens, "documents": len(rows), "sides": results}
+    in_runs = 1e3 * tokens / planned / rate_i
+    print("  ms per planned batch, timed alone: " + ", ".join(f"{label} {result['plain_ms'] / planned:.1f}"
+                                                            for label, result in results.items())
+          + f"; in the producer-alone runs (I at {tokens / planned:,.0f} real tokens per planned batch): {in_runs:.1f}")
+    return {"planned_batches": planned, "real_tokens": tokens, "documents": len(rows), "sides": results,
+            "ms_per_planned_batch_in_runs": in_runs}
 
 
 def head_only_target(model, folder: Path) -> Path:
@@ -772,7 +784,7 @@ def main() -> None:
     if args.profile:
         report["profile"] = profile_one_task(tasks, corpus, producer, extract_runner, compare_in_flight, device,
                                              RingGeometry(num_slots=2, max_tokens=token_budget, max_documents=token_budget,
-                                                          width=extract_runner.feature_size))  # fmt: skip
+                                                          width=extract_runner.feature_size), rate_i)  # fmt: skip
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=2))
 
