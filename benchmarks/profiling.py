@@ -23,14 +23,16 @@ from typing import Any
 
 import torch
 
-#: CUDA runtime calls counted by :func:`summarize` (the profiler's runtime events, version suffixes dropped).
+#: CUDA runtime calls counted by :func:`summarize` (the profiler's runtime events, version suffixes dropped;
+#: ``kernel launches``: every ``cudaLaunchKernel*`` and ``cuLaunchKernel*`` call, runtime or driver).
 RUNTIME_CALLS = ("cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaHostRegister", "cudaMemcpyAsync",
-                 "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaLaunchKernel")
+                 "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "kernel launches")
 
 #: ``torch.cuda.memory_stats()`` counters whose deltas :func:`allocator_window` reports.
 ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
-_SUFFIX = re.compile(r"(_v\d+|_ptsz|_ptds)+$")  # cudaMemcpyAsync_v3020, cudaLaunchKernel_ptsz: the same call
+_SUFFIX = re.compile(r"(_v\d+|_ptsz|_ptds)+$")  # cudaMemcpyAsync_v3020, cudaMemcpyAsync_ptsz: the same call
+_LAUNCH = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel)")
 
 
 def profiled(fn: Callable[[], Any], device: torch.device) -> tuple[Any, Any]:
@@ -66,7 +68,7 @@ def summarize(prof: Any, on_device: bool, top: int = 6) -> dict[str, Any]:
         events, own = [e for e in averages if e.key.startswith("aten::")], (lambda e: e.self_cpu_time_total)
     runtime = dict.fromkeys(RUNTIME_CALLS, 0)
     for event in averages:
-        name = _SUFFIX.sub("", event.key)
+        name = "kernel launches" if _LAUNCH.match(event.key) else _SUFFIX.sub("", event.key)
         if name in runtime:  # no kernel is named like a runtime call
             runtime[name] += event.count
     return {"busy_ms": sum(own(e) for e in events) / 1000, "calls": sum(e.count for e in events),
