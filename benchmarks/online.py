@@ -72,11 +72,11 @@ extract's loop (``torch.cuda.memory_stats()``: ``cudaMalloc`` and ``cudaFree`` c
 streams, peak allocated and reserved bytes; each side from an emptied cache), on CPU that they are CUDA's.
 ``--producer-forwards-in-flight N`` bounds every producer's forwards in flight per task
 (``BatchProducer(forwards_in_flight=N)``: 2 is extract's loop), ``--compare-producer-forwards-in-flight N`` also
-measures the producer alone with that bound in every repeat. ``--profile`` runs, after the repeats, one producer
-task of the timed runs alone (and again with the compared bound) and extract's loop over the same documents under
-torch.profiler (``benchmarks/profiling.py``) and prints them side by side: kernels (on CPU operators) by time, the
-CUDA runtime calls (``cudaMalloc``, ``cudaMemcpyAsync``, ``cudaStreamSynchronize``, ``cudaEventSynchronize``, ...)
-per side::
+measures the producer alone with that bound in every repeat. ``--profile`` runs, after the repeats, one task of
+the producer-alone runs alone (and again with the compared bound) and extract's loop over the same documents,
+timed and under torch.profiler (``benchmarks/profiling.py``), and prints them side by side: milliseconds per
+planned batch (beside the producer-alone runs' figure), kernels (on CPU operators) by time, the CUDA runtime calls
+(``cudaMalloc``, ``cudaMemcpyAsync``, ``cudaStreamSynchronize``, ``cudaEventSynchronize``, ...) per side::
 
     python benchmarks/online.py --device cuda --target smollm2-random --forward-tokens 32768 --repeats 3 \
         --steps 8 --compare-producer-forwards-in-flight 2 --profile
