@@ -81,6 +81,7 @@ import resource
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -437,11 +438,15 @@ def profile_forwards(runner: TargetRunner, batches: list[tuple], device: torch.d
 
 
 def time_runner_with_copies(runner: TargetRunner, rows: list[np.ndarray], plan: list[np.ndarray],
-                            shard_rows: list[list[int]], device: torch.device) -> float:  # fmt: skip
-    """``iter_batches`` shard by shard, as the extract task calls it (same batches), without the writes."""
+                            shard_rows: list[list[int]], device: torch.device,
+                            on_start: Callable[[], None] | None = None) -> float:  # fmt: skip
+    """``iter_batches`` shard by shard, as the extract task calls it (same batches), without the writes;
+    ``on_start`` is called after the warm-up, as the timing starts."""
     for batch in runner.iter_batches([rows[i] for i in plan[0]]):  # warm-up: allocates the pinned buffers once
         batch.release()
     _sync(device)
+    if on_start is not None:
+        on_start()
     started = time.perf_counter()
     for start, stop in shard_rows:
         for batch in runner.iter_batches(rows[start:stop]):

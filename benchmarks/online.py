@@ -66,6 +66,22 @@ the producers' forward budget before it was doubled: both shapes side by side in
 ``--producer-packing`` runs the producers' forwards packed instead (``TargetRunner`` ``packing``, its default
 kernel: varlen on CUDA), as ``online --producer-packing`` does: what packing gains there.
 
+Where the producer's time goes beside extract's (docs/online-queue.md, "Where the grouped producer's time goes"):
+on CUDA each repeat prints the caching allocator's counters over the timed batches of the producer alone and of
+extract's loop (``torch.cuda.memory_stats()``: ``cudaMalloc`` and ``cudaFree`` calls, retries, waits for all
+streams, peak allocated and reserved bytes; each side from an emptied cache), on CPU that they are CUDA's.
+``--producer-forwards-in-flight N`` bounds every producer's forwards in flight per task
+(``BatchProducer(forwards_in_flight=N)``: 2 is extract's loop), ``--compare-producer-forwards-in-flight N`` also
+measures the producer alone with that bound in every repeat. ``--profile`` runs, after the repeats, one task of
+the producer-alone runs alone (and again with the compared bound) and extract's loop over the same documents,
+timed and under torch.profiler (``benchmarks/profiling.py``), and prints them side by side: milliseconds per
+planned batch (beside the producer-alone runs' figure), kernels (on CPU operators) by time, the CUDA runtime calls
+(``cudaMalloc``, ``cudaMemcpyAsync``, ``cudaStreamSynchronize``, ``cudaEventSynchronize``, ...) per side::
+
+    python benchmarks/online.py --device cuda --target smollm2-random --forward-tokens 32768 --repeats 3 \
+        --steps 8 --compare-producer-forwards-in-flight 2 --profile
+    python benchmarks/online.py --smoke --compare-producer-forwards-in-flight 2 --profile     # CPU: runs every path
+
 One GPU::
 
     python benchmarks/online.py --device cuda --repeats 3 --json-out smollm2.json
@@ -76,6 +92,7 @@ One GPU::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import inspect
 import json
@@ -84,13 +101,16 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from dflash.batches.online import BatchProducer, BatchTask, GroupTask
+from dflash.batches.ring import Ring, RingGeometry
 from dflash.corpus.format import CorpusWriter, open_corpus
 from dflash.target.load import load_target
 from dflash.target.runner import TargetRunner
@@ -99,6 +119,15 @@ from dflash.training.telemetry import TelemetryConfig, read_metrics
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extract import RANDOM_TARGETS, build_target, time_runner_with_copies  # noqa: E402  (the benchmarks' shared helpers)
 from extract import write_corpus as write_random_corpus  # noqa: E402
+from profiling import (  # noqa: E402  (the benchmarks' shared device instrumentation)
+    allocator_counters,
+    allocator_line,
+    allocator_window,
+    profiled,
+    reset_allocator_peaks,
+    start_profiler_here,
+    summarize,
+)
 
 MODULES = ("textwrap", "shlex", "fnmatch", "colorsys", "bisect", "heapq", "argparse", "inspect")
 
@@ -197,18 +226,36 @@ def synchronized_forwards(runner: TargetRunner) -> TargetRunner:
     return runner
 
 
+class ProducerRun(NamedTuple):
+    """What :func:`producer_rate` measured."""
+
+    rate: float
+    """Real tokens/s."""
+    phases: dict[str, float]
+    """Milliseconds per batch of each phase (:data:`PHASES`)."""
+    forwards: float
+    """Target forwards per planned batch."""
+    allocator: dict[str, int] | None
+    """The CUDA caching allocator's counters over the timed batches (``profiling.allocator_window``); None off
+    CUDA."""
+
+
 def producer_rate(producer: BatchProducer, config, batches: int, device: torch.device,
-                  tasks: list | None = None) -> tuple[float, dict[str, float], float]:  # fmt: skip
+                  tasks: list | None = None) -> ProducerRun:  # fmt: skip
     """The online batch source alone (producer tasks in ``ring_slots`` threads, the ring, checks and packing; no
     training): real tokens/s from batch ``ring_slots`` (the read-ahead consumed) to the last of ``batches``, each
     end moved to the last batch of a task (a group of planned batches arrives at once), the
     milliseconds per batch of each phase (:data:`PHASES`) over the same batches (wall-clock timers around the
-    calls: the producers' phases overlap each other, the reader's run one batch after another), and the target
-    forwards per planned batch the producers ran for the batches consumed (``OnlineStats.producer_forwards``). The
-    tasks submitted are appended to ``tasks``."""
+    calls: the producers' phases overlap each other, the reader's run one batch after another), the target
+    forwards per planned batch the producers ran for the batches consumed (``OnlineStats.producer_forwards``), and
+    on CUDA the caching allocator's counters over the same batches, its peaks since the warm-up (the run starts
+    from an emptied cache, as a producer process does). The tasks submitted are appended to ``tasks``."""
     from pipelines.online import online_training_data
 
+    if device.type == "cuda":  # blocks cached by the earlier measurements would serve this one's allocations
+        torch.cuda.empty_cache()
     producer.runner.run([producer.corpus.row(0).input_ids])  # warm-up, untimed (first forward allocates)
+    reset_allocator_peaks(device)
     skip = min(config.ring_slots, batches - 2)
     submitted: list = []
 
@@ -220,13 +267,14 @@ def producer_rate(producer: BatchProducer, config, batches: int, device: torch.d
 
     with ThreadPoolExecutor(config.ring_slots) as pool:
         data = online_training_data(config, submit=submit, device=device)
-        times, tokens, totals = [], [], []
+        times, tokens, totals, counters = [], [], [], []
         try:
             while len(times) < batches:
                 for batch in data.train:
                     times.append(time.perf_counter())
                     tokens.append(batch.num_real_tokens)
                     totals.append(_phase_totals(data.train.stats))
+                    counters.append(allocator_counters(device))
                     if len(times) == batches:
                         break
             forwards = data.train.stats.producer_forwards / data.train.stats.batches
@@ -239,7 +287,8 @@ def producer_rate(producer: BatchProducer, config, batches: int, device: torch.d
     start = next((end for end in ends if skip <= end < batches - 1), skip)
     stop = max((end for end in ends if start < end < batches), default=batches - 1)
     phases = {phase: 1e3 * (totals[stop][phase] - totals[start][phase]) / (stop - start) for phase in PHASES}
-    return sum(tokens[start + 1 : stop + 1]) / (times[stop] - times[start]), phases, forwards
+    return ProducerRun(sum(tokens[start + 1 : stop + 1]) / (times[stop] - times[start]), phases, forwards,
+                       allocator_window(counters[start], counters[stop], device))  # fmt: skip
 
 
 def phases_line(phases: dict[str, float]) -> str:
@@ -247,21 +296,31 @@ def phases_line(phases: dict[str, float]) -> str:
     return ", ".join(f"{phase} {phases[phase]:.1f}" for phase in PHASES) + " ms/batch"
 
 
-def extract_rate(runner: TargetRunner, corpus, device: torch.device) -> float:
+def extract_rate(runner: TargetRunner, corpus, device: torch.device) -> tuple[float, dict[str, int] | None]:
     """Extract's forward loop over the whole corpus (``benchmarks/extract.py``'s runner-with-copies phase: shards of
-    extract's default size, each batched by the runner, taps copied to host): real tokens/s. Run in a thread of its
-    own, as the producers' tasks and extract's Dask tasks run: on a loaded CPU host, torch's intra-op threads
-    started from the main thread ran the same forward several times slower than from another thread."""
+    extract's default size, each batched by the runner, taps copied to host): real tokens/s, and on CUDA the
+    caching allocator's counters over the timed loop (from an emptied cache, as an extract process starts; peaks
+    from the end of the warm-up). Run in a thread of its own, as the producers' tasks and extract's Dask tasks run:
+    on a loaded CPU host, torch's intra-op threads started from the main thread ran the same forward several times
+    slower than from another thread."""
     from dflash.target.runner import plan_batches
     from stages.extract.command import ExtractConfig, plan_shards
 
     rows = [corpus.row(index).input_ids for index in range(len(corpus))]
     lengths = np.asarray([len(ids) for ids in rows])
     shard_size = ExtractConfig.__dataclass_fields__["shard_size"].default
+    if device.type == "cuda":  # blocks cached by the earlier measurements would serve this one's allocations
+        torch.cuda.empty_cache()
+    before: list = []
+
+    def on_start() -> None:
+        reset_allocator_peaks(device)
+        before.append(allocator_counters(device))
+
     with ThreadPoolExecutor(1) as pool:
         seconds = pool.submit(time_runner_with_copies, runner, rows, plan_batches(lengths, runner.token_budget),
-                              plan_shards(lengths, shard_size), device).result()  # fmt: skip
-    return float(lengths.sum()) / seconds
+                              plan_shards(lengths, shard_size), device, on_start).result()  # fmt: skip
+    return float(lengths.sum()) / seconds, allocator_window(before[0], allocator_counters(device), device)
 
 
 def trainer_rate(config, producer: BatchProducer, device: torch.device) -> float:
@@ -280,6 +339,133 @@ def trainer_rate(config, producer: BatchProducer, device: torch.device) -> float
     rate = float(read_metrics(config.train.output, kind="train")[-1]["real_tokens_per_s"])
     shutil.rmtree(Path(config.train.output) / "checkpoints", ignore_errors=True)  # an 8B-shaped drafter's are GBs
     return rate
+
+
+def producer_task_run(producer: BatchProducer, task: BatchTask | GroupTask, geometry: RingGeometry):
+    """``(run, ring)``: ``run()`` computes ``task``'s planned batches through ``producer.produce`` into slots of
+    ``ring`` (a ring of its own, with ``geometry``; the caller closes it), fresh slots and tickets each call, no
+    staging, and returns the target forwards it ran: one producer task alone, without the run's other tasks and
+    reader."""
+    members = task.batches if isinstance(task, GroupTask) else (task,)
+    ring = Ring.create(dataclasses.replace(geometry, num_slots=max(2, len(members))))
+
+    def run() -> int:
+        claims = [ring.acquire(timeout=0) for _ in members]
+        fresh = tuple(dataclasses.replace(member, ring_name=ring.name, slot=slot, ticket=ticket, staging=None,
+                                          stage_name="")
+                      for member, (slot, ticket) in zip(members, claims, strict=True))  # fmt: skip
+        try:
+            result = producer.produce(GroupTask(batches=fresh) if isinstance(task, GroupTask) else fresh[0])
+        finally:
+            for slot, _ in claims:
+                ring.release(slot)
+        return round(result["forwards"])
+
+    return run, ring
+
+
+def extract_loop_run(runner: TargetRunner, rows: list[np.ndarray]):
+    """``run()``: extract's loop (``iter_batches``, taps copied to host, buffers released) over ``rows`` as one
+    shard; returns the forwards it ran."""
+
+    def run() -> int:
+        forwards = 0
+        for batch in runner.iter_batches(rows):
+            batch.release()
+            forwards += 1
+        return forwards
+
+    return run
+
+
+def profile_sides(sides: dict[str, Callable[[], int]], device: torch.device) -> dict[str, dict]:
+    """Each of ``sides`` (label: a ``run()`` returning its forwards) once to warm up (the allocator, the ring's
+    page-locking and pinned buffers), once timed, then once under torch.profiler (``profiling.profiled``), in a
+    thread of its own, one after another: per label the profile's summary (``profiling.summarize``), the wall
+    milliseconds of the timed call (``plain_ms``) and of the profiled one (the profiler's overhead included), its
+    forwards and, on CUDA, the caching allocator's counters over the profiled call."""
+    results = {}
+    start_profiler_here(device)
+    with ThreadPoolExecutor(1) as pool:
+        for label, run in sides.items():
+            pool.submit(run).result()
+            started = time.perf_counter()
+            pool.submit(run).result()
+            plain_ms = 1e3 * (time.perf_counter() - started)
+            reset_allocator_peaks(device)
+            before = allocator_counters(device)
+            started = time.perf_counter()
+            forwards, prof = pool.submit(profiled, run, device).result()
+            wall_ms = 1e3 * (time.perf_counter() - started)
+            results[label] = summarize(prof, on_device=device.type == "cuda", top=8) | {
+                "plain_ms": plain_ms, "wall_ms": wall_ms, "forwards": forwards,
+                "allocator": allocator_window(before, allocator_counters(device), device)}  # fmt: skip
+    return results
+
+
+def print_profile(results: dict[str, dict], heading: str) -> None:
+    """The sides of :func:`profile_sides` in columns: wall and busy milliseconds, kernels (operator calls on
+    CPU), the CUDA runtime calls counted, then each side's most expensive kernels (operators)."""
+    on_device = next(iter(results.values()))["on_device"]
+    width = max(16, *(len(label) + 2 for label in results))
+    print(heading)
+    print(f"{'':>30}" + "".join(f"{label:>{width}}" for label in results))
+    rows = [("forwards", lambda r: f"{r['forwards']}"), ("wall ms", lambda r: f"{r['plain_ms']:.1f}"),
+            ("wall ms (profiled)", lambda r: f"{r['wall_ms']:.1f}"),
+            ("device busy ms" if on_device else "operators' own ms", lambda r: f"{r['busy_ms']:.1f}"),
+            ("kernels and copies" if on_device else "operator calls", lambda r: f"{r['calls']:,}")]  # fmt: skip
+    if on_device:
+        names = next(iter(results.values()))["runtime_calls"]  # profiling.RUNTIME_CALLS, in its order
+        rows += [(name, lambda r, name=name: f"{r['runtime_calls'][name]:,}") for name in names]
+        rows += [(f"allocator {key}", lambda r, key=key: f"{r['allocator'][key]:,}")
+                 for key in ("num_device_alloc", "num_alloc_retries", "num_sync_all_streams")]
+    for name, cell in rows:
+        print(f"{name:>30}" + "".join(f"{cell(result):>{width}}" for result in results.values()))
+    if not on_device:
+        print(f"{'CUDA runtime calls':>30}: CUDA only (none on this device)")
+    for label, result in results.items():
+        print(f"  most {'device' if on_device else 'operator'} time, {label}: "
+              + "; ".join(f"{name[:60]} x{count} {ms:.2f} ms" for name, count, ms in result["top"]))
+
+
+def profile_one_task(tasks: list, corpus, producer: Callable[..., BatchProducer], extract_runner: TargetRunner,
+                     compare_in_flight: int | None, device: torch.device, geometry: RingGeometry,
+                     rate_i: float) -> dict:  # fmt: skip
+    """``--profile``: one producer task of the producer-alone runs (the first with the most planned batches) alone,
+    again with ``compare_in_flight`` forwards in flight when given, and extract's loop over the same documents as
+    one shard, side by side (:func:`profile_sides`, :func:`print_profile`), and the milliseconds per planned batch
+    of each timed call against what the producer-alone runs' rate ``rate_i`` gives for the task's tokens. Returns
+    the figures (for the JSON)."""
+    task = max((task for task in tasks if not (isinstance(task, GroupTask) and task.lead_rows)),
+               key=lambda task: len(task.batches) if isinstance(task, GroupTask) else 1)  # fmt: skip
+    rows = [corpus.row(int(row)).input_ids for row in task_rows(task)]
+    producers = [producer()] + ([producer(in_flight=compare_in_flight)] if compare_in_flight is not None else [])
+    labels = ["producer task"] + ([f"producer, {compare_in_flight} in flight"] if compare_in_flight is not None else [])
+    sides, rings = {}, []
+    try:
+        for label, made in zip(labels, producers, strict=True):
+            run, ring = producer_task_run(made, task, geometry)
+            sides[label], rings = run, [*rings, ring]
+        sides["extract loop"] = extract_loop_run(extract_runner, rows)
+        results = profile_sides(sides, device)
+    finally:
+        for made in producers:
+            made.close()
+        for ring in rings:
+            ring.close()
+    planned = len(task.batches) if isinstance(task, GroupTask) else 1
+    tokens = sum(len(ids) for ids in rows)
+    print_profile(results, f"profile: one producer task of the producer-alone runs ({planned} planned batches, "
+                           f"{tokens:,} real tokens in {len(rows)} documents; forwards of "
+                           f"{producers[0].runner.token_budget:,} padded tokens) and extract's loop over the same documents as one shard (forwards of "
+                           f"{extract_runner.token_budget:,}); each side warmed, timed, then run under "
+                           "torch.profiler, alone in a thread:")  # fmt: skip
+    in_runs = 1e3 * tokens / planned / rate_i
+    print("  ms per planned batch, timed alone: " + ", ".join(f"{label} {result['plain_ms'] / planned:.1f}"
+                                                            for label, result in results.items())
+          + f"; in the producer-alone runs (I at {tokens / planned:,.0f} real tokens per planned batch): {in_runs:.1f}")
+    return {"planned_batches": planned, "real_tokens": tokens, "documents": len(rows), "sides": results,
+            "ms_per_planned_batch_in_runs": in_runs}
 
 
 def head_only_target(model, folder: Path) -> Path:
@@ -322,9 +508,21 @@ def main() -> None:
     parser.add_argument("--anchors", type=int, default=None, help="Anchors per document (CPU 8, CUDA 512)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=1, help="Measure I, T and achieved N times; report medians.")
+    parser.add_argument("--producer-forwards-in-flight", type=int, default=None, help="At most N forwards of a "
+                        "producer task queued and unfinished (BatchProducer forwards_in_flight, >= 2; default: all "
+                        "of the task's forwards queued first)")
+    parser.add_argument("--compare-producer-forwards-in-flight", type=int, default=None, help="Also measure the "
+                        "producer alone with this bound on its forwards in flight in every repeat (e.g. 2, as "
+                        "extract's loop)")
+    parser.add_argument("--profile", action="store_true", help="After the repeats, profile one producer task alone "
+                        "and extract's loop over the same documents (torch.profiler): kernels, runtime calls")
     parser.add_argument("--smoke", action="store_true", help="Tiny run on CPU.")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
+    for bound in (args.producer_forwards_in_flight, args.compare_producer_forwards_in_flight):
+        if bound is not None and bound < 2:
+            parser.error(f"forwards in flight: at least 2 (a task queues its next forward before it finishes one), "
+                         f"got {bound}")
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")  # fmt: skip
     if args.smoke:
@@ -386,9 +584,16 @@ def main() -> None:
     producer_group_tokens = config("group-budget").producer_group_tokens
     compare_tokens = args.compare_producer_forward_tokens
     compare_groups = args.compare_producer_group_tokens
+    compare_in_flight = args.compare_producer_forwards_in_flight
 
     def runner(packing: bool = args.producer_packing, budget: int = producer_forward_tokens) -> TargetRunner:
         return TargetRunner(model, layer_ids, device, token_budget=budget, packing=packing)
+
+    def producer(budget: int = producer_forward_tokens, in_flight: int | None = args.producer_forwards_in_flight,
+                 synchronized: bool = False) -> BatchProducer:  # fmt: skip
+        made = runner(budget=budget)
+        return BatchProducer(synchronized_forwards(made) if synchronized else made, corpus,
+                             forwards_in_flight=in_flight)  # fmt: skip
 
     corpus = open_corpus(corpus_path)
     replay = ReplayProducer(runner(), corpus)
@@ -400,60 +605,79 @@ def main() -> None:
     runs: dict[str, list[float]] = {"producer_alone_I": [], "trainer_alone_T": [], "achieved": [], "extract": []}
     phase_runs: dict[str, list[dict[str, float]]] = {"overlapped": [], "synchronized": []}
     forwards_per_batch: dict[str, list[float]] = {"producer": []}
+    allocator_runs: dict[str, list] = {"producer": [], "extract": []}  # CUDA: per repeat, over the timed batches
+    # The producer-alone variants measured in every repeat: key -> (label, producer()'s options, group budget).
+    variants: dict[str, tuple[str, dict, int | None]] = {}
     if compare_tokens:
-        runs["producer_alone_I_compare"] = []
-        phase_runs |= {"compare_overlapped": [], "compare_synchronized": []}
-        forwards_per_batch["producer_compare"] = []
+        variants["compare"] = (f"at {compare_tokens:,} tokens per forward", {"budget": compare_tokens},
+                               args.producer_group_tokens)  # fmt: skip
     if compare_groups is not None:
-        runs["producer_alone_I_groups"] = []
-        phase_runs |= {"groups_overlapped": [], "groups_synchronized": []}
-        forwards_per_batch["producer_groups"] = []
-        group_tasks: list = []
-    def measure_variant(key: str, label: str, repeat: int, *, budget: int = producer_forward_tokens,
-                        group_tokens: int | None = args.producer_group_tokens, tasks: list | None = None) -> None:
-        """The producer alone with another forward budget or group budget (``key``: its runs' suffix), as above."""
-        rate, phases, forwards = producer_rate(BatchProducer(runner(budget=budget), corpus),
-                                               config(f"producer-{key}-{repeat}", producer_slots, group_tokens),
-                                               producer_batches, device, tasks)  # fmt: skip
-        runs[f"producer_alone_I_{key}"].append(rate)
-        phase_runs[f"{key}_overlapped"].append(phases)
-        forwards_per_batch[f"producer_{key}"].append(forwards)
-        line = (f"repeat {repeat} producer alone {label}: {rate:,.0f} real tokens/s, {forwards:.2f} forwards per "
-                f"planned batch; phases: {phases_line(phases)}")
+        variants["groups"] = (f"with producer_group_tokens {compare_groups:,}", {}, compare_groups)
+    if compare_in_flight is not None:
+        variants["in_flight"] = (f"with forwards_in_flight {compare_in_flight}", {"in_flight": compare_in_flight},
+                                 args.producer_group_tokens)  # fmt: skip
+    for key in variants:
+        runs[f"producer_alone_I_{key}"] = []
+        phase_runs |= {f"{key}_overlapped": [], f"{key}_synchronized": []}
+        forwards_per_batch[f"producer_{key}"] = []
+        allocator_runs[f"producer_{key}"] = []
+    group_tasks: list = []
+
+    def measure_variant(key: str, repeat: int) -> None:
+        """The producer alone with another forward budget, group budget or bound on forwards in flight (``key``:
+        its runs' suffix, :data:`variants`), as the default producer is measured."""
+        label, options, group_tokens = variants[key]
+        measured = producer_rate(producer(**options), config(f"producer-{key}-{repeat}", producer_slots, group_tokens),
+                                 producer_batches, device, group_tasks if key == "groups" else None)  # fmt: skip
+        runs[f"producer_alone_I_{key}"].append(measured.rate)
+        phase_runs[f"{key}_overlapped"].append(measured.phases)
+        forwards_per_batch[f"producer_{key}"].append(measured.forwards)
+        allocator_runs[f"producer_{key}"].append(measured.allocator)
+        line = (f"repeat {repeat} producer alone {label}: {measured.rate:,.0f} real tokens/s, {measured.forwards:.2f} "
+                f"forwards per planned batch; phases: {phases_line(measured.phases)}")
         if gpu:
-            _, synced, _ = producer_rate(BatchProducer(synchronized_forwards(runner(budget=budget)), corpus),
-                                         config(f"producer-{key}-sync-{repeat}", producer_slots, group_tokens),
-                                         producer_batches, device)  # fmt: skip
+            synced = producer_rate(producer(**options, synchronized=True),
+                                   config(f"producer-{key}-sync-{repeat}", producer_slots, group_tokens),
+                                   producer_batches, device).phases  # fmt: skip
             phase_runs[f"{key}_synchronized"].append(synced)
             line += f"; synchronized forwards: {phases_line(synced)}"
         print(line, flush=True)
 
     for repeat in range(args.repeats):
-        alone = BatchProducer(runner(), corpus)
-        rate, phases, forwards = producer_rate(alone, config(f"producer-{repeat}", producer_slots), producer_batches,
-                                               device, tasks)  # fmt: skip
-        runs["producer_alone_I"].append(rate)
-        forwards_per_batch["producer"].append(forwards)
-        phase_runs["overlapped"].append(phases)
+        alone = producer()
+        measured = producer_rate(alone, config(f"producer-{repeat}", producer_slots), producer_batches, device, tasks)
+        runs["producer_alone_I"].append(measured.rate)
+        forwards_per_batch["producer"].append(measured.forwards)
+        phase_runs["overlapped"].append(measured.phases)
+        allocator_runs["producer"].append(measured.allocator)
         runs["trainer_alone_T"].append(trainer_rate(config(f"trainer-{repeat}"), replay, device))
-        runs["achieved"].append(trainer_rate(config(f"achieved-{repeat}"), BatchProducer(runner(), corpus), device))
-        runs["extract"].append(extract_rate(extract_runner, corpus, device))
-        print(f"repeat {repeat}: " + ", ".join(f"{key} {values[-1]:,.0f}" for key, values in runs.items() if values),
-              flush=True)
+        runs["achieved"].append(trainer_rate(config(f"achieved-{repeat}"), producer(), device))
+        rate_extract, extract_allocator = extract_rate(extract_runner, corpus, device)
+        runs["extract"].append(rate_extract)
+        allocator_runs["extract"].append(extract_allocator)
+        print(f"repeat {repeat}: " + ", ".join(f"{key} {runs[key][-1]:,.0f}" for key in
+                                               ("producer_alone_I", "trainer_alone_T", "achieved", "extract")),
+              flush=True)  # fmt: skip
         line = (f"repeat {repeat} producer-alone phases (ring slots page-locked: {alone.rings_pinned}): "
-                f"{phases_line(phases)}")
+                f"{phases_line(measured.phases)}")
         pinned = alone.rings_pinned
         if gpu:  # forwards' device time apart from the copies: a separate, synchronized pass (not for the rate)
-            _, synced, _ = producer_rate(BatchProducer(synchronized_forwards(runner()), corpus),
-                                         config(f"producer-sync-{repeat}", producer_slots), producer_batches, device)
+            synced = producer_rate(producer(synchronized=True), config(f"producer-sync-{repeat}", producer_slots),
+                                   producer_batches, device).phases  # fmt: skip
             phase_runs["synchronized"].append(synced)
             line += f"; synchronized forwards: {phases_line(synced)}"
         print(line, flush=True)
-        if compare_tokens:  # the same producer with forwards of another budget, measured as above
-            measure_variant("compare", f"at {compare_tokens:,} tokens per forward", repeat, budget=compare_tokens)
-        if compare_groups is not None:  # the same producer with tasks over groups of another budget
-            measure_variant("groups", f"with producer_group_tokens {compare_groups:,}", repeat,
-                            group_tokens=compare_groups, tasks=group_tasks)
+        if gpu:
+            print(f"repeat {repeat} allocator over the timed batches: producer alone: "
+                  f"{allocator_line(measured.allocator)}; extract's loop: {allocator_line(extract_allocator)}",
+                  flush=True)  # fmt: skip
+        elif repeat == 0:
+            print(f"allocator counters: {allocator_line(None)}, not measured on {device}", flush=True)
+        for key in variants:  # the same producer with another forward budget, group budget or bound
+            measure_variant(key, repeat)
+            if gpu:
+                print(f"repeat {repeat} allocator over the timed batches, producer alone {variants[key][0]}: "
+                      f"{allocator_line(allocator_runs[f'producer_{key}'][-1])}", flush=True)
     rate_i, rate_t, achieved, rate_extract = (statistics.median(runs[key]) for key in
                                               ("producer_alone_I", "trainer_alone_T", "achieved", "extract"))
     from stages.extract.command import ExtractConfig, plan_shards
@@ -507,8 +731,16 @@ def main() -> None:
         rate_groups = statistics.median(runs["producer_alone_I_groups"])
         report |= {"producer_compare_group_tokens": compare_groups, "producer_alone_I_groups": rate_groups,
                    "producer_groups_over_extract": rate_groups / rate_extract}
+    if compare_in_flight is not None:
+        rate_in_flight = statistics.median(runs["producer_alone_I_in_flight"])
+        report |= {"producer_compare_forwards_in_flight": compare_in_flight,
+                   "producer_alone_I_in_flight": rate_in_flight,
+                   "producer_in_flight_over_extract": rate_in_flight / rate_extract}
+    report |= {"producer_forwards_in_flight": args.producer_forwards_in_flight,
+               "allocator_over_timed_batches": allocator_runs if gpu else None}
     keys = ("extract", "producer_alone_I", *(("producer_alone_I_compare",) if compare_tokens else ()),
             *(("producer_alone_I_groups",) if compare_groups is not None else ()),
+            *(("producer_alone_I_in_flight",) if compare_in_flight is not None else ()),
             "trainer_alone_T", "achieved", "min_I_T", "shared_device_bound")
     for key in keys:
         print(f"{key:>22}: {report[key]:10,.0f} real tokens/s   (runs: {', '.join(f'{v:,.0f}' for v in runs.get(key, []))})")
@@ -521,6 +753,9 @@ def main() -> None:
     if compare_tokens:
         print(f"{'I_compare / extract':>22}: {report['producer_compare_over_extract']:.2f}  (producer alone at "
               f"{compare_tokens:,} tokens per forward)")
+    if compare_in_flight is not None:
+        print(f"{'I_in_flight / extract':>22}: {report['producer_in_flight_over_extract']:.2f}  (producer alone with "
+              f"forwards_in_flight {compare_in_flight})")
     packed = ", packed" if args.producer_packing else ""
     print(f"{'forward padding':>22}: producer {padding['producer'][0]:.1%} of padded tokens "
           f"({padding['producer'][1]:.2f} forwards per planned batch{packed}), "
@@ -534,9 +769,22 @@ def main() -> None:
           + " per planned batch (as the producers ran them)")
     for mode, phases in report["phases_ms_per_batch"].items():
         print(f"{'phases, ' + mode:>22}: {phases_line(phases)}  (producer alone, medians)")
+    for side, windows in allocator_runs.items():
+        if not gpu:
+            print(f"{'allocator counters':>22}: {allocator_line(None)}, not measured on {device}")
+            break
+        if windows:
+            total = {key: sum(window[key] for window in windows) for key in windows[0]} | {
+                key: max(window[key] for window in windows) for key in ("peak_allocated_bytes", "peak_reserved_bytes")}
+            print(f"{'allocator, ' + side:>22}: {allocator_line(total)}  (timed batches, summed over the repeats; "
+                  "peaks: the largest)")
     print(f"{'achieved / min(I, T)':>22}: {report['achieved_over_min']:.2f}")
     print(f"{'achieved / shared':>22}: {report['achieved_over_shared']:.2f}  (1/(1/I+1/T): one device for both)")
     print(f"{'device':>22}: {report['device']}; target {identity.name}, taps {layer_ids}")
+    if args.profile:
+        report["profile"] = profile_one_task(tasks, corpus, producer, extract_runner, compare_in_flight, device,
+                                             RingGeometry(num_slots=2, max_tokens=token_budget, max_documents=token_budget,
+                                                          width=extract_runner.feature_size), rate_i)  # fmt: skip
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=2))
 

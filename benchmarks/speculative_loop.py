@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extract import RANDOM_TARGETS, build_target  # noqa: E402  (the benchmarks' shared random-target builder)
+from profiling import profiled, summarize  # noqa: E402  (the benchmarks' shared profiler summary)
 
 from dflash.decoding.speculative import SpeculativeConfig, TappedTarget, speculative_generate  # noqa: E402
 from dflash.decoding.static_target import GraphedDrafter, StaticTappedTarget  # noqa: E402
@@ -103,29 +104,18 @@ def _timed(tapped, drafter_for, prompts, config) -> tuple[float, int, list[list[
 def _profile(tapped, drafter_for, prompts, config, device: torch.device) -> dict:
     """One pass over ``prompts`` under torch.profiler: where a step's time goes (on CUDA, the kernels' busy time
     against the wall time; the rest is the host: launches, synchronizations, Python)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        seconds, steps, _ = _timed(tapped, drafter_for, prompts, config)
-    on_device = device.type == "cuda"
-    averages = prof.key_averages()
-    if on_device:  # the kernels and their device time
-        events, own = [e for e in averages if e.device_type.name == "CUDA"], (lambda e: e.self_device_time_total)
-    else:  # on CPU: the operators' own time (no kernels to count)
-        events, own = [e for e in averages if e.key.startswith("aten::")], (lambda e: e.self_cpu_time_total)
-    busy_us = sum(own(e) for e in events)
-    launches = sum(e.count for e in events)
-    top_rows = [(e.key[:60], e.count // max(steps, 1), own(e) / max(steps, 1) / 1000)
-                for e in sorted(events, key=own, reverse=True)[:6]]
-    wall = 1000 * seconds / max(steps, 1)
-    busy = busy_us / 1000 / max(steps, 1)  # prefill included: one prompt's prefill over its many steps
-    summary = (f"profiled: {wall:.2f} ms/step wall (under the profiler), {'device busy' if on_device else 'operators'} "
-               f"{busy:.2f} ms/step ({busy / wall:.0%}), {launches / max(steps, 1):.0f} "
-               f"{'kernels' if on_device else 'operator calls'}/step; most time: "
-               + "; ".join(f"{name} x{count} {ms:.3f} ms" for name, count, ms in top_rows))
-    return {"wall_ms_per_step": wall, "busy_ms_per_step": busy, "per_step": launches / max(steps, 1),
-            "top": top_rows, "summary": summary}
+    (seconds, steps, _), prof = profiled(lambda: _timed(tapped, drafter_for, prompts, config), device)
+    summary = summarize(prof, on_device=device.type == "cuda")
+    on_device, per = summary["on_device"], max(steps, 1)
+    top_rows = [(name[:60], count // per, ms / per) for name, count, ms in summary["top"]]
+    wall = 1000 * seconds / per
+    busy = summary["busy_ms"] / per  # prefill included: one prompt's prefill over its many steps
+    line = (f"profiled: {wall:.2f} ms/step wall (under the profiler), {'device busy' if on_device else 'operators'} "
+            f"{busy:.2f} ms/step ({busy / wall:.0%}), {summary['calls'] / per:.0f} "
+            f"{'kernels' if on_device else 'operator calls'}/step; most time: "
+            + "; ".join(f"{name} x{count} {ms:.3f} ms" for name, count, ms in top_rows))
+    return {"wall_ms_per_step": wall, "busy_ms_per_step": busy, "per_step": summary["calls"] / per,
+            "top": top_rows, "summary": line}
 
 
 def main() -> None:

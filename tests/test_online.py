@@ -465,6 +465,47 @@ def test_grouped_producer_tasks_run_fewer_forwards_and_fill_each_slot_as_one_tas
     _assert_same_batches(head + rest, grouped)
 
 
+def test_a_producer_bounding_its_forwards_in_flight_delivers_the_same_bytes(corpus_dir, target):
+    """``forwards_in_flight=2``: a task of several forwards finishes forward k before it queues forward k+2 (the
+    runner never holds more than two unfinished), where the default queues every forward of the task first; the
+    trainer gets the same batches, every tensor bit for bit (the first group of two planned batches)."""
+    from dflash.errors import ConfigError
+
+    runner = TargetRunner(target.model, TINY_LAYER_IDS, "cpu", token_budget=96)  # several forwards per task
+    width = WIDTH_TAPS * int(target.model.config.hidden_size)
+    launch, finish = runner._launch, runner._finish
+    counts = {"unfinished": 0, "most": 0}
+
+    def counted_launch(*args, **kwargs):
+        counts["unfinished"] += 1
+        counts["most"] = max(counts["most"], counts["unfinished"])
+        return launch(*args, **kwargs)
+
+    def counted_finish(flight):
+        counts["unfinished"] -= 1
+        return finish(flight)
+
+    runner._launch, runner._finish = counted_launch, counted_finish
+    runs, most = [], []
+    for bound in (None, 2):
+        producer = BatchProducer(runner, open_corpus(corpus_dir), forwards_in_flight=bound)
+        counts["most"] = 0
+        with ThreadPoolExecutor(1) as pool, \
+                OnlineBatches(CorpusLengths(open_corpus(corpus_dir)), _stream_config("train"), width=width,
+                              submit=lambda task, producer=producer: pool.submit(producer.produce, task),
+                              num_slots=4, group_tokens=2 * _stream_config("train").token_budget) as online:
+            batches = iter(online)
+            runs.append([_batch_fields(next(batches)) for _ in range(2)])  # the first task: a group of two
+            batches.close()
+        producer.close()
+        most.append(counts["most"])
+    assert counts["unfinished"] == 0
+    assert most[0] >= 3 and most[1] == 2  # the default queued 3 or more forwards of a task at once
+    _assert_same_batches(runs[1], runs[0])
+    with pytest.raises(ConfigError, match="forwards_in_flight must be >= 2"):
+        BatchProducer(runner, open_corpus(corpus_dir), forwards_in_flight=1)
+
+
 @pytest.mark.parametrize("ring_slots", [8], ids=["grouped"])  # one batch per task: the killed-producer test
 def test_online_resume_reproduces_the_straight_online_run_bit_exactly(corpus_dir, target_path, target, tmp_path,
                                                                       own_processes, ring_slots):

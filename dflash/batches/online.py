@@ -178,11 +178,23 @@ class BatchProducer:
     Args:
         runner: a :class:`dflash.target.runner.TargetRunner` (the extract stage's runner).
         corpus: the opened corpus (``dflash.corpus.format.Corpus``) the plan was made from.
+        forwards_in_flight: at most this many of a task's forwards queued and not yet finished (their copies into
+            the slot landed), >= 2: with 2 the task finishes forward k before it queues forward k+2, as extract's
+            loop does, so the device holds at most two forwards' outputs until their copies land. ``None`` (the
+            default): every forward of the task is queued before any is finished. The forwards, their documents
+            and the copies do not change, only when the task waits for them, so the slots receive the same bytes.
+
+    Raises:
+        ConfigError: ``forwards_in_flight`` below 2.
     """
 
-    def __init__(self, runner: Any, corpus: Any) -> None:
+    def __init__(self, runner: Any, corpus: Any, *, forwards_in_flight: int | None = None) -> None:
+        if forwards_in_flight is not None and forwards_in_flight < 2:
+            raise ConfigError(f"forwards_in_flight must be >= 2 or None (the runner queues a task's next forward "
+                              f"before it hands over the current one), got {forwards_in_flight}")
         self.runner = runner
         self.corpus = corpus
+        self.forwards_in_flight = forwards_in_flight
         self._rings: dict[str, Ring] = {}
         self._rings_lock = threading.Lock()
         self._device_lock = threading.Lock()
@@ -215,7 +227,8 @@ class BatchProducer:
         ``compute_seconds``: from the moment this task starts queuing its forwards to its commit, less what overlaps
         the earlier tasks of this producer (overlapping tasks are counted once, so tokens / the sum over tasks is the
         producer's rate). ``phases``: wall seconds of this task's steps, ``forwards`` (queuing the forwards and
-        their copies; on CUDA the device runs them asynchronously), ``copies`` (waiting until every copy landed in
+        their copies; on CUDA the device runs them asynchronously; with ``forwards_in_flight``, also waiting for
+        the earlier forwards' copies), ``copies`` (waiting until every copy landed in
         the slot, the non-finite check included: on CUDA, whatever device work of the task was still running) and
         ``commit`` (rows, ids and masks written, the CRC-32C, the header). ``forwards``: the target forwards the
         task ran. ``queued``: called once the task's forwards and copies are queued on the device, before
@@ -250,7 +263,12 @@ class BatchProducer:
             # The lead documents' hidden states (a group resumed inside) land in scratch memory and are dropped.
             out = [*(torch.empty(len(ids), geometry.width, dtype=geometry.dtype) for ids in lead),
                    *(view for write in writes for view in write.documents)]  # fmt: skip
-            pending = list(self.runner.iter_pending(everything, out=out))
+            pending = []
+            for item in self.runner.iter_pending(everything, out=out):  # item k comes once forward k+1 is queued
+                pending.append(item)
+                if self.forwards_in_flight is not None:  # the next forward makes at most forwards_in_flight
+                    for earlier in pending[: len(pending) + 2 - self.forwards_in_flight]:
+                        earlier.finish()  # idempotent: the ones finished before return at once
             forwards_queued = time.perf_counter()
         if queued is not None:
             queued()

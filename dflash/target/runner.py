@@ -802,7 +802,7 @@ class TargetRunner:
         (``stages.extract.worker.ShardExtractor`` queues the next shard's first forward before it waits for it).
         Finish batch k before asking for batch k+2: at most two batches then hold device and host buffers. With
         ``out`` no host buffer is pooled, so every batch may be queued before any is finished (the online producer
-        queues a whole planned batch's forwards, then waits)."""
+        queues a whole task's forwards, then waits, unless its ``forwards_in_flight`` bounds them)."""
         planner = plan_packed_batches if self.packing else plan_batches
         plan = planner([len(ids) for ids in input_ids_list], self.token_budget)
         if out is not None and len(out) != len(input_ids_list):

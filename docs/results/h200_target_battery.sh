@@ -7,8 +7,10 @@
 #           loops per KV cache (the static cache first, each loop profiled: device-busy vs wall ms per step), and
 #           the static loops in bfloat16 (is a 16-token float32 verify what makes a cycle cost 2 plain steps?),
 #           and a Qwen3-8B-shaped target at 2,048-token prompts: the drafter's kept context vs its whole context
-#   throughput  (same carry; ~7 min) generate continuous vs batches, the online producer grouped vs a task per
-#           planned batch, the device-to-host copies of a batch into each kind of host memory (ring_copy_probe.py)
+#   throughput  (same carry; ~10 min) generate continuous vs batches, the online producer grouped vs a task per
+#           planned batch, the device-to-host copies of a batch into each kind of host memory (ring_copy_probe.py),
+#           the producer against extract's loop: caching-allocator counters, forwards_in_flight 2 (extract's
+#           bound) vs every forward queued, one task and extract's loop over its documents profiled side by side
 #   extract the extract forward's profile and compiled parts (random SmolLM2 shape; ~4 min)
 #   real    the real SmolLM2 (carry .offline/model-a in a first call, model-b in the next; ~8 min): evaluate's
 #           loops per KV cache and generate's token agreement with one-prompt-at-a-time greedy decoding
@@ -49,6 +51,8 @@ case $PART in
     step online_groups 150 python benchmarks/online.py --device cuda --target smollm2-random --forward-tokens 32768 \
       --repeats 3 --steps 8 --compare-producer-group-tokens 0 --json-out "$DEST/online_groups.json"
     step ring_copy_probe 60 python docs/results/ring_copy_probe.py
+    step online_profile 200 python benchmarks/online.py --device cuda --target smollm2-random --forward-tokens 32768 \
+      --repeats 3 --steps 8 --compare-producer-forwards-in-flight 2 --profile --json-out "$DEST/online_profile.json"
     ;;
   extract)
     step extract_compile_parts 240 python benchmarks/extract.py --target smollm2-random --tokens 262144 \

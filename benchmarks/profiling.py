@@ -1,0 +1,113 @@
+"""The benchmarks' shared device instrumentation: torch.profiler summaries and the CUDA caching allocator's counters.
+
+* :func:`profiled` runs a callable under ``torch.profiler`` (CPU activity, and CUDA where the device is CUDA; the
+  calling thread's operators only, so :func:`start_profiler_here` first in the main thread where it runs in others);
+  :func:`summarize` reads the profile: on CUDA the kernels and their device time, on CPU the ``aten::`` operators
+  and their own CPU time (there are no kernels), the most expensive first, and the CUDA runtime calls counted by
+  name (:data:`RUNTIME_CALLS`: allocations, copies, synchronizations).
+* :func:`allocator_counters` and :func:`allocator_window`: the deltas of ``torch.cuda.memory_stats()`` counters
+  between two moments (:data:`ALLOCATOR_COUNTERS`: ``cudaMalloc`` and ``cudaFree`` calls of the caching allocator,
+  its retries after a failed ``cudaMalloc`` (which free cached blocks and synchronize), its waits for every stream)
+  and the peak allocated and reserved bytes since :func:`reset_allocator_peaks`. CUDA only: off CUDA they return
+  ``None`` and :func:`allocator_line` says so.
+
+Used by ``benchmarks/speculative_loop.py --profile`` and ``benchmarks/online.py`` (``--profile`` and its allocator
+lines).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: CUDA runtime calls counted by :func:`summarize` (the profiler's runtime events, version suffixes dropped;
+#: ``kernel launches``: every ``cudaLaunchKernel*`` and ``cuLaunchKernel*`` call, runtime or driver).
+RUNTIME_CALLS = ("cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaHostRegister", "cudaMemcpyAsync",
+                 "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "kernel launches")
+
+#: ``torch.cuda.memory_stats()`` counters whose deltas :func:`allocator_window` reports.
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+_SUFFIX = re.compile(r"(_v\d+|_ptsz|_ptds)+$")  # cudaMemcpyAsync_v3020, cudaMemcpyAsync_ptsz: the same call
+_LAUNCH = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel)")
+
+
+def profiled(fn: Callable[[], Any], device: torch.device) -> tuple[Any, Any]:
+    """``(fn(), the torch.profiler profile of that call)``: CPU activity, and CUDA's where ``device`` is CUDA (the
+    device is synchronized before the profile ends, so every kernel ``fn`` queued is in it). Only the calling
+    thread's operators are recorded: call this in the thread that does the work."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_device = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
+    with profile(activities=activities) as prof:
+        result = fn()
+        if on_device:
+            torch.cuda.synchronize(device)
+    return result, prof
+
+
+def start_profiler_here(device: torch.device) -> None:
+    """An empty profile in the calling thread (call it in the main thread before :func:`profiled` runs in
+    others): the profiler's backend (kineto) initializes its client on the first profile and, where that happens
+    in another thread than the one that registered it, prints an error and skips it."""
+    profiled(lambda: None, device)
+
+
+def summarize(prof: Any, on_device: bool, top: int = 6) -> dict[str, Any]:
+    """What a profile holds: ``busy_ms`` (on CUDA the device time of its kernels and copies, on CPU the ``aten::``
+    operators' own time), ``calls`` (kernels and copies on the device / operator calls), ``top`` (the ``top`` most expensive as ``(name, count,
+    ms)``), ``runtime_calls`` (per name of :data:`RUNTIME_CALLS`, the calls made; on CPU none) and ``on_device``."""
+    averages = prof.key_averages()
+    if on_device:  # the kernels and their device time
+        events, own = [e for e in averages if e.device_type.name == "CUDA"], (lambda e: e.self_device_time_total)
+    else:  # on CPU: the operators' own time (no kernels to count)
+        events, own = [e for e in averages if e.key.startswith("aten::")], (lambda e: e.self_cpu_time_total)
+    runtime = dict.fromkeys(RUNTIME_CALLS, 0)
+    for event in averages:
+        name = "kernel launches" if _LAUNCH.match(event.key) else _SUFFIX.sub("", event.key)
+        if name in runtime:  # no kernel is named like a runtime call
+            runtime[name] += event.count
+    return {"busy_ms": sum(own(e) for e in events) / 1000, "calls": sum(e.count for e in events),
+            "top": [(e.key, e.count, own(e) / 1000) for e in sorted(events, key=own, reverse=True)[:top]],
+            "runtime_calls": runtime, "on_device": on_device}  # fmt: skip
+
+
+def allocator_counters(device: torch.device) -> dict[str, int] | None:
+    """The caching allocator's :data:`ALLOCATOR_COUNTERS` now (cumulative since the process started); ``None``
+    off CUDA."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats.get(name, 0)) for name in ALLOCATOR_COUNTERS}
+
+
+def reset_allocator_peaks(device: torch.device) -> None:
+    """Start the peaks :func:`allocator_window` reports from now (a no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def allocator_window(before: dict[str, int] | None, after: dict[str, int] | None,
+                     device: torch.device) -> dict[str, int] | None:  # fmt: skip
+    """The counters' increase from ``before`` to ``after`` (two :func:`allocator_counters`), with the peak
+    allocated and reserved bytes since the last :func:`reset_allocator_peaks` (``peak_allocated_bytes``,
+    ``peak_reserved_bytes``); ``None`` off CUDA."""
+    if before is None or after is None:
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {name: after[name] - before[name] for name in ALLOCATOR_COUNTERS} | {
+        "peak_allocated_bytes": int(stats.get("allocated_bytes.all.peak", 0)),
+        "peak_reserved_bytes": int(stats.get("reserved_bytes.all.peak", 0))}
+
+
+def allocator_line(window: dict[str, int] | None) -> str:
+    """``cudaMalloc +3, cudaFree +0, ...`` for :func:`allocator_window`'s figures; off CUDA, that they are CUDA's."""
+    if window is None:
+        return "CUDA only (torch.cuda.memory_stats)"
+    return (f"cudaMalloc +{window['num_device_alloc']}, cudaFree +{window['num_device_free']}, alloc retries "
+            f"+{window['num_alloc_retries']}, syncs of all streams +{window['num_sync_all_streams']}, peak allocated "
+            f"{window['peak_allocated_bytes'] / 2**30:.2f} GiB, peak reserved {window['peak_reserved_bytes'] / 2**30:.2f} GiB")
