@@ -117,7 +117,7 @@ class EvaluateConfig:
     device: str = setting("auto", help='auto | cpu | cuda | cuda:N.')
     dtype: str = setting("auto", help='auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16 (bf16, fp32, fp16 also accepted).')
     cpu_threads: int = setting(1, help='Torch threads while decoding on CPU (more threads lose on shared cores).')
-    kv_cache: Literal["auto", "static", "dynamic"] = setting("auto", help="The target's KV cache in the speculative and block-size-1 loops, and how the drafter keeps its context: static (one static cache; the drafter keeps its context's keys and values in fixed-size buffers and computes them for the last block-size rows each cycle, not the whole context; on CUDA the target's verify-block and one-token forwards and the drafter's draft are each captured once as a CUDA graph and replayed), dynamic (transformers' DynamicCache, eager forwards, the drafter over its whole context every cycle), auto (static on CUDA where the target allows it: sdpa or eager attention and only plain full-attention layers, no sliding windows or linear attention; dynamic elsewhere). The generate() reference always runs transformers' own generate(). Same tokens either way (float32); docs/benchmarks.md, Evaluate.")
+    kv_cache: Literal["auto", "static", "dynamic"] = setting("auto", help="The target's KV cache in the speculative and block-size-1 loops: static (one static cache; on CUDA the target's verify-block and one-token forwards are each captured once as a CUDA graph and replayed), dynamic (transformers' DynamicCache, eager forwards), auto (static on CUDA where the target allows it: sdpa or eager attention and only plain full-attention layers, no sliding windows or linear attention; dynamic elsewhere). Either way the drafter keeps its context's keys and values (computed for the last block-size rows each cycle, not the whole context; its steps captured as CUDA graphs on CUDA), and the generate() reference runs transformers' own generate(). Same tokens either way (float32); docs/benchmarks.md, Evaluate.")
     #: Largest target logit gap that counts as a floating-point near-tie in the lossless check; None: 1e-3 in float32, 0.125 in 16-bit dtypes.
     near_tie_tolerance: float | None = None
     json_path: Path | None = setting(None, option='--json-file', help='Also write the full report as JSON to this file (default for a run folder: RUN/eval/final.json, which report, diff and inspect read).')
@@ -405,7 +405,8 @@ def evaluate_drafter(
         reference_prompts: how many prompts, the first ones, get the references; ``None``: every prompt.
         progress_interval: seconds between two progress lines where ``console`` is not a terminal (0: none).
         kv_cache: ``static``, ``dynamic`` or ``auto`` (:attr:`EvaluateConfig.kv_cache`): the target of both loops is
-            :class:`dflash.decoding.static_target.StaticTappedTarget` or the dynamic-cache ``TappedTarget``.
+            :class:`dflash.decoding.static_target.StaticTappedTarget` or the dynamic-cache ``TappedTarget``; the
+            drafter drafts through :class:`dflash.decoding.static_target.GraphedDrafter` either way.
 
     Returns:
         ``(summary, baselines)``: summary with ``tau``, ``acceptance``, ``speedup`` (vs block size 1) and
@@ -454,10 +455,12 @@ def evaluate_drafter(
     static = kv_cache == "static" or (kv_cache == "auto" and device.type == "cuda" and static_cache_supported(model))
     tapped = (StaticTappedTarget(model, target_layer_ids) if static  # ConfigError where the attention cannot
               else TappedTarget(model, target_layer_ids))
+    capacity = max(len(p.input_ids) for p in prompts) + max_new_tokens + block_size
     if static:
-        capacity = max(len(p.input_ids) for p in prompts) + max_new_tokens + block_size
         tapped.reserve(capacity)
-        drafter = GraphedDrafter(drafter, capacity)  # one draft shape for every cycle: a CUDA graph on CUDA
+    # Whatever the target's cache, the drafter keeps its context's keys and values (one shape per step: CUDA graphs
+    # on CUDA), as the serving engines run it.
+    drafter = GraphedDrafter(drafter, capacity)
     with tapped, progress:
         task = progress.add_task(f"evaluate {label}", total=len(prompts), tau="tau -", phase="warm-up", tokens=0)
         warm = SpeculativeConfig(block_size=block_size, max_new_tokens=min(8, max_new_tokens), temperature=temperature,
@@ -484,9 +487,9 @@ def evaluate_drafter(
                             tokens=sum(len(r.output_ids) for r in spec_results))
 
     decoding = {"kv_cache": "static" if static else "dynamic",
-                "cuda_graphs": bool(static and tapped.replays),  # False where every capture failed (eager)
+                "cuda_graphs": bool((static and tapped.replays) or drafter.replays),  # False: every capture failed
                 "graph_replays": tapped.replays if static else 0,
-                "drafter_graph_replays": drafter.replays if static else 0}
+                "drafter_graph_replays": drafter.replays}
     stats = AcceptanceStats.from_lengths([t for r in spec_results for t in r.acceptance_lengths], block_size)
     spec_speed = {**_throughput(spec_results), "prompts": len(spec_results)}
     per_prompt = [
