@@ -60,6 +60,7 @@ from dflash.generation.parts import (
     committed_parts,
     generate_part,
     plan_parts,
+    row_occupancy,
     summarize_parts,
 )
 from dflash.generation.prompts import (
@@ -592,8 +593,10 @@ def _timings_line(timings: dict[str, float], parts: list[dict[str, Any]]) -> str
     if not parts:
         return f"generate time: {spent}; every part was committed before (no engine run)"
     engine, whole = sum(p["engine_seconds"] for p in parts), sum(p["seconds"] for p in parts)
+    busy = row_occupancy(parts)
+    rows = "" if busy is None else f"; the decode steps' rows chose a token {busy:.1%} of the time"
     return (f"generate time: {spent}; inside the parts answered now ({len(parts)}): engine {engine:.1f} s of "
-            f"{whole:.1f} s (summed over parts)")
+            f"{whole:.1f} s (summed over parts){rows}")
 
 
 def register(app: typer.Typer) -> None:

@@ -473,10 +473,16 @@ def test_a_part_records_the_fewest_rows_its_engine_decoded_at_once(tmp_path, tar
     engine._decoder.kv_memory = forward_activation_bytes(config, 3 * 64, 3, 64, torch.float32,
                                                          columns=128) + per_row * 3 // 2
     record = generate_part(engine, target.tokenizer, _part(tmp_path, target.tokenizer, records))
+    steps = engine._decoder.last_steps
     engine.close()
     assert record["num_rows"] == 2 and record["rows_at_a_time"] == 1
     assert summarize_parts([dynamic, {**record, "rows_at_a_time": 3}, record])["rows_at_a_time"] == 1
     assert summarize_parts([dynamic])["rows_at_a_time"] is None
+    # One row at a time: every decode step chose a token of a reply (no idle row), each reply's first token came
+    # from its prompt's forward; the second prompt's chunk ran last_steps steps.
+    assert record["step_tokens"] == record["generated_tokens"] - 2 and record["row_steps"] >= steps > 0
+    assert summarize_parts([dynamic, record])["row_occupancy"] == round(record["step_tokens"] / record["row_steps"], 4)
+    assert 0 < summarize_parts([record])["row_occupancy"] <= 1 and summarize_parts([dynamic])["row_occupancy"] is None
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ from dflash.generation.prompts import ConversationBuilder, DropCounts, PromptRec
 from dflash.io.files import MAX_RECORD_BYTES, atomic_write_text, load_json
 
 __all__ = ["PLAN_FILE", "HELDOUT_PROMPTS_FILE", "PartSpec", "part_path", "part_record_path", "committed_parts", "generate_part",
-           "clear_uncommitted"]
+           "clear_uncommitted", "row_occupancy"]
 
 PLAN_FILE = "generate.json"
 HELDOUT_PROMPTS_FILE = "heldout_prompts.jsonl"
@@ -143,6 +143,7 @@ def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec,
     token_sources = Counter()
     engine_seconds = 0.0
     rows_at_a_time: list[int] = []  # per engine call, the rows it decoded at once (engines that report it)
+    row_steps = step_tokens = 0  # the decode steps' rows, and the tokens they chose (engines that report row steps)
     turn = 0
     while True:
         requests: list[GenerationRequest] = []
@@ -173,8 +174,12 @@ def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec,
             if reports:
                 engine.progress = None
         engine_seconds += time.perf_counter() - engine_started
-        if "rows" in getattr(engine, "last_stats", {}):
-            rows_at_a_time.append(int(engine.last_stats["rows"]))
+        stats = getattr(engine, "last_stats", {})
+        if "rows" in stats:
+            rows_at_a_time.append(int(stats["rows"]))
+        if "row_steps" in stats:  # each reply's first token comes from its prompt's forward, the others from steps
+            row_steps += int(stats["row_steps"])
+            step_tokens += sum(max(0, len(result.token_ids) - 1) for result in results)
         for request, result in zip(requests, results, strict=True):
             index = request.request_id - spec.first_prompt
             builders[index].add_reply(prompts[index], result.token_ids, finished=result.finish_reason == "stop")
@@ -196,6 +201,8 @@ def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec,
         "dropped": drops.to_dict(),
         "engine_seconds": round(engine_seconds, 3),
         "rows_at_a_time": min(rows_at_a_time, default=None),
+        "row_steps": row_steps if rows_at_a_time else None,
+        "step_tokens": step_tokens if rows_at_a_time else None,
         "seconds": round(time.perf_counter() - started, 3),
     }
     _write_part(Path(spec.output), spec.part_id, rows, record)
@@ -213,7 +220,10 @@ def summarize_parts(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     engine; not the commit: the record is written inside the part), both summed over parts (parts on different
     workers overlap, so the sums can exceed the wall time). ``rows_at_a_time``: the fewest rows an engine call
     decoded at once (the transformers engine's static decoder: its batch size, or fewer where the GPU's memory held
-    fewer); None where no part reports it."""
+    fewer); None where no part reports it. ``row_occupancy``: of the rows the static decoder's decode steps ran
+    (``row_steps``: steps x cache rows, summed), the share that chose a token of a reply (``step_tokens``); the rest
+    ran finished, free or filler rows, e.g. while a batch or the last requests of a part drain. None where no part
+    reports it."""
     drops = DropCounts()
     finish: Counter = Counter()
     sources: Counter = Counter()
@@ -232,4 +242,14 @@ def summarize_parts(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "engine_seconds": round(sum(p["engine_seconds"] for p in parts), 3),
         "part_seconds": round(sum(p["seconds"] for p in parts), 3),
         "rows_at_a_time": min((p["rows_at_a_time"] for p in parts if p.get("rows_at_a_time")), default=None),
+        "row_occupancy": row_occupancy(parts),
     }
+
+
+def row_occupancy(parts: Sequence[dict[str, Any]]) -> float | None:
+    """Tokens the static decoder's decode steps chose / the rows those steps ran, over ``parts`` (records without
+    these counts are left out); None where no part has them (:func:`summarize_parts`)."""
+    counted = [p for p in parts if p.get("row_steps")]
+    if not counted:
+        return None
+    return round(sum(p["step_tokens"] for p in counted) / sum(p["row_steps"] for p in counted), 4)

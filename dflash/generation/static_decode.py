@@ -344,6 +344,9 @@ class StaticDecoder:
         self.last_mode = "eager"
         #: Decode steps (forwards of one token per row) of the last :meth:`decode` or :meth:`decode_stream` call.
         self.last_steps = 0
+        #: Row-steps decoded since this decoder was made: each decode step's forward adds its cache rows (finished,
+        #: free and filler rows included), so the tokens those steps chose / row_steps is how busy the rows were.
+        self.row_steps = 0
         self._restore_attention: str | None = None
         previous = getattr(model.config, "_attn_implementation", None)
         if previous not in ("sdpa", "eager", ATTENTION_NAME, DETERMINISTIC_ATTENTION_NAME, RANGED_ATTENTION_NAME, None):
@@ -646,6 +649,7 @@ class StaticDecoder:
                 torch.where(done, slot.starts, (write + 1).to(torch.int32), out=slot.ends)
             logits, use_graph = self._run_step(slot, use_graph)
             self.last_steps = step + 1
+            self.row_steps += rows
         self.last_mode = "graph" if use_graph else "eager"
 
         stops = set(self.stops.tolist())
@@ -819,6 +823,7 @@ class StaticDecoder:
             torch.where(done, starts, (write + 1).to(torch.int32), out=ends)
             logits, use_graph = self._run_step(slot, use_graph)
             step += 1
+            self.row_steps += rows
             active = ~done
             chosen = torch.where(done, self.pad_token_id, self._choose(logits, temperature, top_p, keys, age))
             out.scatter_(1, age[:, None], chosen[:, None])
