@@ -150,6 +150,35 @@ def test_last_turn_mode_keeps_the_history_unsupervised(tmp_path, target):
     assert "ORIGINAL-1" in text and "ORIGINAL-2" not in text and text.endswith("<|im_start|>assistant\n")
 
 
+def test_a_turns_prompts_tokenized_together_equal_each_tokenized_alone(tmp_path, target):
+    """``prompt_ids_of`` (one tokenizer call per kind for a part's turn) gives each builder the ids of its own text
+    tokenized alone, turn after turn: raw completions with the tokenizer's special tokens, chat template text
+    without, a conversation at its second turn beside finished ones (None)."""
+    from dflash.generation.prompts import prompt_ids_of
+
+    def tokenized_alone(builder):
+        text = builder.next_text()
+        if text is None:
+            return None
+        ids = target.tokenizer(text[0]) if text[1] else target.tokenizer(text[0], add_special_tokens=False)
+        return builder.input_ids + list(ids["input_ids"])
+
+    records, _ = read_prompt_file(_write_jsonl(tmp_path / "p.jsonl", PROMPTS))
+    alone = [ConversationBuilder(record, target.tokenizer, {}) for record in records]
+    together = [ConversationBuilder(record, target.tokenizer, {}) for record in records]
+    assert any(r.messages is None for r in records) and any(r.messages is not None for r in records)
+    for turn in range(3):
+        expected = [tokenized_alone(builder) for builder in alone]
+        assert [builder.prompt_ids() for builder in alone] == expected
+        assert prompt_ids_of(together) == expected
+        assert (turn == 0 and None not in expected) or (turn == 1 and expected.count(None) == 2) or turn == 2
+        for builders in (alone, together):
+            for builder, prompt in zip(builders, expected, strict=True):
+                if prompt is not None:
+                    builder.add_reply(prompt, [42, 43], finished=False)
+    assert prompt_ids_of(together) == [None] * len(records)
+
+
 def test_bad_lines_are_counted_with_their_reason(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [
         {"prompt": "fine"}, {"prompt": "   "}, b"not json\n", {"foo": 1}, b'{"prompt": "caf\xe9"}\n', b"\n",

@@ -37,7 +37,7 @@ from dflash.corpus.format import SCHEMA
 from dflash.errors import CorpusError
 from dflash.faults import fault_point
 from dflash.generation.engine import GenerationEngine, GenerationRequest, SamplingSettings
-from dflash.generation.prompts import ConversationBuilder, DropCounts, PromptRecord
+from dflash.generation.prompts import ConversationBuilder, DropCounts, PromptRecord, prompt_ids_of
 from dflash.io.files import MAX_RECORD_BYTES, atomic_write_text, load_json
 
 __all__ = ["PLAN_FILE", "HELDOUT_PROMPTS_FILE", "PartSpec", "part_path", "part_record_path", "committed_parts", "generate_part",
@@ -148,8 +148,7 @@ def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec,
     while True:
         requests: list[GenerationRequest] = []
         prompts: dict[int, list[int]] = {}
-        for index, builder in enumerate(builders):
-            prompt = builder.prompt_ids()
+        for index, (builder, prompt) in enumerate(zip(builders, prompt_ids_of(builders), strict=True)):
             if prompt is None:
                 continue
             room = spec.max_length - len(prompt)

@@ -44,6 +44,7 @@ __all__ = [
     "read_prompt_file",
     "check_generation_prompt",
     "ConversationBuilder",
+    "prompt_ids_of",
 ]
 
 TurnMode = Literal["all", "last"]
@@ -316,6 +317,23 @@ def check_generation_prompt(tokenizer: Any, template_kwargs: dict[str, Any], *, 
         )
 
 
+def prompt_ids_of(builders: Sequence[ConversationBuilder]) -> list[list[int] | None]:
+    """:meth:`ConversationBuilder.prompt_ids` of every builder (None where no turn is left), their texts tokenized in
+    one tokenizer call per kind (raw completions, template text): one batch instead of a call per prompt, which a
+    fast tokenizer encodes on several threads. The builders share one tokenizer."""
+    texts = [builder.next_text() for builder in builders]
+    ids: list[list[int] | None] = [None] * len(builders)
+    for raw in (True, False):
+        chosen = [i for i, text in enumerate(texts) if text is not None and text[1] is raw]
+        if not chosen:
+            continue
+        tokenizer = builders[chosen[0]].tokenizer
+        encoded = tokenizer([texts[i][0] for i in chosen], **({} if raw else {"add_special_tokens": False}))
+        for i, delta in zip(chosen, encoded["input_ids"], strict=True):
+            ids[i] = builders[i].input_ids + [int(t) for t in delta]
+    return ids
+
+
 class ConversationBuilder:
     """Token sequence of one prompt record, grown turn by turn (module docstring).
 
@@ -339,9 +357,6 @@ class ConversationBuilder:
     @property
     def num_turns(self) -> int:
         return len(self._reply_positions)
-
-    def _encode(self, text: str) -> list[int]:
-        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
     def _delta_text(self, turn: int) -> str:
         messages = self.record.messages
@@ -375,19 +390,20 @@ class ConversationBuilder:
 
     def prompt_ids(self) -> list[int] | None:
         """The next request's prompt (the whole sequence so far plus this turn's template text), or None."""
+        return prompt_ids_of([self])[0]
+
+    def next_text(self) -> tuple[str, bool] | None:
+        """The text the next request adds to the sequence so far, and whether it is a raw completion (tokenized with
+        the tokenizer's own special-token rules, e.g. a BOS) rather than chat template text; None when no turn is
+        left."""
         if self.num_turns_done >= self.num_turns:
             return None
         if self.record.messages is None:
-            delta = self._encode_raw(self.record.text or "")
-        else:
-            text = self._delta_text(self.num_turns_done)
-            if self.num_turns_done > 0 and self._last_finished and self.eos_text and text.startswith(self.eos_text):
-                text = text[len(self.eos_text):]  # the reply's own end-of-turn token already closes the turn
-            delta = self._encode(text)
-        return self.input_ids + delta if delta else list(self.input_ids)
-
-    def _encode_raw(self, text: str) -> list[int]:
-        return [int(t) for t in self.tokenizer(text)["input_ids"]]  # raw completion: the tokenizer's own BOS rules
+            return self.record.text or "", True
+        text = self._delta_text(self.num_turns_done)
+        if self.num_turns_done > 0 and self._last_finished and self.eos_text and text.startswith(self.eos_text):
+            text = text[len(self.eos_text):]  # the reply's own end-of-turn token already closes the turn
+        return text, False
 
     def add_reply(self, prompt_ids: list[int], reply_ids: Sequence[int], *, finished: bool) -> None:
         """Append a generated reply to the prompt it answered (``prompt_ids`` from :meth:`prompt_ids`)."""
