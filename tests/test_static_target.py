@@ -143,17 +143,20 @@ def _tiny_drafter(model, layers: int = 2, block: int = 6):
 
 def test_graphed_drafter_drafts_what_the_drafter_drafts():
     """Over its kept context keys and values (rows past the context masked, stale rows of a longer earlier context
-    left in the buffers) the wrapper's draft equals the drafter's own on the exact context."""
+    left in the buffers) the wrapper's draft equals the drafter's own on the exact context; built and first used
+    under inference mode (as the loop drafts), it drafts outside it too (its tensors are plain ones)."""
     drafter = _tiny_drafter(_llama())
     width = drafter.config.num_taps * drafter.config.hidden_size
-    graphed = GraphedDrafter(drafter, capacity=96)
+    with torch.inference_mode():
+        graphed = GraphedDrafter(drafter, capacity=96)
     generator = torch.Generator().manual_seed(0)
     block = torch.tensor([5, 0, 0, 0, 0, 0])
     for rows in (60, 7, 33):  # each a new context: the 7-row one leaves 53 stale rows of the first in the buffers
         context = torch.randn(rows, width, generator=generator)
         expected = drafter.draft_block(context, torch.arange(rows), block, rows)
-        torch.testing.assert_close(graphed.draft_block(context, torch.arange(rows), block, rows), expected,
-                                   atol=1e-4, rtol=1e-4)
+        with torch.inference_mode(rows == 60):
+            drafted = graphed.draft_block(context, torch.arange(rows), block, rows)
+        torch.testing.assert_close(drafted, expected, atol=1e-4, rtol=1e-4)
         assert not torch.equal(expected, drafter.draft_block(context[:-1], torch.arange(rows - 1), block, rows))
     assert graphed.eager_drafts == 3 and graphed.replays == 0
     with pytest.raises(ValueError, match="holds 96 positions"):

@@ -245,9 +245,12 @@ class GraphedDrafter(torch.nn.Module):
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self._width = drafter.config.num_taps * drafter.config.hidden_size
         self._dtype = parameter.dtype
-        self._positions = torch.arange(self.capacity, device=self.device)
-        self._start = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._window_start = torch.zeros((), dtype=torch.int64, device=self.device)
+        # Plain tensors even when built under inference mode: the start positions are written in place at every
+        # cycle, which an inference tensor refuses outside that mode (see _allocate).
+        with torch.inference_mode(False):
+            self._positions = torch.arange(self.capacity, device=self.device)
+            self._start = torch.zeros((), dtype=torch.int64, device=self.device)
+            self._window_start = torch.zeros((), dtype=torch.int64, device=self.device)
         self._window: torch.Tensor | None = None  # [B, n*H] taps of the rows being written
         self._block: torch.Tensor | None = None
         self._keys_values: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, [capacity, kv, D]
