@@ -245,16 +245,20 @@ class GraphedDrafter(torch.nn.Module):
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self._width = drafter.config.num_taps * drafter.config.hidden_size
         self._dtype = parameter.dtype
-        self._positions = torch.arange(self.capacity, device=self.device)
-        self._start = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._window_start = torch.zeros((), dtype=torch.int64, device=self.device)
+        # Plain tensors even when built under inference mode: the start positions are written in place at every
+        # cycle, which an inference tensor refuses outside that mode (see _allocate).
+        with torch.inference_mode(False):
+            self._positions = torch.arange(self.capacity, device=self.device)
+            self._start = torch.zeros((), dtype=torch.int64, device=self.device)
+            self._window_start = torch.zeros((), dtype=torch.int64, device=self.device)
         self._window: torch.Tensor | None = None  # [B, n*H] taps of the rows being written
         self._block: torch.Tensor | None = None
         self._keys_values: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, [capacity, kv, D]
         self._logits: torch.Tensor | None = None
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self._failed = False
-        self._source: weakref.ref | None = None  # the loop's buffer the written rows came from
+        self._source: weakref.ref | None = None  # the storage of the loop's buffer the written rows came from
+        self._origin: tuple | None = None  # the prefix's storage offset and strides in it
         self._written = 0  # rows 0 .. _written - 1 of that buffer hold their keys and values
         #: Drafts replayed from the graph and run eagerly (benchmarks and the evaluation report read them).
         self.replays = 0
@@ -274,9 +278,11 @@ class GraphedDrafter(torch.nn.Module):
                              f"{rows} context rows and a block at {block_start}")
         if self._block is None or self._block.shape != block_input_ids.shape:
             self._allocate(size)
-        source = context_hidden if context_hidden._base is None else context_hidden._base
-        if self._source is None or self._source() is not source or rows < self._written:
-            self._source, self._written = weakref.ref(source), 0
+        # The loop's buffer is recognised by its storage (and where the prefix starts in it), not by a tensor
+        # object: each cycle's prefix is a new view, and under inference mode a view records no ``_base``.
+        storage, origin = context_hidden.untyped_storage(), (context_hidden.storage_offset(), context_hidden.stride())
+        if self._source is None or self._source() is not storage or self._origin != origin or rows < self._written:
+            self._source, self._origin, self._written = weakref.ref(storage), origin, 0
         while rows - self._written > size:  # more new rows than one window: a prompt, window after window
             self._write_window(context_hidden, self._written, rows)
             self._written += size
