@@ -594,7 +594,9 @@ def _timings_line(timings: dict[str, float], parts: list[dict[str, Any]]) -> str
         return f"generate time: {spent}; every part was committed before (no engine run)"
     engine, whole = sum(p["engine_seconds"] for p in parts), sum(p["seconds"] for p in parts)
     busy = row_occupancy(parts)
-    rows = "" if busy is None else f"; the decode steps' rows chose a token {busy:.1%} of the time"
+    caches = sum(p.get("caches_made") or 0 for p in parts)
+    rows = ("" if busy is None else f"; the decode steps' rows chose a token {busy:.1%} of the time, "
+            f"{caches} KV cache(s) allocated")
     return (f"generate time: {spent}; inside the parts answered now ({len(parts)}): engine {engine:.1f} s of "
             f"{whole:.1f} s (summed over parts){rows}")
 

@@ -512,6 +512,7 @@ def test_a_part_records_the_fewest_rows_its_engine_decoded_at_once(tmp_path, tar
     assert record["step_tokens"] == record["generated_tokens"] - 2 and record["row_steps"] >= steps > 0
     assert summarize_parts([dynamic, record])["row_occupancy"] == round(record["step_tokens"] / record["row_steps"], 4)
     assert 0 < summarize_parts([record])["row_occupancy"] <= 1 and summarize_parts([dynamic])["row_occupancy"] is None
+    assert record["caches_made"] == 1 and dynamic["caches_made"] is None  # both chunks on one cache
 
 
 @pytest.mark.slow

@@ -144,6 +144,7 @@ def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec,
     engine_seconds = 0.0
     rows_at_a_time: list[int] = []  # per engine call, the rows it decoded at once (engines that report it)
     row_steps = step_tokens = 0  # the decode steps' rows, and the tokens they chose (engines that report row steps)
+    caches_made = 0  # KV caches the static decoder allocated for this part (each captured again on CUDA)
     turn = 0
     while True:
         requests: list[GenerationRequest] = []
@@ -179,6 +180,7 @@ def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec,
         if "row_steps" in stats:  # each reply's first token comes from its prompt's forward, the others from steps
             row_steps += int(stats["row_steps"])
             step_tokens += sum(max(0, len(result.token_ids) - 1) for result in results)
+            caches_made += int(stats.get("caches_made", 0))
         for request, result in zip(requests, results, strict=True):
             index = request.request_id - spec.first_prompt
             builders[index].add_reply(prompts[index], result.token_ids, finished=result.finish_reason == "stop")
@@ -202,6 +204,7 @@ def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec,
         "rows_at_a_time": min(rows_at_a_time, default=None),
         "row_steps": row_steps if rows_at_a_time else None,
         "step_tokens": step_tokens if rows_at_a_time else None,
+        "caches_made": caches_made if rows_at_a_time else None,
         "seconds": round(time.perf_counter() - started, 3),
     }
     _write_part(Path(spec.output), spec.part_id, rows, record)

@@ -347,6 +347,10 @@ class StaticDecoder:
         #: Row-steps decoded since this decoder was made: each decode step's forward adds its cache rows (finished,
         #: free and filler rows included), so the tokens those steps chose / row_steps is how busy the rows were.
         self.row_steps = 0
+        #: KV caches allocated since this decoder was made (a new batch shape or cache length; on CUDA each one's
+        #: decode step is captured again at its first step): a fixed cost per cache, paid again where calls change
+        #: their cache length.
+        self.caches_made = 0
         self._restore_attention: str | None = None
         previous = getattr(model.config, "_attn_implementation", None)
         if previous not in ("sdpa", "eager", ATTENTION_NAME, DETERMINISTIC_ATTENTION_NAME, RANGED_ATTENTION_NAME, None):
@@ -399,6 +403,7 @@ class StaticDecoder:
             from transformers import StaticCache
 
             cache = StaticCache(config=self.model.config, max_cache_len=length)
+            self.caches_made += 1
             if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
                 raise ValueError("the static decoder needs full-attention layers; this target has sliding-window ones "
                                  "(use kv_cache=dynamic)")

@@ -164,7 +164,7 @@ class TransformersEngine:
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest], settings: SamplingSettings) -> list[GenerationResult]:
         started = time.perf_counter()
-        row_steps = self._decoder.row_steps if self._decoder is not None else 0
+        row_steps, caches = (self._decoder.row_steps, self._decoder.caches_made) if self._decoder is not None else (0, 0)
         results, steps, rows = (self._stream if self.streams else self._batched)(requests, settings)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -174,6 +174,7 @@ class TransformersEngine:
             self.last_stats["decode_steps"] = float(steps)
             self.last_stats["rows"] = float(rows)  # the fewest of any batch; fewer than batch_size where memory capped them
             self.last_stats["row_steps"] = float(self._decoder.row_steps - row_steps)
+            self.last_stats["caches_made"] = float(self._decoder.caches_made - caches)
         return results
 
     def _stream(self, requests: Sequence[GenerationRequest],
