@@ -7,7 +7,7 @@ Run::
     python benchmarks/speculative_loop.py --smoke                                      # tiny, on CPU (a check that it runs)
 
 For each ``--kv-cache`` (``dynamic``: transformers' DynamicCache, eager forwards; ``static``:
-``dflash.decoding.static_target.StaticTappedTarget`` and the drafter in a ``GraphedDrafter``, CUDA graphs on CUDA) and each of ``--prompts`` seeded random
+``dflash.decoding.static_target.StaticTappedTarget`` and the drafter in a ``dflash.decoding.drafter_cache.GraphedDrafter``, CUDA graphs on CUDA) and each of ``--prompts`` seeded random
 prompts of ``--prompt-tokens`` tokens, the loop of ``dflash.decoding.speculative`` runs three ways: block size 1 (plain
 decoding: ms per token), block ``--block-size`` with a replay drafter that proposes the target's own greedy tokens
 and is wrong from a seeded random position on (every cycle accepts 0 .. B-1 drafts: ms per cycle of the target's
@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extract import RANDOM_TARGETS, build_target  # noqa: E402  (the benchmarks' shared random-target builder)
 from profiling import profiled, summarize  # noqa: E402  (the benchmarks' shared profiler summary)
 
+from dflash.decoding.drafter_cache import GraphedDrafter  # noqa: E402
 from dflash.decoding.speculative import SpeculativeConfig, TappedTarget, speculative_generate  # noqa: E402
-from dflash.decoding.static_target import GraphedDrafter, StaticTappedTarget  # noqa: E402
+from dflash.decoding.static_target import StaticTappedTarget  # noqa: E402
 
 
 class ReplayDrafter(torch.nn.Module):

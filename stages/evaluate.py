@@ -406,7 +406,7 @@ def evaluate_drafter(
         progress_interval: seconds between two progress lines where ``console`` is not a terminal (0: none).
         kv_cache: ``static``, ``dynamic`` or ``auto`` (:attr:`EvaluateConfig.kv_cache`): the target of both loops is
             :class:`dflash.decoding.static_target.StaticTappedTarget` or the dynamic-cache ``TappedTarget``; the
-            drafter drafts through :class:`dflash.decoding.static_target.GraphedDrafter` either way.
+            drafter drafts through :class:`dflash.decoding.drafter_cache.GraphedDrafter` either way.
 
     Returns:
         ``(summary, baselines)``: summary with ``tau``, ``acceptance``, ``speedup`` (vs block size 1) and
@@ -423,9 +423,10 @@ def evaluate_drafter(
     """
     import torch
 
+    from dflash.decoding.drafter_cache import GraphedDrafter
     from dflash.decoding.speculative import AcceptanceStats, SpeculativeConfig, TappedTarget
     from dflash.decoding.speculative import speculative_generate as _generate
-    from dflash.decoding.static_target import GraphedDrafter, StaticTappedTarget, static_cache_supported
+    from dflash.decoding.static_target import StaticTappedTarget, static_cache_supported
 
     model = target.model
     device = next(model.parameters()).device

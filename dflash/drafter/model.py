@@ -481,7 +481,7 @@ class DFlashDrafter(nn.Module):
         """Every layer's keys and values of the context rows ``context_hidden`` ``[T, n*H]`` (tapped target states)
         at ``context_positions`` ``[T]``: ``[(keys, values)]`` per layer, each ``[T, kv_heads, D]`` in the compute
         dtype. A row's keys and values depend on that row alone, so a decoding loop computes them once per accepted
-        token and keeps them (:class:`dflash.decoding.static_target.GraphedDrafter`), as the serving engines keep
+        token and keeps them (:class:`dflash.decoding.drafter_cache.GraphedDrafter`), as the serving engines keep
         the drafter's context in a KV cache."""
         context = self.fuse_context(context_hidden).to(self._compute_dtype(context_hidden.device))
         rope = self._rope(context_positions, context.dtype)
@@ -526,7 +526,7 @@ class DFlashDrafter(nn.Module):
             block_start: absolute position of the block's first token (an int, or a 0-dim int64 device tensor).
             context_valid: ``[Lc]`` bool, the context rows the block attends (None: all). With it, the context can
                 be a fixed-size buffer whose rows past the accepted tokens are ignored: one shape for every cycle,
-                what a captured graph needs (:class:`dflash.decoding.static_target.GraphedDrafter`). Rows it
+                what a captured graph needs (:class:`dflash.decoding.drafter_cache.GraphedDrafter`). Rows it
                 excludes must hold finite values (they are weighted by zero).
 
         Returns:

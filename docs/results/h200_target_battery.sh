@@ -36,7 +36,7 @@ case $PART in
   random)
     step gpu_tests 360 python -m pytest -q -m gpu tests/test_static_decode.py tests/test_static_target.py \
       tests/test_drafter_fused.py
-    step static_target_torch_of_the_host 120 python -m pytest -q tests/test_static_target.py -k "graphed_drafter"
+    step drafter_cache_torch_of_the_host 120 python -m pytest -q tests/test_drafter_cache.py
     step speculative_loop_random 240 python benchmarks/speculative_loop.py --target smollm2-random --dtype float32 \
       --repeats 3 --profile --json "$DEST/speculative_loop_random.json"
     step speculative_loop_random_bf16 120 python benchmarks/speculative_loop.py --target smollm2-random \
