@@ -73,6 +73,9 @@ class WholeContextDrafter(GraphedDrafter):
         self._taps[: context_hidden.shape[0]].copy_(context_hidden)
         return super().draft_block(context_hidden, context_positions, block_input_ids, block_start)
 
+    def _write_window(self, context_hidden, first, rows):  # nothing kept: every draft computes the whole context
+        pass
+
     def _draft(self):
         return self.drafter.draft_block_cached(self.drafter.context_keys_values(self._taps, self._positions),
                                                self._block, self._start, context_valid=self._positions < self._start)
