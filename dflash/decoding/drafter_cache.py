@@ -155,7 +155,7 @@ class GraphedDrafter(torch.nn.Module):
             try:
                 graph, outputs = capture_graph(self.device, step)
             except RuntimeError as exc:  # pragma: no cover - depends on the drafter's kernels and the CUDA build
-                log.warning("CUDA graph capture of the draft failed (%s); drafting eagerly", exc)
+                log.warning("CUDA graph capture of the drafter's %s step failed (%s); drafting eagerly", name, exc)
                 self._failed = True
                 self._graphs.clear()
                 torch.cuda.synchronize(self.device)
