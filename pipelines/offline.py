@@ -861,5 +861,5 @@ def register(app: typer.Typer) -> None:
         print_summary(report, console)
         console.print(f"pipeline finished in {time.perf_counter() - started:.1f} s; results in {workdir}")
         counts = " + ".join(str(entry["count"]) for entry in report.get("prompt_sets") or [report["prompts"]])
-        console.print(f"[bold]{tau_line(report)}[/] (mean acceptance length, block size "
-                      f"{report['acceptance']['block_size']}, {counts} held-out prompts)")
+        console.print(f"[bold]{tau_line(report)}[/] (mean acceptance length, block size "  # one line in a log too
+                      f"{report['acceptance']['block_size']}, {counts} held-out prompts)", soft_wrap=True)

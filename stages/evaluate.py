@@ -117,7 +117,7 @@ class EvaluateConfig:
     device: str = setting("auto", help='auto | cpu | cuda | cuda:N.')
     dtype: str = setting("auto", help='auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16 (bf16, fp32, fp16 also accepted).')
     cpu_threads: int = setting(1, help='Torch threads while decoding on CPU (more threads lose on shared cores).')
-    kv_cache: Literal["auto", "static", "dynamic"] = setting("auto", help="The target's KV cache in the speculative and block-size-1 loops: static (one static cache; on CUDA the target's verify-block and one-token forwards are each captured once as a CUDA graph and replayed), dynamic (transformers' DynamicCache, eager forwards), auto (static on CUDA where the target allows it: sdpa or eager attention and only plain full-attention layers, no sliding windows or linear attention; dynamic elsewhere). Either way the drafter keeps its context's keys and values (computed for the last block-size rows each cycle, not the whole context; its steps captured as CUDA graphs on CUDA), and the generate() reference runs transformers' own generate(). Same tokens either way (float32); docs/benchmarks.md, Evaluate.")
+    kv_cache: Literal["auto", "static", "dynamic"] = setting("auto", help="The target's KV cache in the speculative and block-size-1 loops: static (one static cache; on CUDA the target's verify-block and one-token forwards are each captured once as a CUDA graph and replayed), dynamic (transformers' DynamicCache, eager forwards), auto (static on CUDA where the target allows it: sdpa or eager attention and only plain full-attention layers, no sliding windows or linear attention; dynamic elsewhere). Either way the drafter keeps its context's keys and values (computed for the last block-size rows each cycle, not the whole context; its steps captured as CUDA graphs on CUDA), and the generate() reference runs transformers' own generate(). Same tokens either way (float32); docs/benchmarks.md, \"Evaluate's loops on a static KV cache with CUDA graphs\".")
     #: Largest target logit gap that counts as a floating-point near-tie in the lossless check; None: 1e-3 in float32, 0.125 in 16-bit dtypes.
     near_tie_tolerance: float | None = None
     json_path: Path | None = setting(None, option='--json-file', help='Also write the full report as JSON to this file (default for a run folder: RUN/eval/final.json, which report, diff and inspect read).')
@@ -914,7 +914,7 @@ def register(app: typer.Typer) -> None:
             print_report(report, console)
         if json_out is not None:
             console.print(f"report written to {json_out}")
-        console.print(tau_line(report))
+        console.print(tau_line(report), soft_wrap=True)  # one line in a log too (grep)
         failed = [key for key in LOSSLESS_KEYS for entry in report["prompt_sets"]
                   if (entry.get(key) or {}).get("checked") and not entry[key]["passed"]]
         if "lossless" in failed:

@@ -575,14 +575,14 @@ def _run_generate(config: GenerateConfig, console: Console | None, prompt_proces
         f"{sum(left_out.values())} ({', '.join(f'{k} {v}' for k, v in left_out.items()) or 'none'})"
         + (f", chats cut short {counts['turns_cut']} (turns_cut: the row keeps its earlier turns)"
            if counts.get("turns_cut") else "")
-        + f" -> {output}"
+        + f" -> {output}", soft_wrap=True,
     )
     fewer = totals["rows_at_a_time"]
     if config.engine == "transformers" and fewer is not None and fewer < config.batch_size:
         console.print(f"generate: the GPU's memory held {fewer:,} of the {config.batch_size:,} rows of "
                       "generate.batch_size at a time; a lower max_length, max_new_tokens or prefill_tokens fits more",
                       highlight=False, markup=False)
-    console.print(_timings_line(summary["timings"], this_run), highlight=False, markup=False)
+    console.print(_timings_line(summary["timings"], this_run), highlight=False, markup=False, soft_wrap=True)
     return summary
 
 

@@ -93,6 +93,7 @@ def test_pipeline_runs_every_stage_and_prints_tau(finished_run):
     assert numpy_questions["fingerprint"].startswith("sha256:") and numpy_questions["count"] == 1
     assert tau_lines[0].startswith(f"tau = {report['tau']:.3f} (held-out) / {numpy_questions['tau']:.3f} "
                                    "(numpy-questions) (mean acceptance length")
+    assert tau_lines[0].endswith(" held-out prompts)")  # one line however narrow the console (a log file: grep)
     assert state["stages"]["evaluate"]["result"]["prompt_sets"] == {"held-out": report["tau"],
                                                                    "numpy-questions": numpy_questions["tau"]}
     # Epoch by epoch: the untrained floor (epoch 0), then each epoch's checkpoint; the last one is the final drafter.
