@@ -278,6 +278,7 @@ class ThroughputWindow:
     def __init__(self, window: int = 20) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
         self._entries: deque[_StepCounts] = deque(maxlen=window + 1)
         self._entries.append(_StepCounts(time.perf_counter(), 0, 0, 0, 0))
 

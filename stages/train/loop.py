@@ -808,7 +808,7 @@ class Trainer:
         loss = "-" if self._logged_loss is None else f"{self._logged_loss:.3f}"
         status = f"loss {loss}  lr {step_metrics['lr']:.2e}"
         if rates:
-            status += f"  {rates['real_tokens_per_s']:,.0f} tok/s"
+            status += f"  last {self.throughput.window} steps {rates['real_tokens_per_s']:,.0f} tok/s"
         feed = self._feed
         if "producer_capacity_tokens_per_s" in feed:  # online: what each side could do alone, and the ring's fill
             status += (f" (inference alone {feed['producer_capacity_tokens_per_s']:,.0f}"
