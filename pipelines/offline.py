@@ -69,6 +69,7 @@ from dflash.drafter.config import DEFAULT_NUM_DRAFT_LAYERS
 from dflash.errors import ConfigError
 from dflash.io.files import load_json
 from dflash.io.locks import output_lock
+from dflash.serving.export import drafter_source
 from dflash.target.load import locate_target, target_num_layers
 from pipelines.online import ONLINE_CACHE_PREFIX, OnlineConfig
 from stages.config.check import (
@@ -694,7 +695,8 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
         if untrained:
             drafter = ev.untrained(drafter_config)
         return ev.evaluate(drafter, drafter_config, label=label, json_path=json_path, compare_untrained=compare_untrained,
-                           references=references, all_sets=all_sets, num_prompts=num_prompts)
+                           references=references, all_sets=all_sets, num_prompts=num_prompts,
+                           source=None if untrained else drafter_source(folder))
 
     epoch_taus: list[dict[str, Any]] = list(state.data.get("epochs", []))
 

@@ -61,7 +61,7 @@ from dflash.decoding.eval_prompts import (
 from dflash.errors import ConfigError
 from dflash.io.files import atomic_write_text
 from dflash.progress import DEFAULT_PROGRESS_INTERVAL, LogProgress, check_progress_interval
-from dflash.serving.export import load_drafter
+from dflash.serving.export import drafter_source, load_drafter
 from dflash.target.load import load_target, load_tokenizer
 from dflash.training.checks import check_target_identity, recorded_identity
 from dflash.values import check_seed
@@ -658,7 +658,8 @@ class Evaluator:
 
     def evaluate(self, drafter: Any, drafter_config: Any, *, label: str, compare_untrained: bool = False,
                  json_path: Path | None = None, references: bool | None = None,
-                 all_sets: bool = True, num_prompts: int | None = None) -> dict[str, Any]:
+                 all_sets: bool = True, num_prompts: int | None = None,
+                 source: Path | None = None) -> dict[str, Any]:
         """Evaluate one drafter; returns the JSON report (also written atomically to ``json_path``).
 
         The report's top-level figures (``tau``, ``acceptance``, ``speedup``, ``lossless``, ...) are those of the
@@ -700,6 +701,7 @@ class Evaluator:
         report = {
             "format": REPORT_FORMAT,
             "drafter": label,
+            "drafter_source": None if source is None else str(source),
             "target": {"spec": self.target_spec, **self.target.identity.to_dict()},
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -747,7 +749,7 @@ def run_evaluate(config: EvaluateConfig, *, console: Console | None = None) -> d
     loaded = load_drafter(drafter_path)
     evaluator = Evaluator(config, config.target or loaded[2].get("target_spec") or "default", console=console)
     drafter, drafter_config, _ = evaluator.load_drafter(drafter_path, loaded)
-    return evaluator.evaluate(drafter, drafter_config, label=str(drafter_path),
+    return evaluator.evaluate(drafter, drafter_config, label=str(drafter_path), source=drafter_source(drafter_path),
                               compare_untrained=config.compare_untrained, json_path=report_path(config))
 
 
@@ -808,6 +810,8 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     summary = Table(title=f"DFlash evaluation ({report['settings']['mode']}, block size {block_size})")
     summary.add_column("metric")
     summary.add_column("value", justify="right")
+    if report.get("drafter_source"):
+        summary.add_row("drafter", report["drafter_source"])
     summary.add_row("prompts", f"{report['prompts']['count']} ({report['prompts']['source']})")
     summary.add_row("draft-verify cycles", str(acceptance["num_cycles"]))
     summary.add_row("mean acceptance length tau", f"[bold]{report['tau']:.3f}[/]")

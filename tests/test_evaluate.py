@@ -66,9 +66,10 @@ def full_evaluation(export_folder, tmp_path_factory):
     return prompts, result, json.loads(out.read_text()) if out.is_file() else None
 
 
-def test_evaluate_cli_writes_report_with_every_field(full_evaluation):
+def test_evaluate_cli_writes_report_with_every_field(full_evaluation, export_folder):
     _, result, report = full_evaluation
     assert result.exit_code == 0, result.output + repr(result.exception)
+    assert report["drafter_source"] == str(export_folder)  # the folder read (an export: itself)
     assert "tau = " in result.output and "per-position acceptance" in result.output
     # Output that is not a terminal gets no progress bar, and no blank line where one would have been drawn: a
     # line every progress_interval seconds instead (batch-job logs), with rate, ETA and tau so far, and one at the

@@ -86,6 +86,9 @@ def test_pipeline_runs_every_stage_and_prints_tau(finished_run):
     assert float(tau_lines[0].split()[2]) == pytest.approx(report["tau"], abs=5e-4)
     assert report["lossless"]["checked"] and report["lossless"]["passed"]
     assert report["prompts"]["count"] == 1
+    # The checkpoint the final drafter was read from (the run's latest), in the report and its table.
+    latest = (workdir / "run" / "latest").read_text().strip()
+    assert report["drafter_source"] == str(workdir / "run" / "checkpoints" / latest)
     # The final drafter on both prompt sets, each with its own tau and lossless check; the last line names both.
     held_out, numpy_questions = report["prompt_sets"]
     assert (held_out["name"], numpy_questions["name"]) == ("held-out", "numpy-questions")

@@ -67,6 +67,7 @@ __all__ = [
     "export_drafter",
     "read_exported",
     "load_drafter",
+    "drafter_source",
     "load_exported",
     "load_exported_drafter",
     "check_against_target",
@@ -379,6 +380,19 @@ def load_exported_drafter(
         check_target_weights(target_info, embed, head, where=str(path))
         drafter.attach_target(embed, head)
     return drafter, config, target_info
+
+
+def drafter_source(path: str | Path) -> Path:
+    """The folder a drafter at ``path`` is read from: an exported serving folder itself, else the checkpoint folder
+    a run folder's ``latest`` names (or ``path``, a checkpoint folder).
+
+    Raises:
+        CheckpointError: nothing loadable at ``path`` (as :func:`load_drafter`).
+    """
+    from dflash.training.checkpoint import resolve_checkpoint
+
+    path = Path(path)
+    return path if _is_export_folder(path) else resolve_checkpoint(path)
 
 
 def _is_export_folder(path: Path) -> bool:
