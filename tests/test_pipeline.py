@@ -10,7 +10,6 @@ import json
 import shutil
 import sysconfig
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -405,33 +404,23 @@ def _run_in_subprocess(preset: Path, workdir: Path, **extra_env: str):
     return forked_python(code, *args, env={**os.environ, "OMP_NUM_THREADS": "1", **extra_env}, timeout=600)
 
 
-def _kill_then_rerun(preset: Path, workdir: Path) -> SimpleNamespace:
-    """Run ``preset`` into ``workdir`` with a SIGKILL inside the checkpoint write of step 2 (during epoch 1), then
-    the same command again. Returns ``killed`` and ``rerun`` (the two processes' results) and what the killed run
-    left: ``final_report`` (whether eval/final.json existed) and ``latest_step`` (its last whole checkpoint's step).
-    :func:`_check_resumed` checks them."""
-    from pipelines.offline import _latest_checkpoint
-
-    killed = _run_in_subprocess(preset, workdir, DFLASH_FAULT="checkpoint.write@2=kill")
-    latest = _latest_checkpoint(workdir / "run")
-    left = {"final_report": (workdir / "eval" / "final.json").exists(),
-            "latest_step": None if latest is None else int(latest[1]["step"])}
-    return SimpleNamespace(killed=killed, rerun=_run_in_subprocess(preset, workdir), **left)
-
-
-def _check_resumed(run: SimpleNamespace, workdir: Path, reference: Path):
-    """That the killed run of :func:`_kill_then_rerun` died inside epoch 1 at step 2 with no final report, and that
-    the rerun ended with the epoch ends, taus and bit-identical drafter weights of the unkilled run in ``reference``.
-    Returns the two final checkpoints ``(resumed, uninterrupted)``."""
+def _kill_then_rerun(preset: Path, workdir: Path, reference: Path):
+    """Run ``preset`` into ``workdir`` with a SIGKILL inside the checkpoint write of step 2 (during epoch 1), check
+    that it died there with no final report, run the same command again, and check that it ends with the epoch
+    ends, taus and bit-identical drafter weights of the unkilled run in ``reference``. Returns the rerun's result
+    and the two final checkpoints ``(resumed, uninterrupted)``."""
     import torch
 
     from dflash.training.checkpoint import load_checkpoint
+    from pipelines.offline import _latest_checkpoint
 
     expected = json.loads((reference / "pipeline.json").read_text())
-    assert run.killed.returncode == -9, run.killed.stderr[-2000:]
-    assert not run.final_report
-    assert run.latest_step == 2 < expected["epochs"][1]["step"]  # inside epoch 1
-    assert run.rerun.returncode == 0, run.rerun.stderr[-3000:]
+    killed = _run_in_subprocess(preset, workdir, DFLASH_FAULT="checkpoint.write@2=kill")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (workdir / "eval" / "final.json").exists()
+    assert int(_latest_checkpoint(workdir / "run")[1]["step"]) == 2 < expected["epochs"][1]["step"]  # inside epoch 1
+    rerun = _run_in_subprocess(preset, workdir)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
     state = json.loads((workdir / "pipeline.json").read_text())
     assert [(e["epoch"], e["step"], e["tau"]) for e in state["epochs"]] == \
         [(e["epoch"], e["step"], e["tau"]) for e in expected["epochs"]]
@@ -439,7 +428,7 @@ def _check_resumed(run: SimpleNamespace, workdir: Path, reference: Path):
     assert resumed.model_state.keys() == uninterrupted.model_state.keys()
     for name, value in resumed.model_state.items():
         assert torch.equal(value, uninterrupted.model_state[name]), name
-    return resumed, uninterrupted
+    return rerun, resumed, uninterrupted
 
 
 def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(finished_run, tmp_path):
@@ -450,9 +439,8 @@ def test_a_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(fini
     copy of the finished run's work folder after extract."""
     _, preset, finished, _ = finished_run
     workdir = _extracted_workdir(finished, tmp_path / "work")
-    run = _kill_then_rerun(preset, workdir)
-    resumed, uninterrupted = _check_resumed(run, workdir, finished)
-    assert run.rerun.stdout.count("complete, skipped") == 3  # prepare, split, extract: the copied ones
+    rerun, resumed, uninterrupted = _kill_then_rerun(preset, workdir, finished)
+    assert rerun.stdout.count("complete, skipped") == 3  # prepare, split, extract: the copied ones
     assert resumed.trainer_state["step"] == uninterrupted.trainer_state["step"]
 
 
@@ -538,31 +526,24 @@ ONLINE = {"target_processes": 1, "ring_slots": 3}
 
 @pytest.fixture(scope="module")
 def online_run(finished_run, tmp_path_factory):
-    """The offline fixture's preset (same corpus, trainer and seed) with an online section, run from the offline
-    run's prepare and split outputs (a copy: both skipped) as a user runs it through a power cut: SIGKILLed inside
-    the checkpoint write of step 2 (during epoch 1), then the same command again, which resumes and runs to the end.
-    Returns ``(preset, workdir, run)``, ``run`` as :func:`_kill_then_rerun` returns it (``run.rerun``: the command
-    that finished the work folder)."""
-    _, preset, finished, _ = finished_run
+    """The offline fixture's preset (same corpus, trainer and seed) with an online section, run to the end."""
+    _, preset, _, _ = finished_run
     folder = tmp_path_factory.mktemp("online-pipeline")
     online = folder / "online.json"
     online.write_text(json.dumps({**json.loads(Path(preset).read_text()), "online": ONLINE}))
-    workdir = _extracted_workdir(finished, folder / "work", stages=("prepare", "split"))
-    return online, workdir, _kill_then_rerun(online, workdir)
+    workdir = folder / "work"
+    return online, workdir, _run_in_subprocess(online, workdir)
 
 
 def test_an_online_section_trains_without_a_cache_then_evaluates(online_run):
     """extract does not run and no hidden state reaches the disk: the producers feed the trainer; pipeline.json
-    records the online stage as it records train; the evaluation is the offline branch's. (The work folder is the
-    online fixture's: trained by a run killed in epoch 1 and the rerun that finished it.)"""
+    records the online stage as it records train; the evaluation is the offline branch's."""
     from dflash.training.checkpoint import read_run_record
 
-    _, workdir, run = online_run
-    result = run.rerun
+    _, workdir, result = online_run
     assert result.returncode == 0, result.stderr[-3000:]
     assert [line for line in result.stdout.splitlines() if line.startswith("tau = ")]
-    for process in (run.killed, result):  # the steps planned from the corpus are the trainer's
-        assert "the trainer scheduled" not in process.stderr
+    assert "the trainer scheduled" not in result.stderr  # the steps planned from the corpus are the trainer's
     assert not (workdir / "cache").exists() and not list(workdir.rglob("zarr.json"))
     state = json.loads((workdir / "pipeline.json").read_text())
     assert list(state["stages"]) == ["prepare", "split", "online", "evaluate"]
@@ -580,8 +561,8 @@ def test_the_online_branch_trains_on_the_offline_branchs_batch_plan(finished_run
     from pipelines.offline import _latest_checkpoint
 
     _, _, offline_workdir, offline_result = finished_run
-    _, online_workdir, online_run_ = online_run
-    assert offline_result.exit_code == 0 and online_run_.rerun.returncode == 0
+    _, online_workdir, online_result = online_run
+    assert offline_result.exit_code == 0 and online_result.returncode == 0
     offline, online = (_latest_checkpoint(w / "run")[1] for w in (offline_workdir, online_workdir))
     assert online["total_steps"] == offline["total_steps"] and online["step"] == offline["step"]
     assert online["counters"]["data_digest"] == offline["counters"]["data_digest"] != ""
@@ -606,15 +587,15 @@ def test_a_changed_online_section_or_a_switch_of_branch_in_a_work_folder_is_refu
     assert isinstance(back.exception, ConfigError) and "trained online" in str(back.exception), back.output
 
 
-def test_an_online_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(finished_run, online_run):
-    """SIGKILL inside a checkpoint write during epoch 1 of the online branch, then the same command again (the
-    online fixture's two processes): the rerun resumes from the last whole checkpoint (prepare and split skipped)
-    and ends with the epoch ends, taus, batches and bit-identical drafter of the same corpus, trainer and seed run
-    without a kill: the offline fixture's finished run (the online branch trains on its batch plan, checked above,
-    from the hidden states extract's cache holds: bf16 in both)."""
-    _, _, finished, _ = finished_run
-    _, workdir, run = online_run
-    resumed, uninterrupted = _check_resumed(run, workdir, finished)
-    assert run.rerun.stdout.count("complete, skipped") == 2  # prepare, split: the copied ones
+@pytest.mark.slow
+def test_an_online_pipeline_killed_mid_epoch_resumes_to_the_same_epochs_and_drafter(online_run, tmp_path):
+    """SIGKILL inside a checkpoint write during epoch 1 of the online branch, then the same command again: the
+    rerun resumes from the last whole checkpoint (prepare and split skipped) and ends with the epoch ends, taus,
+    batches and bit-identical drafter of the unkilled run. Both runs start at online, in a copy of the unkilled
+    run's work folder after split."""
+    preset, reference, _ = online_run
+    workdir = _extracted_workdir(reference, tmp_path / "work", stages=("prepare", "split"))
+    rerun, resumed, uninterrupted = _kill_then_rerun(preset, workdir, reference)
+    assert rerun.stdout.count("complete, skipped") == 2  # prepare, split: the copied ones
     assert not (workdir / "cache").exists()
     assert resumed.trainer_state["counters"]["data_digest"] == uninterrupted.trainer_state["counters"]["data_digest"]
