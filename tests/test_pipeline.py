@@ -528,12 +528,13 @@ ONLINE = {"target_processes": 1, "ring_slots": 3}
 
 @pytest.fixture(scope="module")
 def online_run(finished_run, tmp_path_factory):
-    """The offline fixture's preset (same corpus, trainer and seed) with an online section, run to the end."""
-    _, preset, _, _ = finished_run
+    """The offline fixture's preset (same corpus, trainer and seed) with an online section, run to the end in a copy
+    of the offline run's work folder after split (the same prepare and split settings: both skipped)."""
+    _, preset, finished, _ = finished_run
     folder = tmp_path_factory.mktemp("online-pipeline")
     online = folder / "online.json"
     online.write_text(json.dumps({**json.loads(Path(preset).read_text()), "online": ONLINE}))
-    workdir = folder / "work"
+    workdir = _extracted_workdir(finished, folder / "work", stages=("prepare", "split"))
     return online, workdir, _run_in_subprocess(online, workdir)
 
 
