@@ -1,6 +1,6 @@
 """``dflash-stages run``: the offline pipeline end to end on real stdlib text and the real SmolLM2 target.
 
-Uses a preset smaller than ``cpu-small`` (a few thousand tokens, a few training steps) so the test stays short;
+Uses a preset smaller than ``cpu-small`` (about 1.6K tokens, a few training steps) so the test stays short;
 ``cpu-small`` itself is what README's main job runs.
 """
 
@@ -44,7 +44,9 @@ def finished_run(tmp_path_factory):
     sources = folder / "stdlib-sample"
     sources.mkdir()
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in ("bisect.py", "keyword.py", "genericpath.py"):  # ~3K tokens of real Python, one module held out
+    # ~1.6K tokens of real Python, 3 training steps an epoch (the kill tests kill at step 2, inside epoch 1); the
+    # split holds tty.py out (2 rows: evaluate.num_prompts=2 takes a prompt of each)
+    for name in ("bisect.py", "keyword.py", "tty.py"):
         shutil.copy(stdlib / name, sources / name)
     preset = folder / "tiny.json"
     preset.write_text(json.dumps({**TINY, "prepare": {**TINY["prepare"], "inputs": [str(sources)]}}))
@@ -530,12 +532,13 @@ ONLINE = {"target_processes": 1, "ring_slots": 3}
 
 @pytest.fixture(scope="module")
 def online_run(finished_run, tmp_path_factory):
-    """The offline fixture's preset (same corpus, trainer and seed) with an online section, run to the end."""
-    _, preset, _, _ = finished_run
+    """The offline fixture's preset (same corpus, trainer and seed) with an online section, run to the end in a copy
+    of the offline run's work folder after split (the same prepare and split settings: both skipped)."""
+    _, preset, finished, _ = finished_run
     folder = tmp_path_factory.mktemp("online-pipeline")
     online = folder / "online.json"
     online.write_text(json.dumps({**json.loads(Path(preset).read_text()), "online": ONLINE}))
-    workdir = folder / "work"
+    workdir = _extracted_workdir(finished, folder / "work", stages=("prepare", "split"))
     return online, workdir, _run_in_subprocess(online, workdir)
 
 

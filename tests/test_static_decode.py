@@ -507,15 +507,16 @@ def test_the_ranged_kernels_under_tritons_interpreter():
 
 
 def test_interpreted_ranged_attention_reads_exactly_each_rows_range(interpreted_ranged):
-    """Against softmax attention over the row's own positions: ranges inside one chunk, across chunk boundaries,
-    of one position, empty (a finished row: zeros), and the whole cache; 3 query heads per KV head."""
+    """Against softmax attention over the row's own positions: ranges inside one chunk, across the chunk boundary,
+    of one position, empty (a finished row: zeros), and the whole cache (two chunks, the second a partial one of
+    88 positions: tiles inside and outside each range, a partial tile); 3 query heads per KV head."""
     generator = torch.Generator().manual_seed(0)
     chunk = interpreted_ranged.CHUNK
-    length = 2 * chunk + 88
+    length = chunk + 88
     query = torch.randn(6, 6, 1, 16, generator=generator)
     key, value = torch.randn(6, 2, length, 16, generator=generator), torch.randn(6, 2, length, 16, generator=generator)
     key[:, :, 200:260] += 50.0  # outside some rows' ranges: any leak would dominate their softmax
-    ranges = [(0, length), (10, 11), (chunk - 5, 2 * chunk + 3), (300, 300), (5, 200), (260, length)]
+    ranges = [(0, length), (10, 11), (chunk - 5, chunk + 3), (300, 300), (5, 200), (260, length)]
     starts = torch.tensor([s for s, _ in ranges], dtype=torch.int32)
     ends = torch.tensor([e for _, e in ranges], dtype=torch.int32)
     got = interpreted_ranged.ranged_decode_attention(query, key, value, starts, ends, scale=0.3)
@@ -548,7 +549,7 @@ def test_interpreted_ranged_decoder_gives_the_padded_decoders_tokens(interpreted
     model = _tiny_llama()
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 256, (n,), generator=generator).tolist() for n in (3, 17, 9)]
-    limits = [8, 8, 6]
+    limits = [6, 6, 5]
     padded = StaticDecoder(model, rows=4, pad_token_id=0, stop_token_ids=[255], length_bucket=16, ranged=False)
     expected = padded.decode(prompts, limits)
     padded.close()
@@ -639,7 +640,7 @@ def test_interpreted_fused_qwen3_decode_gives_the_padded_decoders_tokens(interpr
     model = _tiny_qwen3()
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 256, (n,), generator=generator).tolist() for n in (4, 19, 11)]
-    limits = [8, 8, 5]
+    limits = [6, 6, 5]
     padded = StaticDecoder(model, rows=3, pad_token_id=0, stop_token_ids=[255], length_bucket=16, ranged=False)
     first = padded.decode(prompts, limits)
     padded.close()
@@ -665,7 +666,7 @@ def _step_inputs(slot):
 
 def test_interpreted_stream_refills_rows_and_gives_each_prompt_its_own_continuation(interpreted_ranged):
     """Continuous batching through the engine: 5 requests (ids out of order) through 2 rows, each row taking the next
-    request once its reply ends (by a stop token or its own limit), refills cut to 20 prefill tokens, give
+    request once its reply ends (by a stop token or its own limit), refills cut to 10 prefill tokens, give
     transformers' greedy continuation of every prompt, reported as they finish; sampled, on the now allocated cache
     (a refill then prefills into chosen cache rows), the tokens of the batch decoder for the same row keys (the noise
     follows the request and its step, not the row). Every decode step of both calls reads the same storage for its
@@ -674,7 +675,7 @@ def test_interpreted_stream_refills_rows_and_gives_each_prompt_its_own_continuat
 
     model = _tiny_llama()
     generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 256, (n,), generator=generator).tolist() for n in (3, 17, 9, 1, 5)]
+    prompts = [torch.randint(1, 256, (n,), generator=generator).tolist() for n in (3, 7, 5, 1, 2)]
     limits = [4, 4, 1, 4, 3]
     ids = [40, 3, 17, 8, 25]
 
@@ -685,8 +686,8 @@ def test_interpreted_stream_refills_rows_and_gives_each_prompt_its_own_continuat
     stop = reference(255)[1][1]  # prompt 1 stops at its 2nd token, the others run to their limits (or stop there)
     expected = reference(stop)
     assert len(expected[1]) == 2 and len(expected[0]) == 4
-    engine = TransformersEngine(model, SimpleNamespace(pad_token_id=0), batch_size=2, token_budget=20, cache="static",
-                                ranged=True, prompt_bucket=8, stop_token_ids=[stop])
+    engine = TransformersEngine(model, SimpleNamespace(pad_token_id=0), batch_size=2, token_budget=10, cache="static",
+                                ranged=True, prompt_bucket=4, stop_token_ids=[stop])
     engine._decoder.check_every = 1  # look for finished rows after every step (tiny replies)
     assert engine.streams and engine.describe()["continuous_batching"]
     seen, run_step = [], engine._decoder._run_step
@@ -711,15 +712,15 @@ def test_interpreted_stream_refills_rows_and_gives_each_prompt_its_own_continuat
     assert len(seen) > 10 and len(set(seen)) == 1 and len(engine._decoder._slots) == 1
     engine.close()
     # Memory for one of the two rows: the same replies (of the first 3), one row at a time. The stream's cache is 128
-    # positions (24 prompt columns: 17 tokens in buckets of 8, + 4 new, in the decoder's length buckets of 128); its
-    # largest forward is a refill of the 20-token budget, one 24-wide row.
+    # positions (8 prompt columns: 7 tokens in buckets of 4, + 4 new, in the decoder's length buckets of 128); its
+    # largest forward is a refill of the 10-token budget, one 8-wide row.
     from dflash.generation.static_decode import forward_activation_bytes, kv_cache_bytes
 
-    capped = TransformersEngine(model, SimpleNamespace(pad_token_id=0), batch_size=2, token_budget=20, cache="static",
-                                ranged=True, prompt_bucket=8, stop_token_ids=[stop])
+    capped = TransformersEngine(model, SimpleNamespace(pad_token_id=0), batch_size=2, token_budget=10, cache="static",
+                                ranged=True, prompt_bucket=4, stop_token_ids=[stop])
     capped._decoder.check_every = 1
     per_row = kv_cache_bytes(model.config, 1, 128, torch.float32) + 4 * 128
-    capped._decoder.kv_memory = forward_activation_bytes(model.config, 20, 1, 24, torch.float32,
+    capped._decoder.kv_memory = forward_activation_bytes(model.config, 10, 1, 8, torch.float32,
                                                           columns=128) + per_row * 3 // 2
     assert [r.token_ids for r in capped.generate(requests[:3], SamplingSettings(max_new_tokens=4))] == expected[:3]
     assert capped._decoder.last_rows == 1
