@@ -39,12 +39,8 @@ def _drop_readline_terminal_size() -> None:
 
 _drop_readline_terminal_size()
 
-# Two CPU cores in CI: keep torch from oversubscribing them, shared between pytest-xdist's workers (``-n``); the
-# commands a test starts in a process of their own inherit the same count (torch reads OMP_NUM_THREADS at start),
-# and so do the CPU Dask workers they start (stages.replicas.cluster shares the caller's torch threads).
-_THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
-torch.set_num_threads(_THREADS)
-os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+# Two CPU cores in CI: keep torch from oversubscribing them, shared between pytest-xdist's workers (``-n``).
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -137,12 +137,7 @@ def start_cluster(config: PlacementSettings, *, daemonic_workers: bool = True) -
             dashboard_address=dashboard_address_of(config.dashboard_address),
             **worker_process_options(),
         )
-        import torch
-
-        # The intra-op threads this process would use (torch's own count: the physical cores unless the caller set
-        # fewer, e.g. a test runner sharing the cores among its workers), shared among the worker processes: more
-        # threads than cores in all would make them wait on each other.
-        threads = max(1, min(os.cpu_count() or 1, torch.get_num_threads()) // num_workers)
+        threads = max(1, (os.cpu_count() or 1) // num_workers)
         placement = {"device": "cpu", "torch_threads": threads, "resources": None, "num_workers": num_workers}
     placement["die_with_parent"] = True
     return Client(cluster), cluster, placement
