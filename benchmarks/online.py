@@ -4,7 +4,7 @@ Four measurements in one run, on the same corpus, plan and drafter config (the r
 
 * extract: extract's forward loop on the same target and corpus (``TargetRunner.iter_batches`` shard by shard with
   extract's default shard size and the same forward budget, the taps copied to host, as the extract task runs it;
-  its cache writes run in other processes there and are left out): the target's rate the producers aim at (issue 40:
+  its cache writes run in other processes there and are left out): the target's rate the producers aim at (the aim:
   producer alone >= 0.9x this).
 * I, producer alone: the online batch source (a :class:`dflash.batches.online.BatchProducer` run by as many threads
   as the ring has slots, as a Dask worker runs its tasks, one queuing its forwards at a time; the ring, checks and
@@ -746,7 +746,7 @@ def main() -> None:
         print(f"{key:>22}: {report[key]:10,.0f} real tokens/s   (runs: {', '.join(f'{v:,.0f}' for v in runs.get(key, []))})")
     print(f"{'I / extract':>22}: {report['producer_over_extract']:.2f}  (producer alone at {producer_forward_tokens:,} "
           f"tokens per forward, producer_group_tokens {producer_group_tokens:,}, against extract's forward loop at "
-          f"{forward_tokens:,}; issue 40: >= 0.9)")
+          f"{forward_tokens:,}; the aim: >= 0.9)")
     if compare_groups is not None:
         print(f"{'I_groups / extract':>22}: {report['producer_groups_over_extract']:.2f}  (producer alone with "
               f"producer_group_tokens {compare_groups:,})")
