@@ -507,9 +507,9 @@ def test_a_part_records_the_fewest_rows_its_engine_decoded_at_once(tmp_path, tar
     assert record["num_rows"] == 2 and record["rows_at_a_time"] == 1
     assert summarize_parts([dynamic, {**record, "rows_at_a_time": 3}, record])["rows_at_a_time"] == 1
     assert summarize_parts([dynamic])["rows_at_a_time"] is None
-    # One row at a time: every decode step chose a token of a reply (no idle row), each reply's first token came
-    # from its prompt's forward; the second prompt's chunk ran last_steps steps.
-    assert record["step_tokens"] == record["generated_tokens"] - 2 and record["row_steps"] >= steps > 0
+    # One row at a time: each reply's first token came from its prompt's forward; the decoder's steps are both
+    # chunks' (last_steps), each over the one row.
+    assert record["step_tokens"] == record["generated_tokens"] - 2 and record["row_steps"] == steps > 0
     assert summarize_parts([dynamic, record])["row_occupancy"] == round(record["step_tokens"] / record["row_steps"], 4)
     assert 0 < summarize_parts([record])["row_occupancy"] <= 1 and summarize_parts([dynamic])["row_occupancy"] is None
     assert record["caches_made"] == 1 and dynamic["caches_made"] is None  # both chunks on one cache

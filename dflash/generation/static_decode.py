@@ -596,10 +596,13 @@ class StaticDecoder:
         length = -(-(width + steps) // self.length_bucket) * self.length_bucket
         fit = self.last_rows = self._count_rows(length, self.rows * width, width, stream=False)
         replies: list[list[int]] = []
+        steps = 0
         for first in range(0, count, fit):  # one chunk unless the memory holds fewer rows than prompts
             part = slice(first, first + fit)
             replies += self._decode_rows(prompts[part], max_new_tokens[part], temperature, top_p,
                                          None if row_keys is None else row_keys[part], width, length, fit)
+            steps += self.last_steps
+        self.last_steps = steps  # every chunk's
         return replies
 
     def _decode_rows(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], temperature: float,
