@@ -380,7 +380,11 @@ class DFlashDrafter(nn.Module):
             self._compute_dtype(block_ids.device) if self.residual_in_compute_dtype else self.fc.weight.dtype)
 
     def fuse_context(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[T, n*H]`` tapped target states -> ``[T, H]`` context features ``hidden_norm(fc(h))``."""
+        """``[T, n*H]`` tapped target states -> ``[T, H]`` context features ``hidden_norm(fc(h))`` in the compute dtype
+        (cast once here: every layer's key/value projections read them).
+
+        Raises:
+            MismatchError: ``hidden`` is not ``n*H`` wide (other taps or another target)."""
         if hidden.shape[-1] != self.fc.in_features:
             raise MismatchError(
                 f"hidden states have width {hidden.shape[-1]}, the drafter expects {self.fc.in_features} "
@@ -389,7 +393,8 @@ class DFlashDrafter(nn.Module):
             )
         # Cast straight to the compute dtype: under bf16 autocast a float32 copy of the [T, n*H] input (the widest
         # activation of the step) would be written and read again only to be cast back to bf16 by the Linear.
-        return self.hidden_norm(self.fc(hidden.to(self._compute_dtype(hidden.device))))
+        compute_dtype = self._compute_dtype(hidden.device)
+        return self.hidden_norm(self.fc(hidden.to(compute_dtype))).to(compute_dtype)
 
     def _run_layers(self, block_states, context, block_rope, context_rope, mask, *,
                     num_anchors: int = 0, drop_anchor_rows: bool = False) -> torch.Tensor:
@@ -456,8 +461,7 @@ class DFlashDrafter(nn.Module):
         else:
             block_ids = torch.cat([batch.input_ids[safe].to(torch.int64)[:, None],
                                    mask_id.expand(num_anchors, block_size - 1)], dim=1).reshape(-1)
-        # The fused context in the compute dtype: cast once, reused by every layer's k/v projections.
-        context = self.fuse_context(batch.hidden).to(self._compute_dtype(batch.hidden.device))
+        context = self.fuse_context(batch.hidden)
         block_states = self._embed_block(block_ids)
         rope_dtype = context.dtype
         block_rope = self._rope(block_positions, rope_dtype)
@@ -483,7 +487,7 @@ class DFlashDrafter(nn.Module):
         dtype. A row's keys and values depend on that row alone, so a decoding loop computes them once per accepted
         token and keeps them (:class:`dflash.decoding.drafter_cache.GraphedDrafter`), as the serving engines keep
         the drafter's context in a KV cache."""
-        context = self.fuse_context(context_hidden).to(self._compute_dtype(context_hidden.device))
+        context = self.fuse_context(context_hidden)
         rope = self._rope(context_positions, context.dtype)
         return [layer.self_attn.keys_values(context, rope) for layer in self.layers]
 
