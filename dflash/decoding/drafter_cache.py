@@ -74,8 +74,7 @@ class GraphedDrafter(torch.nn.Module):
         self._window: torch.Tensor | None = None  # [B, n*H] taps of the rows being written
         self._block: torch.Tensor | None = None
         self._keys_values: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, [capacity, kv, D]
-        self._logits: torch.Tensor | None = None
-        self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[str, tuple[torch.cuda.CUDAGraph, Any]] = {}  # step -> its graph and outputs
         self._failed = False
         self._source: weakref.ref | None = None  # the storage of the loop's buffer the written rows came from
         self._origin: tuple | None = None  # the prefix's storage offset and strides in it
@@ -110,7 +109,10 @@ class GraphedDrafter(torch.nn.Module):
         self._written = rows
         self._block.copy_(block_input_ids)
         self._start.fill_(rows)
-        return self._run("draft", self._draft)
+        logits, replayed = self._run("draft", self._draft)
+        self.replays += replayed
+        self.eager_drafts += not replayed
+        return logits
 
     def _allocate(self, size: int) -> None:
         """Buffers for blocks of ``size`` tokens (zeros: rows not yet written are weighted by zero, and 0 x NaN would
@@ -148,27 +150,20 @@ class GraphedDrafter(torch.nn.Module):
         return self.drafter.draft_block_cached(self._keys_values, self._block, self._start,
                                                context_valid=self._positions < self._start)
 
-    def _run(self, name: str, step) -> Any:
-        """Replay ``step``'s graph (capturing it at its first use), or run it eagerly without CUDA graphs."""
-        graph = self._graphs.get(name)
-        if graph is None and self.cuda_graphs and not self._failed:
+    def _run(self, name: str, step) -> tuple[Any, bool]:
+        """``step``'s outputs and whether its graph replayed them (captured at the step's first use), or the step run
+        eagerly without CUDA graphs (or once a capture failed). A replay's outputs are the capture's tensors, which
+        the next replay overwrites."""
+        if name not in self._graphs and self.cuda_graphs and not self._failed:
             try:
-                graph, outputs = capture_graph(self.device, step)
+                self._graphs[name] = capture_graph(self.device, step)
             except RuntimeError as exc:  # pragma: no cover - depends on the drafter's kernels and the CUDA build
                 log.warning("CUDA graph capture of the drafter's %s step failed (%s); drafting eagerly", name, exc)
                 self._failed = True
                 self._graphs.clear()
                 torch.cuda.synchronize(self.device)
-            else:
-                self._graphs[name] = graph
-                if name == "draft":
-                    self._logits = outputs
-        if graph is None or self._failed:
-            outputs = step()
-            if name == "draft":
-                self.eager_drafts += 1
-            return outputs
+        if name not in self._graphs:
+            return step(), False
+        graph, outputs = self._graphs[name]
         graph.replay()
-        if name == "draft":
-            self.replays += 1
-        return self._logits
+        return outputs, True
