@@ -691,12 +691,13 @@ def _run_stages(config: PipelineConfig, *, console: Console | None = None,
                             compare_untrained: bool = False, references: bool | None = None,
                             all_sets: bool = True, num_prompts: int | None = None) -> dict[str, Any]:
         ev = get_evaluator()
-        drafter, drafter_config, _ = ev.load_drafter(folder)
+        source = drafter_source(folder)  # the checkpoint read, resolved once
+        drafter, drafter_config, _ = ev.load_drafter(source)
         if untrained:
             drafter = ev.untrained(drafter_config)
         return ev.evaluate(drafter, drafter_config, label=label, json_path=json_path, compare_untrained=compare_untrained,
                            references=references, all_sets=all_sets, num_prompts=num_prompts,
-                           source=None if untrained else drafter_source(folder))
+                           source=None if untrained else source)
 
     epoch_taus: list[dict[str, Any]] = list(state.data.get("epochs", []))
 

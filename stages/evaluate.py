@@ -746,10 +746,11 @@ def run_evaluate(config: EvaluateConfig, *, console: Console | None = None) -> d
     if config.json_path is not None and (Path(config.json_path).is_dir() or Path(config.json_path).parent.is_file()):
         raise ConfigError(f"--json-file {config.json_path}: a folder is there, or its parent is a file; pass a file "
                           "path in a folder")  # refused now, not after the evaluation
-    loaded = load_drafter(drafter_path)
+    source = drafter_source(drafter_path)  # resolved once: a run saving a new checkpoint meanwhile changes nothing
+    loaded = load_drafter(source)
     evaluator = Evaluator(config, config.target or loaded[2].get("target_spec") or "default", console=console)
     drafter, drafter_config, _ = evaluator.load_drafter(drafter_path, loaded)
-    return evaluator.evaluate(drafter, drafter_config, label=str(drafter_path), source=drafter_source(drafter_path),
+    return evaluator.evaluate(drafter, drafter_config, label=str(drafter_path), source=source,
                               compare_untrained=config.compare_untrained, json_path=report_path(config))
 
 
