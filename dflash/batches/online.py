@@ -266,9 +266,9 @@ class BatchProducer:
             pending = []
             for item in self.runner.iter_pending(everything, out=out):  # item k comes once forward k+1 is queued
                 pending.append(item)
-                if self.forwards_in_flight is not None:  # the next forward makes at most forwards_in_flight
-                    for earlier in pending[: len(pending) + 2 - self.forwards_in_flight]:
-                        earlier.finish()  # idempotent: the ones finished before return at once
+                oldest = len(pending) + 1 - (self.forwards_in_flight or len(pending) + 2)
+                if oldest >= 0:  # the next forward makes at most forwards_in_flight; the ones before are finished
+                    pending[oldest].finish()
             forwards_queued = time.perf_counter()
         if queued is not None:
             queued()
