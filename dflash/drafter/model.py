@@ -535,6 +535,10 @@ class DFlashDrafter(nn.Module):
 
         Returns:
             ``[B, V]`` float32 logits.
+
+        Raises:
+            ConfigError: the target's embedding / LM head were not attached.
+            ValueError: not one ``(keys, values)`` pair per layer.
         """
         self._require_target()
         if len(context_keys_values) != len(self.layers):
