@@ -105,8 +105,8 @@ class RingGeometry:
     @property
     def payload_capacity(self) -> int:
         """Largest payload in bytes (metadata arrays, tokens, masks, padding, hidden states)."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return _hidden_offset(self.max_documents, self.max_tokens) + self.max_tokens * self.width * element
+        hidden = self.max_tokens * self.width * self.dtype.itemsize
+        return _hidden_offset(self.max_documents, self.max_tokens) + hidden
 
     @property
     def slot_bytes(self) -> int:
@@ -411,8 +411,7 @@ class Ring:
                     np.concatenate([np.asarray(part) for part in input_ids]).astype("<i4", copy=False),
                     np.concatenate([np.asarray(part) for part in loss_mask]).astype(np.uint8, copy=False)]
         offset = _hidden_offset(num_documents, num_tokens)
-        element = torch.empty((), dtype=geometry.dtype).element_size()
-        nbytes = offset + num_tokens * geometry.width * element
+        nbytes = offset + num_tokens * geometry.width * geometry.dtype.itemsize
         payload = self._buffer[start + _SLOT_HEADER_BYTES : start + _SLOT_HEADER_BYTES + nbytes]
         hidden = torch.from_numpy(payload[offset:]).view(geometry.dtype).view(num_tokens, geometry.width)
         return SlotWrite(slot=slot, ticket=ticket, epoch=epoch, batch_index=batch_index, bucket=bucket,
