@@ -165,9 +165,11 @@ RANDOM_TARGETS = {
 }
 
 
-def build_target(spec: str, device: torch.device, smoke: bool, seed: int) -> tuple[Any, TargetIdentity]:
+def build_target(spec: str, device: torch.device, smoke: bool, seed: int,
+                 num_layers: int | None = None) -> tuple[Any, TargetIdentity]:  # fmt: skip
     """The model (eval, no grads; bf16 on CUDA) and its identity: a loaded target, or one of
-    :data:`RANDOM_TARGETS` with seeded random weights."""
+    :data:`RANDOM_TARGETS` with seeded random weights (``num_layers``: that many decoder layers instead of the
+    shape's)."""
     if spec not in RANDOM_TARGETS:
         loaded = load_target(spec, device=device)
         return loaded.model, loaded.identity
@@ -175,7 +177,7 @@ def build_target(spec: str, device: torch.device, smoke: bool, seed: int) -> tup
     from transformers import AutoModelForCausalLM
 
     config_class, full, tiny = RANDOM_TARGETS[spec]
-    shape = tiny if smoke else full
+    shape = (tiny if smoke else full) | ({} if num_layers is None else {"num_hidden_layers": num_layers})
     config = getattr(transformers, config_class)(**shape)
     config.rope_parameters = {"rope_type": "default", "rope_theta": shape["rope_theta"]}
     torch.manual_seed(seed)

@@ -76,11 +76,23 @@ measures the producer alone with that bound in every repeat. ``--profile`` runs,
 the producer-alone runs alone (and again with the compared bound) and extract's loop over the same documents,
 timed and under torch.profiler (``benchmarks/profiling.py``), and prints them side by side: milliseconds per
 planned batch (beside the producer-alone runs' figure), kernels (on CPU operators) by time, the CUDA runtime calls
-(``cudaMalloc``, ``cudaMemcpyAsync``, ``cudaStreamSynchronize``, ``cudaEventSynchronize``, ...) per side::
+(``cudaMalloc``, ``cudaMemcpyAsync``, ``cudaStreamSynchronize``, ``cudaEventSynchronize``, ...) per side, the
+``aten::`` operator calls per forward inside ``TargetRunner.forward`` and per planned batch outside it (top-level
+and all, the copies, the calls that make a CUDA host wait for the device, the wall milliseconds outside the
+forwards), and the operators called outside the forwards whose counts differ between the sides (the same Python
+code calls the same operators on CPU and CUDA, so CPU shows what a GPU host issues). Where extract's forward budget
+differs from the producers', extract's loop also runs at theirs: the task's own forwards, so that only what
+surrounds them differs. Last, the task again while another thread computes the CRC-32C of its planned batches'
+hidden states twice each (the commit's and the reader's, which hold the GIL piece by piece, as in the
+producer-alone runs' process). ``--target-layers N`` gives a random target N layers (``--smoke --target
+smollm2-random --target-layers 30 --layer-ids 1,8,14,20,27``: SmolLM2's 1,513 operators per forward at the smoke's
+width, whose CPU forwards are bound by issuing them, as SmolLM2's are on an H200)::
 
     python benchmarks/online.py --device cuda --target smollm2-random --forward-tokens 32768 --repeats 3 \
         --steps 8 --compare-producer-forwards-in-flight 2 --profile
     python benchmarks/online.py --smoke --compare-producer-forwards-in-flight 2 --profile     # CPU: runs every path
+    python benchmarks/online.py --smoke --target smollm2-random --target-layers 30 --layer-ids 1,8,14,20,27 \
+        --repeats 3 --profile --compare-producer-forwards-in-flight 2    # CPU: SmolLM2's operator counts
 
 One GPU::
 
@@ -100,6 +112,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -123,6 +136,8 @@ from profiling import (  # noqa: E402  (the benchmarks' shared device instrument
     allocator_counters,
     allocator_line,
     allocator_window,
+    marked,
+    operator_counts,
     profiled,
     reset_allocator_peaks,
     start_profiler_here,
@@ -378,51 +393,132 @@ def extract_loop_run(runner: TargetRunner, rows: list[np.ndarray]):
     return run
 
 
-def profile_sides(sides: dict[str, Callable[[], int]], device: torch.device) -> dict[str, dict]:
-    """Each of ``sides`` (label: a ``run()`` returning its forwards) once to warm up (the allocator, the ring's
-    page-locking and pinned buffers), once timed, then once under torch.profiler (``profiling.profiled``), in a
-    thread of its own, one after another: per label the profile's summary (``profiling.summarize``), the wall
-    milliseconds of the timed call (``plain_ms``) and of the profiled one (the profiler's overhead included), its
-    forwards and, on CUDA, the caching allocator's counters over the profiled call."""
+#: The ``record_function`` label around every ``TargetRunner.forward`` of a profiled side (:func:`timed_forwards`).
+FORWARD_LABEL = "TargetRunner.forward"
+
+
+def timed_forwards(runner: TargetRunner) -> list[float]:
+    """Instrumentation only: ``runner.forward`` inside a ``record_function`` range (:data:`FORWARD_LABEL`, for
+    ``profiling.operator_counts``) and timed; returns the list its wall seconds go into, one per call."""
+    forward, spent = marked(runner.forward, FORWARD_LABEL), []
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - started)
+
+    runner.forward = timed
+    return spent
+
+
+def profile_sides(sides: dict[str, tuple[Callable[[], int], TargetRunner]], device: torch.device) -> dict[str, dict]:
+    """Each of ``sides`` (label: a ``run()`` returning its forwards, and the runner it calls) once to warm up (the
+    allocator, the ring's page-locking and pinned buffers), once timed, then once under torch.profiler
+    (``profiling.profiled``), in a thread of its own, one after another: per label the profile's summary
+    (``profiling.summarize``), its ``aten::`` operator calls inside and outside the forwards
+    (``profiling.operator_counts``), the wall milliseconds of the timed call (``plain_ms``) and of them outside
+    ``TargetRunner.forward`` (``outside_forward_ms``: on CPU the host's own work around the forwards, on CUDA also
+    its waits for the device there), of the profiled call (the profiler's overhead included), its forwards and, on
+    CUDA, the caching allocator's counters over the profiled call."""
     results = {}
     start_profiler_here(device)
     with ThreadPoolExecutor(1) as pool:
-        for label, run in sides.items():
+        for label, (run, runner) in sides.items():
+            spent = timed_forwards(runner)
             pool.submit(run).result()
+            spent.clear()
             started = time.perf_counter()
             pool.submit(run).result()
             plain_ms = 1e3 * (time.perf_counter() - started)
+            outside_ms = plain_ms - 1e3 * sum(spent)
             reset_allocator_peaks(device)
             before = allocator_counters(device)
             started = time.perf_counter()
             forwards, prof = pool.submit(profiled, run, device).result()
             wall_ms = 1e3 * (time.perf_counter() - started)
             results[label] = summarize(prof, on_device=device.type == "cuda", top=8) | {
-                "plain_ms": plain_ms, "wall_ms": wall_ms, "forwards": forwards,
+                "plain_ms": plain_ms, "outside_forward_ms": outside_ms, "wall_ms": wall_ms, "forwards": forwards,
+                "operators": operator_counts(prof, FORWARD_LABEL),
                 "allocator": allocator_window(before, allocator_counters(device), device)}  # fmt: skip
     return results
 
 
-def print_profile(results: dict[str, dict], heading: str) -> None:
+def crc_contention(run: Callable[[], int], nbytes: int, count: int, seconds: float) -> tuple[float, list[float]]:
+    """``(run()'s wall seconds, the CRCs' own seconds)`` while another thread of this process computes the ring's
+    CRC-32C (``dflash.batches.ring._crc32c``, as a producer's commit and the batch source's reader do: it holds the
+    GIL over each piece) of ``nbytes`` bytes ``count`` times, spread evenly over ``seconds`` (one at the middle of
+    each ``seconds / count``). Each operator ``run`` calls lets the GIL go and takes it back."""
+    from dflash.batches.ring import _crc32c
+
+    buffer = np.ones(nbytes, dtype=np.uint8)  # its pages faulted in beforehand, as a slot's are
+    stop, crcs = threading.Event(), []
+    period = seconds / count
+
+    def checksums(started: float) -> None:
+        for index in range(count):
+            if stop.wait(max(0.0, started + (index + 0.5) * period - time.perf_counter())):
+                return
+            begun = time.perf_counter()
+            _crc32c(buffer)
+            crcs.append(time.perf_counter() - begun)
+
+    with ThreadPoolExecutor(1) as pool:
+        started = time.perf_counter()
+        thread = threading.Thread(target=checksums, args=(started,), name="crc")
+        thread.start()
+        try:
+            pool.submit(run).result()
+            wall = time.perf_counter() - started
+        finally:
+            stop.set()
+            thread.join()
+    return wall, crcs
+
+
+def print_profile(results: dict[str, dict], heading: str, planned: int) -> None:
     """The sides of :func:`profile_sides` in columns: wall and busy milliseconds, kernels (operator calls on
-    CPU), the CUDA runtime calls counted, then each side's most expensive kernels (operators)."""
+    CPU), the CUDA runtime calls counted, the ``aten::`` operator calls per forward inside ``TargetRunner.forward``
+    and per planned batch (of ``planned``) outside it, the operators called outside whose counts differ between
+    the sides, then each side's most expensive kernels (operators)."""
     on_device = next(iter(results.values()))["on_device"]
     width = max(16, *(len(label) + 2 for label in results))
     print(heading)
-    print(f"{'':>30}" + "".join(f"{label:>{width}}" for label in results))
+    print(f"{'':>46}" + "".join(f"{label:>{width}}" for label in results))
+
+    def ops(r):
+        return r["operators"]
+
     rows = [("forwards", lambda r: f"{r['forwards']}"), ("wall ms", lambda r: f"{r['plain_ms']:.1f}"),
             ("wall ms (profiled)", lambda r: f"{r['wall_ms']:.1f}"),
             ("device busy ms" if on_device else "operators' own ms", lambda r: f"{r['busy_ms']:.1f}"),
-            ("kernels and copies" if on_device else "operator calls", lambda r: f"{r['calls']:,}")]  # fmt: skip
+            ("kernels and copies" if on_device else "operator calls", lambda r: f"{r['calls']:,}"),
+            ("aten calls per forward, top-level", lambda r: f"{sum(ops(r)['inside'].values()) / r['forwards']:,.1f}"),
+            ("aten calls per forward, all", lambda r: f"{ops(r)['inside_all'] / r['forwards']:,.1f}"),
+            ("host-device syncs per forward", lambda r: f"{ops(r)['syncs_inside'] / r['forwards']:.2f}"),
+            ("outside the forwards, per planned batch:", lambda r: ""),
+            ("aten calls, top-level", lambda r: f"{sum(ops(r)['outside'].values()) / planned:,.1f}"),
+            ("aten calls, all", lambda r: f"{ops(r)['outside_all'] / planned:,.1f}"),
+            ("aten::copy_ calls, top-level", lambda r: f"{ops(r)['outside'].get('aten::copy_', 0) / planned:,.2f}"),
+            ("host-device syncs", lambda r: f"{ops(r)['syncs_outside'] / planned:.2f}"),
+            ("wall ms outside TargetRunner.forward", lambda r: f"{r['outside_forward_ms'] / planned:.2f}")]  # fmt: skip
     if on_device:
         names = next(iter(results.values()))["runtime_calls"]  # profiling.RUNTIME_CALLS, in its order
         rows += [(name, lambda r, name=name: f"{r['runtime_calls'][name]:,}") for name in names]
         rows += [(f"allocator {key}", lambda r, key=key: f"{r['allocator'][key]:,}")
                  for key in ("num_device_alloc", "num_alloc_retries", "num_sync_all_streams")]
     for name, cell in rows:
-        print(f"{name:>30}" + "".join(f"{cell(result):>{width}}" for result in results.values()))
+        print(f"{name:>46}" + "".join(f"{cell(result):>{width}}" for result in results.values()))
     if not on_device:
-        print(f"{'CUDA runtime calls':>30}: CUDA only (none on this device)")
+        print(f"{'CUDA runtime calls':>46}: CUDA only (none on this device; a device-to-host copy is one more "
+              "cudaMemcpyAsync per aten::copy_ there)")
+    names = sorted({name for result in results.values() for name in result["operators"]["outside"]})
+    differ = [(name, [result["operators"]["outside"].get(name, 0) for result in results.values()]) for name in names]
+    differ = [(name, counts) for name, counts in differ if len(set(counts)) > 1]
+    print("  top-level aten calls outside the forwards that differ between the sides (per task, "
+          + " / ".join(results) + "): "
+          + ("; ".join(f"{name} {' / '.join(map(str, counts))}" for name, counts in differ) or "none"))
     for label, result in results.items():
         print(f"  most {'device' if on_device else 'operator'} time, {label}: "
               + "; ".join(f"{name[:60]} x{count} {ms:.2f} ms" for name, count, ms in result["top"]))
@@ -433,39 +529,58 @@ def profile_one_task(tasks: list, corpus, producer: Callable[..., BatchProducer]
                      rate_i: float) -> dict:  # fmt: skip
     """``--profile``: one producer task of the producer-alone runs (the first with the most planned batches) alone,
     again with ``compare_in_flight`` forwards in flight when given, and extract's loop over the same documents as
-    one shard, side by side (:func:`profile_sides`, :func:`print_profile`), and the milliseconds per planned batch
-    of each timed call against what the producer-alone runs' rate ``rate_i`` gives for the task's tokens. Returns
-    the figures (for the JSON)."""
+    one shard (at extract's forward budget, and at the producers' where it differs: the same forwards as the
+    task's, so that what differs is around them), side by side (:func:`profile_sides`, :func:`print_profile`),
+    the milliseconds per planned batch of each timed call against what the producer-alone runs' rate ``rate_i``
+    gives for the task's tokens, and the task again while another thread computes the CRC-32C of its slots twice
+    per planned batch (the commit's and the reader's, as in the producer-alone runs' process:
+    :func:`crc_contention`). Returns the figures (for the JSON)."""
     task = max((task for task in tasks if not (isinstance(task, GroupTask) and task.lead_rows)),
                key=lambda task: len(task.batches) if isinstance(task, GroupTask) else 1)  # fmt: skip
     rows = [corpus.row(int(row)).input_ids for row in task_rows(task)]
     producers = [producer()] + ([producer(in_flight=compare_in_flight)] if compare_in_flight is not None else [])
     labels = ["producer task"] + ([f"producer, {compare_in_flight} in flight"] if compare_in_flight is not None else [])
+    budget = producers[0].runner.token_budget
     sides, rings = {}, []
+    planned = len(task.batches) if isinstance(task, GroupTask) else 1
+    tokens = sum(len(ids) for ids in rows)
     try:
         for label, made in zip(labels, producers, strict=True):
             run, ring = producer_task_run(made, task, geometry)
-            sides[label], rings = run, [*rings, ring]
-        sides["extract loop"] = extract_loop_run(extract_runner, rows)
+            sides[label], rings = (run, made.runner), [*rings, ring]
+        sides["extract loop"] = (extract_loop_run(extract_runner, rows), extract_runner)
+        if extract_runner.token_budget != budget:  # the task's own forwards, run by extract's loop
+            same = TargetRunner(extract_runner.model, extract_runner.target_layer_ids, device, token_budget=budget)
+            sides[f"extract loop at {budget:,}"] = (extract_loop_run(same, rows), same)
         results = profile_sides(sides, device)
+        task_run = sides["producer task"][0]
+        count = 2 * planned
+        contended, crcs = crc_contention(task_run, tokens * extract_runner.feature_size * 2 // planned, count,
+                                         results["producer task"]["plain_ms"] / 1e3)  # fmt: skip
     finally:
         for made in producers:
             made.close()
         for ring in rings:
             ring.close()
-    planned = len(task.batches) if isinstance(task, GroupTask) else 1
-    tokens = sum(len(ids) for ids in rows)
     print_profile(results, f"profile: one producer task of the producer-alone runs ({planned} planned batches, "
                            f"{tokens:,} real tokens in {len(rows)} documents; forwards of "
-                           f"{producers[0].runner.token_budget:,} padded tokens) and extract's loop over the same documents as one shard (forwards of "
+                           f"{budget:,} padded tokens) and extract's loop over the same documents as one shard (forwards of "
                            f"{extract_runner.token_budget:,}); each side warmed, timed, then run under "
-                           "torch.profiler, alone in a thread:")  # fmt: skip
+                           "torch.profiler, alone in a thread:", planned)  # fmt: skip
     in_runs = 1e3 * tokens / planned / rate_i
     print("  ms per planned batch, timed alone: " + ", ".join(f"{label} {result['plain_ms'] / planned:.1f}"
                                                             for label, result in results.items())
           + f"; in the producer-alone runs (I at {tokens / planned:,.0f} real tokens per planned batch): {in_runs:.1f}")
+    crc_ms = 1e3 * sum(crcs) / max(1, len(crcs))
+    print(f"  the producer task while another thread computes the CRC-32C of a planned batch's hidden states "
+          f"({tokens * extract_runner.feature_size * 2 // planned / 2**20:,.1f} MiB, in the ring's pieces, holding the "
+          f"GIL) {len(crcs)} times ({crc_ms:.1f} ms each): {1e3 * contended / planned:.1f} ms per planned batch, "
+          f"against {results['producer task']['plain_ms'] / planned:.1f} alone")  # fmt: skip
     return {"planned_batches": planned, "real_tokens": tokens, "documents": len(rows), "sides": results,
-            "ms_per_planned_batch_in_runs": in_runs}
+            "ms_per_planned_batch_in_runs": in_runs,
+            "crc_contention": {"crcs": len(crcs), "crc_ms": crc_ms, "crc_bytes": tokens * extract_runner.feature_size * 2 // planned,
+                               "ms_per_planned_batch": 1e3 * contended / planned,
+                               "ms_per_planned_batch_alone": results["producer task"]["plain_ms"] / planned}}
 
 
 def head_only_target(model, folder: Path) -> Path:
@@ -486,6 +601,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="default", help="default (SmolLM2), qwen3-8b-random or smollm2-random (random weights, real shapes)")
     parser.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    parser.add_argument("--target-layers", type=int, default=None, help="Random targets: this many decoder layers "
+                        "instead of the shape's (e.g. --smoke --target smollm2-random --target-layers 30: SmolLM2's "
+                        "depth, so its forward calls as many operators, at the smoke's width)")
     parser.add_argument("--layer-ids", default=None, help="Tapped layers (default: 1,3 on CPU, 5 taps by the "
                         "DFlash rule on CUDA)")
     parser.add_argument("--rows", type=int, default=96, help="CPU corpus rows (CUDA: enough tokens for the steps)")
@@ -519,6 +637,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="Tiny run on CPU.")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
+    if args.target_layers is not None and (args.target not in RANDOM_TARGETS or args.target_layers < 2):
+        parser.error(f"--target-layers: a random target's (--target {' or '.join(RANDOM_TARGETS)}) layer count, at "
+                     f"least 2; got {args.target_layers} for --target {args.target}")
     for bound in (args.producer_forwards_in_flight, args.compare_producer_forwards_in_flight):
         if bound is not None and bound < 2:
             parser.error(f"forwards in flight: at least 2 (a task queues its next forward before it finishes one), "
@@ -543,7 +664,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-online-"))
     tokenizer = None
     if args.target in RANDOM_TARGETS:
-        model, identity = build_target(args.target, device, args.smoke, seed=0)
+        model, identity = build_target(args.target, device, args.smoke, seed=0, num_layers=args.target_layers)
     else:
         loaded = load_target(args.target, device=device)
         model, identity, tokenizer = loaded.model, loaded.identity, loaded.tokenizer

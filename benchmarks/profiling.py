@@ -11,6 +11,12 @@
   and the peak allocated and reserved bytes since :func:`reset_allocator_peaks`. CUDA only: off CUDA they return
   ``None`` and :func:`allocator_line` says so.
 
+* :func:`operator_counts` counts a profile's ``aten::`` operator calls by name, inside and outside the ranges
+  marked with a ``record_function`` label (:func:`marked`: e.g. every ``TargetRunner.forward``), top-level calls
+  (those the Python code makes, not the ones they make in turn) and all, with the calls that make a CUDA host
+  wait for the device (:data:`SYNC_OPERATORS`); on CPU the same Python code calls the same operators, so the
+  counts of what a GPU host issues are read on CPU.
+
 Used by ``benchmarks/speculative_loop.py --profile`` and ``benchmarks/online.py`` (``--profile`` and its allocator
 lines).
 """
@@ -30,6 +36,12 @@ RUNTIME_CALLS = ("cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaHostRegister", 
 
 #: ``torch.cuda.memory_stats()`` counters whose deltas :func:`allocator_window` reports.
 ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+#: ``aten::`` operators that make the host wait for a CUDA device wherever they run on it: a tensor's value read
+#: on the host (``.item()``, ``bool()``, ``int()``: ``_local_scalar_dense``) and outputs whose size depends on the
+#: data (``nonzero``, and boolean indexing through it). Device-to-host copies and ``.tolist()`` of a device tensor
+#: are CUDA's only (on CPU they are no copy at all): :data:`RUNTIME_CALLS` counts those.
+SYNC_OPERATORS = ("aten::_local_scalar_dense", "aten::nonzero")
 
 _SUFFIX = re.compile(r"(_v\d+|_ptsz|_ptds)+$")  # cudaMemcpyAsync_v3020, cudaMemcpyAsync_ptsz: the same call
 _LAUNCH = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel)")
@@ -74,6 +86,45 @@ def summarize(prof: Any, on_device: bool, top: int = 6) -> dict[str, Any]:
     return {"busy_ms": sum(own(e) for e in events) / 1000, "calls": sum(e.count for e in events),
             "top": [(e.key, e.count, own(e) / 1000) for e in sorted(events, key=own, reverse=True)[:top]],
             "runtime_calls": runtime, "on_device": on_device}  # fmt: skip
+
+
+def marked(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+    """``fn`` with every call inside a ``torch.profiler.record_function(label)`` range (for
+    :func:`operator_counts`; free outside a profile)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(label):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def operator_counts(prof: Any, label: str) -> dict[str, Any]:
+    """The ``aten::`` operator calls of a profile, by name, inside the ``record_function`` ranges named ``label``
+    (:func:`marked`) and outside them: ``inside`` and ``outside`` (top-level calls per name: the ones Python code
+    makes, whose own calls are not counted again), ``inside_all`` and ``outside_all`` (every call, nested ones
+    included), ``syncs_inside`` and ``syncs_outside`` (calls of :data:`SYNC_OPERATORS`, nested ones included) and
+    ``ranges`` (how many ``label`` ranges). The profile's own thread only (:func:`profiled`)."""
+    inside: dict[str, int] = {}
+    outside: dict[str, int] = {}
+    totals = {"inside_all": 0, "outside_all": 0, "syncs_inside": 0, "syncs_outside": 0, "ranges": 0}
+    for event in prof.events():
+        if event.name == label:
+            totals["ranges"] += 1
+        if not event.name.startswith("aten::"):
+            continue
+        in_range, top_level, parent = False, True, event.cpu_parent
+        while parent is not None:
+            in_range = in_range or parent.name == label
+            top_level = top_level and not parent.name.startswith("aten::")
+            parent = parent.cpu_parent
+        where = "inside" if in_range else "outside"
+        totals[f"{where}_all"] += 1
+        totals[f"syncs_{where}"] += event.name in SYNC_OPERATORS
+        if top_level:
+            counts = inside if in_range else outside
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return {"inside": inside, "outside": outside, **totals}
 
 
 def allocator_counters(device: torch.device) -> dict[str, int] | None:
