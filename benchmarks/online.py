@@ -549,7 +549,7 @@ def profile_one_task(tasks: list, corpus, producer: Callable[..., BatchProducer]
             run, ring = producer_task_run(made, task, geometry)
             sides[label], rings = (run, made.runner), [*rings, ring]
         sides["extract loop"] = (extract_loop_run(extract_runner, rows), extract_runner)
-        if extract_runner.token_budget != budget:  # the task's own forwards, run by extract's loop
+        if extract_runner.token_budget != budget:  # the task's own forwards by extract's loop (padded: not with packing)
             same = TargetRunner(extract_runner.model, extract_runner.target_layer_ids, device, token_budget=budget)
             sides[f"extract loop at {budget:,}"] = (extract_loop_run(same, rows), same)
         results = profile_sides(sides, device)
