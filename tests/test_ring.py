@@ -121,14 +121,16 @@ def test_a_slot_rewritten_after_hand_over_fails_its_checksum(ring):
         ring.read_batch(slot, ticket, epoch=0, batch_index=0)
 
 
-def test_the_slot_crc32c_equals_google_crc32c_across_its_pieces():
-    """The payload CRC-32C (google_crc32c over pieces of the array, read in place) is google_crc32c's value of the
-    same bytes, across piece boundaries and for an empty payload."""
+def test_the_slot_crc32c_equals_google_crc32c():
+    """The payload CRC-32C (the crc32c package, read in place) is zarr's library's (google_crc32c) value of the same
+    bytes, for an empty payload, a few bytes and a slot-sized one, and refuses a strided view."""
     import google_crc32c
 
-    data = np.random.default_rng(0).integers(0, 256, size=2 * online_queue._CRC_PIECE + 12345, dtype=np.uint8)
-    for size in (0, 1, 9, online_queue._CRC_PIECE + 1, data.size):
+    data = np.random.default_rng(0).integers(0, 256, size=(8 << 20) + 12345, dtype=np.uint8)
+    for size in (0, 1, 9, 4097, data.size):
         assert online_queue._crc32c(data[:size]) == google_crc32c.value(data[:size].tobytes()), size
+    with pytest.raises(ValueError, match="contiguous"):
+        online_queue._crc32c(data[::2])
 
 
 def test_reads_into_one_reused_buffer_give_each_batch_its_own_bytes_and_still_catch_a_rewrite(ring):

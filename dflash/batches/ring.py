@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import google_crc32c
+import crc32c
 import numpy as np
 import torch
 
@@ -70,7 +70,6 @@ _SLOT_HEADER_BYTES = 128
 _STATE_FREE, _STATE_CLAIMED, _STATE_FULL = 0, 1, 2
 _DTYPES = {1: torch.bfloat16, 2: torch.float32}
 _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
-_CRC_PIECE = 8 << 20  # bytes per CRC-32C update of a slot in place (bounds how long one update holds the GIL)
 
 
 class QueueError(DFlashError, RuntimeError):
@@ -168,15 +167,13 @@ class SlotWrite:
 
 
 def _crc32c(view: np.ndarray) -> int:
-    """CRC-32C of a contiguous ``uint8`` array, read in place: google_crc32c takes any contiguous buffer without
-    a release hook (numpy arrays, not memoryviews), so no copy is made; pieces of :data:`_CRC_PIECE` bytes, since
-    it holds the GIL while it reads anything but ``bytes`` (other threads run between pieces)."""
+    """CRC-32C of a contiguous ``uint8`` array, read in place (no copy), with the GIL released while it reads: a
+    producer's process computes it twice per batch (its commit and the reader) while another of its threads issues a
+    target's forwards, each operator of which must take the GIL back (google_crc32c, zarr's, releases it for
+    ``bytes`` only, so a thread reading a numpy slot through it stalled the issuing thread for the whole read)."""
     if not view.flags.c_contiguous:
         raise ValueError("_crc32c reads a contiguous array")
-    crc = 0
-    for piece in range(0, view.size, _CRC_PIECE):
-        crc = google_crc32c.extend(crc, view[piece : piece + _CRC_PIECE])
-    return crc
+    return crc32c.crc32c(view, gil_release_mode=1)
 
 
 class Ring:

@@ -1,19 +1,18 @@
 """Probe: how much a CRC-32C computed in another thread of the process slows a thread issuing a target's forwards.
 
 The online producer's process computes the CRC-32C of every planned batch twice (the producer's commit and the
-batch source's reader, ``dflash.batches.ring._crc32c``: google_crc32c over 8 MB pieces of the slot, holding the GIL
-over each piece, since it releases it for ``bytes`` only) while a producer thread issues the next task's forwards.
-Each operator the issuing thread calls lets the GIL go and must take it back, so a thread computing CRCs stalls it
-for about a piece per operator. Where the forwards are bound by the host issuing their operators (SmolLM2 on an
-H200, docs/online-queue.md), that stall adds to their time.
+batch source's reader, ``dflash.batches.ring._crc32c``) while a producer thread issues the next task's forwards.
+Each operator the issuing thread calls lets the GIL go and must take it back, so a thread computing CRCs while
+holding the GIL stalls it. Where the forwards are bound by the host issuing their operators (SmolLM2 on an H200,
+docs/online-queue.md), that stall adds to their time. The ring first used google_crc32c over 8 MB pieces, which
+holds the GIL while it reads anything but ``bytes``; it now uses the crc32c package with the GIL released.
 
 This runs extract's loop (``TargetRunner.iter_batches``) on a target of SmolLM2's depth (30 layers, taps 1, 8, 14,
 20 and 27: 1,513 operators per forward) at the ``--smoke`` width, so that on a CPU too its forwards are bound by
 issuing operators, over documents of 16-128 tokens in forwards of 2,048 padded tokens (the H200 run's
 256-2,048 and 32,768, divided by 16), alone; while another thread computes ``_crc32c`` of a ``--crc-mib`` buffer
-(default: one H200 planned batch's hidden states, 14.5K tokens x 5 taps x 576 x bf16) every ``--period-ms``; and
-the same with the CRC computed by the same library's C function called through ctypes, which lets the GIL go
-(probe only). Torch runs one thread (``--threads``), so that on a 2-core machine the CRC has a core of its own,
+(default: one H200 planned batch's hidden states, 14.5K tokens x 5 taps x 576 x bf16) every ``--period-ms``, first
+the former way (google_crc32c, GIL held per piece), then the ring's own ``_crc32c`` (GIL released). Torch runs one thread (``--threads``), so that on a 2-core machine the CRC has a core of its own,
 as it has on a GPU host, whose issuing thread occupies one core: what is left is the GIL. Medians of
 ``--repeats``.
 
@@ -23,9 +22,6 @@ as it has on a GPU host, whose issuing thread occupies one core: what is left is
 from __future__ import annotations
 
 import argparse
-import ctypes
-import glob
-import os
 import statistics
 import sys
 import threading
@@ -43,15 +39,13 @@ from dflash.batches.ring import _crc32c  # noqa: E402
 from dflash.target.runner import TargetRunner  # noqa: E402
 
 
-def crc_without_gil() -> object | None:
-    """google_crc32c's bundled C library's ``crc32c_extend`` through ctypes (which lets the GIL go), or None."""
-    found = glob.glob(os.path.join(os.path.dirname(google_crc32c.__file__) + ".libs", "libcrc32c*.so*"))
-    if not found:
-        return None
-    library = ctypes.CDLL(found[0])
-    library.crc32c_extend.restype = ctypes.c_uint32
-    library.crc32c_extend.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-    return lambda view: library.crc32c_extend(0, view.ctypes.data, view.size)
+def crc_holding_the_gil(view: np.ndarray) -> int:
+    """The ring's CRC-32C before it moved to the crc32c package: google_crc32c over 8 MB pieces of the array, which
+    holds the GIL while it reads anything but ``bytes``."""
+    crc = 0
+    for piece in range(0, view.size, 8 << 20):
+        crc = google_crc32c.extend(crc, view[piece : piece + (8 << 20)])
+    return crc
 
 
 def main() -> None:
@@ -67,9 +61,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     documents = [rng.integers(0, 32000, size=int(rng.integers(16, 129))) for _ in range(66)]  # ~4 planned batches
     buffer = np.ones(int(args.crc_mib * 2**20), dtype=np.uint8)
-    free = crc_without_gil()
-    if free is not None:
-        assert free(buffer) == _crc32c(buffer)
+    assert crc_holding_the_gil(buffer) == _crc32c(buffer)
 
     def loop() -> None:
         for batch in runner.iter_batches(documents):
@@ -96,9 +88,8 @@ def main() -> None:
         return wall, len(spent), statistics.median(spent) if spent else 0.0
 
     loop()  # warm-up
-    ways = {"alone": None, "ring's _crc32c (GIL held per piece)": _crc32c}
-    if free is not None:
-        ways["the same CRC, GIL released (ctypes)"] = free
+    ways = {"alone": None, "google_crc32c (GIL held per piece)": crc_holding_the_gil,
+            "ring's _crc32c (crc32c, GIL released)": _crc32c}
     runs = {way: [timed(crc) for _ in range(args.repeats)] for way, crc in ways.items()}
     print(f"extract's loop over {len(documents)} documents ({sum(map(len, documents)):,} tokens), 30 layers; another "
           f"thread computing the CRC-32C of {args.crc_mib:.1f} MiB every {args.period_ms:.0f} ms; medians of "
