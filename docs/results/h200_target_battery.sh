@@ -13,9 +13,9 @@
 #           bound) vs every forward queued, one task and extract's loop over its documents profiled side by side
 #   extract the extract forward's profile and compiled parts (random SmolLM2 shape; ~4 min)
 #   short   what one call of ~9 min can say when device time is short (no model halves; same carry as random): the
-#           static loops at SmolLM2's shape in float32 (evaluate's dtype) with the drafter's context kept vs whole,
-#           profiled; the Qwen3-8B shape at 2,048-token prompts, kept vs whole; the producer against extract's loop
-#           (online_profile, as in throughput)
+#           producer against extract's loop (online_profile, as in throughput); the static loops at SmolLM2's shape
+#           in float32 (evaluate's dtype) with the drafter's context kept vs whole, profiled; the Qwen3-8B shape at
+#           2,048-token prompts, kept vs whole
 #   real    the real SmolLM2 (carry .offline/model-a in a first call, model-b in the next; ~8 min): evaluate's
 #           loops per KV cache and generate's token agreement with one-prompt-at-a-time greedy decoding
 # Run from the checkout root after `bash .offline/offline-install && export PYTHONPATH=/root/site:$PWD`.
@@ -60,13 +60,13 @@ case $PART in
       --repeats 3 --steps 8 --compare-producer-forwards-in-flight 2 --profile --json-out "$DEST/online_profile.json"
     ;;
   short)
+    step online_profile 200 python benchmarks/online.py --device cuda --target smollm2-random --forward-tokens 32768 \
+      --repeats 3 --steps 8 --compare-producer-forwards-in-flight 2 --profile --json-out "$DEST/online_profile.json"
     step speculative_loop_context 170 python benchmarks/speculative_loop.py --target smollm2-random --dtype float32 \
       --kv-cache static --repeats 3 --drafter-context kept whole --profile --json "$DEST/speculative_loop_context.json"
     step speculative_loop_8b_context 170 python benchmarks/speculative_loop.py --target qwen3-8b-random \
       --dtype bfloat16 --kv-cache static --prompts 2 --prompt-tokens 2048 --max-new-tokens 64 --repeats 3 \
       --drafter-context kept whole --json "$DEST/speculative_loop_8b_context.json"
-    step online_profile 200 python benchmarks/online.py --device cuda --target smollm2-random --forward-tokens 32768 \
-      --repeats 3 --steps 8 --compare-producer-forwards-in-flight 2 --profile --json-out "$DEST/online_profile.json"
     ;;
   extract)
     step extract_compile_parts 240 python benchmarks/extract.py --target smollm2-random --tokens 262144 \
