@@ -447,8 +447,8 @@ def profile_sides(sides: dict[str, tuple[Callable[[], int], TargetRunner]], devi
 
 def crc_contention(run: Callable[[], int], nbytes: int, count: int, seconds: float) -> tuple[float, list[float]]:
     """``(run()'s wall seconds, the CRCs' own seconds)`` while another thread of this process computes the ring's
-    CRC-32C (``dflash.batches.ring._crc32c``, as a producer's commit and the batch source's reader do: it holds the
-    GIL over each piece) of ``nbytes`` bytes ``count`` times, spread evenly over ``seconds`` (one at the middle of
+    CRC-32C (``dflash.batches.ring._crc32c``, as a producer's commit and the batch source's reader do; it lets the
+    GIL go while it reads) of ``nbytes`` bytes ``count`` times, spread evenly over ``seconds`` (one at the middle of
     each ``seconds / count``). Each operator ``run`` calls lets the GIL go and takes it back."""
     from dflash.batches.ring import _crc32c
 
@@ -573,8 +573,8 @@ def profile_one_task(tasks: list, corpus, producer: Callable[..., BatchProducer]
           + f"; in the producer-alone runs (I at {tokens / planned:,.0f} real tokens per planned batch): {in_runs:.1f}")
     crc_ms = 1e3 * sum(crcs) / max(1, len(crcs))
     print(f"  the producer task while another thread computes the CRC-32C of a planned batch's hidden states "
-          f"({tokens * extract_runner.feature_size * 2 // planned / 2**20:,.1f} MiB, in the ring's pieces, holding the "
-          f"GIL) {len(crcs)} times ({crc_ms:.1f} ms each): {1e3 * contended / planned:.1f} ms per planned batch, "
+          f"({tokens * extract_runner.feature_size * 2 // planned / 2**20:,.1f} MiB, the ring's own CRC-32C, "
+          f"GIL released) {len(crcs)} times ({crc_ms:.1f} ms each): {1e3 * contended / planned:.1f} ms per planned batch, "
           f"against {results['producer task']['plain_ms'] / planned:.1f} alone")  # fmt: skip
     return {"planned_batches": planned, "real_tokens": tokens, "documents": len(rows), "sides": results,
             "ms_per_planned_batch_in_runs": in_runs,
