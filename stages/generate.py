@@ -331,17 +331,22 @@ def _plugin_class() -> type:
 
 #: The Dask event topic a worker's in-part progress goes to (``Worker.log_event`` -> ``Client.subscribe_topic``).
 _PROGRESS_TOPIC = "dflash-generate-progress"
+#: Least seconds between two in-part events of a worker that carry only the tokens of replies still decoding (the
+#: engine reports those every decode step); events with final replies go at once.
+_DECODING_EVENT_INTERVAL_S = 1.0
 
 
 class _PromptProgress:
     """The bar's prompts and tokens: committed parts, plus the first-turn replies of parts still running (a prompt
     counts once its first reply is back; its part's commit makes the count exact), so a part taking minutes shows
-    progress and an ETA before it commits."""
+    progress and an ETA before it commits; and the tokens of the replies still decoding in each running part (an
+    estimate the engine reports while a batch decodes, replaced by the batch's exact figure when it ends)."""
 
     def __init__(self, progress: Any, task: Any, *, prompts: int, tokens: int) -> None:
         self.progress, self.task = progress, task
         self.committed, self.tokens = prompts, tokens
-        self.running: dict[int, list[int]] = {}  # part -> [first-turn replies, tokens reported]
+        self.running: dict[int, list[int]] = {}  # part -> [first-turn replies, tokens reported, tokens decoding]
+        self.finished: set[int] = set()  # parts committed: a late event of theirs changes nothing
         self.lock = threading.Lock()
 
     def start(self) -> None:
@@ -350,21 +355,28 @@ class _PromptProgress:
         self.progress.reset_clock(self.task)
 
     def _show(self) -> None:
-        in_flight = sum(replies for replies, _ in self.running.values())
-        self.progress.update(self.task, completed=self.committed + in_flight, tokens=self.tokens)
+        in_flight = sum(replies for replies, _, _ in self.running.values())
+        decoding = sum(tokens for _, _, tokens in self.running.values())
+        self.progress.update(self.task, completed=self.committed + in_flight, tokens=self.tokens + decoding)
 
-    def batch(self, part_id: int, part_size: int, turn: int, replies: int, tokens: int) -> None:
+    def batch(self, part_id: int, part_size: int, turn: int, replies: int, tokens: int, decoding: int = 0) -> None:
+        """A part's progress (:func:`dflash.generation.parts.generate_part`): final replies and their tokens, and
+        the tokens of its replies still decoding (replacing the last such figure)."""
         with self.lock:
-            counts = self.running.setdefault(part_id, [0, 0])
+            if part_id in self.finished:
+                return
+            counts = self.running.setdefault(part_id, [0, 0, 0])
             if turn == 0:
                 counts[0] = min(part_size, counts[0] + replies)
             counts[1] += tokens
+            counts[2] = decoding
             self.tokens += tokens
             self._show()
 
     def part_done(self, record: dict[str, Any]) -> None:
         with self.lock:
-            _, reported = self.running.pop(int(record["part_id"]), [0, 0])
+            self.finished.add(int(record["part_id"]))
+            _, reported, _ = self.running.pop(int(record["part_id"]), [0, 0, 0])
             self.committed += int(record["num_prompts"])
             self.tokens += max(0, int(record["generated_tokens"]) - reported)
             self._show()
@@ -384,9 +396,16 @@ def generate_part_task(spec: Any) -> dict[str, Any]:
     plugin = worker.plugins.get(_PLUGIN_NAME)
     if plugin is None or plugin.engine is None:
         raise RuntimeError(f"worker {worker.address} has no target loaded (plugin {_PLUGIN_NAME} missing)")
-    def progress(turn: int, replies: int, tokens: int) -> None:
+    last_event = -_DECODING_EVENT_INTERVAL_S
+
+    def progress(turn: int, replies: int, tokens: int, decoding: int) -> None:
+        nonlocal last_event
+        now = time.monotonic()
+        if not replies and now - last_event < _DECODING_EVENT_INTERVAL_S:
+            return  # only the tokens still decoding, reported again within the second: skipped
+        last_event = now
         worker.log_event(_PROGRESS_TOPIC, {"part": spec.part_id, "size": len(spec.records), "turn": turn,
-                                           "replies": replies, "tokens": tokens})
+                                           "replies": replies, "tokens": tokens, "decoding": decoding})
 
     record = generate_part(plugin.engine, plugin.tokenizer, spec, progress=progress)
     record["worker"] = str(worker.name)
@@ -418,7 +437,8 @@ def _run_on_dask(config: GenerateConfig, specs: list[Any], progress: _PromptProg
 
         def on_batch(event: tuple[float, dict[str, Any]]) -> None:
             message = event[1]
-            progress.batch(message["part"], message["size"], message["turn"], message["replies"], message["tokens"])
+            progress.batch(message["part"], message["size"], message["turn"], message["replies"], message["tokens"],
+                           message["decoding"])
 
         client.subscribe_topic(_PROGRESS_TOPIC, on_batch)
         progress.start()

@@ -450,15 +450,25 @@ def test_progress_in_a_log_gives_prompts_tokens_rate_and_eta(tmp_path, target, m
 
 
 def test_a_part_reports_each_batch_before_it_commits(tmp_path, target):
-    """generate_part passes the engine's per-batch progress on (turn, replies, tokens): a long part shows progress
-    before its commit."""
+    """generate_part passes the engine's progress on (turn, replies, tokens, decoding): a long part shows progress
+    before its commit, after each batch (its replies and tokens, final) and within a batch (the tokens its rows
+    have chosen so far, step by step through generate()'s streamer, the last one the batch's final figure)."""
     records, _ = read_prompt_file(_write_jsonl(tmp_path / "prompts.jsonl", PROMPTS))
-    engine = TransformersEngine(target.model, target.tokenizer, batch_size=1)
+    engine = TransformersEngine(target.model, target.tokenizer, batch_size=2)
     calls = []
     record = generate_part(engine, target.tokenizer, _part(tmp_path, target.tokenizer, records),
-                           progress=lambda turn, replies, tokens: calls.append((turn, replies, tokens)))
-    assert [turn for turn, _, _ in calls] == [0, 0, 0, 1]  # batch size 1: three first turns, the chat's second
-    assert all(replies == 1 and 0 < tokens <= 6 for _, replies, tokens in calls)
+                           progress=lambda *call: calls.append(call))
+    finals = [index for index, (_, replies, _, _) in enumerate(calls) if replies]
+    assert [calls[i][:2] for i in finals] == [(0, 2), (0, 1), (1, 1)]  # three first turns, two rows a batch; a second
+    start = 0
+    for index in finals:
+        turn, replies, tokens, decoding = calls[index]
+        during = calls[start:index]
+        assert len(during) >= 6 and all(call[:3] == (turn, 0, 0) for call in during)  # a report every step
+        steps = [call[3] for call in during]
+        assert steps[0] == replies and steps == sorted(steps) and steps[-1] == tokens == 6 * replies and decoding == 0
+        start = index + 1
+    assert start == len(calls) and sum(calls[i][2] for i in finals) == record["generated_tokens"]
     assert engine.progress is None and record["num_prompts"] == 3
 
 

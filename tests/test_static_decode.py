@@ -270,16 +270,37 @@ def test_gumbel_max_samples_the_softmax():
 
 
 def test_the_engine_static_and_dynamic_caches_agree(target, prompts):
-    requests = [GenerationRequest(request_id=i, prompt_ids=p, max_new_tokens=10) for i, p in enumerate(prompts)]
+    """The same replies through both caches, reported as each batch decodes: the tokens its rows have chosen so far
+    (generate()'s streamer: every step, rows past their own limit not counted; the static decoder: at its checks of
+    the rows, here every 2 steps), then the batch's replies and exact tokens."""
+    limits = [10, 3, 10, 6, 10]
+    requests = [GenerationRequest(request_id=i, prompt_ids=p, max_new_tokens=n)
+                for i, (p, n) in enumerate(zip(prompts, limits, strict=True))]
     settings = SamplingSettings(max_new_tokens=10)
     results = {}
     for cache in ("static", "dynamic"):
         engine = TransformersEngine(target.model, target.tokenizer, batch_size=3, cache=cache, prompt_bucket=8)
+        if cache == "static":
+            engine._decoder.check_every = 2
+        reported = []
+        engine.progress = lambda *call, seen=reported: seen.append(call)
         results[cache] = [(r.request_id, r.token_ids, r.finish_reason) for r in engine.generate(requests, settings)]
         assert engine.decode_step == ("eager" if cache == "static" else "generate()")
         engine.close()
+        finals = [index for index, (replies, _, _) in enumerate(reported) if replies]
+        assert [reported[i][0] for i in finals] == [3, 2] and finals[-1] == len(reported) - 1
+        assert sum(reported[i][1] for i in finals) == sum(len(tokens) for _, tokens, _ in results[cache])
+        start = 0
+        for index in finals:
+            during = [decoding for replies, tokens, decoding in reported[start:index] if replies == tokens == 0]
+            assert len(during) == index - start >= 2 and during == sorted(during) and reported[index][2] == 0
+            if cache == "dynamic":  # exact, step by step
+                assert during[-1] == reported[index][1]
+            else:  # a row that ended since the last check counts the tokens it had then
+                assert 0 < during[-1] <= reported[index][1]
+            start = index + 1
     assert results["static"] == results["dynamic"]
-    assert all(len(tokens) == 10 or reason == "stop" for _, tokens, reason in results["static"])
+    assert all(len(tokens) == limits[i] or reason == "stop" for i, tokens, reason in results["static"])
 
 
 def test_the_engine_reports_the_fewest_rows_any_batch_decoded_at_once(target, prompts):
@@ -698,13 +719,14 @@ def test_interpreted_stream_refills_rows_and_gives_each_prompt_its_own_continuat
 
     engine._decoder._run_step = observed
     reported = []
-    engine.progress = lambda replies, tokens: reported.append((replies, tokens))
+    engine.progress = lambda replies, tokens, decoding: reported.append((replies, tokens, decoding))
     requests = [GenerationRequest(request_id=i, prompt_ids=p, max_new_tokens=n)
                 for i, p, n in zip(ids, prompts, limits, strict=True)]
     got = engine.generate(requests, SamplingSettings(max_new_tokens=4))
     assert [r.token_ids for r in got] == expected and [r.request_id for r in got] == ids
     assert [r.finish_reason for r in got][:2] == ["length", "stop"]
-    assert sum(n for n, _ in reported) == 5 and sum(t for _, t in reported) == sum(map(len, expected))
+    assert sum(n for n, _, _ in reported) == 5 and sum(t for _, t, _ in reported) == sum(map(len, expected))
+    assert any(decoding for _, _, decoding in reported) and reported[-1][2] == 0  # rows decoding, then none
     settings = SamplingSettings(temperature=0.8, max_new_tokens=4, seed=7)
     sampled = [r.token_ids for r in engine.generate(requests, settings)]
     # A CUDA graph replays the addresses it captured: a buffer or cache rebuilt instead of updated in place would be

@@ -123,16 +123,18 @@ def _write_part(output: Path, part_id: int, rows: list[tuple[list[int], list[int
 
 
 def generate_part(engine: GenerationEngine, tokenizer: Any, spec: PartSpec,
-                  progress: Callable[[int, int, int], None] | None = None) -> dict[str, Any]:
+                  progress: Callable[[int, int, int, int], None] | None = None) -> dict[str, Any]:
     """Answer every prompt of ``spec`` turn by turn with ``engine`` and commit the part (module docstring).
 
     Turn ``t`` of every conversation of the part goes to the engine in one call (the engine batches by length);
     a turn whose prompt leaves no room under ``max_length`` ends its conversation (``turns_cut``), a first turn
     drops the prompt (``too_long``). Returns the part's record (small: counts, not tokens).
 
-    ``progress(turn, replies, generated tokens)`` is called after each batch the engine answers, where the engine
-    reports batches (a ``progress`` attribute, as :class:`~dflash.generation.transformers_engine.TransformersEngine`
-    has), so a long part shows progress before it commits.
+    ``progress(turn, replies, generated tokens, decoding)`` is called where the engine reports progress (a
+    ``progress`` attribute, as :class:`~dflash.generation.transformers_engine.TransformersEngine` has), so a long
+    part shows progress before it commits: after each batch with its replies and their tokens (final), and while a
+    batch decodes with none and ``decoding``, the tokens its replies have chosen so far (an estimate each call
+    replaces; 0 once the batch's figures are final).
     """
     started = time.perf_counter()
     settings = SamplingSettings(**spec.settings)

@@ -563,7 +563,8 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def decode(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *, temperature: float = 0.0,
-               top_p: float = 1.0, row_keys: Sequence[int] | None = None, width: int | None = None) -> list[list[int]]:
+               top_p: float = 1.0, row_keys: Sequence[int] | None = None, width: int | None = None,
+               progress: Callable[[int], None] | None = None) -> list[list[int]]:
         """Generate for up to ``rows`` prompts at once.
 
         Args:
@@ -573,6 +574,10 @@ class StaticDecoder:
             top_p: nucleus mass, (0, 1].
             row_keys: per row, the sampling key (``seed * 2**32 + request_id``); needed when temperature > 0.
             width: prompt width to left-pad to (>= the longest prompt; default the longest).
+            progress: called at each check of the rows (every ``check_every`` steps, where the host reads the device
+                anyway) with the tokens the rows have chosen so far: a row still decoding counts every token to that
+                check, a row that has ended those it had at the last check that saw it decoding (an estimate; the
+                replies returned are exact).
 
         Returns:
             Per row, the generated token ids: up to and including the first stop token, else ``max_new_tokens`` ids.
@@ -599,15 +604,17 @@ class StaticDecoder:
         steps = 0
         for first in range(0, count, fit):  # one chunk unless the memory holds fewer rows than prompts
             part = slice(first, first + fit)
+            before = sum(len(reply) for reply in replies)  # the earlier chunks' replies, final
+            chunk = None if progress is None else lambda tokens, before=before: progress(before + tokens)
             replies += self._decode_rows(prompts[part], max_new_tokens[part], temperature, top_p,
-                                         None if row_keys is None else row_keys[part], width, length, fit)
+                                         None if row_keys is None else row_keys[part], width, length, fit, chunk)
             steps += self.last_steps
         self.last_steps = steps  # every chunk's
         return replies
 
     def _decode_rows(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], temperature: float,
                      top_p: float, row_keys: Sequence[int] | None, width: int, length: int,
-                     fit: int) -> list[list[int]]:
+                     fit: int, progress: Callable[[int], None] | None = None) -> list[list[int]]:
         """:meth:`decode` of at most ``fit`` prompts on a cache of ``fit`` rows (with graphs) x ``length``."""
         count = len(prompts)
         steps = max(max_new_tokens)
@@ -641,13 +648,26 @@ class StaticDecoder:
 
         use_graph = self.cuda_graphs and not slot.graph_failed
         self.last_steps = 0
+        chosen_so_far = [0] * count  # per row, its tokens at the last check that saw it decoding (progress)
         for step in range(steps):
             chosen = self._choose(logits, temperature, top_p, keys, step)
             chosen = torch.where(done, self.pad_token_id, chosen)
             out[:, step] = chosen
             done |= torch.isin(chosen, self.stops) | (limits <= step + 1)
-            if step + 1 == steps or ((step + 1) % self.check_every == 0 and bool(done.all())):
+            if step + 1 == steps:
                 break
+            if (step + 1) % self.check_every == 0:  # the host's one read of the device between checks
+                if progress is None:
+                    if bool(done.all()):
+                        break
+                else:
+                    ended = done[:count].tolist()  # filler rows are always done
+                    if all(ended):
+                        break
+                    for row, flag in enumerate(ended):
+                        if not flag:
+                            chosen_so_far[row] = step + 1
+                    progress(sum(chosen_so_far))
             slot.tokens.copy_(chosen[:, None])
             slot.positions.add_(1)
             if step:
@@ -674,7 +694,7 @@ class StaticDecoder:
     def decode_stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *,
                       temperature: float = 0.0, top_p: float = 1.0, row_keys: Sequence[int] | None = None,
                       prompt_bucket: int = 1, prefill_tokens: int | None = None, refill_rows: int | None = None,
-                      finished: Callable[[list[int], list[list[int]]], None] | None = None) -> list[list[int]]:
+                      progress: Callable[[list[int], list[list[int]], int], None] | None = None) -> list[list[int]]:
         """Generate for any number of prompts through ``rows`` rows, each row taking the next prompt as soon as its
         reply has ended (continuous batching) instead of waiting for the longest reply of its batch.
 
@@ -691,7 +711,10 @@ class StaticDecoder:
             prefill_tokens: most padded prompt tokens per refill (default: no limit beyond ``rows``).
             refill_rows: refill once at least this many rows are free (default ``rows // 16``, at least 1; any
                 number once no row is decoding).
-            finished: called with (prompt indices, their token ids) each time replies are collected.
+            progress: called at each check of the rows (every ``check_every`` steps, where the host reads the device
+                anyway) with (prompt indices, their token ids) of the replies collected then (none, often) and the
+                tokens chosen so far by the replies still decoding (known on the host: one per step since each
+                row's prefill).
 
         Returns:
             Per prompt, in the given order, its generated token ids (as :meth:`decode`).
@@ -742,6 +765,7 @@ class StaticDecoder:
             buffer.zero_()
         slot.tokens.fill_(self.pad_token_id)
         owner = [-1] * rows  # the prompt each row decodes (-1: free)
+        admitted = [0] * rows  # the decode step at which the row's prompt was prefilled (its first token chosen)
         results: list[list[int] | None] = [None] * count
         stops = set(self.stops.tolist())
         queued = 0  # prompts taken so far
@@ -796,22 +820,24 @@ class StaticDecoder:
             starts[index] = (width - real).to(torch.int32)
             for row, prompt in zip(chosen_rows, indices, strict=False):
                 owner[row] = prompt
+                admitted[row] = step
 
         def collect() -> list[int]:
             """Store the replies of finished rows; return every free row."""
             finished_rows = [row for row, flag in enumerate(done.tolist()) if flag]
             ready = [row for row in finished_rows if owner[row] >= 0]
+            collected: list[int] = []
             if ready:
                 index = torch.tensor(ready, dtype=torch.long, device=device)
                 token_rows, ages = out[index].cpu().tolist(), age[index].tolist()
-                collected = []
                 for row, tokens, size in zip(ready, token_rows, ages, strict=True):
                     prompt = owner[row]
                     results[prompt] = _reply(tokens, min(size, max_new_tokens[prompt]), stops)
                     collected.append(prompt)
                     owner[row] = -1
-                if finished is not None:
-                    finished(collected, [results[i] for i in collected])  # type: ignore[misc]
+            if progress is not None:  # a row still decoding has chosen a token at every step since its prefill's
+                decoding = sum(1 + step - admitted[row] for row in range(rows) if owner[row] >= 0)
+                progress(collected, [results[i] for i in collected], decoding)  # type: ignore[misc]
             return finished_rows
 
         def refill() -> bool:

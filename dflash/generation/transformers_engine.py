@@ -22,12 +22,14 @@ Source followed: transformers' ``GenerationMixin.generate``, ``StaticCache``; Py
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from dflash.errors import ConfigError
 from dflash.generation.engine import GenerationRequest, GenerationResult, SamplingSettings
@@ -98,8 +100,12 @@ class TransformersEngine:
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.stop_token_ids[0])
         self.description = dict(description or {})
-        #: Called after each batch with (replies, generated tokens) when set (:func:`dflash.generation.parts.generate_part`).
-        self.progress: Callable[[int, int], None] | None = None
+        #: When set (:func:`dflash.generation.parts.generate_part`), called with ``(replies, tokens, decoding)``:
+        #: replies final since the last call and their generated tokens (exact), and the tokens chosen so far by the
+        #: replies still decoding in this :meth:`generate` call (an estimate each call replaces; 0 once they are
+        #: final). Called after each batch, and while one decodes: every step of ``generate()``, every host check of
+        #: the static decoder.
+        self.progress: Callable[[int, int, int], None] | None = None
         #: Seconds, generated tokens and (static cache) decode steps of the last :meth:`generate` call (for the
         #: stage's report and benchmarks).
         self.last_stats: dict[str, float] = {}
@@ -184,14 +190,14 @@ class TransformersEngine:
         order = self._length_order(requests)
         ordered = [requests[i] for i in order]
 
-        def finished(indices: list[int], replies: list[list[int]]) -> None:  # replies already cut at stop/limit
+        def progress(indices: list[int], replies: list[list[int]], decoding: int) -> None:  # replies cut at stop/limit
             if self.progress is not None:
-                self.progress(len(indices), sum(len(reply) for reply in replies))
+                self.progress(len(indices), sum(len(reply) for reply in replies), decoding)
 
         token_lists = self._decoder.decode_stream(
             [r.prompt_ids for r in ordered], [r.max_new_tokens for r in ordered], temperature=settings.temperature,
             top_p=settings.top_p, row_keys=self._row_keys(settings, ordered), prompt_bucket=self.prompt_bucket,
-            prefill_tokens=self.token_budget, finished=finished)
+            prefill_tokens=self.token_budget, progress=progress)
         results: list[GenerationResult | None] = [None] * len(requests)
         for index, request, tokens in zip(order, ordered, token_lists, strict=True):
             results[index] = self._result(request, tokens)
@@ -212,16 +218,18 @@ class TransformersEngine:
             for index, result in zip(batch, outputs, strict=True):
                 results[index] = result
             if self.progress is not None:
-                self.progress(len(outputs), sum(len(result.token_ids) for result in outputs))
+                self.progress(len(outputs), sum(len(result.token_ids) for result in outputs), 0)
         assert all(result is not None for result in results)
         return results, steps, fewest  # type: ignore[return-value]
 
     def _generate_batch(self, rows: list[GenerationRequest], settings: SamplingSettings) -> list[GenerationResult]:
         width = self._bucketed(max(len(r.prompt_ids) for r in rows))
+        decoding = None if self.progress is None else functools.partial(self.progress, 0, 0)
         if self._decoder is not None:
             token_lists = self._decoder.decode([r.prompt_ids for r in rows], [r.max_new_tokens for r in rows],
                                                temperature=settings.temperature, top_p=settings.top_p,
-                                               row_keys=self._row_keys(settings, rows), width=width)
+                                               row_keys=self._row_keys(settings, rows), width=width,
+                                               progress=decoding)
             return [self._result(request, tokens) for request, tokens in zip(rows, token_lists, strict=True)]
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -239,6 +247,8 @@ class TransformersEngine:
         else:
             kwargs.update(do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=0)
             torch.manual_seed(settings.seed + min(r.request_id for r in rows))
+        if decoding is not None:
+            kwargs["streamer"] = _TokenCounter([r.max_new_tokens for r in rows], self.stop_token_ids, decoding)
         output = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                                      **kwargs)
         new_tokens = output[:, width:].cpu().tolist()
@@ -256,6 +266,38 @@ class TransformersEngine:
             self._decoder.close()
             self._decoder = None
         self.model = None  # the worker plugin owns the target and frees the device
+
+
+class _TokenCounter(BaseStreamer):
+    """A ``generate()`` streamer (transformers' hook for tokens as they come) that counts the tokens the rows of a
+    batch have chosen so far and passes the count to ``report`` at every step.
+
+    ``generate()`` calls :meth:`put` once with the prompt ids, then once per decode step with that step's token of
+    every row, on the host; a row that has ended (a stop token) gets the pad token from then on, and a row past its
+    own ``max_new_tokens`` (the batch decodes to its largest) will be cut: neither is counted, so after the last step
+    the count is the batch's generated tokens as the engine's replies hold them.
+    """
+
+    def __init__(self, limits: Sequence[int], stop_token_ids: Sequence[int],
+                 report: Callable[[int], None]) -> None:
+        self.limits = torch.tensor(list(limits), dtype=torch.long)
+        self.stops = torch.tensor(list(stop_token_ids), dtype=torch.long)
+        self.open = torch.ones(len(self.limits), dtype=torch.bool)  # rows that have not chosen a stop token
+        self.report = report
+        self.steps = -1  # the first put is the prompt
+        self.tokens = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.steps += 1
+        if self.steps == 0:
+            return
+        counted = self.open & (self.limits >= self.steps)  # the rows choosing their token number `steps` now
+        self.tokens += int(counted.sum())
+        self.open = counted & ~torch.isin(value.reshape(-1), self.stops)
+        self.report(self.tokens)
+
+    def end(self) -> None:
+        pass
 
 
 def default_stop_ids(tokenizer: Any) -> list[int]:
