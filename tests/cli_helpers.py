@@ -8,6 +8,9 @@ import sys
 #: A duration as progress lines print it (``dflash.progress.short_duration``: ``42s``, ``3m10s``, ``1h06m``), for
 #: tests that match those lines whatever time the run took.
 DURATION = r"(?:\d+s|\d+m\d\ds|\d+h\d\dm)"
+#: A count or rate as progress lines print it (``dflash.progress.short_count``: ``16``, ``0.57``, ``1,098``, ``52K``,
+#: ``1.2M``), whatever the machine's speed.
+COUNT = r"(?:\d[\d,]*(?:\.\d+)?[KMG]?)"
 
 
 def main_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str]:

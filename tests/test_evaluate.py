@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from cli_helpers import DURATION
+from cli_helpers import COUNT, DURATION
 from typer.testing import CliRunner
 
 from dflash.decoding.eval_prompts import prompts_from_corpus, prompts_from_file
@@ -75,7 +75,7 @@ def test_evaluate_cli_writes_report_with_every_field(full_evaluation, export_fol
     # line every progress_interval seconds instead (batch-job logs), with rate, ETA and tau so far, and one at the
     # end, for the trained and the untrained drafter.
     assert "" not in result.output.splitlines()
-    rates = r"\d+ tokens, [\d.]+K? tok/s, [\d.]+ prompts/s"
+    rates = rf"{COUNT} tokens, {COUNT} tok/s, {COUNT} prompts/s"
     ends = [line for line in result.output.splitlines()
             if re.fullmatch(rf"evaluate .+: 2/2 prompts, {rates}, done in {DURATION}, tau [\d.]+, block size \d+", line)]
     assert len(ends) == 2, result.output

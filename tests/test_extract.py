@@ -23,7 +23,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from cli_helpers import DURATION
+from cli_helpers import COUNT, DURATION
 from rich.console import Console
 
 from dflash.cache import CacheReader, HiddenStateCache, verify_cache
@@ -732,7 +732,7 @@ def test_codec_auto_on_a_cpu_runner_is_the_default_unmeasured_and_a_resume_keeps
     assert summary["codec"] == DEFAULT_CODEC and summary["codec_choice"] == expected
     assert f"codec auto -> {DEFAULT_CODEC} ({CPU_RUNNER_REASON})" in console.file.getvalue()
     # Not a terminal: no bar; progress lines (dflash.progress.LogProgress), the last one where it ended.
-    assert re.search(rf"^extract: ([\d,]+)/\1 tokens, [\d.]+K? tokens/s, done in {DURATION}, (\d+)/\2 shards computed$",
+    assert re.search(rf"^extract: ([\d,]+)/\1 tokens, {COUNT} tokens/s, done in {DURATION}, (\d+)/\2 shards computed$",
                      console.file.getvalue(), re.M), console.file.getvalue()
     from tests.test_cache import _cli
 

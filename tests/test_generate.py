@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_helpers import DURATION
+from cli_helpers import COUNT, DURATION
 from rich.console import Console
 
 from dflash.corpus.format import open_corpus
@@ -441,10 +441,10 @@ def test_progress_in_a_log_gives_prompts_tokens_rate_and_eta(tmp_path, target, m
         server.stop()
     assert code == 0, stderr
     lines = [line for line in stderr.splitlines() if re.match(r"generate: \d/4 prompts, ", line)]
-    assert re.fullmatch(rf"generate: 4/4 prompts, \d+ tokens, [\d.]+K? tok/s, [\d.]+ prompts/s, done in {DURATION}",
+    assert re.fullmatch(rf"generate: 4/4 prompts, {COUNT} tokens, {COUNT} tok/s, {COUNT} prompts/s, done in {DURATION}",
                         lines[-1])
-    mid = [line for line in lines if re.fullmatch(r"generate: [123]/4 prompts, \d+ tokens, [\d.]+K? tok/s, "
-                                                   rf"[\d.]+ prompts/s, ETA {DURATION}", line)]
+    mid = [line for line in lines if re.fullmatch(rf"generate: [123]/4 prompts, {COUNT} tokens, {COUNT} tok/s, "
+                                                   rf"{COUNT} prompts/s, ETA {DURATION}", line)]
     assert mid, lines
     assert "━" not in stderr  # no bar drawn into the log
 
