@@ -96,7 +96,7 @@ class LogProgress(Progress):
         self._stop_lines = threading.Event()
         self._thread: threading.Thread | None = None
         self._marks: dict[Any, tuple[float, float, float]] = {}  # task -> (start time, completed, tokens)
-        self._last_lines: list[str] = []
+        self._last_state: list[tuple] = []  # what the last lines printed said, less the clock
 
     def add_task(self, description: str, *args: Any, **kwargs: Any) -> Any:
         task_id = super().add_task(description, *args, **kwargs)
@@ -119,10 +119,13 @@ class LogProgress(Progress):
                     for task in self._tasks.values() if task.visible and task.id in self._marks]
 
     def _print_lines(self, *, unless_repeated: bool = False) -> None:
-        lines = self.log_lines()
-        if unless_repeated and lines == self._last_lines:
+        with self._lock:
+            state = [(task.id, task.completed, task.total, repr(task.fields)) for task in self._tasks.values()
+                     if task.visible and task.id in self._marks]
+        if unless_repeated and state == self._last_state:  # the same counts: only the elapsed time would differ
             return
-        self._last_lines = lines
+        self._last_state = state
+        lines = self.log_lines()
         for line in lines:
             self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 

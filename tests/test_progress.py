@@ -10,7 +10,7 @@ import io
 import re
 
 import pytest
-from cli_helpers import DURATION
+from cli_helpers import COUNT, DURATION
 from rich.console import Console
 
 from dflash.errors import ConfigError
@@ -33,6 +33,27 @@ def test_a_line_gives_done_total_tokens_rates_eta_and_text_fields_from_when_the_
     assert progress.log_lines() == ["generate: 4,096/16,384 prompts, 1.2M tokens, 17K tok/s, 51 prompts/s, ETA 4m00s"]
     progress.update(task, completed=16_384)
     assert progress.log_lines()[0].endswith("prompts/s, done in 1m00s")
+
+
+def test_the_line_at_stop_is_not_the_last_line_again_a_second_later():
+    """A task that finished before the last periodic line gets no second "done in" line at stop (its elapsed time
+    alone would differ); one whose counts moved since then gets its final line."""
+    now = [0.0]
+    stream = io.StringIO()
+    with LogProgress(console=Console(file=stream), get_time=lambda: now[0], unit="prompts", interval=3600) as progress:
+        task = progress.add_task("generate", total=4, completed=0, tokens=0)
+        now[0] = 75.0
+        progress.update(task, completed=4, tokens=64)
+        progress._print_lines()  # the periodic line (its thread waits an hour here)
+        now[0] = 76.0
+    assert stream.getvalue().splitlines() == ["generate: 4/4 prompts, 64 tokens, 0.85 tok/s, 0.053 prompts/s, done in 1m15s"]
+    stream = io.StringIO()
+    with LogProgress(console=Console(file=stream), get_time=lambda: now[0], unit="prompts", interval=3600) as progress:
+        task = progress.add_task("generate", total=4, completed=0, tokens=0)
+        progress._print_lines()
+        progress.update(task, completed=4, tokens=1_098)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2 and re.fullmatch(rf"generate: 4/4 prompts, {COUNT} tokens, .+, done in 0s", lines[1]), lines
 
 
 def test_counts_durations_and_the_interval_setting():
