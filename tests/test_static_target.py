@@ -77,6 +77,9 @@ def test_static_cache_commits_what_the_dynamic_cache_commits():
     with StaticTappedTarget(model, TAPS, length_bucket=64) as static:
         assert _runs(static, model, prompts, block=6, new=40) == expected
         assert static.replays == 0 and static.eager_forwards > 0  # eager on CPU: no graph
+        # ... through the input buffers a graph would read: one per query length, as on CUDA.
+        assert sorted(static._graphs) == [(1, False), (6, True)]
+        assert all(entry.graph is None for entry in static._graphs.values())
     assert any(1 < tau < 6 for _, lengths in expected for tau in lengths)  # partial acceptances happened
     assert any(tau == 1 for _, lengths in expected[1::2] for tau in lengths)
 
