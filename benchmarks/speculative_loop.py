@@ -85,7 +85,7 @@ class WholeContextDrafter(GraphedDrafter):
         return super().draft_block(context_hidden, context_positions, block_input_ids, block_start)
 
     def _write_window(self, context_hidden, first, rows):  # nothing kept: every draft computes the whole context
-        pass
+        self._start.fill_(rows)  # the block's start, which the draft step reads
 
     def _draft(self):
         return self.drafter.draft_block_cached(self.drafter.context_keys_values(self._taps, self._positions),

@@ -165,7 +165,7 @@ class StaticTappedTarget(TappedTarget):
             with torch.inference_mode(False):  # plain tensors: written in place in and out of inference mode
                 entry = self._graphs[key] = _Graph(tokens=torch.zeros((1, q), dtype=torch.int64, device=self.device),
                                                    position=torch.zeros((), dtype=torch.int64, device=self.device))
-        entry.tokens.copy_(input_ids.reshape(1, q))
+        entry.tokens.copy_(input_ids)  # [q] into (1, q): copy_ broadcasts
         entry.position.fill_(start)
         if entry.graph is None and not (self.cuda_graphs and key not in self._failed and self._capture(key, entry)):
             self.eager_forwards += 1
