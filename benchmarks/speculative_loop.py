@@ -169,49 +169,67 @@ def _outside_graphs(tapped, drafter_for, prompt, config, device: torch.device, r
     and the set-up cancel). Counts come from one profile of each (:func:`profiling.operator_counts`: top-level
     calls by name, those launching CUDA work, syncs, ``.tolist()`` reads, ``torch.tensor(device=...)`` writes);
     the wall time outside the parts from ``repeats`` unprofiled runs of each (the least, the host's noise being
-    all upward): the decode loop's seconds less the parts' own (the prefill's excluded)."""
+    all upward): the decode loop's seconds less the parts' own (the prefill's excluded). On CPU torch runs one
+    thread meanwhile: the host's work outside is one thread's anyway, and on shared cores a forward's threads
+    waiting for each other made the figure noise."""
     configs = (dataclasses.replace(config, max_new_tokens=max(config.max_new_tokens // 2, 1)), config)
     cycles, counts, outside_s = [], [], []
-    for chosen in configs:
-        drafter = drafter_for(0)
-        with _wrapped(_captured_parts(tapped, drafter), lambda fn, _: marked(fn, CAPTURED)), host_transfers():
-            result, prof = profiled(lambda d=drafter, c=chosen: speculative_generate(tapped, d, prompt, c), device)
-        cycles.append(result.num_cycles)
-        counts.append(operator_counts(prof, CAPTURED))
-        runs = []
-        for _ in range(repeats):
-            drafter, spent = drafter_for(0), ([], [])  # the target's calls, the drafter's
-
-            def timer(fn, index, spent=spent):
-                def call(*args, **kwargs):
-                    started = time.perf_counter()
-                    try:
-                        return fn(*args, **kwargs)
-                    finally:
-                        spent[min(index, 1)].append(time.perf_counter() - started)
-
-                return call
-
-            with _wrapped(_captured_parts(tapped, drafter), timer):
-                result = speculative_generate(tapped, drafter, prompt, chosen)
-            runs.append(result.decode_seconds - sum(spent[0][1:]) - sum(spent[1]))  # spent[0][0]: the prefill
-        outside_s.append(min(runs))
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        for chosen in configs:
+            _outside_pass(tapped, drafter_for, prompt, chosen, device, repeats, cycles, counts, outside_s)
+    finally:
+        torch.set_num_threads(threads)
     per = max(cycles[1] - cycles[0], 1)
     names = sorted(set(counts[0]["outside"]) | set(counts[1]["outside"]))
     by_name = {name: (counts[1]["outside"].get(name, 0) - counts[0]["outside"].get(name, 0)) / per for name in names}
     figures = {key: (counts[1][key] - counts[0][key]) / per
-               for key in ("outside_all", "launches_outside", "syncs_outside", "reads_outside", "writes_outside")}
+               for key in ("outside_all", "launches_outside", "syncs_outside", "reads_outside", "writes_outside",
+                           "launches_inside")}
     figures |= {"operators_outside": sum(by_name.values()), "by_name": {k: v for k, v in by_name.items() if v},
                 "outside_ms": 1000 * (outside_s[1] - outside_s[0]) / per, "cycles": cycles}
     top = sorted(figures["by_name"].items(), key=lambda item: (-item[1], item[0]))
     figures["summary"] = (
         f"outside the captured steps, per step: {figures['operators_outside']:.1f} operator calls "
         f"({figures['launches_outside']:.1f} launching CUDA work), {figures['syncs_outside'] + figures['reads_outside']:.1f} "
-        f"host-device syncs ({figures['syncs_outside']:.1f} .item(), {figures['reads_outside']:.1f} .tolist()), "
+        f"host-device syncs ({figures['syncs_outside']:.1f} .item() or data-dependent, {figures['reads_outside']:.1f} .tolist()), "
         f"{figures['writes_outside']:.1f} host-to-device tensors; {figures['outside_ms']:.3f} ms wall "
         f"({'CUDA' if device.type == 'cuda' else 'CPU, eager arithmetic included'}); "
-        + ", ".join(f"{name.removeprefix('aten::')} x{count:g}" for name, count in top))
+        # Replayed graphs record no operator: inside counts only where the captured parts ran eagerly (CPU).
+        + (f"inside the captured steps {figures['launches_inside']:.0f} calls launching CUDA work (run eagerly "
+           f"here; about what the graphs hold); " if figures["launches_inside"] else "")
+        + "outside by name: " + ", ".join(f"{name.removeprefix('aten::')} x{count:g}" for name, count in top))
     return figures
+
+
+def _outside_pass(tapped, drafter_for, prompt, config, device, repeats, cycles, counts, outside_s) -> None:
+    """One generation of :func:`_outside_graphs`: its cycles, operator counts and least wall seconds outside the
+    captured parts, appended to the lists."""
+    drafter = drafter_for(0)
+    with _wrapped(_captured_parts(tapped, drafter), lambda fn, _: marked(fn, CAPTURED)), host_transfers():
+        result, prof = profiled(lambda: speculative_generate(tapped, drafter, prompt, config), device)
+    cycles.append(result.num_cycles)
+    counts.append(operator_counts(prof, CAPTURED))
+    runs = []
+    for _ in range(repeats):
+        drafter, spent = drafter_for(0), ([], [])  # the target's calls, the drafter's
+
+        def timer(fn, index, spent=spent):
+            def call(*args, **kwargs):
+                started = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    spent[min(index, 1)].append(time.perf_counter() - started)
+
+            return call
+
+        with _wrapped(_captured_parts(tapped, drafter), timer):
+            result = speculative_generate(tapped, drafter, prompt, config)
+        runs.append(result.decode_seconds - sum(spent[0][1:]) - sum(spent[1]))  # spent[0][0]: the prefill
+    outside_s.append(min(runs))
 
 
 def main() -> None:
