@@ -15,7 +15,10 @@
   marked with a ``record_function`` label (:func:`marked`: e.g. every ``TargetRunner.forward``), top-level calls
   (those the Python code makes, not the ones they make in turn) and all, with the calls that make a CUDA host
   wait for the device (:data:`SYNC_OPERATORS`); on CPU the same Python code calls the same operators, so the
-  counts of what a GPU host issues are read on CPU.
+  counts of what a GPU host issues are read on CPU. It also counts the top-level calls that launch work on a CUDA
+  device (every one but those of :data:`NO_KERNEL_OPERATORS`: views, allocations, no-op conversions) and, within
+  :func:`host_transfers`, the ``.tolist()`` reads and ``torch.tensor(..., device=...)`` creations, which a CUDA
+  host pays as copies (and a wait, for a read) but CPU runs as no operator at all.
 
 Used by ``benchmarks/speculative_loop.py --profile`` and ``benchmarks/online.py`` (``--profile`` and its allocator
 lines).
@@ -24,7 +27,8 @@ lines).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -42,6 +46,21 @@ ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries"
 #: data (``nonzero``, and boolean indexing through it). Device-to-host copies and ``.tolist()`` of a device tensor
 #: are CUDA's only (on CPU they are no copy at all): :data:`RUNTIME_CALLS` counts those.
 SYNC_OPERATORS = ("aten::_local_scalar_dense", "aten::nonzero")
+
+#: ``aten::`` operators that launch no kernel on a CUDA device: views and reshapes, metadata, allocations, and the
+#: conversions that return their input (``aten::to`` to the same dtype and device calls nothing underneath, one
+#: that converts calls ``_to_copy``, counted by its callee).
+NO_KERNEL_OPERATORS = frozenset(f"aten::{name}" for name in (
+    "alias", "as_strided", "detach", "detach_", "empty", "empty_like", "empty_strided", "expand", "lift_fresh",
+    "narrow", "permute", "reshape", "_reshape_alias", "resolve_conj", "resolve_neg", "select", "slice", "split",
+    "squeeze", "t", "to", "transpose", "unbind", "unflatten", "unsqueeze", "view", "_unsafe_view", "contiguous",
+    "item", "_local_scalar_dense", "result_type"))
+
+#: ``record_function`` labels of the host transfers :func:`host_transfers` marks: a device tensor read on the host
+#: (``.tolist()``: a device-to-host copy and a wait for the device on CUDA) and a tensor made from host values on a
+#: device (``torch.tensor(..., device=...)``: a host-to-device copy on CUDA).
+HOST_READ = "host read: Tensor.tolist"
+HOST_WRITE = "host write: torch.tensor(device=...)"
 
 _SUFFIX = re.compile(r"(_v\d+|_ptsz|_ptds)+$")  # cudaMemcpyAsync_v3020, cudaMemcpyAsync_ptsz: the same call
 _LAUNCH = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel)")
@@ -99,29 +118,67 @@ def marked(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
     return call
 
 
+@contextmanager
+def host_transfers() -> Iterator[None]:
+    """Within: every ``Tensor.tolist()`` call inside a ``record_function`` range named :data:`HOST_READ`, every
+    ``torch.tensor(..., device=...)`` call inside one named :data:`HOST_WRITE` (for :func:`operator_counts`; they
+    are the methods of ``torch``, so every module's calls are seen)."""
+    tolist, tensor = torch.Tensor.tolist, torch.tensor
+
+    def read(self: torch.Tensor) -> Any:
+        with torch.profiler.record_function(HOST_READ):
+            return tolist(self)
+
+    def write(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is None:
+            return tensor(*args, **kwargs)
+        with torch.profiler.record_function(HOST_WRITE):
+            return tensor(*args, **kwargs)
+
+    torch.Tensor.tolist, torch.tensor = read, write
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist, torch.tensor = tolist, tensor
+
+
 def operator_counts(prof: Any, label: str) -> dict[str, Any]:
     """The ``aten::`` operator calls of a profile, by name, inside the ``record_function`` ranges named ``label``
     (:func:`marked`) and outside them: ``inside`` and ``outside`` (top-level calls per name: the ones Python code
     makes, whose own calls are not counted again), ``inside_all`` and ``outside_all`` (every call, nested ones
-    included), ``syncs_inside`` and ``syncs_outside`` (calls of :data:`SYNC_OPERATORS`, nested ones included) and
-    ``ranges`` (how many ``label`` ranges). The profile's own thread only (:func:`profiled`)."""
+    included), ``launches_inside`` and ``launches_outside`` (top-level calls that launch work on a CUDA device:
+    those with a call outside :data:`NO_KERNEL_OPERATORS` in them, themselves included), ``syncs_inside`` and
+    ``syncs_outside`` (calls of :data:`SYNC_OPERATORS`, nested ones included), ``reads_inside`` / ``reads_outside``
+    and ``writes_inside`` / ``writes_outside`` (the :data:`HOST_READ` and :data:`HOST_WRITE` ranges of
+    :func:`host_transfers`) and ``ranges`` (how many ``label`` ranges). The profile's own thread only
+    (:func:`profiled`)."""
     inside: dict[str, int] = {}
     outside: dict[str, int] = {}
-    totals = {"inside_all": 0, "outside_all": 0, "syncs_inside": 0, "syncs_outside": 0, "ranges": 0}
+    totals = dict.fromkeys(("inside_all", "outside_all", "launches_inside", "launches_outside", "syncs_inside",
+                            "syncs_outside", "reads_inside", "reads_outside", "writes_inside", "writes_outside",
+                            "ranges"), 0)  # fmt: skip
+    launching: set[int] = set()  # ids of the top-level calls with a kernel-launching call in them
     for event in prof.events():
         if event.name == label:
             totals["ranges"] += 1
-        if not event.name.startswith("aten::"):
+        transfer = {HOST_READ: "reads", HOST_WRITE: "writes"}.get(event.name)
+        if not event.name.startswith("aten::") and transfer is None:
             continue
-        in_range, top_level, parent = False, True, event.cpu_parent
+        in_range, top, parent = False, event, event.cpu_parent
         while parent is not None:
             in_range = in_range or parent.name == label
-            top_level = top_level and not parent.name.startswith("aten::")
+            top = parent if parent.name.startswith("aten::") else top
             parent = parent.cpu_parent
         where = "inside" if in_range else "outside"
+        if transfer is not None:
+            totals[f"{transfer}_{where}"] += 1
+            continue
         totals[f"{where}_all"] += 1
         totals[f"syncs_{where}"] += event.name in SYNC_OPERATORS
-        if top_level:
+        if event.name not in NO_KERNEL_OPERATORS and id(top) not in launching:
+            launching.add(id(top))
+            totals[f"launches_{where}"] += 1
+        if top is event:
             counts = inside if in_range else outside
             counts[event.name] = counts.get(event.name, 0) + 1
     return {"inside": inside, "outside": outside, **totals}

@@ -18,21 +18,32 @@ it); ``whole`` computes every context row's again at each draft, captured the sa
 kept whole`` at a long ``--prompt-tokens`` shows what keeping them saves per cycle.
 Each setting runs once cold (graph capture, allocator) and ``--repeats`` times; the median is printed, with the
 ratio of each cache to the first and whether its tokens equal the first's (greedy, same dtype: they should).
+
+``--profile`` then profiles one prompt of each loop (wall against device-busy time per step, the costliest
+kernels) and counts the host's work per cycle (per token at block size 1) OUTSIDE what CUDA graphs capture (the
+static target's forward body, the kept-context drafter's write and draft steps; on the dynamic cache the model's
+forward, and a drafter that is not graphed drafts as a whole): operator calls by name, those that launch work on a
+CUDA device, host-device synchronizations (``.item()``, ``.tolist()``) and host-to-device tensors, and the wall
+time outside those parts (without the profiler). The same Python runs the same operators on CPU, where the captured
+parts run eagerly, so the counts are read on CPU as well (the wall time there includes CPU arithmetic a GPU would do).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extract import RANDOM_TARGETS, build_target  # noqa: E402  (the benchmarks' shared random-target builder)
-from profiling import profiled, summarize  # noqa: E402  (the benchmarks' shared profiler summary)
+from profiling import host_transfers, marked, operator_counts, profiled, summarize  # noqa: E402  (shared profiling)
 
 from dflash.decoding.drafter_cache import GraphedDrafter  # noqa: E402
 from dflash.decoding.speculative import SpeculativeConfig, TappedTarget, speculative_generate  # noqa: E402
@@ -74,7 +85,7 @@ class WholeContextDrafter(GraphedDrafter):
         return super().draft_block(context_hidden, context_positions, block_input_ids, block_start)
 
     def _write_window(self, context_hidden, first, rows):  # nothing kept: every draft computes the whole context
-        pass
+        self._start.fill_(rows)  # the block's start, which the draft step reads
 
     def _draft(self):
         return self.drafter.draft_block_cached(self.drafter.context_keys_values(self._taps, self._positions),
@@ -120,6 +131,105 @@ def _profile(tapped, drafter_for, prompts, config, device: torch.device) -> dict
             + "; ".join(f"{name} x{count} {ms:.3f} ms" for name, count, ms in top_rows))
     return {"wall_ms_per_step": wall, "busy_ms_per_step": busy, "per_step": summary["calls"] / per,
             "top": top_rows, "summary": line}
+
+
+#: The ``record_function`` label around what CUDA graphs capture (``--profile`` counts what runs outside it).
+CAPTURED = "captured step"
+
+
+def _captured_parts(tapped, drafter) -> list[tuple[object, str]]:
+    """``(object, method name)`` of what a CUDA graph captures on CUDA: the static target's forward body and the
+    kept-context drafter's write and draft steps; on the dynamic cache the model's forward (eager: nothing is
+    captured, the forward is what the loop calls), and a drafter's ``draft_block`` where it is not graphed."""
+    parts = [(tapped, "_body") if isinstance(tapped, StaticTappedTarget) else (tapped.model, "forward")]
+    if isinstance(drafter, GraphedDrafter):
+        parts += [(drafter, "_write"), (drafter, "_draft")]
+    elif drafter is not None:
+        parts.append((drafter, "draft_block"))
+    return parts
+
+
+@contextmanager
+def _wrapped(parts: list[tuple[object, str]], wrap):
+    """Each part's method replaced on its instance by ``wrap(method, index)`` (index 0: the target's), restored
+    after."""
+    for index, (owner, name) in enumerate(parts):
+        setattr(owner, name, wrap(getattr(owner, name), index))
+    try:
+        yield
+    finally:
+        for owner, name in parts:
+            delattr(owner, name)  # the class's method again
+
+
+def _outside_graphs(tapped, drafter_for, prompt, config, device: torch.device, repeats: int) -> dict:
+    """The host's work per cycle outside what CUDA graphs capture (:func:`_captured_parts`), from two generations of
+    ``prompt``, half of ``max_new_tokens`` and all of it (within the capacity the caches were sized for): their
+    difference over their cycles' difference is exactly a cycle's work (the prefill, the prompt's drafter windows
+    and the set-up cancel). Counts come from one profile of each (:func:`profiling.operator_counts`: top-level
+    calls by name, those launching CUDA work, syncs, ``.tolist()`` reads, ``torch.tensor(device=...)`` writes);
+    the wall time outside the parts from ``repeats`` unprofiled runs of each (the least, the host's noise being
+    all upward): the decode loop's seconds less the parts' own (the prefill's excluded). On CPU torch runs one
+    thread meanwhile: the host's work outside is one thread's anyway, and on shared cores a forward's threads
+    waiting for each other made the figure noise."""
+    configs = (dataclasses.replace(config, max_new_tokens=max(config.max_new_tokens // 2, 1)), config)
+    cycles, counts, outside_s = [], [], []
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        for chosen in configs:
+            _outside_pass(tapped, drafter_for, prompt, chosen, device, repeats, cycles, counts, outside_s)
+    finally:
+        torch.set_num_threads(threads)
+    per = max(cycles[1] - cycles[0], 1)
+    names = sorted(set(counts[0]["outside"]) | set(counts[1]["outside"]))
+    by_name = {name: (counts[1]["outside"].get(name, 0) - counts[0]["outside"].get(name, 0)) / per for name in names}
+    figures = {key: (counts[1][key] - counts[0][key]) / per
+               for key in ("outside_all", "launches_outside", "syncs_outside", "reads_outside", "writes_outside",
+                           "launches_inside")}
+    figures |= {"operators_outside": sum(by_name.values()), "by_name": {k: v for k, v in by_name.items() if v},
+                "outside_ms": 1000 * (outside_s[1] - outside_s[0]) / per, "cycles": cycles}
+    top = sorted(figures["by_name"].items(), key=lambda item: (-item[1], item[0]))
+    figures["summary"] = (
+        f"outside the captured steps, per step: {figures['operators_outside']:.1f} operator calls "
+        f"({figures['launches_outside']:.1f} launching CUDA work), {figures['syncs_outside'] + figures['reads_outside']:.1f} "
+        f"host-device syncs ({figures['syncs_outside']:.1f} .item() or data-dependent, {figures['reads_outside']:.1f} .tolist()), "
+        f"{figures['writes_outside']:.1f} host-to-device tensors; {figures['outside_ms']:.3f} ms wall "
+        f"({'CUDA' if device.type == 'cuda' else 'CPU, eager arithmetic included'}); "
+        # Replayed graphs record no operator: inside counts only where the captured parts ran eagerly (CPU).
+        + (f"inside the captured steps {figures['launches_inside']:.0f} calls launching CUDA work (run eagerly "
+           f"here; about what the graphs hold); " if figures["launches_inside"] else "")
+        + "outside by name: " + ", ".join(f"{name.removeprefix('aten::')} x{count:g}" for name, count in top))
+    return figures
+
+
+def _outside_pass(tapped, drafter_for, prompt, config, device, repeats, cycles, counts, outside_s) -> None:
+    """One generation of :func:`_outside_graphs`: its cycles, operator counts and least wall seconds outside the
+    captured parts, appended to the lists."""
+    drafter = drafter_for(0)
+    with _wrapped(_captured_parts(tapped, drafter), lambda fn, _: marked(fn, CAPTURED)), host_transfers():
+        result, prof = profiled(lambda: speculative_generate(tapped, drafter, prompt, config), device)
+    cycles.append(result.num_cycles)
+    counts.append(operator_counts(prof, CAPTURED))
+    runs = []
+    for _ in range(repeats):
+        drafter, spent = drafter_for(0), ([], [])  # the target's calls, the drafter's
+
+        def timer(fn, index, spent=spent):
+            def call(*args, **kwargs):
+                started = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    spent[min(index, 1)].append(time.perf_counter() - started)
+
+            return call
+
+        with _wrapped(_captured_parts(tapped, drafter), timer):
+            result = speculative_generate(tapped, drafter, prompt, config)
+        runs.append(result.decode_seconds - sum(spent[0][1:]) - sum(spent[1]))  # spent[0][0]: the prefill
+    outside_s.append(min(runs))
 
 
 def main() -> None:
@@ -197,6 +307,8 @@ def main() -> None:
                 if args.profile:
                     row["profile"] = _profile(tapped, chosen, prompts[:1], config, device)
                     print(f"{'':8s} {'':58s} {row['profile']['summary']}", flush=True)
+                    row["outside_graphs"] = _outside_graphs(tapped, chosen, prompts[0], config, device, max(args.repeats, 5))
+                    print(f"{'':8s} {'':58s} {row['outside_graphs']['summary']}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
 

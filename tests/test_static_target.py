@@ -77,8 +77,37 @@ def test_static_cache_commits_what_the_dynamic_cache_commits():
     with StaticTappedTarget(model, TAPS, length_bucket=64) as static:
         assert _runs(static, model, prompts, block=6, new=40) == expected
         assert static.replays == 0 and static.eager_forwards > 0  # eager on CPU: no graph
+        # ... through the input buffers a graph would read: one per query length, as on CUDA.
+        assert sorted(static._graphs) == [(1, False), (6, True)]
+        assert all(entry.graph is None for entry in static._graphs.values())
     assert any(1 < tau < 6 for _, lengths in expected for tau in lengths)  # partial acceptances happened
     assert any(tau == 1 for _, lengths in expected[1::2] for tau in lengths)
+
+
+def test_a_greedy_cycle_reads_the_device_once(monkeypatch):
+    """Each greedy cycle of the loop (block size 1 and a kept-context drafter's) reads the device once (one
+    ``.tolist()``: on CUDA one copy and one wait) and makes no tensor from host values (on CUDA a host-to-device
+    copy): the anchor is filled in, acceptance is decided on the host from that one read."""
+    model = _llama()
+    drafter = GraphedDrafter(_tiny_drafter(model), capacity=64)
+    prompt = _prompts()[2]
+    reads, made = [], []
+    for name in ("tolist", "item"):
+        method = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, method=method, name=name: reads.append(name) or method(self))
+    make = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *args, **kwargs: ("device" in kwargs and made.append(kwargs["device"]))
+                        or make(*args, **kwargs))  # fmt: skip
+    with StaticTappedTarget(model, TAPS, length_bucket=64) as static:
+        for size, drafting in ((1, None), (6, drafter)):
+            reads.clear(), made.clear()
+            config = SpeculativeConfig(block_size=size, max_new_tokens=12, mask_token_id=0)
+            result = speculative_generate(static, drafting, prompt, config)
+            # The prefill's token (.item()), one read per cycle, the prompt returned (.tolist()); the prefill's
+            # start position is the only tensor made on the device.
+            assert result.num_cycles > 1
+            assert reads == ["item", *["tolist"] * result.num_cycles, "tolist"]
+            assert made == [static.device]
 
 
 def test_capacity_and_attention_are_checked():

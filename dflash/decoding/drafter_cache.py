@@ -69,8 +69,9 @@ class GraphedDrafter(torch.nn.Module):
         # cycle, which an inference tensor refuses outside that mode (see _allocate).
         with torch.inference_mode(False):
             self._positions = torch.arange(self.capacity, device=self.device)
+            # The end of the window being written, then the block's start: the write step's rows end there, the
+            # draft step's block starts there (one fill per cycle serves both).
             self._start = torch.zeros((), dtype=torch.int64, device=self.device)
-            self._window_start = torch.zeros((), dtype=torch.int64, device=self.device)
         self._window: torch.Tensor | None = None  # [B, n*H] taps of the rows being written
         self._block: torch.Tensor | None = None
         self._keys_values: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, [capacity, kv, D]
@@ -105,10 +106,9 @@ class GraphedDrafter(torch.nn.Module):
         while rows - self._written > size:  # more new rows than one window: a prompt, window after window
             self._write_window(context_hidden, self._written, rows)
             self._written += size
-        self._write_window(context_hidden, max(0, rows - size), rows)
+        self._write_window(context_hidden, max(0, rows - size), rows)  # leaves _start at rows, the block's start
         self._written = rows
         self._block.copy_(block_input_ids)
-        self._start.fill_(rows)
         logits, replayed = self._run("draft", self._draft)
         self.replays += replayed
         self.eager_drafts += not replayed
@@ -130,17 +130,20 @@ class GraphedDrafter(torch.nn.Module):
 
     def _write_window(self, context_hidden: torch.Tensor, first: int, rows: int) -> None:
         """Write the keys and values of the window of rows ``first .. first + B - 1`` (those from ``rows`` on are
-        zeros here, overwritten once accepted)."""
+        zeros here, overwritten once accepted); ``_start`` is left at the window's last row to write + 1."""
         window = self._window
         count = min(rows, first + window.shape[0]) - first
         window[:count].copy_(context_hidden[first : first + count])
         if count < window.shape[0]:
             window[count:].zero_()
-        self._window_start.fill_(first)
+        self._start.fill_(first + count)
         self._run("write", self._write)
 
     def _write(self) -> None:
-        positions = self._window_start + self._positions[: self._window.shape[0]]
+        # The window's first row: B rows before its end, or row 0 while fewer than B rows are written (a prompt
+        # shorter than a block: ``first + count`` is then ``rows`` < B).
+        size = self._window.shape[0]
+        positions = (self._start - size).clamp_min(0) + self._positions[:size]
         new = self.drafter.context_keys_values(self._window, positions)
         for kept, computed in zip(self._keys_values, new, strict=True):
             for buffer, rows in zip(kept, computed, strict=True):

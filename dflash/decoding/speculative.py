@@ -392,45 +392,56 @@ def speculative_generate(
     prefill_seconds = time.perf_counter() - started
 
     position = prompt.numel()  # position of output[-1], the next anchor; the target has run every position before it
-    context_hidden = context_positions = mask_block = None
+    greedy = config.temperature == 0.0
+    # A cycle's token ids live in device buffers written in place, so no cycle makes a tensor from host values
+    # and a greedy cycle reads the device once: row 0 of ``tokens`` is the verify block [anchor, d_1 .. d_{B-1}],
+    # row 1 the target's argmax after each of its tokens; the drafter's block is [anchor, MASK x (B-1)].
+    tokens = torch.zeros((2, block_size), dtype=torch.int64, device=device)
+    verify_ids, target_tokens = tokens[0], tokens[1]
+    anchor_slot, draft_slots = verify_ids[:1], verify_ids[1:]
+    context_hidden = context_positions = block_input_ids = block_anchor = None
     if drafting:
         drafter_dtype = next(drafter.parameters()).dtype if isinstance(drafter, torch.nn.Module) else taps.dtype
         capacity = position + config.max_new_tokens + block_size
         context_hidden = torch.empty(capacity, taps.shape[-1], dtype=drafter_dtype, device=device)
         context_hidden[:position] = taps
         context_positions = torch.arange(capacity, device=device)
-        mask_block = torch.full((block_size,), int(config.mask_token_id), dtype=torch.int64, device=device)
+        block_input_ids = torch.full((block_size,), int(config.mask_token_id), dtype=torch.int64, device=device)
+        block_anchor = block_input_ids[:1]
 
     acceptance_lengths: list[int] = []
     finish_reason: Literal["length", "stop"] = "stop" if output[-1] in stop else "length"
     started = time.perf_counter()
     while len(output) < config.max_new_tokens and finish_reason != "stop":
-        anchor = torch.tensor([output[-1]], dtype=torch.int64, device=device)
+        anchor_slot.fill_(output[-1])  # a fill takes the host's value as an argument: no copy, no wait
+        draft_probs = None
         if drafting:
-            block_input_ids = mask_block.clone()
-            block_input_ids[0] = anchor[0]
+            block_anchor.fill_(output[-1])
             draft_logits = drafter.draft_block(
                 context_hidden[:position], context_positions[:position], block_input_ids, position
-            )[1:].float()
-            if config.temperature == 0.0:
-                draft_tokens = draft_logits.argmax(dim=-1)
-                draft_probs = None
+            )[1:]
+            if greedy:  # no float32 upcast: an exact one could not move the argmax
+                torch.argmax(draft_logits, dim=-1, out=draft_slots)
             else:
-                draft_probs = torch.softmax(draft_logits / config.temperature, dim=-1)
-                draft_tokens = torch.multinomial(draft_probs, 1, generator=generator).reshape(-1)
-            verify_ids = torch.cat([anchor, draft_tokens])
-        else:
-            draft_tokens = anchor[:0]
-            draft_probs = None
-            verify_ids = anchor
+                draft_probs = torch.softmax(draft_logits.float() / config.temperature, dim=-1)
+                draft_slots.copy_(torch.multinomial(draft_probs, 1, generator=generator).reshape(-1))
         target_logits, taps = tapped.forward(verify_ids, position, cache)
-        if config.temperature == 0.0:
-            accepted, next_token = verify_greedy(draft_tokens, target_logits)
+        if greedy:
+            # verify_greedy's acceptance on the host, from the cycle's one read of the device: the longest prefix
+            # of drafts equal to the target's argmax, then the argmax after it; the committed tokens are the
+            # target's argmax at the anchor and at every accepted draft.
+            torch.argmax(target_logits, dim=-1, out=target_tokens)
+            drafted, targets = tokens.tolist()
+            accepted = 0
+            while accepted < block_size - 1 and drafted[accepted + 1] == targets[accepted]:
+                accepted += 1
+            committed = targets[: accepted + 1]
         else:
             target_probs = torch.softmax(target_logits / config.temperature, dim=-1)
             if draft_probs is None:
                 draft_probs = target_probs[:0]
-            accepted, next_token = verify_sampled(draft_tokens, draft_probs, target_probs, generator)
+            accepted, next_token = verify_sampled(draft_slots, draft_probs, target_probs, generator)
+            committed = [*draft_slots[:accepted].tolist(), next_token]
         rejected = block_size - 1 - accepted
         if rejected:
             cache.crop(-rejected)  # negative = tokens to remove, in every transformers 5.x
@@ -438,7 +449,7 @@ def speculative_generate(
             context_hidden[position : position + accepted + 1] = taps[: accepted + 1]
         position += accepted + 1
         acceptance_lengths.append(accepted + 1)
-        for token in [*draft_tokens[:accepted].tolist(), next_token]:
+        for token in committed:
             output.append(int(token))
             if token in stop:
                 finish_reason = "stop"

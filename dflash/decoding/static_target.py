@@ -58,7 +58,8 @@ def static_cache_supported(model: torch.nn.Module) -> bool:
 
 @dataclass
 class _Graph:
-    """One captured forward: its input buffers, its outputs (valid until the next replay) and the graph."""
+    """One query length's forward after a prompt: its input buffers, and where it is captured its outputs (valid
+    until the next replay) and the graph (None where it runs eagerly)."""
 
     tokens: torch.Tensor  # (1, q) int64
     position: torch.Tensor  # () int64: the cache position of tokens[0, 0]
@@ -151,23 +152,24 @@ class StaticTappedTarget(TappedTarget):
         if start + q > self._length:
             raise ValueError(f"positions {start}..{start + q - 1} run past the static cache of {self._length}; "
                              "give new_cache the generation's capacity")
-        key = (q, self.capture)
-        graphed = self.cuda_graphs and start > 0 and key not in self._failed
-        if not graphed:
+        if start == 0:  # a prompt: its length changes from prompt to prompt, so it never has a graph
             buffers = _Graph(tokens=input_ids.reshape(1, q),
                              position=torch.tensor(start, dtype=torch.int64, device=self.device))
             self.eager_forwards += 1
             return self._body(buffers)
+        # Every later forward goes through its query length's input buffers, replayed or not: without CUDA the
+        # same copies run as with it, then the same body eagerly.
+        key = (q, self.capture)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = _Graph(tokens=torch.zeros((1, q), dtype=torch.int64, device=self.device),
-                           position=torch.zeros((), dtype=torch.int64, device=self.device))
-        entry.tokens.copy_(input_ids.reshape(1, q))
+            with torch.inference_mode(False):  # plain tensors: written in place in and out of inference mode
+                entry = self._graphs[key] = _Graph(tokens=torch.zeros((1, q), dtype=torch.int64, device=self.device),
+                                                   position=torch.zeros((), dtype=torch.int64, device=self.device))
+        entry.tokens.copy_(input_ids)  # [q] into (1, q): copy_ broadcasts
         entry.position.fill_(start)
-        if entry.graph is None:
-            if not self._capture(key, entry):
-                self.eager_forwards += 1
-                return self._body(entry)
+        if entry.graph is None and not (self.cuda_graphs and key not in self._failed and self._capture(key, entry)):
+            self.eager_forwards += 1
+            return self._body(entry)
         entry.graph.replay()
         self.replays += 1
         return entry.logits, entry.taps
@@ -200,7 +202,6 @@ class StaticTappedTarget(TappedTarget):
             torch.cuda.synchronize(self.device)
             return False
         entry.graph = graph
-        self._graphs[key] = entry
         return True
 
     def close(self) -> None:
