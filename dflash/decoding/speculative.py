@@ -287,10 +287,18 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
         ``(accepted, next_token)``: the longest prefix of drafts equal to the target's argmax, and the target's
         argmax right after it (the bonus / correction token).
     """
-    target_tokens = target_logits.argmax(dim=-1)
-    matches = (draft_tokens == target_tokens[: draft_tokens.numel()]).to(torch.int64)
-    accepted = int(matches.cumprod(dim=0).sum().item()) if matches.numel() else 0
-    return accepted, int(target_tokens[accepted].item())
+    targets = target_logits.argmax(dim=-1).tolist()
+    accepted = _accepted_prefix(draft_tokens.tolist(), targets)
+    return accepted, targets[accepted]
+
+
+def _accepted_prefix(drafts: Sequence[int], targets: Sequence[int]) -> int:
+    """Greedy acceptance on the host: how many of ``drafts`` (d_1..d_k) equal the target's argmax ``targets`` at the
+    anchor and after each draft (``k + 1`` ids), counted from the first until one differs."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return accepted
 
 
 def verify_sampled(
@@ -427,14 +435,11 @@ def speculative_generate(
                 draft_slots.copy_(torch.multinomial(draft_probs, 1, generator=generator).reshape(-1))
         target_logits, taps = tapped.forward(verify_ids, position, cache)
         if greedy:
-            # verify_greedy's acceptance on the host, from the cycle's one read of the device: the longest prefix
-            # of drafts equal to the target's argmax, then the argmax after it; the committed tokens are the
-            # target's argmax at the anchor and at every accepted draft.
+            # verify_greedy from the cycle's one read of the device; the committed tokens are the target's argmax
+            # at the anchor and at every accepted draft.
             torch.argmax(target_logits, dim=-1, out=target_tokens)
             drafted, targets = tokens.tolist()
-            accepted = 0
-            while accepted < block_size - 1 and drafted[accepted + 1] == targets[accepted]:
-                accepted += 1
+            accepted = _accepted_prefix(drafted[1:], targets)
             committed = targets[: accepted + 1]
         else:
             target_probs = torch.softmax(target_logits / config.temperature, dim=-1)
