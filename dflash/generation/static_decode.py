@@ -657,13 +657,10 @@ class StaticDecoder:
             if step + 1 == steps:
                 break
             if (step + 1) % self.check_every == 0:  # the host's one read of the device between checks
-                if progress is None:
-                    if bool(done.all()):
-                        break
-                else:
-                    ended = done[:count].tolist()  # filler rows are always done
-                    if all(ended):
-                        break
+                ended = done[:count].tolist()  # filler rows are always done
+                if all(ended):
+                    break
+                if progress is not None:
                     for row, flag in enumerate(ended):
                         if not flag:
                             chosen_so_far[row] = step + 1
