@@ -161,6 +161,10 @@ class GenerateConfig:
             raise ConfigError(f"max_length must be >= 2, got {self.max_length}")
         if self.part_size < 1:
             raise ConfigError(f"part_size must be >= 1, got {self.part_size}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.prefill_tokens < 1:
+            raise ConfigError(f"prefill_tokens must be >= 1, got {self.prefill_tokens}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ConfigError(f"max_prompts must be >= 1, got {self.max_prompts}")
         if self.max_prompt_bytes < 1:

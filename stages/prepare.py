@@ -332,6 +332,10 @@ def _parse_json_documents(path: Path) -> list[_Document]:
             documents.append(_Document("chat", sample_id, where, normalize_messages(record, where=where), document_id))
         elif isinstance(record.get("text"), str):
             documents.append(_Document("text", sample_id, where, record["text"], document_id))
+        elif "text" in record:
+            kind = "null" if record["text"] is None else type(record["text"]).__name__
+            raise CorpusError(f"{where}: 'text' is {kind}, expected a string; "
+                              "give the document's text, or leave the row out")
         else:
             raise CorpusError(
                 f"{where}: no 'messages', 'conversations' or 'text' field (keys: {sorted(record)}); "

@@ -113,3 +113,8 @@ def test_normalize_messages_checks_roles_and_content_and_reads_sharegpt():
         normalize_messages({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, where="f row 0")
     with pytest.raises(CorpusError, match="no 'messages' field"):
         normalize_messages({"prompt": "x"}, where="f row 0")
+    # an empty conversation is refused here, not by the chat template's own ValueError later
+    with pytest.raises(CorpusError, match="^f row 2: 'messages' is an empty list"):
+        normalize_messages({"messages": []}, where="f row 2")
+    with pytest.raises(CorpusError, match="^f row 2: 'conversations' is an empty list"):
+        normalize_messages({"conversations": []}, where="f row 2")

@@ -325,6 +325,17 @@ def test_a_nested_configs_refusal_names_its_whole_path_and_source(tmp_path, monk
         (["train", "--cache", "c", "-o", out, "--set", "train.data.token_budget=-1"],
          "error: train.data.token_budget (--set train.data.token_budget=-1): must be a positive int (tokens per batch); "
          "got -1"),
+        (["generate", "-o", out, "--set", "generate.default_prompts.max_heldout=-1"],  # a negative cap sliced [:-1]
+         "error: generate.default_prompts.max_heldout (--set generate.default_prompts.max_heldout=-1): must be >= 1, "
+         "got -1"),
+        (["train", "--cache", "c", "-o", out, "--set", "train.telemetry.progress_interval=-5"],
+         "error: train.telemetry.progress_interval (--set train.telemetry.progress_interval=-5): must be a number of "
+         "seconds >= 0 (0: no progress lines), got -5"),
+        # the engine's sizes are checked with the settings, not once a worker has loaded the target
+        (["generate", "-o", out, "--set", "generate.batch_size=0"],
+         "error: generate.batch_size (--set generate.batch_size=0): must be >= 1, got 0"),
+        (["generate", "-o", out, "--set", "generate.prefill_tokens=-5"],
+         "error: generate.prefill_tokens (--set generate.prefill_tokens=-5): must be >= 1, got -5"),
     ]:
         code, err = main_in_process(monkeypatch, capsys, *args)
         assert code == 2 and err.strip() == expected, (args, err)

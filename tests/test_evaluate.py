@@ -323,6 +323,7 @@ def test_file_prompts_refuse_what_no_step_can_use_naming_the_line(tokenizer, tmp
         (b'["a list"]', ConfigError, "expected a JSON object, got list"),
         (b'{"messages": [{"role": "user"}]}', CorpusError, "message 0: content is NoneType"),
         (b'{"messages": ["hi"]}', CorpusError, "message 0: expected an object with role and content"),
+        (b'{"messages": [], "text": null}', ConfigError, "'messages' is an empty list, 'text' is null"),
         (b'{"prompt": "caf\xe9"}', ConfigError, r"is not UTF-8 text \(it holds the byte b'\\xe9'\)"),
         (b'{"prompt": "' + b"x" * DEFAULT_MAX_LINE_BYTES + b'"}', ConfigError,
          f"line 2 is longer than {DEFAULT_MAX_LINE_BYTES:,} bytes"),

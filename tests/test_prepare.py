@@ -139,13 +139,17 @@ def _set(row, key, value):
     [
         (lambda tmp, tok: _write_jsonl(tmp / "c.jsonl", CHATS[:1] + [{"messages": [{"role": "robot", "content": "x"}]}]),
          r"c.jsonl line 2 message 0: role 'robot' is not one of"),
-        (lambda tmp, tok: (tmp / "c.jsonl").write_text('{"messages": []}\n{oops\n') and tmp / "c.jsonl",
+        (lambda tmp, tok: (tmp / "c.jsonl").write_text('{"text": "x"}\n{oops\n') and tmp / "c.jsonl",
          r"c.jsonl line 2: not valid JSON .*one JSON object per line"),
         # A line cut off mid-string, not the last line: the line break is not blamed as a control character.
-        (lambda tmp, tok: (tmp / "c.jsonl").write_text('{"messages": []}\n{"text": "cut of\n{"text": "x"}\n') and tmp / "c.jsonl",
+        (lambda tmp, tok: (tmp / "c.jsonl").write_text('{"text": "x"}\n{"text": "cut of\n{"text": "x"}\n') and tmp / "c.jsonl",
          r"c.jsonl line 2: not valid JSON at line 1 column 10 \(Unterminated string starting at\)"),
         (lambda tmp, tok: _write_jsonl(tmp / "c.jsonl", [{"prompt": "x", "completion": "y"}]),
          r"c.jsonl line 1: no 'messages', 'conversations' or 'text' field"),
+        (lambda tmp, tok: _write_jsonl(tmp / "c.jsonl", CHATS[:1] + [{"messages": []}]),
+         r"c.jsonl line 2: 'messages' is an empty list; give at least one message, or leave the row out"),
+        (lambda tmp, tok: _write_jsonl(tmp / "c.jsonl", [{"text": None}]),
+         r"c.jsonl line 1: 'text' is null, expected a string"),
         (lambda tmp, tok: _write_jsonl(tmp / "c.jsonl", [{"messages": CHATS[0]["messages"][:2]}]),
          r"no sample to write .*0 rows kept"),
         (lambda tmp, tok: _saved_tokenized(tmp, tok, lambda rows: rows[1]["input_ids"].__setitem__(3, 50000)),
@@ -161,7 +165,7 @@ def _set(row, key, value):
         (lambda tmp, tok: _saved_tokenized(tmp, tok),
          r"\(sample_id 'bisect.py'\): 400 tokens > --max-length 300; choose --length-policy split\|truncate\|drop"),
     ],
-    ids=["bad-role", "bad-json", "cut-json-line", "no-messages", "zero-samples", "token-id", "length-mismatch", "empty",
+    ids=["bad-role", "bad-json", "cut-json-line", "no-messages", "empty-messages", "null-text", "zero-samples", "token-id", "length-mismatch", "empty",
          "no-supervised", "missing-column", "too-long"],
 )
 def test_bad_inputs_give_clear_errors_and_write_nothing(tmp_path, cli, tokenizer, make_input, message):

@@ -92,6 +92,9 @@ def normalize_messages(record: dict[str, Any], *, where: str) -> list[dict[str, 
         raise CorpusError(f"{where}: no 'messages' field (keys: {sorted(record)}); give messages: [{{role, content}}, ...]")
     if not isinstance(raw, Sequence) or isinstance(raw, str | bytes):
         raise CorpusError(f"{where}: 'messages' is {type(raw).__name__}, expected a list of {{role, content}} objects")
+    if not raw:
+        field = "messages" if role_key == "role" else "conversations"
+        raise CorpusError(f"{where}: '{field}' is an empty list; give at least one message, or leave the row out")
     messages = []
     for index, message in enumerate(raw):
         if not isinstance(message, dict):

@@ -339,7 +339,11 @@ def prompts_from_file(
         elif isinstance(record.get("text"), str):
             ids = tokenizer.encode(record["text"])
         else:
-            raise ConfigError(f"prompts: {where} has none of 'messages' (list), 'prompt' or 'text' (strings)")
+            given = [f"{key!r} is " + ("an empty list" if record[key] == [] else "null" if record[key] is None
+                                       else type(record[key]).__name__)
+                     for key in ("messages", "prompt", "text") if key in record]
+            raise ConfigError(f"prompts: {where} has none of 'messages' (a non-empty list), 'prompt' or 'text' "
+                              f"(strings): " + (", ".join(given) if given else f"its keys are {sorted(record)}"))
         if not ids:
             raise ConfigError(f"prompts: {where} tokenizes to no token")
         prompts.append(EvalPrompt([int(t) for t in ids], where))

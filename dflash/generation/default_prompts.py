@@ -173,6 +173,8 @@ class DefaultPromptConfig:
             raise ConfigError(f"window_chars must be >= 50, got {self.window_chars}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ConfigError(f"max_prompts must be >= 1 or None, got {self.max_prompts}")
+        if self.max_heldout < 1:
+            raise ConfigError(f"max_heldout must be >= 1, got {self.max_heldout}")
         if isinstance(self.packages, str) or not all(isinstance(p, str) and p for p in self.packages):
             raise ConfigError(f"packages must be a list of package names, e.g. [\"torch\"], got {self.packages!r}")
         object.__setattr__(self, "packages", tuple(self.packages))

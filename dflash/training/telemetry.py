@@ -89,7 +89,7 @@ class TelemetryConfig:
                 "(metrics.jsonl only)."})
 
     def __post_init__(self) -> None:
-        check_progress_interval(self.progress_interval, "telemetry.progress_interval")
+        check_progress_interval(self.progress_interval)
         for name in ("log_every", "throughput_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
