@@ -82,6 +82,7 @@ from dflash.io.files import (
     load_json,
     read_bounded,
     read_lines,
+    what_is_at,
 )
 from dflash.io.locks import output_lock
 from dflash.target.load import load_tokenizer, resolve_target_path, target_identity
@@ -485,6 +486,8 @@ def collect_documents(config: PrepareConfig) -> list[_Document]:
             for match in matches:
                 _refuse_artifact(str(match), match)
                 documents += _file_documents(match)
+        elif (there := what_is_at(path)) != "nothing":
+            raise CorpusError(f"input {spec!r} is {there}; pass files, folders, globs or 'default'")
         else:
             raise CorpusNotFoundError(f"input {spec!r} does not exist; pass files, folders, globs or 'default'")
     return documents

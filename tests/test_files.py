@@ -10,6 +10,7 @@ from dflash.io.files import (
     atomic_output,
     atomic_write_bytes,
     atomic_write_text,
+    what_is_at,
     decode_json,
     read_lines,
 )
@@ -117,6 +118,24 @@ def test_the_bounded_reader_refuses_devices_fifos_oversize_files_and_deep_nestin
         read_bounded(tmp_path / "missing.json", error=CheckpointError, fix="")
     with pytest.raises(CheckpointError, match=r"^here: nested more than"):
         parse_json("[" * 5000 + "]" * 5000, where="here", error=CheckpointError, fix="f")
+
+
+def test_what_stands_at_a_path_names_each_kind_that_is_not_a_regular_file(tmp_path):
+    """The error messages that refuse a path name what is there instead of saying it does not exist."""
+    import os
+
+    (tmp_path / "file.jsonl").write_text("{}\n")
+    (tmp_path / "folder.jsonl").mkdir()
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    (tmp_path / "loop.jsonl").symlink_to(tmp_path / "loop.jsonl")
+    (tmp_path / "broken.jsonl").symlink_to(tmp_path / "absent")
+    (tmp_path / "to-file.jsonl").symlink_to(tmp_path / "file.jsonl")
+    found = {name: what_is_at(tmp_path / name) for name in ("file.jsonl", "folder.jsonl", "fifo.jsonl", "loop.jsonl",
+                                                             "broken.jsonl", "to-file.jsonl", "absent")}
+    assert found == {"file.jsonl": "a regular file", "folder.jsonl": "a folder", "fifo.jsonl": "a FIFO",
+                     "loop.jsonl": "a symlink loop", "broken.jsonl": "a broken symlink",
+                     "to-file.jsonl": "a regular file", "absent": "nothing"}
+    assert what_is_at("/dev/null") == "a device"
 
 
 def test_atomic_writes_follow_no_link_at_the_path_or_at_the_temporary(tmp_path):

@@ -150,6 +150,8 @@ def _set(row, key, value):
          r"c.jsonl line 2: 'messages' is an empty list; give at least one message, or leave the row out"),
         (lambda tmp, tok: _write_jsonl(tmp / "c.jsonl", [{"text": None}]),
          r"c.jsonl line 1: 'text' is null, expected a string"),
+        (lambda tmp, tok: __import__("os").mkfifo(tmp / "c.jsonl") or tmp / "c.jsonl",  # not "does not exist"
+         r"input '.*c.jsonl' is a FIFO; pass files, folders, globs or 'default'"),
         (lambda tmp, tok: _write_jsonl(tmp / "c.jsonl", [{"messages": CHATS[0]["messages"][:2]}]),
          r"no sample to write .*0 rows kept"),
         (lambda tmp, tok: _saved_tokenized(tmp, tok, lambda rows: rows[1]["input_ids"].__setitem__(3, 50000)),
@@ -165,7 +167,7 @@ def _set(row, key, value):
         (lambda tmp, tok: _saved_tokenized(tmp, tok),
          r"\(sample_id 'bisect.py'\): 400 tokens > --max-length 300; choose --length-policy split\|truncate\|drop"),
     ],
-    ids=["bad-role", "bad-json", "cut-json-line", "no-messages", "empty-messages", "null-text", "zero-samples", "token-id", "length-mismatch", "empty",
+    ids=["bad-role", "bad-json", "cut-json-line", "no-messages", "empty-messages", "null-text", "fifo", "zero-samples", "token-id", "length-mismatch", "empty",
          "no-supervised", "missing-column", "too-long"],
 )
 def test_bad_inputs_give_clear_errors_and_write_nothing(tmp_path, cli, tokenizer, make_input, message):

@@ -31,6 +31,7 @@ place, ``dflash.training.checkpoint``) and lock files (``dflash.io.locks`` keeps
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -44,7 +45,7 @@ from dflash.errors import ConfigError, DFlashError
 
 __all__ = ["atomic_output", "atomic_write_bytes", "atomic_write_text", "MAX_DEPTH", "MAX_RECORD_BYTES",
            "DEFAULT_MAX_LINE_BYTES", "JSONInputError", "check_depth", "decode_json", "load_json",
-           "open_regular", "parse_json", "read_bounded", "read_json_lines", "read_lines"]
+           "open_regular", "parse_json", "read_bounded", "read_json_lines", "read_lines", "what_is_at"]
 
 #: Deepest nesting of lists/objects accepted in any JSON/TOML/YAML file read back (the deepest record written is a
 #: handful of levels).
@@ -113,6 +114,24 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool
         handle.write(data)
 
 
+def _kind(mode: int) -> str:
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device")
+
+
+def what_is_at(path: str | os.PathLike[str]) -> str:
+    """What stands at ``path`` where a regular file is wanted, for an error message: ``"nothing"`` (no such file,
+    or a symlink to nothing: ``"a broken symlink"``), ``"a folder"``, ``"a FIFO"``, ``"a socket"``, ``"a device"``,
+    ``"a symlink loop"``, or ``"a regular file"``. Symlinks are followed; nothing is opened."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return "a broken symlink" if os.path.islink(path) else "nothing"
+    except OSError as error:
+        return "a symlink loop" if error.errno == errno.ELOOP else f"unreadable ({error.strerror})"
+    return "a regular file" if stat.S_ISREG(info.st_mode) else _kind(info.st_mode)
+
+
 def _refuse(error: type[DFlashError], path: str | os.PathLike[str], problem: str, fix: str) -> DFlashError:
     return error(f"{os.fspath(path)}: {problem}; {fix}")
 
@@ -133,9 +152,7 @@ def open_regular(path: str | os.PathLike[str], *, limit: int, error: type[DFlash
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            kind = ("a folder" if stat.S_ISDIR(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode)
-                    else "a socket" if stat.S_ISSOCK(info.st_mode) else "a device")
-            raise _refuse(error, path, f"is {kind}, not a regular file", fix)
+            raise _refuse(error, path, f"is {_kind(info.st_mode)}, not a regular file", fix)
         if info.st_size > limit:
             raise _refuse(error, path, f"is {info.st_size:,} bytes, over the {limit:,}-byte limit of such a file", fix)
         handle = os.fdopen(fd, "rb")
