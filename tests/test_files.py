@@ -10,9 +10,9 @@ from dflash.io.files import (
     atomic_output,
     atomic_write_bytes,
     atomic_write_text,
-    what_is_at,
     decode_json,
     read_lines,
+    what_is_at,
 )
 
 
