@@ -120,7 +120,7 @@ class EvaluateConfig:
     kv_cache: Literal["auto", "static", "dynamic"] = setting("auto", help="The target's KV cache in the speculative and block-size-1 loops: static (one static cache; on CUDA the target's verify-block and one-token forwards are each captured once as a CUDA graph and replayed), dynamic (transformers' DynamicCache, eager forwards), auto (static on CUDA where the target allows it: sdpa or eager attention and only plain full-attention layers, no sliding windows or linear attention; dynamic elsewhere). Either way the drafter keeps its context's keys and values (computed for the last block-size rows each cycle, not the whole context; its steps captured as CUDA graphs on CUDA), and the generate() reference runs transformers' own generate(). Same tokens either way (float32); docs/benchmarks.md, \"Evaluate's loops on a static KV cache with CUDA graphs\".")
     #: Largest target logit gap that counts as a floating-point near-tie in the lossless check; None: 1e-3 in float32, 0.125 in 16-bit dtypes.
     near_tie_tolerance: float | None = None
-    json_path: Path | None = setting(None, option='--json-file', help='Also write the full report as JSON to this file (default for a run folder: RUN/eval/final.json, which report, diff and inspect read).')
+    json_path: Path | None = setting(None, option='--json-file', help='Also write the full report as JSON to this file (default for a run folder: RUN/eval/final.json, which report, diff and inspect read; an earlier one there is kept as final.replaced-TIME.json).')
     progress_interval: float = field(default=DEFAULT_PROGRESS_INTERVAL, metadata={"runtime": True,
         "help": "Seconds between two progress lines (prompts, tokens, rates, ETA, tau so far) when output is not a "
                 "terminal; 0: none."})
@@ -750,8 +750,31 @@ def run_evaluate(config: EvaluateConfig, *, console: Console | None = None) -> d
     loaded = load_drafter(source)
     evaluator = Evaluator(config, config.target or loaded[2].get("target_spec") or "default", console=console)
     drafter, drafter_config, _ = evaluator.load_drafter(drafter_path, loaded)
-    return evaluator.evaluate(drafter, drafter_config, label=str(drafter_path), source=source,
-                              compare_untrained=config.compare_untrained, json_path=report_path(config))
+    path = report_path(config)
+    report = evaluator.evaluate(drafter, drafter_config, label=str(drafter_path), source=source,
+                                compare_untrained=config.compare_untrained)
+    if path is not None:
+        kept = write_report(path, report, keep_earlier=config.json_path is None)
+        if kept is not None:
+            (console or Console(stderr=True)).print(f"the earlier {path} is kept as {kept.name}")
+    return report
+
+
+def write_report(path: Path, report: dict[str, Any], *, keep_earlier: bool) -> Path | None:
+    """Write ``report`` to ``path`` (atomically). With ``keep_earlier`` (a run folder's own ``eval/final.json``,
+    written by default, which an evaluation on other prompts must not erase) an earlier file there is first renamed
+    to ``final.replaced-<local time>.json`` beside it; returns that path, else None."""
+    kept = None
+    if keep_earlier and path.is_file():
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        kept = path.with_name(f"{path.stem}.replaced-{stamp}.json")
+        serial = 1
+        while kept.exists():  # two evaluations within a second
+            serial += 1
+            kept = path.with_name(f"{path.stem}.replaced-{stamp}-{serial}.json")
+        path.replace(kept)
+    write_json_atomic(path, report)
+    return kept
 
 
 def report_path(config: EvaluateConfig) -> Path | None:

@@ -335,6 +335,24 @@ def test_file_prompts_refuse_what_no_step_can_use_naming_the_line(tokenizer, tmp
             prompts_from_file(path, tokenizer, num_prompts=5)
 
 
+def test_a_run_folders_own_report_is_replaced_keeping_the_earlier_one_and_a_named_file_is_overwritten(tmp_path):
+    """evaluate --drafter RUN writes RUN/eval/final.json by default (report, diff and inspect read it): an evaluation on
+    other prompts must not erase the earlier report, so it is renamed beside the new one; --json-file overwrites."""
+    from stages.evaluate import write_report
+
+    final = tmp_path / "eval" / "final.json"
+    final.parent.mkdir()
+    assert write_report(final, {"tau": 1.5}, keep_earlier=True) is None  # nothing there yet
+    kept = [write_report(final, {"tau": tau}, keep_earlier=True) for tau in (1.2, 1.1)]  # within one second, too
+    assert json.loads(final.read_text()) == {"tau": 1.1}
+    assert [json.loads(path.read_text()) for path in kept] == [{"tau": 1.5}, {"tau": 1.2}]
+    assert len({path.name for path in kept}) == 2 and all(p.name.startswith("final.replaced-") for p in kept)
+    named = tmp_path / "mine.json"
+    for tau in (1.0, 2.0):
+        assert write_report(named, {"tau": tau}, keep_earlier=False) is None
+    assert json.loads(named.read_text()) == {"tau": 2.0} and sorted(p.name for p in tmp_path.iterdir()) == ["eval", "mine.json"]
+
+
 def test_progress_bar_over_prompts_on_a_terminal(export_folder, target, tokenizer):
     """On a terminal, evaluate draws a transient bar counting prompts (with the running tau) from the warm-up on."""
     import io
