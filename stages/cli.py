@@ -245,12 +245,20 @@ def main() -> None:
     line too (:func:`usage_error_message`), exit 2. Ctrl-C and SIGTERM unwind (``finally`` blocks clean up)
     and exit 130. See :class:`ExitCode`.
     """
+    interrupted_by: list[str] = []
+
     def _interrupt(signum, frame):
         # SIGTERM unwinds like Ctrl-C does, so `finally` blocks remove temporary folders (the default SIGTERM action
         # kills the process without running them); typer turns the KeyboardInterrupt into exit status 130.
         # Training installs its own handlers for a clean, checkpointed stop (and then exits 130 itself).
         _quiet_dask_shutdown()
+        interrupted_by.append(signal.Signals(signum).name)
         raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    def _say_interrupted() -> None:  # one line, as train's own stop says what it kept
+        if interrupted_by:
+            print(f"interrupted by {interrupted_by[0]}; what was committed before it (generated parts, cache shards, "
+                  "checkpoints, finished stages) is kept: rerun the same command to go on", file=sys.stderr)
 
     # Keep a signal ignored if it was on entry (e.g. a job started in the background with SIGINT ignored).
     if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
@@ -272,8 +280,10 @@ def main() -> None:
         print_error(usage_error_message(error))
         raise SystemExit(ExitCode.USAGE) from None
     except typer.Abort:  # end of input at a prompt
+        _say_interrupted()
         raise SystemExit(ExitCode.INTERRUPTED) from None
     except KeyboardInterrupt:  # raised outside typer's own handling (e.g. while it finished up)
+        _say_interrupted()
         raise SystemExit(ExitCode.INTERRUPTED) from None
     except Exception as error:
         if not is_user_error(error):  # a bug: keep the (pretty) traceback, but never mistake it for a check's verdict
@@ -281,6 +291,8 @@ def main() -> None:
             raise SystemExit(ExitCode.INTERNAL) from None
         print_error(user_error_message(error))
         raise SystemExit(ExitCode.USAGE) from None
+    if returned == ExitCode.INTERRUPTED:  # typer's form of a KeyboardInterrupt inside the command: Exit(130)
+        _say_interrupted()
     # As typer's standalone mode ends: always SystemExit; the code of typer.Exit(code) / ctx.exit(code), else 0.
     raise SystemExit(returned if isinstance(returned, int) and not isinstance(returned, bool) else ExitCode.OK)
 

@@ -79,6 +79,7 @@ def test_sigterm_during_prepare_leaves_no_temporary_folder(tmp_path):
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == 130  # interrupted (same as Ctrl-C), after the cleanup below
     assert list(tmp_path.iterdir()) == []  # neither a half corpus nor its staging folder
+    assert process.stderr.strip().splitlines()[-1].startswith("interrupted by SIGTERM; what was committed before it")
 
 
 def test_empty_or_malformed_jsonl_is_named_with_its_position(tmp_path):
