@@ -595,10 +595,12 @@ def _run_generate(config: GenerateConfig, console: Console | None, prompt_proces
     left_out = {reason: n for reason, n in counts.items() if reason != "turns_cut"}  # a cut chat keeps its row
     console.print(
         f"generate: {totals['num_rows']:,} rows, {totals['generated_tokens']:,} generated tokens "
-        f"({totals['num_tokens']:,} in all), finish {totals['finish_reasons']}, left out "
+        f"({totals['num_tokens']:,} in all), finish {totals['finish_reasons']}, left out while generating "
         f"{sum(left_out.values())} ({', '.join(f'{k} {v}' for k, v in left_out.items()) or 'none'})"
         + (f", chats cut short {counts['turns_cut']} (turns_cut: the row keeps its earlier turns)"
            if counts.get("turns_cut") else "")
+        + (f", left out while reading {sum(read_drops.counts.values())} lines ({read_drops.describe()})"
+           if read_drops.counts else "")
         + f" -> {output}", soft_wrap=True,
     )
     fewer = totals["rows_at_a_time"]

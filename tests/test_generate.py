@@ -354,10 +354,13 @@ def test_the_summary_tells_dropped_prompts_from_chats_cut_short(tmp_path, target
             {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
                           {"role": "user", "content": long_text}]},
             {"text": "def f(x):\n"}]
+    prompts = _write_jsonl(tmp_path / "p.jsonl", rows)
+    with prompts.open("a") as handle:  # a line dropped while reading, counted apart from those dropped generating
+        handle.write("{oops\n")
     server = FakeServer(target.tokenizer, kind="vllm")
     log = io.StringIO()
     try:
-        run_generate(GenerateConfig(prompts=str(_write_jsonl(tmp_path / "p.jsonl", rows)), output=str(tmp_path / "o"),
+        run_generate(GenerateConfig(prompts=str(prompts), output=str(tmp_path / "o"),
                                     engine="openai", endpoints=[server.url], max_new_tokens=4, max_length=120),
                      console=Console(file=log, width=400))
     finally:
@@ -365,7 +368,8 @@ def test_the_summary_tells_dropped_prompts_from_chats_cut_short(tmp_path, target
     corpus = open_corpus(tmp_path / "o")
     assert [corpus.sample_id(i) for i in range(len(corpus))] == ["p.jsonl line 2", "p.jsonl line 3"]
     assert corpus.metadata["generation"]["dropped"]["counts"] == {"too_long": 1, "turns_cut": 1}
-    assert "left out 1 (too_long 1), chats cut short 1 (turns_cut" in log.getvalue()
+    assert "left out while generating 1 (too_long 1), chats cut short 1 (turns_cut" in log.getvalue()
+    assert "left out while reading 1 lines (bad_json: 1 (e.g. p.jsonl line 4))" in log.getvalue(), log.getvalue()
 
 
 def test_rows_generated_from_one_stdlib_file_share_its_document(tmp_path, target, monkeypatch):
