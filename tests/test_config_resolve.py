@@ -156,6 +156,7 @@ def test_hostile_config_files_and_values_are_one_error_line(tmp_path, monkeypatc
     (tmp_path / "inf.json").write_text('{"extract": {"expected_ratio": 1e999}}')
     (tmp_path / "epochs.toml").write_text("[train]\nepochs = 1" + "0" * 400 + "\n")  # overflows a float
     (tmp_path / "seed.toml").write_text(f"[train]\nseed = {2**63}\n")
+    (tmp_path / "list_section.yaml").write_text("train: [1, 2]\n")  # was 'train.train: unknown key'
     (tmp_path / "flow.yaml").write_text("train:\n  x: " + "[" * 20000 + "]" * 20000 + "\n")  # quadratic in PyYAML
     (tmp_path / "dashes.yaml").write_text("- " * 20000 + "x\n")
     (tmp_path / "deep.toml").write_text("x = " + "[" * 20000 + "]" * 20000 + "\n")
@@ -171,6 +172,9 @@ def test_hostile_config_files_and_values_are_one_error_line(tmp_path, monkeypatc
         (["extract", "--corpus", "c", "-o", out, "--preset", str(tmp_path / "fifo.json")], "fifo.json: is a FIFO"),
         ([*train, "--config", str(tmp_path / "epochs.toml")], "train.epochs (--config "),
         ([*train, "--config", str(tmp_path / "seed.toml")], "train.seed (--config "),
+        ([*train, "--config", str(tmp_path / "list_section.yaml")],
+         "train (--config " + str(tmp_path / "list_section.yaml") + "): expected a section (a table of train settings), "
+         "got [1, 2]"),
         ([*train, "--seed", str(2**63), "--print-config"], "train.seed (--seed): must be an integer from 0 to 2**63-1"),
         ([*train, "--set", "seed=-1", "--print-config"], "must be an integer from 0 to 2**63-1"),
         (["generate", "-o", out, "--set", f"default_prompts.seed={2**64}", "--print-config"], "default_prompts.seed"),

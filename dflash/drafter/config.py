@@ -261,7 +261,8 @@ class DrafterTrainingConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.mask_token_id is not None and (not isinstance(self.mask_token_id, int) or self.mask_token_id < 0):
-            raise ConfigError(f"mask_token_id must be a positive integer or None, got {self.mask_token_id!r}")
+            raise ConfigError(f"mask_token_id must be a token id >= 0, or None to choose one of the tokenizer's unused "
+                              f"special tokens, got {self.mask_token_id!r}")
         if self.target_layer_ids is not None:
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.init not in ("random", "target"):

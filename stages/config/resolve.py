@@ -67,6 +67,8 @@ def section_of(data: Mapping[str, Any], section: str, fields: set[str], source: 
             raise ConfigError(f"{key}{where}: not a stage section; a file with stage sections holds its settings "
                               "inside them (and target at the top): "
                               + (f"did you mean {close[0]}?" if close else f"sections: {', '.join(KNOWN_SECTIONS)}"))
+        if key in KNOWN_SECTIONS and key not in fields and not isinstance(value, Mapping):
+            raise ConfigError(f"{key}{where}: expected a section (a table of {key} settings), got {value!r}")
         if not sectioned and isinstance(value, Mapping) and key not in fields:
             close = difflib.get_close_matches(key, KNOWN_SECTIONS, n=1, cutoff=0.75)
             if close:
