@@ -42,9 +42,9 @@ import numpy as np
 
 from dflash.corpus.chat import normalize_messages
 from dflash.corpus.default_corpus import SKIP_DIRS, TEST_DIRS, collect_text_files
-from dflash.errors import ConfigError, ConfigPathNotFoundError, MismatchError
+from dflash.errors import ConfigError, MismatchError
 from dflash.generation.default_prompts import docstring_summary, module_name, package_root, package_version
-from dflash.io.files import DEFAULT_MAX_LINE_BYTES, JSONInputError, decode_json, read_lines, what_is_at
+from dflash.io.files import DEFAULT_MAX_LINE_BYTES, JSONInputError, decode_json, not_a_file_error, read_lines
 
 __all__ = ["EvalPrompt", "PromptSet", "EMBEDDED_PROMPT_SETS", "NUMPY_QUESTIONS", "check_prompt_source",
            "check_prompts_file", "embedded_prompts", "held_out_rows", "prompts_fingerprint", "prompts_from_corpus",
@@ -128,7 +128,7 @@ def check_prompt_source(spec: str, *, what: str = "prompts", held_out: bool = Tr
         raise ConfigError(f"{what}: held-out is allowed only as the first prompt set (prompts); pass {choices}")
     path = Path(spec).expanduser()
     if not path.is_file():
-        raise _not_a_file(what, path, f"pass {choices}")
+        raise not_a_file_error(what, path, f"pass {choices}")
     try:
         check_prompts_file(path)
     except ConfigError as error:
@@ -273,14 +273,6 @@ def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     return [int(t) for t in ids]
 
 
-def _not_a_file(what: str, path: Path, fix: str) -> ConfigError:
-    """The refusal of a prompts setting whose path is not a regular file: not found, or what stands there."""
-    there = what_is_at(path)
-    if there == "nothing":
-        return ConfigPathNotFoundError(f"{what}: {path} does not exist; {fix}")
-    return ConfigError(f"{what}: {path} is {there}, not a file; {fix}")
-
-
 def check_prompts_file(path: str | os.PathLike[str]) -> Path:
     """``path`` (``~`` expanded) if it names a prompts file :func:`prompts_from_file` reads, by kind; the contents
     are read later. Lets a config refuse a wrong path before any work.
@@ -291,7 +283,7 @@ def check_prompts_file(path: str | os.PathLike[str]) -> Path:
     """
     path = Path(path).expanduser()
     if not path.is_file():
-        raise _not_a_file("prompts", path, "pass held-out, a .jsonl or a .txt file")
+        raise not_a_file_error("prompts", path, "pass held-out, a .jsonl or a .txt file")
     if path.suffix not in (".jsonl", ".txt"):
         raise ConfigError(f"prompts: {path} must end in .jsonl (chat rows) or .txt (one prompt per line)")
     return path

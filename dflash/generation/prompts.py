@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash.errors import ConfigError, ConfigPathNotFoundError, CorpusError
-from dflash.io.files import DEFAULT_MAX_LINE_BYTES, JSONInputError, decode_json, read_lines, what_is_at
+from dflash.errors import ConfigError, CorpusError
+from dflash.io.files import DEFAULT_MAX_LINE_BYTES, JSONInputError, decode_json, not_a_file_error, read_lines
 
 __all__ = [
     "check_prompt_file",
@@ -249,11 +249,8 @@ def check_prompt_file(path: str | Path) -> Path:
         raise ConfigError(f"prompts: {path} is a folder; pass a file: .jsonl/.json/.parquet (chats or prompts) or "
                           ".txt (one prompt per line), or `default`")
     if not path.is_file():
-        there = what_is_at(path)
-        fix = "pass a .jsonl/.json/.parquet chat or prompts file, a .txt file (one prompt per line) or `default`"
-        if there == "nothing":
-            raise ConfigPathNotFoundError(f"prompts: {path} does not exist; {fix}")
-        raise ConfigError(f"prompts: {path} is {there}, not a file; {fix}")
+        raise not_a_file_error("prompts", path, "pass a .jsonl/.json/.parquet chat or prompts file, a .txt file "
+                                                "(one prompt per line) or `default`")
     if path.suffix.lower() not in _PROMPT_SUFFIXES:
         raise ConfigError(f"prompts: {path} must end in .jsonl, .json, .parquet or .txt")
     return path

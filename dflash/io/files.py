@@ -41,11 +41,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from dflash.errors import ConfigError, DFlashError
+from dflash.errors import ConfigError, ConfigPathNotFoundError, DFlashError
 
 __all__ = ["atomic_output", "atomic_write_bytes", "atomic_write_text", "MAX_DEPTH", "MAX_RECORD_BYTES",
            "DEFAULT_MAX_LINE_BYTES", "JSONInputError", "check_depth", "decode_json", "load_json",
-           "open_regular", "parse_json", "read_bounded", "read_json_lines", "read_lines", "what_is_at"]
+           "open_regular", "parse_json", "read_bounded", "read_json_lines", "read_lines", "not_a_file_error", "what_is_at"]
 
 #: Deepest nesting of lists/objects accepted in any JSON/TOML/YAML file read back (the deepest record written is a
 #: handful of levels).
@@ -130,6 +130,16 @@ def what_is_at(path: str | os.PathLike[str]) -> str:
     except OSError as error:
         return "a symlink loop" if error.errno == errno.ELOOP else f"unreadable ({error.strerror})"
     return "a regular file" if stat.S_ISREG(info.st_mode) else _kind(info.st_mode)
+
+
+def not_a_file_error(what: str, path: str | os.PathLike[str], fix: str) -> ConfigError:
+    """The error for a setting ``what`` whose ``path`` is not a regular file (to raise): ``ConfigPathNotFoundError``
+    ("does not exist") where nothing is there, else ``ConfigError`` naming what is (:func:`what_is_at`); the
+    message ends with ``fix``."""
+    there = what_is_at(path)
+    if there == "nothing":
+        return ConfigPathNotFoundError(f"{what}: {os.fspath(path)} does not exist; {fix}")
+    return ConfigError(f"{what}: {os.fspath(path)} is {there}, not a file; {fix}")
 
 
 def _refuse(error: type[DFlashError], path: str | os.PathLike[str], problem: str, fix: str) -> DFlashError:
